@@ -1,0 +1,302 @@
+"""Megatron-core backend on CPU: HF <-> Megatron mapping, logits equivalence, optimizer step, export/reload.
+
+One process, world size 1 (gloo). Tiny random Qwen3 and Llama models only; the whole file runs in well under a
+minute. Skipped, with the reason, when megatron-core is not installed.
+"""
+import json, subprocess, sys, warnings
+
+import pytest
+import torch
+
+from memagent.backends import megatron as mb
+
+pytestmark = [pytest.mark.skipif(not mb.HAVE_MEGATRON, reason="megatron-core is not installed (pip install 'megatron-core==0.16.1')"),
+              pytest.mark.filterwarnings('ignore::UserWarning'), pytest.mark.filterwarnings('ignore::DeprecationWarning')]
+warnings.filterwarnings('ignore', message='.*(Transformer Engine|Apex).*')
+
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
+
+
+@pytest.fixture(scope='module', autouse=True)
+def parallel():
+    info = mb.init_parallel(1, 1)
+    yield info
+    mb.destroy_parallel()
+
+
+def tiny_qwen3(tied=False, **kw):
+    return Qwen3Config(**{**dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, intermediate_size=128, vocab_size=512, max_position_embeddings=256,
+                                 tie_word_embeddings=tied), **kw})
+
+
+def tiny_llama(tied=False, **kw):
+    return LlamaConfig(**{**dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=128, vocab_size=512, max_position_embeddings=256,
+                                 tie_word_embeddings=tied, rms_norm_eps=1e-5), **kw})
+
+
+CONFIGS = {'qwen3': lambda: tiny_qwen3(), 'qwen3-tied': lambda: tiny_qwen3(tied=True),
+           'llama': lambda: tiny_llama(), 'llama-tied': lambda: tiny_llama(tied=True)}
+
+
+def hf_model(cfg, seed=0):
+    "A seeded random HF model; norm weights drawn around 1 so a swapped norm cannot hide."
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation='eager').float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_((1 + 0.2 * torch.randn(p.shape, generator=g)) if 'norm' in n else 0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def hf_logprobs(model, batch):
+    logits = model(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits.float()
+    out = torch.zeros(batch['input_ids'].shape)
+    out[:, 1:] = logits[:, :-1].log_softmax(-1).gather(-1, batch['input_ids'][:, 1:, None]).squeeze(-1)
+    want = batch['attention_mask'].bool() & batch['response_mask'].bool()
+    want[:, 0] = False
+    return out * want
+
+
+@pytest.fixture(scope='module')
+def batch():
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (12, 7, 10)]
+    return mb.right_pad(seqs, masks=[[0] * 4 + [1] * (len(s) - 4) for s in seqs])
+
+
+def test_import_without_megatron():
+    code = ("import sys; sys.modules['megatron'] = None\n"
+            "import memagent.backends.megatron as m\n"
+            "assert not m.HAVE_MEGATRON\n"
+            "assert m.right_pad([[1, 2]])['input_ids'].tolist() == [[1, 2]]\n"
+            "try: m.init_parallel()\n"
+            "except ImportError as e: print('ImportError:', e)\n")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert 'megatron-core' in r.stdout
+
+
+def test_parallel_state_idempotent(parallel):
+    assert (parallel.world_size, parallel.tp, parallel.pp, parallel.dp) == (1, 1, 1, 1)
+    assert mb.init_parallel(1, 1) == parallel
+    with pytest.raises(ValueError, match='not divisible'):
+        mb.init_parallel(2, 1)
+
+
+def test_cpu_shims_restore():
+    if torch.cuda.is_available(): pytest.skip('shims are inactive with CUDA')
+    orig = torch.cuda.current_device
+    with mb.cpu_shims() as active:
+        assert active and torch.cuda.current_device() == 'cpu'
+    assert torch.cuda.current_device is orig
+
+
+def test_config_mapping():
+    tc, gk = mb.megatron_config_from_hf(tiny_qwen3(num_attention_heads=8, head_dim=32))
+    assert (tc.num_attention_heads, tc.num_query_groups, tc.kv_channels, tc.qk_layernorm) == (8, 2, 32, True)
+    assert (tc.normalization, tc.layernorm_epsilon, tc.gated_linear_unit, tc.add_bias_linear) == ('RMSNorm', 1e-6, True, False)
+    assert tc.params_dtype == torch.float32 and tc.hidden_dropout == 0 and tc.attention_dropout == 0
+    assert (gk['rotary_base'], gk['share_embeddings_and_output_weights']) == (10000.0, False)
+    tc, gk = mb.megatron_config_from_hf(tiny_llama(tied=True, rope_theta=500000.0))
+    assert (tc.qk_layernorm, tc.layernorm_epsilon, tc.kv_channels) == (False, 1e-5, 16)
+    assert (gk['rotary_base'], gk['share_embeddings_and_output_weights']) == (500000.0, True)
+
+
+@pytest.mark.parametrize('cfg, field', [(lambda: tiny_llama(attention_bias=True), 'attention_bias'),
+                                        (lambda: tiny_llama(mlp_bias=True), 'mlp_bias'),
+                                        (lambda: tiny_llama(hidden_act='gelu'), 'hidden_act')])
+def test_unsupported_configs_are_refused(cfg, field):
+    with pytest.raises(ValueError, match=field):
+        mb.megatron_config_from_hf(cfg())
+
+
+def test_qkv_grouped_query_order():
+    a = dict(heads=4, groups=2, head_dim=1)
+    q, k, v = torch.tensor([[0.], [1.], [2.], [3.]]), torch.tensor([[10.], [11.]]), torch.tensor([[20.], [21.]])
+    w = mb._fuse_qkv(q, k, v, a)
+    assert w.flatten().tolist() == [0., 1., 10., 20., 2., 3., 11., 21.]
+    assert [t.flatten().tolist() for t in mb._split_qkv(w, a)] == [[0., 1., 2., 3.], [10., 11.], [20., 21.]]
+
+
+def test_mapping_names_match_built_model():
+    for cfg in (tiny_qwen3(), tiny_llama(tied=True)):
+        model = mb.build_gpt_model(cfg)
+        msd = mb.hf_to_megatron(hf_model(cfg).state_dict(), cfg)
+        own = mb.megatron_state_dict(model)
+        assert set(msd) == set(own)
+        assert all(msd[k].shape == own[k].shape for k in own)
+
+
+@pytest.mark.parametrize('name', list(CONFIGS))
+def test_logits_and_roundtrip(name, batch):
+    cfg = CONFIGS[name]()
+    hf = hf_model(cfg)
+    be = mb.MegatronBackend(hf, chunk_tokens=5)
+    real = batch['attention_mask'].bool()
+    with torch.no_grad():
+        ref = hf(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits
+        d_logits = (be.logits(batch['input_ids']) - ref)[real].abs().max().item()
+        d_logp = (be.logprobs(batch) - hf_logprobs(hf, batch)).abs().max().item()
+    print(f'{name}: max|logits diff| {d_logits:.2e}, max|logp diff| {d_logp:.2e}')
+    assert d_logits < 1e-4 and d_logp < 1e-4
+    sd, rt = hf.state_dict(), be.hf_state_dict()
+    assert set(rt) == set(sd)
+    for k in sd: assert torch.equal(rt[k], sd[k]), k
+    # and the pure functions on their own
+    msd = mb.hf_to_megatron(sd, cfg)
+    back = mb.megatron_to_hf(msd, cfg, include_tied=True)
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    assert ('lm_head.weight' in mb.megatron_to_hf(msd, cfg, include_tied=False)) == (not cfg.tie_word_embeddings)
+
+
+def test_head_dim_differs_from_hidden_over_heads(batch):
+    hf = hf_model(tiny_qwen3(num_attention_heads=8, num_key_value_heads=4, head_dim=32))
+    be = mb.MegatronBackend(hf)
+    with torch.no_grad():
+        ref = hf(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits
+        d = (be.logits(batch['input_ids']) - ref)[batch['attention_mask'].bool()].abs().max().item()
+    assert d < 1e-4
+
+
+def test_naive_qkv_concatenation_is_detected(batch):
+    "The equivalence check has teeth: stacking [q; k; v] without grouping gives visibly different logits."
+    cfg = tiny_qwen3()
+    hf = hf_model(cfg)
+    be = mb.MegatronBackend(hf)
+    sd = hf.state_dict()
+    with torch.no_grad():
+        for i in range(cfg.num_hidden_layers):
+            w = torch.cat([sd[f'model.layers.{i}.self_attn.{x}_proj.weight'] for x in 'qkv'])
+            be.model.decoder.layers[i].self_attention.linear_qkv.weight.copy_(w)
+        ref = hf(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits
+        d = (be.logits(batch['input_ids']) - ref)[batch['attention_mask'].bool()].abs().max().item()
+    assert d > 1e-3
+
+
+def test_chunk_size_does_not_change_logprobs(batch):
+    hf = hf_model(tiny_llama())
+    be = mb.MegatronBackend(hf)
+    with torch.no_grad():
+        outs = []
+        for c in (1, 7, 4096):
+            be.chunk_tokens = c
+            outs.append(be.logprobs(batch))
+    assert all(torch.allclose(o, outs[0], atol=1e-6) for o in outs)
+    # zero outside the response and at padding
+    want = batch['response_mask'].bool() & batch['attention_mask'].bool()
+    assert (outs[0][~want] == 0).all() and (outs[0][want] < 0).all()
+
+
+def test_temperature(batch):
+    hf = hf_model(tiny_qwen3())
+    be = mb.MegatronBackend(hf)
+    with torch.no_grad():
+        ref = (hf(input_ids=batch['input_ids']).logits[:, :-1] / 0.7).log_softmax(-1)
+        ref = ref.gather(-1, batch['input_ids'][:, 1:, None]).squeeze(-1)
+        lp = be.logprobs(batch, temperature=0.7)[:, 1:]
+    want = (batch['response_mask'].bool() & batch['attention_mask'].bool())[:, 1:]
+    assert (lp - ref)[want].abs().max() < 1e-5
+
+
+def test_bad_batches_are_refused(batch):
+    be = mb.MegatronBackend(hf_model(tiny_qwen3()))
+    left = dict(batch, attention_mask=batch['attention_mask'].flip(1))
+    with pytest.raises(ValueError, match='right-padded'):
+        be.logprobs(left)
+    with pytest.raises(ValueError, match='position_ids'):
+        be.logprobs(dict(batch, position_ids=batch['position_ids'] + 1))
+    with pytest.raises(NotImplementedError, match='tp=pp=1'):
+        mb.MegatronBackend(hf_model(tiny_qwen3()), tp=2)
+
+
+def pg_loss(logp, batch, adv):
+    m = (batch['response_mask'] * batch['attention_mask']).float()
+    m[:, 0] = 0
+    return -((adv[:, None] * logp) * m).sum() / m.sum()
+
+
+@pytest.mark.parametrize('opt, lr', [('sgd', 0.5), ('adam', 1e-3)])
+def test_one_step_matches_hf(opt, lr, batch):
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    hf = hf_model(tiny_qwen3())
+    be = mb.MegatronBackend(hf, optimizer=opt, lr=lr, grad_clip=None)
+    hopt = torch.optim.SGD(hf.parameters(), lr=lr) if opt == 'sgd' else torch.optim.Adam(hf.parameters(), lr=lr)
+    l0_hf = pg_loss(hf_logprobs(hf, batch), batch, adv)
+    l0_hf.backward()
+    hf_norm = torch.nn.utils.clip_grad_norm_(list(hf.parameters()), float('inf')).item()
+    hopt.step(); hopt.zero_grad()
+    l0_mg, norm = be.train_step(lambda b: pg_loss(b.logprobs(batch), batch, adv))
+    assert abs(l0_mg - l0_hf.item()) < 1e-5 and abs(norm - hf_norm) < 1e-4
+    with torch.no_grad():
+        l1_hf = pg_loss(hf_logprobs(hf, batch), batch, adv).item()
+        l1_mg = pg_loss(be.logprobs(batch), batch, adv).item()
+    print(f'{opt}: {l0_mg:.6f} -> HF {l1_hf:.6f}, Megatron {l1_mg:.6f}')
+    assert abs(l1_mg - l0_mg) > 1e-3 and abs(l1_hf - l1_mg) < 1e-4
+    if opt == 'sgd':
+        new = be.hf_state_dict()
+        assert max((new[k] - v).abs().max().item() for k, v in hf.state_dict().items()) < 1e-6
+
+
+def test_microbatch_accumulation_equals_one_batch(batch):
+    "backward on two row subsets (weighted by their token share) then one step == one step on all rows."
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    m = (batch['response_mask'] * batch['attention_mask']).float(); m[:, 0] = 0
+    n = m.sum()
+    def part(be, rows):
+        sub = {k: v[rows] for k, v in batch.items()}
+        return -((adv[rows][:, None] * be.logprobs(sub)) * m[rows]).sum() / n
+    a = mb.MegatronBackend(hf_model(tiny_llama()), optimizer='sgd', lr=0.5, grad_clip=None)
+    b = mb.MegatronBackend(hf_model(tiny_llama()), optimizer='sgd', lr=0.5, grad_clip=None)
+    na = a.step(part(a, [0, 1, 2]))
+    b.backward(part(b, [0])); nb = b.step(part(b, [1, 2]))
+    assert abs(na - nb) < 1e-5
+    sa, sb = a.hf_state_dict(), b.hf_state_dict()
+    assert max((sa[k] - sb[k]).abs().max().item() for k in sa) < 1e-6
+
+
+def test_grad_clip_reports_preclip_norm(batch):
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    be = mb.MegatronBackend(hf_model(tiny_qwen3()), optimizer='sgd', lr=0.0, grad_clip=1e-3)
+    norm = be.step(pg_loss(be.logprobs(batch), batch, adv))
+    assert norm > 1e-3
+    assert all(p.grad is None for p in be.model.parameters())
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {'<unk>': 0, '<eos>': 1, **{f'w{i}': i + 2 for i in range(50)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token='<unk>', eos_token='<eos>')
+
+
+@pytest.mark.parametrize('name', ['qwen3', 'llama-tied'])
+def test_export_reloads_with_transformers(name, batch, tmp_path):
+    cfg = CONFIGS[name]()
+    be = mb.MegatronBackend(hf_model(cfg), optimizer='sgd', lr=0.5)
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    be.step(pg_loss(be.logprobs(batch), batch, adv))          # export trained weights, not the HF ones we loaded
+    out = be.save_hf(tmp_path / 'hf', tokenizer=_tiny_tokenizer())
+    names = {p.name for p in out.iterdir()}
+    assert {'config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json'} <= names
+    re = AutoModelForCausalLM.from_pretrained(out, attn_implementation='eager').float().eval()
+    assert re.config.tie_word_embeddings == cfg.tie_word_embeddings
+    with torch.no_grad():
+        d = (re(input_ids=batch['input_ids']).logits - be.logits(batch['input_ids'])).abs().max().item()
+    assert d < 1e-4
+    sd = be.hf_state_dict()
+    assert all(torch.equal(v, sd[k]) for k, v in re.state_dict().items())
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(out).encode('w3 w4') == [5, 6]
+
+
+def test_from_config():
+    config = pytest.importorskip('memagent.config', reason='memagent.config is not available')
+    cfg = config.get_preset('tiny')
+    be = mb.MegatronBackend.from_config(cfg, hf_model(tiny_qwen3()))
+    assert be.optimizer.param_groups[0]['lr'] == cfg.optim.lr
+    assert be.grad_clip == cfg.optim.grad_clip
