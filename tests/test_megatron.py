@@ -40,6 +40,11 @@ CONFIGS = {'qwen3': lambda: tiny_qwen3(), 'qwen3-tied': lambda: tiny_qwen3(tied=
            'llama': lambda: tiny_llama(), 'llama-tied': lambda: tiny_llama(tied=True)}
 
 
+def cpu(sd):
+    "Tensors on the CPU (the backend's live on its device)."
+    return {k: v.cpu() for k, v in sd.items()}
+
+
 def hf_model(cfg, seed=0):
     "A seeded random HF model; norm weights drawn around 1 so a swapped norm cannot hide."
     torch.manual_seed(seed)
@@ -138,11 +143,11 @@ def test_logits_and_roundtrip(name, batch):
     real = batch['attention_mask'].bool()
     with torch.no_grad():
         ref = hf(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits
-        d_logits = (be.logits(batch['input_ids']) - ref)[real].abs().max().item()
-        d_logp = (be.logprobs(batch) - hf_logprobs(hf, batch)).abs().max().item()
+        d_logits = (be.logits(batch['input_ids']).cpu() - ref)[real].abs().max().item()
+        d_logp = (be.logprobs(batch).cpu() - hf_logprobs(hf, batch)).abs().max().item()
     print(f'{name}: max|logits diff| {d_logits:.2e}, max|logp diff| {d_logp:.2e}')
     assert d_logits < 1e-4 and d_logp < 1e-4
-    sd, rt = hf.state_dict(), be.hf_state_dict()
+    sd, rt = hf.state_dict(), cpu(be.hf_state_dict())
     assert set(rt) == set(sd)
     for k in sd: assert torch.equal(rt[k], sd[k]), k
     # and the pure functions on their own
@@ -157,7 +162,7 @@ def test_head_dim_differs_from_hidden_over_heads(batch):
     be = mb.MegatronBackend(hf)
     with torch.no_grad():
         ref = hf(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits
-        d = (be.logits(batch['input_ids']) - ref)[batch['attention_mask'].bool()].abs().max().item()
+        d = (be.logits(batch['input_ids']).cpu() - ref)[batch['attention_mask'].bool()].abs().max().item()
     assert d < 1e-4
 
 
@@ -172,7 +177,7 @@ def test_naive_qkv_concatenation_is_detected(batch):
             w = torch.cat([sd[f'model.layers.{i}.self_attn.{x}_proj.weight'] for x in 'qkv'])
             be.model.decoder.layers[i].self_attention.linear_qkv.weight.copy_(w)
         ref = hf(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits
-        d = (be.logits(batch['input_ids']) - ref)[batch['attention_mask'].bool()].abs().max().item()
+        d = (be.logits(batch['input_ids']).cpu() - ref)[batch['attention_mask'].bool()].abs().max().item()
     assert d > 1e-3
 
 
@@ -183,7 +188,7 @@ def test_chunk_size_does_not_change_logprobs(batch):
         outs = []
         for c in (1, 7, 4096):
             be.chunk_tokens = c
-            outs.append(be.logprobs(batch))
+            outs.append(be.logprobs(batch).cpu())
     assert all(torch.allclose(o, outs[0], atol=1e-6) for o in outs)
     # zero outside the response and at padding
     want = batch['response_mask'].bool() & batch['attention_mask'].bool()
@@ -196,7 +201,7 @@ def test_temperature(batch):
     with torch.no_grad():
         ref = (hf(input_ids=batch['input_ids']).logits[:, :-1] / 0.7).log_softmax(-1)
         ref = ref.gather(-1, batch['input_ids'][:, 1:, None]).squeeze(-1)
-        lp = be.logprobs(batch, temperature=0.7)[:, 1:]
+        lp = be.logprobs(batch, temperature=0.7)[:, 1:].cpu()
     want = (batch['response_mask'].bool() & batch['attention_mask'].bool())[:, 1:]
     assert (lp - ref)[want].abs().max() < 1e-5
 
@@ -213,16 +218,16 @@ def test_bad_batches_are_refused(batch):
 
 
 def pg_loss(logp, batch, adv):
-    m = (batch['response_mask'] * batch['attention_mask']).float()
+    m = (batch['response_mask'] * batch['attention_mask']).float().to(logp.device)
     m[:, 0] = 0
-    return -((adv[:, None] * logp) * m).sum() / m.sum()
+    return -((adv.to(logp.device)[:, None] * logp) * m).sum() / m.sum()
 
 
 @pytest.mark.parametrize('opt, lr', [('sgd', 0.5), ('adam', 1e-3)])
 def test_one_step_matches_hf(opt, lr, batch):
     adv = torch.tensor([1.0, -0.5, 0.25])
     hf = hf_model(tiny_qwen3())
-    be = mb.MegatronBackend(hf, optimizer=opt, lr=lr, grad_clip=None)
+    be = mb.MegatronBackend(hf, optimizer=opt, lr=lr, grad_clip=None, chunk_tokens=4)
     hopt = torch.optim.SGD(hf.parameters(), lr=lr) if opt == 'sgd' else torch.optim.Adam(hf.parameters(), lr=lr)
     l0_hf = pg_loss(hf_logprobs(hf, batch), batch, adv)
     l0_hf.backward()
@@ -236,7 +241,7 @@ def test_one_step_matches_hf(opt, lr, batch):
     print(f'{opt}: {l0_mg:.6f} -> HF {l1_hf:.6f}, Megatron {l1_mg:.6f}')
     assert abs(l1_mg - l0_mg) > 1e-3 and abs(l1_hf - l1_mg) < 1e-4
     if opt == 'sgd':
-        new = be.hf_state_dict()
+        new = cpu(be.hf_state_dict())
         assert max((new[k] - v).abs().max().item() for k, v in hf.state_dict().items()) < 1e-6
 
 
@@ -247,13 +252,13 @@ def test_microbatch_accumulation_equals_one_batch(batch):
     n = m.sum()
     def part(be, rows):
         sub = {k: v[rows] for k, v in batch.items()}
-        return -((adv[rows][:, None] * be.logprobs(sub)) * m[rows]).sum() / n
+        return -((adv[rows][:, None] * be.logprobs(sub).cpu()) * m[rows]).sum() / n
     a = mb.MegatronBackend(hf_model(tiny_llama()), optimizer='sgd', lr=0.5, grad_clip=None)
     b = mb.MegatronBackend(hf_model(tiny_llama()), optimizer='sgd', lr=0.5, grad_clip=None)
     na = a.step(part(a, [0, 1, 2]))
     b.backward(part(b, [0])); nb = b.step(part(b, [1, 2]))
     assert abs(na - nb) < 1e-5
-    sa, sb = a.hf_state_dict(), b.hf_state_dict()
+    sa, sb = cpu(a.hf_state_dict()), cpu(b.hf_state_dict())
     assert max((sa[k] - sb[k]).abs().max().item() for k in sa) < 1e-6
 
 
@@ -286,9 +291,9 @@ def test_export_reloads_with_transformers(name, batch, tmp_path):
     re = AutoModelForCausalLM.from_pretrained(out, attn_implementation='eager').float().eval()
     assert re.config.tie_word_embeddings == cfg.tie_word_embeddings
     with torch.no_grad():
-        d = (re(input_ids=batch['input_ids']).logits - be.logits(batch['input_ids'])).abs().max().item()
+        d = (re(input_ids=batch['input_ids']).logits - be.logits(batch['input_ids']).cpu()).abs().max().item()
     assert d < 1e-4
-    sd = be.hf_state_dict()
+    sd = cpu(be.hf_state_dict())
     assert all(torch.equal(v, sd[k]) for k, v in re.state_dict().items())
     from transformers import AutoTokenizer
     assert AutoTokenizer.from_pretrained(out).encode('w3 w4') == [5, 6]
