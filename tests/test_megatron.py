@@ -112,7 +112,9 @@ def test_config_mapping():
 
 @pytest.mark.parametrize('cfg, field', [(lambda: tiny_llama(attention_bias=True), 'attention_bias'),
                                         (lambda: tiny_llama(mlp_bias=True), 'mlp_bias'),
-                                        (lambda: tiny_llama(hidden_act='gelu'), 'hidden_act')])
+                                        (lambda: tiny_llama(hidden_act='gelu'), 'hidden_act'),
+                                        (lambda: tiny_qwen3(use_sliding_window=True, sliding_window=8), 'use_sliding_window'),
+                                        (lambda: tiny_llama(rope_scaling={'rope_type': 'linear', 'factor': 2.0}), 'rope_type')])
 def test_unsupported_configs_are_refused(cfg, field):
     with pytest.raises(ValueError, match=field):
         mb.megatron_config_from_hf(cfg())

@@ -136,6 +136,8 @@ def hf_arch(hf_config) -> dict:
         raise ValueError(f"HF config field hidden_act={c.hidden_act!r}: only 'silu' (SwiGLU) is mapped")
     for f in ('attention_bias', 'mlp_bias'):
         if getattr(c, f, False): raise ValueError(f"HF config field {f}=True: biases are not mapped")
+    if getattr(c, 'use_sliding_window', False):
+        raise ValueError("HF config field use_sliding_window=True: only full attention is mapped")
     heads, groups = c.num_attention_heads, getattr(c, 'num_key_value_heads', None) or c.num_attention_heads
     if heads % groups: raise ValueError(f"HF config: num_attention_heads={heads} not divisible by num_key_value_heads={groups}")
     head_dim = getattr(c, 'head_dim', None) or c.hidden_size // heads
