@@ -1,0 +1,166 @@
+"The SGLang client against a local server speaking SGLang's native schema, with injected failures."
+import sys, time
+import pytest
+from memagent.engines import (SGLangEngine, SGLangServer, FakeSGLangServer, SamplingParams, GenerationResult,
+                              EngineError, TransientEngineError, DeterministicEngineError, ServerLaunchError,
+                              fake_tokens, free_port, HFEngine)
+
+SP = SamplingParams(6, seed=11, stop_token_ids=())
+
+
+@pytest.fixture
+def srv():
+    with FakeSGLangServer(slow_s=1.5) as s: yield s
+
+
+def client(urls, **kw):
+    kw = {'timeout_s': 5, 'max_retries': 2, 'backoff_s': 0.01, 'concurrency': 4, **kw}
+    return SGLangEngine(urls, **kw)
+
+
+def test_schema_and_results(srv):
+    cl = client([srv.url])
+    r = cl.generate([[1, 2, 3], [4, 5]], [SP, SamplingParams(3, seed=2)])
+    assert [x.output_ids for x in r] == [fake_tokens([1, 2, 3], SP)[0], fake_tokens([4, 5], SamplingParams(3, seed=2))[0]]
+    assert all(isinstance(x, GenerationResult) and len(x.logprobs) == len(x.output_ids) for x in r)
+    body = srv.calls[0]
+    assert body['return_logprob'] is True and body['logprob_start_len'] == -1
+    assert set(body['sampling_params']) >= {'max_new_tokens', 'temperature', 'top_p', 'top_k', 'stop_token_ids', 'sampling_seed'}
+    assert cl.stats['requests'] == 2 and cl.stats['retries'] == 0
+    cl.close()
+
+
+def test_5xx_then_success_is_retried_and_counted(srv):
+    cl = client([srv.url])
+    srv.faults = [500, 503]
+    r = cl.generate([[1, 2, 3]], SP)[0]
+    assert r.output_ids == fake_tokens([1, 2, 3], SP)[0]
+    assert cl.stats['retries'] == 2 and cl.stats['transient_failures'] == 2 and len(srv.calls) == 3
+    cl.close()
+
+
+def test_4xx_fails_fast(srv):
+    cl = client([srv.url])
+    srv.faults = [400]
+    with pytest.raises(DeterministicEngineError, match='400'):
+        cl.generate([[1, 2, 3]], SP)
+    assert cl.stats['retries'] == 0 and cl.stats['deterministic_failures'] == 1 and len(srv.calls) == 1
+    cl.close()
+
+
+def test_abort_is_transient(srv):
+    cl = client([srv.url], max_retries=1)
+    srv.faults = ['abort']
+    assert cl.generate([[7, 8]], SP)[0].finish_reason in ('stop', 'length')
+    assert cl.stats['retries'] == 1
+    srv.faults = ['abort', 'abort']
+    with pytest.raises(TransientEngineError, match='2 attempts'):
+        cl.generate([[7, 8]], SP)
+    cl.close()
+
+
+def test_timeout_retried_then_fails_in_bounded_time(srv):
+    cl = client([srv.url], timeout_s=0.3, max_retries=2, backoff_s=0.05)
+    srv.faults = ['slow', 'slow', 'slow']
+    t0 = time.monotonic()
+    with pytest.raises(TransientEngineError, match='timed out'):
+        cl.generate([[1]], SP)
+    dt = time.monotonic() - t0
+    assert dt < 3 * 0.3 + 0.05 + 0.1 + 1.5, dt
+    assert cl.stats['retries'] == 2 and cl.stats['transient_failures'] == 3
+    cl.close()
+
+
+def test_connection_refused_is_transient_and_bounded():
+    cl = client([f"http://127.0.0.1:{free_port()}"], max_retries=2)
+    t0 = time.monotonic()
+    r = cl.generate([[1, 2]], SP, return_exceptions=True)[0]
+    assert isinstance(r, TransientEngineError) and 'connection' in str(r)
+    assert time.monotonic() - t0 < 5 and cl.stats['retries'] == 2
+    cl.close()
+
+
+def test_failover_to_a_healthy_server(srv):
+    dead = f"http://127.0.0.1:{free_port()}"
+    cl = client([dead, srv.url], max_retries=1)
+    r = cl.generate([[1, 2, 3]] * 6, SP)
+    assert all(x.output_ids == fake_tokens([1, 2, 3], SP)[0] for x in r)
+    cl.close()
+
+
+def test_invalid_output_is_deterministic(srv):
+    cl = client([srv.url])
+    srv.faults = ['invalid']
+    r = cl.generate([[1, 2, 3], [1, 2, 3]], SP, return_exceptions=True)
+    bad = [x for x in r if isinstance(x, EngineError)]
+    assert len(bad) == 1 and isinstance(bad[0], DeterministicEngineError) and 'do not match' in str(bad[0])
+    assert cl.stats['retries'] == 0
+    cl.close()
+
+
+def test_load_balancing_spreads_requests():
+    with FakeSGLangServer() as a, FakeSGLangServer() as b:
+        cl = client([a.url, b.url], concurrency=4)
+        cl.generate([[i + 1] for i in range(20)], SP)
+        assert len(a.calls) >= 5 and len(b.calls) >= 5 and len(a.calls) + len(b.calls) == 20
+        cl.close()
+
+
+def test_update_weights_and_health(srv, tmp_path):
+    cl = client([srv.url])
+    assert cl.health()
+    cl.update_weights(path=tmp_path)
+    assert srv.weight_paths == [str(tmp_path)]
+    with pytest.raises(EngineError, match='failed'):
+        cl.update_weights(path=tmp_path / 'missing')
+    with pytest.raises(DeterministicEngineError):
+        cl.update_weights(state_dict={})
+    srv.healthy = False
+    assert not cl.health()
+    cl.close()
+    assert not client([f"http://127.0.0.1:{free_port()}"]).health()
+
+
+def test_backed_by_tiny_model_matches_in_process():
+    from memagent.models import load_model, load_tokenizer
+    eng = HFEngine(load_model('tiny-qwen3'), load_tokenizer('tiny-qwen3'))
+    with FakeSGLangServer(engine=eng) as s:
+        cl = client([s.url])
+        r = cl.generate([[100, 200, 300]], SamplingParams(4, seed=5))[0]
+        assert r.output_ids == eng.generate([[100, 200, 300]], SamplingParams(4, seed=5))[0].output_ids
+        cl.close()
+
+
+def test_server_launch_failure_is_reported_not_hung(tmp_path):
+    s = SGLangServer('none', command=[sys.executable, '-c', 'import sys; print("boom: no CUDA"); sys.exit(2)'],
+                     log_path=tmp_path / 'log', startup_timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(ServerLaunchError, match='boom: no CUDA'):
+        s.start()
+    assert time.monotonic() - t0 < 15
+
+
+def test_server_startup_timeout_stops_the_process(tmp_path):
+    s = SGLangServer('none', command=[sys.executable, '-c', 'import time; time.sleep(60)'],
+                     log_path=tmp_path / 'log', startup_timeout_s=1.5, grace_s=2)
+    with pytest.raises(ServerLaunchError, match='not healthy'):
+        s.start()
+    assert s.proc.poll() is not None
+
+
+@pytest.mark.gpu
+def test_real_sglang_server(tmp_path):
+    from memagent.models import model_dir, load_model
+    d = model_dir('tiny-qwen3')
+    with SGLangServer(d, context_length=2048, mem_fraction=0.3, log_path=tmp_path / 'sglang.log', startup_timeout_s=600,
+                      extra_args=('--enable-deterministic-inference',)) as srv:
+        cl = SGLangEngine([srv.url], timeout_s=120, max_retries=1)
+        assert cl.health()
+        prompt = [100, 200, 300, 400]
+        a = cl.generate([prompt], SamplingParams(8, seed=3))[0]
+        b = cl.generate([prompt], SamplingParams(8, seed=3))[0]
+        assert a.output_ids == b.output_ids and len(a.logprobs) == len(a.output_ids)
+        ref = HFEngine(load_model('tiny-qwen3', device='cuda')).logprobs(prompt, a.output_ids)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, ref)) < 1e-2
+        cl.update_weights(path=d)
+        cl.close()
