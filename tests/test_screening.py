@@ -132,3 +132,39 @@ def test_screen_refuses_bad_candidates_and_short_groups():
     short = lambda ex, *a, **k: scripted()(ex, *a, **k)[:-1]
     with pytest.raises(ScreeningError, match='returned 7 trajectories, expected n=8'):
         screen([cand(2)], None, None, cfg, n_train=1, n_heldout=0, rollout_fn=short)
+
+
+def test_screen_through_real_rollout(tmp_path):
+    "The whole path with memagent.rollout, the real Qwen3 tokenizer and a scripted engine: failed requests are counted, not scored."
+    rollout_mod = pytest.importorskip('memagent.rollout')
+    from memagent.engines import GenerationResult, TransientEngineError
+    from memagent.models import load_tokenizer
+    tok = load_tokenizer('qwen3'); stop = rollout_mod.stop_token_ids(tok)[-1]
+    failing = {rollout_mod.request_seed(0, 'q5', s, t) for s in (1, 3) for t in range(5)}   # samples 1 and 3 of q5 fail
+
+    class Engine:
+        stats = {}
+        def generate(self, prompts, params, return_exceptions=False):
+            out = []
+            for p, sp in zip(prompts, params):
+                text = tok.decode(p); k = next(j for j in range(10) if f'item {j}?' in text)
+                if sp.seed in failing and 'Your answer:' in text:
+                    out.append(TransientEngineError('timed out')); continue
+                ans = (f'\\boxed{{v{k}}}' if sp.seed % 8 < k else '\\boxed{no}') if 'Your answer:' in text else f'v{k}'
+                ids = tok.encode(ans, add_special_tokens=False)[:sp.max_new_tokens - 1] + [stop]
+                out.append(GenerationResult(ids, [-0.5] * len(ids), 'stop', len(p), 0.0))
+            return out
+        def update_weights(self, state_dict=None, path=None): pass
+        def health(self): return True
+        def close(self): pass
+
+    cands = [cand(k) for k in range(10)]
+    m = screen(cands, Engine(), tok, get_preset('tiny'), n=8, min_success=0, max_success=8, prefer=None,
+               n_train=2, n_heldout=1, out_dir=tmp_path)
+    rows = {r['id']: r for r in m['candidates']}
+    assert (rows['q0']['successes'], rows['q9']['successes']) == (0, 8)
+    assert m['totals']['trajectories'] == 80
+    assert rows['q5']['errors'] == m['totals']['failed_requests'] == 2 and rows['q5']['tier'] == 'rejected'
+    assert [r is None for r in rows['q5']['rewards']] == [False, True, False, True] + [False] * 4
+    assert rows['q5']['reason'].startswith('request_errors: 2 of 8') and 'timed out' in rows['q5']['error_messages'][0]
+    assert not set(m['splits']['train']['ids']) & set(m['splits']['heldout']['ids'])
