@@ -1,0 +1,169 @@
+"""Evaluation and comparison: the acceptance rule's edges on synthetic runs, refusals that name the field, reproducible
+intervals, the base prompt keeping the question, and a real tiny evaluation writing every field."""
+import json, sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
+
+from memagent.evaluate import (COMPARABLE, METRICS, RECORD_FIELDS, RECORDS_FILE, SCHEMA_VERSION, SUMMARY_FILE,
+                               bootstrap_ci, compare, compare_cli, evaluate, paired_bootstrap_ci, summarize, synthetic_run)
+
+
+def trio(root, cand, ref, base, hot=(60, 50, 40), cinfo=None, n_items=1000, **kw):
+    "Synthetic candidate/reference/base runs at length 200 (solved counts out of `n_items`) and on HotpotQA (percent)."
+    out = {}
+    for role, solved, h in (('candidate', cand, hot[0]), ('reference', ref, hot[1]), ('base', base, hot[2])):
+        c = role == 'candidate'
+        out[role] = {200: synthetic_run(root / role / '200', solved, n_items=n_items, info=cinfo if c else None, **(kw if c else {})),
+                     'hotpotqa': synthetic_run(root / role / 'hotpotqa', h * n_items // 100, n_items=n_items, key='hotpotqa',
+                                               info=cinfo if c else None)}
+    return out
+
+
+def run(r, **kw): return compare(r['candidate'], r['reference'], r['base'], **kw)
+
+
+def test_tolerance_edges(tmp_path):
+    ok = run(trio(tmp_path / 'a', 529, 500, 400))   # 52.9 vs 50.0: 2.9 pp
+    assert ok['passed'], ok['reasons']
+    tol = next(c for c in ok['checks'] if c['name'] == 'tolerance')
+    assert tol['gap_pp'] == pytest.approx(2.9)
+    bad = run(trio(tmp_path / 'b', 531, 500, 400))  # 3.1 pp
+    assert not bad['passed'] and bad['reasons'] == ['tolerance[200]: |sub_em candidate - reference| = |53.10 - 50.00| = 3.10 pp > 3.0 pp']
+    below = run(trio(tmp_path / 'c', 471, 500, 400))  # 2.9 pp below the reference also passes
+    assert below['passed']
+    assert run(trio(tmp_path / 'd', 520, 500, 400), tolerance_pp=1.0)['passed'] is False
+
+
+def test_ties_with_base_fail(tmp_path):
+    r = run(trio(tmp_path / 'a', 500, 500, 500))
+    assert not r['passed'] and any(x.startswith('beats_base[200]') and 'must be strictly better' in x for x in r['reasons'])
+    r = run(trio(tmp_path / 'b', 510, 500, 400, hot=(40, 50, 40)))
+    assert r['reasons'] == ['beats_base[hotpotqa]: boxed_em candidate 40.00 <= base 40.00 (must be strictly better)']
+
+
+def test_missing_hotpotqa_fails_unless_waived(tmp_path):
+    r = trio(tmp_path, 510, 500, 400)
+    only = {k: {200: v[200]} for k, v in r.items()}
+    rep = run(only)
+    assert not rep['passed'] and any('has no run for' in x and 'hotpotqa' in x for x in rep['reasons'])
+    assert run(only, require_hotpotqa=False)['passed']
+
+
+@pytest.mark.parametrize('field,value', [('prompts.template_sha256.memory', 'x' * 64), ('data.sha256', 'e' * 64),
+                                         ('sampling.temperature', 1.0), ('sampling.top_p', 1.0), ('limits.max_chunks', 32),
+                                         ('tokenizer.vocab_sha256', 'w' * 64), ('thinking', 'on')])
+def test_mismatch_names_the_field(tmp_path, field, value):
+    rep = run(trio(tmp_path, 510, 500, 400, cinfo={field: value}))
+    assert not rep['passed']
+    comp = [x for x in rep['reasons'] if x.startswith('comparable[200]')]
+    assert comp and field in comp[0], rep['reasons']
+    failed = next(c for c in rep['checks'] if c['name'] == 'comparable' and not c['passed'])
+    assert field in failed['fields']
+
+
+def test_moved_run_is_the_same_run_but_edited_records_are_refused(tmp_path):
+    r = trio(tmp_path / 'a', 510, 500, 400)
+    moved = tmp_path / 'elsewhere'
+    (tmp_path / 'a' / 'candidate').rename(moved)
+    cand = {200: moved / '200', 'hotpotqa': moved / 'hotpotqa'}
+    assert compare(cand, r['reference'], r['base'])['passed']
+    p = moved / '200' / RECORDS_FILE
+    p.write_text(p.read_text().replace('"no"', '"yes"', 1))
+    rep = compare(cand, r['reference'], r['base'])
+    assert not rep['passed'] and any(x.startswith('records[200]') and 'SHA-256' in x for x in rep['reasons'])
+
+
+def test_errored_or_incomplete_runs_cannot_pass(tmp_path):
+    rep = run(trio(tmp_path / 'e', 600, 590, 400, errors=1))
+    assert not rep['passed'] and any(x.startswith('no_errors[200]: candidate: 1 request errors') for x in rep['reasons'])
+    rep = run(trio(tmp_path / 'i', 600, 590, 400, drop=1))
+    assert not rep['passed'] and any(x.startswith('complete[200]: candidate: 999 of 1000') for x in rep['reasons'])
+    s = json.loads((tmp_path / 'i' / 'candidate' / '200' / SUMMARY_FILE).read_text())
+    assert s['complete'] is False and s['totals']['items'] == 1000 and s['totals']['items_recorded'] == 999
+
+
+def test_errors_stay_in_the_denominator():
+    recs = [dict(id='a', sample=0, **{m: 1.0 for m in METRICS}, error=None),
+            dict(id='b', sample=0, **{m: 1.0 for m in METRICS}, error='timeout')]  # an errored record scores 0 whatever it says
+    s = summarize(recs, {'totals': {'items': 2, 'samples_per_item': 1}})
+    assert s['metrics']['sub_em']['value'] == 50.0 and s['errors'] == 1 and s['successful'] == 1
+
+
+def test_bootstrap_reproducible():
+    v = [0, 1, 1, 0, 1, 1, 1, 0, 0, 1] * 5
+    assert bootstrap_ci(v, seed=3) == bootstrap_ci(v, seed=3) != bootstrap_ci(v, seed=4)
+    a, b = [1, 0, 1, 1] * 10, [1, 0, 0, 1] * 10
+    assert paired_bootstrap_ci(a, b, seed=1) == paired_bootstrap_ci(a, b, seed=1)
+    lo, hi = paired_bootstrap_ci(a, b, seed=1)
+    assert 0 < lo <= 0.25 <= hi
+
+
+def test_compare_cli_exit_codes(tmp_path):
+    trio(tmp_path, 510, 500, 400)
+    args = ['--reference', str(tmp_path / 'reference'), '--base', str(tmp_path / 'base')]
+    assert compare_cli(['--candidate', str(tmp_path / 'candidate'), *args, '--out', str(tmp_path / 'ok.json')]) == 0
+    assert compare_cli(['--candidate', str(tmp_path / 'candidate'), *args, '--out', str(tmp_path / 'no.json'), '--tolerance-pp', '0.5']) == 1
+    assert json.loads((tmp_path / 'no.json').read_text())['passed'] is False
+    assert compare_cli(['--candidate', str(tmp_path / 'nowhere'), *args, '--out', str(tmp_path / 'x.json')]) == 2
+
+
+@pytest.fixture(scope='module')
+def tiny():
+    from memagent.config import get_preset
+    from memagent.engines import HFEngine
+    from memagent.models import load_model, load_tokenizer
+    cfg = get_preset('tiny', {'chunking.chunk_tokens': 32, 'chunking.memory_tokens': 4, 'chunking.final_tokens': 4,
+                              'chunking.max_chunks': 2, 'eval.top_p': 1.0})
+    tok = load_tokenizer('tiny-qwen3')
+    return cfg, tok, HFEngine(load_model('tiny-qwen3'), tok)
+
+
+def test_base_mode_keeps_the_question(tiny, tmp_path):
+    cfg, tok, eng = tiny
+    q = 'Which city is the capital of the fictional land of Zembla?'
+    ex = [{'id': 'huge', 'question': q, 'context': 'filler words go here. ' * 4000, 'answers': ['Onhava'], 'num_docs': 1,
+           'source': 'test', 'meta': {}}]
+    seen = []
+    class Spy:
+        def __init__(self, e): self.e = e
+        def generate(self, prompts, params, return_exceptions=False):
+            seen.extend(prompts); return self.e.generate(prompts, params, return_exceptions=return_exceptions)
+    s = evaluate(ex, Spy(eng), tok, cfg, mode='base', out_dir=tmp_path, samples=1, base_max_tokens=96, progress=False)
+    text = tok.decode(seen[0])
+    assert q in text and len(seen[0]) < 96 + 40          # the question survives, the context was cut
+    rec = json.loads((tmp_path / RECORDS_FILE).read_text().splitlines()[0])
+    assert rec['truncated'] and rec['dropped_tokens'] > 15000 and s['dropped_tokens'] == rec['dropped_tokens']
+    assert s['mode'] == 'base' and s['limits']['base_max_tokens'] == 96
+
+
+def test_real_tiny_evaluation_writes_every_field(tiny, tmp_path):
+    cfg, tok, eng = tiny
+    from memagent.data import make_synthetic, write_examples
+    data = write_examples(make_synthetic(3, num_words=80, seed=1), tmp_path / 'd.jsonl')
+    s = evaluate(data, eng, tok, cfg, out_dir=tmp_path / 'run', model_name='tiny-qwen3', samples=2, batch_size=2, progress=False)
+    recs = [json.loads(l) for l in (tmp_path / 'run' / RECORDS_FILE).read_text().splitlines()]
+    assert len(recs) == 6 and all(set(r) == set(RECORD_FIELDS) for r in recs)
+    assert sorted((r['id'], r['sample']) for r in recs) == sorted((r['id'], s_) for r in recs[::2] for s_ in (0, 1))
+    disk = json.loads((tmp_path / 'run' / SUMMARY_FILE).read_text())
+    for k in ('schema_version', 'mode', 'data', 'prompts', 'thinking', 'tokenizer', 'model', 'sampling', 'seeds', 'limits',
+              'totals', 'successful', 'errors', 'truncated_samples', 'dropped_tokens', 'metrics', 'pass_at_k', 'pass_at_n',
+              'bootstrap', 'provenance', 'records'):
+        assert k in disk, k
+    assert disk['schema_version'] == SCHEMA_VERSION and disk['prompts']['variant'] == 'eval'
+    from memagent.provenance import sha256_file
+    assert disk['data']['sha256'] == sha256_file(data) and disk['model']['weights_sha256']
+    assert disk['tokenizer']['vocab_sha256'] and disk['sampling']['temperature'] == cfg.eval.temperature
+    assert disk['limits']['max_chunks'] == 2 and disk['seeds']['eval'] == cfg.eval.seed
+    assert disk['totals'] == {**disk['totals'], 'items': 3, 'samples_per_item': 2, 'samples': 6}
+    assert set(disk['metrics']) == set(METRICS) and all(len(m['ci95']) == 2 for m in disk['metrics'].values())
+    assert disk['errors'] == 0 and disk['complete'] and disk['truncated_samples'] > 0
+    # the same seed reproduces the run; a run compares with itself
+    s2 = evaluate(data, eng, tok, cfg, out_dir=tmp_path / 'run2', model_name='tiny-qwen3', samples=2, batch_size=3, progress=False)
+    recs2 = [json.loads(l) for l in (tmp_path / 'run2' / RECORDS_FILE).read_text().splitlines()]
+    assert [r['response'] for r in recs] == [r['response'] for r in recs2]    # batching does not change results
+    rep = compare(tmp_path / 'run', tmp_path / 'run2', tmp_path / 'run', require_hotpotqa=False)
+    assert all(c['passed'] for c in rep['checks'] if c['name'] in ('comparable', 'complete', 'no_errors', 'tolerance'))
