@@ -1,0 +1,98 @@
+"""The smoke notebook end to end through papermill on the tiny preset: it passes with agreeing row counts for
+both steps, and a failing gate (the `inject_failure='rows'` hook) makes papermill exit non-zero after the
+report is written."""
+import json, re, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NB = ROOT / 'nbs' / 'smoke.ipynb'
+
+
+def _papermill(tmp_path, run, **params):
+    "Run the notebook with papermill's command line; returns (completed process, report dir, run dir)."
+    pytest.importorskip('papermill')
+    args = [sys.executable, '-m', 'papermill', str(NB), str(tmp_path / f'{run}.ipynb'), '--cwd', str(ROOT),
+            '--no-progress-bar', '-k', 'python3', '-p', 'run', run, '-p', 'out_dir', str(tmp_path / 'runs'),
+            '-p', 'report_dir', str(tmp_path / 'reports'), '-p', 'timeout_s', '300']
+    for k, v in params.items(): args += ['-p', k, str(v)]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=400)
+    return p, tmp_path / 'reports' / run, tmp_path / 'runs' / run
+
+
+def _step_rows(readme: str) -> list[list[str]]:
+    "The data lines of the 'Row counts per step' table, as cells."
+    sec = readme.split('## Row counts per step', 1)[1].split('\n## ', 1)[0]
+    lines = [l for l in sec.splitlines() if l.startswith('|')]
+    head = [c.strip() for c in lines[0].strip('|').split('|')]
+    assert head[:6] == ['step', 'rows_generated', 'rows_padding', 'rows_transferred', 'rows_consumed', 'rows_consumed_per_rank']
+    return [[c.strip() for c in l.strip('|').split('|')] for l in lines[2:]]
+
+
+def _check_counts(readme: str, world: int):
+    rows = _step_rows(readme)
+    assert [r[0] for r in rows] == ['1', '2']
+    for r in rows:
+        g, p, t, c = map(int, r[1:5])
+        per = json.loads(r[5])
+        assert g > 0 and g + p == t == c, r
+        assert len(per) == world and len(set(per)) == 1 and sum(per) == c, r
+
+
+@pytest.mark.timeout(300)
+def test_smoke_tiny_passes(tmp_path):
+    p, rep, run = _papermill(tmp_path, 'tiny')
+    assert p.returncode == 0, p.stderr[-3000:]
+    readme = (rep / 'README.md').read_text()
+    assert '**PASSED**' in readme and 'device: CPU' in readme and 'model: tiny-qwen3' in readme and 'engine: hf' in readme
+    _check_counts(readme, world=1)
+    gates = json.loads((rep / 'gates.json').read_text())
+    assert gates['passed'] and {g['gate'] for g in gates['gates']} >= {
+        'train', 'steps_completed', 'rows[step 1]', 'rows[step 2]', 'ranks[step 1]', 'no_failed_requests',
+        'checkpoint_saved', 'checkpoint_loads', 'export_reloads', 'eval_request'}
+    assert all(g['result'] == 'PASS' for g in gates['gates'])
+    assert (rep / 'phase_times.png').stat().st_size > 1000
+    assert (run / 'checkpoints' / 'step_000002').is_dir() and (run / 'hf' / 'config.json').is_file()
+    assert (run / 'eval' / 'records.jsonl').read_text().count('\n') == 1
+    assert re.search(r'\| 2 \| [\d.]+ \|', readme.split('## Timings', 1)[1])   # a timing row for step 2
+
+
+@pytest.mark.timeout(300)
+def test_smoke_failing_gate_fails_papermill(tmp_path):
+    p, rep, _ = _papermill(tmp_path, 'bad', inject_failure='rows', steps=1)   # one step is enough to fail
+    assert p.returncode != 0
+    assert 'gate(s) failed: rows[step 1]' in p.stdout + p.stderr
+    # the report is still written, and names the failure
+    readme = (rep / 'README.md').read_text()
+    assert '**FAILED**' in readme and '| rows[step 1] | **FAIL** |' in readme and '| checkpoint_loads | PASS |' in readme
+    gates = json.loads((rep / 'gates.json').read_text())
+    # consumed no longer matches transferred, nor the per-rank sum: exactly those two gates fail
+    assert not gates['passed'] and [g['gate'] for g in gates['gates'] if g['result'] == 'FAIL'] == ['rows[step 1]', 'ranks[step 1]']
+
+
+@pytest.mark.timeout(300)
+def test_smoke_bad_parameter_is_refused(tmp_path):
+    p, rep, _ = _papermill(tmp_path, 'param', engine='vllm')
+    assert p.returncode != 0 and "parameter engine='vllm'" in p.stdout + p.stderr
+    assert not rep.exists()
+
+
+@pytest.mark.timeout(400)
+def test_smoke_two_ranks_ray(tmp_path):
+    pytest.importorskip('ray')
+    p, rep, _ = _papermill(tmp_path, 'dp2', world_size=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    readme = (rep / 'README.md').read_text()
+    assert '**PASSED**' in readme and 'world size: 2' in readme
+    _check_counts(readme, world=2)
+
+
+@pytest.mark.timeout(300)
+def test_smoke_wall_clock_guard(tmp_path):
+    # a guard far shorter than the run: the running phase fails with a message naming it, papermill exits non-zero
+    p, rep, _ = _papermill(tmp_path, 'guard', timeout_s=6)
+    assert p.returncode != 0 and 'wall_clock' in p.stdout + p.stderr
+    gates = {g['gate']: g for g in json.loads((rep / 'gates.json').read_text())['gates']}
+    assert gates['wall_clock']['result'] == 'FAIL'
+    assert any('wall-clock guard' in str(g.get('error', '')) for g in gates.values())
