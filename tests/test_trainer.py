@@ -112,3 +112,27 @@ def test_megatron_backend_trains_like_torch(tmp_path, examples):
     finally:
         from memagent.backends.megatron import destroy_parallel
         destroy_parallel()
+
+class _FlakyEngine:
+    "Wraps an engine; the first request of the first call fails deterministically (after the engine's own retries)."
+    def __init__(self, inner): self.inner, self.calls = inner, 0
+    def generate(self, prompts, params, return_exceptions=False):
+        from memagent.engines import DeterministicEngineError
+        out = self.inner.generate(prompts, params, return_exceptions=True)
+        self.calls += 1
+        if self.calls == 1: out[0] = DeterministicEngineError('injected: invalid output')
+        return out
+    def update_weights(self, **kw): return self.inner.update_weights(**kw)
+
+def test_failed_trajectory_drops_its_whole_group(tmp_path, examples):
+    from memagent.engines import engine_from_config
+    cfg = _cfg(**{'schedule.steps': 1})
+    eng = _FlakyEngine(engine_from_config(cfg))
+    tr = Trainer(cfg, tmp_path, examples, engine=eng, progress=False, tensorboard=False)
+    m = tr.train()[0]
+    assert (m['failed_trajectories'], m['dropped_groups']) == (1, 1)
+    dump = [json.loads(l) for l in open(tmp_path/'rollouts'/'step_000001.jsonl')]
+    assert len(dump) == cfg.trajectories_per_step, 'the dump keeps every trajectory, failed ones included'
+    bad = {t['group_index'] for t in dump if t['error']}
+    kept = [t for t in dump if t['group_index'] not in bad]
+    assert m['rows_generated'] == sum(len(t['turns']) for t in kept) == m['rows_consumed']
