@@ -1,7 +1,7 @@
 """Megatron-core backend on CPU: HF <-> Megatron mapping, logits equivalence, optimizer step, export/reload.
 
-One process, world size 1 (gloo). Tiny random Qwen3 and Llama models only; the whole file runs in well under a
-minute. Skipped, with the reason, when megatron-core is not installed.
+One process, world size 1 (gloo), except the tensor-parallel tests at the end, which spawn two processes (TP = 2,
+gloo) and compare with the HF model and with TP = 1 run here. Tiny random Qwen3 and Llama models only. Skipped, with the reason, when megatron-core is not installed.
 """
 import json, subprocess, sys, warnings
 
@@ -215,7 +215,11 @@ def test_bad_batches_are_refused(batch):
         be.logprobs(left)
     with pytest.raises(ValueError, match='position_ids'):
         be.logprobs(dict(batch, position_ids=batch['position_ids'] + 1))
-    with pytest.raises(NotImplementedError, match='tp=pp=1'):
+    with pytest.raises(NotImplementedError, match='pipeline parallelism'):
+        mb.MegatronBackend(hf_model(tiny_qwen3()), pp=2)
+    with pytest.raises(ValueError, match='num_key_value_heads=2 is not divisible'):
+        mb.MegatronBackend(hf_model(tiny_qwen3()), tp=4)
+    with pytest.raises(ValueError, match='not divisible by tp'):       # world size 1 cannot hold tp=2
         mb.MegatronBackend(hf_model(tiny_qwen3()), tp=2)
 
 
@@ -307,3 +311,128 @@ def test_from_config():
     be = mb.MegatronBackend.from_config(cfg, hf_model(tiny_qwen3()))
     assert be.optimizer.param_groups[0]['lr'] == cfg.optim.lr
     assert be.grad_clip == cfg.optim.grad_clip
+
+
+# ---- tensor parallelism (TP = 2): pure sharding in this process, the model in two spawned processes ----
+
+def test_shard_unshard_is_exact_and_shapes_match_built_model():
+    for cfg in (tiny_qwen3(), tiny_llama(tied=True), tiny_qwen3(vocab_size=511)):
+        hf = hf_model(cfg)
+        full = mb.hf_to_megatron(hf.state_dict(), cfg)
+        shards = [mb.hf_to_megatron(hf.state_dict(), cfg, r, 2) for r in range(2)]
+        back = mb.unshard_megatron(shards, vocab=cfg.vocab_size)
+        assert set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)
+        rt = mb.megatron_to_hf(shards, cfg)
+        assert all(torch.equal(rt[k], v) for k, v in hf.state_dict().items())
+        qkv = 'decoder.layers.0.self_attention.linear_qkv.weight'
+        assert torch.equal(shards[1][qkv], full[qkv][full[qkv].shape[0] // 2:])           # whole groups, in order
+        fc1 = 'decoder.layers.0.mlp.linear_fc1.weight'
+        gate, up = full[fc1].chunk(2)
+        assert torch.equal(shards[0][fc1], torch.cat([gate[:64], up[:64]]))              # gate and up each split
+        assert shards[0]['embedding.word_embeddings.weight'].shape[0] == mb.padded_vocab(cfg.vocab_size, 2) // 2
+    with pytest.raises(ValueError, match='num_key_value_heads'):
+        mb.hf_to_megatron(hf.state_dict(), cfg, 0, 4)
+
+
+def _tp_worker(rank, world, port, job, out_path):
+    "One TP rank: runs `job` and, on rank 0, saves its result dict to `out_path`."
+    import os
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    warnings.filterwarnings('ignore')
+    try:
+        res = job()
+        if rank == 0: torch.save(res, out_path)
+    finally: mb.destroy_parallel()
+
+
+def _run_tp2(job, tmp_path):
+    import torch.multiprocessing as mp
+    out = tmp_path / 'tp2.pt'
+    mp.spawn(_tp_worker, args=(2, mb._free_port(), job, str(out)), nprocs=2)
+    return torch.load(out)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (12, 7, 10)]
+    return mb.right_pad(seqs, masks=[[0] * 4 + [1] * (len(s) - 4) for s in seqs])
+
+
+TP_CONFIGS = {'qwen3': lambda: tiny_qwen3(), 'llama': lambda: tiny_llama(), 'llama-tied': lambda: tiny_llama(tied=True),
+              'qwen3-vocab511': lambda: tiny_qwen3(vocab_size=511)}   # 511 is padded to 512 at TP 2
+
+
+def _job_logits(name):
+    cfg, b = TP_CONFIGS[name](), _batch()
+    hf = hf_model(cfg)
+    be = mb.MegatronBackend(hf, tp=2, chunk_tokens=4)
+    assert be.parallel.tp == 2 and be._output_weight().shape[0] == mb.padded_vocab(cfg.vocab_size, 2) // 2
+    with torch.no_grad():
+        ref = hf(input_ids=b['input_ids'], attention_mask=b['attention_mask']).logits
+        lg = be.logits(b['input_ids'])
+        d_logits = (lg - ref)[b['attention_mask'].bool()].abs().max().item()
+        d_logp = (be.logprobs(b) - hf_logprobs(hf, b)).abs().max().item()
+    return dict(shape=tuple(lg.shape), d_logits=d_logits, d_logp=d_logp)
+
+
+@pytest.mark.parametrize('name', list(TP_CONFIGS))
+def test_tp2_logits_match_hf(name, tmp_path):
+    import functools
+    r = _run_tp2(functools.partial(_job_logits, name), tmp_path)
+    print(f"TP 2 {name}: max|logits diff| {r['d_logits']:.2e}, max|logp diff| {r['d_logp']:.2e}")
+    assert r['shape'] == (3, 12, TP_CONFIGS[name]().vocab_size)
+    assert r['d_logits'] < 1e-4 and r['d_logp'] < 1e-4
+
+
+def _job_roundtrip():
+    res = {}
+    for name in ('qwen3', 'llama-tied', 'qwen3-vocab511'):
+        cfg = TP_CONFIGS[name]()
+        hf = hf_model(cfg)
+        be = mb.MegatronBackend(hf, tp=2)
+        sd, rt = hf.state_dict(), be.hf_state_dict()
+        res[name] = set(rt) == set(sd) and all(torch.equal(rt[k], sd[k]) for k in sd)
+    return res
+
+
+def test_tp2_roundtrip_is_bit_exact(tmp_path):
+    assert _run_tp2(_job_roundtrip, tmp_path) == {'qwen3': True, 'llama-tied': True, 'qwen3-vocab511': True}
+
+
+ADV = torch.tensor([1.0, -0.5, 0.25])
+
+
+def _job_step(tp, name, grad_clip):
+    b = _batch()
+    be = mb.MegatronBackend(hf_model(TP_CONFIGS[name]()), optimizer='sgd', lr=0.5, grad_clip=grad_clip, chunk_tokens=4, tp=tp)
+    loss, norm = be.train_step(lambda m: pg_loss(m.logprobs(b), b, ADV))
+    return dict(loss=loss, norm=norm, sd=cpu(be.hf_state_dict()))
+
+
+@pytest.mark.parametrize('name, grad_clip', [('qwen3', None), ('qwen3', 0.5), ('llama-tied', 0.5)])
+def test_tp2_sgd_step_matches_tp1(name, grad_clip, tmp_path):
+    "One SGD step on the same rows at TP 2 and at TP 1 (this process): same loss, pre-clip norm and weights."
+    import functools
+    r2 = _run_tp2(functools.partial(_job_step, 2, name, grad_clip), tmp_path)
+    r1 = _job_step(1, name, grad_clip)
+    dw = max((r2['sd'][k] - v).abs().max().item() for k, v in r1['sd'].items())
+    print(f"TP 2 vs TP 1 ({name}, clip {grad_clip}): loss {r2['loss']:.6f}/{r1['loss']:.6f} norm {r2['norm']:.6f}/{r1['norm']:.6f} max|dw| {dw:.1e}")
+    assert abs(r2['loss'] - r1['loss']) < 1e-5 and abs(r2['norm'] - r1['norm']) < 1e-4
+    if grad_clip: assert r1['norm'] > grad_clip                     # clipping was active
+    assert set(r2['sd']) == set(r1['sd']) and dw < 1e-5
+
+
+def _job_export(out_dir):
+    b = _batch()
+    be = mb.MegatronBackend(hf_model(tiny_qwen3()), optimizer='sgd', lr=0.5, tp=2)
+    be.step(pg_loss(be.logprobs(b), b, ADV))
+    be.save_hf(out_dir)
+    with torch.no_grad(): return dict(logits=be.logits(b['input_ids']))
+
+
+def test_tp2_export_reloads_with_transformers(tmp_path):
+    import functools
+    r = _run_tp2(functools.partial(_job_export, str(tmp_path / 'hf')), tmp_path)
+    re = AutoModelForCausalLM.from_pretrained(tmp_path / 'hf', attn_implementation='eager').float().eval()
+    with torch.no_grad(): d = (re(input_ids=_batch()['input_ids']).logits - r['logits']).abs().max().item()
+    assert d < 1e-4
