@@ -136,3 +136,22 @@ def test_failed_trajectory_drops_its_whole_group(tmp_path, examples):
     bad = {t['group_index'] for t in dump if t['error']}
     kept = [t for t in dump if t['group_index'] not in bad]
     assert m['rows_generated'] == sum(len(t['turns']) for t in kept) == m['rows_consumed']
+
+def test_megatron_tensor_parallel_trains_like_torch(tmp_path, examples):
+    pytest.importorskip('megatron.core')
+    sgd = {'schedule.steps': 1, 'optim.name': 'sgd', 'optim.lr': 0.1}
+    torch_run = Trainer(_cfg(**sgd), tmp_path/'torch', examples, progress=False, tensorboard=False)
+    m_t = torch_run.train()[0]
+    tp_cfg = _cfg(**sgd, **{'backend': 'megatron', 'batch.n_gpus': 2, 'batch.tp': 2})
+    tp = Trainer(tp_cfg, tmp_path/'tp', examples, progress=False, tensorboard=False, world_size=2,
+                 replay_dir=tmp_path/'torch'/'rollouts')
+    try:
+        assert sorted((l['tp_rank'], l['dp_rank']) for l in tp.group.layouts) == [(0, 0), (1, 0)]
+        m = tp.train()[0]
+        assert m['rows_consumed_per_rank'] == [m['rows_consumed']] and m['rows_consumed'] == m_t['rows_consumed']
+        assert math.isclose(m['loss'], m_t['loss'], rel_tol=1e-4, abs_tol=1e-6)
+        assert math.isclose(m['grad_norm'], m_t['grad_norm'], rel_tol=1e-3)
+        assert _close(_weights(tp), _weights(torch_run), atol=1e-5), 'TP 2 step must match the single-process torch step'
+        ck = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path/'tp'/'checkpoints'))
+        assert len(ck['optimizer']['ranks']) == 2
+    finally: tp.close()
