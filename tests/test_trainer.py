@@ -155,3 +155,20 @@ def test_megatron_tensor_parallel_trains_like_torch(tmp_path, examples):
         ck = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path/'tp'/'checkpoints'))
         assert len(ck['optimizer']['ranks']) == 2
     finally: tp.close()
+
+def test_megatron_tp2_dp2_trains_like_torch(tmp_path, examples):
+    "Four ranks: two replicas of a TP-2 model, each taking half of the step's rows."
+    pytest.importorskip('megatron.core')
+    sgd = {'schedule.steps': 1, 'optim.name': 'sgd', 'optim.lr': 0.1}
+    torch_run = Trainer(_cfg(**sgd), tmp_path/'torch', examples, progress=False, tensorboard=False)
+    m_t = torch_run.train()[0]
+    cfg = _cfg(**sgd, **{'backend': 'megatron', 'batch.n_gpus': 4, 'batch.tp': 2})
+    run = Trainer(cfg, tmp_path/'tpdp', examples, progress=False, tensorboard=False, world_size=4,
+                  replay_dir=tmp_path/'torch'/'rollouts')
+    try:
+        m = run.train()[0]
+        assert len(m['rows_consumed_per_rank']) == 2 and len(set(m['rows_consumed_per_rank'])) == 1
+        assert m['rows_consumed'] == m_t['rows_consumed'] + m['rows_padding']
+        assert math.isclose(m['loss'], m_t['loss'], rel_tol=1e-4, abs_tol=1e-6)
+        assert _close(_weights(run), _weights(torch_run), atol=1e-5)
+    finally: run.close()
