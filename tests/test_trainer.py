@@ -30,6 +30,23 @@ def _weights(tr): return {k: v.clone() for k, v in tr._model_state().items()}
 def _close(a, b, atol=1e-6):
     return all(torch.allclose(a[k].float(), b[k].float(), atol=atol) for k in a)
 
+# SGD: Adam's first step is ~lr*sign(g), so float noise in near-zero gradients would flip whole updates.
+SGD = {'schedule.steps': 1, 'optim.name': 'sgd', 'optim.lr': 0.1}
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory, examples):
+    "One online single-process SGD step on the torch backend: what replay, Ray DP and megatron runs must reproduce."
+    d = tmp_path_factory.mktemp('reference')
+    tr = Trainer(_cfg(**SGD), d, examples, progress=False, tensorboard=False)
+    m = tr.train()[0]
+    assert m['grad_norm'] > 0
+    return {'metrics': m, 'weights': _weights(tr), 'rollouts': d/'rollouts'}
+
+def _replayed(tmp_path, examples, reference, name, world_size=1, **overrides):
+    "A trainer on the reference run's rollout dumps, so it sees exactly the reference rows."
+    return Trainer(_cfg(**SGD, **overrides), tmp_path/name, examples, progress=False, tensorboard=False,
+                   world_size=world_size, replay_dir=reference['rollouts'])
+
 def test_resume_is_exact(tmp_path, examples):
     cfg = _cfg(**{'schedule.steps': 2})
     full = Trainer(cfg, tmp_path/'full', examples, progress=False, tensorboard=False)
@@ -62,24 +79,19 @@ def test_crash_during_save_keeps_previous(tmp_path, examples, monkeypatch):
     assert again.step_no == 1
     assert _close(_weights(again), before['model'], atol=0)
 
-def test_replay_matches_online_and_ray_dp(tmp_path, examples):
-    # SGD: Adam's first step is ~lr*sign(g), so float noise in near-zero gradients would flip whole updates.
-    cfg = _cfg(**{'schedule.steps': 1, 'optim.name': 'sgd', 'optim.lr': 0.1})
-    online = Trainer(cfg, tmp_path/'online', examples, progress=False, tensorboard=False)
-    m_on = online.train()[0]
-    assert m_on['grad_norm'] > 0
-    replay = Trainer(cfg, tmp_path/'replay', examples, progress=False, tensorboard=False, replay_dir=tmp_path/'online'/'rollouts')
+def test_replay_matches_online_and_ray_dp(tmp_path, examples, reference):
+    m_on, w_on = reference['metrics'], reference['weights']
+    replay = _replayed(tmp_path, examples, reference, 'replay')
     m_re = replay.train()[0]
     assert m_re['rows_consumed'] == m_on['rows_consumed']
-    assert _close(_weights(replay), _weights(online), atol=1e-7)
-    dp = Trainer(cfg, tmp_path/'dp', examples, progress=False, tensorboard=False, world_size=2,
-                 replay_dir=tmp_path/'online'/'rollouts')
+    assert _close(_weights(replay), w_on, atol=1e-7)
+    dp = _replayed(tmp_path, examples, reference, 'dp', world_size=2)
     try:
         m_dp = dp.train()[0]
         assert len(m_dp['rows_consumed_per_rank']) == 2 and len(set(m_dp['rows_consumed_per_rank'])) == 1
         assert m_dp['rows_consumed'] == m_dp['rows_generated'] + m_dp['rows_padding'] == m_dp['rows_transferred']
         assert math.isclose(m_dp['loss'], m_on['loss'], rel_tol=1e-4, abs_tol=1e-7)
-        assert _close(_weights(dp), _weights(online), atol=1e-6), 'summed DP gradients must equal the single-process step'
+        assert _close(_weights(dp), w_on, atol=1e-6), 'summed DP gradients must equal the single-process step'
     finally: dp.close()
 
 def test_export_reloads_and_generates(tmp_path, examples):
@@ -94,18 +106,15 @@ def test_export_reloads_and_generates(tmp_path, examples):
     assert _close({k: v for k, v in m.state_dict().items()}, _weights(tr), atol=0)
     assert json.loads((p/'memagent_provenance.json').read_text())['step'] == 1
 
-def test_megatron_backend_trains_like_torch(tmp_path, examples):
+def test_megatron_backend_trains_like_torch(tmp_path, examples, reference):
     pytest.importorskip('megatron.core')
-    cfg = _cfg(**{'schedule.steps': 1, 'optim.name': 'sgd', 'optim.lr': 0.1})
-    torch_run = Trainer(cfg, tmp_path/'torch', examples, progress=False, tensorboard=False)
-    m_t = torch_run.train()[0]
-    mcfg = _cfg(**{'schedule.steps': 1, 'optim.name': 'sgd', 'optim.lr': 0.1, 'backend': 'megatron'})
-    meg = Trainer(mcfg, tmp_path/'meg', examples, progress=False, tensorboard=False, replay_dir=tmp_path/'torch'/'rollouts')
+    m_t = reference['metrics']
+    meg = _replayed(tmp_path, examples, reference, 'meg', backend='megatron')
     try:
         m_m = meg.train()[0]
         assert math.isclose(m_m['loss'], m_t['loss'], rel_tol=1e-4, abs_tol=1e-6)
         assert math.isclose(m_m['grad_norm'], m_t['grad_norm'], rel_tol=1e-3)
-        assert _close(_weights(meg), _weights(torch_run), atol=1e-5), 'one GRPO step moves both backends alike'
+        assert _close(_weights(meg), reference['weights'], atol=1e-5), 'one GRPO step moves both backends alike'
         p = meg.export(tmp_path/'hf')
         from transformers import AutoModelForCausalLM
         assert _close(AutoModelForCausalLM.from_pretrained(p).state_dict(), _weights(meg), atol=0)
@@ -137,38 +146,30 @@ def test_failed_trajectory_drops_its_whole_group(tmp_path, examples):
     kept = [t for t in dump if t['group_index'] not in bad]
     assert m['rows_generated'] == sum(len(t['turns']) for t in kept) == m['rows_consumed']
 
-def test_megatron_tensor_parallel_trains_like_torch(tmp_path, examples):
+def test_megatron_tensor_parallel_trains_like_torch(tmp_path, examples, reference):
     pytest.importorskip('megatron.core')
-    sgd = {'schedule.steps': 1, 'optim.name': 'sgd', 'optim.lr': 0.1}
-    torch_run = Trainer(_cfg(**sgd), tmp_path/'torch', examples, progress=False, tensorboard=False)
-    m_t = torch_run.train()[0]
-    tp_cfg = _cfg(**sgd, **{'backend': 'megatron', 'batch.n_gpus': 2, 'batch.tp': 2})
-    tp = Trainer(tp_cfg, tmp_path/'tp', examples, progress=False, tensorboard=False, world_size=2,
-                 replay_dir=tmp_path/'torch'/'rollouts')
+    m_t = reference['metrics']
+    tp = _replayed(tmp_path, examples, reference, 'tp', world_size=2, **{'backend': 'megatron', 'batch.n_gpus': 2, 'batch.tp': 2})
     try:
         assert sorted((l['tp_rank'], l['dp_rank']) for l in tp.group.layouts) == [(0, 0), (1, 0)]
         m = tp.train()[0]
         assert m['rows_consumed_per_rank'] == [m['rows_consumed']] and m['rows_consumed'] == m_t['rows_consumed']
         assert math.isclose(m['loss'], m_t['loss'], rel_tol=1e-4, abs_tol=1e-6)
         assert math.isclose(m['grad_norm'], m_t['grad_norm'], rel_tol=1e-3)
-        assert _close(_weights(tp), _weights(torch_run), atol=1e-5), 'TP 2 step must match the single-process torch step'
+        assert _close(_weights(tp), reference['weights'], atol=1e-5), 'TP 2 step must match the single-process torch step'
         ck = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path/'tp'/'checkpoints'))
         assert len(ck['optimizer']['ranks']) == 2
     finally: tp.close()
 
-def test_megatron_tp2_dp2_trains_like_torch(tmp_path, examples):
+def test_megatron_tp2_dp2_trains_like_torch(tmp_path, examples, reference):
     "Four ranks: two replicas of a TP-2 model, each taking half of the step's rows."
     pytest.importorskip('megatron.core')
-    sgd = {'schedule.steps': 1, 'optim.name': 'sgd', 'optim.lr': 0.1}
-    torch_run = Trainer(_cfg(**sgd), tmp_path/'torch', examples, progress=False, tensorboard=False)
-    m_t = torch_run.train()[0]
-    cfg = _cfg(**sgd, **{'backend': 'megatron', 'batch.n_gpus': 4, 'batch.tp': 2})
-    run = Trainer(cfg, tmp_path/'tpdp', examples, progress=False, tensorboard=False, world_size=4,
-                  replay_dir=tmp_path/'torch'/'rollouts')
+    m_t = reference['metrics']
+    run = _replayed(tmp_path, examples, reference, 'tpdp', world_size=4, **{'backend': 'megatron', 'batch.n_gpus': 4, 'batch.tp': 2})
     try:
         m = run.train()[0]
         assert len(m['rows_consumed_per_rank']) == 2 and len(set(m['rows_consumed_per_rank'])) == 1
         assert m['rows_consumed'] == m_t['rows_consumed'] + m['rows_padding']
         assert math.isclose(m['loss'], m_t['loss'], rel_tol=1e-4, abs_tol=1e-6)
-        assert _close(_weights(run), _weights(torch_run), atol=1e-5)
+        assert _close(_weights(run), reference['weights'], atol=1e-5)
     finally: run.close()
