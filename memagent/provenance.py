@@ -9,7 +9,8 @@ from pathlib import Path
 from importlib import metadata
 
 # %% auto #0
-__all__ = ['KEY_PACKAGES', 'sha256_file', 'sha256_text', 'sha256_dir', 'git_state', 'package_versions', 'host_info', 'provenance']
+__all__ = ['KEY_PACKAGES', 'sha256_file', 'sha256_bytes', 'sha256_text', 'sha256_dir', 'flatten', 'git_state', 'package_versions',
+           'host_info', 'provenance']
 
 # %% ../nbs/01_provenance.ipynb #806a4499
 _BLOCK = 1 << 20
@@ -21,9 +22,13 @@ def sha256_file(path) -> str:
         for b in iter(lambda: f.read(_BLOCK), b''): h.update(b)
     return h.hexdigest()
 
+def sha256_bytes(data: bytes) -> str:
+    "SHA-256 of `data`."
+    return hashlib.sha256(data).hexdigest()
+
 def sha256_text(s: str) -> str:
     "SHA-256 of a string's UTF-8 bytes."
-    return hashlib.sha256(s.encode('utf-8')).hexdigest()
+    return sha256_bytes(s.encode('utf-8'))
 
 def sha256_dir(path, include=None, exclude=('.git', '__pycache__')) -> str:
     "SHA-256 over a directory: sorted relative paths and each file's SHA-256, so moving the directory keeps the hash."
@@ -33,6 +38,16 @@ def sha256_dir(path, include=None, exclude=('.git', '__pycache__')) -> str:
     if not files: raise ValueError(f"{root}: no files to hash")
     for p in files: h.update(f"{p.relative_to(root).as_posix()}\0{sha256_file(p)}\n".encode())
     return h.hexdigest()
+
+# %% ../nbs/01_provenance.ipynb #54425c8f
+def flatten(d: dict, prefix: str = '') -> dict:
+    "A nested dict as `{'a.b': leaf}` (dotted keys in insertion order; empty dicts and lists are leaves)."
+    out = {}
+    for k, v in d.items():
+        key = f'{prefix}{k}'
+        if isinstance(v, dict) and v: out.update(flatten(v, key + '.'))
+        else: out[key] = v
+    return out
 
 # %% ../nbs/01_provenance.ipynb #826f3b86
 def git_state(path='.') -> dict:
