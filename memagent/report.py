@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, csv, dataclasses, json, math, sys
 from pathlib import Path
 import yaml
-from .provenance import provenance, sha256_file
+from .provenance import flatten, provenance, sha256_file
 
 # %% auto #0
 __all__ = ['REQUIRED_FIELDS', 'SUMMARY_FILES', 'read_metrics', 'check_steps', 'moving_average', 'window_stats', 'scalar_columns',
@@ -210,27 +210,23 @@ def _cell(v, floatfmt):
     if isinstance(v, float): return format(v, floatfmt)
     return str(v).replace('|', '\\|').replace('\n', ' ')
 
-def md_table(rows: list[dict], columns=None, floatfmt: str = '.3f') -> str:
-    "A GitHub markdown table of `rows` (columns: given, or every key in order of first appearance)."
+def md_table(rows: list[dict], columns=None, floatfmt: str = '.3f', align: bool = True) -> str:
+    "A GitHub markdown table of `rows` (columns: given, or every key in order of first appearance); `align` right-aligns numeric columns."
     if columns is None:
         columns = []
         for r in rows:
             for k in r:
                 if k not in columns: columns.append(k)
     if not columns: return '_(no rows)_'
-    num = [all(_is_number(r.get(c)) or r.get(c) is None for r in rows) and any(_is_number(r.get(c)) for r in rows) for c in columns]
-    lines = ['| ' + ' | '.join(_cell(c, floatfmt) for c in columns) + ' |',
-             '|' + '|'.join('---:' if n else '---' for n in num) + '|']
+    if align:
+        num = [all(_is_number(r.get(c)) or r.get(c) is None for r in rows) and any(_is_number(r.get(c)) for r in rows) for c in columns]
+        rule = '|' + '|'.join('---:' if n else '---' for n in num) + '|'
+    else: rule = '| ' + ' | '.join('---' for _ in columns) + ' |'
+    lines = ['| ' + ' | '.join(_cell(c, floatfmt) for c in columns) + ' |', rule]
     lines += ['| ' + ' | '.join(_cell(r.get(c), floatfmt) for c in columns) + ' |' for r in rows]
     return '\n'.join(lines)
 
 # %% ../nbs/17_report.ipynb #ddd1e692
-def _flat(d, prefix=''):
-    for k, v in d.items():
-        p = f'{prefix}{k}'
-        if isinstance(v, dict) and v: yield from _flat(v, p + '.')
-        else: yield p, v
-
 _HASHY = ('sha256', 'hash', 'revision', 'commit', 'identity')
 
 def provenance_md(prov: dict) -> str:
@@ -252,7 +248,7 @@ def provenance_md(prov: dict) -> str:
         if h.get('devices'): parts.append('devices ' + ', '.join(h['devices']))
         elif 'cuda' in h: parts.append(f"cuda {h['cuda']}")
         out.append('- host: ' + '; '.join(map(str, parts)))
-    flat = list(_flat(prov))
+    flat = list(flatten(prov).items())
     hashes = [(k, v) for k, v in flat if any(w in k.lower() for w in _HASHY)]
     other = [(k, v) for k, v in flat if (k, v) not in hashes]
     if hashes:
