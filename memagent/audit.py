@@ -4,15 +4,17 @@
 
 # %% ../nbs/18_audit.ipynb #fde7b4a7
 from __future__ import annotations
-import argparse, copy, hashlib, importlib.util, json, math, os, platform, subprocess, sys
+import argparse, copy, importlib.util, json, math, os, platform, subprocess, sys
 from pathlib import Path
+from .provenance import flatten, sha256_file
+from .report import md_table
 
 # %% auto #0
 __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_MODULE', 'AUDITED_FILES', 'CALL_SITE_WEIGHTS',
            'N_CASES', 'FIXTURES_SCHEMA', 'RECEIPT_SCHEMA', 'EXPECT_KEYS', 'AuditError', 'AuditRefused',
-           'VerificationError', 'sha256_bytes', 'sha256_file', 'default_report_dir', 'validate_fixtures',
-           'load_fixtures', 'flatten', 'values_match', 'compare', 'check_checkout', 'load_reward_module', 'StubJudge',
-           'run_case', 'run_audit', 'write_receipt', 'verify_receipt', 'summary_rows', 'markdown_table', 'audit_cli']
+           'VerificationError', 'default_report_dir', 'validate_fixtures', 'load_fixtures', 'values_match', 'compare',
+           'check_checkout', 'load_reward_module', 'StubJudge', 'run_case', 'run_audit', 'write_receipt',
+           'verify_receipt', 'summary_rows', 'summary_table', 'audit_cli']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
 PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
@@ -48,17 +50,6 @@ class VerificationError(AuditError):
         super().__init__(head + '\n'.join(f'  - {p}' for p in self.problems[:50]))
 
 # %% ../nbs/18_audit.ipynb #8cf8b272
-def sha256_bytes(data: bytes) -> str:
-    "Hex SHA-256 of `data`."
-    return hashlib.sha256(data).hexdigest()
-
-def sha256_file(path) -> str:
-    "Hex SHA-256 of the bytes of the file at `path`."
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for block in iter(lambda: f.read(1 << 20), b''): h.update(block)
-    return h.hexdigest()
-
 def default_report_dir(start=None) -> Path:
     "`reports/agemem_audit` under the first folder at or above `start` (default: cwd) that holds `settings.ini`."
     here = Path(start or Path.cwd()).resolve()
@@ -114,15 +105,6 @@ def load_fixtures(path, n_cases=N_CASES) -> dict:
 
 # %% ../nbs/18_audit.ipynb #d36a46cd
 _MISSING = '<missing>'
-
-def flatten(d: dict, prefix='') -> dict:
-    "Nested dict -> {'a.b': leaf}."
-    out = {}
-    for k, v in d.items():
-        key = f'{prefix}{k}'
-        if isinstance(v, dict) and v: out.update(flatten(v, key + '.'))
-        else: out[key] = v
-    return out
 
 def values_match(expected, observed, tol=1e-9) -> bool:
     "Protocol rule for one leaf: bools are bools, numbers within `tol`, everything else equal."
@@ -340,14 +322,13 @@ def summary_rows(receipt: dict) -> list[dict]:
                      'match': all(x['match'] for x in c['checks'])})
     return rows
 
-def markdown_table(rows: list[dict], digits=6) -> str:
-    "Render `rows` (list of flat dicts) as a markdown table; floats rounded to `digits`."
-    if not rows: return ''
-    fmt = lambda v: f'{v:.{digits}g}' if isinstance(v, float) else (f'`{v}`' if isinstance(v, str) and v and v[0].isalpha() and '_' in v else str(v))
-    cols = list(rows[0])
-    lines = ['| ' + ' | '.join(cols) + ' |', '|' + ' --- |' * len(cols)]
-    lines += ['| ' + ' | '.join(fmt(r[c]) for c in cols) + ' |' for r in rows]
-    return '\n'.join(lines)
+def _code(v):
+    "An identifier (a letter first, an underscore inside) in backticks; any other value unchanged."
+    return f'`{v}`' if isinstance(v, str) and v[:1].isalpha() and '_' in v else v
+
+def summary_table(receipt: dict) -> str:
+    "The markdown table of `summary_rows(receipt)`: plain rules, floats to 6 significant digits, identifiers as code."
+    return md_table([{k: _code(v) for k, v in r.items()} for r in summary_rows(receipt)], floatfmt='.6g', align=False)
 
 # %% ../nbs/18_audit.ipynb #8ef9cca1
 def audit_cli(argv=None) -> int:
