@@ -7,23 +7,39 @@ from __future__ import annotations
 import re
 from importlib.resources import files
 from pathlib import Path
-from .provenance import sha256_text
+from .provenance import sha256_bytes, sha256_text
 
 # %% auto #0
-__all__ = ['PROMPTS_DIR', 'VARIANTS', 'THINKING', 'TEMPLATES', 'NO_MEMORY', 'template_sha256s', 'memory_prompt', 'final_prompt',
-           'strip_thinking', 'render_user', 'encode_user', 'chat_preamble', 'injected_system_prompt', 'bound_memory',
-           'memory_from_response', 'base_prompt', 'prompt_record']
+__all__ = ['PROMPTS_DIR', 'VARIANTS', 'THINKING', 'TEMPLATE_SHA256', 'TEMPLATES', 'NO_MEMORY', 'check_templates',
+           'template_sha256s', 'memory_prompt', 'final_prompt', 'strip_thinking', 'render_user', 'encode_user',
+           'chat_preamble', 'injected_system_prompt', 'bound_memory', 'memory_from_response', 'base_prompt',
+           'prompt_record']
 
 # %% ../nbs/05_prompts.ipynb #accfc86f
 PROMPTS_DIR = Path(str(files('memagent')))/'assets'/'prompts'
 VARIANTS = ('train', 'eval')
 THINKING = ('off', 'on', 'strip')
+TEMPLATE_SHA256 = {   # SHA-256 of each template file's bytes: the byte-exact MemAgent templates
+    'base_suffix':  '82238104350f2afa0d0e833e67f4384e35ad37f73cb2569d2f572a2264bada26',
+    'final_eval':   '2897717ca5daa139493c821e1062ae8ed9ab763b979fba2ba823fd48c80f4aee',
+    'final_train':  '80f787ea759b129e383f2df8e7e49b03adfde171e9f1df1a87ae536508437bf6',
+    'memory_eval':  '8fad4576140d8bec7a07668f0cffc9aa88df89b5642db4b305b086d5659ae171',
+    'memory_train': 'f7dd45f05fe8fe08f9966730b3d3872fa67f05961cad9f21dcfcd4ec2cbdd9c8',
+    'no_memory':    '1dd86650b232de2f2d2cb11bab363c49d658e706f1accecb39f7b3e7c1272608'}
+
+def check_templates(d: Path = PROMPTS_DIR, pinned: dict = TEMPLATE_SHA256) -> dict:
+    "The SHA-256 of every `*.txt` in `d`, by stem, after checking they are exactly the `pinned` ones."
+    got = {f.stem: sha256_bytes(f.read_bytes()) for f in sorted(Path(d).glob('*.txt'))}
+    if set(got) != set(pinned):
+        raise ValueError(f"{d}: prompt templates {sorted(got)} are not the pinned set {sorted(pinned)}")
+    bad = [f"{k}.txt has SHA-256 {got[k]}, pinned {pinned[k]}" for k in sorted(got) if got[k] != pinned[k]]
+    if bad: raise ValueError(f"{d}: prompt templates differ from the pinned MemAgent bytes: " + '; '.join(bad))
+    return got
 
 def _load_templates(d: Path = PROMPTS_DIR) -> dict:
-    "Every `*.txt` in `d`, keyed by file stem, decoded from the raw bytes."
-    paths = sorted(Path(d).glob('*.txt'))
-    if not paths: raise FileNotFoundError(f"{d}: no prompt templates (*.txt) found; the package data is missing")
-    return {f.stem: f.read_bytes().decode('utf-8') for f in paths}
+    "Every `*.txt` in `d`, keyed by file stem, decoded from the raw bytes, after `check_templates`."
+    check_templates(d)
+    return {f.stem: f.read_bytes().decode('utf-8') for f in sorted(Path(d).glob('*.txt'))}
 
 TEMPLATES = _load_templates()
 NO_MEMORY = TEMPLATES['no_memory']
