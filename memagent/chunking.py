@@ -9,7 +9,7 @@ from array import array
 from dataclasses import dataclass, field, asdict
 
 # %% auto #0
-__all__ = ['chunk_tokens', 'Chunks', 'chunk_ids', 'trim_centre', 'encode_long', 'chunk_document']
+__all__ = ['Chunks', 'chunk_ids', 'trim_centre', 'encode_long', 'chunk_document']
 
 # %% ../nbs/04_chunking.ipynb #847e3868
 @dataclass
@@ -62,8 +62,6 @@ def chunk_ids(ids, chunk_tokens: int, max_chunks: int | None = None, tokenizer=N
                   total_tokens=n + trimmed_tokens if total_tokens is None else total_tokens,
                   truncated=kept < total, dropped_chunks=total - kept, dropped_tokens=n - sum(counts),
                   trimmed_tokens=trimmed_tokens, hard_splits=hard_splits).check()
-
-chunk_tokens = chunk_ids
 
 # %% ../nbs/04_chunking.ipynb #58541203
 def trim_centre(ids, max_tokens: int):
