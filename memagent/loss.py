@@ -10,26 +10,15 @@ import torch
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['KL_ESTIMATORS', 'LossParams', 'loss_params', 'masked_mean', 'row_means', 'ppo_surrogate', 'kl_k1', 'kl_k2', 'kl_k3',
-           'kl_penalty', 'tis_weights', 'entropy_from_logits', 'logprobs_from_logits', 'token_loss', 'row_loss',
-           'policy_loss', 'pack_rows', 'packing_stats', 'synthetic_row_lengths']
+__all__ = ['KL_ESTIMATORS', 'loss_params', 'masked_mean', 'row_means', 'ppo_surrogate', 'kl_k1', 'kl_k2', 'kl_k3', 'kl_penalty',
+           'tis_weights', 'entropy_from_logits', 'logprobs_from_logits', 'token_loss', 'row_loss', 'policy_loss']
 
 # %% ../nbs/11_loss.ipynb #16cec9b3
-@dataclass
-class LossParams:
-    "Loss coefficients; defaults are the frozen Qwen3-4B recipe."
-    clip_low: float = 0.2
-    clip_high: float = 0.3
-    dual_clip: float | None = None      # official parity: 3.0
-    kl_type: str = 'low_var_kl'         # 'low_var_kl' | 'k3' | 'k1' | 'k2' | 'none'
-    kl_coef: float = 0.001
-    kl_clamp: float | None = 10.0
-    entropy_coef: float = 0.0
-    tis_cap: float | None = None
+from .config import LossCfg
 
-def loss_params(cfg=None):
-    "The loss section of `cfg` (a config with `.loss`, a loss section, or None for `LossParams()`)."
-    if cfg is None: return LossParams()
+def loss_params(cfg=None) -> LossCfg:
+    "The loss section of `cfg` (a config with `.loss`, a `LossCfg`, or None for the frozen recipe's defaults)."
+    if cfg is None: return LossCfg()
     return cfg.loss if hasattr(cfg, 'loss') else cfg
 
 # %% ../nbs/11_loss.ipynb #435018de
@@ -143,14 +132,14 @@ def row_loss(logp, old_logp, credit, mask, ref_logp=None, cfg=None, rollout_logp
     tok, parts = token_loss(logp, old_logp, credit, ref_logp, cfg, rollout_logp, entropy)
     return row_means(tok, mask), parts
 
-def policy_loss(logp, old_logp, advantages, mask, weights, ref_logp=None, cfg=None, rollout_logp=None, entropy=None):
-    "Step (or micro-batch) loss `sum_i weights_i * rowmean_i(token_loss)`; `advantages` is the per-row credit. Returns `(loss, metrics)`."
+def policy_loss(logp, old_logp, credit, mask, weights, ref_logp=None, cfg=None, rollout_logp=None, entropy=None):
+    "Step (or micro-batch) loss `sum_i weights_i * rowmean_i(token_loss)`; `credit` and `weights` are per row. Returns `(loss, metrics)`."
     if logp.dim() != 2: raise ValueError(f"logp must be [rows, tokens], got shape {tuple(logp.shape)}")
     for name, t in (('old_logp', old_logp), ('mask', mask), ('ref_logp', ref_logp), ('rollout_logp', rollout_logp), ('entropy', entropy)):
         if t is not None and t.shape != logp.shape: raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
     if weights.shape != logp.shape[:1]: raise ValueError(f"weights shape {tuple(weights.shape)} != ({logp.shape[0]},)")
     p = loss_params(cfg)
-    rl, parts = row_loss(logp, old_logp, advantages, mask, ref_logp, p, rollout_logp, entropy)
+    rl, parts = row_loss(logp, old_logp, credit, mask, ref_logp, p, rollout_logp, entropy)
     w = weights.to(rl.dtype)
     loss = (w * rl).sum()
     m = mask.bool()
@@ -168,71 +157,3 @@ def policy_loss(logp, old_logp, advantages, mask, weights, ref_logp=None, cfg=No
         if 'entropy' in parts: met.update(entropy=tm(parts['entropy']), entropy_loss=-p.entropy_coef * wsum(parts['entropy']))
         if 'tis_capped' in parts: met.update(tis_capped_frac=tm(parts['tis_capped']))
     return loss, met
-
-# %% ../nbs/11_loss.ipynb #24926bea
-def _row_len(r) -> int: return int(r.num_tokens) if hasattr(r, 'num_tokens') else int(r)
-
-def pack_rows(rows, max_tokens: int = 9216, dp_size: int = 1, equal_micro: bool = True) -> list[list[list[int]]]:
-    "Per rank, micro-batches of row indices: equal rows per rank, token-balanced, first-fit decreasing under `max_tokens`."
-    L = [_row_len(r) for r in rows]
-    n = len(L)
-    if dp_size < 1: raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    if n == 0: raise ValueError("pack_rows: no rows to pack")
-    if n % dp_size: raise ValueError(f"pack_rows: {n} rows do not divide by dp_size {dp_size}")
-    for i, l in enumerate(L):
-        if l > max_tokens:
-            what = f" (traj {rows[i].traj_id} turn {rows[i].turn_index})" if hasattr(rows[i], 'traj_id') else ''
-            raise ValueError(f"row {i}{what} has {l} tokens > max_tokens={max_tokens}")
-    per = n // dp_size
-    ranks, load = [[] for _ in range(dp_size)], [0] * dp_size
-    for i in sorted(range(n), key=lambda i: (-L[i], i)):
-        k = min((k for k in range(dp_size) if len(ranks[k]) < per), key=lambda k: (load[k], k))
-        ranks[k].append(i); load[k] += L[i]
-    out = []
-    for idx in ranks:                      # idx is already longest-first
-        bins, fill = [], []
-        for i in idx:
-            for b in range(len(bins)):
-                if fill[b] + L[i] <= max_tokens: bins[b].append(i); fill[b] += L[i]; break
-            else: bins.append([i]); fill.append(L[i])
-        out.append(bins)
-    if equal_micro:
-        k = max(len(b) for b in out)
-        for bins in out:
-            while len(bins) < k:           # k <= rows per rank, so a bin with >= 2 rows always exists
-                j = max(range(len(bins)), key=lambda b: (len(bins[b]), -b))
-                b = bins.pop(j); bins[j:j] = [b[0::2], b[1::2]]
-    return out
-
-def packing_stats(rows, packs, max_tokens: int = 9216, naive_rows_per_micro: int | None = None) -> dict:
-    "Efficiency of `packs` (from `pack_rows`) as varlen budget fill and as padded batches, vs naive fixed-size padded batching."
-    L = [_row_len(r) for r in rows]
-    mbs = [b for rank in packs for b in rank]
-    real = sum(L)
-    padded = sum(len(b) * max(L[i] for i in b) for b in mbs)
-    k = naive_rows_per_micro or max(1, max_tokens // max(L))
-    naive = [list(range(s, min(s + k, len(L)))) for s in range(0, len(L), k)]
-    naive_slots = sum(len(b) * max(L[i] for i in b) for b in naive)
-    per_rank = [sum(L[i] for b in rank for i in b) for rank in packs]
-    return dict(rows=len(L), real_tokens=real, micro_batches=len(mbs), micro_batches_per_rank=[len(r) for r in packs],
-                rows_per_rank=[sum(len(b) for b in r) for r in packs], tokens_per_rank=per_rank,
-                rank_imbalance=max(per_rank) / (sum(per_rank) / len(per_rank)) - 1,
-                varlen_fill=real / (len(mbs) * max_tokens), padded_eff=real / padded,
-                lower_bound_micro_batches=math.ceil(real / max_tokens),
-                naive_rows_per_micro=k, naive_micro_batches=len(naive), naive_padded_eff=real / naive_slots,
-                naive_fill=real / (len(naive) * max_tokens))
-
-# %% ../nbs/11_loss.ipynb #097fddbd
-def synthetic_row_lengths(n_traj: int = 64, chunks=(10, 16), chunk: int = 2048, memory: int = 1024, final: int = 256,
-                          template: int = 150, seed: int = 0) -> list[int]:
-    "Row token lengths (prompt + response) of a step of MemAgent trajectories with growing, bounded memories."
-    import random
-    rng = random.Random(seed); out = []
-    for _ in range(n_traj):
-        C, mem = rng.randint(*chunks), rng.randint(20, 200)
-        for c in range(C):
-            ch = chunk if c < C - 1 else rng.randint(chunk // 10, chunk)
-            resp = min(memory, max(30, int(rng.gauss(mem + 100, 150))))
-            out.append(template + ch + mem + resp); mem = resp
-        out.append(template + 40 + mem + rng.randint(20, final))
-    return out

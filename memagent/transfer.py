@@ -11,7 +11,8 @@ from .trajectory import Row
 
 # %% auto #0
 __all__ = ['rows_to_arrays', 'num_array_rows', 'arrays_to_rows', 'take_arrays', 'concat_arrays', 'ChannelError', 'RowChannel',
-           'InProcessChannel', 'ensure_ray', 'RayChannel', 'bench_channel']
+           'InProcessChannel', 'ensure_ray', 'RayChannel', 'pad_rows', 'balance_ranks', 'micro_batches', 'layout_step',
+           'micro_batch_stats', 'collate']
 
 # %% ../nbs/12_transfer.ipynb #32103a1c
 _SCALARS = (('group_index', np.int64), ('turn_index', np.int64), ('num_turns', np.int64),
@@ -296,23 +297,73 @@ class RayChannel(RowChannel):
         import ray
         ray.kill(self._actor)
 
-# %% ../nbs/12_transfer.ipynb #316ff81e
-def bench_channel(n_rows: int, batched: bool, world_size: int = 2, prompt_tokens: int = 3000,
-                  response_tokens: int = 500, channel: RowChannel | None = None) -> dict:
-    "Rows/s through a channel (a fresh `RayChannel` by default): one put of `n_rows`, or one put per row; then `world_size` gets."
-    n_rows -= n_rows % world_size
-    rows = [Row(f'b{i}', 0, i, 1, 1.0, 0.5, 0.5, 1.0 / n_rows, list(range(prompt_tokens)), [1] * response_tokens,
-                [-0.5] * response_tokens, [1] * response_tokens) for i in range(n_rows)]
-    own = channel is None
-    ch = RayChannel(capacity=n_rows) if own else channel
-    rid = f'bench-{time.time_ns()}'
-    ch.counts(rid)                               # the actor is up before the clock starts
-    t0 = time.perf_counter()
-    wrote = ch.put(rid, rows, batch_size=None if batched else 1)
-    t1 = time.perf_counter()
-    got = sum(len(ch.get(rid, r, world_size, timeout=600)) for r in range(world_size))
-    t2 = time.perf_counter()
-    if own: ch.close()
-    if not wrote == got == n_rows: raise RuntimeError(f"bench: wrote {wrote}, got {got}, expected {n_rows}")
-    return dict(n_rows=n_rows, batched=batched, put_s=t1 - t0, get_s=t2 - t1,
-                rows_per_s=n_rows / (t2 - t0), put_rows_per_s=n_rows / (t1 - t0))
+# %% ../nbs/12_transfer.ipynb #7ea45d0b
+def pad_rows(rows: list[Row], multiple: int) -> tuple[list[Row], int]:
+    "`rows` plus zero-weight, zero-credit copies of the shortest row up to a multiple of `multiple`; returns `(rows, added)`."
+    if multiple < 1: raise ValueError(f"pad_rows: multiple must be >= 1, got {multiple}")
+    pad = (-len(rows)) % multiple if rows else 0
+    if not pad: return list(rows), 0
+    s = min(rows, key=lambda r: r.num_tokens)
+    filler = Row(s.traj_id, s.group_index, s.turn_index, s.num_turns, s.reward, 0.0, 0.0, 0.0,
+                 s.prompt_ids, s.response_ids, s.rollout_logprobs, s.loss_mask)
+    return list(rows) + [filler] * pad, pad
+
+def _lengths(rows) -> list[int]: return [int(r.num_tokens) if hasattr(r, 'num_tokens') else int(r) for r in rows]
+
+def balance_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
+    "Row indices per rank: exactly `n / dp_size` each, longest first to the least-loaded rank (tokens) with room."
+    n = len(lengths)
+    if dp_size < 1: raise ValueError(f"balance_ranks: dp_size must be >= 1, got {dp_size}")
+    if n % dp_size: raise ValueError(f"balance_ranks: {n} rows do not divide by dp_size {dp_size} (pad them first: pad_rows)")
+    per, ranks, load = n // dp_size, [[] for _ in range(dp_size)], [0] * dp_size
+    for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        k = min((k for k in range(dp_size) if len(ranks[k]) < per), key=lambda k: (load[k], k))
+        ranks[k].append(i); load[k] += lengths[i]
+    return [sorted(r) for r in ranks]
+
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    "Micro-batches of row indices whose right-padded size (rows x longest row) is at most `max_tokens`; first-fit decreasing."
+    if max_tokens < 1: raise ValueError(f"micro_batches: max_tokens must be >= 1, got {max_tokens}")
+    for i, l in enumerate(lengths):
+        if l > max_tokens: raise ValueError(f"row {i} has {l} tokens > the micro-batch budget max_tokens={max_tokens}")
+    bins, longest = [], []     # rows arrive longest first, so a bin's first row is its longest
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b in range(len(bins)):
+            if (len(bins[b]) + 1) * longest[b] <= max_tokens: bins[b].append(i); break
+        else: bins.append([i]); longest.append(lengths[i])
+    return bins
+
+def layout_step(rows: list[Row], dp_size: int) -> tuple[list[Row], int]:
+    "Pad to `dp_size` and order rows rank by rank (token-balanced); returns `(rows to put, padding rows added)`."
+    rows, pad = pad_rows(rows, dp_size)
+    return [rows[i] for rank in balance_ranks(_lengths(rows), dp_size) for i in rank], pad
+
+def micro_batch_stats(per_rank: list[list[list[int]]], max_tokens: int) -> dict:
+    "Budget fill, padding, balance and the lower bound of micro-batches given as row lengths, per rank (what the ranks ran)."
+    import math
+    flat = [b for r in per_rank for b in r]
+    real = sum(sum(b) for b in flat)
+    padded = [len(b) * max(b) for b in flat]
+    tok = [sum(sum(b) for b in r) for r in per_rank]
+    return dict(rows=sum(len(b) for b in flat), real_tokens=real, micro_batches=len(flat),
+                micro_batches_per_rank=[len(r) for r in per_rank], tokens_per_rank=tok,
+                rank_imbalance=max(tok) / (sum(tok) / len(tok)) - 1 if real else 0.0,
+                fill=real / (len(flat) * max_tokens) if flat else 0.0, padded_tokens=sum(padded) - real,
+                max_padded=max(padded, default=0), lower_bound_micro_batches=math.ceil(real / max_tokens))
+
+def collate(rows: list[Row], pad_id: int) -> dict:
+    "Right-padded tensors of a micro-batch: ids, attention and response masks, rollout log-probs, credit, weight."
+    import torch
+    L = max(r.num_tokens for r in rows); B = len(rows)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.bool); resp = torch.zeros((B, L), dtype=torch.bool)
+    rlp = torch.zeros((B, L), dtype=torch.float32)
+    for b, r in enumerate(rows):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        ids[b, :p + n] = torch.tensor(r.prompt_ids + r.response_ids)
+        att[b, :p + n] = True
+        resp[b, p:p + n] = torch.tensor(r.loss_mask, dtype=torch.bool)
+        rlp[b, p:p + n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
+    return {'input_ids': ids, 'attention_mask': att, 'response_mask': resp, 'rollout_logp': rlp,
+            'credit': torch.tensor([r.credit for r in rows], dtype=torch.float32),
+            'weight': torch.tensor([r.weight for r in rows], dtype=torch.float32)}

@@ -8,7 +8,9 @@ if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 import torch
 from memagent.trajectory import Turn, Trajectory
 from memagent.credit import group_advantages, expand_rows, trajectories_to_rows
-from memagent.loss import policy_loss, pack_rows, packing_stats, LossParams
+from memagent.loss import policy_loss
+from memagent.config import LossCfg
+from memagent.transfer import balance_ranks, micro_batches, micro_batch_stats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,7 +91,7 @@ def test_loss_invariant_to_partition(mode, agg):
     rows = rows[:len(rows) - len(rows) % 4]
     rng = random.Random(5)
     g = [[rng.uniform(-0.5, 0.5) for _ in range(8)] for _ in rows]
-    cfg = LossParams(dual_clip=3.0)
+    cfg = LossCfg(dual_clip=3.0)
     whole = _rows_loss(rows, list(range(len(rows))), g, cfg)
     # any partition: micro-batches of random sizes
     order = list(range(len(rows))); rng.shuffle(order)
@@ -97,8 +99,11 @@ def test_loss_invariant_to_partition(mode, agg):
     while s < len(order):
         k = rng.randint(1, 5); parts.append(order[s:s + k]); s += k
     assert torch.allclose(sum(_rows_loss(rows, p, g, cfg) for p in parts), whole, atol=1e-12)
-    # the packer's partition over 4 data-parallel ranks (token budget small enough to force several micro-batches)
-    packs = pack_rows(rows, max_tokens=max(r.num_tokens for r in rows) * 2, dp_size=4)
+    # the trainer's partition over 4 data-parallel ranks (token budget small enough to force several micro-batches)
+    budget = max(r.num_tokens for r in rows) * 2
+    ranks = balance_ranks([r.num_tokens for r in rows], 4)
+    packs = [[[rank[i] for i in mb] for mb in micro_batches([rows[j].num_tokens for j in rank], budget)] for rank in ranks]
+    assert sum(len(rank) for rank in packs) > 4
     per_rank = [sum(_rows_loss(rows, mb, g, cfg) for mb in rank) for rank in packs]
     assert torch.allclose(sum(per_rank), whole, atol=1e-12)
 
@@ -108,7 +113,7 @@ def test_token_mean_is_mean_over_all_tokens():
     adv, _ = group_advantages(trajs, 3)
     rows = expand_rows(trajs, adv, 'share', 'token_mean')
     g = [[0.0] * 8 for _ in rows]   # ratio 1: per-token pg loss is -credit
-    got = _rows_loss(rows, list(range(len(rows))), g, LossParams(kl_type='none'))
+    got = _rows_loss(rows, list(range(len(rows))), g, LossCfg(kl_type='none'))
     num = sum(-r.credit * sum(r.loss_mask) for r in rows); den = sum(sum(r.loss_mask) for r in rows)
     assert math.isclose(float(got), num / den, rel_tol=1e-12)
 
@@ -124,15 +129,21 @@ def test_trajectories_to_rows_reads_recipe():
 
 
 @pytest.mark.parametrize('dp', [1, 2, 4, 8])
-def test_pack_rows_balanced_and_complete(dp):
+def test_rank_balance_and_micro_batches_respect_the_budget_as_padded(dp):
     rng = random.Random(dp)
     lens = [rng.randint(100, 4000) for _ in range(dp * 37)]
-    packs = pack_rows(lens, 9216, dp)
-    flat = sorted(i for r in packs for b in r for i in b)
-    assert flat == list(range(len(lens)))
-    assert all(sum(lens[i] for i in b) <= 9216 for r in packs for b in r)
-    st = packing_stats(lens, packs, 9216)
-    assert len(set(st['rows_per_rank'])) == 1 and len(set(st['micro_batches_per_rank'])) == 1
+    ranks = balance_ranks(lens, dp)
+    assert sorted(i for r in ranks for i in r) == list(range(len(lens))) and len({len(r) for r in ranks}) == 1
+    per_rank = []
+    for r in ranks:
+        L = [lens[i] for i in r]
+        mbs = micro_batches(L, 9216)
+        assert sorted(i for b in mbs for i in b) == list(range(len(L)))
+        assert all(len(b) * max(L[i] for i in b) <= 9216 for b in mbs)       # padded size within the budget
+        per_rank.append([[L[i] for i in b] for b in mbs])
+    st = micro_batch_stats(per_rank, 9216)
+    assert st['max_padded'] <= 9216 and st['rows'] == len(lens) and st['real_tokens'] == sum(lens)
+    assert st['micro_batches'] >= st['lower_bound_micro_batches']
     assert st['rank_imbalance'] < 0.05
 
 
