@@ -53,14 +53,13 @@ def _state_dict_tensors(sd: dict) -> dict:
     return out
 
 def save_checkpoint(ckpt_root, step: int, model_state: dict, optimizer_state: dict | None, state: dict,
-                    config_yaml: str, provenance: dict, keep_last: int = 2, _fail_after: str | None = None) -> Path:
+                    config_yaml: str, provenance: dict, keep_last: int = 2) -> Path:
     "Atomically write checkpoint `step_<step>`, move `latest` to it, and keep only the newest `keep_last`."
     root = Path(ckpt_root); root.mkdir(parents=True, exist_ok=True)
     name = f'step_{step:06d}'
     tmp = Path(tempfile.mkdtemp(prefix=f'.tmp-{name}-', dir=root))
     try:
         save_file(_state_dict_tensors(model_state), str(tmp/'model.safetensors'))
-        if _fail_after == 'model': raise RuntimeError('injected failure after writing the model')
         if optimizer_state is not None: torch.save(optimizer_state, tmp/'optimizer.pt')
         torch.save(rng_state(), tmp/'rng.pt')
         (tmp/'config.yaml').write_text(config_yaml)
