@@ -4,27 +4,24 @@
 
 # %% ../nbs/13_trainer.ipynb #57c21256
 from __future__ import annotations
-import json, math, os, random, shutil, socket, time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+import json, math, random, time
 from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from .config import Config, save_config, apply_overrides
-from .provenance import provenance, sha256_file, sha256_text
-from .trajectory import Trajectory, Row, save_jsonl, load_jsonl
+from .provenance import provenance, sha256_text
+from .trajectory import Trajectory, save_jsonl, load_jsonl
 from .credit import trajectories_to_rows
-from .loss import policy_loss, pack_rows
-from .transfer import InProcessChannel
+from .transfer import InProcessChannel, RayChannel, layout_step, micro_batch_stats
+from .policy import make_group, merge_metrics, METRICS
 from .reward import get_reward
 from . import checkpoint as ckpt
 from .engines import engine_from_config
 
 # %% auto #0
-__all__ = ['SUM_METRICS', 'PromptSampler', 'collate', 'build_optimizer', 'TorchBackend', 'update_on_rows', 'DPWorker',
-           'RayDPGroup', 'MegatronRank', 'MegatronGroup', 'sync_weights', 'Trainer']
+__all__ = ['PromptSampler', 'rollout_metrics', 'update_metrics', 'Trainer']
 
 # %% ../nbs/13_trainer.ipynb #32affb87
 class PromptSampler:
@@ -54,340 +51,53 @@ class PromptSampler:
             raise ValueError(f"sampler state {s} does not match this run (n={self.n}, batch_size={self.batch_size}, seed={self.seed})")
         self.cursor = s['cursor']
 
-# %% ../nbs/13_trainer.ipynb #8d55445f
-def collate(rows: list[Row], pad_id: int) -> dict:
-    "Right-padded tensors of a micro-batch: ids, attention and response masks, rollout log-probs, credit, weight."
-    L = max(r.num_tokens for r in rows); B = len(rows)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    att = torch.zeros((B, L), dtype=torch.bool); resp = torch.zeros((B, L), dtype=torch.bool)
-    rlp = torch.zeros((B, L), dtype=torch.float32)
-    for b, r in enumerate(rows):
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        ids[b, :p + n] = torch.tensor(r.prompt_ids + r.response_ids)
-        att[b, :p + n] = True
-        resp[b, p:p + n] = torch.tensor(r.loss_mask, dtype=torch.bool)
-        rlp[b, p:p + n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
-    return {'input_ids': ids, 'attention_mask': att, 'response_mask': resp, 'rollout_logp': rlp,
-            'credit': torch.tensor([r.credit for r in rows], dtype=torch.float32),
-            'weight': torch.tensor([r.weight for r in rows], dtype=torch.float32)}
-
-# %% ../nbs/13_trainer.ipynb #8d74b768
-def _lp_chunk(h, w, tgt, temperature):
-    z = torch.nn.functional.linear(h, w).float() / temperature
-    return z.gather(-1, tgt[:, None])[:, 0] - torch.logsumexp(z, -1)
-
-def _lp_ent_chunk(h, w, tgt, temperature):
-    z = (torch.nn.functional.linear(h, w).float() / temperature).log_softmax(-1)
-    with torch.no_grad(): ent = -(z.exp() * z).sum(-1)   # a metric: no gradient through the entropy
-    return z.gather(-1, tgt[:, None])[:, 0], ent
-
-def build_optimizer(params, o) -> torch.optim.Optimizer:
-    "Adam with decoupled weight decay (AdamW) or SGD, from an `OptimCfg`."
-    if o.name == 'adam': return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    if o.name == 'sgd': return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
-    raise ValueError(f"optim.name must be 'adam' or 'sgd', got {o.name!r}")
-
-class TorchBackend:
-    "A policy (or frozen reference) on an HF causal LM: `logprobs`, `backward`, `step`, `hf_state_dict`."
-    supports_entropy = True
-    def __init__(self, model, optim=None, grad_clip: float | None = 1.0, chunk_tokens: int = 1024, warmup_steps: int = 0):
-        self.model, self.grad_clip, self.chunk_tokens = model, grad_clip, chunk_tokens
-        self.device = next(model.parameters()).device
-        self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim) if optim else None
-        self.scheduler = None
-        if self.optimizer is not None and warmup_steps > 0:
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps))
-        if self.optimizer is None:
-            for p in model.parameters(): p.requires_grad_(False)
-        model.train(self.optimizer is not None)  # HF models here have no dropout by default; train() keeps it explicit
-
-    def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
-        "`[B, L]` log-probs of each selected token given its prefix (0 elsewhere); with `with_entropy`, also the entropy there."
-        ids = batch['input_ids'].to(self.device); att = batch['attention_mask'].to(self.device)
-        want = att.bool() & batch.get('response_mask', att).to(self.device).bool()
-        want[:, 0] = False
-        bi, ti = want.nonzero(as_tuple=True)
-        out = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
-        ent = torch.zeros(ids.shape, dtype=torch.float32, device=self.device) if with_entropy else None
-        if bi.numel() == 0: return (out, ent) if with_entropy else out
-        h = self.model.base_model(input_ids=ids, attention_mask=att.long()).last_hidden_state[bi, ti - 1]
-        w, tgt = self.model.get_output_embeddings().weight, ids[bi, ti]
-        lps, ents = [], []
-        for s in range(0, h.shape[0], self.chunk_tokens):
-            args = (h[s:s + self.chunk_tokens], w, tgt[s:s + self.chunk_tokens], temperature)
-            if with_entropy:
-                f = (lambda *a: torch.utils.checkpoint.checkpoint(_lp_ent_chunk, *a, use_reentrant=False)) if torch.is_grad_enabled() else _lp_ent_chunk
-                lp, e = f(*args); lps.append(lp); ents.append(e)
-            elif torch.is_grad_enabled():
-                lps.append(torch.utils.checkpoint.checkpoint(_lp_chunk, *args, use_reentrant=False))
-            else: lps.append(_lp_chunk(*args))
-        out = out.index_put((bi, ti), torch.cat(lps))
-        if with_entropy: return out, ent.index_put((bi, ti), torch.cat(ents))
-        return out
-
-    def backward(self, loss: torch.Tensor): loss.backward()
-
-    def step(self) -> float:
-        "Sum gradients across data-parallel ranks, clip to `grad_clip`, step; returns the pre-clip gradient norm."
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            for p in params:
-                if p.grad is None: p.grad = torch.zeros_like(p)
-                torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
-        grads = [p for p in params if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else float('inf'))
-        self.optimizer.step(); self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None: self.scheduler.step()
-        return float(norm)
-
-    def hf_state_dict(self) -> dict:
-        "Detached weights under HF names (shared with the model: copy before mutating)."
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
-
-    def state_dict(self) -> dict:
-        return {'optimizer': self.optimizer.state_dict() if self.optimizer else None,
-                'scheduler': self.scheduler.state_dict() if self.scheduler else None}
-    def load_state_dict(self, model_sd: dict, s: dict):
-        self.model.load_state_dict(model_sd, strict=False)
-        if s.get('optimizer') is not None: self.optimizer.load_state_dict(s['optimizer'])
-        if s.get('scheduler') is not None: self.scheduler.load_state_dict(s['scheduler'])
-
-# %% ../nbs/13_trainer.ipynb #5b268b1a
-SUM_METRICS = ('loss', 'pg_loss', 'kl_loss', 'entropy_loss', 'n_tokens', 'n_rows', 'tokens')
-
-def _merge_metrics(parts: list[dict]) -> dict:
-    "Sum the additive metrics; token-weight the averages; keep extremes of min/max metrics."
-    out, tok = {}, sum(p.get('n_tokens', 0) for p in parts) or 1
-    for k in {k for p in parts for k in p}:
-        vals = [(p[k], p.get('n_tokens', 0)) for p in parts if k in p]
-        if k in SUM_METRICS: out[k] = sum(v for v, _ in vals)
-        elif k.endswith('_max'): out[k] = max(v for v, _ in vals)
-        elif k.endswith('_min'): out[k] = min(v for v, _ in vals)
-        else: out[k] = sum(v * n for v, n in vals) / tok
-    return out
-
-def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int) -> dict:
-    "Pack this rank's rows into micro-batches, accumulate the weighted loss's gradient, step once; returns metrics."
-    T = cfg.rollout.temperature
-    t0 = time.perf_counter()
-    micro = pack_rows(rows, cfg.batch.max_tokens_per_micro, dp_size=1)[0] if rows else []
-    parts, mism_max, mism_sum, mism_n = [], 0.0, 0.0, 0
-    entropy_ok = getattr(policy, 'supports_entropy', False)
-    for idx in micro:
-        bt = collate([rows[i] for i in idx], pad_id)
-        m = bt['response_mask'].clone(); m[:, 0] = False
-        with torch.no_grad(): ref = reference.logprobs(bt, T) if reference is not None else None
-        logp, ent = policy.logprobs(bt, T, with_entropy=True) if entropy_ok else (policy.logprobs(bt, T), None)
-        old = logp.detach()   # one optimizer step per rollout step: the behaviour policy is the current policy
-        d = (old - bt['rollout_logp'])[m].abs()
-        if d.numel(): mism_max, mism_sum, mism_n = max(mism_max, float(d.max())), mism_sum + float(d.sum()), mism_n + d.numel()
-        loss, met = policy_loss(logp, old, bt['credit'], m, bt['weight'], ref_logp=ref, cfg=cfg,
-                                rollout_logp=bt['rollout_logp'], entropy=ent)
-        policy.backward(loss)
-        parts.append(met)
-    grad_norm = policy.step()
-    out = _merge_metrics(parts) if parts else {'loss': 0.0, 'n_tokens': 0, 'n_rows': 0}
-    ntok = sum(r.num_tokens for r in rows)
-    out.update(grad_norm=grad_norm, micro_batches=len(micro), logprob_mismatch_max=mism_max,
-               logprob_mismatch_mean=mism_sum / max(mism_n, 1), rows_consumed=len(rows), tokens=int(ntok),
-               packing_fill=(ntok / (len(micro) * cfg.batch.max_tokens_per_micro)) if micro else 0.0,
-               time_update=time.perf_counter() - t0)
-    return out
-
-# %% ../nbs/13_trainer.ipynb #f9718ff4
-def _free_port() -> int:
-    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
-
-class DPWorker:
-    "One data-parallel rank (instantiated as a Ray actor by `RayDPGroup`)."
-    def __init__(self, rank: int, world: int, init_method: str, cfg_dict: dict, model_name: str, pad_id: int, threads: int = 1):
-        from memagent.config import from_dict
-        from memagent.models import load_model
-        torch.set_num_threads(threads)
-        self.rank, self.world, self.cfg, self.pad_id = rank, world, from_dict(cfg_dict), pad_id
-        backend = 'nccl' if torch.cuda.is_available() else 'gloo'
-        torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
-        dev = f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
-        o = self.cfg.optim
-        self.policy = TorchBackend(load_model(model_name, self.cfg.model.dtype, dev), o, o.grad_clip, warmup_steps=o.warmup_steps)
-        self.reference = TorchBackend(load_model(model_name, self.cfg.model.dtype, dev)) if self.cfg.loss.kl_type != 'none' and self.cfg.loss.kl_coef else None
-
-    def update(self, channel, rollout_id, timeout: float) -> dict:
-        rows = channel.get(rollout_id, self.rank, self.world, timeout=timeout)
-        return update_on_rows(self.policy, self.reference, rows, self.cfg, self.pad_id)
-
-    def state_dict_numpy(self) -> dict:
-        return {k: v.detach().cpu().numpy() for k, v in self.policy.model.state_dict().items()}
-
-    def load(self, model_np: dict, opt_state):
-        sd = {k: torch.from_numpy(v) for k, v in model_np.items()}
-        self.policy.load_state_dict(sd, opt_state or {})
-
-    def opt_state(self): return self.policy.state_dict()
-    def close(self):
-        if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
-
-class RayDPGroup:
-    "`world` DPWorker actors in one torch.distributed group; `update` runs a step on all of them."
-    def __init__(self, cfg: Config, model_name: str, pad_id: int, world: int, address: str | None = None):
-        import ray
-        from memagent.transfer import ensure_ray
-        ensure_ray(address)
-        init = f'tcp://127.0.0.1:{_free_port()}'
-        Actor = ray.remote(num_cpus=0)(DPWorker)
-        threads = max(1, (os.cpu_count() or 2) // world)
-        self.workers = [Actor.remote(r, world, init, cfg.to_dict(), model_name, pad_id, threads) for r in range(world)]
-        self.world = world
-
-    def update(self, channel, rollout_id, timeout: float) -> list[dict]:
-        import ray
-        return ray.get([w.update.remote(channel, rollout_id, timeout) for w in self.workers], timeout=timeout + 60)
-
-    def hf_state_dict(self) -> dict:
-        import ray
-        return {k: torch.from_numpy(v.copy()) for k, v in ray.get(self.workers[0].state_dict_numpy.remote()).items()}
-
-    def opt_state(self):
-        import ray
-        return ray.get(self.workers[0].opt_state.remote())     # replicas hold identical optimizer states
-
-    def load(self, model_sd: dict, opt_state):
-        import ray
-        np_sd = {k: v.numpy() for k, v in model_sd.items()}
-        ray.get([w.load.remote(np_sd, opt_state) for w in self.workers])
-
-    def close(self):
-        import ray
-        try: ray.get([w.close.remote() for w in self.workers], timeout=60)
-        finally:
-            for w in self.workers: ray.kill(w)
-
-# %% ../nbs/13_trainer.ipynb #46f7e1af
-class MegatronRank:
-    "One rank of a megatron-core TP x DP group (instantiated as a Ray actor by `MegatronGroup`)."
-    def __init__(self, rank: int, world: int, init_method: str, cfg_dict: dict, model_name: str, pad_id: int, threads: int = 1):
-        from memagent.config import from_dict
-        from memagent.models import load_model
-        from memagent.backends.megatron import MegatronBackend
-        from megatron.core import parallel_state as ps
-        torch.set_num_threads(threads)
-        self.cfg, self.pad_id = from_dict(cfg_dict), pad_id
-        torch.distributed.init_process_group('nccl' if torch.cuda.is_available() else 'gloo', init_method=init_method,
-                                             rank=rank, world_size=world)
-        dev = f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
-        self.policy = MegatronBackend.from_config(self.cfg, load_model(model_name, self.cfg.model.dtype, dev))
-        use_ref = self.cfg.loss.kl_type != 'none' and self.cfg.loss.kl_coef
-        self.reference = TorchBackend(load_model(model_name, self.cfg.model.dtype, dev)) if use_ref else None
-        self.tp_rank, self.dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
-        self.dp_size, self.tp_src, self.tp_group = ps.get_data_parallel_world_size(), ps.get_tensor_model_parallel_src_rank(), ps.get_tensor_model_parallel_group()
-
-    def layout(self) -> dict: return {'tp_rank': self.tp_rank, 'dp_rank': self.dp_rank, 'dp_size': self.dp_size}
-
-    def update(self, channel, rollout_id, timeout: float) -> dict:
-        box = [channel.get(rollout_id, self.dp_rank, self.dp_size, timeout=timeout) if self.tp_rank == 0 else None]
-        torch.distributed.broadcast_object_list(box, src=self.tp_src, group=self.tp_group)
-        return dict(update_on_rows(self.policy, self.reference, box[0], self.cfg, self.pad_id), tp_rank=self.tp_rank)
-
-    def state_dict_numpy(self) -> dict:
-        return {k: v.cpu().numpy() for k, v in self.policy.hf_state_dict().items()}   # a collective over the TP group
-
-    def opt_state(self): return {'optimizer': self.policy.optimizer.state_dict()}
-
-    def load(self, model_np: dict, opt_state):
-        from memagent.backends.megatron import load_hf_into_megatron
-        load_hf_into_megatron(self.policy.model, {k: torch.from_numpy(v.copy()) for k, v in model_np.items()}, self.policy.hf_config)
-        if opt_state: self.policy.optimizer.load_state_dict(opt_state['optimizer'])
-
-    def close(self):
-        from memagent.backends.megatron import destroy_parallel
-        destroy_parallel()
-        if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
-
-class MegatronGroup(RayDPGroup):
-    "`world` MegatronRank actors: `batch.tp` tensor-parallel ranks per replica, `world / tp` data-parallel replicas."
-    def __init__(self, cfg: Config, model_name: str, pad_id: int, world: int, address: str | None = None):
-        import ray
-        from memagent.transfer import ensure_ray
-        if cfg.batch.pp != 1: raise NotImplementedError(f"backend='megatron': pipeline parallelism is not implemented (batch.pp={cfg.batch.pp})")
-        if world % cfg.batch.tp: raise ValueError(f"world_size={world} is not a multiple of batch.tp={cfg.batch.tp}")
-        ensure_ray(address)
-        init = f'tcp://127.0.0.1:{_free_port()}'
-        Actor = ray.remote(num_cpus=0)(MegatronRank)
-        threads = max(1, (os.cpu_count() or 2) // world)
-        self.workers = [Actor.remote(r, world, init, cfg.to_dict(), model_name, pad_id, threads) for r in range(world)]
-        self.world, self.dp_size = world, world // cfg.batch.tp
-        self.layouts = ray.get([w.layout.remote() for w in self.workers])
-
-    def update(self, channel, rollout_id, timeout: float) -> list[dict]:
-        return [m for m in super().update(channel, rollout_id, timeout) if m['tp_rank'] == 0]
-
-    def hf_state_dict(self) -> dict:
-        import ray
-        sds = ray.get([w.state_dict_numpy.remote() for w in self.workers])   # every rank joins the gather
-        return {k: torch.from_numpy(v.copy()) for k, v in sds[0].items()}
-
-    def opt_state(self):
-        import ray
-        return {'ranks': ray.get([w.opt_state.remote() for w in self.workers])}   # shards differ per rank
-
-    def load(self, model_sd: dict, opt_state):
-        import ray
-        np_sd = {k: v.numpy() for k, v in model_sd.items()}
-        per = opt_state['ranks'] if opt_state else [None] * self.world
-        if len(per) != self.world: raise ValueError(f"checkpoint holds optimizer states of {len(per)} ranks, this run has {self.world}")
-        ray.get([w.load.remote(np_sd, o) for w, o in zip(self.workers, per)])
-
-# %% ../nbs/13_trainer.ipynb #0dd1a331
-def sync_weights(engine, state_dict: dict, model, tokenizer, sync_dir) -> float:
-    "Push the policy's weights to the engine: in memory for the HF engine, through an HF directory for servers."
-    from memagent.engines import HFEngine
-    t0 = time.perf_counter()
-    if isinstance(engine, HFEngine): engine.update_weights(state_dict={k: v.clone() for k, v in state_dict.items()})
-    else:
-        ckpt.export_hf(model, tokenizer, sync_dir, state_dict=state_dict)
-        engine.update_weights(path=str(sync_dir))
-    return time.perf_counter() - t0
-
 # %% ../nbs/13_trainer.ipynb #80724980
 def _step_seed(seed: int, step: int) -> int: return (seed * 1_000_003 + step * 7919) % (2**63)
 
 def _mean_max(xs) -> tuple[float, float]:
     return (float(np.mean(xs)), float(np.max(xs))) if xs else (0.0, 0.0)
 
+def rollout_metrics(trajs: list[Trajectory], kept: list[Trajectory], bad_groups: set) -> dict:
+    "Per-trajectory (never per-row) statistics of a step's rollout."
+    rewards = [tr.reward for tr in kept]
+    mem = [x for tr in kept for x in tr.memory_lengths]
+    resp = [len(u.response_ids) for tr in kept for u in tr.turns]
+    return dict(trajectories=len(trajs), failed_trajectories=sum(not tr.ok for tr in trajs), dropped_groups=len(bad_groups),
+                reward_mean=float(np.mean(rewards)) if rewards else float('nan'),
+                pass_rate=float(np.mean([r > 0 for r in rewards])) if rewards else float('nan'),
+                turns_mean=float(np.mean([tr.num_turns for tr in kept])) if kept else 0.0,
+                memory_tokens_mean=_mean_max(mem)[0], memory_tokens_max=_mean_max(mem)[1],
+                response_tokens_mean=_mean_max(resp)[0],
+                truncated_trajectories=sum(tr.truncated for tr in kept),
+                length_finished_turns=sum(u.finish_reason == 'length' for tr in kept for u in tr.turns),
+                boxed_rate=float(np.mean([bool(tr.prediction) for tr in kept])) if kept else 0.0)
+
+def update_metrics(upd: list[dict], max_tokens: int) -> dict:
+    "The replicas' update metrics merged, plus the packing of the micro-batches they ran."
+    st = micro_batch_stats([u['micro_batch_lengths'] for u in upd], max_tokens)
+    m = merge_metrics([{k: v for k, v in u.items() if k != 'micro_batch_lengths'} for u in upd])
+    return dict(m, rows_consumed_per_rank=[u['rows_consumed'] for u in upd], packing_fill=st['fill'],
+                padded_tokens=st['padded_tokens'], max_padded_tokens=st['max_padded'], rank_token_imbalance=st['rank_imbalance'])
+
 class Trainer:
     "GRPO on MemAgent trajectories. `step()` runs one step; `train()` runs to `cfg.schedule.steps`."
     def __init__(self, cfg: Config, run_dir, examples: list[dict], tokenizer=None, engine=None, world_size: int = 1,
                  ray_address: str | None = None, dump_rollouts: bool = True, replay_dir=None, resume: bool = True,
                  tensorboard: bool = True, progress: bool = True, extra_provenance: dict | None = None):
-        from memagent.models import load_model, load_tokenizer, model_identity, tokenizer_identity
+        from memagent.models import load_tokenizer, model_identity, tokenizer_identity
         from memagent.prompts import template_sha256s
         self.cfg, self.run_dir, self.examples = cfg.validate(), Path(run_dir), examples
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tok = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name)
-        self.pad_id = self.tok.pad_token_id
-        self.reward_fn = get_reward(cfg.grpo.reward)
+        self.pad_id, self.reward_fn = self.tok.pad_token_id, get_reward(cfg.grpo.reward)
         self.world, self.progress = world_size, progress
         self.dump_rollouts, self.replay_dir = dump_rollouts, Path(replay_dir) if replay_dir else None
-        dev = 'cuda' if torch.cuda.is_available() else 'cpu'
         torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed % 2**32)
-        o = cfg.optim
-        use_ref = cfg.loss.kl_type != 'none' and cfg.loss.kl_coef > 0
-        if world_size == 1:
-            if cfg.backend == 'megatron':
-                from memagent.backends.megatron import MegatronBackend
-                self.policy = MegatronBackend.from_config(cfg, load_model(cfg.model.name, cfg.model.dtype, dev))
-            else: self.policy = TorchBackend(load_model(cfg.model.name, cfg.model.dtype, dev), o, o.grad_clip, warmup_steps=o.warmup_steps)
-            self.reference = TorchBackend(load_model(cfg.model.name, cfg.model.dtype, dev)) if use_ref else None
-            self.group, self.dp = None, 1
-            self.channel = InProcessChannel(cfg.row_capacity + 1, 1)
-        else:
-            from memagent.transfer import RayChannel
-            G = MegatronGroup if cfg.backend == 'megatron' else RayDPGroup
-            self.group = G(cfg, cfg.model.name, self.pad_id, world_size, ray_address)
-            self.dp = getattr(self.group, 'dp_size', world_size)
-            self.channel = RayChannel(cfg.row_capacity + self.dp, self.dp)
-            self.policy = self.reference = None
-        self._export_model = load_model(cfg.model.name, cfg.model.dtype) if world_size > 1 or cfg.backend == 'megatron' else None
+        self.group = make_group(cfg, self.pad_id, world_size, ray_address)
+        self.dp = self.group.dp_size
+        self.channel = (InProcessChannel(cfg.row_capacity + 1, 1) if world_size == 1
+                        else RayChannel(cfg.row_capacity + self.dp, self.dp))
+        self.hf_model = self.group.export_model()
         self.engine = engine if engine is not None or self.replay_dir else engine_from_config(cfg, tokenizer=self.tok)
         self.sampler = PromptSampler(len(examples), cfg.grpo.prompts_per_step, seed=cfg.seed)
         self.step_no = 0
@@ -405,15 +115,9 @@ class Trainer:
         if resume and ckpt.latest_checkpoint(self.run_dir/'checkpoints') is not None: self.resume()
 
     # --- checkpoints -------------------------------------------------------------------------------------
-    def _model_state(self) -> dict:
-        return self.policy.hf_state_dict() if self.group is None else self.group.hf_state_dict()
-
     def save(self) -> Path:
         import yaml
-        if self.group is not None: opt = self.group.opt_state()
-        elif isinstance(self.policy, TorchBackend): opt = self.policy.state_dict()
-        else: opt = {'optimizer': self.policy.optimizer.state_dict(), 'scheduler': None}
-        return ckpt.save_checkpoint(self.run_dir/'checkpoints', self.step_no, self._model_state(), opt,
+        return ckpt.save_checkpoint(self.run_dir/'checkpoints', self.step_no, self.group.hf_state_dict(), self.group.state_dict(),
                                     {'sampler': self.sampler.state_dict(), 'world_size': self.world},
                                     yaml.safe_dump(self.cfg.to_dict(), sort_keys=False), self.prov, keep_last=self.cfg.schedule.keep_last)
 
@@ -423,25 +127,18 @@ class Trainer:
         c = ckpt.load_checkpoint(path)
         self.step_no = c['state']['step']
         self.sampler.load_state_dict(c['state']['sampler'])
-        if self.group is None and isinstance(self.policy, TorchBackend): self.policy.load_state_dict(c['model'], c['optimizer'] or {})
-        elif self.group is None:
-            from memagent.backends.megatron import load_hf_into_megatron
-            load_hf_into_megatron(self.policy.model, c['model'], self.policy.hf_config)
-            if c['optimizer']: self.policy.optimizer.load_state_dict(c['optimizer']['optimizer'])
-        else: self.group.load(c['model'], c['optimizer'])
+        self.group.load_state_dict(c['model'], c['optimizer'])
         ckpt.set_rng_state(c['rng'])
-        if self.engine is not None: sync_weights(self.engine, c['model'], self._hf_model(), self.tok, self.run_dir/'sync')
+        if self.engine is not None: self.engine.sync_weights(c['model'], self.hf_model, self.tok, self.run_dir/'sync')
         mp = self.run_dir/'metrics.jsonl'  # drop metrics of steps after the checkpoint (a crash may have logged them)
         if mp.exists():
             keep = [l for l in mp.read_text().splitlines() if l.strip() and json.loads(l)['step'] <= self.step_no]
             mp.write_text(''.join(l + '\n' for l in keep))
 
-    def _hf_model(self): return self._export_model if self._export_model is not None else self.policy.model
-
     def export(self, out_dir) -> Path:
         "The current policy as an HF directory (weights, config, tokenizer, generation config, provenance)."
-        return ckpt.export_hf(self._hf_model(), self.tok, out_dir, provenance=dict(self.prov, step=self.step_no),
-                              state_dict=self._model_state())
+        return ckpt.export_hf(self.hf_model, self.tok, out_dir, provenance=dict(self.prov, step=self.step_no),
+                              state_dict=self.group.hf_state_dict())
 
     # --- one step ----------------------------------------------------------------------------------------
     def _rollout(self, exs: list[dict], step: int) -> list[Trajectory]:
@@ -458,9 +155,7 @@ class Trainer:
         cfg, step = self.cfg, self.step_no + 1
         t, m = {}, {'step': step}
         t0 = time.perf_counter()
-        idx = self.sampler.next_batch()
-        exs = [self.examples[i] for i in idx]
-        trajs = self._rollout(exs, step)
+        trajs = self._rollout([self.examples[i] for i in self.sampler.next_batch()], step)
         t['rollout'] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -473,40 +168,26 @@ class Trainer:
         t['reward'] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        rows, cst = trajectories_to_rows(kept, cfg) if kept else ([], {'zero_variance_groups': 0, 'filtered_groups': 0})
-        t['credit'] = time.perf_counter() - t0
-        m.update(self._rollout_metrics(trajs, kept, bad_groups), zero_variance_groups=cst.get('zero_variance_groups', 0),
+        rows, cst = trajectories_to_rows(kept, cfg) if kept else ([], {})
+        m.update(rollout_metrics(trajs, kept, bad_groups), zero_variance_groups=cst.get('zero_variance_groups', 0),
                  filtered_groups=cst.get('filtered_groups', 0), rows_generated=len(rows))
         if kept: m['advantage_abs_max'] = cst.get('adv_abs_max', 0.0)
-
-        # A step's rows must divide by the data-parallel size. Zero-weight, zero-credit copies of the shortest
-        # row make up the difference: they change neither the loss nor the gradient, and are counted.
-        pad = (-len(rows)) % self.dp if rows else 0
-        if pad:
-            short = min(rows, key=lambda r: r.num_tokens)
-            rows = rows + [Row(short.traj_id, short.group_index, short.turn_index, short.num_turns, short.reward, 0.0, 0.0, 0.0,
-                               short.prompt_ids, short.response_ids, short.rollout_logprobs, short.loss_mask) for _ in range(pad)]
-        m['rows_padding'] = pad
+        rows, m['rows_padding'] = layout_step(rows, self.dp)     # padded to the DP size (counted), token-balanced ranks
+        t['credit'] = time.perf_counter() - t0
 
         if rows:
             t0 = time.perf_counter()
             m['rows_transferred'] = self.channel.put(step, rows)
             t['transfer'] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            timeout = cfg.rollout.request_timeout_s
-            if self.group is None:
-                upd = [update_on_rows(self.policy, self.reference, self.channel.get(step, 0, 1, timeout=timeout), cfg, self.pad_id)]
-            else: upd = self.group.update(self.channel, step, timeout)
+            upd = self.group.update(self.channel, step, cfg.rollout.request_timeout_s)
             t['update'] = time.perf_counter() - t0
-            per_rank = [u['rows_consumed'] for u in upd]
-            u = _merge_metrics([{k: v for k, v in x.items() if not k.startswith('time_') and k not in ('grad_norm', 'rows_consumed', 'micro_batches', 'packing_fill')} for x in upd])
-            m.update(u, grad_norm=upd[0]['grad_norm'], rows_consumed=sum(per_rank), rows_consumed_per_rank=per_rank,
-                     micro_batches=sum(x['micro_batches'] for x in upd), packing_fill=float(np.mean([x['packing_fill'] for x in upd])))
-            if m['rows_consumed'] != m['rows_transferred'] or m['rows_transferred'] != m['rows_generated'] + pad:
-                raise RuntimeError(f"step {step}: row counts disagree: generated {m['rows_generated']} + padding {pad}, "
+            m.update(update_metrics(upd, cfg.batch.max_tokens_per_micro))
+            if m['rows_consumed'] != m['rows_transferred'] or m['rows_transferred'] != m['rows_generated'] + m['rows_padding']:
+                raise RuntimeError(f"step {step}: row counts disagree: generated {m['rows_generated']} + padding {m['rows_padding']}, "
                                    f"transferred {m['rows_transferred']}, consumed {m['rows_consumed']}")
             if self.engine is not None:
-                t['sync'] = sync_weights(self.engine, self._model_state(), self._hf_model(), self.tok, self.run_dir/'sync')
+                t['sync'] = self.engine.sync_weights(self.group.hf_state_dict(), self.hf_model, self.tok, self.run_dir/'sync')
         else:
             m.update(rows_transferred=0, rows_consumed=0, skipped_update='no rows (every group dropped or filtered)')
         self.step_no = step
@@ -515,20 +196,6 @@ class Trainer:
             t0 = time.perf_counter(); self.save(); m['time_checkpoint'] = time.perf_counter() - t0
         self._log(m)
         return m
-
-    def _rollout_metrics(self, trajs, kept, bad_groups) -> dict:
-        rewards = [tr.reward for tr in kept]
-        mem = [x for tr in kept for x in tr.memory_lengths]
-        resp = [len(u.response_ids) for tr in kept for u in tr.turns]
-        return dict(trajectories=len(trajs), failed_trajectories=sum(not tr.ok for tr in trajs), dropped_groups=len(bad_groups),
-                    reward_mean=float(np.mean(rewards)) if rewards else float('nan'),
-                    pass_rate=float(np.mean([r > 0 for r in rewards])) if rewards else float('nan'),
-                    turns_mean=float(np.mean([tr.num_turns for tr in kept])) if kept else 0.0,
-                    memory_tokens_mean=_mean_max(mem)[0], memory_tokens_max=_mean_max(mem)[1],
-                    response_tokens_mean=_mean_max(resp)[0],
-                    truncated_trajectories=sum(tr.truncated for tr in kept),
-                    length_finished_turns=sum(u.finish_reason == 'length' for tr in kept for u in tr.turns),
-                    boxed_rate=float(np.mean([bool(tr.prediction) for tr in kept])) if kept else 0.0)
 
     def _log(self, m: dict):
         with open(self.run_dir/'metrics.jsonl', 'a') as f: f.write(json.dumps(m) + '\n')
@@ -549,4 +216,4 @@ class Trainer:
 
     def close(self):
         if self.tb is not None: self.tb.close()
-        if self.group is not None: self.group.close()
+        self.group.close()

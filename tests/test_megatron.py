@@ -141,7 +141,7 @@ def test_mapping_names_match_built_model():
 def test_logits_and_roundtrip(name, batch):
     cfg = CONFIGS[name]()
     hf = hf_model(cfg)
-    be = mb.MegatronBackend(hf, chunk_tokens=5)
+    be = mb.MegatronBackend(hf, head_chunk=5)
     real = batch['attention_mask'].bool()
     with torch.no_grad():
         ref = hf(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits
@@ -189,7 +189,7 @@ def test_chunk_size_does_not_change_logprobs(batch):
     with torch.no_grad():
         outs = []
         for c in (1, 7, 4096):
-            be.chunk_tokens = c
+            be.head_chunk = c
             outs.append(be.logprobs(batch).cpu())
     assert all(torch.allclose(o, outs[0], atol=1e-6) for o in outs)
     # zero outside the response and at padding
@@ -233,7 +233,7 @@ def pg_loss(logp, batch, adv):
 def test_one_step_matches_hf(opt, lr, batch):
     adv = torch.tensor([1.0, -0.5, 0.25])
     hf = hf_model(tiny_qwen3())
-    be = mb.MegatronBackend(hf, optimizer=opt, lr=lr, grad_clip=None, chunk_tokens=4)
+    be = mb.MegatronBackend(hf, optimizer=opt, lr=lr, grad_clip=None, head_chunk=4)
     hopt = torch.optim.SGD(hf.parameters(), lr=lr) if opt == 'sgd' else torch.optim.Adam(hf.parameters(), lr=lr)
     l0_hf = pg_loss(hf_logprobs(hf, batch), batch, adv)
     l0_hf.backward()
@@ -306,10 +306,10 @@ def test_export_reloads_with_transformers(name, batch, tmp_path):
 
 
 def test_from_config():
-    config = pytest.importorskip('memagent.config', reason='memagent.config is not available')
-    cfg = config.get_preset('tiny')
+    from memagent.config import get_preset
+    cfg = get_preset('tiny', {'optim.warmup_steps': 2})
     be = mb.MegatronBackend.from_config(cfg, hf_model(tiny_qwen3()))
-    assert be.optimizer.param_groups[0]['lr'] == cfg.optim.lr
+    assert be.optimizer.param_groups[0]['lr'] == cfg.optim.lr / 2, 'the same linear warm-up as the torch backend'
     assert be.grad_clip == cfg.optim.grad_clip
 
 
@@ -365,7 +365,7 @@ TP_CONFIGS = {'qwen3': lambda: tiny_qwen3(), 'llama': lambda: tiny_llama(), 'lla
 def _job_logits(name):
     cfg, b = TP_CONFIGS[name](), _batch()
     hf = hf_model(cfg)
-    be = mb.MegatronBackend(hf, tp=2, chunk_tokens=4)
+    be = mb.MegatronBackend(hf, tp=2, head_chunk=4)
     assert be.parallel.tp == 2 and be._output_weight().shape[0] == mb.padded_vocab(cfg.vocab_size, 2) // 2
     with torch.no_grad():
         ref = hf(input_ids=b['input_ids'], attention_mask=b['attention_mask']).logits
@@ -404,7 +404,7 @@ ADV = torch.tensor([1.0, -0.5, 0.25])
 
 def _job_step(tp, name, grad_clip):
     b = _batch()
-    be = mb.MegatronBackend(hf_model(TP_CONFIGS[name]()), optimizer='sgd', lr=0.5, grad_clip=grad_clip, chunk_tokens=4, tp=tp)
+    be = mb.MegatronBackend(hf_model(TP_CONFIGS[name]()), optimizer='sgd', lr=0.5, grad_clip=grad_clip, head_chunk=4, tp=tp)
     loss, norm = be.train_step(lambda m: pg_loss(m.logprobs(b), b, ADV))
     return dict(loss=loss, norm=norm, sd=cpu(be.hf_state_dict()))
 

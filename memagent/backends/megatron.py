@@ -4,10 +4,13 @@
 
 # %% ../../nbs/14_megatron.ipynb #62bd1c7b
 from __future__ import annotations
-import contextlib, importlib.util, os, socket
+import contextlib, importlib.util, os
 from dataclasses import dataclass
 from pathlib import Path
 import torch
+from ..config import OptimCfg
+from ..engines import free_port
+from .torch import build_optimizer
 
 # %% auto #0
 __all__ = ['HAVE_MEGATRON', 'SUPPORTED_MODEL_TYPES', 'require_megatron', 'cpu_shims', 'ParallelInfo', 'init_parallel',
@@ -62,10 +65,6 @@ class ParallelInfo:
 
 _OWN_PG = False   # True when init_parallel created the default process group (destroy_parallel then removes it)
 
-def _free_port() -> int:
-    "A currently free TCP port on localhost."
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
 def _parallel_info() -> ParallelInfo:
     import torch.distributed as dist
@@ -85,7 +84,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> ParallelInfo:
         cuda = torch.cuda.is_available()
         if 'WORLD_SIZE' not in os.environ or int(os.environ['WORLD_SIZE']) == 1:
             os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
-            if 'MASTER_PORT' not in os.environ or 'WORLD_SIZE' not in os.environ: os.environ['MASTER_PORT'] = str(_free_port())
+            if 'MASTER_PORT' not in os.environ or 'WORLD_SIZE' not in os.environ: os.environ['MASTER_PORT'] = str(free_port())
         rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
         if cuda: torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
         dist.init_process_group('nccl' if cuda else 'gloo', rank=rank, world_size=world)
@@ -409,10 +408,11 @@ def causal_mask(L: int, device=None) -> torch.Tensor:
     return torch.triu(torch.ones(L, L, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 class MegatronBackend:
-    "Policy backend on megatron-core: `logprobs(batch)`, `backward(loss)`, `step(loss=None)`, `hf_state_dict()`, `save_hf(dir)`."
+    "Policy backend on megatron-core, with the interface of `memagent.backends.torch.TorchBackend`; also `save_hf(dir)`."
+    supports_entropy, hf_model = False, None      # log-probs only; the driver keeps its own HF skeleton for export
     def __init__(self, hf_model, optimizer: str = 'adamw', lr: float = 1e-6, weight_decay: float = 0.0,
-                 betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0, chunk_tokens: int = 1024,
-                 dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1, seed: int = 0):
+                 betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0, head_chunk: int = 1024,
+                 dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1, seed: int = 0, warmup_steps: int = 0):
         if pp != 1: raise NotImplementedError(f"MegatronBackend: pipeline parallelism is not implemented (pp={pp}); use pp=1")
         check_tp(hf_arch(hf_model.config), tp)
         self.parallel = init_parallel(tp, pp, seed=seed)
@@ -420,25 +420,34 @@ class MegatronBackend:
         self.device = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
         self.model = build_gpt_model(self.hf_config, dtype=dtype, init_weights=False).to(self.device)
         load_hf_into_megatron(self.model, hf_model)
-        self.grad_clip, self.chunk_tokens = grad_clip, chunk_tokens
+        self.grad_clip, self.head_chunk = grad_clip, head_chunk
         self.vocab = hf_arch(self.hf_config)['vocab']
         self.tp_rank = 0
         if tp > 1:
             from megatron.core import parallel_state as ps
             self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.vocab_start = self.tp_rank * padded_vocab(self.vocab, tp) // tp
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # 'adam' means decoupled weight decay here, as in the project config (cfg.optim.name)
-        if optimizer in ('adam', 'adamw'): self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        elif optimizer == 'sgd': self.optimizer = torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
-        else: raise ValueError(f"MegatronBackend: optimizer must be 'adamw', 'adam' or 'sgd', got {optimizer!r}")
+        self.dp_rank, self.dp_size = self.parallel.dp_rank, self.parallel.dp
+        self.row_source, self.state_key = self.tp_rank == 0, self.tp_rank   # DP replicas hold identical optimizer states
+        # 'adam' means decoupled weight decay (AdamW), as in the project config (cfg.optim.name)
+        if optimizer not in ('adam', 'adamw', 'sgd'): raise ValueError(f"MegatronBackend: optimizer must be 'adamw', 'adam' or 'sgd', got {optimizer!r}")
+        o = OptimCfg(name='sgd' if optimizer == 'sgd' else 'adam', lr=lr, weight_decay=weight_decay, betas=list(betas), eps=eps)
+        self.optimizer, self.scheduler = build_optimizer([p for p in self.model.parameters() if p.requires_grad], o, warmup_steps)
 
     @classmethod
     def from_config(cls, cfg, hf_model):
         "Build from a `memagent.config.Config` (its `optim`, `batch.tp/pp`, `seed`) and an HF model (e.g. `memagent.models.load_model`)."
         o = cfg.optim
         return cls(hf_model, optimizer=o.name.lower(), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
-                   grad_clip=o.grad_clip, tp=cfg.batch.tp, pp=cfg.batch.pp, seed=cfg.seed)
+                   grad_clip=o.grad_clip, tp=cfg.batch.tp, pp=cfg.batch.pp, seed=cfg.seed, warmup_steps=o.warmup_steps)
+
+    def share_rows(self, rows):
+        "The TP group's first rank took this replica's rows from the channel; every TP rank runs the same rows."
+        if self.parallel.tp == 1: return rows
+        from megatron.core import parallel_state as ps
+        box = [rows]
+        torch.distributed.broadcast_object_list(box, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
+        return box[0]
 
     def _output_weight(self):
         m = self.model
@@ -490,15 +499,16 @@ class MegatronBackend:
         tgt, w = ids[bi, ti], self._output_weight()
         fn, extra = (_chunk_logp, ()) if self.parallel.tp == 1 else (_chunk_logp_tp, (self.vocab_start, self.vocab))
         parts = []
-        for s in range(0, h.shape[0], self.chunk_tokens):
-            args = (h[s:s + self.chunk_tokens], w, tgt[s:s + self.chunk_tokens], temperature, *extra)
+        for s in range(0, h.shape[0], self.head_chunk):
+            args = (h[s:s + self.head_chunk], w, tgt[s:s + self.head_chunk], temperature, *extra)
             if torch.is_grad_enabled():
                 parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False))
             else: parts.append(fn(*args))
         return out.index_put((bi, ti), torch.cat(parts))
 
-    def logprobs(self, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False) -> torch.Tensor:
         "`token_logprobs` on a batch dict (`input_ids`, `attention_mask`, optional `response_mask`, `position_ids`)."
+        if with_entropy: raise NotImplementedError("MegatronBackend: entropy is not computed (supports_entropy is False)")
         return self.token_logprobs(batch['input_ids'], batch.get('attention_mask'), batch.get('response_mask'),
                                    batch.get('position_ids'), temperature=temperature)
 
@@ -518,6 +528,7 @@ class MegatronBackend:
             norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip else float('inf'))
         else: norm = self._clip_tp()
         self.optimizer.step(); self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None: self.scheduler.step()
         return float(norm)
 
     def _clip_tp(self) -> torch.Tensor:
@@ -548,7 +559,19 @@ class MegatronBackend:
         sd = megatron_to_hf(shards if len(shards) > 1 else shards[0], self.hf_config, include_tied=True)
         return {k: (v.detach().clone() if clone else v.detach()) for k, v in sd.items()}
 
-    state_dict_hf = hf_state_dict
+    def close(self):
+        "Tear down megatron's parallel groups (and the process group `init_parallel` made, if it made one)."
+        destroy_parallel()
+
+    def state_dict(self) -> dict:
+        "This rank's optimizer and scheduler state (a shard at TP > 1)."
+        return {'optimizer': self.optimizer.state_dict(), 'scheduler': self.scheduler.state_dict() if self.scheduler else None}
+
+    def load_state_dict(self, model_sd: dict, state: dict | None):
+        "Load HF-named weights (sharded here for this TP rank) and, if given, this rank's optimizer state."
+        load_hf_into_megatron(self.model, model_sd, self.hf_config)
+        if state and state.get('optimizer') is not None: self.optimizer.load_state_dict(state['optimizer'])
+        if state and state.get('scheduler') is not None: self.scheduler.load_state_dict(state['scheduler'])
 
     def save_hf(self, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
         "Write the current weights as an HF directory (see `export_megatron_to_hf`; at TP > 1 all TP ranks call it)."
