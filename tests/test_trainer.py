@@ -47,6 +47,14 @@ def _replayed(tmp_path, examples, reference, name, world_size=1, **overrides):
     return Trainer(_cfg(**SGD, **overrides), tmp_path/name, examples, progress=False, tensorboard=False,
                    world_size=world_size, replay_dir=reference['rollouts'])
 
+def test_micro_batches_respect_the_budget_as_padded(reference):
+    "What the ranks ran (reported by the trainer) fits the budget as right-padded, and the fill is of those micro-batches."
+    m, budget = reference['metrics'], _cfg(**SGD).batch.max_tokens_per_micro
+    assert m['micro_batches'] > 1, 'the budget must force several micro-batches for this test to mean anything'
+    assert 0 < m['max_padded_tokens'] <= budget
+    assert m['micro_batches'] >= math.ceil(m['tokens'] / budget)
+    assert math.isclose(m['packing_fill'], m['tokens'] / (m['micro_batches'] * budget))
+
 def test_resume_is_exact(tmp_path, examples):
     cfg = _cfg(**{'schedule.steps': 2})
     full = Trainer(cfg, tmp_path/'full', examples, progress=False, tensorboard=False)
@@ -91,6 +99,7 @@ def test_replay_matches_online_and_ray_dp(tmp_path, examples, reference):
         assert len(m_dp['rows_consumed_per_rank']) == 2 and len(set(m_dp['rows_consumed_per_rank'])) == 1
         assert m_dp['rows_consumed'] == m_dp['rows_generated'] + m_dp['rows_padding'] == m_dp['rows_transferred']
         assert math.isclose(m_dp['loss'], m_on['loss'], rel_tol=1e-4, abs_tol=1e-7)
+        assert m_dp['max_padded_tokens'] <= _cfg(**SGD).batch.max_tokens_per_micro
         assert _close(_weights(dp), w_on, atol=1e-6), 'summed DP gradients must equal the single-process step'
     finally: dp.close()
 
