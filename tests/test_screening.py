@@ -136,7 +136,7 @@ def test_screen_refuses_bad_candidates_and_short_groups():
 
 def test_screen_through_real_rollout(tmp_path):
     "The whole path with memagent.rollout, the real Qwen3 tokenizer and a scripted engine: failed requests are counted, not scored."
-    rollout_mod = pytest.importorskip('memagent.rollout')
+    import memagent.rollout as rollout_mod
     from memagent.engines import GenerationResult, TransientEngineError
     from memagent.models import load_tokenizer
     tok = load_tokenizer('qwen3'); stop = rollout_mod.stop_token_ids(tok)[-1]
