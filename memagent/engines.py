@@ -14,7 +14,7 @@ from typing import Protocol, Sequence, runtime_checkable
 __all__ = ['STAT_KEYS', 'SamplingParams', 'GenerationResult', 'EngineError', 'TransientEngineError', 'DeterministicEngineError',
            'ServerLaunchError', 'Engine', 'new_stats', 'per_request', 'check_prompt', 'teacher_forced_logprobs',
            'race_blocks', 'sample_tokens', 'HFEngine', 'load_safetensors_dir', 'parse_sglang_response', 'SGLangEngine',
-           'fake_tokens', 'FakeSGLangServer', 'free_port', 'SGLangServer', 'engine_from_config']
+           'free_port', 'ServerProcess', 'SGLangServer', 'engine_from_config']
 
 # %% ../nbs/08_engines.ipynb #812df3c4
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  return_exceptions: bool = False) -> list: ...
     def update_weights(self, state_dict=None, path=None) -> None: ...
+    def sync_weights(self, state_dict: dict, hf_model, tokenizer, sync_dir) -> float: ...
     def health(self) -> bool: ...
     def close(self) -> None: ...
 
@@ -299,6 +300,12 @@ class HFEngine:
             if res.unexpected_keys or missing:
                 raise DeterministicEngineError(f"update_weights: missing {missing[:5]}, unexpected {res.unexpected_keys[:5]}")
 
+    def sync_weights(self, state_dict: dict, hf_model, tokenizer, sync_dir) -> float:
+        "Load a copy of the policy's `state_dict` in memory (`hf_model`, `tokenizer`, `sync_dir` are not needed); returns seconds."
+        t0 = time.perf_counter()
+        self.update_weights(state_dict={k: v.clone() for k, v in state_dict.items()})
+        return time.perf_counter() - t0
+
 def _tied_names(model) -> set:
     "Parameter names that share storage with another parameter (e.g. a tied LM head)."
     seen, tied = {}, set()
@@ -450,6 +457,14 @@ class SGLangEngine:
                 raise EngineError(f"{u}: update_weights_from_disk failed: {body.get('message') if isinstance(body, dict) else body!r}")
             self.flush_cache(u)
 
+    def sync_weights(self, state_dict: dict, hf_model, tokenizer, sync_dir) -> float:
+        "Write `hf_model` with weights `state_dict` and `tokenizer` as the HF directory `sync_dir`, then every server loads it; returns seconds."
+        from memagent.checkpoint import export_hf
+        t0 = time.perf_counter()
+        export_hf(hf_model, tokenizer, sync_dir, state_dict=state_dict)
+        self.update_weights(path=str(sync_dir))
+        return time.perf_counter() - t0
+
     def flush_cache(self, url: str) -> None:
         "Drop the server's prefix cache (stale after new weights)."
         import requests
@@ -469,82 +484,6 @@ class SGLangEngine:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-# %% ../nbs/08_engines.ipynb #837050ea
-def fake_tokens(prompt: list[int], sp: SamplingParams, vocab: int = 1000) -> tuple[list[int], list[float], str]:
-    "A deterministic stand-in for sampling: ids and log-probs from a hash of (prompt, seed, position)."
-    import hashlib
-    ids, lps = [], []
-    for k in range(sp.max_new_tokens):
-        h = hashlib.sha256(f"{prompt}|{sp.seed}|{k}".encode()).digest()
-        t = int.from_bytes(h[:4], 'little') % vocab
-        ids.append(t); lps.append(-(1 + h[4] / 64))
-        if t in sp.stop_token_ids: return ids, lps, 'stop'
-    return ids, lps, 'length'
-
-class FakeSGLangServer:
-    "An in-thread HTTP server implementing SGLang's `/generate`, `/health`, `/flush_cache` and `/update_weights_from_disk`."
-    def __init__(self, engine=None, vocab: int = 1000, slow_s: float = 2.0):
-        from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
-        self.engine, self.vocab, self.slow_s = engine, vocab, slow_s
-        self.faults, self.calls, self.healthy, self.weight_paths = [], [], True, []
-        self._lock = threading.Lock()
-        srv = self
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a): pass
-            def _send(self, code, obj):
-                data = (json.dumps(obj) if not isinstance(obj, str) else obj).encode()
-                self.send_response(code); self.send_header('Content-Type', 'application/json')
-                self.send_header('Content-Length', str(len(data))); self.end_headers()
-                try: self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError): pass
-            def do_GET(self):
-                if self.path == '/health': self._send(200 if srv.healthy else 503, {})
-                else: self._send(404, {'error': 'not found'})
-            def do_POST(self):
-                n = int(self.headers.get('Content-Length') or 0)
-                body = json.loads(self.rfile.read(n) or b'{}')
-                code, obj = srv._handle(self.path, body)
-                self._send(code, obj)
-        self._httpd = ThreadingHTTPServer(('127.0.0.1', 0), H)
-        self._httpd.daemon_threads = True
-        self.port = self._httpd.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-        self._thread.start()
-
-    def _handle(self, path, body):
-        if path == '/flush_cache': return 200, 'Cache flushed.'
-        if path == '/update_weights_from_disk':
-            p = body.get('model_path')
-            if not p or not Path(p).exists(): return 200, {'success': False, 'message': f'cannot load {p}'}
-            if self.engine is not None: self.engine.update_weights(path=p)
-            self.weight_paths.append(p); return 200, {'success': True, 'message': 'ok'}
-        if path != '/generate': return 404, {'error': 'not found'}
-        with self._lock:
-            self.calls.append(body)
-            fault = self.faults.pop(0) if self.faults else None
-        if isinstance(fault, int): return fault, {'error': f'injected {fault}'}
-        if fault == 'slow': time.sleep(self.slow_s)
-        sp = dict(body.get('sampling_params') or {})
-        seed = sp.pop('sampling_seed', None)
-        sp = SamplingParams(max_new_tokens=sp.get('max_new_tokens', 128), temperature=sp.get('temperature', 1.0),
-                            top_p=sp.get('top_p', 1.0), top_k=sp.get('top_k', -1),
-                            stop_token_ids=tuple(sp.get('stop_token_ids') or ()), seed=seed)
-        prompt = body['input_ids']
-        if self.engine is not None:
-            r = self.engine.generate([prompt], sp)[0]; ids, lps, fr = r.output_ids, r.logprobs, r.finish_reason
-        else: ids, lps, fr = fake_tokens(prompt, sp, self.vocab)
-        if fault == 'abort': fr = 'abort'
-        out_ids = ids + [0] if fault == 'invalid' else ids
-        meta = {'finish_reason': {'type': fr}, 'prompt_tokens': len(prompt), 'completion_tokens': len(ids),
-                'output_token_logprobs': [[lp, t, None] for lp, t in zip(lps, ids)], 'e2e_latency': 0.0}
-        return 200, {'text': '', 'output_ids': out_ids, 'meta_info': meta}
-
-    def close(self):
-        self._httpd.shutdown(); self._httpd.server_close()
-    def __enter__(self): return self
-    def __exit__(self, *a): self.close()
-
 # %% ../nbs/08_engines.ipynb #9b98ea9e
 def free_port() -> int:
     "A TCP port that was free a moment ago on 127.0.0.1."
@@ -555,22 +494,15 @@ def _tail(path, n: int = 40) -> str:
     try: return '\n'.join(Path(path).read_text(errors='replace').splitlines()[-n:])
     except OSError: return '(no log)'
 
-class SGLangServer:
-    "Launch an SGLang server subprocess, wait for `/health`, stop it cleanly. A context manager."
-    def __init__(self, model_path, port: int | None = None, tp: int = 1, context_length: int = 8192,
-                 mem_fraction: float = 0.8, extra_args: Sequence[str] = (), host: str = '127.0.0.1',
-                 log_path=None, startup_timeout_s: float = 900.0, grace_s: float = 30.0,
-                 command: Sequence[str] | None = None, env: dict | None = None, python: str = sys.executable):
-        self.port = port or free_port()
-        self.host, self.url = host, f"http://{host}:{self.port}"
-        self.log_path = Path(log_path or Path(os.environ.get('TMPDIR', '/tmp')) / f"sglang_{self.port}.log")
+class ServerProcess:
+    "A server subprocess in its own process group: start it, wait for `GET {url}/health`, stop it cleanly. A context manager."
+    def __init__(self, cmd: Sequence[str], url: str, log_path, startup_timeout_s: float = 900.0, grace_s: float = 30.0,
+                 env: dict | None = None):
+        self.cmd, self.url, self.log_path = list(cmd), url.rstrip('/'), Path(log_path)
         self.startup_timeout_s, self.grace_s, self.env = startup_timeout_s, grace_s, env
-        self.cmd = list(command) if command is not None else [
-            python, '-m', 'sglang.launch_server', '--model-path', str(model_path), '--host', host, '--port', str(self.port),
-            '--context-length', str(context_length), '--tp', str(tp), '--mem-fraction-static', str(mem_fraction), *extra_args]
-        self.proc = None
+        self.proc, self._log = None, None
 
-    def start(self) -> 'SGLangServer':
+    def start(self) -> 'ServerProcess':
         "Start the process and block until `/health` is 200; `ServerLaunchError` (with the log tail) otherwise."
         import requests
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -602,10 +534,23 @@ class SGLangServer:
                 try: os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError: pass
                 p.wait(10)
-        if getattr(self, '_log', None) is not None: self._log.close(); self._log = None
+        if self._log is not None: self._log.close(); self._log = None
 
     def __enter__(self): return self.start()
     def __exit__(self, *a): self.stop()
+
+class SGLangServer(ServerProcess):
+    "Launch an SGLang server (`python -m sglang.launch_server`) on a free port, wait for `/health`, stop it cleanly."
+    def __init__(self, model_path, port: int | None = None, tp: int = 1, context_length: int = 8192,
+                 mem_fraction: float = 0.8, extra_args: Sequence[str] = (), host: str = '127.0.0.1',
+                 log_path=None, startup_timeout_s: float = 900.0, grace_s: float = 30.0,
+                 env: dict | None = None, python: str = sys.executable):
+        self.port, self.host = port or free_port(), host
+        cmd = [python, '-m', 'sglang.launch_server', '--model-path', str(model_path), '--host', host, '--port', str(self.port),
+               '--context-length', str(context_length), '--tp', str(tp), '--mem-fraction-static', str(mem_fraction), *extra_args]
+        super().__init__(cmd, f"http://{host}:{self.port}",
+                         log_path or Path(os.environ.get('TMPDIR', '/tmp')) / f"sglang_{self.port}.log",
+                         startup_timeout_s, grace_s, env)
 
 # %% ../nbs/08_engines.ipynb #e2f1f32c
 def engine_from_config(cfg, model_name=None, tokenizer=None, model=None):

@@ -13,7 +13,7 @@ from .chunking import chunk_document
 from .reward import extract_boxed
 
 # %% auto #0
-__all__ = ['request_seed', 'stop_token_ids', 'rollout', 'bench_examples', 'bench_rollout', 'logprob_agreement']
+__all__ = ['request_seed', 'stop_token_ids', 'rollout', 'logprob_agreement']
 
 # %% ../nbs/09_rollout.ipynb #95c0d5ce
 def request_seed(seed: int, example_id, sample_index: int, turn_index: int) -> int:
@@ -136,45 +136,6 @@ def rollout(examples, engine, tokenizer, cfg, group_size: int | None = None, see
     return trajs
 
 # %% ../nbs/09_rollout.ipynb #143d8959
-def bench_examples(n: int, tokenizer, chunk_tokens: int, max_chunks: int, seed: int = 0) -> list[dict]:
-    "`n` synthetic examples whose documents span 1..`max_chunks` chunks of `chunk_tokens` tokens."
-    import random
-    rng = random.Random(seed)
-    words = "lamp garden road evening wind stone river tower field bread letter cloud bridge paper morning".split()
-    out = []
-    for i in range(n):
-        target = rng.randint(1, max_chunks) * chunk_tokens - rng.randint(1, max(1, chunk_tokens // 2))
-        text, ids = '', []
-        while len(ids) < target:
-            text += ' ' + ' '.join(rng.choice(words) for _ in range(16))
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        out.append(dict(id=f'bench-{i}', question=f'Which word comes first in document {i}?', context=text.strip(),
-                        answers=[text.split()[0]]))
-    return out
-
-def bench_rollout(engine, tokenizer, cfg, n_traj: int = 32, examples=None, seed: int = 0, sequential: bool = True) -> dict:
-    "Generated tokens/s of the batched rollout vs a one-trajectory-at-a-time loop on the same engine, inputs and seeds."
-    examples = examples or bench_examples(n_traj, tokenizer, cfg.chunking.chunk_tokens, cfg.chunking.max_chunks, seed)
-    examples = examples[:n_traj]
-    st = {}
-    t0 = time.perf_counter()
-    batched = rollout(examples, engine, tokenizer, cfg, group_size=1, seed=seed, progress=False, stats=st)
-    tb = time.perf_counter() - t0
-    out = {'n_traj': len(batched), 'turns': sum(t.num_turns for t in batched), 'generated_tokens': st['generated_tokens'],
-           'batched_s': tb, 'batched_tokens_per_s': st['generated_tokens'] / tb, 'memory_batches': st['memory_batches'],
-           'failed': st['failed']}
-    if sequential:
-        t0, toks, seq = time.perf_counter(), 0, []
-        for ex in examples:
-            s1 = {}
-            seq += rollout([ex], engine, tokenizer, cfg, group_size=1, seed=seed, progress=False, stats=s1)
-            toks += s1['generated_tokens']
-        ts = time.perf_counter() - t0
-        same = sum([u.response_ids for u in a.turns] == [u.response_ids for u in b.turns] for a, b in zip(batched, seq))
-        out.update(sequential_s=ts, sequential_tokens=toks, sequential_tokens_per_s=toks / ts,
-                   speedup=(st['generated_tokens'] / tb) / (toks / ts), identical_fraction=same / len(batched))
-    return out
-
 def logprob_agreement(model, trajectories, temperature: float | None = None, chunk: int = 512) -> dict:
     "Max/mean |rollout log-prob - teacher-forced log-prob| over every response token of every ok trajectory."
     import torch

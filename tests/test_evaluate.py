@@ -8,8 +8,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 
-from memagent.evaluate import (COMPARABLE, METRICS, RECORD_FIELDS, RECORDS_FILE, SCHEMA_VERSION, SUMMARY_FILE,
-                               bootstrap_ci, compare, compare_cli, evaluate, paired_bootstrap_ci, summarize, synthetic_run)
+from memagent.evaluate import (COMPARABLE, METRICS, RECORD_FIELDS, RECORDS_FILE, SCHEMA_VERSION, SUMMARY_FILE, evaluate,
+                               item_limit, summarize)
+from memagent.stats import bootstrap_ci, paired_bootstrap_ci
+from memagent.acceptance import compare, compare_cli
+from memagent.testing import synthetic_run
 
 
 def trio(root, cand, ref, base, hot=(60, 50, 40), cinfo=None, n_items=1000, **kw):
@@ -100,6 +103,21 @@ def test_bootstrap_reproducible():
     assert paired_bootstrap_ci(a, b, seed=1) == paired_bootstrap_ci(a, b, seed=1)
     lo, hi = paired_bootstrap_ci(a, b, seed=1)
     assert 0 < lo <= 0.25 <= hi
+
+
+def test_item_limit_is_explicit():
+    from memagent.config import get_preset
+    cfg = get_preset('tiny', {'eval.max_items': 5})
+    assert (item_limit('config', cfg), item_limit(None, cfg), item_limit(0, cfg), item_limit(7, cfg)) == (5, None, 0, 7)
+    for bad in (-1, 'all', 2.0, True):
+        with pytest.raises(ValueError, match='max_items'): item_limit(bad, cfg)
+
+
+def test_zero_items_is_refused_not_all(tiny):
+    cfg, tok, eng = tiny
+    from memagent.data import make_synthetic
+    with pytest.raises(ValueError, match=r'no examples to evaluate \(max_items=0\)'):
+        evaluate(make_synthetic(2, num_words=20, seed=0), eng, tok, cfg, max_items=0, progress=False)
 
 
 def test_compare_cli_exit_codes(tmp_path):

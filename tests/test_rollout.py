@@ -1,12 +1,14 @@
 "The recurrent rollout: step-synchronous batching, memory bound, alignment, seeds, failures, weight updates, log-probs."
 import pytest, torch
 from memagent.config import get_preset
-from memagent.engines import (HFEngine, SGLangEngine, FakeSGLangServer, GenerationResult, SamplingParams, fake_tokens,
-                              DeterministicEngineError, TransientEngineError)
+from memagent.engines import (HFEngine, SGLangEngine, GenerationResult, SamplingParams, DeterministicEngineError,
+                              TransientEngineError)
+from memagent.testing import FakeSGLangServer, fake_tokens
 from memagent.models import load_model, load_tokenizer
 from memagent import prompts as P
 from memagent.chunking import chunk_document
-from memagent.rollout import rollout, stop_token_ids, request_seed, logprob_agreement, bench_rollout
+from memagent.rollout import rollout, stop_token_ids, request_seed, logprob_agreement
+from memagent.bench import bench_rollout
 
 torch.set_num_threads(1)
 WORDS = "the lamp stood near a quiet garden road while evening wind moved over old stone".split()

@@ -1,9 +1,9 @@
 "The SGLang client against a local server speaking SGLang's native schema, with injected failures."
 import sys, time
 import pytest
-from memagent.engines import (SGLangEngine, SGLangServer, FakeSGLangServer, SamplingParams, GenerationResult,
-                              EngineError, TransientEngineError, DeterministicEngineError, ServerLaunchError,
-                              fake_tokens, free_port, HFEngine)
+from memagent.engines import (SGLangEngine, SGLangServer, ServerProcess, SamplingParams, GenerationResult, EngineError,
+                              TransientEngineError, DeterministicEngineError, ServerLaunchError, free_port, HFEngine)
+from memagent.testing import FakeSGLangServer, fake_tokens
 
 SP = SamplingParams(6, seed=11, stop_token_ids=())
 
@@ -132,8 +132,8 @@ def test_backed_by_tiny_model_matches_in_process():
 
 
 def test_server_launch_failure_is_reported_not_hung(tmp_path):
-    s = SGLangServer('none', command=[sys.executable, '-c', 'import sys; print("boom: no CUDA"); sys.exit(2)'],
-                     log_path=tmp_path / 'log', startup_timeout_s=60)
+    s = ServerProcess([sys.executable, '-c', 'import sys; print("boom: no CUDA"); sys.exit(2)'],
+                      f"http://127.0.0.1:{free_port()}", tmp_path / 'log', startup_timeout_s=60)
     t0 = time.monotonic()
     with pytest.raises(ServerLaunchError, match='boom: no CUDA'):
         s.start()
@@ -141,11 +141,21 @@ def test_server_launch_failure_is_reported_not_hung(tmp_path):
 
 
 def test_server_startup_timeout_stops_the_process(tmp_path):
-    s = SGLangServer('none', command=[sys.executable, '-c', 'import time; time.sleep(60)'],
-                     log_path=tmp_path / 'log', startup_timeout_s=1.5, grace_s=2)
+    s = ServerProcess([sys.executable, '-c', 'import time; time.sleep(60)'], f"http://127.0.0.1:{free_port()}",
+                      tmp_path / 'log', startup_timeout_s=1.5, grace_s=2)
     with pytest.raises(ServerLaunchError, match='not healthy'):
         s.start()
     assert s.proc.poll() is not None
+
+
+def test_sglang_server_command(tmp_path):
+    s = SGLangServer('/models/m', tp=2, context_length=4096, extra_args=('--enable-deterministic-inference',),
+                     log_path=tmp_path / 'log', python='/opt/py/bin/python')
+    assert s.cmd[:3] == ['/opt/py/bin/python', '-m', 'sglang.launch_server'] and s.url == f'http://127.0.0.1:{s.port}'
+    flags = dict(zip(s.cmd[3:-1:2], s.cmd[4::2]))
+    assert flags == {'--model-path': '/models/m', '--host': '127.0.0.1', '--port': str(s.port), '--context-length': '4096',
+                     '--tp': '2', '--mem-fraction-static': '0.8'}
+    assert s.cmd[-1] == '--enable-deterministic-inference' and s.proc is None
 
 
 @pytest.mark.gpu

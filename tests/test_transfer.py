@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 
 from memagent.trajectory import Row
-from memagent.transfer import (ChannelError, InProcessChannel, RayChannel, ensure_ray, bench_channel,
-                               rows_to_arrays, arrays_to_rows)
+from memagent.transfer import (ChannelError, InProcessChannel, RayChannel, ensure_ray, rows_to_arrays, arrays_to_rows)
+from memagent.bench import bench_channel
 
 pytestmark = pytest.mark.timeout(60)
 
