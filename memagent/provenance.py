@@ -9,8 +9,8 @@ from pathlib import Path
 from importlib import metadata
 
 # %% auto #0
-__all__ = ['KEY_PACKAGES', 'sha256_file', 'sha256_bytes', 'sha256_text', 'sha256_dir', 'flatten', 'git_state', 'package_versions',
-           'host_info', 'provenance']
+__all__ = ['KEY_PACKAGES', 'sha256_file', 'sha256_bytes', 'sha256_text', 'sha256_dir', 'flatten', 'changed_source_files',
+           'git_state', 'package_versions', 'host_info', 'provenance']
 
 # %% ../nbs/01_provenance.ipynb #806a4499
 _BLOCK = 1 << 20
@@ -50,15 +50,23 @@ def flatten(d: dict, prefix: str = '') -> dict:
     return out
 
 # %% ../nbs/01_provenance.ipynb #826f3b86
+def changed_source_files(path='.') -> list[str] | None:
+    "Tracked files that differ from HEAD in the git work tree holding `path`, outside `reports/` (None outside git)."
+    p = Path(path).resolve()
+    while not p.exists(): p = p.parent
+    git = lambda *a: subprocess.run(['git', '-C', str(p), *a], capture_output=True, text=True, timeout=20)
+    top = git('rev-parse', '--show-toplevel')
+    if top.returncode: return None
+    st = git('-C', top.stdout.strip(), 'status', '--porcelain', '--untracked-files=no', '--', '.', ':(exclude)reports')
+    return [l[3:] for l in st.stdout.splitlines() if l.strip()]
+
 def git_state(path='.') -> dict:
-    "The commit and dirty flag of the git work tree containing `path` (`commit=None` outside git)."
-    def git(*a):
-        return subprocess.run(['git', *a], cwd=path, capture_output=True, text=True, timeout=20)
+    "The commit of the git work tree containing `path` and whether its source (everything outside `reports/`) differs from it."
     try:
-        r = git('rev-parse', 'HEAD')
+        r = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=path, capture_output=True, text=True, timeout=20)
         if r.returncode: return {'commit': None, 'dirty': None, 'reason': r.stderr.strip()[:200]}
-        dirty = git('status', '--porcelain', '--untracked-files=no').stdout.strip() != ''
-        return {'commit': r.stdout.strip(), 'dirty': dirty}
+        changed = changed_source_files(path)
+        return {'commit': r.stdout.strip(), 'dirty': bool(changed), **({'changed': changed[:20]} if changed else {})}
     except (OSError, subprocess.TimeoutExpired) as e:
         return {'commit': None, 'dirty': None, 'reason': str(e)}
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse, csv, dataclasses, json, math, sys
 from pathlib import Path
 import yaml
-from .provenance import flatten, provenance, sha256_file
+from .provenance import changed_source_files, flatten, provenance, sha256_file
 
 # %% auto #0
 __all__ = ['REQUIRED_FIELDS', 'SUMMARY_FILES', 'read_metrics', 'check_steps', 'moving_average', 'window_stats', 'scalar_columns',
            'write_csv', 'plot_reward_curve', 'plot_metric_grid', 'read_run', 'reward_summary', 'summary_cli',
-           'md_table', 'provenance_md', 'config_md', 'changed_source_files', 'write_report']
+           'md_table', 'provenance_md', 'config_md', 'write_report']
 
 # %% ../nbs/17_report.ipynb #db442c53
 REQUIRED_FIELDS = ('step', 'reward_mean', 'pass_rate')
@@ -270,17 +270,6 @@ def config_md(cfg_dict) -> str:
     return f"```yaml\n{text.rstrip()}\n```"
 
 # %% ../nbs/17_report.ipynb #4f2c702c
-def changed_source_files(path) -> list[str] | None:
-    "Tracked files outside `reports/` that differ from HEAD in the git work tree holding `path` (None outside git)."
-    import subprocess
-    p = Path(path).resolve()
-    while not p.exists(): p = p.parent
-    git = lambda *a: subprocess.run(['git', '-C', str(p), *a], capture_output=True, text=True, timeout=30)
-    top = git('rev-parse', '--show-toplevel')
-    if top.returncode: return None
-    st = git('-C', top.stdout.strip(), 'status', '--porcelain', '--untracked-files=no', '--', '.', ':(exclude)reports')
-    return [l[3:] for l in st.stdout.splitlines() if l.strip()]
-
 def _committed_report_dir(out: Path) -> bool:
     import subprocess
     p = out.resolve()

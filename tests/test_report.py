@@ -129,16 +129,18 @@ def test_md_table_columns_and_format():
 
 def test_committed_reports_need_a_clean_tree(tmp_path):
     import subprocess
-    from memagent.report import write_report, changed_source_files
+    from memagent.report import write_report
+    from memagent.provenance import changed_source_files, git_state
     git = lambda *a: subprocess.run(['git', '-C', str(tmp_path), *a], check=True, capture_output=True)
     git('init', '-q'); git('config', 'user.email', 'r@example.invalid'); git('config', 'user.name', 'r')
     (tmp_path/'code.py').write_text('x = 1\n'); (tmp_path/'reports').mkdir(); (tmp_path/'reports'/'old.md').write_text('old\n')
     git('add', '.'); git('commit', '-qm', 'init')
     assert changed_source_files(tmp_path) == []
     (tmp_path/'reports'/'old.md').write_text('re-rendered\n')             # the run's own outputs do not count
+    assert git_state(tmp_path)['dirty'] is False
     write_report(tmp_path/'reports'/'run', 'clean', [('a', 'b')])
     (tmp_path/'code.py').write_text('x = 2\n')
-    assert changed_source_files(tmp_path) == ['code.py']
+    assert changed_source_files(tmp_path) == ['code.py'] and git_state(tmp_path)['changed'] == ['code.py']
     with pytest.raises(ValueError, match=r"code\.py"):
         write_report(tmp_path/'reports'/'run2', 'dirty', [('a', 'b')])
     assert not (tmp_path/'reports'/'run2').exists()
