@@ -10,7 +10,7 @@ if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 
 TINY = dict(run='tiny', n_traj=4, channel_rows=8, channel_prompt_tokens=16, channel_response_tokens=8,
             doc_counts=[10, 12], eval_items=1, trainer_rows=2, trainer_repeats=1)
-SECTIONS = ('## Summary', '## (a) Rollout', '## (b) Rollout log-probs', '## (c) Packing', '## (d) Row channel',
+SECTIONS = ('## Summary', '## (a) Rollout', '## (b) Rollout log-probs', "## (c) The trainer's micro-batches", '## (d) Row channel',
             '## (e) Linear cost', '## (f) Trainer log-probs', '## Parameters', '## Provenance', '## Files')
 
 

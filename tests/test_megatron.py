@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from memagent.backends import megatron as mb
+from memagent.engines import free_port
 
 pytestmark = [pytest.mark.skipif(not mb.HAVE_MEGATRON, reason="megatron-core is not installed (pip install 'megatron-core==0.16.1')"),
               pytest.mark.filterwarnings('ignore::UserWarning'), pytest.mark.filterwarnings('ignore::DeprecationWarning')]
@@ -348,7 +349,7 @@ def _tp_worker(rank, world, port, job, out_path):
 def _run_tp2(job, tmp_path):
     import torch.multiprocessing as mp
     out = tmp_path / 'tp2.pt'
-    mp.spawn(_tp_worker, args=(2, mb._free_port(), job, str(out)), nprocs=2)
+    mp.spawn(_tp_worker, args=(2, free_port(), job, str(out)), nprocs=2)
     return torch.load(out)
 
 

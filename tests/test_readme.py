@@ -21,9 +21,11 @@ def test_readme_figures_are_in_reports():
     assert readme.untraced(text, ROOT/'reports') == []
 
 
-def test_made_up_figures_are_flagged():
+def test_made_up_figures_are_flagged(tmp_path):
+    (tmp_path/'run.json').write_text('{"r2": 0.99995, "speedup": 3.2670, "fill": 0.9132}')   # reports that exist
     made_up = 'linear (R^2 0.9998), 7.77x faster, 63.817% of the budget, within 1.23e-04, +31.729 pp'
-    assert readme.untraced(made_up, ROOT/'reports') == ['0.9998', '7.77x', '63.817%', '1.23e-04', '31.729 pp']
+    assert readme.untraced(made_up, tmp_path) == ['0.9998', '7.77x', '63.817%', '1.23e-04', '31.729 pp']
+    assert readme.untraced('R^2 0.99995, 3.27x faster, 91% of the budget', tmp_path) == []
 
 
 def test_figures_rounding_rules():
