@@ -4,15 +4,16 @@
 
 # %% ../nbs/00_config.ipynb #1da9bab9
 from __future__ import annotations
-import copy, dataclasses, typing
+import ast, copy, dataclasses, difflib, math, re, typing
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 import yaml
 
 # %% auto #0
-__all__ = ['CHOICES', 'PRESETS', 'ModelCfg', 'DataCfg', 'ChunkingCfg', 'PromptCfg', 'RolloutCfg', 'GRPOCfg', 'LossCfg',
-           'OptimCfg', 'BatchCfg', 'ScheduleCfg', 'EvalCfg', 'Config', 'get_key', 'apply_overrides', 'from_dict',
-           'save_config', 'load_config', 'qwen3_4b_frozen', 'qwen3_06b_pilot', 'memagent_official', 'cpu_demo', 'tiny',
+__all__ = ['CHOICES', 'NONEMPTY', 'RANGES', 'PRESETS', 'ModelCfg', 'DataCfg', 'ChunkingCfg', 'PromptCfg', 'RolloutCfg', 'GRPOCfg',
+           'LossCfg', 'OptimCfg', 'BatchCfg', 'ScheduleCfg', 'EvalCfg', 'HealthCfg', 'Config', 'get_key', 'config_keys',
+           'Range', 'apply_overrides', 'from_dict', 'save_config', 'load_config', 'injected_params',
+           'refuse_unknown_params', 'qwen3_4b_frozen', 'qwen3_06b_pilot', 'memagent_official', 'cpu_demo', 'tiny',
            'get_preset']
 
 # %% ../nbs/00_config.ipynb #c20a9c38
@@ -126,6 +127,12 @@ class EvalCfg:
     tolerance_pp: float = 3.0       # acceptance: |candidate - reference| in percentage points
     seed: int = 1234
 
+@dataclass
+class HealthCfg:
+    "When a run stops instead of carrying on in a state whose numbers would mean nothing."
+    max_empty_steps: int = 3        # consecutive steps with no row to train on, or with every trajectory failed, before the run stops with an error
+    check_finite: bool = True       # stop on a non-finite loss, gradient norm or weight; refuse to save or load a non-finite checkpoint
+
 # %% ../nbs/00_config.ipynb #7519076f
 CHOICES = {
     'model.dtype': ('float32', 'bfloat16', 'float16'),
@@ -140,6 +147,7 @@ CHOICES = {
     'optim.name': ('adam', 'sgd'),
     'backend': ('torch', 'megatron'),
 }
+NONEMPTY = ('name', 'model.name', 'model.tokenizer', 'model.revision', 'data.train', 'data.eval', 'rollout.sglang_urls')
 
 @dataclass
 class Config:
@@ -159,6 +167,8 @@ class Config:
     batch: BatchCfg = field(default_factory=BatchCfg)
     schedule: ScheduleCfg = field(default_factory=ScheduleCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
+    health: HealthCfg = field(default_factory=HealthCfg)
+    resume_overrides: list[str] = field(default_factory=list)  # dotted keys that may differ between a checkpoint's config and the resumed run's
 
     @property
     def dp_size(self) -> int:
@@ -189,34 +199,31 @@ class Config:
         return self.engine_context_tokens
 
     def validate(self) -> 'Config':
-        "Check every field's type and allowed values, and the cross-field constraints; raise naming the key."
+        "Check every field's type, range or allowed values, and the cross-field constraints; raise naming the key."
         _check_types(self, '')
+        for key, spec in RANGES.items(): _check_range(key, get_key(self, key), spec)
         for key, allowed in CHOICES.items():
             v = get_key(self, key)
             if v not in allowed: raise ValueError(f"config key {key!r}: {v!r} is not one of {list(allowed)}")
-        pos = ['chunking.chunk_tokens', 'chunking.memory_tokens', 'chunking.final_tokens', 'chunking.max_chunks',
-               'grpo.group_size', 'grpo.prompts_per_step', 'batch.max_tokens_per_micro', 'batch.n_gpus', 'batch.tp',
-               'batch.pp', 'schedule.steps', 'schedule.save_every', 'schedule.keep_last', 'eval.samples',
-               'rollout.context_length', 'rollout.concurrency', 'data.synthetic_tokens']
-        for key in pos:
-            if get_key(self, key) <= 0: raise ValueError(f"config key {key!r}: must be > 0, got {get_key(self, key)}")
-        nonneg = ['loss.clip_low', 'loss.clip_high', 'loss.kl_coef', 'loss.entropy_coef', 'optim.lr',
-                  'optim.weight_decay', 'rollout.temperature', 'rollout.max_retries', 'optim.warmup_steps']
-        for key in nonneg:
-            if get_key(self, key) < 0: raise ValueError(f"config key {key!r}: must be >= 0, got {get_key(self, key)}")
-        for key in ('rollout.top_p', 'eval.top_p'):
-            if not 0 < get_key(self, key) <= 1: raise ValueError(f"config key {key!r}: must be in (0, 1], got {get_key(self, key)}")
-        if self.loss.dual_clip is not None and self.loss.dual_clip <= 1:
-            raise ValueError(f"config key 'loss.dual_clip': must be > 1 or null, got {self.loss.dual_clip}")
-        if self.grpo.group_size < 2: raise ValueError("config key 'grpo.group_size': GRPO needs at least 2 samples per prompt")
+        for key in NONEMPTY:
+            v = get_key(self, key)
+            for i, x in enumerate(v if isinstance(v, list) else [v]):
+                if x is not None and not x.strip():
+                    raise ValueError(f"config key {key + (f'[{i}]' if isinstance(v, list) else '')!r}: must not be an empty string")
+        from memagent.reward import REWARDS
+        if self.grpo.reward not in REWARDS:
+            raise ValueError(f"config key 'grpo.reward': {self.grpo.reward!r} is not a registered reward; known: {sorted(REWARDS)}")
+        known = config_keys(self)
+        for i, k in enumerate(self.resume_overrides):
+            if k not in known:
+                near = difflib.get_close_matches(k, known, n=3)
+                raise ValueError(f"config key 'resume_overrides[{i}]': {k!r} is not a config key"
+                                 + (f"; did you mean {near}?" if near else f"; keys look like 'schedule.steps' or 'optim.lr'"))
         b = self.batch
         if b.n_gpus % (b.tp * b.pp):
             raise ValueError(f"config keys 'batch.n_gpus'={b.n_gpus} must be divisible by 'batch.tp' x 'batch.pp' = {b.tp * b.pp}")
-        if self.chunking.context_trim == 'centre' and not self.chunking.max_context_tokens:
+        if self.chunking.context_trim == 'centre' and self.chunking.max_context_tokens is None:
             raise ValueError("config key 'chunking.max_context_tokens': required when chunking.context_trim='centre'")
-        if self.data.synthetic_hops not in (1, 2):
-            raise ValueError(f"config key 'data.synthetic_hops': must be 1 or 2, got {self.data.synthetic_hops}")
-        if len(self.optim.betas) != 2: raise ValueError(f"config key 'optim.betas': needs 2 values, got {self.optim.betas}")
         if self.engine_context_tokens > self.rollout.context_length:
             raise ValueError(f"config key 'rollout.context_length'={self.rollout.context_length} is smaller than a memory "
                              f"turn needs ({self.engine_context_tokens} = chunk + memory + template + response)")
@@ -249,7 +256,11 @@ def _check_value(v, tp, key):
             inner = o[5:-1]
             for i, x in enumerate(v): _check_value(x, inner, f"{key}[{i}]")
             return
-    raise ValueError(f"config key {key!r}: expected {tp}, got {type(v).__name__} {v!r}")
+    hint = ''
+    if isinstance(v, str) and any(o in ('int', 'float') for o in opts):
+        try: float(v); hint = " (a number given as a string: give it unquoted; `load_config` reads YAML's 1e-4 as a number)"
+        except ValueError: pass
+    raise ValueError(f"config key {key!r}: expected {tp}, got {type(v).__name__} {v!r}{hint}")
 
 def _check_types(obj, prefix):
     for f in fields(obj):
@@ -262,6 +273,103 @@ def get_key(cfg, key: str):
     obj = cfg
     for part in key.split('.'): obj = getattr(obj, part)
     return obj
+
+def config_keys(cfg=None) -> list[str]:
+    "Every dotted leaf key of a config (default: a fresh `Config()`), in declaration order."
+    out = []
+    def walk(obj, prefix):
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v): walk(v, prefix + f.name + '.')
+            else: out.append(prefix + f.name)
+    walk(cfg if cfg is not None else Config(), '')
+    return out
+
+# %% ../nbs/00_config.ipynb #5138f13b
+@dataclass(frozen=True)
+class Range:
+    "The allowed values of a numeric key: an interval (`None`: unbounded; ends open or closed), values allowed besides it, and why."
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    also: tuple = ()                # values allowed outside the interval (e.g. top_k's -1: no filter)
+    size: tuple | None = None       # list keys: (min, max) items, None: unbounded; the interval applies to each item
+    why: str = ''                   # what the bounds mean, quoted in errors
+
+    def ok(self, v) -> bool:
+        if v in self.also: return True
+        if not math.isfinite(v): return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo): return False
+        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+
+    def __str__(self):
+        lo, hi = self.lo, self.hi
+        if lo is not None and hi is not None: s = f"{'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        elif lo is not None: s = f"{'>' if self.lo_open else '>='} {lo}"
+        elif hi is not None: s = f"{'<' if self.hi_open else '<='} {hi}"
+        else: s = 'any finite number'
+        return ' or '.join([*(repr(a) for a in self.also), s])
+
+_U32 = Range(0, 2**32 - 1, why='numpy and torch take unsigned 32-bit seeds')
+RANGES = {
+    'seed': _U32,
+    'data.max_train': Range(1, why='null: every example; 0 examples cannot train'),
+    'data.max_eval': Range(1, why='null: every example; 0 examples cannot be evaluated'),
+    'data.synthetic_tokens': Range(1),
+    'data.synthetic_hops': Range(1, 2, why='1: one fact, 2: two linked facts'),
+    'chunking.chunk_tokens': Range(1), 'chunking.memory_tokens': Range(1), 'chunking.final_tokens': Range(1),
+    'chunking.max_chunks': Range(1), 'chunking.max_context_tokens': Range(1, why='null: no trimming bound'),
+    'rollout.temperature': Range(0, why='0: greedy'),
+    'rollout.top_p': Range(0, 1, lo_open=True),
+    'rollout.top_k': Range(1, also=(-1,), why='-1: no top-k filter; 0 would leave no token to sample'),
+    'rollout.request_timeout_s': Range(0, lo_open=True, why='seconds'),
+    'rollout.max_retries': Range(0, why='0: no retry'),
+    'rollout.backoff_s': Range(0, why='seconds; 0: retry at once'),
+    'rollout.concurrency': Range(1), 'rollout.context_length': Range(1),
+    'grpo.group_size': Range(2, why='GRPO needs at least 2 samples per prompt'),
+    'grpo.prompts_per_step': Range(1),
+    'grpo.eps': Range(0, lo_open=True, why='the advantage divides by std + eps'),
+    'loss.clip_low': Range(0, 1, hi_open=True, why="the ratio's lower bound 1 - clip_low must stay above 0"),
+    'loss.clip_high': Range(0),
+    'loss.dual_clip': Range(1, lo_open=True, why='null: off'),
+    'loss.kl_coef': Range(0), 'loss.kl_clamp': Range(0, lo_open=True), 'loss.entropy_coef': Range(0),
+    'loss.tis_cap': Range(1, why='null: off; a cap below 1 would shrink every weight, not truncate the large ones'),
+    'optim.lr': Range(0, why='0 leaves the weights unchanged'),
+    'optim.weight_decay': Range(0),
+    'optim.betas': Range(0, 1, hi_open=True, size=(2, 2), why="Adam's two decay rates"),
+    'optim.eps': Range(0, lo_open=True),
+    'optim.grad_clip': Range(0, lo_open=True, why='null: no clipping'),
+    'optim.warmup_steps': Range(0, why='0: no warmup'),
+    'batch.max_tokens_per_micro': Range(1), 'batch.n_gpus': Range(1), 'batch.tp': Range(1), 'batch.pp': Range(1),
+    'schedule.steps': Range(1), 'schedule.save_every': Range(1), 'schedule.keep_last': Range(1),
+    'eval.lengths': Range(1, size=(1, None), why='documents per question, at least one length'),
+    'eval.temperature': Range(0, why='0: greedy'),
+    'eval.top_p': Range(0, 1, lo_open=True),
+    'eval.samples': Range(1),
+    'eval.max_items': Range(1, why='null: every item; 0 items cannot be evaluated'),
+    'eval.tolerance_pp': Range(0, why='percentage points; 0: the candidate must match exactly'),
+    'eval.seed': _U32,
+    'health.max_empty_steps': Range(1, why='1: stop at the first empty step'),
+}
+
+def _check_range(key, v, spec: Range):
+    "Raise naming the key, the value and the allowed range when `v` (not null) is outside `spec`."
+    if v is None: return
+    why = f" ({spec.why})" if spec.why else ''
+    if isinstance(v, list):
+        lo, hi = spec.size or (0, None)
+        if len(v) < lo or (hi is not None and len(v) > hi):
+            n = f"exactly {lo}" if lo == hi else f"at least {lo}" if hi is None else f"{lo} to {hi}"
+            raise ValueError(f"config key {key!r}: {v!r} has {len(v)} items, needs {n}{why}")
+        for i, x in enumerate(v): _check_range(f"{key}[{i}]", x, dataclasses.replace(spec, size=None))
+    elif not spec.ok(v):
+        fin = '' if math.isfinite(v) else ' (not a finite number)'
+        raise ValueError(f"config key {key!r}: {v!r}{fin} is outside the allowed range {spec}{why}")
+
+def _numeric(tp: str) -> bool:
+    "Whether an annotation (a string) holds numbers: int, float, or a list of them (bool is not a number here)."
+    return any(o.removeprefix('list[').removesuffix(']') in ('int', 'float') for o in tp.replace(' ', '').split('|'))
 
 # %% ../nbs/00_config.ipynb #a82347a2
 def _section_names(obj): return [f.name for f in fields(obj)]
@@ -293,19 +401,42 @@ def from_dict(d: dict, base: Config | None = None) -> Config:
     walk(d, '')
     return apply_overrides(base or Config(), flat)
 
+# YAML 1.2 floats without a decimal point (`1e-4`, `3E5`): YAML 1.1, which PyYAML implements, reads them as strings.
+_FLOAT_NO_DOT = re.compile(r'^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$')
+class _Loader(yaml.SafeLoader): "PyYAML's safe loader that also reads `1e-4` as a float."
+class _Dumper(yaml.SafeDumper): "PyYAML's safe dumper that quotes a string such as `'1e-4'`, so it reads back as a string."
+for _c in (_Loader, _Dumper): _c.add_implicit_resolver('tag:yaml.org,2002:float', _FLOAT_NO_DOT, list('-+0123456789'))
+
 def save_config(cfg: Config, path) -> Path:
     "Write the config as YAML (derived values are not written: they are recomputed on load)."
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    path.write_text(yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False))
     return path
 
 def load_config(path) -> Config:
-    "Read a YAML config written by `save_config` (or by hand); errors name the file."
-    try: d = yaml.safe_load(Path(path).read_text())
+    "Read a YAML config written by `save_config` (or by hand; `1e-4` is a number); errors name the file."
+    try: d = yaml.load(Path(path).read_text(), Loader=_Loader)
     except yaml.YAMLError as e: raise ValueError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(d, dict): raise ValueError(f"{path}: expected a mapping at the top level")
     try: return from_dict(d)
     except (KeyError, ValueError) as e: raise type(e)(f"{path}: {e.args[0]}") from e
+
+# %% ../nbs/00_config.ipynb #fb68da5c
+def injected_params(namespace: dict) -> list[str] | None:
+    "Names assigned by papermill's injected-parameters cell, read from the kernel input history `In`; None if none ran."
+    for src in reversed(namespace.get('In') or []):
+        if isinstance(src, str) and src.startswith('# Parameters\n'):
+            return [t.id for n in ast.parse(src).body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+    return None
+
+def refuse_unknown_params(namespace: dict, known) -> None:
+    "Raise on an injected papermill parameter that is not in `known` (a list or a space-separated string), naming it and the known ones."
+    known = known.split() if isinstance(known, str) else list(known)
+    bad = [n for n in injected_params(namespace) or [] if n not in known and not n.startswith('PAPERMILL_')]
+    if bad:
+        say = lambda n: f"{n!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(n, known, n=1)) else repr(n)
+        raise ValueError(f"unknown parameter{'s' if len(bad) > 1 else ''} {', '.join(map(say, bad))}: "
+                         f"this notebook's parameters are {known}")
 
 # %% ../nbs/00_config.ipynb #3a2f7c0f
 def qwen3_4b_frozen() -> Config:
