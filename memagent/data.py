@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_data.ipynb #5fcc0931
 from __future__ import annotations
-import argparse, gzip, json, os, random, re, sys
+import argparse, gzip, json, os, random, re, sys, zlib
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -51,8 +51,10 @@ def hotpotqa_path(split: str = 'dev') -> Path:
 def _sha256_gunzip(path) -> str:
     import hashlib
     h = hashlib.sha256()
-    with gzip.open(path, 'rb') as f:
-        for b in iter(lambda: f.read(1 << 20), b''): h.update(b)
+    try:
+        with gzip.open(path, 'rb') as f:
+            for b in iter(lambda: f.read(1 << 20), b''): h.update(b)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e: raise ValueError(f"{path}: {_gzip_problem(e)}") from None
     return h.hexdigest()
 
 def verify_shipped(root=None) -> dict:
@@ -62,7 +64,9 @@ def verify_shipped(root=None) -> dict:
     for rel, (gz_sha, raw_sha, _) in SHIPPED.items():
         p = root / rel
         if not p.is_file(): raise FileNotFoundError(f"shipped file missing: {p}")
-        got = (sha256_file(p), _sha256_gunzip(p))
+        got = sha256_file(p)
+        if got != gz_sha: raise ValueError(f"{p}: SHA-256 mismatch: got {got}, expected {gz_sha}")
+        got = (got, _sha256_gunzip(p))
         if got != (gz_sha, raw_sha): raise ValueError(f"{p}: SHA-256 mismatch: got {got}, expected {(gz_sha, raw_sha)}")
         out[rel] = {'sha256_gz': got[0], 'sha256': got[1], 'bytes': p.stat().st_size}
     return out
@@ -98,8 +102,26 @@ def location_unit(path) -> str:
     s = _suffix(path)
     return 'line' if s in ('.jsonl', '.jsonl.gz') else 'row' if s == '.parquet' else 'item'
 
-def _open_text(path):
-    return gzip.open(path, 'rt', encoding='utf-8') if str(path).lower().endswith('.gz') else open(path, encoding='utf-8')
+def _gzip_problem(e) -> str:
+    if isinstance(e, EOFError): return "truncated gzip data: the file ends before gzip's end-of-stream marker (an incomplete download or copy)"
+    return f"not valid gzip data ({e})"
+
+def _decode(path, raw: bytes, line: int) -> str:
+    try: return raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise DataError(path, line, None, f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}): "
+                                          "a binary file or another encoding") from None
+
+def _lines(path) -> Iterator[tuple]:
+    "Yield `(1-based line number, text)` of a text file, gunzipped if its name ends in .gz; bad bytes raise `DataError`."
+    gz, i = str(path).lower().endswith('.gz'), 0
+    try:
+        with (gzip.open(path, 'rb') if gz else open(path, 'rb')) as f:
+            for i, raw in enumerate(f, 1):
+                if i == 1 and not gz and raw[:2] == b'\x1f\x8b':
+                    raise DataError(path, 1, None, "gzip-compressed data in a file not named .gz")
+                yield i, _decode(path, raw, i)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e: raise DataError(path, i + 1, None, _gzip_problem(e)) from None
 
 def iter_records(path) -> Iterator[tuple]:
     "Yield `(location, record)` from .jsonl/.jsonl.gz (streamed), .json (list, or dict of id -> row) or .parquet (batched)."
@@ -107,16 +129,15 @@ def iter_records(path) -> Iterator[tuple]:
     if not path.is_file(): raise FileNotFoundError(f"{path}: no such file")
     s = _suffix(path)
     if s in ('.jsonl', '.jsonl.gz'):
-        with _open_text(path) as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip(): continue
-                try: rec = json.loads(line)
-                except json.JSONDecodeError as e: rec = BadRecord(f"malformed JSON: {e.msg} at column {e.colno}")
-                yield i, rec
+        for i, line in _lines(path):
+            if not line.strip(): continue
+            try: rec = json.loads(line)
+            except json.JSONDecodeError as e: rec = BadRecord(f"malformed JSON: {e.msg} at column {e.colno}")
+            yield i, rec
     elif s in ('.json', '.json.gz'):
-        with _open_text(path) as f:
-            try: doc = json.load(f)
-            except json.JSONDecodeError as e: raise DataError(path, e.lineno, None, f"malformed JSON: {e.msg}", unit='line') from None
+        text = ''.join(line for _, line in _lines(path))
+        try: doc = json.loads(text)
+        except json.JSONDecodeError as e: raise DataError(path, e.lineno, None, f"malformed JSON: {e.msg}", unit='line') from None
         if isinstance(doc, list):
             yield from enumerate(doc, 1)
         elif isinstance(doc, dict) and doc and all(isinstance(v, dict) for v in doc.values()):
@@ -126,9 +147,14 @@ def iter_records(path) -> Iterator[tuple]:
         else:
             raise DataError(path, None, None, "a .json file must hold a list of rows or a non-empty dict mapping ids to rows")
     else:
-        import pyarrow.parquet as pq
-        pf = pq.ParquetFile(path); i = 0
-        for batch in pf.iter_batches(batch_size=256):
+        import pyarrow as pa, pyarrow.parquet as pq
+        try: pf = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e: raise DataError(path, None, None, f"not a readable parquet file: {e}") from None
+        i, batches = 0, pf.iter_batches(batch_size=256)
+        while True:
+            try: batch = next(batches, None)
+            except (pa.ArrowException, OSError) as e: raise DataError(path, i + 1, None, f"corrupt parquet data: {e}", unit='row') from None
+            if batch is None: break
             for rec in batch.to_pylist():
                 i += 1; yield i, rec
 
@@ -161,10 +187,17 @@ def validate_example(ex) -> tuple | None:
     if not isinstance(ex['meta'], dict): return ('meta', 'must be an object')
     return None
 
+def _check_limit(limit, name='limit'):
+    "A row cap is None (every row) or an int >= 0; 0 means no rows, never all of them."
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"{name} must be an int >= 0 or None (every row), got {limit!r}")
+
 def read_examples(path, limit: int | None = None) -> list[dict]:
-    "Read a schema JSONL (.jsonl or .jsonl.gz) file, validating every row; raises `DataError` on the first bad row."
+    "Read a schema JSONL (.jsonl or .jsonl.gz) file, validating every row read; at most `limit` rows (None: all, 0: none); raises `DataError` on the first bad row."
+    _check_limit(limit)
     out, seen = [], set()
     for line, rec in iter_records(path):
+        if limit == 0: break                      # the file is opened (so it must exist), no row is kept
         if isinstance(rec, BadRecord): raise DataError(path, line, None, rec.error, location_unit(path))
         bad = validate_example(rec)
         if bad: raise DataError(path, line, bad[0], bad[1], location_unit(path))
@@ -345,7 +378,7 @@ def convert(src, out, fmt: str = 'auto', strict: bool = False, limit: int | None
     "Convert `src` (a path or list of paths) into schema JSONL at `out`; writes and returns the manifest (default `out` + '.manifest.json')."
     srcs = [Path(s) for s in ([src] if isinstance(src, (str, os.PathLike)) else src)]
     if not srcs: raise ValueError("no sources given")
-    if limit is not None and limit < 0: raise ValueError(f"limit must be >= 0, got {limit}")
+    _check_limit(limit)
     out = Path(out)
     manifest_path = Path(manifest) if manifest else out.with_name(out.name + '.manifest.json')
     examples, seen, sources, examples_skipped = [], set(), [], []
@@ -397,10 +430,12 @@ def _write_json(obj, path):
 
 # %% ../nbs/03_data.ipynb #46429e58
 def load_hotpotqa(path=None, split: str = 'dev', limit: int | None = None) -> list[dict]:
-    "Raw HotpotQA rows from `path` (default: the shipped `split` file); raises `DataError` on a malformed line."
+    "Raw HotpotQA rows from `path` (default: the shipped `split` file), at most `limit` (None: all, 0: none); raises `DataError` on a malformed line."
+    _check_limit(limit)
     path = Path(path) if path else hotpotqa_path(split)
     rows = []
     for line, rec in iter_records(path):
+        if limit == 0: break
         if isinstance(rec, BadRecord): raise DataError(path, line, None, rec.error, location_unit(path))
         rows.append(rec)
         if limit is not None and len(rows) >= limit: break
@@ -420,6 +455,7 @@ def build_haystack(questions, pool=None, num_docs: int = 50, seed: int = 0, shuf
                    limit: int | None = None, progress: bool = False) -> list[dict]:
     "RULER-HQA examples: each question's own paragraphs + `num_docs - own` random `pool` docs, shuffled, gold slots in meta."
     if shuffle not in SHUFFLES: raise ValueError(f"shuffle must be one of {SHUFFLES}, got {shuffle!r}")
+    _check_limit(limit)
     if pool is None: pool = doc_pool(questions)
     pool = list(dict.fromkeys(pool))
     pool_titles = [d.split('\n', 1)[0] for d in pool]
@@ -457,6 +493,7 @@ def build_haystack(questions, pool=None, num_docs: int = 50, seed: int = 0, shuf
 def ruler_sets(lengths=(50, 200, 800), n_questions: int = 128, seed: int = 0, shuffle: str = 'per_question',
                path=None, progress: bool = False) -> dict:
     "RULER-HQA sets `{N: examples}` from the shipped dev sample: the first `n_questions` questions, pool = every dev paragraph."
+    _check_limit(n_questions, 'n_questions')
     rows = load_hotpotqa(path)
     pool = doc_pool(rows)
     return {n: build_haystack(rows[:n_questions], pool, n, seed=seed, shuffle=shuffle, progress=progress) for n in lengths}
@@ -536,6 +573,7 @@ def make_synthetic(n: int, num_words: int | None = None, num_tokens: int | None 
                    tokenizer=None, positions=None, distractors: int = 0) -> list[dict]:
     "`n` synthetic memory examples (schema rows, source 'synthetic'): `hops` linked facts hidden in ~`num_words` words or ~`num_tokens` tokens of filler."
     if (num_words is None) == (num_tokens is None): raise ValueError("give exactly one of num_words, num_tokens")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0: raise ValueError(f"n must be an int >= 0, got {n!r}")
     if hops not in (1, 2): raise ValueError(f"hops must be 1 or 2, got {hops}")
     rng = random.Random(seed); out = []
     ntok = lambda s: len(tokenizer(s, add_special_tokens=False)['input_ids'])

@@ -148,6 +148,84 @@ def test_read_examples_validates(tmp_path):
     assert validate_example({**good, 'num_docs': -1}) == ('num_docs', 'must be an integer >= 0')
 
 
+def _gz_rows(n=20000, schema=False):
+    "n HotpotQA rows (or, with `schema`, the same rows converted to the schema) as gzip-compressed JSONL."
+    rows = [{**ROW, '_id': f'q{i}'} for i in range(n)]
+    return gzip.compress(b''.join(b'%s\n' % json.dumps(from_hotpotqa(r) if schema else r).encode() for r in rows))
+
+
+@pytest.mark.parametrize('reader', ['read_examples', 'load_hotpotqa', 'convert'])
+def test_truncated_gzip_names_file_and_line(tmp_path, reader):
+    gz = _gz_rows(schema=reader == 'read_examples')
+    p = tmp_path / 'cut.jsonl.gz'; p.write_bytes(gz[:len(gz) // 2])
+    call = {'read_examples': lambda: read_examples(p), 'load_hotpotqa': lambda: load_hotpotqa(p),
+            'convert': lambda: convert(p, tmp_path / 'o.jsonl')}[reader]
+    with pytest.raises(DataError) as e: call()
+    assert e.value.file == str(p) and e.value.line > 1 and 'truncated gzip data' in str(e.value)
+    assert re.search(r'cut\.jsonl\.gz: line \d+: truncated gzip data', str(e.value))
+    assert not (tmp_path / 'o.jsonl').exists()
+
+
+def test_gzip_mismatch_names_file(tmp_path):
+    p = tmp_path / 'plain.jsonl.gz'; p.write_text(json.dumps(ROW) + '\n')
+    with pytest.raises(DataError, match=r'plain\.jsonl\.gz: line 1: not valid gzip data'): load_hotpotqa(p)
+    q = tmp_path / 'packed.jsonl'; q.write_bytes(_gz_rows(3))
+    with pytest.raises(DataError, match=r'packed\.jsonl: line 1: gzip-compressed data in a file not named \.gz'): read_examples(q)
+
+
+def test_binary_jsonl_names_file_and_line(tmp_path):
+    p = tmp_path / 'bin.jsonl'; p.write_bytes(json.dumps(ROW).encode() + b'\n' + bytes(range(128, 256)) + b'\n')
+    with pytest.raises(DataError, match=r'bin\.jsonl: line 2: not UTF-8 text \(byte 0x80 at column 1\)'):
+        convert(p, tmp_path / 'o.jsonl')      # not skippable: the file is not text
+    q = tmp_path / 'bin.json'; q.write_bytes(b'[\n{"_id": "\xff"}]')
+    with pytest.raises(DataError, match=r'bin\.json: line 2: not UTF-8 text'): convert(q, tmp_path / 'o.jsonl', fmt='ruler')
+    r = _cli('convert_cli', p, tmp_path / 'o.jsonl', '--quiet')
+    assert r.returncode == 2 and 'bin.jsonl: line 2: not UTF-8 text' in r.stderr and 'Traceback' not in r.stderr
+
+
+def test_corrupt_parquet_names_file(tmp_path):
+    pa = pytest.importorskip('pyarrow'); pq = pytest.importorskip('pyarrow.parquet')
+    good = tmp_path / 'good.parquet'
+    pq.write_table(pa.Table.from_pylist([{'context': 'c' * 50, 'i': i} for i in range(2000)]), good)
+    b = good.read_bytes()
+    p = tmp_path / 'cut.parquet'; p.write_bytes(b[:len(b) // 2])
+    with pytest.raises(DataError, match=r'cut\.parquet: not a readable parquet file'): convert(p, tmp_path / 'o.jsonl')
+    bad = bytearray(b); bad[200:400] = b'\xff' * 200
+    q = tmp_path / 'mid.parquet'; q.write_bytes(bytes(bad))
+    with pytest.raises(DataError, match=r'mid\.parquet: row 1: corrupt parquet data'): convert(q, tmp_path / 'o.jsonl', fmt='parquet')
+
+
+def test_truncated_shipped_file_names_file(tmp_path):
+    root = tmp_path / 'data'; (root / 'hotpotqa').mkdir(parents=True)
+    for rel in SHIPPED: (root / rel).write_bytes((shipped_data_dir() / rel).read_bytes())
+    rel = 'hotpotqa/train_distractor.jsonl.gz'; full = (root / rel).read_bytes()
+    (root / rel).write_bytes(full[:len(full) // 2])
+    with pytest.raises(ValueError, match=r'train_distractor\.jsonl\.gz: SHA-256 mismatch'): verify_shipped(root)
+
+
+def test_limit_zero_means_zero_rows(tmp_path):
+    good = {'id': 'a', 'question': 'Q?', 'context': 'c', 'answers': ['x'], 'num_docs': 1, 'source': 's', 'meta': {}}
+    p = write_examples([good, {**good, 'id': 'b'}], tmp_path / 'x.jsonl')
+    assert [len(read_examples(p, limit=n)) for n in (0, 1, 2, 3, None)] == [0, 1, 2, 2, 2]
+    assert load_hotpotqa(split='train', limit=0) == [] and len(load_hotpotqa(split='train', limit=2)) == 2
+    assert convert(p, tmp_path / 'o.jsonl', limit=0)['rows_written'] == 0
+    rows = load_hotpotqa(split='train', limit=3)
+    assert build_haystack(rows, None, 30, limit=0) == []
+    with pytest.raises(FileNotFoundError, match='no such file'): read_examples(tmp_path / 'missing.jsonl', limit=0)
+
+
+@pytest.mark.parametrize('call', ['read_examples', 'load_hotpotqa', 'build_haystack', 'convert', 'make_synthetic'])
+def test_negative_or_non_int_limits_refused(tmp_path, call):
+    p = write_examples([{'id': 'a', 'question': 'Q?', 'context': 'c', 'answers': ['x'], 'num_docs': 1, 'source': 's', 'meta': {}}],
+                       tmp_path / 'x.jsonl')
+    rows = load_hotpotqa(split='train', limit=3)
+    f = {'read_examples': lambda v: read_examples(p, limit=v), 'load_hotpotqa': lambda v: load_hotpotqa(split='train', limit=v),
+         'build_haystack': lambda v: build_haystack(rows, None, 30, limit=v), 'convert': lambda v: convert(p, tmp_path / 'o.jsonl', limit=v),
+         'make_synthetic': lambda v: make_synthetic(v, num_words=50)}[call]
+    for v in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r'must be an int >= 0'): f(v)
+
+
 @pytest.fixture(scope='module')
 def dev():
     rows = load_hotpotqa(limit=150)
