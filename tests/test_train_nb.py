@@ -35,3 +35,15 @@ def test_train_notebook_rejects_bad_preset(tmp_path):
            '-p', 'preset', 'nope', '-p', 'out_dir', str(tmp_path), '-p', 'report_dir', str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "preset='nope'" in (r.stderr + r.stdout)
+
+
+@pytest.mark.parametrize('params,needle', [
+    (['-p', 'eval_items', '0'], "parameter eval_items=0: must be an int >= 1"),          # 0 is not "all" (was: 32 items)
+    (['-p', 'eval_itemz', '4'], "unknown parameter 'eval_itemz' (did you mean 'eval_items'?)"),   # was: a warning
+    (['-y', 'overrides: {data.max_eval: 0}'], "config key 'data.max_eval': 0 is outside the allowed range >= 1")])
+def test_train_notebook_refuses_bad_parameters_before_running(tmp_path, params, needle):
+    cmd = [sys.executable, '-m', 'papermill', str(ROOT/'nbs'/'train.ipynb'), str(tmp_path/'o.ipynb'), '--cwd', str(ROOT),
+           '-p', 'preset', 'tiny', '-p', 'out_dir', str(tmp_path/'runs'), '-p', 'report_dir', str(tmp_path/'reports'), *params]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and needle in (r.stderr + r.stdout), (r.stderr + r.stdout)[-3000:]
+    assert not (tmp_path/'runs').exists(), 'nothing may be written before the parameters are checked'
