@@ -4,13 +4,13 @@
 
 # %% ../nbs/02_models.ipynb #8ce73c99
 from __future__ import annotations
-import json, os, shutil, tempfile, importlib.util
+import json, os, shutil, struct, tempfile, importlib.util
 from pathlib import Path
 from .provenance import sha256_file, sha256_dir
 
 # %% auto #0
-__all__ = ['TINY_QWEN3', 'BUILDERS', 'cache_dir', 'qwen3_tokenizer_dir', 'model_dir', 'load_tokenizer', 'load_model',
-           'tokenizer_identity', 'model_identity']
+__all__ = ['TINY_QWEN3', 'BUILDERS', 'cache_dir', 'qwen3_tokenizer_dir', 'known_models', 'model_dir', 'check_weights',
+           'load_tokenizer', 'load_model', 'tokenizer_identity', 'model_identity']
 
 # %% ../nbs/02_models.ipynb #68084fa2
 def cache_dir() -> Path:
@@ -83,23 +83,79 @@ def _build_qwen3_tokenizer(out: Path):
 BUILDERS = {'tiny-qwen3': _build_tiny_qwen3, 'smollm2-135m-instruct': _build_smollm2, 'qwen3': _build_qwen3_tokenizer}
 
 # %% ../nbs/02_models.ipynb #249836f5
+def _hub_cache() -> Path:
+    from huggingface_hub import constants
+    return Path(constants.HF_HUB_CACHE)
+
+def known_models(hub_cache=None) -> dict:
+    "Names that resolve without a network: the built-in names and the hub ids with a snapshot in the local Hugging Face cache."
+    d = Path(hub_cache) if hub_cache is not None else _hub_cache()
+    hub = sorted(p.name[len('models--'):].replace('--', '/') for p in (d.glob('models--*') if d.is_dir() else [])
+                 if (p/'snapshots').is_dir() and any((p/'snapshots').iterdir()))
+    return {'built-in': sorted(BUILDERS), 'hub cache': hub}
+
+def _offline() -> bool:
+    return any(os.environ.get(v, '').strip().lower() in ('1', 'true', 'yes', 'on') for v in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE'))
+
+def _unknown(name, why) -> str:
+    k = known_models()
+    return f"model {name!r}: {why}; known offline: built-in {k['built-in']}, in the hub cache {k['hub cache']}"
+
 def model_dir(name) -> Path:
     "Resolve `name` to a local HF directory: a built-in name (built once into `cache_dir()`), or an existing directory."
     p = Path(str(name)).expanduser()
     if p.is_dir(): return p
     if name in BUILDERS: return _atomic_build(name, BUILDERS[name])
-    raise FileNotFoundError(f"model {name!r}: not a local directory and not one of the built-in names {sorted(BUILDERS)}; "
-                            "hub ids are loaded by `load_model`/`load_tokenizer` directly")
+    raise FileNotFoundError(_unknown(name, "not a local directory and not one of the built-in names; hub ids are loaded by "
+                                           "`load_model`/`load_tokenizer` directly"))
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(('/', '.', '~')) or name.count('/') > 1 or os.sep != '/' and os.sep in name
 
 def _source(name):
-    "A directory for built-in names and local paths, else the name itself (a hub id)."
+    "A directory for built-in names and local paths, else the name itself (a hub id); a name that cannot resolve raises."
+    if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
+        raise ValueError(f"model name must be a non-empty string or path, got {name!r}")
     p = Path(str(name)).expanduser()
-    return model_dir(name) if (name in BUILDERS or p.is_dir()) else str(name)
+    if name in BUILDERS or p.is_dir(): return model_dir(name)
+    if _looks_like_path(str(name)): raise FileNotFoundError(_unknown(name, f"no such directory: {p}"))
+    if _offline() and str(name) not in known_models()['hub cache']:
+        raise FileNotFoundError(_unknown(name, "not a built-in name, not a local directory, and not in the hub cache "
+                                               "(the hub is off: HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)"))
+    return str(name)
+
+def check_weights(d) -> None:
+    "Check a model directory's `config.json` parses and every `.safetensors` file is whole; raise naming the file."
+    d = Path(d)
+    cfg = d/'config.json'
+    if not cfg.is_file(): raise FileNotFoundError(f"{cfg}: missing: {d} is not a Hugging Face model directory")
+    try: json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ValueError(f"{cfg}: not valid JSON ({e})") from None
+    for f in sorted(d.glob('*.safetensors')):
+        size = f.stat().st_size
+        with open(f, 'rb') as fh:
+            head = fh.read(8)
+            n = struct.unpack('<Q', head)[0] if len(head) == 8 else None
+            if n is None or 8 + n > size: raise ValueError(f"{f}: not a complete safetensors file ({size} bytes, header cut off)")
+            try: meta = json.loads(fh.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ValueError(f"{f}: corrupt safetensors header ({e})") from None
+        end = max((v['data_offsets'][1] for k, v in meta.items() if k != '__metadata__'), default=0)
+        if 8 + n + end != size:
+            raise ValueError(f"{f}: not a complete safetensors file ({size} bytes, its header describes {8 + n + end})")
+
+def _load(kind, name, load):
+    "Resolve `name`, check a local directory's files, then `load(source)`; a hub id that cannot be fetched raises naming it."
+    src = _source(name)
+    if isinstance(src, Path):
+        if kind == 'model': check_weights(src)
+        return load(src)
+    try: return load(src)
+    except OSError as e: raise OSError(_unknown(name, f"the {kind} cannot be loaded from the hub or its cache ({str(e).splitlines()[0]})")) from e
 
 def load_tokenizer(name):
     "A tokenizer by name (see the table above), with a pad token set (left padding is the engines' job)."
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(_source(name))
+    tok = _load('tokenizer', name, AutoTokenizer.from_pretrained)
     if tok.pad_token_id is None: tok.pad_token = tok.eos_token
     return tok
 
@@ -108,7 +164,7 @@ def load_model(name, dtype: str = 'float32', device: str = 'cpu'):
     import torch
     from transformers import AutoModelForCausalLM
     if name == 'qwen3': raise ValueError("'qwen3' names the Qwen3 tokenizer only; use a model name such as 'tiny-qwen3'")
-    model = AutoModelForCausalLM.from_pretrained(_source(name), dtype=getattr(torch, dtype))
+    model = _load('model', name, lambda src: AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype)))
     return model.to(device).eval()
 
 # %% ../nbs/02_models.ipynb #f45d0535

@@ -1,5 +1,5 @@
 """Fast checks of the recipe core: templates, chunking, memory bound and rewards."""
-import random, shutil, time, tracemalloc
+import random, re, shutil, time, tracemalloc
 from pathlib import Path
 
 import pytest
@@ -134,3 +134,28 @@ def test_reward_properties():
             assert 0.0 <= v <= 1.0, (name, resp, v)
     with pytest.raises(KeyError, match='known rewards'):
         reward.get_reward('missing')
+
+
+def test_unknown_model_name_is_named_with_the_names_known_offline(monkeypatch, tmp_path):
+    from memagent import models
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    for load in (models.load_model, models.load_tokenizer):
+        with pytest.raises(FileNotFoundError) as e: load('tiny-qwen')
+        msg = str(e.value)
+        assert "model 'tiny-qwen'" in msg and "known offline: built-in ['qwen3', 'smollm2-135m-instruct', 'tiny-qwen3']" in msg
+    with pytest.raises(FileNotFoundError, match=r"model '/no/such/model': no such directory"): models.load_model('/no/such/model')
+    hub = tmp_path / 'hub'; (hub / 'models--Org--Name' / 'snapshots' / 'abc').mkdir(parents=True); (hub / 'models--Org--Empty').mkdir()
+    assert models.known_models(hub) == {'built-in': ['qwen3', 'smollm2-135m-instruct', 'tiny-qwen3'], 'hub cache': ['Org/Name']}
+    with pytest.raises(ValueError, match='non-empty'): models.load_model('')
+
+
+def test_corrupt_model_weights_name_the_file(tmp_path):
+    from memagent import models
+    d = Path(shutil.copytree(models.model_dir('tiny-qwen3'), tmp_path / 'm'))
+    w = d / 'model.safetensors'; full = w.read_bytes()
+    w.write_bytes(full[:len(full) // 2])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(w))}: not a complete safetensors file \(\d+ bytes, its header describes \d+\)"):
+        models.load_model(d)
+    w.write_bytes(full[:3])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(w))}: not a complete safetensors file"): models.load_model(str(d))
+    w.write_bytes(full); assert models.load_model(d) is not None
