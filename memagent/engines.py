@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
 # %% auto #0
-__all__ = ['STAT_KEYS', 'SamplingParams', 'GenerationResult', 'EngineError', 'TransientEngineError', 'DeterministicEngineError',
-           'ServerLaunchError', 'Engine', 'new_stats', 'per_request', 'check_prompt', 'teacher_forced_logprobs',
-           'race_blocks', 'sample_tokens', 'HFEngine', 'load_safetensors_dir', 'parse_sglang_response', 'SGLangEngine',
-           'free_port', 'ServerProcess', 'SGLangServer', 'engine_from_config']
+__all__ = ['STAT_KEYS', 'TRANSIENT_STATUS', 'SamplingParams', 'GenerationResult', 'EngineError', 'TransientEngineError',
+           'DeterministicEngineError', 'ServerLaunchError', 'Engine', 'new_stats', 'per_request', 'check_prompt',
+           'teacher_forced_logprobs', 'race_blocks', 'sample_tokens', 'HFEngine', 'load_safetensors_dir', 'Deadline',
+           'WatchedAdapter', 'parse_sglang_response', 'SGLangEngine', 'free_port', 'ServerProcess', 'SGLangServer',
+           'engine_from_config']
 
 # %% ../nbs/08_engines.ipynb #812df3c4
 @dataclass(frozen=True)
@@ -325,6 +326,67 @@ def load_safetensors_dir(path) -> dict:
     for f in files: sd.update(load_file(str(f)))
     return sd
 
+# %% ../nbs/08_engines.ipynb #635c910d
+import http.client
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.exceptions import MaxRetryError
+from urllib3.util import Retry
+
+TRANSIENT_STATUS = frozenset({408, 429, *range(500, 600)})
+_NOT_TRANSPORT = (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema, requests.exceptions.InvalidSchema,
+                  requests.exceptions.InvalidHeader, requests.exceptions.InvalidJSONError, requests.exceptions.URLRequired)
+_sending = threading.local()      # .deadline: the Deadline of the request this thread is sending
+
+def _shut(sock) -> None:
+    try: sock.shutdown(socket.SHUT_RDWR)
+    except OSError: pass          # already closed
+
+class Deadline:
+    "A deadline over one whole request: when `seconds` pass, the socket it watches is shut down, so no read outlives it."
+    def __init__(self, seconds: float):
+        self.seconds, self.expired, self._sock, self._lock = seconds, False, None, threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True; self._timer.start()
+
+    def watch(self, sock) -> None:
+        "Shut `sock` down when the deadline passes (at once if it has passed)."
+        with self._lock:
+            self._sock = sock
+            if self.expired: _shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            if self._sock is not None: _shut(self._sock)
+
+    def cancel(self) -> None:
+        "The request is over: stop the timer and let go of the socket (it may carry the thread's next request)."
+        self._timer.cancel()
+        with self._lock: self._sock = None
+
+    def __enter__(self): _sending.deadline = self; return self
+    def __exit__(self, *exc): _sending.deadline = None; self.cancel()
+
+class _Watched:
+    "Mixed into urllib3's connection classes: the socket carrying a request is handed to the sending thread's `Deadline`."
+    def _watch(self):
+        d = getattr(_sending, 'deadline', None)
+        if d is not None and self.sock is not None: d.watch(self.sock)
+    def connect(self): super().connect(); self._watch()
+    def request(self, *a, **kw): self._watch(); return super().request(*a, **kw)
+
+class _HTTPPool(HTTPConnectionPool): ConnectionCls = type('WatchedHTTPConnection', (_Watched, HTTPConnection), {})
+class _HTTPSPool(HTTPSConnectionPool): ConnectionCls = type('WatchedHTTPSConnection', (_Watched, HTTPSConnection), {})
+
+class WatchedAdapter(HTTPAdapter):
+    "`requests`' adapter, its own retries off, whose connections hand their socket to the sending thread's `Deadline`."
+    def init_poolmanager(self, *a, **kw):
+        super().init_poolmanager(*a, **kw)
+        self.poolmanager.pool_classes_by_scheme = {'http': _HTTPPool, 'https': _HTTPSPool}
+
 # %% ../nbs/08_engines.ipynb #ba8daff9
 def _jsonable_params(sp: SamplingParams) -> dict:
     d = {'max_new_tokens': sp.max_new_tokens, 'temperature': sp.temperature, 'top_p': sp.top_p, 'top_k': sp.top_k,
@@ -361,7 +423,7 @@ def parse_sglang_response(body, prompt_len: int, sp: SamplingParams, latency_s: 
 
 # %% ../nbs/08_engines.ipynb #5f0bd8d4
 class SGLangEngine:
-    "Client of SGLang's native HTTP API over several servers: least-in-flight balancing, concurrency limit, timeouts, bounded retries."
+    "Client of SGLang's native HTTP API over several servers: least-in-flight balancing, concurrency limit, per-request deadlines, bounded retries."
     def __init__(self, urls, timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 1.0, concurrency: int = 64,
                  max_backoff_s: float = 30.0, update_timeout_s: float = 900.0, connect_timeout_s: float = 10.0):
         urls = [urls] if isinstance(urls, str) else list(urls)
@@ -377,18 +439,22 @@ class SGLangEngine:
         self._local = threading.local()
         self.stats = new_stats()
 
-    def _session(self):
-        import requests
+    def _session(self) -> requests.Session:
+        "This thread's session: its connections report to the thread's `Deadline`; proxies of the environment are ignored."
         s = getattr(self._local, 's', None)
-        if s is None: s = self._local.s = requests.Session()
+        if s is None:
+            s = self._local.s = requests.Session()
+            s.trust_env = False
+            for prefix in ('http://', 'https://'): s.mount(prefix, WatchedAdapter())
         return s
 
     def _count(self, key, n=1):
         with self._lock: self.stats[key] += n
 
-    def _acquire(self, avoid=()) -> str:
+    def _acquire(self, avoid=(), only: str | None = None) -> str:
         with self._lock:
-            cands = [u for u in self.urls if u not in avoid] or self.urls
+            if only is not None: cands = [only]
+            else: cands = [u for u in self.urls if u not in avoid] or self.urls
             self._turn += 1
             rot = cands[self._turn % len(cands):] + cands[:self._turn % len(cands)]
             u = min(rot, key=lambda x: self._inflight[x])
@@ -398,63 +464,92 @@ class SGLangEngine:
     def _release(self, u):
         with self._lock: self._inflight[u] -= 1
 
-    def _post(self, url: str, path: str, payload: dict, timeout: float):
-        "POST and decode JSON; map transport failures and status codes to the two error kinds."
-        import requests
-        try: r = self._session().post(url + path, json=payload, timeout=(min(self.connect_timeout_s, timeout), timeout))
-        except requests.Timeout as e: raise TransientEngineError(f"{url}{path}: timed out after {timeout}s") from e
-        except requests.ConnectionError as e: raise TransientEngineError(f"{url}{path}: connection failed: {e}") from e
-        if r.status_code in (408, 429) or r.status_code >= 500:
-            raise TransientEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
+    def _http(self, method: str, url: str, path: str, payload, timeout_s: float):
+        "One attempt under a `Deadline` of `timeout_s`: the reply (JSON when the server says so, else text), or an `EngineError` of the right kind."
+        try:
+            with Deadline(timeout_s) as d:
+                r = self._session().request(method, url + path, json=payload, timeout=(min(self.connect_timeout_s, timeout_s), timeout_s))
+        except _NOT_TRANSPORT as e: raise DeterministicEngineError(f"{url}{path}: {type(e).__name__}: {e}") from e
+        except (requests.RequestException, http.client.HTTPException, OSError) as e:
+            why = (f"timed out: no complete reply within the {timeout_s}s deadline" if d.expired
+                   else f"connection-level failure ({type(e).__name__}): {e}")
+            raise TransientEngineError(f"{url}{path}: {why}") from e
+        if r.status_code in TRANSIENT_STATUS: raise TransientEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
         if r.status_code >= 400: raise DeterministicEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
+        if 'json' not in r.headers.get('content-type', ''): return r.text
         try: return r.json()
-        except ValueError as e: raise DeterministicEngineError(f"{url}{path}: response is not JSON: {r.text[:200]}") from e
+        except ValueError as e: raise DeterministicEngineError(f"{url}{path}: reply is not JSON: {r.text[:200]}") from e
+
+    def _retrying(self, path: str, attempt, url: str | None = None):
+        "`attempt(server)` until it returns; a `TransientEngineError` is retried under a urllib3 `Retry` (on another server unless `url` is given)."
+        retry = Retry(total=self.max_retries, backoff_factor=self.backoff_s, backoff_max=self.max_backoff_s,
+                      allowed_methods=None, respect_retry_after_header=False)
+        avoid = set()
+        while True:
+            u = self._acquire(avoid, url)
+            try: return attempt(u)
+            except TransientEngineError as e: err = e
+            finally: self._release(u)
+            self._count('transient_failures')
+            try: retry = retry.increment('POST', u + path, error=err)
+            except MaxRetryError: raise TransientEngineError(f"failed after {len(retry.history) + 1} attempts: {err}") from err
+            self._count('retries'); avoid = {u}
+            retry.sleep()
+
+    def post(self, path: str, payload: dict | None = None, url: str | None = None, timeout_s: float | None = None):
+        "POST `payload` to `path` on server `url` (default: the least busy, with failover) under a deadline, with retries; the reply."
+        if url is not None and url.rstrip('/') not in self._inflight: raise ValueError(f"{url} is not one of this client's servers {self.urls}")
+        try: return self._retrying(path, lambda u: self._http('POST', u, path, payload, timeout_s or self.timeout_s),
+                                   url and url.rstrip('/'))
+        except DeterministicEngineError: self._count('deterministic_failures'); raise
+
+    def post_each(self, path: str, payload: dict | None = None, timeout_s: float | None = None) -> list:
+        "`post` to every server in turn (each must answer itself: no failover); the replies in server order."
+        return [self.post(path, payload, u, timeout_s) for u in self.urls]
 
     def _one(self, prompt, sp: SamplingParams) -> GenerationResult:
-        "One request with retries of transient failures."
+        "One generation request, through the transport path."
         prompt = check_prompt(prompt); sp.validate()
         payload = {'input_ids': prompt, 'sampling_params': _jsonable_params(sp), 'return_logprob': True,
                    'logprob_start_len': -1, 'stream': False}
-        avoid, attempt = set(), 0
-        while True:
-            url = self._acquire(avoid); t0 = time.perf_counter()
-            try:
-                res = parse_sglang_response(self._post(url, '/generate', payload, self.timeout_s), len(prompt), sp, 0.0)
-                res.latency_s = time.perf_counter() - t0
-                self._count('generated_tokens', len(res.output_ids))
-                return res
-            except TransientEngineError as e:
-                self._count('transient_failures')
-                if attempt >= self.max_retries: raise TransientEngineError(f"failed after {attempt + 1} attempts: {e}") from e
-                self._count('retries'); avoid = {url}
-                time.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s)); attempt += 1
-            except DeterministicEngineError:
-                self._count('deterministic_failures'); raise
-            finally: self._release(url)
+        def attempt(u):
+            t0 = time.perf_counter()
+            res = parse_sglang_response(self._http('POST', u, '/generate', payload, self.timeout_s), len(prompt), sp)
+            res.latency_s = time.perf_counter() - t0
+            return res
+        res = self._retrying('/generate', attempt)
+        self._count('generated_tokens', len(res.output_ids))
+        return res
+
+    def _settled(self, prompt, sp) -> GenerationResult | EngineError:
+        "One request's result or its `EngineError`: whatever goes wrong stays in that request's slot."
+        try: return self._one(prompt, sp)
+        except TransientEngineError as e: return e          # its failed attempts are already counted
+        except Exception as e:                              # a 4xx, a malformed reply, an invalid prompt, or anything unforeseen
+            self._count('deterministic_failures')
+            if isinstance(e, EngineError): return e
+            err = DeterministicEngineError(f"{type(e).__name__}: {e}"); err.__cause__ = e
+            return err
 
     def generate(self, prompts, params, return_exceptions: bool = False) -> list:
         "Send every prompt (at most `concurrency` at once); results in prompt order."
         params = per_request(params, len(prompts))
         self._count('requests', len(prompts))
-        def run(p, sp):
-            try: return self._one(p, sp)
-            except EngineError as e: return e
-            except ValueError as e:
-                self._count('deterministic_failures'); return DeterministicEngineError(str(e))
-        out = list(self._pool.map(run, prompts, params))
+        out = list(self._pool.map(self._settled, prompts, params))
         if not return_exceptions:
             for r in out:
                 if isinstance(r, EngineError): raise r
         return out
 
     def update_weights(self, state_dict=None, path=None) -> None:
-        "Every server reloads weights from the HF directory `path` (`/update_weights_from_disk`), then flushes its cache."
+        "Every server loads the HF directory `path` (`/update_weights_from_disk`, retried like generation), then flushes its cache."
         if state_dict is not None or path is None:
             raise DeterministicEngineError("SGLangEngine updates weights from disk only: save an HF directory and pass path=")
         for u in self.urls:
-            body = self._post(u, '/update_weights_from_disk', {'model_path': str(path)}, self.update_timeout_s)
+            try: body = self.post('/update_weights_from_disk', {'model_path': str(path)}, u, self.update_timeout_s)
+            except DeterministicEngineError as e: raise DeterministicEngineError(f"update_weights_from_disk failed: {e}") from e
             if not (isinstance(body, dict) and body.get('success')):
-                raise EngineError(f"{u}: update_weights_from_disk failed: {body.get('message') if isinstance(body, dict) else body!r}")
+                raise DeterministicEngineError(f"{u}: update_weights_from_disk failed: {body.get('message') if isinstance(body, dict) else body!r}")
             self.flush_cache(u)
 
     def sync_weights(self, state_dict: dict, hf_model, tokenizer, sync_dir) -> float:
@@ -466,19 +561,14 @@ class SGLangEngine:
         return time.perf_counter() - t0
 
     def flush_cache(self, url: str) -> None:
-        "Drop the server's prefix cache (stale after new weights)."
-        import requests
-        try: r = self._session().post(url + '/flush_cache', timeout=self.connect_timeout_s)
-        except requests.RequestException as e: raise TransientEngineError(f"{url}/flush_cache: {e}") from e
-        if r.status_code != 200: raise EngineError(f"{url}/flush_cache: HTTP {r.status_code}: {r.text[:200]}")
+        "Drop server `url`'s prefix cache (stale after new weights); retried like generation."
+        self.post('/flush_cache', None, url, self.connect_timeout_s)
 
     def health(self) -> bool:
-        "True when every server answers `GET /health` with 200."
-        import requests
+        "True when every server answers `GET /health` with 200 within `connect_timeout_s` (one attempt each, no retry)."
         for u in self.urls:
-            try:
-                if self._session().get(u + '/health', timeout=self.connect_timeout_s).status_code != 200: return False
-            except requests.RequestException: return False
+            try: self._http('GET', u, '/health', None, self.connect_timeout_s)
+            except EngineError: return False
         return True
 
     def close(self) -> None:

@@ -14,7 +14,8 @@ from .evaluate import METRICS, summarize, write_run
 from .provenance import flatten, sha256_text
 
 # %% auto #0
-__all__ = ['fake_tokens', 'send_whole', 'Exchange', 'FakeSGLangServer', 'synthetic_run']
+__all__ = ['fake_tokens', 'send_whole', 'Exchange', 'send_cut', 'send_nothing', 'send_garbage', 'send_trickle',
+           'FakeSGLangServer', 'synthetic_run']
 
 # %% ../nbs/20_testing.ipynb #12e673d7
 def fake_tokens(prompt: list[int], sp: SamplingParams, vocab: int = 1000) -> tuple[list[int], list[float], str]:
@@ -45,11 +46,44 @@ class Exchange:
     delay_s: float = 0.0            # waited before the reply is written
     write: Callable = send_whole    # puts (status, content type, bytes) on the wire
 
+def _raw(h, status: int, content_type: str, data: bytes) -> tuple[bytes, bytes]:
+    "The reply as bytes: (status line and headers, body)."
+    head = (f"{h.protocol_version} {status} {h.responses.get(status, ('',))[0]}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(data)}\r\n\r\n")
+    return head.encode('latin-1'), data
+
+def send_cut(h, status: int, content_type: str, data: bytes) -> None:
+    "The headers (announcing the whole length) and the first half of the body; then the connection closes."
+    head, body = _raw(h, status, content_type, data)
+    h.wfile.write(head + body[:len(body) // 2]); h.close_connection = True
+
+def send_nothing(h, status: int, content_type: str, data: bytes) -> None:
+    "No reply: the connection closes."
+    h.close_connection = True
+
+def send_garbage(h, status: int, content_type: str, data: bytes) -> None:
+    "Bytes that are not an HTTP reply; then the connection closes."
+    h.wfile.write(b'this is not HTTP\r\n\r\n'); h.close_connection = True
+
+def send_trickle(per_byte_s: float, headers_too: bool = False) -> Callable:
+    "A writer sending the body (with `headers_too`, the status line and headers as well) one byte every `per_byte_s` seconds."
+    def write(h, status: int, content_type: str, data: bytes) -> None:
+        head, body = _raw(h, status, content_type, data)
+        slow = head + body if headers_too else body
+        if not headers_too: h.wfile.write(head)
+        for i in range(len(slow)): time.sleep(per_byte_s); h.wfile.write(slow[i:i + 1])
+    return write
+
 def _slow(srv, ex, handle): ex.delay_s += srv.slow_s; handle(ex)
 def _abort(srv, ex, handle):
     handle(ex); ex.reply['meta_info']['finish_reason'] = {'type': 'abort'}
 def _invalid(srv, ex, handle):
     handle(ex); ex.reply['output_ids'] = ex.reply['output_ids'] + [0]
+def _cut(srv, ex, handle): handle(ex); ex.write = send_cut
+def _drop(srv, ex, handle): handle(ex); ex.write = send_nothing
+def _garbage(srv, ex, handle): handle(ex); ex.write = send_garbage
+def _trickle(srv, ex, handle): handle(ex); ex.write = send_trickle(srv.trickle_s)
+def _trickle_all(srv, ex, handle): handle(ex); ex.write = send_trickle(srv.trickle_s, headers_too=True)
 
 class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
@@ -58,13 +92,15 @@ class _Handler(BaseHTTPRequestHandler):
 
 class FakeSGLangServer:
     "A local HTTP server in a thread speaking SGLang's native schema: a route table, injectable faults, a latency model."
-    def __init__(self, engine=None, vocab: int = 1000, slow_s: float = 2.0, latency: Callable | None = None):
-        self.engine, self.vocab, self.slow_s, self.latency = engine, vocab, slow_s, latency
+    def __init__(self, engine=None, vocab: int = 1000, slow_s: float = 2.0, latency: Callable | None = None,
+                 trickle_s: float = 0.05):
+        self.engine, self.vocab, self.slow_s, self.latency, self.trickle_s = engine, vocab, slow_s, latency, trickle_s
         self.healthy, self.weight_paths, self.log = True, [], []
         self.routes = {('GET', '/health'): self.health, ('POST', '/generate'): self.generate,
                        ('POST', '/flush_cache'): self.flush_cache,
                        ('POST', '/update_weights_from_disk'): self.update_weights_from_disk}
-        self.fault_kinds = {'slow': _slow, 'abort': _abort, 'invalid': _invalid}
+        self.fault_kinds = {'slow': _slow, 'abort': _abort, 'invalid': _invalid, 'cut': _cut, 'drop': _drop,
+                            'garbage': _garbage, 'trickle': _trickle, 'trickle_all': _trickle_all}
         self._faults, self._lock = {}, threading.Lock()
         self._httpd = ThreadingHTTPServer(('127.0.0.1', 0), _Handler)
         self._httpd.app, self._httpd.daemon_threads = self, True
@@ -106,7 +142,7 @@ class FakeSGLangServer:
 
     def update_weights_from_disk(self, ex):
         p = ex.body.get('model_path')
-        if not p or not Path(p).exists(): ex.reply = {'success': False, 'message': f'cannot load {p}'}; return
+        if not p or not Path(p).exists(): ex.status, ex.reply = 400, {'success': False, 'message': f'cannot load {p}'}; return
         if self.engine is not None: self.engine.update_weights(path=p)
         self.weight_paths.append(p); ex.reply = {'success': True, 'message': 'ok'}
 

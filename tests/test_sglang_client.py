@@ -98,6 +98,115 @@ def test_invalid_output_is_deterministic(srv):
     cl.close()
 
 
+# transport faults: each attempt is one HTTP request under a deadline, retried by one policy
+
+@pytest.mark.timeout(20)
+def test_cut_body_is_retried(srv):
+    cl = client([srv.url], max_retries=2)
+    srv.faults = ['cut', 'cut']                          # headers, then half the body, then the connection closes
+    r = cl.generate([[1, 2, 3]], SP)[0]
+    assert r.output_ids == fake_tokens([1, 2, 3], SP)[0]
+    assert cl.stats['retries'] == 2 and cl.stats['transient_failures'] == 2 and len(srv.calls) == 3
+    srv.faults = ['cut', 'cut', 'cut']
+    with pytest.raises(TransientEngineError, match='3 attempts.*ChunkedEncodingError'):
+        cl.generate([[1, 2, 3]], SP)
+    cl.close()
+
+
+@pytest.mark.timeout(20)
+def test_cut_body_keeps_the_other_results(srv):
+    cl = client([srv.url], max_retries=0, concurrency=1)    # one worker: requests reach the server in prompt order
+    srv.faults = ['cut']
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    r = cl.generate(prompts, SP, return_exceptions=True)
+    assert isinstance(r[0], TransientEngineError) and 'ChunkedEncodingError' in str(r[0])
+    assert [x.output_ids for x in r[1:]] == [fake_tokens(p, SP)[0] for p in prompts[1:]]
+    srv.faults = ['cut']
+    with pytest.raises(TransientEngineError):                 # without return_exceptions the error is raised, as an EngineError
+        cl.generate(prompts, SP)
+    cl.close()
+
+
+@pytest.mark.timeout(20)
+def test_dropped_connection_is_retried(srv):
+    cl = client([srv.url])
+    srv.faults = ['drop']
+    assert cl.generate([[1, 2]], SP)[0].output_ids == fake_tokens([1, 2], SP)[0]
+    assert cl.stats['retries'] == 1 and len(srv.calls) == 2
+    cl.close()
+
+
+@pytest.mark.timeout(20)
+def test_non_http_reply_is_retried(srv):
+    cl = client([srv.url])
+    srv.faults = ['garbage']
+    assert cl.generate([[1, 2]], SP)[0].output_ids == fake_tokens([1, 2], SP)[0]
+    assert cl.stats['retries'] == 1
+    cl.close()
+
+
+@pytest.mark.timeout(15)
+@pytest.mark.parametrize('kind', ['trickle', 'trickle_all'])
+def test_trickled_reply_hits_the_deadline(kind):
+    # a byte every 0.05 s: no read waits longer than the 0.5 s timeout, yet the whole reply would take ~20-30 s
+    with FakeSGLangServer(trickle_s=0.05) as s:
+        cl = client([s.url], timeout_s=0.5, max_retries=1, backoff_s=0.01)
+        s.faults = [kind, kind]
+        t0 = time.monotonic()
+        r = cl.generate([[1, 2, 3]], SP, return_exceptions=True)[0]
+        dt = time.monotonic() - t0
+        assert isinstance(r, TransientEngineError) and '0.5s deadline' in str(r) and '2 attempts' in str(r)
+        assert dt < 2 * 0.5 + 1.0, dt                       # two attempts of 0.5 s plus slack
+        s.faults = [kind]
+        assert cl.generate([[1, 2, 3]], SP)[0].output_ids == fake_tokens([1, 2, 3], SP)[0]   # the retry is served whole
+        cl.close()
+
+
+@pytest.mark.timeout(20)
+def test_update_weights_500_then_200_is_retried(srv, tmp_path):
+    cl = client([srv.url], max_retries=1)
+    srv.inject('/update_weights_from_disk', 500)
+    cl.update_weights(path=tmp_path)
+    assert [e['status'] for e in srv.log if e['path'] == '/update_weights_from_disk'] == [500, 200]
+    assert srv.weight_paths == [str(tmp_path)] and cl.stats['retries'] == 1
+    assert [e['path'] for e in srv.log][-1] == '/flush_cache'
+    srv.inject('/update_weights_from_disk', 503, 503)
+    with pytest.raises(TransientEngineError, match='2 attempts.*HTTP 503'):
+        cl.update_weights(path=tmp_path)
+    cl.close()
+
+
+@pytest.mark.timeout(20)
+def test_update_weights_cut_reply_is_retried(srv, tmp_path):
+    cl = client([srv.url], max_retries=2)
+    srv.inject('/update_weights_from_disk', 'cut')
+    srv.inject('/flush_cache', 'drop')
+    cl.update_weights(path=tmp_path)
+    assert srv.weight_paths == [str(tmp_path)] * 2          # the cut reply's load happened; loading again is safe
+    assert [e['path'] for e in srv.log].count('/flush_cache') == 2 and cl.stats['retries'] == 2
+    cl.close()
+
+
+@pytest.mark.timeout(20)
+def test_later_endpoints_share_the_transport(tmp_path):
+    "An endpoint the client does not know yet (here a memory-occupation one) gets the same deadline, retries and kinds."
+    with FakeSGLangServer(trickle_s=0.05) as a, FakeSGLangServer() as b:
+        for s in (a, b):
+            s.routes[('POST', '/release_memory_occupation')] = lambda ex: setattr(ex, 'reply', {'success': True})
+        cl = client([a.url, b.url], timeout_s=0.5, max_retries=2)
+        a.inject('/release_memory_occupation', 500, 'cut')
+        b.inject('/release_memory_occupation', 'trickle')
+        assert cl.post_each('/release_memory_occupation', {}) == [{'success': True}, {'success': True}]
+        assert [e['status'] for e in a.log] == [500, 200, 200] and len(b.log) == 2     # no failover: each server answers itself
+        assert cl.stats['retries'] == 3
+        a.inject('/release_memory_occupation', 404)
+        with pytest.raises(DeterministicEngineError, match='404'):
+            cl.post('/release_memory_occupation', {}, url=a.url)
+        with pytest.raises(ValueError, match='not one of'):
+            cl.post('/release_memory_occupation', {}, url='http://127.0.0.1:1')
+        cl.close()
+
+
 def test_load_balancing_spreads_requests():
     with FakeSGLangServer() as a, FakeSGLangServer() as b:
         cl = client([a.url, b.url], concurrency=4)
