@@ -4,7 +4,7 @@
 
 # %% ../nbs/16b_acceptance.ipynb #ac75b0d7
 from __future__ import annotations
-import argparse, json, os, sys
+import argparse, json, math, os, sys
 from pathlib import Path
 import numpy as np
 from .provenance import flatten, provenance, sha256_file
@@ -75,6 +75,8 @@ def _paired(a_recs, b_recs, metric, n_boot, seed) -> dict:
 def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None, seed: int = 0,
             n_boot: int = 1000, require_hotpotqa: bool = True, metric: str = 'sub_em', hotpotqa_metric: str = 'boxed_em') -> dict:
     "The acceptance check of candidate vs reference (within `tolerance_pp`) and vs base (strictly better); every check listed."
+    if isinstance(tolerance_pp, bool) or not isinstance(tolerance_pp, (int, float)) or not (math.isfinite(tolerance_pp) and tolerance_pp >= 0):
+        raise ValueError(f"tolerance_pp must be a finite number >= 0 (percentage points), got {tolerance_pp!r}")
     roles = {'candidate': _as_mapping(candidate), 'reference': _as_mapping(reference), 'base': _as_mapping(base)}
     avail = sorted(k for k in roles['candidate'] if isinstance(k, int))
     lengths = avail if lengths is None else [int(l) for l in lengths]
@@ -133,17 +135,22 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
             'bootstrap': {'resamples': n_boot, 'seed': seed, 'unit': 'item'}, 'provenance': provenance()}
 
 # %% ../nbs/16b_acceptance.ipynb #a4353362
+def _cli_path(p: Path) -> str:
+    "A path named on the command line, as a run: a run directory or a summary file, else `CompareError`."
+    if (p / SUMMARY_FILE).is_file() or (p.suffix == '.json' and p.is_file()): return str(p)
+    raise CompareError(f"{p}: no such run (neither a run directory with {SUMMARY_FILE} nor a summary file)")
+
 def _cli_runs(items) -> object:
     if len(items) == 1 and '=' not in items[0]:
         p = Path(items[0])
-        if (p / SUMMARY_FILE).is_file() or p.suffix == '.json': return str(p)
+        if (p / SUMMARY_FILE).is_file() or p.suffix == '.json': return _cli_path(p)
         subs = {d.name: str(d) for d in sorted(p.iterdir()) if (d / SUMMARY_FILE).is_file()} if p.is_dir() else {}
         if not subs: raise CompareError(f"{p}: neither a run directory nor a directory of run directories")
         return subs
     out = {}
     for it in items:
         if '=' not in it: raise CompareError(f"expected key=path, got {it!r}")
-        k, v = it.split('=', 1); out[k] = v
+        k, v = it.split('=', 1); out[k] = _cli_path(Path(v))
     return out
 
 def compare_cli(argv=None) -> int:

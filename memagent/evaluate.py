@@ -15,7 +15,7 @@ from .stats import bootstrap_ci, pass_at_k
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMPARABLE', 'RECORDS_FILE', 'SUMMARY_FILE',
            'item_scores', 'summarize', 'eval_config', 'default_base_max_tokens', 'item_limit', 'run_info', 'evaluate',
-           'write_run', 'evaluate_cli']
+           'write_run', 'evaluate_exit_code', 'evaluate_cli']
 
 # %% ../nbs/16_evaluate.ipynb #2e2d87d0
 SCHEMA_VERSION = 'memagent.evaluate/1'
@@ -257,6 +257,13 @@ def _parse_sets(items) -> dict:
         k, v = it.split('=', 1); out[k.strip()] = yaml.safe_load(v)
     return out
 
+def evaluate_exit_code(summary: dict, allow_errors: bool = False) -> tuple[int, str | None]:
+    "(exit code, reason) for a written run: 1 when any sample errored (unless `allow_errors`) or when every sample did."
+    n, errs = summary['totals']['samples'], summary['errors']
+    if errs and errs == n: return 1, f"every one of the {n} samples failed with a request error"
+    if errs and not allow_errors: return 1, f"{errs} of {n} samples failed with a request error (--allow-errors accepts that)"
+    return 0, None
+
 def evaluate_cli(argv=None) -> int:
     "Console script `memagent-evaluate`."
     from memagent.config import get_preset, load_config, apply_overrides
@@ -272,6 +279,8 @@ def evaluate_cli(argv=None) -> int:
     ap.add_argument('--batch-size', type=int, default=8); ap.add_argument('--variant', default='eval')
     ap.add_argument('--tokenizer', default=None); ap.add_argument('--key', default=None)
     ap.add_argument('--base-max-tokens', type=int, default=None); ap.add_argument('--no-progress', action='store_true')
+    ap.add_argument('--allow-errors', action='store_true',
+                    help='exit 0 although some samples have request errors (never when every sample failed)')
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config) if a.config else get_preset(a.preset)
@@ -288,4 +297,6 @@ def evaluate_cli(argv=None) -> int:
     print(json.dumps({'out': str(a.out), 'items': s['totals']['items'], 'samples': s['totals']['samples'], 'errors': s['errors'],
                       'truncated_samples': s['truncated_samples'], 'dropped_tokens': s['dropped_tokens'],
                       **{k: round(v['value'], 2) for k, v in m.items()}}))
-    return 0
+    code, why = evaluate_exit_code(s, a.allow_errors)
+    if why: print(f"memagent-evaluate: {why}; records and summary written to {a.out}", file=sys.stderr)
+    return code

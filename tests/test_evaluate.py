@@ -185,3 +185,67 @@ def test_real_tiny_evaluation_writes_every_field(tiny, tmp_path):
     assert [r['response'] for r in recs] == [r['response'] for r in recs2]    # batching does not change results
     rep = compare(tmp_path / 'run', tmp_path / 'run2', tmp_path / 'run', require_hotpotqa=False)
     assert all(c['passed'] for c in rep['checks'] if c['name'] in ('comparable', 'complete', 'no_errors', 'tolerance'))
+
+
+# request errors: a network blip is retried, a failed request is recorded, and the exit code says so
+
+def _sglang_client(srv, **kw):
+    from memagent.engines import SGLangEngine
+    return SGLangEngine([srv.url], **{'timeout_s': 5, 'max_retries': 2, 'backoff_s': 0.01, 'concurrency': 2, **kw})
+
+
+@pytest.mark.timeout(120)
+def test_cut_connection_does_not_abort_an_evaluation(tiny, tmp_path):
+    cfg, tok, _ = tiny
+    from memagent.data import make_synthetic
+    from memagent.testing import FakeSGLangServer
+    exs = make_synthetic(3, num_words=40, seed=0)
+    with FakeSGLangServer() as srv:
+        cl = _sglang_client(srv)
+        srv.faults = ['cut', 'drop']                     # retried: the run is clean
+        s = evaluate(exs, cl, tok, cfg, out_dir=tmp_path / 'a', samples=1, batch_size=3, progress=False, n_boot=10)
+        assert s['errors'] == 0 and s['complete'] and cl.stats['retries'] == 2
+        cl = _sglang_client(srv, max_retries=0, concurrency=1)
+        srv.faults = ['cut']                             # no retry left: that sample errors, the others are kept
+        s = evaluate(exs, cl, tok, cfg, out_dir=tmp_path / 'b', samples=1, batch_size=3, progress=False, n_boot=10)
+        recs = [json.loads(l) for l in (tmp_path / 'b' / RECORDS_FILE).read_text().splitlines()]
+        assert len(recs) == 3 and s['errors'] == 1 and s['complete']
+        assert sum('ChunkedEncodingError' in (r['error'] or '') for r in recs) == 1
+        cl.close()
+
+
+@pytest.mark.timeout(180)
+def test_evaluate_cli_fails_on_request_errors(tmp_path):
+    from memagent.data import make_synthetic, write_examples
+    from memagent.evaluate import evaluate_cli
+    from memagent.testing import FakeSGLangServer
+    data = write_examples(make_synthetic(2, num_words=30, seed=0), tmp_path / 'd.jsonl')
+    with FakeSGLangServer() as srv:
+        args = ['--model', 'tiny-qwen3', '--data', str(data), '--mode', 'base', '--base-max-tokens', '64', '--no-progress',
+                '--set', 'chunking.final_tokens=4', '--set', 'rollout.engine=sglang', '--set', f'rollout.sglang_urls=[{srv.url}]',
+                '--set', 'rollout.max_retries=0', '--all-items']
+        srv.faults = [500]
+        assert evaluate_cli([*args, '--out', str(tmp_path / 'one')]) == 1          # one of two requests failed
+        assert json.loads((tmp_path / 'one' / SUMMARY_FILE).read_text())['errors'] == 1
+        srv.faults = [500]
+        assert evaluate_cli([*args, '--out', str(tmp_path / 'allowed'), '--allow-errors']) == 0
+        srv.faults = [500, 500]
+        assert evaluate_cli([*args, '--out', str(tmp_path / 'all'), '--allow-errors']) == 1   # every request failed
+        s = json.loads((tmp_path / 'all' / SUMMARY_FILE).read_text())
+        assert s['errors'] == s['totals']['samples'] == 2
+        assert evaluate_cli([*args, '--out', str(tmp_path / 'clean')]) == 0
+
+
+def test_compare_cli_refuses_missing_dirs_and_negative_tolerance(tmp_path):
+    trio(tmp_path, 510, 500, 400)
+    args = ['--reference', str(tmp_path / 'reference'), '--base', str(tmp_path / 'base')]
+    cand = ['--candidate', f"200={tmp_path / 'candidate' / '200'}", f"hotpotqa={tmp_path / 'candidate' / 'hotpotqa'}"]
+    assert compare_cli([*cand, *args, '--out', str(tmp_path / 'ok.json')]) == 0
+    missing = ['--candidate', f"200={tmp_path / 'nowhere'}", f"hotpotqa={tmp_path / 'candidate' / 'hotpotqa'}"]
+    assert compare_cli([*missing, *args, '--out', str(tmp_path / 'm.json')]) == 2
+    assert not (tmp_path / 'm.json').exists()
+    for tol in ('-0.5', 'nan', 'inf'):
+        assert compare_cli([*cand, *args, '--out', str(tmp_path / 't.json'), '--tolerance-pp', tol]) == 2
+    assert not (tmp_path / 't.json').exists()
+    with pytest.raises(ValueError, match='tolerance_pp'):
+        compare(tmp_path / 'candidate' / '200', tmp_path / 'reference' / '200', tmp_path / 'base' / '200', tolerance_pp=-1)
