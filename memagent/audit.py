@@ -4,7 +4,7 @@
 
 # %% ../nbs/18_audit.ipynb #fde7b4a7
 from __future__ import annotations
-import argparse, copy, importlib.util, json, math, os, platform, subprocess, sys
+import argparse, copy, importlib.util, json, math, os, platform, re, subprocess, sys
 from pathlib import Path
 from .provenance import flatten, sha256_file
 from .report import md_table
@@ -13,8 +13,8 @@ from .report import md_table
 __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_MODULE', 'AUDITED_FILES', 'CALL_SITE_WEIGHTS',
            'N_CASES', 'FIXTURES_SCHEMA', 'RECEIPT_SCHEMA', 'EXPECT_KEYS', 'AuditError', 'AuditRefused',
            'VerificationError', 'default_report_dir', 'validate_fixtures', 'load_fixtures', 'values_match', 'compare',
-           'check_checkout', 'load_reward_module', 'StubJudge', 'run_case', 'run_audit', 'write_receipt',
-           'verify_receipt', 'summary_rows', 'summary_table', 'audit_cli']
+           'check_checkout', 'load_reward_module', 'StubJudge', 'run_case', 'audited_source', 'run_audit',
+           'write_receipt', 'verify_receipt', 'summary_rows', 'summary_table', 'audit_cli']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
 PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
@@ -198,6 +198,13 @@ def run_case(mod, case: dict, weights=None) -> dict:
             'input_unchanged': msgs == pristine}
 
 # %% ../nbs/18_audit.ipynb #f50fffa8
+_GITHUB_REMOTE = re.compile(r'(?:https://|ssh://git@|git@)github\.com[/:]([\w.-]+)/([\w.-]+?)(?:\.git)?/?')
+
+def audited_source(url) -> bool:
+    "True when the remote `url` is the audited repository on GitHub (https, ssh or scp-like form; case-insensitive)."
+    m = _GITHUB_REMOTE.fullmatch(url) if isinstance(url, str) else None
+    return m is not None and f'{m[1]}/{m[2]}'.lower() == AUDITED_REPOSITORY.lower()
+
 def _environment() -> dict:
     return {'python': platform.python_version(), 'implementation': platform.python_implementation(),
             'platform': platform.platform(), 'machine': platform.machine()}
@@ -224,9 +231,11 @@ def run_audit(source_repo, report_dir=None) -> dict:
                       'observed': observed, 'checks': compare(case['expect'], observed, tol)})
     after = check_checkout(source_repo)    # the run must leave the checkout as it found it
     summary = _summary(cases)
+    status = ('checkout_changed' if after != checkout else 'unexpected_source' if not audited_source(checkout['origin'])
+              else 'mismatch' if summary['mismatched'] else 'passed')
     return {
         'schema': RECEIPT_SCHEMA,
-        'status': 'passed' if summary['mismatched'] == 0 else 'mismatch',
+        'status': status,
         'meaning': 'passed = the observed behaviour of the audited copy matched the expectations fixed before the '
                    'run; it says nothing about whether the reward is correct',
         'audited': {'repository': AUDITED_REPOSITORY, 'revision': checkout['revision'],
@@ -272,6 +281,12 @@ def verify_receipt(report_dir=None, receipt_path=None) -> dict:
         problems.append(f'audited copy {aud.get("repository")}@{aud.get("revision")} is not the pinned '
                         f'{AUDITED_REPOSITORY}@{AUDITED_REVISION}')
     if aud.get('files') != AUDITED_FILES: problems.append('audited file hashes differ from the pinned AUDITED_FILES')
+    if aud.get('checkout_unchanged_after_run') is not True:
+        problems.append(f'receipt records checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: '
+                        'the checkout was not left as found (or the receipt does not say)')
+    if not audited_source(aud.get('obtained_from')):
+        problems.append(f'audited copy obtained from {aud.get("obtained_from")!r}, not from github.com/{AUDITED_REPOSITORY}')
+    if aud.get('executed') != REWARD_MODULE: problems.append(f'receipt executed {aud.get("executed")!r}, not {REWARD_MODULE}')
     if rc.get('pinned_official', {}).get('audited') is not False:
         problems.append('receipt does not state that the pinned official revision was not audited')
     # completeness

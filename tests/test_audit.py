@@ -8,8 +8,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 
-from memagent.audit import (AUDITED_REVISION, AuditRefused, N_CASES, REWARD_MODULE, VerificationError,
-                            audit_cli, check_checkout, run_audit, verify_receipt)
+from memagent.audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditRefused, N_CASES, REWARD_MODULE, VerificationError,
+                            audit_cli, audited_source, check_checkout, run_audit, verify_receipt)
 
 REPORT = ROOT / 'reports' / 'agemem_audit'
 FILES = ('fixtures.json', 'protocol.md', 'receipt.json')
@@ -83,6 +83,54 @@ def test_other_revision_fails(copy_dir):
     _edit_json(copy_dir / 'receipt.json', lambda rc: rc['audited'].__setitem__('revision', '0' * 40))
     with pytest.raises(VerificationError, match='not the pinned'):
         verify_receipt(copy_dir)
+
+
+def test_committed_receipt_records_a_clean_run_from_the_audited_repository():
+    rc = json.loads((REPORT / 'receipt.json').read_text())
+    assert rc['status'] == 'passed' and rc['audited']['checkout_unchanged_after_run'] is True
+    assert rc['audited']['obtained_from'] == f'https://github.com/{AUDITED_REPOSITORY}' and rc['audited']['executed'] == REWARD_MODULE
+
+
+def test_modified_checkout_recorded_in_the_receipt_fails(copy_dir):
+    _edit_json(copy_dir / 'receipt.json', lambda rc: rc['audited'].__setitem__('checkout_unchanged_after_run', False))
+    with pytest.raises(VerificationError, match='checkout_unchanged_after_run=False'):
+        verify_receipt(copy_dir)
+    assert audit_cli(['--verify', '--report-dir', str(copy_dir)]) == 1
+
+
+def test_receipt_silent_about_the_checkout_fails(copy_dir):
+    _edit_json(copy_dir / 'receipt.json', lambda rc: rc['audited'].pop('checkout_unchanged_after_run'))
+    with pytest.raises(VerificationError, match='checkout_unchanged_after_run=None'):
+        verify_receipt(copy_dir)
+
+
+@pytest.mark.parametrize('source', ['https://github.com/someone-else/AgeMem', '/home/me/mirrors/AgeMem',
+                                    'https://gitlab.com/Helicoplacoidea/AgeMem', None])
+def test_foreign_source_fails(copy_dir, source):
+    _edit_json(copy_dir / 'receipt.json', lambda rc: rc['audited'].__setitem__('obtained_from', source))
+    with pytest.raises(VerificationError, match='obtained from'):
+        verify_receipt(copy_dir)
+    assert audit_cli(['--verify', '--report-dir', str(copy_dir)]) == 1
+
+
+def test_failed_run_fails(copy_dir):
+    _edit_json(copy_dir / 'receipt.json', lambda rc: rc.__setitem__('status', 'mismatch'))
+    with pytest.raises(VerificationError, match="status is 'mismatch'"):
+        verify_receipt(copy_dir)
+
+
+def test_other_executed_file_fails(copy_dir):
+    _edit_json(copy_dir / 'receipt.json', lambda rc: rc['audited'].__setitem__('executed', 'somewhere/else.py'))
+    with pytest.raises(VerificationError, match='executed'):
+        verify_receipt(copy_dir)
+
+
+def test_audited_source_forms():
+    for url in (f'https://github.com/{AUDITED_REPOSITORY}', f'https://github.com/{AUDITED_REPOSITORY}.git',
+                f'git@github.com:{AUDITED_REPOSITORY}.git', f'ssh://git@github.com/{AUDITED_REPOSITORY}'):
+        assert audited_source(url), url
+    for url in (f'https://github.com/{AUDITED_REPOSITORY}-fork', f'https://example.com/{AUDITED_REPOSITORY}', '', 42):
+        assert not audited_source(url), url
 
 
 @needs_src
