@@ -4,17 +4,21 @@
 
 # %% ../nbs/15_checkpoint.ipynb #faf2d974
 from __future__ import annotations
-import json, os, random, re, shutil, tempfile
+import fcntl, hashlib, json, os, random, re, shutil, socket, tempfile, time, warnings
 from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file, load_file
 
 # %% auto #0
-__all__ = ['rng_state', 'set_rng_state', 'list_checkpoints', 'latest_checkpoint', 'save_checkpoint', 'load_checkpoint',
-           'export_hf']
+__all__ = ['CheckpointError', 'rng_state', 'set_rng_state', 'list_checkpoints', 'latest_checkpoint', 'remove_stale_tmp',
+           'nonfinite_tensors', 'save_checkpoint', 'verify_checkpoint', 'load_checkpoint', 'load_latest',
+           'RunLockedError', 'RunLock', 'export_hf']
 
 # %% ../nbs/15_checkpoint.ipynb #768b6f92
+class CheckpointError(RuntimeError):
+    "A checkpoint is incomplete, corrupt or non-finite; the message names the file (and tensor)."
+
 def rng_state() -> dict:
     "The states of Python's, NumPy's and torch's global generators."
     return {'python': random.getstate(), 'numpy': np.random.get_state(), 'torch': torch.get_rng_state()}
@@ -26,20 +30,28 @@ def set_rng_state(s: dict):
 _STEP_DIR = re.compile(r'^step_(\d{6,})$')
 
 def list_checkpoints(ckpt_root) -> list[Path]:
-    "Complete checkpoints under `ckpt_root`, oldest first (temporary directories are ignored)."
+    "Complete checkpoints (with a manifest) under `ckpt_root`, oldest first; temporary directories are ignored."
     root = Path(ckpt_root)
     if not root.exists(): return []
-    out = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p/'state.json').exists()]
+    out = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p/'manifest.json').exists()]
     return sorted(out, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 def latest_checkpoint(ckpt_root) -> Path | None:
-    "The checkpoint named by `latest`, else the newest complete one, else None."
+    "The checkpoint named by `latest`, else the newest complete one, else None (not verified: see `load_latest`)."
     root = Path(ckpt_root); ptr = root/'latest'
     if ptr.exists():
         p = root/ptr.read_text().strip()
-        if (p/'state.json').exists(): return p
+        if (p/'manifest.json').exists(): return p
     cks = list_checkpoints(root)
     return cks[-1] if cks else None
+
+def remove_stale_tmp(ckpt_root) -> list[str]:
+    "Remove temporary directories a crashed save left behind (call only while holding the run's lock); their names."
+    root = Path(ckpt_root)
+    gone = sorted(p.name for p in root.glob('.tmp-*')) if root.exists() else []
+    for n in gone: shutil.rmtree(root/n, ignore_errors=True)
+    for p in root.glob('.latest.*') if root.exists() else []: p.unlink(missing_ok=True)
+    return gone
 
 # %% ../nbs/15_checkpoint.ipynb #866a0a2f
 def _state_dict_tensors(sd: dict) -> dict:
@@ -52,19 +64,43 @@ def _state_dict_tensors(sd: dict) -> dict:
         seen[key] = k
     return out
 
+def nonfinite_tensors(obj, prefix: str = '') -> list[str]:
+    "Names of the floating-point tensors in a (nested) dict or list that hold a NaN or an infinity."
+    if torch.is_tensor(obj): return [prefix or '<tensor>'] if obj.is_floating_point() and not torch.isfinite(obj).all() else []
+    if isinstance(obj, dict): return [n for k, v in obj.items() for n in nonfinite_tensors(v, f'{prefix}.{k}' if prefix else str(k))]
+    if isinstance(obj, (list, tuple)): return [n for i, v in enumerate(obj) for n in nonfinite_tensors(v, f'{prefix}[{i}]')]
+    return []
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for b in iter(lambda: f.read(1 << 20), b''): h.update(b)
+    return h.hexdigest()
+
+def _write_manifest(d: Path):
+    files = sorted(p for p in d.rglob('*') if p.is_file() and p.name != 'manifest.json')
+    m = {'format': 1, 'files': {p.relative_to(d).as_posix(): {'bytes': p.stat().st_size, 'sha256': _sha256(p)} for p in files}}
+    (d/'manifest.json').write_text(json.dumps(m, indent=1))
+
 def save_checkpoint(ckpt_root, step: int, model_state: dict, optimizer_state: dict | None, state: dict,
-                    config_yaml: str, provenance: dict, keep_last: int = 2) -> Path:
-    "Atomically write checkpoint `step_<step>`, move `latest` to it, and keep only the newest `keep_last`."
+                    config_yaml: str, provenance: dict, keep_last: int = 2, check_finite: bool = True) -> Path:
+    "Atomically write checkpoint `step_<step>` with its manifest, move `latest` to it, and keep only the newest `keep_last`."
+    if check_finite and (bad := nonfinite_tensors(model_state) + nonfinite_tensors(optimizer_state or {}, 'optimizer')):
+        raise CheckpointError(f"step {step}: refusing to save a checkpoint with non-finite tensors: {bad[:8]}")
     root = Path(ckpt_root); root.mkdir(parents=True, exist_ok=True)
     name = f'step_{step:06d}'
     tmp = Path(tempfile.mkdtemp(prefix=f'.tmp-{name}-', dir=root))
     try:
         save_file(_state_dict_tensors(model_state), str(tmp/'model.safetensors'))
-        if optimizer_state is not None: torch.save(optimizer_state, tmp/'optimizer.pt')
+        if optimizer_state is not None:
+            (tmp/'optimizer').mkdir()
+            shards = optimizer_state['shards'] if 'shards' in optimizer_state else {'all': optimizer_state}
+            for key, s in shards.items(): torch.save({'key': key, 'state': s}, tmp/'optimizer'/f'shard_{key}.pt')
         torch.save(rng_state(), tmp/'rng.pt')
         (tmp/'config.yaml').write_text(config_yaml)
         (tmp/'provenance.json').write_text(json.dumps(provenance, indent=1))
-        (tmp/'state.json').write_text(json.dumps(dict(state, step=step), indent=1))  # written last: marks completeness
+        (tmp/'state.json').write_text(json.dumps(dict(state, step=step), indent=1))
+        _write_manifest(tmp)                                   # written last: marks completeness
         dst = root/name
         if dst.exists(): shutil.rmtree(dst)
         os.rename(tmp, dst)
@@ -75,16 +111,82 @@ def save_checkpoint(ckpt_root, step: int, model_state: dict, optimizer_state: di
     for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []: shutil.rmtree(old, ignore_errors=True)
     return dst
 
-def load_checkpoint(path) -> dict:
-    "Everything `save_checkpoint` wrote: `model` (state dict), `optimizer`, `state`, `rng`, `config_yaml`, `provenance`."
+def verify_checkpoint(path) -> dict:
+    "Check every file against `manifest.json` (present, size, SHA-256, nothing unlisted); the manifest, or CheckpointError naming the file."
     p = Path(path)
-    if not (p/'state.json').exists(): raise FileNotFoundError(f"{p}: not a complete checkpoint (no state.json)")
-    opt = p/'optimizer.pt'
-    return {'model': load_file(str(p/'model.safetensors')),
-            'optimizer': torch.load(opt, weights_only=False) if opt.exists() else None,
-            'state': json.loads((p/'state.json').read_text()), 'rng': torch.load(p/'rng.pt', weights_only=False),
-            'config_yaml': (p/'config.yaml').read_text(), 'provenance': json.loads((p/'provenance.json').read_text()),
-            'path': str(p)}
+    mf = p/'manifest.json'
+    if not mf.exists(): raise CheckpointError(f"{p}: not a complete checkpoint (no manifest.json)")
+    try: files = json.loads(mf.read_text())['files']
+    except (ValueError, KeyError) as e: raise CheckpointError(f"{mf}: unreadable manifest ({type(e).__name__}: {e})") from e
+    for rel, meta in files.items():
+        f = p/rel
+        if not f.is_file(): raise CheckpointError(f"{f}: listed in the manifest but missing")
+        if f.stat().st_size != meta['bytes']: raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {meta['bytes']}")
+        if _sha256(f) != meta['sha256']: raise CheckpointError(f"{f}: SHA-256 differs from the manifest (corrupt)")
+    extra = sorted(q.relative_to(p).as_posix() for q in p.rglob('*') if q.is_file() and q.name != 'manifest.json') 
+    extra = [e for e in extra if e not in files]
+    if extra: raise CheckpointError(f"{p}: files not in the manifest: {extra[:5]}")
+    return files
+
+def _read(path: Path, fn):
+    try: return fn(path)
+    except Exception as e: raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
+
+def load_checkpoint(path, check_finite: bool = True) -> dict:
+    "Verify, then load everything `save_checkpoint` wrote: `model`, `optimizer` (`{'shards': ...}`), `state`, `rng`, `config_yaml`, `provenance`."
+    p = Path(path)
+    files = verify_checkpoint(p)
+    shards = {}
+    for rel in sorted(f for f in files if f.startswith('optimizer/')):
+        s = _read(p/rel, lambda f: torch.load(f, weights_only=False))
+        shards[s['key']] = s['state']
+    opt = None if not shards else shards['all'] if list(shards) == ['all'] else {'shards': shards}
+    out = {'model': _read(p/'model.safetensors', lambda f: load_file(str(f))), 'optimizer': opt,
+           'state': _read(p/'state.json', lambda f: json.loads(f.read_text())),
+           'rng': _read(p/'rng.pt', lambda f: torch.load(f, weights_only=False)),
+           'config_yaml': (p/'config.yaml').read_text(), 'provenance': _read(p/'provenance.json', lambda f: json.loads(f.read_text())),
+           'path': str(p)}
+    if check_finite and (bad := nonfinite_tensors(out['model']) + nonfinite_tensors(opt or {}, 'optimizer')):
+        raise CheckpointError(f"{p/'model.safetensors'}: non-finite tensors {bad[:8]}")
+    return out
+
+def load_latest(ckpt_root, check_finite: bool = True) -> dict | None:
+    "The newest checkpoint that verifies and loads, newest first from `latest`; warns naming each one skipped; None if there is none."
+    root = Path(ckpt_root)
+    cands = list_checkpoints(root)
+    first = latest_checkpoint(root)
+    if first is not None: cands = [c for c in cands if c != first] + [first]
+    problems = []
+    for c in reversed(cands):
+        try: ck = load_checkpoint(c, check_finite)
+        except CheckpointError as e:
+            problems.append(str(e)); warnings.warn(f"skipping checkpoint {c.name}: {e}"); continue
+        ck['skipped'] = problems
+        return ck
+    if problems: raise CheckpointError(f"{root}: no intact checkpoint; " + ' | '.join(problems))
+    return None
+
+# %% ../nbs/15_checkpoint.ipynb #eb13ff1c
+class RunLockedError(RuntimeError):
+    "Another process (or trainer) holds the run directory's lock."
+
+class RunLock:
+    "An exclusive lock on a run directory; `release()` (or process exit) frees it."
+    def __init__(self, run_dir):
+        self.path = Path(run_dir)/'.lock'; self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, 'a+')
+        try: fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.seek(0); holder = self._f.read().strip() or 'unknown holder'; self._f.close(); self._f = None
+            raise RunLockedError(f"{self.path.parent}: another trainer holds this run directory ({holder}); "
+                                 "stop it, or use another run directory") from None
+        self._f.seek(0); self._f.truncate()
+        self._f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        self._f.flush()
+
+    def release(self):
+        if self._f is not None:
+            fcntl.flock(self._f, fcntl.LOCK_UN); self._f.close(); self._f = None
 
 # %% ../nbs/15_checkpoint.ipynb #6b52344c
 def export_hf(model, tokenizer, out_dir, provenance: dict | None = None, state_dict: dict | None = None) -> Path:
