@@ -10,6 +10,7 @@ from .config import Config
 from .trajectory import Row
 from .loss import policy_loss
 from .transfer import micro_batches, micro_batch_stats, collate
+from .health import require_finite
 
 # %% auto #0
 __all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'update_on_rows', 'default_device', 'build_policy', 'build_reference',
@@ -68,6 +69,8 @@ def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int)
         old = logp.detach()   # one optimizer step per rollout step: the behaviour policy is the current policy
         loss, met = policy_loss(logp, old, bt['credit'], m, bt['weight'], ref_logp=ref, cfg=cfg,
                                 rollout_logp=bt['rollout_logp'], entropy=ent)
+        if cfg.health.check_finite:       # before any backward: nothing non-finite reaches the gradients
+            require_finite(loss, f"loss of micro-batch {len(parts)} ({len(idx)} rows, trajectories {sorted({rows[i].traj_id for i in idx})[:4]})")
         policy.backward(loss)
         d = (old - bt['rollout_logp'])[m].abs()
         parts.append(dict(met, logprob_mismatch_max=float(d.max()) if d.numel() else 0.0,

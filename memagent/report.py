@@ -160,10 +160,14 @@ def read_run(run_dir) -> dict:
     return run
 
 def reward_summary(run_dir, window: int = 5, expected_steps: int | None = None, out_dir=None) -> dict:
-    "Check a run is whole, then write `reward_by_step.csv`, `reward_curve.png` and `reward_summary.json` (in `out_dir`, default the run dir)."
+    "Check a run is whole and did not stop unhealthy (`health.json`), then write `reward_by_step.csv`, `reward_curve.png` and `reward_summary.json` (in `out_dir`, default the run dir)."
     run_dir = Path(run_dir)
     if not isinstance(window, int) or window < 1: raise ValueError(f"window must be a positive integer, got {window!r}")
     run = read_run(run_dir)
+    from memagent.health import read_health
+    if (h := read_health(run_dir)) is not None and h['status'] == 'stopped':
+        raise ValueError(f"{run_dir / 'health.json'}: the run stopped unhealthy at step {h['step']} ({h['reason']}); "
+                         "its rewards are not a result")
     mpath = run_dir / 'metrics.jsonl'
     rows, blank = read_metrics(mpath)
     if expected_steps is None: exp, src = run['steps'], 'run.json'

@@ -19,6 +19,8 @@ from .policy import make_group, merge_metrics, METRICS
 from .reward import get_reward
 from . import checkpoint as ckpt
 from .engines import engine_from_config
+from .health import RunHealth
+from .resume import check_resume_config, reconcile_metrics
 
 # %% auto #0
 __all__ = ['PromptSampler', 'rollout_metrics', 'update_metrics', 'Trainer']
@@ -84,10 +86,18 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir, examples: list[dict], tokenizer=None, engine=None, world_size: int = 1,
                  ray_address: str | None = None, dump_rollouts: bool = True, replay_dir=None, resume: bool = True,
                  tensorboard: bool = True, progress: bool = True, extra_provenance: dict | None = None):
+        self.cfg, self.run_dir, self.examples = cfg.validate(), Path(run_dir), examples
+        self.lock = ckpt.RunLock(self.run_dir)      # one writer per run directory, from here on
+        try: self._setup(tokenizer, engine, world_size, ray_address, dump_rollouts, replay_dir, resume, tensorboard, progress, extra_provenance)
+        except BaseException: self.lock.release(); raise
+
+    def _setup(self, tokenizer, engine, world_size, ray_address, dump_rollouts, replay_dir, resume, tensorboard, progress, extra_provenance):
         from memagent.models import load_tokenizer, model_identity, tokenizer_identity
         from memagent.prompts import template_sha256s
-        self.cfg, self.run_dir, self.examples = cfg.validate(), Path(run_dir), examples
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg, ck_root = self.cfg, self.run_dir/'checkpoints'
+        ck = ckpt.load_latest(ck_root, cfg.health.check_finite) if resume else None   # verified; falls back past a corrupt one
+        overrides = check_resume_config(ck['config_yaml'], cfg) if ck else []           # refuses an unlisted change
+        ckpt.remove_stale_tmp(ck_root)
         self.tok = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name)
         self.pad_id, self.reward_fn = self.tok.pad_token_id, get_reward(cfg.grpo.reward)
         self.world, self.progress = world_size, progress
@@ -99,41 +109,43 @@ class Trainer:
                         else RayChannel(cfg.row_capacity + self.dp, self.dp))
         self.hf_model = self.group.export_model()
         self.engine = engine if engine is not None or self.replay_dir else engine_from_config(cfg, tokenizer=self.tok)
-        self.sampler = PromptSampler(len(examples), cfg.grpo.prompts_per_step, seed=cfg.seed)
-        self.step_no = 0
-        self.prov = provenance(data_sha256=sha256_text(json.dumps(examples, sort_keys=True, ensure_ascii=False)),
+        self.sampler = PromptSampler(len(self.examples), cfg.grpo.prompts_per_step, seed=cfg.seed)
+        self.step_no, self.health = 0, RunHealth(cfg.health.max_empty_steps, self.run_dir)
+        self.prov = provenance(data_sha256=sha256_text(json.dumps(self.examples, sort_keys=True, ensure_ascii=False)),
                                prompt_templates=template_sha256s(), model=model_identity(cfg.model.name),
                                tokenizer=tokenizer_identity(self.tok), **(extra_provenance or {}))
         save_config(cfg, self.run_dir/'config.yaml')
         (self.run_dir/'run.json').write_text(json.dumps({'steps': cfg.schedule.steps, 'config': cfg.to_dict(),
                                                          'derived': cfg.derived(), 'world_size': world_size,
-                                                         'provenance': self.prov}, indent=1))
+                                                         'resumed_from': ck['path'] if ck else None, 'skipped_checkpoints': ck['skipped'] if ck else [],
+                                                         'resume_overrides': [{'key': k, 'checkpoint': o, 'now': n} for k, o, n in overrides],
+                                                         'provenance': self.prov}, indent=1, default=str))
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(self.run_dir/'tb'))
-        if resume and ckpt.latest_checkpoint(self.run_dir/'checkpoints') is not None: self.resume()
+        if ck: self._restore(ck)
+        self.health.record('running', self.step_no)
 
     # --- checkpoints -------------------------------------------------------------------------------------
-    def save(self) -> Path:
+    def save(self, metrics: dict | None = None) -> Path:
+        "Checkpoint the current step; its state carries the step's metrics line, so the two can always be reconciled."
         import yaml
         return ckpt.save_checkpoint(self.run_dir/'checkpoints', self.step_no, self.group.hf_state_dict(), self.group.state_dict(),
-                                    {'sampler': self.sampler.state_dict(), 'world_size': self.world},
-                                    yaml.safe_dump(self.cfg.to_dict(), sort_keys=False), self.prov, keep_last=self.cfg.schedule.keep_last)
+                                    {'sampler': self.sampler.state_dict(), 'world_size': self.world, 'metrics': metrics,
+                                     'health': self.health.state_dict()},
+                                    yaml.safe_dump(self.cfg.to_dict(), sort_keys=False), self.prov, keep_last=self.cfg.schedule.keep_last,
+                                    check_finite=self.cfg.health.check_finite)
 
-    def resume(self, path=None):
-        "Restore weights, optimizer, RNG, data cursor and step from `path` (default: the latest checkpoint)."
-        path = path or ckpt.latest_checkpoint(self.run_dir/'checkpoints')
-        c = ckpt.load_checkpoint(path)
+    def _restore(self, c: dict):
+        "Weights, optimizer, RNG, data cursor, step and health count from a loaded checkpoint; metrics reconciled with it."
         self.step_no = c['state']['step']
         self.sampler.load_state_dict(c['state']['sampler'])
         self.group.load_state_dict(c['model'], c['optimizer'])
+        self.health = RunHealth(self.cfg.health.max_empty_steps, self.run_dir, c['state'].get('health'))
         ckpt.set_rng_state(c['rng'])
         if self.engine is not None: self.engine.sync_weights(c['model'], self.hf_model, self.tok, self.run_dir/'sync')
-        mp = self.run_dir/'metrics.jsonl'  # drop metrics of steps after the checkpoint (a crash may have logged them)
-        if mp.exists():
-            keep = [l for l in mp.read_text().splitlines() if l.strip() and json.loads(l)['step'] <= self.step_no]
-            mp.write_text(''.join(l + '\n' for l in keep))
+        reconcile_metrics(self.run_dir/'metrics.jsonl', self.step_no, c['state'].get('metrics'))
 
     def export(self, out_dir) -> Path:
         "The current policy as an HF directory (weights, config, tokenizer, generation config, provenance)."
@@ -151,7 +163,12 @@ class Trainer:
                        seed=_step_seed(self.cfg.seed, step), progress=False)
 
     def step(self) -> dict:
-        "One GRPO step; returns (and logs) its metrics."
+        "One GRPO step; returns (and logs) its metrics. Whatever stops it is recorded in `health.json` before it propagates."
+        try: return self._step()
+        except BaseException as e:
+            self.health.record('stopped', self.step_no + 1, f'{type(e).__name__}: {e}'); raise
+
+    def _step(self) -> dict:
         cfg, step = self.cfg, self.step_no + 1
         t, m = {}, {'step': step}
         t0 = time.perf_counter()
@@ -162,6 +179,8 @@ class Trainer:
         for tr in trajs:
             if tr.ok and self.replay_dir is None: tr.reward = float(self.reward_fn(tr.final_text, tr.answers))
         bad_groups = {tr.group_index for tr in trajs if not tr.ok}
+        self.health.observe(step, {'trajectories': len(trajs), 'failed_trajectories': sum(not tr.ok for tr in trajs)},
+                            next((tr.error for tr in trajs if not tr.ok), None))
         kept = [tr for tr in trajs if tr.group_index not in bad_groups]
         if self.dump_rollouts and self.replay_dir is None:
             save_jsonl(trajs, self.run_dir/'rollouts'/f'step_{step:06d}.jsonl')
@@ -192,9 +211,10 @@ class Trainer:
             m.update(rows_transferred=0, rows_consumed=0, skipped_update='no rows (every group dropped or filtered)')
         self.step_no = step
         m.update({f'time_{k}': v for k, v in t.items()}, time_step=sum(t.values()))
+        self._log(m)                       # the metrics line first, then the checkpoint that includes the step
         if cfg.schedule.save_every and (step % cfg.schedule.save_every == 0 or step == cfg.schedule.steps):
-            t0 = time.perf_counter(); self.save(); m['time_checkpoint'] = time.perf_counter() - t0
-        self._log(m)
+            t0 = time.perf_counter(); self.save(m)
+            if self.tb is not None: self.tb.add_scalar('time_checkpoint', time.perf_counter() - t0, step)
         return m
 
     def _log(self, m: dict):
@@ -206,14 +226,19 @@ class Trainer:
 
     def train(self, steps: int | None = None) -> list[dict]:
         "Run until `steps` (default `cfg.schedule.steps`) steps are done; returns the metrics of the steps run."
-        steps = steps or self.cfg.schedule.steps
+        steps = self.cfg.schedule.steps if steps is None else steps
+        if not isinstance(steps, int) or steps < 1: raise ValueError(f"train: steps must be a positive int or None (the schedule's), got {steps!r}")
         out = []
         with tqdm(total=steps, initial=self.step_no, desc='grpo', disable=not self.progress) as bar:
             while self.step_no < steps:
                 m = self.step(); out.append(m)
                 bar.update(1); bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rows=m['rows_generated'])
+        self.health.record('completed' if self.step_no >= self.cfg.schedule.steps else 'running', self.step_no)
         return out
 
     def close(self):
-        if self.tb is not None: self.tb.close()
-        self.group.close()
+        "Release the policy group and the run directory's lock."
+        try:
+            if self.tb is not None: self.tb.close()
+            self.group.close()
+        finally: self.lock.release()

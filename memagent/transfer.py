@@ -271,6 +271,8 @@ class RayChannel(RowChannel):
         "Write the step's rows in one call (or `batch_size`-row parts, then a sealing count); returns the count written."
         import ray
         rows = list(rows); n = len(rows)
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"put: batch_size must be a positive int or None (one part), got {batch_size!r}")
         b = batch_size or max(n, 1)
         refs = [self._actor.append.remote(rollout_id, i, rows_to_arrays(rows[s:s + b])) for i, s in enumerate(range(0, n, b))]
         for r in ray.get(refs): _unwrap(r)

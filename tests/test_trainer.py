@@ -83,6 +83,7 @@ def test_crash_during_save_keeps_previous(tmp_path, examples, monkeypatch):
         with pytest.raises(RuntimeError, match='injected'): tr.step()
     assert ckpt.latest_checkpoint(tmp_path/'checkpoints').name == 'step_000001'
     assert not [p for p in (tmp_path/'checkpoints').iterdir() if p.name.startswith('.tmp')]
+    tr.close()
     again = Trainer(cfg, tmp_path, examples, progress=False, tensorboard=False)
     assert again.step_no == 1
     assert _close(_weights(again), before['model'], atol=0)

@@ -11,6 +11,7 @@ import torch
 from ..config import OptimCfg
 from ..engines import free_port
 from .torch import build_optimizer
+from ..health import require_finite, require_finite_params
 
 # %% auto #0
 __all__ = ['HAVE_MEGATRON', 'SUPPORTED_MODEL_TYPES', 'require_megatron', 'cpu_shims', 'ParallelInfo', 'init_parallel',
@@ -412,7 +413,8 @@ class MegatronBackend:
     supports_entropy, hf_model = False, None      # log-probs only; the driver keeps its own HF skeleton for export
     def __init__(self, hf_model, optimizer: str = 'adamw', lr: float = 1e-6, weight_decay: float = 0.0,
                  betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0, head_chunk: int = 1024,
-                 dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1, seed: int = 0, warmup_steps: int = 0):
+                 dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1, seed: int = 0, warmup_steps: int = 0,
+                 check_finite: bool = True):
         if pp != 1: raise NotImplementedError(f"MegatronBackend: pipeline parallelism is not implemented (pp={pp}); use pp=1")
         check_tp(hf_arch(hf_model.config), tp)
         self.parallel = init_parallel(tp, pp, seed=seed)
@@ -420,7 +422,7 @@ class MegatronBackend:
         self.device = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
         self.model = build_gpt_model(self.hf_config, dtype=dtype, init_weights=False).to(self.device)
         load_hf_into_megatron(self.model, hf_model)
-        self.grad_clip, self.head_chunk = grad_clip, head_chunk
+        self.grad_clip, self.head_chunk, self.check_finite = grad_clip, head_chunk, check_finite
         self.vocab = hf_arch(self.hf_config)['vocab']
         self.tp_rank = 0
         if tp > 1:
@@ -439,7 +441,8 @@ class MegatronBackend:
         "Build from a `memagent.config.Config` (its `optim`, `batch.tp/pp`, `seed`) and an HF model (e.g. `memagent.models.load_model`)."
         o = cfg.optim
         return cls(hf_model, optimizer=o.name.lower(), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
-                   grad_clip=o.grad_clip, tp=cfg.batch.tp, pp=cfg.batch.pp, seed=cfg.seed, warmup_steps=o.warmup_steps)
+                   grad_clip=o.grad_clip, tp=cfg.batch.tp, pp=cfg.batch.pp, seed=cfg.seed, warmup_steps=o.warmup_steps,
+                   check_finite=cfg.health.check_finite)
 
     def share_rows(self, rows):
         "The TP group's first rank took this replica's rows from the channel; every TP rank runs the same rows."
@@ -527,8 +530,12 @@ class MegatronBackend:
         if self.parallel.tp == 1:
             norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip else float('inf'))
         else: norm = self._clip_tp()
+        if self.check_finite and not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            require_finite(norm, 'gradient norm before the optimizer step')
         self.optimizer.step(); self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None: self.scheduler.step()
+        if self.check_finite: require_finite_params(self.model.named_parameters(), 'weights after the optimizer step')
         return float(norm)
 
     def _clip_tp(self) -> torch.Tensor:

@@ -16,12 +16,11 @@ __all__ = ['Rank', 'RayGroup']
 # %% ../../nbs/12c_ray_group.ipynb #fe96b81d
 class Rank:
     "One trainer rank (a Ray actor made by `RayGroup`): a backend in a torch.distributed group."
-    def __init__(self, rank: int, world: int, init_method: str, cfg_dict: dict, pad_id: int, threads: int = 1):
-        from memagent.config import from_dict
+    def __init__(self, rank: int, world: int, init_method: str, cfg: Config, pad_id: int, threads: int = 1):
         torch.set_num_threads(threads)
         torch.distributed.init_process_group('nccl' if torch.cuda.is_available() else 'gloo', init_method=init_method,
                                              rank=rank, world_size=world)
-        self.cfg, self.pad_id = from_dict(cfg_dict), pad_id
+        self.cfg, self.pad_id = cfg, pad_id     # the driver's validated config, as is (its reward registry is the driver's)
         self.policy, self.reference = build_policy(self.cfg), build_reference(self.cfg)
 
     def layout(self) -> dict:
@@ -57,7 +56,7 @@ class RayGroup:
         init, Actor = f'tcp://127.0.0.1:{free_port()}', ray.remote(num_cpus=0)(Rank)
         threads = max(1, (os.cpu_count() or 2) // world)
         self.cfg, self.world = cfg, world
-        self.workers = [Actor.remote(r, world, init, cfg.to_dict(), pad_id, threads) for r in range(world)]
+        self.workers = [Actor.remote(r, world, init, cfg, pad_id, threads) for r in range(world)]
         self.layouts = ray.get([w.layout.remote() for w in self.workers])
         self.dp_size = self.layouts[0]['dp_size']
 

@@ -5,6 +5,7 @@
 # %% ../../nbs/12a_torch_backend.ipynb #8391c17d
 from __future__ import annotations
 import torch
+from ..health import require_finite, require_finite_params
 
 # %% auto #0
 __all__ = ['build_optimizer', 'TorchBackend']
@@ -35,8 +36,10 @@ def _lp_ent_chunk(h, w, tgt, temperature):
 class TorchBackend:
     "A policy (with `optim`) or a frozen reference (without) on an HF causal LM; data-parallel over the default process group."
     supports_entropy, row_source, state_key = True, True, 0    # data-parallel replicas hold identical optimizer states
-    def __init__(self, model, optim=None, grad_clip: float | None = 1.0, head_chunk: int = 1024, warmup_steps: int = 0):
+    def __init__(self, model, optim=None, grad_clip: float | None = 1.0, head_chunk: int = 1024, warmup_steps: int = 0,
+                 check_finite: bool = True):
         self.model, self.hf_model, self.grad_clip, self.head_chunk = model, model, grad_clip, head_chunk
+        self.check_finite = check_finite
         self.device = next(model.parameters()).device
         self.dp_rank, self.dp_size = _dist_world()
         self.optimizer, self.scheduler = (build_optimizer([p for p in model.parameters() if p.requires_grad], optim, warmup_steps)
@@ -49,7 +52,7 @@ class TorchBackend:
     def from_config(cls, cfg, model):
         "The policy of `cfg` (its `optim` section) on `model`."
         o = cfg.optim
-        return cls(model, o, o.grad_clip, warmup_steps=o.warmup_steps)
+        return cls(model, o, o.grad_clip, warmup_steps=o.warmup_steps, check_finite=cfg.health.check_finite)
 
     def share_rows(self, rows): return rows
 
@@ -83,8 +86,12 @@ class TorchBackend:
                 torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
         grads = [p for p in params if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else float('inf'))
+        if self.check_finite and not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            require_finite(norm, 'gradient norm before the optimizer step')
         self.optimizer.step(); self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None: self.scheduler.step()
+        if self.check_finite: require_finite_params(self.model.named_parameters(), 'weights after the optimizer step')
         return float(norm)
 
     def hf_state_dict(self) -> dict:
