@@ -19,9 +19,13 @@ pytestmark = pytest.mark.timeout(300)
 if 'test_parity_length' not in REWARDS:
     @register_reward('test_parity_length')
     def _parity(text, answers): return float(len(text) % 2)
-if 'test_nan_reward' not in REWARDS:
-    @register_reward('test_nan_reward')
-    def _nan(text, answers): return float('nan') if len(text) % 2 else 1.0
+
+@pytest.fixture
+def nan_reward():
+    "A reward that is NaN for odd-length answers, registered for one test only (other tests check every registered reward)."
+    register_reward('test_nan_reward')(lambda text, answers: float('nan') if len(text) % 2 else 1.0)
+    yield 'test_nan_reward'
+    REWARDS.pop('test_nan_reward', None)
 
 
 def _cfg(**kw):
@@ -59,8 +63,8 @@ def test_total_failure_stops_the_run_and_the_report_refuses_it(tmp_path, example
     with pytest.raises(ValueError, match='stopped unhealthy at step 2'): reward_summary(tmp_path)
 
 
-def test_non_finite_reward_stops_the_step(tmp_path, examples):
-    tr = _trainer(_cfg(**{'grpo.reward': 'test_nan_reward', 'schedule.steps': 4}), tmp_path, examples)
+def test_non_finite_reward_stops_the_step(tmp_path, examples, nan_reward):
+    tr = _trainer(_cfg(**{'grpo.reward': nan_reward, 'schedule.steps': 4}), tmp_path, examples)
     with pytest.raises(ValueError, match='without a finite reward'):
         for _ in range(4): tr.step()
     tr.close()
