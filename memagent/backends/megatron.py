@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 from ..config import OptimCfg
 from ..engines import free_port
-from .torch import build_optimizer
-from ..health import require_finite, require_finite_params
+from .torch import build_optimizer, finish_step, optimizer_state, load_optimizer_state
 
 # %% auto #0
 __all__ = ['HAVE_MEGATRON', 'SUPPORTED_MODEL_TYPES', 'require_megatron', 'cpu_shims', 'ParallelInfo', 'init_parallel',
@@ -530,13 +529,7 @@ class MegatronBackend:
         if self.parallel.tp == 1:
             norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip else float('inf'))
         else: norm = self._clip_tp()
-        if self.check_finite and not torch.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            require_finite(norm, 'gradient norm before the optimizer step')
-        self.optimizer.step(); self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None: self.scheduler.step()
-        if self.check_finite: require_finite_params(self.model.named_parameters(), 'weights after the optimizer step')
-        return float(norm)
+        return finish_step(self, norm)
 
     def _clip_tp(self) -> torch.Tensor:
         "Finish TP gradients, then the global grad norm over the TP group and clipping as `clip_grad_norm_` does."
@@ -572,13 +565,12 @@ class MegatronBackend:
 
     def state_dict(self) -> dict:
         "This rank's optimizer and scheduler state (a shard at TP > 1)."
-        return {'optimizer': self.optimizer.state_dict(), 'scheduler': self.scheduler.state_dict() if self.scheduler else None}
+        return optimizer_state(self)
 
     def load_state_dict(self, model_sd: dict, state: dict | None):
         "Load HF-named weights (sharded here for this TP rank) and, if given, this rank's optimizer state."
         load_hf_into_megatron(self.model, model_sd, self.hf_config)
-        if state and state.get('optimizer') is not None: self.optimizer.load_state_dict(state['optimizer'])
-        if state and state.get('scheduler') is not None: self.scheduler.load_state_dict(state['scheduler'])
+        load_optimizer_state(self, state)
 
     def save_hf(self, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
         "Write the current weights as an HF directory (see `export_megatron_to_hf`; at TP > 1 all TP ranks call it)."

@@ -8,7 +8,7 @@ import torch
 from ..health import require_finite, require_finite_params
 
 # %% auto #0
-__all__ = ['build_optimizer', 'TorchBackend']
+__all__ = ['build_optimizer', 'finish_step', 'optimizer_state', 'load_optimizer_state', 'TorchBackend']
 
 # %% ../../nbs/12a_torch_backend.ipynb #695034c5
 def build_optimizer(params, o, warmup_steps: int = 0):
@@ -19,6 +19,26 @@ def build_optimizer(params, o, warmup_steps: int = 0):
     else: raise ValueError(f"optim.name must be 'adam' or 'sgd', got {o.name!r}")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup_steps)) if warmup_steps > 0 else None
     return opt, sched
+
+def finish_step(backend, norm: torch.Tensor) -> float:
+    "Shared end of every backend's `step`: refuse a non-finite norm (dropping the gradients), optimizer and scheduler step, refuse non-finite weights."
+    if backend.check_finite and not torch.isfinite(norm):
+        backend.optimizer.zero_grad(set_to_none=True)
+        require_finite(norm, 'gradient norm before the optimizer step')
+    backend.optimizer.step(); backend.optimizer.zero_grad(set_to_none=True)
+    if backend.scheduler is not None: backend.scheduler.step()
+    if backend.check_finite: require_finite_params(backend.model.named_parameters(), 'weights after the optimizer step')
+    return float(norm)
+
+def optimizer_state(backend) -> dict:
+    "The optimizer and scheduler state of a backend (None for a frozen one)."
+    return {'optimizer': backend.optimizer.state_dict() if backend.optimizer else None,
+            'scheduler': backend.scheduler.state_dict() if backend.scheduler else None}
+
+def load_optimizer_state(backend, state: dict | None):
+    "Restore what `optimizer_state` returned (nothing for None)."
+    if state and state.get('optimizer') is not None: backend.optimizer.load_state_dict(state['optimizer'])
+    if state and state.get('scheduler') is not None: backend.scheduler.load_state_dict(state['scheduler'])
 
 def _dist_world() -> tuple[int, int]:
     d = torch.distributed
@@ -85,25 +105,15 @@ class TorchBackend:
                 if p.grad is None: p.grad = torch.zeros_like(p)
                 torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
         grads = [p for p in params if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else float('inf'))
-        if self.check_finite and not torch.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            require_finite(norm, 'gradient norm before the optimizer step')
-        self.optimizer.step(); self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None: self.scheduler.step()
-        if self.check_finite: require_finite_params(self.model.named_parameters(), 'weights after the optimizer step')
-        return float(norm)
+        return finish_step(self, torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else float('inf')))
 
     def hf_state_dict(self) -> dict:
         "Detached weights under HF names (shared with the model: copy before mutating)."
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
-    def state_dict(self) -> dict:
-        return {'optimizer': self.optimizer.state_dict() if self.optimizer else None,
-                'scheduler': self.scheduler.state_dict() if self.scheduler else None}
+    def state_dict(self) -> dict: return optimizer_state(self)
 
     def load_state_dict(self, model_sd: dict, state: dict | None):
         "Load HF-named weights (every key, no more, no less) and, if given, the optimizer and scheduler state."
         self.model.load_state_dict(model_sd, strict=True)
-        if state and state.get('optimizer') is not None: self.optimizer.load_state_dict(state['optimizer'])
-        if state and state.get('scheduler') is not None: self.scheduler.load_state_dict(state['scheduler'])
+        load_optimizer_state(self, state)
