@@ -4,11 +4,12 @@
 
 # %% ../nbs/15_checkpoint.ipynb #faf2d974
 from __future__ import annotations
-import fcntl, hashlib, json, os, random, re, shutil, socket, tempfile, time, warnings
+import fcntl, json, os, random, re, shutil, socket, tempfile, time, warnings
 from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file, load_file
+from .provenance import sha256_file
 
 # %% auto #0
 __all__ = ['CheckpointError', 'rng_state', 'set_rng_state', 'list_checkpoints', 'latest_checkpoint', 'remove_stale_tmp',
@@ -71,15 +72,9 @@ def nonfinite_tensors(obj, prefix: str = '') -> list[str]:
     if isinstance(obj, (list, tuple)): return [n for i, v in enumerate(obj) for n in nonfinite_tensors(v, f'{prefix}[{i}]')]
     return []
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for b in iter(lambda: f.read(1 << 20), b''): h.update(b)
-    return h.hexdigest()
-
 def _write_manifest(d: Path):
     files = sorted(p for p in d.rglob('*') if p.is_file() and p.name != 'manifest.json')
-    m = {'format': 1, 'files': {p.relative_to(d).as_posix(): {'bytes': p.stat().st_size, 'sha256': _sha256(p)} for p in files}}
+    m = {'format': 1, 'files': {p.relative_to(d).as_posix(): {'bytes': p.stat().st_size, 'sha256': sha256_file(p)} for p in files}}
     (d/'manifest.json').write_text(json.dumps(m, indent=1))
 
 def save_checkpoint(ckpt_root, step: int, model_state: dict, optimizer_state: dict | None, state: dict,
@@ -122,8 +117,8 @@ def verify_checkpoint(path) -> dict:
         f = p/rel
         if not f.is_file(): raise CheckpointError(f"{f}: listed in the manifest but missing")
         if f.stat().st_size != meta['bytes']: raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {meta['bytes']}")
-        if _sha256(f) != meta['sha256']: raise CheckpointError(f"{f}: SHA-256 differs from the manifest (corrupt)")
-    extra = sorted(q.relative_to(p).as_posix() for q in p.rglob('*') if q.is_file() and q.name != 'manifest.json') 
+        if sha256_file(f) != meta['sha256']: raise CheckpointError(f"{f}: SHA-256 differs from the manifest (corrupt)")
+    extra = sorted(q.relative_to(p).as_posix() for q in p.rglob('*') if q.is_file() and q.name != 'manifest.json')
     extra = [e for e in extra if e not in files]
     if extra: raise CheckpointError(f"{p}: files not in the manifest: {extra[:5]}")
     return files

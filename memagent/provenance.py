@@ -9,8 +9,8 @@ from pathlib import Path
 from importlib import metadata
 
 # %% auto #0
-__all__ = ['KEY_PACKAGES', 'sha256_file', 'sha256_bytes', 'sha256_text', 'sha256_dir', 'flatten', 'changed_source_files',
-           'git_state', 'package_versions', 'host_info', 'provenance']
+__all__ = ['KEY_PACKAGES', 'sha256_file', 'sha256_bytes', 'sha256_text', 'sha256_dir', 'flatten', 'git_toplevel',
+           'changed_source_files', 'git_state', 'package_versions', 'host_info', 'provenance']
 
 # %% ../nbs/01_provenance.ipynb #806a4499
 _BLOCK = 1 << 20
@@ -50,14 +50,19 @@ def flatten(d: dict, prefix: str = '') -> dict:
     return out
 
 # %% ../nbs/01_provenance.ipynb #826f3b86
-def changed_source_files(path='.') -> list[str] | None:
-    "Tracked files that differ from HEAD in the git work tree holding `path`, outside `reports/` (None outside git)."
+def git_toplevel(path='.') -> Path | None:
+    "The root of the git work tree holding `path` (which need not exist yet), or None outside git."
     p = Path(path).resolve()
     while not p.exists(): p = p.parent
-    git = lambda *a: subprocess.run(['git', '-C', str(p), *a], capture_output=True, text=True, timeout=20)
-    top = git('rev-parse', '--show-toplevel')
-    if top.returncode: return None
-    st = git('-C', top.stdout.strip(), 'status', '--porcelain', '--untracked-files=no', '--', '.', ':(exclude)reports')
+    top = subprocess.run(['git', '-C', str(p), 'rev-parse', '--show-toplevel'], capture_output=True, text=True, timeout=20)
+    return Path(top.stdout.strip()).resolve() if top.returncode == 0 else None
+
+def changed_source_files(path='.') -> list[str] | None:
+    "Tracked files that differ from HEAD in the git work tree holding `path`, outside `reports/` (None outside git)."
+    top = git_toplevel(path)
+    if top is None: return None
+    st = subprocess.run(['git', '-C', str(top), 'status', '--porcelain', '--untracked-files=no', '--', '.', ':(exclude)reports'],
+                        capture_output=True, text=True, timeout=20)
     return [l[3:] for l in st.stdout.splitlines() if l.strip()]
 
 def git_state(path='.') -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, csv, dataclasses, json, math, sys
 from pathlib import Path
 import yaml
-from .provenance import changed_source_files, flatten, provenance, sha256_file
+from .provenance import changed_source_files, flatten, git_toplevel, provenance, sha256_file
 
 # %% auto #0
 __all__ = ['REQUIRED_FIELDS', 'SUMMARY_FILES', 'read_metrics', 'check_steps', 'moving_average', 'window_stats', 'scalar_columns',
@@ -275,11 +275,8 @@ def config_md(cfg_dict) -> str:
 
 # %% ../nbs/17_report.ipynb #4f2c702c
 def _committed_report_dir(out: Path) -> bool:
-    import subprocess
-    p = out.resolve()
-    while not p.exists(): p = p.parent
-    top = subprocess.run(['git', '-C', str(p), 'rev-parse', '--show-toplevel'], capture_output=True, text=True, timeout=30)
-    return top.returncode == 0 and out.resolve().is_relative_to(Path(top.stdout.strip()).resolve() / 'reports')
+    top = git_toplevel(out)
+    return top is not None and out.resolve().is_relative_to(top / 'reports')
 
 def write_report(out_dir, title: str, sections: list[tuple[str, str]], files=()) -> Path:
     "Write `out_dir/README.md`: `# title`, one `## heading` per section, then the listed files (links + SHA-256)."

@@ -128,10 +128,11 @@ class Trainer:
         self.health.record('running', self.step_no)
 
     # --- checkpoints -------------------------------------------------------------------------------------
-    def save(self, metrics: dict | None = None) -> Path:
-        "Checkpoint the current step; its state carries the step's metrics line, so the two can always be reconciled."
+    def save(self, metrics: dict | None = None, weights: dict | None = None) -> Path:
+        "Checkpoint the current step (`weights`: the policy's, if already gathered); its state carries the step's metrics line."
         import yaml
-        return ckpt.save_checkpoint(self.run_dir/'checkpoints', self.step_no, self.group.hf_state_dict(), self.group.state_dict(),
+        weights = weights if weights is not None else self.group.hf_state_dict()
+        return ckpt.save_checkpoint(self.run_dir/'checkpoints', self.step_no, weights, self.group.state_dict(),
                                     {'sampler': self.sampler.state_dict(), 'world_size': self.world, 'metrics': metrics,
                                      'health': self.health.state_dict()},
                                     yaml.safe_dump(self.cfg.to_dict(), sort_keys=False), self.prov, keep_last=self.cfg.schedule.keep_last,
@@ -179,11 +180,11 @@ class Trainer:
         for tr in trajs:
             if tr.ok and self.replay_dir is None: tr.reward = float(self.reward_fn(tr.final_text, tr.answers))
         bad_groups = {tr.group_index for tr in trajs if not tr.ok}
+        kept = [tr for tr in trajs if tr.group_index not in bad_groups]
+        if self.dump_rollouts and self.replay_dir is None:     # dumped first: a step that stops the run can be inspected
+            save_jsonl(trajs, self.run_dir/'rollouts'/f'step_{step:06d}.jsonl')
         self.health.observe(step, {'trajectories': len(trajs), 'failed_trajectories': sum(not tr.ok for tr in trajs)},
                             next((tr.error for tr in trajs if not tr.ok), None))
-        kept = [tr for tr in trajs if tr.group_index not in bad_groups]
-        if self.dump_rollouts and self.replay_dir is None:
-            save_jsonl(trajs, self.run_dir/'rollouts'/f'step_{step:06d}.jsonl')
         t['reward'] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -194,6 +195,7 @@ class Trainer:
         rows, m['rows_padding'] = layout_step(rows, self.dp)     # padded to the DP size (counted), token-balanced ranks
         t['credit'] = time.perf_counter() - t0
 
+        weights = None                     # gathered at most once per step (a transfer from the ranks on Ray)
         if rows:
             t0 = time.perf_counter()
             m['rows_transferred'] = self.channel.put(step, rows)
@@ -206,14 +208,15 @@ class Trainer:
                 raise RuntimeError(f"step {step}: row counts disagree: generated {m['rows_generated']} + padding {m['rows_padding']}, "
                                    f"transferred {m['rows_transferred']}, consumed {m['rows_consumed']}")
             if self.engine is not None:
-                t['sync'] = self.engine.sync_weights(self.group.hf_state_dict(), self.hf_model, self.tok, self.run_dir/'sync')
+                weights = self.group.hf_state_dict()
+                t['sync'] = self.engine.sync_weights(weights, self.hf_model, self.tok, self.run_dir/'sync')
         else:
             m.update(rows_transferred=0, rows_consumed=0, skipped_update='no rows (every group dropped or filtered)')
         self.step_no = step
         m.update({f'time_{k}': v for k, v in t.items()}, time_step=sum(t.values()))
         self._log(m)                       # the metrics line first, then the checkpoint that includes the step
         if cfg.schedule.save_every and (step % cfg.schedule.save_every == 0 or step == cfg.schedule.steps):
-            t0 = time.perf_counter(); self.save(m)
+            t0 = time.perf_counter(); self.save(m, weights)
             if self.tb is not None: self.tb.add_scalar('time_checkpoint', time.perf_counter() - t0, step)
         return m
 
