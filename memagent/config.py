@@ -65,6 +65,10 @@ class RolloutCfg:
     sglang_urls: list[str] = field(default_factory=list)
     concurrency: int = 64           # in-flight requests per SGLang client
     context_length: int = 8192      # engine context (chunk + memory + template + response)
+    colocate: bool = False          # SGLang engines launched by the project on Ray, on the training GPUs, released during the update
+    gpus_per_engine: int = 1        # GPUs (SGLang tensor parallel size) per engine; the frozen recipe: 2
+    mem_fraction: float = 0.8       # SGLang --mem-fraction-static: share of a GPU for weights + KV cache; colocated recipe: 0.7
+    weight_sync: str = 'disk'       # 'disk' (HF directory, update_weights_from_disk) or 'tensor' (in memory, update_weights_from_tensor)
 
 @dataclass
 class GRPOCfg:
@@ -100,6 +104,7 @@ class OptimCfg:
     eps: float = 1e-8
     grad_clip: float | None = 1.0
     warmup_steps: int = 0
+    mini_batches: int = 1           # optimizer steps per rollout batch (PPO mini-batches of whole prompt groups)
 
 @dataclass
 class BatchCfg:
@@ -108,6 +113,10 @@ class BatchCfg:
     n_gpus: int = 8
     tp: int = 2
     pp: int = 1
+    recompute: str = 'none'         # megatron activation recompute: 'none', 'selective' (attention core) or 'full' (every layer)
+    sequence_parallel: bool = False # megatron: shard norm and residual activations over TP (TP > 1; GPU with Transformer Engine)
+    distributed_optimizer: bool = False  # megatron: fp32 main weights and Adam states sharded over DP
+    attention: str = 'auto'         # megatron layer spec: 'auto' (Transformer Engine on a GPU when installed, else local), 'te' or 'local'
 
 @dataclass
 class ScheduleCfg:
@@ -132,6 +141,7 @@ class HealthCfg:
     "When a run stops instead of carrying on in a state whose numbers would mean nothing."
     max_empty_steps: int = 3        # consecutive steps with no row to train on, or with every trajectory failed, before the run stops with an error
     check_finite: bool = True       # stop on a non-finite loss, gradient norm or weight; refuse to save or load a non-finite checkpoint
+    stall_timeout_s: float = 900.0  # a training rank that finishes no micro-batch for this long is named and the step stops
 
 # %% ../nbs/00_config.ipynb #7519076f
 CHOICES = {
@@ -146,6 +156,9 @@ CHOICES = {
     'loss.agg': ('trajectory', 'token_mean'),
     'optim.name': ('adam', 'sgd'),
     'backend': ('torch', 'megatron'),
+    'rollout.weight_sync': ('disk', 'tensor'),
+    'batch.recompute': ('none', 'selective', 'full'),
+    'batch.attention': ('auto', 'te', 'local'),
 }
 NONEMPTY = ('name', 'model.name', 'model.tokenizer', 'model.revision', 'data.train', 'data.eval', 'rollout.sglang_urls')
 
@@ -222,6 +235,18 @@ class Config:
         b = self.batch
         if b.n_gpus % (b.tp * b.pp):
             raise ValueError(f"config keys 'batch.n_gpus'={b.n_gpus} must be divisible by 'batch.tp' x 'batch.pp' = {b.tp * b.pp}")
+        if b.sequence_parallel and b.tp == 1:
+            raise ValueError("config key 'batch.sequence_parallel': needs 'batch.tp' > 1 (it shards activations over tensor-parallel ranks)")
+        r = self.rollout
+        if r.colocate and r.engine != 'sglang':
+            raise ValueError(f"config key 'rollout.colocate': needs rollout.engine='sglang' (got {r.engine!r}); the hf engine runs in the driver")
+        if r.colocate and b.n_gpus % r.gpus_per_engine:
+            raise ValueError(f"config key 'rollout.gpus_per_engine'={r.gpus_per_engine} must divide 'batch.n_gpus'={b.n_gpus} when colocated")
+        if r.weight_sync == 'tensor' and not r.colocate:
+            raise ValueError("config key 'rollout.weight_sync': 'tensor' needs rollout.colocate=True (the engine reads tensors from its GPUs' processes)")
+        if self.grpo.prompts_per_step % self.optim.mini_batches:
+            raise ValueError(f"config key 'optim.mini_batches'={self.optim.mini_batches} must divide 'grpo.prompts_per_step'="
+                             f"{self.grpo.prompts_per_step} (each mini-batch holds whole prompt groups)")
         if self.chunking.context_trim == 'centre' and self.chunking.max_context_tokens is None:
             raise ValueError("config key 'chunking.max_context_tokens': required when chunking.context_trim='centre'")
         if self.engine_context_tokens > self.rollout.context_length:
@@ -351,6 +376,10 @@ RANGES = {
     'eval.tolerance_pp': Range(0, why='percentage points; 0: the candidate must match exactly'),
     'eval.seed': _U32,
     'health.max_empty_steps': Range(1, why='1: stop at the first empty step'),
+    'health.stall_timeout_s': Range(0, lo_open=True, why='seconds without a finished micro-batch'),
+    'rollout.gpus_per_engine': Range(1),
+    'rollout.mem_fraction': Range(0, 1, lo_open=True, hi_open=True, why='a share of one GPU'),
+    'optim.mini_batches': Range(1, why='1: one optimizer step per rollout batch'),
 }
 
 def _check_range(key, v, spec: Range):
@@ -449,11 +478,15 @@ def qwen3_4b_frozen() -> Config:
         data=DataCfg(train='hotpotqa_train_32k.parquet', eval='eval_200.json', task='hotpotqa'),
         chunking=ChunkingCfg(2048, 1024, 256, 64),
         prompt=PromptCfg(variant='train', thinking='on'),
-        rollout=RolloutCfg(engine='sglang', temperature=1.0, top_p=1.0, context_length=8192),
+        # colocated: one SGLang engine per 2 training GPUs at memory fraction 0.7, released during the update
+        rollout=RolloutCfg(engine='sglang', temperature=1.0, top_p=1.0, context_length=8192,
+                           colocate=True, gpus_per_engine=2, mem_fraction=0.7),
         grpo=GRPOCfg(group_size=8, prompts_per_step=8, std_normalize=True, eps=1e-6, credit='split', reward='boxed_em'),
         loss=LossCfg(clip_low=0.2, clip_high=0.3, kl_type='low_var_kl', kl_coef=0.001, entropy_coef=0.0, agg='trajectory'),
         optim=OptimCfg(name='adam', lr=1e-6, weight_decay=0.1, betas=[0.9, 0.98], grad_clip=1.0),
-        batch=BatchCfg(max_tokens_per_micro=9216, n_gpus=8, tp=2, pp=1),
+        # bf16 weights, fp32 main grads and sharded optimizer; the memory plan (memagent.plan) says why recompute is on
+        batch=BatchCfg(max_tokens_per_micro=9216, n_gpus=8, tp=2, pp=1, recompute='selective', sequence_parallel=True,
+                       distributed_optimizer=True),
         schedule=ScheduleCfg(steps=100, save_every=50, keep_last=2),
         eval=EvalCfg(lengths=[50, 200, 800], temperature=0.7, top_p=0.95, samples=1, max_items=128))
 
@@ -462,11 +495,13 @@ def qwen3_06b_pilot() -> Config:
     c = qwen3_4b_frozen()
     c.name, c.backend = 'qwen3-0.6b-pilot', 'torch'
     c.description = 'One-GPU Qwen3-0.6B pilot: chunk 512 / memory 128 / final 64, <=4 chunks, thinking off, 20 steps, 1x8.'
-    c.model = ModelCfg(name='Qwen/Qwen3-0.6B', revision='c1899de289a04d12100db370d81485cdf75e47ca', dtype='bfloat16')
+    # fp32 weights: at lr 1e-6 one Adam step moves a weight by ~1e-6, below half a bf16 spacing for almost every weight
+    c.model = ModelCfg(name='Qwen/Qwen3-0.6B', revision='c1899de289a04d12100db370d81485cdf75e47ca', dtype='float32')
     c.data = DataCfg(train='pilot_train.jsonl', eval='pilot_heldout.jsonl', task='hotpotqa')
     c.chunking = ChunkingCfg(512, 128, 64, 4)
     c.prompt.thinking = 'off'
     c.rollout.context_length = 2048
+    c.rollout.gpus_per_engine = 1
     c.grpo.prompts_per_step = 1
     c.batch = BatchCfg(max_tokens_per_micro=9216, n_gpus=1, tp=1, pp=1)
     c.schedule = ScheduleCfg(steps=20, save_every=10, keep_last=2)

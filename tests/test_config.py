@@ -156,7 +156,7 @@ def test_presets_validate_and_roundtrip_with_health_and_resume_overrides(tmp_pat
                             'resume_overrides': ['schedule.steps', 'optim.lr']})
     back = load_config(save_config(c, tmp_path / 'h.yaml'))
     assert back == c and back.resume_overrides == ['schedule.steps', 'optim.lr'] and back.health.check_finite is False
-    assert 'health:\n  max_empty_steps: 1\n  check_finite: false\nresume_overrides:\n- schedule.steps\n' in (tmp_path / 'h.yaml').read_text()
+    assert 'health:\n  max_empty_steps: 1\n  check_finite: false\n  stall_timeout_s: 900.0\nresume_overrides:\n- schedule.steps\n' in (tmp_path / 'h.yaml').read_text()
 
 
 def test_health_max_empty_steps_at_least_one():
