@@ -10,7 +10,8 @@ import numpy as np
 from .trajectory import Trajectory, Row
 
 # %% auto #0
-__all__ = ['CREDIT_MODES', 'AGG_MODES', 'group_advantages', 'filter_zero_variance', 'expand_rows', 'trajectories_to_rows']
+__all__ = ['CREDIT_MODES', 'AGG_MODES', 'group_advantages', 'filter_zero_variance', 'mini_batch_of', 'expand_rows',
+           'trajectories_to_rows']
 
 # %% ../nbs/10_credit.ipynb #c5f229d7
 def _groups(trajs) -> 'OrderedDict[int, list[int]]':
@@ -73,28 +74,38 @@ def filter_zero_variance(trajs: list[Trajectory], advantages: list[float], stats
 CREDIT_MODES = ('split', 'share')
 AGG_MODES = ('trajectory', 'token_mean')
 
-def expand_rows(trajs: list[Trajectory], advantages: list[float], mode: str = 'split', agg: str = 'trajectory') -> list[Row]:
-    "One `Row` per turn: credit `A/T` (split) or `A` (share); weight `1/N` (trajectory) or `n_tok/n_tok_step` (token_mean)."
+def mini_batch_of(group_index: int, mini_batches: int) -> int:
+    "The PPO mini-batch (0..mini_batches-1) that prompt group `group_index` is trained in: `group_index % mini_batches`."
+    if mini_batches < 1: raise ValueError(f"mini_batches must be >= 1, got {mini_batches}")
+    return int(group_index) % mini_batches
+
+def expand_rows(trajs: list[Trajectory], advantages: list[float], mode: str = 'split', agg: str = 'trajectory',
+                mini_batches: int = 1) -> list[Row]:
+    "One `Row` per turn: credit `A/T` (split) or `A` (share); weight `1/N_j` (trajectory) or `n_tok/n_tok_j` (token_mean) in its mini-batch j."
     if mode not in CREDIT_MODES: raise ValueError(f"credit mode must be one of {CREDIT_MODES}, got {mode!r}")
     if agg not in AGG_MODES: raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
     _check_trajs(trajs)
     if len(advantages) != len(trajs): raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
-    n = len(trajs)
-    total_tok = sum(int(sum(u.loss_mask)) for t in trajs for u in t.turns)
-    if agg == 'token_mean' and total_tok == 0: raise ValueError("agg='token_mean' but the step has no response tokens with loss_mask=1")
+    mb = [mini_batch_of(t.group_index, mini_batches) for t in trajs]
+    n, tok = [0] * mini_batches, [0] * mini_batches          # trajectories and loss tokens per mini-batch
+    for t, j in zip(trajs, mb):
+        n[j] += 1; tok[j] += sum(int(sum(u.loss_mask)) for u in t.turns)
+    if agg == 'token_mean':
+        for j in set(mb):
+            if tok[j] == 0: raise ValueError(f"agg='token_mean' but mini-batch {j} of {mini_batches} has no response tokens with loss_mask=1")
     rows = []
-    for t, a in zip(trajs, advantages):
+    for t, a, j in zip(trajs, advantages, mb):
         T = t.num_turns
         credit = a / T if mode == 'split' else a
         for u in t.turns:
-            w = 1.0 / n if agg == 'trajectory' else int(sum(u.loss_mask)) / total_tok
+            w = 1.0 / n[j] if agg == 'trajectory' else int(sum(u.loss_mask)) / tok[j]
             rows.append(Row(t.traj_id, t.group_index, u.turn_index, T, float(t.reward), float(a), float(credit), w,
                             list(u.prompt_ids), list(u.response_ids), list(u.rollout_logprobs), list(u.loss_mask)))
     return rows
 
 # %% ../nbs/10_credit.ipynb #7a711c05
 def trajectories_to_rows(trajs: list[Trajectory], cfg):
-    "Normalize (`cfg.grpo`), optionally filter zero-variance groups, expand (`cfg.grpo.credit`, `cfg.loss.agg`); returns `(rows, stats)`."
+    "Normalize (`cfg.grpo`), optionally filter zero-variance groups, expand (`cfg.grpo.credit`, `cfg.loss.agg`, `cfg.optim.mini_batches`); returns `(rows, stats)`."
     g, l = cfg.grpo, getattr(cfg, 'loss', None)
     adv, stats = group_advantages(trajs, g.group_size, std_normalize=g.std_normalize, eps=g.eps)
     if getattr(g, 'filter_zero_variance', False):
@@ -103,8 +114,8 @@ def trajectories_to_rows(trajs: list[Trajectory], cfg):
     if not trajs:
         stats = dict(stats, n_rows=0)
         return [], stats
-    mode, agg = g.credit, getattr(l, 'agg', 'trajectory')
-    rows = expand_rows(trajs, adv, mode, agg)
-    stats = dict(stats, n_rows=len(rows), credit=mode, agg=agg,
+    mode, agg, mbs = g.credit, getattr(l, 'agg', 'trajectory'), getattr(getattr(cfg, 'optim', None), 'mini_batches', 1)
+    rows = expand_rows(trajs, adv, mode, agg, mbs)
+    stats = dict(stats, n_rows=len(rows), credit=mode, agg=agg, mini_batches=mbs,
                  turns_mean=float(np.mean([t.num_turns for t in trajs])))
     return rows, stats

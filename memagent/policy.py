@@ -9,7 +9,7 @@ import torch
 from .config import Config
 from .trajectory import Row
 from .loss import policy_loss
-from .transfer import micro_batches, micro_batch_stats, collate
+from .transfer import micro_batches, micro_batch_stats, collate, mini_batch_slices
 from .health import require_finite
 
 # %% auto #0
@@ -18,17 +18,17 @@ __all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'update_on_rows', 'default_de
 
 # %% ../nbs/12b_policy.ipynb #3b48d035
 METRICS = [  # (name, aggregation, definition)
-    ('loss', 'sum', 'step loss: sum over rows of weight x row-mean of the per-token loss (= pg_loss + kl_loss + entropy_loss)'),
-    ('pg_loss', 'sum', 'policy-gradient part of loss: sum of weight x row-mean of the clipped surrogate'),
-    ('kl_loss', 'sum', 'KL part of loss: kl_coef x sum of weight x row-mean of the KL estimator'),
-    ('entropy_loss', 'sum', 'entropy part of loss: -entropy_coef x sum of weight x row-mean of the entropy'),
+    ('loss', 'sum', 'mean over the PPO mini-batches of the mini-batch loss: sum over its rows of weight x row-mean of the per-token loss (= pg_loss + kl_loss + entropy_loss; one mini-batch: the step loss)'),
+    ('pg_loss', 'sum', 'policy-gradient part of loss: sum of weight x row-mean of the clipped surrogate (mean over mini-batches)'),
+    ('kl_loss', 'sum', 'KL part of loss: kl_coef x sum of weight x row-mean of the KL estimator (mean over mini-batches)'),
+    ('entropy_loss', 'sum', 'entropy part of loss: -entropy_coef x sum of weight x row-mean of the entropy (mean over mini-batches)'),
     ('n_tokens', 'sum', 'masked-in response tokens scored'),
     ('n_rows', 'sum', 'rows in the micro-batches (padding rows included)'),
-    ('clip_frac', 'token_mean', 'tokens whose clipped surrogate term is the one taken (gradient cut); 0 while one optimizer step is taken per rollout step (ratio = 1)'),
+    ('clip_frac', 'token_mean', 'tokens whose clipped surrogate term is the one taken (gradient cut); 0 in the first mini-batch (ratio = 1), so 0 with one mini-batch'),
     ('clip_frac_low', 'token_mean', 'tokens clipped below, ratio < 1 - clip_low'),
     ('clip_frac_high', 'token_mean', 'tokens clipped above, ratio > 1 + clip_high'),
     ('dual_clip_frac', 'token_mean', 'negative-credit tokens bounded by the dual clip'),
-    ('ratio_mean', 'token_mean', 'mean of exp(logp - old_logp)'),
+    ('ratio_mean', 'token_mean', 'mean of exp(logp - old_logp); old_logp: the policy before the update\'s first optimizer step'),
     ('ratio_min', 'min', 'smallest ratio'),
     ('ratio_max', 'max', 'largest ratio'),
     ('kl', 'token_mean', 'mean KL estimator to the reference (kl_type)'),
@@ -36,10 +36,12 @@ METRICS = [  # (name, aggregation, definition)
     ('tis_capped_frac', 'token_mean', 'tokens whose truncated importance weight hit tis_cap'),
     ('logprob_mismatch_max', 'max', 'largest |trainer log-prob - rollout log-prob| on a response token'),
     ('logprob_mismatch_mean', 'token_mean', 'mean |trainer log-prob - rollout log-prob|'),
-    ('grad_norm', 'same', 'global gradient norm before clipping, after summing over data-parallel ranks'),
+    ('grad_norm', 'same', 'global gradient norm before clipping, after summing over data-parallel ranks; mean over the optimizer steps of the update'),
+    ('grad_norm_max', 'same', 'largest of those per-optimizer-step gradient norms'),
+    ('optimizer_steps', 'same', 'optimizer steps of the update: one per PPO mini-batch that has rows (optim.mini_batches when no group was dropped)'),
     ('rows_consumed', 'sum', 'rows the ranks took from the channel'),
     ('tokens', 'sum', 'prompt + response tokens of those rows'),
-    ('micro_batches', 'sum', 'micro-batches run (memagent.transfer.micro_batches, padded size within the budget)'),
+    ('micro_batches', 'sum', 'training micro-batches run, all mini-batches (memagent.transfer.micro_batches, padded size within the budget)'),
     ('time_update', 'max', 'seconds in update_on_rows; the slowest replica bounds the step'),
 ]
 _AGG = {n: a for n, a, _ in METRICS}
@@ -56,30 +58,50 @@ def merge_metrics(parts: list[dict]) -> dict:
     return out
 
 # %% ../nbs/12b_policy.ipynb #8f26c04d
-def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int) -> dict:
-    "Micro-batch this rank's rows, accumulate the weighted loss's gradient, step once; metrics plus `micro_batch_lengths`."
-    T, t0 = cfg.rollout.temperature, time.perf_counter()
-    mbs = micro_batches([r.num_tokens for r in rows], cfg.batch.max_tokens_per_micro)
-    parts = []
-    for idx in mbs:
-        bt = collate([rows[i] for i in idx], pad_id)
-        m = bt['response_mask'].clone(); m[:, 0] = False
-        with torch.no_grad(): ref = reference.logprobs(bt, T) if reference is not None else None
-        logp, ent = policy.logprobs(bt, T, with_entropy=True) if policy.supports_entropy else (policy.logprobs(bt, T), None)
-        old = logp.detach()   # one optimizer step per rollout step: the behaviour policy is the current policy
-        loss, met = policy_loss(logp, old, bt['credit'], m, bt['weight'], ref_logp=ref, cfg=cfg,
-                                rollout_logp=bt['rollout_logp'], entropy=ent)
-        if cfg.health.check_finite:       # before any backward: nothing non-finite reaches the gradients
-            require_finite(loss, f"loss of micro-batch {len(parts)} ({len(idx)} rows, trajectories {sorted({rows[i].traj_id for i in idx})[:4]})")
-        policy.backward(loss)
-        d = (old - bt['rollout_logp'])[m].abs()
-        parts.append(dict(met, logprob_mismatch_max=float(d.max()) if d.numel() else 0.0,
-                          logprob_mismatch_mean=float(d.mean()) if d.numel() else 0.0))
-    grad_norm = policy.step()
+def _logprobs(policy, bt, T):
+    "The policy's log-probs (and entropy where the backend computes it) of a collated micro-batch; one code path for scoring and training."
+    return policy.logprobs(bt, T, with_entropy=True) if policy.supports_entropy else (policy.logprobs(bt, T), None)
+
+_LOSSES = ('loss', 'pg_loss', 'kl_loss', 'entropy_loss')
+
+def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int, on_progress=None) -> dict:
+    "Per PPO mini-batch: micro-batch this rank's rows, accumulate the weighted loss's gradient, one optimizer step; metrics plus `micro_batch_lengths`."
+    T, t0, M = cfg.rollout.temperature, time.perf_counter(), cfg.optim.mini_batches
+    tell = on_progress or (lambda ev: None)
+    plans = [[[mb[i] for i in b] for b in micro_batches([rows[i].num_tokens for i in mb], cfg.batch.max_tokens_per_micro)]
+             for mb in mini_batch_slices(rows, M)] or [[]]     # no rows: one step without gradient, as every rank must
+    nm = len(plans)
+    old = {}                     # behaviour log-probs of mini-batches 2..: scored before the first optimizer step
+    for j in range(1, nm):
+        for k, idx in enumerate(plans[j]):
+            with torch.no_grad(): old[j, k] = _logprobs(policy, collate([rows[i] for i in idx], pad_id), T)[0]
+            tell(dict(event='old_logp', mini_batch=j + 1, mini_batches=nm, micro_batch=k + 1, micro_batches=len(plans[j])))
+    parts, norms = [], []
+    for j, plan in enumerate(plans):
+        for k, idx in enumerate(plan):
+            bt = collate([rows[i] for i in idx], pad_id)
+            m = bt['response_mask'].clone(); m[:, 0] = False
+            with torch.no_grad(): ref = reference.logprobs(bt, T) if reference is not None else None
+            logp, ent = _logprobs(policy, bt, T)
+            lp_old = logp.detach() if j == 0 else old.pop((j, k))   # mini-batch 1: no step yet, the current policy is the old one
+            loss, met = policy_loss(logp, lp_old, bt['credit'], m, bt['weight'], ref_logp=ref, cfg=cfg,
+                                    rollout_logp=bt['rollout_logp'], entropy=ent)
+            if cfg.health.check_finite:       # before any backward: nothing non-finite reaches the gradients
+                require_finite(loss, f"loss of micro-batch {k} of mini-batch {j} ({len(idx)} rows, trajectories "
+                                     f"{sorted({rows[i].traj_id for i in idx})[:4]})")
+            policy.backward(loss)
+            d = (lp_old - bt['rollout_logp'])[m].abs()
+            parts.append(dict(met, **{x: met[x] / nm for x in _LOSSES if x in met},
+                              logprob_mismatch_max=float(d.max()) if d.numel() else 0.0,
+                              logprob_mismatch_mean=float(d.mean()) if d.numel() else 0.0))
+            tell(dict(event='micro_batch', mini_batch=j + 1, mini_batches=nm, micro_batch=k + 1, micro_batches=len(plan)))
+        tell(dict(event='optimizer_step', mini_batch=j + 1, mini_batches=nm))
+        norms.append(policy.step())
+        tell(dict(event='stepped', mini_batch=j + 1, mini_batches=nm))
     out = merge_metrics(parts) if parts else {'loss': 0.0, 'n_tokens': 0, 'n_rows': 0}
-    out.update(grad_norm=grad_norm, micro_batches=len(mbs), rows_consumed=len(rows), tokens=sum(r.num_tokens for r in rows),
-               time_update=time.perf_counter() - t0)
-    out['micro_batch_lengths'] = [[rows[i].num_tokens for i in b] for b in mbs]
+    out.update(grad_norm=sum(norms) / nm, grad_norm_max=max(norms), optimizer_steps=nm, micro_batches=sum(map(len, plans)),
+               rows_consumed=len(rows), tokens=sum(r.num_tokens for r in rows), time_update=time.perf_counter() - t0)
+    out['micro_batch_lengths'] = [[rows[i].num_tokens for i in b] for plan in plans for b in plan]
     return out
 
 # %% ../nbs/12b_policy.ipynb #e22f0979
@@ -131,8 +153,10 @@ class LocalGroup:
     def close(self):
         if hasattr(self.policy, 'close'): self.policy.close()
 
-def make_group(cfg: Config, pad_id: int, world_size: int = 1, ray_address: str | None = None):
-    "A `LocalGroup` for one process, else a `RayGroup` of `world_size` ranks."
-    if world_size == 1: return LocalGroup(cfg, pad_id)
+def make_group(cfg: Config, pad_id: int, world_size: int = 1, ray_address: str | None = None, placement=None):
+    "A `LocalGroup` for one process, else a `RayGroup` of `world_size` ranks (placed by `placement.train_options(rank)` when given)."
+    if world_size == 1:
+        if placement is not None: raise ValueError("make_group: a placement needs Ray ranks (world_size > 1); got world_size=1")
+        return LocalGroup(cfg, pad_id)
     from memagent.backends.ray import RayGroup
-    return RayGroup(cfg, pad_id, world_size, ray_address)
+    return RayGroup(cfg, pad_id, world_size, ray_address, placement)

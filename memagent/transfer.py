@@ -8,11 +8,12 @@ import os, time, threading
 from pathlib import Path
 import numpy as np
 from .trajectory import Row
+from .credit import mini_batch_of
 
 # %% auto #0
 __all__ = ['rows_to_arrays', 'num_array_rows', 'arrays_to_rows', 'take_arrays', 'concat_arrays', 'ChannelError', 'RowChannel',
            'InProcessChannel', 'ensure_ray', 'RayChannel', 'pad_rows', 'balance_ranks', 'micro_batches', 'layout_step',
-           'micro_batch_stats', 'collate']
+           'mini_batch_slices', 'micro_batch_stats', 'collate']
 
 # %% ../nbs/12_transfer.ipynb #32103a1c
 _SCALARS = (('group_index', np.int64), ('turn_index', np.int64), ('num_turns', np.int64),
@@ -335,10 +336,28 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
         else: bins.append([i]); longest.append(lengths[i])
     return bins
 
-def layout_step(rows: list[Row], dp_size: int) -> tuple[list[Row], int]:
-    "Pad to `dp_size` and order rows rank by rank (token-balanced); returns `(rows to put, padding rows added)`."
-    rows, pad = pad_rows(rows, dp_size)
-    return [rows[i] for rank in balance_ranks(_lengths(rows), dp_size) for i in rank], pad
+def layout_step(rows: list[Row], dp_size: int, mini_batches: int = 1) -> tuple[list[Row], int]:
+    "Per mini-batch (`mini_batch_of`): pad to `dp_size`, token-balance over the ranks; rows rank by rank, each rank's mini-batch by mini-batch. Returns `(rows to put, padding rows added)`."
+    if dp_size < 1 or mini_batches < 1: raise ValueError(f"layout_step: dp_size and mini_batches must be >= 1, got {dp_size}, {mini_batches}")
+    parts = [[] for _ in range(mini_batches)]
+    for r in rows: parts[mini_batch_of(r.group_index, mini_batches)].append(r)
+    per_rank, pad = [[] for _ in range(dp_size)], 0
+    for part in parts:
+        if not part: continue                 # every rank then has no row of it: all ranks skip it alike
+        part, p = pad_rows(part, dp_size)     # the fillers copy a row of this mini-batch, so they stay in it
+        pad += p
+        for k, idx in enumerate(balance_ranks(_lengths(part), dp_size)): per_rank[k] += [part[i] for i in idx]
+    return [r for rank in per_rank for r in rank], pad
+
+def mini_batch_slices(rows: list[Row], mini_batches: int) -> list[list[int]]:
+    "A rank's rows (laid out by `layout_step` with the same `mini_batches`) as index lists, one per non-empty mini-batch, in order."
+    js = [mini_batch_of(r.group_index, mini_batches) for r in rows]
+    if js != sorted(js):
+        raise ValueError(f"rows are not laid out mini-batch by mini-batch for mini_batches={mini_batches} (mini-batch of each row: "
+                         f"{js[:12]}); lay them out with layout_step(rows, dp_size, {mini_batches})")
+    out = {}
+    for i, j in enumerate(js): out.setdefault(j, []).append(i)
+    return list(out.values())
 
 def micro_batch_stats(per_rank: list[list[list[int]]], max_tokens: int) -> dict:
     "Budget fill, padding, balance and the lower bound of micro-batches given as row lengths, per rank (what the ranks ran)."
