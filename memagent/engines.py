@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
 # %% auto #0
-__all__ = ['STAT_KEYS', 'TRANSIENT_STATUS', 'SamplingParams', 'GenerationResult', 'EngineError', 'TransientEngineError',
-           'DeterministicEngineError', 'ServerLaunchError', 'Engine', 'new_stats', 'per_request', 'check_prompt',
-           'teacher_forced_logprobs', 'race_blocks', 'sample_tokens', 'HFEngine', 'load_safetensors_dir', 'Deadline',
-           'WatchedAdapter', 'parse_sglang_response', 'SGLangEngine', 'free_port', 'ServerProcess', 'SGLangServer',
+__all__ = ['STAT_KEYS', 'TRANSIENT_STATUS', 'MEMORY_TAGS', 'SamplingParams', 'GenerationResult', 'EngineError',
+           'TransientEngineError', 'DeterministicEngineError', 'ServerLaunchError', 'Engine', 'new_stats',
+           'per_request', 'check_prompt', 'teacher_forced_logprobs', 'race_blocks', 'sample_tokens', 'HFEngine',
+           'load_safetensors_dir', 'Deadline', 'WatchedAdapter', 'check_stop_alignment', 'parse_sglang_response',
+           'tensor_update_payload', 'SGLangEngine', 'free_port', 'ServerProcess', 'sglang_server_cmd', 'SGLangServer',
            'engine_from_config']
 
 # %% ../nbs/08_engines.ipynb #812df3c4
@@ -66,6 +67,7 @@ class Engine(Protocol):
                  return_exceptions: bool = False) -> list: ...
     def update_weights(self, state_dict=None, path=None) -> None: ...
     def sync_weights(self, state_dict: dict, hf_model, tokenizer, sync_dir) -> float: ...
+    def release_memory(self) -> None: ...
     def health(self) -> bool: ...
     def close(self) -> None: ...
 
@@ -198,6 +200,8 @@ class HFEngine:
 
     def health(self) -> bool: return True
     def close(self) -> None: pass
+    def release_memory(self) -> None:
+        "Nothing to release: the in-process engine's weights are the ones it samples with, and it holds no cache between calls."
 
     def generate(self, prompts, params, return_exceptions: bool = False) -> list:
         "Sample every prompt; one `GenerationResult` (or, with `return_exceptions`, an `EngineError`) per prompt."
@@ -390,9 +394,22 @@ class WatchedAdapter(HTTPAdapter):
 # %% ../nbs/08_engines.ipynb #ba8daff9
 def _jsonable_params(sp: SamplingParams) -> dict:
     d = {'max_new_tokens': sp.max_new_tokens, 'temperature': sp.temperature, 'top_p': sp.top_p, 'top_k': sp.top_k,
-         'stop_token_ids': [int(t) for t in sp.stop_token_ids]}
+         'stop_token_ids': [int(t) for t in sp.stop_token_ids], 'no_stop_trim': True}
     if sp.seed is not None: d['sampling_seed'] = int(sp.seed) % (2**63)
     return d
+
+def check_stop_alignment(ids: list[int], finish_reason, max_new_tokens: int) -> None:
+    "SGLang's rule (above): a `stop` finish matched a token id and ends `ids` with it; a `length` finish has at most `max_new_tokens` ids."
+    kind = finish_reason.get('type') if isinstance(finish_reason, dict) else finish_reason
+    if len(ids) > max_new_tokens: raise DeterministicEngineError(f"{len(ids)} tokens > max_new_tokens={max_new_tokens}")
+    if kind != 'stop': return
+    m = finish_reason.get('matched') if isinstance(finish_reason, dict) else None
+    if isinstance(m, bool) or not isinstance(m, int):
+        raise DeterministicEngineError(f"finish_reason {finish_reason!r}: a stop must match a token id (requests carry no stop "
+                                       "strings; SGLang reports a NaN or out-of-vocabulary token as matched='NaN happened')")
+    if not ids or ids[-1] != m:
+        raise DeterministicEngineError(f"finish_reason matched token {m} but output_ids end with {ids[-1:]}: SGLang keeps the "
+                                       "matched stop token as the last output id")
 
 def parse_sglang_response(body, prompt_len: int, sp: SamplingParams, latency_s: float = 0.0) -> GenerationResult:
     "Turn one `/generate` response into a `GenerationResult`; abort -> transient, anything malformed -> deterministic."
@@ -417,18 +434,38 @@ def parse_sglang_response(body, prompt_len: int, sp: SamplingParams, latency_s: 
                                        f"token ids of output_token_logprobs ({len(lp_ids)})")
     if meta.get('prompt_tokens', prompt_len) != prompt_len:
         raise DeterministicEngineError(f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {prompt_len}")
-    if len(lp_ids) > sp.max_new_tokens: raise DeterministicEngineError(f"{len(lp_ids)} tokens > max_new_tokens={sp.max_new_tokens}")
+    check_stop_alignment(lp_ids, fr, sp.max_new_tokens)
     if any(not math.isfinite(x) or x > 1e-3 for x in lps): raise DeterministicEngineError("log-probs must be finite and <= 0")
     return GenerationResult(lp_ids, [min(x, 0.0) for x in lps], kind, prompt_len, latency_s, body.get('text'))
 
 # %% ../nbs/08_engines.ipynb #5f0bd8d4
+MEMORY_TAGS = ('kv_cache', 'weights', 'cuda_graph')      # SGLang's GPU_MEMORY_ALL_TYPES (python/sglang/srt/constants.py)
+
+def tensor_update_payload(state_dict: dict, tp_size: int, flush_cache: bool = False) -> dict:
+    "The body of SGLang's `POST /update_weights_from_tensor`: per TP rank its own copy of `[(name, tensor), ...]`, pickled by torch's `ForkingPickler`, base64."
+    import base64, io
+    import torch.multiprocessing                          # registers torch's tensor reductions with ForkingPickler
+    from multiprocessing.reduction import ForkingPickler
+    if not isinstance(tp_size, int) or tp_size < 1: raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    named = [(str(k), v.detach()) for k, v in state_dict.items()]
+    def one() -> str:
+        buf = io.BytesIO(); ForkingPickler(buf).dump(named)
+        return base64.b64encode(buf.getvalue()).decode('ascii')
+    return {'serialized_named_tensors': [one() for _ in range(tp_size)], 'load_format': None, 'flush_cache': flush_cache}
+
 class SGLangEngine:
     "Client of SGLang's native HTTP API over several servers: least-in-flight balancing, concurrency limit, per-request deadlines, bounded retries."
     def __init__(self, urls, timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 1.0, concurrency: int = 64,
-                 max_backoff_s: float = 30.0, update_timeout_s: float = 900.0, connect_timeout_s: float = 10.0):
+                 max_backoff_s: float = 30.0, update_timeout_s: float = 900.0, connect_timeout_s: float = 10.0,
+                 colocated: bool = False, tp_size: int = 1, weight_sync: str = 'disk', on_close=None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls: raise ValueError("SGLangEngine needs at least one server url")
+        if weight_sync not in ('disk', 'tensor'): raise ValueError(f"weight_sync must be 'disk' or 'tensor', got {weight_sync!r}")
+        if weight_sync == 'tensor' and not colocated:
+            raise ValueError("weight_sync='tensor' needs colocated=True: the servers read the tensors from this host's processes")
+        self.colocated, self.tp_size, self.weight_sync, self._on_close = colocated, tp_size, weight_sync, on_close
         self.urls = [u.rstrip('/') for u in urls]
+        self._released = {u: set() for u in self.urls}     # memory tags each server has released
         self.timeout_s, self.max_retries, self.backoff_s, self.max_backoff_s = timeout_s, max_retries, backoff_s, max_backoff_s
         self.update_timeout_s, self.connect_timeout_s = update_timeout_s, connect_timeout_s
         self.concurrency = concurrency
@@ -480,9 +517,9 @@ class SGLangEngine:
         try: return r.json()
         except ValueError as e: raise DeterministicEngineError(f"{url}{path}: reply is not JSON: {r.text[:200]}") from e
 
-    def _retrying(self, path: str, attempt, url: str | None = None):
+    def _retrying(self, path: str, attempt, url: str | None = None, retries: int | None = None):
         "`attempt(server)` until it returns; a `TransientEngineError` is retried under a urllib3 `Retry` (on another server unless `url` is given)."
-        retry = Retry(total=self.max_retries, backoff_factor=self.backoff_s, backoff_max=self.max_backoff_s,
+        retry = Retry(total=self.max_retries if retries is None else retries, backoff_factor=self.backoff_s, backoff_max=self.max_backoff_s,
                       allowed_methods=None, respect_retry_after_header=False)
         avoid = set()
         while True:
@@ -496,11 +533,12 @@ class SGLangEngine:
             self._count('retries'); avoid = {u}
             retry.sleep()
 
-    def post(self, path: str, payload: dict | None = None, url: str | None = None, timeout_s: float | None = None):
-        "POST `payload` to `path` on server `url` (default: the least busy, with failover) under a deadline, with retries; the reply."
+    def post(self, path: str, payload=None, url: str | None = None, timeout_s: float | None = None, retries: int | None = None):
+        "POST `payload` (a dict, or a function making one per attempt) to `path` on server `url` (default: the least busy, with failover) under a deadline, with `retries` (default `max_retries`); the reply."
         if url is not None and url.rstrip('/') not in self._inflight: raise ValueError(f"{url} is not one of this client's servers {self.urls}")
-        try: return self._retrying(path, lambda u: self._http('POST', u, path, payload, timeout_s or self.timeout_s),
-                                   url and url.rstrip('/'))
+        make = payload if callable(payload) else (lambda: payload)
+        try: return self._retrying(path, lambda u: self._http('POST', u, path, make(), timeout_s or self.timeout_s),
+                                   url and url.rstrip('/'), retries)
         except DeterministicEngineError: self._count('deterministic_failures'); raise
 
     def post_each(self, path: str, payload: dict | None = None, timeout_s: float | None = None) -> list:
@@ -532,7 +570,10 @@ class SGLangEngine:
             return err
 
     def generate(self, prompts, params, return_exceptions: bool = False) -> list:
-        "Send every prompt (at most `concurrency` at once); results in prompt order."
+        "Send every prompt (at most `concurrency` at once); results in prompt order. Refused, sending nothing, while memory is released."
+        if self.released:
+            raise DeterministicEngineError(f"generate refused: the servers' memory is released ({', '.join(self.released)}); "
+                                           "sync_weights() or resume_memory() takes it back first")
         params = per_request(params, len(prompts))
         self._count('requests', len(prompts))
         out = list(self._pool.map(self._settled, prompts, params))
@@ -541,23 +582,84 @@ class SGLangEngine:
                 if isinstance(r, EngineError): raise r
         return out
 
-    def update_weights(self, state_dict=None, path=None) -> None:
-        "Every server loads the HF directory `path` (`/update_weights_from_disk`, retried like generation), then flushes its cache."
-        if state_dict is not None or path is None:
-            raise DeterministicEngineError("SGLangEngine updates weights from disk only: save an HF directory and pass path=")
+    @staticmethod
+    def _succeeded(u: str, path: str, body) -> None:
+        if not (isinstance(body, dict) and body.get('success')):
+            raise DeterministicEngineError(f"{u}{path} failed: {body.get('message') if isinstance(body, dict) else body!r}")
+
+    def _load_disk(self, path, flush_cache: bool | None = None) -> None:
+        "Every server loads the HF directory `path` (`/update_weights_from_disk`, retried like generation: loading it again is safe)."
+        body = {'model_path': str(path)} if flush_cache is None else {'model_path': str(path), 'flush_cache': flush_cache}
         for u in self.urls:
-            try: body = self.post('/update_weights_from_disk', {'model_path': str(path)}, u, self.update_timeout_s)
+            try: reply = self.post('/update_weights_from_disk', body, u, self.update_timeout_s)
             except DeterministicEngineError as e: raise DeterministicEngineError(f"update_weights_from_disk failed: {e}") from e
-            if not (isinstance(body, dict) and body.get('success')):
-                raise DeterministicEngineError(f"{u}: update_weights_from_disk failed: {body.get('message') if isinstance(body, dict) else body!r}")
-            self.flush_cache(u)
+            self._succeeded(u, '/update_weights_from_disk', reply)
+
+    def _load_tensors(self, state_dict: dict, flush_cache: bool = False) -> None:
+        "Every server loads `state_dict` from memory: `/begin_weight_update`, `/update_weights_from_tensor`, `/end_weight_update`, one attempt each."
+        for u in self.urls:
+            self._succeeded(u, '/begin_weight_update', self.post('/begin_weight_update', {}, u, self.update_timeout_s, retries=0))
+            try:
+                reply = self.post('/update_weights_from_tensor', lambda: tensor_update_payload(state_dict, self.tp_size, flush_cache),
+                                  u, self.update_timeout_s, retries=0)
+                self._succeeded(u, '/update_weights_from_tensor', reply)
+            finally:
+                self._succeeded(u, '/end_weight_update', self.post('/end_weight_update', {}, u, self.update_timeout_s, retries=0))
+
+    def update_weights(self, state_dict=None, path=None) -> None:
+        "Every server loads the HF directory `path`, or (colocated servers only) `state_dict` from memory; then flushes its cache."
+        if (state_dict is None) == (path is None): raise ValueError("pass exactly one of state_dict or path")
+        if state_dict is not None and not self.colocated:
+            raise DeterministicEngineError("SGLangEngine loads a state dict only from colocated servers (they read this host's "
+                                           "memory): save an HF directory and pass path=")
+        if path is not None: self._load_disk(path)
+        else: self._load_tensors(state_dict, flush_cache=False)
+        for u in self.urls: self.flush_cache(u)
+
+    @property
+    def released(self) -> tuple:
+        "The memory tags released on any server, in SGLang's order; empty when every server holds its memory."
+        return tuple(t for t in MEMORY_TAGS if any(t in r for r in self._released.values()))
+
+    def _occupation(self, path: str, tags, u: str) -> None:
+        "One memory-occupation request to server `u`, one attempt: repeating a release or a resume is not safe."
+        try: self.post(path, {'tags': list(tags)}, u, self.update_timeout_s, retries=0)
+        except EngineError as e:
+            raise type(e)(f"{path} {list(tags)} failed on {u} (its memory state is now unknown; tags released before: "
+                          f"{sorted(self._released[u])}): {e}") from e
+
+    def release_memory(self) -> None:
+        "Colocated: every server frees the GPU memory of its KV cache, weights and CUDA graphs (`/release_memory_occupation`); a no-op otherwise."
+        if not self.colocated: return
+        for u in self.urls:
+            tags = [t for t in MEMORY_TAGS if t not in self._released[u]]
+            if not tags: continue
+            self._occupation('/release_memory_occupation', tags, u)
+            self._released[u].update(tags)
+
+    def resume_memory(self, tags=MEMORY_TAGS) -> None:
+        "Every server takes back the memory of those of `tags` it has released (`/resume_memory_occupation`)."
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad: raise ValueError(f"unknown memory tags {bad}; SGLang's are {list(MEMORY_TAGS)}")
+        for u in self.urls:
+            todo = [t for t in tags if t in self._released[u]]
+            if not todo: continue
+            self._occupation('/resume_memory_occupation', todo, u)
+            self._released[u].difference_update(todo)
 
     def sync_weights(self, state_dict: dict, hf_model, tokenizer, sync_dir) -> float:
-        "Write `hf_model` with weights `state_dict` and `tokenizer` as the HF directory `sync_dir`, then every server loads it; returns seconds."
+        "Push the policy's `state_dict` to every server (colocated: resume weights, load, resume the KV cache, flush); returns seconds."
         from memagent.checkpoint import export_hf
         t0 = time.perf_counter()
-        export_hf(hf_model, tokenizer, sync_dir, state_dict=state_dict)
-        self.update_weights(path=str(sync_dir))
+        if self.weight_sync == 'disk': export_hf(hf_model, tokenizer, sync_dir, state_dict=state_dict)
+        if not self.colocated:
+            self.update_weights(path=str(sync_dir))
+            return time.perf_counter() - t0
+        self.resume_memory(('weights',))
+        if self.weight_sync == 'disk': self._load_disk(sync_dir, flush_cache=False)
+        else: self._load_tensors(state_dict, flush_cache=False)
+        self.resume_memory(('kv_cache', 'cuda_graph'))
+        for u in self.urls: self.flush_cache(u)
         return time.perf_counter() - t0
 
     def flush_cache(self, url: str) -> None:
@@ -572,7 +674,10 @@ class SGLangEngine:
         return True
 
     def close(self) -> None:
+        "Stop the request threads; then `on_close()` (e.g. stopping the servers this client was launched with), once."
         self._pool.shutdown(wait=True, cancel_futures=True)
+        f, self._on_close = self._on_close, None
+        if f is not None: f()
 
 # %% ../nbs/08_engines.ipynb #9b98ea9e
 def free_port() -> int:
@@ -629,23 +734,38 @@ class ServerProcess:
     def __enter__(self): return self.start()
     def __exit__(self, *a): self.stop()
 
+def sglang_server_cmd(model_path, port, host: str = '127.0.0.1', tp: int = 1, context_length: int = 8192,
+                      mem_fraction: float = 0.8, dtype: str | None = None, extra_args: Sequence[str] = (),
+                      python: str = sys.executable) -> list[str]:
+    "The command line of one SGLang server (`python -m sglang.launch_server ...`)."
+    cmd = [python, '-m', 'sglang.launch_server', '--model-path', str(model_path), '--host', str(host), '--port', str(port),
+           '--context-length', str(context_length), '--tp-size', str(tp), '--mem-fraction-static', str(mem_fraction)]
+    if dtype is not None: cmd += ['--dtype', str(dtype)]
+    return cmd + [str(a) for a in extra_args]
+
 class SGLangServer(ServerProcess):
     "Launch an SGLang server (`python -m sglang.launch_server`) on a free port, wait for `/health`, stop it cleanly."
     def __init__(self, model_path, port: int | None = None, tp: int = 1, context_length: int = 8192,
                  mem_fraction: float = 0.8, extra_args: Sequence[str] = (), host: str = '127.0.0.1',
                  log_path=None, startup_timeout_s: float = 900.0, grace_s: float = 30.0,
-                 env: dict | None = None, python: str = sys.executable):
+                 env: dict | None = None, python: str = sys.executable, dtype: str | None = None):
         self.port, self.host = port or free_port(), host
-        cmd = [python, '-m', 'sglang.launch_server', '--model-path', str(model_path), '--host', host, '--port', str(self.port),
-               '--context-length', str(context_length), '--tp', str(tp), '--mem-fraction-static', str(mem_fraction), *extra_args]
+        cmd = sglang_server_cmd(model_path, self.port, host, tp, context_length, mem_fraction, dtype, extra_args, python)
         super().__init__(cmd, f"http://{host}:{self.port}",
                          log_path or Path(os.environ.get('TMPDIR', '/tmp')) / f"sglang_{self.port}.log",
                          startup_timeout_s, grace_s, env)
 
 # %% ../nbs/08_engines.ipynb #e2f1f32c
-def engine_from_config(cfg, model_name=None, tokenizer=None, model=None):
-    "The engine `cfg.rollout.engine` names: `HFEngine` on `model` (or `model_name`, default `cfg.model.name`), or `SGLangEngine`."
+def engine_from_config(cfg, model_name=None, tokenizer=None, model=None, placement=None):
+    "The engine `cfg.rollout.engine` names: `HFEngine` on `model` (or `model_name`, default `cfg.model.name`), or `SGLangEngine` (launched on `placement` when colocated)."
     r = cfg.rollout
+    if r.colocate:
+        if placement is None:
+            raise ValueError("rollout.colocate=True: engine_from_config needs placement= (a memagent.colocate.Placement of the "
+                             "training GPUs) to launch the SGLang engines on; set rollout.colocate=False to use rollout.sglang_urls")
+        from memagent.colocate import launch_engines
+        from memagent.models import model_dir
+        return launch_engines(cfg, placement, model_dir(model_name or cfg.model.name))
     if r.engine == 'hf':
         import torch
         from memagent.models import load_model

@@ -4,22 +4,22 @@
 
 # %% ../nbs/20_testing.ipynb #7b686945
 from __future__ import annotations
-import hashlib, json, threading, time
+import argparse, base64, hashlib, json, pickle, threading, time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
-from .engines import SamplingParams
+from .engines import MEMORY_TAGS, SamplingParams
 from .evaluate import METRICS, summarize, write_run
 from .provenance import flatten, sha256_text
 
 # %% auto #0
-__all__ = ['fake_tokens', 'send_whole', 'Exchange', 'send_cut', 'send_nothing', 'send_garbage', 'send_trickle',
-           'FakeSGLangServer', 'synthetic_run']
+__all__ = ['SGLANG_SCHEMAS', 'fake_tokens', 'send_whole', 'Exchange', 'send_cut', 'send_nothing', 'send_garbage', 'send_trickle',
+           'schema_error', 'FakeSGLangServer', 'main', 'synthetic_run']
 
 # %% ../nbs/20_testing.ipynb #12e673d7
 def fake_tokens(prompt: list[int], sp: SamplingParams, vocab: int = 1000) -> tuple[list[int], list[float], str]:
-    "A deterministic stand-in for sampling: ids and log-probs from a hash of (prompt, seed, position)."
+    "A deterministic stand-in for sampling: ids and log-probs from a hash of (prompt, seed, position); a stop token ends the ids and is kept."
     ids, lps = [], []
     for k in range(sp.max_new_tokens):
         h = hashlib.sha256(f"{prompt}|{sp.seed}|{k}".encode()).digest()
@@ -85,6 +85,45 @@ def _garbage(srv, ex, handle): handle(ex); ex.write = send_garbage
 def _trickle(srv, ex, handle): handle(ex); ex.write = send_trickle(srv.trickle_s)
 def _trickle_all(srv, ex, handle): handle(ex); ex.write = send_trickle(srv.trickle_s, headers_too=True)
 
+def _is(*types):
+    return lambda v: isinstance(v, types) and (bool in types or not isinstance(v, bool))
+def _opt(f): return lambda v: v is None or f(v)
+def _list_of(f): return lambda v: isinstance(v, list) and all(f(x) for x in v)
+def _one_of(*xs): return lambda v: v in xs
+_str, _int, _bool = _is(str), _is(int), _is(bool)
+_selector = _one_of('target', 'draft', 'all')
+_tags = {'tags': (_opt(_list_of(_str)), False)}
+_update_flags = {'flush_cache': (_bool, False), 'abort_all_requests': (_bool, False), 'weight_version': (_opt(_str), False),
+                 'load_format': (_opt(_str), False), 'torch_empty_cache': (_bool, False)}
+
+# SGLang 0.5.23's request classes (python/sglang/srt/managers/io_struct.py): field -> (check, required); every one also takes `rid`
+SGLANG_SCHEMAS = {
+    '/release_memory_occupation': _tags, '/resume_memory_occupation': _tags,
+    '/update_weights_from_disk': {'model_path': (_str, True), **_update_flags, 'is_async': (_bool, False), 'keep_pause': (_bool, False),
+                                  'recapture_cuda_graph': (_bool, False), 'token_step': (_int, False), 'manifest': (_opt(_is(dict)), False)},
+    '/update_weights_from_tensor': {'serialized_named_tensors': (_list_of(_str), True), **_update_flags, 'selector': (_selector, False)},
+    '/begin_weight_update': {'selector': (_selector, False)}, '/end_weight_update': {},
+    '/init_weights_update_group': {'master_address': (_str, True), 'master_port': (_int, True), 'rank_offset': (_int, True),
+                                   'world_size': (_int, True), 'group_name': (_str, False), 'backend': (_str, False)},
+    '/update_weights_from_distributed': {'names': (_list_of(_str), True), 'dtypes': (_list_of(_str), True),
+                                         'shapes': (_list_of(_list_of(_int)), True), 'group_name': (_str, False), **_update_flags,
+                                         'selector': (_selector, False)},
+    '/destroy_weights_update_group': {'group_name': (_str, False)},
+}
+
+def schema_error(path: str, body) -> str | None:
+    "Why `body` does not fit the request class of SGLang route `path` (None when it fits or the route has no schema here)."
+    schema = SGLANG_SCHEMAS.get(path)
+    if schema is None: return None
+    if not isinstance(body, dict): return f"{path}: the body must be a JSON object, got {type(body).__name__}"
+    fields = {**schema, 'rid': (_opt(_str), False)}
+    unknown = sorted(set(body) - set(fields))
+    if unknown: return f"{path}: unknown fields {unknown} (SGLang would ignore them silently); known: {sorted(fields)}"
+    missing = [k for k, (_, req) in fields.items() if req and k not in body]
+    if missing: return f"{path}: missing required fields {missing}"
+    bad = [k for k, v in body.items() if not fields[k][0](v)]
+    return f"{path}: fields of the wrong type or value {[(k, body[k]) for k in bad]}" if bad else None
+
 class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
     def do_GET(self): self.server.app._serve(self, 'GET')
@@ -93,19 +132,30 @@ class _Handler(BaseHTTPRequestHandler):
 class FakeSGLangServer:
     "A local HTTP server in a thread speaking SGLang's native schema: a route table, injectable faults, a latency model."
     def __init__(self, engine=None, vocab: int = 1000, slow_s: float = 2.0, latency: Callable | None = None,
-                 trickle_s: float = 0.05):
+                 trickle_s: float = 0.05, tp_size: int = 1, eos_token_ids=(), host: str = '127.0.0.1', port: int = 0):
         self.engine, self.vocab, self.slow_s, self.latency, self.trickle_s = engine, vocab, slow_s, latency, trickle_s
+        self.tp_size, self.eos_token_ids = tp_size, tuple(int(t) for t in eos_token_ids)
         self.healthy, self.weight_paths, self.log = True, [], []
+        self.released, self.session, self.groups, self.tensor_updates, self.distributed_updates = set(), False, set(), [], []
         self.routes = {('GET', '/health'): self.health, ('POST', '/generate'): self.generate,
                        ('POST', '/flush_cache'): self.flush_cache,
-                       ('POST', '/update_weights_from_disk'): self.update_weights_from_disk}
+                       ('POST', '/update_weights_from_disk'): self.update_weights_from_disk,
+                       ('POST', '/update_weights_from_tensor'): self.update_weights_from_tensor,
+                       ('POST', '/begin_weight_update'): self.begin_weight_update,
+                       ('POST', '/end_weight_update'): self.end_weight_update,
+                       ('POST', '/init_weights_update_group'): self.init_weights_update_group,
+                       ('POST', '/update_weights_from_distributed'): self.update_weights_from_distributed,
+                       ('POST', '/destroy_weights_update_group'): self.destroy_weights_update_group}
+        for m in ('GET', 'POST'):
+            self.routes[(m, '/release_memory_occupation')] = self.release_memory_occupation
+            self.routes[(m, '/resume_memory_occupation')] = self.resume_memory_occupation
         self.fault_kinds = {'slow': _slow, 'abort': _abort, 'invalid': _invalid, 'cut': _cut, 'drop': _drop,
                             'garbage': _garbage, 'trickle': _trickle, 'trickle_all': _trickle_all}
         self._faults, self._lock = {}, threading.Lock()
-        self._httpd = ThreadingHTTPServer(('127.0.0.1', 0), _Handler)
+        self._httpd = ThreadingHTTPServer((host, port), _Handler)
         self._httpd.app, self._httpd.daemon_threads = self, True
         self.port = self._httpd.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()
 
@@ -140,26 +190,108 @@ class FakeSGLangServer:
     def health(self, ex): ex.status, ex.reply = (200 if self.healthy else 503), {}
     def flush_cache(self, ex): ex.reply = 'Cache flushed.'
 
+    @staticmethod
+    def _fail(ex, message: str, status: int = 400):
+        ex.status, ex.reply = status, {'success': False, 'message': message}
+
+    def _weights_released(self, ex) -> bool:
+        if 'weights' in self.released: self._fail(ex, f"{ex.path}: the weights' memory is released; resume tag 'weights' first")
+        return 'weights' in self.released
+
     def update_weights_from_disk(self, ex):
+        if self._weights_released(ex): return
         p = ex.body.get('model_path')
-        if not p or not Path(p).exists(): ex.status, ex.reply = 400, {'success': False, 'message': f'cannot load {p}'}; return
+        if not p or not Path(p).exists(): self._fail(ex, f'cannot load {p}'); return
         if self.engine is not None: self.engine.update_weights(path=p)
         self.weight_paths.append(p); ex.reply = {'success': True, 'message': 'ok'}
 
+    # memory occupation
+    def _tags(self, ex) -> list | None:
+        tags = ex.body.get('tags') or list(MEMORY_TAGS)
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad: ex.status, ex.reply = 400, {'error': {'message': f"unknown memory tags {bad}; SGLang's are {list(MEMORY_TAGS)}"}}
+        return None if bad else tags
+
+    def release_memory_occupation(self, ex):
+        tags = self._tags(ex)
+        if tags is not None: self.released.update(tags); ex.reply = None
+
+    def resume_memory_occupation(self, ex):
+        tags = self._tags(ex)
+        if tags is None: return
+        never = [t for t in tags if t not in self.released]
+        if never:
+            ex.status, ex.reply = 400, {'error': {'message': f"resume of tags that are not released: {never} (SGLang's scheduler "
+                                                             "raises KeyError here and the server dies)"}}
+            return
+        self.released.difference_update(tags); ex.reply = None
+
+    # in-memory and distributed weight updates
+    def begin_weight_update(self, ex):
+        if self.session: self._fail(ex, 'a weight-update session is already open; call end_weight_update() first'); return
+        self.session, ex.reply = True, {'success': True, 'message': 'Success'}
+
+    def end_weight_update(self, ex):
+        if not self.session: self._fail(ex, 'no weight-update session is open; call begin_weight_update() first'); return
+        self.session, ex.reply = False, {'success': True, 'message': 'Success'}
+
+    def _in_session(self, ex) -> bool:
+        if not self.session:
+            self._fail(ex, f"{ex.path[1:]} must run between begin_weight_update() and end_weight_update()")
+        return self.session
+
+    def update_weights_from_tensor(self, ex):
+        if not self._in_session(ex) or self._weights_released(ex): return
+        payloads = ex.body['serialized_named_tensors']
+        if len(payloads) != self.tp_size:
+            self._fail(ex, f"{len(payloads)} serialized_named_tensors for {self.tp_size} TP ranks (one per rank)"); return
+        try: ranks = [pickle.loads(base64.b64decode(x, validate=True)) for x in payloads]   # as each TP rank decodes its own
+        except Exception as e: self._fail(ex, f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}"); return
+        if not all(isinstance(r, list) and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in r) for r in ranks):
+            self._fail(ex, 'each payload must decode to a list of (name, tensor) pairs'); return
+        if self.engine is not None: self.engine.update_weights(state_dict=dict(ranks[0]))
+        self.tensor_updates.append({'names': [n for n, _ in ranks[0]], 'ranks': len(ranks),
+                                    'load_format': ex.body.get('load_format'), 'flush_cache': ex.body.get('flush_cache', True)})
+        ex.reply = {'success': True, 'message': 'Success'}
+
+    def init_weights_update_group(self, ex):
+        self.groups.add(ex.body.get('group_name', 'weight_update_group'))
+        ex.reply = {'success': True, 'message': 'Succeeded to initialize custom process group.'}
+
+    def destroy_weights_update_group(self, ex):
+        g = ex.body.get('group_name', 'weight_update_group')
+        if g not in self.groups: self._fail(ex, f'no group {g!r}'); return
+        self.groups.discard(g); ex.reply = {'success': True, 'message': 'Succeeded to destroy custom process group.'}
+
+    def update_weights_from_distributed(self, ex):
+        if not self._in_session(ex) or self._weights_released(ex): return
+        g, b = ex.body.get('group_name', 'weight_update_group'), ex.body
+        if g not in self.groups: self._fail(ex, f'no weight-update group {g!r}: call /init_weights_update_group first'); return
+        if not len(b['names']) == len(b['dtypes']) == len(b['shapes']):
+            self._fail(ex, f"names, dtypes and shapes differ in length: {len(b['names'])}, {len(b['dtypes'])}, {len(b['shapes'])}"); return
+        self.distributed_updates.append({'names': b['names'], 'group_name': g})
+        ex.reply = {'success': True, 'message': 'Succeeded to update parameter online.'}
+
     def generate(self, ex):
+        if self.released:
+            ex.status, ex.reply = 400, {'error': {'message': f"generate while memory is released: {sorted(self.released)}"}}; return
         if not isinstance(ex.body.get('input_ids'), list):
             ex.status, ex.reply = 400, {'error': "generate needs 'input_ids' (one list of token ids)"}; return
         sp = dict(ex.body.get('sampling_params') or {})
-        sp = SamplingParams(max_new_tokens=sp.get('max_new_tokens', 128), temperature=sp.get('temperature', 1.0),
-                            top_p=sp.get('top_p', 1.0), top_k=sp.get('top_k', -1),
-                            stop_token_ids=tuple(sp.get('stop_token_ids') or ()), seed=sp.get('sampling_seed'))
+        stops = () if sp.get('ignore_eos') else (*(sp.get('stop_token_ids') or ()), *self.eos_token_ids)
+        sp_ = SamplingParams(max_new_tokens=sp.get('max_new_tokens', 128), temperature=sp.get('temperature', 1.0),
+                             top_p=sp.get('top_p', 1.0), top_k=sp.get('top_k', -1), stop_token_ids=tuple(stops),
+                             seed=sp.get('sampling_seed'))
         prompt = ex.body['input_ids']
         if self.engine is not None:
-            r = self.engine.generate([prompt], sp)[0]; ids, lps, fr = r.output_ids, r.logprobs, r.finish_reason
-        else: ids, lps, fr = fake_tokens(prompt, sp, self.vocab)
-        meta = {'finish_reason': {'type': fr}, 'prompt_tokens': len(prompt), 'completion_tokens': len(ids),
+            r = self.engine.generate([prompt], sp_)[0]; ids, lps, fr = r.output_ids, r.logprobs, r.finish_reason
+        else: ids, lps, fr = fake_tokens(prompt, sp_, self.vocab)
+        reason = {'type': 'stop', 'matched': ids[-1]} if fr == 'stop' else {'type': 'length', 'length': sp_.max_new_tokens}
+        shown = ids if (fr != 'stop' or sp.get('no_stop_trim')) else ids[:-1]      # no_stop_trim: the text only
+        tok = getattr(self.engine, 'tokenizer', None)
+        meta = {'finish_reason': reason, 'prompt_tokens': len(prompt), 'completion_tokens': len(ids),
                 'output_token_logprobs': [[lp, t, None] for lp, t in zip(lps, ids)], 'e2e_latency': 0.0}
-        ex.reply = {'text': '', 'output_ids': list(ids), 'meta_info': meta}
+        ex.reply = {'text': tok.decode(shown, skip_special_tokens=True) if tok is not None else '', 'output_ids': list(ids), 'meta_info': meta}
 
     # one request: route, fault, latency, write
     def _serve(self, h, method: str) -> None:
@@ -172,9 +304,11 @@ class FakeSGLangServer:
         with self._lock:
             fault = self._faults[path].pop(0) if self._faults.get(path) else None
         handle = self.routes.get((method, path))
+        bad = schema_error(path, ex.body) if ex.status == 200 and handle is not None else None
         if ex.status != 200: pass
         elif handle is None: ex.status, ex.reply = 404, {'error': f'no route {method} {path}'}
         elif isinstance(fault, int): ex.status, ex.reply = fault, {'error': f'injected {fault}'}
+        elif bad is not None: ex.status, ex.reply = 400, {'error': {'message': bad}}
         else:
             try:
                 if fault is None: handle(ex)
@@ -192,6 +326,31 @@ class FakeSGLangServer:
         self._httpd.shutdown(); self._httpd.server_close()
     def __enter__(self): return self
     def __exit__(self, *a): self.close()
+    def serve(self) -> None:
+        "Block until SIGTERM or Ctrl-C, then close (the process entry below)."
+        import signal
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *a: stop.set())
+        try:
+            while not stop.wait(0.5): pass
+        except KeyboardInterrupt: pass
+        finally: self.close()
+
+# %% ../nbs/20_testing.ipynb #aa68820f
+def main(argv=None) -> None:
+    "Run a `FakeSGLangServer` in this process until SIGTERM."
+    ap = argparse.ArgumentParser(prog='python -m memagent.testing', description='A local server speaking SGLang\'s native schema.')
+    ap.add_argument('--host', default='127.0.0.1'); ap.add_argument('--port', type=int, required=True)
+    ap.add_argument('--tp-size', type=int, default=1); ap.add_argument('--vocab', type=int, default=1000)
+    ap.add_argument('--eos-token-ids', type=int, nargs='*', default=[])
+    a = ap.parse_args(argv)
+    srv = FakeSGLangServer(vocab=a.vocab, tp_size=a.tp_size, eos_token_ids=a.eos_token_ids, host=a.host, port=a.port)
+    print(f"serving {srv.url}", flush=True)
+    srv.serve()
+
+# %% ../nbs/20_testing.ipynb #c4edc7ff
+#| eval: false
+if __name__ == '__main__': main()
 
 # %% ../nbs/20_testing.ipynb #947482bb
 def synthetic_run(out_dir, solved: int, n_items: int = 1000, samples: int = 1, key=200, info: dict | None = None,

@@ -263,7 +263,7 @@ def test_sglang_server_command(tmp_path):
     assert s.cmd[:3] == ['/opt/py/bin/python', '-m', 'sglang.launch_server'] and s.url == f'http://127.0.0.1:{s.port}'
     flags = dict(zip(s.cmd[3:-1:2], s.cmd[4::2]))
     assert flags == {'--model-path': '/models/m', '--host': '127.0.0.1', '--port': str(s.port), '--context-length': '4096',
-                     '--tp': '2', '--mem-fraction-static': '0.8'}
+                     '--tp-size': '2', '--mem-fraction-static': '0.8'}
     assert s.cmd[-1] == '--enable-deterministic-inference' and s.proc is None
 
 
