@@ -74,6 +74,11 @@ class TorchBackend:
         o = cfg.optim
         return cls(model, o, o.grad_clip, warmup_steps=o.warmup_steps, check_finite=cfg.health.check_finite)
 
+    @classmethod
+    def reference_from_config(cls, cfg, model):
+        "The frozen reference of `cfg` on `model` (for the KL term): no optimizer, every parameter `requires_grad=False`, eval mode."
+        return cls(model, optim=None, check_finite=cfg.health.check_finite)
+
     def share_rows(self, rows): return rows
 
     def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
