@@ -192,7 +192,7 @@ class Trainer:
         m.update(rollout_metrics(trajs, kept, bad_groups), zero_variance_groups=cst.get('zero_variance_groups', 0),
                  filtered_groups=cst.get('filtered_groups', 0), rows_generated=len(rows))
         if kept: m['advantage_abs_max'] = cst.get('adv_abs_max', 0.0)
-        rows, m['rows_padding'] = layout_step(rows, self.dp)     # padded to the DP size (counted), token-balanced ranks
+        rows, m['rows_padding'] = layout_step(rows, self.dp, cfg.optim.mini_batches)  # per mini-batch: padded to the DP size (counted), token-balanced
         t['credit'] = time.perf_counter() - t0
 
         weights = None                     # gathered at most once per step (a transfer from the ranks on Ray)
@@ -201,6 +201,7 @@ class Trainer:
             m['rows_transferred'] = self.channel.put(step, rows)
             t['transfer'] = time.perf_counter() - t0
             t0 = time.perf_counter()
+            if self.engine is not None: self.engine.release_memory()    # colocated engines give the GPUs to the update
             upd = self.group.update(self.channel, step, cfg.rollout.request_timeout_s)
             t['update'] = time.perf_counter() - t0
             m.update(update_metrics(upd, cfg.batch.max_tokens_per_micro))
