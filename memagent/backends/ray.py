@@ -4,33 +4,82 @@
 
 # %% ../../nbs/12c_ray_group.ipynb #2d1fc6db
 from __future__ import annotations
-import os
+import os, time
 import torch
 from ..config import Config
 from ..engines import free_port
 from ..policy import build_policy, build_reference, update_on_rows, optimizer_shard
 
 # %% auto #0
-__all__ = ['Rank', 'RayGroup']
+__all__ = ['StallError', 'describe_progress', 'poll_interval', 'stalled_ranks', 'Rank', 'RayGroup']
+
+# %% ../../nbs/12c_ray_group.ipynb #aba84ed5
+class StallError(TimeoutError):
+    "A data-parallel update stopped because a rank made no progress within its limit; the message names the rank."
+
+def describe_progress(ev: dict | None) -> str:
+    "One rank's last progress event in words."
+    e = (ev or {}).get('event')
+    mb = lambda: f"micro-batch {ev['micro_batch']}/{ev['micro_batches']} of mini-batch {ev['mini_batch']}/{ev['mini_batches']}"
+    if e is None: return 'no progress reported yet'
+    if e == 'rows': return 'waiting for its rows from the channel'
+    if e == 'start': return f"took its {ev['rows']} rows; no micro-batch finished yet"
+    if e == 'old_logp': return f"scored the behaviour log-probs of {mb()}"
+    if e == 'micro_batch': return f"finished {mb()}"
+    if e == 'optimizer_step': return f"in optimizer step {ev['mini_batch']}/{ev['mini_batches']} (waiting for every rank's gradients)"
+    if e == 'stepped': return f"finished optimizer step {ev['mini_batch']}/{ev['mini_batches']}"
+    if e == 'done': return 'finished its update'
+    return f"event {e!r}"
+
+def poll_interval(stall_timeout: float) -> float:
+    "Seconds between two looks at the ranks' progress: 1/20 of the stall timeout, within [0.05, 5]."
+    return min(5.0, max(0.05, stall_timeout / 20))
+
+def stalled_ranks(events: list, changed: list[float], done: list[bool], now: float, stall_timeout: float,
+                  rows_timeout: float) -> list[tuple[int, float]]:
+    "`(rank, seconds without progress)` of every unfinished rank past its limit, computing ranks first."
+    live = [i for i in range(len(events)) if not done[i]]
+    newest = max((changed[i] for i in live), default=now)
+    out = []
+    for i in live:
+        e = (events[i] or {}).get('event')
+        since, limit = ((changed[i], rows_timeout) if e == 'rows' else (newest, stall_timeout) if e == 'optimizer_step'
+                        else (changed[i], stall_timeout))
+        if now - since > limit: out.append((i, e == 'optimizer_step', now - since))
+    return [(i, dt) for i, _, dt in sorted(out, key=lambda x: (x[1], -x[2]))]
 
 # %% ../../nbs/12c_ray_group.ipynb #fe96b81d
 class Rank:
-    "One trainer rank (a Ray actor made by `RayGroup`): a backend in a torch.distributed group."
+    "One trainer rank (a Ray actor made by `RayGroup`): a backend in a torch.distributed group; `progress()` is readable during `update`."
     def __init__(self, rank: int, world: int, init_method: str, cfg: Config, pad_id: int, threads: int = 1):
         torch.set_num_threads(threads)
         torch.distributed.init_process_group('nccl' if torch.cuda.is_available() else 'gloo', init_method=init_method,
                                              rank=rank, world_size=world)
         self.cfg, self.pad_id = cfg, pad_id     # the driver's validated config, as is (its reward registry is the driver's)
         self.policy, self.reference = build_policy(self.cfg), build_reference(self.cfg)
+        self._progress = dict(count=0)
 
     def layout(self) -> dict:
+        "This rank's place: data-parallel rank and size, whether it takes rows, its optimizer-state key, its Ray placement group (None if unplaced)."
+        import ray
         p = self.policy
-        return dict(dp_rank=p.dp_rank, dp_size=p.dp_size, row_source=p.row_source, state_key=p.state_key)
+        return dict(dp_rank=p.dp_rank, dp_size=p.dp_size, row_source=p.row_source, state_key=p.state_key,
+                    placement_group=ray.get_runtime_context().get_placement_group_id())
+
+    def _tell(self, ev: dict): self._progress = dict(ev, count=self._progress['count'] + 1)   # one assignment: atomic for the reader
+
+    def progress(self) -> dict:
+        "The last progress event of the running (or last) update, with a counter that grows with every event."
+        return self._progress
 
     def update(self, channel, rollout_id, timeout: float) -> dict:
         p = self.policy
+        self._tell(dict(event='rows'))
         rows = p.share_rows(channel.get(rollout_id, p.dp_rank, p.dp_size, timeout=timeout) if p.row_source else None)
-        return update_on_rows(p, self.reference, rows, self.cfg, self.pad_id)
+        self._tell(dict(event='start', rows=len(rows)))
+        out = update_on_rows(p, self.reference, rows, self.cfg, self.pad_id, on_progress=self._tell)
+        self._tell(dict(event='done'))
+        return out
 
     def hf_state_dict_numpy(self, send: bool) -> dict | None:
         sd = self.policy.hf_state_dict()     # every rank joins: a collective under tensor parallelism
@@ -47,37 +96,78 @@ class Rank:
 
 class RayGroup:
     "`world` `Rank` actors in one torch.distributed group; the policy-group interface of `memagent.policy`."
-    def __init__(self, cfg: Config, pad_id: int, world: int, address: str | None = None):
+    def __init__(self, cfg: Config, pad_id: int, world: int, address: str | None = None, placement=None):
         import ray
         from memagent.transfer import ensure_ray
         if cfg.backend == 'megatron' and world % cfg.batch.tp:
             raise ValueError(f"world_size={world} is not a multiple of batch.tp={cfg.batch.tp}")
         ensure_ray(address)
-        init, Actor = f'tcp://127.0.0.1:{free_port()}', ray.remote(num_cpus=0)(Rank)
+        init = f'tcp://127.0.0.1:{free_port()}'
+        Actor = ray.remote(num_cpus=0, concurrency_groups={'progress': 1})(Rank)
         threads = max(1, (os.cpu_count() or 2) // world)
-        self.cfg, self.world = cfg, world
-        self.workers = [Actor.remote(r, world, init, cfg, pad_id, threads) for r in range(world)]
+        self.cfg, self.world, self.stopped = cfg, world, None
+        self.workers = [(Actor.options(**placement.train_options(r)) if placement is not None else Actor)
+                        .remote(r, world, init, cfg, pad_id, threads) for r in range(world)]
         self.layouts = ray.get([w.layout.remote() for w in self.workers])
         self.dp_size = self.layouts[0]['dp_size']
 
+    def _check(self):
+        if self.stopped: raise RuntimeError(f"the policy group was stopped: {self.stopped}")
+
     def update(self, channel, rollout_id, timeout: float) -> list[dict]:
+        "Every rank's update of step `rollout_id`; rows wait up to `timeout`, then a rank may go `health.stall_timeout_s` without progress."
         import ray
-        out = ray.get([w.update.remote(channel, rollout_id, timeout) for w in self.workers], timeout=timeout + 60)
+        self._check()
+        stall, n = self.cfg.health.stall_timeout_s, len(self.workers)
+        poll, refs = poll_interval(stall), [w.update.remote(channel, rollout_id, timeout) for w in self.workers]
+        out, events, changed, counts = [None] * n, [None] * n, [time.monotonic()] * n, [0] * n
+        done = [False] * n
+        while not all(done):
+            live = [i for i in range(n) if not done[i]]
+            ready, _ = ray.wait([refs[i] for i in live], num_returns=len(live), timeout=poll)
+            for i in live:
+                if refs[i] in ready: out[i], done[i] = ray.get(refs[i]), True    # a rank's error stops the update here
+            live = [i for i in live if not done[i]]
+            if not live: break
+            asks = {i: self.workers[i].progress.options(concurrency_group='progress').remote() for i in live}
+            answered, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=poll)
+            for i, ref in asks.items():
+                if ref not in answered: continue
+                try: ev = ray.get(ref)
+                except ray.exceptions.RayActorError: continue      # the rank died: its update result says why, next slice
+                if ev['count'] != counts[i]: counts[i], events[i], changed[i] = ev['count'], ev, time.monotonic()
+            bad = stalled_ranks(events, changed, done, time.monotonic(), stall, timeout + 60)
+            if bad: self._stop(rollout_id, bad, events, done, stall)
         return [m for m, l in zip(out, self.layouts) if l['row_source']]
+
+    def _stop(self, rollout_id, bad, events, done, stall):
+        import ray
+        i, dt = bad[0]
+        state = '; '.join(f"rank {k}: {'finished' if done[k] else describe_progress(events[k])}" for k in range(len(events)))
+        msg = (f"step {rollout_id!r}: rank {i} made no progress for {dt:.1f} s (health.stall_timeout_s={stall:g}; "
+               f"{'waiting for rows: channel timeout + 60 s' if (events[i] or {}).get('event') == 'rows' else 'per micro-batch'}); "
+               f"its last progress: {describe_progress(events[i])}. Ranks past their limit: {[k for k, _ in bad]}. All ranks: {state}. "
+               f"The rank actors were stopped.")
+        self.stopped = msg
+        for w in self.workers: ray.kill(w)
+        raise StallError(msg)
 
     def hf_state_dict(self) -> dict:
         import ray
+        self._check()
         sds = ray.get([w.hf_state_dict_numpy.remote(i == 0) for i, w in enumerate(self.workers)])
         return {k: torch.from_numpy(v.copy()) for k, v in sds[0].items()}
 
     def state_dict(self) -> dict:
         import ray
+        self._check()
         first = {}
         for w, l in zip(self.workers, self.layouts): first.setdefault(l['state_key'], w)
         return {'shards': dict(zip(first, ray.get([w.state_dict.remote() for w in first.values()])))}
 
     def load_state_dict(self, model_sd: dict, state):
         import ray
+        self._check()
         np_sd = {k: v.numpy() for k, v in model_sd.items()}
         ray.get([w.load_state_dict.remote(np_sd, optimizer_shard(state, l['state_key'])) for w, l in zip(self.workers, self.layouts)])
 
@@ -87,6 +177,7 @@ class RayGroup:
 
     def close(self):
         import ray
+        if self.stopped: return                  # the actors were killed when the update stopped
         try: ray.get([w.close.remote() for w in self.workers], timeout=60)
         finally:
             for w in self.workers: ray.kill(w)
