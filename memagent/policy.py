@@ -13,8 +13,8 @@ from .transfer import micro_batches, micro_batch_stats, collate, mini_batch_slic
 from .health import require_finite
 
 # %% auto #0
-__all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'update_on_rows', 'default_device', 'build_policy', 'build_reference',
-           'optimizer_shard', 'LocalGroup', 'make_group']
+__all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'update_on_rows', 'default_device', 'backend_class', 'build_policy',
+           'build_reference', 'optimizer_shard', 'LocalGroup', 'make_group']
 
 # %% ../nbs/12b_policy.ipynb #3b48d035
 METRICS = [  # (name, aggregation, definition)
@@ -109,19 +109,22 @@ BACKENDS = {'torch': 'memagent.backends.torch:TorchBackend', 'megatron': 'memage
 
 def default_device() -> str: return f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
 
+def backend_class(cfg: Config):
+    "The backend class `cfg.backend` names in `BACKENDS`."
+    if cfg.backend not in BACKENDS: raise ValueError(f"backend {cfg.backend!r} is not one of {sorted(BACKENDS)}")
+    mod, name = BACKENDS[cfg.backend].split(':')
+    return getattr(importlib.import_module(mod), name)
+
 def build_policy(cfg: Config, device: str | None = None):
     "The trainable policy backend `cfg.backend` names, on `cfg.model`."
     from memagent.models import load_model
-    if cfg.backend not in BACKENDS: raise ValueError(f"backend {cfg.backend!r} is not one of {sorted(BACKENDS)}")
-    mod, name = BACKENDS[cfg.backend].split(':')
-    return getattr(importlib.import_module(mod), name).from_config(cfg, load_model(cfg.model.name, cfg.model.dtype, device or default_device()))
+    return backend_class(cfg).from_config(cfg, load_model(cfg.model.name, cfg.model.dtype, device or default_device()))
 
 def build_reference(cfg: Config, device: str | None = None):
-    "The frozen reference for the KL term (a transformers model), or None when the KL term is off."
+    "The frozen reference for the KL term, by the policy's backend class (`reference_from_config`, the policy's layout), or None when the KL term is off."
     from memagent.models import load_model
-    from memagent.backends.torch import TorchBackend
     if cfg.loss.kl_type == 'none' or not cfg.loss.kl_coef: return None
-    return TorchBackend(load_model(cfg.model.name, cfg.model.dtype, device or default_device()))
+    return backend_class(cfg).reference_from_config(cfg, load_model(cfg.model.name, cfg.model.dtype, device or default_device()))
 
 def optimizer_shard(state: dict | None, key):
     "The optimizer state of `state_key` from a group's `state_dict()` (None when the checkpoint has none)."
