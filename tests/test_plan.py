@@ -197,3 +197,25 @@ def test_hf_activations_match_measurement(dtype, impl):
         want = P.activation_bytes(arch, rows, L, tp=1, dtype=dtype, attention=impl)['saved_total']
         print(f"hf {impl} {dtype} {rows}x{L}: measured {got} B, plan {want} B ({want / got - 1:+.2%})")
         assert abs(want - got) <= TOL * got
+
+
+# ---- the run notebook ----
+
+@pytest.mark.timeout(180)
+def test_plan_notebook_renders_and_refuses(tmp_path):
+    "The run notebook writes plan.json, the figure and the README for a fitting plan, and fails on one that does not fit."
+    import json
+    from pathlib import Path
+    pm = pytest.importorskip('papermill')
+    root = Path(__file__).resolve().parents[1]
+    run = lambda **kw: pm.execute_notebook(str(root / 'nbs' / 'plan.ipynb'), str(tmp_path / 'out.ipynb'), cwd=str(root),
+                                           parameters={'out_root': str(tmp_path / 'plans'), **kw}, progress_bar=False, kernel_name='python3')
+    run(preset='qwen3-4b-frozen', gpu_gb=80, run='fits')
+    rep = tmp_path / 'plans' / 'fits'
+    res = json.loads((rep / 'plan.json').read_text())
+    assert res['fits'] and res['verdict'].startswith('fits') and 'provenance' in res and (rep / 'memory.png').is_file()
+    assert res['peak_bytes']['update'] == sum(res['update'].values()) <= res['capacity_bytes']
+    assert '## Counterfactuals' in (rep / 'README.md').read_text()
+    with pytest.raises(pm.PapermillExecutionError, match='largest term'):
+        run(preset='qwen3-4b-frozen', gpu_gb=24, run='tight')
+    assert not json.loads((tmp_path / 'plans' / 'tight' / 'plan.json').read_text())['fits']    # rendered all the same
