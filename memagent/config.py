@@ -485,7 +485,7 @@ def qwen3_4b_frozen() -> Config:
         loss=LossCfg(clip_low=0.2, clip_high=0.3, kl_type='low_var_kl', kl_coef=0.001, entropy_coef=0.0, agg='trajectory'),
         optim=OptimCfg(name='adam', lr=1e-6, weight_decay=0.1, betas=[0.9, 0.98], grad_clip=1.0),
         # bf16 weights, fp32 main grads, Adam states sharded over DP. Selective recompute costs nothing with Transformer
-        # Engine's fused attention and keeps the local spec's L x L scores (162 GiB per GPU) out of memory without it:
+        # Engine's fused attention and keeps the local spec's L x L scores, which would not fit, out of memory without it:
         # see reports/plan/
         batch=BatchCfg(max_tokens_per_micro=9216, n_gpus=8, tp=2, pp=1, recompute='selective', sequence_parallel=True,
                        distributed_optimizer=True),
