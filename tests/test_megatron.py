@@ -437,3 +437,196 @@ def test_tp2_export_reloads_with_transformers(tmp_path):
     re = AutoModelForCausalLM.from_pretrained(tmp_path / 'hf', attn_implementation='eager').float().eval()
     with torch.no_grad(): d = (re(input_ids=_batch()['input_ids']).logits - r['logits']).abs().max().item()
     assert d < 1e-4
+
+
+# ---- the recipe's precision and memory layout: bf16 + fp32 main grads, megatron DDP, recompute, reference, shards ----
+
+def _main_params(be):
+    "The CPU stand-in's fp32 main params by (model) parameter name."
+    return {n: m.detach().clone() for (n, _), m in zip(be.optimizer.named, be.optimizer.main)}
+
+
+def test_bf16_step_with_fp32_main_grads_matches_fp32_step(batch):
+    """One SGD step in bf16 (fp32 main grads and main params) against the same step in fp32, from weights both can hold.
+
+    Tolerances: bf16 keeps 8 mantissa bits (relative rounding 2^-9 = 0.2% per op), so the loss may differ by 1e-3
+    relative, the gradient norm by 5e-3 relative and the update (main params after - before) by 3% of its norm
+    (measured here: 2e-4, 6e-4 and 1.1%)."""
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    hf = hf_model(tiny_qwen3())
+    with torch.no_grad():
+        for p in hf.parameters(): p.copy_(p.bfloat16().float())
+    runs = {}
+    for dt in (torch.float32, torch.bfloat16):
+        import copy
+        be = mb.MegatronBackend(copy.deepcopy(hf).to(dt), optimizer='sgd', lr=0.5, grad_clip=None, dtype=dt, head_chunk=4)
+        assert be.model.decoder.layers[0].self_attention.linear_qkv.weight.dtype == dt
+        assert all(p.main_grad.dtype == torch.float32 for p in be.model.parameters()), 'fp32 gradient buffers'
+        before = _main_params(be)
+        loss, norm = be.train_step(lambda m: pg_loss(m.logprobs(batch), batch, adv))
+        after = _main_params(be)
+        assert all(m.dtype == torch.float32 for m in after.values())
+        for n, p in be.model.named_parameters(): assert torch.equal(p.detach(), after[n].to(p.dtype)), n   # model = main, cast
+        runs[dt] = (loss, norm, {n: after[n] - before[n] for n in after})
+    (l32, n32, u32), (l16, n16, u16) = runs[torch.float32], runs[torch.bfloat16]
+    err = sum((u16[k] - u32[k]).pow(2).sum() for k in u32).sqrt() / sum(u.pow(2).sum() for u in u32.values()).sqrt()
+    print(f'bf16 vs fp32: loss {l16:.6f}/{l32:.6f}, norm {n16:.5f}/{n32:.5f}, relative update error {err:.2e}')
+    assert abs(l16 - l32) < 1e-3 * abs(l32) and abs(n16 - n32) < 5e-3 * n32 and err < 0.03
+
+
+def test_fp32_main_params_keep_updates_below_bf16_resolution(batch):
+    "At a tiny learning rate the bf16 weights cannot move, the fp32 main params do: what the main copy is for."
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    be = mb.MegatronBackend(hf_model(tiny_qwen3()).to(torch.bfloat16), optimizer='sgd', lr=1e-6, grad_clip=None, dtype=torch.bfloat16)
+    w = be.model.decoder.layers[0].mlp.linear_fc1.weight
+    before, main0 = w.detach().clone(), _main_params(be)['decoder.layers.0.mlp.linear_fc1.weight']
+    be.step(pg_loss(be.logprobs(batch), batch, adv))
+    main1 = _main_params(be)['decoder.layers.0.mlp.linear_fc1.weight']
+    assert (main1 != main0).float().mean() > 0.5 and (w.detach() != before).float().mean() < 0.01
+
+
+@pytest.mark.parametrize('mode', ['selective', 'full'])
+def test_recompute_gives_the_gradients_of_no_recompute(mode, batch):
+    "Activation recompute (with the CPU RNG-state shim) changes memory, not numbers: the same fp32 main grads."
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    grads = {}
+    for m in ('none', mode):
+        be = mb.MegatronBackend(hf_model(tiny_qwen3()), recompute=m, head_chunk=4)
+        tc = be.model.config
+        assert (tc.recompute_granularity, tc.recompute_num_layers) == {'none': (None, None), 'selective': ('selective', None), 'full': ('full', 1)}[m]
+        be.backward(pg_loss(be.logprobs(batch), batch, adv))
+        grads[m] = {n: p.main_grad.clone() for n, p in be.model.named_parameters()}
+        be.optimizer.zero_grad()
+    d = max((grads[mode][k] - g).abs().max().item() for k, g in grads['none'].items())
+    print(f'recompute {mode}: max|grad diff| {d:.1e}')
+    assert d < 1e-6 and max(g.abs().max().item() for g in grads['none'].values()) > 1e-3
+
+
+def test_layout_refusals_are_clear():
+    hf = hf_model(tiny_qwen3())
+    with pytest.raises(ValueError, match=r'cfg\.batch\.sequence_parallel=True needs the Transformer Engine layer spec'):
+        mb.MegatronBackend(hf, tp=2, sequence_parallel=True)           # refused before any group or model is built
+    if not mb.have_transformer_engine():
+        with pytest.raises(ImportError, match=r"cfg\.batch\.attention='te' needs Transformer Engine"):
+            mb.MegatronBackend(hf, attention='te')
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r'cfg\.batch\.distributed_optimizer=True needs'):
+            mb.MegatronBackend(hf, distributed_optimizer=True)
+    with pytest.raises(ValueError, match=r'cfg\.batch\.recompute'):
+        mb.MegatronBackend(hf, recompute='everything')
+
+
+def test_cpu_stand_in_refuses_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    with pytest.raises(RuntimeError, match='CPU stand-in'):
+        mb.CpuMainParamOptimizer(None, None, None)
+
+
+def test_optimizer_state_restores_fp32_main_params(batch):
+    "A checkpoint (bf16 weights + this rank's optimizer state) resumes the fp32 main params exactly: the next step is identical."
+    from memagent.config import get_preset
+    cfg = get_preset('tiny', {'model.dtype': 'bfloat16', 'optim.lr': 1e-3})
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    a = mb.MegatronBackend.from_config(cfg, hf_model(tiny_qwen3()).to(torch.bfloat16))
+    assert a.model.decoder.layers[0].mlp.linear_fc1.weight.dtype == torch.bfloat16 and a.state_key == 0
+    a.step(pg_loss(a.logprobs(batch), batch, adv))
+    import copy
+    weights, state = {k: v.clone() for k, v in a.hf_state_dict().items()}, copy.deepcopy(a.state_dict())   # as written to disk
+    b = mb.MegatronBackend.from_config(cfg, hf_model(tiny_qwen3(), seed=5).to(torch.bfloat16))
+    b.load_state_dict(weights, state)
+    assert all(torch.equal(_main_params(a)[k], v) for k, v in _main_params(b).items())
+    for be in (a, b): be.step(pg_loss(be.logprobs(batch), batch, adv))
+    sa, sb = a.hf_state_dict(), b.hf_state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_reference_from_config_is_frozen(batch):
+    from memagent.config import get_preset
+    cfg = get_preset('tiny', {'model.dtype': 'bfloat16'})
+    hf = hf_model(tiny_qwen3()).to(torch.bfloat16)
+    ref = mb.MegatronBackend.reference_from_config(cfg, hf)
+    assert ref.optimizer is None and ref.ddp is None and not ref.model.training
+    assert all(not p.requires_grad and p.dtype in (torch.bfloat16, torch.float32) for p in ref.model.parameters())
+    assert ref.model.decoder.layers[0].self_attention.linear_qkv.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        d = (ref.logprobs(batch, 0.7).cpu() - mb.MegatronBackend(hf, dtype=torch.bfloat16).logprobs(batch, 0.7).cpu()).abs().max()
+    assert d == 0, 'the reference computes what the policy computes on the same weights'
+    with pytest.raises(RuntimeError, match='frozen reference'):
+        ref.step()
+    ref.close()
+    assert mb.init_parallel(1, 1).world_size == 1, 'closing a reference leaves the parallel groups to the policy'
+
+
+# ---- DP 2 (two processes, TP 1) and TP 2 reference ----
+
+def _job_dp2_sum_and_shards():
+    "Rank r of DP 2 takes its share of the rows; returns its step result and the distributed optimizer's shard sizes."
+    import torch.distributed as dist
+    b, rank = _batch(), int(__import__('os').environ['RANK'])
+    rows = [[0, 1], [2]][rank]
+    m = (b['response_mask'] * b['attention_mask']).float(); m[:, 0] = 0
+    be = mb.MegatronBackend(hf_model(tiny_qwen3()), optimizer='sgd', lr=0.5, grad_clip=None, head_chunk=4)
+    assert (be.dp_size, be.dp_rank, be.state_key, be.row_source) == (2, rank, 0, True)
+    sub = {k: v[rows] for k, v in b.items()}
+    loss = -((ADV[rows][:, None] * be.logprobs(sub)) * m[rows]).sum() / m.sum()     # this rank's share of the step loss
+    norm = be.step(loss)
+    # distributed-optimizer shard sizes: the function (megatron's range maps, every DP rank evaluated here) against
+    # megatron's range maps on this rank's real DP group
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    res = {}
+    for name, cfg in (('qwen3-tied', tiny_qwen3(tied=True)), ('llama-odd', tiny_llama(hidden_size=40, num_attention_heads=4, intermediate_size=72, vocab_size=503))):
+        ddp = mb.wrap_ddp(mb.build_gpt_model(cfg, dtype=torch.bfloat16), use_distributed_optimizer=True)
+        got = mb.distributed_optimizer_shard_numels(ddp)
+        own = sum(len(rg['param']) for buf in ddp.buffers for maps in DistributedOptimizer._build_gbuf_range_map(buf).values()
+                  for bm in maps for rg in bm['param_map'].values())
+        owns = [None, None]
+        dist.all_gather_object(owns, own)
+        res[name] = dict(got=got, owns=owns, params=sum(p.numel() for p in ddp.module.parameters()))
+    return dict(norm=norm, sd=cpu(be.hf_state_dict()), shards=res)
+
+
+def test_dp2_megatron_ddp_sums_gradients_and_shards_match_megatron(tmp_path):
+    "DP 2 through megatron-core's DDP over gloo gives the DP 1 step (gradients summed, not averaged); shard sizes equal megatron's own."
+    r2 = _run_tp2(_job_dp2_sum_and_shards, tmp_path)
+    r1 = _job_step(1, 'qwen3', None)
+    dw = max((r2['sd'][k] - v).abs().max().item() for k, v in r1['sd'].items())
+    print(f"DP 2 vs DP 1: norm {r2['norm']:.6f}/{r1['norm']:.6f}, max|dw| {dw:.1e}")
+    assert abs(r2['norm'] - r1['norm']) < 1e-4 and dw < 1e-5
+    for name, r in r2['shards'].items():
+        g = r['got']
+        print(name, g)
+        assert g['shard_numel'] == r['owns'], 'every rank evaluated by the function = megatron on that rank'
+        assert (g['dp'], g['param_numel'], sum(g['shard_numel'])) == (2, r['params'], r['params'])
+        assert g['grad_buffer_numel'] == 2 * g['shard_slot_numel'] and g['grad_buffer_numel'] % 128 == 0
+        assert g['grad_buffer_bytes'] == 4 * g['grad_buffer_numel'], 'fp32 gradient buffers'
+        assert all(0 < s <= g['shard_slot_numel'] for s in g['shard_numel'])    # equal slots; padding decides the rest
+    assert r2['shards']['qwen3-tied']['got']['buckets'] >= 2, 'megatron gives the shared embedding its own bucket'
+
+
+def _job_reference_tp2():
+    from memagent.config import get_preset
+    cfg = get_preset('tiny', {'batch.tp': 2, 'batch.n_gpus': 2})
+    b, hf = _batch(), hf_model(tiny_qwen3(vocab_size=511))
+    pol = mb.MegatronBackend.from_config(cfg, hf)
+    ref = mb.MegatronBackend.reference_from_config(cfg, hf)
+    assert ref.parallel.tp == 2 and ref._output_weight().shape == pol._output_weight().shape == (256, 64)
+    assert ref.optimizer is None and not any(p.requires_grad for p in ref.model.parameters())
+    with torch.no_grad():
+        d = (ref.logprobs(b, 0.7) - hf_logprobs_t(hf, b, 0.7)).abs().max().item()
+    return dict(d=d, own=sum(p.numel() for p in ref.model.parameters()), full=sum(p.numel() for p in hf.parameters()))
+
+
+def hf_logprobs_t(model, batch, temperature):
+    logits = model(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits.float() / temperature
+    out = torch.zeros(batch['input_ids'].shape)
+    out[:, 1:] = logits[:, :-1].log_softmax(-1).gather(-1, batch['input_ids'][:, 1:, None]).squeeze(-1)
+    want = batch['attention_mask'].bool() & batch['response_mask'].bool()
+    want[:, 0] = False
+    return out * want
+
+
+def test_tp2_reference_logprobs_match_hf(tmp_path):
+    "The frozen reference at TP 2: each rank holds its shard only, and the log-probs match HF's."
+    r = _run_tp2(_job_reference_tp2, tmp_path)
+    print(f"TP 2 reference: max|logp diff| {r['d']:.2e}, params per rank {r['own']} of {r['full']}")
+    assert r['d'] < 1e-4 and r['own'] < 0.6 * r['full']
