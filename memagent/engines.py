@@ -444,14 +444,18 @@ MEMORY_TAGS = ('kv_cache', 'weights', 'cuda_graph')      # SGLang's GPU_MEMORY_A
 def tensor_update_payload(state_dict: dict, tp_size: int, flush_cache: bool = False) -> dict:
     "The body of SGLang's `POST /update_weights_from_tensor`: per TP rank its own copy of `[(name, tensor), ...]`, pickled by torch's `ForkingPickler`, base64."
     import base64, io
-    import torch.multiprocessing                          # registers torch's tensor reductions with ForkingPickler
+    import torch.multiprocessing as tmp                   # registers torch's tensor reductions with ForkingPickler
     from multiprocessing.reduction import ForkingPickler
     if not isinstance(tp_size, int) or tp_size < 1: raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
     named = [(str(k), v.detach()) for k, v in state_dict.items()]
     def one() -> str:
         buf = io.BytesIO(); ForkingPickler(buf).dump(named)
         return base64.b64encode(buf.getvalue()).decode('ascii')
-    return {'serialized_named_tensors': [one() for _ in range(tp_size)], 'load_format': None, 'flush_cache': flush_cache}
+    prev = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy('file_system')              # CPU tensors by shared-memory file name (see the prose above)
+    try: ser = [one() for _ in range(tp_size)]
+    finally: tmp.set_sharing_strategy(prev)
+    return {'serialized_named_tensors': ser, 'load_format': None, 'flush_cache': flush_cache}
 
 class SGLangEngine:
     "Client of SGLang's native HTTP API over several servers: least-in-flight balancing, concurrency limit, per-request deadlines, bounded retries."

@@ -207,6 +207,45 @@ def test_later_endpoints_share_the_transport(tmp_path):
         cl.close()
 
 
+def test_stop_token_is_kept_and_aligned():
+    "SGLang's rule: a stop token, or an EOS id the request did not list, is the last output id, with its log-prob; no_stop_trim is sent."
+    with FakeSGLangServer(eos_token_ids=[999]) as srv:
+        cl = client([srv.url])
+        free = fake_tokens([1, 2, 3], SamplingParams(8, seed=4))[0]
+        stop = free[2]
+        r = cl.generate([[1, 2, 3]], SamplingParams(8, seed=4, stop_token_ids=(stop,)))[0]
+        k = free.index(stop) + 1
+        assert r.output_ids == free[:k] and r.output_ids[-1] == stop and len(r.logprobs) == k and r.finish_reason == 'stop'
+        assert srv.calls[-1]['sampling_params']['no_stop_trim'] is True
+        with FakeSGLangServer(eos_token_ids=[stop]) as eos:             # the model's EOS stops too, unlisted
+            ce = client([eos.url])
+            r = ce.generate([[1, 2, 3]], SamplingParams(8, seed=4))[0]
+            assert r.output_ids == free[:k] and r.finish_reason == 'stop'
+            ce.close()
+        cl.close()
+
+
+def test_misaligned_stop_is_refused():
+    "A reply whose stop token is missing from output_ids and output_token_logprobs, or that stopped on a string, fails fast."
+    def drop_stop(srv, ex, handle):
+        handle(ex); ex.reply['output_ids'].pop(); ex.reply['meta_info']['output_token_logprobs'].pop()
+    def nan_stop(srv, ex, handle):
+        handle(ex); ex.reply['meta_info']['finish_reason'] = {'type': 'stop', 'matched': 'NaN happened'}
+    with FakeSGLangServer() as srv:
+        srv.fault_kinds.update(drop_stop=drop_stop, nan_stop=nan_stop)
+        free = fake_tokens([1, 2, 3], SamplingParams(8, seed=4))[0]
+        sp = SamplingParams(8, seed=4, stop_token_ids=(free[2],))
+        cl = client([srv.url])
+        srv.faults = ['drop_stop']
+        with pytest.raises(DeterministicEngineError, match='keeps the matched stop token'):
+            cl.generate([[1, 2, 3]], sp)
+        srv.faults = ['nan_stop']
+        with pytest.raises(DeterministicEngineError, match='NaN happened'):
+            cl.generate([[1, 2, 3]], sp)
+        assert cl.stats['retries'] == 0 and cl.stats['deterministic_failures'] == 2
+        cl.close()
+
+
 def test_load_balancing_spreads_requests():
     with FakeSGLangServer() as a, FakeSGLangServer() as b:
         cl = client([a.url, b.url], concurrency=4)
