@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 # %% auto #0
 __all__ = ['GiB', 'DTYPE_BYTES', 'ARCHS', 'RECOMPUTE', 'CUDA_CONTEXT_GIB', 'ENGINE_RUNTIME_GIB', 'ENGINE_RESIDUE_GIB',
            'HEAD_FP32_COPIES', 'Arch', 'arch_from_hf', 'get_arch', 'ParamSpec', 'megatron_params', 'ddp_layout',
-           'optimizer_shards', 'optimizer_bytes', 'activation_bytes', 'Cluster', 'PlanDoesNotFit', 'tokens_per_step',
-           'Plan', 'make_plan']
+           'optimizer_shards', 'optimizer_parts', 'optimizer_bytes', 'activation_bytes', 'sglang_kv_pool', 'Cluster',
+           'PlanDoesNotFit', 'tokens_per_step', 'Plan', 'make_plan']
 
 # %% ../nbs/14b_plan.ipynb #c6c14142
 GiB = 2**30
@@ -149,14 +149,20 @@ def optimizer_shards(layout: list[dict], dp: int) -> list[list[int]]:
         res.append(owned)
     return res
 
-def optimizer_bytes(layout: list[dict], dp: int, distributed_optimizer: bool) -> list[int]:
-    "Optimizer-state bytes per DP rank: fp32 main copy of 16-bit parameters + Adam m and v (fp32), sharded or whole."
-    per = [0] * dp
+def optimizer_parts(layout: list[dict], dp: int, distributed_optimizer: bool) -> list[dict]:
+    "Per DP rank: bytes of the fp32 main copy of 16-bit parameters (`main`, built with the optimizer) and of Adam's m and v (`moments`, fp32, built at the first step)."
+    per = [dict(main=0, moments=0) for _ in range(dp)]
     shards = optimizer_shards(layout, dp) if distributed_optimizer else [[buf['param_numel']] * dp for buf in layout]
     for buf, owned in zip(layout, shards):
-        cost = 8 + (4 if DTYPE_BYTES[buf['param_dtype']] < 4 else 0)
-        for r in range(dp): per[r] += owned[r] * cost
+        main = 4 if DTYPE_BYTES[buf['param_dtype']] < 4 else 0
+        for r in range(dp):
+            per[r]['main'] += owned[r] * main
+            per[r]['moments'] += owned[r] * 8
     return per
+
+def optimizer_bytes(layout: list[dict], dp: int, distributed_optimizer: bool) -> list[int]:
+    "Optimizer-state bytes per DP rank: fp32 main copy of 16-bit parameters + Adam m and v (fp32), sharded or whole."
+    return [p['main'] + p['moments'] for p in optimizer_parts(layout, dp, distributed_optimizer)]
 
 # %% ../nbs/14b_plan.ipynb #f622d143
 RECOMPUTE = ('none', 'selective', 'full')
@@ -219,7 +225,8 @@ CUDA_CONTEXT_GIB = 0.5
 ENGINE_RUNTIME_GIB = 2.0
 """SGLang's memory outside the static pool while serving: CUDA graphs for the decode batch sizes and the
 activations of one chunked-prefill step (8192 tokens x ~40K hidden-sized values x 2 bytes ~ 0.7 GiB for a 4B
-model). SGLang sizes `mem_fraction_static` to leave room for these; 2 GiB is the share assumed here."""
+model). They live in the headroom SGLang leaves outside its pool ((1 - mem_fraction_static) x the memory free
+when the engine started, see `sglang_kv_pool`); 2 GiB is the share assumed here."""
 
 ENGINE_RESIDUE_GIB = 1.0
 """What a released engine (`--enable-memory-saver`, release_memory_occupation) keeps besides its CUDA context:
@@ -229,6 +236,13 @@ outside its regions nor NCCL buffers. Assumed 1 GiB."""
 HEAD_FP32_COPIES = 3
 """The log-prob head (checkpointed per chunk) rebuilds one chunk's logits in backward: the logits in the
 model dtype, their fp32 copy, the softmax and the logits' gradient (fp32): E + 3 x 4 bytes per logit."""
+
+# %% ../nbs/14b_plan.ipynb #4cf2c5f0
+def sglang_kv_pool(free_before_load: int, engine_weights: int, mem_fraction: float, kv_bytes_per_token: int) -> dict:
+    "SGLang's KV pool on one GPU: `rest = free after loading - free before loading x (1 - mem_fraction_static)`, in bytes and tokens."
+    rest = (free_before_load - engine_weights) - free_before_load * (1 - mem_fraction)
+    b = int(rest)
+    return dict(kv_bytes=b, kv_tokens=max(0, b) // kv_bytes_per_token, headroom=int(free_before_load * (1 - mem_fraction)))
 
 # %% ../nbs/14b_plan.ipynb #06a506a8
 @dataclass(frozen=True)
@@ -285,9 +299,24 @@ class Plan:
     def largest(self, phase: str) -> tuple[str, int]:
         terms = self.host if phase == 'host' else getattr(self, phase)
         return max(terms.items(), key=lambda kv: kv[1])
+    def engine_problem(self) -> str | None:
+        "Why the colocated engine cannot serve a chunk step, or None: no KV cache left (SGLang refuses to start), or too little for one request."
+        e = self.details.get('engine')
+        if not e: return None
+        g = lambda b: f"{b / GiB:.2f} GiB"
+        how = (f"{self.settings['mem_fraction']} x {g(e['free_at_start'])} free at the engine's start - {g(e['weights'])} engine weights; "
+               f"largest trainer term held at the start: {e['largest_at_start'][0]!r}, {g(e['largest_at_start'][1])}")
+        if e['kv_cache'] <= 0:
+            return f"engine KV cache does not fit: {g(e['kv_cache'])} left = {how} (SGLang raises 'Not enough memory')"
+        if e['kv_tokens'] < e['tokens_per_request']:
+            return (f"engine KV cache does not fit: {e['kv_tokens']:,} tokens left, fewer than one request's {e['tokens_per_request']:,} "
+                    f"({g(e['kv_cache'])} = {how})")
+        return None
+
     def over(self) -> list[str]:
-        "The phases that exceed their memory."
+        "The phases that exceed their memory, and 'rollout engine' when its KV cache cannot hold one request."
         out = [p for p in ('rollout', 'update') if self.peak(p) > self.capacity]
+        if self.engine_problem(): out.append('rollout engine')
         if sum(self.host.values()) > self.host_capacity: out.append('host')
         return out
     @property
@@ -297,13 +326,19 @@ class Plan:
         "'fits' with the peaks, or what does not fit: the phase, its largest term and the setting that would make it fit."
         g = lambda b: f"{b / GiB:.1f} GiB"
         peaks = f"rollout {g(self.peak('rollout'))}, update {g(self.peak('update'))} of {g(self.capacity)} per GPU; host {g(sum(self.host.values()))} of {g(self.host_capacity)} per node"
-        if self.fits: return f"fits: {peaks}"
+        e = self.details.get('engine')
+        if e: peaks += (f"; KV cache {e['kv_tokens']:,} tokens per engine for {e['tokens_per_chunk_step']:,} a chunk step needs"
+                        + (f" ({e['waves']} waves)" if e['waves'] and e['waves'] > 1 else ''))
+        whatif = ('; WHAT-IF: offload=True models moving the trainer state to host RAM during rollout, which the project '
+                  'does not implement') if self.settings.get('offload') else ''
+        if self.fits: return f"fits: {peaks}{whatif}"
         msgs = []
         for p in self.over():
+            if p == 'rollout engine': msgs.append(self.engine_problem()); continue
             term, b = self.largest(p)
             msgs.append(f"{p} does not fit (largest term: {term!r}, {g(b)})")
         fix = '' if 'fix' not in self.settings else f"; would fit with: {self.settings['fix'] or 'no single setting the plan tries'}"
-        return f"does NOT fit: {'; '.join(msgs)}; {peaks}{fix}"
+        return f"does NOT fit: {'; '.join(msgs)}; {peaks}{fix}{whatif}"
 
     def require_fit(self) -> 'Plan':
         "Return self if it fits, else raise `PlanDoesNotFit` with the verdict."
@@ -337,13 +372,16 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
         if b.distributed_optimizer: weights = sum(x['numel'] * DTYPE_BYTES[x['param_dtype']] for x in lay)
         else: weights = sum(p.numel * DTYPE_BYTES[p.dtype] for p in params)
         grads = sum(x['numel'] * DTYPE_BYTES[x['grad_dtype']] for x in lay)
-        optim = max(optimizer_bytes(lay, dp, b.distributed_optimizer))
+        parts = max(optimizer_parts(lay, dp, b.distributed_optimizer), key=lambda x: x['main'] + x['moments'])
+        optim, optim_at_start = parts['main'] + parts['moments'], parts['main']   # m and v appear at the first step
+        grads_between_steps = grads                                   # DDP's grad buffers live as long as the model
         recompute = b.recompute
         det['ddp_buffers'] = [{k: v for k, v in x.items() if k != 'index'} for x in lay]
         ref = sum(p.numel * DTYPE_BYTES[p.dtype] for p in params) if ref_on else 0
     else:
         n = arch.numel()
         weights, grads, optim = n * E, n * E, 2 * n * E                # torch: grads in dtype, Adam m and v in the parameters' dtype
+        optim_at_start, grads_between_steps = 0, 0                     # m and v lazy; grads set to None after each step
         recompute = 'none'
         ref = n * E if ref_on else 0
     det['params_per_rank'] = int(weights // E) if cfg.backend == 'torch' else sum(p.numel for p in params)
@@ -358,40 +396,52 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
     update = {'weights': weights, 'gradients': grads, 'optimizer states': optim, 'reference model': ref,
               'activations (saved)': act['saved_total'], 'activations (backward working set)': act['working'],
               'log-prob head chunk': head, 'trainer CUDA context': ctx}
-    rollout = {}
+    # the trainer's state on the GPU while the engine runs (steps >= 2) and when the engine starts (before step 1)
+    resident = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim, 'reference model': ref}
+    at_start = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim_at_start, 'reference model': ref}
+    held = sum(resident.values())
+    if offload: resident = at_start = {t: 0 for t in resident}
+    label = lambda t: f'trainer {t}' + (' (offloaded, what-if)' if offload else '')
+    rollout = {label(t): v for t, v in resident.items()}
+    rollout['trainer CUDA context'] = ctx
     if colocated:
-        cap = cluster.gpu_gb * GiB
-        static = int(r.mem_fraction * cap)
+        cap = int(cluster.gpu_gb * GiB)
         etp = r.gpus_per_engine
         eng_w = sum(p.numel for p in megatron_params(arch, etp, dt, 'te', pad_vocab=False)) * E
         kv_per_token = arch.layers * 2 * max(1, arch.kv_heads // etp) * arch.head_dim * E
-        kv = static - eng_w
-        det['engine'] = dict(static_pool=static, weights=eng_w, kv_cache=kv, kv_bytes_per_token=kv_per_token,
-                             kv_tokens=max(0, kv) // kv_per_token, gpus_per_engine=etp)
-        rollout = {'engine weights': eng_w, 'engine KV cache': kv, 'engine runtime': int(ENGINE_RUNTIME_GIB * GiB),
-                   'engine CUDA context': ctx}
-        resident = {'weights': weights, 'gradients': grads, 'optimizer states': optim, 'reference model': ref}
-        for t, v in resident.items(): rollout[f'trainer {t}' + (' (offloaded)' if offload else '')] = 0 if offload else v
-        rollout['trainer CUDA context'] = ctx
+        free0 = cap - sum(at_start.values()) - 2 * ctx                 # free when the engine measures: both CUDA contexts exist
+        pool = sglang_kv_pool(free0, eng_w, r.mem_fraction, kv_per_token)
+        kv, kv_tokens = pool['kv_bytes'], pool['kv_tokens']
+        per_req, rpe = cfg.engine_context_tokens, tokens_per_step(cfg, doc_tokens)['requests_per_engine']
+        concurrent = kv_tokens // per_req
+        det['engine'] = dict(gpus_per_engine=etp, mem_fraction=r.mem_fraction, trainer_at_start=at_start,
+                             largest_at_start=max(at_start.items(), key=lambda kv: kv[1]), free_at_start=free0,
+                             headroom=pool['headroom'], weights=eng_w, kv_cache=kv, kv_bytes_per_token=kv_per_token,
+                             kv_tokens=kv_tokens, tokens_per_request=per_req, requests_per_engine=rpe,
+                             tokens_per_chunk_step=rpe * per_req, concurrent_requests=concurrent,
+                             waves=-(-rpe // concurrent) if concurrent else None,
+                             rule='sglang_kv_pool: f x free-at-start - engine weights (SGLang profile_max_num_token)')
+        rollout.update({'engine CUDA context': ctx, 'engine weights': eng_w, 'engine KV cache': max(0, kv),
+                        'engine runtime': int(ENGINE_RUNTIME_GIB * GiB)})
         update['released engine residue'] = int(ENGINE_RESIDUE_GIB * GiB)
         update['engine CUDA context'] = ctx
-    else:
-        rollout = {t: v for t, v in update.items() if t in ('weights', 'gradients', 'optimizer states', 'reference model', 'trainer CUDA context')}
     # host RAM per node: offloaded trainer state of this node's GPUs, and on the driver's node the export model
     # (an HF copy in the model dtype) plus the state dicts in flight while weights sync (a gathered copy and its HF form)
     n_full = arch.numel() * E
-    host = {'offloaded trainer state': (weights + grads + optim + ref) * min(cluster.gpus_per_node, b.n_gpus) if (colocated and offload) else 0,
+    host = {'offloaded trainer state': held * min(cluster.gpus_per_node, b.n_gpus) if offload else 0,
             'driver export model': n_full, 'state dicts in flight': 2 * n_full}
     return rollout, update, host, det
 
-def make_plan(cfg, cluster: Cluster | None = None, offload: bool | None = None, head_chunk: int = 1024,
+def make_plan(cfg, cluster: Cluster | None = None, offload: bool = False, head_chunk: int = 1024,
               doc_tokens: int | None = None, bucket_size: int | None = None, search: bool = True) -> Plan:
-    "The plan of `cfg` on `cluster`: terms per phase, host RAM, tokens per step, the verdict; with `search`, a fix when it does not fit and the counterfactuals."
+    "The plan of `cfg` on `cluster`: terms per phase, host RAM, tokens per step, the verdict; with `search`, a fix when it does not fit and the counterfactuals. `offload=True` is a what-if (not implemented)."
     cluster = cluster or Cluster()
+    if not isinstance(offload, bool):
+        raise ValueError(f"memagent.plan: offload must be True or False (the project does not offload; True is a what-if), got {offload!r}")
     if cfg.batch.n_gpus > cluster.gpus_per_node and cfg.batch.n_gpus % cluster.gpus_per_node:
         raise ValueError(f"memagent.plan: batch.n_gpus={cfg.batch.n_gpus} is not a whole number of nodes of {cluster.gpus_per_node} GPUs")
     colocated = cfg.rollout.engine == 'sglang' and cfg.rollout.colocate
-    off = colocated if offload is None else bool(offload)
+    off = offload
     ro, up, host, det = _terms(cfg, cluster, off, head_chunk, doc_tokens, bucket_size)
     settings = dict(backend=cfg.backend, dtype=cfg.model.dtype, tp=det['tp'], dp=det['dp'], recompute=det['micro_batch']['recompute'],
                     sequence_parallel=cfg.batch.sequence_parallel, distributed_optimizer=cfg.batch.distributed_optimizer,
@@ -431,10 +481,10 @@ def _find_fix(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, plan) -> s
         if not b.distributed_optimizer and _fits(_variant(cfg, **{'batch.distributed_optimizer': True}), *args):
             return 'batch.distributed_optimizer=True'
     colocated = cfg.rollout.engine == 'sglang' and cfg.rollout.colocate
-    if colocated and not off and _fits(cfg, cluster, True, head_chunk, doc_tokens, bucket_size): return 'offload=True (trainer state to host RAM during rollout)'
-    if colocated:
-        mf = _largest_fitting(0.05, 0.95, lambda m: _fits(_variant(cfg, **{'rollout.mem_fraction': round(m, 2)}), *args), 0.01)
-        if mf is not None and round(mf, 2) < cfg.rollout.mem_fraction: return f"rollout.mem_fraction={mf:.2f}"
+    if colocated:   # not monotone (too low: no KV cache; too high: the rollout peak), so every hundredth, the closest first
+        now = round(cfg.rollout.mem_fraction, 2)
+        for m in sorted((i / 100 for i in range(5, 96) if i / 100 != now), key=lambda m: (abs(m - now), m)):
+            if _fits(_variant(cfg, **{'rollout.mem_fraction': m}), *args): return f"rollout.mem_fraction={m:.2f}"
     lo = cfg.max_row_tokens
     if lo < b.max_tokens_per_micro:
         mt = _largest_fitting(lo, b.max_tokens_per_micro, lambda t: _fits(_variant(cfg, **{'batch.max_tokens_per_micro': int(t)}), *args), 256)
@@ -455,6 +505,7 @@ def _counterfactuals(cfg, cluster, off, head_chunk, doc_tokens, bucket_size) -> 
             p = make_plan(c, cluster, o, head_chunk, doc_tokens, bucket_size, search=False)
             out[label] = dict(fits=p.fits, verdict=p.verdict(), peak_gib={ph: round(p.peak(ph) / GiB, 2) for ph in ('rollout', 'update')},
                               largest={ph: p.largest(ph)[0] for ph in ('rollout', 'update')})
+            if 'engine' in p.details: out[label]['kv_tokens_per_engine'] = p.details['engine']['kv_tokens']
         except ValueError as e: out[label] = dict(fits=False, verdict=f"invalid: {e}")
     if cfg.backend == 'megatron':
         for rc in RECOMPUTE:
@@ -462,5 +513,6 @@ def _counterfactuals(cfg, cluster, off, head_chunk, doc_tokens, bucket_size) -> 
         if _cfg_attention(cfg) == 'te': add("attention=local (the CPU fallback spec on the GPUs)", _variant(cfg, **{'batch.attention': 'local'}), off)
         add('distributed_optimizer=' + str(not cfg.batch.distributed_optimizer),
             _variant(cfg, **{'batch.distributed_optimizer': not cfg.batch.distributed_optimizer}), off)
-    if cfg.rollout.engine == 'sglang' and cfg.rollout.colocate: add(f"offload={not off}", cfg, not off)
+    if cfg.rollout.engine == 'sglang' and cfg.rollout.colocate:
+        add('offload=False (what the project does)' if off else 'offload=True (what-if: not implemented)', cfg, not off)
     return out

@@ -215,7 +215,92 @@ def test_plan_notebook_renders_and_refuses(tmp_path):
     res = json.loads((rep / 'plan.json').read_text())
     assert res['fits'] and res['verdict'].startswith('fits') and 'provenance' in res and (rep / 'memory.png').is_file()
     assert res['peak_bytes']['update'] == sum(res['update'].values()) <= res['capacity_bytes']
-    assert '## Counterfactuals' in (rep / 'README.md').read_text()
+    readme = (rep / 'README.md').read_text()
+    assert '## Counterfactuals' in readme and 'KV cache left' in readme and 'the project keeps it on the GPU' in readme
+    eng = res['details']['engine']
+    assert res['settings']['offload'] is False and eng['kv_tokens'] >= eng['tokens_per_chunk_step'] and eng['waves'] == 1
     with pytest.raises(pm.PapermillExecutionError, match='largest term'):
         run(preset='qwen3-4b-frozen', gpu_gb=24, run='tight')
     assert not json.loads((tmp_path / 'plans' / 'tight' / 'plan.json').read_text())['fits']    # rendered all the same
+
+
+# ---- the colocated engine: what stays on the GPU during rollout, and SGLang's KV cache rule ----
+
+FROZEN_8X80 = P.Cluster(8, 80.0, 1024.0)
+
+
+def frozen(**over):
+    from memagent.config import get_preset
+    return get_preset('qwen3-4b-frozen', over or None)
+
+
+def test_offload_is_off_by_default_and_only_a_what_if():
+    "Nothing in the project offloads the trainer: the default plan keeps its state on the GPU; offload=True is labelled a what-if and never proposed as a fix."
+    p = P.make_plan(frozen(), FROZEN_8X80)
+    assert p.settings['offload'] is False and p.host['offloaded trainer state'] == 0
+    for t in ('weights', 'gradients', 'optimizer states', 'reference model'):
+        assert p.rollout[f'trainer {t}'] == p.update[t] > 0                 # megatron: all of it stays resident
+    cf = p.counterfactuals['offload=True (what-if: not implemented)']
+    assert 'does not implement' in cf['verdict'] and cf['kv_tokens_per_engine'] > p.details['engine']['kv_tokens']
+    w = P.make_plan(frozen(), FROZEN_8X80, offload=True, search=False)
+    held = sum(p.rollout[f'trainer {t}'] for t in ('weights', 'gradients', 'optimizer states', 'reference model'))
+    assert w.host['offloaded trainer state'] == 8 * held
+    assert sum(v for k, v in w.rollout.items() if 'offloaded' in k) == 0
+    with pytest.raises(ValueError, match='offload must be True or False'):
+        P.make_plan(frozen(), FROZEN_8X80, offload=None)
+    tight = P.make_plan(frozen(), P.Cluster(8, 24.0, 1024.0))
+    assert not tight.fits and 'offload' not in (tight.settings['fix'] or '')
+
+
+def test_kv_cache_follows_sglang_rule_on_memory_free_at_engine_start():
+    "KV = f x (free when the engine starts) - engine weights: what the trainer holds then costs the pool f per byte, not nothing and not one."
+    p = P.make_plan(frozen(), FROZEN_8X80)
+    e, ctx = p.details['engine'], int(P.CUDA_CONTEXT_GIB * P.GiB)
+    free_before = 80 * P.GiB - sum(e['trainer_at_start'].values()) - 2 * ctx
+    free_after = free_before - e['weights']
+    assert e['kv_cache'] == int(free_after - free_before * (1 - 0.7)) == p.rollout['engine KV cache']
+    assert e['kv_tokens'] == e['kv_cache'] // e['kv_bytes_per_token']
+    assert e['kv_bytes_per_token'] == 36 * 2 * (8 // 2) * 128 * 2            # layers x (k, v) x KV heads per engine-TP rank x head_dim x bf16
+    # before the first step the optimizer holds only its fp32 main copies; Adam's m and v come with the first step
+    parts = max(P.optimizer_parts(P.ddp_layout(P.megatron_params(P.get_arch('Qwen/Qwen3-4B'), 2, 'bfloat16', 'te'), 4, True), 4, True),
+                key=lambda x: x['main'] + x['moments'])
+    assert e['trainer_at_start']['optimizer states'] == parts['main'] and p.rollout['trainer optimizer states'] == parts['main'] + parts['moments']
+    # more trainer memory at the start: the pool shrinks by f times it
+    q = P.make_plan(frozen(**{'batch.distributed_optimizer': False}), FROZEN_8X80, search=False)
+    d_start = sum(q.details['engine']['trainer_at_start'].values()) - sum(e['trainer_at_start'].values())
+    assert d_start > 0 and abs((e['kv_cache'] - q.details['engine']['kv_cache']) - 0.7 * d_start) <= 2
+    # a chunk step: 16 requests per engine of engine_context_tokens each, in one wave at 80 GB
+    assert (e['requests_per_engine'], e['tokens_per_request'], e['waves']) == (16, frozen().engine_context_tokens, 1)
+    assert e['kv_tokens'] >= e['tokens_per_chunk_step'] == 16 * e['tokens_per_request']
+
+
+def test_torch_backend_rollout_holds_no_gradients():
+    "The torch backend zeroes with set_to_none: no gradients between steps; AdamW's m and v are created at the first step."
+    from memagent.config import get_preset
+    p = P.make_plan(get_preset('qwen3-0.6b-pilot'), P.Cluster(1, 80.0, 128.0))
+    e = p.details['engine']
+    assert p.rollout['trainer gradients'] == 0 < p.update['gradients']
+    assert e['trainer_at_start'] == {'weights': p.update['weights'], 'gradients': 0, 'optimizer states': 0,
+                                     'reference model': p.update['reference model']}
+    assert p.rollout['trainer optimizer states'] == p.update['optimizer states'] > 0
+    assert p.fits and e['waves'] == 1
+
+
+@pytest.mark.parametrize('mem_fraction,needle', [(0.05, "SGLang raises 'Not enough memory'"), (0.061, 'fewer than one request')])
+def test_engine_without_room_for_one_request_does_not_fit(mem_fraction, needle):
+    p = P.make_plan(frozen(**{'rollout.mem_fraction': mem_fraction}), FROZEN_8X80)
+    assert p.peak('rollout') < p.capacity and p.peak('update') < p.capacity          # the peaks alone would pass
+    assert not p.fits and 'rollout engine' in p.over()
+    with pytest.raises(P.PlanDoesNotFit, match=needle):
+        p.require_fit()
+    assert "'gradients'" in p.verdict()                                               # the largest trainer term at the engine's start
+    assert p.settings['fix'].startswith('rollout.mem_fraction=')
+    fixed = P.make_plan(frozen(**{'rollout.mem_fraction': float(p.settings['fix'].split('=')[1])}), FROZEN_8X80, search=False)
+    assert fixed.fits
+
+
+def test_chunk_step_waves():
+    p = P.make_plan(frozen(**{'rollout.mem_fraction': 0.08}), FROZEN_8X80, search=False)
+    e = p.details['engine']
+    assert p.fits and e['concurrent_requests'] == e['kv_tokens'] // e['tokens_per_request'] == 4
+    assert e['waves'] == 4 and '(4 waves)' in p.verdict()
