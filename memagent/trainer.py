@@ -14,7 +14,7 @@ from .config import Config, save_config, apply_overrides
 from .provenance import provenance, sha256_text
 from .trajectory import Trajectory, save_jsonl, load_jsonl
 from .credit import trajectories_to_rows
-from .transfer import InProcessChannel, RayChannel, layout_step, micro_batch_stats
+from .transfer import InProcessChannel, RayChannel, layout_step, micro_batch_stats, ensure_ray
 from .policy import make_group, merge_metrics, METRICS
 from .reward import get_reward
 from . import checkpoint as ckpt
@@ -103,12 +103,17 @@ class Trainer:
         self.world, self.progress = world_size, progress
         self.dump_rollouts, self.replay_dir = dump_rollouts, Path(replay_dir) if replay_dir else None
         torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed % 2**32)
-        self.group = make_group(cfg, self.pad_id, world_size, ray_address)
+        self.placement = None              # colocated: one Ray placement group holds the ranks and the engines on the same GPUs
+        if cfg.rollout.colocate and engine is None and self.replay_dir is None:
+            from memagent.colocate import Placement
+            ensure_ray(ray_address); self.placement = Placement.from_config(cfg)
+        self.group = make_group(cfg, self.pad_id, world_size, ray_address, self.placement if world_size > 1 else None)
         self.dp = self.group.dp_size
         self.channel = (InProcessChannel(cfg.row_capacity + 1, 1) if world_size == 1
                         else RayChannel(cfg.row_capacity + self.dp, self.dp))
         self.hf_model = self.group.export_model()
-        self.engine = engine if engine is not None or self.replay_dir else engine_from_config(cfg, tokenizer=self.tok)
+        self.own_engine = engine is None and not self.replay_dir     # the trainer closes what it launched
+        self.engine = engine_from_config(cfg, tokenizer=self.tok, placement=self.placement) if self.own_engine else engine
         self.sampler = PromptSampler(len(self.examples), cfg.grpo.prompts_per_step, seed=cfg.seed)
         self.step_no, self.health = 0, RunHealth(cfg.health.max_empty_steps, self.run_dir)
         self.prov = provenance(data_sha256=sha256_text(json.dumps(self.examples, sort_keys=True, ensure_ascii=False)),
@@ -241,8 +246,13 @@ class Trainer:
         return out
 
     def close(self):
-        "Release the policy group and the run directory's lock."
+        "Release the policy group, the engine the trainer launched, the placement group and the run directory's lock."
         try:
             if self.tb is not None: self.tb.close()
-            self.group.close()
+            try: self.group.close()
+            finally:
+                try:
+                    if self.own_engine and self.engine is not None: self.engine.close()
+                finally:
+                    if self.placement is not None: self.placement.remove()
         finally: self.lock.release()

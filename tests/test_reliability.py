@@ -48,6 +48,7 @@ class _DeadEngine:
         if not return_exceptions: raise errs[0]
         return errs
     def sync_weights(self, *a, **k): return 0.0
+    def release_memory(self): pass
     def close(self): pass
 
 

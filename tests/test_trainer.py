@@ -142,6 +142,7 @@ class _FlakyEngine:
         if self.calls == 1: out[0] = DeterministicEngineError('injected: invalid output')
         return out
     def sync_weights(self, *a, **kw): return self.inner.sync_weights(*a, **kw)
+    def release_memory(self): self.inner.release_memory()
 
 def test_failed_trajectory_drops_its_whole_group(tmp_path, examples):
     from memagent.engines import engine_from_config
