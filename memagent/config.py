@@ -514,7 +514,7 @@ def memagent_official() -> Config:
     return Config(
         name='memagent-official', seed=1234, backend='megatron',
         description='Official MemAgent: chunk 5000 / memory 1024 / final 1024, 40K centre-trimmed training contexts, '
-                    'group 16 x 128 prompts, A = r - mean, share credit, token-mean loss, clip 0.2/0.2 dual 3.',
+                    'group 16 x 128 prompts in 16 PPO mini-batches, A = r - mean, share credit, token-mean loss, clip 0.2/0.2 dual 3.',
         model=ModelCfg(name='Qwen/Qwen2.5-7B-Instruct', dtype='bfloat16'),
         data=DataCfg(train='hotpotqa_train_32k.parquet', eval='eval_200.json', task='hotpotqa'),
         chunking=ChunkingCfg(5000, 1024, 1024, 64, context_trim='centre', max_context_tokens=40000),
@@ -522,7 +522,10 @@ def memagent_official() -> Config:
         rollout=RolloutCfg(engine='sglang', temperature=1.0, top_p=1.0, context_length=8192),
         grpo=GRPOCfg(group_size=16, prompts_per_step=128, std_normalize=False, credit='share', reward='boxed_em_math'),
         loss=LossCfg(clip_low=0.2, clip_high=0.2, dual_clip=3.0, kl_type='low_var_kl', kl_coef=0.001, agg='token_mean'),
-        optim=OptimCfg(name='adam', lr=1e-6, weight_decay=0.01, betas=[0.9, 0.999], grad_clip=1.0, warmup_steps=20),
+        # 16 optimizer steps per rollout batch: the official run scripts (run_memory_7B.sh, run_memory_14B.sh at MemAgent
+        # 76b7a658) set data.train_batch_size / actor.ppo_mini_batch_size = 128 / 8 and 256 / 16 prompts
+        optim=OptimCfg(name='adam', lr=1e-6, weight_decay=0.01, betas=[0.9, 0.999], grad_clip=1.0, warmup_steps=20,
+                       mini_batches=16),
         batch=BatchCfg(max_tokens_per_micro=9216, n_gpus=8, tp=2, pp=1),
         schedule=ScheduleCfg(steps=200, save_every=50, keep_last=2),
         eval=EvalCfg(lengths=[50, 200, 800], temperature=0.7, top_p=0.95, samples=1, max_items=128))

@@ -43,6 +43,7 @@ METRICS = [  # (name, aggregation, definition)
     ('tokens', 'sum', 'prompt + response tokens of those rows'),
     ('micro_batches', 'sum', 'training micro-batches run, all mini-batches (memagent.transfer.micro_batches, padded size within the budget)'),
     ('time_update', 'max', 'seconds in update_on_rows; the slowest replica bounds the step'),
+    ('gpu_peak_gib', 'max', 'largest GPU memory allocated by torch during the update (GiB; GPU runs only), to compare with memagent.plan'),
 ]
 _AGG = {n: a for n, a, _ in METRICS}
 
@@ -67,6 +68,7 @@ _LOSSES = ('loss', 'pg_loss', 'kl_loss', 'entropy_loss')
 def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int, on_progress=None) -> dict:
     "Per PPO mini-batch: micro-batch this rank's rows, accumulate the weighted loss's gradient, one optimizer step; metrics plus `micro_batch_lengths`."
     T, t0, M = cfg.rollout.temperature, time.perf_counter(), cfg.optim.mini_batches
+    if torch.cuda.is_available(): torch.cuda.reset_peak_memory_stats()
     tell = on_progress or (lambda ev: None)
     plans = [[[mb[i] for i in b] for b in micro_batches([rows[i].num_tokens for i in mb], cfg.batch.max_tokens_per_micro)]
              for mb in mini_batch_slices(rows, M)] or [[]]     # no rows: one step without gradient, as every rank must
@@ -98,7 +100,11 @@ def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int,
         tell(dict(event='optimizer_step', mini_batch=j + 1, mini_batches=nm))
         norms.append(policy.step())
         tell(dict(event='stepped', mini_batch=j + 1, mini_batches=nm))
+    if getattr(policy, 'scheduler', None) is not None: policy.scheduler.step()   # the LR schedule counts rollout steps
     out = merge_metrics(parts) if parts else {'loss': 0.0, 'n_tokens': 0, 'n_rows': 0}
+    if torch.cuda.is_available():   # the peak for the plan; then the activations' cached blocks go back for a colocated engine
+        out['gpu_peak_gib'] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.empty_cache()
     out.update(grad_norm=sum(norms) / nm, grad_norm_max=max(norms), optimizer_steps=nm, micro_batches=sum(map(len, plans)),
                rows_consumed=len(rows), tokens=sum(r.num_tokens for r in rows), time_update=time.perf_counter() - t0)
     out['micro_batch_lengths'] = [[rows[i].num_tokens for i in b] for plan in plans for b in plan]

@@ -21,12 +21,11 @@ def build_optimizer(params, o, warmup_steps: int = 0):
     return opt, sched
 
 def finish_step(backend, norm: torch.Tensor) -> float:
-    "Shared end of every backend's `step`: refuse a non-finite norm (dropping the gradients), optimizer and scheduler step, refuse non-finite weights."
+    "Shared end of every backend's `step`: refuse a non-finite norm (dropping the gradients), optimizer step, refuse non-finite weights (the scheduler is advanced per rollout step by the caller)."
     if backend.check_finite and not torch.isfinite(norm):
         backend.optimizer.zero_grad(set_to_none=True)
         require_finite(norm, 'gradient norm before the optimizer step')
     backend.optimizer.step(); backend.optimizer.zero_grad(set_to_none=True)
-    if backend.scheduler is not None: backend.scheduler.step()
     if backend.check_finite: require_finite_params(backend.model.named_parameters(), 'weights after the optimizer step')
     return float(norm)
 
