@@ -513,7 +513,7 @@ def _counterfactuals(cfg, cluster, off, head_chunk, doc_tokens, bucket_size) -> 
         if _cfg_attention(cfg) == 'te':
             add("attention=local (the CPU fallback spec on the GPUs)", _variant(cfg, **{'batch.attention': 'local'}), off)
             if cfg.batch.recompute != 'none':
-                add("attention=local and recompute=none", _variant(cfg, **{'batch.attention': 'local', 'batch.recompute': 'none'}), off)
+                add("attention=local+recompute=none", _variant(cfg, **{'batch.attention': 'local', 'batch.recompute': 'none'}), off)
         add('distributed_optimizer=' + str(not cfg.batch.distributed_optimizer),
             _variant(cfg, **{'batch.distributed_optimizer': not cfg.batch.distributed_optimizer}), off)
     if cfg.rollout.engine == 'sglang' and cfg.rollout.colocate:
