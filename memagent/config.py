@@ -35,6 +35,7 @@ class DataCfg:
     max_eval: int | None = None
     synthetic_tokens: int = 56      # task 'synthetic': document length in tokens (facts hidden in filler)
     synthetic_hops: int = 1         # task 'synthetic': 1 (one fact) or 2 (two linked facts)
+    root: str | None = None         # directory of the pinned data prepared by `memagent-prepare`; None: $MEMAGENT_DATA_ROOT, else the cache
 
 @dataclass
 class ChunkingCfg:
@@ -134,6 +135,7 @@ class EvalCfg:
     samples: int = 1                # samples per item (pass@N uses N = samples)
     max_items: int | None = 128
     tolerance_pp: float = 3.0       # acceptance: |candidate - reference| in percentage points
+    parity: str = 'relax'           # whose scoring rules: 'relax' (the frozen recipe) or 'official' (MemAgent's own reward and evaluator)
     seed: int = 1234
 
 @dataclass
@@ -157,10 +159,11 @@ CHOICES = {
     'optim.name': ('adam', 'sgd'),
     'backend': ('torch', 'megatron'),
     'rollout.weight_sync': ('disk', 'tensor'),
+    'eval.parity': ('relax', 'official'),
     'batch.recompute': ('none', 'selective', 'full'),
     'batch.attention': ('auto', 'te', 'local'),
 }
-NONEMPTY = ('name', 'model.name', 'model.tokenizer', 'model.revision', 'data.train', 'data.eval', 'rollout.sglang_urls')
+NONEMPTY = ('name', 'model.name', 'model.tokenizer', 'model.revision', 'data.train', 'data.eval', 'data.root', 'rollout.sglang_urls')
 
 @dataclass
 class Config:
@@ -528,7 +531,7 @@ def memagent_official() -> Config:
                        mini_batches=16),
         batch=BatchCfg(max_tokens_per_micro=9216, n_gpus=8, tp=2, pp=1),
         schedule=ScheduleCfg(steps=200, save_every=50, keep_last=2),
-        eval=EvalCfg(lengths=[50, 200, 800], temperature=0.7, top_p=0.95, samples=1, max_items=128))
+        eval=EvalCfg(lengths=[50, 200, 800], temperature=0.7, top_p=0.95, samples=1, max_items=128, parity='official'))
 
 def cpu_demo() -> Config:
     "The embedded default: a real small instruct model learning a synthetic memory task on a 2-core CPU."
