@@ -201,7 +201,26 @@ def cmd_compare(a):
         finally: group.close()
     res['megatron_over_torch_time'] = res['megatron_update_s'] / res['torch_update_s']
     res['rows'] = len(rows)
+    res['peak_vs_plan'] = peak_vs_plan(p, a.smoke_run, a.gpus)
     _write(out, 'compare.json', {'params': p, 'results': res})
+
+
+def peak_vs_plan(p: dict, smoke_run: str | None, gpus: int) -> dict | None:
+    "The smoke run's largest per-rank GPU peak during its updates (`gpu_peak_gib`) against the plan's update-phase terms torch allocates."
+    from memagent.config import get_preset
+    from memagent.plan import Cluster, GiB, make_plan
+    if not smoke_run or not (Path(smoke_run) / 'metrics.jsonl').is_file(): return None
+    import torch
+    peaks = [json.loads(l).get('gpu_peak_gib') for l in open(Path(smoke_run) / 'metrics.jsonl')]
+    peaks = [x for x in peaks if x is not None]
+    if not peaks: return None
+    plan = make_plan(get_preset(p['preset'], p['overrides']),
+                     Cluster(gpus_per_node=gpus, gpu_gb=torch.cuda.get_device_properties(0).total_memory / GiB))
+    allocated = ('weights', 'gradients', 'optimizer states', 'reference model', 'activations (saved)',
+                 'activations (backward working set)', 'log-prob head chunk')
+    planned = sum(plan.update.get(t, 0) for t in allocated) / GiB
+    return {'measured_peak_gib': max(peaks), 'planned_gib': planned, 'measured_over_planned': max(peaks) / planned,
+            'terms': list(allocated)}
 
 
 def main(argv=None):
@@ -212,7 +231,7 @@ def main(argv=None):
     s.add_argument('--gpu-gb', type=float, default=80.0); s.add_argument('--overrides', default=None, help='JSON dict of dotted keys')
     s = sub.add_parser('subset'); s.add_argument('--out', required=True)
     s = sub.add_parser('compare'); s.add_argument('--params', required=True); s.add_argument('--gpus', type=int, required=True)
-    s.add_argument('--out', required=True)
+    s.add_argument('--out', required=True); s.add_argument('--smoke-run', default=None, help="the smoke's run directory (its metrics.jsonl)")
     a = ap.parse_args(argv)
     {'preset': cmd_preset, 'plan': cmd_plan, 'subset': cmd_subset, 'compare': cmd_compare}[a.cmd](a)
 

@@ -16,6 +16,8 @@
 # --dry-run  prints every command it would run and the plans, and runs nothing on a GPU (CI runs this on CPU).
 #
 # Results land in reports/smoke/gpu-<UTC date>/ (or --out).
+# On a borrowed machine without network, the subset needs only torch, transformers, safetensors, pyyaml and
+# megatron-core==0.16.1 besides memagent itself (pip install --no-deps -e .): carry the missing ones as wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dry=0; part=''; out=''; models=${MEMAGENT_MODELS:-}
@@ -64,6 +66,7 @@ if [ "$part" = cluster ] || [ "$part" = all ]; then
   $py scripts/gpu_check.py plan --preset "$preset" --gpus-per-node "$nodes" --overrides "$ov"
   run $py -m papermill nbs/smoke.ipynb "$out/smoke.ipynb" -f "$out/smoke_params.yaml" -p engine sglang \
       -p run "$(basename "$out")" -p report_dir "$(dirname "$out")"
-  run $py scripts/gpu_check.py compare --params "$out/smoke_params.yaml" --gpus "$nodes" --out "$out/compare"
+  run $py scripts/gpu_check.py compare --params "$out/smoke_params.yaml" --gpus "$nodes" --out "$out/compare" \
+      --smoke-run "runs/smoke/$(basename "$out")"
 fi
 echo "gpu_check: done (dry_run=$dry)"
