@@ -10,7 +10,7 @@ from collections import Counter
 # %% auto #0
 __all__ = ['REWARDS', 'extract_boxed', 'normalize_answer', 'normalize_math', 'exact_match', 'sub_em', 'strict_sub_em', 'f1_score',
            'register_reward', 'get_reward', 'boxed_em', 'boxed_em_math', 'answer_in_final', 'boxed_or_contains',
-           'score_prediction']
+           'official_boxed_only', 'official_unbox', 'official_strip', 'official_hotpotqa', 'score_prediction']
 
 # %% ../nbs/06_reward.ipynb #eae24eae
 _BOX_RE = re.compile(r'\\(?:boxed|fbox)\{')
@@ -132,7 +132,7 @@ def boxed_em(response_text: str, answers) -> float:
 
 @register_reward('boxed_em_math')
 def boxed_em_math(response_text: str, answers) -> float:
-    "Official-parity reward: max over gold answers of MATH-normalized boxed-answer equality."
+    "Project variant (not the official reward): `boxed_em` extraction, `normalize_math` equality, max over gold answers."
     return _boxed_match(response_text, answers, normalize_math)
 
 @register_reward('answer_in_final')
@@ -145,6 +145,52 @@ def answer_in_final(response_text: str, answers) -> float:
 def boxed_or_contains(response_text: str, answers) -> float:
     "Demo reward: 0.5 if a non-empty box is present + 0.5 * `answer_in_final`."
     return 0.5 * float(extract_boxed(response_text) != '') + 0.5 * answer_in_final(response_text, answers)
+
+# %% ../nbs/06_reward.ipynb #de324f31
+def official_boxed_only(text: str):
+    "Official MemAgent box span: `\\boxed `-branch, else last `\\boxed`, else last `\\fbox`, brace-matched; None if none."
+    sp = '\\boxed '
+    if sp in text: return sp + text.split(sp)[-1].split('$')[0]
+    at = text.rfind('\\boxed')
+    if at < 0: at = text.rfind('\\fbox')
+    if at < 0: return None
+    depth = 0
+    for j in range(at, len(text)):
+        ch = text[j]
+        if ch == '{': depth += 1
+        elif ch == '}':
+            depth -= 1
+            if depth == 0: return text[at:j + 1]
+    return None
+
+def official_unbox(span: str) -> str:
+    "Content of an official box span; ValueError where the official code's assertion fails."
+    sp = '\\boxed '
+    if sp in span:
+        if not span.startswith(sp): raise ValueError(f'box span {span[:40]!r} does not start with {sp!r}')
+        return span[len(sp):]
+    if not (span.startswith('\\boxed{') and span.endswith('}')):
+        raise ValueError(f'box span {span[:40]!r} is not a \\boxed{{...}} span')
+    return span[len('\\boxed{'):-1]
+
+_OFFICIAL_REWRITES = (('\n', ''), ('\\!', ''), ('\\\\', '\\'), ('tfrac', 'frac'), ('dfrac', 'frac'),
+                      ('\\left', ''), ('\\right', ''), ('^{\\circ}', ''), ('^\\circ', ''), ('\\$', ''),
+                      ('\\%', ''), (' .', ' 0.'), ('{.', '{0.'), (' ', ''))
+
+def official_strip(s: str) -> str:
+    "The official reward's MATH `strip_string`: the fixed sequence of literal rewrites in `_OFFICIAL_REWRITES`."
+    for a, b in _OFFICIAL_REWRITES: s = s.replace(a, b)
+    return s
+
+@register_reward('official_hotpotqa')
+def official_hotpotqa(response_text: str, answers) -> float:
+    "The official MemAgent training reward: lowercased last 300 chars, official box extraction, MATH strip, max over answers."
+    golds = [a.lower() for a in _aliases(answers)]
+    span = official_boxed_only(response_text[-300:].lower())
+    if span is None: return 0.0
+    try: pred = official_strip(official_unbox(span))
+    except ValueError: return 0.0
+    return float(any(pred == official_strip(g) for g in golds))
 
 # %% ../nbs/06_reward.ipynb #ec1818b5
 def score_prediction(response_text: str, answers) -> dict:
