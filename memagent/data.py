@@ -650,7 +650,7 @@ def haystack_cli(argv=None) -> int:
     print(f"wrote {len(exs)} examples with {a.num_docs} documents -> {a.out}")
     return 0
 
-# %% ../nbs/03_data.ipynb #e7d4bc95
+# %% ../nbs/03_data.ipynb #d14b633e
 PINNED = {'repo_id': 'BytedTsinghua-SIA/hotpotqa', 'repo_type': 'dataset',
           'revision': '27275ff4fee67ac0acb6478e405e7ac07efbdc1a',
           'files': {'hotpotqa_train_32k.parquet': 'parquet', 'hotpotqa_dev.parquet': 'parquet',   # name -> converter
@@ -784,22 +784,30 @@ def prepare(root=None, source=None, unverified: bool = False, files=None, progre
         if not source.is_dir(): raise FileNotFoundError(f"--from {source}: not a directory")
         ref_path, ref = _reference(source, root)
     done = {}
-    for name in names:
-        rec = _fetch_verified(name, root) if source is None else _copy_verified(name, source, root, ref_path, ref, unverified)
-        out = root / converted_name(name)
-        cm = convert(root / name, out, fmt=PINNED['files'][name], progress=progress)
-        rec['converted'] = {'path': out.name, 'sha256': cm['output']['sha256'], 'bytes': cm['output']['bytes'],
-                            'rows': cm['rows_written'], 'rows_read': cm['rows_read'], 'rows_skipped': cm['rows_skipped'],
-                            'skipped': cm['skipped']}
-        done[name] = rec
-    allf = {**old.get('files', {}), **done}
-    m = {'kind': 'memagent.data.prepare', **{k: PINNED[k] for k in ('repo_id', 'repo_type', 'revision')},
-         'files': {k: allf[k] for k in PINNED['files'] if k in allf},
-         'unverified': [k for k in PINNED['files'] if k in allf and not allf[k]['verified']],
-         'provenance': provenance(repo=_repo_root(), params={'source': str(source) if source else 'hub', 'files': names,
-                                                             'unverified': unverified})}
-    _write_json(m, mpath)
-    return m
+    def write():   # the files prepared so far are recorded even when a later one is refused
+        allf = {**old.get('files', {}), **done}
+        m = {'kind': 'memagent.data.prepare', **{k: PINNED[k] for k in ('repo_id', 'repo_type', 'revision')},
+             'files': {k: allf[k] for k in PINNED['files'] if k in allf},
+             'unverified': [k for k in PINNED['files'] if k in allf and not allf[k]['verified']],
+             'provenance': provenance(repo=_repo_root(), params={'source': str(source) if source else 'hub', 'files': names,
+                                                                 'unverified': unverified})}
+        _write_json(m, mpath)
+        return m
+    try:
+        for name in names:
+            (root / converted_name(name)).unlink(missing_ok=True)   # never leave an old conversion beside a refused file
+            old.get('files', {}).pop(name, None)
+            rec = _fetch_verified(name, root) if source is None else _copy_verified(name, source, root, ref_path, ref, unverified)
+            out = root / converted_name(name)
+            cm = convert(root / name, out, fmt=PINNED['files'][name], progress=progress)
+            rec['converted'] = {'path': out.name, 'sha256': cm['output']['sha256'], 'bytes': cm['output']['bytes'],
+                                'rows': cm['rows_written'], 'rows_read': cm['rows_read'], 'rows_skipped': cm['rows_skipped'],
+                                'skipped': cm['skipped']}
+            done[name] = rec
+    except BaseException:
+        if done or old.get('files'): write()
+        raise
+    return write()
 
 def prepared_file(name, root=None) -> Path:
     "The schema JSONL prepared from the pinned file `name` in the data root; an existing path is returned as is. Missing: the error gives the prepare command."
