@@ -8,11 +8,11 @@ import argparse, json, math, os, sys
 from pathlib import Path
 import numpy as np
 from .provenance import flatten, provenance, sha256_file
-from .evaluate import COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores
+from .evaluate import COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, metric_names, records_parity, score_record, summarize
 from .stats import paired_bootstrap_ci
 
 # %% auto #0
-__all__ = ['HOTPOTQA', 'ROLES', 'CompareError', 'comparable_fields', 'load_run', 'compare', 'compare_cli',
+__all__ = ['JUDGED', 'HOTPOTQA', 'ROLES', 'CompareError', 'comparable_fields', 'recompute', 'load_run', 'compare', 'compare_cli',
            'truncation_disclosure', 'plot_lengths', 'render_acceptance']
 
 # %% ../nbs/16b_acceptance.ipynb #c02ccb13
@@ -27,8 +27,45 @@ def comparable_fields(summary: dict) -> dict:
         out.update(sub or {f: None})
     return out
 
+JUDGED = ('parity', 'metrics', 'pass_at_k', 'pass_at_n', 'parity_extras', 'errors', 'successful', 'complete',
+          'truncated_samples', 'dropped_tokens', 'max_dropped_tokens', 'totals.samples', 'totals.items_recorded',
+          'totals.samples_expected')
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool) or not all(isinstance(x, (int, float)) for x in (a, b)): return a == b
+    if math.isnan(a) or math.isnan(b): return math.isnan(a) and math.isnan(b)
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+def _judged(flat: dict) -> dict:
+    return {k: v for k, v in flat.items() if any(k == j or k.startswith(j + '.') for j in JUDGED)}
+
+def recompute(summary: dict, records: list[dict], where: str = 'summary') -> dict:
+    "The summary again, from `records` scored with their own parity mode; `CompareError` naming `where`, the field and both values when a `JUDGED` number of `summary` disagrees."
+    try: parity = records_parity(records)
+    except ValueError as e: raise CompareError(f"{where}: {e}") from None
+    if parity is None: raise CompareError(f"{where}: the records name no parity mode (written before parity modes were recorded): evaluate again")
+    t, b = summary.get('totals') or {}, summary.get('bootstrap') or {}
+    missing = [k for k, d in (('totals.items', t), ('totals.samples_per_item', t), ('bootstrap.resamples', b), ('bootstrap.seed', b))
+               if k.split('.')[1] not in d]
+    if missing: raise CompareError(f"{where}: the summary lacks {missing}, needed to recompute it")
+    keys = ('prediction', *metric_names(parity))
+    rescored = [score_record(r, parity) for r in records]
+    bad = [f"records[{r['id']}/{r['sample']}].{k} = {r.get(k)!r} but {x[k]!r} recomputed" for r, x in zip(records, rescored)
+           for k in keys if not _same(r.get(k), x[k])]
+    again = summarize(rescored, {'totals': {'items': t['items'], 'samples_per_item': t['samples_per_item']}, 'parity': parity},
+                      n_boot=b['resamples'], seed=b['seed'])
+    have, want = _judged(flatten(summary)), _judged(flatten(again))
+    bad += [f"{k} = {have.get(k)!r} in the summary but {want.get(k)!r} recomputed from the records"
+            for k in list(want) + [k for k in have if k not in want] if not _same(have.get(k), want.get(k))]
+    if bad:
+        raise CompareError(f"{where}: the summary disagrees with its per-sample records (parity {parity!r}): " + '; '.join(bad[:5])
+                           + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ''))
+    return again
+
 def load_run(run) -> dict:
-    "`{'summary', 'records', 'source'}` for a summary dict, a `summary.json` path or a run directory."
+    "`{'summary', 'records', 'source', 'recomputed'}` for a summary dict, a `summary.json` path or a run directory; the records' hash is checked and the summary recomputed from them."
     src = None
     if isinstance(run, (str, os.PathLike)):
         p = Path(run)
@@ -44,10 +81,12 @@ def load_run(run) -> dict:
     rec = summary.get('records') or {}
     rp = (Path(src) / rec['file']) if src is not None and rec.get('file') else (Path(rec['path']) if rec.get('path') else None)
     if rp is None or not rp.is_file(): raise CompareError(f"{src or 'summary'}: per-sample records not found ({rp})")
-    if rec.get('sha256') and sha256_file(rp) != rec['sha256']:
+    if not rec.get('sha256'): raise CompareError(f"{src or 'summary'}: the summary records no records.sha256")
+    if sha256_file(rp) != rec['sha256']:
         raise CompareError(f"{rp}: SHA-256 does not match the summary's records.sha256 (records changed after the run)")
     records = [json.loads(l) for l in rp.read_text(encoding='utf-8').splitlines() if l.strip()]
-    return {'summary': summary, 'records': records, 'source': str(src) if src else None}
+    again = recompute(summary, records, str(src or 'summary'))
+    return {'summary': summary, 'records': records, 'source': str(src) if src else None, 'recomputed': again}
 
 def _as_mapping(x) -> dict:
     "A run or `{key: run}` as `{key: run}` (int keys for lengths; 'hotpotqa' for the HotpotQA set)."
@@ -92,7 +131,7 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
             except CompareError as e: _check(checks, 'records', key, False, f"{role}: {e}")
         if len(loaded) < 3: continue
         for role, run in loaded.items():
-            s, n = run['summary'], len(run['records'])
+            s, n = run['recomputed'], len(run['records'])
             exp = s['totals']['items'] * s['totals']['samples_per_item']
             complete = n == exp and s.get('complete', False) and n == s['totals'].get('samples')
             _check(checks, 'complete', key, complete, f"{role}: {n} of {exp} samples recorded" + ('' if complete else ' (incomplete run)'),
@@ -108,8 +147,8 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
                       if diff else f"{role} vs reference: all comparable fields agree")
             _check(checks, 'comparable', key, not diff, reason, role=role, fields=diff)
         met = hotpotqa_metric if key == HOTPOTQA else metric
-        v = {role: loaded[role]['summary']['metrics'][met]['value'] for role in loaded}
-        ci = {role: loaded[role]['summary']['metrics'][met]['ci95'] for role in loaded}
+        v = {role: loaded[role]['recomputed']['metrics'][met]['value'] for role in loaded}    # never the summary's own numbers
+        ci = {role: loaded[role]['recomputed']['metrics'][met]['ci95'] for role in loaded}
         values[str(key)] = {'metric': met, **{r: {'value': v[r], 'ci95': ci[r]} for r in v}}
         if key != HOTPOTQA:
             gap = abs(v['candidate'] - v['reference'])
@@ -213,8 +252,9 @@ def plot_lengths(summaries: dict, path, metric: str = 'sub_em') -> Path:
     fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
     return path
 
-def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | None = None) -> Path:
-    "Write README.md, sub_em.png, compare.json and summaries/ for an acceptance run; returns README.md's path."
+def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | None = None, data_note: str | None = None,
+                      recipe_data: bool = True) -> Path:
+    "Write README.md, sub_em.png, compare.json and summaries/ for an acceptance run; returns README.md's path. `data_note` (what the sets are) opens the report; `recipe_data=False` says in the title that they are not the recipe's evaluation set."
     from memagent.report import md_table, provenance_md, write_report
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     (out / 'compare.json').write_text(json.dumps(report, indent=1) + '\n')
@@ -247,12 +287,14 @@ def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | Non
                 prow.append({'set': key, 'pair': pair.replace('_', ' '), 'metric': p['metric'], 'items': q['items'],
                              'agreement': q['agreement'], 'diff pp': q['diff_pp'],
                              'paired 95% CI pp': f"[{q['diff_ci95_pp'][0]:.2f}, {q['diff_ci95_pp'][1]:.2f}]"})
-    models = md_table([{'model': r, 'name': (s.get('model') or {}).get('name'), 'weights sha256': str((s.get('model') or {}).get('weights_sha256'))[:16]}
+    served = lambda s: (s.get('served_model') or {}).get('how') or '; '.join(sorted({x.get('how', '') for x in (s.get('served_model') or {}).get('servers', [])})) or 'not checked'
+    models = md_table([{'model': r, 'name': (s.get('model') or {}).get('name'), 'weights sha256': str((s.get('model') or {}).get('weights_sha256'))[:16],
+                        'served model proven by': served(s)}
                        for r in ROLES for s in list(summaries.get(r, {}).values())[:1]])
     any_s = next(iter(next(iter(summaries.values())).values()))
     shared = md_table([{'field': k, 'value': json.dumps(v) if not isinstance(v, str) else v}
                        for k, v in comparable_fields(any_s).items() if not k.startswith('data.')])
-    sections = [('Verdict', verdict),
+    sections = ([('Evaluation data', data_note)] if data_note else []) + [('Verdict', verdict),
                 ('Results', f"Metric: `{report['metric']}` in %, 95% item-bootstrap interval in brackets; tolerance "
                             f"{report['tolerance_pp']} pp.\n\n" + md_table(rows, floatfmt='.2f') + '\n\n![sub_EM per length](sub_em.png)'),
                 ('Truncation disclosure', truncation_disclosure(summaries)),
@@ -260,4 +302,5 @@ def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | Non
                 ('Models', models), ('Shared evaluation configuration', shared)]
     if params: sections.append(('Parameters', '```json\n' + json.dumps(params, indent=1, default=str) + '\n```'))
     sections.append(('Provenance', provenance_md(report.get('provenance', {}))))
-    return write_report(out, 'Acceptance: candidate vs reference vs base', sections, files=files)
+    title = 'Acceptance: candidate vs reference vs base' + ('' if recipe_data else " (NOT the recipe's evaluation set)")
+    return write_report(out, title, sections, files=files)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_checkpoint.ipynb #faf2d974
 from __future__ import annotations
-import fcntl, json, os, random, re, shutil, socket, tempfile, time, warnings
+import fcntl, hashlib, json, os, random, re, shutil, socket, tempfile, time, warnings
 from pathlib import Path
 import numpy as np
 import torch
@@ -12,9 +12,10 @@ from safetensors.torch import save_file, load_file
 from .provenance import sha256_file
 
 # %% auto #0
-__all__ = ['CheckpointError', 'rng_state', 'set_rng_state', 'list_checkpoints', 'latest_checkpoint', 'remove_stale_tmp',
-           'nonfinite_tensors', 'save_checkpoint', 'verify_checkpoint', 'load_checkpoint', 'load_latest',
-           'RunLockedError', 'RunLock', 'export_hf']
+__all__ = ['WEIGHTS_FILE', 'FINGERPRINT_PROMPT', 'FINGERPRINT_TOKENS', 'CheckpointError', 'rng_state', 'set_rng_state',
+           'list_checkpoints', 'latest_checkpoint', 'remove_stale_tmp', 'nonfinite_tensors', 'save_checkpoint',
+           'verify_checkpoint', 'load_checkpoint', 'load_latest', 'RunLockedError', 'RunLock', 'tensors_sha256',
+           'model_fingerprint', 'read_weights_record', 'export_hf']
 
 # %% ../nbs/15_checkpoint.ipynb #768b6f92
 class CheckpointError(RuntimeError):
@@ -184,14 +185,68 @@ class RunLock:
             fcntl.flock(self._f, fcntl.LOCK_UN); self._f.close(); self._f = None
 
 # %% ../nbs/15_checkpoint.ipynb #6b52344c
-def export_hf(model, tokenizer, out_dir, provenance: dict | None = None, state_dict: dict | None = None) -> Path:
-    "Write `model` (optionally with weights `state_dict`) and `tokenizer` as an HF directory, atomically."
+WEIGHTS_FILE = 'memagent_weights.json'
+FINGERPRINT_PROMPT = tuple(range(10, 42))   # 32 token ids every vocabulary holds
+FINGERPRINT_TOKENS = 4
+
+def tensors_sha256(model_dir) -> str:
+    "SHA-256 over every tensor of the `.safetensors` files in `model_dir`, in name order: name, dtype, shape and raw bytes (independent of sharding and file metadata)."
+    d = Path(model_dir)
+    files = sorted(d.glob('*.safetensors'))
+    if not files: raise CheckpointError(f"{d}: no .safetensors files to hash")
+    index = {}
+    for f in files:
+        with open(f, 'rb') as fh:
+            n = int.from_bytes(fh.read(8), 'little')
+            try: header = json.loads(fh.read(n))
+            except ValueError as e: raise CheckpointError(f"{f}: unreadable safetensors header ({e})") from e
+        for name, meta in header.items():
+            if name == '__metadata__': continue
+            if name in index: raise CheckpointError(f"{d}: tensor {name!r} is in both {index[name][0].name} and {f.name}")
+            index[name] = (f, 8 + n, meta)
+    h = hashlib.sha256()
+    for name in sorted(index):
+        f, base, meta = index[name]
+        h.update(json.dumps([name, meta['dtype'], meta['shape']]).encode())
+        lo, hi = meta['data_offsets']
+        with open(f, 'rb') as fh:
+            fh.seek(base + lo); left = hi - lo
+            while left:
+                b = fh.read(min(left, 1 << 24))
+                if not b: raise CheckpointError(f"{f}: tensor {name!r} is cut short")
+                h.update(b); left -= len(b)
+    return h.hexdigest()
+
+def model_fingerprint(model, prompt_ids=FINGERPRINT_PROMPT, n_tokens: int = FINGERPRINT_TOKENS) -> dict:
+    "Greedy continuation of a fixed prompt and its log-probs, as an engine returns them: what a server that cannot be read from disk is checked against."
+    from memagent.engines import HFEngine, SamplingParams
+    r = HFEngine(model).generate([list(prompt_ids)], SamplingParams(max_new_tokens=n_tokens, temperature=0.0))[0]
+    return {'prompt_ids': list(prompt_ids), 'output_ids': [int(t) for t in r.output_ids],
+            'logprobs': [float(x) for x in r.logprobs], 'dtype': str(next(model.parameters()).dtype)}
+
+def read_weights_record(model_dir) -> dict | None:
+    "The weights record `export_hf` wrote in `model_dir` (`tensors_sha256`, `fingerprint`), or None when there is none."
+    p = Path(model_dir)/WEIGHTS_FILE
+    if not p.is_file(): return None
+    try: return json.loads(p.read_text())
+    except ValueError as e: raise CheckpointError(f"{p}: unreadable weights record ({e})") from e
+
+def export_hf(model, tokenizer, out_dir, provenance: dict | None = None, state_dict: dict | None = None,
+              identity: bool = True) -> Path:
+    "Write `model` (optionally with weights `state_dict`) and `tokenizer` as an HF directory, atomically; with `identity`, also `memagent_weights.json` (tensor hash and fingerprint)."
     out = Path(out_dir); out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}-', dir=out.parent))
     try:
         model.save_pretrained(tmp, state_dict=state_dict)
         if tokenizer is not None: tokenizer.save_pretrained(tmp)
         if provenance is not None: (tmp/'memagent_provenance.json').write_text(json.dumps(provenance, indent=1))
+        if identity:
+            src = model
+            if state_dict is not None:                  # the written weights, not the model object's
+                from transformers import AutoModelForCausalLM
+                src = AutoModelForCausalLM.from_pretrained(tmp, dtype='auto')
+            rec = {'format': 1, 'tensors_sha256': tensors_sha256(tmp), 'fingerprint': model_fingerprint(src)}
+            (tmp/WEIGHTS_FILE).write_text(json.dumps(rec, indent=1))
         if out.exists(): shutil.rmtree(out)
         os.rename(tmp, out)
     except BaseException:

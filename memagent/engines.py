@@ -197,6 +197,15 @@ class HFEngine:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.stats = new_stats()
+        self.source = str(getattr(self.model, 'name_or_path', '') or '') or None   # where the weights came from; None: from memory
+
+    def identity(self) -> dict:
+        "What this engine samples with: the model object (class and `id`) and the directory its weights were loaded from (`source`)."
+        return {'kind': 'hf', 'path': self.source, 'class': type(self.model).__name__, 'object_id': id(self.model)}
+
+    def greedy_each(self, prompt_ids, n_tokens: int) -> list:
+        "The greedy continuation of `prompt_ids` with its log-probs (one result: this engine has one model)."
+        return [self.generate([list(prompt_ids)], SamplingParams(max_new_tokens=n_tokens, temperature=0.0))[0]]
 
     def health(self) -> bool: return True
     def close(self) -> None: pass
@@ -304,6 +313,7 @@ class HFEngine:
             missing = [k for k in res.missing_keys if k not in tied]
             if res.unexpected_keys or missing:
                 raise DeterministicEngineError(f"update_weights: missing {missing[:5]}, unexpected {res.unexpected_keys[:5]}")
+            self.source = str(path) if path is not None else None
 
     def sync_weights(self, state_dict: dict, hf_model, tokenizer, sync_dir) -> float:
         "Load a copy of the policy's `state_dict` in memory (`hf_model`, `tokenizer`, `sync_dir` are not needed); returns seconds."
@@ -655,7 +665,7 @@ class SGLangEngine:
         "Push the policy's `state_dict` to every server (colocated: resume weights, load, resume the KV cache, flush); returns seconds."
         from memagent.checkpoint import export_hf
         t0 = time.perf_counter()
-        if self.weight_sync == 'disk': export_hf(hf_model, tokenizer, sync_dir, state_dict=state_dict)
+        if self.weight_sync == 'disk': export_hf(hf_model, tokenizer, sync_dir, state_dict=state_dict, identity=False)
         if not self.colocated:
             self.update_weights(path=str(sync_dir))
             return time.perf_counter() - t0
@@ -669,6 +679,27 @@ class SGLangEngine:
     def flush_cache(self, url: str) -> None:
         "Drop server `url`'s prefix cache (stale after new weights); retried like generation."
         self.post('/flush_cache', None, url, self.connect_timeout_s)
+
+    def model_info(self) -> list[dict]:
+        "What each server says it serves (`GET /get_model_info`: model_path, tokenizer_path, is_generation, weight_version) with its url, in server order."
+        out = []
+        for u in self.urls:
+            r = self._http('GET', u, '/get_model_info', None, self.connect_timeout_s)
+            if not isinstance(r, dict) or 'model_path' not in r:
+                raise DeterministicEngineError(f"{u}/get_model_info: no model_path in the reply {str(r)[:200]}")
+            out.append({'url': u, **{k: r.get(k) for k in ('model_path', 'tokenizer_path', 'is_generation', 'weight_version')}})
+        return out
+
+    def identity(self) -> dict:
+        "What the servers serve: `{'kind': 'sglang', 'servers': model_info()}`."
+        return {'kind': 'sglang', 'servers': self.model_info()}
+
+    def greedy_each(self, prompt_ids, n_tokens: int) -> list:
+        "The greedy continuation of `prompt_ids` with its log-probs from every server (each must answer itself), in server order."
+        sp = SamplingParams(max_new_tokens=n_tokens, temperature=0.0)
+        payload = {'input_ids': check_prompt(prompt_ids), 'sampling_params': _jsonable_params(sp), 'return_logprob': True,
+                   'logprob_start_len': -1, 'stream': False}
+        return [parse_sglang_response(r, len(payload['input_ids']), sp) for r in self.post_each('/generate', payload)]
 
     def health(self) -> bool:
         "True when every server answers `GET /health` with 200 within `connect_timeout_s` (one attempt each, no retry)."

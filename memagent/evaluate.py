@@ -8,28 +8,51 @@ import argparse, json, os, sys, time
 from pathlib import Path
 import numpy as np
 from .provenance import provenance, sha256_file, sha256_text
-from .reward import score_prediction
 from .engines import engine_from_config
 from .stats import bootstrap_ci, pass_at_k
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMPARABLE', 'RECORDS_FILE', 'SUMMARY_FILE',
-           'item_scores', 'summarize', 'eval_config', 'default_base_max_tokens', 'item_limit', 'run_info', 'evaluate',
+           'metric_names', 'score_record', 'records_parity', 'item_scores', 'summarize', 'eval_config',
+           'default_base_max_tokens', 'ModelMismatchError', 'check_served_model', 'item_limit', 'run_info', 'evaluate',
            'write_run', 'evaluate_exit_code', 'evaluate_cli']
 
 # %% ../nbs/16_evaluate.ipynb #2e2d87d0
 SCHEMA_VERSION = 'memagent.evaluate/1'
 METRICS = ('em', 'sub_em', 'strict_sub_em', 'f1', 'boxed_em')
 BINARY_METRICS = ('em', 'sub_em', 'strict_sub_em', 'boxed_em')  # 0/1 per sample: pass@k is defined on these
-RECORD_FIELDS = ('id', 'sample', 'answers', 'prediction', *METRICS, 'response', 'num_chunks', 'truncated',
+RECORD_FIELDS = ('id', 'sample', 'answers', 'parity', 'prediction', *METRICS, 'response', 'num_chunks', 'truncated',
                  'dropped_tokens', 'memory_lengths', 'error')
-COMPARABLE = ('schema_version', 'mode', 'data.sha256', 'data.item_ids_sha256', 'prompts.variant',
+COMPARABLE = ('schema_version', 'mode', 'parity', 'data.sha256', 'data.item_ids_sha256', 'prompts.variant',
               'prompts.template_sha256', 'thinking', 'tokenizer.class', 'tokenizer.size', 'tokenizer.vocab_sha256',
               'tokenizer.chat_template_sha256', 'sampling', 'seeds.eval', 'limits', 'totals.items',
               'totals.samples_per_item')
 RECORDS_FILE, SUMMARY_FILE = 'records.jsonl', 'summary.json'
 
 # %% ../nbs/16_evaluate.ipynb #851f4f13
+def metric_names(parity: str | None) -> tuple:
+    "The metrics a parity mode scores (the numeric fields of its `score`), in its order; `METRICS` when no mode is named."
+    if parity is None: return METRICS
+    from memagent.parity import get_parity
+    sc = get_parity(parity).score('', ['x'])
+    return tuple(k for k, v in sc.items() if k != 'prediction' and isinstance(v, (int, float)) and not isinstance(v, bool))
+
+def score_record(rec: dict, parity: str) -> dict:
+    "`rec` scored by parity mode `parity` from its `response` and `answers` (every score field replaced); an errored record scores 0."
+    from memagent.parity import get_parity
+    if rec.get('error'): sc = {'prediction': '', **{m: 0.0 for m in metric_names(parity)}}
+    else: sc = get_parity(parity).score(rec.get('response') or '', list(rec['answers']))
+    out = {'id': str(rec['id']), 'sample': int(rec['sample']), 'answers': list(rec['answers']), 'parity': parity}
+    out.update({k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in sc.items()})
+    out.update({k: v for k, v in rec.items() if k not in out and k not in sc})
+    return out
+
+def records_parity(records) -> str | None:
+    "The one parity mode `records` were scored with (None when they name none); mixed modes are refused."
+    ps = {r.get('parity') for r in records}
+    if len(ps) > 1: raise ValueError(f"records scored with several parity modes: {sorted(map(str, ps))}")
+    return next(iter(ps), None)
+
 def _item_order(records) -> list:
     seen = {}
     for r in records: seen.setdefault(str(r['id']), None)
@@ -51,6 +74,8 @@ def _ks(n):
 def summarize(records: list[dict], run_info: dict | None = None, n_boot: int = 1000, seed: int = 0) -> dict:
     "Summary of per-sample `records`: totals, errors, truncation, each metric in % with a 95% item bootstrap CI, pass@k."
     run_info = dict(run_info or {})
+    parity = run_info.get('parity') or records_parity(records)
+    names = metric_names(parity)
     items = _item_order(records)
     per_item = {}
     for r in records: per_item.setdefault(str(r['id']), []).append(r)
@@ -60,14 +85,14 @@ def summarize(records: list[dict], run_info: dict | None = None, n_boot: int = 1
     expected = n_items * spi
     errors = sum(1 for r in records if r.get('error'))
     metrics = {}
-    for m in METRICS:
+    for m in names:
         s = item_scores(records, m)
         vals = [s[i] for i in items]
         metrics[m] = {'value': 100 * float(np.mean(vals)) if vals else float('nan'),
                       'ci95': [100 * v for v in bootstrap_ci(vals, n_boot=n_boot, seed=seed)]}
     pass_at = {}
     n_min = counts[0] if counts else 0
-    for m in BINARY_METRICS:
+    for m in (m for m in names if m in BINARY_METRICS):
         if n_min == 0: break
         row = {}
         for k in _ks(n_min):
@@ -83,11 +108,14 @@ def summarize(records: list[dict], run_info: dict | None = None, n_boot: int = 1
                'max_dropped_tokens': int(max([int(r.get('dropped_tokens') or 0) for r in records], default=0)),
                'chunks_mean': float(np.mean([r.get('num_chunks', 0) for r in records])) if records else 0.0,
                'chunks_max': int(max([r.get('num_chunks', 0) for r in records], default=0))}
-    out = {'schema_version': SCHEMA_VERSION, **run_info}
+    out = {'schema_version': SCHEMA_VERSION, **run_info, 'parity': parity}
     out['totals'] = {**run_info.get('totals', {}), **totals}
     out.update(honesty)
     out.update({'metrics': metrics, 'pass_at_k': pass_at, 'pass_at_n': {m: v[str(n_min)] for m, v in pass_at.items()},
                 'bootstrap': {'resamples': n_boot, 'seed': seed, 'level': 0.95, 'unit': 'item', 'method': 'percentile'}})
+    if parity is not None:
+        from memagent.parity import get_parity
+        out['parity_extras'] = get_parity(parity).summary_extras(records)
     return out
 
 # %% ../nbs/16_evaluate.ipynb #3902e29f
@@ -110,13 +138,10 @@ def eval_config(cfg, variant: str = 'eval'):
     return apply_overrides(cfg, {'rollout.temperature': cfg.eval.temperature, 'rollout.top_p': cfg.eval.top_p,
                                  'prompt.variant': variant})
 
-def _record(ex, sample, answers, response, num_chunks=0, truncated=False, dropped_tokens=0, memory_lengths=(), error=None):
-    if error: sc = {'prediction': '', **{m: 0.0 for m in METRICS}}
-    else: sc = score_prediction(response or '', answers)
-    return {'id': str(ex['id']), 'sample': int(sample), 'answers': list(answers), 'prediction': sc['prediction'],
-            **{m: float(sc[m]) for m in METRICS}, 'response': response or '', 'num_chunks': int(num_chunks),
-            'truncated': bool(truncated), 'dropped_tokens': int(dropped_tokens), 'memory_lengths': list(memory_lengths),
-            'error': error}
+def _record(parity, ex, sample, answers, response, num_chunks=0, truncated=False, dropped_tokens=0, memory_lengths=(), error=None):
+    return score_record({'id': str(ex['id']), 'sample': int(sample), 'answers': list(answers), 'response': response or '',
+                         'num_chunks': int(num_chunks), 'truncated': bool(truncated), 'dropped_tokens': int(dropped_tokens),
+                         'memory_lengths': list(memory_lengths), 'error': error}, parity)
 
 def _recurrent_batch(batch, engine, tokenizer, ecfg, samples, seed, variant):
     from memagent.rollout import rollout
@@ -125,15 +150,15 @@ def _recurrent_batch(batch, engine, tokenizer, ecfg, samples, seed, variant):
         trajs = rollout(batch, engine, tokenizer, ecfg, group_size=samples, seed=seed, variant=variant, progress=False,
                         sampling={'temperature': ecfg.eval.temperature, 'top_p': ecfg.eval.top_p, 'top_k': ecfg.rollout.top_k})
     except EngineError as e:
-        return [_record(ex, s, ex['answers'], '', error=f"{type(e).__name__}: {e}") for ex in batch for s in range(samples)]
+        return [_record(ecfg.eval.parity, ex, s, ex['answers'], '', error=f"{type(e).__name__}: {e}") for ex in batch for s in range(samples)]
     by = {(str(t.example_id), int(t.sample_index)): t for t in trajs}
     out = []
     for ex in batch:
         for s in range(samples):
             t = by.get((str(ex['id']), s))
             if t is None:
-                out.append(_record(ex, s, ex['answers'], '', error='rollout returned no trajectory for this sample')); continue
-            out.append(_record(ex, s, ex['answers'], t.final_text, t.num_chunks, t.truncated, t.dropped_tokens,
+                out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], '', error='rollout returned no trajectory for this sample')); continue
+            out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], t.final_text, t.num_chunks, t.truncated, t.dropped_tokens,
                                t.memory_lengths, t.error))
     return out
 
@@ -166,10 +191,72 @@ def _base_batch(batch, engine, tokenizer, ecfg, samples, seed, max_tokens):
     out = []
     for (ex, s, dropped), r in zip(meta, res):
         if isinstance(r, Exception):
-            out.append(_record(ex, s, ex['answers'], '', 0, dropped > 0, dropped, (), f"{type(r).__name__}: {r}")); continue
+            out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], '', 0, dropped > 0, dropped, (), f"{type(r).__name__}: {r}")); continue
         text = r.text if r.text is not None else tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        out.append(_record(ex, s, ex['answers'], text, 0, dropped > 0, dropped, ()))
+        out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], text, 0, dropped > 0, dropped, ()))
     return out
+
+# %% ../nbs/16_evaluate.ipynb #0fc6d840
+class ModelMismatchError(ValueError):
+    "The engine serves another model than the one a run is labelled with (or cannot show which); the message names both identities."
+
+def _want(model) -> dict:
+    from memagent.models import model_dir
+    from memagent.checkpoint import read_weights_record
+    try: d = model_dir(model).resolve()
+    except FileNotFoundError: return {'name': str(model), 'path': None, 'record': None}
+    return {'name': str(model), 'path': str(d), 'record': read_weights_record(d)}
+
+def _want_hash(want) -> str:
+    from memagent.checkpoint import tensors_sha256
+    rec = want['record'] or {}
+    if not rec.get('tensors_sha256'): rec['tensors_sha256'] = tensors_sha256(want['path'])
+    want['record'] = rec
+    return rec['tensors_sha256']
+
+def _refuse(model, want, served, why):
+    exp = f"checkpoint {model!r} (path {want['path']}" + (f", tensors_sha256 {want['record']['tensors_sha256'][:16]}" if (want['record'] or {}).get('tensors_sha256') else '') + ')'
+    raise ModelMismatchError(f"the engine does not serve the checkpoint this run is labelled with: {why}. Served: {served}; expected: {exp}")
+
+def check_served_model(engine, model, logprob_tol: float = 0.1) -> dict:
+    "Prove `engine` serves checkpoint `model` (see above), else `ModelMismatchError` naming both identities; returns the proof."
+    if not hasattr(engine, 'identity'):
+        raise ModelMismatchError(f"{type(engine).__name__} cannot say which model it serves (no identity()); expected checkpoint {model!r}")
+    ident, want = engine.identity(), _want(model)
+    if ident['kind'] == 'hf':
+        got = str(Path(ident['path']).resolve()) if ident['path'] and Path(ident['path']).exists() else ident['path']
+        if got is None or got != (want['path'] or want['name']):
+            _refuse(model, want, f"HF engine model {ident['class']} loaded from {ident['path']}", 'the model object was loaded elsewhere')
+        return {'kind': 'hf', 'path': got, 'how': 'model object loaded from the checkpoint directory'}
+    proofs, need_fp = [], []
+    for srv in ident['servers']:
+        sp = srv['model_path']
+        if sp and Path(sp).is_dir():
+            from memagent.checkpoint import tensors_sha256, CheckpointError
+            if want['path'] is None: _refuse(model, want, f"{srv['url']} model_path {sp}", 'a local directory is served for a hub id')
+            try: got = tensors_sha256(sp)
+            except CheckpointError as e: _refuse(model, want, f"{srv['url']} model_path {sp}", f"the served weights cannot be hashed ({e})")
+            if got != _want_hash(want):
+                _refuse(model, want, f"{srv['url']} model_path {sp} (tensors_sha256 {got[:16]})", 'the served weights differ')
+            proofs.append({**srv, 'tensors_sha256': got, 'how': 'served path visible: tensor hash'})
+        elif want['path'] is None and sp == want['name']:
+            proofs.append({**srv, 'how': 'hub id served under the same name'})
+        else: need_fp.append(srv)
+    if need_fp:
+        fp = (want['record'] or {}).get('fingerprint')
+        if not fp:
+            _refuse(model, want, ', '.join(f"{s['url']} model_path {s['model_path']}" for s in need_fp),
+                    'the served path is not visible to this client and the checkpoint records no fingerprint')
+        res = dict(zip([s['url'] for s in ident['servers']], engine.greedy_each(fp['prompt_ids'], len(fp['output_ids']))))
+        for srv in need_fp:
+            r = res[srv['url']]
+            diff = max((abs(a - b) for a, b in zip(r.logprobs, fp['logprobs'])), default=0.0)
+            if list(r.output_ids) != fp['output_ids'] or diff > logprob_tol:
+                _refuse(model, want, f"{srv['url']} model_path {srv['model_path']} (fingerprint ids {list(r.output_ids)}, log-probs "
+                        f"{[round(x, 4) for x in r.logprobs]})", f"the fingerprint differs from the one recorded at export "
+                        f"(ids {fp['output_ids']}, log-probs {[round(x, 4) for x in fp['logprobs']]}, tolerance {logprob_tol})")
+            proofs.append({**srv, 'how': 'fingerprint', 'max_logprob_diff': diff})
+    return {'kind': 'sglang', 'servers': proofs}
 
 # %% ../nbs/16_evaluate.ipynb #ed8fb01b
 def item_limit(max_items, cfg) -> int | None:
@@ -194,7 +281,7 @@ def run_info(cfg, tokenizer, mode: str, examples, data_path=None, model_name=Non
     if model_info is None:
         try: model_info = model_identity(model_name) if model_name else {'name': None}
         except (FileNotFoundError, OSError, ValueError) as e: model_info = {'name': str(model_name), 'error': str(e)}
-    return {'mode': mode, 'data': _dataset_info(examples, data_path), 'prompts': prompt_record(variant, cfg.prompt.thinking, tokenizer),
+    return {'mode': mode, 'parity': cfg.eval.parity, 'data': _dataset_info(examples, data_path), 'prompts': prompt_record(variant, cfg.prompt.thinking, tokenizer),
             'thinking': cfg.prompt.thinking, 'tokenizer': tokenizer_identity(tokenizer), 'model': model_info,
             'engine': {'class': type(engine).__name__ if engine is not None else None, 'kind': cfg.rollout.engine},
             'sampling': {'temperature': cfg.eval.temperature, 'top_p': cfg.eval.top_p, 'top_k': cfg.rollout.top_k,
@@ -205,8 +292,8 @@ def run_info(cfg, tokenizer, mode: str, examples, data_path=None, model_name=Non
 def evaluate(examples, engine, tokenizer, cfg, mode: str = 'recurrent', out_dir=None, data_path=None,
              model_name=None, samples: int | None = None, max_items: int | None | str = 'config', batch_size: int = 8,
              variant: str = 'eval', base_max_tokens: int | None = None, n_boot: int = 1000, progress: bool = True,
-             model_info: dict | None = None, key=None) -> dict:
-    "Evaluate `examples` (list or schema JSONL path) recurrently or with the base prompt; write records + summary to `out_dir`."
+             model_info: dict | None = None, key=None, check_model: bool = False) -> dict:
+    "Evaluate `examples` (list or schema JSONL path) recurrently or with the base prompt; write records + summary to `out_dir`. With `check_model`, first prove the engine serves `model_name`."
     if mode not in ('recurrent', 'base'): raise ValueError(f"mode must be 'recurrent' or 'base', got {mode!r}")
     if isinstance(examples, (str, os.PathLike)):
         from memagent.data import read_examples
@@ -219,9 +306,12 @@ def evaluate(examples, engine, tokenizer, cfg, mode: str = 'recurrent', out_dir=
     if not examples: raise ValueError(f"evaluate: no examples to evaluate (max_items={max_items!r})")
     if samples < 1 or batch_size < 1: raise ValueError(f"samples and batch_size must be >= 1, got {samples}, {batch_size}")
     ecfg = eval_config(cfg, variant)
+    if check_model and model_name is None: raise ValueError("check_model=True needs model_name (the checkpoint the run is labelled with)")
+    served = check_served_model(engine, model_name) if check_model else None
     if mode == 'base' and base_max_tokens is None: base_max_tokens = default_base_max_tokens(ecfg)
     info = run_info(ecfg, tokenizer, mode, examples, data_path, model_name, samples, variant, base_max_tokens, engine, model_info)
     info['key'] = key if key is not None else info['data']['num_docs']
+    info['served_model'] = served or {'checked': False}
     from tqdm.auto import tqdm
     bar = tqdm(total=len(examples), desc=f'evaluate {mode}', unit='item', disable=not progress, file=sys.stderr)
     records, t0 = [], time.perf_counter()
@@ -290,7 +380,7 @@ def evaluate_cli(argv=None) -> int:
         s = evaluate(a.data, eng, tok, cfg, mode=a.mode, out_dir=a.out, model_name=a.model, samples=a.samples,
                      max_items=None if a.all_items else ('config' if a.max_items is None else a.max_items),
                      batch_size=a.batch_size, variant=a.variant, base_max_tokens=a.base_max_tokens,
-                     progress=not a.no_progress, key=a.key)
+                     progress=not a.no_progress, key=a.key, check_model=True)
     except (OSError, ValueError, KeyError) as e:
         print(f"memagent-evaluate: error: {e}", file=sys.stderr); return 2
     m = s['metrics']

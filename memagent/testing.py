@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 from .engines import MEMORY_TAGS, SamplingParams
-from .evaluate import METRICS, summarize, write_run
+from .evaluate import score_record, summarize, write_run
 from .provenance import flatten, sha256_text
 
 # %% auto #0
@@ -132,12 +132,15 @@ class _Handler(BaseHTTPRequestHandler):
 class FakeSGLangServer:
     "A local HTTP server in a thread speaking SGLang's native schema: a route table, injectable faults, a latency model."
     def __init__(self, engine=None, vocab: int = 1000, slow_s: float = 2.0, latency: Callable | None = None,
-                 trickle_s: float = 0.05, tp_size: int = 1, eos_token_ids=(), host: str = '127.0.0.1', port: int = 0):
+                 trickle_s: float = 0.05, tp_size: int = 1, eos_token_ids=(), host: str = '127.0.0.1', port: int = 0,
+                 model_path: str | None = None, tokenizer_path: str | None = None, weight_version: str = 'default'):
         self.engine, self.vocab, self.slow_s, self.latency, self.trickle_s = engine, vocab, slow_s, latency, trickle_s
+        self.model_path, self.tokenizer_path, self.weight_version = model_path, tokenizer_path or model_path, weight_version
         self.tp_size, self.eos_token_ids = tp_size, tuple(int(t) for t in eos_token_ids)
         self.healthy, self.weight_paths, self.log = True, [], []
         self.released, self.session, self.groups, self.tensor_updates, self.distributed_updates = set(), False, set(), [], []
         self.routes = {('GET', '/health'): self.health, ('POST', '/generate'): self.generate,
+                       ('GET', '/get_model_info'): self.get_model_info,
                        ('POST', '/flush_cache'): self.flush_cache,
                        ('POST', '/update_weights_from_disk'): self.update_weights_from_disk,
                        ('POST', '/update_weights_from_tensor'): self.update_weights_from_tensor,
@@ -188,6 +191,10 @@ class FakeSGLangServer:
 
     # endpoints
     def health(self, ex): ex.status, ex.reply = (200 if self.healthy else 503), {}
+    def get_model_info(self, ex):
+        "SGLang's reply: the path the server loaded (updated by `/update_weights_from_disk`), its tokenizer, the weight version."
+        ex.reply = {'model_path': self.model_path, 'tokenizer_path': self.tokenizer_path, 'is_generation': True,
+                    'preferred_sampling_params': None, 'weight_version': self.weight_version}
     def flush_cache(self, ex): ex.reply = 'Cache flushed.'
 
     @staticmethod
@@ -203,7 +210,9 @@ class FakeSGLangServer:
         p = ex.body.get('model_path')
         if not p or not Path(p).exists(): self._fail(ex, f'cannot load {p}'); return
         if self.engine is not None: self.engine.update_weights(path=p)
-        self.weight_paths.append(p); ex.reply = {'success': True, 'message': 'ok'}
+        self.weight_paths.append(p); self.model_path = p                  # as SGLang's tokenizer manager does
+        if ex.body.get('weight_version') is not None: self.weight_version = ex.body['weight_version']
+        ex.reply = {'success': True, 'message': 'ok'}
 
     # memory occupation
     def _tags(self, ex) -> list | None:
@@ -343,8 +352,10 @@ def main(argv=None) -> None:
     ap.add_argument('--host', default='127.0.0.1'); ap.add_argument('--port', type=int, required=True)
     ap.add_argument('--tp-size', type=int, default=1); ap.add_argument('--vocab', type=int, default=1000)
     ap.add_argument('--eos-token-ids', type=int, nargs='*', default=[])
+    ap.add_argument('--model-path', default=None, help='what /get_model_info reports as served')
     a = ap.parse_args(argv)
-    srv = FakeSGLangServer(vocab=a.vocab, tp_size=a.tp_size, eos_token_ids=a.eos_token_ids, host=a.host, port=a.port)
+    srv = FakeSGLangServer(vocab=a.vocab, tp_size=a.tp_size, eos_token_ids=a.eos_token_ids, host=a.host, port=a.port,
+                           model_path=a.model_path)
     print(f"serving {srv.url}", flush=True)
     srv.serve()
 
@@ -354,18 +365,18 @@ if __name__ == '__main__': main()
 
 # %% ../nbs/20_testing.ipynb #947482bb
 def synthetic_run(out_dir, solved: int, n_items: int = 1000, samples: int = 1, key=200, info: dict | None = None,
-                  errors: int = 0, drop: int = 0, seed: int = 0, n_boot: int = 200) -> Path:
-    "Write a hand-made run (records + summary) with `solved` of `n_items` items correct; returns the summary's path."
+                  errors: int = 0, drop: int = 0, seed: int = 0, n_boot: int = 200, parity: str = 'relax') -> Path:
+    "Write a hand-made run (records scored by `parity` + summary) with `solved` of `n_items` items answered right; returns the summary's path."
     recs = []
     for i in range(n_items):
         for s in range(samples):
             ok = 1.0 if i < solved else 0.0
             err = 'synthetic request error' if i >= n_items - errors else None
-            recs.append({'id': f'q{i:05d}', 'sample': s, 'answers': ['yes'], 'prediction': 'yes' if ok else 'no',
-                         **{m: ok for m in METRICS}, 'response': '', 'num_chunks': 1, 'truncated': False,
-                         'dropped_tokens': 0, 'memory_lengths': [1], 'error': err})
+            response = '' if err else '\\boxed{yes}' if ok else '\\boxed{no}'
+            recs.append(score_record({'id': f'q{i:05d}', 'sample': s, 'answers': ['yes'], 'response': response, 'num_chunks': 1,
+                                      'truncated': False, 'dropped_tokens': 0, 'memory_lengths': [1], 'error': err}, parity))
     recs = recs[:len(recs) - drop]
-    base = {'mode': 'recurrent', 'key': key, 'thinking': 'off',
+    base = {'mode': 'recurrent', 'parity': parity, 'key': key, 'thinking': 'off',
             'data': {'sha256': 'd' * 64, 'item_ids_sha256': sha256_text(str(n_items))},
             'prompts': {'variant': 'eval', 'template_sha256': {'memory': 'm' * 64, 'final': 'f' * 64}},
             'tokenizer': {'class': 'Tok', 'size': 10, 'vocab_sha256': 'v' * 64, 'chat_template_sha256': 'c' * 64},
