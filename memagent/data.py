@@ -18,7 +18,7 @@ __all__ = ['SHIPPED', 'SCHEMA_FIELDS', 'SKIP_REASONS', 'CONVERTERS', 'SHUFFLES',
            'count_documents', 'from_hotpotqa', 'from_ruler', 'from_verl', 'sniff_format', 'convert', 'load_hotpotqa',
            'doc_pool', 'build_haystack', 'ruler_sets', 'token_stats', 'filler_sentences', 'make_synthetic',
            'convert_cli', 'haystack_cli', 'PrepareError', 'data_root', 'converted_name', 'prepare_command', 'prepare',
-           'prepared_file', 'prepare_cli']
+           'prepared_file', 'prepared_entry', 'prepare_cli']
 
 # %% ../nbs/03_data.ipynb #94e19ef6
 SHIPPED = {  # relative path -> (sha256 of the .gz, sha256 of the decompressed bytes, rows or None)
@@ -650,7 +650,7 @@ def haystack_cli(argv=None) -> int:
     print(f"wrote {len(exs)} examples with {a.num_docs} documents -> {a.out}")
     return 0
 
-# %% ../nbs/03_data.ipynb #d14b633e
+# %% ../nbs/03_data.ipynb #f90b0130
 PINNED = {'repo_id': 'BytedTsinghua-SIA/hotpotqa', 'repo_type': 'dataset',
           'revision': '27275ff4fee67ac0acb6478e405e7ac07efbdc1a',
           'files': {'hotpotqa_train_32k.parquet': 'parquet', 'hotpotqa_dev.parquet': 'parquet',   # name -> converter
@@ -825,6 +825,18 @@ def prepared_file(name, root=None) -> Path:
         raise PrepareError(f"{out}: {out.stat().st_size} bytes, the manifest {m} says {entry['converted']['bytes']}; "
                            f"run again:\n  {prepare_command(r, [key])}")
     return out
+
+def prepared_entry(path) -> dict | None:
+    "What the data root's manifest says about the prepared file at `path` (pinned name, revision, verification, hashes); None if it is not one."
+    p = Path(path); m = p.parent / 'manifest.json'
+    if not m.is_file(): return None
+    man = json.loads(m.read_text(encoding='utf-8'))
+    if man.get('kind') != 'memagent.data.prepare': return None
+    for name, f in man.get('files', {}).items():
+        if f['converted']['path'] == p.name:
+            return {'pinned': name, 'repo_id': man['repo_id'], 'revision': f['revision'], 'verified': f['verified'],
+                    'verification': f['verification'], 'sha256': f['sha256'], 'converted_sha256': f['converted']['sha256']}
+    return None
 
 def prepare_cli(argv=None) -> int:
     "Entry point of `memagent-prepare`."

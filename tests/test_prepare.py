@@ -176,3 +176,19 @@ def test_missing_file_error_prints_the_command(tmp_path, monkeypatch):
         prepared_file('hotpotqa_train_32k.parquet')
     with pytest.raises(FileNotFoundError, match='not a pinned data file'):
         prepared_file('eval_100.json', root)
+
+
+@pytest.mark.parametrize('train,eval_,needle', [
+    # both pinned names resolve to the prepared copy and are read: the run stops at the overlap check
+    ('eval_50.json', 'eval_50.json', 'held-out split shares 2 question/answer pairs with training'),
+    ('eval_50.json', 'eval_800.json', 'run:\n  memagent-prepare --root {root} --files eval_800.json')])
+def test_train_notebook_resolves_pinned_names(tmp_path, train, eval_, needle):
+    root, raw = tmp_path / 'root', tmp_path / 'raw'; raw.mkdir()
+    (raw / 'eval_50.json').write_bytes(FILES['eval_50.json'])
+    prepare(root, source=raw, unverified=True, files=['eval_50.json'])
+    cmd = [sys.executable, '-m', 'papermill', str(REPO / 'nbs' / 'train.ipynb'), str(tmp_path / 'o.ipynb'), '--cwd', str(REPO),
+           '-p', 'preset', 'tiny', '-p', 'train_data', train, '-p', 'eval_data', eval_, '-y', f'overrides: {{data.root: "{root}"}}',
+           '-p', 'out_dir', str(tmp_path / 'runs'), '-p', 'report_dir', str(tmp_path / 'reports')]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = r.stderr + r.stdout
+    assert r.returncode != 0 and needle.format(root=root) in out, out[-3000:]
