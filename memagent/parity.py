@@ -4,18 +4,24 @@
 
 # %% ../nbs/18b_parity.ipynb #8e7fed98
 from __future__ import annotations
-import argparse, asyncio, contextlib, importlib.util, json, math, os, platform, subprocess, sys, types
+import asyncio, contextlib, importlib.util, json, math, os, platform, subprocess, sys, tempfile, types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 from .provenance import sha256_file
-from .reward import (REWARDS, score_prediction, normalize_answer, f1_score, strict_sub_em, official_boxed_only,
+from collections import Counter
+from .reward import (REWARDS, score_prediction, normalize_answer, strict_sub_em, official_boxed_only,
                              official_unbox, official_hotpotqa, _aliases)
 
 # %% auto #0
-__all__ = ['SCORE_KEYS', 'MODES', 'RELAX', 'OFFICIAL', 'ParityMode', 'register_parity', 'get_parity', 'OfficialAbort',
-           'official_candidate', 'official_prediction', 'official_item_metrics', 'official_score',
-           'official_summary_extras']
+__all__ = ['SCORE_KEYS', 'MODES', 'RELAX', 'OFFICIAL', 'OFFICIAL_REPOSITORY', 'OFFICIAL_REVISION', 'OFFICIAL_REWARD_FILE',
+           'OFFICIAL_EVAL_FILE', 'OFFICIAL_UTILS_FILE', 'OFFICIAL_ENVS_FILE', 'OFFICIAL_FILES', 'RELAX_REPOSITORY',
+           'RELAX_DIR', 'RELAX_FILES', 'FIXTURES_PATH', 'RECEIPT_SCHEMA', 'MIN_FIXTURES', 'COMPARED', 'STUBS',
+           'ParityMode', 'register_parity', 'get_parity', 'OfficialAbort', 'official_candidate', 'official_prediction',
+           'official_f1', 'official_item_metrics', 'official_score', 'official_summary_extras', 'ParityError',
+           'ParityRefused', 'VerificationError', 'repo_root', 'load_fixtures', 'ours', 'check_official', 'check_relax',
+           'run_official', 'run_relax', 'same', 'compare', 'ours_aggregate', 'mode_differences', 'run_parity',
+           'write_receipt']
 
 # %% ../nbs/18b_parity.ipynb #16c876bc
 @dataclass(frozen=True)
@@ -67,11 +73,22 @@ def official_prediction(response: str):
     try: return official_unbox(span)
     except ValueError as e: raise OfficialAbort(str(e)) from None
 
+_YES_NO = ('yes', 'no', 'noanswer')
+
+def official_f1(prediction: str, gold: str) -> float:
+    "Token F1 of HotpotQA-normalized strings, 0 when either is yes/no/noanswer and they differ (no rounding)."
+    p, g = normalize_answer(prediction), normalize_answer(gold)
+    if (p in _YES_NO or g in _YES_NO) and p != g: return 0.0
+    same = sum((Counter(p.split()) & Counter(g.split())).values())
+    if same == 0: return 0.0
+    prec, rec = same / len(p.split()), same / len(g.split())
+    return 2 * prec * rec / (prec + rec)
+
 def official_item_metrics(pred, gold: str) -> dict:
     "Official per-item em/sub_em/f1 of `pred` vs `gold`: rounded to 2 decimals, all 0 when `pred` is empty or None."
     if not pred: return {'em': 0.0, 'sub_em': 0.0, 'f1': 0.0}
     p, g = normalize_answer(pred), normalize_answer(gold)
-    return {'em': round(float(p == g), 2), 'sub_em': round(float(g in p or p in g), 2), 'f1': round(f1_score(pred, gold), 2)}
+    return {'em': round(float(p == g), 2), 'sub_em': round(float(g in p or p in g), 2), 'f1': round(official_f1(pred, gold), 2)}
 
 def official_score(response_text: str, answers) -> dict:
     "Per-item record fields under the official mode (see the rules above)."
@@ -101,3 +118,408 @@ OFFICIAL = register_parity(ParityMode(
     name='official', train_reward='official_hotpotqa', score=official_score, summary_extras=official_summary_extras,
     description='official MemAgent: training reward verl/utils/reward_score/hotpotqa.py; RULER-HQA evaluator '
                 'recurrent-boxed path (after </think>, whole response, first gold answer, per-item rounding to 2 decimals)'))
+
+# %% ../nbs/18b_parity.ipynb #5054c2bf
+OFFICIAL_REPOSITORY = 'BytedTsinghua-SIA/MemAgent'
+OFFICIAL_REVISION = '76b7a658988e4ea53d7388a62de6c0ce79084146'
+OFFICIAL_REWARD_FILE = 'verl/utils/reward_score/hotpotqa.py'
+OFFICIAL_EVAL_FILE = 'taskutils/memory_eval/ruler_hqa.py'
+OFFICIAL_UTILS_FILE = 'taskutils/memory_eval/utils/__init__.py'
+OFFICIAL_ENVS_FILE = 'taskutils/memory_eval/utils/envs.py'
+OFFICIAL_FILES = {  # path -> (commit that last changed it, SHA-256)
+    OFFICIAL_REWARD_FILE: ('3dd21f684095be1a6b2533c90f9e9c1121577238', '8c5d84e0444dfc8dc5b85d461398bba91bc371906e0b9919b77c51605c5e61d7'),
+    OFFICIAL_EVAL_FILE: ('3dd21f684095be1a6b2533c90f9e9c1121577238', 'fd97b8fad7dcba376ebd9d278223d745c2022ee4c227cc41e337aa7c79a045a5'),
+    OFFICIAL_UTILS_FILE: ('3dd21f684095be1a6b2533c90f9e9c1121577238', 'a1418419352d10417dfd89b7a4b2d023385dd0f3f89e3bc62f6f65ccb50e414b'),
+    OFFICIAL_ENVS_FILE: ('3dd21f684095be1a6b2533c90f9e9c1121577238', '889870a5676da3abf13dd5f4d4f74f924f2a0994e670eb3a6c9c86b3b2c5a482'),
+}
+RELAX_REPOSITORY = 'redai-infra/Relax'
+RELAX_DIR = 'examples/mem_agent'
+RELAX_FILES = {  # path -> (commit of the stored text, SHA-256 of the rebuilt file)
+    f'{RELAX_DIR}/reward.py': ('36f28d27daa9b0216c61901345a4e85fcef1c180', 'ba289051d3165359238f77f64b933e84a39733153a2a48ed046ff89af1c8a9af'),
+    f'{RELAX_DIR}/metrics.py': ('9ae0b68115d64fba2741da54a83e902f9d06f6da', 'ff1ca0b89d06950b5f301072f191de38b348261855c71df15892b0961fd38d54'),
+    f'{RELAX_DIR}/eval_ruler_hqa.py': ('1d74271e101be47fbc8d311dc5b283240ececa32', '2d56ea4289dad920cb88790fcf50e2ff2e36b71288aed6d9e5bbc829fc1de564'),
+    f'{RELAX_DIR}/prompts.py': ('1d74271e101be47fbc8d311dc5b283240ececa32', 'ce331066c92d0f53893db421a2bd930ef6968a651ffbf58409dd01bf1cfae21a'),
+}
+FIXTURES_PATH = 'data/parity/fixtures.jsonl'
+RECEIPT_SCHEMA = 'memagent.parity.receipt/1'
+MIN_FIXTURES = 80
+COMPARED = ('prediction', 'em', 'sub_em', 'f1', 'boxed_em')   # the per-item fields every mode is compared on
+
+class ParityError(Exception):
+    "Base error of the parity audit."
+
+class ParityRefused(ParityError):
+    "An upstream source is not the pinned one (revision, tracked files or hashes differ)."
+
+class VerificationError(ParityError):
+    "A receipt does not match the fixtures or our functions; `.problems` lists every reason."
+    def __init__(self, problems):
+        self.problems = list(problems)
+        super().__init__(f'{len(self.problems)} problem(s) found while verifying the receipt:\n' +
+                         '\n'.join(f'  - {p}' for p in self.problems[:50]))
+
+# %% ../nbs/18b_parity.ipynb #4fbd860e
+def repo_root(start=None) -> Path:
+    "The first folder at or above `start` (default: cwd) that holds `settings.ini`."
+    here = Path(start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / 'settings.ini').exists(): return d
+    raise ParityError(f'no settings.ini at or above {here}: pass the paths explicitly')
+
+def load_fixtures(path=None, min_count=MIN_FIXTURES) -> list[dict]:
+    "Read and validate the fixture JSONL; raise `ValueError` naming the line and field at fault."
+    path = Path(path) if path else repo_root() / FIXTURES_PATH
+    out, seen = [], set()
+    for ln, line in enumerate(path.read_text(encoding='utf-8').splitlines(), 1):
+        if not line.strip(): continue
+        where = f'{path}:{ln}'
+        try: f = json.loads(line)
+        except json.JSONDecodeError as e: raise ValueError(f'{where}: invalid JSON ({e.msg})') from None
+        if not isinstance(f, dict): raise ValueError(f'{where}: expected an object')
+        for k, t in (('id', str), ('group', str), ('response', str), ('answers', list)):
+            if not isinstance(f.get(k), t): raise ValueError(f'{where}: field {k!r} must be a {t.__name__}')
+        if not f['answers'] or not all(isinstance(a, str) for a in f['answers']):
+            raise ValueError(f'{where} (id={f["id"]!r}): answers must be a non-empty list of strings')
+        if f['id'] in seen: raise ValueError(f'{where}: duplicate id {f["id"]!r}')
+        if f.get('error') and f['response']: raise ValueError(f'{where} (id={f["id"]!r}): an error fixture has an empty response')
+        seen.add(f['id']); out.append(f)
+    if len(out) < min_count: raise ValueError(f'{path}: {len(out)} fixtures, at least {min_count} expected')
+    return out
+
+# %% ../nbs/18b_parity.ipynb #7aecc1ec
+def _ours_official(f) -> dict:
+    r = f['response']
+    reward = official_hotpotqa(r, f['answers'])
+    if r == '': ev = {'kept': False}
+    else:
+        try: pred = official_prediction(r)
+        except OfficialAbort: ev = {'kept': True, 'abort': True}
+        else: ev = {'kept': True, 'abort': False, 'prediction': pred, **official_item_metrics(pred, f['answers'][0])}
+    return {'train_reward': reward, 'eval': ev}
+
+def _ours_relax(f) -> dict:
+    r = f['response']
+    sc = ({'prediction': '', 'em': 0.0, 'sub_em': 0.0, 'strict_sub_em': 0.0, 'f1': 0.0, 'boxed_em': 0.0} if f.get('error')
+          else score_prediction(r, f['answers']))
+    ev = {k: sc[k].strip() if k == 'prediction' else sc[k] for k in COMPARED}
+    return {'train_reward': {'score': REWARDS['boxed_em'](r, f['answers']), 'prediction': ev['prediction'] if not f.get('error') else ''},
+            'eval': ev}
+
+def ours(mode: str, fixture: dict) -> dict:
+    "This project's outputs for one fixture under parity mode `mode`, shaped like the recorded upstream outputs."
+    return {'official': _ours_official, 'relax': _ours_relax}[mode](fixture)
+
+# %% ../nbs/18b_parity.ipynb #ba345ff3
+STUBS = {
+    'datasets': 'import-only stub (official evaluator; loads data files, unused when scoring)',
+    'tiktoken': 'import-only stub (official evaluator; tokenizer for API models, unused)',
+    'transformers': 'import-only stub (official evaluator; AutoTokenizer.from_pretrained returns None, the replayed inference needs no tokenizer)',
+    'torch.multiprocessing': 'import-only stub (official evaluator; unused)',
+    'utils.recurrent_boxed': 'replay replacement (official): async_query_llm returns the fixture response ("" for a request error)',
+    'utils.aio': 'replay replacement (official): async_main gathers the coroutines with asyncio',
+    'uvloop': 'replay replacement (official): run = asyncio.run',
+    'aiohttp': 'replay replacement (Relax evaluator): ClientTimeout / ClientSession that open no connection',
+    'recurrent_infer': "replay replacement (Relax evaluator's module attribute): returns the fixture response, raises for a request error",
+    'utils, utils.envs': 'package alias: the official evaluator helpers loaded by path',
+    'examples.mem_agent.{reward,metrics,prompts}': 'package alias: the Relax files loaded by path',
+}
+
+def _load(name: str, path: Path):
+    "Execute the file at `path` as module `name` (no bytecode written); the caller owns `sys.modules[name]`."
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None: raise ParityRefused(f'{path}: cannot be loaded as a module')
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    old = sys.dont_write_bytecode; sys.dont_write_bytecode = True
+    try:
+        with contextlib.redirect_stdout(_Sink()): spec.loader.exec_module(mod)
+    finally: sys.dont_write_bytecode = old
+    return mod
+
+class _Sink:
+    "A stdout that keeps what upstream code prints (its prints are diagnostics, not results)."
+    def __init__(self): self.parts = []
+    def write(self, s): self.parts.append(s); return len(s)
+    def flush(self): pass
+    @property
+    def text(self): return ''.join(self.parts)
+
+@contextlib.contextmanager
+def _modules(names):
+    "Restore every `sys.modules` entry in `names` (and any new one under them) on exit."
+    saved = {n: sys.modules.get(n) for n in names}
+    try: yield
+    finally:
+        for n, m in saved.items():
+            if m is None: sys.modules.pop(n, None)
+            else: sys.modules[n] = m
+
+def _stub(name, **attrs):
+    m = types.ModuleType(name); m.__dict__.update(attrs); m.__path__ = []   # a package, so submodules resolve
+    return m
+
+def _in_thread(fn, *args):
+    "Run `fn(*args)` in a fresh thread (no running event loop there) and return its result or raise its error."
+    import concurrent.futures as cf
+    with cf.ThreadPoolExecutor(1) as ex: return ex.submit(fn, *args).result()
+
+# %% ../nbs/18b_parity.ipynb #d803865e
+def _git(src, *args) -> str:
+    r = subprocess.run(['git', '-C', str(src), *args], capture_output=True, text=True)
+    if r.returncode != 0: raise ParityRefused(f'{src}: git {" ".join(args)} failed: {r.stderr.strip() or r.stdout.strip()}')
+    return r.stdout.strip()
+
+def _hash_files(root: Path, pins: dict) -> tuple[dict, list]:
+    hashes, problems = {}, []
+    for rel, (_, want) in pins.items():
+        p = root / rel
+        if not p.is_file(): problems.append(f'{rel}: missing'); continue
+        hashes[rel] = got = sha256_file(p)
+        if got != want: problems.append(f'{rel}: SHA-256 {got} != pinned {want}')
+    return hashes, problems
+
+def check_official(src) -> dict:
+    "Verify the official checkout at `src`; raise `ParityRefused` otherwise. Returns revision, files, origin."
+    src = Path(src)
+    if not src.is_dir(): raise ParityRefused(f'{src}: not a directory')
+    head = _git(src, 'rev-parse', 'HEAD')
+    if head != OFFICIAL_REVISION: raise ParityRefused(f'{src}: HEAD is {head}, pinned revision is {OFFICIAL_REVISION}')
+    hashes, problems = _hash_files(src, OFFICIAL_FILES)
+    tracked = set(_git(src, 'ls-files', '--', *OFFICIAL_FILES).splitlines())
+    problems += [f'{rel}: not tracked by git' for rel in OFFICIAL_FILES if rel not in tracked]
+    if dirty := _git(src, 'status', '--porcelain', '--', *OFFICIAL_FILES): problems.append(f'modified according to git: {dirty}')
+    files = {}
+    for rel, (commit, _) in OFFICIAL_FILES.items():
+        last = _git(src, 'log', '-1', '--format=%H', '--', rel)
+        if last != commit: problems.append(f'{rel}: last changed at {last or "(no commit)"}, pinned {commit}')
+        files[rel] = {'commit': last, 'sha256': hashes.get(rel)}
+    if problems: raise ParityRefused(f'{src}: official checkout refused: ' + '; '.join(problems))
+    try: origin = _git(src, 'config', '--get', 'remote.origin.url')
+    except ParityRefused: origin = None
+    return {'repository': OFFICIAL_REPOSITORY, 'revision': head, 'origin': origin, 'files': files}
+
+def check_relax(src) -> dict:
+    "Verify the rebuilt Relax files under `src` (the folder holding `examples/`); raise `ParityRefused` otherwise."
+    src = Path(src)
+    if not src.is_dir(): raise ParityRefused(f'{src}: not a directory')
+    hashes, problems = _hash_files(src, RELAX_FILES)
+    if problems: raise ParityRefused(f'{src}: Relax files refused: ' + '; '.join(problems))
+    return {'repository': RELAX_REPOSITORY, 'revision': None, 'origin': 'stored text of each path at its commit, rebuilt outside the repository',
+            'files': {rel: {'commit': c, 'sha256': hashes[rel]} for rel, (c, _) in RELAX_FILES.items()}}
+
+# %% ../nbs/18b_parity.ipynb #fb2c4779
+def _official_modules(src: Path):
+    "Load the official utils package and evaluator under stubs; returns (reward module, evaluator module)."
+    base = src / 'taskutils/memory_eval'
+    sys.modules.update({'datasets': _stub('datasets', load_dataset=None, concatenate_datasets=None),
+                        'tiktoken': _stub('tiktoken'),
+                        'transformers': _stub('transformers', AutoTokenizer=types.SimpleNamespace(from_pretrained=lambda *a, **k: None)),
+                        'torch': _stub('torch'), 'torch.multiprocessing': _stub('torch.multiprocessing')})
+    sys.modules['torch'].multiprocessing = sys.modules['torch.multiprocessing']
+    utils = _load('utils', base / 'utils/__init__.py'); utils.__path__ = []
+    utils.envs = _load('utils.envs', base / 'utils/envs.py')
+
+    async def async_query_llm(item, *args, **kwargs): return item['_replay']
+    async def async_main(coros, *args, **kwargs): return await asyncio.gather(*coros)
+    async def close_async_client(): return None
+    utils.recurrent_boxed = sys.modules['utils.recurrent_boxed'] = _stub('utils.recurrent_boxed', async_query_llm=async_query_llm)
+    utils.aio = sys.modules['utils.aio'] = _stub('utils.aio', async_main=async_main, close_async_client=close_async_client)
+    sys.modules['uvloop'] = _stub('uvloop', run=asyncio.run)
+    return _load('_official_reward', src / OFFICIAL_REWARD_FILE), _load('_official_ruler_hqa', base / 'ruler_hqa.py')
+
+_OFFICIAL_NAMES = ['datasets', 'tiktoken', 'transformers', 'torch', 'torch.multiprocessing', 'utils', 'utils.envs',
+                   'utils.recurrent_boxed', 'utils.aio', 'uvloop', '_official_reward', '_official_ruler_hqa']
+
+def _get_pred(ev, fixtures, workdir: Path):
+    "Run the official `get_pred` on `fixtures`; returns (written items by id, printed text)."
+    data = [{'_id': i, 'context': '', 'input': '', 'answers': list(f['answers']), '_replay': '' if f.get('error') else f['response']}
+            for i, f in enumerate(fixtures)]
+    out = workdir / 'pred.jsonl'
+    args = types.SimpleNamespace(model='fixture-replay', tokenizer='none', api='recurrent-boxed', n_proc=1, force=True, length=50)
+    sink = _Sink()
+    with contextlib.redirect_stdout(sink): _in_thread(ev.get_pred, data, args, str(out))
+    written = [json.loads(l) for l in out.read_text().splitlines() if l.strip()] if out.exists() else []
+    return {fixtures[w['_id']]['id']: w for w in written}, sink.text
+
+def _official_case(rew, ev, f, workdir) -> dict:
+    sink = _Sink()
+    with contextlib.redirect_stdout(sink): reward = rew.compute_score('' if f.get('error') else f['response'], list(f['answers']))
+    try: written, _ = _get_pred(ev, [f], workdir)
+    except Exception as e: return {'train_reward': reward, 'eval': {'kept': True, 'abort': True}, 'abort_error': type(e).__name__}
+    if f['id'] not in written: return {'train_reward': reward, 'eval': {'kept': False}}
+    w = written[f['id']]
+    return {'train_reward': reward, 'eval': {'kept': True, 'abort': False, 'prediction': w['pred'],
+                                             'em': w['judge_em'], 'sub_em': w['judge_sub_em'], 'f1': w['judge_f1']}}
+
+def _printed_figures(text: str) -> dict:
+    "The `name: value` lines the official evaluator prints after its `ruler_hqa [...]` header."
+    tail = text.split('ruler_hqa [', 1)[-1].splitlines()[1:]
+    out = {}
+    for line in tail:
+        k, _, v = line.partition(': ')
+        if k in ('em', 'sub_em', 'f1'): out[f'{k}_pct'] = float(v)
+        elif k == 'Total': out['n_items'] = int(v)
+    return out
+
+def run_official(src, fixtures) -> dict:
+    "Outputs of the official reward and evaluator on every fixture, plus the evaluator's printed aggregate."
+    src = Path(src)
+    env_force = os.environ.pop('FORCE_THINK', None)
+    try:
+        with _modules(_OFFICIAL_NAMES), tempfile.TemporaryDirectory() as d:
+            rew, ev = _official_modules(src)
+            cases = {f['id']: _official_case(rew, ev, f, Path(d)) for f in fixtures}
+            ok = [f for f in fixtures if not cases[f['id']]['eval'].get('abort')]
+            _, printed = _get_pred(ev, ok, Path(d))
+    finally:
+        if env_force is not None: os.environ['FORCE_THINK'] = env_force
+    return {'cases': cases, 'aggregate': {'fixtures': [f['id'] for f in ok], **_printed_figures(printed)}}
+
+# %% ../nbs/18b_parity.ipynb #7f98ce4e
+_RELAX_NAMES = ['examples', 'examples.mem_agent', 'examples.mem_agent.reward', 'examples.mem_agent.metrics',
+                'examples.mem_agent.prompts', 'examples.mem_agent.eval_ruler_hqa', 'aiohttp']
+
+class _NoSession:
+    "Stands in for `aiohttp.ClientSession`: usable as `async with`, opens nothing."
+    def __init__(self, *a, **k): pass
+    async def __aenter__(self): return self
+    async def __aexit__(self, *exc): return False
+
+def _relax_modules(src: Path):
+    sys.modules['examples'] = _stub('examples'); sys.modules['examples.mem_agent'] = _stub('examples.mem_agent')
+    sys.modules['aiohttp'] = _stub('aiohttp', ClientSession=_NoSession, ClientTimeout=lambda **k: k)
+    mods = {n: _load(f'examples.mem_agent.{n}', src / RELAX_DIR / f'{n}.py') for n in ('reward', 'metrics', 'prompts', 'eval_ruler_hqa')}
+    async def replay(item, args, tokenizer, session):
+        if item['_error']: raise RuntimeError('HTTP 500: replayed request error')
+        return item['_replay'], {}
+    mods['eval_ruler_hqa'].recurrent_infer = replay
+    return mods
+
+def run_relax(src, fixtures) -> dict:
+    "Outputs of Relax's reward and evaluator on every fixture, plus the evaluator's summary."
+    src = Path(src)
+    with _modules(_RELAX_NAMES), tempfile.TemporaryDirectory() as d:
+        m = _relax_modules(src)
+        cases = {}
+        for f in fixtures:
+            resp = '' if f.get('error') else f['response']
+            sample = types.SimpleNamespace(metadata={'final_output': resp, 'ground_truth': list(f['answers'])}, response=resp, label=None)
+            r = _in_thread(lambda: asyncio.run(m['reward'].reward_func(None, sample)))
+            cases[f['id']] = {'train_reward': {'score': r['score'], 'prediction': r['pred']}}
+        data_file = Path(d) / 'data.jsonl'
+        data_file.write_text(''.join(json.dumps({'_id': i, 'answers': f['answers']}) + '\n' for i, f in enumerate(fixtures)))
+        data = [{'_id': i, 'input': 'q', 'context': 'c', 'answers': list(f['answers']), '_replay': f['response'], '_error': bool(f.get('error'))}
+                for i, f in enumerate(fixtures)]
+        args = types.SimpleNamespace(data_file=data_file, concurrency=4, timeout=60, mode='recurrent', model='fixture-replay',
+                                     tokenizer='none', temperature=0.7, top_p=0.95, chunk_tokens=2048, max_memory_tokens=1024,
+                                     max_final_tokens=256, max_chunks=64, max_input_tokens=7936, server_max_model_len=8192)
+        records, summary = _in_thread(lambda: asyncio.run(m['eval_ruler_hqa'].run_evaluation(data, args, None)))
+    for rec in records:
+        f = fixtures[rec['_id']]
+        cases[f['id']]['eval'] = {'prediction': rec['pred'], 'em': rec['judge_em'], 'sub_em': rec['judge_sub_em'],
+                                  'f1': rec['judge_f1'], 'boxed_em': rec['judge_boxed_em']}
+    agg = {k: summary[k] for k in ('em', 'sub_em', 'f1', 'boxed_em', 'total', 'errors')}
+    return {'cases': cases, 'aggregate': {'fixtures': [f['id'] for f in fixtures], **agg}}
+
+# %% ../nbs/18b_parity.ipynb #b23e1d1f
+_MISSING = '<missing>'
+
+def _flat(d, prefix='') -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict): out.update(_flat(v, f'{prefix}{k}.'))
+        else: out[f'{prefix}{k}'] = v
+    return out
+
+def same(a, b, tol=1e-12) -> bool:
+    "Protocol rule for one value: None/str/bool exactly, numbers within `tol` (int and float alike)."
+    if isinstance(a, bool) or isinstance(b, bool): return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)): return math.isfinite(b) and abs(a - b) <= tol
+    return a == b and type(a) is type(b)
+
+def compare(upstream: dict, mine: dict) -> list[dict]:
+    "One check per leaf field of either side: {'field', 'upstream', 'ours', 'agree'}."
+    u, o = _flat(upstream), _flat(mine)
+    return [{'field': k, 'upstream': u.get(k, _MISSING), 'ours': o.get(k, _MISSING),
+             'agree': k in u and k in o and same(u[k], o[k])} for k in [*u, *(k for k in o if k not in u)]]
+
+# %% ../nbs/18b_parity.ipynb #9fed3fab
+def _record(f) -> dict: return {'response': '' if f.get('error') else f['response'], 'answers': f['answers']}
+
+def ours_aggregate(mode: str, fixtures) -> dict:
+    "Our aggregate over `fixtures` in the shape the upstream aggregate is recorded in."
+    if mode == 'official':
+        x = official_summary_extras([_record(f) for f in fixtures])['official_drop_empty']
+        return {'fixtures': [f['id'] for f in fixtures], 'em_pct': x['em_pct'], 'sub_em_pct': x['sub_em_pct'],
+                'f1_pct': x['f1_pct'], 'n_items': x['n_records']}
+    evs = [ours('relax', f)['eval'] for f in fixtures]
+    n = len(evs)
+    return {'fixtures': [f['id'] for f in fixtures], **{m: sum(e[m] for e in evs) / n for m in ('em', 'sub_em', 'f1', 'boxed_em')},
+            'total': n, 'errors': sum(bool(f.get('error')) for f in fixtures)}
+
+# %% ../nbs/18b_parity.ipynb #609ddbad
+def _mode_view(f) -> dict:
+    rel, off = ours('relax', f), ours('official', f)
+    oe = off['eval']
+    o = {'train_reward': off['train_reward'], 'kept': 'aborts' if oe.get('abort') else oe['kept'],
+         'prediction': oe.get('prediction'), **{m: oe.get(m, 0.0) for m in ('em', 'sub_em', 'f1')}}
+    r = {'train_reward': rel['train_reward']['score'], 'kept': True, 'prediction': rel['eval']['prediction'] or None,
+         **{m: rel['eval'][m] for m in ('em', 'sub_em', 'f1')}}
+    return {'relax': r, 'official': o}
+
+def mode_differences(fixtures) -> list[dict]:
+    "Rows {'id', 'group', 'field', 'relax', 'official'} wherever the two modes disagree on a fixture."
+    rows = []
+    for f in fixtures:
+        v = _mode_view(f)
+        for k in v['relax']:
+            a, b = v['relax'][k], v['official'][k]
+            if k == 'prediction': a, b = (a or '').strip() or None, (b or '').strip() or None
+            if not same(a, b): rows.append({'id': f['id'], 'group': f['group'], 'field': k, 'relax': a, 'official': b})
+    return rows
+
+# %% ../nbs/18b_parity.ipynb #b55057a4
+def _environment() -> dict:
+    return {'python': platform.python_version(), 'implementation': platform.python_implementation(),
+            'platform': platform.platform(), 'machine': platform.machine()}
+
+def _mode_block(source, upstream, fixtures, mode) -> dict:
+    cases, bad = [], []
+    for f in fixtures:
+        up = upstream['cases'][f['id']]
+        mine = ours(mode, f)
+        checks = compare({k: up[k] for k in ('train_reward', 'eval')}, mine)
+        if not all(c['agree'] for c in checks): bad.append(f['id'])
+        cases.append({'id': f['id'], 'upstream': up, 'ours': mine, 'checks': checks})
+    agg_f = [f for f in fixtures if f['id'] in set(upstream['aggregate']['fixtures'])]
+    agg_checks = compare(upstream['aggregate'], ours_aggregate(mode, agg_f))
+    every = [c for cs in cases for c in cs['checks']] + agg_checks
+    return {'upstream': source, 'cases': cases,
+            'aggregate': {'upstream': upstream['aggregate'], 'checks': agg_checks},
+            'summary': {'cases': len(cases), 'checks': len(every), 'agreed': sum(c['agree'] for c in every),
+                        'disagreeing_cases': bad, 'aggregate_agrees': all(c['agree'] for c in agg_checks)}}
+
+def run_parity(official_dir, relax_dir, fixtures_path=None) -> dict:
+    "Check both upstream sources, run all fixtures through them and through our modes, return the receipt."
+    root = repo_root()
+    fx_path = Path(fixtures_path) if fixtures_path else root / FIXTURES_PATH
+    fixtures = load_fixtures(fx_path)
+    off_src, rel_src = check_official(official_dir), check_relax(relax_dir)
+    modes = {'official': _mode_block(off_src, run_official(official_dir, fixtures), fixtures, 'official'),
+             'relax': _mode_block(rel_src, run_relax(relax_dir, fixtures), fixtures, 'relax')}
+    unchanged = check_official(official_dir) == off_src and check_relax(relax_dir) == rel_src
+    for m in modes.values(): m['upstream']['unchanged_after_run'] = unchanged
+    ok = all(not m['summary']['disagreeing_cases'] and m['summary']['aggregate_agrees'] for m in modes.values())
+    return {'schema': RECEIPT_SCHEMA,
+            'status': 'passed' if ok and unchanged else 'source_changed' if not unchanged else 'disagreement',
+            'meaning': 'passed = on every fixture, the upstream functions and this project\'s parity mode gave the same '
+                       'outputs (and the same aggregates); it says nothing about which semantics is better',
+            'fixtures': {'path': FIXTURES_PATH, 'sha256': sha256_file(fx_path), 'count': len(fixtures)},
+            'stubs': STUBS, 'environment': _environment(), 'modes': modes,
+            'mode_differences': mode_differences(fixtures)}
+
+def write_receipt(receipt: dict, path) -> Path:
+    "Write `receipt` as indented JSON."
+    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(receipt, indent=1, ensure_ascii=False) + '\n')
+    return path

@@ -70,9 +70,9 @@ def _contains_words(a: str, b: str) -> bool:
     return f' {b} ' in f' {a} '
 
 def exact_match(prediction: str, gold) -> float:
-    "1.0 if the normalized prediction equals the normalized (first) gold answer and is non-empty."
+    "1.0 if the normalized prediction equals the normalized (first) gold answer."
     p, g = normalize_answer(prediction), normalize_answer(_first(gold))
-    return float(bool(p) and p == g)
+    return float(p == g)
 
 def sub_em(prediction: str, gold) -> float:
     "1.0 if both normalized strings are non-empty and either contains the other (lenient, character level)."
@@ -84,13 +84,10 @@ def strict_sub_em(prediction: str, gold) -> float:
     p, g = normalize_answer(prediction), normalize_answer(_first(gold))
     return float(bool(p) and bool(g) and (_contains_words(g, p) or _contains_words(p, g)))
 
-_YES_NO = {'yes', 'no', 'noanswer'}
-
 def f1_score(prediction: str, gold) -> float:
-    "Token F1 of normalized strings; 0 if either is yes/no/noanswer and they differ (HotpotQA rule)."
-    p, g = normalize_answer(prediction), normalize_answer(_first(gold))
-    if (p in _YES_NO or g in _YES_NO) and p != g: return 0.0
-    pt, gt = p.split(), g.split()
+    "Token F1 of the normalized strings; with no token on a side, 1.0 if neither has one, else 0.0."
+    pt, gt = normalize_answer(prediction).split(), normalize_answer(_first(gold)).split()
+    if not pt or not gt: return float(pt == gt)
     same = sum((Counter(pt) & Counter(gt)).values())
     if same == 0: return 0.0
     prec, rec = same / len(pt), same / len(gt)
