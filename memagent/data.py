@@ -650,7 +650,7 @@ def haystack_cli(argv=None) -> int:
     print(f"wrote {len(exs)} examples with {a.num_docs} documents -> {a.out}")
     return 0
 
-# %% ../nbs/03_data.ipynb #f90b0130
+# %% ../nbs/03_data.ipynb #c65f3e70
 PINNED = {'repo_id': 'BytedTsinghua-SIA/hotpotqa', 'repo_type': 'dataset',
           'revision': '27275ff4fee67ac0acb6478e405e7ac07efbdc1a',
           'files': {'hotpotqa_train_32k.parquet': 'parquet', 'hotpotqa_dev.parquet': 'parquet',   # name -> converter
