@@ -144,6 +144,8 @@ def test_from_dir_verifies_against_the_online_manifest(online, tmp_path):
     with pytest.raises(PrepareError, match=(f"eval_800.json: sha256 mismatch \\(the manifest {bad / 'manifest.json'}\\): "
                                             f"expected {ref['files']['eval_800.json']['sha256']}, got {hashlib.sha256(data).hexdigest()}")):
         prepare(tmp_path / 'root-bad', source=bad, files=['eval_800.json'])
+    with pytest.raises(PrepareError, match='eval_800.json: sha256 mismatch'):     # --unverified does not override a mismatch
+        prepare(tmp_path / 'root-bad', source=bad, files=['eval_800.json'], unverified=True)
 
 
 def test_from_dir_without_manifest_refused_unless_unverified(tmp_path):
