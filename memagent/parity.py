@@ -21,7 +21,7 @@ __all__ = ['SCORE_KEYS', 'MODES', 'RELAX', 'OFFICIAL', 'OFFICIAL_REPOSITORY', 'O
            'official_f1', 'official_item_metrics', 'official_score', 'official_summary_extras', 'ParityError',
            'ParityRefused', 'VerificationError', 'repo_root', 'load_fixtures', 'ours', 'check_official', 'check_relax',
            'run_official', 'run_relax', 'same', 'compare', 'ours_aggregate', 'mode_differences', 'run_parity',
-           'write_receipt']
+           'write_receipt', 'verify_receipt', 'differences_table', 'differences_count', 'source_table']
 
 # %% ../nbs/18b_parity.ipynb #16c876bc
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ OFFICIAL = register_parity(ParityMode(
     description='official MemAgent: training reward verl/utils/reward_score/hotpotqa.py; RULER-HQA evaluator '
                 'recurrent-boxed path (after </think>, whole response, first gold answer, per-item rounding to 2 decimals)'))
 
-# %% ../nbs/18b_parity.ipynb #5054c2bf
+# %% ../nbs/18b_parity.ipynb #9326c203
 OFFICIAL_REPOSITORY = 'BytedTsinghua-SIA/MemAgent'
 OFFICIAL_REVISION = '76b7a658988e4ea53d7388a62de6c0ce79084146'
 OFFICIAL_REWARD_FILE = 'verl/utils/reward_score/hotpotqa.py'
@@ -158,7 +158,7 @@ class VerificationError(ParityError):
         super().__init__(f'{len(self.problems)} problem(s) found while verifying the receipt:\n' +
                          '\n'.join(f'  - {p}' for p in self.problems[:50]))
 
-# %% ../nbs/18b_parity.ipynb #4fbd860e
+# %% ../nbs/18b_parity.ipynb #da2fdd00
 def repo_root(start=None) -> Path:
     "The first folder at or above `start` (default: cwd) that holds `settings.ini`."
     here = Path(start or Path.cwd()).resolve()
@@ -186,7 +186,7 @@ def load_fixtures(path=None, min_count=MIN_FIXTURES) -> list[dict]:
     if len(out) < min_count: raise ValueError(f'{path}: {len(out)} fixtures, at least {min_count} expected')
     return out
 
-# %% ../nbs/18b_parity.ipynb #7aecc1ec
+# %% ../nbs/18b_parity.ipynb #c5fa92f1
 def _ours_official(f) -> dict:
     r = f['response']
     reward = official_hotpotqa(r, f['answers'])
@@ -209,12 +209,12 @@ def ours(mode: str, fixture: dict) -> dict:
     "This project's outputs for one fixture under parity mode `mode`, shaped like the recorded upstream outputs."
     return {'official': _ours_official, 'relax': _ours_relax}[mode](fixture)
 
-# %% ../nbs/18b_parity.ipynb #ba345ff3
+# %% ../nbs/18b_parity.ipynb #6edd668d
 STUBS = {
     'datasets': 'import-only stub (official evaluator; loads data files, unused when scoring)',
     'tiktoken': 'import-only stub (official evaluator; tokenizer for API models, unused)',
     'transformers': 'import-only stub (official evaluator; AutoTokenizer.from_pretrained returns None, the replayed inference needs no tokenizer)',
-    'torch.multiprocessing': 'import-only stub (official evaluator; unused)',
+    'torch, torch.multiprocessing': 'import-only stub (official evaluator; unused)',
     'utils.recurrent_boxed': 'replay replacement (official): async_query_llm returns the fixture response ("" for a request error)',
     'utils.aio': 'replay replacement (official): async_main gathers the coroutines with asyncio',
     'uvloop': 'replay replacement (official): run = asyncio.run',
@@ -263,7 +263,7 @@ def _in_thread(fn, *args):
     import concurrent.futures as cf
     with cf.ThreadPoolExecutor(1) as ex: return ex.submit(fn, *args).result()
 
-# %% ../nbs/18b_parity.ipynb #d803865e
+# %% ../nbs/18b_parity.ipynb #18f84e6f
 def _git(src, *args) -> str:
     r = subprocess.run(['git', '-C', str(src), *args], capture_output=True, text=True)
     if r.returncode != 0: raise ParityRefused(f'{src}: git {" ".join(args)} failed: {r.stderr.strip() or r.stdout.strip()}')
@@ -307,7 +307,7 @@ def check_relax(src) -> dict:
     return {'repository': RELAX_REPOSITORY, 'revision': None, 'origin': 'stored text of each path at its commit, rebuilt outside the repository',
             'files': {rel: {'commit': c, 'sha256': hashes[rel]} for rel, (c, _) in RELAX_FILES.items()}}
 
-# %% ../nbs/18b_parity.ipynb #fb2c4779
+# %% ../nbs/18b_parity.ipynb #152216ce
 def _official_modules(src: Path):
     "Load the official utils package and evaluator under stubs; returns (reward module, evaluator module)."
     base = src / 'taskutils/memory_eval'
@@ -375,7 +375,7 @@ def run_official(src, fixtures) -> dict:
         if env_force is not None: os.environ['FORCE_THINK'] = env_force
     return {'cases': cases, 'aggregate': {'fixtures': [f['id'] for f in ok], **_printed_figures(printed)}}
 
-# %% ../nbs/18b_parity.ipynb #7f98ce4e
+# %% ../nbs/18b_parity.ipynb #757a108c
 _RELAX_NAMES = ['examples', 'examples.mem_agent', 'examples.mem_agent.reward', 'examples.mem_agent.metrics',
                 'examples.mem_agent.prompts', 'examples.mem_agent.eval_ruler_hqa', 'aiohttp']
 
@@ -421,7 +421,7 @@ def run_relax(src, fixtures) -> dict:
     agg = {k: summary[k] for k in ('em', 'sub_em', 'f1', 'boxed_em', 'total', 'errors')}
     return {'cases': cases, 'aggregate': {'fixtures': [f['id'] for f in fixtures], **agg}}
 
-# %% ../nbs/18b_parity.ipynb #b23e1d1f
+# %% ../nbs/18b_parity.ipynb #e1630de0
 _MISSING = '<missing>'
 
 def _flat(d, prefix='') -> dict:
@@ -443,7 +443,7 @@ def compare(upstream: dict, mine: dict) -> list[dict]:
     return [{'field': k, 'upstream': u.get(k, _MISSING), 'ours': o.get(k, _MISSING),
              'agree': k in u and k in o and same(u[k], o[k])} for k in [*u, *(k for k in o if k not in u)]]
 
-# %% ../nbs/18b_parity.ipynb #9fed3fab
+# %% ../nbs/18b_parity.ipynb #503d8d01
 def _record(f) -> dict: return {'response': '' if f.get('error') else f['response'], 'answers': f['answers']}
 
 def ours_aggregate(mode: str, fixtures) -> dict:
@@ -457,7 +457,7 @@ def ours_aggregate(mode: str, fixtures) -> dict:
     return {'fixtures': [f['id'] for f in fixtures], **{m: sum(e[m] for e in evs) / n for m in ('em', 'sub_em', 'f1', 'boxed_em')},
             'total': n, 'errors': sum(bool(f.get('error')) for f in fixtures)}
 
-# %% ../nbs/18b_parity.ipynb #609ddbad
+# %% ../nbs/18b_parity.ipynb #60daf30b
 def _mode_view(f) -> dict:
     rel, off = ours('relax', f), ours('official', f)
     oe = off['eval']
@@ -478,7 +478,7 @@ def mode_differences(fixtures) -> list[dict]:
             if not same(a, b): rows.append({'id': f['id'], 'group': f['group'], 'field': k, 'relax': a, 'official': b})
     return rows
 
-# %% ../nbs/18b_parity.ipynb #b55057a4
+# %% ../nbs/18b_parity.ipynb #93c0392e
 def _environment() -> dict:
     return {'python': platform.python_version(), 'implementation': platform.python_implementation(),
             'platform': platform.platform(), 'machine': platform.machine()}
@@ -523,3 +523,111 @@ def write_receipt(receipt: dict, path) -> Path:
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(receipt, indent=1, ensure_ascii=False) + '\n')
     return path
+
+# %% ../nbs/18b_parity.ipynb #bfc2672f
+def _expected_source(mode) -> dict:
+    if mode == 'official':
+        return {'repository': OFFICIAL_REPOSITORY, 'revision': OFFICIAL_REVISION,
+                'files': {rel: {'commit': c, 'sha256': h} for rel, (c, h) in OFFICIAL_FILES.items()}}
+    return {'repository': RELAX_REPOSITORY, 'revision': None,
+            'files': {rel: {'commit': c, 'sha256': h} for rel, (c, h) in RELAX_FILES.items()}}
+
+def _verify_mode(mode, block, fixtures, problems) -> int:
+    up = block.get('upstream', {})
+    for k, v in _expected_source(mode).items():
+        if up.get(k) != v: problems.append(f'{mode}: upstream {k} {up.get(k)!r} is not the pinned {v!r}')
+    if up.get('unchanged_after_run') is not True:
+        problems.append(f'{mode}: receipt records unchanged_after_run={up.get("unchanged_after_run")!r}')
+    want = [f['id'] for f in fixtures]
+    got = [c.get('id') for c in block.get('cases', [])]
+    for cid in want:
+        if (n := got.count(cid)) != 1: problems.append(f'{mode}: case {cid!r} present {n} times in the receipt (expected once)')
+    for cid in sorted(set(got) - set(want)): problems.append(f'{mode}: case {cid!r} is in the receipt but not in the fixtures')
+    by_id, n_checks, n_agree = {c.get('id'): c for c in block.get('cases', [])}, 0, 0
+    for f in fixtures:
+        rec = by_id.get(f['id'])
+        if rec is None: continue
+        mine = ours(mode, f)
+        for c in compare(rec.get('ours', {}), mine):
+            if not c['agree']: problems.append(f"{mode}: case {f['id']!r}: {c['field']}: our output is now {c['ours']!r}, the receipt records {c['upstream']!r}")
+        upstream = {k: rec.get('upstream', {}).get(k, {}) for k in ('train_reward', 'eval')}
+        fresh = compare(upstream, mine)
+        for c in fresh:
+            if not c['agree']: problems.append(f"{mode}: case {f['id']!r}: {c['field']}: upstream recorded {c['upstream']!r}, ours {c['ours']!r}")
+        if [(c.get('field'), c.get('agree')) for c in rec.get('checks', [])] != [(c['field'], c['agree']) for c in fresh]:
+            problems.append(f"{mode}: case {f['id']!r}: recorded checks disagree with a fresh comparison")
+        n_checks += len(fresh); n_agree += sum(c['agree'] for c in fresh)
+    agg = block.get('aggregate', {}).get('upstream', {})
+    ids = agg.get('fixtures', [])
+    expect_ids = [f['id'] for f in fixtures if not (mode == 'official' and by_id.get(f['id'], {}).get('upstream', {}).get('eval', {}).get('abort'))]
+    if ids != expect_ids: problems.append(f'{mode}: the aggregate covers {len(ids)} fixtures, expected {len(expect_ids)}')
+    fresh = compare(agg, ours_aggregate(mode, [f for f in fixtures if f['id'] in set(ids)]))
+    for c in fresh:
+        if not c['agree']: problems.append(f"{mode}: aggregate {c['field']}: upstream recorded {c['upstream']!r}, ours {c['ours']!r}")
+    n_checks += len(fresh); n_agree += sum(c['agree'] for c in fresh)
+    s = block.get('summary', {})
+    if (s.get('cases'), s.get('checks'), s.get('agreed')) != (len(got), n_checks, n_agree):
+        problems.append(f'{mode}: summary {s} inconsistent with {len(got)} cases / {n_checks} checks / {n_agree} agreed')
+    return n_checks
+
+def verify_receipt(receipt_path=None, fixtures_path=None) -> dict:
+    "Re-check `reports/parity/receipt.json` against the fixtures and our current functions; raise `VerificationError`."
+    root = repo_root()
+    receipt_path = Path(receipt_path) if receipt_path else root / 'reports/parity/receipt.json'
+    fx_path = Path(fixtures_path) if fixtures_path else root / FIXTURES_PATH
+    problems = [f'{p}: missing' for p in (receipt_path, fx_path) if not p.is_file()]
+    if problems: raise VerificationError(problems)
+    try: rc = json.loads(receipt_path.read_text())
+    except json.JSONDecodeError as e: raise VerificationError([f'{receipt_path}: line {e.lineno}: invalid JSON ({e.msg})'])
+    try: fixtures = load_fixtures(fx_path)
+    except ValueError as e: raise VerificationError([str(e)])
+    if rc.get('schema') != RECEIPT_SCHEMA: problems.append(f'schema {rc.get("schema")!r} != {RECEIPT_SCHEMA!r}')
+    if (got := sha256_file(fx_path)) != rc.get('fixtures', {}).get('sha256'):
+        problems.append(f'{fx_path.name} SHA-256 {got} differs from the receipt ({rc.get("fixtures", {}).get("sha256")})')
+    if rc.get('fixtures', {}).get('count') != len(fixtures):
+        problems.append(f'receipt counts {rc.get("fixtures", {}).get("count")} fixtures, the file has {len(fixtures)}')
+    if rc.get('stubs') != STUBS: problems.append('the recorded stubs differ from STUBS')
+    checks = {}
+    for mode in ('official', 'relax'):
+        if mode not in rc.get('modes', {}): problems.append(f'mode {mode!r} missing from the receipt'); continue
+        checks[mode] = _verify_mode(mode, rc['modes'][mode], fixtures, problems)
+    if rc.get('mode_differences') != json.loads(json.dumps(mode_differences(fixtures), ensure_ascii=False)):
+        problems.append('the recorded table of mode differences is not what the current code gives')
+    if rc.get('status') != 'passed': problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
+    if problems: raise VerificationError(problems)
+    return {'status': 'verified', 'fixtures': len(fixtures), 'checks': checks, 'fixtures_sha256': rc['fixtures']['sha256'],
+            'official': f'{OFFICIAL_REPOSITORY}@{OFFICIAL_REVISION}', 'relax': RELAX_REPOSITORY,
+            'mode_differences': len(rc['mode_differences'])}
+
+# %% ../nbs/18b_parity.ipynb #537f4407
+def _cell(v, width=48) -> str:
+    if v is None: return '-'
+    if isinstance(v, bool) or not isinstance(v, str): return str(v) if not isinstance(v, float) else f'{v:.4g}'
+    s = json.dumps(v, ensure_ascii=False)
+    if len(s) > width: s = s[:width - 3] + '...'
+    return '`' + s.replace('`', "'").replace('|', '\\|') + '`'
+
+def differences_table(receipt: dict) -> str:
+    "Markdown table of the receipt's mode differences: fixture, group, field, relax, official."
+    from memagent.report import md_table
+    rows = [{'fixture': f"`{r['id']}`", 'group': r['group'], 'field': r['field'], 'relax': _cell(r['relax']),
+             'official': _cell(r['official'])} for r in receipt['mode_differences']]
+    return md_table(rows, align=False)
+
+def differences_count(receipt: dict) -> str:
+    "Markdown table: per field, how many fixtures the two modes disagree on."
+    from memagent.report import md_table
+    from collections import Counter as _C
+    n = _C(r['field'] for r in receipt['mode_differences'])
+    fields = ('train_reward', 'kept', 'prediction', 'em', 'sub_em', 'f1')
+    return md_table([{'field': f, 'fixtures that differ': n.get(f, 0)} for f in fields], align=False)
+
+def source_table(receipt: dict) -> str:
+    "Markdown table of every upstream file: mode, repository, path, commit, SHA-256."
+    from memagent.report import md_table
+    rows = []
+    for mode, b in receipt['modes'].items():
+        for rel, f in b['upstream']['files'].items():
+            rows.append({'mode': mode, 'repository': b['upstream']['repository'], 'file': f'`{rel}`',
+                         'commit': f"`{f['commit']}`", 'SHA-256': f"`{f['sha256']}`"})
+    return md_table(rows, align=False)
