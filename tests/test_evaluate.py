@@ -220,7 +220,8 @@ def test_evaluate_cli_fails_on_request_errors(tmp_path):
     from memagent.evaluate import evaluate_cli
     from memagent.testing import FakeSGLangServer
     data = write_examples(make_synthetic(2, num_words=30, seed=0), tmp_path / 'd.jsonl')
-    with FakeSGLangServer() as srv:
+    from memagent.models import model_dir
+    with FakeSGLangServer(model_path=str(model_dir('tiny-qwen3'))) as srv:
         args = ['--model', 'tiny-qwen3', '--data', str(data), '--mode', 'base', '--base-max-tokens', '64', '--no-progress',
                 '--set', 'chunking.final_tokens=4', '--set', 'rollout.engine=sglang', '--set', f'rollout.sglang_urls=[{srv.url}]',
                 '--set', 'rollout.max_retries=0', '--all-items']
@@ -249,3 +250,74 @@ def test_compare_cli_refuses_missing_dirs_and_negative_tolerance(tmp_path):
     assert not (tmp_path / 't.json').exists()
     with pytest.raises(ValueError, match='tolerance_pp'):
         compare(tmp_path / 'candidate' / '200', tmp_path / 'reference' / '200', tmp_path / 'base' / '200', tolerance_pp=-1)
+
+
+# the gate recomputes what it judges
+
+def test_tampered_summary_is_refused_and_not_passed_stays_not_passed(tmp_path):
+    r = trio(tmp_path, 531, 500, 400)                       # 3.1 pp from the reference: NOT PASSED
+    assert run(r)['passed'] is False
+    sp = tmp_path / 'candidate' / '200' / SUMMARY_FILE
+    s = json.loads(sp.read_text())
+    s['metrics']['sub_em']['value'] = 52.0                   # raised so the gap would look like 2 pp
+    sp.write_text(json.dumps(s))
+    rep = run(r)
+    assert rep['passed'] is False
+    why = [x for x in rep['reasons'] if x.startswith('records[200]')]
+    assert why and str(sp.parent) in why[0] and 'metrics.sub_em.value = 52.0 in the summary but' in why[0], rep['reasons']
+    assert not any(x.startswith('tolerance[200]') and 'pp <=' in x for x in rep['reasons'])
+    out = tmp_path / 'cli.json'
+    assert compare_cli(['--candidate', str(tmp_path / 'candidate'), '--reference', str(tmp_path / 'reference'),
+                        '--base', str(tmp_path / 'base'), '--out', str(out)]) == 1
+
+
+@pytest.mark.parametrize('field,value', [('errors', 0), ('complete', True), ('metrics.boxed_em.ci95', [0.0, 100.0]),
+                                         ('pass_at_n.sub_em', 99.0), ('parity', 'official')])
+def test_any_judged_number_that_disagrees_refuses(tmp_path, field, value):
+    r = trio(tmp_path, 510, 500, 400, errors=1 if field == 'errors' else 0)   # the summary says 0 errors where there is 1
+    sp = tmp_path / 'candidate' / '200' / SUMMARY_FILE
+    s = json.loads(sp.read_text())
+    d = s
+    *head, last = field.split('.')
+    for k in head: d = d[k]
+    assert d[last] != value or isinstance(value, bool)
+    d[last] = (not d[last]) if isinstance(value, bool) else value
+    sp.write_text(json.dumps(s))
+    rep = run(r)
+    assert not rep['passed'] and any(x.startswith('records[200]') and field in x for x in rep['reasons']), rep['reasons']
+
+
+def test_a_record_whose_score_does_not_follow_from_its_response_is_refused(tmp_path):
+    from memagent.evaluate import write_run
+    r = trio(tmp_path, 510, 500, 400)
+    d = tmp_path / 'candidate' / '200'
+    recs = [json.loads(l) for l in (d / RECORDS_FILE).read_text().splitlines()]
+    recs[600]['sub_em'] = 1.0                                # an unsolved item marked solved, summary rebuilt to match
+    s = summarize(recs, {k: v for k, v in json.loads((d / SUMMARY_FILE).read_text()).items()
+                         if k not in ('metrics', 'pass_at_k', 'pass_at_n', 'records')}, n_boot=200, seed=0)
+    write_run(d, recs, s)
+    rep = run(r)
+    assert not rep['passed'] and any('records[q00600/0].sub_em = 1.0 but 0.0 recomputed' in x for x in rep['reasons']), rep['reasons']
+
+
+def test_mixed_parity_is_not_comparable(tmp_path):
+    r = trio(tmp_path, 510, 500, 400)
+    synthetic_run(tmp_path / 'candidate' / '200', 510, parity='official')
+    rep = run(r)
+    assert not rep['passed']
+    assert any(x.startswith('comparable[200]') and "parity differs ('official' vs 'relax')" in x for x in rep['reasons']), rep['reasons']
+    s = json.loads((tmp_path / 'candidate' / '200' / SUMMARY_FILE).read_text())
+    assert s['parity'] == 'official' and 'official_drop_empty' in s['parity_extras']
+
+
+def test_records_and_summary_carry_the_parity_mode(tiny, tmp_path):
+    cfg, tok, eng = tiny
+    from memagent.config import apply_overrides
+    from memagent.data import make_synthetic
+    for mode in ('relax', 'official'):
+        s = evaluate(make_synthetic(2, num_words=30, seed=0), eng, tok, apply_overrides(cfg, {'eval.parity': mode}),
+                     out_dir=tmp_path / mode, samples=1, progress=False, n_boot=10)
+        recs = [json.loads(l) for l in (tmp_path / mode / RECORDS_FILE).read_text().splitlines()]
+        assert s['parity'] == mode and {r['parity'] for r in recs} == {mode}
+        from memagent.acceptance import load_run
+        assert load_run(tmp_path / mode)['recomputed']['metrics'] == s['metrics']

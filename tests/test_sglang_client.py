@@ -322,3 +322,16 @@ def test_real_sglang_server(tmp_path):
         assert max(abs(x - y) for x, y in zip(a.logprobs, ref)) < 1e-2
         cl.update_weights(path=d)
         cl.close()
+
+
+def test_model_info_reports_what_each_server_serves():
+    with FakeSGLangServer(model_path='/models/a', weight_version='w1') as a, FakeSGLangServer(model_path='/models/b') as b:
+        cl = SGLangEngine([a.url, b.url], max_retries=0)
+        info = cl.model_info()
+        assert [(i['url'], i['model_path'], i['weight_version'], i['is_generation']) for i in info] == \
+               [(a.url, '/models/a', 'w1', True), (b.url, '/models/b', 'default', True)]
+        assert cl.identity() == {'kind': 'sglang', 'servers': info}
+        b.routes[('GET', '/get_model_info')] = lambda ex: setattr(ex, 'reply', {'weight_version': 'x'})
+        with pytest.raises(DeterministicEngineError, match=f'{b.url}/get_model_info: no model_path'):
+            cl.model_info()
+        cl.close()
