@@ -93,11 +93,11 @@ def _slices(text: str, piece_chars: int = 100_000):
     if start < n: yield text[start:], False
 
 def encode_long(text: str, tokenizer, piece_chars: int = 100_000) -> tuple:
-    "Token ids of `text` (no special tokens) as a compact `array('I')`, encoded in slices; returns (ids, hard_splits)."
+    "Plain-text token ids of `text` (special-token parsing off) as a compact `array('I')`, encoded in slices; returns (ids, hard_splits)."
     ids, hard = array('I'), 0
     for piece, h in _slices(text, piece_chars):
         hard += h
-        ids.extend(tokenizer.encode(piece, add_special_tokens=False, verbose=False))
+        ids.extend(tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True, verbose=False))
     return ids, hard
 
 # %% ../nbs/04_chunking.ipynb #23b05b91

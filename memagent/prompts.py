@@ -11,9 +11,9 @@ from .provenance import sha256_bytes, sha256_text
 
 # %% auto #0
 __all__ = ['PROMPTS_DIR', 'VARIANTS', 'THINKING', 'TEMPLATE_SHA256', 'TEMPLATES', 'NO_MEMORY', 'check_templates',
-           'template_sha256s', 'memory_prompt', 'final_prompt', 'strip_thinking', 'render_user', 'encode_user',
-           'chat_preamble', 'injected_system_prompt', 'bound_memory', 'memory_from_response', 'base_prompt',
-           'prompt_record']
+           'template_sha256s', 'memory_prompt', 'final_prompt', 'strip_thinking', 'render_user', 'encode_text',
+           'special_token_texts', 'encode_user_parts', 'encode_user', 'chat_preamble', 'injected_system_prompt',
+           'bound_memory', 'memory_from_response', 'base_prompt', 'prompt_record']
 
 # %% ../nbs/05_prompts.ipynb #accfc86f
 PROMPTS_DIR = Path(str(files('memagent')))/'assets'/'prompts'
@@ -97,11 +97,43 @@ def render_user(tokenizer, text: str, thinking: str = 'off') -> str:
     return tokenizer.apply_chat_template([{'role': 'user', 'content': text}], tokenize=False,
                                          add_generation_prompt=True, enable_thinking=thinking != 'off')
 
-def encode_user(tokenizer, text: str, thinking: str = 'off') -> list:
-    "Token ids of `text` sent as one user message through the chat template, generation prompt included."
-    return list(tokenizer.encode(render_user(tokenizer, text, thinking), add_special_tokens=False))
-
 _SENTINEL = '\x00memagent-user-content\x00'
+
+def encode_text(tokenizer, text: str) -> list:
+    "Ids of `text` as plain text: no special tokens added, and special-token text (`<|im_end|>`) encoded as ordinary characters."
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+def _encode_markup(tokenizer, text: str) -> list:
+    "Ids of chat-template markup: special-token text becomes the special token."
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False)) if text else []
+
+def special_token_texts(tokenizer) -> tuple:
+    "The text of every token the tokenizer flags special, longest first."
+    return tuple(sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=lambda t: (-len(t), t)))
+
+def encode_user_parts(tokenizer, text: str, thinking: str = 'off') -> tuple:
+    "`(markup_before, content, markup_after)` ids of `text` as one user message; `content` is encoded with special-token parsing off."
+    if not isinstance(text, str): raise TypeError(f"user text must be a string, got {type(text).__name__}")
+    frame = render_user(tokenizer, _SENTINEL, thinking)
+    name = getattr(tokenizer, 'name_or_path', tokenizer)
+    if frame.count(_SENTINEL) != 1:
+        raise ValueError(f"tokenizer {name!r}: the chat template writes the user text {frame.count(_SENTINEL)} times, expected once")
+    pre, post = frame.split(_SENTINEL)
+    if render_user(tokenizer, text, thinking) != pre + text + post:
+        raise ValueError(f"tokenizer {name!r}: the chat template changes the user text, so it cannot be encoded apart from the markup")
+    specials = special_token_texts(tokenizer)
+    pat = re.compile('|'.join(map(re.escape, specials))) if specials else None
+    last = [m.end() for m in pat.finditer(pre)] if pat else []
+    cut_pre = last[-1] if last else 0
+    first = pat.search(post) if pat else None
+    cut_post = first.start() if first else len(post)
+    return (_encode_markup(tokenizer, pre[:cut_pre]), encode_text(tokenizer, pre[cut_pre:] + text + post[:cut_post]),
+            _encode_markup(tokenizer, post[cut_post:]))
+
+def encode_user(tokenizer, text: str, thinking: str = 'off') -> list:
+    "Token ids of `text` sent as one user message through the chat template, generation prompt included (see `encode_user_parts`)."
+    a, b, c = encode_user_parts(tokenizer, text, thinking)
+    return a + b + c
 
 def chat_preamble(tokenizer, thinking: str = 'off') -> str:
     "What the chat template writes before the user's text when no system message is given."
@@ -115,7 +147,8 @@ def injected_system_prompt(tokenizer):
 
 # %% ../nbs/05_prompts.ipynb #152d5766
 def _encode(tokenizer, text: str) -> list:
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    "Plain-text ids, as the text appears inside a prompt (`encode_text`)."
+    return encode_text(tokenizer, text)
 
 def _fit_ids(tokenizer, ids: list, fits) -> tuple:
     "Longest-ish prefix `ids[:k]` whose decoded text `t` satisfies `fits(t) -> (ok, overshoot, enc)`; returns (t, enc)."
@@ -166,7 +199,7 @@ def prompt_record(variant: str, thinking: str, tokenizer=None) -> dict:
     names = {'memory': f'memory_{variant}', 'final': f'final_{variant}', 'first_memory': 'no_memory', 'base_suffix': 'base_suffix'}
     shas = template_sha256s()
     rec = {'variant': variant, 'thinking': thinking, 'enable_thinking': thinking != 'off',
-           'strip_thinking': thinking == 'strip', 'templates': names,
+           'strip_thinking': thinking == 'strip', 'user_text_special_tokens': 'plain text', 'templates': names,
            'template_sha256': {k: shas[v] for k, v in names.items()}, 'all_template_sha256': shas}
     if tokenizer is not None:
         rec['chat_template_sha256'] = sha256_text(tokenizer.chat_template or '')

@@ -109,7 +109,7 @@ def rollout(examples, engine, tokenizer, cfg, group_size: int | None = None, see
             tr = trajs[j]
             if isinstance(r, EngineError): _fail(tr, k, 'memory', r); continue
             text, n = P.memory_from_response(_decode(tokenizer, r.output_ids), tokenizer, ck.memory_tokens, thinking)
-            n_check = len(tokenizer.encode(text, add_special_tokens=False))
+            n_check = len(P.encode_text(tokenizer, text))
             if n_check > ck.memory_tokens or n_check != n:
                 raise AssertionError(f"{tr.traj_id} turn {k}: memory re-encodes to {n_check} tokens (bound {ck.memory_tokens}, reported {n})")
             try: tr.turns.append(_make_turn('memory', k, p, r, n))
@@ -124,7 +124,7 @@ def rollout(examples, engine, tokenizer, cfg, group_size: int | None = None, see
     for j, p, r in zip(live, prompts, res):
         tr = trajs[j]; k = tr.num_chunks
         if isinstance(r, EngineError): _fail(tr, k, 'final', r); continue
-        read = tr.memory_lengths[-1] if tr.memory_lengths else len(tokenizer.encode(P.NO_MEMORY, add_special_tokens=False))
+        read = tr.memory_lengths[-1] if tr.memory_lengths else len(P.encode_text(tokenizer, P.NO_MEMORY))
         try: tr.turns.append(_make_turn('final', k, p, r, read))
         except ValueError as e: _fail(tr, k, 'final', EngineError(f"invalid engine output: {e}")); continue
         tr.final_text = _decode(tokenizer, r.output_ids); tr.prediction = extract_boxed(tr.final_text)
