@@ -523,7 +523,7 @@ def memagent_official() -> Config:
         chunking=ChunkingCfg(5000, 1024, 1024, 64, context_trim='centre', max_context_tokens=40000),
         prompt=PromptCfg(variant='train', thinking='off'),
         rollout=RolloutCfg(engine='sglang', temperature=1.0, top_p=1.0, context_length=8192),
-        grpo=GRPOCfg(group_size=16, prompts_per_step=128, std_normalize=False, credit='share', reward='boxed_em_math'),
+        grpo=GRPOCfg(group_size=16, prompts_per_step=128, std_normalize=False, credit='share', reward='official_hotpotqa'),
         loss=LossCfg(clip_low=0.2, clip_high=0.2, dual_clip=3.0, kl_type='low_var_kl', kl_coef=0.001, agg='token_mean'),
         # 16 optimizer steps per rollout batch: the official run scripts (run_memory_7B.sh, run_memory_14B.sh at MemAgent
         # 76b7a658) set data.train_batch_size / actor.ppo_mini_batch_size = 128 / 8 and 256 / 16 prompts
