@@ -1,5 +1,7 @@
-"""The acceptance notebook end to end through papermill, with tiny random models: it cannot pass, and the report
-must say so with reasons and disclose truncation."""
+"""The acceptance notebook end to end through papermill, with tiny random models, on a tiny file set in the pinned
+format (the recipe's file names, prepared by `memagent.data.prepare`): it cannot pass, and the report must say so
+with reasons, disclose truncation, and prove each role's model. The shipped-sample haystacks stay available under
+their honest name, and a report built on them says it is not the recipe's evaluation set."""
 import json, sys
 from pathlib import Path
 
@@ -11,29 +13,75 @@ if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 TINY = dict(base_model='tiny-qwen3', reference_model='tiny-qwen3', candidate_model='tiny-qwen3', preset='tiny',
             overrides={'chunking.chunk_tokens': 64, 'chunking.memory_tokens': 4, 'chunking.final_tokens': 4,
                        'chunking.max_chunks': 1, 'eval.top_p': 1.0},
-            lengths=[10, 12], n_items=2, hotpotqa=True, hotpotqa_items=2, samples=1, batch_size=2,
-            run_name='tiny', progress=False)
+            max_items=None, hotpotqa=True, samples=1, batch_size=2, run_name='tiny', progress=False)
 
 
-@pytest.mark.timeout(240)
-def test_acceptance_notebook_tiny(tmp_path):
+def pinned_format_root(tmp_path, n_questions: int = 2) -> Path:
+    "A data root prepared from tiny files with the pinned names and formats: eval_50.json (RULER-HQA rows) and hotpotqa_dev.parquet (verl rows)."
+    import pyarrow as pa, pyarrow.parquet as pq
+    from memagent.data import build_haystack, doc_pool, from_hotpotqa, load_hotpotqa, prepare
+    src = tmp_path / 'pinned_src'; src.mkdir()
+    every = load_hotpotqa(); rows, pool = every[:n_questions], doc_pool(every)
+    for n in (50,):
+        exs = build_haystack(rows, pool, n, seed=0, progress=False)
+        (src / f'eval_{n}.json').write_text(json.dumps([{'_id': e['id'], 'input': e['question'], 'context': e['context'],
+                                                         'answers': e['answers'], 'num_docs': e['num_docs']} for e in exs]))
+    hq = [from_hotpotqa(r) for r in rows]
+    pq.write_table(pa.Table.from_pylist([{'data_source': 'hotpotqa', 'prompt': [{'role': 'user', 'content': e['question']}],
+                                          'context': e['context'], 'ability': 'memory',
+                                          'reward_model': {'style': 'rule', 'ground_truth': e['answers']},
+                                          'extra_info': {'index': i, 'question': e['question'], 'num_docs': e['num_docs']}}
+                                         for i, e in enumerate(hq)]), src / 'hotpotqa_dev.parquet')
+    root = tmp_path / 'data_root'
+    prepare(root, source=src, unverified=True, files=["eval_50.json", "hotpotqa_dev.parquet"])
+    return root
+
+
+def _run(tmp_path, **params):
     pm = pytest.importorskip('papermill')
-    out = tmp_path / 'executed.ipynb'
-    pm.execute_notebook(str(ROOT / 'nbs' / 'acceptance.ipynb'), str(out), parameters={**TINY, 'out_root': str(tmp_path / 'reports')},
+    pm.execute_notebook(str(ROOT / 'nbs' / 'acceptance.ipynb'), str(tmp_path / 'executed.ipynb'),
+                        parameters={**TINY, 'out_root': str(tmp_path / 'reports'), **params},
                         cwd=str(ROOT), progress_bar=False, kernel_name='python3')
-    rep = tmp_path / 'reports' / 'tiny'
+    return tmp_path / 'reports' / 'tiny'
+
+
+@pytest.mark.timeout(300)
+def test_acceptance_notebook_tiny_pinned_format(tmp_path):
+    rep = _run(tmp_path, eval_data='pinned', data_root=str(pinned_format_root(tmp_path)), lengths=[50])
     readme = (rep / 'README.md').read_text()
-    for f in ('compare.json', 'sub_em.png', 'summaries/candidate_10.json', 'summaries/base_hotpotqa.json',
-              'runs/reference/12/records.jsonl', 'data/ruler_hqa_12.jsonl'):
+    for f in ('compare.json', 'sub_em.png', 'summaries/candidate_50.json', 'summaries/base_hotpotqa.json',
+              'runs/reference/50/records.jsonl'):
         assert (rep / f).is_file(), f
+    head = readme.split('## Verdict')[0]
+    assert "NOT the recipe" not in head and "pinned evaluation files" in head and '**UNVERIFIED**' in head
     report = json.loads((rep / 'compare.json').read_text())
     assert report['passed'] is False and report['reasons']
     # three copies of one random model tie: none beats the base
-    assert any(r.startswith('beats_base[10]') for r in report['reasons'])
-    assert '**NOT PASSED**' in readme and 'beats_base[10]' in readme
-    # 10 HotpotQA paragraphs are far more than 1 chunk of 64 tokens: the report must disclose it
+    assert any(r.startswith('beats_base[50]') for r in report['reasons'])
+    assert '**NOT PASSED**' in readme and 'beats_base[50]' in readme
+    # 50 documents are far more than 1 chunk of 64 tokens: the report must disclose it
     assert '## Truncation disclosure' in readme and '**Truncation occurred.**' in readme and 'did NOT read the whole' in readme
-    s = json.loads((rep / 'summaries' / 'candidate_12.json').read_text())
+    s = json.loads((rep / 'summaries' / 'candidate_50.json').read_text())
     assert s['truncated_samples'] == 2 and s['dropped_tokens'] > 0 and s['complete'] and s['errors'] == 0
-    assert report['lengths'] == [10, 12] and {c['name'] for c in report['checks']} >= {'comparable', 'complete', 'no_errors',
-                                                                                        'tolerance', 'beats_base'}
+    assert s['data']['name'] == 'eval_50.jsonl' and s['parity'] == 'relax'
+    assert s['served_model']['how'] == 'model object loaded from the checkpoint directory'
+    assert report["lengths"] == [50] and {c['name'] for c in report['checks']} >= {'comparable', 'complete', 'no_errors',
+                                                                                        'tolerance', 'beats_base', 'records'}
+    assert all(c['passed'] for c in report['checks'] if c['name'] in ('records', 'comparable'))
+
+
+def test_sample_haystacks_say_they_are_not_the_recipe_set(tmp_path):
+    "The data cell alone (the run stops at the first model, which does not exist): the sets are built and named honestly."
+    pm = pytest.importorskip('papermill')
+    with pytest.raises(pm.PapermillExecutionError, match='no-such-model'):
+        _run(tmp_path, eval_data='sample-haystack-1', lengths=[10], base_model=str(tmp_path / 'no-such-model'))
+    assert (tmp_path / 'reports' / 'tiny' / 'data' / 'sample_haystack_10.jsonl').is_file()
+    nb = json.loads((tmp_path / 'executed.ipynb').read_text())
+    shown = ''.join(''.join(o.get('text', '')) for c in nb['cells'] if c['cell_type'] == 'code' for o in c.get('outputs', []))
+    assert "**Not the recipe's evaluation set.**" in shown and 'first 1 questions' in shown
+
+
+def test_missing_pinned_files_name_the_prepare_command(tmp_path):
+    pm = pytest.importorskip('papermill')
+    with pytest.raises(pm.PapermillExecutionError, match='memagent-prepare --root'):
+        _run(tmp_path, eval_data='pinned', data_root=str(tmp_path / 'empty'), lengths=[50])
