@@ -119,6 +119,19 @@ def summarize(records: list[dict], run_info: dict | None = None, n_boot: int = 1
     return out
 
 # %% ../nbs/16_evaluate.ipynb #3902e29f
+def _prepared(data_path) -> dict | None:
+    "Where a file prepared by `memagent-prepare` came from (its data root's manifest entry), or None for any other file."
+    m = Path(data_path).parent / 'manifest.json'
+    if not m.is_file(): return None
+    try: man = json.loads(m.read_text(encoding='utf-8'))
+    except ValueError as e: raise ValueError(f"{m}: unreadable manifest beside the evaluated file {data_path}: {e}") from e
+    if not isinstance(man, dict) or man.get('kind') != 'memagent.data.prepare': return None
+    for k, e in (man.get('files') or {}).items():
+        if (e.get('converted') or {}).get('path') == Path(data_path).name:
+            return {'pinned': k, 'repo_id': man.get('repo_id'), 'revision': e.get('revision'), 'source_sha256': e.get('sha256'),
+                    'verified': e.get('verified'), 'verification': e.get('verification')}
+    return None
+
 def _dataset_info(examples, data_path) -> dict:
     ids = [str(e['id']) for e in examples]
     nd = sorted({e.get('num_docs') for e in examples if e.get('num_docs') is not None})
@@ -127,6 +140,8 @@ def _dataset_info(examples, data_path) -> dict:
             'sources': sorted({str(e.get('source')) for e in examples})}
     if data_path:
         info['sha256'], info['sha256_of'] = sha256_file(data_path), 'file'
+        prep = _prepared(data_path)
+        if prep: info['prepared'] = prep
     else:  # no file: hash the examples' canonical JSON (a run from a file and one from memory will not compare)
         canon = '\n'.join(json.dumps(e, sort_keys=True, ensure_ascii=False) for e in examples)
         info['sha256'], info['sha256_of'] = sha256_text(canon), 'examples'

@@ -64,6 +64,7 @@ def test_acceptance_notebook_tiny_pinned_format(tmp_path):
     s = json.loads((rep / 'summaries' / 'candidate_50.json').read_text())
     assert s['truncated_samples'] == 2 and s['dropped_tokens'] > 0 and s['complete'] and s['errors'] == 0
     assert s['data']['name'] == 'eval_50.jsonl' and s['parity'] == 'relax'
+    assert s['data']['prepared']['pinned'] == 'eval_50.json' and s['data']['prepared']['verified'] is False
     assert s['served_model']['how'] == 'model object loaded from the checkpoint directory'
     assert report["lengths"] == [50] and {c['name'] for c in report['checks']} >= {'comparable', 'complete', 'no_errors',
                                                                                         'tolerance', 'beats_base', 'records'}
