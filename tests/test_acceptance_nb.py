@@ -86,3 +86,29 @@ def test_missing_pinned_files_name_the_prepare_command(tmp_path):
     pm = pytest.importorskip('papermill')
     with pytest.raises(pm.PapermillExecutionError, match='memagent-prepare --root'):
         _run(tmp_path, eval_data='pinned', data_root=str(tmp_path / 'empty'), lengths=[50])
+
+
+def test_roles_cannot_share_a_server(tmp_path):
+    pm = pytest.importorskip('papermill')
+    with pytest.raises(pm.PapermillExecutionError, match='one model per engine'):
+        _run(tmp_path, eval_data='sample-haystack-1', lengths=[10], hotpotqa=False,
+             overrides={**TINY['overrides'], 'rollout.engine': 'sglang'},
+             urls={'base': 'http://127.0.0.1:9', 'reference': 'http://127.0.0.1:9', 'candidate': 'http://127.0.0.1:8'})
+
+
+def test_a_role_served_by_the_wrong_model_is_refused_before_scoring(tmp_path):
+    "One URL per role; the base's server serves another checkpoint: the run stops, naming both, and nothing is generated."
+    pm = pytest.importorskip('papermill')
+    from memagent.checkpoint import export_hf
+    from memagent.models import load_model, model_dir
+    from memagent.testing import FakeSGLangServer
+    m = load_model('tiny-qwen3')
+    other = export_hf(m, None, tmp_path / 'other', state_dict={k: v + 1 for k, v in m.state_dict().items()}, identity=False)
+    with FakeSGLangServer(model_path=str(other)) as wrong, FakeSGLangServer(model_path=str(model_dir('tiny-qwen3'))) as ok:
+        with pytest.raises(pm.PapermillExecutionError) as e:
+            _run(tmp_path, eval_data='sample-haystack-1', lengths=[10], hotpotqa=False,
+                 overrides={**TINY['overrides'], 'rollout.engine': 'sglang'},
+                 urls={'base': wrong.url, 'reference': ok.url, 'candidate': ok.url.replace('127.0.0.1', 'localhost')})
+        assert 'ModelMismatchError' in str(e.value) and f'model_path {other}' in str(e.value)
+        assert f"path {model_dir('tiny-qwen3').resolve()}" in str(e.value)
+        assert wrong.calls == [] and ok.calls == []
