@@ -297,11 +297,16 @@ def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | Non
     shared = md_table([{'field': k, 'value': json.dumps(v) if not isinstance(v, str) else v}
                        for k, v in comparable_fields(any_s).items() if not k.startswith('data.')])
     sections = ([('Evaluation data', data_note)] if data_note else []) + [('Verdict', verdict),
-                ('Results', f"Metric: `{report['metric']}` in %, 95% item-bootstrap interval in brackets; tolerance "
+                ('Results', f"Parity mode `{any_s.get('parity')}`. Metric: `{report['metric']}` in %, 95% item-bootstrap interval in brackets; tolerance "
                             f"{report['tolerance_pp']} pp.\n\n" + md_table(rows, floatfmt='.2f') + '\n\n![sub_EM per length](sub_em.png)'),
                 ('Truncation disclosure', truncation_disclosure(summaries)),
                 ('Checks', checks), ('Paired per-item statistics', md_table(prow, floatfmt='.3f') if prow else '_(none)_'),
                 ('Models', models), ('Shared evaluation configuration', shared)]
+    extras = [{'model': r, 'set': str(k), **flatten(s.get('parity_extras') or {})} for r in ROLES
+              for k, s in summaries.get(r, {}).items() if s.get('parity_extras')]
+    if extras: sections.append(('Figures of the parity mode', "Computed from the same records by the parity mode's own rules "
+                                "(e.g. the official script's drop of empty outputs); the verdict uses the metrics above.\n\n"
+                                + md_table(extras, floatfmt='.2f')))
     if params: sections.append(('Parameters', '```json\n' + json.dumps(params, indent=1, default=str) + '\n```'))
     sections.append(('Provenance', provenance_md(report.get('provenance', {}))))
     title = 'Acceptance: candidate vs reference vs base' + ('' if recipe_data else " (NOT the recipe's evaluation set)")
