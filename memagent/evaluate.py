@@ -187,7 +187,7 @@ def _base_batch(batch, engine, tokenizer, ecfg, samples, seed, max_tokens):
     from memagent.rollout import request_seed, stop_token_ids
     stops = tuple(stop_token_ids(tokenizer))
     reqs, meta = [], []
-    enc = lambda t: tokenizer.encode(t, add_special_tokens=False)
+    enc = lambda t: P.encode_text(tokenizer, t)   # documents are text: special-token parsing off, as in the prompt
     for ex in batch:
         text = P.base_prompt(ex['context'], ex['question'], tokenizer, max_tokens)
         suffix = P.TEMPLATES['base_suffix'].replace('{question}', ex['question'])
