@@ -80,7 +80,7 @@ def test_non_finite_loss_stops_before_backward():
     before = {k: v.clone() for k, v in g.hf_state_dict().items()}
     rows = [Row('a#0', 0, 0, 1, 1.0, float('nan'), float('nan'), 1.0, [1, 2, 3], [4, 5], [-6.0, -6.0], [1, 1])]
     ch = InProcessChannel(2, 1); ch.put(1, rows)
-    with pytest.raises(NonFiniteError, match=r"loss of micro-batch 0 \(1 rows, trajectories \['a#0'\]\) is nan"): g.update(ch, 1, timeout=5)
+    with pytest.raises(NonFiniteError, match=r"loss of micro-batch 0 of mini-batch 0 \(1 rows, trajectories \['a#0'\]\) is nan"): g.update(ch, 1, timeout=5)
     assert all(p.grad is None for p in g.policy.model.parameters()), 'no backward ran'
     assert all(torch.equal(before[k], v) for k, v in g.hf_state_dict().items())
 
