@@ -14,7 +14,7 @@ __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_
            'N_CASES', 'FIXTURES_SCHEMA', 'RECEIPT_SCHEMA', 'EXPECT_KEYS', 'AuditError', 'AuditRefused',
            'VerificationError', 'default_report_dir', 'validate_fixtures', 'load_fixtures', 'values_match', 'compare',
            'check_checkout', 'load_reward_module', 'StubJudge', 'run_case', 'audited_source', 'run_audit',
-           'write_receipt', 'verify_receipt', 'summary_rows', 'summary_table', 'audit_cli']
+           'write_receipt', 'open_receipt', 'verify_receipt', 'summary_rows', 'summary_table', 'audit_cli']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
 PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
@@ -257,23 +257,28 @@ def write_receipt(receipt: dict, path) -> Path:
     return path
 
 # %% ../nbs/18_audit.ipynb #6c8d42b7
+def open_receipt(receipt_path, fixtures_path, load, schema: str, error=None, also=()) -> tuple[dict, object, list]:
+    "`(receipt, fixtures, problems)`: `error` (default `VerificationError`) on a missing or unreadable file; `problems` lists a wrong schema or fixture hash."
+    error = error or VerificationError
+    receipt_path, fixtures_path = Path(receipt_path), Path(fixtures_path)
+    missing = [f'{p}: missing' for p in (receipt_path, fixtures_path, *map(Path, also)) if not p.is_file()]
+    if missing: raise error(missing)
+    try: rc = json.loads(receipt_path.read_text())
+    except json.JSONDecodeError as e: raise error([f'{receipt_path}: line {e.lineno}: invalid JSON ({e.msg})'])
+    try: fx = load(fixtures_path)
+    except ValueError as e: raise error([str(e)])
+    problems = [] if rc.get('schema') == schema else [f'schema {rc.get("schema")!r} != {schema!r}']
+    if (got := sha256_file(fixtures_path)) != rc.get('fixtures', {}).get('sha256'):
+        problems.append(f'{fixtures_path.name} SHA-256 {got} differs from the receipt ({rc.get("fixtures", {}).get("sha256")})')
+    return rc, fx, problems
+
 def verify_receipt(report_dir=None, receipt_path=None) -> dict:
     "Re-check `receipt.json` against `fixtures.json` and `protocol.md`; raise `VerificationError` on any problem."
     report_dir = Path(report_dir) if report_dir else default_report_dir()
     receipt_path = Path(receipt_path) if receipt_path else report_dir / 'receipt.json'
     fx_path, proto_path = report_dir / 'fixtures.json', report_dir / 'protocol.md'
-    problems = []
-    for p in (receipt_path, fx_path, proto_path):
-        if not p.is_file(): problems.append(f'{p}: missing')
-    if problems: raise VerificationError(problems)
-    try: rc = json.loads(receipt_path.read_text())
-    except json.JSONDecodeError as e: raise VerificationError([f'{receipt_path}: line {e.lineno}: invalid JSON ({e.msg})'])
-    try: fx = load_fixtures(fx_path)
-    except ValueError as e: raise VerificationError([str(e)])
     # identity of inputs and of the audited copy
-    if rc.get('schema') != RECEIPT_SCHEMA: problems.append(f'schema {rc.get("schema")!r} != {RECEIPT_SCHEMA!r}')
-    if (got := sha256_file(fx_path)) != rc.get('fixtures', {}).get('sha256'):
-        problems.append(f'fixtures.json SHA-256 {got} differs from the receipt ({rc.get("fixtures", {}).get("sha256")})')
+    rc, fx, problems = open_receipt(receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, also=(proto_path,))
     if (got := sha256_file(proto_path)) != rc.get('protocol', {}).get('sha256'):
         problems.append(f'protocol.md SHA-256 {got} differs from the receipt ({rc.get("protocol", {}).get("sha256")})')
     aud = rc.get('audited', {})

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 from .provenance import sha256_file
+from .audit import open_receipt
 from collections import Counter
 from .reward import (REWARDS, score_prediction, normalize_answer, strict_sub_em, official_boxed_only,
                              official_unbox, official_hotpotqa, _aliases)
@@ -575,15 +576,7 @@ def verify_receipt(receipt_path=None, fixtures_path=None) -> dict:
     root = repo_root()
     receipt_path = Path(receipt_path) if receipt_path else root / 'reports/parity/receipt.json'
     fx_path = Path(fixtures_path) if fixtures_path else root / FIXTURES_PATH
-    problems = [f'{p}: missing' for p in (receipt_path, fx_path) if not p.is_file()]
-    if problems: raise VerificationError(problems)
-    try: rc = json.loads(receipt_path.read_text())
-    except json.JSONDecodeError as e: raise VerificationError([f'{receipt_path}: line {e.lineno}: invalid JSON ({e.msg})'])
-    try: fixtures = load_fixtures(fx_path)
-    except ValueError as e: raise VerificationError([str(e)])
-    if rc.get('schema') != RECEIPT_SCHEMA: problems.append(f'schema {rc.get("schema")!r} != {RECEIPT_SCHEMA!r}')
-    if (got := sha256_file(fx_path)) != rc.get('fixtures', {}).get('sha256'):
-        problems.append(f'{fx_path.name} SHA-256 {got} differs from the receipt ({rc.get("fixtures", {}).get("sha256")})')
+    rc, fixtures, problems = open_receipt(receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, error=VerificationError)
     if rc.get('fixtures', {}).get('count') != len(fixtures):
         problems.append(f'receipt counts {rc.get("fixtures", {}).get("count")} fixtures, the file has {len(fixtures)}')
     if rc.get('stubs') != STUBS: problems.append('the recorded stubs differ from STUBS')
