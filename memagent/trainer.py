@@ -88,8 +88,10 @@ class Trainer:
                  tensorboard: bool = True, progress: bool = True, extra_provenance: dict | None = None):
         self.cfg, self.run_dir, self.examples = cfg.validate(), Path(run_dir), examples
         self.lock = ckpt.RunLock(self.run_dir)      # one writer per run directory, from here on
+        self.group = self.engine = self.placement = self.tb = None
+        self.own_engine = False
         try: self._setup(tokenizer, engine, world_size, ray_address, dump_rollouts, replay_dir, resume, tensorboard, progress, extra_provenance)
-        except BaseException: self.lock.release(); raise
+        except BaseException: self.close(); raise   # what was built so far (ranks, launched engines, placement) is released
 
     def _setup(self, tokenizer, engine, world_size, ray_address, dump_rollouts, replay_dir, resume, tensorboard, progress, extra_provenance):
         from memagent.models import load_tokenizer, model_identity, tokenizer_identity
@@ -125,7 +127,6 @@ class Trainer:
                                                          'resumed_from': ck['path'] if ck else None, 'skipped_checkpoints': ck['skipped'] if ck else [],
                                                          'resume_overrides': [{'key': k, 'checkpoint': o, 'now': n} for k, o, n in overrides],
                                                          'provenance': self.prov}, indent=1, default=str))
-        self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(self.run_dir/'tb'))
@@ -249,7 +250,8 @@ class Trainer:
         "Release the policy group, the engine the trainer launched, the placement group and the run directory's lock."
         try:
             if self.tb is not None: self.tb.close()
-            try: self.group.close()
+            try:
+                if self.group is not None: self.group.close()
             finally:
                 try:
                     if self.own_engine and self.engine is not None: self.engine.close()

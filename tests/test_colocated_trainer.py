@@ -38,3 +38,19 @@ def test_trainer_releases_before_the_update_and_resumes_in_the_sync(tmp_path):
         elif p == '/resume_memory_occupation' and 'kv_cache' in b['tags']: released = False
         elif p == '/generate': assert not released, 'a generate request reached a released server'
         assert schema_error(p, b) is None, (p, b)
+
+
+def test_a_failed_setup_releases_what_it_built(tmp_path, monkeypatch):
+    "An engine that fails to launch (after the ranks exist) leaves no lock, and the group is closed: a new Trainer starts."
+    import memagent.trainer as T
+    from memagent.policy import LocalGroup
+    closed = []
+    monkeypatch.setattr(LocalGroup, 'close', lambda self: closed.append(self))
+    def fail(*a, **k): raise RuntimeError('engine launch failed')
+    monkeypatch.setattr(T, 'engine_from_config', fail)
+    cfg, exs = get_preset('tiny'), make_synthetic(2, num_words=30, seed=0)
+    with pytest.raises(RuntimeError, match='engine launch failed'):
+        Trainer(cfg, tmp_path / 'run', exs, progress=False, tensorboard=False)
+    assert len(closed) == 1
+    monkeypatch.undo()
+    Trainer(cfg, tmp_path / 'run', exs, progress=False, tensorboard=False).close()
