@@ -70,6 +70,8 @@ class RolloutCfg:
     gpus_per_engine: int = 1        # GPUs (SGLang tensor parallel size) per engine; the frozen recipe: 2
     mem_fraction: float = 0.8       # SGLang --mem-fraction-static: share of a GPU for weights + KV cache; colocated recipe: 0.7
     weight_sync: str = 'disk'       # 'disk' (HF directory, update_weights_from_disk) or 'tensor' (in memory, update_weights_from_tensor)
+    response_cap: int | None = None # rehearsals only: every request's max_new_tokens is at most this (memory and final turns);
+                                    # the memory bound itself (chunking.memory_tokens) is unchanged. None: the chunking bounds
 
 @dataclass
 class GRPOCfg:
@@ -355,6 +357,7 @@ RANGES = {
     'rollout.max_retries': Range(0, why='0: no retry'),
     'rollout.backoff_s': Range(0, why='seconds; 0: retry at once'),
     'rollout.concurrency': Range(1), 'rollout.context_length': Range(1),
+    'rollout.response_cap': Range(1, why='tokens per response; null: the chunking bounds'),
     'grpo.group_size': Range(2, why='GRPO needs at least 2 samples per prompt'),
     'grpo.prompts_per_step': Range(1),
     'grpo.eps': Range(0, lo_open=True, why='the advantage divides by std + eps'),

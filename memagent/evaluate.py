@@ -197,7 +197,7 @@ def _base_batch(batch, engine, tokenizer, ecfg, samples, seed, max_tokens):
         for s in range(samples):
             reqs.append(ids)
             meta.append((ex, s, dropped))
-    params = [SamplingParams(max_new_tokens=ecfg.chunking.final_tokens, temperature=ecfg.rollout.temperature,
+    params = [SamplingParams(max_new_tokens=_capped(ecfg.chunking.final_tokens, ecfg), temperature=ecfg.rollout.temperature,
                              top_p=ecfg.rollout.top_p, top_k=ecfg.rollout.top_k,
                              stop_token_ids=stops, seed=request_seed(seed, str(ex['id']), s, 0))
               for ex, s, _ in meta]
@@ -284,6 +284,11 @@ def item_limit(max_items, cfg) -> int | None:
         raise ValueError(f"{src} must be an int >= 0 or None (every item), got {max_items!r}")
     return max_items
 
+def _capped(bound: int, cfg) -> int:
+    "A request's max_new_tokens: the chunking bound, or `rollout.response_cap` when that is lower (rehearsals)."
+    cap = cfg.rollout.response_cap
+    return bound if cap is None else min(bound, cap)
+
 def run_info(cfg, tokenizer, mode: str, examples, data_path=None, model_name=None, samples: int = 1,
              variant: str = 'eval', base_max_tokens: int | None = None, engine=None, model_info: dict | None = None) -> dict:
     "Everything that identifies an evaluation run before it runs (the comparable fields and the model)."
@@ -300,7 +305,7 @@ def run_info(cfg, tokenizer, mode: str, examples, data_path=None, model_name=Non
             'thinking': cfg.prompt.thinking, 'tokenizer': tokenizer_identity(tokenizer), 'model': model_info,
             'engine': {'class': type(engine).__name__ if engine is not None else None, 'kind': cfg.rollout.engine},
             'sampling': {'temperature': cfg.eval.temperature, 'top_p': cfg.eval.top_p, 'top_k': cfg.rollout.top_k,
-                         'memory_max_new_tokens': c.memory_tokens, 'final_max_new_tokens': c.final_tokens},
+                         'memory_max_new_tokens': _capped(c.memory_tokens, cfg), 'final_max_new_tokens': _capped(c.final_tokens, cfg)},
             'seeds': {'eval': cfg.eval.seed, 'per_request': 'derived from (eval seed, item id, sample, turn)'},
             'limits': limits, 'totals': {'items': len(examples), 'samples_per_item': samples}, 'config_name': cfg.name}
 

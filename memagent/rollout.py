@@ -83,6 +83,9 @@ def rollout(examples, engine, tokenizer, cfg, group_size: int | None = None, see
     owner = [ei for ei in range(len(examples)) for _ in range(G)]
     st['seconds']['chunking'] = time.perf_counter() - t0
 
+    cap = cfg.rollout.response_cap
+    def max_new(bound): return bound if cap is None else min(bound, cap)   # a rehearsal's cap; the memory bound is unchanged
+
     def params(tr, turn, max_new):
         return SamplingParams(max_new, stop_token_ids=stops, seed=request_seed(seed, tr.example_id, tr.sample_index, turn), **samp)
 
@@ -103,7 +106,7 @@ def rollout(examples, engine, tokenizer, cfg, group_size: int | None = None, see
         if not live: break
         prompts = [P.encode_user(tokenizer, P.memory_prompt(trajs[j].question, memory[j], chunks[owner[j]].texts[k], variant), thinking)
                    for j in live]
-        res = _engine_call(engine, prompts, [params(trajs[j], k, ck.memory_tokens) for j in live])
+        res = _engine_call(engine, prompts, [params(trajs[j], k, max_new(ck.memory_tokens)) for j in live])
         st['memory_batches'].append(len(live)); account(prompts, res)
         for j, p, r in zip(live, prompts, res):
             tr = trajs[j]
@@ -119,7 +122,7 @@ def rollout(examples, engine, tokenizer, cfg, group_size: int | None = None, see
     t2 = time.perf_counter()
     live = [j for j, tr in enumerate(trajs) if tr.ok]
     prompts = [P.encode_user(tokenizer, P.final_prompt(trajs[j].question, memory[j], variant), thinking) for j in live]
-    res = _engine_call(engine, prompts, [params(trajs[j], trajs[j].num_chunks, ck.final_tokens) for j in live])
+    res = _engine_call(engine, prompts, [params(trajs[j], trajs[j].num_chunks, max_new(ck.final_tokens)) for j in live])
     st['final_batch'] = len(live); account(prompts, res)
     for j, p, r in zip(live, prompts, res):
         tr = trajs[j]; k = tr.num_chunks
