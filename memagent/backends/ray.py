@@ -11,7 +11,7 @@ from ..engines import free_port
 from ..policy import build_policy, build_reference, update_on_rows, optimizer_shard
 
 # %% auto #0
-__all__ = ['StallError', 'describe_progress', 'poll_interval', 'stalled_ranks', 'Rank', 'RayGroup']
+__all__ = ['StallError', 'describe_progress', 'poll_interval', 'stalled_ranks', 'pack_numpy', 'unpack_numpy', 'Rank', 'RayGroup']
 
 # %% ../../nbs/12c_ray_group.ipynb #aba84ed5
 class StallError(TimeoutError):
@@ -48,6 +48,17 @@ def stalled_ranks(events: list, changed: list[float], done: list[bool], now: flo
         if now - since > limit: out.append((i, e == 'optimizer_step', now - since))
     return [(i, dt) for i, _, dt in sorted(out, key=lambda x: (x[1], -x[2]))]
 
+# %% ../../nbs/12c_ray_group.ipynb #9355b8d8
+def pack_numpy(sd: dict) -> dict:
+    "name -> (numpy array, dtype tag): bf16 tensors as their int16 bit patterns (numpy has no bfloat16)."
+    return {k: (v.detach().cpu().view(torch.int16).numpy(), 'bfloat16') if v.dtype == torch.bfloat16
+            else (v.detach().cpu().numpy(), None) for k, v in sd.items()}
+
+def unpack_numpy(packed: dict) -> dict:
+    "The tensors `pack_numpy` packed, bit for bit (copied out of the read-only object store)."
+    return {k: torch.from_numpy(a.copy()).view(torch.bfloat16) if tag == 'bfloat16' else torch.from_numpy(a.copy())
+            for k, (a, tag) in packed.items()}
+
 # %% ../../nbs/12c_ray_group.ipynb #fe96b81d
 class Rank:
     "One trainer rank (a Ray actor made by `RayGroup`): a backend in a torch.distributed group; `progress()` is readable during `update`."
@@ -83,12 +94,12 @@ class Rank:
 
     def hf_state_dict_numpy(self, send: bool) -> dict | None:
         sd = self.policy.hf_state_dict()     # every rank joins: a collective under tensor parallelism
-        return {k: v.detach().cpu().numpy() for k, v in sd.items()} if send else None
+        return pack_numpy(sd) if send else None
 
     def state_dict(self) -> dict: return self.policy.state_dict()
 
     def load_state_dict(self, model_np: dict, state):
-        self.policy.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in model_np.items()}, state)
+        self.policy.load_state_dict(unpack_numpy(model_np), state)
 
     def close(self):
         if hasattr(self.policy, 'close'): self.policy.close()
@@ -156,7 +167,7 @@ class RayGroup:
         import ray
         self._check()
         sds = ray.get([w.hf_state_dict_numpy.remote(i == 0) for i, w in enumerate(self.workers)])
-        return {k: torch.from_numpy(v.copy()) for k, v in sds[0].items()}
+        return unpack_numpy(sds[0])
 
     def state_dict(self) -> dict:
         import ray
@@ -168,7 +179,7 @@ class RayGroup:
     def load_state_dict(self, model_sd: dict, state):
         import ray
         self._check()
-        np_sd = {k: v.numpy() for k, v in model_sd.items()}
+        np_sd = pack_numpy(model_sd)
         ray.get([w.load_state_dict.remote(np_sd, optimizer_shard(state, l['state_key'])) for w, l in zip(self.workers, self.layouts)])
 
     def export_model(self):
