@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 __all__ = ['GiB', 'DTYPE_BYTES', 'ARCHS', 'RECOMPUTE', 'CUDA_CONTEXT_GIB', 'ENGINE_RUNTIME_GIB', 'ENGINE_RESIDUE_GIB',
            'HEAD_FP32_COPIES', 'Arch', 'arch_from_hf', 'get_arch', 'ParamSpec', 'megatron_params', 'ddp_layout',
            'optimizer_shards', 'optimizer_parts', 'optimizer_bytes', 'activation_bytes', 'sglang_kv_pool', 'Cluster',
-           'PlanDoesNotFit', 'tokens_per_step', 'Plan', 'make_plan']
+           'PlanDoesNotFit', 'tokens_per_step', 'step_counts', 'Plan', 'make_plan']
 
 # %% ../nbs/14b_plan.ipynb #c6c14142
 GiB = 2**30
@@ -276,6 +276,30 @@ def tokens_per_step(cfg, doc_tokens: int | None = None) -> dict:
                 requests_per_chunk_step=traj, engines=engines, requests_per_engine=-(-traj // engines),
                 forward_passes_per_row=(1 + (cfg.loss.kl_type != 'none' and cfg.loss.kl_coef > 0)
                                         + (cfg.optim.mini_batches > 1)), backward_passes_per_row=1)
+
+# %% ../nbs/14b_plan.ipynb #c152190c
+def step_counts(cfg, row_tokens, groups=None) -> dict:
+    "Rows, padding, tokens, per-DP-rank rows/tokens/micro-batches, packing fill and its lower bound for rows of `row_tokens` tokens (prompt groups `groups`)."
+    from memagent.trajectory import Row
+    from memagent.transfer import layout_step, mini_batch_slices, micro_batches, micro_batch_stats
+    row_tokens = [int(n) for n in row_tokens]
+    groups = [0] * len(row_tokens) if groups is None else [int(g) for g in groups]
+    if len(groups) != len(row_tokens): raise ValueError(f"step_counts: {len(groups)} group indices for {len(row_tokens)} rows")
+    if any(n < 2 for n in row_tokens): raise ValueError("step_counts: a row has a prompt and a response: at least 2 tokens")
+    rows = [Row(f't{i}', g, 0, 1, 0.0, 0.0, 0.0, 1.0, [0] * (n - 1), [0], [0.0], [1]) for i, (n, g) in enumerate(zip(row_tokens, groups))]
+    dp, M, budget = cfg.dp_size, cfg.optim.mini_batches, cfg.batch.max_tokens_per_micro
+    laid, pad = layout_step(rows, dp, M)
+    per = len(laid) // dp
+    ranks = [laid[k * per:(k + 1) * per] for k in range(dp)]
+    lengths = [[[r[i].num_tokens for i in mb_rows] for mb in mini_batch_slices(r, M)
+                for mb_rows in ([mb[i] for i in b] for b in micro_batches([r[i].num_tokens for i in mb], budget))]
+               for r in ranks]
+    st = micro_batch_stats(lengths, budget)
+    return dict(rows_generated=len(rows), rows_padding=pad, rows_transferred=len(laid), rows_per_rank=[len(r) for r in ranks],
+                tokens=sum(row_tokens), tokens_per_rank=st['tokens_per_rank'], micro_batches=st['micro_batches'],
+                micro_batches_per_rank=st['micro_batches_per_rank'], packing_fill=st['fill'],
+                lower_bound_micro_batches=st['lower_bound_micro_batches'], max_padded_tokens=st['max_padded'],
+                row_capacity=cfg.row_capacity)
 
 # %% ../nbs/14b_plan.ipynb #33f76c6e
 @dataclass
