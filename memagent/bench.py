@@ -4,7 +4,7 @@
 
 # %% ../nbs/21_bench.ipynb #8a5162d7
 from __future__ import annotations
-import os, random, threading, time
+import contextlib, os, random, threading, time
 import numpy as np
 from .rollout import rollout
 from .evaluate import evaluate
@@ -13,7 +13,9 @@ from .transfer import RowChannel, RayChannel, InProcessChannel
 from .trajectory import Row
 
 # %% auto #0
-__all__ = ['bench_examples', 'bench_rollout', 'synthetic_row_lengths', 'bench_channel', 'bench_linear_cost']
+__all__ = ['bench_examples', 'bench_rollout', 'PhaseTimer', 'phase_split', 'bench_prompts', 'left_pad', 'bench_generate',
+           'matmul_gflops', 'memory_bandwidth', 'prefill_flops', 'decode_flops', 'weight_bytes', 'bench_sampling',
+           'synthetic_row_lengths', 'bench_channel', 'bench_linear_cost']
 
 # %% ../nbs/21_bench.ipynb #7093b8b6
 def bench_examples(n: int, tokenizer, chunk_tokens: int, max_chunks: int, seed: int = 0) -> list[dict]:
@@ -31,28 +33,198 @@ def bench_examples(n: int, tokenizer, chunk_tokens: int, max_chunks: int, seed: 
                         answers=[text.split()[0]]))
     return out
 
-def bench_rollout(engine, tokenizer, cfg, n_traj: int = 32, examples=None, seed: int = 0, sequential: bool = True) -> dict:
+def bench_rollout(engine, tokenizer, cfg, n_traj: int = 32, examples=None, seed: int = 0, sequential: bool = True,
+                  phases: bool = False) -> dict:
     "Generated tokens/s of the batched rollout vs a one-trajectory-at-a-time loop on the same engine, inputs and seeds."
     examples = examples or bench_examples(n_traj, tokenizer, cfg.chunking.chunk_tokens, cfg.chunking.max_chunks, seed)
     examples = examples[:n_traj]
+    timer = (lambda: PhaseTimer(engine.model)) if phases else contextlib.nullcontext
     st = {}
-    t0 = time.perf_counter()
-    batched = rollout(examples, engine, tokenizer, cfg, group_size=1, seed=seed, progress=False, stats=st)
-    tb = time.perf_counter() - t0
+    with timer() as pt:
+        t0 = time.perf_counter()
+        batched = rollout(examples, engine, tokenizer, cfg, group_size=1, seed=seed, progress=False, stats=st)
+        tb = time.perf_counter() - t0
     out = {'n_traj': len(batched), 'turns': sum(t.num_turns for t in batched), 'generated_tokens': st['generated_tokens'],
            'batched_s': tb, 'batched_tokens_per_s': st['generated_tokens'] / tb, 'memory_batches': st['memory_batches'],
            'failed': st['failed']}
+    if phases: out['batched_phases'] = pt.result(tb)
     if sequential:
-        t0, toks, seq = time.perf_counter(), 0, []
-        for ex in examples:
-            s1 = {}
-            seq += rollout([ex], engine, tokenizer, cfg, group_size=1, seed=seed, progress=False, stats=s1)
-            toks += s1['generated_tokens']
-        ts = time.perf_counter() - t0
+        with timer() as pt:
+            t0, toks, seq = time.perf_counter(), 0, []
+            for ex in examples:
+                s1 = {}
+                seq += rollout([ex], engine, tokenizer, cfg, group_size=1, seed=seed, progress=False, stats=s1)
+                toks += s1['generated_tokens']
+            ts = time.perf_counter() - t0
+        if phases: out['sequential_phases'] = pt.result(ts)
         same = sum([u.response_ids for u in a.turns] == [u.response_ids for u in b.turns] for a, b in zip(batched, seq))
         out.update(sequential_s=ts, sequential_tokens=toks, sequential_tokens_per_s=toks / ts,
                    speedup=(st['generated_tokens'] / tb) / (toks / ts), identical_fraction=same / len(batched))
     return out
+
+# %% ../nbs/21_bench.ipynb #3c0dda2a
+class PhaseTimer:
+    "Seconds in prefill (decoder calls over > 1 position) and decode (1 position) forwards of `model`, from forward hooks."
+    def __init__(self, model): self.model = model; self.reset()
+    def reset(self):
+        self.prefill_s = self.decode_s = 0.0
+        self.prefill_calls = self.decode_calls = self.prefill_tokens = self.decode_rows = 0
+        self._phase, self._t = 'decode', 0.0
+    def _pre(self, mod, args, kwargs):
+        ids = kwargs.get('input_ids', args[0] if args else None)
+        if ids is None: ids = kwargs['inputs_embeds']
+        self._phase = 'prefill' if ids.shape[1] > 1 else 'decode'
+        if self._phase == 'prefill': self.prefill_calls += 1; self.prefill_tokens += ids.shape[0] * ids.shape[1]
+        else: self.decode_calls += 1
+        self._t = time.perf_counter()
+    def _head_pre(self, mod, args):
+        if self._phase == 'decode': self.decode_rows += int(np.prod(args[0].shape[:-1]))
+        self._t = time.perf_counter()
+    def _post(self, mod, args, out):
+        dt = time.perf_counter() - self._t
+        if self._phase == 'prefill': self.prefill_s += dt
+        else: self.decode_s += dt
+    def __enter__(self):
+        dec, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        self._hooks = [dec.register_forward_pre_hook(self._pre, with_kwargs=True), dec.register_forward_hook(self._post),
+                       head.register_forward_pre_hook(self._head_pre), head.register_forward_hook(self._post)]
+        return self
+    def __exit__(self, *a):
+        for h in self._hooks: h.remove()
+    def result(self, wall_s: float | None = None) -> dict:
+        "The counts and seconds; with the call's `wall_s`, also `other_s`, the time outside the model's forwards."
+        r = dict(prefill_s=self.prefill_s, decode_s=self.decode_s, prefill_calls=self.prefill_calls, decode_calls=self.decode_calls,
+                 prefill_tokens=self.prefill_tokens, decode_rows=self.decode_rows)
+        if wall_s is not None: r.update(wall_s=wall_s, other_s=wall_s - self.prefill_s - self.decode_s)
+        return r
+
+# %% ../nbs/21_bench.ipynb #28a083fc
+def phase_split(r: dict) -> dict:
+    "Per-phase figures of a `bench_rollout(..., phases=True)` result: seconds, decode rows/s, batched / sequential speed-ups."
+    b, q = r['batched_phases'], r['sequential_phases']
+    rate = lambda p: p['decode_rows'] / p['decode_s'] if p['decode_s'] else float('nan')
+    return dict(prefill_s=(b['prefill_s'], q['prefill_s']), decode_s=(b['decode_s'], q['decode_s']), other_s=(b['other_s'], q['other_s']),
+                decode_rows=(b['decode_rows'], q['decode_rows']), decode_rows_per_s=(rate(b), rate(q)),
+                prefill_speedup=q['prefill_s'] / b['prefill_s'], decode_speedup=rate(b) / rate(q),
+                e2e_speedup=r['speedup'], prefill_share=b['prefill_s'] / b['wall_s'],
+                e2e_bound_if_free_decode=q['wall_s'] / (b['wall_s'] - b['decode_s']))
+
+# %% ../nbs/21_bench.ipynb #07ff259c
+def bench_prompts(tokenizer, n: int, max_tokens: int, min_tokens: int | None = None, seed: int = 0) -> list[list[int]]:
+    "`n` token-id prompts of `min_tokens`..`max_tokens` tokens (the first exactly `max_tokens`), cut from synthetic text."
+    min_tokens = max_tokens if min_tokens is None else min_tokens
+    if not 1 <= min_tokens <= max_tokens: raise ValueError(f"bench_prompts: need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+    rng = random.Random(seed)
+    ids = tokenizer.encode(bench_examples(1, tokenizer, max_tokens, 2, seed)[0]['context'], add_special_tokens=False)
+    while len(ids) < 2 * max_tokens: ids = ids + ids
+    lens = [max_tokens] + [rng.randint(min_tokens, max_tokens) for _ in range(n - 1)]
+    return [ids[(o := rng.randint(0, len(ids) - L)):o + L] for L in lens][:n]
+
+def left_pad(prompts: list[list[int]], pad_id: int):
+    "(input_ids, attention_mask) [B x longest], prompts right-aligned, as the engine and `generate()` both expect."
+    import torch
+    L = max(len(p) for p in prompts)
+    ids, am = torch.full((len(prompts), L), pad_id, dtype=torch.long), torch.zeros((len(prompts), L), dtype=torch.long)
+    for r, p in enumerate(prompts): ids[r, L - len(p):] = torch.tensor(p); am[r, L - len(p):] = 1
+    return ids, am
+
+def _run_engine(engine, prompts, n_new, temperature, top_p, seed):
+    from memagent.engines import SamplingParams
+    sps = [SamplingParams(n_new, temperature, top_p, seed=seed + i) for i in range(len(prompts))]
+    with PhaseTimer(engine.model) as pt:
+        t0 = time.perf_counter(); res = engine.generate(prompts, sps); w = time.perf_counter() - t0
+    n = [len(r.output_ids) for r in res]
+    if set(n) != {n_new}: raise RuntimeError(f"bench_generate: the engine produced {sorted(set(n))} tokens per request, expected {n_new}")
+    return dict(tokens=sum(n), **pt.result(w))
+
+def _run_hf(model, prompts, pad_id, n_new, temperature, top_p, seed):
+    import torch
+    ids, am = left_pad(prompts, pad_id)
+    torch.manual_seed(seed)
+    with PhaseTimer(model) as pt, torch.inference_mode():
+        t0 = time.perf_counter()
+        o = model.generate(input_ids=ids, attention_mask=am, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                           max_new_tokens=n_new, min_new_tokens=0, eos_token_id=None, pad_token_id=pad_id)
+        w = time.perf_counter() - t0
+    if o.shape[1] - ids.shape[1] != n_new: raise RuntimeError(f"bench_generate: generate() produced {o.shape[1] - ids.shape[1]} tokens, expected {n_new}")
+    return dict(tokens=len(prompts) * n_new, **pt.result(w))
+
+def bench_generate(engine, prompts, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                   repeats: int = 1) -> dict:
+    "Generated tokens/s of `HFEngine.generate` vs `model.generate()` on the same prompts and sampling settings (fastest of `repeats` each)."
+    best = {}
+    for _ in range(repeats):
+        for name, f in (('engine', lambda: _run_engine(engine, prompts, max_new_tokens, temperature, top_p, seed)),
+                        ('generate', lambda: _run_hf(engine.model, prompts, engine.pad_id, max_new_tokens, temperature, top_p, seed))):
+            r = f()
+            if name not in best or r['wall_s'] < best[name]['wall_s']: best[name] = r
+    for r in best.values(): r['tokens_per_s'] = r['tokens'] / r['wall_s']
+    return dict(requests=len(prompts), padded_width=max(len(p) for p in prompts), prompt_tokens=sum(len(p) for p in prompts),
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, repeats=repeats, **best,
+                ratio=best['engine']['tokens_per_s'] / best['generate']['tokens_per_s'])
+
+# %% ../nbs/21_bench.ipynb #e12defe3
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    "fp32 GFLOP/s of an `n x n` @ `n x n` product at the current torch thread count (fastest of `repeats`, after one warm-up)."
+    import torch
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b); ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); torch.mm(a, b); ts.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / min(ts) / 1e9
+
+def memory_bandwidth(mb: int = 512, repeats: int = 5) -> dict:
+    "GB/s reading (`sum`) and copying (read + write) an `mb`-MiB fp32 tensor, fastest of `repeats` after one warm-up each."
+    import torch
+    x = torch.randn(mb * 2**20 // 4); y = torch.empty_like(x); nb = x.numel() * 4
+    def best(f):
+        f(); ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
+        return min(ts)
+    return dict(mb=mb, read_gbs=nb / best(lambda: x.sum()) / 1e9, copy_gbs=2 * nb / best(lambda: y.copy_(x)) / 1e9)
+
+def _linear_params(model) -> int:
+    emb = model.get_input_embeddings().weight
+    return sum(p.numel() for p in model.get_decoder().parameters() if p.dim() == 2 and p is not emb)
+
+def prefill_flops(model, batch: int, seq_len: int) -> dict:
+    "FLOPs of one prefill of [batch x seq_len] positions: decoder matrix products, attention (full square), output head (last position)."
+    c = model.config
+    hd = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
+    W = model.get_output_embeddings().weight
+    r = dict(linear=2 * _linear_params(model) * batch * seq_len,
+             attention=2 * 2 * c.num_hidden_layers * batch * seq_len ** 2 * c.num_attention_heads * hd,
+             head=2 * batch * W.shape[0] * W.shape[1])
+    return dict(r, total=sum(r.values()))
+
+def decode_flops(model, batch: int, context: int) -> dict:
+    "FLOPs of one decode step of `batch` rows attending to `context` positions each: matrix products, attention, output head."
+    c = model.config
+    hd = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
+    W = model.get_output_embeddings().weight
+    r = dict(linear=2 * _linear_params(model) * batch, attention=2 * 2 * c.num_hidden_layers * batch * context * c.num_attention_heads * hd,
+             head=2 * batch * W.shape[0] * W.shape[1])
+    return dict(r, total=sum(r.values()))
+
+def weight_bytes(model) -> int:
+    "Bytes of the model's distinct parameters (a tied head and embedding counted once)."
+    return sum(p.numel() * p.element_size() for p in model.parameters())     # parameters() yields a shared tensor once
+
+# %% ../nbs/21_bench.ipynb #cb5cf557
+def bench_sampling(batch: int, vocab: int, repeats: int = 20, seed: int = 0) -> dict:
+    "Milliseconds per step of `sample_tokens` (seeded rows, log-probs) vs softmax + `torch.multinomial` at [batch x vocab] (fastest of `repeats`)."
+    import torch
+    from memagent.engines import sample_tokens
+    z = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(batch)]
+    def best(f):
+        f(); ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
+        return min(ts) * 1e3
+    return dict(batch=batch, vocab=vocab, engine_ms=best(lambda: sample_tokens(z, gens, [1.0] * batch)),
+                multinomial_ms=best(lambda: torch.multinomial(z.softmax(-1), 1)))
 
 # %% ../nbs/21_bench.ipynb #a769f3f5
 def synthetic_row_lengths(n_traj: int = 64, chunks=(10, 16), chunk: int = 2048, memory: int = 1024, final: int = 256,
