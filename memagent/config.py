@@ -65,6 +65,7 @@ class RolloutCfg:
     backoff_s: float = 1.0
     sglang_urls: list[str] = field(default_factory=list)
     concurrency: int = 64           # in-flight requests per SGLang client
+    scheduler: str = 'auto'         # 'sync' (one engine batch per chunk step), 'async' (per trajectory), 'auto' (async when the engine offers a request queue)
     context_length: int = 8192      # engine context (chunk + memory + template + response)
     colocate: bool = False          # SGLang engines launched by the project on Ray, on the training GPUs, released during the update
     gpus_per_engine: int = 1        # GPUs (SGLang tensor parallel size) per engine; the frozen recipe: 2
@@ -155,6 +156,7 @@ CHOICES = {
     'prompt.variant': ('train', 'eval'),
     'prompt.thinking': ('off', 'on', 'strip'),
     'rollout.engine': ('hf', 'sglang'),
+    'rollout.scheduler': ('auto', 'sync', 'async'),
     'grpo.credit': ('split', 'share'),
     'loss.kl_type': ('low_var_kl', 'k1', 'k2', 'none'),
     'loss.agg': ('trajectory', 'token_mean'),

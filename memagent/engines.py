@@ -5,7 +5,7 @@
 # %% ../nbs/08_engines.ipynb #6d3d9ed1
 from __future__ import annotations
 import json, math, os, random, signal, socket, subprocess, sys, threading, time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, FIRST_COMPLETED, wait as _wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
@@ -15,8 +15,8 @@ __all__ = ['STAT_KEYS', 'TRANSIENT_STATUS', 'MEMORY_TAGS', 'SamplingParams', 'Ge
            'TransientEngineError', 'DeterministicEngineError', 'ServerLaunchError', 'Engine', 'new_stats',
            'per_request', 'check_prompt', 'teacher_forced_logprobs', 'race_blocks', 'sample_tokens', 'HFEngine',
            'load_safetensors_dir', 'Deadline', 'WatchedAdapter', 'check_stop_alignment', 'parse_sglang_response',
-           'tensor_update_payload', 'SGLangEngine', 'free_port', 'ServerProcess', 'sglang_server_cmd', 'SGLangServer',
-           'engine_from_config']
+           'tensor_update_payload', 'FutureQueue', 'SGLangEngine', 'free_port', 'ServerProcess', 'sglang_server_cmd',
+           'SGLangServer', 'engine_from_config']
 
 # %% ../nbs/08_engines.ipynb #812df3c4
 @dataclass(frozen=True)
@@ -467,6 +467,36 @@ def tensor_update_payload(state_dict: dict, tp_size: int, flush_cache: bool = Fa
     finally: tmp.set_sharing_strategy(prev)
     return {'serialized_named_tensors': ser, 'load_format': None, 'flush_cache': flush_cache}
 
+class FutureQueue:
+    "Requests run by `call(prompt, params)` (a result or an `EngineError`, never raising) on a thread pool; `wait_any` returns those that finished."
+    def __init__(self, pool, call, limit: int, wait_limit_s: float, on_submit=None):
+        self.pool, self.call, self.limit, self.wait_limit_s, self.on_submit = pool, call, limit, wait_limit_s, on_submit
+        self._pending = set()
+
+    def _safe(self, prompt, params):
+        try: return self.call(prompt, params)
+        except EngineError as e: return e
+        except Exception as e:
+            err = DeterministicEngineError(f"{type(e).__name__}: {e}"); err.__cause__ = e
+            return err
+
+    def submit(self, prompt, params):
+        if len(self._pending) >= self.limit:
+            raise RuntimeError(f"FutureQueue: {len(self._pending)} requests already in flight (limit {self.limit})")
+        if self.on_submit is not None: self.on_submit()
+        f = self.pool.submit(self._safe, prompt, params); self._pending.add(f)
+        return f
+
+    def wait_any(self, timeout: float) -> list:
+        "[(handle, result)] of the requests finished within `timeout` seconds (at least one, unless the timeout passed)."
+        if not self._pending: return []
+        done, _ = _wait_futures(self._pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        self._pending -= done
+        return [(f, f.result()) for f in done]
+
+    def now(self) -> float: return time.monotonic()
+    def cancel(self, handle) -> None: self._pending.discard(handle); handle.cancel()
+
 class SGLangEngine:
     "Client of SGLang's native HTTP API over several servers: least-in-flight balancing, concurrency limit, per-request deadlines, bounded retries."
     def __init__(self, urls, timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 1.0, concurrency: int = 64,
@@ -595,6 +625,14 @@ class SGLangEngine:
             for r in out:
                 if isinstance(r, EngineError): raise r
         return out
+
+    def request_queue(self) -> 'FutureQueue':
+        "A `FutureQueue` over this client's pool, for the per-trajectory rollout scheduler: at most `concurrency` requests in flight."
+        if self.released:
+            raise DeterministicEngineError(f"request_queue refused: the servers' memory is released ({', '.join(self.released)}); "
+                                           "sync_weights() or resume_memory() takes it back first")
+        wait_limit = (self.max_retries + 1) * (self.timeout_s + self.max_backoff_s)
+        return FutureQueue(self._pool, self._settled, self.concurrency, wait_limit, on_submit=lambda: self._count('requests'))
 
     @staticmethod
     def _succeeded(u: str, path: str, body) -> None:

@@ -158,24 +158,36 @@ def _record(parity, ex, sample, answers, response, num_chunks=0, truncated=False
                          'num_chunks': int(num_chunks), 'truncated': bool(truncated), 'dropped_tokens': int(dropped_tokens),
                          'memory_lengths': list(memory_lengths), 'error': error}, parity)
 
-def _recurrent_batch(batch, engine, tokenizer, ecfg, samples, seed, variant):
+def _item_records(ecfg, ex, samples, ts) -> list:
+    "The `samples` records of item `ex` from its trajectories `ts` (a missing sample is an error record)."
+    by = {int(t.sample_index): t for t in ts}
+    out = []
+    for s in range(samples):
+        t = by.get(s)
+        if t is None:
+            out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], '', error='rollout returned no trajectory for this sample')); continue
+        out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], t.final_text, t.num_chunks, t.truncated, t.dropped_tokens,
+                           t.memory_lengths, t.error))
+    return out
+
+def _recurrent_batch(batch, engine, tokenizer, ecfg, samples, seed, variant, on_item=None):
+    "Records of `batch` in item order; `on_item(records)` with each item's records as soon as its trajectories are finished."
     from memagent.rollout import rollout
     from memagent.engines import EngineError
+    def group_done(ts):
+        if on_item is not None: on_item(_item_records(ecfg, batch[ts[0].group_index], samples, ts))
     try:
         trajs = rollout(batch, engine, tokenizer, ecfg, group_size=samples, seed=seed, variant=variant, progress=False,
-                        sampling={'temperature': ecfg.eval.temperature, 'top_p': ecfg.eval.top_p, 'top_k': ecfg.rollout.top_k})
+                        sampling={'temperature': ecfg.eval.temperature, 'top_p': ecfg.eval.top_p, 'top_k': ecfg.rollout.top_k},
+                        on_group=group_done)
     except EngineError as e:
-        return [_record(ecfg.eval.parity, ex, s, ex['answers'], '', error=f"{type(e).__name__}: {e}") for ex in batch for s in range(samples)]
-    by = {(str(t.example_id), int(t.sample_index)): t for t in trajs}
-    out = []
-    for ex in batch:
-        for s in range(samples):
-            t = by.get((str(ex['id']), s))
-            if t is None:
-                out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], '', error='rollout returned no trajectory for this sample')); continue
-            out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], t.final_text, t.num_chunks, t.truncated, t.dropped_tokens,
-                               t.memory_lengths, t.error))
-    return out
+        out = [_record(ecfg.eval.parity, ex, s, ex['answers'], '', error=f"{type(e).__name__}: {e}") for ex in batch for s in range(samples)]
+        if on_item is not None:
+            for i in range(0, len(out), samples): on_item(out[i:i + samples])
+        return out
+    by = {}
+    for t in trajs: by.setdefault(t.group_index, []).append(t)
+    return [r for i, ex in enumerate(batch) for r in _item_records(ecfg, ex, samples, by.get(i, []))]
 
 def default_base_max_tokens(cfg) -> int:
     "Context budget of the base diagnostic: engine context - final answer tokens - template allowance."
@@ -335,14 +347,31 @@ def evaluate(examples, engine, tokenizer, cfg, mode: str = 'recurrent', out_dir=
     from tqdm.auto import tqdm
     bar = tqdm(total=len(examples), desc=f'evaluate {mode}', unit='item', disable=not progress, file=sys.stderr)
     records, t0 = [], time.perf_counter()
-    for s in range(0, len(examples), batch_size):
-        batch = examples[s:s + batch_size]
-        if mode == 'recurrent': recs = _recurrent_batch(batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, variant)
-        else: recs = _base_batch(batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, base_max_tokens)
-        records += recs
-        bar.update(len(batch)); bar.set_postfix(errors=sum(1 for r in records if r['error']))
+    from memagent.rollout import choose_scheduler
+    scheduler = choose_scheduler(engine, ecfg) if mode == 'recurrent' else 'sync'
+    step = len(examples) if scheduler == 'async' else batch_size    # async: every item at once, the queue bounds what is in flight
+    live, errors = None, 0
+    if out_dir is not None:     # each item's records as it finishes; rewritten in item order at the end
+        Path(out_dir).mkdir(parents=True, exist_ok=True); live = open(Path(out_dir) / RECORDS_FILE, 'w', encoding='utf-8')
+    def on_item(recs):
+        nonlocal errors
+        if live is not None:
+            for r in recs: live.write(json.dumps(r, ensure_ascii=False) + '\n')
+            live.flush()
+        errors += sum(1 for r in recs if r['error'])
+        bar.update(1); bar.set_postfix(errors=errors)
+    try:
+        for s in range(0, len(examples), step):
+            batch = examples[s:s + step]
+            if mode == 'recurrent': records += _recurrent_batch(batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, variant, on_item)
+            else:
+                recs = _base_batch(batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, base_max_tokens)
+                records += recs
+                for i in range(0, len(recs), samples): on_item(recs[i:i + samples])
+    finally:
+        if live is not None: live.close()
     bar.close()
-    info['timing'] = {'wall_s': time.perf_counter() - t0, 'batch_size': batch_size}
+    info['timing'] = {'wall_s': time.perf_counter() - t0, 'batch_size': step, 'scheduler': scheduler}
     summary = summarize(records, info, n_boot=n_boot, seed=cfg.eval.seed)
     summary['provenance'] = provenance()
     if out_dir is not None: write_run(out_dir, records, summary)

@@ -167,7 +167,12 @@ class Trainer:
             if not p.exists(): raise FileNotFoundError(f"replay: no rollout dump for step {step} at {p}")
             return load_jsonl(p)
         return rollout(exs, self.engine, self.tok, self.cfg, group_size=self.cfg.grpo.group_size,
-                       seed=_step_seed(self.cfg.seed, step), progress=False)
+                       seed=_step_seed(self.cfg.seed, step), progress=False, on_group=self._score)
+
+    def _score(self, group: list[Trajectory]) -> None:
+        "Reward every answered trajectory of a finished group (the rollout calls it as each group completes)."
+        for tr in group:
+            if tr.ok: tr.reward = float(self.reward_fn(tr.final_text, tr.answers))
 
     def step(self) -> dict:
         "One GRPO step; returns (and logs) its metrics. Whatever stops it is recorded in `health.json` before it propagates."
@@ -183,8 +188,6 @@ class Trainer:
         t['rollout'] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        for tr in trajs:
-            if tr.ok and self.replay_dir is None: tr.reward = float(self.reward_fn(tr.final_text, tr.answers))
         bad_groups = {tr.group_index for tr in trajs if not tr.ok}
         kept = [tr for tr in trajs if tr.group_index not in bad_groups]
         if self.dump_rollouts and self.replay_dir is None:     # dumped first: a step that stops the run can be inspected
