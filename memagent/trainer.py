@@ -79,7 +79,8 @@ def update_metrics(upd: list[dict], max_tokens: int) -> dict:
     st = micro_batch_stats([u['micro_batch_lengths'] for u in upd], max_tokens)
     m = merge_metrics([{k: v for k, v in u.items() if k != 'micro_batch_lengths'} for u in upd])
     return dict(m, rows_consumed_per_rank=[u['rows_consumed'] for u in upd], packing_fill=st['fill'],
-                padded_tokens=st['padded_tokens'], max_padded_tokens=st['max_padded'], rank_token_imbalance=st['rank_imbalance'])
+                padded_tokens=st['padded_tokens'], max_padded_tokens=st['max_padded'], rank_token_imbalance=st['rank_imbalance'],
+                micro_batches_per_rank=st['micro_batches_per_rank'], tokens_per_rank=st['tokens_per_rank'])
 
 class Trainer:
     "GRPO on MemAgent trajectories. `step()` runs one step; `train()` runs to `cfg.schedule.steps`."
