@@ -1,0 +1,52 @@
+"""The rehearsal notebook at reduced counts (the variant CI runs): the frozen preset's shapes on TP 2 x DP 2 Ray
+ranks, with its row, rank, capacity and plan gates, the checkpoint and export, and the 64-chunk truncation."""
+import json, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NB = ROOT / 'nbs' / 'rehearsal.ipynb'
+REDUCED = dict(prompts=2, group=8, tp=2, dp=2, train_docs=32, eval_items=1, eval_docs=50, trunc_docs=1000, progress=False)
+
+
+def _papermill(tmp_path, run, **params):
+    pytest.importorskip('papermill')
+    args = [sys.executable, '-m', 'papermill', str(NB), str(tmp_path / f'{run}.ipynb'), '--cwd', str(ROOT), '--no-progress-bar',
+            '-k', 'python3', '-p', 'run', run, '-p', 'out_dir', str(tmp_path / 'runs'), '-p', 'report_dir', str(tmp_path / 'reports')]
+    for k, v in params.items(): args += ['-p', k, str(v)]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+    return p, tmp_path / 'reports' / run, tmp_path / 'runs' / run
+
+
+@pytest.mark.timeout(1800)
+def test_rehearsal_reduced(tmp_path):
+    p, rep, run = _papermill(tmp_path, 'ci', **REDUCED)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    R = json.loads((rep / 'rehearsal.json').read_text())
+    gates = {g['gate']: g for g in R['gates']}
+    assert R['passed'] and all(g['result'] == 'PASS' for g in R['gates'])
+    for s in (1, 2):
+        for name in ('rows', 'ranks', 'capacity', 'plan'): assert f'{name}[step {s}]' in gates
+    # the preset's shapes: 2 x 8 trajectories of 3-chunk documents, one row per turn, split over 2 DP ranks
+    for st in R['steps']:
+        assert st['trajectories'] == 16 and st['turns_min'] == st['turns_max'] == 4 and st['rows'] == 64
+        assert st['per_rank'] == [32, 32] and st['capacity'] == 16 * 65
+        for k in ('micro_batches', 'micro_batches_per_rank', 'tokens_per_rank'): assert st['plan'][k] == st[k], k
+        assert st['plan']['rows_per_rank'] == st['per_rank']
+        assert st['row_tokens_max'] <= 9216 and st['row_tokens_max'] > 2048     # a chunk of 2048 plus template and memory
+    # only the listed overrides differ from the preset, and the truncation item is read to 64 chunks and disclosed
+    assert gates['overrides_only']['unlisted'] == []
+    t = gates['truncation_disclosed']
+    assert t['document_chunks'] > 64 and t['read_chunks'] == [64] and t['truncated'] == [True] and t['dropped_tokens'][0] > 0
+    ranks = [r for r in R['memory']['processes'] if r['name'] == 'ray::Rank']
+    assert R['memory']['peak_total'] > 0 and len(ranks) == 4, R['memory']['by_name']
+    readme = (rep / 'README.md').read_text()
+    assert 'The plan evaluated on the measured rows' in readme and '**no**' not in readme and 'Time goal' in readme
+    assert (rep / 'rehearsal.png').stat().st_size > 1000
+    assert (run / 'checkpoints' / 'step_000002').is_dir() and (run / 'hf' / 'config.json').is_file()
+
+
+def test_rehearsal_refuses_unknown_parameter(tmp_path):
+    p, _, _ = _papermill(tmp_path, 'bad', stepz=2)
+    assert p.returncode != 0 and "unknown parameter 'stepz'" in (p.stdout + p.stderr)
