@@ -64,7 +64,7 @@ class RolloutCfg:
     max_retries: int = 3            # transient failures only; deterministic ones fail at once
     backoff_s: float = 1.0
     sglang_urls: list[str] = field(default_factory=list)
-    concurrency: int = 64           # in-flight requests per SGLang client
+    concurrency: int = 64           # in-flight generation requests per SGLang server (the client holds servers x concurrency)
     scheduler: str = 'auto'         # 'sync' (one engine batch per chunk step), 'async' (per trajectory), 'auto' (async when the engine offers a request queue)
     context_length: int = 8192      # engine context (chunk + memory + template + response)
     colocate: bool = False          # SGLang engines launched by the project on Ray, on the training GPUs, released during the update

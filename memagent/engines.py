@@ -512,11 +512,15 @@ class SGLangEngine:
         self._released = {u: set() for u in self.urls}     # memory tags each server has released
         self.timeout_s, self.max_retries, self.backoff_s, self.max_backoff_s = timeout_s, max_retries, backoff_s, max_backoff_s
         self.update_timeout_s, self.connect_timeout_s = update_timeout_s, connect_timeout_s
-        self.concurrency = concurrency
-        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix='sglang')
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be an int >= 1 (requests in flight per server), got {concurrency!r}")
+        self.concurrency = concurrency          # per server: the pool holds a thread for every slot of every server
+        self._pool = ThreadPoolExecutor(max_workers=concurrency * len(self.urls), thread_name_prefix='sglang')
         self._inflight = {u: 0 for u in self.urls}
+        self.peak_inflight = {u: 0 for u in self.urls}    # the most generation requests each server had at once
         self._turn = 0
         self._lock = threading.Lock()
+        self._slots = threading.Condition(self._lock)     # signalled when a request frees a server's slot
         self._local = threading.local()
         self.stats = new_stats()
 
@@ -533,17 +537,26 @@ class SGLangEngine:
         with self._lock: self.stats[key] += n
 
     def _acquire(self, avoid=(), only: str | None = None) -> str:
-        with self._lock:
-            if only is not None: cands = [only]
-            else: cands = [u for u in self.urls if u not in avoid] or self.urls
+        "A server for one request: `only` (a request to that server: not counted against the bound), else the least busy one with a free slot (at most `concurrency` in flight per server) among those not in `avoid` (all, if every one is), rotating among ties; waits for a slot."
+        with self._slots:
+            if only is not None:
+                self._inflight[only] += 1; return only
+            cands = [u for u in self.urls if u not in avoid] or self.urls     # a retry waits for another server's slot
+            while True:
+                free = [u for u in cands if self._inflight[u] < self.concurrency]
+                if free: break
+                if not self._slots.wait(timeout=self.timeout_s):
+                    raise TransientEngineError(f"no free request slot on any of {len(self.urls)} server(s) within {self.timeout_s:g}s "
+                                               f"({self.concurrency} in flight per server)")
             self._turn += 1
-            rot = cands[self._turn % len(cands):] + cands[:self._turn % len(cands)]
+            rot = free[self._turn % len(free):] + free[:self._turn % len(free)]
             u = min(rot, key=lambda x: self._inflight[x])
             self._inflight[u] += 1
+            self.peak_inflight[u] = max(self.peak_inflight[u], self._inflight[u])
             return u
 
     def _release(self, u):
-        with self._lock: self._inflight[u] -= 1
+        with self._slots: self._inflight[u] -= 1; self._slots.notify()
 
     def _http(self, method: str, url: str, path: str, payload, timeout_s: float):
         "One attempt under a `Deadline` of `timeout_s`: the reply (JSON when the server says so, else text), or an `EngineError` of the right kind."
@@ -614,7 +627,7 @@ class SGLangEngine:
             return err
 
     def generate(self, prompts, params, return_exceptions: bool = False) -> list:
-        "Send every prompt (at most `concurrency` at once); results in prompt order. Refused, sending nothing, while memory is released."
+        "Send every prompt (at most `concurrency` in flight per server); results in prompt order. Refused, sending nothing, while memory is released."
         if self.released:
             raise DeterministicEngineError(f"generate refused: the servers' memory is released ({', '.join(self.released)}); "
                                            "sync_weights() or resume_memory() takes it back first")
@@ -627,12 +640,12 @@ class SGLangEngine:
         return out
 
     def request_queue(self) -> 'FutureQueue':
-        "A `FutureQueue` over this client's pool, for the per-trajectory rollout scheduler: at most `concurrency` requests in flight."
+        "A `FutureQueue` over this client's pool, for the per-trajectory rollout scheduler: at most `concurrency` requests in flight per server."
         if self.released:
             raise DeterministicEngineError(f"request_queue refused: the servers' memory is released ({', '.join(self.released)}); "
                                            "sync_weights() or resume_memory() takes it back first")
         wait_limit = (self.max_retries + 1) * (self.timeout_s + self.max_backoff_s)
-        return FutureQueue(self._pool, self._settled, self.concurrency, wait_limit, on_submit=lambda: self._count('requests'))
+        return FutureQueue(self._pool, self._settled, self.concurrency * len(self.urls), wait_limit, on_submit=lambda: self._count('requests'))
 
     @staticmethod
     def _succeeded(u: str, path: str, body) -> None:

@@ -118,7 +118,7 @@ class SimQueue:
     def cancel(self, handle) -> None: self.e._cancel(handle)
 
 class SimEngine:
-    "Engine model: `servers` continuously batching servers on a virtual clock, at most `limit` requests in flight from this client."
+    "Engine model: `servers` continuously batching servers on a virtual clock, at most `limit` requests of this client in flight on each."
     def __init__(self, model: LatencyModel = LatencyModel(), servers: int = 1, limit: int = 64, length=None,
                  token_pool=(100, 101, 102), stop_id: int = 0, wait_limit_s: float = 3600.0, fail=None, hang=()):
         self.model, self.limit, self.length = model, limit, length or LENGTHS['mixed']
@@ -127,15 +127,19 @@ class SimEngine:
         self.servers = [SimServer(model) for _ in range(servers)]
         self.clock, self._next, self._turn, self._req = 0.0, 0, 0, {}
         self.in_flight = self.max_in_flight = 0
+        self.on_server = [0] * servers          # this client's requests in flight per server (at most `limit` each)
+        self.peak_on_server = [0] * servers
         self.stats = {'requests': 0, 'generated_tokens': 0}
 
-    def request_queue(self) -> SimQueue: return SimQueue(self, self.limit)
+    def request_queue(self) -> SimQueue: return SimQueue(self, self.limit * len(self.servers))
 
     def _submit(self, prompt, sp):
-        if self.in_flight >= self.limit: raise RuntimeError(f"SimEngine: more than limit={self.limit} requests in flight")
-        rid = self._next; self._next += 1; self._turn += 1
         S = len(self.servers)
-        s = min(range(S), key=lambda k: (self.servers[k].busy(), (k - self._turn) % S))
+        free = [k for k in range(S) if self.on_server[k] < self.limit]
+        if not free: raise RuntimeError(f"SimEngine: every server already has limit={self.limit} requests in flight")
+        rid = self._next; self._next += 1; self._turn += 1
+        s = min(free, key=lambda k: (self.servers[k].busy(), (k - self._turn) % S))
+        self.on_server[s] += 1; self.peak_on_server[s] = max(self.peak_on_server[s], self.on_server[s])
         n = self.length(sp)
         self._req[rid] = (s, prompt, sp, n)
         self.in_flight += 1; self.max_in_flight = max(self.max_in_flight, self.in_flight); self.stats['requests'] += 1
@@ -144,7 +148,7 @@ class SimEngine:
 
     def _result(self, rid):
         s, prompt, sp, n = self._req.pop(rid)
-        self.in_flight -= 1
+        self.in_flight -= 1; self.on_server[s] -= 1
         if self.fail is not None and (err := self.fail(prompt, sp)) is not None: return err
         rng = random.Random(sp.seed ^ 0x5EED)
         ids = [rng.choice(self.token_pool) for _ in range(n)]
@@ -164,16 +168,16 @@ class SimEngine:
             if done: return [(rid, self._result(rid)) for rid in sorted(done)]
 
     def _cancel(self, rid) -> None:
-        s, *_ = self._req.pop(rid); self.in_flight -= 1
+        s, *_ = self._req.pop(rid); self.in_flight -= 1; self.on_server[s] -= 1
         sv = self.servers[s]
         sv.waiting = [w for w in sv.waiting if w[1] != rid]; sv.running.pop(rid, None)
 
     def generate(self, prompts, params, return_exceptions: bool = False) -> list:
-        "Every prompt through the queue, at most `limit` in flight; results in prompt order (the sync scheduler's view)."
+        "Every prompt through the queue, at most `limit` in flight per server; results in prompt order (the sync scheduler's view)."
         params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         q, out, todo, handles = self.request_queue(), [None] * len(prompts), list(range(len(prompts)))[::-1], {}
         while todo or handles:
-            while todo and len(handles) < self.limit:
+            while todo and len(handles) < q.limit:
                 i = todo.pop(); handles[q.submit(prompts[i], params[i])] = i
             done = q.wait_any(self.wait_limit_s)
             if not done: raise EngineError(f"SimEngine.generate: no answer within {self.wait_limit_s}s")
@@ -239,4 +243,5 @@ def makespan(scheduler: str, trajs_fn, engine_fn, group_size: int, batch_groups:
         if scheduler == 'sync': run_sync(walk, eng, st)
         else: run_async(walk, eng.request_queue(), st)
     return {'seconds': eng.clock, 'requests': eng.stats['requests'], 'generated_tokens': eng.stats['generated_tokens'],
-            'max_in_flight': eng.max_in_flight, 'failed': sum(not t.ok for t in trajs)}
+            'max_in_flight': eng.max_in_flight, 'max_in_flight_per_server': max(eng.peak_on_server),
+            'failed': sum(not t.ok for t in trajs)}

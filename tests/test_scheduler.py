@@ -51,7 +51,8 @@ def test_sync_and_async_give_identical_records(tok, length):
     assert s_groups == [[f'x{i}#{s}' for s in range(3)] for i in range(5)]
     assert sorted(a_groups) == sorted(s_groups) and a_groups[0] == ['x0#0', 'x0#1', 'x0#2']
     assert len(set(s_st['group_clocks'])) == 1 and a_st['group_clocks'][0] < a_st['group_clocks'][-1] == a_eng.clock
-    assert 3 <= a_st['max_in_flight'] <= 6 and a_eng.max_in_flight <= 6
+    # the bound is per server: 2 servers x 6; 15 trajectories never have more than one request each in flight
+    assert 3 <= a_st['max_in_flight'] <= 12 and a_eng.max_in_flight <= 12 and max(a_eng.peak_on_server) <= 6
 
 
 def test_async_is_never_slower_on_the_toy_workloads():
@@ -62,7 +63,7 @@ def test_async_is_never_slower_on_the_toy_workloads():
             a, s = makespan('async', tr, eng, 4), makespan('sync', tr, eng, 4)
             assert a['seconds'] <= s['seconds'] * 1.0001, (name, seed, a, s)
             assert (a['requests'], a['generated_tokens']) == (s['requests'], s['generated_tokens'])
-            assert a['max_in_flight'] <= 8
+            assert a['max_in_flight'] <= 16 and a['max_in_flight_per_server'] <= 8
 
 
 @pytest.mark.parametrize('scheduler', ['sync', 'async'])
@@ -131,6 +132,23 @@ def test_sglang_client_async_bounds_concurrency_and_matches_sync(tok):
         assert [t.to_dict() for t in a] == [t.to_dict() for t in s]
         assert cl.stats['requests'] == 2 * a_st['requests']
         cl.close()
+
+
+def test_sglang_client_bounds_concurrency_per_server(tok):
+    "Two servers at concurrency 2: each serves at most 2 generation requests at once, both are used, 4 run together."
+    a, b = Counting(delay=0.1), Counting(delay=0.1)
+    with FakeSGLangServer(engine=a) as s1, FakeSGLangServer(engine=b) as s2:
+        cl = SGLangEngine([s1.url, s2.url], timeout_s=10, max_retries=1, backoff_s=0.01, concurrency=2)
+        assert cl.request_queue().limit == 4
+        trajs, _, st = run(tok, 'async', cl)
+        assert all(t.ok for t in trajs) and st['max_in_flight'] == 4
+        assert a.peak <= 2 and b.peak <= 2 and a.peak + b.peak >= 3
+        assert max(cl.peak_inflight.values()) == 2 and min(cl.peak_inflight.values()) >= 1
+        cl.peak_inflight = dict.fromkeys(cl.peak_inflight, 0)
+        out = cl.generate([[1, 2, 3]] * 10, SamplingParams(4, seed=1), return_exceptions=True)   # the sync path: same bound
+        assert all(isinstance(r, GenerationResult) for r in out) and set(cl.peak_inflight.values()) == {2}
+        cl.close()
+    with pytest.raises(ValueError, match='concurrency must be an int >= 1'): SGLangEngine(['http://127.0.0.1:1'], concurrency=0)
 
 
 def test_scheduler_choice():
