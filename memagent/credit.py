@@ -10,7 +10,7 @@ import numpy as np
 from .trajectory import Trajectory, Row
 
 # %% auto #0
-__all__ = ['CREDIT_MODES', 'AGG_MODES', 'group_advantages', 'filter_zero_variance', 'mini_batch_of', 'expand_rows',
+__all__ = ['CREDIT_MODES', 'AGG_MODES', 'group_advantages', 'filter_zero_variance', 'mini_batch_of', 'expand_rows', 'StepRows',
            'trajectories_to_rows']
 
 # %% ../nbs/10_credit.ipynb #c5f229d7
@@ -79,6 +79,20 @@ def mini_batch_of(group_index: int, mini_batches: int) -> int:
     if mini_batches < 1: raise ValueError(f"mini_batches must be >= 1, got {mini_batches}")
     return int(group_index) % mini_batches
 
+def _normalizers(trajs, agg: str, mini_batches: int) -> tuple[list[int], list[int]]:
+    "Trajectories and loss tokens per mini-batch: the denominators of `Row.weight`."
+    n, tok = [0] * mini_batches, [0] * mini_batches
+    for t in trajs:
+        j = mini_batch_of(t.group_index, mini_batches)
+        n[j] += 1; tok[j] += sum(int(sum(u.loss_mask)) for u in t.turns)
+    if agg == 'token_mean':
+        for j in sorted({mini_batch_of(t.group_index, mini_batches) for t in trajs}):
+            if tok[j] == 0: raise ValueError(f"agg='token_mean' but mini-batch {j} of {mini_batches} has no response tokens with loss_mask=1")
+    return n, tok
+
+def _weight(loss_mask, j: int, agg: str, n, tok) -> float:
+    return 1.0 / n[j] if agg == 'trajectory' else int(sum(loss_mask)) / tok[j]
+
 def expand_rows(trajs: list[Trajectory], advantages: list[float], mode: str = 'split', agg: str = 'trajectory',
                 mini_batches: int = 1) -> list[Row]:
     "One `Row` per turn: credit `A/T` (split) or `A` (share); weight `1/N_j` (trajectory) or `n_tok/n_tok_j` (token_mean) in its mini-batch j."
@@ -86,36 +100,66 @@ def expand_rows(trajs: list[Trajectory], advantages: list[float], mode: str = 's
     if agg not in AGG_MODES: raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
     _check_trajs(trajs)
     if len(advantages) != len(trajs): raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
-    mb = [mini_batch_of(t.group_index, mini_batches) for t in trajs]
-    n, tok = [0] * mini_batches, [0] * mini_batches          # trajectories and loss tokens per mini-batch
-    for t, j in zip(trajs, mb):
-        n[j] += 1; tok[j] += sum(int(sum(u.loss_mask)) for u in t.turns)
-    if agg == 'token_mean':
-        for j in set(mb):
-            if tok[j] == 0: raise ValueError(f"agg='token_mean' but mini-batch {j} of {mini_batches} has no response tokens with loss_mask=1")
+    n, tok = _normalizers(trajs, agg, mini_batches)          # trajectories and loss tokens per mini-batch
     rows = []
-    for t, a, j in zip(trajs, advantages, mb):
-        T = t.num_turns
+    for t, a in zip(trajs, advantages):
+        T, j = t.num_turns, mini_batch_of(t.group_index, mini_batches)
         credit = a / T if mode == 'split' else a
         for u in t.turns:
-            w = 1.0 / n[j] if agg == 'trajectory' else int(sum(u.loss_mask)) / tok[j]
-            rows.append(Row(t.traj_id, t.group_index, u.turn_index, T, float(t.reward), float(a), float(credit), w,
+            rows.append(Row(t.traj_id, t.group_index, u.turn_index, T, float(t.reward), float(a), float(credit),
+                            _weight(u.loss_mask, j, agg, n, tok),
                             list(u.prompt_ids), list(u.response_ids), list(u.rollout_logprobs), list(u.loss_mask)))
     return rows
+
+# %% ../nbs/10_credit.ipynb #687595d6
+class StepRows:
+    "A step's rows, built group by group as groups complete (`add`); `finish(order)` weights them: `trajectories_to_rows`'s `(rows, stats)`."
+    def __init__(self, cfg):
+        g, l = cfg.grpo, getattr(cfg, 'loss', None)
+        self.group_size, self.std_normalize, self.eps = g.group_size, g.std_normalize, g.eps
+        self.filter = bool(getattr(g, 'filter_zero_variance', False))
+        self.mode, self.agg = g.credit, getattr(l, 'agg', 'trajectory')
+        self.mini_batches = getattr(getattr(cfg, 'optim', None), 'mini_batches', 1)
+        self.groups, self.dropped = {}, []          # group index -> (trajectories, rows with credit); dropped group indices
+
+    def add(self, group: list[Trajectory]) -> bool:
+        "Normalize one complete group and expand its rows now (weights at `finish`); a group with a failed trajectory is dropped. Returns whether it was kept."
+        gi = sorted({t.group_index for t in group})
+        if len(gi) != 1: raise ValueError(f"StepRows.add: one group at a time, got group indices {gi}")
+        g = gi[0]
+        if g in self.groups or g in self.dropped: raise ValueError(f"StepRows.add: group {g} was already added")
+        if any(t.error is not None for t in group): self.dropped.append(g); return False
+        adv, _ = group_advantages(group, self.group_size, std_normalize=self.std_normalize, eps=self.eps)
+        self.groups[g] = (list(group), expand_rows(group, adv, self.mode, 'trajectory', 1))   # weights: at finish
+        return True
+
+    def add_all(self, trajs: list[Trajectory]) -> None:
+        "`add` every group of `trajs`, in order of first appearance."
+        for idx in _groups(trajs).values(): self.add([trajs[i] for i in idx])
+
+    def finish(self, order=None) -> tuple[list[Row], dict]:
+        "The rows of the groups `order` (default: every kept group by index), in that order, with the step's weights; and the step's stats."
+        order = sorted(self.groups) if order is None else list(order)
+        missing = [g for g in order if g not in self.groups]
+        if missing: raise ValueError(f"StepRows.finish: groups {missing[:8]} were never added, or were dropped")
+        trajs = [t for g in order for t in self.groups[g][0]]
+        adv, stats = group_advantages(trajs, self.group_size, std_normalize=self.std_normalize, eps=self.eps)
+        keep = order
+        if self.filter:
+            trajs, adv, stats = filter_zero_variance(trajs, adv, stats)
+            zero = set(stats['zero_variance_group_ids']); keep = [g for g in order if g not in zero]
+        else: stats = dict(stats, filtered_groups=0, filtered_trajectories=0, filtered_rows=0)
+        if not trajs: return [], dict(stats, n_rows=0)
+        n, tok = _normalizers(trajs, self.agg, self.mini_batches)
+        rows = [r for g in keep for r in self.groups[g][1]]
+        for r in rows: r.weight = _weight(r.loss_mask, mini_batch_of(r.group_index, self.mini_batches), self.agg, n, tok)
+        return rows, dict(stats, n_rows=len(rows), credit=self.mode, agg=self.agg, mini_batches=self.mini_batches,
+                          turns_mean=float(np.mean([t.num_turns for t in trajs])))
 
 # %% ../nbs/10_credit.ipynb #7a711c05
 def trajectories_to_rows(trajs: list[Trajectory], cfg):
     "Normalize (`cfg.grpo`), optionally filter zero-variance groups, expand (`cfg.grpo.credit`, `cfg.loss.agg`, `cfg.optim.mini_batches`); returns `(rows, stats)`."
-    g, l = cfg.grpo, getattr(cfg, 'loss', None)
-    adv, stats = group_advantages(trajs, g.group_size, std_normalize=g.std_normalize, eps=g.eps)
-    if getattr(g, 'filter_zero_variance', False):
-        trajs, adv, stats = filter_zero_variance(trajs, adv, stats)
-    else: stats = dict(stats, filtered_groups=0, filtered_trajectories=0, filtered_rows=0)
-    if not trajs:
-        stats = dict(stats, n_rows=0)
-        return [], stats
-    mode, agg, mbs = g.credit, getattr(l, 'agg', 'trajectory'), getattr(getattr(cfg, 'optim', None), 'mini_batches', 1)
-    rows = expand_rows(trajs, adv, mode, agg, mbs)
-    stats = dict(stats, n_rows=len(rows), credit=mode, agg=agg, mini_batches=mbs,
-                 turns_mean=float(np.mean([t.num_turns for t in trajs])))
-    return rows, stats
+    _check_trajs(trajs)
+    acc = StepRows(cfg)
+    acc.add_all(trajs)
+    return acc.finish(list(_groups(trajs)))

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from .config import Config, save_config, apply_overrides
 from .provenance import provenance, sha256_text
 from .trajectory import Trajectory, save_jsonl, load_jsonl
-from .credit import trajectories_to_rows
+from .credit import StepRows
 from .transfer import InProcessChannel, RayChannel, layout_step, micro_batch_stats, ensure_ray
 from .policy import make_group, merge_metrics, METRICS
 from .reward import get_reward
@@ -163,17 +163,20 @@ class Trainer:
     # --- one step ----------------------------------------------------------------------------------------
     def _rollout(self, exs: list[dict], step: int) -> list[Trajectory]:
         from memagent.rollout import rollout
+        self.rows = StepRows(self.cfg)          # the step's rows, built group by group as groups finish
         if self.replay_dir is not None:
             p = self.replay_dir/f'step_{step:06d}.jsonl'
             if not p.exists(): raise FileNotFoundError(f"replay: no rollout dump for step {step} at {p}")
-            return load_jsonl(p)
+            trajs = load_jsonl(p); self.rows.add_all(trajs)     # rewards come from the dump
+            return trajs
         return rollout(exs, self.engine, self.tok, self.cfg, group_size=self.cfg.grpo.group_size,
                        seed=_step_seed(self.cfg.seed, step), progress=False, on_group=self._score)
 
     def _score(self, group: list[Trajectory]) -> None:
-        "Reward every answered trajectory of a finished group (the rollout calls it as each group completes)."
+        "Reward every answered trajectory of a finished group and build its rows (the rollout calls it as each group completes)."
         for tr in group:
             if tr.ok: tr.reward = float(self.reward_fn(tr.final_text, tr.answers))
+        self.rows.add(group)
 
     def step(self) -> dict:
         "One GRPO step; returns (and logs) its metrics. Whatever stops it is recorded in `health.json` before it propagates."
@@ -198,7 +201,7 @@ class Trainer:
         t['reward'] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        rows, cst = trajectories_to_rows(kept, cfg) if kept else ([], {})
+        rows, cst = self.rows.finish(list(dict.fromkeys(tr.group_index for tr in kept))) if kept else ([], {})
         m.update(rollout_metrics(trajs, kept, bad_groups), zero_variance_groups=cst.get('zero_variance_groups', 0),
                  filtered_groups=cst.get('filtered_groups', 0), rows_generated=len(rows))
         if kept: m['advantage_abs_max'] = cst.get('adv_abs_max', 0.0)
