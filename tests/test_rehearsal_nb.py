@@ -43,6 +43,8 @@ def test_rehearsal_reduced(tmp_path):
     assert R['memory']['peak_total'] > 0 and len(ranks) == 4, R['memory']['by_name']
     readme = (rep / 'README.md').read_text()
     assert 'The plan evaluated on the measured rows' in readme and '**no**' not in readme and 'Time goal' in readme
+    times = readme.split('Seconds per trainer phase, per step:', 1)[1].split('\n\n')[1].splitlines()
+    assert times[0].startswith('| step |') and 'total' in times[0] and [l.split('|')[1].strip() for l in times[2:]] == ['1', '2']
     assert (rep / 'rehearsal.png').stat().st_size > 1000
     assert (run / 'checkpoints' / 'step_000002').is_dir() and (run / 'hf' / 'config.json').is_file()
 
