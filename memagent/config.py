@@ -35,6 +35,8 @@ class DataCfg:
     max_eval: int | None = None
     synthetic_tokens: int = 56      # task 'synthetic': document length in tokens (facts hidden in filler)
     synthetic_hops: int = 1         # task 'synthetic': 1 (one fact) or 2 (two linked facts)
+    keycode_pairs: int = 3          # task 'keycode': key-code facts per document (one asked, the rest distractors)
+    keycode_chunks: int = 3         # task 'keycode': chunks per document (of chunking.chunk_tokens); the needle's chunk is balanced over them
     root: str | None = None         # directory of the pinned data prepared by `memagent-prepare`; None: $MEMAGENT_DATA_ROOT, else the cache
 
 @dataclass
@@ -151,7 +153,7 @@ class HealthCfg:
 # %% ../nbs/00_config.ipynb #7519076f
 CHOICES = {
     'model.dtype': ('float32', 'bfloat16', 'float16'),
-    'data.task': ('hotpotqa', 'synthetic'),
+    'data.task': ('hotpotqa', 'synthetic', 'keycode'),
     'chunking.context_trim': ('none', 'centre'),
     'prompt.variant': ('train', 'eval'),
     'prompt.thinking': ('off', 'on', 'strip'),
@@ -350,6 +352,8 @@ RANGES = {
     'data.max_eval': Range(1, why='null: every example; 0 examples cannot be evaluated'),
     'data.synthetic_tokens': Range(1),
     'data.synthetic_hops': Range(1, 2, why='1: one fact, 2: two linked facts'),
+    'data.keycode_pairs': Range(1, 200),
+    'data.keycode_chunks': Range(1, 64),
     'chunking.chunk_tokens': Range(1), 'chunking.memory_tokens': Range(1), 'chunking.final_tokens': Range(1),
     'chunking.max_chunks': Range(1), 'chunking.max_context_tokens': Range(1, why='null: no trimming bound'),
     'rollout.temperature': Range(0, why='0: greedy'),
@@ -539,33 +543,34 @@ def memagent_official() -> Config:
         eval=EvalCfg(lengths=[50, 200, 800], temperature=0.7, top_p=0.95, samples=1, max_items=128, parity='official'))
 
 def cpu_demo() -> Config:
-    "The embedded default: a real small instruct model learning a synthetic memory task on a 2-core CPU."
+    "The embedded default: a real small instruct model learning a key-code memory task on a 2-core CPU."
     return Config(
         name='cpu-demo', seed=1234, backend='torch',
-        description='SmolLM2-135M-Instruct reads ~56-token synthetic documents (a 4-digit code hidden in filler) in '
-                    '2 chunks of 32 tokens with a 32-token memory, answers in 16 tokens; reward: the code appears in '
-                    'the final answer. GRPO 2 prompts x 4 samples, rollout temperature 0.6, CPU, one process.',
+        description='SmolLM2-135M-Instruct reads key-code documents (3 facts "The code of the <key> is <4 digits>.", one '
+                    'asked, the others distractors, one per chunk) in 3 chunks of 48 tokens with a 24-token memory, and '
+                    'answers in 16 tokens; reward: the asked code appears in the final answer and no distractor code does. '
+                    'Held-out keys are never seen in training. GRPO 2 prompts x 4 samples, rollout temperature 0.6, CPU, one process.',
         model=ModelCfg(name='smollm2-135m-instruct', dtype='float32'),
-        data=DataCfg(task='synthetic', max_train=64, max_eval=32, synthetic_tokens=56, synthetic_hops=1),
-        chunking=ChunkingCfg(chunk_tokens=32, memory_tokens=32, final_tokens=16, max_chunks=2),
+        data=DataCfg(task='keycode', max_train=64, max_eval=96, keycode_pairs=3, keycode_chunks=3),
+        chunking=ChunkingCfg(chunk_tokens=48, memory_tokens=24, final_tokens=16, max_chunks=3),
         prompt=PromptCfg(variant='train', thinking='off'),
         # Temperature 0.6, below the 1.0 of the GPU recipes: chosen for a 135M model, to sample nearer its most likely
-        # answers while groups keep some reward variance. What 0.6 gave per step (reward, zero-variance groups) is in
-        # reports/train/<run>/reward_by_step.csv.
+        # answers while groups keep some reward variance. The probes behind the chunk, memory and temperature choice are
+        # in reports/train/probes/.
         rollout=RolloutCfg(engine='hf', temperature=0.6, top_p=1.0, context_length=2048),
-        grpo=GRPOCfg(group_size=4, prompts_per_step=2, std_normalize=True, credit='split', reward='answer_in_final'),
+        grpo=GRPOCfg(group_size=4, prompts_per_step=2, std_normalize=True, credit='split', reward='answer_without_distractors'),
         loss=LossCfg(clip_low=0.2, clip_high=0.3, kl_type='low_var_kl', kl_coef=0.001, agg='trajectory'),
         optim=OptimCfg(name='adam', lr=3e-5, weight_decay=0.0, betas=[0.9, 0.98], grad_clip=1.0),
         batch=BatchCfg(max_tokens_per_micro=2048, n_gpus=1, tp=1, pp=1),
         schedule=ScheduleCfg(steps=24, save_every=8, keep_last=2),
-        eval=EvalCfg(lengths=[2], temperature=0.6, top_p=1.0, samples=1, max_items=32, seed=4321))
+        eval=EvalCfg(lengths=[3], temperature=0.6, top_p=1.0, samples=1, max_items=96, seed=4321))
 
 def tiny() -> Config:
     "A random 2-layer Qwen3 for tests: every code path, seconds per step."
     return Config(
         name='tiny', seed=1234, backend='torch', description='Random tiny Qwen3 for tests.',
         model=ModelCfg(name='tiny-qwen3', dtype='float32'),
-        data=DataCfg(task='synthetic', max_train=8, max_eval=4, synthetic_tokens=60),
+        data=DataCfg(task='keycode', max_train=8, max_eval=4, keycode_pairs=3, keycode_chunks=3),
         chunking=ChunkingCfg(chunk_tokens=32, memory_tokens=16, final_tokens=8, max_chunks=3),
         prompt=PromptCfg(variant='train', thinking='off'),
         rollout=RolloutCfg(engine='hf', context_length=1024),

@@ -12,13 +12,13 @@ from typing import Iterator
 from .provenance import sha256_file, provenance
 
 # %% auto #0
-__all__ = ['SHIPPED', 'SCHEMA_FIELDS', 'SKIP_REASONS', 'CONVERTERS', 'SHUFFLES', 'PINNED', 'shipped_data_dir', 'hotpotqa_path',
-           'verify_shipped', 'write_gzip', 'DataError', 'BadRecord', 'location_unit', 'iter_records',
+__all__ = ['SHIPPED', 'SCHEMA_FIELDS', 'SKIP_REASONS', 'CONVERTERS', 'SHUFFLES', 'KEYCODE_SPLITS', 'PINNED', 'shipped_data_dir',
+           'hotpotqa_path', 'verify_shipped', 'write_gzip', 'DataError', 'BadRecord', 'location_unit', 'iter_records',
            'validate_example', 'read_examples', 'write_examples', 'RowError', 'paragraph_text', 'format_documents',
            'count_documents', 'from_hotpotqa', 'from_ruler', 'from_verl', 'sniff_format', 'convert', 'load_hotpotqa',
            'doc_pool', 'build_haystack', 'ruler_sets', 'token_stats', 'filler_sentences', 'make_synthetic',
-           'convert_cli', 'haystack_cli', 'PrepareError', 'data_root', 'converted_name', 'prepare_command', 'prepare',
-           'prepared_file', 'prepared_entry', 'prepare_cli']
+           'make_keycodes', 'convert_cli', 'haystack_cli', 'PrepareError', 'data_root', 'converted_name',
+           'prepare_command', 'prepare', 'prepared_file', 'prepared_entry', 'prepare_cli']
 
 # %% ../nbs/03_data.ipynb #94e19ef6
 SHIPPED = {  # relative path -> (sha256 of the .gz, sha256 of the decompressed bytes, rows or None)
@@ -595,6 +595,80 @@ def make_synthetic(n: int, num_words: int | None = None, num_tokens: int | None 
                 ex = _synthetic_one(rng, i, fixed, hops, positions, distractors, seed)
             ex['meta']['num_tokens'] = ntok(ex['context'])
         out.append(ex)
+    return out
+
+# %% ../nbs/03_data.ipynb #fdb30097
+_KEY_WORDS = {  # (adjectives, nouns) per split: no word of a held-out key occurs in a training key
+    'train': (('amber', 'brisk', 'cobalt', 'dusty', 'eager', 'frosty', 'gentle', 'hollow', 'ivory', 'jolly', 'keen', 'lunar'),
+              ('falcon', 'harbor', 'lantern', 'meadow', 'otter', 'pepper', 'quarry', 'saddle', 'tulip', 'walnut', 'anchor', 'beacon')),
+    'heldout': (('crimson', 'silent', 'rapid', 'velvet', 'narrow', 'polar', 'rustic', 'sunny'),
+                ('badger', 'canyon', 'dolphin', 'ember', 'glacier', 'hammer', 'island', 'jigsaw'))}
+_FILLER_HELDOUT = ('copper', 'lantern', 'drifted', 'beneath', 'orchard', 'gravel', 'harvest', 'pale', 'ferry', 'mill',
+                   'candle', 'shore', 'rain', 'chapel', 'loom', 'barrel', 'thatched', 'meadow', 'cart', 'wove', 'dusk',
+                   'kettle', 'porch', 'oak', 'hummed', 'tide', 'wool', 'ridge', 'yard', 'fence', 'glass', 'lane',
+                   'clock', 'spring', 'roof', 'smoke', 'pond', 'moss', 'an', 'by', 'at', 'on', 'had', 'its', 'from', 'past')
+KEYCODE_SPLITS = tuple(_KEY_WORDS)
+
+def _kc_filler(rng, words, vocab):
+    out, left = [], words
+    while left > 0:
+        n = min(left, rng.randint(6, 12)); left -= n
+        w = [rng.choice(vocab) for _ in range(n)]
+        out.append(' '.join([w[0].capitalize()] + w[1:]) + '.')
+    return out
+
+def _kc_segment(rng, facts, budget, ntok, vocab):
+    "Filler sentences with `facts` at random sentence boundaries, as long as fits in `budget` tokens (a leading space counted)."
+    sents, words = list(facts), rng.randint(6, 12)
+    while words >= 2:                      # sentences of 6-12 words, then shorter ones to fill the last tokens
+        s = _kc_filler(rng, words, vocab)[0]
+        pos = rng.randint(0, len(sents))
+        trial = sents[:pos] + [s] + sents[pos:]
+        if ntok(' ' + ' '.join(trial)) > budget: words -= 1; continue
+        sents, words = trial, max(words, rng.randint(6, 12)) if words >= 6 else words
+    return ' '.join(sents)
+
+def make_keycodes(n: int, tokenizer, chunk_tokens: int, chunks: int = 3, pairs: int = 3, split: str = 'train',
+                  seed: int = 0, max_redraws: int = 50) -> list[dict]:
+    "`n` key-code documents of exactly `chunks` chunks of `chunk_tokens` tokens: `pairs` facts, the asked one's chunk balanced over the items."
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0: raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if split not in _KEY_WORDS: raise ValueError(f"split must be one of {KEYCODE_SPLITS}, got {split!r}")
+    if not isinstance(chunks, int) or chunks < 1: raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    if not isinstance(pairs, int) or pairs < 1: raise ValueError(f"pairs must be an int >= 1, got {pairs!r}")
+    adj, noun = _KEY_WORDS[split]
+    keys_all = [f'{a} {b}' for a in adj for b in noun]
+    if pairs > len(keys_all): raise ValueError(f"pairs={pairs} exceeds the {len(keys_all)} keys of split {split!r}")
+    from memagent.chunking import chunk_document
+    ntok = lambda s: len(tokenizer(s, add_special_tokens=False)['input_ids'])
+    fact_len = max(ntok(f' The code of the {k} is 8888.') for k in keys_all)
+    if pairs * fact_len > chunks * (chunk_tokens - 4) or fact_len > chunk_tokens - 4:
+        raise ValueError(f"{pairs} facts of up to {fact_len} tokens do not fit in {chunks} chunks of {chunk_tokens} tokens")
+    vocab = _FILLER if split == 'train' else _FILLER_HELDOUT
+    rng = random.Random(f'keycodes-{split}-{seed}')
+    targets = [i % chunks for i in range(n)]; rng.shuffle(targets)
+    out = []
+    for i, needle in enumerate(targets):
+        for redraw in range(max_redraws + 1):
+            keys = rng.sample(keys_all, pairs)
+            codes = [str(c) for c in rng.sample(range(1000, 10000), pairs)]
+            facts = [f'The code of the {k} is {c}.' for k, c in zip(keys, codes)]
+            others = [c for c in range(chunks) if c != needle]; rng.shuffle(others)
+            where = [needle] + [others[j] if j < len(others) else rng.randrange(chunks) for j in range(pairs - 1)]
+            per = [[facts[j] for j in range(pairs) if where[j] == c] for c in range(chunks)]
+            for p in per: rng.shuffle(p)
+            segs = [_kc_segment(rng, per[c], chunk_tokens - 1, ntok, vocab) for c in range(chunks)]
+            context = ' '.join(segs)
+            ch = chunk_document(context, tokenizer, chunk_tokens)
+            found = [next((c for c, t in enumerate(ch.texts) if f in t), None) for f in facts]
+            if ch.num_chunks == chunks and found == where: break
+        else:
+            raise ValueError(f"make_keycodes: item {i} of split {split!r}: no draw in {max_redraws + 1} put every fact whole "
+                             f"into its chunk ({chunks} chunks of {chunk_tokens} tokens); use longer chunks")
+        out.append({'id': f'keycode-{split}-s{seed}-{i}', 'question': f'What is the code of the {keys[0]}?',
+                    'context': context, 'answers': [codes[0]], 'num_docs': 1, 'source': 'keycode',
+                    'meta': {'key': keys[0], 'needle_chunk': needle, 'chunks': chunks, 'chunk_tokens': chunk_tokens,
+                             'fact_chunks': where, 'distractor_keys': keys[1:], 'negatives': codes[1:], 'split': split,
+                             'seed': seed, 'num_tokens': ntok(context), 'redraws': redraw}})
     return out
 
 # %% ../nbs/03_data.ipynb #5fe9b4b3

@@ -22,7 +22,7 @@ SCHEMA_VERSION = 'memagent.evaluate/1'
 METRICS = ('em', 'sub_em', 'strict_sub_em', 'f1', 'boxed_em')
 BINARY_METRICS = ('em', 'sub_em', 'strict_sub_em', 'boxed_em')  # 0/1 per sample: pass@k is defined on these
 RECORD_FIELDS = ('id', 'sample', 'answers', 'parity', 'prediction', *METRICS, 'response', 'num_chunks', 'truncated',
-                 'dropped_tokens', 'memory_lengths', 'error')
+                 'dropped_tokens', 'memory_lengths', 'memories', 'error')
 COMPARABLE = ('schema_version', 'mode', 'parity', 'data.sha256', 'data.item_ids_sha256', 'prompts.variant',
               'prompts.template_sha256', 'thinking', 'tokenizer.class', 'tokenizer.size', 'tokenizer.vocab_sha256',
               'tokenizer.chat_template_sha256', 'sampling', 'seeds.eval', 'limits', 'totals.items',
@@ -153,10 +153,11 @@ def eval_config(cfg, variant: str = 'eval'):
     return apply_overrides(cfg, {'rollout.temperature': cfg.eval.temperature, 'rollout.top_p': cfg.eval.top_p,
                                  'prompt.variant': variant})
 
-def _record(parity, ex, sample, answers, response, num_chunks=0, truncated=False, dropped_tokens=0, memory_lengths=(), error=None):
+def _record(parity, ex, sample, answers, response, num_chunks=0, truncated=False, dropped_tokens=0, memory_lengths=(), error=None,
+            memories=()):
     return score_record({'id': str(ex['id']), 'sample': int(sample), 'answers': list(answers), 'response': response or '',
                          'num_chunks': int(num_chunks), 'truncated': bool(truncated), 'dropped_tokens': int(dropped_tokens),
-                         'memory_lengths': list(memory_lengths), 'error': error}, parity)
+                         'memory_lengths': list(memory_lengths), 'memories': list(memories), 'error': error}, parity)
 
 def _item_records(ecfg, ex, samples, ts) -> list:
     "The `samples` records of item `ex` from its trajectories `ts` (a missing sample is an error record)."
@@ -167,7 +168,7 @@ def _item_records(ecfg, ex, samples, ts) -> list:
         if t is None:
             out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], '', error='rollout returned no trajectory for this sample')); continue
         out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], t.final_text, t.num_chunks, t.truncated, t.dropped_tokens,
-                           t.memory_lengths, t.error))
+                           t.memory_lengths, t.error, t.memories))
     return out
 
 def _recurrent_batch(batch, engine, tokenizer, ecfg, samples, seed, variant, on_item=None):

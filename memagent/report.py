@@ -12,7 +12,8 @@ from .provenance import changed_source_files, flatten, git_toplevel, provenance,
 # %% auto #0
 __all__ = ['REQUIRED_FIELDS', 'SUMMARY_FILES', 'read_metrics', 'check_steps', 'moving_average', 'window_stats', 'scalar_columns',
            'write_csv', 'plot_reward_curve', 'plot_metric_grid', 'read_run', 'reward_summary', 'summary_cli',
-           'md_table', 'provenance_md', 'config_md', 'write_report']
+           'md_table', 'provenance_md', 'config_md', 'write_report', 'holds_answer', 'gold_chunks', 'retention',
+           'plot_retention', 'retention_table', 'trajectory_view', 'pick_items']
 
 # %% ../nbs/17_report.ipynb #db442c53
 REQUIRED_FIELDS = ('step', 'reward_mean', 'pass_rate')
@@ -300,3 +301,171 @@ def write_report(out_dir, title: str, sections: list[tuple[str, str]], files=())
     path = out / 'README.md'
     path.write_text('\n\n'.join(parts) + '\n')
     return path
+
+# %% ../nbs/17_report.ipynb #f60d2321
+def holds_answer(text: str, answers) -> bool:
+    "Does `text` contain a gold alias (HotpotQA-normalized, word-bounded; the `answer_in_final` test)?"
+    from memagent.reward import normalize_answer, _contains_words
+    t = normalize_answer(text or '')
+    return any(g and _contains_words(t, g) for g in (normalize_answer(a) for a in answers))
+
+def _chunk_of_offset(chunk_texts, off: int) -> int | None:
+    acc = 0
+    for i, t in enumerate(chunk_texts):
+        acc += len(t)
+        if off < acc: return i
+    return None
+
+def gold_chunks(example: dict, chunk_texts) -> list[int] | None:
+    "0-based chunks holding the evidence: `meta['needle_chunk']`, else the chunks where `Document i:` of `meta['gold_slots']` begins; None if unknown."
+    meta = example.get('meta') or {}
+    if meta.get('needle_chunk') is not None:
+        c = int(meta['needle_chunk'])
+        return [c] if c < len(chunk_texts) else []
+    if meta.get('gold_slots'):
+        text, out = ''.join(chunk_texts), set()
+        for s in meta['gold_slots']:
+            off = text.find(f'Document {s}:')
+            if off >= 0: out.add(_chunk_of_offset(chunk_texts, off))
+        return sorted(out)
+    return None
+
+def retention(records, examples, chunks_of, success=lambda r: float(not r.get('error'))) -> dict:
+    "Per offset from the last gold chunk: [memories holding gold, memories]; per anchor chunk: [success sum, records]; skips by reason."
+    ex_by = {str(e['id']): e for e in examples}
+    by_off, by_anchor, skipped, per = {}, {}, {}, []
+    skip = lambda why: skipped.__setitem__(why, skipped.get(why, 0) + 1)
+    cache = {}
+    for r in records:
+        ex = ex_by.get(str(r['id']))
+        if ex is None: raise KeyError(f"retention: record id {r['id']!r} is not among the examples")
+        if r.get('error'): skip('errored'); continue
+        mems = r.get('memories') or []
+        if not mems: skip('no memories'); continue
+        if ex['id'] not in cache: cache[ex['id']] = gold_chunks(ex, chunks_of(ex))
+        g = cache[ex['id']]
+        if g is None: skip('no gold position'); continue
+        if not g or max(g) >= len(mems): skip('gold chunk not read'); continue
+        a = max(g)
+        held = [holds_answer(m, r['answers']) for m in mems[a:]]
+        for d, h in enumerate(held):
+            c = by_off.setdefault(d, [0, 0]); c[0] += int(h); c[1] += 1
+        s = float(success(r)); c = by_anchor.setdefault(a, [0.0, 0]); c[0] += s; c[1] += 1
+        per.append({'id': str(r['id']), 'sample': r.get('sample', 0), 'anchor': a, 'turns': len(mems), 'held': held, 'success': s})
+    return {'by_offset': {d: by_off[d] for d in sorted(by_off)}, 'by_anchor': {a: by_anchor[a] for a in sorted(by_anchor)},
+            'skipped': skipped, 'records': per}
+
+def plot_retention(results: dict, path, title: str = 'what the memory holds') -> Path:
+    "Two panels for `{model: retention(...)}`: memory holds gold vs turns since the gold chunk; success by the gold chunk's position."
+    fig, ax = _figure(1, 2, size=(11, 4)); a1, a2 = ax[0]
+    names = list(results)
+    for name, res in results.items():
+        xs = list(res['by_offset']); ys = [100 * h / n for h, n in res['by_offset'].values()]
+        a1.plot(xs, ys, marker='o', label=name)
+        for x, y, (_, n) in zip(xs, ys, res['by_offset'].values()): a1.annotate(f'n={n}', (x, y), fontsize=7, alpha=0.6)
+    a1.set_xlabel('turns since the (last) gold chunk was read'); a1.set_ylabel('memory holds the gold answer, %')
+    a1.set_ylim(-3, 103); a1.legend(); a1.grid(alpha=0.3)
+    anchors = sorted({a for res in results.values() for a in res['by_anchor']})
+    w = 0.8 / max(1, len(names))
+    for k, (name, res) in enumerate(results.items()):
+        ys = [100 * res['by_anchor'][a][0] / res['by_anchor'][a][1] if a in res['by_anchor'] else 0 for a in anchors]
+        a2.bar([i + k * w for i in range(len(anchors))], ys, width=w, label=name)
+    a2.set_xticks([i + w * (len(names) - 1) / 2 for i in range(len(anchors))], [str(a) for a in anchors])
+    a2.set_xlabel('chunk of the (last) gold evidence (0 = first)'); a2.set_ylabel('success, %'); a2.set_ylim(0, 103)
+    a2.legend(); a2.grid(alpha=0.3, axis='y')
+    fig.suptitle(title); fig.tight_layout(); p = Path(path); fig.savefig(p, dpi=90)
+    return p
+
+def retention_table(results: dict, max_offset: int | None = None) -> str:
+    "Markdown: memory-holds-gold % by offset for each model (with counts)."
+    offs = sorted({d for res in results.values() for d in res['by_offset']})
+    if max_offset is not None: offs = [d for d in offs if d <= max_offset]
+    rows = []
+    for d in offs:
+        row = {'turns since gold chunk': d}
+        for name, res in results.items():
+            h, n = res['by_offset'].get(d, (0, 0))
+            row[f'{name}: holds gold'] = f'{100 * h / n:.1f}% ({h}/{n})' if n else '-'
+        rows.append(row)
+    return md_table(rows)
+
+# %% ../nbs/17_report.ipynb #547ad3e9
+import html as _html, re as _re
+
+def _mark(text: str, answers, negatives=(), limit: int = 400) -> str:
+    "Escape `text` for a markdown table cell, bold the gold aliases and strike the negatives (word-bounded, case-insensitive)."
+    t = ' '.join((text or '').split())
+    if len(t) > limit: t = t[:limit] + ' …'
+    t = _html.escape(t, quote=False).replace('|', '\\|')
+    for words, fmt in ((negatives, '~~{}~~'), (answers, '**{}**')):
+        for w in sorted({w for w in words if w and w.strip()}, key=len, reverse=True):
+            t = _re.sub(rf'(?<![\w*~])({_re.escape(_html.escape(w, quote=False))})(?![\w*~])', lambda m: fmt.format(m.group(1)), t,
+                        flags=_re.IGNORECASE)
+    return t or '∅'
+
+def _snippet(chunk: str, answers, negatives, width: int = 70) -> str:
+    "The part of a chunk worth seeing: around the first gold alias, else around the first negative, else its start."
+    low = chunk.lower()
+    for w in list(answers) + list(negatives):
+        i = low.find(w.lower()) if w else -1
+        if i >= 0:
+            a, b = max(0, i - width), min(len(chunk), i + len(w) + width)
+            return ('… ' if a else '') + chunk[a:b] + (' …' if b < len(chunk) else '')
+    return chunk[:2 * width] + (' …' if len(chunk) > 2 * width else '')
+
+def trajectory_view(example: dict, records: dict, chunk_texts, around: int = 1, last: int = 2) -> str:
+    "Markdown of one item: per chunk, the memory each model in `records` ({name: record}) wrote after it; folded when long; final answers."
+    ans, neg = list(example.get('answers') or []), list((example.get('meta') or {}).get('negatives') or [])
+    g = gold_chunks(example, chunk_texts)
+    n = max([len(chunk_texts)] + [len(r.get('memories') or []) for r in records.values()])
+    show = set(range(max(0, n - last), n))
+    for c in (g or []): show |= set(range(max(0, c - around), min(n, c + around + 1)))
+    names = list(records)
+    where = 'unknown' if g is None else ', '.join(str(c) for c in g) or 'not read'
+    head = (f"**{example['id']}**: {_mark(example['question'], ans, neg)} gold: **{', '.join(ans)}**; gold chunk(s): {where} "
+            f"of {len(chunk_texts)}" + (f"; distractors: {', '.join(f'~~{x}~~' for x in neg)}" if neg else ''))
+    rows, hidden = [], []
+    def fold():
+        if not hidden: return
+        held = {m: sum(holds_answer((records[m].get('memories') or [''] * n)[t] if t < len(records[m].get('memories') or []) else '', ans)
+                       for t in hidden) for m in names}
+        rows.append(f"| ⋯ | {len(hidden)} turns folded ({hidden[0]}-{hidden[-1]}) | " +
+                    ' | '.join(f'memory held the gold after {held[m]} of them' for m in names) + ' |')
+        hidden.clear()
+    for t in range(n):
+        if t not in show: hidden.append(t); continue
+        fold()
+        chunk = chunk_texts[t] if t < len(chunk_texts) else ''
+        tag = ' (gold)' if g and t in g else ''
+        cells = []
+        for m in names:
+            mem = records[m].get('memories') or []
+            cells.append(_mark(mem[t], ans, neg) if t < len(mem) else '-')
+        rows.append(f"| {t}{tag} | {_mark(_snippet(chunk, ans, neg), ans, neg, limit=300)} | " + ' | '.join(cells) + ' |')
+    fold()
+    finals = []
+    for m in names:
+        r = records[m]
+        finals.append(f"error: {_mark(r['error'], [], [])}" if r.get('error') else _mark(r.get('response', ''), ans, neg))
+    rows.append('| answer | | ' + ' | '.join(finals) + ' |')
+    table = [f"| chunk | what the chunk holds | " + ' | '.join(f'{m}: memory after the chunk' for m in names) + ' |',
+             '|---|---|' + '---|' * len(names)] + rows
+    return head + '\n\n' + '\n'.join(table) + '\n'
+
+def pick_items(examples, records: dict, k: int, success) -> list:
+    "Up to `k` example ids: items where the models' `success(model, record)` differ first, spread over gold chunk positions; then the others."
+    by = {m: {str(r['id']): r for r in recs if r.get('sample', 0) == 0} for m, recs in records.items()}
+    def pos(e): return (e.get('meta') or {}).get('needle_chunk', (e.get('meta') or {}).get('gold_slots', [0])[-1] if (e.get('meta') or {}).get('gold_slots') else 0)
+    differ, same = {}, {}
+    for e in examples:
+        i = str(e['id'])
+        if not all(i in b for b in by.values()): continue
+        s = {success(m, b[i]) for m, b in by.items()}
+        (differ if len(s) > 1 else same).setdefault(pos(e), []).append(i)
+    out = []
+    for pool in (differ, same):
+        queues = [list(v) for _, v in sorted(pool.items())]
+        while any(queues) and len(out) < k:
+            for q in queues:
+                if q and len(out) < k: out.append(q.pop(0))
+    return out

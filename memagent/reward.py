@@ -10,7 +10,8 @@ from collections import Counter
 # %% auto #0
 __all__ = ['REWARDS', 'extract_boxed', 'normalize_answer', 'normalize_math', 'exact_match', 'sub_em', 'strict_sub_em', 'f1_score',
            'register_reward', 'get_reward', 'boxed_em', 'boxed_em_math', 'answer_in_final', 'boxed_or_contains',
-           'official_boxed_only', 'official_unbox', 'official_strip', 'official_hotpotqa', 'score_prediction']
+           'call_reward', 'answer_without_distractors', 'official_boxed_only', 'official_unbox', 'official_strip',
+           'official_hotpotqa', 'score_prediction']
 
 # %% ../nbs/06_reward.ipynb #eae24eae
 _BOX_RE = re.compile(r'\\(?:boxed|fbox)\{')
@@ -96,11 +97,12 @@ def f1_score(prediction: str, gold) -> float:
 # %% ../nbs/06_reward.ipynb #fb203cc3
 REWARDS: dict = {}
 
-def register_reward(name: str, overwrite: bool = False):
-    "Decorator: register `fn(response_text, answers) -> float` under `name` in `REWARDS`."
+def register_reward(name: str, overwrite: bool = False, negatives: bool = False):
+    "Decorator: register `fn(response_text, answers) -> float` under `name` in `REWARDS` (`negatives=True`: it also takes `negatives=`)."
     def deco(fn):
         if name in REWARDS and not overwrite:
             raise ValueError(f"reward {name!r} is already registered (pass overwrite=True to replace it)")
+        fn.uses_negatives = negatives
         REWARDS[name] = fn
         return fn
     return deco
@@ -142,6 +144,20 @@ def answer_in_final(response_text: str, answers) -> float:
 def boxed_or_contains(response_text: str, answers) -> float:
     "Demo reward: 0.5 if a non-empty box is present + 0.5 * `answer_in_final`."
     return 0.5 * float(extract_boxed(response_text) != '') + 0.5 * answer_in_final(response_text, answers)
+
+# %% ../nbs/06_reward.ipynb #cd7652a3
+def call_reward(fn, response_text: str, answers, negatives=()) -> float:
+    "`fn`'s reward for a response; `negatives` (strings a correct answer must not contain) reach only a reward registered with `negatives=True`."
+    if getattr(fn, 'uses_negatives', False): return float(fn(response_text, answers, negatives=list(negatives or ())))
+    return float(fn(response_text, answers))
+
+@register_reward('answer_without_distractors', negatives=True)
+def answer_without_distractors(response_text: str, answers, negatives=()) -> float:
+    "1.0 if a normalized gold alias occurs word-bounded in the final response and no normalized negative does."
+    if isinstance(negatives, str): raise TypeError("negatives must be a list of strings, got str")
+    r = normalize_answer(response_text)
+    if any(n and _contains_words(r, n) for n in map(normalize_answer, negatives)): return 0.0
+    return answer_in_final(response_text, answers)
 
 # %% ../nbs/06_reward.ipynb #de324f31
 def official_boxed_only(text: str):

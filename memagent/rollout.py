@@ -86,7 +86,8 @@ class MemAgentWalk:
                 raise AssertionError(f"{tr.traj_id} turn {k}: memory re-encodes to {n_check} tokens (bound {self.ck.memory_tokens}, reported {n})")
             try: tr.turns.append(_make_turn('memory', k, prompt, r, n))
             except ValueError as e: return _fail(tr, k, 'memory', EngineError(f"invalid engine output: {e}"))
-            self.memory[j] = text; tr.memory_lengths.append(n); tr.meta['generated_tokens'] += len(r.output_ids)
+            self.memory[j] = text; tr.memory_lengths.append(n); tr.memories.append(text)
+            tr.meta['generated_tokens'] += len(r.output_ids)
             return
         read = tr.memory_lengths[-1] if tr.memory_lengths else len(P.encode_text(tok, P.NO_MEMORY))
         try: tr.turns.append(_make_turn('final', k, prompt, r, read))
@@ -213,6 +214,7 @@ def rollout(examples, engine, tokenizer, cfg, group_size: int | None = None, see
             trajs.append(Trajectory(
                 traj_id=f"{ex['id']}#{s}", example_id=str(ex['id']), group_index=ei + group_offset, sample_index=s,
                 question=ex['question'], answers=list(ex.get('answers') or []), num_chunks=c.num_chunks,
+                negatives=list((ex.get('meta') or {}).get('negatives') or []),
                 truncated=c.truncated, dropped_chunks=c.dropped_chunks, dropped_tokens=c.dropped_tokens,
                 meta={'seed': seed, 'sampling': dict(samp), 'variant': variant, 'thinking': thinking,
                       'total_chunks': c.total_chunks, 'trimmed_tokens': c.trimmed_tokens, 'generated_tokens': 0}))

@@ -8,7 +8,7 @@ import dataclasses, json, math, random
 from collections import Counter
 from pathlib import Path
 from .provenance import provenance, sha256_file, sha256_text
-from .reward import get_reward
+from .reward import call_reward, get_reward
 from .data import validate_example, write_examples
 
 # %% auto #0
@@ -108,7 +108,7 @@ def score_trajectories(trajs, reward_fn, ids, n: int, success_threshold: float =
         rewards, errs = [], []
         for t in sorted(ts, key=lambda t: t.sample_index):
             if t.error is not None: rewards.append(None); errs.append(str(t.error)[:200]); continue
-            r = float(reward_fn(t.final_text, t.answers))
+            r = call_reward(reward_fn, t.final_text, t.answers, t.negatives)
             if not math.isfinite(r): raise ScreeningError(f"candidate {i!r}: reward {r} is not finite (trajectory {t.traj_id})")
             rewards.append(r)
         ok = [t for t in ts if t.error is None]

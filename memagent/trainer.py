@@ -16,7 +16,7 @@ from .trajectory import Trajectory, save_jsonl, load_jsonl
 from .credit import StepRows
 from .transfer import InProcessChannel, RayChannel, layout_step, micro_batch_stats, ensure_ray
 from .policy import make_group, merge_metrics, METRICS
-from .reward import get_reward
+from .reward import call_reward, get_reward
 from . import checkpoint as ckpt
 from .engines import engine_from_config
 from .health import RunHealth
@@ -175,7 +175,7 @@ class Trainer:
     def _score(self, group: list[Trajectory]) -> None:
         "Reward every answered trajectory of a finished group and build its rows (the rollout calls it as each group completes)."
         for tr in group:
-            if tr.ok: tr.reward = float(self.reward_fn(tr.final_text, tr.answers))
+            if tr.ok: tr.reward = call_reward(self.reward_fn, tr.final_text, tr.answers, tr.negatives)
         self.rows.add(group)
 
     def step(self) -> dict:

@@ -59,6 +59,8 @@ class Trajectory:
     dropped_chunks: int = 0
     dropped_tokens: int = 0
     memory_lengths: list[int] = field(default_factory=list)  # memory tokens after each memory turn
+    memories: list[str] = field(default_factory=list)        # the memory text after each memory turn (what the next turn reads)
+    negatives: list[str] = field(default_factory=list)       # strings a correct answer must not contain (the example's meta['negatives'])
     final_text: str = ''
     prediction: str = ''
     error: str | None = None       # set when a request failed after retries: the trajectory is unusable
