@@ -255,8 +255,8 @@ def plot_lengths(summaries: dict, path, metric: str = 'sub_em') -> Path:
     return path
 
 def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | None = None, data_note: str | None = None,
-                      recipe_data: bool = True) -> Path:
-    "Write README.md, sub_em.png, compare.json and summaries/ for an acceptance run; returns README.md's path. `data_note` (what the sets are) opens the report; `recipe_data=False` says in the title that they are not the recipe's evaluation set."
+                      recipe_data: bool = True, extra_sections=(), extra_files=()) -> Path:
+    "Write README.md, sub_em.png, compare.json and summaries/ for an acceptance run; returns README.md's path. `data_note` (what the sets are) opens the report; `recipe_data=False` says in the title that they are not the recipe's evaluation set; `extra_sections` (heading, markdown) follow the results, `extra_files` are listed."
     from memagent.report import md_table, provenance_md, write_report
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     (out / 'compare.json').write_text(json.dumps(report, indent=1) + '\n')
@@ -299,7 +299,7 @@ def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | Non
     sections = ([('Evaluation data', data_note)] if data_note else []) + [('Verdict', verdict),
                 ('Results', f"Parity mode `{any_s.get('parity')}`. Metric: `{report['metric']}` in %, 95% item-bootstrap interval in brackets; tolerance "
                             f"{report['tolerance_pp']} pp.\n\n" + md_table(rows, floatfmt='.2f') + '\n\n![sub_EM per length](sub_em.png)'),
-                ('Truncation disclosure', truncation_disclosure(summaries)),
+                *extra_sections, ('Truncation disclosure', truncation_disclosure(summaries)),
                 ('Checks', checks), ('Paired per-item statistics', md_table(prow, floatfmt='.3f') if prow else '_(none)_'),
                 ('Models', models), ('Shared evaluation configuration', shared)]
     extras = [{'model': r, 'set': str(k), **flatten(s.get('parity_extras') or {})} for r in ROLES
@@ -310,4 +310,5 @@ def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | Non
     if params: sections.append(('Parameters', '```json\n' + json.dumps(params, indent=1, default=str) + '\n```'))
     sections.append(('Provenance', provenance_md(report.get('provenance', {}))))
     title = 'Acceptance: candidate vs reference vs base' + ('' if recipe_data else " (NOT the recipe's evaluation set)")
-    return write_report(out, title, sections, files=files)
+    return write_report(out, title, sections, files=files + [Path(f).relative_to(out).as_posix() if Path(f).is_absolute() else f
+                                                             for f in extra_files])

@@ -13,7 +13,7 @@ from .provenance import changed_source_files, flatten, git_toplevel, provenance,
 __all__ = ['REQUIRED_FIELDS', 'SUMMARY_FILES', 'read_metrics', 'check_steps', 'moving_average', 'window_stats', 'scalar_columns',
            'write_csv', 'plot_reward_curve', 'plot_metric_grid', 'read_run', 'reward_summary', 'summary_cli',
            'md_table', 'provenance_md', 'config_md', 'write_report', 'holds_answer', 'gold_chunks', 'retention',
-           'plot_retention', 'retention_table', 'trajectory_view', 'pick_items']
+           'plot_retention', 'retention_table', 'trajectory_view', 'pick_items', 'memory_report']
 
 # %% ../nbs/17_report.ipynb #db442c53
 REQUIRED_FIELDS = ('step', 'reward_mean', 'pass_rate')
@@ -302,7 +302,7 @@ def write_report(out_dir, title: str, sections: list[tuple[str, str]], files=())
     path.write_text('\n\n'.join(parts) + '\n')
     return path
 
-# %% ../nbs/17_report.ipynb #f60d2321
+# %% ../nbs/17_report.ipynb #e813ad51
 def holds_answer(text: str, answers) -> bool:
     "Does `text` contain a gold alias (HotpotQA-normalized, word-bounded; the `answer_in_final` test)?"
     from memagent.reward import normalize_answer, _contains_words
@@ -389,7 +389,7 @@ def retention_table(results: dict, max_offset: int | None = None) -> str:
         rows.append(row)
     return md_table(rows)
 
-# %% ../nbs/17_report.ipynb #547ad3e9
+# %% ../nbs/17_report.ipynb #512fc9aa
 import html as _html, re as _re
 
 def _mark(text: str, answers, negatives=(), limit: int = 400) -> str:
@@ -469,3 +469,32 @@ def pick_items(examples, records: dict, k: int, success) -> list:
             for q in queues:
                 if q and len(out) < k: out.append(q.pop(0))
     return out
+
+# %% ../nbs/17_report.ipynb #8972bfab
+def memory_report(examples, records: dict, chunks_of, success, out_dir, tag: str = '', title: str = '', k: int = 8,
+                  show: int = 3, metric: str = 'success') -> dict:
+    "Retention (`retention<tag>.json/.png`), the viewer on `k` picked items (`trajectories<tag>.md`) and the markdown section; `success(model, record)`."
+    out = Path(out_dir); out.mkdir(parents=True, exist_ok=True); sfx = f'_{tag}' if tag else ''
+    ret = {m: retention(rs, examples, chunks_of, success=lambda r, m=m: success(m, r)) for m, rs in records.items()}
+    png = plot_retention(ret, out/f'retention{sfx}.png', title=title or 'what the memory holds')
+    js = out/f'retention{sfx}.json'; js.write_text(json.dumps({'metric': metric, 'models': ret}, indent=1))
+    ex_by = {str(e['id']): e for e in examples}
+    by = {m: {(str(r['id']), r.get('sample', 0)): r for r in rs} for m, rs in records.items()}
+    chosen = pick_items(examples, records, k, success)
+    views = [trajectory_view(ex_by[i], {m: by[m][(i, 0)] for m in records}, chunks_of(ex_by[i])) for i in chosen]
+    md = out/f'trajectories{sfx}.md'
+    md.write_text(f"# {title or 'Trajectories'}\n\nChosen by `memagent.report.pick_items` (items where the models differ first, spread "
+                  f"over the gold chunk's position). Gold answers are **bold**, distractors ~~struck~~; each row is the memory a model "
+                  f"wrote after reading that chunk.\n\n" + ('\n\n'.join(views) or '_(no item had records from every model)_') + '\n')
+    first = next(iter(ret.values()))
+    anchors = sorted({a for r in ret.values() for a in r['by_anchor']})
+    pos = md_table([{'gold chunk': a, **{f'{m}: {metric} %': (100 * r['by_anchor'][a][0] / r['by_anchor'][a][1] if a in r['by_anchor'] else None)
+                                         for m, r in ret.items()}, 'records': first['by_anchor'].get(a, [0, 0])[1]} for a in anchors],
+                   floatfmt='.1f') if anchors else '_(no record with a gold position)_'
+    skipped = '; '.join(f"{m}: {r['skipped']}" for m, r in ret.items() if r['skipped']) or 'none'
+    text = (f"![retention]({png.name})\n\nAfter the turn that read the (last) gold chunk (offset 0) and each later overwrite, how often "
+            f"the memory still holds the gold answer (records skipped, by reason: {skipped}):\n\n"
+            + (retention_table(ret) if any(r['by_offset'] for r in ret.values()) else '_(no record with a gold position)_')
+            + f"\n\n{metric} by the gold chunk's position:\n\n{pos}\n\nPer record: [`{js.name}`]({js.name}). The first "
+            f"{min(show, len(views))} of the {len(views)} items in [`{md.name}`]({md.name}):\n\n" + '\n\n'.join(views[:show]))
+    return {'markdown': text, 'files': [png, js, md], 'retention': ret, 'views': views, 'chosen': chosen}

@@ -69,6 +69,31 @@ def test_acceptance_notebook_tiny_pinned_format(tmp_path):
     assert report["lengths"] == [50] and {c['name'] for c in report['checks']} >= {'comparable', 'complete', 'no_errors',
                                                                                         'tolerance', 'beats_base', 'records'}
     assert all(c['passed'] for c in report['checks'] if c['name'] in ('records', 'comparable'))
+    # the pinned files record no gold positions: the memory analysis counts every record as skipped, and says why
+    ret = json.loads((rep / 'retention_50.json').read_text())
+    assert {m: r['skipped'] for m, r in ret['models'].items()} == {r: {'no gold position': 2} for r in ('base', 'reference', 'candidate')}
+    assert '## What the memory holds: 50 documents' in readme and "'no gold position': 2" in readme
+
+
+@pytest.mark.timeout(300)
+def test_acceptance_notebook_memory_analysis_on_own_haystacks(tmp_path):
+    "The project's haystacks record their gold documents: retention is anchored at the chunk where the last one begins."
+    from memagent.chunking import chunk_document
+    from memagent.data import read_examples
+    from memagent.models import load_tokenizer
+    from memagent.report import gold_chunks
+    ov = {**TINY['overrides'], 'chunking.chunk_tokens': 256, 'chunking.max_chunks': 12}
+    rep = _run(tmp_path, eval_data='sample-haystack-2', lengths=[10], overrides=ov)
+    ret = json.loads((rep / 'retention_10.json').read_text())
+    tok = load_tokenizer('tiny-qwen3')
+    exs = read_examples(rep / 'data' / 'sample_haystack_10.jsonl')
+    anchors = sorted(max(gold_chunks(e, chunk_document(e['context'], tok, 256, 12).texts)) for e in exs)
+    for r in ret['models'].values():
+        assert r['skipped'] == {} and sorted(x['anchor'] for x in r['records']) == anchors
+        assert r['by_offset']['0'][1] == 2 and all(len(x['held']) == x['turns'] - x['anchor'] for x in r['records'])
+    readme = (rep / 'README.md').read_text()
+    assert '## What the memory holds: 10 documents' in readme and '(gold) |' in readme
+    assert (rep / 'trajectories_10.md').read_text().count('| answer |') == 2 and (rep / 'retention_10.png').is_file()
 
 
 def test_sample_haystacks_say_they_are_not_the_recipe_set(tmp_path):

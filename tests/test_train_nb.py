@@ -9,7 +9,8 @@ pytestmark = pytest.mark.timeout(600)
 def test_train_notebook_tiny(tmp_path):
     out, runs, reps = tmp_path/'out.ipynb', tmp_path/'runs', tmp_path/'reports'
     cmd = [sys.executable, '-m', 'papermill', str(ROOT/'nbs'/'train.ipynb'), str(out), '--cwd', str(ROOT),
-           '-p', 'preset', 'tiny', '-p', 'steps', '2', '-p', 'run', 'ci', '-p', 'out_dir', str(runs), '-p', 'report_dir', str(reps)]
+           '-p', 'preset', 'tiny', '-p', 'steps', '2', '-p', 'run', 'ci', '-p', 'out_dir', str(runs), '-p', 'report_dir', str(reps),
+           '-y', 'overrides: {grpo.reward: answer_without_distractors}']
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, r.stderr[-3000:]
     run, rep = runs/'ci', reps/'ci'
@@ -26,7 +27,22 @@ def test_train_notebook_tiny(tmp_path):
     summ = json.loads((rep/'reward_summary.json').read_text())
     assert summ['steps'] == 2 and 'delta' in summ and summ['provenance']
     readme = (rep/'README.md').read_text()
-    for head in ('## Result', '## Held-out evaluation', '## Per-step metrics', '## Provenance'): assert head in readme
+    for head in ('## Result', '## Held-out evaluation', '## What the memory holds', '## What the trained agent writes',
+                 '## Per-step metrics', '## Provenance'): assert head in readme
+    # the key-code task: held-out keys unseen, the needle's chunk known, so the needs-memory subset, retention and viewer exist
+    held = json.loads((rep/'heldout.json').read_text())
+    assert held['questions_shared_with_training'] == 0 and held['reward'] == 'answer_without_distractors'
+    sub = {s['subset']: s for s in held['subsets']}
+    assert sub['needs memory (gold before the last chunk)']['records'] + sub['gold in the last chunk']['records'] == held['items'] == 4
+    ret = json.loads((rep/'retention.json').read_text())
+    assert set(ret['models']) == {'base', 'trained'}
+    for m in ret['models'].values():       # every record is anchored at its needle's chunk; offset 0 counts them all
+        assert m['skipped'] == {} and m['by_offset']['0'][1] == 4 and sum(n for _, n in m['by_anchor'].values()) == 4
+    assert (rep/'retention.png').stat().st_size > 1000
+    traj = (rep/'trajectories.md').read_text()
+    assert traj.count('| answer |') == 4 and '(gold) |' in traj and 'base: memory after the chunk | trained: memory after the chunk' in traj
+    recs = [json.loads(l) for l in open(run/'eval'/'trained'/'records.jsonl')]
+    assert all(len(r['memories']) == r['num_chunks'] == 3 for r in recs)   # the memory after every chunk is kept
     assert (rep/'reward_curve.png').stat().st_size > 1000
     for name in ('base', 'trained'): assert (run/'eval'/name/'summary.json').exists()
 
