@@ -15,7 +15,7 @@ from .stats import bootstrap_ci, pass_at_k
 __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMPARABLE', 'RECORDS_FILE', 'SUMMARY_FILE',
            'metric_names', 'score_record', 'records_parity', 'item_scores', 'summarize', 'eval_config',
            'default_base_max_tokens', 'ModelMismatchError', 'check_served_model', 'item_limit', 'run_info', 'evaluate',
-           'write_run', 'evaluate_exit_code', 'evaluate_cli']
+           'write_run', 'evaluate_exit_code', 'write_memory_report', 'evaluate_cli']
 
 # %% ../nbs/16_evaluate.ipynb #2e2d87d0
 SCHEMA_VERSION = 'memagent.evaluate/1'
@@ -404,6 +404,26 @@ def evaluate_exit_code(summary: dict, allow_errors: bool = False) -> tuple[int, 
     if errs and not allow_errors: return 1, f"{errs} of {n} samples failed with a request error (--allow-errors accepts that)"
     return 0, None
 
+def write_memory_report(data, out_dir, tokenizer, cfg, name: str = 'model') -> Path:
+    "`out_dir/memory.md` (+ retention and trajectory files) from an evaluation's records: what the memory held after each chunk, sub_EM by gold position."
+    from memagent.chunking import chunk_document
+    from memagent.data import read_examples
+    from memagent.report import memory_report
+    out, ck = Path(out_dir), cfg.chunking
+    recs = [json.loads(l) for l in (out / RECORDS_FILE).read_text().splitlines() if l.strip()]
+    exs = {str(e['id']): e for e in read_examples(data)}
+    texts = {}
+    def chunks_of(ex):
+        if ex['id'] not in texts:
+            trim = ck.max_context_tokens if ck.context_trim == 'centre' else None
+            texts[ex['id']] = chunk_document(ex['context'], tokenizer, ck.chunk_tokens, ck.max_chunks, max_context_tokens=trim).texts
+        return texts[ex['id']]
+    used = [exs[i] for i in dict.fromkeys(str(r['id']) for r in recs)]
+    mr = memory_report(used, {name: recs}, chunks_of, lambda m, r: float(r['sub_em']), out, title=f'{name}: what the memory holds',
+                       metric='sub_em')
+    p = out / 'memory.md'; p.write_text(f"# {name}: what the memory holds\n\n{mr['markdown']}\n")
+    return p
+
 def evaluate_cli(argv=None) -> int:
     "Console script `memagent-evaluate`."
     from memagent.config import get_preset, load_config, apply_overrides
@@ -421,6 +441,8 @@ def evaluate_cli(argv=None) -> int:
     ap.add_argument('--base-max-tokens', type=int, default=None); ap.add_argument('--no-progress', action='store_true')
     ap.add_argument('--allow-errors', action='store_true',
                     help='exit 0 although some samples have request errors (never when every sample failed)')
+    ap.add_argument('--memory', action='store_true',
+                    help="also write what the memory holds (retention, trajectories; memagent.report.memory_report) to OUT/memory.md")
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config) if a.config else get_preset(a.preset)
@@ -431,6 +453,7 @@ def evaluate_cli(argv=None) -> int:
                      max_items=None if a.all_items else ('config' if a.max_items is None else a.max_items),
                      batch_size=a.batch_size, variant=a.variant, base_max_tokens=a.base_max_tokens,
                      progress=not a.no_progress, key=a.key, check_model=True)
+        if a.memory: write_memory_report(a.data, a.out, tok, cfg, name=Path(str(a.model)).name or str(a.model))
     except (OSError, ValueError, KeyError) as e:
         print(f"memagent-evaluate: error: {e}", file=sys.stderr); return 2
     m = s['metrics']
