@@ -14,13 +14,14 @@ import argparse, json, os, subprocess, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# name -> (overrides of the cpu-demo preset, what it changes). A bounded grid: one step away from the first row each.
+# name -> (overrides of the cpu-demo preset, what it changes). A bounded grid: the first preset, then one change at a time
+# from the second row (the first row's policy collapsed to a 3-token memory at lr 3e-5, see its row).
 VARIANTS = {
-    'm24-t06': ({}, '3 pairs, 3 chunks of 48 tokens, memory 24, temperature 0.6 (the preset)'),
-    'm16-t06': ({'chunking.memory_tokens': 16}, 'memory 16: a third of a chunk'),
-    'm24-t10': ({'rollout.temperature': 1.0, 'eval.temperature': 1.0}, 'temperature 1.0 (the GPU recipes\' value)'),
-    'c4-m24-t06': ({'data.keycode_pairs': 4, 'data.keycode_chunks': 4, 'chunking.max_chunks': 4},
-                   '4 pairs in 4 chunks: one more overwrite to survive'),
+    'm24-t06': ({}, '3 pairs, 3 chunks of 48 tokens, memory 24, temperature 0.6, lr 3e-5 (the first preset)'),
+    'm24-t06-lr1e5': ({'optim.lr': 1e-5}, 'lr 1e-5'),
+    'p2-m24-t06-lr1e5': ({'optim.lr': 1e-5, 'data.keycode_pairs': 2}, 'lr 1e-5, 2 pairs: one distractor, one chunk of filler only'),
+    'm16-t06-lr1e5': ({'optim.lr': 1e-5, 'chunking.memory_tokens': 16}, 'lr 1e-5, memory 16: a third of a chunk'),
+    'm24-t10-lr1e5': ({'optim.lr': 1e-5, 'rollout.temperature': 1.0, 'eval.temperature': 1.0}, "lr 1e-5, temperature 1.0 (the GPU recipes' value)"),
 }
 
 
@@ -60,14 +61,17 @@ def collect(runs, out, steps):
                       'diff pp [95% CI]': f"{mem['diff_pp']:+.1f} [{mem['ci_pp'][0]:+.1f}, {mem['ci_pp'][1]:+.1f}]",
                       'wall min': pr['wall_s'] / 60, 'load': f"{pr['load_avg_1m_start']:.1f}-{pr['load_avg_1m_end']:.1f}"})
     if not rows: raise SystemExit('probes: no finished variant to report')
+    not_run = [f"`{k}` ({v[1]})" for k, v in VARIANTS.items() if k not in rows]
     out.mkdir(parents=True, exist_ok=True)
     prov = provenance(params={'steps': steps, 'variants': {k: v[0] for k, v in VARIANTS.items()}})
-    (out/'probes.json').write_text(json.dumps({'variants': rows, 'provenance': prov}, indent=1, default=str))
+    (out/'probes.json').write_text(json.dumps({'variants': rows, 'not_run': [k for k in VARIANTS if k not in rows], 'provenance': prov},
+                                              indent=1, default=str))
     body = (f"Each variant trains {steps} steps from the `cpu-demo` preset with the overrides named, then base and trained are "
             f"evaluated on the same held-out items (keys never seen in training). 'needs memory': the records whose asked key sits "
             f"before the last chunk. Wall time includes both evaluations; the load average (1 min) at start and end is beside it. "
             f"A variant's commit: {sorted({r['commit'][:7] + (' (dirty)' if r['dirty'] else '') for r in rows.values()})}.\n\n"
-            + md_table(table, floatfmt='.1f'))
+            + md_table(table, floatfmt='.1f')
+            + (f"\n\nListed but not run, so not measured: {', '.join(not_run)}." if not_run else ''))
     write_report(out, 'Probes of the embedded default\'s key-code task', [('Variants', body)], files=[out/'probes.json'])
     print((out/'README.md').read_text())
 
