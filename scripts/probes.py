@@ -11,6 +11,7 @@ runs/probes/<variant>/, its own report into runs/probes/reports/<variant>/ (not 
 holds the table, the per-variant held-out numbers and the provenance; it is written only from a clean tree.
 """
 import argparse, json, os, subprocess, sys, time
+import yaml
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def run_variant(name, steps, runs):
     if (rep/'heldout.json').is_file(): print(f'{name}: finished earlier, kept'); return
     cmd = [sys.executable, '-m', 'papermill', str(ROOT/'nbs'/'train.ipynb'), str(runs/f'{name}.ipynb'), '--cwd', str(ROOT),
            '-p', 'steps', str(steps), '-p', 'run', name, '-p', 'out_dir', str(runs), '-p', 'report_dir', str(runs/'reports'),
-           '-y', json.dumps({'overrides': ov})]
+           '-y', yaml.safe_dump({'overrides': ov})]       # YAML's own writer: 1e-5 as 1.0e-05, which YAML reads as a number
     t0, load0 = time.time(), os.getloadavg()[0]
     print(f'{name}: {" ".join(cmd)}', flush=True)
     subprocess.run(cmd, check=True)
