@@ -546,23 +546,25 @@ def cpu_demo() -> Config:
     "The embedded default: a real small instruct model learning a key-code memory task on a 2-core CPU."
     return Config(
         name='cpu-demo', seed=1234, backend='torch',
-        description='SmolLM2-135M-Instruct reads key-code documents (3 facts "The code of the <key> is <4 digits>.", one '
-                    'asked, the others distractors, one per chunk) in 3 chunks of 48 tokens with a 24-token memory, and '
+        description='SmolLM2-135M-Instruct reads key-code documents (2 facts "The code of the <key> is <4 digits>.", one '
+                    'asked, the other a distractor, in different chunks) in 3 chunks of 48 tokens with a 24-token memory, and '
                     'answers in 16 tokens; reward: the asked code appears in the final answer and no distractor code does. '
-                    'Held-out keys are never seen in training. GRPO 2 prompts x 4 samples, rollout temperature 0.6, CPU, one process.',
+                    'Held-out keys are never seen in training. GRPO 2 prompts x 4 samples, rollout temperature 0.6, lr 1e-5, '
+                    '18 steps, CPU, one process.',
         model=ModelCfg(name='smollm2-135m-instruct', dtype='float32'),
-        data=DataCfg(task='keycode', max_train=64, max_eval=96, keycode_pairs=3, keycode_chunks=3),
+        data=DataCfg(task='keycode', max_train=64, max_eval=96, keycode_pairs=2, keycode_chunks=3),
         chunking=ChunkingCfg(chunk_tokens=48, memory_tokens=24, final_tokens=16, max_chunks=3),
         prompt=PromptCfg(variant='train', thinking='off'),
         # Temperature 0.6, below the 1.0 of the GPU recipes: chosen for a 135M model, to sample nearer its most likely
-        # answers while groups keep some reward variance. The probes behind the chunk, memory and temperature choice are
-        # in reports/train/probes/.
+        # answers while groups keep some reward variance. lr 1e-5: at 3e-5 the policy collapsed to a 3-token memory within
+        # 12 steps; 2 pairs: with 3 (two distractors) 12 steps at 1e-5 gave no measurable gain on the held-out items that need
+        # memory, with 2 a clear one. The probes behind these settings are in reports/probes/cpu-demo/.
         rollout=RolloutCfg(engine='hf', temperature=0.6, top_p=1.0, context_length=2048),
         grpo=GRPOCfg(group_size=4, prompts_per_step=2, std_normalize=True, credit='split', reward='answer_without_distractors'),
         loss=LossCfg(clip_low=0.2, clip_high=0.3, kl_type='low_var_kl', kl_coef=0.001, agg='trajectory'),
-        optim=OptimCfg(name='adam', lr=3e-5, weight_decay=0.0, betas=[0.9, 0.98], grad_clip=1.0),
+        optim=OptimCfg(name='adam', lr=1e-5, weight_decay=0.0, betas=[0.9, 0.98], grad_clip=1.0),
         batch=BatchCfg(max_tokens_per_micro=2048, n_gpus=1, tp=1, pp=1),
-        schedule=ScheduleCfg(steps=24, save_every=8, keep_last=2),
+        schedule=ScheduleCfg(steps=18, save_every=6, keep_last=2),
         eval=EvalCfg(lengths=[3], temperature=0.6, top_p=1.0, samples=1, max_items=96, seed=4321))
 
 def tiny() -> Config:

@@ -25,6 +25,9 @@ VARIANTS = {
     'm24-t10-lr1e5': ({'optim.lr': 1e-5, 'rollout.temperature': 1.0, 'eval.temperature': 1.0}, "lr 1e-5, temperature 1.0 (the GPU recipes' value)"),
 }
 
+# what the table cannot show by itself
+NOTES = {'m24-t06': 'shared the 2 cores with test runs during most of its training: its wall time is not comparable'}
+
 
 def run_variant(name, steps, runs):
     ov, _ = VARIANTS[name]
@@ -50,17 +53,21 @@ def collect(runs, out, steps):
         if not (rep/'heldout.json').is_file(): print(f'{name}: not run, left out of the table'); continue
         h, rs, pr = (json.loads((rep/f).read_text()) for f in ('heldout.json', 'reward_summary.json', 'probe.json'))
         sub = {s['subset']: s for s in h['subsets']}
+        last = json.loads((runs/name/'metrics.jsonl').read_text().splitlines()[-1])   # the last training step's metrics
         allr, mem = sub['all held-out records'], sub['needs memory (gold before the last chunk)']
         rows[name] = {'overrides': ov, 'what': what, 'steps': pr['steps'], 'reward_first_window': rs['first_window_mean'],
                       'reward_last_window': rs['last_window_mean'], 'all': allr, 'needs_memory': mem,
-                      'by_gold_chunk': h['by_gold_chunk'], 'wall_s': pr['wall_s'], 'load_avg_1m': [pr['load_avg_1m_start'], pr['load_avg_1m_end']],
+                      'by_gold_chunk': h['by_gold_chunk'], 'last_step': {k: last[k] for k in ('kl', 'memory_tokens_mean', 'entropy')},
+                      'wall_s': pr['wall_s'], 'load_avg_1m': [pr['load_avg_1m_start'], pr['load_avg_1m_end']],
                       'commit': h['provenance']['git']['commit'], 'dirty': h['provenance']['git']['dirty'], 'data': h['data']}
         table.append({'variant': name, 'what changes': what, 'steps': pr['steps'],
                       'train reward first -> last 5': f"{rs['first_window_mean']:.2f} -> {rs['last_window_mean']:.2f}",
                       'held-out base %': allr['base_pct'], 'trained %': allr['trained_pct'],
                       'needs memory: base %': mem['base_pct'], 'needs memory: trained %': mem['trained_pct'],
                       'diff pp [95% CI]': f"{mem['diff_pp']:+.1f} [{mem['ci_pp'][0]:+.1f}, {mem['ci_pp'][1]:+.1f}]",
-                      'wall min': pr['wall_s'] / 60, 'load': f"{pr['load_avg_1m_start']:.1f}-{pr['load_avg_1m_end']:.1f}"})
+                      'last step: kl': f"{last['kl']:.3f}", 'memory tokens': last['memory_tokens_mean'],
+                      'wall min': pr['wall_s'] / 60, 'load': f"{pr['load_avg_1m_start']:.1f}-{pr['load_avg_1m_end']:.1f}",
+                      'note': NOTES.get(name, '')})
     if not rows: raise SystemExit('probes: no finished variant to report')
     not_run = [f"`{k}` ({v[1]})" for k, v in VARIANTS.items() if k not in rows]
     out.mkdir(parents=True, exist_ok=True)
@@ -70,6 +77,7 @@ def collect(runs, out, steps):
     body = (f"Each variant trains {steps} steps from the `cpu-demo` preset with the overrides named, then base and trained are "
             f"evaluated on the same held-out items (keys never seen in training). 'needs memory': the records whose asked key sits "
             f"before the last chunk. Wall time includes both evaluations; the load average (1 min) at start and end is beside it. "
+            f"'last step': the KL to the reference and the mean memory length (tokens) at the last training step. "
             f"A variant's commit: {sorted({r['commit'][:7] + (' (dirty)' if r['dirty'] else '') for r in rows.values()})}.\n\n"
             + md_table(table, floatfmt='.1f')
             + (f"\n\nListed but not run, so not measured: {', '.join(not_run)}." if not_run else ''))
