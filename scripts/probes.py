@@ -15,14 +15,17 @@ import yaml
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# name -> (overrides of the cpu-demo preset, what it changes). A bounded grid: the first preset, then one change at a time
-# from the second row (the first row's policy collapsed to a 3-token memory at lr 3e-5, see its row).
+# name -> (overrides of the cpu-demo preset, what it changes). A bounded grid: the first setting (3 pairs, lr 3e-5), then one
+# change at a time from the second row (the first row's policy collapsed to a 3-token memory, see its row). The overrides
+# name every setting a row changes from today's preset, so a row re-run now trains with the settings it was measured with.
+_FIRST = {'data.keycode_pairs': 3}
 VARIANTS = {
-    'm24-t06': ({}, '3 pairs, 3 chunks of 48 tokens, memory 24, temperature 0.6, lr 3e-5 (the first preset)'),
-    'm24-t06-lr1e5': ({'optim.lr': 1e-5}, 'lr 1e-5'),
-    'p2-m24-t06-lr1e5': ({'optim.lr': 1e-5, 'data.keycode_pairs': 2}, 'lr 1e-5, 2 pairs: one distractor, one chunk of filler only'),
-    'm16-t06-lr1e5': ({'optim.lr': 1e-5, 'chunking.memory_tokens': 16}, 'lr 1e-5, memory 16: a third of a chunk'),
-    'm24-t10-lr1e5': ({'optim.lr': 1e-5, 'rollout.temperature': 1.0, 'eval.temperature': 1.0}, "lr 1e-5, temperature 1.0 (the GPU recipes' value)"),
+    'm24-t06': ({**_FIRST, 'optim.lr': 3e-5}, '3 pairs, 3 chunks of 48 tokens, memory 24, temperature 0.6, lr 3e-5'),
+    'm24-t06-lr1e5': ({**_FIRST, 'optim.lr': 1e-5}, 'lr 1e-5'),
+    'p2-m24-t06-lr1e5': ({'data.keycode_pairs': 2, 'optim.lr': 1e-5}, 'lr 1e-5, 2 pairs: one distractor, one chunk of filler only'),
+    'm16-t06-lr1e5': ({**_FIRST, 'optim.lr': 1e-5, 'chunking.memory_tokens': 16}, 'lr 1e-5, memory 16: a third of a chunk'),
+    'm24-t10-lr1e5': ({**_FIRST, 'optim.lr': 1e-5, 'rollout.temperature': 1.0, 'eval.temperature': 1.0},
+                      "lr 1e-5, temperature 1.0 (the GPU recipes' value)"),
 }
 
 # what the table cannot show by itself
@@ -55,7 +58,7 @@ def collect(runs, out, steps):
         sub = {s['subset']: s for s in h['subsets']}
         last = json.loads((runs/name/'metrics.jsonl').read_text().splitlines()[-1])   # the last training step's metrics
         allr, mem = sub['all held-out records'], sub['needs memory (gold before the last chunk)']
-        rows[name] = {'overrides': ov, 'what': what, 'steps': pr['steps'], 'reward_first_window': rs['first_window_mean'],
+        rows[name] = {'overrides': ov, 'config_as_run': yaml.safe_load((rep/'config.yaml').read_text()), 'what': what, 'steps': pr['steps'], 'reward_first_window': rs['first_window_mean'],
                       'reward_last_window': rs['last_window_mean'], 'all': allr, 'needs_memory': mem,
                       'by_gold_chunk': h['by_gold_chunk'], 'last_step': {k: last[k] for k in ('kl', 'memory_tokens_mean', 'entropy')},
                       'wall_s': pr['wall_s'], 'load_avg_1m': [pr['load_avg_1m_start'], pr['load_avg_1m_end']],
@@ -74,11 +77,12 @@ def collect(runs, out, steps):
     prov = provenance(params={'steps': steps, 'variants': {k: v[0] for k, v in VARIANTS.items()}})
     (out/'probes.json').write_text(json.dumps({'variants': rows, 'not_run': [k for k in VARIANTS if k not in rows], 'provenance': prov},
                                               indent=1, default=str))
-    body = (f"Each variant trains {steps} steps from the `cpu-demo` preset with the overrides named, then base and trained are "
+    body = (f"Each variant trains {steps} steps from the `cpu-demo` preset with the overrides in `probes.json`, then base and trained are "
             f"evaluated on the same held-out items (keys never seen in training). 'needs memory': the records whose asked key sits "
             f"before the last chunk. Wall time includes both evaluations; the load average (1 min) at start and end is beside it. "
             f"'last step': the KL to the reference and the mean memory length (tokens) at the last training step. "
-            f"A variant's commit: {sorted({r['commit'][:7] + (' (dirty)' if r['dirty'] else '') for r in rows.values()})}.\n\n"
+            f"Each row records the full config it ran with (`config_as_run`) and its commit (the preset then had 3 pairs and lr 3e-5; the overrides name every "
+            f"setting a row changes from today's preset, which holds the chosen row's). Commits: {sorted({r['commit'][:7] + (' (dirty)' if r['dirty'] else '') for r in rows.values()})}.\n\n"
             + md_table(table, floatfmt='.1f')
             + (f"\n\nListed but not run, so not measured: {', '.join(not_run)}." if not_run else ''))
     write_report(out, 'Probes of the embedded default\'s key-code task', [('Variants', body)], files=[out/'probes.json'])
