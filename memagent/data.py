@@ -518,12 +518,12 @@ _LAST = ('Lind', 'Berg', 'Costa', 'Novak', 'Reyes', 'Holm', 'Weber', 'Sato', 'Ke
 _COMPANIES = ('Orbex', 'Calder', 'Nuvia', 'Trelco', 'Zentrik', 'Maplow', 'Quorra', 'Bexley', 'Solvane', 'Kestrel')
 _CITIES = ('Lisbon', 'Oslo', 'Vienna', 'Prague', 'Dublin', 'Madrid', 'Warsaw', 'Athens', 'Berlin', 'Helsinki')
 
-def filler_sentences(rng: random.Random, num_words: int) -> list[str]:
-    "Pseudo-sentences (6-12 words from a fixed list) totalling exactly `num_words` words."
+def filler_sentences(rng: random.Random, num_words: int, vocab=_FILLER) -> list[str]:
+    "Pseudo-sentences (6-12 words from `vocab`, a fixed list by default) totalling exactly `num_words` words."
     out, left = [], num_words
     while left > 0:
         n = min(left, rng.randint(6, 12)); left -= n
-        w = [rng.choice(_FILLER) for _ in range(n)]
+        w = [rng.choice(vocab) for _ in range(n)]
         out.append(' '.join([w[0].capitalize()] + w[1:]) + '.')
     return out
 
@@ -609,19 +609,11 @@ _FILLER_HELDOUT = ('copper', 'lantern', 'drifted', 'beneath', 'orchard', 'gravel
                    'clock', 'spring', 'roof', 'smoke', 'pond', 'moss', 'an', 'by', 'at', 'on', 'had', 'its', 'from', 'past')
 KEYCODE_SPLITS = tuple(_KEY_WORDS)
 
-def _kc_filler(rng, words, vocab):
-    out, left = [], words
-    while left > 0:
-        n = min(left, rng.randint(6, 12)); left -= n
-        w = [rng.choice(vocab) for _ in range(n)]
-        out.append(' '.join([w[0].capitalize()] + w[1:]) + '.')
-    return out
-
 def _kc_segment(rng, facts, budget, ntok, vocab):
     "Filler sentences with `facts` at random sentence boundaries, as long as fits in `budget` tokens (a leading space counted)."
     sents, words = list(facts), rng.randint(6, 12)
     while words >= 2:                      # sentences of 6-12 words, then shorter ones to fill the last tokens
-        s = _kc_filler(rng, words, vocab)[0]
+        s = filler_sentences(rng, words, vocab)[0]
         pos = rng.randint(0, len(sents))
         trial = sents[:pos] + [s] + sents[pos:]
         if ntok(' ' + ' '.join(trial)) > budget: words -= 1; continue
