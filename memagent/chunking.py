@@ -9,7 +9,7 @@ from array import array
 from dataclasses import dataclass, field, asdict
 
 # %% auto #0
-__all__ = ['Chunks', 'chunk_ids', 'trim_centre', 'encode_long', 'chunk_document']
+__all__ = ['Chunks', 'chunk_ids', 'trim_centre', 'encode_long', 'chunk_document', 'chunk_texts_of']
 
 # %% ../nbs/04_chunking.ipynb #847e3868
 @dataclass
@@ -111,3 +111,14 @@ def chunk_document(text: str, tokenizer, chunk_tokens: int, max_chunks: int | No
         ids = trim_centre(ids, max_context_tokens)
         trimmed = total - len(ids)
     return chunk_ids(ids, chunk_tokens, max_chunks, tokenizer, total_tokens=total, trimmed_tokens=trimmed, hard_splits=hard)
+
+# %% ../nbs/04_chunking.ipynb #cbb47306
+def chunk_texts_of(ck, tokenizer):
+    "A cached `example -> chunk texts`, cut as the rollout cuts them under chunking config `ck`."
+    trim = ck.max_context_tokens if ck.context_trim == 'centre' else None
+    cache = {}
+    def texts(ex):
+        if ex['id'] not in cache:
+            cache[ex['id']] = chunk_document(ex['context'], tokenizer, ck.chunk_tokens, ck.max_chunks, max_context_tokens=trim).texts
+        return cache[ex['id']]
+    return texts

@@ -406,18 +406,12 @@ def evaluate_exit_code(summary: dict, allow_errors: bool = False) -> tuple[int, 
 
 def write_memory_report(data, out_dir, tokenizer, cfg, name: str = 'model') -> Path:
     "`out_dir/memory.md` (+ retention and trajectory files) from an evaluation's records: what the memory held after each chunk, sub_EM by gold position."
-    from memagent.chunking import chunk_document
+    from memagent.chunking import chunk_texts_of
     from memagent.data import read_examples
     from memagent.report import memory_report
-    out, ck = Path(out_dir), cfg.chunking
+    out, chunks_of = Path(out_dir), chunk_texts_of(cfg.chunking, tokenizer)
     recs = [json.loads(l) for l in (out / RECORDS_FILE).read_text().splitlines() if l.strip()]
     exs = {str(e['id']): e for e in read_examples(data)}
-    texts = {}
-    def chunks_of(ex):
-        if ex['id'] not in texts:
-            trim = ck.max_context_tokens if ck.context_trim == 'centre' else None
-            texts[ex['id']] = chunk_document(ex['context'], tokenizer, ck.chunk_tokens, ck.max_chunks, max_context_tokens=trim).texts
-        return texts[ex['id']]
     used = [exs[i] for i in dict.fromkeys(str(r['id']) for r in recs)]
     mr = memory_report(used, {name: recs}, chunks_of, lambda m, r: float(r['sub_em']), out, title=f'{name}: what the memory holds',
                        metric='sub_em')
