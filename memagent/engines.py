@@ -15,8 +15,8 @@ __all__ = ['STAT_KEYS', 'TRANSIENT_STATUS', 'MEMORY_TAGS', 'SamplingParams', 'Ge
            'TransientEngineError', 'DeterministicEngineError', 'ServerLaunchError', 'Engine', 'new_stats',
            'per_request', 'check_prompt', 'teacher_forced_logprobs', 'race_blocks', 'sample_tokens', 'HFEngine',
            'load_safetensors_dir', 'Deadline', 'WatchedAdapter', 'check_stop_alignment', 'parse_sglang_response',
-           'tensor_update_payload', 'FutureQueue', 'SGLangEngine', 'free_port', 'ServerProcess', 'sglang_server_cmd',
-           'SGLangServer', 'engine_from_config']
+           'prompt_logprob_request', 'parse_prompt_logprobs', 'tensor_update_payload', 'FutureQueue', 'SGLangEngine',
+           'free_port', 'ServerProcess', 'sglang_server_cmd', 'SGLangServer', 'engine_from_config']
 
 # %% ../nbs/08_engines.ipynb #812df3c4
 @dataclass(frozen=True)
@@ -303,6 +303,18 @@ class HFEngine:
         import torch
         with torch.no_grad(): return teacher_forced_logprobs(self.model, prompt_ids, response_ids, temperature, self.logprob_chunk).tolist()
 
+    def prompt_logprobs(self, ids) -> list[float]:
+        "Teacher-forced log-probs of `ids[1:]`, each given the ids before it (log-softmax in fp32, temperature 1): SGLang's `input_token_logprobs` after its leading None."
+        import torch
+        ids = check_prompt(ids, self.vocab_size)
+        if len(ids) == 1: return []
+        with self._lock, torch.no_grad():       # not while update_weights loads new weights
+            return teacher_forced_logprobs(self.model, ids[:1], ids[1:], 1.0, self.logprob_chunk).tolist()
+
+    def prompt_logprobs_each(self, ids) -> list[list[float]]:
+        "`prompt_logprobs(ids)` as a list of one (this engine has one model), like `greedy_each`."
+        return [self.prompt_logprobs(ids)]
+
     def update_weights(self, state_dict=None, path=None) -> None:
         "Load new weights from a state dict, or from the `*.safetensors` files of an HF directory."
         if (state_dict is None) == (path is None): raise ValueError("pass exactly one of state_dict or path")
@@ -447,6 +459,37 @@ def parse_sglang_response(body, prompt_len: int, sp: SamplingParams, latency_s: 
     check_stop_alignment(lp_ids, fr, sp.max_new_tokens)
     if any(not math.isfinite(x) or x > 1e-3 for x in lps): raise DeterministicEngineError("log-probs must be finite and <= 0")
     return GenerationResult(lp_ids, [min(x, 0.0) for x in lps], kind, prompt_len, latency_s, body.get('text'))
+
+_SCORE = SamplingParams(max_new_tokens=1, temperature=0.0)    # one greedy output token, ignored (see below)
+
+def prompt_logprob_request(ids) -> dict:
+    "The `/generate` body asking for the teacher-forced log-probs of every prompt token (`logprob_start_len=0`), no top-k, no texts."
+    return {'input_ids': check_prompt(ids), 'sampling_params': _jsonable_params(_SCORE), 'return_logprob': True,
+            'logprob_start_len': 0, 'top_logprobs_num': 0, 'return_text_in_logprobs': False, 'stream': False}
+
+def parse_prompt_logprobs(body, ids) -> list[float]:
+    "The log-probs of `ids[1:]` in one reply to `prompt_logprob_request(ids)`; abort -> transient, anything that does not line up -> deterministic."
+    ids = check_prompt(ids)
+    parse_sglang_response(body, len(ids), _SCORE)                # the output side, checked as in any reply
+    if isinstance(body, list): body = body[0]
+    itl = body['meta_info'].get('input_token_logprobs')
+    if not isinstance(itl, list):
+        raise DeterministicEngineError("meta_info.input_token_logprobs missing (return_logprob with logprob_start_len=0 not honoured?)")
+    if len(itl) != len(ids):
+        raise DeterministicEngineError(f"input_token_logprobs holds {len(itl)} entries for a prompt of {len(ids)} tokens "
+                                       "(logprob_start_len=0: one per prompt token)")
+    if not all(isinstance(e, list) and len(e) == 3 for e in itl):
+        raise DeterministicEngineError("input_token_logprobs entries must be [logprob, token_id, text]")
+    bad = next((i for i, (e, t) in enumerate(zip(itl, ids)) if isinstance(e[1], bool) or e[1] != t), None)
+    if bad is not None:
+        raise DeterministicEngineError(f"input_token_logprobs[{bad}] names token {itl[bad][1]!r}, the prompt holds {ids[bad]} there")
+    if itl[0][0] is not None:
+        raise DeterministicEngineError(f"input_token_logprobs[0] has log-prob {itl[0][0]!r}: the first prompt token has no prefix "
+                                       "(SGLang sends None)")
+    lps = [e[0] for e in itl[1:]]
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 1e-3 for x in lps):
+        raise DeterministicEngineError("prompt log-probs must be finite numbers <= 0")
+    return [float(x) for x in lps]
 
 # %% ../nbs/08_engines.ipynb #5f0bd8d4
 MEMORY_TAGS = ('kv_cache', 'weights', 'cuda_graph')      # SGLang's GPU_MEMORY_ALL_TYPES (python/sglang/srt/constants.py)
@@ -751,6 +794,11 @@ class SGLangEngine:
         payload = {'input_ids': check_prompt(prompt_ids), 'sampling_params': _jsonable_params(sp), 'return_logprob': True,
                    'logprob_start_len': -1, 'stream': False}
         return [parse_sglang_response(r, len(payload['input_ids']), sp) for r in self.post_each('/generate', payload)]
+
+    def prompt_logprobs_each(self, ids) -> list[list[float]]:
+        "The teacher-forced log-probs of `ids[1:]` from every server (each must answer itself), in server order (`prompt_logprob_request`)."
+        payload = prompt_logprob_request(ids)
+        return [parse_prompt_logprobs(r, payload['input_ids']) for r in self.post_each('/generate', payload)]
 
     def health(self) -> bool:
         "True when every server answers `GET /health` with 200 within `connect_timeout_s` (one attempt each, no retry)."

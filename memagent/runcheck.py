@@ -4,11 +4,13 @@
 
 # %% ../nbs/13c_runcheck.ipynb #ff87c9c1
 from __future__ import annotations
-import os, signal, sys, threading, time, traceback
+import math, os, signal, sys, threading, time, traceback
 from contextlib import contextmanager
 
 # %% auto #0
-__all__ = ['RunTimeout', 'Guard', 'Gates', 'ProcessMemory', 'dir_bytes', 'checkpoint_gates', 'export_gates']
+__all__ = ['WEIGHT_PROMPT', 'WEIGHT_TOL', 'KL_TOL', 'RunTimeout', 'Guard', 'Gates', 'ProcessMemory', 'dir_bytes',
+           'checkpoint_gates', 'export_gates', 'precision_key', 'weight_prompt_ids', 'weight_check', 'trainer_logprobs',
+           'weight_gate', 'kl_gate']
 
 # %% ../nbs/13c_runcheck.ipynb #7a455ae9
 class RunTimeout(BaseException):
@@ -182,3 +184,73 @@ def export_gates(G: Gates, trainer, out_dir, new_tokens: int = 4):
            max_abs_diff=diff, dtype=str(m2.dtype).replace('torch.', ''), mbytes=round(dir_bytes(hf) / 2**20, 2),
            text=repr(tok2.decode(out[0, ids.shape[1]:])))
     return hf
+
+# %% ../nbs/13c_runcheck.ipynb #212aeefe
+WEIGHT_PROMPT = 'The memory keeps what the question needs and forgets the rest of the document.'
+WEIGHT_TOL = {'cpu-fp32': 1e-5, 'gpu-bf16': 5e-2}     # max |engine - trainer| log-prob over the prompt, per server (see above)
+KL_TOL = {'cpu-fp32': 0.0, 'gpu-bf16': 1e-6}          # |first step's KL to the reference|
+
+def precision_key(cuda: bool, dtype: str) -> str:
+    "The tolerance row of a run: 'cpu-fp32' (CPU, float32), 'gpu-bf16' (any run on a GPU); a CPU run in another dtype has none."
+    if cuda: return 'gpu-bf16'
+    if str(dtype).replace('torch.', '') in ('float32', 'fp32'): return 'cpu-fp32'
+    raise ValueError(f"no stated weight-check tolerance for dtype {dtype!r} on CPU (float32 only); see WEIGHT_TOL")
+
+def weight_prompt_ids(tokenizer, text: str = WEIGHT_PROMPT) -> list[int]:
+    "The ids of the fixed prompt in the run's tokenizer (no special tokens)."
+    ids = list(tokenizer(text, add_special_tokens=False)['input_ids'])
+    if len(ids) < 2: raise ValueError(f"the weight-check prompt {text!r} is {len(ids)} token(s): it needs at least 2")
+    return ids
+
+def _gap(a, b) -> float:
+    "max |a - b| over two equally long lists; inf when they differ in length or a difference is not finite."
+    if len(a) != len(b): return math.inf
+    d = [abs(x - y) for x, y in zip(a, b)]
+    return max(d, default=0.0) if all(math.isfinite(x) for x in d) else math.inf
+
+def weight_check(engine, trainer_side, prompt_ids, tol: float, previous: dict | None = None) -> dict:
+    "The engine's prompt log-probs (`prompt_logprobs_each`, every server) against the trainer's (`trainer_side`: the values, or a function of the ids); see above for when it passes."
+    ids = [int(t) for t in prompt_ids]
+    want = [float(x) for x in (trainer_side(ids) if callable(trainer_side) else trainer_side)]
+    if len(want) != len(ids) - 1:
+        raise ValueError(f"weight_check: {len(want)} trainer log-probs for a prompt of {len(ids)} tokens (one per token after the first)")
+    got = [[float(x) for x in g] for g in engine.prompt_logprobs_each(ids)]
+    diffs = [_gap(g, want) for g in got]
+    out = {'servers': len(got), 'prompt_tokens': len(ids), 'tol': tol, 'max_abs_dlogp': max(diffs, default=math.inf),
+           'per_server': diffs, 'stale_servers': [], 'trainer': want, 'engine': got}
+    if previous is not None:
+        out['trainer_moved'] = _gap(want, previous['trainer'])
+        out['engine_moved'] = [_gap(g, p) for g, p in zip(got, previous['engine'])]
+        out['stale_servers'] = [i for i, m in enumerate(out['engine_moved']) if m == 0 and out['trainer_moved'] > 0]
+    out['passed'] = bool(got) and all(d <= tol for d in diffs) and not out['stale_servers']
+    return out
+
+def trainer_logprobs(trainer, ids) -> list[float]:
+    "Teacher-forced log-probs of `ids[1:]` under the weights `trainer` syncs (`group.hf_state_dict()`), in `trainer.hf_model`'s architecture, dtype and device."
+    import torch
+    from memagent.engines import teacher_forced_logprobs
+    m, sd = trainer.hf_model, trainer.group.hf_state_dict()
+    own = {k: v.data_ptr() for k, v in m.state_dict().items()}
+    if any(own.get(k) != v.data_ptr() for k, v in sd.items()):     # not the model's own tensors: load them into the skeleton
+        m.load_state_dict(sd, strict=True)
+    with torch.no_grad(): return teacher_forced_logprobs(m, ids[:1], ids[1:]).tolist()
+
+def weight_gate(G: Gates, step: int, trainer, prompt_ids, tol: float, previous: dict | None = None) -> dict | None:
+    "Gate `weights_synced[step N]` after step N's sync (N = 0: before training); returns the check for the next one (None when it raised)."
+    name = f'weights_synced[step {step}]'
+    try: r = weight_check(trainer.engine, lambda ids: trainer_logprobs(trainer, ids), prompt_ids, tol, previous)
+    except Exception as e:
+        traceback.print_exc(); G.gate(name, False, error=f'{type(e).__name__}: {e}'[:500]); return None
+    nums = dict(max_abs_dlogp=r['max_abs_dlogp'], tol=tol, servers=r['servers'], prompt_tokens=r['prompt_tokens'])
+    if previous is not None: nums.update(trainer_moved=r['trainer_moved'], stale_servers=r['stale_servers'])
+    G.gate(name, r['passed'], **nums)
+    return r
+
+def kl_gate(G: Gates, metrics: list[dict], cfg, key: str) -> bool | None:
+    "Gate `kl[step 1]`: the first step's `kl` metric within `KL_TOL[key]` (0.0 exactly on CPU fp32); None, printing why, when the gate does not apply."
+    if cfg.loss.kl_type == 'none' or not cfg.loss.kl_coef: print('kl[step 1]: not checked, the KL term is off'); return None
+    if cfg.optim.mini_batches > 1:
+        print(f'kl[step 1]: not checked, optim.mini_batches={cfg.optim.mini_batches}: later mini-batches score an updated policy'); return None
+    kl = next((m.get('kl') for m in metrics if m.get('step') == 1), None)
+    ok = isinstance(kl, (int, float)) and math.isfinite(kl) and abs(kl) <= KL_TOL[key]
+    return G.gate('kl[step 1]', ok, kl=kl, tol=KL_TOL[key], precision=key)

@@ -15,7 +15,7 @@ from .provenance import flatten, sha256_text
 
 # %% auto #0
 __all__ = ['SGLANG_SCHEMAS', 'fake_tokens', 'send_whole', 'Exchange', 'send_cut', 'send_nothing', 'send_garbage', 'send_trickle',
-           'schema_error', 'FakeSGLangServer', 'main', 'synthetic_run']
+           'logprob_request_error', 'schema_error', 'FakeSGLangServer', 'main', 'synthetic_run']
 
 # %% ../nbs/20_testing.ipynb #12e673d7
 def fake_tokens(prompt: list[int], sp: SamplingParams, vocab: int = 1000) -> tuple[list[int], list[float], str]:
@@ -79,6 +79,8 @@ def _abort(srv, ex, handle):
     handle(ex); ex.reply['meta_info']['finish_reason'] = {'type': 'abort'}
 def _invalid(srv, ex, handle):
     handle(ex); ex.reply['output_ids'] = ex.reply['output_ids'] + [0]
+def _invalid_prompt(srv, ex, handle):
+    handle(ex); m = ex.reply['meta_info']; m['input_token_logprobs'] = m.get('input_token_logprobs', [])[1:]
 def _cut(srv, ex, handle): handle(ex); ex.write = send_cut
 def _drop(srv, ex, handle): handle(ex); ex.write = send_nothing
 def _garbage(srv, ex, handle): handle(ex); ex.write = send_garbage
@@ -110,6 +112,35 @@ SGLANG_SCHEMAS = {
                                          'selector': (_selector, False)},
     '/destroy_weights_update_group': {'group_name': (_str, False)},
 }
+
+# the log-prob fields of SGLang 0.5.23's /generate (sglang/api/v1/api_types.py, decode_GenerateRequest); this server takes one
+# prompt per request, so a list (one value per prompt of a batch) is refused
+_LOGPROB_FIELDS = {'return_logprob': _bool, 'logprob_start_len': _int, 'top_logprobs_num': _int, 'return_text_in_logprobs': _bool}
+
+def logprob_request_error(body: dict, prompt_len: int, engine=None) -> str | None:
+    "Why the log-prob fields of a `/generate` body break SGLang's contract or rules, or ask what this server cannot answer (None when fine)."
+    bad = [(k, body[k]) for k, ok in _LOGPROB_FIELDS.items() if body.get(k) is not None and not ok(body[k])]
+    if bad: return (f"/generate: log-prob fields of the wrong type {bad} (SGLang: return_logprob and return_text_in_logprobs are "
+                    "booleans, logprob_start_len and top_logprobs_num integers; this server takes one prompt per request, so no lists)")
+    want, start = bool(body.get('return_logprob')), body.get('logprob_start_len')
+    start, top = -1 if start is None else start, body.get('top_logprobs_num') or 0
+    if body.get('token_ids_logprob') is not None: return "/generate: token_ids_logprob is not modelled by this server"
+    if top < 0: return f"/generate: top_logprobs_num={top} must be >= 0"
+    if top > 0: return f"/generate: top_logprobs_num={top} is not modelled by this server (0 only)"
+    if not want and (start != -1 or body.get('return_text_in_logprobs')):
+        return (f"/generate: logprob_start_len={start} or return_text_in_logprobs without return_logprob: SGLang ignores them "
+                "silently (its scheduler resets logprob_start_len to -1) and returns no prompt log-probs")
+    if start > prompt_len:       # SGLang's own words (Scheduler._handle_generate_request), a 400
+        return (f"req.logprob_start_len={start} is higher than the number of input tokens len(req.origin_input_ids)={prompt_len}. "
+                "Please use a smaller logprob_start_len.")
+    if start < -1: return f"/generate: logprob_start_len={start}: -1 (output tokens only) or a prompt position"
+    if start > 0: return f"/generate: logprob_start_len={start} is not modelled by this server (-1 or 0)"
+    if start == 0 and engine is None:
+        return ("/generate: logprob_start_len=0 needs a backing engine: the prompt log-probs come from its teacher-forced "
+                "recompute, and fake_tokens has none to give")
+    if body.get('return_text_in_logprobs') and getattr(engine, 'tokenizer', None) is None:
+        return "/generate: return_text_in_logprobs needs a backing engine with a tokenizer (SGLang asserts one)"
+    return None
 
 def schema_error(path: str, body) -> str | None:
     "Why `body` does not fit the request class of SGLang route `path` (None when it fits or the route has no schema here)."
@@ -152,7 +183,8 @@ class FakeSGLangServer:
         for m in ('GET', 'POST'):
             self.routes[(m, '/release_memory_occupation')] = self.release_memory_occupation
             self.routes[(m, '/resume_memory_occupation')] = self.resume_memory_occupation
-        self.fault_kinds = {'slow': _slow, 'abort': _abort, 'invalid': _invalid, 'cut': _cut, 'drop': _drop,
+        self.fault_kinds = {'slow': _slow, 'abort': _abort, 'invalid': _invalid, 'invalid_prompt_logprobs': _invalid_prompt,
+                            'cut': _cut, 'drop': _drop,
                             'garbage': _garbage, 'trickle': _trickle, 'trickle_all': _trickle_all}
         self._faults, self._lock = {}, threading.Lock()
         self._httpd = ThreadingHTTPServer((host, port), _Handler)
@@ -292,14 +324,20 @@ class FakeSGLangServer:
                              top_p=sp.get('top_p', 1.0), top_k=sp.get('top_k', -1), stop_token_ids=tuple(stops),
                              seed=sp.get('sampling_seed'))
         prompt = ex.body['input_ids']
+        bad = logprob_request_error(ex.body, len(prompt), self.engine)
+        if bad is not None: ex.status, ex.reply = 400, {'error': {'message': bad}}; return
         if self.engine is not None:
             r = self.engine.generate([prompt], sp_)[0]; ids, lps, fr = r.output_ids, r.logprobs, r.finish_reason
         else: ids, lps, fr = fake_tokens(prompt, sp_, self.vocab)
         reason = {'type': 'stop', 'matched': ids[-1]} if fr == 'stop' else {'type': 'length', 'length': sp_.max_new_tokens}
         shown = ids if (fr != 'stop' or sp.get('no_stop_trim')) else ids[:-1]      # no_stop_trim: the text only
         tok = getattr(self.engine, 'tokenizer', None)
+        txt = (lambda t: tok.decode([t])) if ex.body.get('return_text_in_logprobs') else (lambda t: None)
         meta = {'finish_reason': reason, 'prompt_tokens': len(prompt), 'completion_tokens': len(ids),
-                'output_token_logprobs': [[lp, t, None] for lp, t in zip(lps, ids)], 'e2e_latency': 0.0}
+                'output_token_logprobs': [[lp, t, txt(t)] for lp, t in zip(lps, ids)], 'e2e_latency': 0.0}
+        if ex.body.get('return_logprob'):       # as SGLang: [None, first id] then log p(ids[i] | ids[:i]); empty for -1
+            plp = [] if ex.body.get('logprob_start_len', -1) in (-1, None) else [None] + list(self.engine.prompt_logprobs(prompt))
+            meta['input_token_logprobs'] = [[lp, t, txt(t)] for lp, t in zip(plp, prompt)]
         ex.reply = {'text': tok.decode(shown, skip_special_tokens=True) if tok is not None else '', 'output_ids': list(ids), 'meta_info': meta}
 
     # one request: route, fault, latency, write

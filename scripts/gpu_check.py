@@ -2,11 +2,20 @@
 
     python scripts/gpu_check.py preset  --models DIR|none          # the smoke's preset and overrides for the models found (YAML)
     python scripts/gpu_check.py plan    --preset NAME --gpus-per-node N [--gpu-gb G]
-    python scripts/gpu_check.py subset  --out DIR                   # one GPU: megatron-core bf16 + its optimizer + recompute
-    python scripts/gpu_check.py compare --params FILE --gpus N --out DIR   # SGLang vs HF tokens/s, megatron vs torch step time
+    python scripts/gpu_check.py subset  --out DIR                   # one GPU: megatron-core bf16 + its optimizer + recompute,
+                                                                    #   the weight check after a sync (megatron -> HF engine)
+    python scripts/gpu_check.py compare --params FILE --gpus N --out DIR   # SGLang vs HF tokens/s, megatron vs torch step time,
+                                                                    #   the weight check after an SGLang sync
 
 `preset` and `plan` run anywhere (CI runs them through `gpu_check.sh --dry-run`); `subset` and `compare` refuse to
 run without CUDA. Every result file carries the provenance of `memagent.provenance`.
+
+The weight check (`memagent.runcheck.weight_check`, tolerance `WEIGHT_TOL['gpu-bf16']`, not yet measured on a GPU): the
+engine's teacher-forced log-probs of a fixed prompt against the trainer's after a sync. `subset` checks the megatron
+policy's own log-probs against an in-process HF engine before a step and after the step's sync (both must pass), and an
+engine that missed the sync (must fail); `compare` checks an SGLang server before and after a sync through
+`/update_weights_from_disk` (both must pass) and that the weights it held before are rejected afterwards. The smoke that
+`gpu_check.sh` runs checks its engines after every sync itself (its `weights_synced[step N]` gates).
 """
 from __future__ import annotations
 import argparse, json, sys, time
@@ -136,11 +145,69 @@ def cmd_subset(a):
                       'pass': abs(loss - ref_loss) / abs(ref_loss) < 2e-2 and abs(norm - ref_norm) / ref_norm < 5e-2 and same
                               and 0.5 < peak / planned < 1.25})
         print(json.dumps(gates[-1]))
+    sync = weight_sync_check('cuda', 'bfloat16')
+    print(json.dumps(sync))
     _write(out, 'subset.json', {'transformer_engine': have_transformer_engine(), 'device': torch.cuda.get_device_name(0),
                                 'gpu_gb': gpu_gb, 'tolerances': {'loss_rel': 2e-2, 'grad_norm_rel': 5e-2, 'peak_over_plan': [0.5, 1.25]},
                                 'sequence_parallel': 'not checked: it needs TP > 1, so at least 2 GPUs (part cluster)',
-                                'checks': gates})
-    if not all(g['pass'] for g in gates): sys.exit('gpu_check.py subset: a check failed (see subset.json)')
+                                'checks': gates, 'weight_sync': sync})
+    if not (all(g['pass'] for g in gates) and sync['pass']): sys.exit('gpu_check.py subset: a check failed (see subset.json)')
+
+
+def _summary(r: dict) -> dict:
+    "A weight check's numbers without its log-prob lists."
+    return {k: v for k, v in r.items() if k not in ('trainer', 'engine')}
+
+
+def weight_sync_check(device: str = 'cuda', dtype: str = 'bfloat16') -> dict:
+    "The megatron policy's own log-probs of the fixed prompt against HF engines: before a step, after the step's sync (pass), and one that missed it (fail)."
+    import torch
+    from memagent.engines import HFEngine
+    from memagent.models import load_model, load_tokenizer
+    from memagent.backends.megatron import MegatronBackend, right_pad
+    from memagent.runcheck import WEIGHT_PROMPT, WEIGHT_TOL, precision_key, weight_check, weight_prompt_ids
+    key = precision_key(device.startswith('cuda'), dtype)
+    tol, cfg = WEIGHT_TOL[key], tiny_megatron('selective', dtype)
+    ids = weight_prompt_ids(load_tokenizer('tiny-qwen3'))
+    be = MegatronBackend.from_config(cfg, load_model('tiny-qwen3', dtype))
+    synced, missed = HFEngine(load_model('tiny-qwen3', dtype, device)), HFEngine(load_model('tiny-qwen3', dtype, device))
+
+    def policy(ids):   # the policy's own forward: megatron's log-prob of each token after the first, given its prefix
+        with torch.no_grad(): return be.logprobs(right_pad([ids]))[0, 1:].float().tolist()
+    try:
+        before, missed0 = weight_check(synced, policy, ids, tol), weight_check(missed, policy, ids, tol)
+        _step(be, _fixed_batch(synced.vocab_size, cfg.batch.max_tokens_per_micro))
+        synced.sync_weights(be.hf_state_dict(), None, None, None)
+        after = weight_check(synced, policy, ids, tol, previous=before)
+        stale = weight_check(missed, policy, ids, tol, previous=missed0)
+    finally: be.close()
+    return {'prompt': WEIGHT_PROMPT, 'prompt_ids': ids, 'precision': key, 'tol': tol, 'trainer_side': 'MegatronBackend.logprobs',
+            'before_step': _summary(before), 'after_sync': _summary(after), 'missed_sync': _summary(stale),
+            'pass': before['passed'] and after['passed'] and not stale['passed']}
+
+
+def _perturbed(sd: dict, rel: float = 0.5, seed: int = 0) -> dict:
+    "Every tensor plus seeded noise of `rel` times its own standard deviation: weights far enough from the served ones that the check must see them (tiny Qwen3: max |dlogp| 0.21 at 0.5, 0.03 at 0.05, measured on CPU)."
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in sd.items():
+        noise = torch.randn(v.shape, generator=g).to(v.device)
+        out[k] = (v.float() + rel * (v.float().std() if v.numel() > 1 else 0.0) * noise).to(v.dtype)
+    return out
+
+
+def sglang_sync_check(eng, ids, before: list, after: list, sync) -> dict:
+    "An SGLang server against HF teacher-forced values: its weights (`before`), then after `sync()` the new ones (`after`), and the old ones no longer."
+    from memagent.runcheck import WEIGHT_TOL, weight_check
+    tol = WEIGHT_TOL['gpu-bf16']
+    first = weight_check(eng, before, ids, tol)
+    sync()
+    synced = weight_check(eng, after, ids, tol, previous=first)
+    old = weight_check(eng, before, ids, tol)
+    return {'prompt_ids': ids, 'tol': tol, 'trainer_side': 'HFEngine.prompt_logprobs (transformers, same weights)',
+            'before_sync': _summary(first), 'after_sync': _summary(synced), 'old_weights_after_sync': _summary(old),
+            'pass': first['passed'] and synced['passed'] and not old['passed']}
 
 
 def _time(fn, repeats: int = 2) -> float:
@@ -164,6 +231,7 @@ def cmd_compare(a):
     from memagent.credit import trajectories_to_rows
     from memagent.transfer import InProcessChannel, RayChannel, layout_step
     from memagent.policy import make_group
+    from memagent.runcheck import weight_prompt_ids
     p = yaml.safe_load(Path(a.params).read_text())
     cfg = get_preset(p['preset'], {**p['overrides'], 'rollout.colocate': False, 'rollout.engine': 'hf'})
     tok, out = load_tokenizer(cfg.model.tokenizer or cfg.model.name), Path(a.out)
@@ -173,13 +241,21 @@ def cmd_compare(a):
     hf = HFEngine(load_model(cfg.model.name, cfg.model.dtype, 'cuda'), tok)
     t0 = time.perf_counter(); r = hf.generate(prompts, sp); dt = time.perf_counter() - t0
     res['hf_tokens_per_s'] = sum(len(x.output_ids) for x in r) / dt
-    del hf; torch.cuda.empty_cache()
+    # the weight check's reference values: the served weights, then perturbed ones (what a sync sends next)
+    wids = weight_prompt_ids(tok)
+    lp_base = hf.prompt_logprobs(wids)
+    new_sd = _perturbed(hf.model.state_dict())
+    hf.update_weights(state_dict=new_sd); lp_new = hf.prompt_logprobs(wids)
+    hf.model.to('cpu'); new_sd = {k: v.cpu() for k, v in new_sd.items()}; torch.cuda.empty_cache()   # the GPU for SGLang
     try: path = model_dir(cfg.model.name)
     except FileNotFoundError: path = cfg.model.name
     with SGLangServer(path, tp=1, context_length=cfg.rollout.context_length, mem_fraction=0.8, log_path=out / 'sglang.log') as srv:
         eng = SGLangEngine([srv.url])
         t0 = time.perf_counter(); r = eng.generate(prompts, sp); dt = time.perf_counter() - t0
         res['sglang_tokens_per_s'] = sum(len(x.output_ids) for x in r) / dt
+        res['weight_check'] = sglang_sync_check(eng, wids, lp_base, lp_new, lambda: eng.sync_weights(new_sd, hf.model, tok, out / 'sync'))
+        print(json.dumps(res['weight_check']))
+    del hf, new_sd
     res['sglang_over_hf'] = res['sglang_tokens_per_s'] / res['hf_tokens_per_s']
     # the same rows through each backend's policy group, laid out as the trainer lays them out
     exs = make_synthetic(cfg.grpo.prompts_per_step, num_tokens=cfg.chunking.chunk_tokens * 2, seed=cfg.seed, tokenizer=tok)
@@ -203,6 +279,7 @@ def cmd_compare(a):
     res['rows'] = len(rows)
     res['peak_vs_plan'] = peak_vs_plan(p, a.smoke_run, a.gpus)
     _write(out, 'compare.json', {'params': p, 'results': res})
+    if not res['weight_check']['pass']: sys.exit('gpu_check.py compare: the SGLang weight check failed (see compare.json)')
 
 
 def peak_vs_plan(p: dict, smoke_run: str | None, gpus: int) -> dict | None:

@@ -279,6 +279,30 @@ def test_backed_by_tiny_model_matches_in_process():
         cl.close()
 
 
+def test_prompt_logprobs_each_asks_every_server_in_order():
+    # the weight check's request (logprob_start_len=0) answered by each server for itself, parsed strictly
+    import torch
+    from memagent.models import load_model, load_tokenizer
+    tok = load_tokenizer('tiny-qwen3')
+    ea, eb = HFEngine(load_model('tiny-qwen3'), tok), HFEngine(load_model('tiny-qwen3'), tok)
+    with torch.no_grad():
+        for p in eb.model.parameters(): p.mul_(1.01)                     # the second server holds other weights
+    prompt = [100, 200, 300, 400]
+    with FakeSGLangServer(engine=ea) as a, FakeSGLangServer(engine=eb) as b:
+        cl = client([a.url, b.url])
+        got = cl.prompt_logprobs_each(prompt)
+        assert got == [ea.prompt_logprobs(prompt), eb.prompt_logprobs(prompt)] and got[0] != got[1] and len(got[0]) == 3
+        assert len(a.calls) == len(b.calls) == 1
+        body = a.calls[0]
+        assert (body['return_logprob'], body['logprob_start_len'], body['top_logprobs_num'], body['return_text_in_logprobs'],
+                body['sampling_params']['max_new_tokens'], body['sampling_params']['temperature']) == (True, 0, 0, False, 1, 0.0)
+        b.faults = ['invalid_prompt_logprobs']                            # b's entries no longer line up with the prompt
+        with pytest.raises(DeterministicEngineError, match='3 entries for a prompt of 4 tokens'):
+            cl.prompt_logprobs_each(prompt)
+        assert len(b.calls) == 2 and cl.stats['retries'] == 0            # deterministic: not retried
+        cl.close()
+
+
 def test_server_launch_failure_is_reported_not_hung(tmp_path):
     s = ServerProcess([sys.executable, '-c', 'import sys; print("boom: no CUDA"); sys.exit(2)'],
                       f"http://127.0.0.1:{free_port()}", tmp_path / 'log', startup_timeout_s=60)

@@ -1,6 +1,6 @@
 """The smoke notebook end to end through papermill on the tiny preset: it passes with agreeing row counts for
-both steps, and a failing gate (the `inject_failure='rows'` hook) makes papermill exit non-zero after the
-report is written."""
+both steps and the engine holding the trainer's weights after every sync, and a failing gate (the
+`inject_failure='rows'` and `'weights'` hooks) makes papermill exit non-zero after the report is written."""
 import json, re, subprocess, sys
 from pathlib import Path
 
@@ -50,8 +50,18 @@ def test_smoke_tiny_passes(tmp_path):
     gates = json.loads((rep / 'gates.json').read_text())
     assert gates['passed'] and {g['gate'] for g in gates['gates']} >= {
         'train', 'steps_completed', 'rows[step 1]', 'rows[step 2]', 'ranks[step 1]', 'no_failed_requests',
-        'checkpoint_saved', 'checkpoint_loads', 'export_reloads', 'eval_request'}
+        'checkpoint_saved', 'checkpoint_loads', 'export_reloads', 'eval_request',
+        'weights_synced[step 0]', 'weights_synced[step 1]', 'weights_synced[step 2]', 'kl[step 1]'}
     assert all(g['result'] == 'PASS' for g in gates['gates'])
+    by = {g['gate']: g for g in gates['gates']}
+    for s in (0, 1, 2):      # after every sync (and before training) the engine serves the trainer's weights
+        w = by[f'weights_synced[step {s}]']
+        assert w['tol'] == 1e-5 and 0.0 <= w['max_abs_dlogp'] <= 1e-5 and w['servers'] == 1 and w['prompt_tokens'] >= 8, w
+        assert s == 0 or w['stale_servers'] == []
+    assert by['kl[step 1]']['kl'] == 0.0 and by['kl[step 1]']['precision'] == 'cpu-fp32'
+    wc = gates['weight_check']
+    assert wc['precision'] == 'cpu-fp32' and wc['tol'] == 1e-5 and len(wc['prompt_ids']) == by['weights_synced[step 0]']['prompt_tokens']
+    assert '## Weight check' in readme and wc['prompt'] in readme
     assert (rep / 'phase_times.png').stat().st_size > 1000
     assert (run / 'checkpoints' / 'step_000002').is_dir() and (run / 'hf' / 'config.json').is_file()
     assert (run / 'eval' / 'records.jsonl').read_text().count('\n') == 1
@@ -69,6 +79,18 @@ def test_smoke_failing_gate_fails_papermill(tmp_path):
     gates = json.loads((rep / 'gates.json').read_text())
     # consumed no longer matches transferred, nor the per-rank sum: exactly those two gates fail
     assert not gates['passed'] and [g['gate'] for g in gates['gates'] if g['result'] == 'FAIL'] == ['rows[step 1]', 'ranks[step 1]']
+
+
+@pytest.mark.timeout(300)
+def test_smoke_engine_off_the_trainers_weights_fails(tmp_path):
+    # every sync delivers the trainer's weights plus noise: the sync returns fine, only the weight gate sees it
+    p, rep, _ = _papermill(tmp_path, 'stale', inject_failure='weights', steps=1)
+    assert p.returncode != 0 and 'gate(s) failed: weights_synced[step 1]' in p.stdout + p.stderr
+    gates = json.loads((rep / 'gates.json').read_text())
+    assert [g['gate'] for g in gates['gates'] if g['result'] == 'FAIL'] == ['weights_synced[step 1]']
+    by = {g['gate']: g for g in gates['gates']}
+    assert by['weights_synced[step 0]']['max_abs_dlogp'] <= 1e-5 < by['weights_synced[step 1]']['max_abs_dlogp']
+    assert '| weights_synced[step 1] | **FAIL** |' in (rep / 'README.md').read_text()
 
 
 @pytest.mark.timeout(300)
