@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys, tempfile
 from pathlib import Path
 from .engines import SGLangEngine, ServerProcess, free_port, sglang_server_cmd
+from .transfer import ClusterError, require_resources
 
 # %% auto #0
 __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placement', 'EngineServer', 'EngineServers',
@@ -14,6 +15,10 @@ __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placem
 
 # %% ../nbs/08a_colocate.ipynb #8fb7941c
 TRAIN_SHARE, SERVER_SHARE, PROBE_SHARE = 0.5, 0.2, 0.1    # of a bundle's GPU (and CPU): trainer rank, server actor, start-up probe
+
+def _cuda_here() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 def _bundle_info() -> tuple:
     "Where a task runs: (node address, the GPU ids Ray gave it)."
@@ -30,8 +35,13 @@ class Placement:
             raise ValueError(f"n_gpus={n_gpus!r} must be a positive multiple of gpus_per_engine={gpus_per_engine!r}")
         if not ray.is_initialized(): raise RuntimeError("Placement needs a running Ray (ray.init, or memagent.transfer.ensure_ray)")
         self.n_gpus, self.gpus_per_engine = n_gpus, gpus_per_engine
-        self.use_gpu = ray.cluster_resources().get('GPU', 0) > 0 if use_gpu is None else use_gpu
+        have = ray.cluster_resources()
+        self.use_gpu = have.get('GPU', 0) > 0 if use_gpu is None else use_gpu
+        if use_gpu is None and not self.use_gpu and _cuda_here():
+            raise ClusterError(f"this machine has CUDA but the Ray cluster declares no GPU ({have}): the colocated ranks and "
+                               f"engines would share cuda:0 or run on the CPU; start Ray with the node's GPUs")
         self.bundle = {'GPU': 1, 'CPU': 1} if self.use_gpu else {'CPU': 1}
+        require_resources({k: v * n_gpus for k, v in self.bundle.items()}, f"the colocated layout ({n_gpus} bundles of {self.bundle})", have)
         self.pg = placement_group([dict(self.bundle) for _ in range(n_gpus)], strategy='PACK')
         if not self.pg.wait(timeout_s):
             remove_placement_group(self.pg)
@@ -166,6 +176,8 @@ def launch_engines(cfg, placement: Placement, model_path, log_dir=None, extra_ar
                          f"batch.n_gpus={cfg.batch.n_gpus}, rollout.gpus_per_engine={r.gpus_per_engine}")
     servers = launch_servers(placement, [engine_cmd(cfg, model_path, extra_args, python)] * placement.n_engines, log_dir,
                              startup_timeout_s)
-    return SGLangEngine(servers.urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
-                        concurrency=r.concurrency, colocated=True, tp_size=r.gpus_per_engine, weight_sync=r.weight_sync,
-                        on_close=servers.stop)
+    client = SGLangEngine(servers.urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
+                          concurrency=r.concurrency, colocated=True, tp_size=r.gpus_per_engine, weight_sync=r.weight_sync,
+                          on_close=servers.stop)
+    client.servers = servers             # where each engine runs (`servers.info()`): the launch report reads it
+    return client

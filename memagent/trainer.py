@@ -86,15 +86,36 @@ class Trainer:
     "GRPO on MemAgent trajectories. `step()` runs one step; `train()` runs to `cfg.schedule.steps`."
     def __init__(self, cfg: Config, run_dir, examples: list[dict], tokenizer=None, engine=None, world_size: int = 1,
                  ray_address: str | None = None, dump_rollouts: bool = True, replay_dir=None, resume: bool = True,
-                 tensorboard: bool = True, progress: bool = True, extra_provenance: dict | None = None):
+                 tensorboard: bool = True, progress: bool = True, extra_provenance: dict | None = None,
+                 ray_cpus: int | None = None, ray_gpus: int | None = None, simulated_gpus: bool = False):
         self.cfg, self.run_dir, self.examples = cfg.validate(), Path(run_dir), examples
-        self.lock = ckpt.RunLock(self.run_dir)      # one writer per run directory, from here on
-        self.group = self.engine = self.placement = self.tb = None
+        self.group = self.engine = self.placement = self.tb = self.lock = None
         self.own_engine = False
-        try: self._setup(tokenizer, engine, world_size, ray_address, dump_rollouts, replay_dir, resume, tensorboard, progress, extra_provenance)
+        self.launch = self._preflight(engine, world_size, replay_dir, simulated_gpus)   # seconds, before Ray, a lock or a model
+        self.lock = ckpt.RunLock(self.run_dir)      # one writer per run directory, from here on
+        try: self._setup(tokenizer, engine, world_size, ray_address, dump_rollouts, replay_dir, resume, tensorboard, progress,
+                         extra_provenance, ray_cpus, ray_gpus)
         except BaseException: self.close(); raise   # what was built so far (ranks, launched engines, placement) is released
 
-    def _setup(self, tokenizer, engine, world_size, ray_address, dump_rollouts, replay_dir, resume, tensorboard, progress, extra_provenance):
+    def _preflight(self, engine, world_size, replay_dir, simulated_gpus) -> dict:
+        "The doctor's fast rows for what this trainer will launch; `DoctorError` naming each failing row and its fix."
+        from memagent.doctor import doctor, require
+        cfg = self.cfg
+        if not isinstance(world_size, int) or world_size < 1: raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        launches = engine is None and replay_dir is None
+        if cfg.rollout.colocate and launches and world_size != cfg.batch.n_gpus:
+            raise ValueError(f"rollout.colocate=True places one rank per training GPU: world_size={world_size} must equal "
+                             f"batch.n_gpus={cfg.batch.n_gpus}")
+        # a caller's own engine (or a replay) means the trainer launches none: the engine's rows are not its to check;
+        # the trainer is given its examples, so the pinned-data row belongs to whoever prepared them (memagent-prepare)
+        checked = cfg if launches else apply_overrides(cfg, {'rollout.engine': 'hf', 'rollout.colocate': False})
+        rows = [r for r in doctor(checked, world_size, run_dir=self.run_dir, simulated_gpus=simulated_gpus, fast_only=True)
+                if r.name != 'pinned data']
+        require(rows, f"{'simulated ' if simulated_gpus else ''}launch of {cfg.name!r} ({cfg.model.name}) on {world_size} rank(s)")
+        return {'simulated_gpus': simulated_gpus, 'doctor': [r.to_dict() for r in rows]}
+
+    def _setup(self, tokenizer, engine, world_size, ray_address, dump_rollouts, replay_dir, resume, tensorboard, progress,
+               extra_provenance, ray_cpus, ray_gpus):
         from memagent.models import load_tokenizer, model_identity, tokenizer_identity
         from memagent.prompts import template_sha256s
         cfg, ck_root = self.cfg, self.run_dir/'checkpoints'
@@ -107,9 +128,14 @@ class Trainer:
         self.dump_rollouts, self.replay_dir = dump_rollouts, Path(replay_dir) if replay_dir else None
         torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed % 2**32)
         self.placement = None              # colocated: one Ray placement group holds the ranks and the engines on the same GPUs
-        if cfg.rollout.colocate and engine is None and self.replay_dir is None:
+        colocated = cfg.rollout.colocate and engine is None and self.replay_dir is None
+        if world_size > 1 or colocated:    # join RAY_ADDRESS / ray_address / a `ray start` here, else start with the node's resources
+            ray = ensure_ray(ray_address, ray_cpus, ray_gpus)
+            self.launch.update(ray_address=ray.get_runtime_context().gcs_address, ray_resources=ray.cluster_resources(),
+                               ray_cpus=ray_cpus, ray_gpus=ray_gpus)
+        if colocated:
             from memagent.colocate import Placement
-            ensure_ray(ray_address); self.placement = Placement.from_config(cfg)
+            self.placement = Placement.from_config(cfg)      # refuses a cluster that cannot hold the bundles, naming the numbers
         self.group = make_group(cfg, self.pad_id, world_size, ray_address, self.placement if world_size > 1 else None)
         self.dp = self.group.dp_size
         self.channel = (InProcessChannel(cfg.row_capacity + 1, 1) if world_size == 1
@@ -127,7 +153,7 @@ class Trainer:
                                                          'derived': cfg.derived(), 'world_size': world_size,
                                                          'resumed_from': ck['path'] if ck else None, 'skipped_checkpoints': ck['skipped'] if ck else [],
                                                          'resume_overrides': [{'key': k, 'checkpoint': o, 'now': n} for k, o, n in overrides],
-                                                         'provenance': self.prov}, indent=1, default=str))
+                                                         'launch': self.launch, 'provenance': self.prov}, indent=1, default=str))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(self.run_dir/'tb'))
@@ -264,4 +290,5 @@ class Trainer:
                     if self.own_engine and self.engine is not None: self.engine.close()
                 finally:
                     if self.placement is not None: self.placement.remove()
-        finally: self.lock.release()
+        finally:
+            if self.lock is not None: self.lock.release()

@@ -12,8 +12,9 @@ from .credit import mini_batch_of
 
 # %% auto #0
 __all__ = ['rows_to_arrays', 'num_array_rows', 'arrays_to_rows', 'take_arrays', 'concat_arrays', 'ChannelError', 'RowChannel',
-           'InProcessChannel', 'ensure_ray', 'RayChannel', 'pad_rows', 'balance_ranks', 'micro_batches', 'layout_step',
-           'mini_batch_slices', 'micro_batch_stats', 'collate']
+           'InProcessChannel', 'ClusterError', 'cluster_address', 'short_resources', 'require_resources', 'ensure_ray',
+           'RayChannel', 'pad_rows', 'balance_ranks', 'micro_batches', 'layout_step', 'mini_batch_slices',
+           'micro_batch_stats', 'collate']
 
 # %% ../nbs/12_transfer.ipynb #32103a1c
 _SCALARS = (('group_index', np.int64), ('turn_index', np.int64), ('num_turns', np.int64),
@@ -184,17 +185,60 @@ class InProcessChannel(RowChannel):
         with self._cv: return self._l.counts(rollout_id)
 
 # %% ../nbs/12_transfer.ipynb #fe398900
-def ensure_ray(address: str | None = None, num_cpus: int = 2, object_store_memory: int = 1 << 30):
-    "Start (or join `address`) Ray once per process, with the dashboard and usage stats off."
+class ClusterError(RuntimeError):
+    "The Ray cluster cannot hold the layout (or cannot be reached); the message names the numbers and the fix."
+
+def cluster_address(address: str | None = None) -> str | None:
+    "The cluster `ensure_ray` joins: `address`, else `RAY_ADDRESS`, else the one the last `ray start` on this node recorded (Ray's own lookup); None: start one."
+    if address: return address
+    try: from ray._private.services import canonicalize_bootstrap_address
+    except ImportError as e:
+        import ray
+        raise ClusterError(f"Ray {ray.__version__} has no ray._private.services.canonicalize_bootstrap_address; "
+                           f"memagent supports the Ray range in settings.ini") from e
+    return canonicalize_bootstrap_address(None)
+
+def short_resources(have: dict, need: dict) -> dict:
+    "`{resource: (needed, present)}` for every resource of `need` the cluster `have` holds less of."
+    return {k: (v, have.get(k, 0)) for k, v in need.items() if have.get(k, 0) + 1e-9 < v}
+
+def require_resources(need: dict, what: str, have: dict | None = None) -> dict:
+    "Refuse (`ClusterError`, naming the numbers) a layout `what` that needs `need` of a cluster holding `have` (default: Ray's `cluster_resources()`)."
+    if have is None:
+        import ray
+        have = ray.cluster_resources()
+    short = short_resources(have, need)
+    if short:
+        raise ClusterError(f"{what} needs {', '.join(f'{k} {v:g}' for k, v in need.items())}; the Ray cluster holds "
+                           f"{', '.join(f'{k} {have.get(k, 0):g}' for k in need)} (short: "
+                           f"{', '.join(f'{k} {n:g} > {h:g}' for k, (n, h) in short.items())}). Start Ray with the node's "
+                           f"resources (`ray start --head --num-gpus N --num-cpus M`, or the Trainer's ray_gpus= / ray_cpus=), "
+                           f"or join a cluster that has them (RAY_ADDRESS / ray_address=)")
+    return have
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None,
+               object_store_memory: int | None = None, need: dict | None = None, what: str = 'the layout'):
+    """Start Ray once per process, or join a running cluster; refuse up front a layout (`need`: `{resource: amount}`) it cannot hold.
+
+    Joining (`address`, `RAY_ADDRESS`, or a `ray start` on this node) passes no resources: the cluster has its own.
+    Starting declares `num_cpus` / `num_gpus` (default: what Ray detects on the node), dashboard and usage stats off."""
     import ray
-    if ray.is_initialized(): return ray
-    os.environ.setdefault('RAY_AUTH_MODE', 'disabled'); os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0')
-    root = str(Path(__file__).resolve().parents[1]) if '__file__' in globals() else os.getcwd()
-    pp = os.pathsep.join(p for p in (root, os.environ.get('PYTHONPATH', '')) if p)
-    env = dict(env_vars={'PYTHONPATH': pp, 'RAY_USAGE_STATS_ENABLED': '0'})
-    if address: ray.init(address=address, runtime_env=env, log_to_driver=False)
-    else: ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store_memory,
-                   runtime_env=env, log_to_driver=False)
+    if not ray.is_initialized():
+        os.environ.setdefault('RAY_AUTH_MODE', 'disabled'); os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0')
+        root = str(Path(__file__).resolve().parents[1]) if '__file__' in globals() else str(Path.cwd().parent)
+        pp = os.pathsep.join(p for p in (root, os.environ.get('PYTHONPATH', '')) if p)
+        env = dict(env_vars={'PYTHONPATH': pp, 'RAY_USAGE_STATS_ENABLED': '0'})
+        join = cluster_address(address)
+        if join:
+            if num_cpus is not None or num_gpus is not None:
+                raise ClusterError(f"ensure_ray: joining the running cluster at {join} (address=, RAY_ADDRESS or `ray start` "
+                                   f"on this node) takes no num_cpus/num_gpus (got {num_cpus}, {num_gpus}): the cluster's "
+                                   f"resources are its own")
+            ray.init(address=join, runtime_env=env, log_to_driver=False)
+        else:
+            ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, object_store_memory=object_store_memory,
+                     runtime_env=env, log_to_driver=False)
+    if need: require_resources(need, what)
     return ray
 
 class _RowStore:

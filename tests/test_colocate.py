@@ -162,12 +162,10 @@ def test_engine_from_config_refuses_colocate_without_placement():
 
 @pytest.fixture(scope='module')
 def ray_cluster():
-    import os, ray
+    import ray
+    from memagent.transfer import ensure_ray
     if ray.is_initialized(): ray.shutdown()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, object_store_memory=1 << 28, log_to_driver=False,
-             runtime_env={'env_vars': {'PYTHONPATH': root, 'RAY_USAGE_STATS_ENABLED': '0'}})
-    yield ray
+    yield ensure_ray(num_cpus=4, num_gpus=2, object_store_memory=1 << 28)    # started the project's way, with declared GPUs
     ray.shutdown()
 
 

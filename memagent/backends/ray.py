@@ -11,7 +11,9 @@ from ..engines import free_port
 from ..policy import build_policy, build_reference, update_on_rows, optimizer_shard
 
 # %% auto #0
-__all__ = ['StallError', 'describe_progress', 'poll_interval', 'stalled_ranks', 'pack_numpy', 'unpack_numpy', 'Rank', 'RayGroup']
+__all__ = ['NOSET_ENV', 'StallError', 'describe_progress', 'poll_interval', 'stalled_ranks', 'pack_numpy', 'unpack_numpy',
+           'DeviceError', 'noset_visible_devices', 'torch_device_index', 'rank_device', 'rank_options', 'Rank',
+           'RayGroup']
 
 # %% ../../nbs/12c_ray_group.ipynb #aba84ed5
 class StallError(TimeoutError):
@@ -59,11 +61,64 @@ def unpack_numpy(packed: dict) -> dict:
     return {k: torch.from_numpy(a.copy()).view(torch.bfloat16) if tag == 'bfloat16' else torch.from_numpy(a.copy())
             for k, (a, tag) in packed.items()}
 
+# %% ../../nbs/12c_ray_group.ipynb #3294a205
+NOSET_ENV = 'RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES'
+
+class DeviceError(RuntimeError):
+    "A rank's GPU cannot be told from Ray's assignment; the message names the ids and the variables."
+
+def noset_visible_devices(environ=None) -> bool:
+    "Whether Ray leaves `CUDA_VISIBLE_DEVICES` as it is (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES` '1' or 'true', as Ray reads it)."
+    return (environ if environ is not None else os.environ).get(NOSET_ENV, '').lower() in ('1', 'true')
+
+def torch_device_index(ray_gpu_ids, visible: str | None, noset: bool) -> int | None:
+    "torch's index of the first GPU Ray gave this process (`ray_gpu_ids`), given its `CUDA_VISIBLE_DEVICES` and NOSET; None when Ray gave none."
+    ids = [str(g) for g in ray_gpu_ids]
+    if not ids: return None
+    vis = [v.strip() for v in visible.split(',') if v.strip()] if visible else None
+    if vis is None:
+        if noset and ids[0].isdigit(): return int(ids[0])        # nothing narrows the node: Ray's ids are the GPU ordinals
+        raise DeviceError(f"Ray gave GPUs {ids} but CUDA_VISIBLE_DEVICES is {visible!r} "
+                          f"({NOSET_ENV}={'on' if noset else 'off'}): the GPU cannot be told")
+    if ids[0] not in vis:
+        raise DeviceError(f"Ray gave GPU {ids[0]!r} but CUDA_VISIBLE_DEVICES={visible!r} does not list it "
+                          f"({NOSET_ENV}={'on' if noset else 'off'})")
+    return vis.index(ids[0])
+
+def rank_device(cuda: bool | None = None, environ=None) -> dict:
+    "This Ray worker's GPU assignment and the torch device it maps to (`device`: 'cuda:i', or 'cpu' without CUDA); `DeviceError` for a GPU machine's rank without a GPU."
+    import ray
+    environ = os.environ if environ is None else environ
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    ids, visible, noset = [str(g) for g in ray.get_gpu_ids()], environ.get('CUDA_VISIBLE_DEVICES'), noset_visible_devices(environ)
+    index = torch_device_index(ids, visible, noset)
+    if cuda and index is None:
+        raise DeviceError(f"this rank has CUDA but Ray gave it no GPU (CUDA_VISIBLE_DEVICES={visible!r}): it would land on "
+                          f"cuda:0 with every other such rank; ask Ray for one GPU per rank")
+    return dict(node=ray.util.get_node_ip_address(), ray_gpu_ids=ids, cuda_visible_devices=visible, noset=noset,
+                device_index=index, device=f'cuda:{index}' if cuda else 'cpu')
+
+# %% ../../nbs/12c_ray_group.ipynb #cb69accb
+def rank_options(world: int, cluster: dict, cuda: bool | None = None) -> list[dict]:
+    "`ActorClass.options(...)` of `world` unplaced ranks: one GPU each on a cluster that has GPUs (refused if it has too few); none on a CPU cluster (refused where this process sees CUDA)."
+    from memagent.transfer import require_resources, ClusterError
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    gpus = cluster.get('GPU', 0)
+    if gpus:
+        require_resources({'GPU': world}, f"{world} ranks of one GPU each", cluster)
+        return [dict(num_gpus=1)] * world
+    if cuda:
+        raise ClusterError(f"this machine has CUDA ({torch.cuda.device_count()} devices) but the Ray cluster declares no GPU: "
+                           f"{world} ranks would share cuda:0 or train on the CPU; start Ray with the node's GPUs")
+    return [dict(num_gpus=0)] * world
+
 # %% ../../nbs/12c_ray_group.ipynb #fe96b81d
 class Rank:
     "One trainer rank (a Ray actor made by `RayGroup`): a backend in a torch.distributed group; `progress()` is readable during `update`."
     def __init__(self, rank: int, world: int, init_method: str, cfg: Config, pad_id: int, threads: int = 1):
         torch.set_num_threads(threads)
+        self.rank, self.device = rank, rank_device()     # Ray's GPU for this rank: set before the process group starts
+        if torch.cuda.is_available(): torch.cuda.set_device(self.device['device_index'])
         torch.distributed.init_process_group('nccl' if torch.cuda.is_available() else 'gloo', init_method=init_method,
                                              rank=rank, world_size=world)
         self.cfg, self.pad_id = cfg, pad_id     # the driver's validated config, as is (its reward registry is the driver's)
@@ -71,11 +126,13 @@ class Rank:
         self._progress = dict(count=0)
 
     def layout(self) -> dict:
-        "This rank's place: data-parallel rank and size, whether it takes rows, its optimizer-state key, its Ray placement group (None if unplaced)."
+        "This rank's place: rank, data- and tensor-parallel rank and size, whether it takes rows, its optimizer-state key, its Ray placement group (None if unplaced), its GPU (`rank_device`) and the device its weights are on."
         import ray
         p = self.policy
-        return dict(dp_rank=p.dp_rank, dp_size=p.dp_size, row_source=p.row_source, state_key=p.state_key,
-                    placement_group=ray.get_runtime_context().get_placement_group_id())
+        w = next(iter(p.model.parameters())) if hasattr(getattr(p, 'model', None), 'parameters') else None
+        return dict(rank=self.rank, dp_rank=p.dp_rank, dp_size=p.dp_size, tp_rank=getattr(p, 'tp_rank', 0), tp_size=getattr(p, 'tp', 1),
+                    row_source=p.row_source, state_key=p.state_key, placement_group=ray.get_runtime_context().get_placement_group_id(),
+                    **self.device, weights_device=str(w.device) if w is not None else None)
 
     def _tell(self, ev: dict): self._progress = dict(ev, count=self._progress['count'] + 1)   # one assignment: atomic for the reader
 
@@ -117,8 +174,8 @@ class RayGroup:
         Actor = ray.remote(num_cpus=0, concurrency_groups={'progress': 1})(Rank)
         threads = max(1, (os.cpu_count() or 2) // world)
         self.cfg, self.world, self.stopped = cfg, world, None
-        self.workers = [(Actor.options(**placement.train_options(r)) if placement is not None else Actor)
-                        .remote(r, world, init, cfg, pad_id, threads) for r in range(world)]
+        opts = [placement.train_options(r) for r in range(world)] if placement is not None else rank_options(world, ray.cluster_resources())
+        self.workers = [Actor.options(**o).remote(r, world, init, cfg, pad_id, threads) for r, o in enumerate(opts)]
         self.layouts = ray.get([w.layout.remote() for w in self.workers])
         self.dp_size = self.layouts[0]['dp_size']
 
