@@ -12,10 +12,11 @@ from safetensors.torch import save_file, load_file
 from .provenance import sha256_file
 
 # %% auto #0
-__all__ = ['WEIGHTS_FILE', 'FINGERPRINT_PROMPT', 'FINGERPRINT_TOKENS', 'CheckpointError', 'rng_state', 'set_rng_state',
-           'list_checkpoints', 'latest_checkpoint', 'remove_stale_tmp', 'nonfinite_tensors', 'save_checkpoint',
-           'verify_checkpoint', 'load_checkpoint', 'load_latest', 'RunLockedError', 'RunLock', 'tensors_sha256',
-           'model_fingerprint', 'read_weights_record', 'export_hf']
+__all__ = ['NO_OPTIMIZER_STATE', 'WEIGHTS_FILE', 'FINGERPRINT_PROMPT', 'FINGERPRINT_TOKENS', 'CheckpointError', 'rng_state',
+           'set_rng_state', 'list_checkpoints', 'latest_checkpoint', 'remove_stale_tmp', 'no_optimizer_state',
+           'no_optimizer_state_reason', 'optimizer_markers', 'check_optimizer_markers', 'nonfinite_tensors',
+           'save_checkpoint', 'verify_checkpoint', 'load_checkpoint', 'load_latest', 'RunLockedError', 'RunLock',
+           'tensors_sha256', 'model_fingerprint', 'read_weights_record', 'export_hf']
 
 # %% ../nbs/15_checkpoint.ipynb #768b6f92
 class CheckpointError(RuntimeError):
@@ -54,6 +55,41 @@ def remove_stale_tmp(ckpt_root) -> list[str]:
     for n in gone: shutil.rmtree(root/n, ignore_errors=True)
     for p in root.glob('.latest.*') if root.exists() else []: p.unlink(missing_ok=True)
     return gone
+
+# %% ../nbs/15_checkpoint.ipynb #b2d4f601
+NO_OPTIMIZER_STATE = 'no_optimizer_state'
+
+def no_optimizer_state(reason: str) -> dict:
+    "The marker a backend saves instead of an optimizer state it cannot give (megatron-core's before the first step): `{'no_optimizer_state': reason}`."
+    if not isinstance(reason, str) or not reason.strip(): raise ValueError("no_optimizer_state: give the reason as a non-empty string")
+    return {NO_OPTIMIZER_STATE: reason}
+
+def no_optimizer_state_reason(state) -> str | None:
+    "The reason of a `no_optimizer_state` marker; None for a real optimizer state (or None)."
+    return state.get(NO_OPTIMIZER_STATE) if isinstance(state, dict) else None
+
+def optimizer_markers(optimizer_state) -> dict:
+    "Shard key -> reason, for each shard of a policy group's optimizer state (`{'shards': ...}`) whose optimizer is a `no_optimizer_state` marker."
+    shards = optimizer_state.get('shards', {}) if isinstance(optimizer_state, dict) else {}
+    out = {}
+    for k, s in shards.items():
+        r = no_optimizer_state_reason(s.get('optimizer') if isinstance(s, dict) else None)
+        if r is not None: out[k] = r
+    return out
+
+def check_optimizer_markers(optimizer_state, state: dict | None, where: str = 'checkpoint') -> dict:
+    "`optimizer_markers`, refused (CheckpointError) where a real state is expected: some shards have one, or the checkpoint's step took optimizer steps (`state['metrics']['optimizer_steps']`)."
+    m = optimizer_markers(optimizer_state)
+    if not m: return m
+    reason, shards = next(iter(m.values())), optimizer_state['shards']
+    if len(m) != len(shards):
+        raise CheckpointError(f"{where}: optimizer shards {sorted(map(str, m))} hold no optimizer state ({reason}) but shards "
+                              f"{sorted(str(k) for k in shards if k not in m)} hold one: the ranks disagree on whether a step was taken")
+    steps = ((state or {}).get('metrics') or {}).get('optimizer_steps') or 0
+    if steps:
+        raise CheckpointError(f"{where}: no optimizer state was saved ({reason}), but the checkpoint's step took {steps} optimizer "
+                              "steps: their Adam state is missing; resume from another checkpoint")
+    return m
 
 # %% ../nbs/15_checkpoint.ipynb #866a0a2f
 def _state_dict_tensors(sd: dict) -> dict:
@@ -129,7 +165,7 @@ def _read(path: Path, fn):
     except Exception as e: raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
 
 def load_checkpoint(path, check_finite: bool = True) -> dict:
-    "Verify, then load everything `save_checkpoint` wrote: `model`, `optimizer` (`{'shards': ...}`), `state`, `rng`, `config_yaml`, `provenance`."
+    "Verify, then load everything `save_checkpoint` wrote: `model`, `optimizer` (`{'shards': ...}`), `state`, `rng`, `config_yaml`, `provenance`; `no_optimizer_state`: the shards saved without optimizer state, with the reason."
     p = Path(path)
     files = verify_checkpoint(p)
     shards = {}
@@ -144,6 +180,7 @@ def load_checkpoint(path, check_finite: bool = True) -> dict:
            'path': str(p)}
     if check_finite and (bad := nonfinite_tensors(out['model']) + nonfinite_tensors(opt or {}, 'optimizer')):
         raise CheckpointError(f"{p/'model.safetensors'}: non-finite tensors {bad[:8]}")
+    out['no_optimizer_state'] = check_optimizer_markers(opt, out['state'], str(p/'optimizer'))
     return out
 
 def load_latest(ckpt_root, check_finite: bool = True) -> dict | None:

@@ -540,6 +540,80 @@ def test_optimizer_state_restores_fp32_main_params(batch):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+# ---- checkpoints before any optimizer step: a named marker instead of megatron-core's (asserting) state_dict ----
+
+def test_checkpoint_before_any_step_saves_a_marker_and_resumes_fresh(tmp_path, batch):
+    "The policy group's state before a step is the marker; save_checkpoint writes it, load_checkpoint names it, a resumed group starts a fresh optimizer."
+    from memagent.config import get_preset
+    from memagent.policy import LocalGroup
+    from memagent import checkpoint as ckpt
+    cfg = get_preset('tiny', {'backend': 'megatron', 'optim.lr': 1e-3, 'optim.warmup_steps': 2})
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    g = LocalGroup(cfg, pad_id=0)
+    key, st = g.policy.state_key, g.state_dict()
+    assert ckpt.no_optimizer_state_reason(st['shards'][key]['optimizer']) == mb.NO_STEP_REASON
+    assert 'DistributedOptimizer.state_dict() asserts' in mb.NO_STEP_REASON
+    path = ckpt.save_checkpoint(tmp_path, 0, g.hf_state_dict(), st, {'metrics': None}, 'x: 1\n', {})
+    ck = ckpt.load_checkpoint(path)
+    assert ck['no_optimizer_state'] == {key: mb.NO_STEP_REASON}
+    g2 = LocalGroup(cfg, pad_id=0)
+    with pytest.warns(UserWarning, match='starting a fresh optimizer: no optimizer step taken yet'):
+        g2.load_state_dict(ck['model'], ck['optimizer'])
+    opt = g2.policy.optimizer
+    assert opt.fresh_reason == mb.NO_STEP_REASON and opt.steps_taken == 0
+    # a fresh optimizer IS the state of one that has not stepped: the next step is identical
+    for be in (g.policy, g2.policy): be.step(pg_loss(be.logprobs(batch), batch, adv))
+    sa, sb = g.policy.hf_state_dict(), g2.policy.hf_state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    real = g2.policy.state_dict()
+    assert ckpt.no_optimizer_state_reason(real['optimizer']) is None and real['optimizer']['steps_taken'] == 1
+    # where a real state is expected the marker is refused, naming why
+    with pytest.raises(ValueError, match='has taken 1 steps: loading it would drop their Adam moments'):
+        g2.policy.load_state_dict(sa, st['shards'][key])
+    with pytest.raises(ValueError, match="scheduler's state counts 3 updates"):
+        LocalGroup(cfg, pad_id=0).policy.load_state_dict(sa, {'optimizer': ckpt.no_optimizer_state(mb.NO_STEP_REASON),
+                                                              'scheduler': {'last_step': 3, 'base_lrs': [1e-3]}})
+    later = ckpt.save_checkpoint(tmp_path, 1, sa, st, {'metrics': {'step': 1, 'optimizer_steps': 1}}, 'x: 1\n', {})
+    with pytest.raises(ckpt.CheckpointError, match="the checkpoint's step took 1 optimizer steps"):
+        ckpt.load_checkpoint(later)
+    # a real state round-trips its step count: a checkpoint after a resume is not mistaken for one before any step
+    g3 = LocalGroup(cfg, pad_id=0)
+    g3.load_state_dict(sb, {'shards': {key: real}})
+    assert g3.policy.optimizer.steps_taken == 1 and ckpt.no_optimizer_state_reason(g3.policy.state_dict()['optimizer']) is None
+
+
+def test_megatron_core_optimizer_does_not_call_megatron_core_before_a_step(monkeypatch):
+    "MegatronCoreOptimizer (GPU only) takes the marker path with no step taken: megatron-core's state_dict, which asserts then, is never called."
+    import megatron.core.optimizer as mo
+    from memagent.config import OptimCfg
+    from memagent import checkpoint as ckpt
+    calls = []
+
+    class Inner:
+        "megatron-core's optimizer as far as these calls go; state_dict asserts as DistributedOptimizer's does before a step."
+        param_groups = [{'lr': 1e-3}]
+        def state_dict(self): calls.append('state_dict'); raise AssertionError('assert len(steps) == 1')
+        def step_with_ready_grads(self): calls.append('step'); return True
+        def reload_model_params(self): calls.append('reload')
+        def load_state_dict(self, sd): calls.append('load')
+
+    monkeypatch.setattr(mo, 'get_megatron_optimizer', lambda *a, **k: Inner())
+    model = mb.build_gpt_model(tiny_qwen3())
+    opt = mb.MegatronCoreOptimizer(model, mb.wrap_ddp(model), OptimCfg(name='adam', lr=1e-3), 1.0)
+    marker = opt.state_dict()
+    assert ckpt.no_optimizer_state_reason(marker) == mb.NO_STEP_REASON and calls == []
+    with pytest.warns(UserWarning, match='fresh optimizer'):
+        opt.load_state_dict(marker)
+    assert calls == ['reload'] and opt.fresh_reason == mb.NO_STEP_REASON and opt.steps_taken == 0
+    opt.step()
+    assert opt.steps_taken == 1
+    with pytest.raises(AssertionError, match=r'len\(steps\) == 1'):
+        opt.state_dict()                                    # after a step it does ask megatron-core
+    with pytest.raises(ValueError, match='has taken 1 steps'):
+        opt.load_state_dict(marker)
+    assert calls == ['reload', 'step', 'state_dict']
+
+
 def test_reference_from_config_is_frozen(batch):
     from memagent.config import get_preset
     cfg = get_preset('tiny', {'model.dtype': 'bfloat16'})

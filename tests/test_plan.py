@@ -304,3 +304,38 @@ def test_chunk_step_waves():
     e = p.details['engine']
     assert p.fits and e['concurrent_requests'] == e['kv_tokens'] // e['tokens_per_request'] == 4
     assert e['waves'] == 4 and '(4 waves)' in p.verdict()
+
+
+# ---- checkpoint size on disk and the sync phase ----
+
+@pytest.mark.parametrize('backend, dtype', [('torch', 'float32'), ('megatron', 'float32'), ('megatron', 'bfloat16')])
+def test_checkpoint_bytes_match_a_checkpoint_written_on_cpu(backend, dtype, tmp_path):
+    "checkpoint_bytes against the files save_checkpoint writes for the tiny preset after one step (megatron: the CPU stand-in, local spec)."
+    from memagent.checkpoint import save_checkpoint
+    from memagent.config import get_preset
+    from memagent.policy import LocalGroup
+    cfg = get_preset('tiny', {'backend': backend, 'model.dtype': dtype})
+    g = LocalGroup(cfg, pad_id=0)
+    b = mb.right_pad([[1, 2, 3, 4, 5], [6, 7, 8]])
+    g.policy.backward(g.policy.logprobs(b).sum()); g.policy.step()
+    p = save_checkpoint(tmp_path, 1, g.hf_state_dict(), g.state_dict(), {}, '', {})
+    disk = {f.relative_to(p).as_posix(): f.stat().st_size for f in p.rglob('*') if f.is_file()}
+    ck = P.checkpoint_bytes(cfg, cpu_stand_in=backend == 'megatron', attention='local')
+    print(backend, dtype, {k: ck[k] for k in ('model', 'optimizer')}, disk)
+    # the formula counts tensor bytes; the files add headers and pickling (under 24 KiB each), the small files under 32 KiB
+    assert 0 <= disk['model.safetensors'] - ck['model'] < 24 * 1024
+    assert 0 <= disk['optimizer/shard_0.pt'] - ck['optimizer'] < 24 * 1024
+    assert 0 <= sum(disk.values()) - ck['per_checkpoint'] < 64 * 1024
+    assert ck['kept'] == (cfg.schedule.keep_last + 1) * ck['per_checkpoint']
+
+
+def test_sync_phase_is_the_resident_state_plus_the_gather_and_the_engine_weights():
+    from memagent.config import get_preset
+    p = P.make_plan(get_preset('qwen3-4b-frozen'), P.Cluster(8, 80.0, 1024.0), search=False)
+    a = P.ARCHS['Qwen/Qwen3-4B']
+    assert p.sync['weight gather bucket (peak)'] == a.vocab * a.hidden * 2           # the embedding, alone in its bucket
+    assert all(p.sync[t] == p.update[t] for t in ('weights', 'gradients', 'optimizer states', 'reference model'))
+    assert p.sync['engine weights'] == p.rollout['engine weights'] and 'engine KV cache' not in p.sync
+    assert {r['phase'] for r in p.table()} >= {'rollout', 'update', 'sync'} and 'sync' in p.to_dict()['peak_bytes']
+    assert P.make_plan(get_preset('qwen3-4b-frozen'), P.Cluster(8, 80.0, 1024.0), search=False,
+                       sync_bucket_bytes=2**40).sync['weight gather bucket (peak)'] > 7 * 2**30   # one bucket: every split tensor

@@ -4,20 +4,22 @@
 
 # %% ../../nbs/14_megatron.ipynb #62bd1c7b
 from __future__ import annotations
-import contextlib, importlib.util, os, types
+import contextlib, importlib.util, os, time, types, warnings, weakref
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 from ..config import OptimCfg
 from ..engines import free_port
 from .torch import build_optimizer, finish_step, optimizer_state, load_optimizer_state
+from ..checkpoint import no_optimizer_state, no_optimizer_state_reason
 
 # %% auto #0
-__all__ = ['HAVE_MEGATRON', 'SUPPORTED_MODEL_TYPES', 'RECOMPUTE_MODES', 'ATTENTION_CHOICES', 'require_megatron', 'cpu_shims',
-           'ParallelInfo', 'init_parallel', 'destroy_parallel', 'hf_arch', 'padded_vocab', 'check_tp',
-           'megatron_config_from_hf', 'recompute_config', 'have_transformer_engine', 'choose_layer_spec', 'layer_spec',
-           'build_gpt_model', 'local_param_name', 'megatron_state_dict', 'hf_to_megatron', 'megatron_to_hf',
-           'tp_split_dim', 'shard_megatron', 'unshard_megatron', 'load_hf_into_megatron', 'gather_tp_state_dicts',
+__all__ = ['HAVE_MEGATRON', 'SUPPORTED_MODEL_TYPES', 'RECOMPUTE_MODES', 'ATTENTION_CHOICES', 'SYNC_BUCKET_BYTES',
+           'NO_STEP_REASON', 'require_megatron', 'cpu_shims', 'ParallelInfo', 'init_parallel', 'destroy_parallel',
+           'hf_arch', 'padded_vocab', 'check_tp', 'megatron_config_from_hf', 'recompute_config',
+           'have_transformer_engine', 'choose_layer_spec', 'layer_spec', 'build_gpt_model', 'local_param_name',
+           'megatron_state_dict', 'hf_to_megatron', 'megatron_to_hf', 'tp_split_dim', 'shard_megatron',
+           'unshard_megatron', 'load_hf_into_megatron', 'gather_buckets', 'gather_tp_shards', 'gather_hf_state_dict',
            'export_megatron_to_hf', 'wrap_ddp', 'distributed_optimizer_shard_numels', 'LinearWarmup',
            'CpuMainParamOptimizer', 'MegatronCoreOptimizer', 'build_megatron_optimizer', 'right_pad', 'causal_mask',
            'MegatronBackend']
@@ -387,36 +389,103 @@ def load_hf_into_megatron(model, hf_model, hf_config=None):
             t.copy_(msd[k])
     return model
 
-def gather_tp_state_dicts(model) -> list[dict]:
-    "Every TP rank's Megatron state dict, in rank order (collective over the TP group; `[own]` at TP = 1)."
-    own = megatron_state_dict(model)
-    if not HAVE_MEGATRON: return [own]
-    from megatron.core import parallel_state as ps
-    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-    if tp == 1: return [own]
-    import torch.distributed as dist
-    out = [{} for _ in range(tp)]
-    for k, t in own.items():
-        if tp_split_dim(k) is None: parts = [t] * tp                  # replicated: identical on every rank
-        else:
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
-        for r in range(tp): out[r][k] = parts[r]
+SYNC_BUCKET_BYTES = 512 * 2**20
+"""Gathered bytes per bucket of the weight sync: `gather_tp_shards` gathers the TP-sharded tensors of one bucket on the
+device, copies them to host memory and frees them before the next bucket, so a rank holds at most one bucket (or one
+tensor larger than a bucket: Qwen3-4B's embedding, 0.72 GiB at TP 2) of gathered weights at once, not the whole 8 GB."""
+
+def gather_buckets(sizes, bucket_bytes: int = SYNC_BUCKET_BYTES) -> list[list[str]]:
+    "Greedy buckets of `(name, gathered bytes)` pairs, in order: a bucket closes before the tensor that would take it past `bucket_bytes`; a larger tensor is a bucket alone."
+    if bucket_bytes < 1: raise ValueError(f"gather_buckets: bucket_bytes must be >= 1, got {bucket_bytes}")
+    out, cur, n = [], [], 0
+    for k, b in sizes:
+        if cur and n + b > bucket_bytes: out.append(cur); cur, n = [], 0
+        cur.append(k); n += b
+    if cur: out.append(cur)
     return out
+
+class _LiveBytes:
+    "Bytes of the registered tensors still alive (CPython frees a tensor with its last reference) and the largest sum seen."
+    def __init__(self): self.now = self.peak = 0
+    def add(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        self.now += n; self.peak = max(self.peak, self.now)
+        weakref.finalize(t, self._free, n)
+        return t
+    def _free(self, n: int): self.now -= n
+    def drain(self, timeout: float = 1.0):
+        "Wait (up to `timeout` s) until every registered tensor is freed: a collective's worker thread (gloo) may drop its reference just after the call returns."
+        end = time.monotonic() + timeout
+        while self.now and time.monotonic() < end: time.sleep(1e-4)
+
+def _tp_layout():
+    "(size, group) of this rank's TP group; (1, None) without megatron's parallel state."
+    if not HAVE_MEGATRON: return 1, None
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized(): return 1, None
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+
+def _all_gather_flat(out: torch.Tensor, t: torch.Tensor, group):
+    "Every TP rank's `t` into the flat `out`, in rank order, with no temporary of the gathered size (NCCL and gloo)."
+    import torch.distributed as dist
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FutureWarning)          # torch 2.13 deprecates the name, not the call
+        dist.all_gather_into_tensor(out, t.reshape(-1), group=group)
+
+def gather_tp_shards(model, bucket_bytes: int = SYNC_BUCKET_BYTES, keep: bool = True, stats: dict | None = None) -> list[dict] | None:
+    "Every TP rank's Megatron state dict in host memory, rank order (collective over the TP group): sharded tensors gathered on the device a bucket at a time, copied to host, freed; `stats` gets `peak_gather_bytes`. `keep=False`: join, keep nothing (None)."
+    own = megatron_state_dict(model)
+    tp, group = _tp_layout()
+    split = [(k, t.numel() * t.element_size() * tp) for k, t in own.items() if tp > 1 and tp_split_dim(k) is not None]
+    buckets = gather_buckets(split, bucket_bytes) if split else []
+    cuda = any(t.is_cuda for t in own.values())
+    base, alloc = (torch.cuda.memory_allocated(), 0) if cuda else (0, 0)
+    out, live = [dict.fromkeys(own) for _ in range(tp)], _LiveBytes()
+    for k, t in own.items():                          # replicated tensors (all of them at TP 1) go to host directly
+        if keep and (tp == 1 or tp_split_dim(k) is None):
+            h = t.detach().to('cpu', copy=True)       # a copy even on CPU: never the model's own storage
+            for r in range(tp): out[r][k] = h
+    for names in buckets:
+        flat = {}
+        for k in names:                               # the bucket's gathered tensors, on the device
+            t = own[k].detach()
+            flat[k] = live.add(torch.empty(tp * t.numel(), dtype=t.dtype, device=t.device))
+            _all_gather_flat(flat[k], t, group)
+        if cuda: alloc = max(alloc, torch.cuda.memory_allocated() - base)   # the allocator at the bucket's fullest
+        for k in names:                               # to host memory; each device copy is freed as it leaves `flat`
+            if keep:
+                parts = flat.pop(k).to('cpu', copy=True).view(tp, *own[k].shape)
+                for r in range(tp): out[r][k] = parts[r]
+            else: flat.pop(k)
+        del flat
+        live.drain()                                  # the next bucket starts with none of this one alive
+    if stats is not None:
+        stats.update(tp=tp, bucket_bytes=bucket_bytes, buckets=len(buckets), gathered_tensors=len(split),
+                     peak_gather_bytes=live.peak, gathered_bytes_left=live.now,
+                     unsharded_bytes=sum(b for _, b in split) + sum(t.numel() * t.element_size() for k, t in own.items()
+                                                                    if tp == 1 or tp_split_dim(k) is None))
+        if cuda: stats['peak_allocated_bytes'] = alloc
+    if cuda: torch.cuda.empty_cache()                 # the cached blocks go back before the engine resumes its KV cache
+    return out if keep else None
+
+def gather_hf_state_dict(model, hf_config, bucket_bytes: int = SYNC_BUCKET_BYTES, include_tied: bool = True,
+                         keep: bool = True, stats: dict | None = None) -> dict | None:
+    "The full HF state dict in host memory from a (TP-sharded) GPTModel, gathered bucket by bucket with `gather_tp_shards` (collective at TP > 1); None where `keep=False`."
+    shards = gather_tp_shards(model, bucket_bytes, keep, stats)
+    if shards is None: return None
+    return megatron_to_hf(shards if len(shards) > 1 else shards[0], hf_config, include_tied=include_tied)
 
 def export_megatron_to_hf(model, hf_config, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
     "Write an HF directory (safetensors + config + generation config [+ tokenizer]) from a megatron GPTModel; at TP > 1 every TP rank must call it, TP rank 0 writes."
     from huggingface_hub import save_torch_state_dict
     from transformers import GenerationConfig
     out = Path(out_dir)
-    shards = gather_tp_state_dicts(model)
-    if len(shards) > 1:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        if ps.get_tensor_model_parallel_rank() != 0:
-            dist.barrier(group=ps.get_tensor_model_parallel_group()); return out
+    tp, group = _tp_layout()
+    writer = tp == 1 or torch.distributed.get_rank(group) == 0
+    sd = gather_hf_state_dict(model, hf_config, include_tied=False, keep=writer)   # every TP rank joins the gather
+    if not writer:
+        torch.distributed.barrier(group=group); return out
     out.mkdir(parents=True, exist_ok=True)
-    sd = megatron_to_hf(shards if len(shards) > 1 else shards[0], hf_config, include_tied=False)
     # own storage per tensor: q/k/v and gate/up are views into the fused Megatron weights
     sd = {k: v.detach().to(device='cpu', dtype=dtype or v.dtype).clone(memory_format=torch.contiguous_format) for k, v in sd.items()}
     save_torch_state_dict(sd, out, max_shard_size='5GB', metadata={'format': 'pt'})
@@ -425,7 +494,7 @@ def export_megatron_to_hf(model, hf_config, out_dir, tokenizer=None, dtype: torc
     cfg.save_pretrained(out)
     GenerationConfig.from_model_config(cfg).save_pretrained(out)
     if tokenizer is not None: tokenizer.save_pretrained(out)
-    if len(shards) > 1: dist.barrier(group=ps.get_tensor_model_parallel_group())
+    if tp > 1: torch.distributed.barrier(group=group)
     return out
 
 # %% ../../nbs/14_megatron.ipynb #ad3f8a39
@@ -484,6 +553,26 @@ def _tp_group():
     from megatron.core import parallel_state as ps
     return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
+NO_STEP_REASON = ("no optimizer step taken yet: megatron-core 0.16.1's DistributedOptimizer.state_dict() asserts one step "
+                  "count over its Adam states (`assert len(steps) == 1` without TE/Apex), and before the first step there are none; "
+                  "a fresh optimizer on the saved weights is that state")
+
+def _marker_or(opt, state_fn) -> dict:
+    "The optimizer's state (`state_fn()`, with its step count), or the `no_optimizer_state` marker when no step was taken."
+    if opt.steps_taken == 0: return no_optimizer_state(NO_STEP_REASON)
+    return dict(state_fn(), steps_taken=opt.steps_taken)
+
+def _load_marker(opt, sd: dict) -> bool:
+    "Handle a `no_optimizer_state` marker: a fresh optimizer, the reason kept in `fresh_reason` and warned; refused after steps. False for a real state."
+    reason = no_optimizer_state_reason(sd)
+    if reason is None: return False
+    if opt.steps_taken:
+        raise ValueError(f"{type(opt).__name__}.load_state_dict: the checkpoint holds no optimizer state ({reason}), but this optimizer "
+                         f"has taken {opt.steps_taken} steps: loading it would drop their Adam moments; load a checkpoint with optimizer state")
+    opt.reload_model_params(); opt.fresh_reason = reason
+    warnings.warn(f"optimizer state not restored, starting a fresh optimizer: {reason}")
+    return True
+
 class CpuMainParamOptimizer:
     "CPU STAND-IN for megatron-core's mixed-precision optimizer (CUDA-only in 0.16.1): fp32 main params, torch AdamW/SGD on DDP's fp32 main grads, TP-aware clipping, copy back."
     def __init__(self, model, ddp, o: OptimCfg):
@@ -495,6 +584,7 @@ class CpuMainParamOptimizer:
         self.optimizer, _ = build_optimizer(self.main, o)
         self.tp_group, self.tp, self.tp_rank = _tp_group()
         self.counted = [tp_split_dim(local_param_name(n)) is not None or self.tp_rank == 0 for n, _ in self.named]
+        self.steps_taken, self.fresh_reason = 0, None
 
     @property
     def param_groups(self): return self.optimizer.param_groups
@@ -514,7 +604,7 @@ class CpuMainParamOptimizer:
     @torch.no_grad()
     def step(self):
         "The update on prepared, clipped gradients: torch optimizer step on the fp32 main params, then copy them into the model."
-        self.optimizer.step()
+        self.optimizer.step(); self.steps_taken += 1
         for (_, p), m in zip(self.named, self.main): p.copy_(m)
 
     def zero_grad(self, set_to_none: bool = True):
@@ -527,11 +617,14 @@ class CpuMainParamOptimizer:
         for (_, p), m in zip(self.named, self.main): m.copy_(p)
 
     def state_dict(self) -> dict:
-        return {'optimizer': self.optimizer.state_dict(), 'main_params': [m.detach().clone() for m in self.main]}
+        "The torch optimizer's state and the fp32 main params; the `no_optimizer_state` marker before the first step (as `MegatronCoreOptimizer`)."
+        return _marker_or(self, lambda: {'optimizer': self.optimizer.state_dict(), 'main_params': [m.detach().clone() for m in self.main]})
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict):
+        if _load_marker(self, sd): return
         self.optimizer.load_state_dict(sd['optimizer'])
+        self.steps_taken = sd.get('steps_taken', int(bool(sd['optimizer']['state'])))
         for (n, p), m, v in zip(self.named, self.main, sd['main_params']):
             if v.shape != m.shape: raise ValueError(f"CpuMainParamOptimizer.load_state_dict: {n} main param {tuple(v.shape)} != {tuple(m.shape)}")
             m.copy_(v); p.copy_(m)
@@ -548,6 +641,7 @@ class MegatronCoreOptimizer:
                              use_distributed_optimizer=ddp.ddp_config.use_distributed_optimizer)
         self.ddp, self.inner = ddp, get_megatron_optimizer(oc, [ddp], config_overrides={})
         self.parts = list(getattr(self.inner, 'chained_optimizers', [self.inner]))
+        self.steps_taken, self.fresh_reason = 0, None
 
     @property
     def param_groups(self): return self.inner.param_groups
@@ -564,7 +658,10 @@ class MegatronCoreOptimizer:
                     clip_grad_by_total_norm_fp32(o.get_parameters(), clip, norm, o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         return torch.tensor(float(norm))
 
-    def step(self): return self.inner.step_with_ready_grads()
+    def step(self):
+        ok = self.inner.step_with_ready_grads()
+        if ok: self.steps_taken += 1
+        return ok
     def zero_grad(self, set_to_none: bool = True):
         self.inner.zero_grad(set_to_none=set_to_none); self.ddp.zero_grad_buffer()
     def reload_model_params(self): self.inner.reload_model_params()
@@ -575,6 +672,10 @@ class MegatronCoreOptimizer:
         return [p for maps in o.gbuf_ranges for buckets in maps.values() for bm in buckets for p in bm['param_map']]
 
     def state_dict(self) -> dict:
+        "megatron-core's state per part (+ this rank's parameter-state slices); before the first step the `no_optimizer_state` marker, without calling megatron-core (it asserts then)."
+        return _marker_or(self, self._core_state_dict)
+
+    def _core_state_dict(self) -> dict:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         out = []
         for o in self.parts:
@@ -586,6 +687,7 @@ class MegatronCoreOptimizer:
         return {'megatron_core': out}
 
     def load_state_dict(self, sd: dict):
+        if _load_marker(self, sd): return
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         parts = sd['megatron_core']
         if len(parts) != len(self.parts): raise ValueError(f"MegatronCoreOptimizer.load_state_dict: {len(parts)} optimizer parts saved, {len(self.parts)} here")
@@ -597,6 +699,7 @@ class MegatronCoreOptimizer:
                     raise ValueError(f"MegatronCoreOptimizer.load_state_dict: {len(d['param_state'])} parameter shards saved, {len(params)} here (other layout?)")
                 dev = torch.device('cuda', torch.cuda.current_device())
                 for p, t in zip(params, d['param_state']): o._set_main_param_and_optimizer_states(p, {k: v.to(dev) for k, v in t.items()})
+        self.steps_taken = sd.get('steps_taken', 1)
 
 def build_megatron_optimizer(model, ddp, o: OptimCfg, grad_clip: float | None, warmup_steps: int = 0):
     "`(optimizer, scheduler)`: megatron-core's optimizer on CUDA, the CPU stand-in otherwise; `LinearWarmup` if `warmup_steps`."
@@ -815,22 +918,29 @@ class MegatronBackend:
         loss = loss_fn(self)
         return float(loss.detach()), self.step(loss)
 
-    def hf_state_dict(self, clone: bool = True) -> dict:
-        "Current weights under HF names (tied `lm_head` included), detached; cloned unless `clone=False` (views, zero copy)."
-        shards = gather_tp_state_dicts(self.model)                  # collective at TP > 1
-        sd = megatron_to_hf(shards if len(shards) > 1 else shards[0], self.hf_config, include_tied=True)
-        return {k: (v.detach().clone() if clone else v.detach()) for k, v in sd.items()}
+    def hf_state_dict(self, clone: bool = True, bucket_bytes: int | None = None, keep: bool = True) -> dict | None:
+        "Current weights under HF names (tied `lm_head` included) in host memory, gathered a bucket at a time (`gather_hf_state_dict`, collective at TP > 1; stats in `last_gather`); own storage per tensor unless `clone=False`; `keep=False` joins and returns None."
+        self.last_gather = {}
+        sd = gather_hf_state_dict(self.model, self.hf_config, bucket_bytes or SYNC_BUCKET_BYTES, include_tied=True, keep=keep,
+                                  stats=self.last_gather)
+        if sd is None: return None
+        return {k: v.clone() for k, v in sd.items()} if clone else sd
 
     def close(self):
         "Tear down megatron's parallel groups (and the process group `init_parallel` made, if it made one); a frozen reference leaves them to the policy."
         if not self.frozen: destroy_parallel()
 
     def state_dict(self) -> dict:
-        "This rank's optimizer and scheduler state (a TP shard; also a DP shard with the distributed optimizer, see `state_key`)."
+        "This rank's optimizer and scheduler state (a TP shard; also a DP shard with the distributed optimizer, see `state_key`); before the first step the optimizer's is the `no_optimizer_state` marker."
         return optimizer_state(self)
 
     def load_state_dict(self, model_sd: dict, state: dict | None):
-        "Load HF-named weights (sharded here for this TP rank) into the model and the main params and, if given, this rank's optimizer state."
+        "Load HF-named weights (sharded here for this TP rank) into the model and the main params and, if given, this rank's optimizer state (a `no_optimizer_state` marker: a fresh optimizer, refused when the scheduler counted updates)."
+        reason = no_optimizer_state_reason((state or {}).get('optimizer'))
+        done = ((state or {}).get('scheduler') or {}).get('last_step', 0)
+        if reason is not None and done:
+            raise ValueError(f"MegatronBackend.load_state_dict: the optimizer state is a no_optimizer_state marker ({reason}) but the "
+                             f"scheduler's state counts {done} updates: optimizer steps were taken, so their state is missing")
         load_hf_into_megatron(self.model, model_sd, self.hf_config)
         if self.optimizer is not None: self.optimizer.reload_model_params()
         load_optimizer_state(self, state)
