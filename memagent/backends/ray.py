@@ -150,7 +150,7 @@ class Rank:
         return out
 
     def hf_state_dict_numpy(self, send: bool) -> dict | None:
-        sd = self.policy.hf_state_dict()     # every rank joins: a collective under tensor parallelism
+        sd = self.policy.hf_state_dict(keep=send)     # every rank joins (a collective under TP); only the sender keeps a host copy
         return pack_numpy(sd) if send else None
 
     def state_dict(self) -> dict: return self.policy.state_dict()

@@ -111,9 +111,9 @@ class TorchBackend:
         grads = [p for p in params if p.grad is not None]
         return finish_step(self, torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else float('inf')))
 
-    def hf_state_dict(self) -> dict:
-        "Detached weights under HF names (shared with the model: copy before mutating)."
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+    def hf_state_dict(self, keep: bool = True) -> dict | None:
+        "Detached weights under HF names (shared with the model: copy before mutating); None when `keep=False` (a rank whose copy is not sent)."
+        return {k: v.detach() for k, v in self.model.state_dict().items()} if keep else None
 
     def state_dict(self) -> dict: return optimizer_state(self)
 
