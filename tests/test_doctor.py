@@ -107,7 +107,7 @@ CASES = [  # (row, preset overrides, world size, change that fails it, expected 
     ('python', {}, 8, dict(python_version='3.10.12'), 'Python >=3.11'),
     ('glibc', {}, 8, dict(glibc_version='2.31'), 'manylinux_2_34'),
     ('glibc', {}, 8, dict(glibc_version=None), 'no glibc'),
-    ('torch build', {}, 8, dict(torch_cuda=None, torch_version='2.14.1+cpu'), 'TORCH_SPEC=torch'),
+    ('torch build', {}, 8, dict(torch_cuda=None, torch_version='2.14.1+cpu'), 'scripts/setup_gpu.sh'),
     ('torch build', {}, 8, dict(cuda_available=False), 'sees no GPU'),
     ('torch build', {}, 8, dict(torch_version=None), 'not installed'),
     ('CUDA driver', {}, 8, dict(driver_version='570.133.20'), '580.65.06'),
@@ -148,6 +148,7 @@ def test_each_row_refuses_what_it_is_about_and_passes_otherwise(envs, name, over
     assert text in bad.found + bad.needed + bad.fix, (text, bad)
     others = [r for r in doctor(cfg, world, replace(gpu, **change), data_root=data_root) if r.verdict == 'fail' and r.name != name]
     related = {'torch build': {'NCCL', 'sglang', 'GPU count', 'GPU memory', 'Ray resources'}, 'GPU count': {'GPU memory', 'Ray resources'},
+               'Transformer Engine': {'nvcc', 'cuDNN headers'},                     # no usable TE: it has to be built here
                'GPU memory': {'GPU count', 'Ray resources'}, 'sglang': set(), 'Ray resources': {'GPU count'}}
     assert {r.name for r in others} <= related.get(name, set()), (name, [(r.name, r.found) for r in others])
 
@@ -269,10 +270,10 @@ def test_require_names_every_failing_row_with_found_needed_and_fix(envs):
     rows = doctor(FROZEN, 8, replace(gpu, te_version=None, driver_version='570.1.1'), data_root=root)
     with pytest.raises(DoctorError) as e: require(rows, 'Trainer')
     msg = str(e.value)
-    assert msg.startswith('Trainer: this environment cannot run it; failing rows: CUDA driver, Transformer Engine\n'), msg
+    assert msg.startswith('Trainer: this environment cannot run it; failing rows: CUDA driver, Transformer Engine, nvcc, cuDNN headers\n'), msg
     assert "Transformer Engine: found transformer-engine is not installed" in msg and 'fix: install it on the GPU machine' in msg
     assert 'needed driver >= 580.65.06' in msg
-    with pytest.raises(DoctorError, match='failing rows: Transformer Engine\n'):
+    with pytest.raises(DoctorError, match='failing rows: Transformer Engine, nvcc, cuDNN headers\n'):
         preflight(FROZEN, 8, env=replace(gpu, te_version=None), data_root=root)
 
 
@@ -339,3 +340,25 @@ def test_nothing_below_orchestration_imports_doctor():
     bad = [str(p.relative_to(ROOT)) for p in (ROOT / 'memagent').rglob('*.py')
            if p.name not in allowed and ('memagent.doctor' in p.read_text() or 'from .doctor' in p.read_text())]
     assert not bad, f"{bad} import memagent.doctor: it is orchestration-level"
+
+
+def test_nvcc_and_cudnn_rows_apply_only_where_transformer_engine_is_built(envs):
+    "No usable Transformer Engine where the layout needs one: it is compiled here, so nvcc of torch's CUDA line and cudnn.h are rows."
+    _, gpu, root = envs
+    build = replace(gpu, te_version=None, nvcc_path='/usr/local/cuda/bin/nvcc', nvcc_version='13.0', cudnn_header='/usr/include/cudnn.h')
+    assert [row_of(n, FROZEN, 8, build).verdict for n in ('nvcc', 'cuDNN headers')] == ['ok', 'ok']
+    assert [row_of(n, FROZEN, 8, gpu).verdict for n in ('nvcc', 'cuDNN headers')] == ['skip', 'skip']
+    for change, name, text in ((dict(nvcc_version='12.8'), 'nvcc', 'CUDA 13.x'), (dict(nvcc_path=None, nvcc_version=None), 'nvcc', 'CUDA_HOME'),
+                               (dict(cudnn_header=None), 'cuDNN headers', 'CUDNN_PATH')):
+        bad = row_of(name, FROZEN, 8, replace(build, **change))
+        assert bad.verdict == 'fail' and text in bad.needed + bad.fix, bad
+    sp_off = get_preset('qwen3-4b-frozen', {'batch.sequence_parallel': False})
+    assert row_of('nvcc', sp_off, 8, replace(build, nvcc_version=None)).verdict == 'skip'
+
+
+def test_cli_rows_selects_rows_by_name():
+    out = _cli('--preset', 'qwen3-4b-frozen', '--world-size', '8', '--fast', '--rows', 'python,glibc')
+    lines = [l for l in out.stdout.splitlines() if l.startswith(('python ', 'glibc ', 'torch build '))]
+    assert out.returncode == 0 and [l.split()[0] for l in lines] == ['python', 'glibc'], out.stdout
+    bad = _cli('--preset', 'tiny', '--world-size', '1', '--rows', 'pyhton')
+    assert bad.returncode == 2 and "names no row ['pyhton']" in bad.stderr, bad.stderr
