@@ -1,14 +1,22 @@
-"""The Python half of scripts/gpu_check.sh: the plans it prints, the preset it picks, and the checks that need a GPU.
+"""The Python half of scripts/gpu_check.sh: the plans it prints, the preset it picks, the layout it checks, and the checks that need a GPU.
 
-    python scripts/gpu_check.py preset  --models DIR|none          # the smoke's preset and overrides for the models found (YAML)
+    python scripts/gpu_check.py preset  --models DIR|none --gpus N [--reduced]   # the smoke's preset and overrides (YAML; layout in its first lines)
+    python scripts/gpu_check.py layout  --part subset|cluster --gpus N [--models DIR] [--reduced] [--cpu-simulation]
+                                                                    # the layout as configured, or the refusal (exit 3) naming
+                                                                    #   the memagent-doctor rows that fail and their fixes
     python scripts/gpu_check.py plan    --preset NAME --gpus-per-node N [--gpu-gb G]
-    python scripts/gpu_check.py subset  --out DIR                   # one GPU: megatron-core bf16 + its optimizer + recompute,
+    python scripts/gpu_check.py subset  --out DIR [--cpu-simulation]  # one GPU: megatron-core bf16 + its optimizer + recompute,
                                                                     #   the weight check after a sync (megatron -> HF engine)
     python scripts/gpu_check.py compare --params FILE --gpus N --out DIR   # SGLang vs HF tokens/s, megatron vs torch step time,
                                                                     #   the weight check after an SGLang sync
 
-`preset` and `plan` run anywhere (CI runs them through `gpu_check.sh --dry-run`); `subset` and `compare` refuse to
-run without CUDA. Every result file carries the provenance of `memagent.provenance`.
+`preset`, `layout` and `plan` run anywhere (CI runs them through `gpu_check.sh --dry-run`); `subset` and `compare` refuse to
+run without CUDA, except `subset --cpu-simulation`: the subset's own code path on CPU (fp32, the CPU stand-in optimizer), a
+named reduced layout that its report says it is. Every result file carries the provenance of `memagent.provenance`.
+
+Layouts are never changed silently. A part checks its preset's layout as configured, or refuses (the fast rows of
+`memagent.doctor`, through `require`: the failing row, what was found, what is needed, the fix). Only `--reduced` runs a named
+reduced layout (`REDUCED_LAYOUTS`), and every report starts with `layout: as_configured | reduced` and the parts not checked.
 
 The weight check (`memagent.runcheck.weight_check`, tolerance `WEIGHT_TOL['gpu-bf16']`, not yet measured on a GPU): the
 engine's teacher-forced log-probs of a fixed prompt against the trainer's after a sync. `subset` checks the megatron
@@ -16,6 +24,14 @@ policy's own log-probs against an in-process HF engine before a step and after t
 engine that missed the sync (must fail); `compare` checks an SGLang server before and after a sync through
 `/update_weights_from_disk` (both must pass) and that the weights it held before are rejected afterwards. The smoke that
 `gpu_check.sh` runs checks its engines after every sync itself (its `weights_synced[step N]` gates).
+
+How long the subset takes on one H100-class GPU (an estimate by design, not a measurement on a GPU): the random tiny Qwen3
+(2 layers, 2 rows of 1,024 tokens) is loaded 8 times and takes 5 optimizer steps (the fp32 torch reference, one megatron
+step per recompute mode, the weight-sync step) and 4 teacher-forced prompt checks. Its compute is small: the same code path
+on CPU (`--cpu-simulation`, fp32, 2 cores) records about a minute in its report's `seconds`. On the GPU the fixed costs
+dominate: imports of torch, transformers, megatron-core and Transformer Engine (under a minute), the CUDA context and the
+first call of each kernel family (tens of seconds). That is 2-3 minutes, well under the 8-minute budget (`SUBSET_BUDGET_S`);
+the report records each part's wall seconds and whether the whole stayed within the budget, so the first GPU run measures it.
 """
 from __future__ import annotations
 import argparse, json, sys, time
@@ -34,18 +50,76 @@ def find_model(models: str) -> tuple[str, str | None]:
     return 'tiny', None
 
 
-def smoke_params(models: str, gpus: int) -> dict:
-    "Parameters of nbs/smoke.ipynb for the colocated layout on `gpus` GPUs of one node."
+def smoke_params(models: str, gpus: int, reduced: str | None = None) -> dict:
+    "Parameters of nbs/smoke.ipynb for the colocated layout on `gpus` GPUs of one node: the preset's layout as configured, or the named reduced one."
     preset, path = find_model(models)
     ov = {'batch.n_gpus': gpus, 'rollout.colocate': True, 'rollout.engine': 'sglang', 'rollout.gpus_per_engine': min(2, gpus)}
     if preset == 'tiny':   # the frozen layout around a random tiny Qwen3: megatron, TP 2 when there are GPUs for it
         ov.update({'backend': 'megatron', 'model.dtype': 'bfloat16', 'batch.tp': 2 if gpus % 2 == 0 else 1,
                    'batch.distributed_optimizer': True, 'batch.recompute': 'selective', 'batch.sequence_parallel': gpus % 2 == 0})
     if path is not None: ov['model.name'] = path
-    from memagent.backends.megatron import have_transformer_engine
-    if not have_transformer_engine():   # sequence parallel needs Transformer Engine's layers; the local spec then
-        ov.update({'batch.sequence_parallel': False, 'batch.attention': 'local'})
+    if reduced is not None: ov.update(REDUCED_LAYOUTS[reduced]['overrides'])
     return {'preset': preset, 'overrides': ov, 'world_size': gpus}
+
+
+# The layouts `--reduced` (or `--cpu-simulation`) may run instead of the configured one: what they change and what they leave unchecked.
+REDUCED_LAYOUTS = {
+    'no-te': {'when': 'Transformer Engine is not installed (--reduced)',
+              'overrides': {'batch.sequence_parallel': False, 'batch.attention': 'local'},
+              'not_checked': ["Transformer Engine attention (the reduced layout runs megatron-core's local spec)",
+                              'sequence parallel (the reduced layout turns it off; it needs Transformer Engine)']},
+    'cpu-simulation': {'when': 'explicit --cpu-simulation: the subset\'s code path on CPU, not a GPU check',
+                       'overrides': {'model.dtype': 'float32', 'batch.distributed_optimizer': False},
+                       'not_checked': ['bf16 with fp32 main grads (CPU runs fp32)',
+                                       "megatron-core's optimizer and its distributed optimizer (CPU runs the stand-in CpuMainParamOptimizer)",
+                                       'Transformer Engine attention (CPU runs the local spec)',
+                                       'peak GPU memory against the plan (no GPU)',
+                                       "the gpu-bf16 weight-check tolerance (CPU checks WEIGHT_TOL['cpu-fp32'])"]},
+}
+SP_ONE_GPU = 'sequence parallel (needs TP >= 2, so at least 2 GPUs: not checked on one GPU; part cluster checks it)'
+SUBSET_BUDGET_S = 480
+
+
+def layout_record(cfg, world_size: int, what: str, reduced: str | None = None, not_checked=()) -> dict:
+    "`layout: as_configured | reduced`, the parts not checked, the fast memagent-doctor rows of `cfg` and the refusal (`require`'s message) if any fails."
+    from memagent.doctor import DoctorError, doctor, require
+    rows = doctor(cfg, world_size, fast_only=True)
+    try: require(rows, what); refused = None
+    except DoctorError as e: refused = str(e)
+    nc = list(REDUCED_LAYOUTS[reduced]['not_checked'] if reduced else []) + [x for x in not_checked if x]
+    return {'layout': 'reduced' if reduced else 'as_configured', 'reduced_layout': reduced,
+            'reduced_because': REDUCED_LAYOUTS[reduced]['when'] if reduced else None, 'not_checked': nc, 'refused': refused,
+            'failing_rows': [r.name for r in rows if r.verdict == 'fail'], 'rows': [r.to_dict() for r in rows]}
+
+
+def cluster_layout(models: str, gpus: int, reduced: bool = False) -> tuple[dict, dict]:
+    "(smoke parameters, layout record) of part cluster: as configured; with `reduced` and Transformer Engine missing, the named 'no-te' layout."
+    from memagent.config import get_preset
+    p = smoke_params(models, gpus)
+    what = f"gpu_check part cluster: preset {p['preset']!r} in its colocated layout on {gpus} GPUs"
+    rec = layout_record(get_preset(p['preset'], p['overrides']), gpus, what)
+    if reduced and 'Transformer Engine' in rec['failing_rows']:
+        p = smoke_params(models, gpus, 'no-te')
+        rec = layout_record(get_preset(p['preset'], p['overrides']), gpus, what + ", reduced layout 'no-te'", 'no-te')
+    elif reduced: rec['reduced_because'] = '--reduced given, not needed: the layout as configured passes the Transformer Engine row'
+    return p, rec
+
+
+def subset_layout(cpu_simulation: bool = False) -> tuple[object, dict]:
+    "(config, layout record) of part subset: the tiny model in the frozen recipe's precision on one GPU, or the named 'cpu-simulation' layout."
+    from memagent.backends.megatron import have_transformer_engine
+    cfg = tiny_megatron('selective', 'float32') if cpu_simulation else tiny_megatron()
+    te = None if cpu_simulation or have_transformer_engine() else 'Transformer Engine attention (not installed: the local spec runs)'
+    return cfg, layout_record(cfg, 1, 'gpu_check part subset: tiny Qwen3, megatron-core' + (' on CPU (cpu-simulation)' if cpu_simulation
+                              else ' bf16 + distributed optimizer on one GPU'), 'cpu-simulation' if cpu_simulation else None, (te, SP_ONE_GPU))
+
+
+def layout_lines(rec: dict, prefix: str = '') -> list[str]:
+    "The first lines of every report: the layout, why it is reduced, the parts not checked."
+    lines = [f"{prefix}layout: {rec['layout']}" + (f" ({rec['reduced_layout']}: {rec['reduced_because']})" if rec['reduced_layout']
+                                                  else (f" ({rec['reduced_because']})" if rec.get('reduced_because') else ''))]
+    lines.append(f"{prefix}not checked: " + ('; '.join(rec['not_checked']) or 'nothing'))
+    return lines
 
 
 def tiny_megatron(recompute: str = 'selective', dtype: str = 'bfloat16'):
@@ -62,9 +136,18 @@ def config_for(preset: str, overrides: dict | None = None):
 
 def cmd_preset(a):
     import yaml
-    from memagent.backends.megatron import have_transformer_engine
-    if not have_transformer_engine(): print('# Transformer Engine is not installed: local attention spec, no sequence parallel')
-    print(yaml.safe_dump(smoke_params(a.models, a.gpus), sort_keys=False).rstrip())
+    p, rec = cluster_layout(a.models, a.gpus, a.reduced)
+    print('\n'.join(layout_lines(rec, '# ')))
+    print(yaml.safe_dump(p, sort_keys=False).rstrip())
+
+
+def cmd_layout(a):
+    "Print the part's layout and what it leaves unchecked; a refusal goes to stderr with exit 3."
+    rec = (subset_layout(a.cpu_simulation)[1] if a.part == 'subset' else cluster_layout(a.models, a.gpus, a.reduced)[1])
+    print('\n'.join(layout_lines(rec, f"{a.part}: ")))
+    if rec['refused']:
+        print(f"gpu_check: refused, not downgraded: {rec['refused']}", file=sys.stderr)
+        sys.exit(3)
 
 
 def cmd_plan(a):
@@ -105,53 +188,126 @@ def _step(be, batch) -> tuple[float, float]:
     return float(loss.detach()), be.step()
 
 
+def environment() -> dict:
+    "Driver, CUDA, GPUs and the versions that decide what the subset measured (from `memagent.doctor.probe_env`, no Ray)."
+    from memagent.doctor import dist_version, probe_env
+    e = probe_env()
+    return {'python': e.python_version, 'driver': e.driver_version, 'cuda_runtime_of_torch': e.torch_cuda, 'cuda_available': e.cuda_available,
+            'gpus': [g.name for g in e.gpus], 'torch': e.torch_version, 'transformers': dist_version('transformers'),
+            'megatron_core': e.megatron_version, 'transformer_engine': e.te_version, 'transformer_engine_pytorch': e.te_pytorch,
+            'sglang': e.sglang_version, 'nccl': e.nccl_version, 'problems': e.problems}
+
+
+def checkpoint_before_first_step(be) -> dict:
+    "The backend's own save path (`state_dict()`) before any optimizer step, and loading what it returned back: what came back, recorded."
+    from memagent.checkpoint import no_optimizer_state_reason
+    try:
+        state = be.state_dict()
+        reason = no_optimizer_state_reason(state.get('optimizer') if isinstance(state, dict) else state)
+        be.load_state_dict(be.hf_state_dict(), state)
+        return {'saved': 'no_optimizer_state marker' if reason else 'optimizer state', 'reason': reason,
+                'keys': sorted(state) if isinstance(state, dict) else type(state).__name__,
+                'loaded_back': True, 'fresh_reason': getattr(be.optimizer, 'fresh_reason', None), 'pass': True}
+    except Exception as e:   # the save or the load before a step raised: that is the finding
+        return {'saved': None, 'error': f"{type(e).__name__}: {e}", 'loaded_back': False, 'pass': False}
+
+
 def cmd_subset(a):
-    "One GPU: the megatron step in bf16 with megatron-core's own (distributed) optimizer and each recompute mode, against fp32 torch."
-    _need_cuda('subset')
+    "One GPU: the megatron step in bf16 with megatron-core's own (distributed) optimizer and each recompute mode, against fp32 torch; `--cpu-simulation`: the same code path on CPU in fp32."
+    if not a.cpu_simulation: _need_cuda('subset')
     import torch
+    t_start = time.perf_counter(); seconds = {}
+    cuda = not a.cpu_simulation
+    dev, dtype = ('cuda', 'bfloat16') if cuda else ('cpu', 'float32')
     from memagent.models import load_model
     from memagent.backends.torch import TorchBackend
     from memagent.backends.megatron import MegatronBackend, have_transformer_engine
     from memagent.plan import Cluster, make_plan
     out, gates = Path(a.out), []
-    gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
-    base = tiny_megatron()
+    _, layout = subset_layout(a.cpu_simulation)
+    if layout['refused']: sys.exit(f"gpu_check.py subset: refused, not downgraded: {layout['refused']}")
+    print('\n'.join(layout_lines(layout)))
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0
+    base = tiny_megatron('selective', dtype)
     batch = _fixed_batch(load_model('tiny-qwen3', 'float32').config.vocab_size, base.batch.max_tokens_per_micro)
-    ref = TorchBackend(load_model('tiny-qwen3', 'float32', 'cuda'), base.optim, base.optim.grad_clip)
+    t = time.perf_counter()
+    ref = TorchBackend(load_model('tiny-qwen3', 'float32', dev), base.optim, base.optim.grad_clip)
     ref_loss, ref_norm = _step(ref, batch)
     ref_w = {k: v.float().cpu() for k, v in ref.hf_state_dict().items()}
-    del ref; torch.cuda.empty_cache()
+    del ref
+    if cuda: torch.cuda.empty_cache()
+    seconds['torch_fp32_reference'] = time.perf_counter() - t
     for mode in ('none', 'selective', 'full'):
-        cfg = tiny_megatron(mode)
-        torch.cuda.reset_peak_memory_stats()
-        be = MegatronBackend.from_config(cfg, load_model('tiny-qwen3', 'bfloat16'))
+        t = time.perf_counter()
+        cfg = tiny_megatron(mode, dtype)
+        if cuda: torch.cuda.reset_peak_memory_stats()
+        be = MegatronBackend.from_config(cfg, load_model('tiny-qwen3', dtype))
         try:
+            before = checkpoint_before_first_step(be)
             loss, norm = _step(be, batch)
-            peak = torch.cuda.max_memory_allocated()
+            peak = torch.cuda.max_memory_allocated() if cuda else None
             w = {k: v.float().cpu() for k, v in be.hf_state_dict().items()}
             dw = max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w)
             state = be.state_dict()
             be.load_state_dict(be.hf_state_dict(), state)
             again = be.state_dict()
             same = json.dumps(state, default=str, sort_keys=True) == json.dumps(again, default=str, sort_keys=True)
+            optimizer = type(be.optimizer).__name__
         finally: be.close()
         plan = make_plan(cfg, Cluster(gpus_per_node=1, gpu_gb=gpu_gb))
         terms = ('weights', 'gradients', 'optimizer states', 'activations (saved)', 'activations (backward working set)', 'log-prob head chunk')
-        planned = sum(plan.update.get(t, 0) for t in terms)
-        gates.append({'recompute': mode, 'attention': be.attention, 'loss': loss, 'loss_fp32': ref_loss,
+        planned = sum(plan.update.get(t_, 0) for t_ in terms)
+        memory_ok = (0.5 < peak / planned < 1.25) if cuda else None   # not checked on CPU
+        gates.append({'recompute': mode, 'dtype': dtype, 'optimizer': optimizer, 'attention': be.attention, 'loss': loss, 'loss_fp32': ref_loss,
                       'loss_rel_diff': abs(loss - ref_loss) / abs(ref_loss), 'grad_norm': norm, 'grad_norm_fp32': ref_norm,
                       'grad_norm_rel_diff': abs(norm - ref_norm) / ref_norm, 'weights_max_abs_diff': dw,
-                      'optimizer_state_round_trip': same, 'peak_bytes': peak, 'plan_bytes': planned, 'peak_over_plan': peak / planned,
+                      'checkpoint_before_first_step': before, 'optimizer_state_round_trip': same,
+                      'peak_bytes': peak, 'plan_bytes': planned, 'peak_over_plan': peak / planned if cuda else None,
                       'pass': abs(loss - ref_loss) / abs(ref_loss) < 2e-2 and abs(norm - ref_norm) / ref_norm < 5e-2 and same
-                              and 0.5 < peak / planned < 1.25})
+                              and before['pass'] and memory_ok is not False})
+        seconds[f'megatron_{mode}'] = time.perf_counter() - t
         print(json.dumps(gates[-1]))
-    sync = weight_sync_check('cuda', 'bfloat16')
+    t = time.perf_counter()
+    sync = weight_sync_check(dev, dtype)
+    seconds['weight_sync'] = time.perf_counter() - t
     print(json.dumps(sync))
-    _write(out, 'subset.json', {'transformer_engine': have_transformer_engine(), 'device': torch.cuda.get_device_name(0),
-                                'gpu_gb': gpu_gb, 'tolerances': {'loss_rel': 2e-2, 'grad_norm_rel': 5e-2, 'peak_over_plan': [0.5, 1.25]},
-                                'sequence_parallel': 'not checked: it needs TP > 1, so at least 2 GPUs (part cluster)',
-                                'checks': gates, 'weight_sync': sync})
-    if not (all(g['pass'] for g in gates) and sync['pass']): sys.exit('gpu_check.py subset: a check failed (see subset.json)')
+    seconds['total'] = time.perf_counter() - t_start
+    ok = all(g['pass'] for g in gates) and sync['pass']
+    body = {**{k: layout[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'cpu_simulation': a.cpu_simulation,
+            'pass': ok, 'environment': environment(), 'transformer_engine': have_transformer_engine(),
+            'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 'gpu_gb': gpu_gb if cuda else None,
+            'tolerances': {'loss_rel': 2e-2, 'grad_norm_rel': 5e-2, 'peak_over_plan': [0.5, 1.25] if cuda else 'not checked on CPU'},
+            'sequence_parallel': 'not checked: it needs TP >= 2, so at least 2 GPUs (part cluster)',
+            'checks': gates, 'weight_sync': sync, 'seconds': seconds, 'budget_s': SUBSET_BUDGET_S,
+            'within_budget': seconds['total'] < SUBSET_BUDGET_S, 'doctor_rows': layout['rows']}
+    _write(out, 'subset.json', body)
+    _write_md(out / 'subset.md', layout, body)
+    if not ok: sys.exit('gpu_check.py subset: a check failed (see subset.json)')
+
+
+def _write_md(path: Path, layout: dict, body: dict):
+    "The subset's report to read: the layout and what was not checked first, then one line per check."
+    e, f = body['environment'], lambda x: 'n/a' if x is None else (f"{x:.3g}" if isinstance(x, float) else str(x))
+    lines = layout_lines(layout) + ['', f"# gpu_check subset: {'PASS' if body['pass'] else 'FAIL'}" +
+                                    (' (cpu-simulation: a code-path check, not a GPU check)' if body['cpu_simulation'] else ''), '',
+             f"device {body['device']}; driver {f(e['driver'])}; CUDA (torch) {f(e['cuda_runtime_of_torch'])}; torch {f(e['torch'])}; "
+             f"transformers {f(e['transformers'])}; megatron-core {f(e['megatron_core'])}; Transformer Engine {f(e['transformer_engine'])}; "
+             f"sglang {f(e['sglang'])}", '',
+             '| recompute | dtype | optimizer | attention | loss rel diff | grad norm rel diff | state round trip | checkpoint before step 1 | peak / plan | pass |',
+             '|---|---|---|---|---|---|---|---|---|---|']
+    for g in body['checks']:
+        c = g['checkpoint_before_first_step']
+        lines.append(f"| {g['recompute']} | {g['dtype']} | {g['optimizer']} | {g['attention']} | {f(g['loss_rel_diff'])} | "
+                     f"{f(g['grad_norm_rel_diff'])} | {g['optimizer_state_round_trip']} | {c.get('saved') or c.get('error')} | "
+                     f"{f(g['peak_over_plan'])} | {g['pass']} |")
+    w = body['weight_sync']
+    lines += ['', f"weight check after a sync through the HF engine ({w['precision']}, tol {w['tol']:g}): before step "
+              f"{w['before_step'].get('passed')}, after sync {w['after_sync'].get('passed')}, missed sync rejected "
+              f"{not w['missed_sync'].get('passed')}: {'PASS' if w['pass'] else 'FAIL'}",
+              '', 'seconds: ' + ', '.join(f"{k} {v:.1f}" for k, v in body['seconds'].items()) +
+              f" (budget {body['budget_s']} s: {'within' if body['within_budget'] else 'OVER'})", '']
+    path.write_text('\n'.join(lines))
+    print(f"wrote {path}")
 
 
 def _summary(r: dict) -> dict:
@@ -278,7 +434,10 @@ def cmd_compare(a):
     res['megatron_over_torch_time'] = res['megatron_update_s'] / res['torch_update_s']
     res['rows'] = len(rows)
     res['peak_vs_plan'] = peak_vs_plan(p, a.smoke_run, a.gpus)
-    _write(out, 'compare.json', {'params': p, 'results': res})
+    head = [l[2:] for l in Path(a.params).read_text().splitlines() if l.startswith('# ')]   # the layout lines `preset` wrote first
+    _write(out, 'compare.json', {'layout': next((l.split(': ', 1)[1] for l in head if l.startswith('layout: ')), 'unknown (no layout line in the params)'),
+                                 'not_checked': next((l.split(': ', 1)[1] for l in head if l.startswith('not checked: ')), 'unknown'),
+                                 'params': p, 'results': res})
     if not res['weight_check']['pass']: sys.exit('gpu_check.py compare: the SGLang weight check failed (see compare.json)')
 
 
@@ -304,13 +463,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest='cmd', required=True)
     s = sub.add_parser('preset'); s.add_argument('--models', default='none'); s.add_argument('--gpus', type=int, default=8)
+    s.add_argument('--reduced', action='store_true', help="Transformer Engine missing: the named reduced layout 'no-te'")
+    s = sub.add_parser('layout'); s.add_argument('--part', choices=('subset', 'cluster'), required=True)
+    s.add_argument('--models', default='none'); s.add_argument('--gpus', type=int, default=8)
+    s.add_argument('--reduced', action='store_true'); s.add_argument('--cpu-simulation', action='store_true')
     s = sub.add_parser('plan'); s.add_argument('--preset', required=True); s.add_argument('--gpus-per-node', type=int, default=8)
     s.add_argument('--gpu-gb', type=float, default=80.0); s.add_argument('--overrides', default=None, help='JSON dict of dotted keys')
     s = sub.add_parser('subset'); s.add_argument('--out', required=True)
+    s.add_argument('--cpu-simulation', action='store_true', help="the subset's code path on CPU (fp32, the CPU stand-in optimizer): recorded as such")
     s = sub.add_parser('compare'); s.add_argument('--params', required=True); s.add_argument('--gpus', type=int, required=True)
     s.add_argument('--out', required=True); s.add_argument('--smoke-run', default=None, help="the smoke's run directory (its metrics.jsonl)")
     a = ap.parse_args(argv)
-    {'preset': cmd_preset, 'plan': cmd_plan, 'subset': cmd_subset, 'compare': cmd_compare}[a.cmd](a)
+    {'preset': cmd_preset, 'layout': cmd_layout, 'plan': cmd_plan, 'subset': cmd_subset, 'compare': cmd_compare}[a.cmd](a)
 
 
 if __name__ == '__main__':

@@ -1,65 +1,103 @@
 #!/usr/bin/env bash
-# The checks only a GPU machine can make, as one prepared run. Install first: TORCH_SPEC=torch bash scripts/setup.sh
-# && .venv/bin/pip install -e ".[gpu]" (SGLang, megatron-core; Transformer Engine if you want its attention).
+# The checks only a GPU machine can make, as one prepared run. Install first: bash scripts/setup_gpu.sh (torch at SGLang's
+# pin, SGLang, megatron-core and Transformer Engine, from the lock); the one-GPU subset also runs offline (below).
 #
-#   bash scripts/gpu_check.sh [--dry-run] [--part subset|cluster|all] [--out DIR] [--models DIR]
+#   bash scripts/gpu_check.sh [--dry-run] [--part subset|cluster|all] [--out DIR] [--models DIR] [--reduced] [--cpu-simulation]
 #
 # subset   one GPU, no network (a random tiny Qwen3): megatron-core in bf16 with fp32 main grads, its own optimizer
 #          (distributed over DP), selective and full recompute, Transformer Engine attention when installed; the step
-#          against the fp32 torch step on the same rows; the distributed-optimizer checkpoint round trip; peak GPU
-#          memory against memagent.plan.
+#          (loss, grad norm) against the fp32 torch step on the same rows; the optimizer-state round trip, and a checkpoint
+#          before the first step; the log-prob check after a weight sync through the HF engine; peak GPU memory against
+#          memagent.plan. Sequence parallel needs TP >= 2: not checked on one GPU (the report says so). Writes
+#          subset.md and subset.json under --out, with the environment (driver, CUDA, torch, TE, sglang). About 2-3
+#          minutes on one H100-class GPU by design (well under 8: see scripts/gpu_check.py); the report records its seconds.
 # cluster  every GPU of this node, the colocated layout of the preset that matches the largest model found locally
 #          (Qwen3-4B: qwen3-4b-frozen; Qwen3-0.6B: the pilot; none: the tiny model in the frozen layout): the 2-step
 #          smoke (rows generated = transferred = consumed), SGLang vs HF engine tokens/s and megatron vs torch step
 #          time on the same rows, peak GPU memory per rank against the plan.
 # all      subset, then cluster (default: all with 2 GPUs or more, subset with one).
-# --dry-run  prints every command it would run and the plans, and runs nothing on a GPU (CI runs this on CPU).
 #
-# Results land in reports/smoke/gpu-<UTC date>/ (or --out).
-# On a borrowed machine without network, the subset needs only torch, transformers, safetensors, pyyaml and
-# megatron-core==0.16.1 besides memagent itself (pip install --no-deps -e .): carry the missing ones as wheels.
+# The layout is never changed silently: each part checks its preset's layout as configured, or refuses (exit 2) naming
+# the memagent-doctor rows that fail (Transformer Engine, GPU count, GPU memory, ...) with their fixes.
+# --reduced         where Transformer Engine is missing, run the named reduced layout 'no-te' instead (local attention,
+#                   no sequence parallel); every report then starts with 'layout: reduced' and the parts not checked.
+# --cpu-simulation  the subset's own code path on CPU (fp32, the CPU stand-in optimizer): the named reduced layout
+#                   'cpu-simulation', written as such in the report's first lines; a code-path check, not a GPU check.
+# --dry-run         prints every command it would run, the layouts (a refusal is printed, and the dry run still exits 0)
+#                   and the plans, and runs nothing on a GPU (CI runs this on CPU).
+# PYTHON            the interpreter (default: .venv/bin/python, else python, else python3). memagent runs from this
+#                   checkout through PYTHONPATH: no install of memagent itself is needed.
+#
+# Results land in reports/smoke/gpu-<UTC date>/ (or --out); the subset writes nothing outside --out (its built tiny
+# model goes to --out/cache unless MEMAGENT_CACHE is set; no bytecode is written).
+# On a borrowed GPU machine without network that has torch, transformers, safetensors and pyyaml: fetch the rest here
+# with `bash scripts/gpu_wheels.sh .cache/gpu-wheels` (under 64 MiB; it travels with the working tree), then there:
+#   python3 -m pip install --no-index --no-deps --target /tmp/gpu-site --find-links .cache/gpu-wheels -r .cache/gpu-wheels/requirements.txt && PYTHONPATH=/tmp/gpu-site HF_HUB_OFFLINE=1 bash scripts/gpu_check.sh --part subset --out /tmp/gpu-check
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dry=0; part=''; out=''; models=${MEMAGENT_MODELS:-}
+dry=0; part=''; out=''; models=${MEMAGENT_MODELS:-}; reduced=0; cpusim=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --part) part=$2; shift ;;
     --out) out=$2; shift ;;
     --models) models=$2; shift ;;
-    -h|--help) sed -n 2,19p "$0"; exit 0 ;;
+    --reduced) reduced=1 ;;
+    --cpu-simulation) cpusim=1 ;;
+    -h|--help) sed -n 2,35p "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
-py=${PYTHON:-python}
-[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && py=.venv/bin/python
-export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-ngpu=$($py -c 'import torch; print(torch.cuda.device_count())')
-if [ "$dry" = 0 ] && [ "$ngpu" = 0 ]; then
-  echo "gpu_check.sh: no CUDA device here; use --dry-run to see the commands and the plans" >&2; exit 2
+py=${PYTHON:-}
+if [ -z "$py" ]; then
+  if [ -x .venv/bin/python ]; then py=.venv/bin/python; elif command -v python >/dev/null 2>&1; then py=python; else py=python3; fi
 fi
+export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$cpusim" = 1 ]; then
+  [ -z "$part" ] || [ "$part" = subset ] || { echo "gpu_check.sh: --cpu-simulation runs only the subset, got --part $part" >&2; exit 2; }
+  part=subset; export CUDA_VISIBLE_DEVICES=''      # the CPU code path even where a GPU is present
+fi
+ngpu=$($py -c 'import torch; print(torch.cuda.device_count())')
 [ -n "$part" ] || { if [ "$dry" = 1 ] || [ "$ngpu" -ge 2 ]; then part=all; else part=subset; fi; }
 case "$part" in subset|cluster|all) ;; *) echo "gpu_check.sh: --part must be subset, cluster or all, got '$part'" >&2; exit 2 ;; esac
 out=${out:-reports/smoke/gpu-$(date -u +%Y%m%d)}
 nodes=$([ "$dry" = 1 ] && echo 8 || echo "$ngpu")     # a dry run shows the plan of an 8-GPU node
-params=$($py scripts/gpu_check.py preset --models "${models:-none}" --gpus "$([ "$dry" = 1 ] && echo 8 || echo "$ngpu")")
-preset=$(echo "$params" | sed -n 's/^preset: //p')
+flags=$([ "$reduced" = 1 ] && echo --reduced || true)
 
 run() {   # print a command; run it unless --dry-run
   echo "+ $*"
   [ "$dry" = 1 ] || "$@"
 }
+check() {  # check PART: its layout and the parts not checked; a refusal stops a real run (exit 2), a dry run prints it and goes on
+  local rc=0
+  $py scripts/gpu_check.py layout --part "$1" --gpus "$([ "$1" = subset ] && echo 1 || echo "$nodes")" --models "${models:-none}" \
+      $flags $([ "$cpusim" = 1 ] && echo --cpu-simulation || true) || rc=$?
+  [ "$rc" = 0 ] && return 0
+  [ "$rc" = 3 ] || exit "$rc"
+  if [ "$dry" = 1 ]; then echo "gpu_check: part $1 refused (above); a real run stops here, this dry run goes on"; return 0; fi
+  [ "$ngpu" != 0 ] || echo "gpu_check.sh: no CUDA device here; use --dry-run to see the commands and the plans, --cpu-simulation for the subset's code path on CPU" >&2
+  echo "gpu_check.sh: part $1 refused: its layout cannot run here (see the failing rows above); --reduced runs a named reduced layout where one exists" >&2
+  exit 2
+}
 
-echo "gpu_check: part=$part out=$out gpus=$ngpu cluster-preset=$preset dry_run=$dry"
-run mkdir -p "$out"
+echo "gpu_check: part=$part out=$out gpus=$ngpu dry_run=$dry reduced=$reduced cpu_simulation=$cpusim"
 if [ "$part" = subset ] || [ "$part" = all ]; then
   echo "== subset: one GPU, tiny Qwen3, megatron-core bf16 + distributed optimizer + recompute"
+  check subset
+  run mkdir -p "$out"
+  [ "$dry" = 1 ] || export MEMAGENT_CACHE="${MEMAGENT_CACHE:-$out/cache}"   # the built tiny model: under --out
   $py scripts/gpu_check.py plan --preset tiny-megatron --gpus-per-node 1
-  run $py scripts/gpu_check.py subset --out "$out/subset"
+  run $py scripts/gpu_check.py subset --out "$out/subset" \
+      $([ "$cpusim" = 1 ] && echo --cpu-simulation || true)
 fi
 if [ "$part" = cluster ] || [ "$part" = all ]; then
+  params=$($py scripts/gpu_check.py preset --models "${models:-none}" --gpus "$nodes" $flags)
+  preset=$(echo "$params" | sed -n 's/^preset: //p')
   echo "== cluster: the colocated layout of $preset on $nodes GPUs"
+  check cluster
+  run mkdir -p "$out"
   echo "smoke parameters (written to $out/smoke_params.yaml):"; echo "$params" | sed 's/^/  /'
   [ "$dry" = 1 ] || echo "$params" > "$out/smoke_params.yaml"
   ov=$($py -c 'import sys, yaml, json; print(json.dumps(yaml.safe_load(sys.stdin.read())["overrides"]))' <<<"$params")

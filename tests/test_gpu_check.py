@@ -1,7 +1,8 @@
-"""scripts/gpu_check.sh on a machine without a GPU: --dry-run shows every command and the plans; a real run refuses."""
+"""scripts/gpu_check.sh on a machine without a GPU: --dry-run shows every command, the layouts (and their refusals) and the
+plans; a real run refuses naming the memagent-doctor rows; the layout is never downgraded without --reduced."""
 import json, os, subprocess, sys
 from pathlib import Path
-import yaml
+import pytest, yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, 'PYTHON': sys.executable}
@@ -11,23 +12,46 @@ def _run(*args):
     return subprocess.run(['bash', 'scripts/gpu_check.sh', *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 
+def _py(*args):
+    return subprocess.run([sys.executable, 'scripts/gpu_check.py', *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def _gpu_check():
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    try:
+        import gpu_check
+        return gpu_check
+    finally: sys.path.remove(str(ROOT / 'scripts'))
+
+
+def _no_te():
+    from memagent.backends.megatron import have_transformer_engine
+    if have_transformer_engine(): pytest.skip('Transformer Engine is installed here: the layout needs no reduction')
+
+
 def test_dry_run_prints_every_command_and_the_plans(tmp_path):
     r = _run('--dry-run', '--out', str(tmp_path / 'gpu'))
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
-    assert f"+ {sys.executable} scripts/gpu_check.py subset --out {tmp_path}/gpu/subset" in out
+    assert f"{sys.executable} scripts/gpu_check.py subset --out {tmp_path}/gpu/subset" in out
     assert f"+ {sys.executable} -m papermill nbs/smoke.ipynb {tmp_path}/gpu/smoke.ipynb -f {tmp_path}/gpu/smoke_params.yaml" in out
     assert f"scripts/gpu_check.py compare --params {tmp_path}/gpu/smoke_params.yaml --gpus 8" in out
     assert out.count('plan of ') == 2 and out.count('GiB per GPU') == 2      # the subset's plan and the cluster's
+    assert 'subset: layout: as_configured' in out and 'cluster: layout: as_configured' in out
     assert not (tmp_path / 'gpu').exists()                                    # a dry run writes nothing
 
 
+def test_a_dry_run_prints_the_refusal_and_exits_0(tmp_path):
+    import torch
+    if torch.cuda.is_available(): pytest.skip('a GPU machine may not refuse')
+    r = _run('--dry-run', '--out', str(tmp_path / 'gpu'))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 'gpu_check: refused, not downgraded: gpu_check part cluster' in r.stderr and 'GPU count: found' in r.stderr
+    assert 'part cluster refused (above); a real run stops here, this dry run goes on' in r.stdout
+
+
 def test_smoke_parameters_are_the_smoke_notebooks(tmp_path):
-    sys.path.insert(0, str(ROOT / 'scripts'))
-    try:
-        import gpu_check
-        p = gpu_check.smoke_params('none', 8)
-    finally: sys.path.remove(str(ROOT / 'scripts'))
+    p = _gpu_check().smoke_params('none', 8)
     nb = json.loads((ROOT / 'nbs' / 'smoke.ipynb').read_text())
     cell = next(c for c in nb['cells'] if 'parameters' in c.get('metadata', {}).get('tags', []))
     names = {line.split('=')[0].strip() for line in ''.join(cell['source']).splitlines() if '=' in line and not line.startswith(' ')}
@@ -38,11 +62,61 @@ def test_smoke_parameters_are_the_smoke_notebooks(tmp_path):
     assert yaml.safe_load(yaml.safe_dump(p)) == p
 
 
-def test_a_real_run_without_a_gpu_refuses():
-    r = _run('--part', 'subset')
-    assert r.returncode == 2 and 'no CUDA device here' in r.stderr
+def test_the_frozen_layout_is_refused_not_downgraded_without_te():
+    _no_te()
+    gc = _gpu_check()
+    p = gc.smoke_params('none', 8)                                # the layout as configured, whatever is installed
+    assert p['overrides']['batch.sequence_parallel'] is True and 'batch.attention' not in p['overrides']
+    r = _py('layout', '--part', 'cluster', '--gpus', '8')
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert r.stdout.splitlines()[:1] == ['cluster: layout: as_configured']
+    assert 'refused, not downgraded' in r.stderr
+    te = next(l for l in r.stderr.splitlines() if l.strip().startswith('Transformer Engine: found'))   # the doctor's row, with its fix
+    assert 'transformer-engine is not installed' in te and 'batch.sequence_parallel=True' in te and '; fix: ' in te, te
+    head = _py('preset', '--gpus', '8').stdout.splitlines()
+    assert head[0] == '# layout: as_configured' and yaml.safe_load('\n'.join(head))['overrides']['batch.sequence_parallel'] is True
+
+
+def test_reduced_names_its_layout_and_what_it_does_not_check():
+    _no_te()
+    gc = _gpu_check()
+    p, rec = gc.cluster_layout('none', 8, reduced=True)
+    assert rec['layout'] == 'reduced' and rec['reduced_layout'] == 'no-te'
+    assert p['overrides']['batch.sequence_parallel'] is False and p['overrides']['batch.attention'] == 'local'
+    assert 'Transformer Engine' not in rec['failing_rows']
+    assert any('sequence parallel' in x for x in rec['not_checked']) and any('Transformer Engine attention' in x for x in rec['not_checked'])
+    head = _py('preset', '--gpus', '8', '--reduced').stdout.splitlines()
+    assert head[0].startswith('# layout: reduced (no-te: ') and head[1].startswith('# not checked: Transformer Engine attention')
+
+
+def test_a_real_run_without_a_gpu_refuses_naming_the_rows(tmp_path):
+    import torch
+    if torch.cuda.is_available(): pytest.skip('needs a machine without CUDA')
+    r = _run('--part', 'subset', '--out', str(tmp_path / 'o'))
+    assert r.returncode == 2 and 'no CUDA device here' in r.stderr, r.stderr[-3000:]
+    assert 'refused, not downgraded' in r.stderr and 'GPU count: found' in r.stderr and 'fix: ' in r.stderr
+    assert not (tmp_path / 'o').exists()
+
+
+def test_cpu_simulation_is_the_subset_only():
+    r = _run('--cpu-simulation', '--part', 'cluster')
+    assert r.returncode == 2 and '--cpu-simulation runs only the subset' in r.stderr
 
 
 def test_unknown_argument_is_named():
     r = _run('--dryrun')
     assert r.returncode == 2 and "unknown argument '--dryrun'" in r.stderr
+
+
+def test_python3_when_python_is_absent(tmp_path):
+    "A bare machine: no .venv, no `python` on PATH, PYTHON unset: the script takes `python3` (memagent through PYTHONPATH)."
+    import shutil
+    (tmp_path / 'scripts').mkdir(); (tmp_path / 'bin').mkdir()
+    for f in ('gpu_check.sh', 'gpu_check.py'): shutil.copy(ROOT / 'scripts' / f, tmp_path / 'scripts' / f)
+    (tmp_path / 'bin' / 'python3').write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n"); (tmp_path / 'bin' / 'python3').chmod(0o755)
+    path = ':'.join([str(tmp_path / 'bin')] + [d for d in ('/usr/bin', '/bin') if not (Path(d) / 'python').exists()])
+    env = {k: v for k, v in os.environ.items() if k not in ('PYTHON', 'VIRTUAL_ENV')} | {'PATH': path, 'PYTHONPATH': str(ROOT)}
+    r = subprocess.run(['bash', str(tmp_path / 'scripts' / 'gpu_check.sh'), '--dry-run', '--part', 'subset', '--out', str(tmp_path / 'o')],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"+ python3 scripts/gpu_check.py subset --out {tmp_path}/o/subset" in r.stdout
