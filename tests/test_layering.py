@@ -3,13 +3,13 @@ import ast, subprocess, sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / 'memagent'
-TRAINING_PATH = ('trainer', 'policy', 'rollout', 'transfer', 'loss', 'credit', 'engines', 'checkpoint', 'backends.torch',
+TRAINING_PATH = ('trainer', 'doctor', 'colocate', 'policy', 'rollout', 'transfer', 'loss', 'credit', 'engines', 'checkpoint', 'backends.torch',
                  'backends.ray', 'backends.megatron', 'reward', 'prompts', 'chunking', 'models', 'data', 'config', 'provenance')
 
 
-def test_training_path_does_not_import_testing_or_bench():
+def test_training_path_does_not_import_testing_bench_or_the_simulated_node():
     code = ("import sys\n" + ''.join(f"import memagent.{m}\n" for m in TRAINING_PATH) +
-            "bad = sorted(m for m in sys.modules if m in ('memagent.testing', 'memagent.bench'))\nprint(bad)")
+            "bad = sorted(m for m in sys.modules if m in ('memagent.testing', 'memagent.bench', 'memagent.simnode'))\nprint(bad)")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == '[]', out.stdout
