@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys, tempfile
 from pathlib import Path
 from .engines import SGLangEngine, ServerProcess, free_port, sglang_server_cmd
-from .transfer import ClusterError, require_resources
+from .transfer import cluster_gpus, require_resources
 
 # %% auto #0
 __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placement', 'EngineServer', 'EngineServers',
@@ -15,10 +15,6 @@ __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placem
 
 # %% ../nbs/08a_colocate.ipynb #8fb7941c
 TRAIN_SHARE, SERVER_SHARE, PROBE_SHARE = 0.5, 0.2, 0.1    # of a bundle's GPU (and CPU): trainer rank, server actor, start-up probe
-
-def _cuda_here() -> bool:
-    import torch
-    return torch.cuda.is_available()
 
 def _bundle_info() -> tuple:
     "Where a task runs: (node address, the GPU ids Ray gave it)."
@@ -36,10 +32,7 @@ class Placement:
         if not ray.is_initialized(): raise RuntimeError("Placement needs a running Ray (ray.init, or memagent.transfer.ensure_ray)")
         self.n_gpus, self.gpus_per_engine = n_gpus, gpus_per_engine
         have = ray.cluster_resources()
-        self.use_gpu = have.get('GPU', 0) > 0 if use_gpu is None else use_gpu
-        if use_gpu is None and not self.use_gpu and _cuda_here():
-            raise ClusterError(f"this machine has CUDA but the Ray cluster declares no GPU ({have}): the colocated ranks and "
-                               f"engines would share cuda:0 or run on the CPU; start Ray with the node's GPUs")
+        self.use_gpu = cluster_gpus(have) > 0 if use_gpu is None else use_gpu
         self.bundle = {'GPU': 1, 'CPU': 1} if self.use_gpu else {'CPU': 1}
         require_resources({k: v * n_gpus for k, v in self.bundle.items()}, f"the colocated layout ({n_gpus} bundles of {self.bundle})", have)
         self.pg = placement_group([dict(self.bundle) for _ in range(n_gpus)], strategy='PACK')

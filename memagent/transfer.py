@@ -12,9 +12,9 @@ from .credit import mini_batch_of
 
 # %% auto #0
 __all__ = ['rows_to_arrays', 'num_array_rows', 'arrays_to_rows', 'take_arrays', 'concat_arrays', 'ChannelError', 'RowChannel',
-           'InProcessChannel', 'ClusterError', 'cluster_address', 'short_resources', 'require_resources', 'ensure_ray',
-           'RayChannel', 'pad_rows', 'balance_ranks', 'micro_batches', 'layout_step', 'mini_batch_slices',
-           'micro_batch_stats', 'collate']
+           'InProcessChannel', 'ClusterError', 'cluster_address', 'short_resources', 'require_resources',
+           'cluster_gpus', 'ensure_ray', 'RayChannel', 'pad_rows', 'balance_ranks', 'micro_batches', 'layout_step',
+           'mini_batch_slices', 'micro_batch_stats', 'collate']
 
 # %% ../nbs/12_transfer.ipynb #32103a1c
 _SCALARS = (('group_index', np.int64), ('turn_index', np.int64), ('num_turns', np.int64),
@@ -215,6 +215,17 @@ def require_resources(need: dict, what: str, have: dict | None = None) -> dict:
                            f"resources (`ray start --head --num-gpus N --num-cpus M`, or the Trainer's ray_gpus= / ray_cpus=), "
                            f"or join a cluster that has them (RAY_ADDRESS / ray_address=)")
     return have
+
+def cluster_gpus(have: dict, cuda: bool | None = None) -> float:
+    "The GPUs a Ray cluster (`have`: its resources) declares; `ClusterError` where this process has CUDA but the cluster declares none."
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    gpus = have.get('GPU', 0)
+    if not gpus and cuda:
+        raise ClusterError(f"this machine has CUDA but the Ray cluster declares no GPU ({dict(have)}): ranks and engines would "
+                           f"share cuda:0 or run on the CPU; start Ray with the node's GPUs")
+    return gpus
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None,
                object_store_memory: int | None = None, need: dict | None = None, what: str = 'the layout'):

@@ -101,15 +101,10 @@ def rank_device(cuda: bool | None = None, environ=None) -> dict:
 # %% ../../nbs/12c_ray_group.ipynb #cb69accb
 def rank_options(world: int, cluster: dict, cuda: bool | None = None) -> list[dict]:
     "`ActorClass.options(...)` of `world` unplaced ranks: one GPU each on a cluster that has GPUs (refused if it has too few); none on a CPU cluster (refused where this process sees CUDA)."
-    from memagent.transfer import require_resources, ClusterError
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    gpus = cluster.get('GPU', 0)
-    if gpus:
+    from memagent.transfer import cluster_gpus, require_resources
+    if cluster_gpus(cluster, cuda):
         require_resources({'GPU': world}, f"{world} ranks of one GPU each", cluster)
         return [dict(num_gpus=1)] * world
-    if cuda:
-        raise ClusterError(f"this machine has CUDA ({torch.cuda.device_count()} devices) but the Ray cluster declares no GPU: "
-                           f"{world} ranks would share cuda:0 or train on the CPU; start Ray with the node's GPUs")
     return [dict(num_gpus=0)] * world
 
 # %% ../../nbs/12c_ray_group.ipynb #fe96b81d
