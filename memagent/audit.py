@@ -11,10 +11,11 @@ from .report import md_table
 
 # %% auto #0
 __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_MODULE', 'AUDITED_FILES', 'CALL_SITE_WEIGHTS',
-           'N_CASES', 'FIXTURES_SCHEMA', 'RECEIPT_SCHEMA', 'EXPECT_KEYS', 'AuditError', 'AuditRefused',
-           'VerificationError', 'default_report_dir', 'validate_fixtures', 'load_fixtures', 'values_match', 'compare',
-           'check_checkout', 'load_reward_module', 'StubJudge', 'run_case', 'audited_source', 'run_audit',
-           'write_receipt', 'open_receipt', 'verify_receipt', 'summary_rows', 'summary_table', 'audit_cli']
+           'N_CASES', 'FIXTURES_SCHEMA', 'RECEIPT_SCHEMA', 'EXPECT_KEYS', 'REBUILD_ORIGIN', 'AUDITED_PINS',
+           'AuditError', 'AuditRefused', 'VerificationError', 'default_report_dir', 'validate_fixtures',
+           'load_fixtures', 'values_match', 'compare', 'check_checkout', 'load_reward_module', 'StubJudge', 'run_case',
+           'origin_problems', 'audited_upstream', 'run_audit', 'write_receipt', 'open_receipt', 'verify_receipt',
+           'summary_rows', 'summary_table', 'audit_cli']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
 PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
@@ -197,24 +198,64 @@ def run_case(mod, case: dict, weights=None) -> dict:
             'breakdown': dict(breakdown), 'judge_calls': len(judge.calls) if judge else 0,
             'input_unchanged': msgs == pristine}
 
+# %% ../nbs/18_audit.ipynb #8f238331
+REBUILD_ORIGIN = 'stored text of each path at its commit, rebuilt outside the repository'
+
+def _github_url(url, repository: str) -> bool:
+    "True when `url` is `https://github.com/<repository>`, bare or ending in `.git` or `/` (owner and name ignore case)."
+    m = re.fullmatch(r'https://github\.com/([\w.-]+?)/([\w.-]+?)(?:\.git|/)?', url) if isinstance(url, str) else None
+    return m is not None and f'{m[1]}/{m[2]}'.lower() == repository.lower()
+
+def origin_problems(upstream: dict, repository: str, revision: str | None, files: dict) -> list[str]:
+    "Each way `upstream` departs from `repository` at `revision` (`None`: a declared rebuild) with `files` (path -> (commit, sha256))."
+    if not isinstance(upstream, dict): return [f'upstream block is {type(upstream).__name__}, not an object']
+    probs, origin = [], upstream.get('origin')
+    if upstream.get('repository') != repository:
+        probs.append(f"repository {upstream.get('repository')!r} is not the pinned {repository!r}")
+    if upstream.get('revision') != revision:
+        probs.append(f"revision {upstream.get('revision')!r} is not the pinned {revision!r}")
+    if revision is None:
+        if origin != REBUILD_ORIGIN: probs.append(f'origin {origin!r} is not the declared rebuild {REBUILD_ORIGIN!r}')
+    elif not _github_url(origin, repository): probs.append(f'origin {origin!r} is not https://github.com/{repository}')
+    got = upstream.get('files')
+    if not isinstance(got, dict): return probs + [f'files is {type(got).__name__}, not an object of path -> commit and SHA-256']
+    for rel, (commit, sha) in files.items():
+        f = got.get(rel)
+        if not isinstance(f, dict): probs.append(f'{rel}: ' + ('missing from files' if f is None else f'expected commit and sha256, got {f!r}')); continue
+        if f.get('commit') != commit: probs.append(f"{rel}: commit {f.get('commit')!r} is not the pinned {commit!r}")
+        if f.get('sha256') != sha: probs.append(f"{rel}: SHA-256 {f.get('sha256')!r} is not the pinned {sha!r}")
+    return probs + [f'{rel}: in files but not pinned' for rel in got if rel not in files]
+
+AUDITED_PINS = {rel: (AUDITED_REVISION, sha) for rel, sha in AUDITED_FILES.items()}
+
+def audited_upstream(audited: dict) -> dict:
+    "The receipt's `audited` block as an upstream block: each file at the checkout's revision, where `check_checkout` hashed it."
+    files = audited.get('files')
+    return {'repository': audited.get('repository'), 'revision': audited.get('revision'), 'origin': audited.get('obtained_from'),
+            'files': {rel: {'commit': audited.get('revision'), 'sha256': h} for rel, h in files.items()} if isinstance(files, dict) else files}
+
 # %% ../nbs/18_audit.ipynb #f50fffa8
-_GITHUB_REMOTE = re.compile(r'(?:https://|ssh://git@|git@)github\.com[/:]([\w.-]+)/([\w.-]+?)(?:\.git)?/?')
-
-def audited_source(url) -> bool:
-    "True when the remote `url` is the audited repository on GitHub (https, ssh or scp-like form; case-insensitive)."
-    m = _GITHUB_REMOTE.fullmatch(url) if isinstance(url, str) else None
-    return m is not None and f'{m[1]}/{m[2]}'.lower() == AUDITED_REPOSITORY.lower()
-
 def _environment() -> dict:
     return {'python': platform.python_version(), 'implementation': platform.python_implementation(),
             'platform': platform.platform(), 'machine': platform.machine()}
 
+def _weights(fx: dict) -> dict:
+    "The reward weights the cases run with: the fixtures' `call_site.weights`, else `CALL_SITE_WEIGHTS`."
+    return fx['call_site']['weights'] if 'call_site' in fx else CALL_SITE_WEIGHTS
+
 def _summary(cases) -> dict:
-    checks = [c for case in cases for c in case['checks']]
-    bad = sum(not c['match'] for c in checks)
+    "The receipt's `summary`, counted from each case's `id`, `judge` and recorded `checks` (a check matches only when its `match` is `true`)."
+    checks = [[x for x in c.get('checks') or [] if isinstance(x, dict)] for c in cases]
+    bad = [sum(x.get('match') is not True for x in xs) for xs in checks]
+    n = sum(map(len, checks))
     return {'cases': len(cases), 'cases_with_judge': sum(bool(c.get('judge')) for c in cases),
-            'checks': len(checks), 'matched': len(checks) - bad, 'mismatched': bad,
-            'mismatched_cases': [c['id'] for c in cases if not all(x['match'] for x in c['checks'])]}
+            'checks': n, 'matched': n - sum(bad), 'mismatched': sum(bad),
+            'mismatched_cases': [c.get('id') for c, k in zip(cases, bad) if k]}
+
+def _status(unchanged, origin: list, summary: dict) -> str:
+    "`passed`, or the first thing that failed: a checkout changed by the run, an origin with problems, a mismatch."
+    return ('checkout_changed' if unchanged is not True else 'unexpected_source' if origin
+            else 'mismatch' if summary['mismatched'] else 'passed')
 
 def run_audit(source_repo, report_dir=None) -> dict:
     "Check the upstream checkout, run every fixture case through the audited functions and return the receipt."
@@ -226,23 +267,22 @@ def run_audit(source_repo, report_dir=None) -> dict:
     mod = load_reward_module(source_repo)
     tol, cases = fx['tolerance'], []
     for case in fx['cases']:
-        observed = run_case(mod, case, fx['call_site']['weights'] if 'call_site' in fx else None)
+        observed = run_case(mod, case, _weights(fx))
         cases.append({'id': case['id'], 'group': case['group'], 'judge': case.get('judge'),
                       'observed': observed, 'checks': compare(case['expect'], observed, tol)})
     after = check_checkout(source_repo)    # the run must leave the checkout as it found it
+    audited = {'repository': AUDITED_REPOSITORY, 'revision': checkout['revision'], 'obtained_from': checkout['origin'],
+               'files': checkout['files'], 'executed': REWARD_MODULE, 'checkout_unchanged_after_run': after == checkout}
     summary = _summary(cases)
-    status = ('checkout_changed' if after != checkout else 'unexpected_source' if not audited_source(checkout['origin'])
-              else 'mismatch' if summary['mismatched'] else 'passed')
+    origin = origin_problems(audited_upstream(audited), AUDITED_REPOSITORY, AUDITED_REVISION, AUDITED_PINS)
     return {
         'schema': RECEIPT_SCHEMA,
-        'status': status,
+        'status': _status(audited['checkout_unchanged_after_run'], origin, summary),
         'meaning': 'passed = the observed behaviour of the audited copy matched the expectations fixed before the '
                    'run; it says nothing about whether the reward is correct',
-        'audited': {'repository': AUDITED_REPOSITORY, 'revision': checkout['revision'],
-                    'obtained_from': checkout['origin'], 'files': checkout['files'],
-                    'executed': REWARD_MODULE, 'checkout_unchanged_after_run': after == checkout},
+        'audited': audited,
         'pinned_official': dict(PINNED_OFFICIAL, audited=False),
-        'call_site_weights': fx.get('call_site', {}).get('weights', CALL_SITE_WEIGHTS),
+        'call_site_weights': _weights(fx),
         'fixtures': {'path': 'fixtures.json', 'sha256': sha256_file(fx_path)},
         'protocol': {'path': 'protocol.md', 'sha256': sha256_file(proto_path)},
         'environment': _environment(),
@@ -272,6 +312,11 @@ def open_receipt(receipt_path, fixtures_path, load, schema: str, error=None, als
         problems.append(f'{fixtures_path.name} SHA-256 {got} differs from the receipt ({rc.get("fixtures", {}).get("sha256")})')
     return rc, fx, problems
 
+def _differs(field: str, stored, fresh) -> list[str]:
+    "`[]` when `stored` and `fresh` are the same JSON value (`true` is not `1`, `1` is not `1.0`), else one line naming both."
+    same = json.dumps(stored, sort_keys=True) == json.dumps(fresh, sort_keys=True)
+    return [] if same else [f'{field}: stored {stored!r}, recomputed {fresh!r}']
+
 def verify_receipt(report_dir=None, receipt_path=None) -> dict:
     "Re-check `receipt.json` against `fixtures.json` and `protocol.md`; raise `VerificationError` on any problem."
     report_dir = Path(report_dir) if report_dir else default_report_dir()
@@ -282,48 +327,47 @@ def verify_receipt(report_dir=None, receipt_path=None) -> dict:
     if (got := sha256_file(proto_path)) != rc.get('protocol', {}).get('sha256'):
         problems.append(f'protocol.md SHA-256 {got} differs from the receipt ({rc.get("protocol", {}).get("sha256")})')
     aud = rc.get('audited', {})
-    if aud.get('repository') != AUDITED_REPOSITORY or aud.get('revision') != AUDITED_REVISION:
-        problems.append(f'audited copy {aud.get("repository")}@{aud.get("revision")} is not the pinned '
-                        f'{AUDITED_REPOSITORY}@{AUDITED_REVISION}')
-    if aud.get('files') != AUDITED_FILES: problems.append('audited file hashes differ from the pinned AUDITED_FILES')
+    origin = origin_problems(audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, AUDITED_PINS)
+    problems += [f'audited copy: {p}' for p in origin]
     if aud.get('checkout_unchanged_after_run') is not True:
         problems.append(f'receipt records checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: '
                         'the checkout was not left as found (or the receipt does not say)')
-    if not audited_source(aud.get('obtained_from')):
-        problems.append(f'audited copy obtained from {aud.get("obtained_from")!r}, not from github.com/{AUDITED_REPOSITORY}')
     if aud.get('executed') != REWARD_MODULE: problems.append(f'receipt executed {aud.get("executed")!r}, not {REWARD_MODULE}')
-    if rc.get('pinned_official', {}).get('audited') is not False:
-        problems.append('receipt does not state that the pinned official revision was not audited')
+    problems += _differs('pinned_official', rc.get('pinned_official'), dict(PINNED_OFFICIAL, audited=False))
+    problems += _differs('call_site_weights', rc.get('call_site_weights'), _weights(fx))
+    env = rc.get('environment')
+    if not (isinstance(env, dict) and all(isinstance(env.get(k), str) and env[k] for k in _environment())):
+        problems.append(f'environment {env!r} does not name {", ".join(_environment())}')
     # completeness
     want = [c['id'] for c in fx['cases']]
-    got_ids = [c.get('id') for c in rc.get('cases', [])]
+    cases = [c if isinstance(c, dict) else {} for c in rc.get('cases') or []]
+    got_ids = [c.get('id') for c in cases]
     for cid in want:
         n = got_ids.count(cid)
         if n != 1: problems.append(f'case {cid!r}: present {n} times in the receipt (expected once)')
     for cid in got_ids:
         if cid not in want: problems.append(f'case {cid!r}: in the receipt but not in fixtures.json')
     if len(want) != N_CASES: problems.append(f'{len(want)} fixture cases, expected {N_CASES}')
-    # every recorded output against its expectation
-    tol, by_id = fx['tolerance'], {c.get('id'): c for c in rc.get('cases', [])}
-    n_checks = n_bad = 0
+    # every recorded output against its expectation, every recorded check against a fresh one
+    tol, by_id = fx['tolerance'], {c.get('id'): c for c in cases}
     for case in fx['cases']:
         rec = by_id.get(case['id'])
         if rec is None: continue
+        for k in ('group', 'judge'): problems += _differs(f"case {case['id']!r}: {k}", rec.get(k), case.get(k))
         fresh = compare(case['expect'], rec.get('observed', {}), tol)
-        n_checks += len(fresh)
-        for c in fresh:
-            if not c['match']:
-                n_bad += 1
-                problems.append(f"case {case['id']!r}: {c['field']}: recorded {c['observed']!r}, expected {c['expected']!r}")
-        recorded = [(c.get('field'), c.get('match')) for c in rec.get('checks', [])]
-        if recorded != [(c['field'], c['match']) for c in fresh]:
+        problems += [f"case {case['id']!r}: {c['field']}: recorded {c['observed']!r}, expected {c['expected']!r}"
+                     for c in fresh if not c['match']]
+        if _differs('', rec.get('checks'), fresh):
             problems.append(f"case {case['id']!r}: recorded checks disagree with a fresh comparison")
-    s = rc.get('summary', {})
-    if (s.get('cases'), s.get('checks'), s.get('mismatched')) != (len(got_ids), n_checks, n_bad):
-        problems.append(f'summary {s} inconsistent with {len(got_ids)} cases / {n_checks} checks / {n_bad} mismatches')
+    # every figure the reports show, recounted from the cases
+    summary, stored = _summary(cases), rc.get('summary')
+    stored = stored if isinstance(stored, dict) else {}
+    for k in dict.fromkeys([*summary, *stored]):
+        problems += _differs(f'summary.{k}', stored.get(k, _MISSING), summary.get(k, _MISSING))
+    problems += _differs('status', rc.get('status'), _status(aud.get('checkout_unchanged_after_run'), origin, summary))
     if rc.get('status') != 'passed': problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
     if problems: raise VerificationError(problems)
-    return {'status': 'verified', 'cases': len(got_ids), 'checks': n_checks,
+    return {'status': 'verified', 'cases': summary['cases'], 'checks': summary['checks'], 'matched': summary['matched'],
             'fixtures_sha256': rc['fixtures']['sha256'], 'protocol_sha256': rc['protocol']['sha256'],
             'audited': f"{aud['repository']}@{aud['revision']}"}
 
