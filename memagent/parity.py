@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 from .provenance import sha256_file
-from .audit import open_receipt
+from .audit import open_receipt, origin_problems, REBUILD_ORIGIN
 from collections import Counter
 from .reward import (REWARDS, score_prediction, normalize_answer, strict_sub_em, official_boxed_only,
                              official_unbox, official_hotpotqa, _aliases)
@@ -22,7 +22,8 @@ __all__ = ['SCORE_KEYS', 'MODES', 'RELAX', 'OFFICIAL', 'OFFICIAL_REPOSITORY', 'O
            'official_f1', 'official_item_metrics', 'official_score', 'official_summary_extras', 'ParityError',
            'ParityRefused', 'VerificationError', 'repo_root', 'load_fixtures', 'ours', 'check_official', 'check_relax',
            'run_official', 'run_relax', 'same', 'compare', 'ours_aggregate', 'mode_differences', 'run_parity',
-           'write_receipt', 'verify_receipt', 'differences_table', 'differences_count', 'source_table']
+           'receipt_status', 'write_receipt', 'verify_receipt', 'differences_table', 'differences_count',
+           'source_table']
 
 # %% ../nbs/18b_parity.ipynb #16c876bc
 @dataclass(frozen=True)
@@ -305,7 +306,7 @@ def check_relax(src) -> dict:
     if not src.is_dir(): raise ParityRefused(f'{src}: not a directory')
     hashes, problems = _hash_files(src, RELAX_FILES)
     if problems: raise ParityRefused(f'{src}: Relax files refused: ' + '; '.join(problems))
-    return {'repository': RELAX_REPOSITORY, 'revision': None, 'origin': 'stored text of each path at its commit, rebuilt outside the repository',
+    return {'repository': RELAX_REPOSITORY, 'revision': None, 'origin': REBUILD_ORIGIN,
             'files': {rel: {'commit': c, 'sha256': hashes[rel]} for rel, (c, _) in RELAX_FILES.items()}}
 
 # %% ../nbs/18b_parity.ipynb #152216ce
@@ -510,14 +511,23 @@ def run_parity(official_dir, relax_dir, fixtures_path=None) -> dict:
              'relax': _mode_block(rel_src, run_relax(relax_dir, fixtures), fixtures, 'relax')}
     unchanged = check_official(official_dir) == off_src and check_relax(relax_dir) == rel_src
     for m in modes.values(): m['upstream']['unchanged_after_run'] = unchanged
-    ok = all(not m['summary']['disagreeing_cases'] and m['summary']['aggregate_agrees'] for m in modes.values())
-    return {'schema': RECEIPT_SCHEMA,
-            'status': 'passed' if ok and unchanged else 'source_changed' if not unchanged else 'disagreement',
-            'meaning': 'passed = on every fixture, the upstream functions and this project\'s parity mode gave the same '
-                       'outputs (and the same aggregates); it says nothing about which semantics is better',
-            'fixtures': {'path': FIXTURES_PATH, 'sha256': sha256_file(fx_path), 'count': len(fixtures)},
-            'stubs': STUBS, 'environment': _environment(), 'modes': modes,
-            'mode_differences': mode_differences(fixtures)}
+    rc = {'schema': RECEIPT_SCHEMA, 'status': None,
+          'meaning': 'passed = on every fixture (and every fuzz draw, where the receipt has a fuzz section) the upstream '
+                     'functions and this project\'s parity mode gave the same outputs (and the same aggregates); failed = '
+                     'some did not, each listed; it says nothing about which semantics is better',
+          'fixtures': {'path': FIXTURES_PATH, 'sha256': sha256_file(fx_path), 'count': len(fixtures)},
+          'stubs': STUBS, 'environment': _environment(), 'modes': modes,
+          'mode_differences': mode_differences(fixtures)}
+    rc['status'] = receipt_status(rc)
+    return rc
+
+def receipt_status(receipt: dict) -> str:
+    "`source_changed` if a source changed during the run; else `passed` when no check of a mode and no fuzz draw disagrees; else `failed`."
+    modes, fz = receipt['modes'].values(), receipt.get('fuzz')
+    if not all(m['upstream'].get('unchanged_after_run') is True for m in modes) or (fz and fz.get('unchanged_after_run') is not True):
+        return 'source_changed'
+    ok = all(not m['summary']['disagreeing_cases'] and m['summary']['aggregate_agrees'] for m in modes)
+    return 'passed' if ok and not (fz and fz.get('disagreements') != []) else 'failed'
 
 def write_receipt(receipt: dict, path) -> Path:
     "Write `receipt` as indented JSON."
@@ -526,17 +536,34 @@ def write_receipt(receipt: dict, path) -> Path:
     return path
 
 # %% ../nbs/18b_parity.ipynb #bfc2672f
-def _expected_source(mode) -> dict:
-    if mode == 'official':
-        return {'repository': OFFICIAL_REPOSITORY, 'revision': OFFICIAL_REVISION,
-                'files': {rel: {'commit': c, 'sha256': h} for rel, (c, h) in OFFICIAL_FILES.items()}}
-    return {'repository': RELAX_REPOSITORY, 'revision': None,
-            'files': {rel: {'commit': c, 'sha256': h} for rel, (c, h) in RELAX_FILES.items()}}
+_PINS = {'official': (OFFICIAL_REPOSITORY, OFFICIAL_REVISION, OFFICIAL_FILES), 'relax': (RELAX_REPOSITORY, None, RELAX_FILES)}
 
-def _verify_mode(mode, block, fixtures, problems) -> int:
+def _json(x): return json.loads(json.dumps(x, ensure_ascii=False))
+
+def _diff(want, got, where) -> list[str]:
+    "Every path at which the recorded `got` differs from the recomputed `want` (`same` on leaves)."
+    if isinstance(want, dict) and isinstance(got, dict):
+        return [p for k in [*want, *(k for k in got if k not in want)]
+                for p in (_diff(want[k], got[k], f'{where}.{k}') if k in want and k in got else
+                          [f'{where}.{k}: {"missing from the receipt" if k in want else "not produced by the code"}'])]
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got) and any(isinstance(w, (dict, list)) for w in want):
+        return [p for j, (w, g) in enumerate(zip(want, got)) for p in _diff(w, g, f'{where}[{j}]')]
+    if isinstance(want, list) or isinstance(got, list): ok = want == got
+    else: ok = same(want, got)
+    return [] if ok else [f'{where}: the receipt records {_short(got)}, its own data give {_short(want)}']
+
+def _short(v, n=120) -> str:
+    s = repr(v); return s if len(s) <= n else s[:n - 3] + '...'
+
+def _hidden(fresh, recorded) -> list:
+    "(fresh check, recorded check) where a fresh check disagrees and the receipt's check of that field does not say so."
+    rec = {c.get('field'): c for c in recorded if isinstance(c, dict)} if isinstance(recorded, list) else {}
+    return [(c, rec.get(c['field'])) for c in fresh if not c['agree'] and (rec.get(c['field']) or {}).get('agree') is not False]
+
+def _verify_mode(mode, block, fixtures, problems) -> dict:
+    "Problems of one mode's block; returns the block recomputed from its recorded upstream outputs and our current code."
     up = block.get('upstream', {})
-    for k, v in _expected_source(mode).items():
-        if up.get(k) != v: problems.append(f'{mode}: upstream {k} {up.get(k)!r} is not the pinned {v!r}')
+    problems += [f'{mode}: upstream: {p}' for p in origin_problems(up, *_PINS[mode])]
     if up.get('unchanged_after_run') is not True:
         problems.append(f'{mode}: receipt records unchanged_after_run={up.get("unchanged_after_run")!r}')
     want = [f['id'] for f in fixtures]
@@ -544,32 +571,27 @@ def _verify_mode(mode, block, fixtures, problems) -> int:
     for cid in want:
         if (n := got.count(cid)) != 1: problems.append(f'{mode}: case {cid!r} present {n} times in the receipt (expected once)')
     for cid in sorted(set(got) - set(want)): problems.append(f'{mode}: case {cid!r} is in the receipt but not in the fixtures')
-    by_id, n_checks, n_agree = {c.get('id'): c for c in block.get('cases', [])}, 0, 0
-    for f in fixtures:
-        rec = by_id.get(f['id'])
-        if rec is None: continue
-        mine = ours(mode, f)
-        for c in compare(rec.get('ours', {}), mine):
+    by_id = {c.get('id'): c for c in block.get('cases', [])}
+    present = [f for f in fixtures if f['id'] in by_id]
+    for f in present:
+        for c in compare(by_id[f['id']].get('ours', {}), ours(mode, f)):
             if not c['agree']: problems.append(f"{mode}: case {f['id']!r}: {c['field']}: our output is now {c['ours']!r}, the receipt records {c['upstream']!r}")
-        upstream = {k: rec.get('upstream', {}).get(k, {}) for k in ('train_reward', 'eval')}
-        fresh = compare(upstream, mine)
-        for c in fresh:
-            if not c['agree']: problems.append(f"{mode}: case {f['id']!r}: {c['field']}: upstream recorded {c['upstream']!r}, ours {c['ours']!r}")
-        if [(c.get('field'), c.get('agree')) for c in rec.get('checks', [])] != [(c['field'], c['agree']) for c in fresh]:
-            problems.append(f"{mode}: case {f['id']!r}: recorded checks disagree with a fresh comparison")
-        n_checks += len(fresh); n_agree += sum(c['agree'] for c in fresh)
     agg = block.get('aggregate', {}).get('upstream', {})
-    ids = agg.get('fixtures', [])
-    expect_ids = [f['id'] for f in fixtures if not (mode == 'official' and by_id.get(f['id'], {}).get('upstream', {}).get('eval', {}).get('abort'))]
-    if ids != expect_ids: problems.append(f'{mode}: the aggregate covers {len(ids)} fixtures, expected {len(expect_ids)}')
-    fresh = compare(agg, ours_aggregate(mode, [f for f in fixtures if f['id'] in set(ids)]))
-    for c in fresh:
-        if not c['agree']: problems.append(f"{mode}: aggregate {c['field']}: upstream recorded {c['upstream']!r}, ours {c['ours']!r}")
-    n_checks += len(fresh); n_agree += sum(c['agree'] for c in fresh)
-    s = block.get('summary', {})
-    if (s.get('cases'), s.get('checks'), s.get('agreed')) != (len(got), n_checks, n_agree):
-        problems.append(f'{mode}: summary {s} inconsistent with {len(got)} cases / {n_checks} checks / {n_agree} agreed')
-    return n_checks
+    expect_ids = [f['id'] for f in present if not (mode == 'official' and by_id[f['id']].get('upstream', {}).get('eval', {}).get('abort'))]
+    if agg.get('fixtures') != expect_ids:
+        problems.append(f'{mode}: the aggregate covers {len(agg.get("fixtures", []))} fixtures, expected {len(expect_ids)}')
+    recorded = {'cases': {f['id']: by_id[f['id']].get('upstream', {}) for f in present}, 'aggregate': {'fixtures': [], **agg}}
+    fresh = _json(_mode_block(up, recorded, present, mode))
+    for new, old in zip(fresh['cases'], (by_id[f['id']] for f in present)):
+        problems += [f"{mode}: case {new['id']!r}: {c['field']}: upstream recorded {_short(c['upstream'])}, ours {_short(c['ours'])}, "
+                     f"the receipt's check says {_short(r)}" for c, r in _hidden(new['checks'], old.get('checks'))]
+        problems += [f'{mode}: case {new["id"]!r}: {p}' for p in _diff(new['checks'], old.get('checks'), 'checks')]
+    rec_agg = block.get('aggregate', {}).get('checks')
+    problems += [f"{mode}: aggregate {c['field']}: upstream recorded {_short(c['upstream'])}, ours {_short(c['ours'])}, "
+                 f"the receipt's check says {_short(r)}" for c, r in _hidden(fresh['aggregate']['checks'], rec_agg)]
+    problems += [f'{mode}: {p}' for p in _diff(fresh['aggregate']['checks'], rec_agg, 'aggregate.checks')]
+    problems += [f'{mode}: {p}' for p in _diff(fresh['summary'], block.get('summary'), 'summary')]
+    return fresh
 
 def verify_receipt(receipt_path=None, fixtures_path=None) -> dict:
     "Re-check `reports/parity/receipt.json` against the fixtures and our current functions; raise `VerificationError`."
@@ -579,18 +601,22 @@ def verify_receipt(receipt_path=None, fixtures_path=None) -> dict:
     rc, fixtures, problems = open_receipt(receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, error=VerificationError)
     if rc.get('fixtures', {}).get('count') != len(fixtures):
         problems.append(f'receipt counts {rc.get("fixtures", {}).get("count")} fixtures, the file has {len(fixtures)}')
+    if rc.get('fixtures', {}).get('path') != FIXTURES_PATH: problems.append(f'receipt names fixtures {rc.get("fixtures", {}).get("path")!r}, not {FIXTURES_PATH!r}')
     if rc.get('stubs') != STUBS: problems.append('the recorded stubs differ from STUBS')
-    checks = {}
+    fresh = {}
     for mode in ('official', 'relax'):
         if mode not in rc.get('modes', {}): problems.append(f'mode {mode!r} missing from the receipt'); continue
-        checks[mode] = _verify_mode(mode, rc['modes'][mode], fixtures, problems)
-    if rc.get('mode_differences') != json.loads(json.dumps(mode_differences(fixtures), ensure_ascii=False)):
+        fresh[mode] = _verify_mode(mode, rc['modes'][mode], fixtures, problems)
+    if rc.get('mode_differences') != _json(mode_differences(fixtures)):
         problems.append('the recorded table of mode differences is not what the current code gives')
-    if rc.get('status') != 'passed': problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
+    status = receipt_status({'modes': fresh, 'fuzz': rc.get('fuzz')}) if len(fresh) == 2 else None
+    if rc.get('status') != status: problems.append(f'receipt status is {rc.get("status")!r}, the recorded data give {status!r}')
     if problems: raise VerificationError(problems)
-    return {'status': 'verified', 'fixtures': len(fixtures), 'checks': checks, 'fixtures_sha256': rc['fixtures']['sha256'],
+    return {'status': 'verified', 'receipt_status': status, 'fixtures': len(fixtures),
+            'checks': {m: b['summary']['checks'] for m, b in fresh.items()}, 'fixtures_sha256': rc['fixtures']['sha256'],
             'official': f'{OFFICIAL_REPOSITORY}@{OFFICIAL_REVISION}', 'relax': RELAX_REPOSITORY,
-            'mode_differences': len(rc['mode_differences'])}
+            'mode_differences': len(rc['mode_differences']),
+            'fuzz': 'section present: memagent.fuzz.verify_fuzz checks it' if 'fuzz' in rc else 'no fuzz section'}
 
 # %% ../nbs/18b_parity.ipynb #537f4407
 def _cell(v, width=48) -> str:
