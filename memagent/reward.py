@@ -126,8 +126,9 @@ def _boxed_match(response_text: str, answers, norm) -> float:
 
 @register_reward('boxed_em')
 def boxed_em(response_text: str, answers) -> float:
-    "1.0 if the normalized boxed answer equals the normalized form of any gold alias (frozen recipe)."
-    return _boxed_match(response_text, answers, normalize_answer)
+    "1.0 if the stripped boxed answer is non-empty and its normalized form equals that of any gold alias (frozen recipe)."
+    p = extract_boxed(response_text).strip()
+    return float(bool(p) and normalize_answer(p) in {normalize_answer(a) for a in _aliases(answers)})
 
 @register_reward('boxed_em_math')
 def boxed_em_math(response_text: str, answers) -> float:
