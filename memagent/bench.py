@@ -13,9 +13,42 @@ from .transfer import RowChannel, RayChannel, InProcessChannel
 from .trajectory import Row
 
 # %% auto #0
-__all__ = ['bench_examples', 'bench_rollout', 'PhaseTimer', 'phase_split', 'bench_prompts', 'left_pad', 'bench_generate',
-           'matmul_gflops', 'memory_bandwidth', 'prefill_flops', 'decode_flops', 'weight_bytes', 'bench_sampling',
-           'synthetic_row_lengths', 'bench_channel', 'bench_linear_cost']
+__all__ = ['GOAL_OPS', 'MIN_REPEATS', 'interleave', 'spread', 'verdict', 'bench_examples', 'bench_rollout', 'PhaseTimer',
+           'phase_split', 'bench_prompts', 'left_pad', 'bench_generate', 'matmul_gflops', 'memory_bandwidth',
+           'prefill_flops', 'decode_flops', 'weight_bytes', 'bench_sampling', 'synthetic_row_lengths', 'bench_channel',
+           'bench_linear_cost']
+
+# %% ../nbs/21_bench.ipynb #8bf50779
+GOAL_OPS = {'>=': lambda v, g: v >= g, '>': lambda v, g: v > g, '<=': lambda v, g: v <= g, '<': lambda v, g: v < g}
+MIN_REPEATS = 5
+
+def interleave(fs: dict, repeats: int) -> dict:
+    "Call every function of `fs` once per repeat, in the order given (A, B, A, B, ...): {name: [one result per repeat]}."
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"interleave: repeats must be an int >= 1, got {repeats!r}")
+    out = {k: [] for k in fs}
+    for _ in range(repeats):
+        for k, f in fs.items(): out[k].append(f())
+    return out
+
+def _values(values, who: str) -> list[float]:
+    v = [float(x) for x in values]
+    if not v: raise ValueError(f"{who}: no values")
+    if any(x != x for x in v): raise ValueError(f"{who}: a value is NaN: {v}")
+    return v
+
+def spread(values) -> dict:
+    "Median, min, max and count of per-repeat `values`."
+    v = _values(values, 'spread')
+    return dict(median=float(np.median(v)), min=min(v), max=max(v), n=len(v))
+
+def verdict(values, goal_op: str, goal: float, min_repeats: int = MIN_REPEATS) -> str:
+    "'met' if every value satisfies `value goal_op goal`, 'not met' if none does, else 'undecided' (also with < `min_repeats` values)."
+    if goal_op not in GOAL_OPS: raise ValueError(f"verdict: goal_op must be one of {sorted(GOAL_OPS)}, got {goal_op!r}")
+    v = _values(values, 'verdict')
+    if len(v) < min_repeats: return 'undecided'
+    ok = [GOAL_OPS[goal_op](x, goal) for x in v]
+    return 'met' if all(ok) else 'not met' if not any(ok) else 'undecided'
 
 # %% ../nbs/21_bench.ipynb #7093b8b6
 def bench_examples(n: int, tokenizer, chunk_tokens: int, max_chunks: int, seed: int = 0) -> list[dict]:
@@ -149,19 +182,14 @@ def _run_hf(model, prompts, pad_id, n_new, temperature, top_p, seed):
     if o.shape[1] - ids.shape[1] != n_new: raise RuntimeError(f"bench_generate: generate() produced {o.shape[1] - ids.shape[1]} tokens, expected {n_new}")
     return dict(tokens=len(prompts) * n_new, **pt.result(w))
 
-def bench_generate(engine, prompts, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-                   repeats: int = 1) -> dict:
-    "Generated tokens/s of `HFEngine.generate` vs `model.generate()` on the same prompts and sampling settings (fastest of `repeats` each)."
-    best = {}
-    for _ in range(repeats):
-        for name, f in (('engine', lambda: _run_engine(engine, prompts, max_new_tokens, temperature, top_p, seed)),
-                        ('generate', lambda: _run_hf(engine.model, prompts, engine.pad_id, max_new_tokens, temperature, top_p, seed))):
-            r = f()
-            if name not in best or r['wall_s'] < best[name]['wall_s']: best[name] = r
-    for r in best.values(): r['tokens_per_s'] = r['tokens'] / r['wall_s']
+def bench_generate(engine, prompts, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> dict:
+    "Generated tokens/s of one `HFEngine.generate` run, then one `model.generate()` run, on the same prompts and sampling settings."
+    r = dict(engine=_run_engine(engine, prompts, max_new_tokens, temperature, top_p, seed),
+             generate=_run_hf(engine.model, prompts, engine.pad_id, max_new_tokens, temperature, top_p, seed))
+    for v in r.values(): v['tokens_per_s'] = v['tokens'] / v['wall_s']
     return dict(requests=len(prompts), padded_width=max(len(p) for p in prompts), prompt_tokens=sum(len(p) for p in prompts),
-                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, repeats=repeats, **best,
-                ratio=best['engine']['tokens_per_s'] / best['generate']['tokens_per_s'])
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **r,
+                ratio=r['engine']['tokens_per_s'] / r['generate']['tokens_per_s'])
 
 # %% ../nbs/21_bench.ipynb #e12defe3
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:

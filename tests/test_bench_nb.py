@@ -1,6 +1,7 @@
 """The benchmark notebook end to end through papermill with the tiniest parameters: the report must hold every section,
-its figures and the machine-readable results."""
-import json, sys
+its figures and the machine-readable results, every timed figure from interleaved repeats with its median, range and load;
+a run that would decide goals from fewer than five repeats is refused."""
+import json, statistics, sys
 from pathlib import Path
 
 import pytest
@@ -8,15 +9,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 
-TINY = dict(run='tiny', n_traj=4, channel_rows=8, channel_prompt_tokens=16, channel_response_tokens=8,
-            doc_counts=[10, 12], eval_items=1, trainer_rows=2, trainer_repeats=1, gen_model='tiny-qwen3', gen_requests=[2, 3],
-            gen_prompt_tokens=12, gen_new_tokens=3, gen_repeats=1, matmul_n=64, bandwidth_mb=4, phase_traj=2)
+TINY = dict(run='tiny', repeats=2, quick=True, n_traj=4, channel_rows=8, channel_prompt_tokens=16, channel_response_tokens=8,
+            doc_counts=[10, 12], eval_items=1, trainer_rows=2, gen_model='tiny-qwen3', gen_requests=[2, 3],
+            gen_prompt_tokens=12, gen_new_tokens=3, matmul_n=64, bandwidth_mb=4, phase_traj=2)
 SECTIONS = ('## Summary', '## (a) Rollout', '## (b) Rollout log-probs', "## (c) The trainer's micro-batches", '## (d) Row channel',
             '## (e) Linear cost', '## (f) Trainer log-probs', "## (g) The engine vs transformers' generate()",
             "## (h) How close to the machine's limits", '## (i) Rollout phases', '## Parameters', '## Provenance', '## Files')
+TIMED = ('(a)', '(d)', '(f)', '(g)', '(h)', '(i)')
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_bench_notebook_tiny(tmp_path):
     pm = pytest.importorskip('papermill')
     out = tmp_path / 'executed.ipynb'
@@ -29,24 +31,53 @@ def test_bench_notebook_tiny(tmp_path):
               'rollout_phases.png', 'bench.json'):
         assert (rep / f).is_file() and f'({f})' in readme, f
     assert 'load_average_start' in readme and 'load_average_end' in readme
+    assert '| measure | median | range | repeats | goal | verdict | load 1m | note |' in readme
     res = json.loads((rep / 'bench.json').read_text())
     measures = [r['measure'] for r in res['summary']]
     for tag in ('(a)', '(b)', '(c)', '(d)', '(e)', '(f)', '(g)', '(h)', '(i)'): assert any(m.startswith(tag) for m in measures), tag
-    # (g): one ratio per request count, both sides generating exactly gen_new_tokens per request
+    # every timed figure: one value and one load per repeat, median and range of those values; a quick check decides nothing
+    for r in res['summary']:
+        assert r['verdict'] == ('-' if r['goal'] == 'reported' else 'undecided'), r
+        if r['measure'].startswith(TIMED):
+            assert r['repeats'] == TINY['repeats'] == len(r['values']) == len(r['loads']), r
+            assert r['median'] == pytest.approx(statistics.median(r['values']))
+            assert r['range'] == f"{min(r['values']):.4g}..{max(r['values']):.4g}"
+        else: assert r['repeats'] == 'exact' or r['measure'].startswith('(e) linear fit'), r
+    # (a), (i): each repeat is one batched and one sequential rollout of the same trajectories
+    ra, rp = res['rollout'], res['rollout_phases']
+    assert len(ra['repeats']) == len(rp['repeats']) == TINY['repeats'] and ra['speedup']['n'] == TINY['repeats']
+    assert ra['identical_fraction'] == rp['identical_fraction'] == 1.0
+    assert rp['median']['decode_speedup'] == pytest.approx(statistics.median(r['phases']['decode_speedup'] for r in rp['repeats']))
+    # (g): one ratio per request count and repeat, both sides generating exactly gen_new_tokens per request
     assert [g['requests'] for g in res['generate']] == TINY['gen_requests']
     for g in res['generate']:
-        assert g['engine']['tokens'] == g['generate']['tokens'] == g['requests'] * TINY['gen_new_tokens']
-        assert g['engine']['prefill_calls'] == g['generate']['prefill_calls'] == 1
+        assert len(g['repeats']) == len(g['ratios']) == TINY['repeats']
+        for x in g['repeats']:
+            assert x['engine']['tokens'] == x['generate']['tokens'] == g['requests'] * TINY['gen_new_tokens']
+            assert x['engine']['prefill_calls'] == x['generate']['prefill_calls'] == 1
     assert sum(m.startswith('(g)') for m in measures) == len(TINY['gen_requests'])
-    # (h): both limits measured and every decode row carries its fraction of the bandwidth bound
+    # (h): the matmul rate re-measured in every repeat, each repeat's prefill fraction over its own rate
     lim = res['limits']
-    assert lim['matmul_gflops'] > 0 and lim['bandwidth']['read_gbs'] > 0 and lim['weight_bytes'] > 0
+    assert len(lim['per_repeat']) == TINY['repeats'] and all(x['matmul GFLOP/s'] > 0 for x in lim['per_repeat'])
+    h = next(r for r in res['summary'] if r['measure'].startswith('(h) prefill'))
+    key = f"prefill GFLOP/s ({TINY['gen_requests'][-1]})"
+    assert h['values'] == pytest.approx([x[key] / x['matmul GFLOP/s'] for x in lim['per_repeat']])
+    assert lim['bandwidth']['read_gbs'] > 0 and lim['weight_bytes'] > 0
     assert [r['batch'] for r in lim['decode']] == [1] + TINY['gen_requests'] and all(r['of bandwidth bound'] > 0 for r in lim['decode'])
-    # (i): the phases of both rollouts add up to their wall times
-    rp = res['rollout_phases']
-    for k in ('batched_phases', 'sequential_phases'):
-        p = rp[k]; assert abs(p['prefill_s'] + p['decode_s'] + p['other_s'] - p['wall_s']) < 1e-6 and p['prefill_calls'] >= 1
-    assert rp['n_traj'] == TINY['phase_traj'] and rp['phases']['decode_speedup'] > 0
-    # ratios and goals are reported, never asserted on timings; the log-prob agreement is numerical, not timed
-    assert res['logprobs'][0]['max_abs_diff'] < 1e-4 and res['rollout']['identical_fraction'] == 1.0
-    assert {r['met'] for r in res['summary']} <= {'yes', 'NO', '-'}
+    # (i): the phases of both rollouts add up to their wall times in every repeat
+    for r in res['rollout_phases']['repeats']:
+        for k in ('batched_phases', 'sequential_phases'):
+            p = r[k]; assert abs(p['prefill_s'] + p['decode_s'] + p['other_s'] - p['wall_s']) < 1e-6 and p['prefill_calls'] >= 1
+        assert r['n_traj'] == TINY['phase_traj'] and r['phases']['decode_speedup'] > 0
+    # the log-prob agreement is numerical, not timed
+    assert res['logprobs'][0]['max_abs_diff'] < 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_bench_refuses_too_few_repeats(tmp_path):
+    pm = pytest.importorskip('papermill')
+    with pytest.raises(pm.PapermillExecutionError, match='parameter repeats: at least 5'):
+        pm.execute_notebook(str(ROOT / 'nbs' / 'bench.ipynb'), str(tmp_path / 'x.ipynb'),
+                            parameters={**TINY, 'quick': False, 'out_root': str(tmp_path / 'bench')},
+                            cwd=str(ROOT), progress_bar=False, kernel_name='python3')
+    assert not (tmp_path / 'bench').exists()
