@@ -12,8 +12,9 @@ from .evaluate import COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, met
 from .stats import paired_bootstrap_ci
 
 # %% auto #0
-__all__ = ['JUDGED', 'HOTPOTQA', 'ROLES', 'CompareError', 'comparable_fields', 'recompute', 'load_run', 'compare', 'compare_cli',
-           'truncation_disclosure', 'plot_lengths', 'render_acceptance']
+__all__ = ['JUDGED', 'HOTPOTQA', 'SHOWN', 'ROLES', 'CompareError', 'comparable_fields', 'recompute', 'record_items',
+           'data_identity', 'load_run', 'identity_checks', 'compare', 'compare_cli', 'shown_runs',
+           'truncation_disclosure', 'plot_lengths', 'verification_md', 'render_acceptance']
 
 # %% ../nbs/16b_acceptance.ipynb #c02ccb13
 class CompareError(ValueError):
@@ -28,7 +29,7 @@ def comparable_fields(summary: dict) -> dict:
     return out
 
 JUDGED = ('parity', 'metrics', 'pass_at_k', 'pass_at_n', 'parity_extras', 'errors', 'successful', 'complete',
-          'truncated_samples', 'dropped_tokens', 'max_dropped_tokens', 'totals.samples', 'totals.items_recorded',
+          'truncated_samples', 'dropped_tokens', 'max_dropped_tokens', 'chunks_mean', 'chunks_max', 'totals.samples', 'totals.items_recorded',
           'totals.samples_expected')
 
 def _same(a, b) -> bool:
@@ -64,18 +65,54 @@ def recompute(summary: dict, records: list[dict], where: str = 'summary') -> dic
                            + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ''))
     return again
 
+def record_items(records, where: str = 'records') -> dict:
+    "`{item id: answers}` named by per-sample `records`; `CompareError` naming `where` when two samples of one item name different answers."
+    out = {}
+    for r in records:
+        i, a = str(r['id']), list(r['answers'])
+        if out.setdefault(i, a) != a: raise CompareError(f"{where}: the samples of item {i!r} name different answers ({out[i]!r} and {a!r})")
+    return out
+
+def _diff_items(have: dict, want: dict) -> dict:
+    "Item ids of `have` not in `want` ('extra'), of `want` not in `have` ('missing'), in both with other answers ('answers')."
+    return {'extra': [i for i in have if i not in want], 'missing': [i for i in want if i not in have],
+            'answers': [i for i in have if i in want and have[i] != want[i]]}
+
+def _say_diff(d: dict, kinds=('extra', 'missing', 'answers'), other: str = 'the other') -> str:
+    words = {'extra': f'not in {other}', 'missing': f'of {other} missing', 'answers': f'with other answers than in {other}'}
+    return '; '.join(f"{len(d[k])} items {words[k]} (e.g. {', '.join(map(repr, d[k][:3]))})" for k in kinds if d[k])
+
+def data_identity(summary: dict, items: dict, where: str = 'summary') -> dict:
+    "The data a run read as the gate sees it: the recorded file's SHA-256 recomputed and its first `totals.items` rows matched against the records' `items` when the file is here (`CompareError` when either disagrees), else the summary's hash marked unverified."
+    d = summary.get('data') or {}
+    p = d.get('path')
+    if not p or not Path(p).is_file():
+        return {'sha256': d.get('sha256'), 'verified': False, 'path': p,
+                'why': 'the summary records no data file' if not p else f'data file {p} is not here'}
+    got = sha256_file(p)
+    if got != d.get('sha256'):
+        raise CompareError(f"{where}: data file {p} has SHA-256 {got} but the summary records data.sha256 {d.get('sha256')!r}")
+    from memagent.data import read_examples
+    try: rows = read_examples(p, limit=(summary.get('totals') or {}).get('items'))
+    except ValueError as e: raise CompareError(f"{where}: {e}") from None
+    bad = _say_diff(_diff_items(items, {str(e['id']): list(e['answers']) for e in rows}), ('extra', 'answers'),  # items not recorded: the
+                    f"its first {len(rows)} rows")                                                              # 'complete' check says so
+    if bad: raise CompareError(f"{where}: the records are not the items of data file {p}: {bad}")
+    return {'sha256': got, 'verified': True, 'path': p}
+
+def _summary_of(run) -> tuple[dict, Path | None]:
+    "The summary of a run (a dict, a `summary.json` path or a run directory) and the directory it is in (None for a dict)."
+    if isinstance(run, dict): return run, None
+    if not isinstance(run, (str, os.PathLike)): raise CompareError(f"a run must be a summary dict or a path, got {type(run).__name__}")
+    p = Path(run)
+    if p.is_dir(): p = p / SUMMARY_FILE
+    if not p.is_file(): raise CompareError(f"{p}: no evaluation summary here")
+    try: return json.loads(p.read_text()), p.parent
+    except json.JSONDecodeError as e: raise CompareError(f"{p}: not valid JSON: {e}") from e
+
 def load_run(run) -> dict:
-    "`{'summary', 'records', 'source', 'recomputed'}` for a summary dict, a `summary.json` path or a run directory; the records' hash is checked and the summary recomputed from them."
-    src = None
-    if isinstance(run, (str, os.PathLike)):
-        p = Path(run)
-        if p.is_dir(): p = p / SUMMARY_FILE
-        if not p.is_file(): raise CompareError(f"{p}: no evaluation summary here")
-        try: summary = json.loads(p.read_text())
-        except json.JSONDecodeError as e: raise CompareError(f"{p}: not valid JSON: {e}") from e
-        src = p.parent
-    elif isinstance(run, dict): summary = run
-    else: raise CompareError(f"a run must be a summary dict or a path, got {type(run).__name__}")
+    "`{'summary', 'records', 'source', 'recomputed', 'items', 'data'}` for a summary dict, a `summary.json` path or a run directory; the records' hash is checked, the summary recomputed from them and the data file checked against them (`data_identity`)."
+    summary, src = _summary_of(run)
     if summary.get('schema_version') != SCHEMA_VERSION:
         raise CompareError(f"{src or 'summary'}: schema_version {summary.get('schema_version')!r} != {SCHEMA_VERSION!r}")
     rec = summary.get('records') or {}
@@ -85,15 +122,16 @@ def load_run(run) -> dict:
     if sha256_file(rp) != rec['sha256']:
         raise CompareError(f"{rp}: SHA-256 does not match the summary's records.sha256 (records changed after the run)")
     records = [json.loads(l) for l in rp.read_text(encoding='utf-8').splitlines() if l.strip()]
-    again = recompute(summary, records, str(src or 'summary'))
-    return {'summary': summary, 'records': records, 'source': str(src) if src else None, 'recomputed': again}
+    where = str(src or 'summary')
+    again, items = recompute(summary, records, where), record_items(records, where)
+    return {'summary': summary, 'records': records, 'source': str(src) if src else None, 'recomputed': again, 'items': items,
+            'data': data_identity(summary, items, where)}
 
 def _as_mapping(x) -> dict:
     "A run or `{key: run}` as `{key: run}` (int keys for lengths; 'hotpotqa' for the HotpotQA set)."
     if isinstance(x, dict) and 'schema_version' not in x:
         return {(int(k) if str(k).lstrip('-').isdigit() else str(k)): v for k, v in x.items()}
-    s = x if isinstance(x, dict) else load_run(x)['summary']
-    k = s.get('key')
+    k = _summary_of(x)[0].get('key')     # only the key: the run is loaded, and may be refused, by `compare`
     return {(int(k) if str(k).lstrip('-').isdigit() else str(k)): x}
 
 # %% ../nbs/16b_acceptance.ipynb #636c9632
@@ -110,6 +148,56 @@ def _paired(a_recs, b_recs, metric, n_boot, seed) -> dict:
     return {'items': len(common), 'agreement': float(np.mean(a == b)), 'diff_pp': 100 * float(np.mean(a - b)),
             'diff_ci95_pp': [100 * v for v in paired_bootstrap_ci(a, b, n_boot=n_boot, seed=seed)],
             'a_only': int(np.sum(a > b)), 'b_only': int(np.sum(b > a))}
+
+def _h16(h) -> str:
+    "The first 16 hex digits of a hash, 'none' for a missing one."
+    return str(h)[:16] if h else 'none'
+
+def identity_checks(checks: list, key, loaded: dict):
+    "Append to `checks` the identity checks of the runs `loaded` (role -> `load_run`) at `key`: same items, same data, different runs, different models."
+    ref = loaded['reference']
+    for role in ('candidate', 'base'):
+        d = _diff_items(loaded[role]['items'], ref['items'])
+        _check(checks, 'items', key, not any(d.values()), f"{role} vs reference: records name " + (
+               f"the same {len(ref['items'])} items (ids and answers)" if not any(d.values()) else _say_diff(d, other="the reference's records")),
+               role=role, **{k: len(v) for k, v in d.items()})
+    data = {r: run['data'] for r, run in loaded.items()}
+    how = lambda d: 'recomputed from ' + str(d['path']) if d['verified'] else f"recorded, unverified: {d['why']}"
+    same = len({d['sha256'] for d in data.values()}) == 1 and data['reference']['sha256'] is not None
+    _check(checks, 'data', key, same, ('one data SHA-256 ' + _h16(data['reference']['sha256']) + ': ' if same else 'data SHA-256 differs: ')
+           + '; '.join(f"{r} {'' if same else _h16(d['sha256']) + ' '}({how(d)})" for r, d in data.items()),
+           verified=sorted(r for r, d in data.items() if d['verified']))
+    ids = {r: (Path(run['source']).resolve() if run['source'] else None, run['summary']['records']['sha256']) for r, run in loaded.items()}
+    same_run = [f"{a} and {b} are " + (f"one run directory ({ids[a][0]})" if ids[a][0] and ids[a][0] == ids[b][0]
+                else f"runs with identical per-sample records (SHA-256 {_h16(ids[a][1])}): one run given twice")
+                for a, b in (('candidate', 'reference'), ('candidate', 'base'), ('reference', 'base'))
+                if (ids[a][0] and ids[a][0] == ids[b][0]) or ids[a][1] == ids[b][1]]
+    _check(checks, 'distinct_runs', key, not same_run, '; '.join(same_run) or
+           'three run directories with three different per-sample records')
+    m = {r: run['summary'].get('model') or {} for r, run in loaded.items()}
+    bad = [f"{r} records no model.weights_sha256" + (f" ({m[r]['error']})" if m[r].get('error') else '')
+           for r in ('candidate', 'reference') if not m[r].get('weights_sha256')]
+    for a, b in (('candidate', 'reference'), ('candidate', 'base'), ('reference', 'base')):
+        wa, wb = m[a].get('weights_sha256'), m[b].get('weights_sha256')
+        if (wa and wa == wb) or (not (wa and wb) and m[a].get('name') == m[b].get('name')):
+            bad.append(f"{a} and {b} are one model ({'weights_sha256 ' + _h16(wa) if wa and wa == wb else 'name ' + repr(m[a].get('name'))})")
+    _check(checks, 'distinct_models', key, not bad, ('; '.join(bad) if bad else 'three different models: ' + ', '.join(
+           f"{r} {m[r].get('name')!r} ({'weights ' + _h16(m[r]['weights_sha256']) if m[r].get('weights_sha256') else 'no weights hash: by name'})"
+           for r in m)) + ' (model identities as recorded by each run: not recomputable from the records)')
+
+SHOWN = ('metrics', 'truncated_samples', 'dropped_tokens', 'max_dropped_tokens', 'chunks_mean', 'chunks_max',
+         'errors', 'complete', 'parity', 'parity_extras')
+
+def _shown(run: dict) -> dict:
+    "What the report shows of a loaded run: `recomputed` (from its records), `data` (`data_identity`), and `recorded` (the summary's own fields the gate cannot recompute)."
+    s, again = run['summary'], run['recomputed']
+    lim = s.get('limits') or {}
+    return {'source': run['source'], 'records_sha256': (s.get('records') or {}).get('sha256'), 'samples': len(run['records']),
+            'recomputed': {k: again.get(k) for k in SHOWN},
+            'data': run['data'],
+            'recorded': {'model': s.get('model'), 'served_model': s.get('served_model'), 'mode': s.get('mode'),
+                         'max_chunks': lim.get('max_chunks'), 'wall_s': (s.get('timing') or {}).get('wall_s'),
+                         'comparable': {k: v for k, v in comparable_fields(s).items() if not k.startswith('data.')}}}
 
 def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None, seed: int = 0,
             n_boot: int = 1000, require_hotpotqa: bool = True, metric: str = 'sub_em', hotpotqa_metric: str = 'boxed_em') -> dict:
@@ -131,6 +219,7 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
             except CompareError as e: _check(checks, 'records', key, False, f"{role}: {e}"); continue
             _check(checks, 'records', key, True, f"{role}: records match the summary's SHA-256 and reproduce every judged number "
                    f"(parity {loaded[role]['recomputed']['parity']!r})", role=role)
+            runs.setdefault(str(key), {})[role] = _shown(loaded[role])
         if len(loaded) < 3: continue
         for role, run in loaded.items():
             s, n = run['recomputed'], len(run['records'])
@@ -148,6 +237,7 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
             reason = (f"{role} vs reference: " + '; '.join(f"{k} differs ({f.get(k)!r} vs {ref_fields.get(k)!r})" for k in diff[:6])
                       if diff else f"{role} vs reference: all comparable fields agree")
             _check(checks, 'comparable', key, not diff, reason, role=role, fields=diff)
+        identity_checks(checks, key, loaded)
         met = hotpotqa_metric if key == HOTPOTQA else metric
         v = {role: loaded[role]['recomputed']['metrics'][met]['value'] for role in loaded}    # never the summary's own numbers
         ci = {role: loaded[role]['recomputed']['metrics'][met]['ci95'] for role in loaded}
@@ -164,10 +254,11 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
         paired[str(key)] = {'metric': met,
                             'candidate_vs_reference': _paired(recs['candidate'], recs['reference'], met, n_boot, seed),
                             'candidate_vs_base': _paired(recs['candidate'], recs['base'], met, n_boot, seed)}
-        runs[str(key)] = {r: {'model': loaded[r]['summary'].get('model'), 'source': loaded[r]['source'],
-                              'truncated_samples': loaded[r]['summary'].get('truncated_samples'),
-                              'dropped_tokens': loaded[r]['summary'].get('dropped_tokens'),
-                              'samples': len(loaded[r]['records'])} for r in loaded}
+    models = {r: {k: (rs[r]['recorded']['model'] or {}).get('weights_sha256') for k, rs in runs.items() if r in rs} for r in roles}
+    for r, w in models.items():
+        one = len(set(w.values())) <= 1
+        _check(checks, 'one_model', None, one, f"{r}: " + ('one model' if one else 'the sets were evaluated by different models') +
+               f" (recorded weights_sha256: {', '.join(f'{k} {_h16(h)}' for k, h in w.items()) or 'no run loaded'})", role=r)
     passed = bool(checks) and all(c['passed'] for c in checks)
     return {'schema_version': SCHEMA_VERSION, 'passed': passed, 'tolerance_pp': tolerance_pp, 'lengths': lengths,
             'metric': metric, 'hotpotqa_metric': hotpotqa_metric, 'require_hotpotqa': require_hotpotqa,
@@ -215,17 +306,25 @@ def compare_cli(argv=None) -> int:
 # %% ../nbs/16b_acceptance.ipynb #b95fbc29
 ROLES = ('base', 'reference', 'candidate')
 
-def truncation_disclosure(summaries: dict) -> str:
-    "Markdown disclosure of truncation beyond max chunks for `{role: {key: summary}}`."
+def shown_runs(report: dict) -> dict:
+    "`{role: {key: run}}` of the runs `compare` loaded (`report['runs']`, int keys for lengths): what a report may show of them."
+    out = {}
+    for k, rs in report.get('runs', {}).items():
+        for role, run in rs.items(): out.setdefault(role, {})[int(k) if k.lstrip('-').isdigit() else k] = run
+    return out
+
+def truncation_disclosure(runs: dict) -> str:
+    "Markdown disclosure of truncation beyond max chunks for `{role: {key: run}}` (`shown_runs`): the counts recomputed from the records, mode and `max_chunks` as the run recorded them."
     rows, any_trunc = [], False
     for role in ROLES:
-        for key, s in sorted(summaries.get(role, {}).items(), key=lambda kv: str(kv[0])):
-            t, n = s.get('truncated_samples', 0), s['totals']['samples']
+        for key, run in sorted(runs.get(role, {}).items(), key=lambda kv: str(kv[0])):
+            s, n = run['recomputed'], run['samples']
+            t = s['truncated_samples']
             any_trunc |= t > 0
-            rows.append({'model': role, 'set': str(key), 'mode': s.get('mode'), 'max_chunks': s['limits'].get('max_chunks'),
-                         'samples': n, 'truncated samples': t, 'dropped tokens': s.get('dropped_tokens', 0),
-                         'max dropped / sample': s.get('max_dropped_tokens', 0),
-                         'read whole context': 'yes' if t == 0 else f'NO ({t}/{n} truncated)'})
+            rows.append({'model': role, 'set': str(key), 'mode (recorded)': run['recorded']['mode'],
+                         'max_chunks (recorded)': run['recorded']['max_chunks'], 'samples': n, 'truncated samples': t,
+                         'dropped tokens': s['dropped_tokens'], 'max dropped / sample': s['max_dropped_tokens'],
+                         'chunks mean': s['chunks_mean'], 'read whole context': 'yes' if t == 0 else f'NO ({t}/{n} truncated)'})
     from memagent.report import md_table
     lead = ("**Truncation occurred.** Samples whose document had more than `max_chunks` chunks were cut: only the first "
             "`max_chunks x chunk_tokens` tokens were read and the rest was dropped. Those runs did NOT read the whole "
@@ -254,29 +353,55 @@ def plot_lengths(summaries: dict, path, metric: str = 'sub_em') -> Path:
     fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
     return path
 
+def _copied_summaries(out: Path, report: dict, summaries: dict) -> tuple[list, list]:
+    "Write `summaries[role][key]` to `out/summaries/` when it is the run `compare` loaded (same records SHA-256); the files written and the runs left out."
+    runs, files, left = shown_runs(report), [], []
+    for role, m in summaries.items():
+        for key, s in m.items():
+            run = runs.get(role, {}).get(int(key) if str(key).lstrip('-').isdigit() else key)
+            if run is None or (s.get('records') or {}).get('sha256') != run['records_sha256']:
+                left.append(f"{role} {key}: " + ('not loaded by the gate' if run is None else 'not the run the gate compared')); continue
+            p = out / 'summaries' / f'{role}_{key}.json'; p.parent.mkdir(exist_ok=True)
+            p.write_text(json.dumps(s, indent=1) + '\n'); files.append(p.relative_to(out).as_posix())
+    return files, left
+
+def verification_md(report: dict, left=()) -> str:
+    "Markdown: what of the report the gate recomputed (from records, from data files) and what it shows as the runs recorded it."
+    from memagent.report import md_table
+    rows = [{'set': k, 'model': r, 'run': run['source'], 'records sha256': _h16(run['records_sha256']),
+             'data sha256': _h16(run['data']['sha256']),
+             'data hash': 'recomputed from ' + str(run['data']['path']) if run['data']['verified'] else f"UNVERIFIED ({run['data']['why']})"}
+            for k, rs in report.get('runs', {}).items() for r, run in rs.items()]
+    return ("Recomputed from each run's per-sample records (the verdict and every number in Results, Truncation disclosure, "
+            f"Paired statistics and Figures of the parity mode): `{'`, `'.join(JUDGED)}`, and the item ids with their answers. "
+            "Recomputed from the data file where it is here: its SHA-256 and that the records are its items (table). "
+            "**Unverified** (shown as the runs recorded them; the gate checks only that they agree where a check says so): "
+            "model identities and served-model proofs (Models), `mode` and `max_chunks` (Truncation disclosure), the shared "
+            "configuration, and every other field of `summaries/` (e.g. `timing.wall_s`, `engine`, `provenance`)."
+            + ('\n\nNot copied to `summaries/`: ' + '; '.join(left) + '.' if left else '') + '\n\n' + md_table(rows))
+
 def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | None = None, data_note: str | None = None,
                       recipe_data: bool = True, extra_sections=(), extra_files=()) -> Path:
-    "Write README.md, sub_em.png, compare.json and summaries/ for an acceptance run; returns README.md's path. `data_note` (what the sets are) opens the report; `recipe_data=False` says in the title that they are not the recipe's evaluation set; `extra_sections` (heading, markdown) follow the results, `extra_files` are listed."
+    "Write README.md, sub_em.png, compare.json and summaries/ for an acceptance run; returns README.md's path. Every number shown comes from `report` (recomputed by `compare`); `summaries` (`{role: {key: summary}}`) are copied to summaries/ when they are the runs compared. `data_note` (what the sets are) opens the report; `recipe_data=False` says in the title that they are not the recipe's evaluation set; `extra_sections` (heading, markdown) follow the results, `extra_files` are listed."
     from memagent.report import md_table, provenance_md, write_report
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     (out / 'compare.json').write_text(json.dumps(report, indent=1) + '\n')
-    files = ['compare.json']
-    for role, m in summaries.items():
-        for key, s in m.items():
-            p = out / 'summaries' / f'{role}_{key}.json'; p.parent.mkdir(exist_ok=True)
-            p.write_text(json.dumps(s, indent=1) + '\n'); files.append(p.relative_to(out).as_posix())
-    files.append(plot_lengths(summaries, out / 'sub_em.png').name)
+    copied, left = _copied_summaries(out, report, summaries)
+    runs = shown_runs(report)
+    files = ['compare.json', *copied,
+             plot_lengths({r: {k: run['recomputed'] for k, run in m.items()} for r, m in runs.items()}, out / 'sub_em.png').name]
     fmt = lambda s, m: f"{s['metrics'][m]['value']:.2f} [{s['metrics'][m]['ci95'][0]:.1f}, {s['metrics'][m]['ci95'][1]:.1f}]"
+    rec = lambda r, k: runs[r][k]['recomputed']
     rows = []
     for key in report['lengths']:
-        if not all(key in summaries.get(r, {}) for r in ROLES): continue
+        if not all(key in runs.get(r, {}) for r in ROLES): continue
         c = {ch['name']: ch for ch in report['checks'] if ch['key'] == key and ch['name'] in ('tolerance', 'beats_base')}
-        rows.append({'documents': key, **{r: fmt(summaries[r][key], report['metric']) for r in ROLES},
+        rows.append({'documents': key, **{r: fmt(rec(r, key), report['metric']) for r in ROLES},
                      '|cand - ref| pp': c.get('tolerance', {}).get('gap_pp'),
                      'within tolerance': c.get('tolerance', {}).get('passed'), 'beats base': c.get('beats_base', {}).get('passed')})
-    if all(HOTPOTQA in summaries.get(r, {}) for r in ROLES):
+    if all(HOTPOTQA in runs.get(r, {}) for r in ROLES):
         c = next((ch for ch in report['checks'] if ch['key'] == HOTPOTQA and ch['name'] == 'beats_base'), {})
-        rows.append({'documents': 'HotpotQA dev (boxed EM)', **{r: fmt(summaries[r][HOTPOTQA], report['hotpotqa_metric']) for r in ROLES},
+        rows.append({'documents': 'HotpotQA dev (boxed EM)', **{r: fmt(rec(r, HOTPOTQA), report['hotpotqa_metric']) for r in ROLES},
                      'beats base': c.get('passed')})
     verdict = ('**PASSED**: every check below holds.' if report['passed'] else
                '**NOT PASSED**. Reasons:\n\n' + '\n'.join(f'- {x}' for x in report['reasons']))
@@ -289,21 +414,28 @@ def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | Non
                 prow.append({'set': key, 'pair': pair.replace('_', ' '), 'metric': p['metric'], 'items': q['items'],
                              'agreement': q['agreement'], 'diff pp': q['diff_pp'],
                              'paired 95% CI pp': f"[{q['diff_ci95_pp'][0]:.2f}, {q['diff_ci95_pp'][1]:.2f}]"})
-    served = lambda s: (s.get('served_model') or {}).get('how') or '; '.join(sorted({x.get('how', '') for x in (s.get('served_model') or {}).get('servers', [])})) or 'not checked'
-    models = md_table([{'model': r, 'name': (s.get('model') or {}).get('name'), 'weights sha256': str((s.get('model') or {}).get('weights_sha256'))[:16],
-                        'served model proven by': served(s)}
-                       for r in ROLES for s in list(summaries.get(r, {}).values())[:1]])
-    any_s = next(iter(next(iter(summaries.values())).values()))
+    served = lambda s: (s or {}).get('how') or '; '.join(sorted({x.get('how', '') for x in (s or {}).get('servers', [])})) or 'not checked'
+    models = md_table([{'model': r, 'set': str(k), 'name (recorded)': (run['recorded']['model'] or {}).get('name'),
+                        'weights sha256 (recorded)': _h16((run['recorded']['model'] or {}).get('weights_sha256')),
+                        'served model proven by (recorded)': served(run['recorded']['served_model'])}
+                       for r in ROLES for k, run in runs.get(r, {}).items()])
+    first = next((run for r in ('reference', *ROLES) for run in runs.get(r, {}).values()), None)
     shared = md_table([{'field': k, 'value': json.dumps(v) if not isinstance(v, str) else v}
-                       for k, v in comparable_fields(any_s).items() if not k.startswith('data.')])
+                       for k, v in first['recorded']['comparable'].items()]) if first else '_(no run loaded)_'
+    parity = first['recomputed']['parity'] if first else None
     sections = ([('Evaluation data', data_note)] if data_note else []) + [('Verdict', verdict),
-                ('Results', f"Parity mode `{any_s.get('parity')}`. Metric: `{report['metric']}` in %, 95% item-bootstrap interval in brackets; tolerance "
-                            f"{report['tolerance_pp']} pp.\n\n" + md_table(rows, floatfmt='.2f') + '\n\n![sub_EM per length](sub_em.png)'),
-                *extra_sections, ('Truncation disclosure', truncation_disclosure(summaries)),
+                ('Results', f"Parity mode `{parity}`. Metric: `{report['metric']}` in %, 95% item-bootstrap interval in brackets, "
+                            f"recomputed from the records; tolerance {report['tolerance_pp']} pp.\n\n"
+                            + (md_table(rows, floatfmt='.2f') if rows else '_(no set with all three runs loaded)_') + '\n\n![sub_EM per length](sub_em.png)'),
+                *extra_sections, ('Truncation disclosure', truncation_disclosure(runs)),
                 ('Checks', checks), ('Paired per-item statistics', md_table(prow, floatfmt='.3f') if prow else '_(none)_'),
-                ('Models', models), ('Shared evaluation configuration', shared)]
-    extras = [{'model': r, 'set': str(k), **flatten(s.get('parity_extras') or {})} for r in ROLES
-              for k, s in summaries.get(r, {}).items() if s.get('parity_extras')]
+                ('Models', 'As each run recorded them (**unverified**: not recomputable from the records; `distinct_models` '
+                           'compares them).\n\n' + models),
+                ('Shared evaluation configuration', "As the reference's run recorded it (**unverified**; the `comparable` check "
+                                                    "says whether the three runs agree).\n\n" + shared),
+                ('What the gate verified', verification_md(report, left))]
+    extras = [{'model': r, 'set': str(k), **flatten(run['recomputed']['parity_extras'] or {})} for r in ROLES
+              for k, run in runs.get(r, {}).items() if run['recomputed'].get('parity_extras')]
     if extras: sections.append(('Figures of the parity mode', "Computed from the same records by the parity mode's own rules "
                                 "(e.g. the official script's drop of empty outputs); the verdict uses the metrics above.\n\n"
                                 + md_table(extras, floatfmt='.2f')))

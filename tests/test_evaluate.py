@@ -12,17 +12,19 @@ from memagent.evaluate import (COMPARABLE, METRICS, RECORD_FIELDS, RECORDS_FILE,
                                item_limit, summarize)
 from memagent.stats import bootstrap_ci, paired_bootstrap_ci
 from memagent.acceptance import compare, compare_cli
+from memagent.provenance import sha256_text
 from memagent.testing import synthetic_run
 
 
 def trio(root, cand, ref, base, hot=(60, 50, 40), cinfo=None, n_items=1000, **kw):
-    "Synthetic candidate/reference/base runs at length 200 (solved counts out of `n_items`) and on HotpotQA (percent)."
+    "Synthetic candidate/reference/base runs (three models: each its own weights hash) at length 200 (solved counts out of `n_items`) and on HotpotQA (percent)."
     out = {}
     for role, solved, h in (('candidate', cand, hot[0]), ('reference', ref, hot[1]), ('base', base, hot[2])):
         c = role == 'candidate'
-        out[role] = {200: synthetic_run(root / role / '200', solved, n_items=n_items, info=cinfo if c else None, **(kw if c else {})),
+        info = {'model': {'name': role, 'weights_sha256': sha256_text(role)}, **((cinfo or {}) if c else {})}
+        out[role] = {200: synthetic_run(root / role / '200', solved, n_items=n_items, info=info, **(kw if c else {})),
                      'hotpotqa': synthetic_run(root / role / 'hotpotqa', h * n_items // 100, n_items=n_items, key='hotpotqa',
-                                               info=cinfo if c else None)}
+                                               info=info)}
     return out
 
 
@@ -44,8 +46,9 @@ def test_tolerance_edges(tmp_path):
 def test_ties_with_base_fail(tmp_path):
     r = run(trio(tmp_path / 'a', 500, 500, 500))
     assert not r['passed'] and any(x.startswith('beats_base[200]') and 'must be strictly better' in x for x in r['reasons'])
-    r = run(trio(tmp_path / 'b', 510, 500, 400, hot=(40, 50, 40)))
-    assert r['reasons'] == ['beats_base[hotpotqa]: boxed_em candidate 40.00 <= base 40.00 (must be strictly better)']
+    r = run(trio(tmp_path / 'b', 510, 500, 400, hot=(40, 50, 40)))   # equal counts write identical records: one run twice
+    assert [x.split(':')[0] for x in r['reasons']] == ['distinct_runs[hotpotqa]', 'beats_base[hotpotqa]']
+    assert r['reasons'][1] == 'beats_base[hotpotqa]: boxed_em candidate 40.00 <= base 40.00 (must be strictly better)'
 
 
 def test_missing_hotpotqa_fails_unless_waived(tmp_path):
