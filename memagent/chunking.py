@@ -7,6 +7,7 @@ from __future__ import annotations
 import math, re
 from array import array
 from dataclasses import dataclass, field, asdict
+from .prompts import encode_text
 
 # %% auto #0
 __all__ = ['Chunks', 'chunk_ids', 'trim_centre', 'encode_long', 'chunk_document', 'chunk_texts_of']
@@ -93,11 +94,11 @@ def _slices(text: str, piece_chars: int = 100_000):
     if start < n: yield text[start:], False
 
 def encode_long(text: str, tokenizer, piece_chars: int = 100_000) -> tuple:
-    "Plain-text token ids of `text` (special-token parsing off) as a compact `array('I')`, encoded in slices; returns (ids, hard_splits)."
+    "Plain-text token ids of `text` (`encode_text`: no added token matched) as a compact `array('I')`, encoded in slices; returns (ids, hard_splits)."
     ids, hard = array('I'), 0
     for piece, h in _slices(text, piece_chars):
         hard += h
-        ids.extend(tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True, verbose=False))
+        ids.extend(encode_text(tokenizer, piece))
     return ids, hard
 
 # %% ../nbs/04_chunking.ipynb #23b05b91

@@ -7,13 +7,15 @@ from __future__ import annotations
 import re
 from importlib.resources import files
 from pathlib import Path
+from tokenizers import Tokenizer
 from .provenance import sha256_bytes, sha256_text
 
 # %% auto #0
-__all__ = ['PROMPTS_DIR', 'VARIANTS', 'THINKING', 'TEMPLATE_SHA256', 'TEMPLATES', 'NO_MEMORY', 'check_templates',
-           'template_sha256s', 'memory_prompt', 'final_prompt', 'strip_thinking', 'render_user', 'encode_text',
-           'special_token_texts', 'encode_user_parts', 'encode_user', 'chat_preamble', 'injected_system_prompt',
-           'bound_memory', 'memory_from_response', 'base_prompt', 'prompt_record']
+__all__ = ['PROMPTS_DIR', 'VARIANTS', 'THINKING', 'TEMPLATE_SHA256', 'TEMPLATES', 'NO_MEMORY', 'ADDED_TOKENS_IN_USER_TEXT',
+           'MEMORY_IN_PROMPT', 'check_templates', 'template_sha256s', 'memory_prompt', 'final_prompt', 'strip_thinking',
+           'render_user', 'encode_text', 'added_token_texts', 'encode_memory', 'encode_user_parts', 'encode_user',
+           'encode_memory_prompt', 'encode_final_prompt', 'chat_preamble', 'injected_system_prompt', 'bound_memory',
+           'memory_from_response', 'base_prompt', 'prompt_record']
 
 # %% ../nbs/05_prompts.ipynb #accfc86f
 PROMPTS_DIR = Path(str(files('memagent')))/'assets'/'prompts'
@@ -98,21 +100,61 @@ def render_user(tokenizer, text: str, thinking: str = 'off') -> str:
                                          add_generation_prompt=True, enable_thinking=thinking != 'off')
 
 _SENTINEL = '\x00memagent-user-content\x00'
+ADDED_TOKENS_IN_USER_TEXT = 'plain text outside the memory span'   # template text, question, chunk: every added token's text -> its pieces
+MEMORY_IN_PROMPT = ('decoded text; inside the memory span the text of each added token not flagged special is that token, '
+                    'special-token text is plain text')   # see encode_memory
+
+def _plain_pipeline(tokenizer):
+    "The tokenizer's own normalizer, pre-tokenizer and model (shared, not copied) in a `tokenizers.Tokenizer` with no added tokens."
+    b = getattr(tokenizer, 'backend_tokenizer', None)
+    if b is None:
+        raise TypeError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} ({type(tokenizer).__name__}) has no `tokenizers` "
+                        "backend: encoding text without its added tokens needs a fast tokenizer")
+    t = Tokenizer(b.model)
+    if b.normalizer is not None: t.normalizer = b.normalizer
+    if b.pre_tokenizer is not None: t.pre_tokenizer = b.pre_tokenizer
+    return t
 
 def encode_text(tokenizer, text: str) -> list:
-    "Ids of `text` as plain text: no special tokens added, and special-token text (`<|im_end|>`) encoded as ordinary characters."
-    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    "Ids of `text` as plain text: no special tokens added, and the text of every added token (special or not) encoded as ordinary pieces."
+    if not isinstance(text, str): raise TypeError(f"text must be a string, got {type(text).__name__}")
+    return _plain_pipeline(tokenizer).encode(text, add_special_tokens=False).ids
 
 def _encode_markup(tokenizer, text: str) -> list:
-    "Ids of chat-template markup: special-token text becomes the special token."
+    "Ids of chat-template markup: the text of every added token (special or not) becomes that token."
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False)) if text else []
 
-def special_token_texts(tokenizer) -> tuple:
-    "The text of every token the tokenizer flags special, longest first."
-    return tuple(sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=lambda t: (-len(t), t)))
+def added_token_texts(tokenizer, special: bool | None = None) -> tuple:
+    "The text of every added token of `tokenizer`, longest first; only those whose special flag is `special` when it is given."
+    return tuple(sorted({t.content for t in tokenizer.added_tokens_decoder.values() if special is None or t.special == special},
+                        key=lambda t: (-len(t), t)))
 
-def encode_user_parts(tokenizer, text: str, thinking: str = 'off') -> tuple:
-    "`(markup_before, content, markup_after)` ids of `text` as one user message; `content` is encoded with special-token parsing off."
+def _matched(tokenizer) -> dict:
+    "`{text: id}` of the added tokens NOT flagged special, the ones a memory keeps as tokens; each must match as written."
+    toks = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if not t.special}
+    bad = sorted(t.content for t in tokenizer.added_tokens_decoder.values() if not t.special and (t.lstrip or t.rstrip or t.single_word or t.normalized))
+    if bad: raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r}: added tokens {bad} match with lstrip, rstrip, "
+                             "single_word or normalized set, which the memory encoding does not reproduce")
+    return toks
+
+def _encode_content(tokenizer, text: str, span=None) -> list:
+    "Plain-text ids of `text`, except that inside `span` (start, end) the text of every added token not flagged special is its id."
+    toks = _matched(tokenizer) if span is not None else {}
+    if not toks: return encode_text(tokenizer, text)
+    pat = re.compile('|'.join(map(re.escape, sorted(toks, key=lambda t: (-len(t), t)))))    # leftmost, then longest
+    ids, at = [], 0
+    for m in pat.finditer(text, *span):
+        ids += encode_text(tokenizer, text[at:m.start()]) + [toks[m.group()]]
+        at = m.end()
+    return ids + encode_text(tokenizer, text[at:])
+
+def encode_memory(tokenizer, text: str) -> list:
+    "Ids of a memory `text` as the memory span of a prompt holds them: added tokens not flagged special as their ids, the rest plain text."
+    if not isinstance(text, str): raise TypeError(f"memory must be a string, got {type(text).__name__}")
+    return _encode_content(tokenizer, text, (0, len(text)))
+
+def encode_user_parts(tokenizer, text: str, thinking: str = 'off', memory_span=None) -> tuple:
+    "`(markup_before, content, markup_after)` ids of `text` as one user message; `content` is plain text but for `memory_span` of `text`."
     if not isinstance(text, str): raise TypeError(f"user text must be a string, got {type(text).__name__}")
     frame = render_user(tokenizer, _SENTINEL, thinking)
     name = getattr(tokenizer, 'name_or_path', tokenizer)
@@ -121,19 +163,46 @@ def encode_user_parts(tokenizer, text: str, thinking: str = 'off') -> tuple:
     pre, post = frame.split(_SENTINEL)
     if render_user(tokenizer, text, thinking) != pre + text + post:
         raise ValueError(f"tokenizer {name!r}: the chat template changes the user text, so it cannot be encoded apart from the markup")
-    specials = special_token_texts(tokenizer)
-    pat = re.compile('|'.join(map(re.escape, specials))) if specials else None
+    if memory_span is not None and not (0 <= memory_span[0] <= memory_span[1] <= len(text)):
+        raise ValueError(f"memory span {memory_span} is not inside the user text of {len(text)} characters")
+    added = added_token_texts(tokenizer)
+    pat = re.compile('|'.join(map(re.escape, added))) if added else None
     last = [m.end() for m in pat.finditer(pre)] if pat else []
     cut_pre = last[-1] if last else 0
     first = pat.search(post) if pat else None
     cut_post = first.start() if first else len(post)
-    return (_encode_markup(tokenizer, pre[:cut_pre]), encode_text(tokenizer, pre[cut_pre:] + text + post[:cut_post]),
+    lead = len(pre) - cut_pre
+    span = None if memory_span is None else (lead + memory_span[0], lead + memory_span[1])
+    return (_encode_markup(tokenizer, pre[:cut_pre]), _encode_content(tokenizer, pre[cut_pre:] + text + post[:cut_post], span),
             _encode_markup(tokenizer, post[cut_post:]))
 
 def encode_user(tokenizer, text: str, thinking: str = 'off') -> list:
     "Token ids of `text` sent as one user message through the chat template, generation prompt included (see `encode_user_parts`)."
     a, b, c = encode_user_parts(tokenizer, text, thinking)
     return a + b + c
+
+_MEMORY_SENTINEL = '\x00memagent-memory\x00'
+
+def _memory_span(build, memory: str) -> tuple:
+    "`(text, (start, end))`: `build(memory)` and the memory's exact place in it, from `build` with a sentinel in the memory's place."
+    if not isinstance(memory, str): raise TypeError(f"memory must be a string, got {type(memory).__name__}")
+    frame = build(_MEMORY_SENTINEL)
+    if frame.count(_MEMORY_SENTINEL) != 1:
+        raise ValueError(f"the prompt holds the memory placeholder {frame.count(_MEMORY_SENTINEL)} times, expected once")
+    pre, post = frame.split(_MEMORY_SENTINEL)
+    text = build(memory)
+    if text != pre + memory + post: raise ValueError("the prompt does not hold the memory verbatim between the template's text")
+    return text, (len(pre), len(pre) + len(memory))
+
+def encode_memory_prompt(tokenizer, question: str, memory: str, chunk: str, variant: str = 'train', thinking: str = 'off') -> list:
+    "Token ids of the memory turn (`memory_prompt`) as one user message: the memory span by `encode_memory`'s rule, the rest plain text."
+    text, span = _memory_span(lambda m: memory_prompt(question, m, chunk, variant), memory)
+    return sum(encode_user_parts(tokenizer, text, thinking, span), [])
+
+def encode_final_prompt(tokenizer, question: str, memory: str, variant: str = 'train', thinking: str = 'off') -> list:
+    "Token ids of the final turn (`final_prompt`) as one user message: the memory span by `encode_memory`'s rule, the rest plain text."
+    text, span = _memory_span(lambda m: final_prompt(question, m, variant), memory)
+    return sum(encode_user_parts(tokenizer, text, thinking, span), [])
 
 def chat_preamble(tokenizer, thinking: str = 'off') -> str:
     "What the chat template writes before the user's text when no system message is given."
@@ -147,7 +216,7 @@ def injected_system_prompt(tokenizer):
 
 # %% ../nbs/05_prompts.ipynb #152d5766
 def _encode(tokenizer, text: str) -> list:
-    "Plain-text ids, as the text appears inside a prompt (`encode_text`)."
+    "Plain-text ids (`encode_text`) of a context or a question, as the base prompt counts them."
     return encode_text(tokenizer, text)
 
 def _fit_ids(tokenizer, ids: list, fits) -> tuple:
@@ -161,12 +230,12 @@ def _fit_ids(tokenizer, ids: list, fits) -> tuple:
     return '', []
 
 def bound_memory(text: str, tokenizer, max_tokens: int) -> tuple:
-    "Cut `text` to at most `max_tokens` tokens: returns (text, ids) with ids == encode(text), len(ids) <= max_tokens."
+    "Cut `text` to at most `max_tokens` tokens: returns (text, ids) with ids == encode_memory(text), len(ids) <= max_tokens."
     if max_tokens < 0: raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    ids = _encode(tokenizer, text)
+    ids = encode_memory(tokenizer, text)
     if len(ids) <= max_tokens: return text, ids
     def fits(t):
-        enc = _encode(tokenizer, t)
+        enc = encode_memory(tokenizer, t)
         return len(enc) <= max_tokens, len(enc) - max_tokens, enc
     return _fit_ids(tokenizer, ids[:max_tokens], fits)
 
@@ -199,7 +268,8 @@ def prompt_record(variant: str, thinking: str, tokenizer=None) -> dict:
     names = {'memory': f'memory_{variant}', 'final': f'final_{variant}', 'first_memory': 'no_memory', 'base_suffix': 'base_suffix'}
     shas = template_sha256s()
     rec = {'variant': variant, 'thinking': thinking, 'enable_thinking': thinking != 'off',
-           'strip_thinking': thinking == 'strip', 'user_text_special_tokens': 'plain text', 'templates': names,
+           'strip_thinking': thinking == 'strip', 'user_text_added_tokens': ADDED_TOKENS_IN_USER_TEXT,
+           'memory_in_prompt': MEMORY_IN_PROMPT, 'templates': names,
            'template_sha256': {k: shas[v] for k, v in names.items()}, 'all_template_sha256': shas}
     if tokenizer is not None:
         rec['chat_template_sha256'] = sha256_text(tokenizer.chat_template or '')

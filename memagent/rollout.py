@@ -69,9 +69,10 @@ class MemAgentWalk:
         tr = self.trajs[j]; k = len(tr.turns)
         if not tr.ok or k > tr.num_chunks: return None
         if k < tr.num_chunks:
-            text = P.memory_prompt(tr.question, self.memory[j], self.chunks[self.owner[j]].texts[k], self.variant)
-            return k, P.encode_user(self.tok, text, self.thinking), self.params(tr, k, self.ck.memory_tokens)
-        return FINAL, P.encode_user(self.tok, P.final_prompt(tr.question, self.memory[j], self.variant), self.thinking), \
+            chunk = self.chunks[self.owner[j]].texts[k]
+            return k, P.encode_memory_prompt(self.tok, tr.question, self.memory[j], chunk, self.variant, self.thinking), \
+                self.params(tr, k, self.ck.memory_tokens)
+        return FINAL, P.encode_final_prompt(self.tok, tr.question, self.memory[j], self.variant, self.thinking), \
             self.params(tr, k, self.ck.final_tokens)
 
     def feed(self, j, prompt, r) -> None:
@@ -81,7 +82,7 @@ class MemAgentWalk:
         if isinstance(r, EngineError): return _fail(tr, k, kind, r)
         if kind == 'memory':
             text, n = P.memory_from_response(_decode(tok, r.output_ids), tok, self.ck.memory_tokens, self.thinking)
-            n_check = len(P.encode_text(tok, text))
+            n_check = len(P.encode_memory(tok, text))
             if n_check > self.ck.memory_tokens or n_check != n:
                 raise AssertionError(f"{tr.traj_id} turn {k}: memory re-encodes to {n_check} tokens (bound {self.ck.memory_tokens}, reported {n})")
             try: tr.turns.append(_make_turn('memory', k, prompt, r, n))
@@ -89,7 +90,7 @@ class MemAgentWalk:
             self.memory[j] = text; tr.memory_lengths.append(n); tr.memories.append(text)
             tr.meta['generated_tokens'] += len(r.output_ids)
             return
-        read = tr.memory_lengths[-1] if tr.memory_lengths else len(P.encode_text(tok, P.NO_MEMORY))
+        read = tr.memory_lengths[-1] if tr.memory_lengths else len(P.encode_memory(tok, P.NO_MEMORY))
         try: tr.turns.append(_make_turn('final', k, prompt, r, read))
         except ValueError as e: return _fail(tr, k, 'final', EngineError(f"invalid engine output: {e}"))
         tr.final_text = _decode(tok, r.output_ids); tr.prediction = extract_boxed(tr.final_text)
