@@ -194,17 +194,19 @@ def _check_limit(limit, name='limit'):
         raise ValueError(f"{name} must be an int >= 0 or None (every row), got {limit!r}")
 
 def read_examples(path, limit: int | None = None) -> list[dict]:
-    "Read a schema JSONL (.jsonl or .jsonl.gz) file, validating every row read; at most `limit` rows (None: all, 0: none); raises `DataError` on the first bad row."
+    "Read a schema JSONL (.jsonl or .jsonl.gz) file, validating every row read; at most `limit` rows (None: all, 0: none); raises `DataError` on the first bad row, and on a file with no row at all."
     _check_limit(limit)
-    out, seen = [], set()
+    out, seen, rows = [], set(), 0
     for line, rec in iter_records(path):
-        if limit == 0: break                      # the file is opened (so it must exist), no row is kept
+        rows += 1
+        if limit == 0: break                      # the file is opened (so it must exist) and holds a row; none is kept
         if isinstance(rec, BadRecord): raise DataError(path, line, None, rec.error, location_unit(path))
         bad = validate_example(rec)
         if bad: raise DataError(path, line, bad[0], bad[1], location_unit(path))
         if rec['id'] in seen: raise DataError(path, line, 'id', f"duplicate id {rec['id']!r}", location_unit(path))
         seen.add(rec['id']); out.append(rec)
         if limit is not None and len(out) >= limit: break
+    if not rows: raise DataError(path, None, None, "no examples: the file is empty or holds only blank lines")
     return out
 
 def write_examples(examples, path) -> Path:

@@ -4,12 +4,13 @@
 
 # %% ../nbs/13a_health.ipynb #2aa9b590
 from __future__ import annotations
-import json, math, time
+import json, math, os, time
 from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['RunHealthError', 'NonFiniteError', 'require_finite', 'require_finite_params', 'RunHealth', 'read_health']
+__all__ = ['RunHealthError', 'NonFiniteError', 'require_finite', 'require_finite_params', 'trained_step', 'RunHealth',
+           'read_health', 'json_line']
 
 # %% ../nbs/13a_health.ipynb #313f6589
 class RunHealthError(RuntimeError):
@@ -29,30 +30,76 @@ def require_finite_params(params, what: str = 'weights'):
     for n, p in params:
         if not torch.isfinite(p).all(): raise NonFiniteError(f"{what}: parameter {n!r} holds a non-finite value")
 
-class RunHealth:
-    "Counts steps in which every trajectory failed; writes `<run_dir>/health.json`."
-    def __init__(self, max_empty_steps: int, run_dir, state: dict | None = None):
-        self.max_empty_steps, self.path = max_empty_steps, Path(run_dir)/'health.json'
-        self.failed_streak = (state or {}).get('failed_streak', [])
+def trained_step(m: dict) -> bool:
+    "Whether a step's metrics line records an update on real rows (not only zero-weight padding)."
+    return m.get('rows_generated', 0) > 0 and 'skipped_update' not in m
 
-    def state_dict(self) -> dict: return {'failed_streak': list(self.failed_streak)}
+class RunHealth:
+    "Counts empty steps (no usable trajectory) and steps that trained; decides the run's status; writes `<run_dir>/health.json`."
+    def __init__(self, max_empty_steps: int, run_dir, state: dict | None = None, metrics: list[dict] | None = None):
+        s = state or {}
+        self.max_empty_steps, self.path = max_empty_steps, Path(run_dir)/'health.json'
+        self.failed_streak, self.first_empty = s.get('failed_streak', []), s.get('first_empty')
+        # a checkpoint written before the count existed: counted from its metrics lines (reconciled with it)
+        self.trained_steps = s['trained_steps'] if 'trained_steps' in s else sum(map(trained_step, metrics or []))
+
+    def state_dict(self) -> dict:
+        return {'failed_streak': list(self.failed_streak), 'first_empty': self.first_empty, 'trained_steps': self.trained_steps}
 
     def observe(self, step: int, m: dict, first_error: str | None = None):
-        "After a step's rollout (`m`: trajectories, failed_trajectories); raises after `max_empty_steps` all-failed steps in a row."
-        if m['trajectories'] and m['failed_trajectories'] == m['trajectories']:
-            self.failed_streak.append({'step': step, 'error': first_error})
+        "After a step's rollout (`m`: trajectories, failed_trajectories, kept_trajectories); raises after `max_empty_steps` empty steps in a row."
+        if m['trajectories'] and not m['kept_trajectories']:
+            self.failed_streak.append({'step': step, 'error': first_error, 'failed': m['failed_trajectories'], 'of': m['trajectories']})
+            self.first_empty = self.first_empty or self.failed_streak[-1]
         else: self.failed_streak = []
         if len(self.failed_streak) >= self.max_empty_steps:
             s = self.failed_streak
-            raise RunHealthError(f"steps {s[0]['step']}..{s[-1]['step']}: every trajectory failed in {len(s)} steps in a row "
+            what = 'every trajectory failed' if all(x.get('failed') == x.get('of') for x in s) else 'no usable trajectory'
+            raise RunHealthError(f"steps {s[0]['step']}..{s[-1]['step']}: {what} in {len(s)} steps in a row "
                                  f"(health.max_empty_steps={self.max_empty_steps}); first error: {s[0]['error']}")
 
+    def step_done(self, step: int, m: dict):
+        "After a step's metrics line: count it if it trained; the record says `running` at `step`."
+        self.trained_steps += trained_step(m)
+        self.record('running', step)
+
+    def finish(self, step: int, steps: int):
+        "At the end of `train()`: `completed` once `step` reaches the schedule's `steps`, some step trained and the last step had usable trajectories; else `RunHealthError` (recorded `stopped`)."
+        if step < steps: return self.record('running', step)
+        if not self.trained_steps:
+            e = self.first_empty
+            why = (f"no step of {step} updated the policy: step {e['step']} had no usable trajectory "
+                   f"({e['failed']} of {e['of']} failed); first error: {e['error']}" if e else
+                   f"no step of {step} updated the policy: every group was filtered (zero reward variance) in every step")
+            self.record('stopped', step, f'RunHealthError: {why}'); raise RunHealthError(why)
+        if s := self.failed_streak:   # the policy the run ends with produced no usable trajectory
+            why = (f"steps {s[0]['step']}..{s[-1]['step']}, the last {len(s)} of {step}, had no usable trajectory "
+                   f"({s[-1]['failed']} of {s[-1]['of']} failed in step {s[-1]['step']}): the final policy is not shown to work; "
+                   f"first error: {s[0]['error']}")
+            self.record('stopped', step, f'RunHealthError: {why}'); raise RunHealthError(why)
+        self.record('completed', step)
+
     def record(self, status: str, step: int, reason: str | None = None):
-        "Write the health record: `status` is running, completed or stopped."
-        rec = {'status': status, 'step': step, 'reason': reason, 'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
-        self.path.write_text(json.dumps(rec, indent=1))
+        "Write the health record: `status` is running, completed or stopped, with the steps that trained and the first empty one."
+        rec = {'status': status, 'step': step, 'reason': reason, 'trained_steps': self.trained_steps,
+               'first_empty_step': self.first_empty, 'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+        tmp = self.path.with_name(self.path.name + '.tmp')
+        tmp.write_text(json.dumps(rec, indent=1)); os.replace(tmp, self.path)
 
 def read_health(run_dir) -> dict | None:
     "The run's health record, or None for a run that has none."
     p = Path(run_dir)/'health.json'
     return json.loads(p.read_text()) if p.exists() else None
+
+def json_line(m: dict) -> str:
+    "`m` as one line of strict JSON: a NaN or infinite number becomes null, named in `null_reasons` with its value and the reason `m['null_reasons']` gives for it."
+    why, nulls = m.get('null_reasons') or {}, {}
+    def fix(k, v):
+        if isinstance(v, float) and not math.isfinite(v): nulls[k] = f"{v}: {why[k]}" if k in why else f"{v}"; return None
+        if isinstance(v, (list, tuple)): return [fix(f'{k}[{i}]', x) for i, x in enumerate(v)]
+        if isinstance(v, dict): return {kk: fix(f'{k}.{kk}', x) for kk, x in v.items()}
+        return v
+    out = {k: fix(k, v) for k, v in m.items() if k != 'null_reasons'}
+    if why or nulls: out['null_reasons'] = {**why, **nulls}      # a line already strict keeps its reasons
+    return json.dumps(out, allow_nan=False)
+

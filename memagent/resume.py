@@ -8,29 +8,34 @@ import json, os, warnings
 from pathlib import Path
 import yaml
 from .provenance import flatten
+from .health import json_line
 
 # %% auto #0
-__all__ = ['ResumeError', 'check_resume_config', 'reconcile_metrics']
+__all__ = ['DATA_KEY', 'ResumeError', 'check_resume_config', 'plan_metrics', 'write_metrics', 'reconcile_metrics', 'check_resume']
 
 # %% ../nbs/13b_resume.ipynb #bd5c45ff
 class ResumeError(ValueError):
     "The run directory cannot be resumed with this configuration; the message lists the keys."
 
-def check_resume_config(saved_yaml: str, cfg) -> list[tuple[str, object, object]]:
-    "Keys whose values differ between the checkpoint's config and `cfg`: allowed ones are returned, any other refuses."
+DATA_KEY = 'data.train'   # the resume_overrides key that allows other training examples than the checkpoint's
+
+def check_resume_config(saved_yaml: str, cfg, data_sha256: tuple[str | None, str] | None = None) -> list[tuple[str, object, object]]:
+    "Keys whose values differ between the checkpoint's config and `cfg` (and the training examples' SHA-256, `data_sha256`: (checkpoint's, now)): allowed ones are returned, any other refuses."
     old, new = flatten(yaml.safe_load(saved_yaml) or {}), flatten(cfg.to_dict())
     diffs = [(k, old.get(k, '<absent>'), new.get(k, '<absent>')) for k in sorted(set(old) | set(new))
              if k != 'resume_overrides' and old.get(k, '<absent>') != new.get(k, '<absent>')]
+    if data_sha256 is not None and data_sha256[0] != data_sha256[1]:
+        diffs.append((f'{DATA_KEY} (sha256 of the training examples)', data_sha256[0] or '<absent>', data_sha256[1]))
     allowed = set(cfg.resume_overrides)
-    bad = [d for d in diffs if d[0] not in allowed]
+    bad = [d for d in diffs if d[0].split(' ')[0] not in allowed]
     if bad:
         raise ResumeError("the checkpoint was trained with another configuration: " +
                           '; '.join(f"{k}: {o!r} in the checkpoint, {n!r} now" for k, o, n in bad) +
                           ". Resume with the checkpoint's values, use a new run directory, or list the keys in resume_overrides.")
     return diffs
 
-def reconcile_metrics(path, ckpt_step: int, ckpt_metrics: dict | None = None) -> dict:
-    "Make `metrics.jsonl` end at the checkpoint's step: drop later and torn lines, restore the checkpoint's own line; counts."
+def plan_metrics(path, ckpt_step: int, ckpt_metrics: dict | None = None) -> tuple[list[dict], dict]:
+    "The lines `metrics.jsonl` keeps to end at the checkpoint's step (later and torn lines dropped, the checkpoint's own line restored), and the counts; reads only."
     p = Path(path)
     text = p.read_text() if p.exists() else ''
     lines = text.split('\n')
@@ -47,7 +52,23 @@ def reconcile_metrics(path, ckpt_step: int, ckpt_metrics: dict | None = None) ->
     restored = 0
     if ckpt_metrics is not None and ckpt_step > 0 and not any(r['step'] == ckpt_step for r in keep):
         keep.append(ckpt_metrics); restored = 1
-    tmp = p.with_name(p.name + '.tmp')
-    tmp.write_text(''.join(json.dumps(r) + '\n' for r in keep)); os.replace(tmp, p)
-    return {'kept': len(keep), 'dropped_after_checkpoint': len(rows) - sum(r['step'] <= ckpt_step for r in rows),
-            'torn': torn, 'restored_from_checkpoint': restored}
+    return keep, {'kept': len(keep), 'dropped_after_checkpoint': len(rows) - sum(r['step'] <= ckpt_step for r in rows),
+                  'torn': torn, 'restored_from_checkpoint': restored}
+
+def write_metrics(path, rows: list[dict]):
+    "Replace `metrics.jsonl` with `rows`, atomically, one strict JSON line each (`memagent.health.json_line`)."
+    p = Path(path); tmp = p.with_name(p.name + '.tmp')
+    tmp.write_text(''.join(json_line(r) + '\n' for r in rows)); os.replace(tmp, p)
+
+def reconcile_metrics(path, ckpt_step: int, ckpt_metrics: dict | None = None) -> dict:
+    "Make `metrics.jsonl` end at the checkpoint's step (`plan_metrics`, then `write_metrics`); the counts."
+    keep, counts = plan_metrics(path, ckpt_step, ckpt_metrics)
+    write_metrics(path, keep)
+    return counts
+
+def check_resume(ck: dict, cfg, data_sha256: str, metrics_path) -> tuple[list[tuple[str, object, object]], list[dict]]:
+    "Every check of a resume that reads files, before the trainer writes any: the config and the data (`check_resume_config`), then the metrics file (`plan_metrics`); (allowed differences, the metrics lines to keep)."
+    diffs = check_resume_config(ck['config_yaml'], cfg, ((ck.get('provenance') or {}).get('data_sha256'), data_sha256))
+    keep, _ = plan_metrics(metrics_path, ck['state']['step'], ck['state'].get('metrics'))
+    return diffs, keep
+

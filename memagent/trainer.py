@@ -19,8 +19,8 @@ from .policy import make_group, merge_metrics, METRICS
 from .reward import call_reward, get_reward
 from . import checkpoint as ckpt
 from .engines import engine_from_config
-from .health import RunHealth
-from .resume import check_resume_config, reconcile_metrics
+from .health import RunHealth, json_line
+from .resume import check_resume, write_metrics
 
 # %% auto #0
 __all__ = ['PromptSampler', 'rollout_metrics', 'update_metrics', 'Trainer']
@@ -72,7 +72,8 @@ def rollout_metrics(trajs: list[Trajectory], kept: list[Trajectory], bad_groups:
                 response_tokens_mean=_mean_max(resp)[0],
                 truncated_trajectories=sum(tr.truncated for tr in kept),
                 length_finished_turns=sum(u.finish_reason == 'length' for tr in kept for u in tr.turns),
-                boxed_rate=float(np.mean([bool(tr.prediction) for tr in kept])) if kept else 0.0)
+                boxed_rate=float(np.mean([bool(tr.prediction) for tr in kept])) if kept else 0.0,
+                **({} if rewards else {'null_reasons': dict.fromkeys(('reward_mean', 'pass_rate'), 'no usable trajectory (every group dropped)')}))
 
 def update_metrics(upd: list[dict], max_tokens: int) -> dict:
     "The replicas' update metrics merged, plus the packing of the micro-batches they ran."
@@ -120,8 +121,8 @@ class Trainer:
         from memagent.prompts import template_sha256s
         cfg, ck_root = self.cfg, self.run_dir/'checkpoints'
         ck = ckpt.load_latest(ck_root, cfg.health.check_finite) if resume else None   # verified; falls back past a corrupt one
-        overrides = check_resume_config(ck['config_yaml'], cfg) if ck else []           # refuses an unlisted change
-        ckpt.remove_stale_tmp(ck_root)
+        data_sha = sha256_text(json.dumps(self.examples, sort_keys=True, ensure_ascii=False))   # what resume compares, then provenance
+        overrides, self._metrics_kept = check_resume(ck, cfg, data_sha, self.run_dir/'metrics.jsonl') if ck else ([], None)  # before any write
         self.tok = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name)
         self.pad_id, self.reward_fn = self.tok.pad_token_id, get_reward(cfg.grpo.reward)
         self.world, self.progress = world_size, progress
@@ -145,9 +146,10 @@ class Trainer:
         self.engine = engine_from_config(cfg, tokenizer=self.tok, placement=self.placement) if self.own_engine else engine
         self.sampler = PromptSampler(len(self.examples), cfg.grpo.prompts_per_step, seed=cfg.seed)
         self.step_no, self.health = 0, RunHealth(cfg.health.max_empty_steps, self.run_dir)
-        self.prov = provenance(data_sha256=sha256_text(json.dumps(self.examples, sort_keys=True, ensure_ascii=False)),
-                               prompt_templates=template_sha256s(), model=model_identity(cfg.model.name),
+        self.prov = provenance(data_sha256=data_sha, prompt_templates=template_sha256s(), model=model_identity(cfg.model.name),
                                tokenizer=tokenizer_identity(self.tok), **(extra_provenance or {}))
+        if ck: self._restore(ck)           # refuses a checkpoint of another parallel layout or sampler; still nothing written
+        ckpt.remove_stale_tmp(ck_root)
         save_config(cfg, self.run_dir/'config.yaml')
         (self.run_dir/'run.json').write_text(json.dumps({'steps': cfg.schedule.steps, 'config': cfg.to_dict(),
                                                          'derived': cfg.derived(), 'world_size': world_size,
@@ -157,7 +159,9 @@ class Trainer:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(self.run_dir/'tb'))
-        if ck: self._restore(ck)
+        if ck:
+            write_metrics(self.run_dir/'metrics.jsonl', self._metrics_kept)
+            if self.engine is not None: self.engine.sync_weights(ck['model'], self.hf_model, self.tok, self.run_dir/'sync')
         self.health.record('running', self.step_no)
 
     # --- checkpoints -------------------------------------------------------------------------------------
@@ -172,14 +176,12 @@ class Trainer:
                                     check_finite=self.cfg.health.check_finite)
 
     def _restore(self, c: dict):
-        "Weights, optimizer, RNG, data cursor, step and health count from a loaded checkpoint; metrics reconciled with it."
-        self.step_no = c['state']['step']
+        "Weights, optimizer, RNG, data cursor, step and health counts from a loaded checkpoint, in memory (`_setup` then writes)."
         self.sampler.load_state_dict(c['state']['sampler'])
         self.group.load_state_dict(c['model'], c['optimizer'])
-        self.health = RunHealth(self.cfg.health.max_empty_steps, self.run_dir, c['state'].get('health'))
+        self.step_no = c['state']['step']
+        self.health = RunHealth(self.cfg.health.max_empty_steps, self.run_dir, c['state'].get('health'), self._metrics_kept)
         ckpt.set_rng_state(c['rng'])
-        if self.engine is not None: self.engine.sync_weights(c['model'], self.hf_model, self.tok, self.run_dir/'sync')
-        reconcile_metrics(self.run_dir/'metrics.jsonl', self.step_no, c['state'].get('metrics'))
 
     def export(self, out_dir) -> Path:
         "The current policy as an HF directory (weights, config, tokenizer, generation config, provenance)."
@@ -222,8 +224,8 @@ class Trainer:
         kept = [tr for tr in trajs if tr.group_index not in bad_groups]
         if self.dump_rollouts and self.replay_dir is None:     # dumped first: a step that stops the run can be inspected
             save_jsonl(trajs, self.run_dir/'rollouts'/f'step_{step:06d}.jsonl')
-        self.health.observe(step, {'trajectories': len(trajs), 'failed_trajectories': sum(not tr.ok for tr in trajs)},
-                            next((tr.error for tr in trajs if not tr.ok), None))
+        self.health.observe(step, {'trajectories': len(trajs), 'failed_trajectories': sum(not tr.ok for tr in trajs),
+                                   'kept_trajectories': len(kept)}, next((tr.error for tr in trajs if not tr.ok), None))
         t['reward'] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -255,13 +257,15 @@ class Trainer:
         self.step_no = step
         m.update({f'time_{k}': v for k, v in t.items()}, time_step=sum(t.values()))
         self._log(m)                       # the metrics line first, then the checkpoint that includes the step
+        self.health.step_done(step, m)     # counted (the checkpoint's health state includes the step); health.json: running at it
         if cfg.schedule.save_every and (step % cfg.schedule.save_every == 0 or step == cfg.schedule.steps):
-            t0 = time.perf_counter(); self.save(m, weights)
+            t0 = time.perf_counter(); self.save(json.loads(json_line(m)), weights)   # the line as written
             if self.tb is not None: self.tb.add_scalar('time_checkpoint', time.perf_counter() - t0, step)
         return m
 
     def _log(self, m: dict):
-        with open(self.run_dir/'metrics.jsonl', 'a') as f: f.write(json.dumps(m) + '\n')
+        "Append the step's metrics as one strict JSON line (`json_line`: a non-finite number is null, named in `null_reasons`) and to TensorBoard."
+        with open(self.run_dir/'metrics.jsonl', 'a') as f: f.write(json_line(m) + '\n')
         if self.tb is not None:
             for k, v in m.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v): self.tb.add_scalar(k, v, m['step'])
@@ -276,7 +280,7 @@ class Trainer:
             while self.step_no < steps:
                 m = self.step(); out.append(m)
                 bar.update(1); bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rows=m['rows_generated'])
-        self.health.record('completed' if self.step_no >= self.cfg.schedule.steps else 'running', self.step_no)
+        self.health.finish(self.step_no, self.cfg.schedule.steps)   # RunHealthError when the run ends without any step that trained
         return out
 
     def close(self):
