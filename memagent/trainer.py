@@ -280,7 +280,7 @@ class Trainer:
             while self.step_no < steps:
                 m = self.step(); out.append(m)
                 bar.update(1); bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rows=m['rows_generated'])
-        self.health.finish(self.step_no, self.cfg.schedule.steps)   # RunHealthError when the run ends without any step that trained
+        self.health.finish(self.step_no, self.cfg.schedule.steps)   # RunHealthError when no step trained or the last step had no usable trajectory
         return out
 
     def close(self):
