@@ -16,7 +16,7 @@ __all__ = ['NO_OPTIMIZER_STATE', 'WEIGHTS_FILE', 'FINGERPRINT_PROMPT', 'FINGERPR
            'set_rng_state', 'list_checkpoints', 'latest_checkpoint', 'remove_stale_tmp', 'no_optimizer_state',
            'no_optimizer_state_reason', 'optimizer_markers', 'check_optimizer_markers', 'nonfinite_tensors',
            'save_checkpoint', 'verify_checkpoint', 'load_checkpoint', 'load_latest', 'RunLockedError', 'RunLock',
-           'tensors_sha256', 'model_fingerprint', 'read_weights_record', 'export_hf']
+           'tensors_sha256', 'model_fingerprint', 'read_weights_record', 'export_hf', 'push_weights']
 
 # %% ../nbs/15_checkpoint.ipynb #768b6f92
 class CheckpointError(RuntimeError):
@@ -289,3 +289,16 @@ def export_hf(model, tokenizer, out_dir, provenance: dict | None = None, state_d
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True); raise
     return out
+
+# %% ../nbs/15_checkpoint.ipynb #60c498d9
+def push_weights(engine, state_dict: dict, hf_model, tokenizer, sync_dir) -> float:
+    "Send the policy's `state_dict` to `engine` its way: an HF directory written to `sync_dir` when `engine.weight_sync` is 'disk', else the tensors; returns seconds."
+    route = engine.weight_sync
+    if route not in ('disk', 'tensor'): raise ValueError(f"engine.weight_sync must be 'disk' or 'tensor', got {route!r}")
+    t0 = time.perf_counter()
+    if route == 'tensor': engine.sync_weights(state_dict=state_dict)
+    else:
+        export_hf(hf_model, tokenizer, sync_dir, state_dict=state_dict, identity=False)
+        engine.sync_weights(path=Path(sync_dir))
+    return time.perf_counter() - t0
+

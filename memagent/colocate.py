@@ -6,12 +6,16 @@
 from __future__ import annotations
 import sys, tempfile
 from pathlib import Path
-from .engines import SGLangEngine, ServerProcess, free_port, sglang_server_cmd
+from .engines import SGLangEngine, ServerProcess, engine_from_config, sglang_server_cmd
+from .net import free_port
 from .transfer import cluster_gpus, require_resources
+from .config import Config
+from .policy import LocalGroup
+from .backends.ray import RayGroup
 
 # %% auto #0
 __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placement', 'EngineServer', 'EngineServers',
-           'launch_servers', 'engine_cmd', 'launch_engines']
+           'launch_servers', 'engine_cmd', 'launch_engines', 'trainer_engine', 'make_group']
 
 # %% ../nbs/08a_colocate.ipynb #8fb7941c
 TRAIN_SHARE, SERVER_SHARE, PROBE_SHARE = 0.5, 0.2, 0.1    # of a bundle's GPU (and CPU): trainer rank, server actor, start-up probe
@@ -174,3 +178,21 @@ def launch_engines(cfg, placement: Placement, model_path, log_dir=None, extra_ar
                           on_close=servers.stop)
     client.servers = servers             # where each engine runs (`servers.info()`): the launch report reads it
     return client
+
+# %% ../nbs/08a_colocate.ipynb #e2f1f32c
+def trainer_engine(cfg, tokenizer=None, placement=None, model_name=None):
+    "The trainer's engine: colocated SGLang engines on `placement` when `rollout.colocate`, else `engine_from_config(cfg)`."
+    if not cfg.rollout.colocate: return engine_from_config(cfg, model_name, tokenizer)
+    if placement is None:
+        raise ValueError("rollout.colocate=True: trainer_engine needs placement= (a memagent.colocate.Placement of the "
+                         "training GPUs) to launch the SGLang engines on; set rollout.colocate=False to use rollout.sglang_urls")
+    from memagent.models import model_dir
+    return launch_engines(cfg, placement, model_dir(model_name or cfg.model.name))
+
+# %% ../nbs/08a_colocate.ipynb #4f28eb3d
+def make_group(cfg: Config, pad_id: int, world_size: int = 1, ray_address: str | None = None, placement=None):
+    "A `LocalGroup` for one process, else a `RayGroup` of `world_size` ranks (placed by `placement.train_options(rank)` when given)."
+    if world_size == 1:
+        if placement is not None: raise ValueError("make_group: a placement needs Ray ranks (world_size > 1); got world_size=1")
+        return LocalGroup(cfg, pad_id)
+    return RayGroup(cfg, pad_id, world_size, ray_address, placement)

@@ -14,7 +14,7 @@ from .health import require_finite
 
 # %% auto #0
 __all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'update_on_rows', 'default_device', 'backend_class', 'build_policy',
-           'build_reference', 'optimizer_shard', 'LocalGroup', 'make_group']
+           'build_reference', 'optimizer_shard', 'LocalGroup']
 
 # %% ../nbs/12b_policy.ipynb #3b48d035
 METRICS = [  # (name, aggregation, definition)
@@ -161,11 +161,3 @@ class LocalGroup:
 
     def close(self):
         if hasattr(self.policy, 'close'): self.policy.close()
-
-def make_group(cfg: Config, pad_id: int, world_size: int = 1, ray_address: str | None = None, placement=None):
-    "A `LocalGroup` for one process, else a `RayGroup` of `world_size` ranks (placed by `placement.train_options(rank)` when given)."
-    if world_size == 1:
-        if placement is not None: raise ValueError("make_group: a placement needs Ray ranks (world_size > 1); got world_size=1")
-        return LocalGroup(cfg, pad_id)
-    from memagent.backends.ray import RayGroup
-    return RayGroup(cfg, pad_id, world_size, ray_address, placement)

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import argparse, json, os, shutil, signal, subprocess, sys, tempfile, time
 from pathlib import Path
-from .engines import free_port
+from .net import free_port
 from .backends.ray import NOSET_ENV, rank_device
 
 # %% auto #0

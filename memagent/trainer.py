@@ -9,16 +9,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-
 from .config import Config, save_config, apply_overrides
 from .provenance import provenance, sha256_text
 from .trajectory import Trajectory, save_jsonl, load_jsonl
 from .credit import StepRows
 from .transfer import InProcessChannel, RayChannel, layout_step, micro_batch_stats, ensure_ray
-from .policy import make_group, merge_metrics, METRICS
+from .policy import merge_metrics, METRICS
+from .colocate import Placement, make_group, trainer_engine
 from .reward import call_reward, get_reward
 from . import checkpoint as ckpt
-from .engines import engine_from_config
 from .health import RunHealth, json_line
 from .resume import check_resume, write_metrics
 
@@ -134,16 +133,14 @@ class Trainer:
             ray = ensure_ray(ray_address, ray_cpus, ray_gpus)
             self.launch.update(ray_address=ray.get_runtime_context().gcs_address, ray_resources=ray.cluster_resources(),
                                ray_cpus=ray_cpus, ray_gpus=ray_gpus)
-        if colocated:
-            from memagent.colocate import Placement
-            self.placement = Placement.from_config(cfg)      # refuses a cluster that cannot hold the bundles, naming the numbers
+        if colocated: self.placement = Placement.from_config(cfg)   # refuses a cluster that cannot hold the bundles, naming the numbers
         self.group = make_group(cfg, self.pad_id, world_size, ray_address, self.placement if world_size > 1 else None)
         self.dp = self.group.dp_size
         self.channel = (InProcessChannel(cfg.row_capacity + 1, 1) if world_size == 1
                         else RayChannel(cfg.row_capacity + self.dp, self.dp))
         self.hf_model = self.group.export_model()
         self.own_engine = engine is None and not self.replay_dir     # the trainer closes what it launched
-        self.engine = engine_from_config(cfg, tokenizer=self.tok, placement=self.placement) if self.own_engine else engine
+        self.engine = trainer_engine(cfg, tokenizer=self.tok, placement=self.placement) if self.own_engine else engine
         self.sampler = PromptSampler(len(self.examples), cfg.grpo.prompts_per_step, seed=cfg.seed)
         self.step_no, self.health = 0, RunHealth(cfg.health.max_empty_steps, self.run_dir)
         self.prov = provenance(data_sha256=data_sha, prompt_templates=template_sha256s(), model=model_identity(cfg.model.name),
@@ -161,8 +158,12 @@ class Trainer:
             self.tb = SummaryWriter(str(self.run_dir/'tb'))
         if ck:
             write_metrics(self.run_dir/'metrics.jsonl', self._metrics_kept)
-            if self.engine is not None: self.engine.sync_weights(ck['model'], self.hf_model, self.tok, self.run_dir/'sync')
+            if self.engine is not None: self.push_weights(ck['model'])
         self.health.record('running', self.step_no)
+
+    def push_weights(self, weights: dict) -> float:
+        "The engine takes the policy's `weights` (HF names) its way (`memagent.checkpoint.push_weights`); returns seconds."
+        return ckpt.push_weights(self.engine, weights, self.hf_model, self.tok, self.run_dir/'sync')
 
     # --- checkpoints -------------------------------------------------------------------------------------
     def save(self, metrics: dict | None = None, weights: dict | None = None) -> Path:
@@ -251,7 +252,7 @@ class Trainer:
                                    f"transferred {m['rows_transferred']}, consumed {m['rows_consumed']}")
             if self.engine is not None:
                 weights = self.group.hf_state_dict()
-                t['sync'] = self.engine.sync_weights(weights, self.hf_model, self.tok, self.run_dir/'sync')
+                t['sync'] = self.push_weights(weights)
         else:
             m.update(rows_transferred=0, rows_consumed=0, skipped_update='no rows (every group dropped or filtered)')
         self.step_no = step

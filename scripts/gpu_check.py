@@ -333,7 +333,7 @@ def weight_sync_check(device: str = 'cuda', dtype: str = 'bfloat16') -> dict:
     try:
         before, missed0 = weight_check(synced, policy, ids, tol), weight_check(missed, policy, ids, tol)
         _step(be, _fixed_batch(synced.vocab_size, cfg.batch.max_tokens_per_micro))
-        synced.sync_weights(be.hf_state_dict(), None, None, None)
+        synced.sync_weights(be.hf_state_dict())
         after = weight_check(synced, policy, ids, tol, previous=before)
         stale = weight_check(missed, policy, ids, tol, previous=missed0)
     finally: be.close()
@@ -381,12 +381,13 @@ def cmd_compare(a):
     import torch, yaml
     from memagent.config import get_preset
     from memagent.engines import HFEngine, SamplingParams, SGLangServer, SGLangEngine
+    from memagent.checkpoint import push_weights
     from memagent.models import load_model, load_tokenizer, model_dir
     from memagent.data import make_synthetic
     from memagent.rollout import rollout
     from memagent.credit import trajectories_to_rows
     from memagent.transfer import InProcessChannel, RayChannel, layout_step
-    from memagent.policy import make_group
+    from memagent.colocate import make_group
     from memagent.runcheck import weight_prompt_ids
     p = yaml.safe_load(Path(a.params).read_text())
     cfg = get_preset(p['preset'], {**p['overrides'], 'rollout.colocate': False, 'rollout.engine': 'hf'})
@@ -409,7 +410,7 @@ def cmd_compare(a):
         eng = SGLangEngine([srv.url])
         t0 = time.perf_counter(); r = eng.generate(prompts, sp); dt = time.perf_counter() - t0
         res['sglang_tokens_per_s'] = sum(len(x.output_ids) for x in r) / dt
-        res['weight_check'] = sglang_sync_check(eng, wids, lp_base, lp_new, lambda: eng.sync_weights(new_sd, hf.model, tok, out / 'sync'))
+        res['weight_check'] = sglang_sync_check(eng, wids, lp_base, lp_new, lambda: push_weights(eng, new_sd, hf.model, tok, out / 'sync'))
         print(json.dumps(res['weight_check']))
     del hf, new_sd
     res['sglang_over_hf'] = res['sglang_tokens_per_s'] / res['hf_tokens_per_s']

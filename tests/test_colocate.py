@@ -6,6 +6,7 @@ import torch
 from memagent.engines import (SGLangEngine, SamplingParams, DeterministicEngineError, ServerLaunchError, MEMORY_TAGS,
                               engine_from_config)
 from memagent.testing import FakeSGLangServer, SGLANG_SCHEMAS, schema_error
+from memagent.checkpoint import push_weights
 
 SP = SamplingParams(4, seed=3)
 
@@ -40,7 +41,7 @@ def test_disk_sync_order_and_bodies(tmp_path, tiny):
         cl = _client([a, b])
         cl.release_memory()
         cl.release_memory()                                   # already released: nothing more is sent
-        dt = cl.sync_weights(sd, model, tok, tmp_path / 'sync')
+        dt = push_weights(cl, sd, model, tok, tmp_path / 'sync')
         assert dt > 0 and (tmp_path / 'sync' / 'config.json').is_file()
         want = [('/release_memory_occupation', {'tags': ['kv_cache', 'weights', 'cuda_graph']}),
                 ('/resume_memory_occupation', {'tags': ['weights']}),
@@ -58,11 +59,11 @@ def test_synced_weights_serve(tmp_path, tiny):
     from memagent.models import load_model
     from memagent.engines import HFEngine
     model, tok, sd = tiny
-    ref = HFEngine(load_model('tiny-qwen3'), tok); ref.sync_weights(sd, None, None, None)
+    ref = HFEngine(load_model('tiny-qwen3'), tok); ref.sync_weights(sd)
     with FakeSGLangServer(engine=HFEngine(load_model('tiny-qwen3'), tok)) as srv:
         cl = _client([srv])
         cl.release_memory()
-        cl.sync_weights(sd, model, tok, tmp_path / 'sync')
+        push_weights(cl, sd, model, tok, tmp_path / 'sync')
         prompt = tok.encode('The memory agent reads')
         assert cl.generate([prompt], SP)[0].output_ids == ref.generate([prompt], SP)[0].output_ids
         cl.close()
@@ -74,7 +75,7 @@ def test_tensor_sync_order_and_payload():
     with FakeSGLangServer(tp_size=2) as srv:
         cl = _client([srv], tp_size=2, weight_sync='tensor')
         cl.release_memory()
-        cl.sync_weights(sd, None, None, None)
+        cl.sync_weights(sd)
         calls = _calls(srv)
         assert [p for p, _ in calls] == ['/release_memory_occupation', '/resume_memory_occupation', '/begin_weight_update',
                                          '/update_weights_from_tensor', '/end_weight_update', '/resume_memory_occupation',
@@ -124,7 +125,7 @@ def test_sync_without_release_sends_no_resume(tmp_path, tiny):
     model, tok, sd = tiny
     with FakeSGLangServer() as srv:
         cl = _client([srv])
-        cl.sync_weights(sd, model, tok, tmp_path / 'w')
+        push_weights(cl, sd, model, tok, tmp_path / 'w')
         assert [p for p, _ in _calls(srv)] == ['/update_weights_from_disk', '/flush_cache']
         r = requests.post(srv.url + '/resume_memory_occupation', json={'tags': ['weights']}, timeout=5)
         assert r.status_code == 400 and 'not released' in r.text
@@ -153,9 +154,12 @@ def test_non_colocated_engine_is_unchanged(tmp_path):
 
 
 def test_engine_from_config_refuses_colocate_without_placement():
+    "Colocated engines need the training placement: the trainer's builder asks for it, the plain builder names the one to use."
     from memagent.config import get_preset
-    with pytest.raises(ValueError, match='needs placement='):
-        engine_from_config(get_preset('tiny', {'rollout.engine': 'sglang', 'rollout.colocate': True}))
+    from memagent.colocate import trainer_engine
+    cfg = get_preset('tiny', {'rollout.engine': 'sglang', 'rollout.colocate': True})
+    with pytest.raises(ValueError, match='needs placement='): trainer_engine(cfg)
+    with pytest.raises(ValueError, match='memagent.colocate.trainer_engine'): engine_from_config(cfg)
 
 
 # Ray: CPU bundles (the layout's logic) and, on a cluster that declares two GPUs, the CUDA_VISIBLE_DEVICES mapping
@@ -191,7 +195,7 @@ def test_placement_launch_reach_and_shutdown(ray_cluster):
         cl.release_memory()
         with pytest.raises(DeterministicEngineError, match='generate refused'):
             cl.generate([[5, 6, 7]], SP)
-        cl.sync_weights({'w': torch.arange(3.0)}, None, None, None)     # the payload crosses processes: the server decodes both ranks
+        cl.sync_weights({'w': torch.arange(3.0)})     # the payload crosses processes: the server decodes both ranks
         assert len(cl.generate([[5, 6, 7]], SP)[0].output_ids) == 4
         cl.close()
         with pytest.raises(requests.ConnectionError):

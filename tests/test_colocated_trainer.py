@@ -47,7 +47,7 @@ def test_a_failed_setup_releases_what_it_built(tmp_path, monkeypatch):
     closed = []
     monkeypatch.setattr(LocalGroup, 'close', lambda self: closed.append(self))
     def fail(*a, **k): raise RuntimeError('engine launch failed')
-    monkeypatch.setattr(T, 'engine_from_config', fail)
+    monkeypatch.setattr(T, 'trainer_engine', fail)
     cfg, exs = get_preset('tiny'), make_synthetic(2, num_words=30, seed=0)
     with pytest.raises(RuntimeError, match='engine launch failed'):
         Trainer(cfg, tmp_path / 'run', exs, progress=False, tensorboard=False)

@@ -76,7 +76,7 @@ class Placement:
 @pytest.fixture(scope='module')
 def placed(ray_session):
     from ray.util.placement_group import placement_group, remove_placement_group
-    from memagent.policy import make_group
+    from memagent.colocate import make_group
     ray, _ = ray_session
     pg = placement_group([{'CPU': 1}, {'CPU': 1}])
     ray.get(pg.ready(), timeout=60)
@@ -113,7 +113,7 @@ def test_slow_but_progressing_rank_is_not_stopped(placed, ray_session):
 
 
 def test_stalled_rank_is_named(ray_session):
-    from memagent.policy import make_group
+    from memagent.colocate import make_group
     from memagent.backends.ray import StallError
     from memagent.transfer import RayChannel
     _, spec = ray_session

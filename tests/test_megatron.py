@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memagent.backends import megatron as mb
-from memagent.engines import free_port
+from memagent.net import free_port
 
 pytestmark = [pytest.mark.skipif(not mb.HAVE_MEGATRON, reason="megatron-core is not installed (pip install 'megatron-core==0.16.1')"),
               pytest.mark.filterwarnings('ignore::UserWarning'), pytest.mark.filterwarnings('ignore::DeprecationWarning')]

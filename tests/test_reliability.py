@@ -47,6 +47,7 @@ class _DeadEngine:
         errs = [TransientEngineError('http://127.0.0.1:1/generate: connection refused') for _ in prompts]
         if not return_exceptions: raise errs[0]
         return errs
+    weight_sync = 'tensor'
     def sync_weights(self, *a, **k): return 0.0
     def release_memory(self): pass
     def close(self): pass
@@ -73,7 +74,7 @@ def test_non_finite_reward_stops_the_step(tmp_path, examples, nan_reward):
 
 
 def test_non_finite_loss_stops_before_backward():
-    from memagent.policy import make_group
+    from memagent.colocate import make_group
     from memagent.transfer import InProcessChannel
     from memagent.trajectory import Row
     g = make_group(_cfg(**{'loss.kl_coef': 0.0}), pad_id=0)

@@ -32,6 +32,7 @@ class _OddOnlyEngine:
         self.calls += 1
         if self.calls == 1: out = [DeterministicEngineError('injected: invalid output') if i % 2 == 0 else o for i, o in enumerate(out)]
         return out
+    weight_sync = property(lambda self: self.inner.weight_sync)
     def sync_weights(self, *a, **kw): return self.inner.sync_weights(*a, **kw)
     def release_memory(self): self.inner.release_memory()
 
@@ -144,6 +145,7 @@ class _DiesAfterFirstStep:
     def generate(self, prompts, params, return_exceptions=False):
         if self.dead: return _DeadEngine().generate(prompts, params, return_exceptions=return_exceptions)
         return self.inner.generate(prompts, params, return_exceptions=return_exceptions)
+    weight_sync = property(lambda self: self.inner.weight_sync)
     def sync_weights(self, *a, **kw): return self.inner.sync_weights(*a, **kw)
     def release_memory(self): self.inner.release_memory()
 

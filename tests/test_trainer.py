@@ -141,6 +141,7 @@ class _FlakyEngine:
         self.calls += 1
         if self.calls == 1: out[0] = DeterministicEngineError('injected: invalid output')
         return out
+    weight_sync = property(lambda self: self.inner.weight_sync)
     def sync_weights(self, *a, **kw): return self.inner.sync_weights(*a, **kw)
     def release_memory(self): self.inner.release_memory()
 

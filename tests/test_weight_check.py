@@ -13,6 +13,7 @@ from memagent.models import load_model, load_tokenizer
 from memagent.runcheck import (Gates, KL_TOL, WEIGHT_PROMPT, WEIGHT_TOL, kl_gate, trainer_logprobs, weight_check, weight_gate,
                                weight_prompt_ids)
 from memagent.testing import FakeSGLangServer
+from memagent.checkpoint import push_weights
 
 TOL = WEIGHT_TOL['cpu-fp32']
 
@@ -61,7 +62,7 @@ def test_passes_after_a_real_sync_through_the_schema_server(tmp_path, tok, ids):
         cl = client(srv)
         before = weight_check(cl, policy_side(policy), ids, TOL)
         assert not before['passed'] and before['max_abs_dlogp'] > 1e-3          # the server still holds the base weights
-        cl.sync_weights(sd_of(policy), policy, tok, tmp_path / 'sync')          # HF directory + /update_weights_from_disk
+        push_weights(cl, sd_of(policy), policy, tok, tmp_path / 'sync')          # HF directory + /update_weights_from_disk
         r = weight_check(cl, policy_side(policy), ids, TOL, previous=before)
         assert r['passed'] and r['max_abs_dlogp'] <= 1e-5, r['per_server']
         assert (r['servers'], r['prompt_tokens'], r['stale_servers']) == (1, len(ids), []) and r['engine_moved'][0] > 1e-3
@@ -78,7 +79,7 @@ def test_a_sync_that_did_nothing_fails(tmp_path, tok, ids):
         cl = client(srv)
         base = weight_check(cl, policy_side(load_model('tiny-qwen3')), ids, TOL)
         assert base['passed']                                                    # the initial weights agree
-        cl.sync_weights(sd_of(policy), policy, tok, tmp_path / 'sync')           # "succeeds"
+        push_weights(cl, sd_of(policy), policy, tok, tmp_path / 'sync')           # "succeeds"
         r = weight_check(cl, policy_side(policy), ids, TOL, previous=base)
         assert not r['passed'] and r['max_abs_dlogp'] > 1e-3
         assert r['stale_servers'] == [0] and r['engine_moved'] == [0.0] and r['trainer_moved'] > 1e-3
@@ -91,7 +92,7 @@ def test_a_sync_that_missed_one_server_of_two_fails(tmp_path, tok, ids):
          FakeSGLangServer(engine=HFEngine(load_model('tiny-qwen3'), tok)) as b:
         b.routes[('POST', '/update_weights_from_disk')] = lambda ex: setattr(ex, 'reply', {'success': True, 'message': 'ok'})
         cl = client(a, b)
-        cl.sync_weights(sd_of(policy), policy, tok, tmp_path / 'sync')
+        push_weights(cl, sd_of(policy), policy, tok, tmp_path / 'sync')
         r = weight_check(cl, policy_side(policy), ids, TOL)
         assert r['servers'] == 2 and r['per_server'][0] <= 1e-5 < 1e-3 < r['per_server'][1] and not r['passed']
         cl.close()
@@ -104,17 +105,17 @@ def test_a_perturbed_state_dict_fails(tok, ids):
     sd = sd_of(policy)
     k = next(k for k in sd if 'layers.0.mlp.down_proj' in k)
     sd[k] = sd[k] + 1e-3 * torch.randn(sd[k].shape, generator=torch.Generator().manual_seed(1))
-    eng.sync_weights(sd, None, None, None)
+    eng.sync_weights(sd)
     r = weight_check(eng, policy_side(policy), ids, TOL)
     assert not r['passed'] and TOL < r['max_abs_dlogp'] < 1.0
-    eng.sync_weights(sd_of(policy), None, None, None)                           # the right weights
+    eng.sync_weights(sd_of(policy))                           # the right weights
     assert weight_check(eng, policy_side(policy), ids, TOL)['max_abs_dlogp'] <= 1e-5
 
 
 def test_in_process_engine_is_exact_after_a_sync(tok, ids):
     policy = trained()
     eng = HFEngine(load_model('tiny-qwen3'), tok)
-    eng.sync_weights(sd_of(policy), None, None, None)
+    eng.sync_weights(sd_of(policy))
     r = weight_check(eng, policy_side(policy), ids, TOL)
     assert r['passed'] and r['max_abs_dlogp'] == 0.0
     # values instead of a function; a wrong count is refused, not compared
@@ -154,7 +155,7 @@ def test_weight_gate_records_and_survives_an_engine_error(tok, ids):
     G = Gates(echo=False)
     r0 = weight_gate(G, 0, tr, ids, TOL)
     assert r0 is not None and not r0['passed']                                  # the engine holds the base weights
-    tr.engine.sync_weights(sd_of(policy), None, None, None)
+    tr.engine.sync_weights(sd_of(policy))
     assert weight_gate(G, 1, tr, ids, TOL, r0)['passed']
     with FakeSGLangServer() as bare:                                            # no engine behind: the request is refused
         tr.engine = SGLangEngine([bare.url], max_retries=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os, time
 import torch
 from ..config import Config
-from ..engines import free_port
+from ..net import free_port
 from ..policy import build_policy, build_reference, update_on_rows, optimizer_shard
 
 # %% auto #0
