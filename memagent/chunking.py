@@ -7,10 +7,27 @@ from __future__ import annotations
 import math, re
 from array import array
 from dataclasses import dataclass, field, asdict
-from .prompts import encode_text
+from tokenizers import Tokenizer
 
 # %% auto #0
-__all__ = ['Chunks', 'chunk_ids', 'trim_centre', 'encode_long', 'chunk_document', 'chunk_texts_of']
+__all__ = ['encode_text', 'Chunks', 'chunk_ids', 'trim_centre', 'encode_long', 'chunk_document', 'chunk_texts_of']
+
+# %% ../nbs/04_chunking.ipynb #6bfad10e
+def _plain_pipeline(tokenizer):
+    "The tokenizer's own normalizer, pre-tokenizer and model (shared, not copied) in a `tokenizers.Tokenizer` with no added tokens."
+    b = getattr(tokenizer, 'backend_tokenizer', None)
+    if b is None:
+        raise TypeError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} ({type(tokenizer).__name__}) has no `tokenizers` "
+                        "backend: encoding text without its added tokens needs a fast tokenizer")
+    t = Tokenizer(b.model)
+    if b.normalizer is not None: t.normalizer = b.normalizer
+    if b.pre_tokenizer is not None: t.pre_tokenizer = b.pre_tokenizer
+    return t
+
+def encode_text(tokenizer, text: str) -> list:
+    "Ids of `text` as plain text: no special tokens added, and the text of every added token (special or not) encoded as ordinary pieces."
+    if not isinstance(text, str): raise TypeError(f"text must be a string, got {type(text).__name__}")
+    return _plain_pipeline(tokenizer).encode(text, add_special_tokens=False).ids
 
 # %% ../nbs/04_chunking.ipynb #847e3868
 @dataclass

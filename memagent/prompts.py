@@ -7,13 +7,13 @@ from __future__ import annotations
 import re
 from importlib.resources import files
 from pathlib import Path
-from tokenizers import Tokenizer
 from .provenance import sha256_bytes, sha256_text
+from .chunking import encode_text   # documents and prompt text share one plain encoding
 
 # %% auto #0
 __all__ = ['PROMPTS_DIR', 'VARIANTS', 'THINKING', 'TEMPLATE_SHA256', 'TEMPLATES', 'NO_MEMORY', 'ADDED_TOKENS_IN_USER_TEXT',
            'MEMORY_IN_PROMPT', 'check_templates', 'template_sha256s', 'memory_prompt', 'final_prompt', 'strip_thinking',
-           'render_user', 'encode_text', 'added_token_texts', 'encode_memory', 'encode_user_parts', 'encode_user',
+           'render_user', 'added_token_texts', 'encode_memory', 'encode_user_parts', 'encode_user',
            'encode_memory_prompt', 'encode_final_prompt', 'chat_preamble', 'injected_system_prompt', 'bound_memory',
            'memory_from_response', 'base_prompt', 'prompt_record']
 
@@ -103,22 +103,6 @@ _SENTINEL = '\x00memagent-user-content\x00'
 ADDED_TOKENS_IN_USER_TEXT = 'plain text outside the memory span'   # template text, question, chunk: every added token's text -> its pieces
 MEMORY_IN_PROMPT = ('decoded text; inside the memory span the text of each added token not flagged special is that token, '
                     'special-token text is plain text')   # see encode_memory
-
-def _plain_pipeline(tokenizer):
-    "The tokenizer's own normalizer, pre-tokenizer and model (shared, not copied) in a `tokenizers.Tokenizer` with no added tokens."
-    b = getattr(tokenizer, 'backend_tokenizer', None)
-    if b is None:
-        raise TypeError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} ({type(tokenizer).__name__}) has no `tokenizers` "
-                        "backend: encoding text without its added tokens needs a fast tokenizer")
-    t = Tokenizer(b.model)
-    if b.normalizer is not None: t.normalizer = b.normalizer
-    if b.pre_tokenizer is not None: t.pre_tokenizer = b.pre_tokenizer
-    return t
-
-def encode_text(tokenizer, text: str) -> list:
-    "Ids of `text` as plain text: no special tokens added, and the text of every added token (special or not) encoded as ordinary pieces."
-    if not isinstance(text, str): raise TypeError(f"text must be a string, got {type(text).__name__}")
-    return _plain_pipeline(tokenizer).encode(text, add_special_tokens=False).ids
 
 def _encode_markup(tokenizer, text: str) -> list:
     "Ids of chat-template markup: the text of every added token (special or not) becomes that token."
