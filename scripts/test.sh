@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# The test command: every notebook's worked examples, then the pytest suite.
+# The test command: every notebook's worked examples, then the pytest suite, each on TEST_WORKERS processes (default 2).
+# Notebooks that start Ray run one at a time after the others; pytest keeps its Ray and notebook tests on one worker
+# (tests/conftest.py) and prints its slowest tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-echo "+ nbdev_test --n_workers 1 --do_print"
-nbdev_test --n_workers 1 --do_print || { echo "FAIL: nbdev_test"; exit 1; }
-echo "+ pytest -q -ra tests"
-pytest -q -ra tests; rc=$?
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+n=${TEST_WORKERS:-2}
+ray_nbs=$(grep -l 'ensure_ray(' nbs/*.ipynb | xargs -n1 basename | sed 's/\.ipynb$//' | paste -sd'|')
+echo "+ nbdev_test --n_workers $n --timing --skip_file_re '^[_.]|^($ray_nbs)\.ipynb\$'"
+nbdev_test --n_workers "$n" --timing --skip_file_re "^[_.]|^($ray_nbs)\.ipynb\$" || { echo "FAIL: nbdev_test"; exit 1; }
+echo "+ nbdev_test --n_workers 1 --timing --file_re '^($ray_nbs)\.ipynb\$'    (the notebooks that start Ray, one at a time)"
+nbdev_test --n_workers 1 --timing --file_re "^($ray_nbs)\.ipynb\$" || { echo "FAIL: nbdev_test"; exit 1; }
+echo "+ pytest -q -ra -n $n --dist loadgroup --durations=25 tests"
+pytest -q -ra -n "$n" --dist loadgroup --durations=25 tests; rc=$?
 # pytest exits 5 when it collected no test: that is a failure of the suite, not a pass.
 [ $rc -eq 5 ] && echo "FAIL: pytest collected no tests"
 exit $rc

@@ -81,7 +81,7 @@ def test_million_token_document(qwen):
     assert c.truncated and c.dropped_chunks == 425 and c.dropped_tokens == 10**6 - 64 * 2048
     # a list of a million Python ints alone would be ~36 MB of traced allocations
     assert peak < 30e6, f'peak traced allocation {peak/1e6:.1f} MB'
-    assert time.time() - t0 < 60
+    assert time.time() - t0 < 300             # linear, not quadratic: a quadratic cut of 10**6 tokens takes hours
 
 
 def test_chunk_properties():

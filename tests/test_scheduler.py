@@ -105,7 +105,7 @@ def test_future_queue_wait_limit_in_real_time():
         def feed(self, j, p, r): self.out[j] = r
     w = Walk(); t0 = time.monotonic()
     run_async(w, q)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 15         # the hung call would hold it 30 s; a busy machine still finishes in time
     assert isinstance(w.out[0], RolloutTimeoutError) and isinstance(w.out[1], GenerationResult)
     release.set(); pool.shutdown()
 

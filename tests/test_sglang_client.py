@@ -66,7 +66,7 @@ def test_timeout_retried_then_fails_in_bounded_time(srv):
     with pytest.raises(TransientEngineError, match='timed out'):
         cl.generate([[1]], SP)
     dt = time.monotonic() - t0
-    assert dt < 3 * 0.3 + 0.05 + 0.1 + 1.5, dt
+    assert dt < 5, dt                      # three 0.3 s attempts; waiting out the 2 s replies would take 6 s
     assert cl.stats['retries'] == 2 and cl.stats['transient_failures'] == 3
     cl.close()
 
@@ -76,7 +76,7 @@ def test_connection_refused_is_transient_and_bounded():
     t0 = time.monotonic()
     r = cl.generate([[1, 2]], SP, return_exceptions=True)[0]
     assert isinstance(r, TransientEngineError) and 'connection' in str(r)
-    assert time.monotonic() - t0 < 5 and cl.stats['retries'] == 2
+    assert time.monotonic() - t0 < 12 and cl.stats['retries'] == 2     # three attempts timing out would take 15 s
     cl.close()
 
 
@@ -156,7 +156,7 @@ def test_trickled_reply_hits_the_deadline(kind):
         r = cl.generate([[1, 2, 3]], SP, return_exceptions=True)[0]
         dt = time.monotonic() - t0
         assert isinstance(r, TransientEngineError) and '0.5s deadline' in str(r) and '2 attempts' in str(r)
-        assert dt < 2 * 0.5 + 1.0, dt                       # two attempts of 0.5 s plus slack
+        assert dt < 8, dt                                   # two attempts of 0.5 s, not the 20-30 s of the whole reply
         s.faults = [kind]
         assert cl.generate([[1, 2, 3]], SP)[0].output_ids == fake_tokens([1, 2, 3], SP)[0]   # the retry is served whole
         cl.close()
@@ -309,7 +309,7 @@ def test_server_launch_failure_is_reported_not_hung(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ServerLaunchError, match='boom: no CUDA'):
         s.start()
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 45         # not the 60 s startup timeout: the exit is noticed
 
 
 def test_server_startup_timeout_stops_the_process(tmp_path):

@@ -76,7 +76,7 @@ def test_producer_raises_mid_step(make_channel):
         for f in futs:
             with pytest.raises(ChannelError, match='rollout 3 failed: RuntimeError: engine died at row 5'):
                 f.result(timeout=10)
-    assert time.monotonic() - t0 < 8, 'fail() must wake waiters long before their 20 s timeout'
+    assert time.monotonic() - t0 < 15, 'fail() must wake waiters long before their 20 s timeout'
 
 
 def test_producer_never_reports(make_channel):
@@ -84,7 +84,7 @@ def test_producer_never_reports(make_channel):
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rollout 'never': rank 1 of 2 got no rows within 0.5 s"):
         ch.get('never', 1, 2, timeout=0.5)
-    assert 0.5 <= time.monotonic() - t0 < 5
+    assert 0.5 <= time.monotonic() - t0 < 10
 
 
 def test_consumer_asks_for_future_step(make_channel):
