@@ -53,6 +53,7 @@ def pytest_configure(config):
     config.addinivalue_line('markers', 'slow: slow test')
 
 
+@pytest.hookimpl(tryfirst=True)      # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if heavy(item): item.add_marker(pytest.mark.xdist_group(GROUP)); item.user_properties.append(('group', GROUP))
