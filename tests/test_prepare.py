@@ -25,7 +25,7 @@ def run_prepare(endpoint, tmp, *args):
     env = {k: v for k, v in os.environ.items() if k not in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE', 'MEMAGENT_DATA_ROOT')}
     env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp / 'hf-home'), PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, '-c', 'import sys; from memagent.data import prepare_cli; sys.exit(prepare_cli())',
-                           *args, '--quiet'], env=env, capture_output=True, text=True, timeout=120)
+                           *args, '--quiet'], env=env, capture_output=True, text=True, timeout=600)
 
 
 def resolve_url(endpoint, name):
@@ -122,7 +122,7 @@ def test_offline_mode_is_named(tmp_path):
         env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'HF_ENDPOINT': h.endpoint, 'PYTHONPATH': str(REPO)}
         r = subprocess.run([sys.executable, '-c', 'import sys; from memagent.data import prepare_cli; sys.exit(prepare_cli())',
                             '--root', str(tmp_path / 'root2'), '--files', 'eval_50.json', '--quiet'],
-                           env=env, capture_output=True, text=True, timeout=120)
+                           env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and 'HF_HUB_OFFLINE is set' in r.stderr and '--from DIR' in r.stderr
 
 
@@ -156,7 +156,7 @@ def test_from_dir_without_manifest_refused_unless_unverified(tmp_path):
     assert not (tmp_path / 'root' / 'hotpotqa_dev.jsonl').exists()
     r = subprocess.run([sys.executable, '-c', 'import sys; from memagent.data import prepare_cli; sys.exit(prepare_cli())',
                         '--root', str(tmp_path / 'root'), '--from', str(raw), '--unverified', '--quiet'],
-                       env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True, timeout=120)
+                       env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert f"UNVERIFIED: {', '.join(NAMES)}" in r.stdout
     m = json.loads((tmp_path / 'root' / 'manifest.json').read_text())

@@ -99,7 +99,7 @@ def _cli(*args):
     exe = Path(sys.executable).with_name('memagent-reward-summary')
     cmd = [str(exe)] if exe.exists() else [sys.executable, '-c', 'from memagent.report import summary_cli; summary_cli()']
     env = {**os.environ, 'PYTHONPATH': str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', '')}
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, env=env, timeout=80)
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, env=env, timeout=600)   # a hang guard: a busy neighbour may slow the imports, never forever
 
 
 def test_cli_exit_codes(tmp_path):

@@ -49,7 +49,7 @@ def test_train_notebook_tiny(tmp_path):
 def test_train_notebook_rejects_bad_preset(tmp_path):
     cmd = [sys.executable, '-m', 'papermill', str(ROOT/'nbs'/'train.ipynb'), str(tmp_path/'o.ipynb'), '--cwd', str(ROOT),
            '-p', 'preset', 'nope', '-p', 'out_dir', str(tmp_path), '-p', 'report_dir', str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "preset='nope'" in (r.stderr + r.stdout)
 
 
@@ -60,6 +60,6 @@ def test_train_notebook_rejects_bad_preset(tmp_path):
 def test_train_notebook_refuses_bad_parameters_before_running(tmp_path, params, needle):
     cmd = [sys.executable, '-m', 'papermill', str(ROOT/'nbs'/'train.ipynb'), str(tmp_path/'o.ipynb'), '--cwd', str(ROOT),
            '-p', 'preset', 'tiny', '-p', 'out_dir', str(tmp_path/'runs'), '-p', 'report_dir', str(tmp_path/'reports'), *params]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and needle in (r.stderr + r.stdout), (r.stderr + r.stdout)[-3000:]
     assert not (tmp_path/'runs').exists(), 'nothing may be written before the parameters are checked'
