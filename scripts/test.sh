@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: every notebook's worked examples, then the pytest suite, each on TEST_WORKERS processes (default 2).
+# The test command: every notebook's worked examples, then the pytest suite, on TEST_WORKERS processes (default 2).
 # Notebooks that start Ray run one at a time after the others; pytest keeps its Ray and notebook tests on one worker
 # (tests/conftest.py) and prints its slowest tests.
 set -uo pipefail
@@ -11,8 +11,15 @@ echo "+ nbdev_test --n_workers $n --timing --skip_file_re '^[_.]|^($ray_nbs)\.ip
 nbdev_test --n_workers "$n" --timing --skip_file_re "^[_.]|^($ray_nbs)\.ipynb\$" || { echo "FAIL: nbdev_test"; exit 1; }
 echo "+ nbdev_test --n_workers 1 --timing --file_re '^($ray_nbs)\.ipynb\$'    (the notebooks that start Ray, one at a time)"
 nbdev_test --n_workers 1 --timing --file_re "^($ray_nbs)\.ipynb\$" || { echo "FAIL: nbdev_test"; exit 1; }
-echo "+ pytest -q -ra -n $n --dist loadgroup --durations=25 tests"
-pytest -q -ra -n "$n" --dist loadgroup --durations=25 tests; rc=$?
+# pytest in two parts. First every test but the exclusive ones on $n workers: the Ray and notebook tests on one worker,
+# one after another, the rest spread over both (tests/conftest.py). Then the exclusive tests (four or more Ray ranks each),
+# one at a time beside nothing: run next to another test they would slow both several times over on a 2-core machine.
+echo "+ pytest -q -ra -n $n --dist loadgroup --durations=25 -m 'not exclusive' tests"
+pytest -q -ra -n "$n" --dist loadgroup --durations=25 -m 'not exclusive' tests; rc=$?
 # pytest exits 5 when it collected no test: that is a failure of the suite, not a pass.
 [ $rc -eq 5 ] && echo "FAIL: pytest collected no tests"
-exit $rc
+echo "+ pytest -q -ra -n 0 --durations=0 -m exclusive tests    (one at a time, beside nothing)"
+pytest -q -ra -n 0 --durations=0 -m exclusive tests; rc2=$?
+[ $rc2 -eq 5 ] && echo "FAIL: pytest collected no exclusive tests"
+[ $rc -ne 0 ] && exit $rc
+exit $rc2

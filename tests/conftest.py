@@ -51,6 +51,8 @@ def heavy(item) -> bool:
 def pytest_configure(config):
     config.addinivalue_line('markers', 'gpu: needs a CUDA device and SGLang; skipped otherwise')
     config.addinivalue_line('markers', 'slow: slow test')
+    config.addinivalue_line('markers', "exclusive: starts four or more Ray ranks, enough to load every core of a CI machine; "
+                                       "scripts/test.sh runs these after the others, one at a time and beside nothing")
 
 
 @pytest.hookimpl(tryfirst=True)      # before pytest-xdist's own hook, which reads the groups into the test ids

@@ -77,6 +77,7 @@ except Exception as e: print(type(e).__name__, round(time.monotonic() - t0, 1));
     assert 'needs GPU 8, CPU 8' in r.stdout and 'short: CPU 8 > 2' in r.stdout, r.stdout
 
 
+@pytest.mark.exclusive    # four or more Ray ranks: the machine's every core, so it runs alone (scripts/test.sh)
 def test_launch_report_both_launches(tmp_path):
     """The launch notebook on a fresh simulated node: the frozen layout (TP 2 x DP 4, tiny model, the named overrides)
     through the trainer's own path to its first rollout, colocated (joined through RAY_ADDRESS) and with separate servers

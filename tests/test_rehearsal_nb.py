@@ -19,6 +19,7 @@ def _papermill(tmp_path, run, **params):
     return p, tmp_path / 'reports' / run, tmp_path / 'runs' / run
 
 
+@pytest.mark.exclusive    # four or more Ray ranks: the machine's every core, so it runs alone (scripts/test.sh)
 @pytest.mark.timeout(1800)
 def test_rehearsal_reduced(tmp_path):
     p, rep, run = _papermill(tmp_path, 'ci', **REDUCED)

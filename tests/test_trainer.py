@@ -174,6 +174,7 @@ def test_megatron_tensor_parallel_trains_like_torch(tmp_path, examples, referenc
         assert sorted(ck['optimizer']['shards']) == [0, 1], 'one optimizer shard per tensor-parallel rank'
     finally: tp.close()
 
+@pytest.mark.exclusive    # four or more Ray ranks: the machine's every core, so it runs alone (scripts/test.sh)
 def test_megatron_tp2_dp2_trains_like_torch(tmp_path, examples, reference):
     "Four ranks: two replicas of a TP-2 model, each taking half of the step's rows."
     pytest.importorskip('megatron.core')
