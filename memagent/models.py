@@ -242,24 +242,64 @@ def _tokenizer_dir(tok):
     f = try_to_load_from_cache(str(tok.name_or_path), 'tokenizer_config.json')
     return Path(f).parent if isinstance(f, str) else None
 
+_HASH_MEMO: dict = {}
+
+def _hash_memo(kind: str, key: str, compute) -> str:
+    """`compute()`, a SHA-256 that is a pure function of the content named by `key` (itself a SHA-256), remembered in this
+    process and in `cache_dir()/hash-memo/<kind>/<key>` for the next one. A remembered value that is not 64 hex digits is
+    computed again."""
+    import re
+    if (kind, key) in _HASH_MEMO: return _HASH_MEMO[kind, key]
+    f = cache_dir()/'hash-memo'/kind/key
+    try: v = f.read_text().strip()
+    except OSError: v = ''
+    if not re.fullmatch(r'[0-9a-f]{64}', v):
+        v = compute()
+        try:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile('w', dir=f.parent, delete=False) as t: t.write(v)
+            os.replace(t.name, f)
+        except OSError: pass             # a read-only cache only costs the next process the computation
+    _HASH_MEMO[kind, key] = v
+    return v
+
+def _pipeline_sha256(raw: str) -> tuple[str, str]:
+    "(SHA-256 of `raw`, SHA-256 of its canonical form: parsed, keys sorted); the second is a pure function of the first."
+    from memagent.provenance import sha256_text
+    h = sha256_text(raw)
+    return h, _hash_memo('canonical-pipeline', h, lambda: sha256_text(json.dumps(json.loads(raw), sort_keys=True)))
+
+def _pipeline_is_file(raw: str, raw_sha: str, file: Path, file_sha: str) -> bool:
+    """Does the in-memory pipeline `raw` parse to what `file` loads to? What a tokenizer.json of SHA-256 `file_sha` loads to
+    (its serialization's SHA-256, per tokenizers version) is remembered: an equal serialization answers at once, any other
+    is parsed and compared."""
+    import tokenizers
+    from tokenizers import Tokenizer
+    from memagent.provenance import sha256_text
+    loads_to = lambda: sha256_text(Tokenizer.from_file(str(file)).to_str())
+    if _hash_memo(f'tokenizer-json-loads-to-{tokenizers.__version__}', file_sha, loads_to) == raw_sha: return True
+    return json.loads(raw) == json.loads(Tokenizer.from_file(str(file)).to_str())
+
 def tokenizer_identity(tok, path=None) -> dict:
-    "What identifies a tokenizer: name/path, class, `len(tok)`, the SHA-256 of its files and of its in-memory vocabulary, chat template and pipeline."
+    """What identifies a tokenizer: name/path, class, `len(tok)`, the SHA-256 of its files and of its in-memory vocabulary,
+    chat template and pipeline. The vocabulary and the pipeline are read from the object on every call; only pure functions
+    of their bytes are remembered (`_hash_memo`: the canonical form's SHA-256, and what a tokenizer.json of a given SHA-256
+    loads to)."""
     from memagent.provenance import sha256_text
     d = Path(path) if path is not None else _tokenizer_dir(tok)
     files = tokenizer_files(d) if d is not None else None
     vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False)
     backend = getattr(tok, 'backend_tokenizer', None)
-    pipe = json.loads(backend.to_str()) if backend is not None else None
+    raw = backend.to_str() if backend is not None else None
+    raw_sha, pipe_sha = _pipeline_sha256(raw) if raw is not None else (None, None)
     as_file = None
-    if pipe is not None and files and 'tokenizer.json' in files:
-        from tokenizers import Tokenizer
-        as_file = pipe == json.loads(Tokenizer.from_file(str(d/'tokenizer.json')).to_str())
+    if raw is not None and files and 'tokenizer.json' in files:
+        as_file = _pipeline_is_file(raw, raw_sha, d/'tokenizer.json', files['tokenizer.json'])
     return {'name_or_path': str(tok.name_or_path), 'path': None if d is None else str(d), 'class': type(tok).__name__,
             'size': len(tok), 'files_sha256': files,
             'all_files_sha256': None if files is None else sha256_text(json.dumps(files, sort_keys=True)),
             'vocab_sha256': sha256_text(vocab), 'chat_template_sha256': sha256_text(tok.chat_template or ''),
-            'pipeline_sha256': None if pipe is None else sha256_text(json.dumps(pipe, sort_keys=True)),
-            'pipeline_is_file': as_file}
+            'pipeline_sha256': pipe_sha, 'pipeline_is_file': as_file}
 
 def model_identity(name) -> dict:
     "What identifies model weights: the name, the resolved directory and a hash of its weight files."

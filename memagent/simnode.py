@@ -11,8 +11,8 @@ from .backends.ray import NOSET_ENV, rank_device
 
 # %% auto #0
 __all__ = ['MARK', 'LAUNCH_PRESET', 'LAUNCH_OVERRIDES', 'LAUNCH_SWITCH', 'write_sglang_shim', 'shim_parser', 'server_info',
-           'shim_main', 'marked_pids', 'SimulatedNode', 'launch_config', 'launch_child', 'launch_checks', 'noset_probe',
-           'noset_checks', 'run_child', 'main']
+           'shim_main', 'marked_pids', 'stop_group', 'SimulatedNode', 'launch_config', 'launch_child', 'launch_checks',
+           'noset_probe', 'noset_checks', 'run_child', 'main']
 
 # %% ../nbs/20a_simnode.ipynb #fe3291c3
 _SHIM = '''"Simulated SGLang (memagent.simnode): `python -m sglang.launch_server` serves memagent's local schema server."
@@ -70,11 +70,22 @@ def marked_pids(mark: str) -> list[int]:
         except OSError: pass
     return sorted(out)
 
+def stop_group(pid: int) -> int:
+    "Where a process comes in `SimulatedNode.stop`'s order, by its command line: 0 anything not Ray's own (drivers, engines, Ray workers), 1 the raylet, 2 Ray's other processes, 3 the GCS server."
+    try: argv = Path(f'/proc/{pid}/cmdline').read_bytes().split(b'\0')
+    except OSError: return 0
+    exe, script = argv[0].decode(errors='replace'), ' '.join(a.decode(errors='replace') for a in argv[1:3])
+    if exe.endswith('/gcs_server'): return 3
+    if exe.endswith('/raylet'): return 1
+    if '/ray/' in script and 'default_worker.py' not in script or 'ray.util.client.server' in script: return 2
+    return 0
+
 class SimulatedNode:
     "A one-node Ray cluster on this host declaring `gpus` GPUs and `cpus` CPUs (`ray start --head`), the SGLang shim first on its `PYTHONPATH`; stopped by process id. A context manager."
     def __init__(self, gpus: int = 8, cpus: int = 16, startup_timeout_s: float = 180.0):
         self.gpus, self.cpus, self.startup_timeout_s = gpus, cpus, startup_timeout_s
         self.dir = self.address = None
+        self.killed: list[int] = []
 
     def node_env(self) -> dict:
         "The node's environment: this one without CUDA_VISIBLE_DEVICES, RAY_ADDRESS or NOSET; the shim and the package on PYTHONPATH; Ray's auth and usage stats off; the marker."
@@ -108,15 +119,26 @@ class SimulatedNode:
         return marked_pids(str(self.dir)) if self.dir else []
 
     def stop(self, grace_s: float = 20.0) -> list[int]:
-        "SIGTERM every process of the node, SIGKILL what is left after `grace_s`, remove its directory; the ids signalled."
+        """End every process of the node in `ray stop`'s order, remove its directory; the ids signalled. Each group in
+        turn gets SIGTERM and up to `grace_s` to exit: the drivers, engines and workers, then the raylet, then Ray's other
+        processes, the GCS last (an autoscaler monitor whose GCS is already gone hangs in its SIGTERM handler). What is
+        left after the last group gets SIGKILL
+        (their ids in `self.killed`)."""
         if self.dir is None: return []
         pids = self.pids()
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            for p in self.pids():
-                try: os.kill(p, sig)
+        for group in range(4):
+            mine = [p for p in self.pids() if stop_group(p) == group]
+            for p in mine:
+                try: os.kill(p, signal.SIGTERM)
                 except ProcessLookupError: pass
-            end = time.monotonic() + wait
-            while self.pids() and time.monotonic() < end: time.sleep(0.2)
+            end = time.monotonic() + grace_s
+            while set(mine) & set(self.pids()) and time.monotonic() < end: time.sleep(0.05)
+        self.killed = self.pids()
+        for p in self.killed:
+            try: os.kill(p, signal.SIGKILL)
+            except ProcessLookupError: pass
+        end = time.monotonic() + 10.0
+        while self.pids() and time.monotonic() < end: time.sleep(0.05)
         left = self.pids()
         shutil.rmtree(self.dir, ignore_errors=True)
         if left: raise RuntimeError(f"simulated node {self.dir}: processes {left} survived SIGKILL")
