@@ -29,22 +29,37 @@ def _no_te():
     if have_transformer_engine(): pytest.skip('Transformer Engine is installed here: the layout needs no reduction')
 
 
-def test_dry_run_prints_every_command_and_the_plans(tmp_path):
-    r = _run('--dry-run', '--out', str(tmp_path / 'gpu'))
+@pytest.fixture(scope='module')
+def dry_run(tmp_path_factory):
+    "One `gpu_check.sh --dry-run` for the tests that read its output: (completed process, its --out directory)."
+    out = tmp_path_factory.mktemp('dry') / 'gpu'
+    return _run('--dry-run', '--out', str(out)), out
+
+
+def _dry_run_commands(gpu):
+    "The commands a dry run with `--out gpu` prints (it runs none of them)."
+    return [f"{sys.executable} scripts/gpu_check.py subset --out {gpu}/subset",
+            f"+ {sys.executable} -m papermill nbs/smoke.ipynb {gpu}/smoke.ipynb -f {gpu}/smoke_params.yaml",
+            f"scripts/gpu_check.py compare --params {gpu}/smoke_params.yaml --gpus 8"]
+
+
+# the two tests read one dry run, so they run on one pytest-xdist worker
+@pytest.mark.xdist_group('gpu_check_dry_run')
+def test_dry_run_prints_every_command_and_the_plans(dry_run):
+    r, gpu = dry_run
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
-    assert f"{sys.executable} scripts/gpu_check.py subset --out {tmp_path}/gpu/subset" in out
-    assert f"+ {sys.executable} -m papermill nbs/smoke.ipynb {tmp_path}/gpu/smoke.ipynb -f {tmp_path}/gpu/smoke_params.yaml" in out
-    assert f"scripts/gpu_check.py compare --params {tmp_path}/gpu/smoke_params.yaml --gpus 8" in out
+    for cmd in _dry_run_commands(gpu): assert cmd in out, cmd
     assert out.count('plan of ') == 2 and out.count('GiB per GPU') == 2      # the subset's plan and the cluster's
     assert 'subset: layout: as_configured' in out and 'cluster: layout: as_configured' in out
-    assert not (tmp_path / 'gpu').exists()                                    # a dry run writes nothing
+    assert not gpu.exists()                                                   # a dry run writes nothing
 
 
-def test_a_dry_run_prints_the_refusal_and_exits_0(tmp_path):
+@pytest.mark.xdist_group('gpu_check_dry_run')
+def test_a_dry_run_prints_the_refusal_and_exits_0(dry_run):
     import torch
     if torch.cuda.is_available(): pytest.skip('a GPU machine may not refuse')
-    r = _run('--dry-run', '--out', str(tmp_path / 'gpu'))
+    r, _ = dry_run
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'gpu_check: refused, not downgraded: gpu_check part cluster' in r.stderr and 'GPU count: found' in r.stderr
     assert 'part cluster refused (above); a real run stops here, this dry run goes on' in r.stdout

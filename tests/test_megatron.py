@@ -1,7 +1,7 @@
 """Megatron-core backend on CPU: HF <-> Megatron mapping, logits equivalence, optimizer step, export/reload.
 
-One process, world size 1 (gloo), except the tensor-parallel tests at the end, which spawn two processes (TP = 2,
-gloo) and compare with the HF model and with TP = 1 run here. Tiny random Qwen3 and Llama models only. Skipped, with the reason, when megatron-core is not installed.
+One process, world size 1 (gloo), except the tensor-parallel tests at the end, which run on two spawned ranks (TP = 2,
+gloo; started once and reused, each job in a fresh process group) and compare with the HF model and with TP = 1 run here. Tiny random Qwen3 and Llama models only. Skipped, with the reason, when megatron-core is not installed.
 """
 import json, subprocess, sys, warnings
 
@@ -335,22 +335,73 @@ def test_shard_unshard_is_exact_and_shapes_match_built_model():
         mb.hf_to_megatron(hf.state_dict(), cfg, 0, 4)
 
 
-def _tp_worker(rank, world, port, job, out_path):
-    "One TP rank: runs `job` and, on rank 0, saves its result dict to `out_path`."
-    import os
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+def _tp_server(rank, world, jobs, results):
+    """One TP rank, kept for the test process: for each `(job, port, out_path)` it is sent, joins a fresh process group on
+    `port`, runs `job` (rank 0 saves its result dict to `out_path`), tears the parallel state down and reports
+    `(rank, traceback or None)`. The spawn and the imports are paid once, not once per test."""
+    import os, traceback
     warnings.filterwarnings('ignore')
-    try:
-        res = job()
-        if rank == 0: torch.save(res, out_path)
-    finally: mb.destroy_parallel()
+    while (item := jobs.get()) is not None:
+        job, port, out_path = item
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+        err = None
+        try:
+            res = job()
+            if rank == 0: torch.save(res, out_path)
+        except BaseException:
+            err = traceback.format_exc()
+        finally:
+            try: mb.destroy_parallel()
+            except BaseException: err = (err or '') + traceback.format_exc()
+        results.put((rank, err))
 
+
+class _TP2Ranks:
+    "Two spawned TP ranks that run one job at a time; any error, death or timeout ends both, and the next job starts new ones."
+    def __init__(self, world=2):
+        import torch.multiprocessing as mp
+        ctx = mp.get_context('spawn')
+        self.jobs, self.results = [ctx.Queue() for _ in range(world)], ctx.Queue()
+        self.procs = [ctx.Process(target=_tp_server, args=(r, world, self.jobs[r], self.results), daemon=True) for r in range(world)]
+        for p in self.procs: p.start()
+
+    def alive(self): return all(p.is_alive() for p in self.procs)
+
+    def run(self, job, out, timeout_s=600):
+        import queue, time
+        port = free_port()
+        for q in self.jobs: q.put((job, port, str(out)))
+        done, end = 0, time.monotonic() + timeout_s
+        while done < len(self.procs):
+            try: rank, err = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead or time.monotonic() > end:
+                    self.close()
+                    raise RuntimeError(f"TP 2 job {job!r}: " + (f"ranks exited {dead}" if dead else f"no answer within {timeout_s} s"))
+                continue
+            if err:
+                self.close()
+                raise RuntimeError(f"TP 2 job {job!r} failed on rank {rank}:\n{err}")
+            done += 1
+        return torch.load(out)
+
+    def close(self):
+        for q in self.jobs:
+            try: q.put(None)
+            except (ValueError, OSError): pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive(): p.kill(); p.join(5)
+
+
+_RANKS = []
 
 def _run_tp2(job, tmp_path):
-    import torch.multiprocessing as mp
-    out = tmp_path / 'tp2.pt'
-    mp.spawn(_tp_worker, args=(2, free_port(), job, str(out)), nprocs=2)
-    return torch.load(out)
+    "Run `job` on two TP ranks (gloo) and return rank 0's result; the ranks are kept for the next job of this process."
+    if not (_RANKS and _RANKS[0].alive()):
+        _RANKS[:] = [_TP2Ranks()]
+    return _RANKS[0].run(job, tmp_path / 'tp2.pt')
 
 
 def _batch():
