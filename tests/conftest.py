@@ -68,6 +68,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def check_ray_grouping(request):
     "A test outside the group that starts Ray in this process fails, naming itself: the grouping stays true."
+    # Under `--dist loadgroup` pytest-xdist appends `@group` to a grouped test's id and schedules by it; a grouped test
+    # without it means the grouping silently did not take effect (pytest-xdist 3.8 cannot rename the node ids of some
+    # pytest 9 builds) and Ray tests would run side by side: each such test fails, naming the versions.
+    if getattr(request.config.option, 'loadgroup', False) and any(True for _ in request.node.iter_markers('xdist_group')) \
+            and '@' not in request.node.nodeid:
+        import xdist
+        pytest.fail(f"--dist loadgroup did not group {request.node.nodeid} under pytest {pytest.__version__} and pytest-xdist "
+                    f"{xdist.__version__}: install the versions settings.ini names (pytest>=8.4,<9)", pytrace=False)
     before = 'ray' in sys.modules and sys.modules['ray'].is_initialized()
     yield
     if before or ('group', GROUP) in request.node.user_properties: return
