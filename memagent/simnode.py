@@ -122,8 +122,7 @@ class SimulatedNode:
         """End every process of the node in `ray stop`'s order, remove its directory; the ids signalled. Each group in
         turn gets SIGTERM and up to `grace_s` to exit: the drivers, engines and workers, then the raylet, then Ray's other
         processes, the GCS last (an autoscaler monitor whose GCS is already gone hangs in its SIGTERM handler). What is
-        left after the last group gets SIGKILL
-        (their ids in `self.killed`)."""
+        left after the last group gets SIGKILL; their ids are in `self.killed`."""
         if self.dir is None: return []
         pids = self.pids()
         for group in range(4):
