@@ -276,9 +276,12 @@ def _pipeline_is_file(raw: str, raw_sha: str, file: Path, file_sha: str) -> bool
     import tokenizers
     from tokenizers import Tokenizer
     from memagent.provenance import sha256_text
-    loads_to = lambda: sha256_text(Tokenizer.from_file(str(file)).to_str())
-    if _hash_memo(f'tokenizer-json-loads-to-{tokenizers.__version__}', file_sha, loads_to) == raw_sha: return True
-    return json.loads(raw) == json.loads(Tokenizer.from_file(str(file)).to_str())
+    loaded = []                          # the file's serialization, read at most once per call
+    def text():
+        if not loaded: loaded.append(Tokenizer.from_file(str(file)).to_str())
+        return loaded[0]
+    if _hash_memo(f'tokenizer-json-loads-to-{tokenizers.__version__}', file_sha, lambda: sha256_text(text())) == raw_sha: return True
+    return json.loads(raw) == json.loads(text())
 
 def tokenizer_identity(tok, path=None) -> dict:
     """What identifies a tokenizer: name/path, class, `len(tok)`, the SHA-256 of its files and of its in-memory vocabulary,
