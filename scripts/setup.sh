@@ -3,7 +3,7 @@
 # CPU machines get the CPU build of torch; pass TORCH_SPEC to choose another build (e.g. TORCH_SPEC=torch on a GPU cluster).
 # pip installs uv (pinned) into the venv; uv resolves and installs everything else, in parallel and byte-compiled, from
 # pip's own configuration: the index, extra indexes, wheel directories and constraints that PIP_* variables or pip.conf
-# name, taking the best version across them as pip does. The versions are pip's (same resolution, same wheels).
+# name, taking the best version across them as pip does (the versions agree with a pip install: pip freeze compared).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv}
