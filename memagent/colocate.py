@@ -10,8 +10,7 @@ from .engines import SGLangEngine, ServerProcess, engine_from_config, sglang_ser
 from .net import free_port
 from .transfer import cluster_gpus, require_resources
 from .config import Config
-from .policy import LocalGroup
-from .backends.ray import RayGroup
+from .devices import bundle_info
 
 # %% auto #0
 __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placement', 'EngineServer', 'EngineServers',
@@ -19,11 +18,6 @@ __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placem
 
 # %% ../nbs/08a_colocate.ipynb #8fb7941c
 TRAIN_SHARE, SERVER_SHARE, PROBE_SHARE = 0.5, 0.2, 0.1    # of a bundle's GPU (and CPU): trainer rank, server actor, start-up probe
-
-def _bundle_info() -> tuple:
-    "Where a task runs: (node address, the GPU ids Ray gave it)."
-    import ray
-    return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
 
 class Placement:
     "The training GPUs as one Ray placement group: a bundle per GPU, ranks and engines mapped onto the bundles in (node, GPU) order."
@@ -44,7 +38,7 @@ class Placement:
             remove_placement_group(self.pg)
             raise TimeoutError(f"placement group of {n_gpus} bundles {self.bundle} not ready after {timeout_s}s; "
                                f"the cluster has {ray.cluster_resources()}")
-        probe = ray.remote(_bundle_info)
+        probe = ray.remote(bundle_info)       # memagent.devices imports no torch: each probe costs a worker start only
         info = ray.get([probe.options(**self._on(b, PROBE_SHARE)).remote() for b in range(n_gpus)], timeout=timeout_s)
         self.order = sorted(range(n_gpus), key=lambda b: (info[b][0], [int(g) if g.isdigit() else g for g in info[b][1]], b))
         self.nodes = [info[b][0] for b in self.order]
@@ -192,6 +186,10 @@ def trainer_engine(cfg, tokenizer=None, placement=None, model_name=None):
 # %% ../nbs/08a_colocate.ipynb #4f28eb3d
 def make_group(cfg: Config, pad_id: int, world_size: int = 1, ray_address: str | None = None, placement=None):
     "A `LocalGroup` for one process, else a `RayGroup` of `world_size` ranks (placed by `placement.train_options(rank)` when given)."
+    # imported here, not with the module: Ray workers that run this module's actors and tasks (the server actors, the
+    # bundle probes) then import no torch
+    from memagent.policy import LocalGroup
+    from memagent.backends.ray import RayGroup
     if world_size == 1:
         if placement is not None: raise ValueError("make_group: a placement needs Ray ranks (world_size > 1); got world_size=1")
         return LocalGroup(cfg, pad_id)

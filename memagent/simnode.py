@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, json, os, shutil, signal, subprocess, sys, tempfile, time
 from pathlib import Path
 from .net import free_port
-from .backends.ray import NOSET_ENV, rank_device
+from .devices import NOSET_ENV, rank_device
 
 # %% auto #0
 __all__ = ['MARK', 'LAUNCH_PRESET', 'LAUNCH_OVERRIDES', 'LAUNCH_SWITCH', 'write_sglang_shim', 'shim_parser', 'server_info',
@@ -233,7 +233,7 @@ def launch_checks(rec: dict) -> dict:
 
 # %% ../nbs/20a_simnode.ipynb #cc60f37a
 def _probe() -> dict:
-    return rank_device()
+    return rank_device(cuda=False)    # the node is simulated on a CPU host: the index as a rank computes it, and no torch import
 
 def noset_probe(n_gpus: int = 8, gpus_per_engine: int = 2) -> list[dict]:
     "On the running Ray: one task per bundle of a `Placement(n_gpus)`, without and with NOSET; each task's `rank_device()` with its bundle and the mode."
@@ -244,8 +244,10 @@ def noset_probe(n_gpus: int = 8, gpus_per_engine: int = 2) -> list[dict]:
     pl, out = Placement(n_gpus, gpus_per_engine, timeout_s=120), []
     try:
         for noset in (False, True):
-            env = {'PYTHONPATH': os.environ.get('PYTHONPATH', ''), **({NOSET_ENV: '1'} if noset else {})}
-            refs = [ray.remote(_probe).options(**pl.train_options(r), runtime_env={'env_vars': env}).remote() for r in range(n_gpus)]
+            # without NOSET the tasks run in the node's own environment, on the workers the bundle probes left idle;
+            # with it they need workers started with the variable
+            env = dict(runtime_env={'env_vars': {NOSET_ENV: '1'}}) if noset else {}
+            refs = [ray.remote(_probe).options(**pl.train_options(r), **env).remote() for r in range(n_gpus)]
             out += [dict(rank=r, noset_requested=noset, **d) for r, d in enumerate(ray.get(refs, timeout=300))]
     finally: pl.remove()
     return out

@@ -7,10 +7,11 @@ PKG = Path(__file__).resolve().parents[1] / 'memagent'
 
 # The layers, top to bottom: a module imports only from its own line (without a circle) or lines above it.
 # A package (engines, data, backends) is placed as a whole; its modules may import each other, without a circle.
-# Modules the design names are where it puts them; the others are placed with what they do: net (the free port)
-# is a leaf; resume, fuzz, simulate and screening sit with the run-level modules they build on.
+# Modules the design names are where it puts them; the others are placed with what they do: net (the free port) and
+# devices (a Ray process's GPU) are leaves; resume, fuzz, simulate and screening sit with the run-level modules they
+# build on.
 LAYERS = (
-    ('memagent', 'config', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net'),   # pure leaves
+    ('memagent', 'config', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net', 'devices'),   # pure leaves
     ('data', 'prompts', 'models', 'credit', 'loss', 'report'),                                          # pure or file-level
     ('engines',),                                                                    # leaves: know nothing of the trainer
     ('rollout', 'transfer', 'checkpoint', 'evaluate', 'acceptance', 'parity', 'audit', 'resume', 'fuzz', 'simulate',
@@ -21,7 +22,8 @@ LAYERS = (
     ('testing', 'bench', 'simnode'),                                 # never imported by the above
 )
 TRAINING_PATH = ('trainer', 'doctor', 'colocate', 'policy', 'rollout', 'transfer', 'loss', 'credit', 'engines', 'checkpoint', 'backends.torch',
-                 'backends.ray', 'backends.megatron', 'reward', 'prompts', 'chunking', 'models', 'data', 'config', 'provenance', 'net')
+                 'backends.ray', 'backends.megatron', 'reward', 'prompts', 'chunking', 'models', 'data', 'config', 'provenance', 'net',
+                 'devices')
 _NAMED = re.compile(r'^memagent(\.\w+)+(:\w+)?$')     # a registry entry naming a module ('memagent.backends.torch:TorchBackend')
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os, time
 import torch
 from ..config import Config
+from ..devices import rank_device
 from ..net import free_port
 from ..policy import build_policy, build_reference, update_on_rows, optimizer_shard
 
 # %% auto #0
-__all__ = ['NOSET_ENV', 'StallError', 'describe_progress', 'poll_interval', 'stalled_ranks', 'pack_numpy', 'unpack_numpy',
-           'DeviceError', 'noset_visible_devices', 'torch_device_index', 'rank_device', 'rank_options', 'Rank',
-           'RayGroup']
+__all__ = ['StallError', 'describe_progress', 'poll_interval', 'stalled_ranks', 'pack_numpy', 'unpack_numpy', 'rank_options',
+           'Rank', 'RayGroup']
 
 # %% ../../nbs/12c_ray_group.ipynb #aba84ed5
 class StallError(TimeoutError):
@@ -60,43 +60,6 @@ def unpack_numpy(packed: dict) -> dict:
     "The tensors `pack_numpy` packed, bit for bit (copied out of the read-only object store)."
     return {k: torch.from_numpy(a.copy()).view(torch.bfloat16) if tag == 'bfloat16' else torch.from_numpy(a.copy())
             for k, (a, tag) in packed.items()}
-
-# %% ../../nbs/12c_ray_group.ipynb #3294a205
-NOSET_ENV = 'RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES'
-
-class DeviceError(RuntimeError):
-    "A rank's GPU cannot be told from Ray's assignment; the message names the ids and the variables."
-
-def noset_visible_devices(environ=None) -> bool:
-    "Whether Ray leaves `CUDA_VISIBLE_DEVICES` as it is (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES` '1' or 'true', as Ray reads it)."
-    return (environ if environ is not None else os.environ).get(NOSET_ENV, '').lower() in ('1', 'true')
-
-def torch_device_index(ray_gpu_ids, visible: str | None, noset: bool) -> int | None:
-    "torch's index of the first GPU Ray gave this process (`ray_gpu_ids`), given its `CUDA_VISIBLE_DEVICES` and NOSET; None when Ray gave none."
-    ids = [str(g) for g in ray_gpu_ids]
-    if not ids: return None
-    vis = [v.strip() for v in visible.split(',') if v.strip()] if visible else None
-    if vis is None:
-        if noset and ids[0].isdigit(): return int(ids[0])        # nothing narrows the node: Ray's ids are the GPU ordinals
-        raise DeviceError(f"Ray gave GPUs {ids} but CUDA_VISIBLE_DEVICES is {visible!r} "
-                          f"({NOSET_ENV}={'on' if noset else 'off'}): the GPU cannot be told")
-    if ids[0] not in vis:
-        raise DeviceError(f"Ray gave GPU {ids[0]!r} but CUDA_VISIBLE_DEVICES={visible!r} does not list it "
-                          f"({NOSET_ENV}={'on' if noset else 'off'})")
-    return vis.index(ids[0])
-
-def rank_device(cuda: bool | None = None, environ=None) -> dict:
-    "This Ray worker's GPU assignment and the torch device it maps to (`device`: 'cuda:i', or 'cpu' without CUDA); `DeviceError` for a GPU machine's rank without a GPU."
-    import ray
-    environ = os.environ if environ is None else environ
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    ids, visible, noset = [str(g) for g in ray.get_gpu_ids()], environ.get('CUDA_VISIBLE_DEVICES'), noset_visible_devices(environ)
-    index = torch_device_index(ids, visible, noset)
-    if cuda and index is None:
-        raise DeviceError(f"this rank has CUDA but Ray gave it no GPU (CUDA_VISIBLE_DEVICES={visible!r}): it would land on "
-                          f"cuda:0 with every other such rank; ask Ray for one GPU per rank")
-    return dict(node=ray.util.get_node_ip_address(), ray_gpu_ids=ids, cuda_visible_devices=visible, noset=noset,
-                device_index=index, device=f'cuda:{index}' if cuda else 'cpu')
 
 # %% ../../nbs/12c_ray_group.ipynb #cb69accb
 def rank_options(world: int, cluster: dict, cuda: bool | None = None) -> list[dict]:
