@@ -21,7 +21,7 @@ class NonFiniteError(RunHealthError):
 
 def require_finite(x, what: str) -> float:
     "`float(x)`, or `NonFiniteError` naming `what` when it is NaN or infinite."
-    v = float(x)
+    v = float(x.detach()) if isinstance(x, torch.Tensor) else float(x)     # a loss that still requires grad: no autograd warning
     if not math.isfinite(v): raise NonFiniteError(f"{what} is {v}")
     return v
 
