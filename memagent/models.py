@@ -5,13 +5,16 @@
 # %% ../nbs/02_models.ipynb #8ce73c99
 from __future__ import annotations
 import json, os, shutil, struct, tempfile, importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from .provenance import sha256_file, sha256_dir
 
 # %% auto #0
 __all__ = ['TINY_QWEN3', 'TOKENIZER_FILES', 'TOKENIZER_SOURCE', 'BUILDERS', 'FRESH', 'cache_dir', 'qwen3_tokenizer_dir',
            'tokenizer_files', 'shipped_qwen3_tokenizer', 'known_models', 'model_dir', 'check_weights', 'load_tokenizer',
-           'load_model', 'tokenizer_identity', 'model_identity']
+           'load_model', 'checkpoint_files', 'CheckpointTensors', 'Checkpoint', 'load_checkpoint', 'tokenizer_identity',
+           'model_identity']
 
 # %% ../nbs/02_models.ipynb #68084fa2
 def cache_dir() -> Path:
@@ -231,6 +234,71 @@ def load_model(name, dtype: str = 'float32', device: str = 'cpu'):
     if name == 'qwen3': raise ValueError("'qwen3' names the Qwen3 tokenizer only; use a model name such as 'tiny-qwen3'")
     model = _load('model', name, lambda src: AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype)))
     return model.to(device).eval()
+
+# %% ../nbs/02_models.ipynb #da0716a4
+_WEIGHTS_INDEX, _WEIGHTS_ONE = 'model.safetensors.index.json', 'model.safetensors'
+
+def checkpoint_files(name) -> list[Path]:
+    "The safetensors files of model `name` (local, or fetched as `from_pretrained` fetches them), checked whole; raises naming the directory when there are none."
+    src = _source(name)
+    if isinstance(src, Path): get = lambda f: src/f if (src/f).is_file() else None
+    else:
+        from transformers.utils import cached_file
+        def get(f):
+            try: p = cached_file(src, f, _raise_exceptions_for_missing_entries=False)
+            except OSError as e: raise OSError(_unknown(name, f"{f} cannot be fetched from the hub or its cache ({str(e).splitlines()[0]})")) from e
+            return Path(p) if p else None
+    idx = get(_WEIGHTS_INDEX)
+    if idx is not None:
+        try: names = sorted(set(json.loads(idx.read_text())['weight_map'].values()))
+        except (ValueError, KeyError, AttributeError) as e: raise ValueError(f"{idx}: not a safetensors index (no 'weight_map': {e!r})") from None
+        files = [(n, get(n)) for n in names]
+        lost = [n for n, f in files if f is None]
+        if lost: raise FileNotFoundError(f"{idx}: names {lost[:3]} ({len(lost)} files), which {idx.parent} does not hold")
+        files = [f for _, f in files]
+    elif (one := get(_WEIGHTS_ONE)) is not None: files = [one]
+    else:
+        where = src if isinstance(src, Path) else f'hub id {src!r}'
+        raise FileNotFoundError(f"{where}: no {_WEIGHTS_ONE} and no {_WEIGHTS_INDEX}: the weights are read from safetensors files "
+                                "(re-save the model with `save_pretrained`, which writes them)")
+    for d in sorted({f.parent for f in files}): check_weights(d)
+    return files
+
+class CheckpointTensors(Mapping):
+    "The tensors of safetensors `files` by name, each read from disk when asked for (as `dtype`), never cached: iterating it reads nothing."
+    def __init__(self, files, dtype=None):
+        from safetensors import safe_open
+        self.files, self.dtype, self._file = [Path(f) for f in files], dtype, {}
+        for f in self.files:
+            with safe_open(f, 'pt') as h:
+                for k in h.keys():
+                    if k in self._file: raise ValueError(f"{f}: tensor {k!r} is also in {self._file[k]}")
+                    self._file[k] = f
+        self.source = f"checkpoint {self.files[0].parent}" if self.files else 'empty checkpoint'
+    def __getitem__(self, k):
+        from safetensors import safe_open
+        with safe_open(self._file[k], 'pt') as h: t = h.get_tensor(k)
+        return t if self.dtype is None else t.to(self.dtype)
+    def __contains__(self, k): return k in self._file
+    def __iter__(self): return iter(self._file)
+    def __len__(self): return len(self._file)
+
+@dataclass
+class Checkpoint:
+    "A model's HF config and its tensors on disk (`CheckpointTensors`): what a backend that copies weights into its own model needs."
+    name: str
+    config: object
+    tensors: CheckpointTensors
+
+def load_checkpoint(name, dtype: str = 'float32') -> Checkpoint:
+    "Model `name`'s config and read-on-access tensors in `dtype`, without building the model (see `load_model` for names)."
+    import torch
+    from transformers import AutoConfig
+    if name == 'qwen3': raise ValueError("'qwen3' names the Qwen3 tokenizer only; use a model name such as 'tiny-qwen3'")
+    files = checkpoint_files(name)
+    cfg = AutoConfig.from_pretrained(files[0].parent)
+    cfg.dtype = getattr(torch, dtype)                 # as from_pretrained(dtype=...) sets it
+    return Checkpoint(str(name), cfg, CheckpointTensors(files, getattr(torch, dtype)))
 
 # %% ../nbs/02_models.ipynb #f45d0535
 def _tokenizer_dir(tok):

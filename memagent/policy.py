@@ -121,16 +121,22 @@ def backend_class(cfg: Config):
     mod, name = BACKENDS[cfg.backend].split(':')
     return getattr(importlib.import_module(mod), name)
 
+def _weights(cls, cfg: Config, device: str | None):
+    "What backend class `cls` builds on: the checkpoint's config and files where it copies the weights into a model of its own (`reads_checkpoint`), else the HF model on `device`."
+    from memagent.models import load_model, load_checkpoint
+    if getattr(cls, 'reads_checkpoint', False): return load_checkpoint(cfg.model.name, cfg.model.dtype)
+    return load_model(cfg.model.name, cfg.model.dtype, device or default_device())
+
 def build_policy(cfg: Config, device: str | None = None):
     "The trainable policy backend `cfg.backend` names, on `cfg.model`."
-    from memagent.models import load_model
-    return backend_class(cfg).from_config(cfg, load_model(cfg.model.name, cfg.model.dtype, device or default_device()))
+    cls = backend_class(cfg)
+    return cls.from_config(cfg, _weights(cls, cfg, device))
 
 def build_reference(cfg: Config, device: str | None = None):
     "The frozen reference for the KL term, by the policy's backend class (`reference_from_config`, the policy's layout), or None when the KL term is off."
-    from memagent.models import load_model
     if cfg.loss.kl_type == 'none' or not cfg.loss.kl_coef: return None
-    return backend_class(cfg).reference_from_config(cfg, load_model(cfg.model.name, cfg.model.dtype, device or default_device()))
+    cls = backend_class(cfg)
+    return cls.reference_from_config(cfg, _weights(cls, cfg, device))
 
 def optimizer_shard(state: dict | None, key):
     "The optimizer state of `state_key` from a group's `state_dict()` (None when the checkpoint has none)."

@@ -314,6 +314,77 @@ def test_from_config():
     assert be.grad_clip == cfg.optim.grad_clip
 
 
+
+# ---- building from the checkpoint's files (what build_policy hands a megatron backend) ----
+
+def _step_need(sd, cfg, dt):
+    "The most bytes one step of the streaming load holds: one Megatron weight's HF tensors in `dt`, and their fusion where there is one."
+    from memagent.backends.megatron.mapping import _megatron_sources
+    return max(sum(sd[k].numel() for k in hks) * dt.itemsize * (1 if len(hks) == 1 else 2)
+               for _, hks in _megatron_sources(mb.hf_arch(cfg)))
+
+
+@pytest.mark.parametrize('name', ['qwen3', 'llama-tied'])
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_backend_from_checkpoint_files_equals_backend_from_hf_model(name, dtype, tmp_path):
+    "The weights read tensor by tensor from safetensors (sharded files, through the index) are those of the HF model from_pretrained builds, bit for bit, in the model dtype."
+    from memagent.models import load_checkpoint, load_model
+    hf, d, dt = hf_model(CONFIGS[name]()), tmp_path / 'm', getattr(torch, dtype)
+    hf.save_pretrained(d, max_shard_size='100KB')
+    assert len(list(d.glob('*.safetensors'))) > 1
+    a = mb.MegatronBackend(load_checkpoint(d, dtype), dtype=dt)
+    b = mb.MegatronBackend(load_model(d, dtype), dtype=dt)
+    sa, sb = mb.megatron_state_dict(a.model), mb.megatron_state_dict(b.model)
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sb)
+    assert a.hf_config.to_dict() == b.hf_config.to_dict()
+    st = a.load_stats
+    assert st['peak_read_bytes'] == _step_need(hf.state_dict(), CONFIGS[name](), dt) and st['read_bytes_left'] == 0
+    assert st['peak_read_bytes'] < sum(t.numel() * dt.itemsize for t in hf.state_dict().values()) / 3
+    assert 'peak_read_bytes' not in b.load_stats and b.load_stats['tensors'] == len(sa)
+
+
+def test_checkpoint_missing_a_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from memagent.models import load_checkpoint
+    d = tmp_path / 'm'; hf_model(tiny_qwen3()).save_pretrained(d)
+    f = d / 'model.safetensors'; sd = load_file(f); del sd['lm_head.weight']; save_file(sd, f, metadata={'format': 'pt'})
+    with pytest.raises(KeyError, match=rf"checkpoint {d} lacks 1 tensors, e.g. \['lm_head.weight'\]"):
+        mb.MegatronBackend(load_checkpoint(d))
+
+
+_HUB_POLICY = r"""
+import sys, warnings, torch
+warnings.filterwarnings('ignore')
+from memagent.config import get_preset
+from memagent.policy import build_policy, build_reference
+from memagent.backends import megatron as mb
+cfg = get_preset('tiny', {'backend': 'megatron', 'model.name': 'Org/Tiny', 'loss.kl_type': 'low_var_kl', 'loss.kl_coef': 0.01})
+pol, ref = build_policy(cfg, 'cpu'), build_reference(cfg, 'cpu')
+built = sorted(m for m in sys.modules if m.startswith('transformers.models.') and '.modeling_' in m and '.auto.' not in m)
+assert not built, f'the module of an HF model class was imported: {built}'   # auto's name tables may be, by megatron or transformers
+from memagent.models import load_model
+hf = load_model('Org/Tiny').state_dict()
+for be in (pol, ref):
+    got = be.hf_state_dict()
+    assert set(got) == set(hf) and all(torch.equal(got[k], hf[k]) for k in hf)
+    assert be.load_stats['peak_read_bytes'] < sum(t.nbytes for t in hf.values()) / 2, be.load_stats
+print('ok', pol.load_stats)
+"""
+
+
+def test_build_policy_reads_a_hub_checkpoint_and_builds_no_hf_model(tmp_path):
+    "build_policy/build_reference on the megatron backend, for a hub id served from an offline hub cache: the weights come from the snapshot's files, and no HF model class is even imported."
+    import shutil
+    from memagent.models import model_dir
+    snap = tmp_path / 'hub' / 'models--Org--Tiny' / 'snapshots' / ('a' * 40)
+    shutil.copytree(model_dir('tiny-qwen3'), snap)
+    (tmp_path / 'hub' / 'models--Org--Tiny' / 'refs').mkdir(); (tmp_path / 'hub' / 'models--Org--Tiny' / 'refs' / 'main').write_text('a' * 40)
+    env = {k: v for k, v in __import__('os').environ.items() if k not in ('RANK', 'WORLD_SIZE', 'MASTER_PORT', 'LOCAL_RANK')}
+    env.update(HF_HUB_CACHE=str(tmp_path / 'hub'), HF_HUB_OFFLINE='1', OMP_NUM_THREADS='1')
+    r = subprocess.run([sys.executable, '-c', _HUB_POLICY], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'ok' in r.stdout, r.stderr[-3000:]
+
+
 # ---- tensor parallelism (TP = 2): pure sharding in this process, the model in two spawned processes ----
 
 def test_shard_unshard_is_exact_and_shapes_match_built_model():

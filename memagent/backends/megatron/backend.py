@@ -105,6 +105,7 @@ def causal_mask(L: int, device=None) -> torch.Tensor:
 class MegatronBackend:
     "Policy backend (or, with `frozen=True`, the frozen reference) on megatron-core, with the interface of `memagent.backends.torch.TorchBackend`; also `save_hf(dir)`."
     supports_entropy, hf_model = False, None      # log-probs only; the driver keeps its own HF skeleton for export
+    reads_checkpoint = True                       # build_policy hands it the checkpoint's files, not a built HF model
     def __init__(self, hf_model, optimizer: str = 'adamw', lr: float = 1e-6, weight_decay: float = 0.0,
                  betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0, head_chunk: int = 1024,
                  dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1, seed: int = 0, warmup_steps: int = 0,
@@ -124,7 +125,8 @@ class MegatronBackend:
         self.model = build_gpt_model(self.hf_config, dtype=dtype, init_weights=False, attention=attention,
                                      sequence_parallel=sequence_parallel, recompute=recompute).to(self.device)
         self.attention = self.model.layer_spec_kind
-        load_hf_into_megatron(self.model, hf_model)
+        self.load_stats = {}
+        load_hf_into_megatron(self.model, hf_model, stats=self.load_stats)
         self.grad_clip, self.head_chunk, self.check_finite = grad_clip, head_chunk, check_finite
         self.vocab = hf_arch(self.hf_config)['vocab']
         self.tp_rank = 0
@@ -154,7 +156,7 @@ class MegatronBackend:
 
     @classmethod
     def from_config(cls, cfg, hf_model):
-        "The policy of a `memagent.config.Config` (`optim`, `model.dtype`, `batch.tp/pp/recompute/sequence_parallel/distributed_optimizer/attention`, `seed`) on an HF model."
+        "The policy of a `memagent.config.Config` (`optim`, `model.dtype`, `batch.tp/pp/recompute/sequence_parallel/distributed_optimizer/attention`, `seed`) on an HF model or a `memagent.models.Checkpoint`."
         o, b = cfg.optim, cfg.batch
         return cls(hf_model, optimizer=o.name.lower(), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
                    grad_clip=o.grad_clip, dtype=cls._dtype(cfg), tp=b.tp, pp=b.pp, seed=cfg.seed, warmup_steps=o.warmup_steps,
@@ -163,7 +165,7 @@ class MegatronBackend:
 
     @classmethod
     def reference_from_config(cls, cfg, hf_model):
-        "The frozen reference of `cfg` on an HF model: same TP sharding, dtype and layer spec as the policy; no DDP, no optimizer, eval."
+        "The frozen reference of `cfg` on an HF model or a `memagent.models.Checkpoint`: same TP sharding, dtype and layer spec as the policy; no DDP, no optimizer, eval."
         b = cfg.batch
         return cls(hf_model, dtype=cls._dtype(cfg), tp=b.tp, pp=b.pp, seed=cfg.seed, check_finite=cfg.health.check_finite,
                    sequence_parallel=b.sequence_parallel, attention=b.attention, frozen=True)

@@ -5,15 +5,17 @@
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #526cf130
 from __future__ import annotations
 import time, warnings, weakref
+from collections.abc import Mapping
 from pathlib import Path
 import torch
 from .parallel import HAVE_MEGATRON
 from .model import hf_arch, check_tp, padded_vocab
+from ...models import Checkpoint, CheckpointTensors
 
 # %% auto #0
-__all__ = ['SYNC_BUCKET_BYTES', 'local_param_name', 'megatron_state_dict', 'hf_to_megatron', 'megatron_to_hf', 'tp_split_dim',
-           'shard_megatron', 'unshard_megatron', 'load_hf_into_megatron', 'gather_buckets', 'gather_tp_shards',
-           'gather_hf_state_dict', 'export_megatron_to_hf']
+__all__ = ['SYNC_BUCKET_BYTES', 'local_param_name', 'megatron_state_dict', 'hf_to_megatron_items', 'hf_to_megatron',
+           'megatron_to_hf', 'tp_split_dim', 'shard_megatron', 'unshard_megatron', 'load_hf_into_megatron',
+           'gather_buckets', 'gather_tp_shards', 'gather_hf_state_dict', 'export_megatron_to_hf']
 
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #7e52e421
 _TE_NAMES = (('self_attention.linear_qkv.layer_norm_weight', 'input_layernorm.weight'),
@@ -51,22 +53,40 @@ def _layer_pairs(a) -> list[tuple[str, str]]:
                            ('self_attn.k_norm.weight', 'self_attention.k_layernorm.weight')]
     return p
 
-def hf_to_megatron(hf_state_dict: dict, hf_config, tp_rank: int = 0, tp_size: int = 1) -> dict:
-    "Map an HF Qwen3/Llama (`*ForCausalLM`) state dict to the GPTModel state dict of tensor-parallel rank `tp_rank` of `tp_size` (PP = 1)."
+def _megatron_sources(a) -> list[tuple[str, tuple[str, ...]]]:
+    "(Megatron key, the HF keys it is made from), in the order the mapping builds them."
+    out = [('embedding.word_embeddings.weight', ('model.embed_tokens.weight',)),
+           ('decoder.final_layernorm.weight', ('model.norm.weight',))]
+    if not a['tied']: out.append(('output_layer.weight', ('lm_head.weight',)))
+    for i in range(a['layers']):
+        h, m = f'model.layers.{i}.', f'decoder.layers.{i}.'
+        out += [(m + mk, (h + hk,)) for hk, mk in _layer_pairs(a)]
+        out.append((m + 'self_attention.linear_qkv.weight', tuple(h + f'self_attn.{x}_proj.weight' for x in 'qkv')))
+        out.append((m + 'mlp.linear_fc1.weight', (h + 'mlp.gate_proj.weight', h + 'mlp.up_proj.weight')))
+    return out
+
+def hf_to_megatron_items(hf_state_dict, hf_config, tp_rank: int = 0, tp_size: int = 1, track=None):
+    """Rank `tp_rank`'s Megatron tensors one at a time, as `(key, tensor)`, from any mapping of HF tensors (a state dict, or
+    `memagent.models.CheckpointTensors`, which reads each tensor from disk when asked): a key's HF tensors are read, fused
+    and sharded, and let go when the consumer asks for the next. `track(t)` sees every tensor read or made."""
     a, sd = hf_arch(hf_config), hf_state_dict
     check_tp(a, tp_size)
     if not 0 <= tp_rank < tp_size: raise ValueError(f"hf_to_megatron: tp_rank={tp_rank} outside 0..{tp_size - 1}")
     missing = [k for k in _hf_keys(a) if k not in sd]
-    if missing: raise KeyError(f"hf_to_megatron: HF state dict lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    out = {'embedding.word_embeddings.weight': sd['model.embed_tokens.weight'],
-           'decoder.final_layernorm.weight': sd['model.norm.weight']}
-    if not a['tied']: out['output_layer.weight'] = sd['lm_head.weight']
-    for i in range(a['layers']):
-        h, m = f'model.layers.{i}.', f'decoder.layers.{i}.'
-        for hk, mk in _layer_pairs(a): out[m + mk] = sd[h + hk]
-        out[m + 'self_attention.linear_qkv.weight'] = _fuse_qkv(*(sd[h + f'self_attn.{x}_proj.weight'] for x in 'qkv'), a)
-        out[m + 'mlp.linear_fc1.weight'] = torch.cat([sd[h + 'mlp.gate_proj.weight'], sd[h + 'mlp.up_proj.weight']], 0)
-    return shard_megatron(out, tp_rank, tp_size)
+    if missing: raise KeyError(f"hf_to_megatron: {getattr(sd, 'source', 'HF state dict')} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    track = track or (lambda t: t)
+    for mk, hks in _megatron_sources(a):
+        ts = [track(sd[k]) for k in hks]
+        full = ts[0] if len(ts) == 1 else track(_fuse_qkv(*ts, a) if len(ts) == 3 else torch.cat(ts, 0))
+        del ts
+        part = shard_megatron({mk: full}, tp_rank, tp_size)[mk]
+        if part.untyped_storage().data_ptr() != full.untyped_storage().data_ptr(): track(part)   # the vocabulary padded
+        yield mk, part
+        del part, full                  # a view keeps `full`'s storage: both go only once the consumer is done with it
+
+def hf_to_megatron(hf_state_dict: dict, hf_config, tp_rank: int = 0, tp_size: int = 1) -> dict:
+    "Map an HF Qwen3/Llama (`*ForCausalLM`) state dict to the GPTModel state dict of tensor-parallel rank `tp_rank` of `tp_size` (PP = 1)."
+    return dict(hf_to_megatron_items(hf_state_dict, hf_config, tp_rank, tp_size))
 
 def _hf_keys(a, include_tied=False) -> list[str]:
     keys = ['model.embed_tokens.weight', 'model.norm.weight'] + (['lm_head.weight'] if include_tied or not a['tied'] else [])
@@ -135,24 +155,33 @@ def unshard_megatron(shards: list[dict], vocab: int | None = None) -> dict:
     return out
 
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #5ea6836a
-def load_hf_into_megatron(model, hf_model, hf_config=None):
-    "Copy HF weights (an HF model, or its state dict plus `hf_config`) into a megatron GPTModel; returns `model`."
-    if isinstance(hf_model, dict):
+def load_hf_into_megatron(model, hf_model, hf_config=None, stats: dict | None = None):
+    """Copy HF weights into a megatron GPTModel one tensor at a time, from an HF model, a `memagent.models.Checkpoint`
+    (read from disk as it is copied), or a mapping of HF tensors plus `hf_config`; returns `model`. `stats` gets
+    `tensors`, and for a checkpoint `peak_read_bytes`: the most bytes of read and made tensors alive at once."""
+    if isinstance(hf_model, Mapping):
         if hf_config is None: raise ValueError("load_hf_into_megatron: pass hf_config with a bare state dict")
         sd = hf_model
-    else:
-        sd, hf_config = hf_model.state_dict(), hf_config or hf_model.config
+    elif isinstance(hf_model, Checkpoint): sd, hf_config = hf_model.tensors, hf_config or hf_model.config
+    else: sd, hf_config = hf_model.state_dict(), hf_config or hf_model.config
     from megatron.core import parallel_state as ps
-    msd = hf_to_megatron(sd, hf_config, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
     own = megatron_state_dict(model)
-    missing, extra = sorted(set(own) - set(msd)), sorted(set(msd) - set(own))
+    keys = [k for k, _ in _megatron_sources(hf_arch(hf_config))]
+    missing, extra = sorted(set(own) - set(keys)), sorted(set(keys) - set(own))
     if missing or extra:
         raise KeyError(f"load_hf_into_megatron: model/mapping mismatch: missing {missing[:3]}, unexpected {extra[:3]}")
+    live = _LiveBytes() if isinstance(sd, CheckpointTensors) else None    # a model's own tensors stay alive: nothing to track
+    items = hf_to_megatron_items(sd, hf_config, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                                 track=live.add if live else None)
     with torch.no_grad():
-        for k, t in own.items():
-            if t.shape != msd[k].shape:
-                raise ValueError(f"load_hf_into_megatron: {k} has shape {tuple(t.shape)}, HF gives {tuple(msd[k].shape)}")
-            t.copy_(msd[k])
+        for k, t in items:
+            if own[k].shape != t.shape:
+                raise ValueError(f"load_hf_into_megatron: {k} has shape {tuple(own[k].shape)}, HF gives {tuple(t.shape)}")
+            own[k].copy_(t)
+            del t                       # before the next tensor is read
+    if stats is not None:
+        stats['tensors'] = len(keys)
+        if live: stats.update(peak_read_bytes=live.peak, read_bytes_left=live.now)
     return model
 
 SYNC_BUCKET_BYTES = 512 * 2**20
