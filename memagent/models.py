@@ -13,8 +13,8 @@ from .provenance import sha256_file, sha256_dir
 # %% auto #0
 __all__ = ['TINY_QWEN3', 'TOKENIZER_FILES', 'TOKENIZER_SOURCE', 'BUILDERS', 'FRESH', 'cache_dir', 'qwen3_tokenizer_dir',
            'tokenizer_files', 'shipped_qwen3_tokenizer', 'known_models', 'model_dir', 'check_weights', 'load_tokenizer',
-           'load_model', 'checkpoint_files', 'CheckpointTensors', 'Checkpoint', 'load_checkpoint', 'tokenizer_identity',
-           'model_identity']
+           'load_model', 'in_dir', 'safetensors_files', 'checkpoint_files', 'CheckpointTensors', 'Checkpoint',
+           'load_checkpoint', 'tokenizer_identity', 'model_identity']
 
 # %% ../nbs/02_models.ipynb #68084fa2
 def cache_dir() -> Path:
@@ -227,27 +227,27 @@ def load_tokenizer(name):
     if tok.pad_token_id is None: tok.pad_token = tok.eos_token
     return tok
 
+def _not_tokenizer_only(name):
+    if name == 'qwen3': raise ValueError("'qwen3' names the Qwen3 tokenizer only; use a model name such as 'tiny-qwen3'")
+
 def load_model(name, dtype: str = 'float32', device: str = 'cpu'):
     "A causal LM by name, in eval mode, on `device`."
     import torch
     from transformers import AutoModelForCausalLM
-    if name == 'qwen3': raise ValueError("'qwen3' names the Qwen3 tokenizer only; use a model name such as 'tiny-qwen3'")
+    _not_tokenizer_only(name)
     model = _load('model', name, lambda src: AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype)))
     return model.to(device).eval()
 
 # %% ../nbs/02_models.ipynb #da0716a4
 _WEIGHTS_INDEX, _WEIGHTS_ONE = 'model.safetensors.index.json', 'model.safetensors'
 
-def checkpoint_files(name) -> list[Path]:
-    "The safetensors files of model `name` (local, or fetched as `from_pretrained` fetches them), checked whole; raises naming the directory when there are none."
-    src = _source(name)
-    if isinstance(src, Path): get = lambda f: src/f if (src/f).is_file() else None
-    else:
-        from transformers.utils import cached_file
-        def get(f):
-            try: p = cached_file(src, f, _raise_exceptions_for_missing_entries=False)
-            except OSError as e: raise OSError(_unknown(name, f"{f} cannot be fetched from the hub or its cache ({str(e).splitlines()[0]})")) from e
-            return Path(p) if p else None
+def in_dir(d):
+    "A getter for `safetensors_files`: file `f` of directory `d`, or None."
+    d = Path(d)
+    return lambda f: d/f if (d/f).is_file() else None
+
+def safetensors_files(get, where) -> list[Path]:
+    "The weight files `get(file name) -> Path | None` finds: the shards `model.safetensors.index.json` names, or `model.safetensors`; raises naming `where` when there are none or a shard is missing."
     idx = get(_WEIGHTS_INDEX)
     if idx is not None:
         try: names = sorted(set(json.loads(idx.read_text())['weight_map'].values()))
@@ -255,12 +255,22 @@ def checkpoint_files(name) -> list[Path]:
         files = [(n, get(n)) for n in names]
         lost = [n for n, f in files if f is None]
         if lost: raise FileNotFoundError(f"{idx}: names {lost[:3]} ({len(lost)} files), which {idx.parent} does not hold")
-        files = [f for _, f in files]
-    elif (one := get(_WEIGHTS_ONE)) is not None: files = [one]
+        return [f for _, f in files]
+    if (one := get(_WEIGHTS_ONE)) is not None: return [one]
+    raise FileNotFoundError(f"{where}: no {_WEIGHTS_ONE} and no {_WEIGHTS_INDEX}: the weights are read from safetensors files "
+                            "(re-save the model with `save_pretrained`, which writes them)")
+
+def checkpoint_files(name) -> list[Path]:
+    "The safetensors files of model `name` (local, or fetched as `from_pretrained` fetches them), checked whole; raises naming the directory when there are none."
+    src = _source(name)
+    if isinstance(src, Path): files = safetensors_files(in_dir(src), src)
     else:
-        where = src if isinstance(src, Path) else f'hub id {src!r}'
-        raise FileNotFoundError(f"{where}: no {_WEIGHTS_ONE} and no {_WEIGHTS_INDEX}: the weights are read from safetensors files "
-                                "(re-save the model with `save_pretrained`, which writes them)")
+        from transformers.utils import cached_file
+        def get(f):
+            try: p = cached_file(src, f, _raise_exceptions_for_missing_entries=False)
+            except OSError as e: raise OSError(_unknown(name, f"{f} cannot be fetched from the hub or its cache ({str(e).splitlines()[0]})")) from e
+            return Path(p) if p else None
+        files = safetensors_files(get, f'hub id {src!r}')
     for d in sorted({f.parent for f in files}): check_weights(d)
     return files
 
@@ -274,7 +284,8 @@ class CheckpointTensors(Mapping):
                 for k in h.keys():
                     if k in self._file: raise ValueError(f"{f}: tensor {k!r} is also in {self._file[k]}")
                     self._file[k] = f
-        self.source = f"checkpoint {self.files[0].parent}" if self.files else 'empty checkpoint'
+        if not self.files: raise ValueError("CheckpointTensors: no files given")
+        self.source = f"checkpoint {self.files[0].parent}"
     def __getitem__(self, k):
         from safetensors import safe_open
         with safe_open(self._file[k], 'pt') as h: t = h.get_tensor(k)
@@ -294,7 +305,7 @@ def load_checkpoint(name, dtype: str = 'float32') -> Checkpoint:
     "Model `name`'s config and read-on-access tensors in `dtype`, without building the model (see `load_model` for names)."
     import torch
     from transformers import AutoConfig
-    if name == 'qwen3': raise ValueError("'qwen3' names the Qwen3 tokenizer only; use a model name such as 'tiny-qwen3'")
+    _not_tokenizer_only(name)
     files = checkpoint_files(name)
     cfg = AutoConfig.from_pretrained(files[0].parent)
     cfg.dtype = getattr(torch, dtype)                 # as from_pretrained(dtype=...) sets it

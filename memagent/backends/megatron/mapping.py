@@ -72,10 +72,11 @@ def hf_to_megatron_items(hf_state_dict, hf_config, tp_rank: int = 0, tp_size: in
     a, sd = hf_arch(hf_config), hf_state_dict
     check_tp(a, tp_size)
     if not 0 <= tp_rank < tp_size: raise ValueError(f"hf_to_megatron: tp_rank={tp_rank} outside 0..{tp_size - 1}")
-    missing = [k for k in _hf_keys(a) if k not in sd]
+    sources = _megatron_sources(a)
+    missing = [k for _, hks in sources for k in hks if k not in sd]
     if missing: raise KeyError(f"hf_to_megatron: {getattr(sd, 'source', 'HF state dict')} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     track = track or (lambda t: t)
-    for mk, hks in _megatron_sources(a):
+    for mk, hks in sources:
         ts = [track(sd[k]) for k in hks]
         full = ts[0] if len(ts) == 1 else track(_fuse_qkv(*ts, a) if len(ts) == 3 else torch.cat(ts, 0))
         del ts
@@ -87,14 +88,6 @@ def hf_to_megatron_items(hf_state_dict, hf_config, tp_rank: int = 0, tp_size: in
 def hf_to_megatron(hf_state_dict: dict, hf_config, tp_rank: int = 0, tp_size: int = 1) -> dict:
     "Map an HF Qwen3/Llama (`*ForCausalLM`) state dict to the GPTModel state dict of tensor-parallel rank `tp_rank` of `tp_size` (PP = 1)."
     return dict(hf_to_megatron_items(hf_state_dict, hf_config, tp_rank, tp_size))
-
-def _hf_keys(a, include_tied=False) -> list[str]:
-    keys = ['model.embed_tokens.weight', 'model.norm.weight'] + (['lm_head.weight'] if include_tied or not a['tied'] else [])
-    for i in range(a['layers']):
-        h = f'model.layers.{i}.'
-        keys += [h + hk for hk, _ in _layer_pairs(a)] + [h + f'self_attn.{x}_proj.weight' for x in 'qkv']
-        keys += [h + 'mlp.gate_proj.weight', h + 'mlp.up_proj.weight']
-    return keys
 
 def megatron_to_hf(megatron_state_dict: dict | list[dict], hf_config, include_tied: bool = True) -> dict:
     "Inverse of `hf_to_megatron`: one state dict (TP = 1) or the list of all TP ranks' state dicts, in rank order. Tied models get `lm_head.weight` (= the embedding) only if `include_tied`."
