@@ -10,10 +10,11 @@ from .config import Config
 from .trajectory import Row
 from .loss import policy_loss
 from .transfer import micro_batches, micro_batch_stats, collate, mini_batch_slices
+from .ondevice import compute_device, to_device
 from .health import require_finite
 
 # %% auto #0
-__all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'update_on_rows', 'default_device', 'backend_class', 'build_policy',
+__all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'prompt_logprobs', 'update_on_rows', 'backend_class', 'build_policy',
            'build_reference', 'optimizer_shard', 'LocalGroup']
 
 # %% ../nbs/12b_policy.ipynb #3b48d035
@@ -63,6 +64,16 @@ def _logprobs(policy, bt, T):
     "The policy's log-probs (and entropy where the backend computes it) of a collated micro-batch; one code path for scoring and training."
     return policy.logprobs(bt, T, with_entropy=True) if policy.supports_entropy else (policy.logprobs(bt, T), None)
 
+def prompt_logprobs(policy, ids) -> list[float]:
+    "The policy's own teacher-forced log-probs of `ids[1:]` (temperature 1), each given the ids before it, computed on its device: the trainer's side of the weight check."
+    t = torch.tensor([[int(i) for i in ids]])
+    bt = to_device({'input_ids': t, 'attention_mask': torch.ones_like(t, dtype=torch.bool)}, policy.device)
+    with torch.no_grad(): return policy.logprobs(bt, 1.0)[0, 1:].float().cpu().tolist()
+
+def _micro_batch(policy, rows: list[Row], pad_id: int) -> dict:
+    "The rows right-padded (`collate`, on the host) and moved to the policy's device: the one place a micro-batch goes there."
+    return to_device(collate(rows, pad_id), policy.device)
+
 _LOSSES = ('loss', 'pg_loss', 'kl_loss', 'entropy_loss')
 
 def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int, on_progress=None) -> dict:
@@ -76,14 +87,14 @@ def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int,
     old = {}                     # behaviour log-probs of mini-batches 2..: scored before the first optimizer step
     for j in range(1, nm):
         for k, idx in enumerate(plans[j]):
-            with torch.no_grad(): old[j, k] = _logprobs(policy, collate([rows[i] for i in idx], pad_id), T)[0]
+            with torch.no_grad(): old[j, k] = _logprobs(policy, _micro_batch(policy, [rows[i] for i in idx], pad_id), T)[0]
             tell(dict(event='old_logp', mini_batch=j + 1, mini_batches=nm, micro_batch=k + 1, micro_batches=len(plans[j])))
     parts, norms = [], []
     for j, plan in enumerate(plans):
         for k, idx in enumerate(plan):
-            bt = collate([rows[i] for i in idx], pad_id)
+            bt = _micro_batch(policy, [rows[i] for i in idx], pad_id)
             m = bt['response_mask'].clone(); m[:, 0] = False
-            with torch.no_grad(): ref = reference.logprobs(bt, T) if reference is not None else None
+            with torch.no_grad(): ref = reference.logprobs(bt, T).to(policy.device) if reference is not None else None
             logp, ent = _logprobs(policy, bt, T)
             lp_old = logp.detach() if j == 0 else old.pop((j, k))   # mini-batch 1: no step yet, the current policy is the old one
             loss, met = policy_loss(logp, lp_old, bt['credit'], m, bt['weight'], ref_logp=ref, cfg=cfg,
@@ -113,7 +124,6 @@ def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int,
 # %% ../nbs/12b_policy.ipynb #e22f0979
 BACKENDS = {'torch': 'memagent.backends.torch:TorchBackend', 'megatron': 'memagent.backends.megatron:MegatronBackend'}
 
-def default_device() -> str: return f'cuda:{torch.cuda.current_device()}' if torch.cuda.is_available() else 'cpu'
 
 def backend_class(cfg: Config):
     "The backend class `cfg.backend` names in `BACKENDS`."
@@ -125,7 +135,7 @@ def _weights(cls, cfg: Config, device: str | None):
     "What backend class `cls` builds on: the checkpoint's config and files where it copies the weights into a model of its own (`reads_checkpoint`), else the HF model on `device`."
     from memagent.models import load_model, load_checkpoint
     if getattr(cls, 'reads_checkpoint', False): return load_checkpoint(cfg.model.name, cfg.model.dtype)
-    return load_model(cfg.model.name, cfg.model.dtype, device or default_device())
+    return load_model(cfg.model.name, cfg.model.dtype, device or compute_device())
 
 def build_policy(cfg: Config, device: str | None = None):
     "The trainable policy backend `cfg.backend` names, on `cfg.model`."
@@ -157,6 +167,7 @@ class LocalGroup:
         return [update_on_rows(self.policy, self.reference, channel.get(rollout_id, 0, 1, timeout=timeout), self.cfg, self.pad_id)]
 
     def hf_state_dict(self) -> dict: return self.policy.hf_state_dict()
+    def prompt_logprobs(self, ids) -> list[float]: return prompt_logprobs(self.policy, ids)
     def state_dict(self) -> dict: return {'shards': {self.policy.state_key: self.policy.state_dict()}}
     def load_state_dict(self, model_sd: dict, state: dict | None):
         self.policy.load_state_dict(model_sd, optimizer_shard(state, self.policy.state_key))

@@ -7,11 +7,11 @@ PKG = Path(__file__).resolve().parents[1] / 'memagent'
 
 # The layers, top to bottom: a module imports only from its own line (without a circle) or lines above it.
 # A package (engines, data, backends) is placed as a whole; its modules may import each other, without a circle.
-# Modules the design names are where it puts them; the others are placed with what they do: net (the free port) and
-# devices (a Ray process's GPU) are leaves; resume, fuzz, simulate and screening sit with the run-level modules they
-# build on.
+# Modules the design names are where it puts them; the others are placed with what they do: net (the free port),
+# devices (a Ray process's GPU) and ondevice (the device a process computes on, the virtual device) are leaves;
+# resume, fuzz, simulate and screening sit with the run-level modules they build on.
 LAYERS = (
-    ('memagent', 'config', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net', 'devices'),   # pure leaves
+    ('memagent', 'config', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net', 'devices', 'ondevice'),   # pure leaves
     ('data', 'prompts', 'models', 'credit', 'loss', 'report'),                                          # pure or file-level
     ('engines',),                                                                    # leaves: know nothing of the trainer
     ('rollout', 'transfer', 'checkpoint', 'evaluate', 'acceptance', 'parity', 'audit', 'resume', 'fuzz', 'simulate',
@@ -23,7 +23,7 @@ LAYERS = (
 )
 TRAINING_PATH = ('trainer', 'doctor', 'colocate', 'policy', 'rollout', 'transfer', 'loss', 'credit', 'engines', 'checkpoint', 'backends.torch',
                  'backends.ray', 'backends.megatron', 'reward', 'prompts', 'chunking', 'models', 'data', 'config', 'provenance', 'net',
-                 'devices')
+                 'devices', 'ondevice')
 _NAMED = re.compile(r'^memagent(\.\w+)+(:\w+)?$')     # a registry entry naming a module ('memagent.backends.torch:TorchBackend')
 
 

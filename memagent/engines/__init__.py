@@ -24,10 +24,9 @@ def engine_from_config(cfg, model_name=None, tokenizer=None, model=None):
                          "memagent.colocate.trainer_engine (or launch_engines) on the training placement; set "
                          "rollout.colocate=False to use the in-process engine or the servers in rollout.sglang_urls")
     if r.engine == 'hf':
-        import torch
         from memagent.models import load_model
-        dev = 'cuda' if torch.cuda.is_available() else 'cpu'
-        return HFEngine(model if model is not None else load_model(model_name or cfg.model.name, cfg.model.dtype, dev), tokenizer)
+        from memagent.ondevice import compute_device
+        return HFEngine(model if model is not None else load_model(model_name or cfg.model.name, cfg.model.dtype, compute_device()), tokenizer)
     if r.engine != 'sglang': raise ValueError(f"rollout.engine must be 'hf' or 'sglang', got {r.engine!r}")
     if not r.sglang_urls:
         raise ValueError("rollout.engine='sglang' needs rollout.sglang_urls (start the servers with SGLangServer)")

@@ -10,6 +10,7 @@ import torch
 from ...config import OptimCfg
 from ..torch import finish_step, optimizer_state, load_optimizer_state
 from ...checkpoint import no_optimizer_state_reason
+from ...ondevice import compute_device
 from .parallel import require_megatron, cpu_shims, init_parallel, destroy_parallel
 from .model import hf_arch, check_tp, padded_vocab, recompute_config, choose_layer_spec, build_gpt_model
 from .mapping import SYNC_BUCKET_BYTES, load_hf_into_megatron, gather_hf_state_dict, export_megatron_to_hf
@@ -121,7 +122,7 @@ class MegatronBackend:
         if optimizer not in ('adam', 'adamw', 'sgd'): raise ValueError(f"MegatronBackend: optimizer must be 'adamw', 'adam' or 'sgd', got {optimizer!r}")
         self.parallel = init_parallel(tp, pp, seed=seed)
         self.hf_config, self.frozen, self.sequence_parallel = hf_model.config, frozen, sequence_parallel
-        self.device = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
+        self.device = compute_device()
         self.model = build_gpt_model(self.hf_config, dtype=dtype, init_weights=False, attention=attention,
                                      sequence_parallel=sequence_parallel, recompute=recompute).to(self.device)
         self.attention = self.model.layer_spec_kind

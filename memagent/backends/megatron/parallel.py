@@ -8,6 +8,7 @@ import contextlib, importlib.util, os
 from dataclasses import dataclass
 import torch
 from ...net import free_port
+from ...ondevice import compute_device
 
 # %% auto #0
 __all__ = ['HAVE_MEGATRON', 'require_megatron', 'have_transformer_engine', 'cpu_shims', 'ParallelInfo', 'init_parallel',
@@ -34,8 +35,8 @@ def have_transformer_engine() -> bool:
 
 # %% ../../../nbs/14_megatron_1_parallel.ipynb #cfd7a428
 def _cpu_current_device():
-    "Stand-in for `torch.cuda.current_device` on CPU-only hosts: the current device is the CPU."
-    return 'cpu'
+    "Stand-in for `torch.cuda.current_device` on CPU-only hosts: the device this process computes on (`memagent.ondevice.compute_device`: the CPU, or the virtual device of a `VirtualDevice` guard)."
+    return str(compute_device())
 
 def _cpu_get_rng_state(*args, **kwargs) -> torch.Tensor:
     "Stand-in for megatron's `_get_cuda_rng_state` on CPU-only hosts: there is no CUDA RNG state (an empty byte tensor)."
@@ -54,7 +55,7 @@ def cpu_shims():
     from megatron.core.tensor_parallel import random as mrandom
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # shim 2: no-op RNG fork
     orig = torch.cuda.current_device, mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state
-    torch.cuda.current_device = _cpu_current_device                      # shim 1: device queries -> 'cpu'
+    torch.cuda.current_device = _cpu_current_device                      # shim 1: device queries -> the compute device
     mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = _cpu_get_rng_state, _cpu_set_rng_state  # shim 3
     try: yield True
     finally: torch.cuda.current_device, mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = orig
@@ -94,7 +95,8 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> ParallelInfo:
             os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
             if 'MASTER_PORT' not in os.environ or 'WORLD_SIZE' not in os.environ: os.environ['MASTER_PORT'] = str(free_port())
         rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
-        if cuda: torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
+        if cuda and 'LOCAL_RANK' in os.environ: torch.cuda.set_device(int(os.environ['LOCAL_RANK']))   # else the device set already
+        if cuda: torch.cuda.set_device(torch.cuda.current_device())   # set explicitly: NCCL's object collectives need it
         dist.init_process_group('nccl' if cuda else 'gloo', rank=rank, world_size=world)
         _OWN_PG = True
     world = dist.get_world_size()
