@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file, load_file
 from .provenance import sha256_file
+from .ondevice import to_host
 
 # %% auto #0
 __all__ = ['NO_OPTIMIZER_STATE', 'WEIGHTS_FILE', 'FINGERPRINT_PROMPT', 'FINGERPRINT_TOKENS', 'CheckpointError', 'rng_state',
@@ -127,7 +128,7 @@ def save_checkpoint(ckpt_root, step: int, model_state: dict, optimizer_state: di
         if optimizer_state is not None:
             (tmp/'optimizer').mkdir()
             shards = optimizer_state['shards'] if 'shards' in optimizer_state else {'all': optimizer_state}
-            for key, s in shards.items(): torch.save({'key': key, 'state': s}, tmp/'optimizer'/f'shard_{key}.pt')
+            for key, s in shards.items(): torch.save({'key': key, 'state': to_host(s)}, tmp/'optimizer'/f'shard_{key}.pt')
         torch.save(rng_state(), tmp/'rng.pt')
         (tmp/'config.yaml').write_text(config_yaml)
         (tmp/'provenance.json').write_text(json.dumps(provenance, indent=1))
@@ -170,12 +171,12 @@ def load_checkpoint(path, check_finite: bool = True) -> dict:
     files = verify_checkpoint(p)
     shards = {}
     for rel in sorted(f for f in files if f.startswith('optimizer/')):
-        s = _read(p/rel, lambda f: torch.load(f, weights_only=False))
+        s = _read(p/rel, lambda f: torch.load(f, map_location='cpu', weights_only=False))   # host tensors, whatever saved them
         shards[s['key']] = s['state']
     opt = None if not shards else shards['all'] if list(shards) == ['all'] else {'shards': shards}
     out = {'model': _read(p/'model.safetensors', lambda f: load_file(str(f))), 'optimizer': opt,
            'state': _read(p/'state.json', lambda f: json.loads(f.read_text())),
-           'rng': _read(p/'rng.pt', lambda f: torch.load(f, weights_only=False)),
+           'rng': _read(p/'rng.pt', lambda f: torch.load(f, map_location='cpu', weights_only=False)),
            'config_yaml': (p/'config.yaml').read_text(), 'provenance': _read(p/'provenance.json', lambda f: json.loads(f.read_text())),
            'path': str(p)}
     if check_finite and (bad := nonfinite_tensors(out['model']) + nonfinite_tensors(opt or {}, 'optimizer')):

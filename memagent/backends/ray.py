@@ -9,7 +9,8 @@ import torch
 from ..config import Config
 from ..devices import rank_device
 from ..net import free_port
-from ..policy import build_policy, build_reference, update_on_rows, optimizer_shard
+from ..policy import build_policy, build_reference, update_on_rows, optimizer_shard, prompt_logprobs
+from ..ondevice import to_host
 
 # %% auto #0
 __all__ = ['StallError', 'describe_progress', 'poll_interval', 'stalled_ranks', 'pack_numpy', 'unpack_numpy', 'rank_options',
@@ -107,11 +108,13 @@ class Rank:
         self._tell(dict(event='done'))
         return out
 
+    def prompt_logprobs(self, ids) -> list[float]: return prompt_logprobs(self.policy, ids)   # every rank: a collective under TP
+
     def hf_state_dict_numpy(self, send: bool) -> dict | None:
         sd = self.policy.hf_state_dict(keep=send)     # every rank joins (a collective under TP); only the sender keeps a host copy
         return pack_numpy(sd) if send else None
 
-    def state_dict(self) -> dict: return self.policy.state_dict()
+    def state_dict(self) -> dict: return to_host(self.policy.state_dict())   # host tensors cross Ray: never rebuilt on the driver's GPU
 
     def load_state_dict(self, model_np: dict, state):
         self.policy.load_state_dict(unpack_numpy(model_np), state)
@@ -177,6 +180,12 @@ class RayGroup:
         self.stopped = msg
         for w in self.workers: ray.kill(w)
         raise StallError(msg)
+
+    def prompt_logprobs(self, ids) -> list[float]:
+        "The policy's own log-probs of `ids[1:]` on its ranks (every rank computes; rank 0's answer)."
+        import ray
+        self._check()
+        return ray.get([w.prompt_logprobs.remote(list(ids)) for w in self.workers])[0]
 
     def hf_state_dict(self) -> dict:
         import ray

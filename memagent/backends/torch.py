@@ -6,6 +6,7 @@
 from __future__ import annotations
 import torch
 from ..health import require_finite, require_finite_params
+from ..ondevice import to_host
 
 # %% auto #0
 __all__ = ['build_optimizer', 'finish_step', 'optimizer_state', 'load_optimizer_state', 'TorchBackend']
@@ -30,9 +31,9 @@ def finish_step(backend, norm: torch.Tensor) -> float:
     return float(norm)
 
 def optimizer_state(backend) -> dict:
-    "The optimizer and scheduler state of a backend (None for a frozen one)."
-    return {'optimizer': backend.optimizer.state_dict() if backend.optimizer else None,
-            'scheduler': backend.scheduler.state_dict() if backend.scheduler else None}
+    "The optimizer and scheduler state of a backend (None for a frozen one), on the host (`to_host`: it goes to a checkpoint or through Ray)."
+    return to_host({'optimizer': backend.optimizer.state_dict() if backend.optimizer else None,
+                    'scheduler': backend.scheduler.state_dict() if backend.scheduler else None})
 
 def load_optimizer_state(backend, state: dict | None):
     "Restore what `optimizer_state` returned (nothing for None)."

@@ -104,7 +104,7 @@ def tensor_update_payload(state_dict: dict, tp_size: int, flush_cache: bool = Fa
     import torch.multiprocessing as tmp                   # registers torch's tensor reductions with ForkingPickler
     from multiprocessing.reduction import ForkingPickler
     if not isinstance(tp_size, int) or tp_size < 1: raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-    named = [(str(k), v.detach()) for k, v in state_dict.items()]
+    named = [(str(k), v.detach().cpu()) for k, v in state_dict.items()]   # host copies: never a CUDA IPC handle in the sender's numbering
     def one() -> str:
         buf = io.BytesIO(); ForkingPickler(buf).dump(named)
         return base64.b64encode(buf.getvalue()).decode('ascii')
