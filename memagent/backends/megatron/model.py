@@ -126,5 +126,8 @@ def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32, init_weights:
                                      sequence_parallel=sequence_parallel, **recompute_config(recompute), **overrides)
     with cpu_shims():
         model = GPTModel(config=tc, transformer_layer_spec=layer_spec(kind, tc.qk_layernorm), **gk)
+    with torch.no_grad():          # the local spec's torch norms are built in fp32: every parameter in the model's dtype
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype: p.data = p.data.to(dtype)
     model.layer_spec_kind = kind
     return model

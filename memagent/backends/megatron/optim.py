@@ -9,6 +9,7 @@ import torch
 from ...config import OptimCfg
 from ..torch import build_optimizer
 from ...checkpoint import no_optimizer_state, no_optimizer_state_reason
+from ...ondevice import compute_device
 from .mapping import local_param_name, tp_split_dim
 
 # %% auto #0
@@ -166,6 +167,7 @@ class MegatronCoreOptimizer:
             out.append(d)
         return {'megatron_core': out}
 
+    @torch.no_grad()       # megatron copies into main params in place, and an fp32 parameter's main shard is a view of it
     def load_state_dict(self, sd: dict):
         if _load_marker(self, sd): return
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -177,7 +179,7 @@ class MegatronCoreOptimizer:
                 params = self._range_params(o)
                 if len(params) != len(d['param_state']):
                     raise ValueError(f"MegatronCoreOptimizer.load_state_dict: {len(d['param_state'])} parameter shards saved, {len(params)} here (other layout?)")
-                dev = torch.device('cuda', torch.cuda.current_device())
+                dev = compute_device()
                 for p, t in zip(params, d['param_state']): o._set_main_param_and_optimizer_states(p, {k: v.to(dev) for k, v in t.items()})
         self.steps_taken = sd.get('steps_taken', 1)
 
