@@ -226,14 +226,8 @@ def weight_check(engine, trainer_side, prompt_ids, tol: float, previous: dict | 
     return out
 
 def trainer_logprobs(trainer, ids) -> list[float]:
-    "Teacher-forced log-probs of `ids[1:]` under the weights `trainer` syncs (`group.hf_state_dict()`), in `trainer.hf_model`'s architecture, dtype and device."
-    import torch
-    from memagent.engines import teacher_forced_logprobs
-    m, sd = trainer.hf_model, trainer.group.hf_state_dict()
-    own = {k: v.data_ptr() for k, v in m.state_dict().items()}
-    if any(own.get(k) != v.data_ptr() for k, v in sd.items()):     # not the model's own tensors: load them into the skeleton
-        m.load_state_dict(sd, strict=True)
-    with torch.no_grad(): return teacher_forced_logprobs(m, ids[:1], ids[1:]).tolist()
+    "Teacher-forced log-probs of `ids[1:]` from the policy itself, on its devices and in its layout (`trainer.group.prompt_logprobs`)."
+    return trainer.group.prompt_logprobs(ids)
 
 def weight_gate(G: Gates, step: int, trainer, prompt_ids, tol: float, previous: dict | None = None) -> dict | None:
     "Gate `weights_synced[step N]` after step N's sync (N = 0: before training); returns the check for the next one (None when it raised)."

@@ -133,25 +133,28 @@ def test_non_finite_trainer_values_fail(tok, ids):
 
 
 def test_trainer_side_of_a_policy_group(tok, ids):
-    # one process, torch backend: hf_model is the policy, its own tensors, nothing loaded
+    "The trainer's side is the policy's own forward (`group.prompt_logprobs`), torch and megatron backends, against the HF forward of the same weights."
     from memagent.config import get_preset
     from memagent.policy import LocalGroup
     group = LocalGroup(get_preset('tiny'), tok.pad_token_id, 'cpu')
-    tr = SimpleNamespace(group=group, hf_model=group.export_model())
-    assert tr.hf_model is group.policy.model
     with torch.no_grad():
         for p in group.policy.model.parameters(): p.add_(1e-2)                  # a step
-    assert trainer_logprobs(tr, ids) == policy_side(group.policy.model)(ids)
-    # megatron / Ray ranks: the driver's HF skeleton gets the state dict the sync sends
-    policy = trained()
-    skel = SimpleNamespace(group=SimpleNamespace(hf_state_dict=lambda: sd_of(policy)), hf_model=load_model('tiny-qwen3'))
-    assert trainer_logprobs(skel, ids) == policy_side(policy)(ids)
+    got = trainer_logprobs(SimpleNamespace(group=group), ids)
+    assert len(got) == len(ids) - 1 and weight_check(HFEngine(group.policy.model), got, ids, TOL)['passed']
+    pytest.importorskip('megatron.core')
+    from memagent.backends.megatron import destroy_parallel
+    meg = LocalGroup(get_preset('tiny', {'backend': 'megatron'}), tok.pad_token_id)
+    try:
+        policy = trained()
+        meg.load_state_dict(sd_of(policy), None)                               # the megatron layout, other weights
+        r = weight_check(HFEngine(policy), trainer_logprobs(SimpleNamespace(group=meg), ids), ids, TOL)
+    finally: meg.close(); destroy_parallel()
+    assert r['passed'] and 0 < r['max_abs_dlogp'] <= TOL, r['max_abs_dlogp']   # another implementation: rounding, within tol
 
 
 def test_weight_gate_records_and_survives_an_engine_error(tok, ids):
     policy = trained()
-    tr = SimpleNamespace(group=SimpleNamespace(hf_state_dict=lambda: sd_of(policy)), hf_model=load_model('tiny-qwen3'),
-                         engine=HFEngine(load_model('tiny-qwen3'), tok))
+    tr = SimpleNamespace(group=SimpleNamespace(prompt_logprobs=policy_side(policy)), engine=HFEngine(load_model('tiny-qwen3'), tok))
     G = Gates(echo=False)
     r0 = weight_gate(G, 0, tr, ids, TOL)
     assert r0 is not None and not r0['passed']                                  # the engine holds the base weights
