@@ -96,9 +96,15 @@ def bench_rollout(engine, tokenizer, cfg, n_traj: int = 32, examples=None, seed:
     return out
 
 # %% ../nbs/21_bench.ipynb #3c0dda2a
+def _synchronizer(model):
+    "A function that waits for `model`'s device (CUDA kernels run asynchronously: a clock read at their launch measures nothing)."
+    import torch
+    dev = next(model.parameters()).device
+    return (lambda: torch.cuda.synchronize(dev)) if dev.type == 'cuda' else (lambda: None)
+
 class PhaseTimer:
-    "Seconds in prefill (decoder calls over > 1 position) and decode (1 position) forwards of `model`, from forward hooks."
-    def __init__(self, model): self.model = model; self.reset()
+    "Seconds in prefill (decoder calls over > 1 position) and decode (1 position) forwards of `model`, from forward hooks; on a GPU each clock read waits for the device."
+    def __init__(self, model): self.model, self._sync = model, _synchronizer(model); self.reset()
     def reset(self):
         self.prefill_s = self.decode_s = 0.0
         self.prefill_calls = self.decode_calls = self.prefill_tokens = self.decode_rows = 0
@@ -109,12 +115,12 @@ class PhaseTimer:
         self._phase = 'prefill' if ids.shape[1] > 1 else 'decode'
         if self._phase == 'prefill': self.prefill_calls += 1; self.prefill_tokens += ids.shape[0] * ids.shape[1]
         else: self.decode_calls += 1
-        self._t = time.perf_counter()
+        self._sync(); self._t = time.perf_counter()
     def _head_pre(self, mod, args):
         if self._phase == 'decode': self.decode_rows += int(np.prod(args[0].shape[:-1]))
-        self._t = time.perf_counter()
+        self._sync(); self._t = time.perf_counter()
     def _post(self, mod, args, out):
-        dt = time.perf_counter() - self._t
+        self._sync(); dt = time.perf_counter() - self._t
         if self._phase == 'prefill': self.prefill_s += dt
         else: self.decode_s += dt
     def __enter__(self):
@@ -153,13 +159,13 @@ def bench_prompts(tokenizer, n: int, max_tokens: int, min_tokens: int | None = N
     lens = [max_tokens] + [rng.randint(min_tokens, max_tokens) for _ in range(n - 1)]
     return [ids[(o := rng.randint(0, len(ids) - L)):o + L] for L in lens][:n]
 
-def left_pad(prompts: list[list[int]], pad_id: int):
-    "(input_ids, attention_mask) [B x longest], prompts right-aligned, as the engine and `generate()` both expect."
+def left_pad(prompts: list[list[int]], pad_id: int, device=None):
+    "(input_ids, attention_mask) [B x longest] on `device` (default the host), prompts right-aligned, as the engine and `generate()` both expect."
     import torch
     L = max(len(p) for p in prompts)
     ids, am = torch.full((len(prompts), L), pad_id, dtype=torch.long), torch.zeros((len(prompts), L), dtype=torch.long)
     for r, p in enumerate(prompts): ids[r, L - len(p):] = torch.tensor(p); am[r, L - len(p):] = 1
-    return ids, am
+    return (ids, am) if device is None else (ids.to(device), am.to(device))
 
 def _run_engine(engine, prompts, n_new, temperature, top_p, seed):
     from memagent.engines import SamplingParams
@@ -172,13 +178,13 @@ def _run_engine(engine, prompts, n_new, temperature, top_p, seed):
 
 def _run_hf(model, prompts, pad_id, n_new, temperature, top_p, seed):
     import torch
-    ids, am = left_pad(prompts, pad_id)
+    ids, am = left_pad(prompts, pad_id, next(model.parameters()).device)     # where the model is
     torch.manual_seed(seed)
     with PhaseTimer(model) as pt, torch.inference_mode():
         t0 = time.perf_counter()
         o = model.generate(input_ids=ids, attention_mask=am, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
                            max_new_tokens=n_new, min_new_tokens=0, eos_token_id=None, pad_token_id=pad_id)
-        w = time.perf_counter() - t0
+        pt._sync(); w = time.perf_counter() - t0
     if o.shape[1] - ids.shape[1] != n_new: raise RuntimeError(f"bench_generate: generate() produced {o.shape[1] - ids.shape[1]} tokens, expected {n_new}")
     return dict(tokens=len(prompts) * n_new, **pt.result(w))
 
