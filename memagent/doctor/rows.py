@@ -141,6 +141,14 @@ def _phases() -> tuple:
     from memagent import plan
     return getattr(plan, 'PHASES', ('rollout', 'update'))
 
+def _plan_cluster(cfg, gpus: int, gib: float, env: Env):
+    "(the Cluster to plan on, a note): this machine's GPUs with the attention it builds (Transformer Engine as installed); a layout that needs a Transformer Engine not installed is planned as it will run once it is (row 'Transformer Engine' says so)."
+    from memagent.plan import Cluster, plan_attention
+    here = Cluster(gpus, gib, 1024.0, transformer_engine=env.te_version is not None)
+    try: plan_attention(cfg, here); return here, ''
+    except (ValueError, ImportError):
+        return Cluster(gpus, gib, 1024.0, transformer_engine=True), " (planned with Transformer Engine, which the layout needs: row 'Transformer Engine')"
+
 def gpu_memory_row(cfg, world_size: int, env: Env) -> Row:
     "`memagent.plan` of `cfg` fits in the free memory of each GPU the layout uses (the least free one)."
     from memagent.plan import Cluster, make_plan
@@ -152,14 +160,15 @@ def gpu_memory_row(cfg, world_size: int, env: Env) -> Row:
     why = _arch_problem(cfg.model.name, env)
     if why: return Row('GPU memory', found, f"memagent.plan of {cfg.name!r}", 'warn', f"the plan cannot be made: {why}")
     cap = min(g.free for g in gpus) / GiB if gpus else 80.0
-    p = make_plan(cfg, Cluster(cfg.batch.n_gpus, cap, 1024.0), search=False)
+    here, note = _plan_cluster(cfg, cfg.batch.n_gpus, cap, env)
+    p = make_plan(cfg, here, search=False)
     peaks = ', '.join(f"{ph} {_gib(p.peak(ph))}" for ph in _phases())
     if not gpus:
         return Row('GPU memory', found, f"memagent.plan per GPU: {peaks} (on 80 GiB GPUs)", 'fail', "run on GPUs (row 'GPU count')")
     over = [o for o in p.over() if o != 'host']
-    needed = f"memagent.plan fits in {cap:.1f} GiB free per GPU: {peaks}"
+    needed = f"memagent.plan fits in {cap:.1f} GiB free per GPU: {peaks}{note}"
     if not over: return Row('GPU memory', found, needed, 'ok')
-    fix = make_plan(cfg, Cluster(cfg.batch.n_gpus, cap, 1024.0), search=True).settings.get('fix')
+    fix = make_plan(cfg, here, search=True).settings.get('fix')
     msgs = [p.engine_problem() if o == 'rollout engine' else f"{o} does not fit (largest term {p.largest(o)[0]!r}, {_gib(p.largest(o)[1])})"
             for o in over]
     return Row('GPU memory', found, needed, 'fail', '; '.join(msgs) + f"; would fit with: {fix or 'no single setting the plan tries'}"
@@ -316,7 +325,7 @@ def ram_row(cfg, world_size: int, env: Env) -> Row:
     found = f"{_gib(env.ram_total)} total, {_gib(env.ram_available)} available"
     why = _arch_problem(cfg.model.name, env)
     if why: return Row('host RAM', found, f"memagent.plan's host terms of {cfg.name!r}", 'warn', f"the plan cannot be made: {why}")
-    p = make_plan(cfg, Cluster(cfg.batch.n_gpus, 80.0, 1024.0), search=False)
+    p = make_plan(cfg, _plan_cluster(cfg, cfg.batch.n_gpus, 80.0, env)[0], search=False)
     host = sum(p.host.values())
     cpu = not layout_needs(cfg, world_size)['gpu']
     rank = max(p.peak(ph) for ph in _phases())

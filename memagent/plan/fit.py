@@ -11,22 +11,27 @@ from .memory import (
     get_arch, megatron_params, ddp_layout, optimizer_parts, activation_bytes, sglang_kv_pool, gather_peak_bytes)
 
 # %% auto #0
-__all__ = ['PHASES', 'Cluster', 'PlanDoesNotFit', 'tokens_per_step', 'step_counts', 'Plan', 'make_plan', 'checkpoint_bytes']
+__all__ = ['PHASES', 'ALLOCATED_TERMS', 'Cluster', 'PlanDoesNotFit', 'plan_attention', 'tokens_per_step', 'step_counts', 'Plan',
+           'make_plan', 'checkpoint_bytes']
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #06a506a8
 @dataclass(frozen=True)
 class Cluster:
-    "GPUs per node, GPU memory and host RAM per node (GiB)."
+    "GPUs per node, GPU memory and host RAM per node (GiB), and whether its GPUs have Transformer Engine (what the layer spec resolves to there)."
     gpus_per_node: int = 8
     gpu_gb: float = 80.0
     host_gb: float = 1024.0
+    transformer_engine: bool = True
 
 class PlanDoesNotFit(ValueError):
     "A configuration whose per-GPU or host memory exceeds the cluster; the message names the largest term and a fix."
 
-def _cfg_attention(cfg) -> str:
+def plan_attention(cfg, cluster: Cluster) -> str:
+    "The attention the layout runs on `cluster`: 'sdpa' for the torch backend; for megatron the layer spec `choose_layer_spec` builds on a CUDA machine with or without Transformer Engine (refusing what cannot be built), the function the backend itself calls."
     if cfg.backend == 'torch': return 'sdpa'
-    return 'te' if cfg.batch.attention in ('auto', 'te') else 'local'
+    from memagent.backends.megatron.model import choose_layer_spec
+    b = cfg.batch
+    return choose_layer_spec(b.attention, b.sequence_parallel, b.tp, cuda=True, te=cluster.transformer_engine)
 
 def tokens_per_step(cfg, doc_tokens: int | None = None) -> dict:
     "Rollout prefill and decode tokens, training tokens and generate requests of one step (upper bounds: every turn at its limits)."
@@ -72,6 +77,11 @@ def step_counts(cfg, row_tokens, groups=None) -> dict:
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #33f76c6e
 PHASES = ('rollout', 'update', 'sync')
+# the terms torch's caching allocator holds in the trainer's process (what `torch.cuda.max_memory_allocated` measures):
+# every trainer term but the CUDA context (the driver's, not the allocator's) and the engine's terms (another process)
+ALLOCATED_TERMS = ('weights', 'gradients', 'optimizer states', 'reference model', 'activations (saved)',
+                   'activations (backward working set)', 'attention backward transients', 'log-prob head chunk',
+                   'weight gather bucket (peak)')
 
 @dataclass
 class Plan:
@@ -92,6 +102,9 @@ class Plan:
     @property
     def host_capacity(self) -> int: return int(self.cluster.host_gb * GiB)
     def peak(self, phase: str) -> int: return sum(getattr(self, phase).values())
+    def allocated(self, phase: str = 'update') -> int:
+        "The bytes of `phase` that torch's allocator holds in the trainer's process (`ALLOCATED_TERMS`): what a measured peak is compared with."
+        return sum(v for k, v in getattr(self, phase).items() if k in ALLOCATED_TERMS)
     def largest(self, phase: str) -> tuple[str, int]:
         terms = self.host if phase == 'host' else getattr(self, phase)
         return max(terms.items(), key=lambda kv: kv[1])
@@ -156,12 +169,12 @@ class Plan:
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #5a1af127
 def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bucket_size,
-           sync_bucket_bytes=None) -> tuple[dict, dict, dict, dict, dict]:
+           sync_bucket_bytes=None, micro_batch=None) -> tuple[dict, dict, dict, dict, dict]:
     b, r, arch = cfg.batch, cfg.rollout, get_arch(cfg.model.name)
     dt, E = cfg.model.dtype, DTYPE_BYTES[cfg.model.dtype]
     if b.pp != 1: raise ValueError(f"memagent.plan: config key 'batch.pp'={b.pp}: the plan models pipeline parallel size 1 only")
     tp, dp = (b.tp, cfg.dp_size) if cfg.backend == 'megatron' else (1, b.n_gpus)
-    attention = _cfg_attention(cfg)
+    attention = plan_attention(cfg, cluster)
     ref_on = cfg.loss.kl_type != 'none' and cfg.loss.kl_coef > 0
     det = dict(arch=dataclasses.asdict(arch), tp=tp, dp=dp, attention=attention, reference_model=ref_on)
     if cfg.backend == 'megatron':
@@ -183,17 +196,19 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
         recompute = 'none'
         ref = n * E if ref_on else 0
     det['params_per_rank'] = int(weights // E) if cfg.backend == 'torch' else sum(p.numel for p in params)
-    L = min(cfg.max_row_tokens, b.max_tokens_per_micro)
-    rows = max(1, b.max_tokens_per_micro // L)
+    if micro_batch is None:
+        L = min(cfg.max_row_tokens, b.max_tokens_per_micro)
+        rows = max(1, b.max_tokens_per_micro // L)
+    else: rows, L = (int(x) for x in micro_batch)
     act = activation_bytes(arch, rows, L, tp, dt, attention, recompute, b.sequence_parallel and cfg.backend == 'megatron')
     vshard = -(-arch.vocab // tp)
-    head = min(head_chunk, b.max_tokens_per_micro) * vshard * (E + 4 * HEAD_FP32_COPIES)
+    head = min(head_chunk, rows * L) * vshard * (2 * E + 4 * HEAD_FP32_COPIES) + vshard * arch.hidden * E
     det.update(micro_batch=dict(rows=rows, seq_len=L, tokens=rows * L, recompute=recompute), activations=act)
     ctx = int(CUDA_CONTEXT_GIB * GiB)
     colocated = r.engine == 'sglang' and r.colocate
     update = {'weights': weights, 'gradients': grads, 'optimizer states': optim, 'reference model': ref,
               'activations (saved)': act['saved_total'], 'activations (backward working set)': act['working'],
-              'log-prob head chunk': head, 'trainer CUDA context': ctx}
+              'attention backward transients': act['transient'], 'log-prob head chunk': head, 'trainer CUDA context': ctx}
     # the trainer's state on the GPU while the engine runs (steps >= 2) and when the engine starts (before step 1)
     resident = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim, 'reference model': ref}
     at_start = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim_at_start, 'reference model': ref}
@@ -247,7 +262,7 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
 
 def make_plan(cfg, cluster: Cluster | None = None, offload: bool = False, head_chunk: int = 1024,
               doc_tokens: int | None = None, bucket_size: int | None = None, search: bool = True,
-              sync_bucket_bytes: int | None = None) -> Plan:
+              sync_bucket_bytes: int | None = None, micro_batch: tuple[int, int] | None = None) -> Plan:
     "The plan of `cfg` on `cluster`: terms per phase (rollout, update, sync), host RAM, tokens per step, the verdict; with `search`, a fix when it does not fit and the counterfactuals. `offload=True` is a what-if (not implemented)."
     cluster = cluster or Cluster()
     if not isinstance(offload, bool):
@@ -256,7 +271,7 @@ def make_plan(cfg, cluster: Cluster | None = None, offload: bool = False, head_c
         raise ValueError(f"memagent.plan: batch.n_gpus={cfg.batch.n_gpus} is not a whole number of nodes of {cluster.gpus_per_node} GPUs")
     colocated = cfg.rollout.engine == 'sglang' and cfg.rollout.colocate
     off = offload
-    ro, up, sy, host, det = _terms(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes)
+    ro, up, sy, host, det = _terms(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes, micro_batch)
     settings = dict(backend=cfg.backend, dtype=cfg.model.dtype, tp=det['tp'], dp=det['dp'], recompute=det['micro_batch']['recompute'],
                     sequence_parallel=cfg.batch.sequence_parallel, distributed_optimizer=cfg.batch.distributed_optimizer,
                     attention=det['attention'], colocate=colocated, mem_fraction=cfg.rollout.mem_fraction,
@@ -326,10 +341,11 @@ def _counterfactuals(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, syn
     if cfg.backend == 'megatron':
         for rc in RECOMPUTE:
             if rc != cfg.batch.recompute: add(f"recompute={rc}", _variant(cfg, **{'batch.recompute': rc}), off)
-        if _cfg_attention(cfg) == 'te':
-            add("attention=local (the CPU fallback spec on the GPUs)", _variant(cfg, **{'batch.attention': 'local'}), off)
+        if plan_attention(cfg, cluster) == 'te':     # the local spec builds no sequence-parallel norms: it runs without SP
+            local = {'batch.attention': 'local', 'batch.sequence_parallel': False}
+            add("attention=local (the CPU fallback spec on the GPUs)", _variant(cfg, **local), off)
             if cfg.batch.recompute != 'none':
-                add("attention=local+recompute=none", _variant(cfg, **{'batch.attention': 'local', 'batch.recompute': 'none'}), off)
+                add("attention=local+recompute=none", _variant(cfg, **local, **{'batch.recompute': 'none'}), off)
         add('distributed_optimizer=' + str(not cfg.batch.distributed_optimizer),
             _variant(cfg, **{'batch.distributed_optimizer': not cfg.batch.distributed_optimizer}), off)
     if cfg.rollout.engine == 'sglang' and cfg.rollout.colocate:
@@ -343,7 +359,7 @@ def checkpoint_bytes(cfg, cpu_stand_in: bool = False, attention: str | None = No
     lm_head = arch.vocab * arch.hidden * E if arch.tied else 0      # tied: written as its own tensor
     det = dict(backend=cfg.backend, lm_head_copy=lm_head)
     if cfg.backend == 'megatron':
-        b, attention = cfg.batch, attention or _cfg_attention(cfg)
+        b, attention = cfg.batch, attention or 'local'      # every parameter in the model dtype: both specs hold the same bytes
         model = sum(p.numel * DTYPE_BYTES[p.dtype] for p in megatron_params(arch, 1, dt, attention, pad_vocab=False)) + lm_head
         rank = megatron_params(arch, b.tp, dt, attention)              # one TP rank (padded vocabulary): what its shards cover
         main = sum(p.numel * 4 for p in rank if cpu_stand_in or b.distributed_optimizer or DTYPE_BYTES[p.dtype] < 4)

@@ -89,23 +89,22 @@ def megatron_params(arch: Arch, tp: int = 1, dtype: str = 'bfloat16', attention:
         v = padded_vocab(a.vocab, tp) // tp
     else: v = a.vocab / tp
     h, q, k, f = a.hidden, a.heads * a.head_dim // tp, a.kv_heads * a.head_dim // tp, a.ffn // tp
-    norm = 'float32' if attention == 'local' else dtype
     out = [ParamSpec('embedding.word_embeddings.weight', int(v * h), dtype)]
     for i in range(a.layers):
         p = f'decoder.layers.{i}.'
         qkv = [ParamSpec(p + 'self_attention.linear_qkv.weight', (q + 2 * k) * h, dtype)]
         if a.qkv_bias: qkv.append(ParamSpec(p + 'self_attention.linear_qkv.bias', q + 2 * k, dtype))
-        qkn = [ParamSpec(p + 'self_attention.q_layernorm.weight', a.head_dim, norm),
-               ParamSpec(p + 'self_attention.k_layernorm.weight', a.head_dim, norm)] if a.qk_norm else []
+        qkn = [ParamSpec(p + 'self_attention.q_layernorm.weight', a.head_dim, dtype),
+               ParamSpec(p + 'self_attention.k_layernorm.weight', a.head_dim, dtype)] if a.qk_norm else []
         fc1, fc2 = ParamSpec(p + 'mlp.linear_fc1.weight', 2 * f * h, dtype), ParamSpec(p + 'mlp.linear_fc2.weight', h * f, dtype)
         proj = ParamSpec(p + 'self_attention.linear_proj.weight', h * q, dtype)
         if attention == 'local':
-            out += [ParamSpec(p + 'input_layernorm.weight', h, norm), proj, *qkv, *qkn,
-                    ParamSpec(p + 'pre_mlp_layernorm.weight', h, norm), fc1, fc2]
+            out += [ParamSpec(p + 'input_layernorm.weight', h, dtype), proj, *qkv, *qkn,
+                    ParamSpec(p + 'pre_mlp_layernorm.weight', h, dtype), fc1, fc2]
         else:
-            out += [proj, ParamSpec(p + 'self_attention.linear_qkv.layer_norm_weight', h, norm), *qkv, *qkn,
-                    ParamSpec(p + 'mlp.linear_fc1.layer_norm_weight', h, norm), fc1, fc2]
-    out.append(ParamSpec('decoder.final_layernorm.weight', h, norm))
+            out += [proj, ParamSpec(p + 'self_attention.linear_qkv.layer_norm_weight', h, dtype), *qkv, *qkn,
+                    ParamSpec(p + 'mlp.linear_fc1.layer_norm_weight', h, dtype), fc1, fc2]
+    out.append(ParamSpec('decoder.final_layernorm.weight', h, dtype))
     if not a.tied: out.append(ParamSpec('output_layer.weight', int(v * h), dtype))
     return out
 
@@ -209,6 +208,10 @@ def activation_bytes(arch: Arch, rows: int, seq_len: int, tp: int = 1, dtype: st
         model = {'token ids': 8 * s, 'mask': 0, 'final norm': s * h * 4 + 4 * s + s * h * E, 'rope': 2 * L * d * E}
     else: raise ValueError(f"memagent.plan: attention must be 'local', 'te', 'eager' or 'sdpa', got {attention!r}")
     per_layer = sum(layer.values())
+    # backward's L x L transients beyond what is saved (one layer at a time): the local spec's persistent score buffer
+    # (megatron's global memory buffer, E per element) and the softmax backward's fp32 gradient in and out (4 + 4);
+    # HF eager the two fp32 gradients; flash / sdpa / TE none
+    transient = rows * A * L * L * ((E + 8) if attention == 'local' else 8 if attention == 'eager' else 0)
     if recompute == 'none': layers, working = a.layers * per_layer, 0
     elif recompute == 'selective':
         layers, working = a.layers * (per_layer - core + sel), core
@@ -216,7 +219,7 @@ def activation_bytes(arch: Arch, rows: int, seq_len: int, tp: int = 1, dtype: st
         layers = a.layers * (h_in if attention == 'te' else s * h * E) + full_extra
         working = per_layer
     saved = {'decoder layers': layers, **model}
-    return dict(saved=saved, saved_total=sum(saved.values()), working=working, per_layer=per_layer)
+    return dict(saved=saved, saved_total=sum(saved.values()), working=working, per_layer=per_layer, transient=transient)
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #4428b352
 CUDA_CONTEXT_GIB = 0.5
@@ -234,8 +237,10 @@ the saver frees the weights and KV cache (and CUDA graphs where tagged), not the
 outside its regions nor NCCL buffers. Assumed 1 GiB."""
 
 HEAD_FP32_COPIES = 3
-"""The log-prob head (checkpointed per chunk) rebuilds one chunk's logits in backward: the logits in the
-model dtype, their fp32 copy, the softmax and the logits' gradient (fp32): E + 3 x 4 bytes per logit."""
+"""The log-prob head (checkpointed per chunk) rebuilds one chunk's logits in backward: the logits in the model dtype, their
+fp32 copy, the softmax and the logits' gradient (fp32), and that gradient in the model dtype for the matmul's backward:
+2E + 3 x 4 bytes per logit. Beside it the output layer's weight gradient in the model dtype (vocab x hidden per TP rank),
+held until the embedding's own gradient joins it (tied) or megatron's DDP hook folds it into the fp32 buffer."""
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #4cf2c5f0
 def sglang_kv_pool(free_before_load: int, engine_weights: int, mem_fraction: float, kv_bytes_per_token: int) -> dict:
