@@ -5,14 +5,15 @@
                                                                     # the layout as configured, or the refusal (exit 3) naming
                                                                     #   the memagent-doctor rows that fail and their fixes
     python scripts/gpu_check.py plan    --preset NAME --gpus-per-node N [--gpu-gb G]
-    python scripts/gpu_check.py subset  --out DIR [--cpu-simulation]  # one GPU: megatron-core bf16 + its optimizer + recompute,
-                                                                    #   the weight check after a sync (megatron -> HF engine)
+    python scripts/gpu_check.py subset  --out DIR [--cpu-simulation] [--parts a,b]   # one GPU: the parts of scripts/gpu_subset.py,
+                                                                    #   each in its own process under its own cap
+    python scripts/gpu_check.py part NAME --out DIR [--cpu-simulation]   # one part (what `subset` runs)
     python scripts/gpu_check.py compare --params FILE --gpus N --out DIR   # SGLang vs HF tokens/s, megatron vs torch step time,
                                                                     #   the weight check after an SGLang sync
 
 `preset`, `layout` and `plan` run anywhere (CI runs them through `gpu_check.sh --dry-run`); `subset` and `compare` refuse to
-run without CUDA, except `subset --cpu-simulation`: the subset's own code path on CPU (fp32, the CPU stand-in optimizer), a
-named reduced layout that its report says it is. Every result file carries the provenance of `memagent.provenance`.
+run without CUDA, except `subset --cpu-simulation`: the subset's own parts on CPU at tiny shapes (the CPU stand-in optimizer),
+a named reduced layout that its report says it is. Every result file carries the provenance of `memagent.provenance`.
 
 Layouts are never changed silently. A part checks its preset's layout as configured, or refuses (the fast rows of
 `memagent.doctor`, through `require`: the failing row, what was found, what is needed, the fix). Only `--reduced` runs a named
@@ -25,13 +26,13 @@ engine that missed the sync (must fail); `compare` checks an SGLang server befor
 `/update_weights_from_disk` (both must pass) and that the weights it held before are rejected afterwards. The smoke that
 `gpu_check.sh` runs checks its engines after every sync itself (its `weights_synced[step N]` gates).
 
-How long the subset takes on one H100-class GPU (an estimate by design, not a measurement on a GPU): the random tiny Qwen3
-(2 layers, 2 rows of 1,024 tokens) is loaded 8 times and takes 5 optimizer steps (the fp32 torch reference, one megatron
-step per recompute mode, the weight-sync step) and 4 teacher-forced prompt checks. Its compute is small: the same code path
-on CPU (`--cpu-simulation`, fp32, 2 cores) records about a minute in its report's `seconds`. On the GPU the fixed costs
-dominate: imports of torch, transformers, megatron-core and Transformer Engine (under a minute), the CUDA context and the
-first call of each kernel family (tens of seconds). That is 2-3 minutes, well under the 8-minute budget (`SUBSET_BUDGET_S`);
-the report records each part's wall seconds and whether the whole stayed within the budget, so the first GPU run measures it.
+The subset's parts, their caps and what each checks are in `scripts/gpu_subset.py` (`PARTS`): megatron-core in bf16 with its
+optimizer per recompute mode, the weight check after a sync, the in-process Trainer for 2 steps with each backend, the
+in-process engine against generate() on a GPU-sized workload, the megatron step at Qwen3-4B shapes (full and selective
+recompute) against the matmul rate and the plan, and a bf16-vs-fp32 step that can fail. Each runs in its own process under
+its cap and writes its result as it goes; the report is rendered again after every part, so a part that fails or hangs
+hides nothing of the others. The caps add up to under 7 minutes and the subset is meant to take under 6 on one H200
+(`SUBSET_BUDGET_S`, with each part's seconds in the report), which leaves a 15-minute window room for a rerun.
 """
 from __future__ import annotations
 import argparse, json, sys, time
@@ -77,7 +78,6 @@ REDUCED_LAYOUTS = {
                                        "the gpu-bf16 weight-check tolerance (CPU checks WEIGHT_TOL['cpu-fp32'])"]},
 }
 SP_ONE_GPU = 'sequence parallel (needs TP >= 2, so at least 2 GPUs: not checked on one GPU; part cluster checks it)'
-SUBSET_BUDGET_S = 480
 
 
 def layout_record(cfg, world_size: int, what: str, reduced: str | None = None, not_checked=()) -> dict:
@@ -122,11 +122,12 @@ def layout_lines(rec: dict, prefix: str = '') -> list[str]:
     return lines
 
 
-def tiny_megatron(recompute: str = 'selective', dtype: str = 'bfloat16'):
-    "The tiny model in the frozen recipe's training precision on one GPU."
+def tiny_megatron(recompute: str = 'selective', dtype: str = 'bfloat16', distributed_optimizer: bool | None = None):
+    "The tiny model in the frozen recipe's training precision on one GPU (its distributed optimizer with bf16 unless told)."
     from memagent.config import get_preset
+    dopt = dtype == 'bfloat16' if distributed_optimizer is None else distributed_optimizer
     return get_preset('tiny', {'backend': 'megatron', 'model.dtype': dtype, 'batch.n_gpus': 1, 'batch.tp': 1,
-                               'batch.distributed_optimizer': dtype == 'bfloat16', 'batch.recompute': recompute})
+                               'batch.distributed_optimizer': dopt, 'batch.recompute': recompute})
 
 
 def config_for(preset: str, overrides: dict | None = None):
@@ -153,7 +154,7 @@ def cmd_layout(a):
 def cmd_plan(a):
     from memagent.plan import Cluster, make_plan
     cfg = config_for(a.preset, json.loads(a.overrides) if a.overrides else None)
-    p = make_plan(cfg, Cluster(gpus_per_node=a.gpus_per_node, gpu_gb=a.gpu_gb))
+    p = make_plan(cfg, Cluster(gpus_per_node=a.gpus_per_node, gpu_gb=a.gpu_gb, transformer_engine=a.transformer_engine != 'no'))
     print(f"plan of {a.preset} ({cfg.model.name}) on {a.gpus_per_node} x {a.gpu_gb:g} GB:")
     for row in p.table(): print('  ' + '  '.join(f"{k}={v}" for k, v in row.items()))
     print('  ' + p.verdict())
@@ -213,101 +214,30 @@ def checkpoint_before_first_step(be) -> dict:
 
 
 def cmd_subset(a):
-    "One GPU: the megatron step in bf16 with megatron-core's own (distributed) optimizer and each recompute mode, against fp32 torch; `--cpu-simulation`: the same code path on CPU in fp32."
+    "One GPU: every part of `gpu_subset.PARTS` in its own process under its own cap, then the report; `--cpu-simulation`: the same parts on CPU at tiny shapes."
     if not a.cpu_simulation: _need_cuda('subset')
-    import torch
-    t_start = time.perf_counter(); seconds = {}
-    cuda = not a.cpu_simulation
-    dev, dtype = ('cuda', 'bfloat16') if cuda else ('cpu', 'float32')
-    from memagent.models import load_model
-    from memagent.backends.torch import TorchBackend
-    from memagent.backends.megatron import MegatronBackend, have_transformer_engine
-    from memagent.plan import Cluster, make_plan
-    out, gates = Path(a.out), []
+    from gpu_subset import run_subset, step4b_plan, STEP4B
     _, layout = subset_layout(a.cpu_simulation)
     if layout['refused']: sys.exit(f"gpu_check.py subset: refused, not downgraded: {layout['refused']}")
     print('\n'.join(layout_lines(layout)))
-    gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0
-    base = tiny_megatron('selective', dtype)
-    batch = _fixed_batch(load_model('tiny-qwen3', 'float32').config.vocab_size, base.batch.max_tokens_per_micro)
-    t = time.perf_counter()
-    ref = TorchBackend(load_model('tiny-qwen3', 'float32', dev), base.optim, base.optim.grad_clip)
-    ref_loss, ref_norm = _step(ref, batch)
-    ref_w = {k: v.float().cpu() for k, v in ref.hf_state_dict().items()}
-    del ref
-    if cuda: torch.cuda.empty_cache()
-    seconds['torch_fp32_reference'] = time.perf_counter() - t
-    for mode in ('none', 'selective', 'full'):
-        t = time.perf_counter()
-        cfg = tiny_megatron(mode, dtype)
-        if cuda: torch.cuda.reset_peak_memory_stats()
-        be = MegatronBackend.from_config(cfg, load_model('tiny-qwen3', dtype))
-        try:
-            before = checkpoint_before_first_step(be)
-            loss, norm = _step(be, batch)
-            peak = torch.cuda.max_memory_allocated() if cuda else None
-            w = {k: v.float().cpu() for k, v in be.hf_state_dict().items()}
-            dw = max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w)
-            state = be.state_dict()
-            be.load_state_dict(be.hf_state_dict(), state)
-            again = be.state_dict()
-            same = json.dumps(state, default=str, sort_keys=True) == json.dumps(again, default=str, sort_keys=True)
-            optimizer = type(be.optimizer).__name__
-        finally: be.close()
-        plan = make_plan(cfg, Cluster(gpus_per_node=1, gpu_gb=gpu_gb))
-        terms = ('weights', 'gradients', 'optimizer states', 'activations (saved)', 'activations (backward working set)', 'log-prob head chunk')
-        planned = sum(plan.update.get(t_, 0) for t_ in terms)
-        memory_ok = (0.5 < peak / planned < 1.25) if cuda else None   # not checked on CPU
-        gates.append({'recompute': mode, 'dtype': dtype, 'optimizer': optimizer, 'attention': be.attention, 'loss': loss, 'loss_fp32': ref_loss,
-                      'loss_rel_diff': abs(loss - ref_loss) / abs(ref_loss), 'grad_norm': norm, 'grad_norm_fp32': ref_norm,
-                      'grad_norm_rel_diff': abs(norm - ref_norm) / ref_norm, 'weights_max_abs_diff': dw,
-                      'checkpoint_before_first_step': before, 'optimizer_state_round_trip': same,
-                      'peak_bytes': peak, 'plan_bytes': planned, 'peak_over_plan': peak / planned if cuda else None,
-                      'pass': abs(loss - ref_loss) / abs(ref_loss) < 2e-2 and abs(norm - ref_norm) / ref_norm < 5e-2 and same
-                              and before['pass'] and memory_ok is not False})
-        seconds[f'megatron_{mode}'] = time.perf_counter() - t
-        print(json.dumps(gates[-1]))
-    t = time.perf_counter()
-    sync = weight_sync_check(dev, dtype)
-    seconds['weight_sync'] = time.perf_counter() - t
-    print(json.dumps(sync))
-    seconds['total'] = time.perf_counter() - t_start
-    ok = all(g['pass'] for g in gates) and sync['pass']
-    body = {**{k: layout[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'cpu_simulation': a.cpu_simulation,
-            'pass': ok, 'environment': environment(), 'transformer_engine': have_transformer_engine(),
-            'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 'gpu_gb': gpu_gb if cuda else None,
-            'tolerances': {'loss_rel': 2e-2, 'grad_norm_rel': 5e-2, 'peak_over_plan': [0.5, 1.25] if cuda else 'not checked on CPU'},
-            'sequence_parallel': 'not checked: it needs TP >= 2, so at least 2 GPUs (part cluster)',
-            'checks': gates, 'weight_sync': sync, 'seconds': seconds, 'budget_s': SUBSET_BUDGET_S,
-            'within_budget': seconds['total'] < SUBSET_BUDGET_S, 'doctor_rows': layout['rows']}
-    _write(out, 'subset.json', body)
-    _write_md(out / 'subset.md', layout, body)
-    if not ok: sys.exit('gpu_check.py subset: a check failed (see subset.json)')
+    if a.cpu_simulation:     # what the GPU run would run at Qwen3-4B shapes: the plan, on an H200-sized and an 80 GiB card
+        from memagent.plan import GiB
+        for name, (rc, rows, L) in STEP4B.items():
+            for gib in (139.8, 80.0):
+                _, p = step4b_plan(rc, rows, L, gib)
+                print(f"  {name} on a GPU would run: Qwen3-4B, {rows} x {L} tokens, recompute {rc}, attention {p.details['attention']}: "
+                      f"the plan's update allocates {p.allocated('update') / GiB:.1f} GiB of {gib:g} GiB: "
+                      f"{'fits' if p.allocated('update') <= gib * GiB else 'does not fit: skipped'}")
+    body = run_subset(Path(a.out), a.cpu_simulation, a.parts.split(',') if a.parts else None)
+    print(f"wrote {Path(a.out) / 'subset.md'}")
+    if not body['pass']: sys.exit('gpu_check.py subset: a part failed, timed out or did not run (see subset.md)')
 
 
-def _write_md(path: Path, layout: dict, body: dict):
-    "The subset's report to read: the layout and what was not checked first, then one line per check."
-    e, f = body['environment'], lambda x: 'n/a' if x is None else (f"{x:.3g}" if isinstance(x, float) else str(x))
-    lines = layout_lines(layout) + ['', f"# gpu_check subset: {'PASS' if body['pass'] else 'FAIL'}" +
-                                    (' (cpu-simulation: a code-path check, not a GPU check)' if body['cpu_simulation'] else ''), '',
-             f"device {body['device']}; driver {f(e['driver'])}; CUDA (torch) {f(e['cuda_runtime_of_torch'])}; torch {f(e['torch'])}; "
-             f"transformers {f(e['transformers'])}; megatron-core {f(e['megatron_core'])}; Transformer Engine {f(e['transformer_engine'])}; "
-             f"sglang {f(e['sglang'])}", '',
-             '| recompute | dtype | optimizer | attention | loss rel diff | grad norm rel diff | state round trip | checkpoint before step 1 | peak / plan | pass |',
-             '|---|---|---|---|---|---|---|---|---|---|']
-    for g in body['checks']:
-        c = g['checkpoint_before_first_step']
-        lines.append(f"| {g['recompute']} | {g['dtype']} | {g['optimizer']} | {g['attention']} | {f(g['loss_rel_diff'])} | "
-                     f"{f(g['grad_norm_rel_diff'])} | {g['optimizer_state_round_trip']} | {c.get('saved') or c.get('error')} | "
-                     f"{f(g['peak_over_plan'])} | {g['pass']} |")
-    w = body['weight_sync']
-    lines += ['', f"weight check after a sync through the HF engine ({w['precision']}, tol {w['tol']:g}): before step "
-              f"{w['before_step'].get('passed')}, after sync {w['after_sync'].get('passed')}, missed sync rejected "
-              f"{not w['missed_sync'].get('passed')}: {'PASS' if w['pass'] else 'FAIL'}",
-              '', 'seconds: ' + ', '.join(f"{k} {v:.1f}" for k, v in body['seconds'].items()) +
-              f" (budget {body['budget_s']} s: {'within' if body['within_budget'] else 'OVER'})", '']
-    path.write_text('\n'.join(lines))
-    print(f"wrote {path}")
+def cmd_part(a):
+    "One part of the subset in this process (what `subset` runs under a cap)."
+    if not a.cpu_simulation: _need_cuda(f'part {a.name}')
+    from gpu_subset import run_part
+    run_part(a.name, Path(a.out), a.cpu_simulation)
 
 
 def _summary(r: dict) -> dict:
@@ -431,7 +361,9 @@ def cmd_compare(a):
             def once():
                 k[0] += 1; chan.put(k[0], put); group.update(chan, k[0], c.rollout.request_timeout_s)
             res[f'{backend}_update_s'] = _time(once)
-        finally: group.close()
+        finally:
+            group.close(); del group                       # its policy, reference and optimizer leave the GPU before the next
+            import gc; gc.collect(); torch.cuda.empty_cache()
     res['megatron_over_torch_time'] = res['megatron_update_s'] / res['torch_update_s']
     res['rows'] = len(rows)
     res['peak_vs_plan'] = peak_vs_plan(p, a.smoke_run, a.gpus)
@@ -445,19 +377,19 @@ def cmd_compare(a):
 def peak_vs_plan(p: dict, smoke_run: str | None, gpus: int) -> dict | None:
     "The smoke run's largest per-rank GPU peak during its updates (`gpu_peak_gib`) against the plan's update-phase terms torch allocates."
     from memagent.config import get_preset
-    from memagent.plan import Cluster, GiB, make_plan
+    from memagent.backends.megatron import have_transformer_engine
+    from memagent.plan import ALLOCATED_TERMS, Cluster, GiB, make_plan
     if not smoke_run or not (Path(smoke_run) / 'metrics.jsonl').is_file(): return None
     import torch
     peaks = [json.loads(l).get('gpu_peak_gib') for l in open(Path(smoke_run) / 'metrics.jsonl')]
     peaks = [x for x in peaks if x is not None]
     if not peaks: return None
     plan = make_plan(get_preset(p['preset'], p['overrides']),
-                     Cluster(gpus_per_node=gpus, gpu_gb=torch.cuda.get_device_properties(0).total_memory / GiB))
-    allocated = ('weights', 'gradients', 'optimizer states', 'reference model', 'activations (saved)',
-                 'activations (backward working set)', 'log-prob head chunk')
-    planned = sum(plan.update.get(t, 0) for t in allocated) / GiB
+                     Cluster(gpus_per_node=gpus, gpu_gb=torch.cuda.get_device_properties(0).total_memory / GiB,
+                             transformer_engine=have_transformer_engine()))
+    planned = plan.allocated('update') / GiB
     return {'measured_peak_gib': max(peaks), 'planned_gib': planned, 'measured_over_planned': max(peaks) / planned,
-            'terms': list(allocated)}
+            'terms': [t for t in ALLOCATED_TERMS if t in plan.update]}
 
 
 def main(argv=None):
@@ -470,12 +402,15 @@ def main(argv=None):
     s.add_argument('--reduced', action='store_true'); s.add_argument('--cpu-simulation', action='store_true')
     s = sub.add_parser('plan'); s.add_argument('--preset', required=True); s.add_argument('--gpus-per-node', type=int, default=8)
     s.add_argument('--gpu-gb', type=float, default=80.0); s.add_argument('--overrides', default=None, help='JSON dict of dotted keys')
+    s.add_argument('--transformer-engine', choices=('yes', 'no'), default='yes', help="whether the cluster's GPUs have Transformer Engine (the attention the plan resolves)")
     s = sub.add_parser('subset'); s.add_argument('--out', required=True)
-    s.add_argument('--cpu-simulation', action='store_true', help="the subset's code path on CPU (fp32, the CPU stand-in optimizer): recorded as such")
+    s.add_argument('--cpu-simulation', action='store_true', help="the subset's code path on CPU (tiny shapes, the CPU stand-in optimizer): recorded as such")
+    s.add_argument('--parts', default=None, help='comma-separated part names (default: every part of gpu_subset.PARTS)')
+    s = sub.add_parser('part'); s.add_argument('name'); s.add_argument('--out', required=True); s.add_argument('--cpu-simulation', action='store_true')
     s = sub.add_parser('compare'); s.add_argument('--params', required=True); s.add_argument('--gpus', type=int, required=True)
     s.add_argument('--out', required=True); s.add_argument('--smoke-run', default=None, help="the smoke's run directory (its metrics.jsonl)")
     a = ap.parse_args(argv)
-    {'preset': cmd_preset, 'layout': cmd_layout, 'plan': cmd_plan, 'subset': cmd_subset, 'compare': cmd_compare}[a.cmd](a)
+    {'preset': cmd_preset, 'layout': cmd_layout, 'plan': cmd_plan, 'subset': cmd_subset, 'part': cmd_part, 'compare': cmd_compare}[a.cmd](a)
 
 
 if __name__ == '__main__':

@@ -4,13 +4,15 @@
 #
 #   bash scripts/gpu_check.sh [--dry-run] [--part subset|cluster|all] [--out DIR] [--models DIR] [--reduced] [--cpu-simulation]
 #
-# subset   one GPU, no network (a random tiny Qwen3): megatron-core in bf16 with fp32 main grads, its own optimizer
-#          (distributed over DP), selective and full recompute, Transformer Engine attention when installed; the step
-#          (loss, grad norm) against the fp32 torch step on the same rows; the optimizer-state round trip, and a checkpoint
-#          before the first step; the log-prob check after a weight sync through the HF engine; peak GPU memory against
-#          memagent.plan. Sequence parallel needs TP >= 2: not checked on one GPU (the report says so). Writes
-#          subset.md and subset.json under --out, with the environment (driver, CUDA, torch, TE, sglang). About 2-3
-#          minutes on one H100-class GPU by design (well under 8: see scripts/gpu_check.py); the report records its seconds.
+# subset   one GPU, no network, its parts each in their own process under their own cap (scripts/gpu_subset.py): megatron-core
+#          in bf16 with fp32 main grads and its own (distributed) optimizer per recompute mode against the fp32 torch step, the
+#          optimizer-state round trip and a checkpoint before step 1; the weight check after a sync; the in-process Trainer for
+#          2 steps with the torch and the megatron backend (health, KL, seconds per phase, peak GPU memory); the in-process
+#          engine against generate() on a GPU-sized workload; the megatron step at Qwen3-4B shapes (random weights, full and
+#          selective recompute) against the bf16 matmul rate and memagent.plan; a bf16-vs-fp32 step that can fail. Writes
+#          subset.md, subset.json and parts/*.json under --out as each part ends, with the environment (driver, CUDA, torch,
+#          TE, sglang). Meant to take under 6 minutes on one H200 (the report records each part's seconds). Sequence parallel
+#          needs TP >= 2: not checked on one GPU (the report says so).
 # cluster  every GPU of this node, the colocated layout of the preset that matches the largest model found locally
 #          (Qwen3-4B: qwen3-4b-frozen; Qwen3-0.6B: the pilot; none: the tiny model in the frozen layout): the 2-step
 #          smoke (rows generated = transferred = consumed), SGLang vs HF engine tokens/s and megatron vs torch step
@@ -21,8 +23,9 @@
 # the memagent-doctor rows that fail (Transformer Engine, GPU count, GPU memory, ...) with their fixes.
 # --reduced         where Transformer Engine is missing, run the named reduced layout 'no-te' instead (local attention,
 #                   no sequence parallel); every report then starts with 'layout: reduced' and the parts not checked.
-# --cpu-simulation  the subset's own code path on CPU (fp32, the CPU stand-in optimizer): the named reduced layout
-#                   'cpu-simulation', written as such in the report's first lines; a code-path check, not a GPU check.
+# --cpu-simulation  the subset's own parts on CPU at tiny shapes (the CPU stand-in optimizer), and the Qwen3-4B plan a GPU run
+#                   would run: the named reduced layout 'cpu-simulation', written as such in the report's first lines; a
+#                   code-path check, not a GPU check.
 # --dry-run         prints every command it would run, the layouts (a refusal is printed, and the dry run still exits 0)
 #                   and the plans, and runs nothing on a GPU (CI runs this on CPU).
 # PYTHON            the interpreter (default: .venv/bin/python, else python, else python3). memagent runs from this

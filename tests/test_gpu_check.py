@@ -135,3 +135,29 @@ def test_python3_when_python_is_absent(tmp_path):
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"+ python3 scripts/gpu_check.py subset --out {tmp_path}/o/subset" in r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_part_that_hangs_or_dies_hides_nothing_of_the_others(tmp_path, monkeypatch):
+    """The subset's driver on a machine where one part's process never answers and another's dies: the first is stopped at its
+    cap, the second recorded, the parts before and after them still run and report, and the whole subset fails."""
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    try:
+        import gpu_subset
+    finally: sys.path.remove(str(ROOT / 'scripts'))
+    fake = tmp_path / 'python'            # the interpreter the driver starts each part with; $3 is the part's name
+    fake.write_text(f'#!/usr/bin/env bash\ncase "$3" in\n  trainer) sleep 600 ;;\n  engine) echo "engine: killed" >&2; exit 137 ;;\n'
+                    f'  *) exec {sys.executable} "$@" ;;\nesac\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(gpu_subset, 'PARTS', tuple((n, 2 if n == 'trainer' else c, w) for n, c, w in gpu_subset.PARTS))
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
+    out = tmp_path / 'out'
+    body = gpu_subset.run_subset(out, True, ['weight_sync', 'trainer', 'engine', 'step4b-selective'], py=str(fake))
+    v = {n: p['verdict'] for n, p in body['parts'].items()}
+    assert v == {'megatron': 'not run', 'weight_sync': 'passed', 'trainer': 'timeout', 'engine': 'error', 'step4b-full': 'not run',
+                 'step4b-selective': 'passed', 'precision': 'not run'}, v
+    assert body['parts']['trainer']['process']['timed_out'] and body['parts']['trainer']['process']['seconds'] < 60
+    assert body['parts']['engine']['process']['rc'] == 137 and body['pass'] is False
+    md = (out / 'subset.md').read_text()
+    assert '# gpu_check subset: FAIL' in md and '| trainer | timeout |' in md and '| step4b-selective | passed |' in md
+    assert json.loads((out / 'subset.json').read_text())['parts']['weight_sync']['results']['weight_sync']['pass']

@@ -1,8 +1,9 @@
 """The subset's offline one-GPU check, simulated on CPU: a fresh venv with only torch, transformers, safetensors and pyyaml
 (the machine that already has them), the wheels of `scripts/gpu_wheels.sh` installed with `--no-index --no-deps --target`,
-then `gpu_check.sh --part subset --cpu-simulation --out OUT` under PYTHONPATH, without network: the subset's own code path
-(tiny-qwen3 built, megatron steps with the CPU stand-in optimizer, the weight check after a sync), its report under OUT
-only. The wheels are downloaded once into .cache/gpu-wheels (ignored); the test skips only where the index is unreachable."""
+then `gpu_check.sh --part subset --cpu-simulation --out OUT` under PYTHONPATH, without network: every part of the subset
+through its own code at tiny shapes (tiny-qwen3 built, megatron steps with the CPU stand-in optimizer, the weight check
+after a sync, the trainer with both backends, the engine against generate(), the step of part step4b, the bf16-vs-fp32
+step), its report under OUT only. The wheels are downloaded once into .cache/gpu-wheels (ignored); the test skips only where the index is unreachable."""
 import importlib.metadata as md, json, os, socket, subprocess, sys
 from pathlib import Path
 import pytest
@@ -87,6 +88,7 @@ def test_the_subset_runs_offline_from_the_carried_wheels(machine):
     r = _sh(['bash', 'scripts/gpu_check.sh', '--part', 'subset', '--cpu-simulation', '--out', str(out)], cwd=ROOT, env=env, timeout=1200)
     after = _repo_state()
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert r.stdout.count('on a GPU would run: Qwen3-4B') == 4, r.stdout[-3000:]      # the 4B plan, on a 139.8 and an 80 GiB card
     js, mdp = out / 'subset' / 'subset.json', out / 'subset' / 'subset.md'
     assert js.is_file() and mdp.is_file(), sorted(str(p) for p in out.rglob('*'))
     assert '"layout": "reduced"' in ''.join(js.read_text().splitlines()[:3])
@@ -96,11 +98,26 @@ def test_the_subset_runs_offline_from_the_carried_wheels(machine):
     assert rep['layout'] == 'reduced' and rep['reduced_layout'] == 'cpu-simulation' and rep['cpu_simulation'] is True
     assert any('peak GPU memory' in x for x in rep['not_checked']) and any('sequence parallel' in x for x in rep['not_checked'])
     assert rep['environment']['megatron_core'] == '0.16.1' and rep['device'] == 'cpu'
-    assert [g['recompute'] for g in rep['checks']] == ['none', 'selective', 'full']
-    for g in rep['checks']:        # one megatron step per recompute mode, with the CPU stand-in, against the fp32 torch step
+    parts = rep['parts']
+    assert {n: p['verdict'] for n, p in parts.items()} == dict.fromkeys(parts, 'passed') and len(parts) == 7, parts
+    meg = parts['megatron']['results']
+    assert list(meg) == ['none', 'selective', 'full']
+    for g in meg.values():        # one megatron step per recompute mode, with the CPU stand-in, against the fp32 torch step
         assert g['optimizer'] == 'CpuMainParamOptimizer' and g['grad_norm'] > 0 and g['loss_rel_diff'] < 2e-2 and g['pass'], g
         assert g['checkpoint_before_first_step']['loaded_back'], g['checkpoint_before_first_step']
-    assert rep['weight_sync']['pass'] and rep['weight_sync']['precision'] == 'cpu-fp32'
+    ws = parts['weight_sync']['results']['weight_sync']
+    assert ws['pass'] and ws['precision'] == 'cpu-fp32'
+    tr = parts['trainer']['results']
+    assert {b: (t['health'], t['kl_step1'], len(t['steps'])) for b, t in tr.items()} == {'torch': ('completed', 0.0, 2), 'megatron': ('completed', 0.0, 2)}
+    eng = parts['engine']['results']['summary']
+    assert eng['repeats'] == 5 and eng['ratio']['min'] > 0 and eng['verdict'] in ('met', 'not met', 'undecided')
+    for n in ('step4b-full', 'step4b-selective'):      # the same code at tiny shapes; the Qwen3-4B plan it would run
+        r = parts[n]['results']
+        assert r['plan_qwen3_4b']['seq_len'] == 4608 and r['step']['seq_len'] == 128 and r['step']['tokens_per_s'] > 0
+        assert 0 < r['step']['fraction_of_matmul_rate'] < 1
+    pr = parts['precision']['results']
+    assert pr['training']['trained_loss'] < 0.5 * pr['training']['uniform_loss_ln_vocab']
+    assert pr['bf16_vs_fp32']['pass'] and pr['control_untrained']['outside_tolerance']
     assert rep['pass'] and (out / 'cache' / 'tiny-qwen3' / 'config.json').is_file()     # the tiny model was built, under OUT
     assert not any(home.rglob('*')), f"the run wrote into HOME: {sorted(str(p) for p in home.rglob('*'))[:20]}"
     changed = sorted(set(after[0].splitlines()) ^ set(before[0].splitlines()))

@@ -1,0 +1,548 @@
+"""The parts of `scripts/gpu_check.py subset`: each runs in its own process under its own time limit and writes its result as
+soon as it exists, so a part that fails or hangs hides nothing of the others.
+
+    python scripts/gpu_check.py subset --out DIR [--cpu-simulation] [--parts a,b]   # the driver: every part, then the report
+    python scripts/gpu_check.py part NAME --out DIR [--cpu-simulation]              # one part (what the driver runs)
+
+The parts (`PARTS`: name, cap in seconds on one GPU, what it checks):
+
+megatron     megatron-core in the recipe's precision (bf16, its own distributed optimizer) per recompute mode: the step
+             against the fp32 torch step, the optimizer-state round trip after the step, a checkpoint before the first step
+weight_sync  the weight check after a sync: the megatron policy's own log-probs against in-process engines
+trainer      the in-process Trainer, 2 GRPO steps, with the torch backend and with the megatron backend in bf16 with the
+             distributed optimizer: health, the first step's KL, seconds per phase, peak GPU memory
+engine       the in-process engine against transformers' generate() on a GPU-sized workload (a random Qwen3-0.6B-shaped
+             model in bf16, 64 requests of 1,024-2,048 prompt tokens, 256 new tokens): tokens/s, median and range of
+             interleaved repeats, the workload capped at ENGINE_CAP_S by a stated rule
+step4b       the megatron step at Qwen3-4B shapes with random weights: full recompute at 9,216 tokens (2 rows) and selective
+             at 4,608 (1 row), one process each: seconds per step, tokens/s, model TFLOP/s against the bf16 matmul rate
+             measured in the same process, peak GPU memory against memagent.plan (a shape the plan says does not fit the
+             card is skipped and named)
+precision    a bf16-vs-fp32 step that can fail: the tiny model first trained in fp32 on a fixed sequence until its
+             log-probs are far from uniform, then one step in each precision; a control (the untrained model) must fall
+             outside the tolerance
+
+With `--cpu-simulation` every part runs through the same code at tiny shapes on CPU (fp32 where the CPU stand-in
+optimizer needs it) and step4b prints the Qwen3-4B plan it would run; the report says it is a code-path check.
+"""
+from __future__ import annotations
+import json, math, os, statistics, subprocess, sys, time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _sibling():
+    "Make its sibling scripts/gpu_check.py importable, wherever this module was imported from."
+    if str(_HERE) not in sys.path: sys.path.insert(0, str(_HERE))
+
+ENGINE_CAP_S = 90          # the engine comparison's repeats, at most (the part's process cap adds its start-up)
+REPEATS = 5                # nbs/bench.ipynb decides a goal on 5 or more repeats (memagent.bench.MIN_REPEATS)
+# name, cap (s), what: the caps add up to PART_CAPS_S; a run on one H100/H200-class GPU is meant to take SUBSET_BUDGET_S
+PARTS = (
+    ('megatron', 60, 'megatron-core bf16 + its optimizer per recompute mode: the step against fp32 torch, the optimizer-state round trip, a checkpoint before step 1'),
+    ('weight_sync', 40, 'the weight check after a sync: the megatron policy against in-process engines'),
+    ('trainer', 90, 'the in-process Trainer, 2 steps, torch and megatron (bf16, distributed optimizer): health, KL, seconds per phase, peak GPU memory'),
+    ('engine', 110, 'the in-process engine against generate() on a GPU-sized workload (repeats capped at 90 s)'),
+    ('step4b-full', 70, 'the megatron step at Qwen3-4B shapes, full recompute, 2 rows of 4,608 tokens'),
+    ('step4b-selective', 70, 'the megatron step at Qwen3-4B shapes, selective recompute, 1 row of 4,608 tokens'),
+    ('precision', 45, 'a bf16-vs-fp32 step on a model trained away from uniform, with a control that must fail'),
+)
+SUBSET_BUDGET_S = 360
+CPU_CAP_FACTOR = 4         # --cpu-simulation: the same caps, times this (2 CPU cores run even tiny shapes slower than one GPU)
+STEP4B = {'step4b-full': ('full', 2, 4608), 'step4b-selective': ('selective', 1, 4608)}   # recompute, rows, tokens per row
+TOL = {'loss_rel': 2e-2, 'grad_norm_rel': 5e-2}
+
+
+def _gc():
+    import gc, torch
+    gc.collect()
+    if torch.cuda.is_available(): torch.cuda.empty_cache()
+
+
+def _sync():
+    import torch
+    if torch.cuda.is_available(): torch.cuda.synchronize()
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _peak_reset():
+    import torch
+    if torch.cuda.is_available(): torch.cuda.reset_peak_memory_stats()
+
+
+def _peak():
+    import torch
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+class Recorder:
+    "One part's result file (`parts/NAME.json`), rewritten after every measurement so what exists survives a later hang."
+    def __init__(self, out: Path, name: str):
+        self.path, self.body = out / 'parts' / f'{name}.json', {'part': name, 'status': 'running', 'results': {}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.perf_counter()
+        self.write()
+
+    def put(self, key: str, value):
+        self.body['results'][key] = value
+        print(f"[{self.body['part']}] {key}: {json.dumps(value, default=str)[:600]}", flush=True)
+        self.write()
+
+    def write(self):
+        self.body['seconds'] = time.perf_counter() - self.t0
+        tmp = self.path.with_suffix('.tmp')
+        tmp.write_text(json.dumps(self.body, indent=1, default=str)); tmp.replace(self.path)
+
+    def done(self, passed: bool):
+        self.body.update(status='ok', passed=bool(passed)); self.write()
+
+
+# ---- the parts -------------------------------------------------------------------------------------------------
+
+def part_megatron(rec: Recorder, cpu_sim: bool):
+    "Per recompute mode: one megatron step in the recipe's precision against the fp32 torch step on the same rows; state round trip."
+    import torch
+    _sibling(); from gpu_check import tiny_megatron, _fixed_batch, _step, checkpoint_before_first_step
+    from memagent.models import load_model
+    from memagent.backends.torch import TorchBackend
+    from memagent.backends.megatron import MegatronBackend
+    from memagent.ondevice import compute_device
+    dev, dtype = compute_device(), ('float32' if cpu_sim else 'bfloat16')
+    base = tiny_megatron('selective', dtype)
+    batch = _fixed_batch(load_model('tiny-qwen3', 'float32').config.vocab_size, base.batch.max_tokens_per_micro)
+    ref = TorchBackend(load_model('tiny-qwen3', 'float32', dev), base.optim, base.optim.grad_clip)
+    ref_loss, ref_norm = _step(ref, batch)
+    ref_w = {k: v.float().cpu() for k, v in ref.hf_state_dict().items()}
+    del ref; _gc()
+    ok = True
+    for mode in ('none', 'selective', 'full'):
+        cfg = tiny_megatron(mode, dtype)
+        be = MegatronBackend.from_config(cfg, load_model('tiny-qwen3', dtype))
+        try:
+            before = checkpoint_before_first_step(be)
+            loss, norm = _step(be, batch)
+            w = {k: v.float().cpu() for k, v in be.hf_state_dict().items()}
+            state = be.state_dict()
+            be.load_state_dict(be.hf_state_dict(), state)
+            same = json.dumps(state, default=str, sort_keys=True) == json.dumps(be.state_dict(), default=str, sort_keys=True)
+            r = {'recompute': mode, 'dtype': dtype, 'optimizer': type(be.optimizer).__name__, 'attention': be.attention,
+                 'parameter_dtypes': sorted({str(p.dtype) for p in be.model.parameters()}),
+                 'loss': loss, 'loss_fp32': ref_loss, 'loss_rel_diff': abs(loss - ref_loss) / abs(ref_loss), 'grad_norm': norm,
+                 'grad_norm_fp32': ref_norm, 'grad_norm_rel_diff': abs(norm - ref_norm) / ref_norm,
+                 'weights_max_abs_diff': max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w),
+                 'checkpoint_before_first_step': before, 'optimizer_state_round_trip': same}
+        finally: be.close(); del be; _gc()
+        r['pass'] = (r['loss_rel_diff'] < TOL['loss_rel'] and r['grad_norm_rel_diff'] < TOL['grad_norm_rel'] and same and before['pass']
+                     and r['parameter_dtypes'] == [f'torch.{dtype}'])
+        ok &= r['pass']
+        rec.put(mode, r)
+    rec.done(ok)
+
+
+def part_weight_sync(rec: Recorder, cpu_sim: bool):
+    _sibling(); from gpu_check import weight_sync_check
+    from memagent.ondevice import compute_device
+    r = weight_sync_check(str(compute_device()), 'float32' if cpu_sim else 'bfloat16')
+    rec.put('weight_sync', r)
+    rec.done(r['pass'])
+
+
+def _register_reward():
+    from memagent.reward import REWARDS, register_reward
+    if 'gpu_check_odd_length' not in REWARDS:
+        register_reward('gpu_check_odd_length')(lambda text, answers: float(len(text) % 2))
+
+
+def part_trainer(rec: Recorder, cpu_sim: bool):
+    "The in-process Trainer, 2 steps per backend, as a user with one GPU runs it."
+    import shutil
+    from memagent.config import get_preset
+    from memagent.data import make_synthetic
+    from memagent.trainer import Trainer
+    _register_reward()
+    ex = make_synthetic(4, num_words=40, hops=1, seed=0)
+    base = {'grpo.reward': 'gpu_check_odd_length', 'grpo.group_size': 4, 'schedule.steps': 2, 'schedule.save_every': 2}
+    layouts = {'torch': {'backend': 'torch'},
+               'megatron': {'backend': 'megatron', 'batch.recompute': 'selective',
+                            **({'model.dtype': 'float32', 'batch.distributed_optimizer': False} if cpu_sim else
+                               {'model.dtype': 'bfloat16', 'batch.distributed_optimizer': True})}}
+    ok = True
+    for name, ov in layouts.items():
+        run = Path(rec.path.parent) / 'runs' / f'trainer-{name}'
+        shutil.rmtree(run, ignore_errors=True)
+        t0 = time.perf_counter(); _peak_reset()
+        tr = Trainer(get_preset('tiny', {**base, **ov}), run, ex, progress=False, tensorboard=False)
+        setup = time.perf_counter() - t0
+        try:
+            ms = tr.train()
+            dev = str(tr.group.policy.device)
+        finally: tr.close(); del tr; _gc()
+        health = json.loads((run / 'health.json').read_text())
+        r = {'backend': name, 'overrides': ov, 'device': dev, 'health': health.get('status'), 'setup_s': setup,
+             'kl_step1': ms[0].get('kl'), 'steps': [{k: m.get(k) for k in ('step', 'reward_mean', 'loss', 'grad_norm', 'kl', 'rows_consumed',
+                                                                          'gpu_peak_gib', 'time_rollout', 'time_update', 'time_sync', 'time_step')}
+                                                  for m in ms],
+             'gpu_peak_gib': max((m.get('gpu_peak_gib') or 0 for m in ms), default=None) if _cuda() else None}
+        kl_tol = 0.0 if cpu_sim else 1e-6
+        r['pass'] = (r['health'] == 'completed' and len(ms) == 2 and all(math.isfinite(m['loss']) for m in ms)
+                     and isinstance(r['kl_step1'], float) and abs(r['kl_step1']) <= kl_tol)
+        ok &= r['pass']
+        rec.put(name, r)
+    rec.done(ok)
+
+
+def _random_model(arch, dtype: str, device, seed: int = 0):
+    "A random HF Qwen3 model of `arch`'s shape (memagent.plan.ARCHS), built on `device` in `dtype`."
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    c = Qwen3Config(hidden_size=arch.hidden, num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+                    num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim, intermediate_size=arch.ffn, vocab_size=arch.vocab,
+                    tie_word_embeddings=arch.tied, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    with torch.device(device): m = AutoModelForCausalLM.from_config(c, dtype=getattr(torch, dtype))
+    return m.eval()
+
+
+def engine_workload(cpu_sim: bool) -> dict:
+    "The comparison's workload: on a GPU the one the first H200 run tried; on CPU a tiny one through the same code."
+    if cpu_sim: return dict(model='tiny-qwen3', dtype='float32', requests=8, min_tokens=48, max_tokens=96, new_tokens=8)
+    return dict(model='Qwen/Qwen3-0.6B (shape, random weights)', dtype='bfloat16', requests=64, min_tokens=1024, max_tokens=2048,
+                new_tokens=256)
+
+
+def shrink(w: dict, predicted_s: float, budget_s: float) -> tuple[dict, list[str]]:
+    "The stated rule: while a repeat is predicted to overrun its share of the budget, halve the requests (down to 8), then the new tokens (down to 32)."
+    w, steps = dict(w), []
+    while predicted_s > budget_s and (w['requests'] > 8 or w['new_tokens'] > 32):
+        k = 'requests' if w['requests'] > 8 else 'new_tokens'
+        w[k] //= 2; predicted_s /= 2; steps.append(f"{k} halved to {w[k]}")
+    return w, steps
+
+
+def part_engine(rec: Recorder, cpu_sim: bool):
+    "HFEngine against generate() on the same prompts, interleaved repeats; the workload shrunk by `shrink` if a probe predicts an overrun."
+    from memagent.bench import bench_generate, bench_prompts, spread, verdict
+    from memagent.engines import HFEngine
+    from memagent.models import load_model, load_tokenizer
+    from memagent.ondevice import compute_device
+    from memagent.plan import ARCHS
+    dev = compute_device()
+    w0 = engine_workload(cpu_sim)
+    tok = load_tokenizer('tiny-qwen3' if cpu_sim else 'qwen3')
+    model = load_model('tiny-qwen3', 'float32', dev) if cpu_sim else _random_model(ARCHS['Qwen/Qwen3-0.6B'], w0['dtype'], dev)
+    eng = HFEngine(model, tok)
+    # the probe: one small repeat of each side predicts a full repeat's seconds (time ~ requests x new tokens)
+    probe = dict(w0, requests=min(8, w0['requests']), new_tokens=min(32, w0['new_tokens']))
+    prompts = bench_prompts(tok, probe['requests'], probe['max_tokens'], probe['min_tokens'])
+    t0 = time.perf_counter(); bench_generate(eng, prompts, probe['new_tokens']); probe_s = time.perf_counter() - t0
+    scale = (w0['requests'] / probe['requests']) * (w0['new_tokens'] / probe['new_tokens'])
+    w, shrunk = shrink(w0, probe_s * scale, ENGINE_CAP_S / REPEATS)
+    rec.put('workload', {'asked': w0, 'run': w, 'probe_s': probe_s, 'predicted_repeat_s': probe_s * scale, 'shrunk': shrunk,
+                         'rule': f"a repeat (engine + generate()) may take {ENGINE_CAP_S}/{REPEATS} s: while the probe predicts more, "
+                                 "halve the requests (to 8), then the new tokens (to 32)"})
+    prompts = bench_prompts(tok, w['requests'], w['max_tokens'], w['min_tokens'])
+    reps, t_start, stopped = [], time.perf_counter(), None
+    for i in range(REPEATS):
+        if reps and time.perf_counter() - t_start + (time.perf_counter() - t_start) / len(reps) > ENGINE_CAP_S:
+            stopped = f"stopped after {len(reps)} repeats: the next would pass the {ENGINE_CAP_S} s cap"; break
+        r = bench_generate(eng, prompts, w['new_tokens'], seed=i)
+        reps.append({'engine_tokens_per_s': r['engine']['tokens_per_s'], 'generate_tokens_per_s': r['generate']['tokens_per_s'],
+                     'ratio': r['ratio'], 'engine_s': r['engine']['wall_s'], 'generate_s': r['generate']['wall_s']})
+        rec.put(f'repeat_{i + 1}', reps[-1])
+    ratios = [x['ratio'] for x in reps]
+    res = {'repeats': len(reps), 'stopped': stopped, 'ratio': spread(ratios), 'goal': 'engine tokens/s >= generate() tokens/s',
+           'verdict': verdict(ratios, '>=', 1.0), 'engine_tokens_per_s': spread([x['engine_tokens_per_s'] for x in reps]),
+           'generate_tokens_per_s': spread([x['generate_tokens_per_s'] for x in reps]), 'device': str(dev)}
+    rec.put('summary', res)
+    rec.done(len(reps) >= 1)
+
+
+def matmul_rate(dtype: str, n: int = 8192, repeats: int = 5) -> float:
+    "FLOP/s of an n x n matmul in `dtype` on this process's device (the best of `repeats`, synchronized, after a warm-up)."
+    import torch
+    from memagent.ondevice import compute_device
+    dev = compute_device()
+    a = torch.randn(n, n, device=dev, dtype=getattr(torch, dtype)); b = torch.randn(n, n, device=dev, dtype=getattr(torch, dtype))
+    a @ b; _sync(); ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); a @ b; _sync(); ts.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / min(ts)
+
+
+def model_flops(arch, tokens: int, seq_len: int) -> float:
+    "Model FLOPs of one training step (forward + backward, recompute not counted): 6 N T for the N parameters (the tied head included) plus causal attention, 6 T L (heads x head_dim) per layer."
+    return 6 * arch.numel() * tokens + 6 * tokens * seq_len * arch.heads * arch.head_dim * arch.layers
+
+
+def step4b_config(recompute: str, cpu_sim: bool):
+    "The frozen recipe's step on one GPU: TP 1, no sequence parallel, its distributed optimizer (CPU: the stand-in, fp32), the attention this machine builds."
+    from memagent.config import get_preset
+    ov = {'batch.n_gpus': 1, 'batch.tp': 1, 'batch.sequence_parallel': False, 'batch.recompute': recompute, 'rollout.colocate': False,
+          'rollout.gpus_per_engine': 1, 'loss.kl_type': 'none'}
+    if cpu_sim: ov.update({'model.name': 'tiny-qwen3', 'model.tokenizer': 'tiny-qwen3', 'model.dtype': 'float32', 'batch.distributed_optimizer': False})
+    return get_preset('qwen3-4b-frozen', ov)
+
+
+def step4b_plan(recompute: str, rows: int, seq_len: int, gpu_gib: float, cpu_sim: bool = False):
+    "memagent.plan at the part's shape on this card (its Transformer Engine as installed): the plan and the bytes torch allocates in the update."
+    from memagent.backends.megatron import have_transformer_engine
+    from memagent.plan import Cluster, make_plan
+    cfg = step4b_config(recompute, cpu_sim)
+    p = make_plan(cfg, Cluster(1, gpu_gib, transformer_engine=have_transformer_engine() and not cpu_sim), search=False,
+                  micro_batch=(rows, seq_len))
+    return cfg, p
+
+
+def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
+    "One recompute mode of the megatron step at Qwen3-4B shapes (CPU: the tiny model at small shapes), sized by the plan to the card."
+    import torch
+    from memagent.backends.megatron import MegatronBackend
+    from memagent.ondevice import compute_device
+    from memagent.plan import GiB, get_arch
+    recompute, rows, seq_len = STEP4B[name]
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if _cuda() else 139.8
+    _, p4b = step4b_plan(recompute, rows, seq_len, gpu_gib)
+    plan4b = {'rows': rows, 'seq_len': seq_len, 'gpu_gib': gpu_gib, 'attention': p4b.details['attention'],
+              'update_allocated_gib': p4b.allocated('update') / GiB, 'fits': p4b.allocated('update') <= gpu_gib * GiB,
+              'terms_gib': {k: v / GiB for k, v in p4b.update.items()}}
+    rec.put('plan_qwen3_4b', plan4b)
+    if cpu_sim: seq_len = 128                                  # the same code at a tiny shape
+    elif not plan4b['fits']:
+        rec.put('skipped', f"the plan's update ({plan4b['update_allocated_gib']:.1f} GiB) does not fit this {gpu_gib:.1f} GiB card")
+        rec.done(True); return
+    cfg, p = step4b_plan(recompute, rows, seq_len, gpu_gib, cpu_sim)
+    arch = get_arch(cfg.model.name)
+    dev = compute_device()
+    rate = matmul_rate(cfg.model.dtype, 8192 if _cuda() else 512)
+    rec.put('matmul_rate_tflops', rate / 1e12)
+    t0 = time.perf_counter()
+    from memagent.models import load_model
+    hf = load_model('tiny-qwen3') if cpu_sim else _random_model(arch, cfg.model.dtype, dev)
+    be = MegatronBackend.from_config(cfg, hf)
+    del hf; _gc()
+    build_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, arch.vocab, (rows, seq_len), generator=g)
+    resp = torch.zeros_like(ids, dtype=torch.bool); resp[:, seq_len // 2:] = True
+    batch = {'input_ids': ids.to(dev), 'attention_mask': torch.ones_like(ids, dtype=torch.bool).to(dev), 'response_mask': resp.to(dev)}
+    _sibling(); from gpu_check import _step
+    _peak_reset()
+    secs = []
+    try:
+        for i in range(4):                                      # one warm-up, three timed
+            _sync(); t = time.perf_counter(); loss, norm = _step(be, batch); _sync()
+            if i: secs.append(time.perf_counter() - t)
+        peak = _peak()
+    finally: be.close(); del be; _gc()
+    tokens = rows * seq_len
+    med = statistics.median(secs)
+    flops = model_flops(arch, tokens, seq_len)
+    planned = p.allocated('update')
+    r = {'recompute': recompute, 'rows': rows, 'seq_len': seq_len, 'tokens': tokens, 'attention': p.details['attention'],
+         'dtype': cfg.model.dtype, 'distributed_optimizer': cfg.batch.distributed_optimizer, 'build_s': build_s,
+         'seconds_per_step': {'median': med, 'min': min(secs), 'max': max(secs), 'n': len(secs)}, 'tokens_per_s': tokens / med,
+         'model_tflops': flops / med / 1e12, 'matmul_tflops': rate / 1e12, 'fraction_of_matmul_rate': flops / med / rate,
+         'loss': loss, 'grad_norm': norm, 'peak_gib': peak / GiB if peak is not None else None, 'plan_gib': planned / GiB,
+         'peak_over_plan': peak / planned if peak is not None else None,
+         'plan_terms_gib': {k: v / GiB for k, v in p.update.items()}}
+    r['pass'] = math.isfinite(loss) and math.isfinite(norm) and (peak is None or peak <= planned)
+    rec.put('step', r)
+    rec.done(r['pass'])
+
+
+def part_precision(rec: Recorder, cpu_sim: bool):
+    "bf16 against fp32 on a model whose log-probs are far from uniform; the untrained model must fail the same tolerance."
+    import torch
+    _sibling(); from gpu_check import tiny_megatron, _fixed_batch, _step
+    from memagent.models import load_model
+    from memagent.backends.torch import TorchBackend
+    from memagent.backends.megatron import MegatronBackend
+    from memagent.ondevice import compute_device
+    dev = compute_device()
+    cfg32 = tiny_megatron('selective', 'float32')
+    hf = load_model('tiny-qwen3', 'float32', dev)
+    V = hf.config.vocab_size
+    batch = {k: v.to(dev) for k, v in _fixed_batch(V, 512).items()}
+    untrained = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    from memagent.config import OptimCfg
+    trainer = TorchBackend(hf, OptimCfg(name='adam', lr=1e-2), grad_clip=1.0)
+    n = int(batch['response_mask'][:, 1:].sum())
+    for _ in range(40):                                        # a fixed sequence, learned: log-probs far from uniform
+        lp = trainer.logprobs(batch); loss = -(lp.sum() / n); trainer.backward(loss); trainer.step()
+    with torch.no_grad(): trained_loss = float(-(trainer.logprobs(batch).sum() / n))
+    rec.put('training', {'uniform_loss_ln_vocab': math.log(V), 'trained_loss': trained_loss, 'steps': 40})
+    trained = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    del trainer
+
+    def fp32_step(sd):
+        m = load_model('tiny-qwen3', 'float32', dev); m.load_state_dict(sd)
+        be = TorchBackend(m, cfg32.optim, cfg32.optim.grad_clip)
+        out = _step(be, batch); del be, m; _gc(); return out
+
+    def bf16_step(sd):
+        "One megatron step in bf16 (fp32 main params; the distributed optimizer on a GPU, the CPU stand-in on CPU)."
+        cfg = tiny_megatron('selective', 'bfloat16', distributed_optimizer=_cuda())
+        m = load_model('tiny-qwen3', 'float32'); m.load_state_dict({k: v.cpu() for k, v in sd.items()})
+        be = MegatronBackend.from_config(cfg, m.to(torch.bfloat16))
+        try: return _step(be, batch)
+        finally: be.close(); del be; _gc()
+
+    l32, n32 = fp32_step(trained)
+    l16, n16 = bf16_step(trained)
+    rel = lambda a, b: abs(a - b) / abs(b)
+    check = {'loss_fp32': l32, 'loss_bf16': l16, 'loss_rel_diff': rel(l16, l32), 'grad_norm_fp32': n32, 'grad_norm_bf16': n16,
+             'grad_norm_rel_diff': rel(n16, n32)}
+    check['pass'] = check['loss_rel_diff'] < TOL['loss_rel'] and check['grad_norm_rel_diff'] < TOL['grad_norm_rel']
+    rec.put('bf16_vs_fp32', check)
+    lu, nu = bf16_step(untrained)                              # the control: another model, same tolerance
+    control = {'loss_bf16_untrained': lu, 'loss_rel_diff': rel(lu, l32), 'grad_norm_rel_diff': rel(nu, n32)}
+    control['outside_tolerance'] = control['loss_rel_diff'] >= TOL['loss_rel'] or control['grad_norm_rel_diff'] >= TOL['grad_norm_rel']
+    rec.put('control_untrained', control)
+    far = trained_loss < 0.5 * math.log(V)
+    rec.done(check['pass'] and control['outside_tolerance'] and far)
+
+
+def run_part(name: str, out: Path, cpu_sim: bool):
+    "One part in this process: its result file under `out/parts/`; an exception is recorded there before it propagates."
+    rec = Recorder(out, name)
+    fn = {'megatron': part_megatron, 'weight_sync': part_weight_sync, 'trainer': part_trainer, 'engine': part_engine,
+          'precision': part_precision}.get(name)
+    try:
+        if name in STEP4B: part_step4b(rec, name, cpu_sim)
+        elif fn is None: raise SystemExit(f"gpu_check.py part: unknown part {name!r}; the parts: {[p for p, _, _ in PARTS]}")
+        else: fn(rec, cpu_sim)
+    except BaseException as e:
+        import traceback
+        rec.body.update(status='error', passed=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+        rec.write(); raise
+
+
+# ---- the driver -------------------------------------------------------------------------------------------------
+
+def run_subset(out: Path, cpu_sim: bool, parts: list[str] | None, py: str = sys.executable) -> dict:
+    "Every part in its own process under its cap, in order; after each, the report is rendered again from the part files."
+    names = [p for p, _, _ in PARTS]
+    todo = names if not parts else parts
+    bad = [p for p in todo if p not in names]
+    if bad: raise SystemExit(f"gpu_check.py subset: unknown part(s) {bad}; the parts: {names}")
+    status, t_all = {}, time.perf_counter()
+    for name, cap, _ in PARTS:
+        if name not in todo: continue
+        cmd = [py, str(_HERE / 'gpu_check.py'), 'part', name, '--out', str(out)] + (['--cpu-simulation'] if cpu_sim else [])
+        cap = cap * (CPU_CAP_FACTOR if cpu_sim else 1)
+        print(f"== part {name} (cap {cap} s): {' '.join(cmd)}", flush=True)
+        t = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, timeout=cap, env={**os.environ, 'PYTHONUNBUFFERED': '1'})
+            status[name] = {'rc': p.returncode, 'timed_out': False}
+        except subprocess.TimeoutExpired:
+            status[name] = {'rc': None, 'timed_out': True}
+            print(f"== part {name}: stopped at its cap of {cap} s", flush=True)
+        status[name].update(seconds=time.perf_counter() - t, cap_s=cap)
+        write_report(out, cpu_sim, status, time.perf_counter() - t_all)
+    return write_report(out, cpu_sim, status, time.perf_counter() - t_all)
+
+
+def part_view(out: Path, name: str, st: dict | None) -> dict:
+    "A part's file, with how its process ended: 'passed', 'failed', 'error', 'timeout' (what it wrote before), 'not run'."
+    f = out / 'parts' / f'{name}.json'
+    body = json.loads(f.read_text()) if f.is_file() else {'part': name, 'results': {}}
+    if st is None: body['verdict'] = 'not run'
+    elif st['timed_out']: body['verdict'] = 'timeout'
+    elif body.get('status') == 'ok': body['verdict'] = 'passed' if body.get('passed') and st['rc'] == 0 else 'failed'
+    else: body['verdict'] = 'error'
+    body['process'] = st
+    return body
+
+
+def write_report(out: Path, cpu_sim: bool, status: dict, total_s: float) -> dict:
+    _sibling(); from gpu_check import subset_layout, layout_lines, environment, _write
+    from memagent.backends.megatron import have_transformer_engine
+    import torch
+    _, layout = subset_layout(cpu_sim)
+    parts = {name: part_view(out, name, status.get(name)) for name, _, _ in PARTS}
+    run = [p for p in parts.values() if p['verdict'] != 'not run']
+    body = {**{k: layout[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'cpu_simulation': cpu_sim,
+            'pass': bool(run) and all(p['verdict'] == 'passed' for p in run), 'parts': parts,
+            'caps_s': {n: c for n, c, _ in PARTS}, 'seconds': total_s, 'budget_s': SUBSET_BUDGET_S,
+            'within_budget': total_s <= SUBSET_BUDGET_S, 'environment': environment(),
+            'transformer_engine': have_transformer_engine(), 'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() and not cpu_sim else 'cpu',
+            'tolerances': TOL, 'sequence_parallel': 'not checked: it needs TP >= 2, so at least 2 GPUs (part cluster)',
+            'doctor_rows': layout['rows']}
+    _write(out, 'subset.json', body)
+    (out / 'subset.md').write_text(render_md(layout, body, layout_lines))
+    return body
+
+
+def _f(x, nd=3):
+    return 'n/a' if x is None else (f"{x:.{nd}g}" if isinstance(x, float) else str(x))
+
+
+def render_md(layout: dict, body: dict, layout_lines) -> str:
+    "The report to read: the layout and what was not checked first, then one section per part with its verdict and figures."
+    e, P = body['environment'], body['parts']
+    L = layout_lines(layout) + ['', f"# gpu_check subset: {'PASS' if body['pass'] else 'FAIL'}"
+                                + (' (cpu-simulation: a code-path check at tiny shapes, not a GPU check)' if body['cpu_simulation'] else ''), '',
+         f"device {body['device']}; driver {_f(e['driver'])}; CUDA (torch) {_f(e['cuda_runtime_of_torch'])}; torch {_f(e['torch'])}; "
+         f"transformers {_f(e['transformers'])}; megatron-core {_f(e['megatron_core'])}; Transformer Engine {_f(e['transformer_engine'])}", '',
+         '| part | verdict | seconds | cap (s) |', '|---|---|---|---|']
+    for name, cap, what in PARTS:
+        p = P[name]; st = p.get('process') or {}
+        L.append(f"| {name} | {p['verdict']} | {_f(st.get('seconds'), 3)} | {cap} |")
+    L += ['', f"total {body['seconds']:.1f} s (budget {body['budget_s']} s: {'within' if body['within_budget'] else 'OVER'})", '']
+    for name, cap, what in PARTS:
+        p = P[name]; r = p.get('results', {})
+        L += [f"## {name}: {p['verdict']}", '', what + '.', '']
+        if p.get('error'): L += [f"error: `{p['error']}`", '']
+        if name == 'megatron' and r:
+            L += ['| recompute | dtype | optimizer | attention | parameters | loss rel diff | grad norm rel diff | state round trip | checkpoint before step 1 | pass |',
+                  '|---|---|---|---|---|---|---|---|---|---|']
+            for g in r.values():
+                c = g['checkpoint_before_first_step']
+                L.append(f"| {g['recompute']} | {g['dtype']} | {g['optimizer']} | {g['attention']} | {', '.join(g['parameter_dtypes'])} | "
+                         f"{_f(g['loss_rel_diff'])} | {_f(g['grad_norm_rel_diff'])} | {g['optimizer_state_round_trip']} | "
+                         f"{c.get('saved') or c.get('error')} | {g['pass']} |")
+        elif name == 'weight_sync' and r:
+            w = r['weight_sync']
+            L.append(f"{w['precision']}, tol {w['tol']:g}: before step {w['before_step'].get('passed')} (max |dlogp| "
+                     f"{_f(w['before_step'].get('max_abs_dlogp'))}), after sync {w['after_sync'].get('passed')} "
+                     f"({_f(w['after_sync'].get('max_abs_dlogp'))}), missed sync rejected {not w['missed_sync'].get('passed')}")
+        elif name == 'trainer' and r:
+            L += ['| backend | health | KL step 1 | setup s | step 1 s (rollout / update / sync) | step 2 s | GPU peak GiB | pass |',
+                  '|---|---|---|---|---|---|---|---|']
+            for g in r.values():
+                s = g['steps']
+                L.append(f"| {g['backend']} | {g['health']} | {_f(g['kl_step1'])} | {_f(g['setup_s'])} | {_f(s[0]['time_step'])} "
+                         f"({_f(s[0]['time_rollout'])} / {_f(s[0]['time_update'])} / {_f(s[0]['time_sync'])}) | "
+                         f"{_f(s[-1]['time_step'])} | {_f(g['gpu_peak_gib'])} | {g['pass']} |")
+        elif name == 'engine' and r:
+            w = r.get('workload', {})
+            L.append(f"workload run: {w.get('run')}; shrunk: {w.get('shrunk') or 'no'} (rule: {w.get('rule')})")
+            s = r.get('summary')
+            if s: L.append(f"engine / generate() tokens/s: median {_f(s['ratio']['median'])} (range {_f(s['ratio']['min'])}..{_f(s['ratio']['max'])}, "
+                           f"{s['repeats']} repeats{'; ' + s['stopped'] if s['stopped'] else ''}); goal {s['goal']}: {s['verdict']}")
+        elif name in STEP4B and r:
+            q = r.get('plan_qwen3_4b')
+            if q: L.append(f"Qwen3-4B plan at {q['rows']} x {q['seq_len']} tokens ({q['attention']}): {q['update_allocated_gib']:.1f} GiB allocated in the "
+                           f"update on a {q['gpu_gib']:.1f} GiB card: {'fits' if q['fits'] else 'does not fit'}")
+            if r.get('skipped'): L.append(f"skipped: {r['skipped']}")
+            s = r.get('step')
+            if s: L.append(f"ran {s['rows']} x {s['seq_len']} tokens ({s['attention']}, {s['dtype']}): {_f(s['seconds_per_step']['median'])} s a step "
+                           f"(range {_f(s['seconds_per_step']['min'])}..{_f(s['seconds_per_step']['max'])}), {_f(s['tokens_per_s'])} tokens/s, "
+                           f"{_f(s['model_tflops'])} model TFLOP/s = {_f(s['fraction_of_matmul_rate'])} of the {_f(s['matmul_tflops'])} TFLOP/s "
+                           f"matmul rate measured here; peak {_f(s['peak_gib'])} GiB against the plan's {_f(s['plan_gib'])} GiB "
+                           f"(peak / plan {_f(s['peak_over_plan'])})")
+        elif name == 'precision' and r:
+            t, c, k = r.get('training', {}), r.get('bf16_vs_fp32'), r.get('control_untrained')
+            L.append(f"trained loss {_f(t.get('trained_loss'))} against ln V = {_f(t.get('uniform_loss_ln_vocab'))} (uniform)")
+            if c: L.append(f"bf16 vs fp32: loss rel diff {_f(c['loss_rel_diff'])}, grad norm rel diff {_f(c['grad_norm_rel_diff'])} "
+                           f"(tol {TOL['loss_rel']:g} / {TOL['grad_norm_rel']:g}): {c['pass']}")
+            if k: L.append(f"control (untrained model, same tolerance): loss rel diff {_f(k['loss_rel_diff'])}, grad norm rel diff "
+                           f"{_f(k['grad_norm_rel_diff'])}: outside the tolerance {k['outside_tolerance']}")
+        L.append('')
+    return '\n'.join(L)
