@@ -449,12 +449,14 @@ def run_subset(out: Path, cpu_sim: bool, parts: list[str] | None, py: str = sys.
 
 
 def part_view(out: Path, name: str, st: dict | None) -> dict:
-    "A part's file, with how its process ended: 'passed', 'failed', 'error', 'timeout' (what it wrote before), 'not run'."
+    "A part's file, with how its process ended: 'passed', 'skipped' (named, e.g. a shape the plan says this card cannot hold), 'failed', 'error', 'timeout' (what it wrote before), 'not run'."
     f = out / 'parts' / f'{name}.json'
     body = json.loads(f.read_text()) if f.is_file() else {'part': name, 'results': {}}
     if st is None: body['verdict'] = 'not run'
     elif st['timed_out']: body['verdict'] = 'timeout'
-    elif body.get('status') == 'ok': body['verdict'] = 'passed' if body.get('passed') and st['rc'] == 0 else 'failed'
+    elif body.get('status') == 'ok':
+        body['verdict'] = ('failed' if not (body.get('passed') and st['rc'] == 0) else
+                           'skipped' if 'skipped' in body.get('results', {}) else 'passed')
     else: body['verdict'] = 'error'
     body['process'] = st
     return body
@@ -468,7 +470,7 @@ def write_report(out: Path, cpu_sim: bool, status: dict, total_s: float) -> dict
     parts = {name: part_view(out, name, status.get(name)) for name, _, _ in PARTS}
     run = [p for p in parts.values() if p['verdict'] != 'not run']
     body = {**{k: layout[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'cpu_simulation': cpu_sim,
-            'pass': bool(run) and all(p['verdict'] == 'passed' for p in run), 'parts': parts,
+            'pass': bool(run) and all(p['verdict'] in ('passed', 'skipped') for p in run), 'parts': parts,
             'caps_s': {n: c for n, c, _ in PARTS}, 'seconds': total_s, 'budget_s': SUBSET_BUDGET_S,
             'within_budget': total_s <= SUBSET_BUDGET_S, 'environment': environment(),
             'transformer_engine': have_transformer_engine(), 'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() and not cpu_sim else 'cpu',
