@@ -245,7 +245,7 @@ def _summary(r: dict) -> dict:
     return {k: v for k, v in r.items() if k not in ('trainer', 'engine')}
 
 
-def weight_sync_check(device: str = 'cuda', dtype: str = 'bfloat16') -> dict:
+def weight_sync_check(device: str = 'cuda', dtype: str = 'bfloat16', tokens: int | None = None) -> dict:
     "The megatron policy's own log-probs of the fixed prompt against HF engines: before a step, after the step's sync (pass), and one that missed it (fail)."
     import torch
     from memagent.engines import HFEngine
@@ -262,7 +262,7 @@ def weight_sync_check(device: str = 'cuda', dtype: str = 'bfloat16') -> dict:
         with torch.no_grad(): return be.logprobs(right_pad([ids]))[0, 1:].float().tolist()
     try:
         before, missed0 = weight_check(synced, policy, ids, tol), weight_check(missed, policy, ids, tol)
-        _step(be, _fixed_batch(synced.vocab_size, cfg.batch.max_tokens_per_micro))
+        _step(be, _fixed_batch(synced.vocab_size, tokens or cfg.batch.max_tokens_per_micro))
         synced.sync_weights(be.hf_state_dict())
         after = weight_check(synced, policy, ids, tol, previous=before)
         stale = weight_check(missed, policy, ids, tol, previous=missed0)

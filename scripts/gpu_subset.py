@@ -52,6 +52,7 @@ SUBSET_BUDGET_S = 360
 CPU_CAP_FACTOR = 4         # --cpu-simulation: the same caps, times this (2 CPU cores run even tiny shapes slower than one GPU)
 STEP4B = {'step4b-full': ('full', 2, 4608), 'step4b-selective': ('selective', 1, 4608)}   # recompute, rows, tokens per row
 TOL = {'loss_rel': 2e-2, 'grad_norm_rel': 5e-2}
+CPU_TOKENS = 256           # --cpu-simulation: the tokens of a step's rows (a GPU runs the preset's micro-batch budget)
 
 
 def _gc():
@@ -114,7 +115,7 @@ def part_megatron(rec: Recorder, cpu_sim: bool):
     from memagent.ondevice import compute_device
     dev, dtype = compute_device(), ('float32' if cpu_sim else 'bfloat16')
     base = tiny_megatron('selective', dtype)
-    batch = _fixed_batch(load_model('tiny-qwen3', 'float32').config.vocab_size, base.batch.max_tokens_per_micro)
+    batch = _fixed_batch(load_model('tiny-qwen3', 'float32').config.vocab_size, CPU_TOKENS if cpu_sim else base.batch.max_tokens_per_micro)
     ref = TorchBackend(load_model('tiny-qwen3', 'float32', dev), base.optim, base.optim.grad_clip)
     ref_loss, ref_norm = _step(ref, batch)
     ref_w = {k: v.float().cpu() for k, v in ref.hf_state_dict().items()}
@@ -147,7 +148,7 @@ def part_megatron(rec: Recorder, cpu_sim: bool):
 def part_weight_sync(rec: Recorder, cpu_sim: bool):
     _sibling(); from gpu_check import weight_sync_check
     from memagent.ondevice import compute_device
-    r = weight_sync_check(str(compute_device()), 'float32' if cpu_sim else 'bfloat16')
+    r = weight_sync_check(str(compute_device()), 'float32' if cpu_sim else 'bfloat16', CPU_TOKENS if cpu_sim else None)
     rec.put('weight_sync', r)
     rec.done(r['pass'])
 
@@ -367,7 +368,7 @@ def part_precision(rec: Recorder, cpu_sim: bool):
     cfg32 = tiny_megatron('selective', 'float32')
     hf = load_model('tiny-qwen3', 'float32', dev)
     V = hf.config.vocab_size
-    batch = {k: v.to(dev) for k, v in _fixed_batch(V, 512).items()}
+    batch = {k: v.to(dev) for k, v in _fixed_batch(V, CPU_TOKENS // 2 if cpu_sim else 512).items()}
     untrained = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     from memagent.config import OptimCfg
     trainer = TorchBackend(hf, OptimCfg(name='adam', lr=1e-2), grad_clip=1.0)
