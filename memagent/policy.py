@@ -124,7 +124,6 @@ def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int,
 # %% ../nbs/12b_policy.ipynb #e22f0979
 BACKENDS = {'torch': 'memagent.backends.torch:TorchBackend', 'megatron': 'memagent.backends.megatron:MegatronBackend'}
 
-
 def backend_class(cfg: Config):
     "The backend class `cfg.backend` names in `BACKENDS`."
     if cfg.backend not in BACKENDS: raise ValueError(f"backend {cfg.backend!r} is not one of {sorted(BACKENDS)}")
