@@ -66,8 +66,8 @@ def _logprobs(policy, bt, T):
 
 def prompt_logprobs(policy, ids) -> list[float]:
     "The policy's own teacher-forced log-probs of `ids[1:]` (temperature 1), each given the ids before it, computed on its device: the trainer's side of the weight check."
-    t = torch.tensor([[int(i) for i in ids]])
-    bt = to_device({'input_ids': t, 'attention_mask': torch.ones_like(t, dtype=torch.bool)}, policy.device)
+    t = torch.tensor([[int(i) for i in ids]], device=policy.device)
+    bt = {'input_ids': t, 'attention_mask': torch.ones_like(t, dtype=torch.bool)}
     with torch.no_grad(): return policy.logprobs(bt, 1.0)[0, 1:].float().cpu().tolist()
 
 def _micro_batch(policy, rows: list[Row], pad_id: int) -> dict:

@@ -247,19 +247,17 @@ def _summary(r: dict) -> dict:
 
 def weight_sync_check(device: str = 'cuda', dtype: str = 'bfloat16', tokens: int | None = None) -> dict:
     "The megatron policy's own log-probs of the fixed prompt against HF engines: before a step, after the step's sync (pass), and one that missed it (fail)."
-    import torch
     from memagent.engines import HFEngine
     from memagent.models import load_model, load_tokenizer
-    from memagent.backends.megatron import MegatronBackend, right_pad
+    from memagent.backends.megatron import MegatronBackend
+    from memagent.policy import prompt_logprobs
     from memagent.runcheck import WEIGHT_PROMPT, WEIGHT_TOL, precision_key, weight_check, weight_prompt_ids
     key = precision_key(device.startswith('cuda'), dtype)
     tol, cfg = WEIGHT_TOL[key], tiny_megatron('selective', dtype)
     ids = weight_prompt_ids(load_tokenizer('tiny-qwen3'))
     be = MegatronBackend.from_config(cfg, load_model('tiny-qwen3', dtype))
     synced, missed = HFEngine(load_model('tiny-qwen3', dtype, device)), HFEngine(load_model('tiny-qwen3', dtype, device))
-
-    def policy(ids):   # the policy's own forward: megatron's log-prob of each token after the first, given its prefix
-        with torch.no_grad(): return be.logprobs(right_pad([ids]))[0, 1:].float().tolist()
+    policy = lambda ids: prompt_logprobs(be, ids)     # the trainer's side of the weight check: the policy's own forward
     try:
         before, missed0 = weight_check(synced, policy, ids, tol), weight_check(missed, policy, ids, tol)
         _step(be, _fixed_batch(synced.vocab_size, tokens or cfg.batch.max_tokens_per_micro))

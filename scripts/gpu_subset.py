@@ -305,6 +305,7 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
     from memagent.backends.megatron import MegatronBackend
     from memagent.ondevice import compute_device
     from memagent.plan import GiB, get_arch
+    _sibling(); from gpu_check import _step
     recompute, rows, seq_len = STEP4B[name]
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if _cuda() else 139.8
     _, p4b = step4b_plan(recompute, rows, seq_len, gpu_gib)
@@ -331,7 +332,6 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
     ids = torch.randint(5, arch.vocab, (rows, seq_len), generator=g)
     resp = torch.zeros_like(ids, dtype=torch.bool); resp[:, seq_len // 2:] = True
     batch = {'input_ids': ids.to(dev), 'attention_mask': torch.ones_like(ids, dtype=torch.bool).to(dev), 'response_mask': resp.to(dev)}
-    _sibling(); from gpu_check import _step
     _peak_reset()
     secs = []
     try:
@@ -431,7 +431,8 @@ def run_subset(out: Path, cpu_sim: bool, parts: list[str] | None, py: str = sys.
     todo = names if not parts else parts
     bad = [p for p in todo if p not in names]
     if bad: raise SystemExit(f"gpu_check.py subset: unknown part(s) {bad}; the parts: {names}")
-    status, t_all = {}, time.perf_counter()
+    status, t_all, fixed = {}, time.perf_counter(), report_header(cpu_sim)
+    body = None
     for name, cap, _ in PARTS:
         if name not in todo: continue
         cmd = [py, str(_HERE / 'gpu_check.py'), 'part', name, '--out', str(out)] + (['--cpu-simulation'] if cpu_sim else [])
@@ -445,8 +446,8 @@ def run_subset(out: Path, cpu_sim: bool, parts: list[str] | None, py: str = sys.
             status[name] = {'rc': None, 'timed_out': True}
             print(f"== part {name}: stopped at its cap of {cap} s", flush=True)
         status[name].update(seconds=time.perf_counter() - t, cap_s=cap)
-        write_report(out, cpu_sim, status, time.perf_counter() - t_all)
-    return write_report(out, cpu_sim, status, time.perf_counter() - t_all)
+        body = write_report(out, fixed, status, time.perf_counter() - t_all)   # after every part: what exists is reported
+    return body
 
 
 def part_view(out: Path, name: str, st: dict | None) -> dict:
@@ -463,18 +464,27 @@ def part_view(out: Path, name: str, st: dict | None) -> dict:
     return body
 
 
-def write_report(out: Path, cpu_sim: bool, status: dict, total_s: float) -> dict:
-    _sibling(); from gpu_check import subset_layout, layout_lines, environment, _write
+def report_header(cpu_sim: bool) -> dict:
+    "What the report says before any part runs, read once: the layout (the doctor's rows), the environment, the device."
+    _sibling(); from gpu_check import subset_layout, environment
     from memagent.backends.megatron import have_transformer_engine
     import torch
     _, layout = subset_layout(cpu_sim)
+    return {'layout': layout, 'cpu_simulation': cpu_sim, 'environment': environment(), 'transformer_engine': have_transformer_engine(),
+            'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() and not cpu_sim else 'cpu'}
+
+
+def write_report(out: Path, fixed: dict, status: dict, total_s: float) -> dict:
+    "subset.json and subset.md from the part files and how their processes ended (`fixed`: `report_header`)."
+    _sibling(); from gpu_check import layout_lines, _write
+    layout = fixed['layout']
     parts = {name: part_view(out, name, status.get(name)) for name, _, _ in PARTS}
     run = [p for p in parts.values() if p['verdict'] != 'not run']
-    body = {**{k: layout[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'cpu_simulation': cpu_sim,
+    body = {**{k: layout[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'cpu_simulation': fixed['cpu_simulation'],
             'pass': bool(run) and all(p['verdict'] in ('passed', 'skipped') for p in run), 'parts': parts,
             'caps_s': {n: c for n, c, _ in PARTS}, 'seconds': total_s, 'budget_s': SUBSET_BUDGET_S,
-            'within_budget': total_s <= SUBSET_BUDGET_S, 'environment': environment(),
-            'transformer_engine': have_transformer_engine(), 'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() and not cpu_sim else 'cpu',
+            'within_budget': total_s <= SUBSET_BUDGET_S, 'environment': fixed['environment'],
+            'transformer_engine': fixed['transformer_engine'], 'device': fixed['device'],
             'tolerances': TOL, 'sequence_parallel': 'not checked: it needs TP >= 2, so at least 2 GPUs (part cluster)',
             'doctor_rows': layout['rows']}
     _write(out, 'subset.json', body)
