@@ -122,7 +122,7 @@ class BatchCfg:
     recompute: str = 'none'         # megatron activation recompute: 'none', 'selective' (attention core) or 'full' (every layer)
     sequence_parallel: bool = False # megatron: shard norm and residual activations over TP (TP > 1; GPU with Transformer Engine)
     distributed_optimizer: bool = False  # megatron: fp32 main weights and Adam states sharded over DP
-    attention: str = 'auto'         # megatron layer spec: 'auto' (Transformer Engine on a GPU when installed, else local), 'te' or 'local'
+    attention: str = 'auto'         # megatron layer spec: 'auto' (Transformer Engine on a GPU when installed, else local), 'te', 'sdpa' or 'local'
 
 @dataclass
 class ScheduleCfg:
@@ -167,7 +167,7 @@ CHOICES = {
     'rollout.weight_sync': ('disk', 'tensor'),
     'eval.parity': ('relax', 'official'),
     'batch.recompute': ('none', 'selective', 'full'),
-    'batch.attention': ('auto', 'te', 'local'),
+    'batch.attention': ('auto', 'te', 'sdpa', 'local'),
 }
 NONEMPTY = ('name', 'model.name', 'model.tokenizer', 'model.revision', 'data.train', 'data.eval', 'data.root', 'rollout.sglang_urls')
 

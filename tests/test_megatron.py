@@ -561,6 +561,58 @@ def test_tp2_export_reloads_with_transformers(tmp_path):
     assert d < 1e-4
 
 
+
+# ---- batch.attention='sdpa': the local spec with SDPACoreAttention, padded and packed, against the local spec ----
+
+def _attention_paths(b, tp=1, recompute='none'):
+    "Log-probs and fp32 main grads of one backward on the same rows: the local spec, sdpa on padded rows, sdpa on packed rows."
+    out = {}
+    for att, pack in (('local', True), ('sdpa', False), ('sdpa', True)):
+        be = mb.MegatronBackend(hf_model(tiny_qwen3()), attention=att, pack_rows=pack, head_chunk=4, tp=tp, recompute=recompute)
+        assert be.attention == att and be.packed_calls == 0
+        lp = be.logprobs(b)
+        be.backward(pg_loss(lp, b, ADV))
+        assert be.packed_calls == (att == 'sdpa' and pack), 'rows of different lengths run packed exactly when asked'
+        out[(att, pack)] = dict(logp=lp.detach().cpu(), grads={n: p.main_grad.detach().cpu().clone() for n, p in be.model.named_parameters()})
+    return out
+
+
+def _check_paths(out, where):
+    ref = out[('local', True)]
+    for k in (('sdpa', False), ('sdpa', True)):
+        dl = (out[k]['logp'] - ref['logp']).abs().max().item()
+        dg = max((out[k]['grads'][n] - g).abs().max().item() for n, g in ref['grads'].items())
+        print(f"{where} sdpa pack={k[1]} vs local: max|dlogp| {dl:.1e}, max|dgrad| {dg:.1e}")
+        assert dl < 1e-5 and dg < 1e-6
+    assert max(g.abs().max().item() for g in ref['grads'].values()) > 1e-3
+
+
+@pytest.mark.parametrize('recompute', ['none', 'full'])
+def test_sdpa_matches_the_local_spec(recompute, batch):
+    "fp32, TP 1: SDPA's log-probs and gradients equal the local spec's, padded or packed, with and without recompute."
+    _check_paths(_attention_paths(batch, recompute=recompute), f'TP 1 recompute={recompute}')
+
+
+def test_sdpa_padding_never_changes_a_real_position(batch):
+    "A row alone and the same row right-padded among longer ones: the same log-probs, packed or not."
+    for pack in (False, True):
+        be = mb.MegatronBackend(hf_model(tiny_qwen3()), attention='sdpa', pack_rows=pack)
+        with torch.no_grad():
+            full = be.logprobs(batch).cpu()
+            one = be.logprobs({k: v[1:2, :7] for k, v in batch.items()}).cpu()
+        assert torch.equal(batch['attention_mask'][1, 7:], torch.zeros(5, dtype=torch.long))
+        assert (full[1, :7] - one[0]).abs().max() < 1e-6 and full[1, 7:].abs().max() == 0
+
+
+def _job_attention_paths():
+    return _attention_paths(_batch(), tp=2)
+
+
+def test_tp2_sdpa_matches_the_local_spec(tmp_path):
+    "fp32, TP 2 (two spawned gloo ranks, heads and key-value groups split): rank 0's log-probs and gradient shards equal the local spec's."
+    _check_paths(_run_tp2(_job_attention_paths, tmp_path), 'TP 2')
+
+
 # ---- the recipe's precision and memory layout: bf16 + fp32 main grads, megatron DDP, recompute, reference, shards ----
 
 def _main_params(be):

@@ -28,18 +28,20 @@ def _cfg(backend: str, **kw):
     return get_preset('tiny', {**o, **kw})
 
 
-@pytest.mark.parametrize('backend', ['torch', 'megatron'])
-def test_trainer_steps_and_weight_check_on_the_virtual_device(tmp_path, examples, backend):
-    "Two GRPO steps, then the weight check after the last sync, with the policy, the reference and the in-process engine on the virtual device."
+@pytest.mark.parametrize('backend, attention', [('torch', None), ('megatron', None), ('megatron', 'sdpa')])
+def test_trainer_steps_and_weight_check_on_the_virtual_device(tmp_path, examples, backend, attention):
+    "Two GRPO steps, then the weight check after the last sync, with the policy, the reference and the in-process engine on the virtual device; megatron with its local spec and with `batch.attention='sdpa'` (rows packed)."
     if backend == 'megatron': pytest.importorskip('megatron.core')
     from memagent.runcheck import WEIGHT_TOL, trainer_logprobs, weight_check, weight_prompt_ids
     with VirtualDevice() as vd:
-        tr = Trainer(_cfg(backend), tmp_path, examples, progress=False, tensorboard=False)
+        tr = Trainer(_cfg(backend, **({'batch.attention': attention} if attention else {})), tmp_path, examples, progress=False, tensorboard=False)
         try:
             pol = tr.group.policy
+            if attention: assert pol.attention == tr.group.reference.attention == attention
             assert pol.device == VIRTUAL and tr.group.reference.device == VIRTUAL and tr.engine.device == VIRTUAL
             assert vd.on(next(pol.model.parameters())) and vd.on(next(tr.engine.model.parameters()))
             ms = tr.train()
+            if attention == 'sdpa': assert pol.packed_calls > 0, 'the padded micro-batches must have run packed'
             ids = weight_prompt_ids(tr.tok)
             r = weight_check(tr.engine, lambda i: trainer_logprobs(tr, i), ids, WEIGHT_TOL['cpu-fp32'])
         finally: tr.close()

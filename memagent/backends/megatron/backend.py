@@ -111,7 +111,7 @@ class MegatronBackend:
                  betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0, head_chunk: int = 1024,
                  dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1, seed: int = 0, warmup_steps: int = 0,
                  check_finite: bool = True, recompute: str = 'none', sequence_parallel: bool = False,
-                 distributed_optimizer: bool = False, attention: str = 'auto', frozen: bool = False):
+                 distributed_optimizer: bool = False, attention: str = 'auto', frozen: bool = False, pack_rows: bool = True):
         if pp != 1: raise NotImplementedError(f"MegatronBackend: pipeline parallelism is not implemented (pp={pp}); use pp=1")
         check_tp(hf_arch(hf_model.config), tp)
         choose_layer_spec(attention, sequence_parallel, tp)            # refuse before any process group or model exists
@@ -126,6 +126,8 @@ class MegatronBackend:
         self.model = build_gpt_model(self.hf_config, dtype=dtype, init_weights=False, attention=attention,
                                      sequence_parallel=sequence_parallel, recompute=recompute).to(self.device)
         self.attention = self.model.layer_spec_kind
+        self.pack_rows = pack_rows and self.attention == 'sdpa'     # only SDPACoreAttention runs megatron's packed (thd) rows here
+        self.packed_calls = 0                                        # forwards that ran packed (a count the tests read)
         self.load_stats = {}
         load_hf_into_megatron(self.model, hf_model, stats=self.load_stats)
         self.grad_clip, self.head_chunk, self.check_finite = grad_clip, head_chunk, check_finite
@@ -183,15 +185,18 @@ class MegatronBackend:
         m = self.model
         return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        "Final (normed) hidden states `[B, L, hidden]` for right-padded `input_ids [B, L]`."
+    def hidden_states(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        "Final (normed) hidden states `[B, L, hidden]` for right-padded `input_ids [B, L]`; with the rows' `lengths` and `pack_rows`, padded rows run packed (0 at padding)."
         ids = input_ids.to(self.device)
         B, L = ids.shape
+        if self.pack_rows and lengths is not None and B > 1:
+            lengths = lengths.cpu()                                          # one copy to the host per micro-batch
+            if int(lengths.min()) < L: return self._packed_hidden_states(ids, lengths)
         tp = self.parallel.tp
         Lp = -(-L // tp) * tp if self.sequence_parallel else L      # SP splits the sequence over TP ranks
         if Lp != L: ids = torch.cat([ids, ids.new_zeros(B, Lp - L)], 1)   # right padding: causal attention leaves real positions unchanged
         pos = torch.arange(Lp, device=self.device).expand(B, Lp)
-        mask = None if self.attention == 'te' else causal_mask(Lp, self.device)   # TE's spec is causal by its mask type
+        mask = causal_mask(Lp, self.device) if self.attention == 'local' else None   # TE's and SDPA's attention are causal by kernel
         m = self.model
         with cpu_shims():
             m.post_process = False          # return decoder hidden states; the output layer runs in chunks below
@@ -201,6 +206,23 @@ class MegatronBackend:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
         return h[:L].transpose(0, 1)
+
+    def _packed_hidden_states(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        "The real tokens of every row concatenated into one sequence (megatron's `thd` packing): no compute on padding."
+        from megatron.core.packed_seq_params import PackedSeqParams
+        B, L = ids.shape
+        real = torch.arange(L)[None] < lengths[:, None]                       # host: index math stays off the device
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        n = int(lengths.max())
+        packed = PackedSeqParams(qkv_format='thd', cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+        bi, ti = real.nonzero(as_tuple=True)
+        m = self.model
+        self.packed_calls += 1
+        with cpu_shims():
+            m.post_process = False
+            try: h = m(ids[bi, ti][None], None, None, packed_seq_params=packed)     # [t, 1, hidden]; rope restarts per row
+            finally: m.post_process = True
+        return h.new_zeros(B, L, h.shape[-1]).index_put((bi.to(h.device), ti.to(h.device)), h[:, 0])
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         "Full logits `[B, L, vocab]` (small inputs only: tests and debugging); at TP > 1 gathered from all TP ranks (collective)."
@@ -232,16 +254,17 @@ class MegatronBackend:
         bi, ti = want.nonzero(as_tuple=True)                        # positions t whose token is scored from h[t-1]
         out = torch.zeros(B, L, dtype=torch.float32, device=self.device)
         if bi.numel() == 0: return out
-        h = self.hidden_states(ids)[bi, ti - 1]                     # [n, hidden]
+        h = self.hidden_states(ids, lens)[bi, ti - 1]               # [n, hidden]
         tgt, w = ids[bi, ti], self._output_weight()
         fn, extra = (_chunk_logp, ()) if self.parallel.tp == 1 else (_chunk_logp_tp, (self.vocab_start, self.vocab, self.sequence_parallel))
         parts = []
-        for s in range(0, h.shape[0], self.head_chunk):
-            args = (h[s:s + self.head_chunk], w, tgt[s:s + self.head_chunk], temperature, *extra)
-            if torch.is_grad_enabled():
-                parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False))
-            else: parts.append(fn(*args))
-        return out.index_put((bi, ti), torch.cat(parts))
+        with torch.profiler.record_function('memagent::log-prob head'):      # a named range for the profiler's split of a step
+            for s in range(0, h.shape[0], self.head_chunk):
+                args = (h[s:s + self.head_chunk], w, tgt[s:s + self.head_chunk], temperature, *extra)
+                if torch.is_grad_enabled():
+                    parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False))
+                else: parts.append(fn(*args))
+            return out.index_put((bi, ti), torch.cat(parts))
 
     def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False) -> torch.Tensor:
         "`token_logprobs` on a batch dict (`input_ids`, `attention_mask`, optional `response_mask`, `position_ids`)."
@@ -263,8 +286,9 @@ class MegatronBackend:
         self._trainable('step')
         if loss is not None: self.backward(loss)
         from megatron.core.distributed import finalize_model_grads
-        with cpu_shims(): finalize_model_grads([self.ddp])
-        return finish_step(self, self.optimizer.grad_norm_and_clip(self.grad_clip))
+        with cpu_shims(), torch.profiler.record_function('memagent::gradient reduction'): finalize_model_grads([self.ddp])
+        with torch.profiler.record_function('memagent::optimizer'):
+            return finish_step(self, self.optimizer.grad_norm_and_clip(self.grad_clip))
 
     def train_step(self, loss_fn) -> tuple[float, float]:
         "One full step: `loss = loss_fn(self)` (which calls `self.logprobs`), then `step(loss)`; returns `(loss, grad_norm)`."

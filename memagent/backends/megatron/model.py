@@ -9,7 +9,8 @@ from .parallel import require_megatron, cpu_shims, have_transformer_engine
 
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'RECOMPUTE_MODES', 'ATTENTION_CHOICES', 'hf_arch', 'padded_vocab', 'check_tp',
-           'megatron_config_from_hf', 'recompute_config', 'choose_layer_spec', 'layer_spec', 'build_gpt_model']
+           'megatron_config_from_hf', 'recompute_config', 'choose_layer_spec', 'layer_spec', 'build_gpt_model',
+           'SDPACoreAttention']
 
 # %% ../../../nbs/14_megatron_2_model.ipynb #66663106
 SUPPORTED_MODEL_TYPES = ('qwen3', 'llama')
@@ -77,7 +78,7 @@ def megatron_config_from_hf(hf_config, dtype: torch.dtype = torch.float32, tp: i
 
 # %% ../../../nbs/14_megatron_2_model.ipynb #c33d7ff7
 RECOMPUTE_MODES = ('none', 'selective', 'full')
-ATTENTION_CHOICES = ('auto', 'te', 'local')
+ATTENTION_CHOICES = ('auto', 'te', 'sdpa', 'local')
 
 def recompute_config(mode: str) -> dict:
     "TransformerConfig fields for `cfg.batch.recompute`: 'none', 'selective' (core attention) or 'full' (every layer, one per checkpoint)."
@@ -88,7 +89,7 @@ def recompute_config(mode: str) -> dict:
 
 def choose_layer_spec(attention: str = 'auto', sequence_parallel: bool = False, tp: int = 1,
                       cuda: bool | None = None, te: bool | None = None) -> str:
-    "'te' or 'local': the layer spec for `cfg.batch.attention` on this machine (`cuda`, `te` default to what is present); refuses what cannot be built."
+    "'te', 'sdpa' or 'local': the layer spec for `cfg.batch.attention` on this machine (`cuda`, `te` default to what is present); refuses what cannot be built."
     cuda = torch.cuda.is_available() if cuda is None else cuda
     te = have_transformer_engine() if te is None else te
     if attention not in ATTENTION_CHOICES:
@@ -98,8 +99,8 @@ def choose_layer_spec(attention: str = 'auto', sequence_parallel: bool = False, 
                           "installed; install it on the GPU machine or set cfg.batch.attention to 'auto' or 'local'")
     if attention == 'te' and not cuda:
         raise ValueError("cfg.batch.attention='te': Transformer Engine layers need a CUDA device; use 'auto' or 'local' on CPU")
-    kind = 'te' if attention == 'te' or (attention == 'auto' and cuda and te) else 'local'
-    if sequence_parallel and kind == 'local':
+    kind = 'te' if attention == 'te' or (attention == 'auto' and cuda and te) else 'sdpa' if attention == 'sdpa' else 'local'
+    if sequence_parallel and kind != 'te':
         raise ValueError("cfg.batch.sequence_parallel=True needs the Transformer Engine layer spec: megatron-core's local spec "
                          "cannot build sequence-parallel norms without Transformer Engine or Apex; set cfg.batch.sequence_parallel=False, "
                          f"or use a CUDA machine with transformer_engine and cfg.batch.attention='auto' or 'te' (got attention={attention!r})")
@@ -108,11 +109,14 @@ def choose_layer_spec(attention: str = 'auto', sequence_parallel: bool = False, 
     return kind
 
 def layer_spec(kind: str, qk_layernorm: bool):
-    "megatron-core's layer spec for `kind` ('te' or 'local', from `choose_layer_spec`)."
+    "megatron-core's layer spec for `kind` ('te', 'sdpa' or 'local', from `choose_layer_spec`); 'sdpa' is the local spec with `SDPACoreAttention`."
     from megatron.core.models.gpt import gpt_layer_specs as specs
     if kind == 'te': return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    if kind == 'local': return specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization='RMSNorm')
-    raise ValueError(f"layer_spec: kind must be 'te' or 'local', got {kind!r}")
+    if kind not in ('local', 'sdpa'): raise ValueError(f"layer_spec: kind must be 'te', 'sdpa' or 'local', got {kind!r}")
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization='RMSNorm')
+    if kind == 'sdpa':           # a fresh spec per call: swap only the self-attention's core
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
 
 def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32, init_weights: bool = True, attention: str = 'auto',
                     sequence_parallel: bool = False, recompute: str = 'none', **overrides):
@@ -131,3 +135,51 @@ def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32, init_weights:
             if p.is_floating_point() and p.dtype != dtype: p.data = p.data.to(dtype)
     model.layer_spec_kind = kind
     return model
+
+# %% ../../../nbs/14_megatron_2_model.ipynb #bf6a2626
+class SDPACoreAttention(torch.nn.Module):
+    "Causal core attention for megatron-core's local spec through `torch.nn.functional.scaled_dot_product_attention` (no `L x L` scores); padded `[sq, b, ...]` or packed `thd` rows."
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__()
+        from megatron.core.transformer.enums import AttnMaskType
+        bad = [(k, v) for k, v in (('context_parallel_size', config.context_parallel_size),
+                                   ('attention_dropout', config.attention_dropout if attention_dropout is None else attention_dropout),
+                                   ('softmax_type', config.softmax_type), ('window_size', config.window_size),
+                                   ('attn_mask_type', attn_mask_type.name))
+               if v != {'context_parallel_size': 1, 'attention_dropout': 0.0, 'softmax_type': 'vanilla', 'window_size': None,
+                        'attn_mask_type': AttnMaskType.causal.name}[k]]
+        if bad: raise ValueError(f"SDPACoreAttention (cfg.batch.attention='sdpa') supports causal self-attention only; unsupported: "
+                                 + ', '.join(f'{k}={v!r}' for k, v in bad))
+        if pg_collection is None:
+            from megatron.core import parallel_state as ps
+            tp = ps.get_tensor_model_parallel_world_size()
+        else: tp = pg_collection.tp.size()
+        self.config, self.layer_number = config, layer_number
+        self.heads, self.groups = config.num_attention_heads // tp, config.num_query_groups // tp
+        # megatron's default scale; its query-key layer scaling divides the scores by layer_number and the softmax
+        # multiplies them back, so the product is this same scale
+        self.softmax_scale = config.kv_channels ** -0.5 if softmax_scale is None else softmax_scale
+
+    def _sdpa(self, q, k, v):
+        "q `[..., heads, s, d]`, k and v `[..., groups, s, d]` -> `[..., heads, s, d]`, causal."
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                                enable_gqa=self.groups != self.heads)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if attention_mask is not None:
+            raise ValueError("SDPACoreAttention is causal by its kernel and takes no attention_mask (the backend passes None)")
+        if attention_bias is not None: raise ValueError("SDPACoreAttention: attention_bias is not supported")
+        if packed_seq_params is None:                            # [s, b, n, d] -> [b, n, s, d] views, no copies
+            s, b = query.shape[:2]
+            out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        p = packed_seq_params
+        if p.qkv_format != 'thd' or p.cu_seqlens_q.device.type != 'cpu' or not torch.equal(p.cu_seqlens_q, p.cu_seqlens_kv):
+            raise ValueError("SDPACoreAttention: packed rows need qkv_format='thd' and equal cu_seqlens_q / cu_seqlens_kv on the host")
+        bounds = p.cu_seqlens_q.tolist()
+        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+            raise ValueError(f"SDPACoreAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
+        outs = [self._sdpa(*(x[a:e].transpose(0, 1) for x in (query, key, value))).transpose(0, 1)   # one row: [l, n, d]
+                for a, e in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(outs).flatten(1)[:, None]               # [t, 1, n * d], the thd layout megatron expects
