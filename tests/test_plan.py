@@ -166,23 +166,24 @@ SHAPES = [(2, 16), (1, 48)]
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 @pytest.mark.parametrize('recompute', ['none', 'selective', 'full'])
-def test_local_spec_activations_match_measurement(dtype, recompute):
-    hf = tiny_qwen3()
+@pytest.mark.parametrize('attention, hf', [('local', tiny_qwen3), ('local', tiny_llama), ('sdpa', tiny_qwen3), ('sdpa', tiny_llama)])
+def test_megatron_activations_match_measurement(dtype, recompute, attention, hf):
+    hf = hf()
     kw = {} if recompute == 'none' else dict(recompute_granularity=recompute,
                                              **({'recompute_method': 'uniform', 'recompute_num_layers': 1} if recompute == 'full' else {}))
-    model = mb.build_gpt_model(hf, dtype=getattr(torch, dtype), **kw).train()
+    model = mb.build_gpt_model(hf, dtype=getattr(torch, dtype), attention=attention, **kw).train()
     arch = P.arch_from_hf(hf)
     for rows, L in SHAPES:
-        ids = torch.randint(0, 500, (rows, L))
+        ids = torch.randint(0, hf.vocab_size, (rows, L))
         pos = torch.arange(L).expand(rows, L)
         def fwd():
             with mb.cpu_shims():
                 model.post_process = False       # the backend's path: decoder hidden states, the head runs in chunks
-                try: return model(ids, pos, mb.causal_mask(L))
+                try: return model(ids, pos, mb.causal_mask(L) if attention == 'local' else None)
                 finally: model.post_process = True
         got = saved_bytes(model, fwd)
-        want = P.activation_bytes(arch, rows, L, tp=1, dtype=dtype, attention='local', recompute=recompute)['saved_total']
-        print(f"local {dtype} {recompute} {rows}x{L}: measured {got} B, plan {want} B ({want / got - 1:+.2%})")
+        want = P.activation_bytes(arch, rows, L, tp=1, dtype=dtype, attention=attention, recompute=recompute)['saved_total']
+        print(f"{attention} {hf.model_type} {dtype} {recompute} {rows}x{L}: measured {got} B, plan {want} B ({want / got - 1:+.2%})")
         assert abs(want - got) <= TOL * got
 
 
@@ -195,7 +196,7 @@ def test_hf_activations_match_measurement(dtype, impl):
     for rows, L in SHAPES:
         ids = torch.randint(0, 500, (rows, L))
         got = saved_bytes(model, lambda: model.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state)
-        want = P.activation_bytes(arch, rows, L, tp=1, dtype=dtype, attention=impl)['saved_total']
+        want = P.activation_bytes(arch, rows, L, tp=1, dtype=dtype, attention=impl, backend='torch')['saved_total']
         print(f"hf {impl} {dtype} {rows}x{L}: measured {got} B, plan {want} B ({want / got - 1:+.2%})")
         assert abs(want - got) <= TOL * got
 

@@ -27,7 +27,7 @@ class PlanDoesNotFit(ValueError):
     "A configuration whose per-GPU or host memory exceeds the cluster; the message names the largest term and a fix."
 
 def plan_attention(cfg, cluster: Cluster) -> str:
-    "The attention the layout runs on `cluster`: 'sdpa' for the torch backend; for megatron the layer spec `choose_layer_spec` builds on a CUDA machine with or without Transformer Engine (refusing what cannot be built), the function the backend itself calls."
+    "The attention the layout runs on `cluster`: 'sdpa' for the torch backend; for megatron the layer spec ('te', 'sdpa' or 'local') `choose_layer_spec` builds on a CUDA machine with or without Transformer Engine (refusing what cannot be built), the function the backend itself calls."
     if cfg.backend == 'torch': return 'sdpa'
     from memagent.backends.megatron.model import choose_layer_spec
     b = cfg.batch
@@ -200,7 +200,7 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
         L = min(cfg.max_row_tokens, b.max_tokens_per_micro)
         rows = max(1, b.max_tokens_per_micro // L)
     else: rows, L = (int(x) for x in micro_batch)
-    act = activation_bytes(arch, rows, L, tp, dt, attention, recompute, b.sequence_parallel and cfg.backend == 'megatron')
+    act = activation_bytes(arch, rows, L, tp, dt, attention, recompute, b.sequence_parallel and cfg.backend == 'megatron', backend=cfg.backend)
     vshard = -(-arch.vocab // tp)
     head = min(head_chunk, rows * L) * vshard * (2 * E + 4 * HEAD_FP32_COPIES) + vshard * arch.hidden * E
     det.update(micro_batch=dict(rows=rows, seq_len=L, tokens=rows * L, recompute=recompute), activations=act)
@@ -341,11 +341,16 @@ def _counterfactuals(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, syn
     if cfg.backend == 'megatron':
         for rc in RECOMPUTE:
             if rc != cfg.batch.recompute: add(f"recompute={rc}", _variant(cfg, **{'batch.recompute': rc}), off)
-        if plan_attention(cfg, cluster) == 'te':     # the local spec builds no sequence-parallel norms: it runs without SP
+        att = plan_attention(cfg, cluster)
+        if att == 'te':     # the local and sdpa specs build no sequence-parallel norms: they run without SP
             local = {'batch.attention': 'local', 'batch.sequence_parallel': False}
             add("attention=local (the CPU fallback spec on the GPUs)", _variant(cfg, **local), off)
             if cfg.batch.recompute != 'none':
                 add("attention=local+recompute=none", _variant(cfg, **local, **{'batch.recompute': 'none'}), off)
+            add("attention=sdpa (no Transformer Engine, no sequence parallel)",
+                _variant(cfg, **{'batch.attention': 'sdpa', 'batch.sequence_parallel': False}), off)
+        elif att == 'local': add("attention=sdpa (the fused core attention)", _variant(cfg, **{'batch.attention': 'sdpa'}), off)
+        else: add("attention=local (unfused, L x L scores)", _variant(cfg, **{'batch.attention': 'local'}), off)
         add('distributed_optimizer=' + str(not cfg.batch.distributed_optimizer),
             _variant(cfg, **{'batch.distributed_optimizer': not cfg.batch.distributed_optimizer}), off)
     if cfg.rollout.engine == 'sglang' and cfg.rollout.colocate:

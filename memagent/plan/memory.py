@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass
 
 # %% auto #0
-__all__ = ['GiB', 'DTYPE_BYTES', 'ARCHS', 'RECOMPUTE', 'CUDA_CONTEXT_GIB', 'ENGINE_RUNTIME_GIB', 'ENGINE_RESIDUE_GIB',
-           'HEAD_FP32_COPIES', 'Arch', 'arch_from_hf', 'get_arch', 'ParamSpec', 'megatron_params', 'ddp_layout',
-           'optimizer_shards', 'optimizer_parts', 'optimizer_bytes', 'activation_bytes', 'sglang_kv_pool',
+__all__ = ['GiB', 'DTYPE_BYTES', 'ARCHS', 'RECOMPUTE', 'ATTENTION_KINDS', 'CUDA_CONTEXT_GIB', 'ENGINE_RUNTIME_GIB',
+           'ENGINE_RESIDUE_GIB', 'HEAD_FP32_COPIES', 'Arch', 'arch_from_hf', 'get_arch', 'ParamSpec', 'megatron_params',
+           'ddp_layout', 'optimizer_shards', 'optimizer_parts', 'optimizer_bytes', 'activation_bytes', 'sglang_kv_pool',
            'gather_peak_bytes']
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #c6c14142
@@ -79,11 +79,11 @@ class ParamSpec:
 
 def megatron_params(arch: Arch, tp: int = 1, dtype: str = 'bfloat16', attention: str = 'local',
                     pad_vocab: bool = True) -> list[ParamSpec]:
-    "One TP rank's parameters in `GPTModel.named_parameters()` order (local or Transformer Engine layer spec)."
+    "One TP rank's parameters in `GPTModel.named_parameters()` order (local or Transformer Engine layer spec; sdpa has the local spec's)."
     a = arch
     for what, n in (('heads', a.heads), ('kv_heads', a.kv_heads), ('ffn', a.ffn)):
         if n % tp: raise ValueError(f"memagent.plan: {a.name}: {what}={n} is not divisible by tensor parallel size {tp}")
-    if attention not in ('local', 'te'): raise ValueError(f"memagent.plan: attention must be 'local' or 'te', got {attention!r}")
+    if attention not in ('local', 'sdpa', 'te'): raise ValueError(f"memagent.plan: attention must be 'local', 'sdpa' or 'te', got {attention!r}")
     if pad_vocab:
         from memagent.backends.megatron import padded_vocab
         v = padded_vocab(a.vocab, tp) // tp
@@ -98,7 +98,7 @@ def megatron_params(arch: Arch, tp: int = 1, dtype: str = 'bfloat16', attention:
                ParamSpec(p + 'self_attention.k_layernorm.weight', a.head_dim, dtype)] if a.qk_norm else []
         fc1, fc2 = ParamSpec(p + 'mlp.linear_fc1.weight', 2 * f * h, dtype), ParamSpec(p + 'mlp.linear_fc2.weight', h * f, dtype)
         proj = ParamSpec(p + 'self_attention.linear_proj.weight', h * q, dtype)
-        if attention == 'local':
+        if attention != 'te':
             out += [ParamSpec(p + 'input_layernorm.weight', h, dtype), proj, *qkv, *qkn,
                     ParamSpec(p + 'pre_mlp_layernorm.weight', h, dtype), fc1, fc2]
         else:
@@ -170,24 +170,32 @@ def _norm_local(s, w, n): return 2 * s * w * 4 + 4 * s * n          # fp32 input
 
 def _norm_hf(s, w, n, E): return s * w * 4 + 4 * s * n + 2 * s * w * E
 
+ATTENTION_KINDS = {'megatron': ('local', 'sdpa', 'te'), 'torch': ('eager', 'sdpa')}
+
 def activation_bytes(arch: Arch, rows: int, seq_len: int, tp: int = 1, dtype: str = 'bfloat16', attention: str = 'local',
-                     recompute: str = 'none', sequence_parallel: bool = False) -> dict:
+                     recompute: str = 'none', sequence_parallel: bool = False, backend: str = 'megatron') -> dict:
     "Bytes autograd saves in one micro-batch's forward (`saved`, by term) and backward's extra working set (`working`), per TP rank."
     if recompute not in RECOMPUTE: raise ValueError(f"memagent.plan: recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if attention not in ATTENTION_KINDS.get(backend, ()):
+        raise ValueError(f"memagent.plan: backend {backend!r} runs attention {ATTENTION_KINDS.get(backend)}, got {attention!r}")
+    if backend == 'torch': attention = 'hf-' + attention
     a, E, L = arch, DTYPE_BYTES[dtype], seq_len
     s = rows * seq_len
     h, d = a.hidden, a.head_dim
     q, k, f, A, G = a.heads * d // tp, a.kv_heads * d // tp, a.ffn // tp, a.heads // tp, a.kv_heads // tp
     up = E < 4
     qk = a.qk_norm
-    if attention == 'local':
-        core = 3 * s * q * E + rows * A * L * L * (4 + (E if up else 0))
+    if attention in ('local', 'sdpa'):
+        # the q|k|v output's storage: kept by the fp32 q/k norms (their inputs are views of it), else by the value view
+        qkv_out = s * (q + 2 * k) * E if (up or not qk) else 0
+        core = 3 * s * q * E + rows * A * L * L * (4 + (E if up else 0)) if attention == 'local' else \
+               s * q * E + s * k * E + 4 * s * A + qkv_out                # SDPA: output, roped key, log-sum-exp, the value's storage
         layer = {'norms': 2 * _norm_local(s, h, 1) + (qk and (2 * s * q * 4 + 4 * s * A + (s * k * 4 if up else s * (q + 2 * k) * 4)
                                                               + s * k * 4 + 4 * s * G)),
                  'linear inputs': 2 * s * h * E + s * q * E + s * f * E, 'rope': 4 * L * d * E,
                  'attention': core, 'mlp': 4 * s * f * E}
-        sel = s * q * E + s * k * E + (s * (q + 2 * k) * E if up else 0) + 4
-        model = {'token ids': 8 * s, 'mask': L * L, 'final norm': _norm_local(s, h, 1)}
+        sel = s * q * E + s * k * E + qkv_out + 4                          # the checkpointed core's inputs: q, k, the value's storage
+        model = {'token ids': 8 * s, 'mask': L * L if attention == 'local' else 0, 'final norm': _norm_local(s, h, 1)}
         full_extra = L * d * 4                                             # the rotary table, kept once
     elif attention == 'te':
         sh = s // tp if sequence_parallel else s
@@ -199,19 +207,18 @@ def activation_bytes(arch: Arch, rows: int, seq_len: int, tp: int = 1, dtype: st
         model = {'token ids': 8 * s, 'mask': 0, 'final norm': lnlin()}
         full_extra = L * d * 4
         h_in = sh * h * E
-    elif attention in ('eager', 'sdpa'):
+    else:
         if recompute != 'none': raise ValueError("memagent.plan: the torch (HF) backend does not recompute; use recompute='none'")
-        core = (2 * s * q * E + 2 * s * k * E + 4 * s * A) if attention == 'sdpa' else \
+        core = (2 * s * q * E + 2 * s * k * E + 4 * s * A) if attention == 'hf-sdpa' else \
                (3 * s * q * E + rows * A * L * L * (4 + (E if up else 0)))
         layer = {'norms': 2 * _norm_hf(s, h, 1, E) + (qk and (s * q * 4 + 4 * s * A + s * q * E + s * k * 4 + 4 * s * G + s * k * E)),
-                 'linear inputs': s * q * E if attention == 'eager' else 0, 'rope': 0, 'attention': core, 'mlp': 4 * s * f * E}
+                 'linear inputs': s * q * E if attention == 'hf-eager' else 0, 'rope': 0, 'attention': core, 'mlp': 4 * s * f * E}
         model = {'token ids': 8 * s, 'mask': 0, 'final norm': s * h * 4 + 4 * s + s * h * E, 'rope': 2 * L * d * E}
-    else: raise ValueError(f"memagent.plan: attention must be 'local', 'te', 'eager' or 'sdpa', got {attention!r}")
     per_layer = sum(layer.values())
     # backward's L x L transients beyond what is saved (one layer at a time): the local spec's persistent score buffer
     # (megatron's global memory buffer, E per element) and the softmax backward's fp32 gradient in and out (4 + 4);
-    # HF eager the two fp32 gradients; flash / sdpa / TE none
-    transient = rows * A * L * L * ((E + 8) if attention == 'local' else 8 if attention == 'eager' else 0)
+    # HF eager the two fp32 gradients; flash / SDPA / TE none
+    transient = rows * A * L * L * ((E + 8) if attention == 'local' else 8 if attention == 'hf-eager' else 0)
     if recompute == 'none': layers, working = a.layers * per_layer, 0
     elif recompute == 'selective':
         layers, working = a.layers * (per_layer - core + sel), core
