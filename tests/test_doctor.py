@@ -372,3 +372,22 @@ def test_cli_rows_selects_rows_by_name():
     assert out.returncode == 0 and [l.split()[0] for l in lines] == ['python', 'glibc'], out.stdout
     bad = _cli('--preset', 'tiny', '--world-size', '1', '--rows', 'pyhton')
     assert bad.returncode == 2 and "names no row ['pyhton']" in bad.stderr, bad.stderr
+
+
+def test_attention_row_names_what_the_layout_runs_and_why(envs):
+    "te where Transformer Engine is usable on GPUs, sdpa when asked, the local spec otherwise (a warning on GPUs); what cannot be built fails with the key."
+    cpu, gpu, _ = envs
+    frozen_no_sp = get_preset('qwen3-4b-frozen', {'batch.sequence_parallel': False})
+    r = row_of('attention', FROZEN, 8, gpu)
+    assert (r.verdict, r.found.split(':')[0]) == ('ok', 'te') and "batch.attention='auto' on GPUs with a usable Transformer Engine" in r.found
+    r = row_of('attention', frozen_no_sp, 8, replace(gpu, te_version=None))
+    assert (r.verdict, r.found.split(':')[0]) == ('warn', 'local') and "batch.attention='sdpa'" in r.fix
+    r = row_of('attention', get_preset('qwen3-4b-frozen', {'batch.sequence_parallel': False, 'batch.attention': 'sdpa'}), 8, replace(gpu, te_version=None))
+    assert (r.verdict, r.found.split(':')[0]) == ('ok', 'sdpa') and 'no L x L scores' in r.found
+    r = row_of('attention', get_preset('tiny', {'backend': 'megatron'}), 1, cpu)
+    assert (r.verdict, r.found.split(':')[0]) == ('ok', 'local') and 'on CPU ranks' in r.found
+    sp = get_preset('qwen3-4b-frozen', {'batch.attention': 'sdpa'})              # sequence parallel on the local spec's norms: one failing row
+    r = row_of('attention', sp, 8, gpu)
+    assert r.verdict == 'warn' and "row 'Transformer Engine'" in r.found and 'cfg.batch.sequence_parallel=True needs the Transformer Engine' in r.fix
+    assert 'Transformer Engine' in failing(doctor(sp, 8, gpu)) and 'attention' not in failing(doctor(sp, 8, gpu))
+    assert row_of('attention', get_preset('tiny'), 1, cpu).found.startswith('sdpa')                   # the torch backend

@@ -16,7 +16,7 @@ from .rows import *
 from .probe import Env, Row, probe_env
 from .rows import (
     HARDWARE_ROWS, python_row, glibc_row, torch_row, driver_row, gpu_count_row, gpu_memory_row, nccl_row, megatron_row, te_row,
-    nvcc_row, cudnn_row, sglang_row, kernels_row, world_row, ray_row, disk_row, ram_row, data_row, weights_row)
+    attention_row, nvcc_row, cudnn_row, sglang_row, kernels_row, world_row, ray_row, disk_row, ram_row, data_row, weights_row)
 from .rows import _in           # private, but imported from `memagent.doctor` elsewhere
 from . import probe, rows
 
@@ -28,7 +28,7 @@ class DoctorError(RuntimeError):
     "The environment cannot run the layout; the message names every failing row, what was found, what is needed and the fix."
 
 ROW_NAMES = ('python', 'glibc', 'torch build', 'CUDA driver', 'GPU count', 'GPU memory', 'NCCL', 'megatron-core', 'Transformer Engine',
-             'nvcc', 'cuDNN headers', 'sglang', 'flashinfer / flash-attn', 'world size', 'Ray resources', 'disk', 'host RAM', 'pinned data', 'model weights')
+             'attention', 'nvcc', 'cuDNN headers', 'sglang', 'flashinfer / flash-attn', 'world size', 'Ray resources', 'disk', 'host RAM', 'pinned data', 'model weights')
 
 def simulate(row: Row) -> Row:
     "On a node that declares GPUs to Ray without having them: a failing hardware row becomes a warning saying so."
@@ -45,7 +45,8 @@ def doctor(cfg, world_size: int, env: Env | None = None, run_dir=None, data_root
            fast_only: bool = False, ray_address: str | None = None, only=None) -> list[Row]:
     "Every row of `cfg` at `world_size` ranks on `env` (default: `probe_env(run_dir)`); `fast_only`: the rows without Ray, network or model load; `only`: these row names."
     env = env if env is not None else probe_env(run_dir, ray_address=None if fast_only else ray_address)
-    fs = (python_row, glibc_row, torch_row, driver_row, gpu_count_row, gpu_memory_row, nccl_row, megatron_row, te_row, nvcc_row, cudnn_row, sglang_row,
+    fs = (python_row, glibc_row, torch_row, driver_row, gpu_count_row, gpu_memory_row, nccl_row, megatron_row, te_row, attention_row, nvcc_row,
+          cudnn_row, sglang_row,
           kernels_row, world_row, lambda c, w, e: ray_row(c, w, e, simulated_gpus), disk_row, ram_row,
           lambda c, w, e: data_row(c, w, e, data_root), weights_row)
     if only is not None and (bad := sorted(set(only) - set(ROW_NAMES))): raise ValueError(f"doctor: no rows {bad}; the rows are {list(ROW_NAMES)}")

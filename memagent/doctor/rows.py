@@ -11,8 +11,8 @@ from .probe import GiB, Env, Row, cudnn_dirs, module_found
 # %% auto #0
 __all__ = ['PYTHON_REQUIRES', 'MEGATRON_PIN', 'SGLANG_GLIBC', 'TORCH_GLIBC', 'DRIVER_FOR_CUDA', 'STACK_CUDA', 'BUILT_FROM',
            'HARDWARE_ROWS', 'layout_needs', 'python_row', 'glibc_row', 'torch_row', 'driver_row', 'gpu_count_row',
-           'gpu_memory_row', 'nccl_row', 'megatron_row', 'te_row', 'nvcc_row', 'cudnn_row', 'sglang_row', 'kernels_row',
-           'world_row', 'ray_row', 'disk_row', 'ram_row', 'data_row', 'weights_row']
+           'gpu_memory_row', 'nccl_row', 'megatron_row', 'te_row', 'attention_row', 'nvcc_row', 'cudnn_row',
+           'sglang_row', 'kernels_row', 'world_row', 'ray_row', 'disk_row', 'ram_row', 'data_row', 'weights_row']
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #edcbd024
 PYTHON_REQUIRES = '>=3.11'          # settings.ini min_python
@@ -202,9 +202,10 @@ def te_row(cfg, world_size: int, env: Env) -> Row:
     if env.megatron_version: found += f"; megatron-core {env.megatron_version} declares {rng or 'no range'}"
     usable = env.te_version is not None and env.te_pytorch and _in(rng, env.te_version)
     want = f"transformer-engine{rng or ''} with transformer_engine.pytorch"
-    if cfg.backend == 'megatron' and b.sequence_parallel and b.attention == 'local':
+    if cfg.backend == 'megatron' and b.sequence_parallel and b.attention in ('local', 'sdpa'):
         return Row('Transformer Engine', found, "batch.attention 'auto' or 'te' with sequence parallel", 'fail',
-                   "megatron-core's local spec cannot build sequence-parallel norms: set batch.attention='auto' or batch.sequence_parallel=false")
+                   f"megatron-core's local spec cannot build sequence-parallel norms (batch.attention={b.attention!r} builds on it): "
+                   "set batch.attention='auto' or batch.sequence_parallel=false")
     te = layout_needs(cfg, world_size)['te']
     if te:
         ok = usable
@@ -216,8 +217,33 @@ def te_row(cfg, world_size: int, env: Env) -> Row:
         return Row('Transformer Engine', found, f"not needed, but batch.attention='auto' takes Transformer Engine on a GPU whenever it is "
                    f"installed: {want}", 'warn', f"install transformer-engine{rng or ''} with its pytorch module, uninstall it, or set "
                    "batch.attention='local'")
-    why = f"backend {cfg.backend!r}" if cfg.backend != 'megatron' else "no sequence parallel and batch.attention is not 'te': the local spec needs no TE"
+    why = f"backend {cfg.backend!r}" if cfg.backend != 'megatron' else "no sequence parallel and batch.attention is not 'te': the local and sdpa specs need no TE"
     return Row('Transformer Engine', found, f"not needed: {why}", 'skip')
+
+def attention_row(cfg, world_size: int, env: Env) -> Row:
+    "The attention the layout will run (te, sdpa or local for megatron; SDPA for the torch backend) and why: `choose_layer_spec` on this machine's facts."
+    b = cfg.backend == 'megatron' and cfg.batch
+    if not b: return Row('attention', "sdpa (transformers' attn_implementation='sdpa')", f"the backend's own attention (backend {cfg.backend!r})", 'ok')
+    from memagent.backends.megatron.model import choose_layer_spec
+    gpu = layout_needs(cfg, world_size)['gpu']
+    te = env.te_version is not None and env.te_pytorch and _in(env.megatron_te_range, env.te_version)
+    try: kind = choose_layer_spec(b.attention, b.sequence_parallel, b.tp, cuda=gpu, te=te)
+    except (ValueError, ImportError) as e:
+        if te_row(cfg, world_size, env).verdict == 'fail':      # one cause, one failing row: Transformer Engine's
+            return Row('attention', f"batch.attention={b.attention!r} cannot be built here (decided by row 'Transformer Engine')",
+                       'a layer spec megatron-core can build', 'warn', str(e))
+        return Row('attention', f"batch.attention={b.attention!r} cannot be built here", 'a layer spec megatron-core can build', 'fail', str(e))
+    why = {'te': "Transformer Engine's fused attention (flash / cuDNN): " + ("batch.attention='te'" if b.attention == 'te' else
+                 "batch.attention='auto' on GPUs with a usable Transformer Engine"),
+           'sdpa': "the local spec with torch's fused causal SDPA (no L x L scores): batch.attention='sdpa'",
+           'local': "megatron-core's local spec, unfused: L x L scores per head in memory: " + (
+               "batch.attention='local'" if b.attention == 'local' else
+               "batch.attention='auto' " + ("with no usable Transformer Engine" if gpu else "on CPU ranks"))}[kind]
+    slow = kind == 'local' and gpu
+    return Row('attention', f"{kind}: {why}", f"batch.attention={b.attention!r} buildable on {'GPUs' if gpu else 'CPU'}",
+               'warn' if slow else 'ok',
+               "the local spec's unfused attention on GPUs is slow and holds L x L transients (see the plan's counterfactuals): "
+               "batch.attention='sdpa' runs the same layer with a fused kernel" if slow else '')
 
 def _te_build(cfg, world_size: int, env: Env) -> str | None:
     "Why Transformer Engine must be built on this machine (the layout needs it, no usable one is installed); None when it need not."
