@@ -13,9 +13,10 @@ from .transfer import RowChannel, RayChannel, InProcessChannel
 from .trajectory import Row
 
 # %% auto #0
-__all__ = ['GOAL_OPS', 'MIN_REPEATS', 'interleave', 'spread', 'verdict', 'bench_examples', 'bench_rollout', 'PhaseTimer',
-           'phase_split', 'bench_prompts', 'left_pad', 'bench_generate', 'matmul_gflops', 'memory_bandwidth',
-           'prefill_flops', 'decode_flops', 'weight_bytes', 'bench_sampling', 'synthetic_row_lengths', 'bench_channel',
+__all__ = ['GOAL_OPS', 'MIN_REPEATS', 'STEP_PARTS', 'interleave', 'spread', 'verdict', 'bench_examples', 'bench_rollout',
+           'PhaseTimer', 'phase_split', 'bench_prompts', 'left_pad', 'bench_generate', 'matmul_gflops',
+           'memory_bandwidth', 'prefill_flops', 'decode_flops', 'weight_bytes', 'bench_sampling',
+           'synthetic_row_lengths', 'layer_part', 'part_ranges', 'split_events', 'profile_step', 'bench_channel',
            'bench_linear_cost']
 
 # %% ../nbs/21_bench.ipynb #8bf50779
@@ -273,6 +274,81 @@ def synthetic_row_lengths(n_traj: int = 64, chunks=(10, 16), chunk: int = 2048, 
             out.append(template + ch + mem + resp); mem = resp
         out.append(template + 40 + mem + rng.randint(20, final))
     return out
+
+# %% ../nbs/21_bench.ipynb #953c97fe
+STEP_PARTS = ('attention core', 'attention projections', 'MLP', 'norms', 'log-prob head', 'gradient reduction', 'optimizer', 'other')
+
+def layer_part(module_name: str) -> str | None:
+    "The part of a megatron-core layer a module is (`STEP_PARTS`), from its dotted name; None for a module that is not a leaf part."
+    leaf = module_name.rsplit('.', 1)[-1]
+    if leaf == 'core_attention': return 'attention core'
+    if leaf in ('linear_qkv', 'linear_proj'): return 'attention projections'
+    if leaf == 'mlp': return 'MLP'
+    if leaf.endswith('layernorm'): return 'norms'
+    return None
+
+@contextlib.contextmanager
+def part_ranges(model):
+    "Named profiler ranges around the forward of every leaf part of `model` (`layer_part`); removed on exit."
+    from torch.profiler import record_function
+    hooks = []
+    for name, mod in model.named_modules():
+        part = layer_part(name)
+        if part is None: continue
+        def pre(m, args, part=part):
+            m._part_range = record_function('phase::' + part); m._part_range.__enter__()
+        def post(m, args, out):
+            r = m.__dict__.pop('_part_range', None)
+            if r is not None: r.__exit__(None, None, None)
+        hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    try: yield
+    finally:
+        for h in hooks: h.remove()
+
+def _named_part(name: str) -> str | None:
+    for prefix in ('phase::', 'memagent::'):
+        if name.startswith(prefix) and name[len(prefix):] in STEP_PARTS: return name[len(prefix):]
+    return None
+
+def split_events(events, device: bool) -> dict:
+    "Seconds per `STEP_PARTS` entry from a profiler's `events()`: each operator's own (device or host) time in its nearest named range, or the part of the forward operator that created the autograd node it runs under."
+    evs = sorted(events, key=lambda e: e.time_range.start)
+    EVAL = 'autograd::engine::evaluate_function'
+    def marker(e):
+        "The nearest ancestor (or e) that decides e's part: ('part', name) for a named range, ('node', seq) for a backward node."
+        while e is not None:
+            p = _named_part(e.name)
+            if p is not None: return ('part', p)
+            if e.name.startswith(EVAL): return ('node', e.sequence_nr)
+            e = e.cpu_parent
+        return None
+    created = {}                                     # sequence number -> the part of the last forward operator that carried it
+    for e in evs:
+        if e.sequence_nr is not None and e.sequence_nr >= 0 and not e.name.startswith(EVAL):
+            m = marker(e)
+            if m and m[0] == 'part': created[e.sequence_nr] = m[1]
+    out = dict.fromkeys(STEP_PARTS, 0.0)
+    for e in evs:
+        t = (e.self_device_time_total if device else e.self_cpu_time_total) / 1e6
+        if t <= 0: continue
+        m = marker(e)
+        part = m[1] if m and m[0] == 'part' else created.get(m[1], 'other') if m else 'other'
+        out[part] += t
+    return out
+
+def profile_step(model, step) -> dict:
+    "`step()` once under `torch.profiler` with `part_ranges(model)`: seconds per part (`split_events`), their total, and which clock (device or host)."
+    import torch
+    from torch.profiler import profile, ProfilerActivity
+    device = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])
+    with part_ranges(model), profile(activities=acts) as prof:
+        step()
+        if device: torch.cuda.synchronize()
+    parts = split_events(prof.events(), device)
+    total = sum(parts.values())
+    return {'clock': 'device (CUDA kernels)' if device else 'host (CPU operators)', 'seconds': parts, 'total_s': total,
+            'share': {k: (v / total if total else 0.0) for k, v in parts.items()}}
 
 # %% ../nbs/21_bench.ipynb #bc183800
 def bench_channel(n_rows: int, batched: bool, world_size: int = 2, prompt_tokens: int = 3000,

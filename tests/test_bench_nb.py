@@ -14,8 +14,8 @@ TINY = dict(run='tiny', repeats=2, quick=True, n_traj=4, channel_rows=8, channel
             gen_prompt_tokens=12, gen_new_tokens=3, matmul_n=64, bandwidth_mb=4, phase_traj=2)
 SECTIONS = ('## Summary', '## (a) Rollout', '## (b) Rollout log-probs', "## (c) The trainer's micro-batches", '## (d) Row channel',
             '## (e) Linear cost', '## (f) Trainer log-probs', "## (g) The engine vs transformers' generate()",
-            "## (h) How close to the machine's limits", '## (i) Rollout phases', '## Parameters', '## Provenance', '## Files')
-TIMED = ('(a)', '(d)', '(f)', '(g)', '(h)', '(i)')
+            "## (h) How close to the machine's limits", '## (i) Rollout phases', '## (j) Megatron training step', '## Parameters', '## Provenance', '## Files')
+TIMED = ('(a)', '(d)', '(f)', '(g)', '(h)', '(i)', '(j)')
 
 
 @pytest.mark.timeout(240)
@@ -28,13 +28,13 @@ def test_bench_notebook_tiny(tmp_path):
     readme = (rep / 'README.md').read_text()
     for s in SECTIONS: assert s in readme, s
     for f in ('rollout.png', 'packing.png', 'channel.png', 'linear_cost.png', 'trainer.png', 'generate.png', 'limits.png',
-              'rollout_phases.png', 'bench.json'):
+              'rollout_phases.png', 'attention_step.png', 'bench.json'):
         assert (rep / f).is_file() and f'({f})' in readme, f
     assert 'load_average_start' in readme and 'load_average_end' in readme
     assert '| measure | median | range | repeats | goal | verdict | load 1m | note |' in readme
     res = json.loads((rep / 'bench.json').read_text())
     measures = [r['measure'] for r in res['summary']]
-    for tag in ('(a)', '(b)', '(c)', '(d)', '(e)', '(f)', '(g)', '(h)', '(i)'): assert any(m.startswith(tag) for m in measures), tag
+    for tag in ('(a)', '(b)', '(c)', '(d)', '(e)', '(f)', '(g)', '(h)', '(i)', '(j)'): assert any(m.startswith(tag) for m in measures), tag
     # every timed figure: one value and one load per repeat, median and range of those values; a quick check decides nothing
     for r in res['summary']:
         assert r['verdict'] == ('-' if r['goal'] == 'reported' else 'undecided'), r
@@ -71,6 +71,9 @@ def test_bench_notebook_tiny(tmp_path):
         assert r['n_traj'] == TINY['phase_traj'] and r['phases']['decode_speedup'] > 0
     # the log-prob agreement is numerical, not timed
     assert res['logprobs'][0]['max_abs_diff'] < 1e-4
+    # (j): both attention paths stepped in every repeat; the rows have different lengths, so SDPA ran them packed
+    js = res['attention_step']
+    assert len(js['local']) == len(js['sdpa']) == TINY['repeats'] and js['packed_calls'] >= TINY['repeats'] + 1
 
 
 @pytest.mark.timeout(120)
