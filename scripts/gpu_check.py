@@ -28,11 +28,12 @@ engine that missed the sync (must fail); `compare` checks an SGLang server befor
 
 The subset's parts, their caps and what each checks are in `scripts/gpu_subset.py` (`PARTS`): megatron-core in bf16 with its
 optimizer per recompute mode, the weight check after a sync, the in-process Trainer for 2 steps with each backend, the
-in-process engine against generate() on a GPU-sized workload, the megatron step at Qwen3-4B shapes (full and selective
-recompute) against the matmul rate and the plan, and a bf16-vs-fp32 step that can fail. Each runs in its own process under
-its cap and writes its result as it goes; the report is rendered again after every part, so a part that fails or hangs
-hides nothing of the others. The caps add up to under 7 minutes and the subset is meant to take under 6 on one H200
-(`SUBSET_BUDGET_S`, with each part's seconds in the report), which leaves a 15-minute window room for a rerun.
+in-process engine against generate() on a GPU-sized workload, the megatron step at Qwen3-4B shapes with the local spec's
+attention and with SDPA (full recompute), SDPA with selective recompute and Transformer Engine where it is installed, side
+by side against the matmul rate and the plan with a profiled split of the step, and a bf16-vs-fp32 step that can fail.
+Each runs in its own process under its cap and writes its result as it goes; the report is rendered again after every
+part, so a part that fails or hangs hides nothing of the others. The caps add up to 9 minutes and the subset is meant to
+take under 7 on one H200 (`SUBSET_BUDGET_S`, with each part's seconds in the report); `--parts` runs a chosen few.
 """
 from __future__ import annotations
 import argparse, json, sys, time
@@ -216,18 +217,18 @@ def checkpoint_before_first_step(be) -> dict:
 def cmd_subset(a):
     "One GPU: every part of `gpu_subset.PARTS` in its own process under its own cap, then the report; `--cpu-simulation`: the same parts on CPU at tiny shapes."
     if not a.cpu_simulation: _need_cuda('subset')
-    from gpu_subset import run_subset, step4b_plan, STEP4B
+    from gpu_subset import run_subset, step4b_plan, STEP4B, STEP4B_HEADROOM
     _, layout = subset_layout(a.cpu_simulation)
     if layout['refused']: sys.exit(f"gpu_check.py subset: refused, not downgraded: {layout['refused']}")
     print('\n'.join(layout_lines(layout)))
     if a.cpu_simulation:     # what the GPU run would run at Qwen3-4B shapes: the plan, on an H200-sized and an 80 GiB card
         from memagent.plan import GiB
-        for name, (rc, rows, L) in STEP4B.items():
+        for name, (att, rc, rows, L) in STEP4B.items():
             for gib in (139.8, 80.0):
-                _, p = step4b_plan(rc, rows, L, gib)
+                _, p = step4b_plan(rc, rows, L, gib, attention=att)
                 print(f"  {name} on a GPU would run: Qwen3-4B, {rows} x {L} tokens, recompute {rc}, attention {p.details['attention']}: "
-                      f"the plan's update allocates {p.allocated('update') / GiB:.1f} GiB of {gib:g} GiB: "
-                      f"{'fits' if p.allocated('update') <= gib * GiB else 'does not fit: skipped'}")
+                      f"the plan's update allocates {p.allocated('update') / GiB:.1f} GiB, peak {p.peak('update') / GiB:.1f} GiB of {gib:g} GiB: "
+                      f"{'fits' if p.peak('update') <= STEP4B_HEADROOM * gib * GiB else f'over {STEP4B_HEADROOM:.0%} of the card: fewer rows or skipped'}")
     body = run_subset(Path(a.out), a.cpu_simulation, a.parts.split(',') if a.parts else None)
     print(f"wrote {Path(a.out) / 'subset.md'}")
     if not body['pass']: sys.exit('gpu_check.py subset: a part failed, timed out or did not run (see subset.md)')

@@ -8,10 +8,11 @@
 #          in bf16 with fp32 main grads and its own (distributed) optimizer per recompute mode against the fp32 torch step, the
 #          optimizer-state round trip and a checkpoint before step 1; the weight check after a sync; the in-process Trainer for
 #          2 steps with the torch and the megatron backend (health, KL, seconds per phase, peak GPU memory); the in-process
-#          engine against generate() on a GPU-sized workload; the megatron step at Qwen3-4B shapes (random weights, full and
-#          selective recompute) against the bf16 matmul rate and memagent.plan; a bf16-vs-fp32 step that can fail. Writes
-#          subset.md, subset.json and parts/*.json under --out as each part ends, with the environment (driver, CUDA, torch,
-#          TE, sglang). Meant to take under 6 minutes on one H200 (the report records each part's seconds). Sequence parallel
+#          engine against generate() on a GPU-sized workload; the megatron step at Qwen3-4B shapes (random weights) with the
+#          local spec's attention and SDPA (full recompute), SDPA with selective recompute and TE where installed, side by side
+#          against the bf16 matmul rate and memagent.plan, each with a profiled split of the step; a bf16-vs-fp32 step that can
+#          fail. Writes subset.md, subset.json and parts/*.json under --out as each part ends, with the environment (driver,
+#          CUDA, torch, TE, sglang). Meant to take under 7 minutes on one H200 (the report records each part's seconds). Sequence parallel
 #          needs TP >= 2: not checked on one GPU (the report says so).
 # cluster  every GPU of this node, the colocated layout of the preset that matches the largest model found locally
 #          (Qwen3-4B: qwen3-4b-frozen; Qwen3-0.6B: the pilot; none: the tiny model in the frozen layout): the 2-step

@@ -14,10 +14,13 @@ trainer      the in-process Trainer, 2 GRPO steps, with the torch backend and wi
 engine       the in-process engine against transformers' generate() on a GPU-sized workload (a random Qwen3-0.6B-shaped
              model in bf16, 64 requests of 1,024-2,048 prompt tokens, 256 new tokens): tokens/s, median and range of
              interleaved repeats, the workload capped at ENGINE_CAP_S by a stated rule
-step4b       the megatron step at Qwen3-4B shapes with random weights: full recompute at 9,216 tokens (2 rows) and selective
-             at 4,608 (1 row), one process each: seconds per step, tokens/s, model TFLOP/s against the bf16 matmul rate
-             measured in the same process, peak GPU memory against memagent.plan (a shape the plan says does not fit the
-             card is skipped and named)
+step4b-*     the megatron step at Qwen3-4B shapes with random weights, one process per attention path and recompute mode,
+             side by side: the local spec and SDPA with full recompute at 9,216 tokens (2 rows), SDPA with selective
+             recompute at 9,216 tokens where the plan says the card holds it (else 4,608), and Transformer Engine with
+             full recompute where it is installed: seconds per step, tokens/s, model TFLOP/s against the bf16 matmul rate
+             measured in the same process, peak GPU memory against memagent.plan, and the split of one profiled step by
+             part of the layer (memagent.bench.profile_step); a shape the plan says the card cannot hold is skipped and
+             named
 precision    a bf16-vs-fp32 step that can fail: the tiny model first trained in fp32 on a fixed sequence until its
              log-probs are far from uniform, then one step in each precision; a control (the untrained model) must fall
              outside the tolerance
@@ -44,13 +47,19 @@ PARTS = (
     ('weight_sync', 40, 'the weight check after a sync: the megatron policy against in-process engines'),
     ('trainer', 90, 'the in-process Trainer, 2 steps, torch and megatron (bf16, distributed optimizer): health, KL, seconds per phase, peak GPU memory'),
     ('engine', 110, 'the in-process engine against generate() on a GPU-sized workload (repeats capped at 90 s)'),
-    ('step4b-full', 70, 'the megatron step at Qwen3-4B shapes, full recompute, 2 rows of 4,608 tokens'),
-    ('step4b-selective', 70, 'the megatron step at Qwen3-4B shapes, selective recompute, 1 row of 4,608 tokens'),
+    ('step4b-local-full', 60, "the megatron step at Qwen3-4B shapes, the local spec's unfused attention, full recompute, 2 rows of 4,608 tokens"),
+    ('step4b-sdpa-full', 45, 'the megatron step at Qwen3-4B shapes, the SDPA core attention, full recompute, 2 rows of 4,608 tokens'),
+    ('step4b-sdpa-selective', 45, 'the megatron step at Qwen3-4B shapes, the SDPA core attention, selective recompute, 2 rows of 4,608 tokens where the plan says they fit, else 1'),
+    ('step4b-te-full', 45, 'the megatron step at Qwen3-4B shapes, Transformer Engine, full recompute, 2 rows of 4,608 tokens (skipped where TE is not installed)'),
     ('precision', 45, 'a bf16-vs-fp32 step on a model trained away from uniform, with a control that must fail'),
 )
-SUBSET_BUDGET_S = 360
+SUBSET_BUDGET_S = 420
 CPU_CAP_FACTOR = 4         # --cpu-simulation: the same caps, times this (2 CPU cores run even tiny shapes slower than one GPU)
-STEP4B = {'step4b-full': ('full', 2, 4608), 'step4b-selective': ('selective', 1, 4608)}   # recompute, rows, tokens per row
+STEP4B = {'step4b-local-full': ('local', 'full', 2, 4608), 'step4b-sdpa-full': ('sdpa', 'full', 2, 4608),   # attention, recompute,
+          'step4b-sdpa-selective': ('sdpa', 'selective', 2, 4608), 'step4b-te-full': ('te', 'full', 2, 4608)}  # rows (at most), tokens per row
+STEP4B_HEADROOM = 0.95     # a step4b shape runs when the plan's update peak is within this share of the card: the allocator's
+                           # fragmentation and the libraries' workspaces are not terms of the plan
+STEP4B_GOAL = {'sdpa_over_local_model_tflops': 2.0, 'fraction_of_matmul_rate': 0.40}   # the fused path's goal and aim (full recompute)
 TOL = {'loss_rel': 2e-2, 'grad_norm_rel': 5e-2}
 CPU_TOKENS = 256           # --cpu-simulation: the tokens of a step's rows (a GPU runs the preset's micro-batch budget)
 
@@ -280,44 +289,57 @@ def model_flops(arch, tokens: int, seq_len: int) -> float:
     return 6 * arch.numel() * tokens + 6 * tokens * seq_len * arch.heads * arch.head_dim * arch.layers
 
 
-def step4b_config(recompute: str, cpu_sim: bool):
-    "The frozen recipe's step on one GPU: TP 1, no sequence parallel, its distributed optimizer (CPU: the stand-in, fp32), the attention this machine builds."
+def step4b_config(recompute: str, cpu_sim: bool, attention: str = 'auto'):
+    "The frozen recipe's step on one GPU: TP 1, no sequence parallel, its distributed optimizer (CPU: the stand-in, fp32), `batch.attention`."
     from memagent.config import get_preset
     ov = {'batch.n_gpus': 1, 'batch.tp': 1, 'batch.sequence_parallel': False, 'batch.recompute': recompute, 'rollout.colocate': False,
-          'rollout.gpus_per_engine': 1, 'loss.kl_type': 'none'}
+          'rollout.gpus_per_engine': 1, 'loss.kl_type': 'none', 'batch.attention': attention}
     if cpu_sim: ov.update({'model.name': 'tiny-qwen3', 'model.tokenizer': 'tiny-qwen3', 'model.dtype': 'float32', 'batch.distributed_optimizer': False})
     return get_preset('qwen3-4b-frozen', ov)
 
 
-def step4b_plan(recompute: str, rows: int, seq_len: int, gpu_gib: float, cpu_sim: bool = False):
-    "memagent.plan at the part's shape on this card (its Transformer Engine as installed): the plan and the bytes torch allocates in the update."
+def step4b_plan(recompute: str, rows: int, seq_len: int, gpu_gib: float, cpu_sim: bool = False, attention: str = 'auto'):
+    "memagent.plan at the part's shape on this card (its Transformer Engine as installed; 'te' is planned as if it were): the config and the plan."
     from memagent.backends.megatron import have_transformer_engine
     from memagent.plan import Cluster, make_plan
-    cfg = step4b_config(recompute, cpu_sim)
-    p = make_plan(cfg, Cluster(1, gpu_gib, transformer_engine=have_transformer_engine() and not cpu_sim), search=False,
-                  micro_batch=(rows, seq_len))
+    cfg = step4b_config(recompute, cpu_sim, attention)
+    te = attention == 'te' or (have_transformer_engine() and not cpu_sim)
+    p = make_plan(cfg, Cluster(1, gpu_gib, transformer_engine=te), search=False, micro_batch=(rows, seq_len))
     return cfg, p
 
 
 def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
-    "One recompute mode of the megatron step at Qwen3-4B shapes (CPU: the tiny model at small shapes), sized by the plan to the card."
+    "One attention path and recompute mode of the megatron step at Qwen3-4B shapes (CPU: the tiny model at small shapes), sized by the plan to the card, then one profiled step split by part of the layer."
     import torch
-    from memagent.backends.megatron import MegatronBackend
+    from memagent.backends.megatron import MegatronBackend, have_transformer_engine
+    from memagent.bench import profile_step
     from memagent.ondevice import compute_device
     from memagent.plan import GiB, get_arch
     _sibling(); from gpu_check import _step
-    recompute, rows, seq_len = STEP4B[name]
+    attention, recompute, most_rows, seq_len = STEP4B[name]
+    if attention == 'te' and not (have_transformer_engine() and _cuda() and not cpu_sim):
+        rec.put('skipped', 'Transformer Engine is not installed here' if not have_transformer_engine() else 'Transformer Engine needs a GPU')
+        rec.done(True); return
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if _cuda() else 139.8
-    _, p4b = step4b_plan(recompute, rows, seq_len, gpu_gib)
-    plan4b = {'rows': rows, 'seq_len': seq_len, 'gpu_gib': gpu_gib, 'attention': p4b.details['attention'],
-              'update_allocated_gib': p4b.allocated('update') / GiB, 'fits': p4b.allocated('update') <= gpu_gib * GiB,
-              'terms_gib': {k: v / GiB for k, v in p4b.update.items()}}
+    tried = []
+    for rows in range(most_rows, 0, -1):                       # the most rows the plan says this card holds
+        _, p4b = step4b_plan(recompute, rows, seq_len, gpu_gib, attention=attention)
+        plan4b = {'rows': rows, 'seq_len': seq_len, 'gpu_gib': gpu_gib, 'attention': p4b.details['attention'],
+                  'update_allocated_gib': p4b.allocated('update') / GiB, 'update_peak_gib': p4b.peak('update') / GiB,
+                  'headroom': STEP4B_HEADROOM, 'fits': p4b.peak('update') <= STEP4B_HEADROOM * gpu_gib * GiB,
+                  'terms_gib': {k: v / GiB for k, v in p4b.update.items()}}
+        tried.append(plan4b)
+        if plan4b['fits']: break
     rec.put('plan_qwen3_4b', plan4b)
+    if len(tried) > 1:
+        rec.put('rows_reduced', f"{most_rows} rows of {seq_len} tokens: the plan's update peak ({tried[0]['update_peak_gib']:.1f} GiB) is over "
+                                f"{STEP4B_HEADROOM:.0%} of this {gpu_gib:.1f} GiB card; ran {plan4b['rows']}" if plan4b['fits'] else 'no row count fits')
+    rows = plan4b['rows']
     if cpu_sim: seq_len = 128                                  # the same code at a tiny shape
     elif not plan4b['fits']:
-        rec.put('skipped', f"the plan's update ({plan4b['update_allocated_gib']:.1f} GiB) does not fit this {gpu_gib:.1f} GiB card")
+        rec.put('skipped', f"the plan's update peak ({plan4b['update_peak_gib']:.1f} GiB for one row) is over {STEP4B_HEADROOM:.0%} of this {gpu_gib:.1f} GiB card")
         rec.done(True); return
-    cfg, p = step4b_plan(recompute, rows, seq_len, gpu_gib, cpu_sim)
+    cfg, p = step4b_plan(recompute, rows, seq_len, gpu_gib, cpu_sim, attention)
     arch = get_arch(cfg.model.name)
     dev = compute_device()
     rate = matmul_rate(cfg.model.dtype, 8192 if _cuda() else 512)
@@ -339,21 +361,48 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
             _sync(); t = time.perf_counter(); loss, norm = _step(be, batch); _sync()
             if i: secs.append(time.perf_counter() - t)
         peak = _peak()
+        built = be.attention
+        split = profile_step(be.model, lambda: _step(be, batch))   # after the peak: the profiler's buffers are not the step's
     finally: be.close(); del be; _gc()
     tokens = rows * seq_len
     med = statistics.median(secs)
     flops = model_flops(arch, tokens, seq_len)
     planned = p.allocated('update')
-    r = {'recompute': recompute, 'rows': rows, 'seq_len': seq_len, 'tokens': tokens, 'attention': p.details['attention'],
+    r = {'recompute': recompute, 'rows': rows, 'seq_len': seq_len, 'tokens': tokens, 'attention': built, 'planned_attention': p.details['attention'],
          'dtype': cfg.model.dtype, 'distributed_optimizer': cfg.batch.distributed_optimizer, 'build_s': build_s,
          'seconds_per_step': {'median': med, 'min': min(secs), 'max': max(secs), 'n': len(secs)}, 'tokens_per_s': tokens / med,
-         'model_tflops': flops / med / 1e12, 'matmul_tflops': rate / 1e12, 'fraction_of_matmul_rate': flops / med / rate,
+         'model_tflops': flops / med / 1e12, 'model_tflops_range': [flops / max(secs) / 1e12, flops / min(secs) / 1e12],
+         'matmul_tflops': rate / 1e12, 'fraction_of_matmul_rate': flops / med / rate,
          'loss': loss, 'grad_norm': norm, 'peak_gib': peak / GiB if peak is not None else None, 'plan_gib': planned / GiB,
          'peak_over_plan': peak / planned if peak is not None else None,
-         'plan_terms_gib': {k: v / GiB for k, v in p.update.items()}}
-    r['pass'] = math.isfinite(loss) and math.isfinite(norm) and (peak is None or peak <= planned)
+         'plan_terms_gib': {k: v / GiB for k, v in p.update.items()}, 'split': split}
+    r['pass'] = (math.isfinite(loss) and math.isfinite(norm) and (peak is None or peak <= planned)
+                 and built == attention == r['planned_attention'])
     rec.put('step', r)
     rec.done(r['pass'])
+
+
+def step4b_side_by_side(parts: dict) -> dict | None:
+    "The step4b parts that ran, side by side, and the fused path's goal: SDPA's model TFLOP/s over the local spec's (full recompute), its range from the repeats' extremes, and the fraction of the matmul rate."
+    steps = {n: parts[n]['results']['step'] for n in STEP4B if n in parts and 'step' in parts[n].get('results', {})}
+    if not steps: return None
+    rows = [{'part': n, **{k: s[k] for k in ('attention', 'recompute', 'rows', 'seq_len', 'tokens_per_s', 'model_tflops', 'fraction_of_matmul_rate',
+                                           'peak_gib', 'plan_gib')}, 'seconds_per_step': s['seconds_per_step']['median'],
+             'split': s['split']['share']} for n, s in steps.items()]
+    out = {'rows': rows}
+    lo, sd = steps.get('step4b-local-full'), steps.get('step4b-sdpa-full')
+    if lo and sd and (lo['rows'], lo['seq_len']) == (sd['rows'], sd['seq_len']):
+        ratio = sd['model_tflops'] / lo['model_tflops']
+        worst, best = sd['model_tflops_range'][0] / lo['model_tflops_range'][1], sd['model_tflops_range'][1] / lo['model_tflops_range'][0]
+        g = STEP4B_GOAL['sdpa_over_local_model_tflops']
+        out['sdpa_over_local'] = {'median': ratio, 'min': worst, 'max': best, 'goal': f'>= {g:g}',
+                                  'verdict': 'met' if worst >= g else 'not met' if best < g else 'undecided'}
+        f = sd['fraction_of_matmul_rate']
+        out['sdpa_fraction_of_matmul_rate'] = {'value': f, 'aim': STEP4B_GOAL['fraction_of_matmul_rate'],
+                                               'reached': f >= STEP4B_GOAL['fraction_of_matmul_rate']}
+        top = max((k for k in sd['split']['share'] if k != 'other'), key=lambda k: sd['split']['share'][k])
+        out['sdpa_largest_part'] = {'part': top, 'share': sd['split']['share'][top]}
+    return out
 
 
 def part_precision(rec: Recorder, cpu_sim: bool):
@@ -486,7 +535,7 @@ def write_report(out: Path, fixed: dict, status: dict, total_s: float) -> dict:
             'within_budget': total_s <= SUBSET_BUDGET_S, 'environment': fixed['environment'],
             'transformer_engine': fixed['transformer_engine'], 'device': fixed['device'],
             'tolerances': TOL, 'sequence_parallel': 'not checked: it needs TP >= 2, so at least 2 GPUs (part cluster)',
-            'doctor_rows': layout['rows']}
+            'doctor_rows': layout['rows'], 'step4b_side_by_side': step4b_side_by_side(parts)}
     _write(out, 'subset.json', body)
     (out / 'subset.md').write_text(render_md(layout, body, layout_lines))
     return body
@@ -542,7 +591,9 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
         elif name in STEP4B and r:
             q = r.get('plan_qwen3_4b')
             if q: L.append(f"Qwen3-4B plan at {q['rows']} x {q['seq_len']} tokens ({q['attention']}): {q['update_allocated_gib']:.1f} GiB allocated in the "
-                           f"update on a {q['gpu_gib']:.1f} GiB card: {'fits' if q['fits'] else 'does not fit'}")
+                           f"update, peak {q['update_peak_gib']:.1f} GiB on a {q['gpu_gib']:.1f} GiB card: "
+                           f"{'fits' if q['fits'] else 'does not fit'} (runs within {q['headroom']:.0%} of the card)")
+            if r.get('rows_reduced'): L.append(f"rows reduced: {r['rows_reduced']}")
             if r.get('skipped'): L.append(f"skipped: {r['skipped']}")
             s = r.get('step')
             if s: L.append(f"ran {s['rows']} x {s['seq_len']} tokens ({s['attention']}, {s['dtype']}): {_f(s['seconds_per_step']['median'])} s a step "
@@ -550,6 +601,7 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
                            f"{_f(s['model_tflops'])} model TFLOP/s = {_f(s['fraction_of_matmul_rate'])} of the {_f(s['matmul_tflops'])} TFLOP/s "
                            f"matmul rate measured here; peak {_f(s['peak_gib'])} GiB against the plan's {_f(s['plan_gib'])} GiB "
                            f"(peak / plan {_f(s['peak_over_plan'])})")
+            if s: L.append(f"one profiled step, {s['split']['clock']}: " + ', '.join(f"{k} {v:.0%}" for k, v in s['split']['share'].items()))
         elif name == 'precision' and r:
             t, c, k = r.get('training', {}), r.get('bf16_vs_fp32'), r.get('control_untrained')
             L.append(f"trained loss {_f(t.get('trained_loss'))} against ln V = {_f(t.get('uniform_loss_ln_vocab'))} (uniform)")
@@ -557,5 +609,23 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
                            f"(tol {TOL['loss_rel']:g} / {TOL['grad_norm_rel']:g}): {c['pass']}")
             if k: L.append(f"control (untrained model, same tolerance): loss rel diff {_f(k['loss_rel_diff'])}, grad norm rel diff "
                            f"{_f(k['grad_norm_rel_diff'])}: outside the tolerance {k['outside_tolerance']}")
+        L.append('')
+    sb = body.get('step4b_side_by_side')
+    if sb:
+        L += ['## The Qwen3-4B step side by side', '',
+              '| part | attention | recompute | tokens | s/step | tokens/s | model TFLOP/s | of matmul rate | peak / plan GiB | largest parts of one profiled step |',
+              '|---|---|---|---|---|---|---|---|---|---|']
+        for x in sb['rows']:
+            top = sorted(x['split'].items(), key=lambda kv: -kv[1])[:3]
+            L.append(f"| {x['part']} | {x['attention']} | {x['recompute']} | {x['rows']} x {x['seq_len']} | {_f(x['seconds_per_step'])} | "
+                     f"{_f(x['tokens_per_s'])} | {_f(x['model_tflops'])} | {_f(x['fraction_of_matmul_rate'])} | {_f(x['peak_gib'])} / {_f(x['plan_gib'])} | "
+                     + ', '.join(f"{k} {v:.0%}" for k, v in top) + ' |')
+        g = sb.get('sdpa_over_local')
+        if g:
+            f = sb['sdpa_fraction_of_matmul_rate']
+            L += ['', f"SDPA over the local spec, model TFLOP/s at full recompute: {_f(g['median'])} (range {_f(g['min'])}..{_f(g['max'])} from the "
+                      f"repeats' extremes); goal {g['goal']}: {g['verdict']}. SDPA reaches {_f(f['value'])} of the matmul rate (aim "
+                      f"{f['aim']:g}: {'reached' if f['reached'] else 'not reached'}); its largest part of the step is {sb['sdpa_largest_part']['part']} "
+                      f"({sb['sdpa_largest_part']['share']:.0%})."]
         L.append('')
     return '\n'.join(L)

@@ -152,12 +152,12 @@ def test_a_part_that_hangs_or_dies_hides_nothing_of_the_others(tmp_path, monkeyp
     monkeypatch.setattr(gpu_subset, 'PARTS', tuple((n, 2 if n == 'trainer' else c, w) for n, c, w in gpu_subset.PARTS))
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
     out = tmp_path / 'out'
-    body = gpu_subset.run_subset(out, True, ['weight_sync', 'trainer', 'engine', 'step4b-selective'], py=str(fake))
+    body = gpu_subset.run_subset(out, True, ['weight_sync', 'trainer', 'engine', 'step4b-sdpa-selective'], py=str(fake))
     v = {n: p['verdict'] for n, p in body['parts'].items()}
-    assert v == {'megatron': 'not run', 'weight_sync': 'passed', 'trainer': 'timeout', 'engine': 'error', 'step4b-full': 'not run',
-                 'step4b-selective': 'passed', 'precision': 'not run'}, v
+    assert v == {'megatron': 'not run', 'weight_sync': 'passed', 'trainer': 'timeout', 'engine': 'error', 'step4b-local-full': 'not run',
+                 'step4b-sdpa-full': 'not run', 'step4b-sdpa-selective': 'passed', 'step4b-te-full': 'not run', 'precision': 'not run'}, v
     assert body['parts']['trainer']['process']['timed_out'] and body['parts']['trainer']['process']['seconds'] < 60
     assert body['parts']['engine']['process']['rc'] == 137 and body['pass'] is False
     md = (out / 'subset.md').read_text()
-    assert '# gpu_check subset: FAIL' in md and '| trainer | timeout |' in md and '| step4b-selective | passed |' in md
+    assert '# gpu_check subset: FAIL' in md and '| trainer | timeout |' in md and '| step4b-sdpa-selective | passed |' in md
     assert json.loads((out / 'subset.json').read_text())['parts']['weight_sync']['results']['weight_sync']['pass']

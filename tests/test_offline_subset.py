@@ -88,7 +88,7 @@ def test_the_subset_runs_offline_from_the_carried_wheels(machine):
     r = _sh(['bash', 'scripts/gpu_check.sh', '--part', 'subset', '--cpu-simulation', '--out', str(out)], cwd=ROOT, env=env, timeout=1200)
     after = _repo_state()
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert r.stdout.count('on a GPU would run: Qwen3-4B') == 4, r.stdout[-3000:]      # the 4B plan, on a 139.8 and an 80 GiB card
+    assert r.stdout.count('on a GPU would run: Qwen3-4B') == 8, r.stdout[-3000:]      # 4 step4b parts' plans, on a 139.8 and an 80 GiB card
     js, mdp = out / 'subset' / 'subset.json', out / 'subset' / 'subset.md'
     assert js.is_file() and mdp.is_file(), sorted(str(p) for p in out.rglob('*'))
     assert '"layout": "reduced"' in ''.join(js.read_text().splitlines()[:3])
@@ -99,7 +99,8 @@ def test_the_subset_runs_offline_from_the_carried_wheels(machine):
     assert any('peak GPU memory' in x for x in rep['not_checked']) and any('sequence parallel' in x for x in rep['not_checked'])
     assert rep['environment']['megatron_core'] == '0.16.1' and rep['device'] == 'cpu'
     parts = rep['parts']
-    assert {n: p['verdict'] for n, p in parts.items()} == dict.fromkeys(parts, 'passed') and len(parts) == 7, parts
+    assert {n: p['verdict'] for n, p in parts.items()} == {**dict.fromkeys(parts, 'passed'), 'step4b-te-full': 'skipped'} and len(parts) == 9, parts
+    assert parts['step4b-te-full']['results'] == {'skipped': 'Transformer Engine is not installed here'}
     meg = parts['megatron']['results']
     assert list(meg) == ['none', 'selective', 'full']
     for g in meg.values():        # one megatron step per recompute mode, with the CPU stand-in, against the fp32 torch step
@@ -111,10 +112,17 @@ def test_the_subset_runs_offline_from_the_carried_wheels(machine):
     assert {b: (t['health'], t['kl_step1'], len(t['steps'])) for b, t in tr.items()} == {'torch': ('completed', 0.0, 2), 'megatron': ('completed', 0.0, 2)}
     eng = parts['engine']['results']['summary']
     assert eng['repeats'] == 5 and eng['ratio']['min'] > 0 and eng['verdict'] in ('met', 'not met', 'undecided')
-    for n in ('step4b-full', 'step4b-selective'):      # the same code at tiny shapes; the Qwen3-4B plan it would run
-        r = parts[n]['results']
+    for n, att in (('step4b-local-full', 'local'), ('step4b-sdpa-full', 'sdpa'), ('step4b-sdpa-selective', 'sdpa')):
+        r = parts[n]['results']                          # the same code at tiny shapes; the Qwen3-4B plan it would run
         assert r['plan_qwen3_4b']['seq_len'] == 4608 and r['step']['seq_len'] == 128 and r['step']['tokens_per_s'] > 0
-        assert 0 < r['step']['fraction_of_matmul_rate'] < 1
+        assert r['plan_qwen3_4b']['attention'] == r['step']['attention'] == att
+        # selective recompute keeps every layer's q, k, v and MLP input: 9,216 tokens are over 95% of an H200, so one row
+        assert r['plan_qwen3_4b']['rows'] == (1 if n == 'step4b-sdpa-selective' else 2) and ('rows_reduced' in r) == (n == 'step4b-sdpa-selective')
+        assert 0 < r['step']['fraction_of_matmul_rate'] < 1 and abs(sum(r['step']['split']['share'].values()) - 1) < 1e-9
+    sbs = rep['step4b_side_by_side']
+    assert [x['part'] for x in sbs['rows']] == ['step4b-local-full', 'step4b-sdpa-full', 'step4b-sdpa-selective']
+    assert sbs['sdpa_over_local']['min'] <= sbs['sdpa_over_local']['median'] <= sbs['sdpa_over_local']['max']
+    assert '## The Qwen3-4B step side by side' in (out / 'subset' / 'subset.md').read_text()
     pr = parts['precision']['results']
     assert pr['training']['trained_loss'] < 0.5 * pr['training']['uniform_loss_ln_vocab']
     assert pr['bf16_vs_fp32']['pass'] and pr['control_untrained']['outside_tolerance']
