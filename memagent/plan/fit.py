@@ -347,10 +347,9 @@ def _counterfactuals(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, syn
             add("attention=local (the CPU fallback spec on the GPUs)", _variant(cfg, **local), off)
             if cfg.batch.recompute != 'none':
                 add("attention=local+recompute=none", _variant(cfg, **local, **{'batch.recompute': 'none'}), off)
-            add("attention=sdpa (no Transformer Engine, no sequence parallel)",
-                _variant(cfg, **{'batch.attention': 'sdpa', 'batch.sequence_parallel': False}), off)
-        elif att == 'local': add("attention=sdpa (the fused core attention)", _variant(cfg, **{'batch.attention': 'sdpa'}), off)
-        else: add("attention=local (unfused, L x L scores)", _variant(cfg, **{'batch.attention': 'local'}), off)
+            add("attention=sdpa", _variant(cfg, **{'batch.attention': 'sdpa', 'batch.sequence_parallel': False}), off)   # without SP
+        elif att == 'local': add("attention=sdpa", _variant(cfg, **{'batch.attention': 'sdpa'}), off)
+        else: add("attention=local", _variant(cfg, **{'batch.attention': 'local'}), off)
         add('distributed_optimizer=' + str(not cfg.batch.distributed_optimizer),
             _variant(cfg, **{'batch.distributed_optimizer': not cfg.batch.distributed_optimizer}), off)
     if cfg.rollout.engine == 'sglang' and cfg.rollout.colocate:
