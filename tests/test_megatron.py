@@ -604,6 +604,21 @@ def test_sdpa_padding_never_changes_a_real_position(batch):
         assert (full[1, :7] - one[0]).abs().max() < 1e-6 and full[1, 7:].abs().max() == 0
 
 
+
+def test_sdpa_calls_the_fused_kernel_with_4d_grouped_inputs(batch, monkeypatch):
+    "What lets torch pick a fused CUDA kernel: 4-D [batch, heads, seq, head_dim] inputs, grouped keys as they are, causal; packed: one call per row and layer."
+    calls, real = [], torch.nn.functional.scaled_dot_product_attention
+    def spy(q, k, v, **kw):
+        calls.append((q.dim(), q.shape[:2], k.shape[1], kw))
+        return real(q, k, v, **kw)
+    monkeypatch.setattr(torch.nn.functional, 'scaled_dot_product_attention', spy)
+    for pack, shapes in ((True, [(1, 4)] * 3), (False, [(3, 4)])):
+        calls.clear()
+        be = mb.MegatronBackend(hf_model(tiny_qwen3()), attention='sdpa', pack_rows=pack)
+        with torch.no_grad(): be.logprobs(batch)
+        assert [tuple(c[1]) for c in calls] == shapes * 2                  # 2 layers; packed: the 3 rows one at a time
+        assert all(d == 4 and kv == 2 and kw['is_causal'] and kw['enable_gqa'] and 'attn_mask' not in kw for d, _, kv, kw in calls)
+
 def _job_attention_paths():
     return _attention_paths(_batch(), tp=2)
 

@@ -180,6 +180,7 @@ class SDPACoreAttention(torch.nn.Module):
         bounds = p.cu_seqlens_q.tolist()
         if bounds[0] != 0 or bounds[-1] != query.shape[0]:
             raise ValueError(f"SDPACoreAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
-        outs = [self._sdpa(*(x[a:e].transpose(0, 1) for x in (query, key, value))).transpose(0, 1)   # one row: [l, n, d]
+        # one row at a time, as a batch of one [1, n, l, d]: torch's fused CUDA kernels take 4-D inputs only (3-D falls back to math)
+        outs = [self._sdpa(*(x[a:e].transpose(0, 1)[None] for x in (query, key, value)))[0].transpose(0, 1)
                 for a, e in zip(bounds[:-1], bounds[1:])]
         return torch.cat(outs).flatten(1)[:, None]               # [t, 1, n * d], the thd layout megatron expects
