@@ -312,6 +312,7 @@ def _named_part(name: str) -> str | None:
 
 def split_events(events, device: bool) -> dict:
     "Seconds per `STEP_PARTS` entry from a profiler's `events()`: each operator's own (device or host) time in its nearest named range, or the part of the forward operator that created the autograd node it runs under."
+    from torch.autograd import DeviceType
     evs = sorted(events, key=lambda e: e.time_range.start)
     EVAL = 'autograd::engine::evaluate_function'
     def marker(e):
@@ -329,6 +330,9 @@ def split_events(events, device: bool) -> dict:
             if m and m[0] == 'part': created[e.sequence_nr] = m[1]
     out = dict.fromkeys(STEP_PARTS, 0.0)
     for e in evs:
+        # host-side operators only: each carries the kernels it launched; the profiler also lists every kernel (and
+        # the GPU side of each named range) as a device event of its own, which would count the same time twice
+        if e.device_type != DeviceType.CPU or e.is_async: continue
         t = (e.self_device_time_total if device else e.self_cpu_time_total) / 1e6
         if t <= 0: continue
         m = marker(e)
