@@ -11,11 +11,12 @@ from .report import md_table
 
 # %% auto #0
 __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_MODULE', 'AUDITED_FILES', 'CALL_SITE_WEIGHTS',
-           'N_CASES', 'FIXTURES_SCHEMA', 'RECEIPT_SCHEMA', 'EXPECT_KEYS', 'REBUILD_ORIGIN', 'AUDITED_PINS',
+           'N_CASES', 'FIXTURES_SCHEMA', 'RECEIPT_SCHEMA', 'EXPECT_KEYS', 'MEANING', 'FIXTURES_SHA256',
+           'PROTOCOL_SHA256', 'RECEIPT_FIELDS', 'AUDITED_FIELDS', 'CASE_FIELDS', 'REBUILD_ORIGIN', 'AUDITED_PINS',
            'AuditError', 'AuditRefused', 'VerificationError', 'default_report_dir', 'validate_fixtures',
            'load_fixtures', 'values_match', 'compare', 'check_checkout', 'load_reward_module', 'StubJudge', 'run_case',
-           'origin_problems', 'audited_upstream', 'run_audit', 'write_receipt', 'open_receipt', 'verify_receipt',
-           'summary_rows', 'summary_table', 'audit_cli']
+           'origin_problems', 'audited_upstream', 'run_audit', 'write_receipt', 'open_receipt', 'field_problems',
+           'wrong_shape', 'verify_receipt', 'summary_rows', 'summary_table', 'audit_cli']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
 PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
@@ -36,6 +37,15 @@ N_CASES = 16
 FIXTURES_SCHEMA = 'memagent.agemem_audit.fixtures/1'
 RECEIPT_SCHEMA = 'memagent.agemem_audit.receipt/1'
 EXPECT_KEYS = ('tool_stats', 'context_stats', 'memory_stats', 'breakdown', 'judge_calls', 'input_unchanged')
+# what the reader sees that no recomputation gives back is pinned here: the receipt's prose and the committed inputs
+MEANING = ('passed = the observed behaviour of the audited copy matched the expectations fixed before the run; it says '
+           'nothing about whether the reward is correct')
+FIXTURES_SHA256 = 'af0f4aefb6d835335c22147e1987919692194e99b101b3b39a754e225967416e'   # reports/agemem_audit/fixtures.json
+PROTOCOL_SHA256 = '8d65f99d47e3a5c7505776db30d82947b08849862fae9278cac63a48c7a2f2ab'   # reports/agemem_audit/protocol.md
+RECEIPT_FIELDS = ('schema', 'status', 'meaning', 'audited', 'pinned_official', 'call_site_weights', 'fixtures', 'protocol',
+                  'environment', 'summary', 'cases')
+AUDITED_FIELDS = ('repository', 'revision', 'obtained_from', 'files', 'executed', 'checkout_unchanged_after_run')
+CASE_FIELDS = ('id', 'group', 'judge', 'observed', 'checks')
 
 class AuditError(Exception):
     "Base error of the audit."
@@ -245,7 +255,7 @@ def _weights(fx: dict) -> dict:
 
 def _summary(cases) -> dict:
     "The receipt's `summary`, counted from each case's `id`, `judge` and recorded `checks` (a check matches only when its `match` is `true`)."
-    checks = [[x for x in c.get('checks') or [] if isinstance(x, dict)] for c in cases]
+    checks = [[x for x in c.get('checks') if isinstance(x, dict)] if isinstance(c.get('checks'), list) else [] for c in cases]
     bad = [sum(x.get('match') is not True for x in xs) for xs in checks]
     n = sum(map(len, checks))
     return {'cases': len(cases), 'cases_with_judge': sum(bool(c.get('judge')) for c in cases),
@@ -278,8 +288,7 @@ def run_audit(source_repo, report_dir=None) -> dict:
     return {
         'schema': RECEIPT_SCHEMA,
         'status': _status(audited['checkout_unchanged_after_run'], origin, summary),
-        'meaning': 'passed = the observed behaviour of the audited copy matched the expectations fixed before the '
-                   'run; it says nothing about whether the reward is correct',
+        'meaning': MEANING,
         'audited': audited,
         'pinned_official': dict(PINNED_OFFICIAL, audited=False),
         'call_site_weights': _weights(fx),
@@ -305,12 +314,27 @@ def open_receipt(receipt_path, fixtures_path, load, schema: str, error=None, als
     if missing: raise error(missing)
     try: rc = json.loads(receipt_path.read_text())
     except json.JSONDecodeError as e: raise error([f'{receipt_path}: line {e.lineno}: invalid JSON ({e.msg})'])
+    if not isinstance(rc, dict): raise error([f'{receipt_path}: a JSON {type(rc).__name__}, not the object a receipt is'])
     try: fx = load(fixtures_path)
     except ValueError as e: raise error([str(e)])
     problems = [] if rc.get('schema') == schema else [f'schema {rc.get("schema")!r} != {schema!r}']
-    if (got := sha256_file(fixtures_path)) != rc.get('fixtures', {}).get('sha256'):
-        problems.append(f'{fixtures_path.name} SHA-256 {got} differs from the receipt ({rc.get("fixtures", {}).get("sha256")})')
+    block = rc.get('fixtures') if isinstance(rc.get('fixtures'), dict) else {}
+    if (got := sha256_file(fixtures_path)) != block.get('sha256'):
+        problems.append(f'{fixtures_path.name} SHA-256 {got} differs from the receipt ({block.get("sha256")})')
     return rc, fx, problems
+
+def field_problems(where: str, d, fields, optional=()) -> list[str]:
+    "Each field of `d` missing from `fields` or not among `fields` and `optional`: a verifier refuses what no runner writes."
+    if not isinstance(d, dict): return [f'{where}: {type(d).__name__} {_short(d)}, not an object']
+    return ([f'{where}.{k}: missing' for k in fields if k not in d] +
+            [f'{where}.{k}: not a field the runner writes' for k in d if k not in fields and k not in optional])
+
+def _short(v, n=80) -> str:
+    s = repr(v); return s if len(s) <= n else s[:n - 3] + '...'
+
+def wrong_shape(receipt_path, error, e: Exception):
+    "The error a verifier raises when a receipt's values are of types no runner writes (instead of a traceback)."
+    return error([f'{receipt_path}: the receipt has the wrong shape somewhere its checks above did not name ({type(e).__name__}: {e})'])
 
 def _differs(field: str, stored, fresh) -> list[str]:
     "`[]` when `stored` and `fresh` are the same JSON value (`true` is not `1`, `1` is not `1.0`), else one line naming both."
@@ -321,12 +345,22 @@ def verify_receipt(report_dir=None, receipt_path=None) -> dict:
     "Re-check `receipt.json` against `fixtures.json` and `protocol.md`; raise `VerificationError` on any problem."
     report_dir = Path(report_dir) if report_dir else default_report_dir()
     receipt_path = Path(receipt_path) if receipt_path else report_dir / 'receipt.json'
+    try: return _verify(report_dir, receipt_path)
+    except (AttributeError, TypeError, KeyError, IndexError) as e: raise wrong_shape(receipt_path, VerificationError, e) from None
+
+def _verify(report_dir: Path, receipt_path: Path) -> dict:
     fx_path, proto_path = report_dir / 'fixtures.json', report_dir / 'protocol.md'
     # identity of inputs and of the audited copy
     rc, fx, problems = open_receipt(receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, also=(proto_path,))
-    if (got := sha256_file(proto_path)) != rc.get('protocol', {}).get('sha256'):
-        problems.append(f'protocol.md SHA-256 {got} differs from the receipt ({rc.get("protocol", {}).get("sha256")})')
-    aud = rc.get('audited', {})
+    problems += field_problems('receipt', rc, RECEIPT_FIELDS)
+    problems += _differs('meaning', rc.get('meaning'), MEANING)
+    for name, path, pinned in (('fixtures.json', fx_path, FIXTURES_SHA256), ('protocol.md', proto_path, PROTOCOL_SHA256)):
+        if (got := sha256_file(path)) != pinned:
+            problems.append(f'{name} SHA-256 {got} is not the committed one pinned in memagent.audit ({pinned})')
+    problems += _differs('fixtures', rc.get('fixtures'), {'path': 'fixtures.json', 'sha256': FIXTURES_SHA256})
+    problems += _differs('protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256})
+    aud = rc.get('audited') if isinstance(rc.get('audited'), dict) else {}
+    problems += field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
     origin = origin_problems(audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, AUDITED_PINS)
     problems += [f'audited copy: {p}' for p in origin]
     if aud.get('checkout_unchanged_after_run') is not True:
@@ -336,11 +370,12 @@ def verify_receipt(report_dir=None, receipt_path=None) -> dict:
     problems += _differs('pinned_official', rc.get('pinned_official'), dict(PINNED_OFFICIAL, audited=False))
     problems += _differs('call_site_weights', rc.get('call_site_weights'), _weights(fx))
     env = rc.get('environment')
-    if not (isinstance(env, dict) and all(isinstance(env.get(k), str) and env[k] for k in _environment())):
-        problems.append(f'environment {env!r} does not name {", ".join(_environment())}')
+    if not (isinstance(env, dict) and list(env) == list(_environment()) and all(isinstance(v, str) and v for v in env.values())):
+        problems.append(f'environment {env!r} is not what the runner writes: {", ".join(_environment())}, each a non-empty string')
     # completeness
     want = [c['id'] for c in fx['cases']]
-    cases = [c if isinstance(c, dict) else {} for c in rc.get('cases') or []]
+    if not isinstance(rc.get('cases'), list): problems.append(f"cases: {_short(rc.get('cases'))}, not a list")
+    cases = [c if isinstance(c, dict) else {} for c in rc.get('cases')] if isinstance(rc.get('cases'), list) else []
     got_ids = [c.get('id') for c in cases]
     for cid in want:
         n = got_ids.count(cid)
@@ -353,7 +388,11 @@ def verify_receipt(report_dir=None, receipt_path=None) -> dict:
     for case in fx['cases']:
         rec = by_id.get(case['id'])
         if rec is None: continue
+        problems += field_problems(f"case {case['id']!r}", rec, CASE_FIELDS)
         for k in ('group', 'judge'): problems += _differs(f"case {case['id']!r}: {k}", rec.get(k), case.get(k))
+        if not (isinstance(rec.get('observed'), dict) and isinstance(rec.get('checks'), list)):
+            problems.append(f"case {case['id']!r}: observed {_short(rec.get('observed'))} and checks {_short(rec.get('checks'))} "
+                            "must be an object and a list"); continue
         fresh = compare(case['expect'], rec.get('observed', {}), tol)
         problems += [f"case {case['id']!r}: {c['field']}: recorded {c['observed']!r}, expected {c['expected']!r}"
                      for c in fresh if not c['match']]
@@ -361,7 +400,7 @@ def verify_receipt(report_dir=None, receipt_path=None) -> dict:
             problems.append(f"case {case['id']!r}: recorded checks disagree with a fresh comparison")
     # every figure the reports show, recounted from the cases
     summary, stored = _summary(cases), rc.get('summary')
-    stored = stored if isinstance(stored, dict) else {}
+    if not isinstance(stored, dict): problems.append(f'summary: {_short(stored)}, not an object'); stored = {}
     for k in dict.fromkeys([*summary, *stored]):
         problems += _differs(f'summary.{k}', stored.get(k, _MISSING), summary.get(k, _MISSING))
     problems += _differs('status', rc.get('status'), _status(aud.get('checkout_unchanged_after_run'), origin, summary))

@@ -10,7 +10,7 @@ from importlib import metadata
 
 # %% auto #0
 __all__ = ['KEY_PACKAGES', 'sha256_file', 'sha256_bytes', 'sha256_text', 'sha256_dir', 'flatten', 'git_toplevel',
-           'changed_source_files', 'git_state', 'package_versions', 'host_info', 'provenance']
+           'changed_source_files', 'git_state', 'package_versions', 'host_info', 'provenance', 'provenance_problems']
 
 # %% ../nbs/01_provenance.ipynb #806a4499
 _BLOCK = 1 << 20
@@ -108,3 +108,48 @@ def provenance(repo='.', **extra) -> dict:
     rec.update(extra)
     json.dumps(rec)  # everything in it must be JSON-serializable; fail here, not when the output is written
     return rec
+
+# %% ../nbs/01_provenance.ipynb #fc0eaa5f
+_HOST_TYPES = {'python': str, 'platform': str, 'machine': str, 'cpu_count': (int, type(None)), 'hostname': str,
+               'torch_threads': int, 'cuda': (bool, type(None)), 'devices': list}
+
+def provenance_problems(rec, where: str = 'provenance', extra=()) -> list[str]:
+    "Each way `rec` departs from the shape `provenance()` writes (with the caller's `extra` keys): `[]` when it has that shape."
+    import re
+    if not isinstance(rec, dict): return [f'{where}: a {type(rec).__name__}, not the object provenance() writes']
+    base = ('created_utc', 'git', 'packages', 'host')
+    out = [f'{where}.{k}: missing' for k in (*base, *extra) if k not in rec]
+    out += [f'{where}.{k}: not a field provenance() writes' for k in rec if k not in (*base, *extra)]
+    t = rec.get('created_utc')
+    if 'created_utc' in rec and not (isinstance(t, str) and re.fullmatch(r'\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ', t)):
+        out.append(f'{where}.created_utc: {t!r} is not a UTC time as YYYY-MM-DDTHH:MM:SSZ')
+    g = rec.get('git')
+    if 'git' in rec:
+        if not isinstance(g, dict): out.append(f'{where}.git: {g!r} is not an object')
+        else:
+            out += [f'{where}.git.{k}: not a field git_state() writes' for k in g if k not in ('commit', 'dirty', 'changed', 'reason')]
+            c, d = g.get('commit'), g.get('dirty')
+            if c is None:
+                if d is not None or not isinstance(g.get('reason'), str): out.append(f'{where}.git: no commit, so dirty must be null and a reason given')
+            elif not (isinstance(c, str) and re.fullmatch(r'[0-9a-f]{40}', c)): out.append(f'{where}.git.commit: {c!r} is not a 40-hex commit')
+            elif not isinstance(d, bool): out.append(f'{where}.git.dirty: {d!r} is not true or false')
+            elif d != bool(g.get('changed')) or ('changed' in g and not (isinstance(g['changed'], list) and all(isinstance(x, str) for x in g['changed']))):
+                out.append(f"{where}.git: dirty={d!r} disagrees with the changed files it lists ({g.get('changed')!r})")
+    p = rec.get('packages')
+    if 'packages' in rec:
+        if not isinstance(p, dict) or list(p) != list(KEY_PACKAGES):
+            out.append(f'{where}.packages: {sorted(p) if isinstance(p, dict) else p!r} are not the packages {list(KEY_PACKAGES)}')
+        else: out += [f'{where}.packages.{k}: {v!r} is not a version or null' for k, v in p.items() if not (v is None or (isinstance(v, str) and v))]
+    h = rec.get('host')
+    if 'host' in rec:
+        if not isinstance(h, dict): out.append(f'{where}.host: {h!r} is not an object')
+        else:
+            out += [f'{where}.host.{k}: missing' for k in ('python', 'platform', 'machine', 'cpu_count', 'hostname', 'cuda') if k not in h]
+            out += [f'{where}.host.{k}: not a field host_info() writes' if k not in _HOST_TYPES else f'{where}.host.{k}: {v!r} has the wrong type'
+                    for k, v in h.items() if k not in _HOST_TYPES or not _typed(v, _HOST_TYPES[k])]
+    return out
+
+def _typed(v, t) -> bool:
+    "`isinstance(v, t)`, except that a bool is not an int here."
+    ts = t if isinstance(t, tuple) else (t,)
+    return isinstance(v, ts) and (bool in ts or not isinstance(v, bool))

@@ -121,6 +121,62 @@ def test_changed_difference_table_fails(copies):
         verify_receipt(receipt, fixtures)
 
 
+
+# ---- what cannot be recomputed is pinned or held to the runner's shape; an unknown field or a wrong shape is refused ----
+
+def _git(rc, **kw): rc['provenance']['git'] = {**rc['provenance']['git'], **kw}
+
+UNRECOMPUTABLE = [
+    ('meaning', lambda rc: rc.update(meaning='passed = our semantics are the right ones'), 'meaning: the receipt says'),
+    ('added claim', lambda rc: rc.update(reviewed_by='an independent auditor'), 'receipt.reviewed_by: not a field the runner writes'),
+    ('environment emptied', lambda rc: rc.update(environment={}), 'environment {} is not what the runner writes'),
+    ('provenance missing', lambda rc: rc.pop('provenance'), 'receipt.provenance: missing'),
+    ('provenance dirty a string', lambda rc: _git(rc, dirty='no'), "provenance.git.dirty: 'no' is not true or false"),
+    ('provenance dirty without changed files', lambda rc: _git(rc, dirty=True), 'provenance.git: dirty=True disagrees with the changed files'),
+    ('provenance commit', lambda rc: _git(rc, commit='e6c3f51'), "provenance.git.commit: 'e6c3f51' is not a 40-hex commit"),
+    ('provenance added field', lambda rc: rc['provenance'].update(reviewed=True), 'provenance.reviewed: not a field provenance() writes'),
+    ('mode block added field', lambda rc: rc['modes']['relax'].update(note='fine'), 'modes.relax.note: not a field the runner writes'),
+    ('case added field', lambda rc: rc['modes']['official']['cases'][0].update(note='fine'), "modes.official: case 'case_upper'.note: not a field"),
+]
+
+
+@pytest.mark.parametrize('edit,message', [u[1:] for u in UNRECOMPUTABLE], ids=[u[0] for u in UNRECOMPUTABLE])
+def test_an_unrecomputable_field_edited_is_refused(copies, edit, message):
+    receipt, fixtures = copies
+    _edit_receipt(receipt, edit)
+    with pytest.raises(VerificationError) as e: verify_receipt(receipt, fixtures)
+    assert message in str(e.value)
+
+
+def test_fixtures_edited_with_the_receipts_hash_of_them_are_refused(copies):
+    "The fixture file rewritten (the same records, other bytes) and the receipt's hash updated to match: the hash pinned in the code refuses it."
+    from memagent.provenance import sha256_file
+    receipt, fixtures = copies
+    lines = fixtures.read_text(encoding='utf-8').splitlines()
+    lines[0] = json.dumps(json.loads(lines[0]), ensure_ascii=False, separators=(',', ':'))
+    fixtures.write_text('\n'.join(lines) + '\n', encoding='utf-8')
+    _edit_receipt(receipt, lambda rc: rc['fixtures'].update(sha256=sha256_file(fixtures)))
+    with pytest.raises(VerificationError) as e: verify_receipt(receipt, fixtures)
+    assert 'is not the committed one pinned in memagent.parity' in str(e.value)
+
+
+WRONG_SHAPES = [('a list', lambda rc: [rc], 'a JSON list, not the object a receipt is'),
+                ('modes a list', lambda rc: {**rc, 'modes': []}, 'modes: list [], not an object'),
+                ('a mode a string', lambda rc: {**rc, 'modes': {**rc['modes'], 'relax': 'agreed'}}, "modes.relax: str 'agreed', not an object"),
+                ('cases an object', lambda rc: {**rc, 'modes': {**rc['modes'], 'official': {**rc['modes']['official'], 'cases': {}}}},
+                 'modes.official.cases: {}, not a list of objects'),
+                ('fixtures a list', lambda rc: {**rc, 'fixtures': []}, 'fixtures: list [], not an object'),
+                ('a summary a list', lambda rc: {**rc, 'modes': {**rc['modes'], 'relax': {**rc['modes']['relax'], 'summary': []}}},
+                 'relax: summary')]
+
+
+@pytest.mark.parametrize('make,message', [w[1:] for w in WRONG_SHAPES], ids=[w[0] for w in WRONG_SHAPES])
+def test_a_receipt_of_the_wrong_shape_fails_verification_with_a_reason(copies, make, message):
+    receipt, fixtures = copies
+    receipt.write_text(json.dumps(make(json.loads(receipt.read_text()))))
+    with pytest.raises(VerificationError) as e: verify_receipt(receipt, fixtures)
+    assert message in str(e.value)
+
 def test_modes_interface():
     assert set(MODES) == {'relax', 'official'}
     for m in MODES.values():

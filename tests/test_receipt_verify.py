@@ -143,3 +143,59 @@ def test_report_readme_figures_are_the_receipts():
     totals = {f"{c['observed']['breakdown']['total']:.6f}".rstrip('0') for c in rc['cases']}
     stray = [x for x in _report_numbers(readme) if len(x.split('.')[1]) == 6 and x.rstrip('0') not in totals]
     assert not stray, f'totals in README.md that no receipt case holds: {stray}'
+
+
+# ---- what cannot be recomputed is pinned or held to the runner's shape; an unknown field or a wrong shape is refused ----
+
+UNRECOMPUTABLE = [
+    ('meaning', lambda rc: rc.update(meaning='passed = the reward is correct'), "meaning: stored 'passed = the reward is correct'"),
+    ('added claim', lambda rc: rc.update(reviewed_by='an independent auditor'), 'receipt.reviewed_by: not a field the runner writes'),
+    ('environment emptied', lambda rc: rc.update(environment={}), 'environment {} is not what the runner writes'),
+    ('environment extra field', lambda rc: rc['environment'].update(gpu='H200'), 'is not what the runner writes'),
+    ('audited extra field', lambda rc: rc['audited'].update(reviewed=True), 'audited.reviewed: not a field the runner writes'),
+    ('case extra field', lambda rc: rc['cases'][0].update(note='fine'), "case 'update_succeeded'.note: not a field the runner writes"),
+    ('fixtures path', lambda rc: rc['fixtures'].update(path='other.json'), "fixtures: stored {'path': 'other.json'"),
+]
+
+
+@pytest.mark.parametrize('edit,message', [u[1:] for u in UNRECOMPUTABLE], ids=[u[0] for u in UNRECOMPUTABLE])
+def test_an_unrecomputable_field_edited_is_refused(tmp_path, edit, message):
+    with pytest.raises(VerificationError) as e: verify_receipt(_tampered(tmp_path, edit))
+    assert message in str(e.value)
+
+
+def test_fixtures_edited_with_the_receipts_hash_of_them_are_refused(tmp_path):
+    "An expectation changed in fixtures.json and the receipt's hash updated to match: the hash pinned in the code still refuses it."
+    from memagent.provenance import sha256_file
+    d = _tampered(tmp_path, lambda rc: None)
+    fx = json.loads((d / 'fixtures.json').read_text()); fx['cases'][0]['note'] += ' (edited)'
+    (d / 'fixtures.json').write_text(json.dumps(fx, indent=1) + '\n')
+    rc = json.loads((d / 'receipt.json').read_text()); rc['fixtures']['sha256'] = sha256_file(d / 'fixtures.json')
+    (d / 'receipt.json').write_text(json.dumps(rc, indent=1) + '\n')
+    with pytest.raises(VerificationError) as e: verify_receipt(d)
+    assert 'fixtures.json SHA-256' in str(e.value) and 'is not the committed one pinned in memagent.audit' in str(e.value)
+
+
+WRONG_SHAPES = [('a list', lambda rc: [rc], 'a JSON list, not the object a receipt is'),
+                ('cases an object', lambda rc: {**rc, 'cases': {'a': 1}}, "cases: {'a': 1}, not a list"),
+                ('audited a list', lambda rc: {**rc, 'audited': []}, 'audited: list [], not an object'),
+                ('summary a string', lambda rc: {**rc, 'summary': 'all good'}, "summary: 'all good', not an object"),
+                ('observed a list', lambda rc: {**rc, 'cases': [{**rc['cases'][0], 'observed': []}, *rc['cases'][1:]]},
+                 "case 'update_succeeded': observed [] and checks"),
+                ('checks a number', lambda rc: {**rc, 'cases': [{**rc['cases'][0], 'checks': 3}, *rc['cases'][1:]]},
+                 "case 'update_succeeded': observed {"),
+                ('a value no runner writes', lambda rc: {**rc, 'cases': [{**rc['cases'][0], 'observed': {'memory_stats': 7}}, *rc['cases'][1:]]},
+                 "memory_stats: recorded 7"),
+                ('files a number', lambda rc: {**rc, 'audited': {**rc['audited'], 'files': 5}}, 'audited copy: files is int, not an object'),
+                ('an id that is a list', lambda rc: {**rc, 'cases': [{**rc['cases'][0], 'id': ['x']}, *rc['cases'][1:]]},   # the net under
+                 "the receipt has the wrong shape somewhere its checks above did not name (TypeError: unhashable type: 'list')")]   # the checks
+
+
+@pytest.mark.parametrize('make,message', [w[1:] for w in WRONG_SHAPES], ids=[w[0] for w in WRONG_SHAPES])
+def test_a_receipt_of_the_wrong_shape_fails_verification_with_a_reason(tmp_path, make, message, capsys):
+    "The verifier and `memagent-audit --verify` name the reason (exit 1, 'VERIFY FAILED'); no traceback escapes."
+    d = _tampered(tmp_path, lambda rc: None)
+    (d / 'receipt.json').write_text(json.dumps(make(json.loads((d / 'receipt.json').read_text()))))
+    with pytest.raises(VerificationError) as e: verify_receipt(d)
+    assert message in str(e.value)
+    assert audit_cli(['--verify', '--report-dir', str(d)]) == 1 and 'VERIFY FAILED' in capsys.readouterr().err

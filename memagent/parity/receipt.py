@@ -6,23 +6,31 @@
 from __future__ import annotations
 import json, math, platform
 from pathlib import Path
-from ..provenance import sha256_file
-from ..audit import open_receipt, origin_problems
+from ..provenance import sha256_file, provenance_problems
+from ..audit import open_receipt, origin_problems, field_problems, wrong_shape
 from ..reward import REWARDS, score_prediction, official_hotpotqa
 from .modes import OfficialAbort, official_prediction, official_item_metrics, official_summary_extras
 from .upstream import (OFFICIAL_REPOSITORY, OFFICIAL_REVISION, OFFICIAL_FILES, RELAX_REPOSITORY, RELAX_FILES,
                                       STUBS, ParityError, check_official, check_relax, run_official, run_relax)
 
 # %% auto #0
-__all__ = ['FIXTURES_PATH', 'RECEIPT_SCHEMA', 'MIN_FIXTURES', 'COMPARED', 'VerificationError', 'repo_root', 'load_fixtures',
-           'ours', 'same', 'compare', 'ours_aggregate', 'mode_differences', 'run_parity', 'receipt_status',
-           'write_receipt', 'verify_receipt', 'differences_table', 'differences_count', 'source_table']
+__all__ = ['FIXTURES_PATH', 'RECEIPT_SCHEMA', 'MIN_FIXTURES', 'COMPARED', 'MEANING', 'FIXTURES_SHA256', 'RECEIPT_FIELDS',
+           'MODE_FIELDS', 'CASE_FIELDS', 'VerificationError', 'repo_root', 'load_fixtures', 'ours', 'same', 'compare',
+           'ours_aggregate', 'mode_differences', 'run_parity', 'receipt_status', 'write_receipt', 'verify_receipt',
+           'differences_table', 'differences_count', 'source_table']
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #b8a3ecf9
 FIXTURES_PATH = 'data/parity/fixtures.jsonl'
 RECEIPT_SCHEMA = 'memagent.parity.receipt/1'
 MIN_FIXTURES = 80
 COMPARED = ('prediction', 'em', 'sub_em', 'f1', 'boxed_em')   # the per-item fields every mode is compared on
+# what no recomputation gives back is pinned here: the receipt's prose and the committed fixtures
+MEANING = ('passed = on every fixture (and every fuzz draw, where the receipt has a fuzz section) the upstream functions and '
+           "this project's parity mode gave the same outputs (and the same aggregates); failed = some did not, each listed; it "
+           'says nothing about which semantics is better')
+FIXTURES_SHA256 = 'f1fddb477b53a46dcfe099e1b20ed9d4f137fb22117695cdae3f3b7000d5c988'   # data/parity/fixtures.jsonl
+RECEIPT_FIELDS = ('schema', 'status', 'meaning', 'fixtures', 'stubs', 'environment', 'modes', 'mode_differences', 'provenance')
+MODE_FIELDS, CASE_FIELDS = ('upstream', 'cases', 'aggregate', 'summary'), ('id', 'upstream', 'ours', 'checks')
 
 class VerificationError(ParityError):
     "A receipt does not match the fixtures or our functions; `.problems` lists every reason."
@@ -171,9 +179,7 @@ def run_parity(official_dir, relax_dir, fixtures_path=None) -> dict:
     unchanged = check_official(official_dir) == off_src and check_relax(relax_dir) == rel_src
     for m in modes.values(): m['upstream']['unchanged_after_run'] = unchanged
     rc = {'schema': RECEIPT_SCHEMA, 'status': None,
-          'meaning': 'passed = on every fixture (and every fuzz draw, where the receipt has a fuzz section) the upstream '
-                     'functions and this project\'s parity mode gave the same outputs (and the same aggregates); failed = '
-                     'some did not, each listed; it says nothing about which semantics is better',
+          'meaning': MEANING,
           'fixtures': {'path': FIXTURES_PATH, 'sha256': sha256_file(fx_path), 'count': len(fixtures)},
           'stubs': STUBS, 'environment': _environment(), 'modes': modes,
           'mode_differences': mode_differences(fixtures)}
@@ -257,15 +263,37 @@ def verify_receipt(receipt_path=None, fixtures_path=None) -> dict:
     root = repo_root()
     receipt_path = Path(receipt_path) if receipt_path else root / 'reports/parity/receipt.json'
     fx_path = Path(fixtures_path) if fixtures_path else root / FIXTURES_PATH
+    try: return _verify(receipt_path, fx_path)
+    except (AttributeError, TypeError, KeyError, IndexError) as e: raise wrong_shape(receipt_path, VerificationError, e) from None
+
+def _verify(receipt_path: Path, fx_path: Path) -> dict:
     rc, fixtures, problems = open_receipt(receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, error=VerificationError)
-    if rc.get('fixtures', {}).get('count') != len(fixtures):
-        problems.append(f'receipt counts {rc.get("fixtures", {}).get("count")} fixtures, the file has {len(fixtures)}')
-    if rc.get('fixtures', {}).get('path') != FIXTURES_PATH: problems.append(f'receipt names fixtures {rc.get("fixtures", {}).get("path")!r}, not {FIXTURES_PATH!r}')
+    # what cannot be recomputed: pinned (prose, the committed fixtures) or held to the shape the runner writes
+    problems += field_problems('receipt', rc, RECEIPT_FIELDS, optional=('fuzz',))
+    if rc.get('meaning') != MEANING: problems.append(f"meaning: the receipt says {_short(rc.get('meaning'))}, the code writes {_short(MEANING)}")
+    if (got := sha256_file(fx_path)) != FIXTURES_SHA256:
+        problems.append(f'{fx_path.name} SHA-256 {got} is not the committed one pinned in memagent.parity ({FIXTURES_SHA256})')
+    problems += field_problems('fixtures', rc.get('fixtures'), ('path', 'sha256', 'count'))
+    fxb = rc.get('fixtures') if isinstance(rc.get('fixtures'), dict) else {}
+    if fxb.get('count') != len(fixtures): problems.append(f'receipt counts {fxb.get("count")} fixtures, the file has {len(fixtures)}')
+    if fxb.get('path') != FIXTURES_PATH: problems.append(f'receipt names fixtures {fxb.get("path")!r}, not {FIXTURES_PATH!r}')
     if rc.get('stubs') != STUBS: problems.append('the recorded stubs differ from STUBS')
+    env = rc.get('environment')
+    if not (isinstance(env, dict) and list(env) == list(_environment()) and all(isinstance(v, str) and v for v in env.values())):
+        problems.append(f'environment {_short(env)} is not what the runner writes: {", ".join(_environment())}, each a non-empty string')
+    if 'provenance' in rc: problems += provenance_problems(rc['provenance'])
+    modes = rc.get('modes') if isinstance(rc.get('modes'), dict) else {}
+    problems += field_problems('modes', rc.get('modes'), ('official', 'relax'))
     fresh = {}
     for mode in ('official', 'relax'):
-        if mode not in rc.get('modes', {}): problems.append(f'mode {mode!r} missing from the receipt'); continue
-        fresh[mode] = _verify_mode(mode, rc['modes'][mode], fixtures, problems)
+        if mode not in modes: continue
+        block = modes[mode]
+        if (bad := field_problems(f'modes.{mode}', block, MODE_FIELDS)) and not isinstance(block, dict): problems += bad; continue
+        problems += bad
+        if not isinstance(block.get('cases'), list) or not all(isinstance(c, dict) for c in block['cases']):
+            problems.append(f"modes.{mode}.cases: {_short(block.get('cases'))}, not a list of objects"); continue
+        problems += [p for c in block['cases'] for p in field_problems(f"modes.{mode}: case {c.get('id')!r}", c, CASE_FIELDS)]
+        fresh[mode] = _verify_mode(mode, block, fixtures, problems)
     if rc.get('mode_differences') != _json(mode_differences(fixtures)):
         problems.append('the recorded table of mode differences is not what the current code gives')
     status = receipt_status({'modes': fresh, 'fuzz': rc.get('fuzz')}) if len(fresh) == 2 else None
