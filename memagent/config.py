@@ -13,8 +13,8 @@ import yaml
 __all__ = ['CHOICES', 'NONEMPTY', 'RANGES', 'PRESETS', 'ModelCfg', 'DataCfg', 'ChunkingCfg', 'PromptCfg', 'RolloutCfg', 'GRPOCfg',
            'LossCfg', 'OptimCfg', 'BatchCfg', 'ScheduleCfg', 'EvalCfg', 'HealthCfg', 'Config', 'get_key', 'config_keys',
            'Range', 'apply_overrides', 'from_dict', 'save_config', 'load_config', 'injected_params',
-           'refuse_unknown_params', 'qwen3_4b_frozen', 'qwen3_06b_pilot', 'memagent_official', 'cpu_demo', 'tiny',
-           'get_preset']
+           'refuse_unknown_params', 'folder_name', 'qwen3_4b_frozen', 'qwen3_06b_pilot', 'memagent_official',
+           'cpu_demo', 'tiny', 'get_preset']
 
 # %% ../nbs/00_config.ipynb #c20a9c38
 @dataclass
@@ -478,6 +478,16 @@ def refuse_unknown_params(namespace: dict, known) -> None:
         say = lambda n: f"{n!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(n, known, n=1)) else repr(n)
         raise ValueError(f"unknown parameter{'s' if len(bad) > 1 else ''} {', '.join(map(say, bad))}: "
                          f"this notebook's parameters are {known}")
+
+def folder_name(value, param: str, empty_ok: bool = False):
+    "`value` if it names one folder inside its output root (one path component, not '.' or '..'); a `ValueError` naming `param` otherwise; '' or None pass when `empty_ok` (the notebook then names the run itself)."
+    if empty_ok and value in ('', None): return value
+    import pathlib
+    if not (isinstance(value, str) and value and value not in ('.', '..') and '\\' not in value and '\0' not in value
+            and pathlib.PurePosixPath(value).name == value):
+        raise ValueError(f"parameter {param}: {value!r} must name one folder inside the output root (no '/', '\\', '.' or '..'), "
+                         "so the run cannot write outside it")
+    return value
 
 # %% ../nbs/00_config.ipynb #3a2f7c0f
 def qwen3_4b_frozen() -> Config:

@@ -9,7 +9,7 @@ from memagent.config import (PRESETS, RANGES, Config, _numeric, apply_overrides,
                              injected_params, load_config, refuse_unknown_params, save_config)
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_NOTEBOOKS = ('train', 'smoke', 'bench', 'agemem_audit', 'rehearsal', 'simulate')
+RUN_NOTEBOOKS = ('train', 'smoke', 'bench', 'agemem_audit', 'rehearsal', 'simulate', 'acceptance', 'launch', 'parity', 'plan')
 
 
 def _refused(overrides, *needles):
@@ -206,9 +206,36 @@ def test_run_notebook_checks_its_parameters_right_after_the_parameters_cell(name
     assert all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in body[:at]) and at <= 1, name
 
 
+
+RUN_NAME_PARAM = {'train': 'run', 'smoke': 'run', 'bench': 'run', 'rehearsal': 'run', 'simulate': 'run', 'acceptance': 'run_name',
+                  'launch': 'run', 'plan': 'run'}      # agemem_audit and parity take folders (paths by design), no run name
+
+
+@pytest.mark.parametrize('name', RUN_NOTEBOOKS)
+def test_run_notebook_confines_its_run_name_to_one_folder(name):
+    """The parameter check of each run notebook, run directly (its parameters cell, then its check cell up to the run-name
+    rule): a run name that would leave the output folder is refused, naming the parameter, before anything is written."""
+    cells = [c for c in _nb_cells(name) if c['cell_type'] == 'code']
+    i = next(i for i, c in enumerate(cells) if 'parameters' in c.get('metadata', {}).get('tags', []))
+    params, tree = ''.join(cells[i]['source']), ast.parse(''.join(cells[i + 1]['source']))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, 'id', None) == 'folder_name']
+    if name not in RUN_NAME_PARAM:
+        assert not calls and not any(p in ('run', 'run_name') for p in _param_names(params)), name; return
+    param = RUN_NAME_PARAM[name]
+    assert [c.args[0].id for c in calls] == [param], name
+    at = next(j for j, n in enumerate(tree.body) if any(c is calls[0] for c in ast.walk(n)))
+    check = ast.Module(body=tree.body[:at + 1], type_ignores=[])
+    for bad in ('../elsewhere', '/tmp/elsewhere', 'a/b', '..'):
+        ns = {}
+        exec(compile(params, f'{name}:parameters', 'exec'), ns)
+        ns[param] = bad
+        with pytest.raises(ValueError, match=f'parameter {param}: '): exec(compile(check, f'{name}:check', 'exec'), ns)
+    ns = {}; exec(compile(params, f'{name}:parameters', 'exec'), ns); exec(compile(check, f'{name}:check', 'exec'), ns)   # the default passes
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize('name,misspelt,known', [('train', 'eval_itemz', 'eval_items'), ('smoke', 'stepz', 'steps'),
-                                                 ('bench', 'n_trajs', 'n_traj'), ('agemem_audit', 'mod', 'mode')])
+                                                 ('bench', 'n_trajs', 'n_traj'), ('agemem_audit', 'mod', 'mode'),
+                                                 ('acceptance', 'tolerance', 'tolerance_pp')])
 def test_run_notebook_refuses_unknown_parameter(tmp_path, name, misspelt, known):
     pytest.importorskip('papermill')
     out = tmp_path / 'out'
@@ -218,6 +245,7 @@ def test_run_notebook_refuses_unknown_parameter(tmp_path, name, misspelt, known)
     if name == 'smoke': cmd += ['-p', 'out_dir', str(out), '-p', 'report_dir', str(out)]
     if name == 'bench': cmd += ['-p', 'out_root', str(out)]
     if name == 'agemem_audit': cmd += ['-p', 'report_dir', str(out)]
+    if name == 'acceptance': cmd += ['-p', 'out_root', str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     text = r.stdout + r.stderr
     assert r.returncode != 0, text[-3000:]
