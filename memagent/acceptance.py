@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, json, math, os, sys
 from pathlib import Path
 import numpy as np
-from .provenance import flatten, provenance, sha256_file
+from .provenance import flatten, provenance, sha256_file, refuse_overwrite
 from .evaluate import COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, metric_names, records_parity, score_record, summarize
 from .stats import paired_bootstrap_ci
 
@@ -285,6 +285,11 @@ def _cli_runs(items) -> object:
         k, v = it.split('=', 1); out[k] = _cli_path(Path(v))
     return out
 
+def _files(p) -> list[Path]:
+    "The files under `p` (a run directory or a directory of them), or `p` itself: what `compare` may read."
+    p = Path(p)
+    return sorted(f for f in p.rglob('*') if f.is_file()) if p.is_dir() else [p]
+
 def compare_cli(argv=None) -> int:
     "Console script `memagent-compare`: writes the report JSON; exit 0 when it passes, 1 when not, 2 on bad input."
     ap = argparse.ArgumentParser(prog='memagent-compare', description='Acceptance comparison of evaluation runs.')
@@ -294,6 +299,8 @@ def compare_cli(argv=None) -> int:
     ap.add_argument('--no-hotpotqa', action='store_true', help='do not require the HotpotQA boxed-EM run')
     a = ap.parse_args(argv)
     try:
+        read = {f'--{r} file': [f for p in getattr(a, r) for f in _files(p.split('=', 1)[-1])] for r in ('candidate', 'reference', 'base')}
+        refuse_overwrite(read, {'--out': a.out})
         rep = compare(_cli_runs(a.candidate), _cli_runs(a.reference), _cli_runs(a.base), tolerance_pp=a.tolerance_pp,
                       lengths=a.lengths, seed=a.seed, require_hotpotqa=not a.no_hotpotqa)
     except (OSError, ValueError) as e:

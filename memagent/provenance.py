@@ -10,7 +10,8 @@ from importlib import metadata
 
 # %% auto #0
 __all__ = ['KEY_PACKAGES', 'sha256_file', 'sha256_bytes', 'sha256_text', 'sha256_dir', 'flatten', 'git_toplevel',
-           'changed_source_files', 'git_state', 'package_versions', 'host_info', 'provenance', 'provenance_problems']
+           'changed_source_files', 'git_state', 'package_versions', 'host_info', 'provenance', 'provenance_problems',
+           'refuse_overwrite']
 
 # %% ../nbs/01_provenance.ipynb #806a4499
 _BLOCK = 1 << 20
@@ -153,3 +154,18 @@ def _typed(v, t) -> bool:
     "`isinstance(v, t)`, except that a bool is not an int here."
     ts = t if isinstance(t, tuple) else (t,)
     return isinstance(v, ts) and (bool in ts or not isinstance(v, bool))
+
+# %% ../nbs/01_provenance.ipynb #31d66846
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if a.exists() and b.exists(): return os.path.samefile(a, b)
+    except OSError: pass
+    return a.resolve() == b.resolve()
+
+def refuse_overwrite(inputs: dict, outputs: dict) -> None:
+    "Raise `ValueError` naming both paths when an output path is one of the inputs (`inputs`/`outputs`: name -> path or list of paths; None skipped)."
+    def items(d): return [(k, Path(p)) for k, v in d.items() for p in (v if isinstance(v, (list, tuple)) else [v]) if p is not None]
+    for on, o in items(outputs):
+        for i_n, i in items(inputs):
+            if _same_file(o, i):
+                raise ValueError(f"the {on} {o} is the {i_n} {i}: writing it would replace the input; give another output path")

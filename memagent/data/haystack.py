@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, random, sys
 from pathlib import Path
 
-from ..provenance import provenance
+from ..provenance import provenance, refuse_overwrite
 from .readers import SCHEMA_FIELDS, BadRecord, DataError, RowError, format_documents, hotpotqa_path
 from .readers import iter_records, location_unit, paragraph_text, write_examples
 from .readers import _answers, _check_limit, _cli_error, _file_record, _hotpot_paragraphs, _repo_root
@@ -107,6 +107,8 @@ def haystack_cli(argv=None) -> int:
     ap.add_argument('--quiet', action='store_true', help='no progress bar')
     a = ap.parse_args(argv)
     try:
+        refuse_overwrite({'pool': a.pool, 'questions': a.questions},
+                         {'output': a.out, 'manifest': a.manifest or Path(a.out).with_name(Path(a.out).name + '.manifest.json')})
         pool_rows = load_hotpotqa(a.pool)
         qrows = load_hotpotqa(a.questions) if a.questions else pool_rows
         exs = build_haystack(qrows, doc_pool(pool_rows), a.num_docs, seed=a.seed, shuffle=a.shuffle, limit=a.limit,
