@@ -8,17 +8,21 @@ import argparse, json, math, os, sys
 from pathlib import Path
 import numpy as np
 from .provenance import flatten, provenance, sha256_file, refuse_overwrite
-from .evaluate import COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, metric_names, records_parity, score_record, summarize
+from .evaluate import (COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, metric_names, read_records, records_parity,
+                               score_record, summarize)
 from .stats import paired_bootstrap_ci
 
 # %% auto #0
-__all__ = ['JUDGED', 'HOTPOTQA', 'SHOWN', 'ROLES', 'CompareError', 'comparable_fields', 'recompute', 'record_items',
-           'data_identity', 'load_run', 'identity_checks', 'compare', 'compare_cli', 'shown_runs',
+__all__ = ['JUDGED', 'HOTPOTQA', 'SHOWN', 'ROLES', 'CompareError', 'MalformedRecords', 'comparable_fields', 'recompute',
+           'record_items', 'data_identity', 'load_run', 'identity_checks', 'compare', 'compare_cli', 'shown_runs',
            'truncation_disclosure', 'plot_lengths', 'verification_md', 'render_acceptance']
 
 # %% ../nbs/16b_acceptance.ipynb #c02ccb13
 class CompareError(ValueError):
     "A run that cannot be loaded for comparison (missing file, records that do not match the summary)."
+
+class MalformedRecords(CompareError):
+    "A records file with a line that is not a well-formed per-sample record (`memagent.evaluate.record_problems`): bad input."
 
 def comparable_fields(summary: dict) -> dict:
     "The flattened `COMPARABLE` fields of a summary (absent fields are `None`)."
@@ -121,7 +125,8 @@ def load_run(run) -> dict:
     if not rec.get('sha256'): raise CompareError(f"{src or 'summary'}: the summary records no records.sha256")
     if sha256_file(rp) != rec['sha256']:
         raise CompareError(f"{rp}: SHA-256 does not match the summary's records.sha256 (records changed after the run)")
-    records = [json.loads(l) for l in rp.read_text(encoding='utf-8').splitlines() if l.strip()]
+    try: records = read_records(rp)                       # every record checked: file, line and field of a malformed one
+    except ValueError as e: raise MalformedRecords(str(e)) from None
     where = str(src or 'summary')
     again, items = recompute(summary, records, where), record_items(records, where)
     return {'summary': summary, 'records': records, 'source': str(src) if src else None, 'recomputed': again, 'items': items,
@@ -216,7 +221,9 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
             if key not in m:
                 _check(checks, 'present', key, False, f"{role} has no run for {key!r}"); continue
             try: loaded[role] = load_run(m[key])
-            except CompareError as e: _check(checks, 'records', key, False, f"{role}: {e}"); continue
+            except CompareError as e:
+                _check(checks, 'records', key, False, f"{role}: {e}", **({'malformed': True} if isinstance(e, MalformedRecords) else {}))
+                continue
             _check(checks, 'records', key, True, f"{role}: records match the summary's SHA-256 and reproduce every judged number "
                    f"(parity {loaded[role]['recomputed']['parity']!r})", role=role)
             runs.setdefault(str(key), {})[role] = _shown(loaded[role])
@@ -305,6 +312,8 @@ def compare_cli(argv=None) -> int:
                       lengths=a.lengths, seed=a.seed, require_hotpotqa=not a.no_hotpotqa)
     except (OSError, ValueError) as e:
         print(f"memagent-compare: error: {e}", file=sys.stderr); return 2
+    if bad := [c['reason'] for c in rep['checks'] if c.get('malformed')]:      # bad input: refused, no report written
+        print("memagent-compare: refused: malformed per-sample records:\n" + '\n'.join(f'  {r}' for r in bad), file=sys.stderr); return 2
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rep, indent=1) + '\n')
     print('PASSED' if rep['passed'] else 'NOT PASSED'); [print(' -', x) for x in rep['reasons']]

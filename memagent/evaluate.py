@@ -13,9 +13,10 @@ from .stats import bootstrap_ci, pass_at_k
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMPARABLE', 'RECORDS_FILE', 'SUMMARY_FILE',
-           'metric_names', 'score_record', 'records_parity', 'item_scores', 'summarize', 'eval_config',
-           'default_base_max_tokens', 'ModelMismatchError', 'check_served_model', 'item_limit', 'run_info', 'evaluate',
-           'write_run', 'evaluate_exit_code', 'write_memory_report', 'evaluate_cli']
+           'record_problems', 'read_records', 'metric_names', 'score_record', 'records_parity', 'item_scores',
+           'summarize', 'eval_config', 'default_base_max_tokens', 'ModelMismatchError', 'check_served_model',
+           'item_limit', 'run_info', 'evaluate', 'write_run', 'evaluate_exit_code', 'write_memory_report',
+           'evaluate_cli']
 
 # %% ../nbs/16_evaluate.ipynb #2e2d87d0
 SCHEMA_VERSION = 'memagent.evaluate/1'
@@ -28,6 +29,41 @@ COMPARABLE = ('schema_version', 'mode', 'parity', 'data.sha256', 'data.item_ids_
               'tokenizer.chat_template_sha256', 'sampling', 'seeds.eval', 'limits', 'totals.items',
               'totals.samples_per_item')
 RECORDS_FILE, SUMMARY_FILE = 'records.jsonl', 'summary.json'
+
+# %% ../nbs/16_evaluate.ipynb #5b7953e7
+def _text_ok(s) -> bool:
+    "A string that can be written as UTF-8 (no lone surrogate)."
+    try: s.encode('utf-8'); return True
+    except UnicodeEncodeError: return False
+
+def record_problems(rec) -> list[str]:
+    "Each field of a per-sample record that is missing or of a type `_record` never writes; `[]` for a well-formed record."
+    if not isinstance(rec, dict): return [f'a JSON {type(rec).__name__}, not an object']
+    out = [f'{k}: missing' for k in ('id', 'sample', 'answers', 'response', 'num_chunks') if k not in rec]
+    if 'id' in rec and not (isinstance(rec['id'], str) and rec['id'] and _text_ok(rec['id'])): out.append(f"id: {rec['id']!r} is not a non-empty string")
+    out += [f'{k}: {rec[k]!r} is not a whole number >= 0' for k in ('sample', 'num_chunks', 'dropped_tokens')
+            if k in rec and not (isinstance(rec[k], int) and not isinstance(rec[k], bool) and rec[k] >= 0)]
+    a = rec.get('answers')
+    if 'answers' in rec and not (isinstance(a, list) and all(isinstance(x, str) and _text_ok(x) for x in a)):
+        out.append(f'answers: {a!r} is not a list of strings')
+    for k in ('response', 'prediction', 'parity'):
+        if k in rec and rec[k] is not None and not (isinstance(rec[k], str) and _text_ok(rec[k])):
+            out.append(f'{k}: {rec[k]!r} is not UTF-8 text')
+    if rec.get('error') is not None and not isinstance(rec['error'], str): out.append(f"error: {rec['error']!r} is not text or null")
+    if 'truncated' in rec and not isinstance(rec['truncated'], bool): out.append(f"truncated: {rec['truncated']!r} is not true or false")
+    return out
+
+def read_records(path) -> list[dict]:
+    "The per-sample records of a records file; `ValueError` naming the file, the line and the field of the first malformed one."
+    out = []
+    with open(path, encoding='utf-8') as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip(): continue
+            try: rec = json.loads(line)
+            except json.JSONDecodeError as e: raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if bad := record_problems(rec): raise ValueError(f"{path}:{n}: malformed record: {'; '.join(bad)}")
+            out.append(rec)
+    return out
 
 # %% ../nbs/16_evaluate.ipynb #851f4f13
 def metric_names(parity: str | None) -> tuple:
