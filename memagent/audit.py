@@ -16,7 +16,7 @@ __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_
            'AuditError', 'AuditRefused', 'VerificationError', 'default_report_dir', 'validate_fixtures',
            'load_fixtures', 'values_match', 'compare', 'check_checkout', 'load_reward_module', 'StubJudge', 'run_case',
            'origin_problems', 'audited_upstream', 'run_audit', 'write_receipt', 'open_receipt', 'field_problems',
-           'wrong_shape', 'verify_receipt', 'summary_rows', 'summary_table', 'audit_cli']
+           'environment_problems', 'wrong_shape', 'verify_receipt', 'summary_rows', 'summary_table', 'audit_cli']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
 PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
@@ -329,8 +329,14 @@ def field_problems(where: str, d, fields, optional=()) -> list[str]:
     return ([f'{where}.{k}: missing' for k in fields if k not in d] +
             [f'{where}.{k}: not a field the runner writes' for k in d if k not in fields and k not in optional])
 
-def _short(v, n=80) -> str:
+def _short(v, n=120) -> str:
+    "`repr(v)`, cut to `n` characters: a value quoted in a verifier's message."
     s = repr(v); return s if len(s) <= n else s[:n - 3] + '...'
+
+def environment_problems(env) -> list[str]:
+    "`[]` when `env` is what a receipt's runner writes (`_environment()`'s fields, each a non-empty string), else one line."
+    if isinstance(env, dict) and list(env) == list(_environment()) and all(isinstance(v, str) and v for v in env.values()): return []
+    return [f'environment {_short(env)} is not what the runner writes: {", ".join(_environment())}, each a non-empty string']
 
 def wrong_shape(receipt_path, error, e: Exception):
     "The error a verifier raises when a receipt's values are of types no runner writes (instead of a traceback)."
@@ -369,9 +375,7 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     if aud.get('executed') != REWARD_MODULE: problems.append(f'receipt executed {aud.get("executed")!r}, not {REWARD_MODULE}')
     problems += _differs('pinned_official', rc.get('pinned_official'), dict(PINNED_OFFICIAL, audited=False))
     problems += _differs('call_site_weights', rc.get('call_site_weights'), _weights(fx))
-    env = rc.get('environment')
-    if not (isinstance(env, dict) and list(env) == list(_environment()) and all(isinstance(v, str) and v for v in env.values())):
-        problems.append(f'environment {env!r} is not what the runner writes: {", ".join(_environment())}, each a non-empty string')
+    problems += environment_problems(rc.get('environment'))
     # completeness
     want = [c['id'] for c in fx['cases']]
     if not isinstance(rc.get('cases'), list): problems.append(f"cases: {_short(rc.get('cases'))}, not a list")

@@ -324,10 +324,10 @@ def split_events(events, device: bool) -> dict:
             e = e.cpu_parent
         return None
     created = {}                                     # sequence number -> the part of the last forward operator that carried it
-    for e in evs:
+    def part_of(m): return 'other' if m is None else m[1] if m[0] == 'part' else created.get(m[1], 'other')
+    for e in evs:                                    # in time order: a node's forward comes before its backward
         if e.sequence_nr is not None and e.sequence_nr >= 0 and not e.name.startswith(EVAL):
-            m = marker(e)
-            if m and m[0] == 'part': created[e.sequence_nr] = m[1]
+            created[e.sequence_nr] = part_of(marker(e))      # unclaimed ones too: the last one seen created the node
     out = dict.fromkeys(STEP_PARTS, 0.0)
     for e in evs:
         # host-side operators only: each carries the kernels it launched; the profiler also lists every kernel (and
@@ -335,9 +335,7 @@ def split_events(events, device: bool) -> dict:
         if e.device_type != DeviceType.CPU or e.is_async: continue
         t = (e.self_device_time_total if device else e.self_cpu_time_total) / 1e6
         if t <= 0: continue
-        m = marker(e)
-        part = m[1] if m and m[0] == 'part' else created.get(m[1], 'other') if m else 'other'
-        out[part] += t
+        out[part_of(marker(e))] += t
     return out
 
 def profile_step(model, step) -> dict:

@@ -482,9 +482,8 @@ def refuse_unknown_params(namespace: dict, known) -> None:
 def folder_name(value, param: str, empty_ok: bool = False):
     "`value` if it names one folder inside its output root (one path component, not '.' or '..'); a `ValueError` naming `param` otherwise; '' or None pass when `empty_ok` (the notebook then names the run itself)."
     if empty_ok and value in ('', None): return value
-    import pathlib
     if not (isinstance(value, str) and value and value not in ('.', '..') and '\\' not in value and '\0' not in value
-            and pathlib.PurePosixPath(value).name == value):
+            and Path(value).name == value):
         raise ValueError(f"parameter {param}: {value!r} must name one folder inside the output root (no '/', '\\', '.' or '..'), "
                          "so the run cannot write outside it")
     return value

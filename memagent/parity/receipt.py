@@ -4,10 +4,10 @@
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #5f0f0831
 from __future__ import annotations
-import json, math, platform
+import json, math
 from pathlib import Path
 from ..provenance import sha256_file, provenance_problems
-from ..audit import open_receipt, origin_problems, field_problems, wrong_shape
+from ..audit import open_receipt, origin_problems, field_problems, wrong_shape, environment_problems, _environment, _short
 from ..reward import REWARDS, score_prediction, official_hotpotqa
 from .modes import OfficialAbort, official_prediction, official_item_metrics, official_summary_extras
 from .upstream import (OFFICIAL_REPOSITORY, OFFICIAL_REVISION, OFFICIAL_FILES, RELAX_REPOSITORY, RELAX_FILES,
@@ -148,10 +148,6 @@ def mode_differences(fixtures) -> list[dict]:
     return rows
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #93c0392e
-def _environment() -> dict:
-    return {'python': platform.python_version(), 'implementation': platform.python_implementation(),
-            'platform': platform.platform(), 'machine': platform.machine()}
-
 def _mode_block(source, upstream, fixtures, mode) -> dict:
     cases, bad = [], []
     for f in fixtures:
@@ -217,8 +213,6 @@ def _diff(want, got, where) -> list[str]:
     else: ok = same(want, got)
     return [] if ok else [f'{where}: the receipt records {_short(got)}, its own data give {_short(want)}']
 
-def _short(v, n=120) -> str:
-    s = repr(v); return s if len(s) <= n else s[:n - 3] + '...'
 
 def _hidden(fresh, recorded) -> list:
     "(fresh check, recorded check) where a fresh check disagrees and the receipt's check of that field does not say so."
@@ -278,9 +272,7 @@ def _verify(receipt_path: Path, fx_path: Path) -> dict:
     if fxb.get('count') != len(fixtures): problems.append(f'receipt counts {fxb.get("count")} fixtures, the file has {len(fixtures)}')
     if fxb.get('path') != FIXTURES_PATH: problems.append(f'receipt names fixtures {fxb.get("path")!r}, not {FIXTURES_PATH!r}')
     if rc.get('stubs') != STUBS: problems.append('the recorded stubs differ from STUBS')
-    env = rc.get('environment')
-    if not (isinstance(env, dict) and list(env) == list(_environment()) and all(isinstance(v, str) and v for v in env.values())):
-        problems.append(f'environment {_short(env)} is not what the runner writes: {", ".join(_environment())}, each a non-empty string')
+    problems += environment_problems(rc.get('environment'))
     if 'provenance' in rc: problems += provenance_problems(rc['provenance'])
     modes = rc.get('modes') if isinstance(rc.get('modes'), dict) else {}
     problems += field_problems('modes', rc.get('modes'), ('official', 'relax'))
