@@ -311,7 +311,7 @@ def _named_part(name: str) -> str | None:
     return None
 
 def split_events(events, device: bool) -> dict:
-    "Seconds per `STEP_PARTS` entry from a profiler's `events()`: each operator's own (device or host) time in its nearest named range, or the part of the forward operator that created the autograd node it runs under."
+    "Seconds per `STEP_PARTS` entry from a profiler's `events()`, and how they were counted: on a GPU the kernels' own durations, each credited once to the operator that launched it; on the CPU each operator's own host time; either in the operator's nearest named range, or the part of the forward operator that created the autograd node it runs under."
     from torch.autograd import DeviceType
     evs = sorted(events, key=lambda e: e.time_range.start)
     EVAL = 'autograd::engine::evaluate_function'
@@ -329,28 +329,41 @@ def split_events(events, device: bool) -> dict:
         if e.sequence_nr is not None and e.sequence_nr >= 0 and not e.name.startswith(EVAL):
             created[e.sequence_nr] = part_of(marker(e))      # unclaimed ones too: the last one seen created the node
     out = dict.fromkeys(STEP_PARTS, 0.0)
-    for e in evs:
-        # host-side operators only: each carries the kernels it launched; the profiler also lists every kernel (and
-        # the GPU side of each named range) as a device event of its own, which would count the same time twice
-        if e.device_type != DeviceType.CPU or e.is_async: continue
-        t = (e.self_device_time_total if device else e.self_cpu_time_total) / 1e6
-        if t <= 0: continue
-        out[part_of(marker(e))] += t
-    return out
+    host = [e for e in evs if e.device_type == DeviceType.CPU and not e.is_async]
+    if not device:
+        for e in host: out[part_of(marker(e))] += max(e.self_cpu_time_total, 0) / 1e6
+        return {'seconds': out, 'counted': 'host time of each operator, its children excluded'}
+    # the GPU's work: every kernel and copy the profiler recorded on the device, except the device side of named ranges
+    kernels = [e for e in evs if e.device_type != DeviceType.CPU and not e.is_user_annotation]
+    device_s = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e6
+    if not kernels:                                  # no kernel records (the profiler's CUDA-event fallback): nothing to split
+        return {'seconds': out, 'counted': 'nothing: the profiler recorded no device kernels', 'device_s': 0.0, 'unlinked_s': 0.0}
+    for e in host:   # the kernels linked to the operator that launched them; a range's device span and a fallback timing carry its own name
+        t = sum(k.duration for k in e.kernels if k.name != e.name) / 1e6
+        if t > 0: out[part_of(marker(e))] += t
+    linked = sum(out.values())
+    unlinked = max(device_s - linked, 0.0)           # kernels no operator launched (none expected): named, and counted as 'other'
+    out['other'] += unlinked
+    return {'seconds': out, 'counted': 'device kernels, each once, by the operator that launched it', 'device_s': device_s,
+            'unlinked_s': unlinked}
 
 def profile_step(model, step) -> dict:
-    "`step()` once under `torch.profiler` with `part_ranges(model)`: seconds per part (`split_events`), their total, and which clock (device or host)."
+    "`step()` once under `torch.profiler` with `part_ranges(model)`: seconds per part (`split_events`), their total, the profiled step's wall time, and which clock (device or host)."
     import torch
     from torch.profiler import profile, ProfilerActivity
     device = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])
     with part_ranges(model), profile(activities=acts) as prof:
+        if device: torch.cuda.synchronize()
+        t0 = time.perf_counter()
         step()
         if device: torch.cuda.synchronize()
-    parts = split_events(prof.events(), device)
+        wall = time.perf_counter() - t0
+    sp = split_events(prof.events(), device)
+    parts = sp.pop('seconds')
     total = sum(parts.values())
     return {'clock': 'device (CUDA kernels)' if device else 'host (CPU operators)', 'seconds': parts, 'total_s': total,
-            'share': {k: (v / total if total else 0.0) for k, v in parts.items()}}
+            'profiled_wall_s': wall, **sp, 'share': {k: (v / total if total else 0.0) for k, v in parts.items()}}
 
 # %% ../nbs/21_bench.ipynb #bc183800
 def bench_channel(n_rows: int, batched: bool, world_size: int = 2, prompt_tokens: int = 3000,
