@@ -8,7 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from .memory import (
     GiB, DTYPE_BYTES, RECOMPUTE, CUDA_CONTEXT_GIB, ENGINE_RUNTIME_GIB, ENGINE_RESIDUE_GIB, HEAD_FP32_COPIES,
-    get_arch, megatron_params, ddp_layout, optimizer_parts, activation_bytes, sglang_kv_pool, gather_peak_bytes)
+    get_arch, megatron_params, ddp_layout, optimizer_parts, activation_bytes, sglang_kv_pool, gather_peak_bytes,
+    hf_tensors, optimizer_step_temporaries, CUBLAS_WORKSPACE_BYTES, CUBLAS_THREADS)
 
 # %% auto #0
 __all__ = ['PHASES', 'ALLOCATED_TERMS', 'Cluster', 'PlanDoesNotFit', 'plan_attention', 'tokens_per_step', 'step_counts', 'Plan',
@@ -81,7 +82,7 @@ PHASES = ('rollout', 'update', 'sync')
 # every trainer term but the CUDA context (the driver's, not the allocator's) and the engine's terms (another process)
 ALLOCATED_TERMS = ('weights', 'gradients', 'optimizer states', 'reference model', 'activations (saved)',
                    'activations (backward working set)', 'attention backward transients', 'log-prob head chunk',
-                   'weight gather bucket (peak)')
+                   'optimizer step temporaries', 'cuBLAS workspaces', 'weight gather bucket (peak)')
 
 @dataclass
 class Plan:
@@ -188,6 +189,11 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
         grads_between_steps = grads                                   # DDP's grad buffers live as long as the model
         recompute = b.recompute
         det['ddp_buffers'] = [{k: v for k, v in x.items() if k != 'index'} for x in lay]
+        # megatron-core puts 1-D parameters (norms) and biases in a group without weight decay; the rest is one group.
+        # With TE it steps them with TE's FusedAdam (in place), else with torch's foreach AdamW on the fp32 main copy
+        decayed = [p for p in params if not (p.name.endswith('.bias') or 'layernorm' in p.name or p.name.endswith('layer_norm_weight'))]
+        step_tmp = optimizer_step_temporaries(parts['moments'] // 2, len(decayed), cfg.optim.name, cfg.optim.weight_decay,
+                                              fused=cluster.transformer_engine)
         ref = sum(p.numel * DTYPE_BYTES[p.dtype] for p in params) if ref_on else 0
     else:
         n = arch.numel()
@@ -195,6 +201,7 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
         optim_at_start, grads_between_steps = 0, 0                     # m and v lazy; grads set to None after each step
         recompute = 'none'
         ref = n * E if ref_on else 0
+        step_tmp = optimizer_step_temporaries(n * E, hf_tensors(arch), cfg.optim.name, cfg.optim.weight_decay)   # one group
     det['params_per_rank'] = int(weights // E) if cfg.backend == 'torch' else sum(p.numel for p in params)
     if micro_batch is None:
         L = min(cfg.max_row_tokens, b.max_tokens_per_micro)
@@ -205,10 +212,21 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
     head = min(head_chunk, rows * L) * vshard * (2 * E + 4 * HEAD_FP32_COPIES) + vshard * arch.hidden * E
     det.update(micro_batch=dict(rows=rows, seq_len=L, tokens=rows * L, recompute=recompute), activations=act)
     ctx = int(CUDA_CONTEXT_GIB * GiB)
+    blas = CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS               # held from the first step on
     colocated = r.engine == 'sglang' and r.colocate
+    # the update holds the backward's terms, then (activations released) the optimizer step's temporaries: the phase
+    # holds the larger, so the step's term is what it needs beyond the backward's
+    backward = act['saved_total'] + act['working'] + act['transient'] + head
     update = {'weights': weights, 'gradients': grads, 'optimizer states': optim, 'reference model': ref,
               'activations (saved)': act['saved_total'], 'activations (backward working set)': act['working'],
-              'attention backward transients': act['transient'], 'log-prob head chunk': head, 'trainer CUDA context': ctx}
+              'attention backward transients': act['transient'], 'log-prob head chunk': head,
+              'optimizer step temporaries': max(0, step_tmp - backward), 'cuBLAS workspaces': blas, 'trainer CUDA context': ctx}
+    static = weights + grads + optim + ref + blas
+    det['update_phases'] = {'backward': static + backward, 'optimizer step': static + step_tmp}
+    det['optimizer_step'] = dict(temporaries=step_tmp, optimizer=cfg.optim.name,
+                                 fused=cfg.backend == 'megatron' and cluster.transformer_engine,
+                                 rule="torch's foreach AdamW allocates sqrt(v) for a whole parameter group (SGD with weight decay: "
+                                      "its gradients), up to 1 MiB of allocator slack per tensor; a fused optimizer (TE's) none")
     # the trainer's state on the GPU while the engine runs (steps >= 2) and when the engine starts (before step 1)
     resident = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim, 'reference model': ref}
     at_start = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim_at_start, 'reference model': ref}
@@ -216,6 +234,7 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
     if offload: resident = at_start = {t: 0 for t in resident}
     label = lambda t: f'trainer {t}' + (' (offloaded, what-if)' if offload else '')
     rollout = {label(t): v for t, v in resident.items()}
+    rollout['trainer cuBLAS workspaces'] = blas
     rollout['trainer CUDA context'] = ctx
     if colocated:
         cap = int(cluster.gpu_gb * GiB)
@@ -248,7 +267,7 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
         ga = dict(peak=0)
         det['sync'] = dict(ga, rule="the torch backend's hf_state_dict is its own weights: nothing gathered")
     sync = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim, 'reference model': ref,
-            'weight gather bucket (peak)': ga['peak'], 'trainer CUDA context': ctx}
+            'weight gather bucket (peak)': ga['peak'], 'cuBLAS workspaces': blas, 'trainer CUDA context': ctx}
     if colocated:
         sync.update({'engine CUDA context': ctx, 'released engine residue': int(ENGINE_RESIDUE_GIB * GiB), 'engine weights': eng_w})
     # host RAM per node: offloaded trainer state of this node's GPUs, and on the driver's node the export model

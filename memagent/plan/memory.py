@@ -8,10 +8,11 @@ import math
 from dataclasses import dataclass
 
 # %% auto #0
-__all__ = ['GiB', 'DTYPE_BYTES', 'ARCHS', 'RECOMPUTE', 'ATTENTION_KINDS', 'CUDA_CONTEXT_GIB', 'ENGINE_RUNTIME_GIB',
-           'ENGINE_RESIDUE_GIB', 'HEAD_FP32_COPIES', 'Arch', 'arch_from_hf', 'get_arch', 'ParamSpec', 'megatron_params',
-           'ddp_layout', 'optimizer_shards', 'optimizer_parts', 'optimizer_bytes', 'activation_bytes', 'sglang_kv_pool',
-           'gather_peak_bytes']
+__all__ = ['GiB', 'DTYPE_BYTES', 'ARCHS', 'ALLOCATOR_SLACK', 'RECOMPUTE', 'ATTENTION_KINDS', 'CUDA_CONTEXT_GIB',
+           'CUBLAS_WORKSPACE_BYTES', 'CUBLAS_THREADS', 'ENGINE_RUNTIME_GIB', 'ENGINE_RESIDUE_GIB', 'HEAD_FP32_COPIES',
+           'Arch', 'arch_from_hf', 'get_arch', 'ParamSpec', 'megatron_params', 'ddp_layout', 'optimizer_shards',
+           'optimizer_parts', 'optimizer_bytes', 'hf_tensors', 'optimizer_step_temporaries', 'activation_bytes',
+           'sglang_kv_pool', 'gather_peak_bytes']
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #c6c14142
 GiB = 2**30
@@ -163,6 +164,20 @@ def optimizer_bytes(layout: list[dict], dp: int, distributed_optimizer: bool) ->
     "Optimizer-state bytes per DP rank: fp32 main copy of 16-bit parameters + Adam m and v (fp32), sharded or whole."
     return [p['main'] + p['moments'] for p in optimizer_parts(layout, dp, distributed_optimizer)]
 
+ALLOCATOR_SLACK = 1 << 20   # torch's CUDA caching allocator hands a cached block out whole when the rest would be 1 MiB or less
+
+def hf_tensors(arch: Arch) -> int:
+    "Parameter tensors of the transformers model (`named_parameters()`, a tied head once): what a torch optimizer steps."
+    per_layer = 4 + 2 + 3 + 2 + (2 if arch.qk_norm else 0) + (3 if arch.qkv_bias else 0)   # q k v o, 2 norms, gate up down, q/k norms, biases
+    return 1 + arch.layers * per_layer + 1 + (0 if arch.tied else 1)
+
+def optimizer_step_temporaries(state_bytes: int, tensors: int, optimizer: str = 'adam', weight_decay: float = 0.0,
+                               fused: bool = False) -> int:
+    "Bytes torch's multi-tensor (foreach) optimizer step allocates at once for one parameter group of `tensors` tensors whose gradients (and Adam's v) take `state_bytes`: Adam's sqrt(v), SGD's gradients plus weight decay; none for a fused optimizer."
+    if fused or (optimizer == 'sgd' and not weight_decay): return 0
+    if optimizer not in ('adam', 'sgd'): raise ValueError(f"memagent.plan: optimizer must be 'adam' or 'sgd', got {optimizer!r}")
+    return state_bytes + tensors * ALLOCATOR_SLACK
+
 # %% ../../nbs/14b_plan_1_memory.ipynb #f622d143
 RECOMPUTE = ('none', 'selective', 'full')
 
@@ -230,7 +245,13 @@ def activation_bytes(arch: Arch, rows: int, seq_len: int, tp: int = 1, dtype: st
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #4428b352
 CUDA_CONTEXT_GIB = 0.5
-"Every process that uses a GPU holds a CUDA context there (kernels, cuBLAS/NCCL workspaces): ~0.3-0.6 GiB with torch on H100/A100."
+"Every process that uses a GPU holds a CUDA context there (its kernels, NCCL's buffers): ~0.3-0.6 GiB with torch on H100/A100, outside torch's allocator."
+
+CUBLAS_WORKSPACE_BYTES, CUBLAS_THREADS = 32 << 20, 2
+"""torch gives each cuBLAS handle a workspace per stream from its caching allocator, so it counts in what the allocator holds:
+32 MiB by default on Hopper and Blackwell (about 8 MiB before), shared with cuBLASLt (`aten/src/ATen/cuda/CublasHandlePool.cpp`:
+`parseChosenWorkspaceSize`, the unified cuBLASLt workspace). Handles are per thread, and a training step runs matmuls on two:
+the main thread (forward, optimizer) and autograd's backward thread. The plan takes the larger size for both."""
 
 ENGINE_RUNTIME_GIB = 2.0
 """SGLang's memory outside the static pool while serving: CUDA graphs for the decode batch sizes and the
