@@ -308,6 +308,19 @@ def step4b_plan(recompute: str, rows: int, seq_len: int, gpu_gib: float, cpu_sim
     return cfg, p
 
 
+def _phase_peaks(be, batch) -> dict:
+    "One step with the allocator's peak taken apart (GiB): held before it, the forward and backward's peak, held after the backward, the optimizer step's peak."
+    import torch
+    from memagent.plan import GiB
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); held = torch.cuda.memory_allocated()
+    lp = be.logprobs(batch)
+    be.backward(-(lp.sum() / batch['response_mask'][:, 1:].sum())); del lp
+    torch.cuda.synchronize(); backward, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats(); be.step(); torch.cuda.synchronize()
+    return {'held before the step': held / GiB, 'backward': backward / GiB, 'held after the backward': after / GiB,
+            'optimizer step': torch.cuda.max_memory_allocated() / GiB}
+
+
 def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
     "One attention path and recompute mode of the megatron step at Qwen3-4B shapes (CPU: the tiny model at small shapes), sized by the plan to the card, then one profiled step split by part of the layer."
     import torch
@@ -365,6 +378,7 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
         rate = max(rates)
         rec.put('matmul_rate_tflops', {'before': rates[0] / 1e12, 'after': rates[1] / 1e12, 'used': rate / 1e12})
         built = be.attention
+        phases = _phase_peaks(be, batch) if _cuda() else None     # one more step, its peak taken per phase
         split = profile_step(be.model, lambda: _step(be, batch))   # after the peak: the profiler's buffers are not the step's
     finally: be.close(); del be; _gc()
     tokens = rows * seq_len
@@ -378,7 +392,8 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
          'matmul_tflops': rate / 1e12, 'fraction_of_matmul_rate': flops / med / rate,
          'loss': loss, 'grad_norm': norm, 'peak_gib': peak / GiB if peak is not None else None, 'plan_gib': planned / GiB,
          'peak_over_plan': peak / planned if peak is not None else None,
-         'plan_terms_gib': {k: v / GiB for k, v in p.update.items()}, 'split': split}
+         'plan_terms_gib': {k: v / GiB for k, v in p.update.items()}, 'split': split, 'phases_gib': phases,
+         'plan_phases_gib': {k: v / GiB for k, v in p.details['update_phases'].items()}}
     r['pass'] = (math.isfinite(loss) and math.isfinite(norm) and (peak is None or peak <= planned)
                  and built == attention == r['planned_attention'])
     rec.put('step', r)
@@ -604,7 +619,17 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
                            f"{_f(s['model_tflops'])} model TFLOP/s = {_f(s['fraction_of_matmul_rate'])} of the {_f(s['matmul_tflops'])} TFLOP/s "
                            f"matmul rate measured here; peak {_f(s['peak_gib'])} GiB against the plan's {_f(s['plan_gib'])} GiB "
                            f"(peak / plan {_f(s['peak_over_plan'])})")
-            if s: L.append(f"one profiled step, {s['split']['clock']}: " + ', '.join(f"{k} {v:.0%}" for k, v in s['split']['share'].items()))
+            if s and s.get('phases_gib'):
+                ph, pp = s['phases_gib'], s['plan_phases_gib']
+                L.append(f"peak by phase (GiB): backward {_f(ph['backward'])} (plan {_f(pp['backward'])}), optimizer step "
+                         f"{_f(ph['optimizer step'])} (plan {_f(pp['optimizer step'])}); held before the step {_f(ph['held before the step'])}, "
+                         f"after the backward {_f(ph['held after the backward'])}")
+            if s:
+                sp = s['split']
+                dev = (f" ({_f(sp['device_s'])} s of kernels in a profiled step of {_f(sp['profiled_wall_s'])} s wall"
+                       + (f"; {_f(sp['unlinked_s'])} s launched by no operator, counted as other" if sp.get('unlinked_s') else '') + ')'
+                       if 'device_s' in sp else '')
+                L.append(f"one profiled step, {sp['clock']}{dev}: " + ', '.join(f"{k} {v:.0%}" for k, v in sp['share'].items()))
         elif name == 'precision' and r:
             t, c, k = r.get('training', {}), r.get('bf16_vs_fp32'), r.get('control_untrained')
             L.append(f"trained loss {_f(t.get('trained_loss'))} against ln V = {_f(t.get('uniform_loss_ln_vocab'))} (uniform)")
