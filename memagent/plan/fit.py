@@ -82,7 +82,7 @@ PHASES = ('rollout', 'update', 'sync')
 # every trainer term but the CUDA context (the driver's, not the allocator's) and the engine's terms (another process)
 ALLOCATED_TERMS = ('weights', 'gradients', 'optimizer states', 'reference model', 'activations (saved)',
                    'activations (backward working set)', 'attention backward transients', 'log-prob head chunk',
-                   'optimizer step temporaries', 'cuBLAS workspaces', 'weight gather bucket (peak)')
+                   'optimizer step temporaries', 'cuBLAS workspaces', 'attention score buffer', 'weight gather bucket (peak)')
 
 @dataclass
 class Plan:
@@ -214,15 +214,17 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
     ctx = int(CUDA_CONTEXT_GIB * GiB)
     blas = CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS               # held from the first step on
     colocated = r.engine == 'sglang' and r.colocate
-    # the update holds the backward's terms, then (activations released) the optimizer step's temporaries: the phase
-    # holds the larger, so the step's term is what it needs beyond the backward's
+    # the update holds the backward's terms, then (activations released) the optimizer step's temporaries beside what
+    # outlives the backward (the local spec's score buffer, which megatron's global memory buffer keeps): the phase holds
+    # the larger, so the step's term is what it needs beyond the backward's
     backward = act['saved_total'] + act['working'] + act['transient'] + head
+    scores = act['persistent']
     update = {'weights': weights, 'gradients': grads, 'optimizer states': optim, 'reference model': ref,
               'activations (saved)': act['saved_total'], 'activations (backward working set)': act['working'],
               'attention backward transients': act['transient'], 'log-prob head chunk': head,
-              'optimizer step temporaries': max(0, step_tmp - backward), 'cuBLAS workspaces': blas, 'trainer CUDA context': ctx}
+              'optimizer step temporaries': max(0, scores + step_tmp - backward), 'cuBLAS workspaces': blas, 'trainer CUDA context': ctx}
     static = weights + grads + optim + ref + blas
-    det['update_phases'] = {'backward': static + backward, 'optimizer step': static + step_tmp}
+    det['update_phases'] = {'backward': static + backward, 'optimizer step': static + scores + step_tmp}
     det['optimizer_step'] = dict(temporaries=step_tmp, optimizer=cfg.optim.name,
                                  fused=cfg.backend == 'megatron' and cluster.transformer_engine,
                                  rule="torch's foreach AdamW allocates sqrt(v) for a whole parameter group (SGD with weight decay: "
@@ -235,6 +237,7 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
     label = lambda t: f'trainer {t}' + (' (offloaded, what-if)' if offload else '')
     rollout = {label(t): v for t, v in resident.items()}
     rollout['trainer cuBLAS workspaces'] = blas
+    if scores: rollout['trainer attention score buffer'] = scores   # from the first update on
     rollout['trainer CUDA context'] = ctx
     if colocated:
         cap = int(cluster.gpu_gb * GiB)
@@ -267,7 +270,7 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
         ga = dict(peak=0)
         det['sync'] = dict(ga, rule="the torch backend's hf_state_dict is its own weights: nothing gathered")
     sync = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim, 'reference model': ref,
-            'weight gather bucket (peak)': ga['peak'], 'cuBLAS workspaces': blas, 'trainer CUDA context': ctx}
+            'weight gather bucket (peak)': ga['peak'], 'cuBLAS workspaces': blas, 'attention score buffer': scores, 'trainer CUDA context': ctx}
     if colocated:
         sync.update({'engine CUDA context': ctx, 'released engine residue': int(ENGINE_RESIDUE_GIB * GiB), 'engine weights': eng_w})
     # host RAM per node: offloaded trainer state of this node's GPUs, and on the driver's node the export model

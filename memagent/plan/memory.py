@@ -241,7 +241,9 @@ def activation_bytes(arch: Arch, rows: int, seq_len: int, tp: int = 1, dtype: st
         layers = a.layers * (h_in if attention == 'te' else s * h * E) + full_extra
         working = per_layer
     saved = {'decoder layers': layers, **model}
-    return dict(saved=saved, saved_total=sum(saved.values()), working=working, per_layer=per_layer, transient=transient)
+    persistent = rows * A * L * L * E if attention == 'local' else 0    # of the transients, what outlives the step: the score buffer
+    return dict(saved=saved, saved_total=sum(saved.values()), working=working, per_layer=per_layer, transient=transient,
+                persistent=persistent)
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #4428b352
 CUDA_CONTEXT_GIB = 0.5
