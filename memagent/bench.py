@@ -316,18 +316,20 @@ def split_events(events, device: bool) -> dict:
     evs = sorted(events, key=lambda e: e.time_range.start)
     EVAL = 'autograd::engine::evaluate_function'
     def marker(e):
-        "The nearest ancestor (or e) that decides e's part: ('part', name) for a named range, ('node', seq) for a backward node."
+        "The nearest ancestor (or e) that decides e's part: ('part', name) for a named range, ('node', (thread, seq)) for a backward node."
         while e is not None:
             p = _named_part(e.name)
             if p is not None: return ('part', p)
-            if e.name.startswith(EVAL): return ('node', e.sequence_nr)
+            if e.name.startswith(EVAL): return ('node', (e.fwd_thread or e.thread, e.sequence_nr))
             e = e.cpu_parent
         return None
-    created = {}                                     # sequence number -> the part of the last forward operator that carried it
+    # sequence numbers count per thread: on a GPU autograd runs the backward (and a recomputed forward) on a thread of
+    # its own, whose numbers repeat the main thread's; a node names the thread that created it (fwd_thread)
+    created = {}                                     # (thread, sequence number) -> the part of the last forward operator that carried it
     def part_of(m): return 'other' if m is None else m[1] if m[0] == 'part' else created.get(m[1], 'other')
     for e in evs:                                    # in time order: a node's forward comes before its backward
         if e.sequence_nr is not None and e.sequence_nr >= 0 and not e.name.startswith(EVAL):
-            created[e.sequence_nr] = part_of(marker(e))      # unclaimed ones too: the last one seen created the node
+            created[(e.thread, e.sequence_nr)] = part_of(marker(e))    # unclaimed ones too: the last one seen created the node
     out = dict.fromkeys(STEP_PARTS, 0.0)
     host = [e for e in evs if e.device_type == DeviceType.CPU and not e.is_async]
     if not device:
