@@ -18,9 +18,11 @@ step4b-*     the megatron step at Qwen3-4B shapes with random weights, one proce
              side by side: the local spec and SDPA with full recompute at 9,216 tokens (2 rows), SDPA with selective
              recompute at 9,216 tokens where the plan says the card holds it (else 4,608), and Transformer Engine with
              full recompute where it is installed: seconds per step, tokens/s, model TFLOP/s against the bf16 matmul rate
-             measured in the same process, peak GPU memory against memagent.plan, and the split of one profiled step by
-             part of the layer (memagent.bench.profile_step); a shape the plan says the card cannot hold is skipped and
-             named
+             measured in the same process, peak GPU memory against memagent.plan, one more step taken apart at a
+             synchronization (each phase's peak against the plan's phases, each phase's seconds), and the split of one
+             profiled step by part of the layer (memagent.bench.profile_step), called unreliable where its optimizer
+             share is more than SPLIT_AGREEMENT from the timed phases'; a shape the plan says the card cannot hold is
+             skipped and named
 precision    a bf16-vs-fp32 step that can fail: the tiny model first trained in fp32 on a fixed sequence until its
              log-probs are far from uniform, then one step in each precision; a control (the untrained model) must fall
              outside the tolerance
@@ -308,17 +310,28 @@ def step4b_plan(recompute: str, rows: int, seq_len: int, gpu_gib: float, cpu_sim
     return cfg, p
 
 
-def _phase_peaks(be, batch) -> dict:
-    "One step with the allocator's peak taken apart (GiB): held before it, the forward and backward's peak, held after the backward, the optimizer step's peak."
+def _phase_step(be, batch) -> tuple[dict, dict]:
+    "One step taken apart at a device synchronization: the allocator's peak (GiB: held before it, the forward and backward's peak, held after the backward, the optimizer step's peak) and the seconds of each phase."
     import torch
     from memagent.plan import GiB
-    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); held = torch.cuda.memory_allocated()
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); held = torch.cuda.memory_allocated(); t0 = time.perf_counter()
     lp = be.logprobs(batch)
     be.backward(-(lp.sum() / batch['response_mask'][:, 1:].sum())); del lp
-    torch.cuda.synchronize(); backward, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats(); be.step(); torch.cuda.synchronize()
-    return {'held before the step': held / GiB, 'backward': backward / GiB, 'held after the backward': after / GiB,
-            'optimizer step': torch.cuda.max_memory_allocated() / GiB}
+    torch.cuda.synchronize(); t1 = time.perf_counter()
+    backward, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats(); be.step(); torch.cuda.synchronize(); t2 = time.perf_counter()
+    return ({'held before the step': held / GiB, 'backward': backward / GiB, 'held after the backward': after / GiB,
+             'optimizer step': torch.cuda.max_memory_allocated() / GiB}, {'forward and backward': t1 - t0, 'optimizer step': t2 - t1})
+
+
+SPLIT_AGREEMENT = 0.10     # the split's optimizer share may differ this much from the timed phases' before it is called unreliable
+
+def split_check(split: dict, phase_s: dict | None) -> dict | None:
+    "Does the profiled split agree with the synchronized phase timing? Its optimizer share against the optimizer step's share of the timed step."
+    if not phase_s or not split.get('total_s'): return None
+    timed = phase_s['optimizer step'] / sum(phase_s.values())
+    return {'optimizer_share_split': split['share']['optimizer'], 'optimizer_share_timed': timed, 'tolerance': SPLIT_AGREEMENT,
+            'agrees': abs(split['share']['optimizer'] - timed) <= SPLIT_AGREEMENT}
 
 
 def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
@@ -378,8 +391,9 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
         rate = max(rates)
         rec.put('matmul_rate_tflops', {'before': rates[0] / 1e12, 'after': rates[1] / 1e12, 'used': rate / 1e12})
         built = be.attention
-        phases = _phase_peaks(be, batch) if _cuda() else None     # one more step, its peak taken per phase
+        phases, phase_s = _phase_step(be, batch) if _cuda() else (None, None)     # one more step, taken apart per phase
         split = profile_step(be.model, lambda: _step(be, batch))   # after the peak: the profiler's buffers are not the step's
+        split['check'] = split_check(split, phase_s)
     finally: be.close(); del be; _gc()
     tokens = rows * seq_len
     med = statistics.median(secs)
@@ -392,7 +406,7 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
          'matmul_tflops': rate / 1e12, 'fraction_of_matmul_rate': flops / med / rate,
          'loss': loss, 'grad_norm': norm, 'peak_gib': peak / GiB if peak is not None else None, 'plan_gib': planned / GiB,
          'peak_over_plan': peak / planned if peak is not None else None,
-         'plan_terms_gib': {k: v / GiB for k, v in p.update.items()}, 'split': split, 'phases_gib': phases,
+         'plan_terms_gib': {k: v / GiB for k, v in p.update.items()}, 'split': split, 'phases_gib': phases, 'phases_s': phase_s,
          'plan_phases_gib': {k: v / GiB for k, v in p.details['update_phases'].items()}}
     r['pass'] = (math.isfinite(loss) and math.isfinite(norm) and (peak is None or peak <= planned)
                  and built == attention == r['planned_attention'])
@@ -406,7 +420,7 @@ def step4b_side_by_side(parts: dict) -> dict | None:
     if not steps: return None
     rows = [{'part': n, **{k: s[k] for k in ('attention', 'recompute', 'rows', 'seq_len', 'tokens_per_s', 'model_tflops', 'fraction_of_matmul_rate',
                                            'peak_gib', 'plan_gib')}, 'seconds_per_step': s['seconds_per_step']['median'],
-             'split': s['split']['share']} for n, s in steps.items()]
+              'split': s['split']['share'], 'split_check': s['split'].get('check')} for n, s in steps.items()]
     out = {'rows': rows}
     lo, sd = steps.get('step4b-local-full'), steps.get('step4b-sdpa-full')
     if lo and sd and (lo['rows'], lo['seq_len']) == (sd['rows'], sd['seq_len']):
@@ -419,7 +433,9 @@ def step4b_side_by_side(parts: dict) -> dict | None:
         out['sdpa_fraction_of_matmul_rate'] = {'value': f, 'aim': STEP4B_GOAL['fraction_of_matmul_rate'],
                                                'reached': f >= STEP4B_GOAL['fraction_of_matmul_rate']}
         top = max((k for k in sd['split']['share'] if k != 'other'), key=lambda k: sd['split']['share'][k])
-        out['sdpa_largest_part'] = {'part': top, 'share': sd['split']['share'][top]}
+        chk = sd['split'].get('check')
+        out['sdpa_largest_part'] = {'part': top, 'share': sd['split']['share'][top], 'split_check': chk,
+                                    'reliable': chk is None or chk['agrees']}
     return out
 
 
@@ -624,12 +640,20 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
                 L.append(f"peak by phase (GiB): backward {_f(ph['backward'])} (plan {_f(pp['backward'])}), optimizer step "
                          f"{_f(ph['optimizer step'])} (plan {_f(pp['optimizer step'])}); held before the step {_f(ph['held before the step'])}, "
                          f"after the backward {_f(ph['held after the backward'])}")
+            if s and s.get('phases_s'):
+                t = s['phases_s']
+                L.append(f"time by phase (one step, synchronized): forward and backward {_f(t['forward and backward'])} s, optimizer step "
+                         f"{_f(t['optimizer step'])} s ({t['optimizer step'] / sum(t.values()):.0%})")
             if s:
                 sp = s['split']
                 dev = (f" ({_f(sp['device_s'])} s of kernels in a profiled step of {_f(sp['profiled_wall_s'])} s wall"
                        + (f"; {_f(sp['unlinked_s'])} s launched by no operator, counted as other" if sp.get('unlinked_s') else '') + ')'
                        if 'device_s' in sp else '')
                 L.append(f"one profiled step, {sp['clock']}{dev}: " + ', '.join(f"{k} {v:.0%}" for k, v in sp['share'].items()))
+                c = sp.get('check')
+                if c and not c['agrees']:
+                    L.append(f"the split is NOT reliable here: it gives the optimizer {c['optimizer_share_split']:.0%} of the step, the synchronized "
+                             f"phase timing {c['optimizer_share_timed']:.0%} (tolerance {c['tolerance']:.0%})")
         elif name == 'precision' and r:
             t, c, k = r.get('training', {}), r.get('bf16_vs_fp32'), r.get('control_untrained')
             L.append(f"trained loss {_f(t.get('trained_loss'))} against ln V = {_f(t.get('uniform_loss_ln_vocab'))} (uniform)")
@@ -645,15 +669,20 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
               '|---|---|---|---|---|---|---|---|---|---|']
         for x in sb['rows']:
             top = sorted(x['split'].items(), key=lambda kv: -kv[1])[:3]
+            unreliable = x.get('split_check') is not None and not x['split_check']['agrees']
             L.append(f"| {x['part']} | {x['attention']} | {x['recompute']} | {x['rows']} x {x['seq_len']} | {_f(x['seconds_per_step'])} | "
                      f"{_f(x['tokens_per_s'])} | {_f(x['model_tflops'])} | {_f(x['fraction_of_matmul_rate'])} | {_f(x['peak_gib'])} / {_f(x['plan_gib'])} | "
-                     + ', '.join(f"{k} {v:.0%}" for k, v in top) + ' |')
+                     + ', '.join(f"{k} {v:.0%}" for k, v in top) + (' (split not reliable: see the part)' if unreliable else '') + ' |')
         g = sb.get('sdpa_over_local')
         if g:
             f = sb['sdpa_fraction_of_matmul_rate']
             L += ['', f"SDPA over the local spec, model TFLOP/s at full recompute: {_f(g['median'])} (range {_f(g['min'])}..{_f(g['max'])} from the "
                       f"repeats' extremes); goal {g['goal']}: {g['verdict']}. SDPA reaches {_f(f['value'])} of the matmul rate (aim "
-                      f"{f['aim']:g}: {'reached' if f['reached'] else 'not reached'}); its largest part of the step is {sb['sdpa_largest_part']['part']} "
-                      f"({sb['sdpa_largest_part']['share']:.0%})."]
+                      f"{f['aim']:g}: {'reached' if f['reached'] else 'not reached'}); "
+                      + (f"its largest part of the step is {sb['sdpa_largest_part']['part']} ({sb['sdpa_largest_part']['share']:.0%})."
+                         if sb['sdpa_largest_part']['reliable'] else
+                         f"where its time goes is not known from this run: the profiled split disagrees with the synchronized phase timing "
+                         f"(optimizer {sb['sdpa_largest_part']['split_check']['optimizer_share_split']:.0%} against "
+                         f"{sb['sdpa_largest_part']['split_check']['optimizer_share_timed']:.0%}).")]
         L.append('')
     return '\n'.join(L)

@@ -161,3 +161,42 @@ def test_a_part_that_hangs_or_dies_hides_nothing_of_the_others(tmp_path, monkeyp
     md = (out / 'subset.md').read_text()
     assert '# gpu_check subset: FAIL' in md and '| trainer | timeout |' in md and '| step4b-sdpa-selective | passed |' in md
     assert json.loads((out / 'subset.json').read_text())['parts']['weight_sync']['results']['weight_sync']['pass']
+
+
+def test_a_split_that_disagrees_with_the_timed_phases_is_not_reported_as_where_the_time_goes(tmp_path):
+    """The step4b parts of the H200 run, rendered again with the synchronized phase timing each part now takes: where the
+    profiled split's optimizer share is far from the timed one the part says the split is not reliable, and the side by side
+    does not name a largest part; where they agree it does."""
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    try:
+        import gpu_subset, gpu_check
+    finally: sys.path.remove(str(ROOT / 'scripts'))
+    run = ROOT / 'reports/smoke/gpu-20261204-step4b/subset'
+    rep = json.loads((run / 'subset.json').read_text())
+    layout = {**{k: rep[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'rows': rep['doctor_rows']}
+    fixed = {'layout': layout, 'cpu_simulation': False, 'environment': rep['environment'], 'transformer_engine': False, 'device': rep['device']}
+    status = {}
+    for timed_optimizer, agrees in ((0.1, False), (None, True)):
+        out = tmp_path / str(agrees)
+        (out / 'parts').mkdir(parents=True)
+        for f in (run / 'parts').glob('step4b-*.json'):
+            body = json.loads(f.read_text())
+            st = body['results'].get('step')
+            if st is not None:
+                share = st['split']['share']['optimizer']          # agreeing: the timed phases give the split's own share
+                opt = timed_optimizer if timed_optimizer is not None else share * st['seconds_per_step']['median']
+                st['phases_s'] = {'forward and backward': st['seconds_per_step']['median'] - opt, 'optimizer step': opt}
+                st['split']['check'] = gpu_subset.split_check(st['split'], st['phases_s'])
+                assert st['split']['check']['agrees'] is agrees, st['split']['check']
+            (out / 'parts' / f.name).write_text(json.dumps(body))
+            status[f.stem] = {'rc': 0, 'timed_out': False, 'seconds': 1.0, 'cap_s': 60}
+        body = gpu_subset.write_report(out, fixed, status, 10.0)
+        md = (out / 'subset.md').read_text()
+        sb = body['step4b_side_by_side']['sdpa_largest_part']
+        assert sb['reliable'] is agrees
+        if agrees:
+            assert 'its largest part of the step is optimizer' in md and 'NOT reliable' not in md
+        else:
+            assert md.count('the split is NOT reliable here') == 3 and 'where its time goes is not known from this run' in md
+            assert 'its largest part of the step is' not in md and '(split not reliable: see the part)' in md
+    assert gpu_subset.split_check({'share': {'optimizer': 0.5}, 'total_s': 1.0}, None) is None       # nothing timed: no verdict
