@@ -122,7 +122,7 @@ class BatchCfg:
     recompute: str = 'none'         # megatron activation recompute: 'none', 'selective' (attention core) or 'full' (every layer)
     sequence_parallel: bool = False # megatron: shard norm and residual activations over TP (TP > 1; GPU with Transformer Engine)
     distributed_optimizer: bool = False  # megatron: fp32 main weights and Adam states sharded over DP
-    attention: str = 'auto'         # megatron layer spec: 'auto' (Transformer Engine on a GPU when installed, else local), 'te', 'sdpa' or 'local'
+    attention: str = 'auto'         # megatron layer spec: 'auto' (on a GPU Transformer Engine when installed, else sdpa; local on CPU), 'te', 'sdpa' or 'local'
 
 @dataclass
 class ScheduleCfg:

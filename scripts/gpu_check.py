@@ -67,8 +67,8 @@ def smoke_params(models: str, gpus: int, reduced: str | None = None) -> dict:
 # The layouts `--reduced` (or `--cpu-simulation`) may run instead of the configured one: what they change and what they leave unchecked.
 REDUCED_LAYOUTS = {
     'no-te': {'when': 'Transformer Engine is not installed (--reduced)',
-              'overrides': {'batch.sequence_parallel': False, 'batch.attention': 'local'},
-              'not_checked': ["Transformer Engine attention (the reduced layout runs megatron-core's local spec)",
+              'overrides': {'batch.sequence_parallel': False, 'batch.attention': 'sdpa'},
+              'not_checked': ["Transformer Engine attention (the reduced layout runs the local spec with the fused SDPA core attention)",
                               'sequence parallel (the reduced layout turns it off; it needs Transformer Engine)']},
     'cpu-simulation': {'when': 'explicit --cpu-simulation: the subset\'s code path on CPU, not a GPU check',
                        'overrides': {'model.dtype': 'float32', 'batch.distributed_optimizer': False},

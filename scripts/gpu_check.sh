@@ -22,7 +22,7 @@
 #
 # The layout is never changed silently: each part checks its preset's layout as configured, or refuses (exit 2) naming
 # the memagent-doctor rows that fail (Transformer Engine, GPU count, GPU memory, ...) with their fixes.
-# --reduced         where Transformer Engine is missing, run the named reduced layout 'no-te' instead (local attention,
+# --reduced         where Transformer Engine is missing, run the named reduced layout 'no-te' instead (SDPA attention,
 #                   no sequence parallel); every report then starts with 'layout: reduced' and the parts not checked.
 # --cpu-simulation  the subset's own parts on CPU at tiny shapes (the CPU stand-in optimizer), and the Qwen3-4B plan a GPU run
 #                   would run: the named reduced layout 'cpu-simulation', written as such in the report's first lines; a

@@ -375,12 +375,14 @@ def test_cli_rows_selects_rows_by_name():
 
 
 def test_attention_row_names_what_the_layout_runs_and_why(envs):
-    "te where Transformer Engine is usable on GPUs, sdpa when asked, the local spec otherwise (a warning on GPUs); what cannot be built fails with the key."
+    "te where Transformer Engine is usable on GPUs, else sdpa on GPUs (or when asked), the local spec on CPU or when asked (a warning on GPUs); what cannot be built fails with the key."
     cpu, gpu, _ = envs
     frozen_no_sp = get_preset('qwen3-4b-frozen', {'batch.sequence_parallel': False})
     r = row_of('attention', FROZEN, 8, gpu)
     assert (r.verdict, r.found.split(':')[0]) == ('ok', 'te') and "batch.attention='auto' on GPUs with a usable Transformer Engine" in r.found
-    r = row_of('attention', frozen_no_sp, 8, replace(gpu, te_version=None))
+    r = row_of('attention', frozen_no_sp, 8, replace(gpu, te_version=None))     # 'auto' without TE on GPUs: the fused SDPA
+    assert (r.verdict, r.found.split(':')[0]) == ('ok', 'sdpa') and "batch.attention='auto' on GPUs without a usable Transformer Engine" in r.found
+    r = row_of('attention', get_preset('qwen3-4b-frozen', {'batch.sequence_parallel': False, 'batch.attention': 'local'}), 8, replace(gpu, te_version=None))
     assert (r.verdict, r.found.split(':')[0]) == ('warn', 'local') and "batch.attention='sdpa'" in r.fix
     r = row_of('attention', get_preset('qwen3-4b-frozen', {'batch.sequence_parallel': False, 'batch.attention': 'sdpa'}), 8, replace(gpu, te_version=None))
     assert (r.verdict, r.found.split(':')[0]) == ('ok', 'sdpa') and 'no L x L scores' in r.found

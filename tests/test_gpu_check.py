@@ -97,7 +97,7 @@ def test_reduced_names_its_layout_and_what_it_does_not_check():
     gc = _gpu_check()
     p, rec = gc.cluster_layout('none', 8, reduced=True)
     assert rec['layout'] == 'reduced' and rec['reduced_layout'] == 'no-te'
-    assert p['overrides']['batch.sequence_parallel'] is False and p['overrides']['batch.attention'] == 'local'
+    assert p['overrides']['batch.sequence_parallel'] is False and p['overrides']['batch.attention'] == 'sdpa'
     assert 'Transformer Engine' not in rec['failing_rows']
     assert any('sequence parallel' in x for x in rec['not_checked']) and any('Transformer Engine attention' in x for x in rec['not_checked'])
     head = _py('preset', '--gpus', '8', '--reduced').stdout.splitlines()

@@ -28,7 +28,7 @@ def _cfg(backend: str, **kw):
     return get_preset('tiny', {**o, **kw})
 
 
-@pytest.mark.parametrize('backend, attention', [('torch', None), ('megatron', None), ('megatron', 'sdpa')])
+@pytest.mark.parametrize('backend, attention', [('torch', None), ('megatron', 'local'), ('megatron', 'sdpa')])
 def test_trainer_steps_and_weight_check_on_the_virtual_device(tmp_path, examples, backend, attention):
     "Two GRPO steps, then the weight check after the last sync, with the policy, the reference and the in-process engine on the virtual device; megatron with its local spec and with `batch.attention='sdpa'` (rows packed)."
     if backend == 'megatron': pytest.importorskip('megatron.core')

@@ -235,10 +235,10 @@ def attention_row(cfg, world_size: int, env: Env) -> Row:
         return Row('attention', f"batch.attention={b.attention!r} cannot be built here", 'a layer spec megatron-core can build', 'fail', str(e))
     why = {'te': "Transformer Engine's fused attention (flash / cuDNN): " + ("batch.attention='te'" if b.attention == 'te' else
                  "batch.attention='auto' on GPUs with a usable Transformer Engine"),
-           'sdpa': "the local spec with torch's fused causal SDPA (no L x L scores): batch.attention='sdpa'",
+           'sdpa': "the local spec with torch's fused causal SDPA (no L x L scores): " + ("batch.attention='sdpa'" if b.attention == 'sdpa' else
+                   "batch.attention='auto' on GPUs without a usable Transformer Engine"),
            'local': "megatron-core's local spec, unfused: L x L scores per head in memory: " + (
-               "batch.attention='local'" if b.attention == 'local' else
-               "batch.attention='auto' " + ("with no usable Transformer Engine" if gpu else "on CPU ranks"))}[kind]
+               "batch.attention='local'" if b.attention == 'local' else "batch.attention='auto' on CPU ranks")}[kind]
     slow = kind == 'local' and gpu
     return Row('attention', f"{kind}: {why}", f"batch.attention={b.attention!r} buildable on {'GPUs' if gpu else 'CPU'}",
                'warn' if slow else 'ok',

@@ -96,10 +96,11 @@ def choose_layer_spec(attention: str = 'auto', sequence_parallel: bool = False, 
         raise ValueError(f"cfg.batch.attention={attention!r}: expected one of {ATTENTION_CHOICES}")
     if attention == 'te' and not te:
         raise ImportError("cfg.batch.attention='te' needs Transformer Engine (the transformer_engine package), which is not "
-                          "installed; install it on the GPU machine or set cfg.batch.attention to 'auto' or 'local'")
+                          "installed; install it on the GPU machine or set cfg.batch.attention to 'auto' or 'sdpa'")
     if attention == 'te' and not cuda:
-        raise ValueError("cfg.batch.attention='te': Transformer Engine layers need a CUDA device; use 'auto' or 'local' on CPU")
-    kind = 'te' if attention == 'te' or (attention == 'auto' and cuda and te) else 'sdpa' if attention == 'sdpa' else 'local'
+        raise ValueError("cfg.batch.attention='te': Transformer Engine layers need a CUDA device; use 'auto', 'sdpa' or 'local' on CPU")
+    if attention == 'auto': kind = ('te' if te else 'sdpa') if cuda else 'local'    # sdpa: measured faster on a GPU (see above)
+    else: kind = attention
     if sequence_parallel and kind != 'te':
         raise ValueError("cfg.batch.sequence_parallel=True needs the Transformer Engine layer spec: megatron-core's local spec "
                          "cannot build sequence-parallel norms without Transformer Engine or Apex; set cfg.batch.sequence_parallel=False, "
