@@ -43,8 +43,19 @@ FROZEN_MODELS = (('Qwen3-4B', 'qwen3-4b-frozen'), ('Qwen3-0.6B', 'qwen3-0.6b-pil
 
 
 def find_model(models: str) -> tuple[str, str | None]:
-    "(preset, model path or hub id) for the largest recipe model present locally; ('tiny', None) when none is."
+    "(preset, model path or hub id) for the largest recipe model present locally; ('tiny', None) when none is and no folder was named. A named folder (`--models`, MEMAGENT_MODELS) that is missing or holds neither recipe model is refused (exit 2), never read as 'none'."
     from memagent.models import known_models
+    if models != 'none':
+        d = Path(models)
+        expected = ', '.join(f"{d / name}/config.json" for name, _ in FROZEN_MODELS)
+        if not d.is_dir():
+            print(f"gpu_check.py: --models {models}: no such folder (it should hold {expected}); "
+                  "leave --models out to use the hub cache or the tiny model", file=sys.stderr)
+            sys.exit(2)
+        if not any((d / name / 'config.json').is_file() for name, _ in FROZEN_MODELS):
+            print(f"gpu_check.py: --models {models}: holds neither recipe model (looked for {expected}); "
+                  "leave --models out to use the hub cache or the tiny model", file=sys.stderr)
+            sys.exit(2)
     hub = known_models()['hub cache']
     for name, preset in FROZEN_MODELS:
         if models != 'none' and (Path(models) / name / 'config.json').is_file(): return preset, str(Path(models) / name)

@@ -200,3 +200,17 @@ def test_a_split_that_disagrees_with_the_timed_phases_is_not_reported_as_where_t
             assert md.count('the split is NOT reliable here') == 3 and 'where its time goes is not known from this run' in md
             assert 'its largest part of the step is' not in md and '(split not reliable: see the part)' in md
     assert gpu_subset.split_check({'share': {'optimizer': 0.5}, 'total_s': 1.0}, None) is None       # nothing timed: no verdict
+
+
+def test_a_models_folder_that_is_missing_or_empty_is_refused_not_read_as_none(tmp_path):
+    "`--models` (or MEMAGENT_MODELS) naming a folder that does not exist, or holds neither recipe model, stops the check with exit 2 naming the folder and what it looked for; nothing is written; the tiny preset is never picked in its place."
+    empty = tmp_path / 'models'; empty.mkdir(); (empty / 'Qwen3-4B').mkdir()          # a model folder without its config.json
+    for models, why in ((tmp_path / 'nope', 'no such folder'), (empty, 'holds neither recipe model')):
+        out = tmp_path / 'out'
+        r = _run('--dry-run', '--part', 'cluster', '--models', str(models), '--out', str(out))
+        assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-500:])
+        assert f'--models {models}: {why}' in r.stderr and f'{models}/Qwen3-4B/config.json' in r.stderr, r.stderr
+        assert 'preset: tiny' not in r.stdout and not out.exists()
+        r = _py('preset', '--models', str(models), '--gpus', '8')
+        assert r.returncode == 2 and why in r.stderr and r.stdout == ''
+    assert [p.name for p in empty.iterdir()] == ['Qwen3-4B']
