@@ -251,6 +251,11 @@ class Config:
             raise ValueError(f"config key 'rollout.colocate': needs rollout.engine='sglang' (got {r.engine!r}); the hf engine runs in the driver")
         if r.colocate and b.n_gpus % r.gpus_per_engine:
             raise ValueError(f"config key 'rollout.gpus_per_engine'={r.gpus_per_engine} must divide 'batch.n_gpus'={b.n_gpus} when colocated")
+        if r.sglang_urls and (r.engine != 'sglang' or r.colocate):     # a server list nothing would read
+            raise ValueError(f"config key 'rollout.sglang_urls': {len(r.sglang_urls)} server URL(s) set, but "
+                             + (f"rollout.engine={r.engine!r} runs in the driver and reads no server" if r.engine != 'sglang' else
+                                "rollout.colocate=True launches its own engines on the training GPUs")
+                             + "; remove the URLs, or set rollout.engine='sglang' and rollout.colocate=False to use them")
         if r.weight_sync == 'tensor' and not r.colocate:
             raise ValueError("config key 'rollout.weight_sync': 'tensor' needs rollout.colocate=True (the engine reads tensors from its GPUs' processes)")
         if self.grpo.prompts_per_step % self.optim.mini_batches:

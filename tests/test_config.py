@@ -251,3 +251,14 @@ def test_run_notebook_refuses_unknown_parameter(tmp_path, name, misspelt, known)
     assert r.returncode != 0, text[-3000:]
     assert f"unknown parameter {misspelt!r} (did you mean {known!r}?)" in text, text[-3000:]
     assert not out.exists(), 'nothing may be written before the parameters are checked'
+
+
+def test_server_urls_that_nothing_would_read_are_refused():
+    "rollout.sglang_urls with the in-process engine, or with colocated engines, would be silently unused: refused naming the key and the fix."
+    from memagent.config import get_preset
+    with pytest.raises(ValueError, match=r"'rollout.sglang_urls': 1 server URL\(s\) set, but rollout.engine='hf' runs in the driver"):
+        get_preset('tiny', {'rollout.sglang_urls': ['http://127.0.0.1:30000']})
+    with pytest.raises(ValueError, match=r"'rollout.sglang_urls'.*rollout.colocate=True launches its own engines"):
+        get_preset('qwen3-4b-frozen', {'rollout.sglang_urls': ['http://127.0.0.1:30000']})
+    c = get_preset('tiny', {'rollout.engine': 'sglang', 'rollout.sglang_urls': ['http://127.0.0.1:30000']})
+    assert c.rollout.sglang_urls == ['http://127.0.0.1:30000']
