@@ -10,6 +10,7 @@ import numpy as np
 from .provenance import provenance, sha256_file, sha256_text, refuse_overwrite
 from .engines import engine_from_config
 from .stats import bootstrap_ci, pass_at_k
+from .data.readers import unencodable
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMPARABLE', 'RECORDS_FILE', 'SUMMARY_FILE',
@@ -33,8 +34,7 @@ RECORDS_FILE, SUMMARY_FILE = 'records.jsonl', 'summary.json'
 # %% ../nbs/16_evaluate.ipynb #5b7953e7
 def _text_ok(s) -> bool:
     "A string that can be written as UTF-8 (no lone surrogate)."
-    try: s.encode('utf-8'); return True
-    except UnicodeEncodeError: return False
+    return unencodable(s) is None
 
 def record_problems(rec) -> list[str]:
     "Each field of a per-sample record that is missing or of a type `_record` never writes; `[]` for a well-formed record."

@@ -311,3 +311,28 @@ def test_cli(tmp_path):
     assert m['params'] == {'num_docs': 25, 'seed': 4, 'shuffle': 'official', 'limit': 3} and m['output']['rows'] == 3
     r = _cli('haystack_cli', pool, tmp_path / 'h2.jsonl', '--num-docs', 5000, '--quiet')
     assert r.returncode == 2 and 'pool too small' in r.stderr
+
+
+def test_a_lone_surrogate_is_refused_at_read_time_naming_file_line_and_field(tmp_path, capsys):
+    """JSON can escape a lone surrogate ("\\ud800"), which decodes to a str no UTF-8 writer accepts: the readers name the
+    file, line and field at once (read_examples, memagent-evaluate with exit 2 and nothing written), and convert counts
+    the row as skipped ('unencodable_text') or, strict, refuses it."""
+    good = {'id': 'a', 'question': 'Q?', 'context': 'c', 'answers': ['x'], 'num_docs': 1, 'source': 's', 'meta': {}}
+    p = tmp_path / 'x.jsonl'
+    p.write_text(json.dumps(good) + '\n' + json.dumps({**good, 'id': 'b', 'meta': {'title': 'ok \ud800 here'}}) + '\n')
+    assert '\\ud800' in p.read_text()                           # the file itself is plain ASCII JSON
+    with pytest.raises(DataError, match=r"x.jsonl: line 2: field 'meta.title': not encodable as UTF-8: a lone surrogate '\\ud800' at character 4"):
+        read_examples(p)
+    assert validate_example({**good, 'answers': ['x', '\udfff']})[0] == 'answers[1]'
+    from memagent.evaluate import evaluate_cli
+    out = tmp_path / 'eval'
+    assert evaluate_cli(['--model', 'tiny-qwen3', '--data', str(p), '--out', str(out), '--no-progress']) == 2
+    err = capsys.readouterr().err
+    assert "memagent-evaluate: error:" in err and "line 2: field 'meta.title'" in err and not out.exists(), err
+    src = _write_jsonl(tmp_path / 'h.jsonl', [ROW, {**ROW, '_id': 'q2', 'question': 'Who \udc80?'}])
+    m = convert(src, tmp_path / 'o.jsonl')
+    assert m['rows_written'] == 1 and m['skipped'] == {'unencodable_text': 1}, m
+    assert m['skipped_examples'][0]['field'] == 'question' and 'lone surrogate' in m['skipped_examples'][0]['detail']
+    with pytest.raises(DataError, match=r"h.jsonl: line 2: field 'question': unencodable_text"):
+        convert(src, tmp_path / 'o2.jsonl', strict=True)
+    assert not (tmp_path / 'o2.jsonl').exists()

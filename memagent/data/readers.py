@@ -13,9 +13,9 @@ from ..provenance import sha256_file, provenance, refuse_overwrite
 
 # %% auto #0
 __all__ = ['SHIPPED', 'SCHEMA_FIELDS', 'SKIP_REASONS', 'CONVERTERS', 'shipped_data_dir', 'hotpotqa_path', 'verify_shipped',
-           'write_gzip', 'DataError', 'BadRecord', 'location_unit', 'iter_records', 'validate_example', 'read_examples',
-           'write_examples', 'RowError', 'paragraph_text', 'format_documents', 'count_documents', 'from_hotpotqa',
-           'from_ruler', 'from_verl', 'sniff_format', 'convert', 'convert_cli']
+           'write_gzip', 'DataError', 'BadRecord', 'location_unit', 'iter_records', 'unencodable', 'validate_example',
+           'read_examples', 'write_examples', 'RowError', 'paragraph_text', 'format_documents', 'count_documents',
+           'from_hotpotqa', 'from_ruler', 'from_verl', 'sniff_format', 'convert', 'convert_cli']
 
 # %% ../../nbs/03_data_1_readers.ipynb #94e19ef6
 SHIPPED = {  # relative path -> (sha256 of the .gz, sha256 of the decompressed bytes, rows or None)
@@ -158,7 +158,7 @@ def iter_records(path) -> Iterator[tuple]:
 
 # %% ../../nbs/03_data_1_readers.ipynb #daab33be
 SCHEMA_FIELDS = ('id', 'question', 'context', 'answers', 'num_docs', 'source', 'meta')
-SKIP_REASONS = ('malformed_json', 'missing_field', 'bad_type', 'empty_context', 'bad_answers', 'duplicate_id')
+SKIP_REASONS = ('malformed_json', 'missing_field', 'bad_type', 'empty_context', 'bad_answers', 'duplicate_id', 'unencodable_text')
 
 def _answers_problem(ans):
     if not isinstance(ans, list): return f"must be a list of strings, got {type(ans).__name__}"
@@ -166,6 +166,20 @@ def _answers_problem(ans):
     for i, a in enumerate(ans):
         if not isinstance(a, str): return f"answer {i} is {type(a).__name__}, not a string"
         if not a.strip(): return f"answer {i} is an empty string"
+    return None
+
+def unencodable(value, field: str = '') -> tuple | None:
+    "The first string in `value` (a string, or lists and objects of them, keys included) that cannot be written as UTF-8, a lone surrogate that JSON's `\\ud800` escapes let through: `(field path, reason)`, or None."
+    if isinstance(value, str):
+        if value.isascii(): return None
+        try: value.encode('utf-8'); return None
+        except UnicodeEncodeError as e:
+            return (field or None, f"not encodable as UTF-8: a lone surrogate {value[e.start]!r} at character {e.start + 1}")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        sub = f"{field}.{k}" if isinstance(value, dict) and field else str(k) if isinstance(value, dict) else f"{field}[{k}]"
+        bad = (unencodable(k, sub) if isinstance(k, str) else None) or unencodable(v, sub)
+        if bad: return bad
     return None
 
 def validate_example(ex) -> tuple | None:
@@ -183,7 +197,7 @@ def validate_example(ex) -> tuple | None:
         return ('num_docs', 'must be an integer >= 0')
     if not isinstance(ex['source'], str) or not ex['source']: return ('source', 'must be a non-empty string')
     if not isinstance(ex['meta'], dict): return ('meta', 'must be an object')
-    return None
+    return unencodable(ex)                        # text a JSON file can hold but no UTF-8 writer can
 
 def _check_limit(limit, name='limit'):
     "A row cap is None (every row) or an int >= 0; 0 means no rows, never all of them."
@@ -403,6 +417,8 @@ def convert(src, out, fmt: str = 'auto', strict: bool = False, limit: int | None
             try: ex = conv(rec)
             except RowError as e: skip(line, e.reason, e.field, e.detail); continue
             if ex['id'] in seen: skip(line, 'duplicate_id', 'id', f"duplicate id {ex['id']!r}"); continue
+            bad = unencodable(ex)
+            if bad: skip(line, 'unencodable_text', bad[0], bad[1]); continue
             assert validate_example(ex) is None, (validate_example(ex), line)
             seen.add(ex['id']); examples.append(ex); written += 1
         assert written + sum(skipped.values()) == read, (path, written, skipped, read)
