@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast, copy, dataclasses, difflib, math, re, typing
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
+from urllib.parse import urlsplit
 import yaml
 
 # %% auto #0
@@ -251,6 +252,12 @@ class Config:
             raise ValueError(f"config key 'rollout.colocate': needs rollout.engine='sglang' (got {r.engine!r}); the hf engine runs in the driver")
         if r.colocate and b.n_gpus % r.gpus_per_engine:
             raise ValueError(f"config key 'rollout.gpus_per_engine'={r.gpus_per_engine} must divide 'batch.n_gpus'={b.n_gpus} when colocated")
+        for i, u in enumerate(r.sglang_urls):
+            p = urlsplit(u) if isinstance(u, str) else None
+            try: ok = p is not None and p.scheme in ('http', 'https') and bool(p.hostname) and (p.port or 0) >= 0
+            except ValueError: ok = False                               # a port that is not a number
+            if not ok: raise ValueError(f"config key 'rollout.sglang_urls[{i}]': {u!r} is not an http(s) URL with a host "
+                                        "(SGLang's HTTP server, e.g. http://10.0.0.2:30000)")
         if r.sglang_urls and (r.engine != 'sglang' or r.colocate):     # a server list nothing would read
             raise ValueError(f"config key 'rollout.sglang_urls': {len(r.sglang_urls)} server URL(s) set, but "
                              + (f"rollout.engine={r.engine!r} runs in the driver and reads no server" if r.engine != 'sglang' else

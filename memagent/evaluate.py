@@ -8,7 +8,7 @@ import argparse, json, os, sys, time
 from pathlib import Path
 import numpy as np
 from .provenance import provenance, sha256_file, sha256_text, refuse_overwrite
-from .engines import engine_from_config
+from .engines import engine_from_config, EngineError
 from .stats import bootstrap_ci, pass_at_k
 from .data.readers import unencodable
 
@@ -429,8 +429,11 @@ def _parse_sets(items) -> dict:
     import yaml
     out = {}
     for it in items or []:
-        if '=' not in it: raise SystemExit(f"--set expects key=value, got {it!r}")
-        k, v = it.split('=', 1); out[k.strip()] = yaml.safe_load(v)
+        if '=' not in it: raise ValueError(f"--set expects key=value, got {it!r}")
+        k, v = it.split('=', 1)
+        try: out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {it!r}: the value is not YAML ({str(e).splitlines()[0]}); quote it, e.g. {k.strip()}='...'") from None
     return out
 
 def evaluate_exit_code(summary: dict, allow_errors: bool = False) -> tuple[int, str | None]:
@@ -486,7 +489,7 @@ def evaluate_cli(argv=None) -> int:
                      batch_size=a.batch_size, variant=a.variant, base_max_tokens=a.base_max_tokens,
                      progress=not a.no_progress, key=a.key, check_model=True)
         if a.memory: write_memory_report(a.data, a.out, tok, cfg, name=Path(str(a.model)).name or str(a.model))
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, EngineError) as e:   # an engine error here came before any request: no engine to evaluate
         print(f"memagent-evaluate: error: {e}", file=sys.stderr); return 2
     m = s['metrics']
     print(json.dumps({'out': str(a.out), 'items': s['totals']['items'], 'samples': s['totals']['samples'], 'errors': s['errors'],

@@ -324,3 +324,39 @@ def test_records_and_summary_carry_the_parity_mode(tiny, tmp_path):
         assert s['parity'] == mode and {r['parity'] for r in recs} == {mode}
         from memagent.acceptance import load_run
         assert load_run(tmp_path / mode)['recomputed']['metrics'] == s['metrics']
+
+
+@pytest.mark.timeout(120)
+def test_evaluate_cli_refuses_an_engine_it_cannot_use_before_any_request(tmp_path, capsys):
+    """The served-model check's failures, and server URLs that are not URLs, are refusals (exit 2, the reason on stderr, no
+    output folder), not tracebacks: a closed port, a socket that never answers, HTML with status 200, truncated JSON, an ftp
+    URL and one that does not parse."""
+    import http.server, socket, threading
+    from memagent.data import make_synthetic, write_examples
+    from memagent.evaluate import evaluate_cli
+    data = write_examples(make_synthetic(2, num_words=30, seed=0), tmp_path / 'd.jsonl')
+
+    class Reply(http.server.BaseHTTPRequestHandler):
+        body = b'<html>a proxy page</html>'
+        def do_GET(self):
+            self.send_response(200); self.send_header('Content-Type', 'text/html'); self.end_headers(); self.wfile.write(self.body)
+        def log_message(self, *a): pass
+    srv = http.server.HTTPServer(('127.0.0.1', 0), Reply); threading.Thread(target=srv.serve_forever, daemon=True).start()
+    s = socket.socket(); s.bind(('127.0.0.1', 0)); closed = s.getsockname()[1]; s.close()
+    silent = socket.socket(); silent.bind(('127.0.0.1', 0)); silent.listen(4)        # accepts, never answers
+    cases = [('closed', f'http://127.0.0.1:{closed}', 'connection-level failure'),
+             ('silent', f'http://127.0.0.1:{silent.getsockname()[1]}', 'timed out'),
+             ('html', f'http://127.0.0.1:{srv.server_port}', 'no model_path in the reply'),
+             ('truncated', f'http://127.0.0.1:{srv.server_port}', 'no model_path in the reply'),
+             ('ftp', 'ftp://127.0.0.1:21', "is not an http(s) URL with a host"),
+             ('unparsable', 'http://[::1', "the value is not YAML")]
+    try:
+        for name, url, why in cases:
+            if name == 'truncated': Reply.body = b'{"model_path": "tiny-qwen3", "tok'
+            out = tmp_path / name
+            rc = evaluate_cli(['--model', 'tiny-qwen3', '--data', str(data), '--mode', 'base', '--no-progress', '--out', str(out),
+                               '--set', 'rollout.engine=sglang', '--set', f'rollout.sglang_urls=[{url}]', '--set', 'rollout.max_retries=0'])
+            err = capsys.readouterr().err
+            assert rc == 2 and err.startswith('memagent-evaluate: error: ') and why in err, (name, rc, err)
+            assert not out.exists(), name
+    finally: srv.shutdown(); silent.close()
