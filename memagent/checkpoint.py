@@ -16,8 +16,8 @@ from .ondevice import to_host
 __all__ = ['NO_OPTIMIZER_STATE', 'WEIGHTS_FILE', 'FINGERPRINT_PROMPT', 'FINGERPRINT_TOKENS', 'CheckpointError', 'rng_state',
            'set_rng_state', 'list_checkpoints', 'latest_checkpoint', 'remove_stale_tmp', 'no_optimizer_state',
            'no_optimizer_state_reason', 'optimizer_markers', 'check_optimizer_markers', 'nonfinite_tensors',
-           'save_checkpoint', 'verify_checkpoint', 'load_checkpoint', 'load_latest', 'RunLockedError', 'RunLock',
-           'tensors_sha256', 'model_fingerprint', 'read_weights_record', 'export_hf', 'push_weights']
+           'save_checkpoint', 'verify_checkpoint', 'load_checkpoint', 'point_latest', 'load_latest', 'RunLockedError',
+           'RunLock', 'tensors_sha256', 'model_fingerprint', 'read_weights_record', 'export_hf', 'push_weights']
 
 # %% ../nbs/15_checkpoint.ipynb #768b6f92
 class CheckpointError(RuntimeError):
@@ -139,8 +139,7 @@ def save_checkpoint(ckpt_root, step: int, model_state: dict, optimizer_state: di
         os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True); raise
-    ptr_tmp = root/f'.latest.{os.getpid()}'
-    ptr_tmp.write_text(name); os.replace(ptr_tmp, root/'latest')
+    point_latest(root, name)
     for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []: shutil.rmtree(old, ignore_errors=True)
     return dst
 
@@ -184,18 +183,36 @@ def load_checkpoint(path, check_finite: bool = True) -> dict:
     out['no_optimizer_state'] = check_optimizer_markers(opt, out['state'], str(p/'optimizer'))
     return out
 
+def point_latest(ckpt_root, name: str):
+    "Move `latest` to checkpoint `name`, atomically."
+    root = Path(ckpt_root); tmp = root/f'.latest.{os.getpid()}'
+    tmp.write_text(name); os.replace(tmp, root/'latest')
+
 def load_latest(ckpt_root, check_finite: bool = True) -> dict | None:
-    "The newest checkpoint that verifies and loads, newest first from `latest`; warns naming each one skipped; None if there is none."
+    "The newest checkpoint that verifies and loads, from the one `latest` names down; every checkpoint passed over is warned and listed in `skipped` (why), and `latest` the name the pointer held. None if there is none."
     root = Path(ckpt_root)
+    problems = []
+    def skip(why):
+        problems.append(why); warnings.warn(f"{root}: {why}")
+    incomplete = sorted(p.name for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)
+                        and not (p/'manifest.json').exists()) if root.exists() else []
+    for name in incomplete: skip(f"{name}: no manifest.json, so not a complete checkpoint (a damaged or partly deleted one); not used")
+    named = (root/'latest').read_text().strip() if (root/'latest').exists() else None
     cands = list_checkpoints(root)
     first = latest_checkpoint(root)
-    if first is not None: cands = [c for c in cands if c != first] + [first]
-    problems = []
+    if named is not None and (first is None or first.name != named):
+        skip(f"latest names {named!r}, which is not a complete checkpoint; taking the newest complete one instead")
+    if first is not None:
+        step = lambda c: int(_STEP_DIR.match(c.name).group(1))
+        for c in cands:
+            if step(c) > step(first):
+                skip(f"{c.name}: newer than {first.name}, which latest names (a save stopped before it moved latest); not used")
+        cands = [c for c in cands if step(c) < step(first)] + [first]
     for c in reversed(cands):
         try: ck = load_checkpoint(c, check_finite)
         except CheckpointError as e:
             problems.append(str(e)); warnings.warn(f"skipping checkpoint {c.name}: {e}"); continue
-        ck['skipped'] = problems
+        ck['skipped'], ck['latest'] = problems, named
         return ck
     if problems: raise CheckpointError(f"{root}: no intact checkpoint; " + ' | '.join(problems))
     return None

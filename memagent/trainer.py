@@ -157,6 +157,8 @@ class Trainer:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(self.run_dir/'tb'))
         if ck:
+            if ck['latest'] != Path(ck['path']).name:     # fell back (named in run.json): latest names what the metrics now end at
+                ckpt.point_latest(ck_root, Path(ck['path']).name)
             write_metrics(self.run_dir/'metrics.jsonl', self._metrics_kept)
             if self.engine is not None: self.push_weights(ck['model'])
         self.health.record('running', self.step_no)

@@ -1,5 +1,5 @@
 "A run never dies quietly and never lies: total failure, NaN, resume, locking and crash-consistency of the trainer."
-import json, math, os, subprocess, sys, textwrap, warnings
+import json, math, os, re, subprocess, sys, textwrap, warnings
 from pathlib import Path
 import pytest, torch
 
@@ -122,6 +122,30 @@ def test_corrupt_latest_falls_back_and_names_the_file(tmp_path, examples):
     try:
         assert again.step_no == 1 and _steps(tmp_path) == [1]
         assert json.loads((tmp_path/'run.json').read_text())['skipped_checkpoints'][0].endswith('SHA-256 differs from the manifest (corrupt)')
+        assert (tmp_path/'checkpoints'/'latest').read_text() == 'step_000001', 'latest names the step the metrics now end at'
+    finally: again.close()
+
+
+@pytest.mark.parametrize('damage', ['manifest removed', 'latest left behind'])
+def test_every_checkpoint_passed_over_is_warned_and_recorded(tmp_path, examples, damage):
+    "A step directory without its manifest, `latest` naming it, or a complete checkpoint newer than the one `latest` names: each is passed over with a warning naming it, listed in run.json's skipped_checkpoints, and `latest` names the step the metrics are trimmed to."
+    cfg = _cfg(**{'schedule.steps': 2})
+    tr = _trainer(cfg, tmp_path, examples); tr.train(); tr.close()
+    root = tmp_path/'checkpoints'
+    if damage == 'manifest removed':
+        (root/'step_000002'/'manifest.json').unlink()
+        expect = [r"step_000002: no manifest\.json", r"latest names 'step_000002', which is not a complete checkpoint"]
+    else:
+        (root/'latest').write_text('step_000001')          # a save that wrote step 2 and stopped before moving latest
+        expect = [r"step_000002: newer than step_000001, which latest names"]
+    with pytest.warns(UserWarning) as caught:
+        again = _trainer(cfg, tmp_path, examples)
+    try:
+        said = ' | '.join(str(w.message) for w in caught)
+        assert all(re.search(e, said) for e in expect), said
+        skipped = json.loads((tmp_path/'run.json').read_text())['skipped_checkpoints']
+        assert len(skipped) == len(expect) and all(re.search(e, x) for e, x in zip(expect, skipped)), skipped
+        assert again.step_no == 1 and _steps(tmp_path) == [1] and (root/'latest').read_text() == 'step_000001'
     finally: again.close()
 
 
