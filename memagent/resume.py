@@ -7,11 +7,12 @@ from __future__ import annotations
 import json, os, warnings
 from pathlib import Path
 import yaml
-from .provenance import flatten
+from .provenance import flatten, sha256_text
 from .health import json_line
 
 # %% auto #0
-__all__ = ['DATA_KEY', 'ResumeError', 'check_resume_config', 'plan_metrics', 'write_metrics', 'reconcile_metrics', 'check_resume']
+__all__ = ['DATA_KEY', 'ResumeError', 'check_resume_config', 'plan_metrics', 'write_metrics', 'reconcile_metrics', 'check_resume',
+           'examples_sha256', 'preflight_resume']
 
 # %% ../nbs/13b_resume.ipynb #bd5c45ff
 class ResumeError(ValueError):
@@ -72,3 +73,19 @@ def check_resume(ck: dict, cfg, data_sha256: str, metrics_path) -> tuple[list[tu
     keep, _ = plan_metrics(metrics_path, ck['state']['step'], ck['state'].get('metrics'))
     return diffs, keep
 
+
+def examples_sha256(examples) -> str:
+    "The SHA-256 a resume compares: the training examples as canonical JSON."
+    return sha256_text(json.dumps(examples, sort_keys=True, ensure_ascii=False))
+
+def preflight_resume(run_dir, cfg, examples) -> dict | None:
+    "What a run notebook asks before it writes into `run_dir`: would the trainer refuse to resume this run with `cfg` and `examples`? The config and data check (`check_resume_config`, `ResumeError` naming the keys) against the newest checkpoint whose config and provenance read, from `latest` down (the trainer then verifies its files); its name and step, or None when the run has no checkpoint."
+    from memagent.checkpoint import latest_checkpoint, list_checkpoints
+    root = Path(run_dir)/'checkpoints'
+    first = latest_checkpoint(root)
+    for c in ([first] if first else []) + [c for c in reversed(list_checkpoints(root)) if c != first]:
+        try: saved, prov, state = (c/'config.yaml').read_text(), json.loads((c/'provenance.json').read_text()), json.loads((c/'state.json').read_text())
+        except (OSError, ValueError): continue             # unreadable: the trainer passes it over too, naming it
+        check_resume_config(saved, cfg, (prov.get('data_sha256'), examples_sha256(examples)))
+        return {'checkpoint': c.name, 'step': state.get('step')}
+    return None

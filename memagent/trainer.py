@@ -19,7 +19,7 @@ from .colocate import Placement, make_group, trainer_engine
 from .reward import call_reward, get_reward
 from . import checkpoint as ckpt
 from .health import RunHealth, json_line
-from .resume import check_resume, write_metrics
+from .resume import check_resume, examples_sha256, write_metrics
 
 # %% auto #0
 __all__ = ['PromptSampler', 'rollout_metrics', 'update_metrics', 'Trainer']
@@ -120,7 +120,7 @@ class Trainer:
         from memagent.prompts import template_sha256s
         cfg, ck_root = self.cfg, self.run_dir/'checkpoints'
         ck = ckpt.load_latest(ck_root, cfg.health.check_finite) if resume else None   # verified; falls back past a corrupt one
-        data_sha = sha256_text(json.dumps(self.examples, sort_keys=True, ensure_ascii=False))   # what resume compares, then provenance
+        data_sha = examples_sha256(self.examples)        # what resume compares, then provenance
         overrides, self._metrics_kept = check_resume(ck, cfg, data_sha, self.run_dir/'metrics.jsonl') if ck else ([], None)  # before any write
         self.tok = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name)
         self.pad_id, self.reward_fn = self.tok.pad_token_id, get_reward(cfg.grpo.reward)

@@ -45,6 +45,29 @@ def test_train_notebook_tiny(tmp_path):
     assert all(len(r['memories']) == r['num_chunks'] == 3 for r in recs)   # the memory after every chunk is kept
     assert (rep/'reward_curve.png').stat().st_size > 1000
     for name in ('base', 'trained'): assert (run/'eval'/name/'summary.json').exists()
+    # the same run again with another learning rate: the notebook's own cells, up to where they would write, refuse it
+    # (the trainer's resume check, run before the data are written) and leave both folders byte-identical
+    before = _tree(runs) | _tree(reps)
+    from memagent.resume import ResumeError
+    with pytest.raises(ResumeError, match=r"optim\.lr: .* in the checkpoint, 0\.5 now"):
+        _run_cells_until_first_write({'preset': 'tiny', 'steps': 2, 'run': 'ci', 'out_dir': str(runs), 'report_dir': str(reps),
+                                      'overrides': {'grpo.reward': 'answer_without_distractors', 'optim.lr': 0.5}})
+    assert _tree(runs) | _tree(reps) == before, 'a refused rerun changed the run or its report'
+
+
+def _tree(root):
+    "Every file under `root` with its bytes."
+    return {str(p): p.read_bytes() for p in sorted(Path(root).rglob('*')) if p.is_file()}
+
+
+def _run_cells_until_first_write(params):
+    "The train notebook's code cells as papermill runs them (its parameters cell, then `params`), up to the one that writes the data."
+    cells = [''.join(c['source']) for c in json.loads((ROOT/'nbs'/'train.ipynb').read_text())['cells'] if c['cell_type'] == 'code']
+    ns = {}
+    exec(cells[0], ns); ns.update(params)
+    for src in cells[1:]:
+        exec(src, ns)
+        if 'write_examples(train_examples' in src: break
 
 def test_train_notebook_rejects_bad_preset(tmp_path):
     cmd = [sys.executable, '-m', 'papermill', str(ROOT/'nbs'/'train.ipynb'), str(tmp_path/'o.ipynb'), '--cwd', str(ROOT),
