@@ -393,3 +393,58 @@ def test_attention_row_names_what_the_layout_runs_and_why(envs):
     assert r.verdict == 'warn' and "row 'Transformer Engine'" in r.found and 'cfg.batch.sequence_parallel=True needs the Transformer Engine' in r.fix
     assert 'Transformer Engine' in failing(doctor(sp, 8, gpu)) and 'attention' not in failing(doctor(sp, 8, gpu))
     assert row_of('attention', get_preset('tiny'), 1, cpu).found.startswith('sdpa')                   # the torch backend
+
+
+# --- what the doctor must not pass: folders it cannot write, variables naming nothing, a Ray cluster that never answers ---
+
+def _row(out, name):
+    "The CLI's row `name` as JSON (`--json`)."
+    return next(r for r in json.loads(out.stdout)['rows'] if r['name'] == name)
+
+
+def test_folders_the_run_cannot_write_fail_with_the_folder_named(tmp_path):
+    "A run directory on a file system that takes no new file (procfs here, for any user) and a model cache there fail the 'folders' row, each named; a probe file is written and removed, nothing else."
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out = _cli('--preset', 'tiny', '--world-size', '1', '--run-dir', '/proc/1/memagent-run', '--json', '--rows', 'folders',
+               env_vars={'MEMAGENT_CACHE': '/proc/1/memagent-cache'})
+    assert out.returncode == 1, out.stdout + out.stderr
+    r = _row(out, 'folders')
+    assert r['verdict'] == 'fail' and 'run directory: no file can be created in /proc/1' in r['found'] and 'model cache: ' in r['found'], r
+    assert 'checkpoints: ' in r['found'] and '--run-dir' in r['fix']
+    ok = _cli('--preset', 'tiny', '--world-size', '1', '--run-dir', str(tmp_path / 'run'), '--json', '--rows', 'folders',
+              env_vars={'MEMAGENT_CACHE': str(tmp_path / 'cache')})
+    assert ok.returncode == 0 and _row(ok, 'folders')['verdict'] == 'ok', ok.stdout + ok.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, 'the probe left something behind'
+
+
+def test_a_path_variable_naming_nothing_fails_and_nvcc_is_the_one_a_build_would_use(tmp_path, envs):
+    "CUDA_HOME set to a folder that does not exist: the 'folders' row names it, and nvcc is not looked for on PATH instead (a Transformer Engine build takes CUDA_HOME): the nvcc row says why there is none."
+    out = _cli('--preset', 'tiny', '--world-size', '1', '--run-dir', str(tmp_path / 'run'), '--json', '--rows', 'folders,nvcc',
+               env_vars={'CUDA_HOME': str(tmp_path / 'no-cuda'), 'MEMAGENT_CACHE': str(tmp_path / 'cache')})
+    r = _row(out, 'folders')
+    assert r['verdict'] == 'fail' and f"CUDA_HOME={tmp_path / 'no-cuda'} does not exist" in r['found'], r
+    assert _row(out, 'nvcc')['found'] == f"CUDA_HOME={tmp_path / 'no-cuda'} has no bin/nvcc (a build uses CUDA_HOME, not the nvcc on PATH)"
+    _, gpu, _ = envs          # where a build is needed (frozen layout, no TE), that reason is the failing row's finding
+    nv = row_of('nvcc', FROZEN, 8, replace(gpu, te_version=None, te_pytorch=False, nvcc_path=None, nvcc_version=None,
+                                          nvcc_problem='CUDA_HOME=/x has no bin/nvcc (a build uses CUDA_HOME, not the nvcc on PATH)'))
+    assert nv.verdict == 'fail' and nv.found.startswith('CUDA_HOME=/x has no bin/nvcc'), nv
+
+
+@pytest.mark.timeout(120)
+def test_a_ray_cluster_that_does_not_answer_fails_its_row_within_the_limit():
+    "--ray-address at a closed port fails at once; at a port that accepts and never speaks, the row fails when --ray-timeout expires, naming the limit; neither is reported as this node's resources."
+    import socket, time
+    s = socket.socket(); s.bind(('127.0.0.1', 0)); closed = s.getsockname()[1]; s.close()
+    out = _cli('--preset', 'tiny', '--world-size', '2', '--ray-address', f'127.0.0.1:{closed}', '--json', '--rows', 'Ray resources')
+    r = _row(out, 'Ray resources')
+    assert out.returncode == 1 and r['verdict'] == 'fail' and f'Ray at 127.0.0.1:{closed}: no connection' in r['found'], r
+    silent = socket.socket(); silent.bind(('127.0.0.1', 0)); silent.listen(8)
+    try:
+        t = time.monotonic()
+        out = _cli('--preset', 'tiny', '--world-size', '2', '--ray-address', f'127.0.0.1:{silent.getsockname()[1]}',
+                   '--ray-timeout', '3', '--json', '--rows', 'Ray resources')
+        took = time.monotonic() - t
+    finally: silent.close()
+    r = _row(out, 'Ray resources')
+    assert out.returncode == 1 and r['verdict'] == 'fail' and 'did not answer within 3 s' in r['found'] and 'this node' not in r['found'], r
+    assert took < 60, took

@@ -28,7 +28,8 @@ class DoctorError(RuntimeError):
     "The environment cannot run the layout; the message names every failing row, what was found, what is needed and the fix."
 
 ROW_NAMES = ('python', 'glibc', 'torch build', 'CUDA driver', 'GPU count', 'GPU memory', 'NCCL', 'megatron-core', 'Transformer Engine',
-             'attention', 'nvcc', 'cuDNN headers', 'sglang', 'flashinfer / flash-attn', 'world size', 'Ray resources', 'disk', 'host RAM', 'pinned data', 'model weights')
+             'attention', 'nvcc', 'cuDNN headers', 'sglang', 'flashinfer / flash-attn', 'world size', 'Ray resources', 'disk', 'folders', 'host RAM',
+             'pinned data', 'model weights')
 
 def simulate(row: Row) -> Row:
     "On a node that declares GPUs to Ray without having them: a failing hardware row becomes a warning saying so."
@@ -42,12 +43,12 @@ def _safe(name, f, *args, **kw) -> Row:
                                       'report this: memagent.doctor could not decide the row')
 
 def doctor(cfg, world_size: int, env: Env | None = None, run_dir=None, data_root=None, simulated_gpus: bool = False,
-           fast_only: bool = False, ray_address: str | None = None, only=None) -> list[Row]:
+           fast_only: bool = False, ray_address: str | None = None, only=None, ray_timeout_s: float = RAY_PROBE_TIMEOUT_S) -> list[Row]:
     "Every row of `cfg` at `world_size` ranks on `env` (default: `probe_env(run_dir)`); `fast_only`: the rows without Ray, network or model load; `only`: these row names."
-    env = env if env is not None else probe_env(run_dir, ray_address=None if fast_only else ray_address)
+    env = env if env is not None else probe_env(run_dir, ray_address=None if fast_only else ray_address, ray_timeout_s=ray_timeout_s)
     fs = (python_row, glibc_row, torch_row, driver_row, gpu_count_row, gpu_memory_row, nccl_row, megatron_row, te_row, attention_row, nvcc_row,
           cudnn_row, sglang_row,
-          kernels_row, world_row, lambda c, w, e: ray_row(c, w, e, simulated_gpus), disk_row, ram_row,
+          kernels_row, world_row, lambda c, w, e: ray_row(c, w, e, simulated_gpus), disk_row, folders_row, ram_row,
           lambda c, w, e: data_row(c, w, e, data_root), weights_row)
     if only is not None and (bad := sorted(set(only) - set(ROW_NAMES))): raise ValueError(f"doctor: no rows {bad}; the rows are {list(ROW_NAMES)}")
     rows = [_safe(n, f, cfg, world_size, env) for n, f in zip(ROW_NAMES, fs) if only is None or n in only]
@@ -102,6 +103,8 @@ def doctor_cli(argv=None) -> int:
     ap.add_argument('--simulated-gpus', action='store_true', help='a node that declares GPUs to Ray without having them: hardware rows warn')
     ap.add_argument('--fast', action='store_true', help='only the fast rows (what the trainer runs before Ray)')
     ap.add_argument('--ray-address', default=None, help="ask this Ray cluster for its resources (the row is then not fast)")
+    ap.add_argument('--ray-timeout', type=float, default=RAY_PROBE_TIMEOUT_S, metavar='S',
+                    help=f"seconds to wait for that cluster before its row fails naming the limit (default {RAY_PROBE_TIMEOUT_S:g})")
     ap.add_argument('--json', action='store_true', help='print the rows as JSON')
     ap.add_argument('--rows', default=None, help="only these rows, comma-separated names (e.g. 'python,glibc,CUDA driver')")
     a = ap.parse_args(argv)
@@ -118,7 +121,7 @@ def doctor_cli(argv=None) -> int:
     if want and (bad := [n for n in want if n not in ROW_NAMES]):
         print(f"memagent-doctor: --rows names no row {bad}; the rows are {list(ROW_NAMES)}", file=sys.stderr); return 2
     rows = doctor(cfg, a.world_size, run_dir=a.run_dir, data_root=a.data_root, simulated_gpus=a.simulated_gpus, fast_only=a.fast,
-                  ray_address=a.ray_address, only=want)
+                  ray_address=a.ray_address, only=want, ray_timeout_s=a.ray_timeout)
     if a.json: print(json.dumps({'preset': cfg.name, 'world_size': a.world_size, 'simulated_gpus': a.simulated_gpus,
                                  'rows': [r.to_dict() for r in rows], 'failing': failing(rows)}, indent=1))
     else:

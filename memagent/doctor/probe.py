@@ -4,13 +4,14 @@
 
 # %% ../../nbs/13d_doctor_1_probe.ipynb #eb6eab85
 from __future__ import annotations
-import ast, dataclasses, os, platform, re, shutil, subprocess, sys
+import ast, dataclasses, os, platform, re, shutil, subprocess, sys, tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['VERDICTS', 'GiB', 'NVIDIA_SMI_QUERY', 'Row', 'Gpu', 'Env', 'dist_version', 'requirement_spec', 'module_found',
-           'torch_cuda_of_files', 'parse_nvidia_smi', 'visible_gpus', 'cudnn_dirs', 'probe_env']
+__all__ = ['VERDICTS', 'GiB', 'NVIDIA_SMI_QUERY', 'PATH_VARIABLES', 'RAY_PROBE_TIMEOUT_S', 'Row', 'Gpu', 'Env', 'dist_version',
+           'requirement_spec', 'module_found', 'torch_cuda_of_files', 'parse_nvidia_smi', 'visible_gpus', 'cudnn_dirs',
+           'unwritable', 'missing_path_variables', 'ray_cluster_resources', 'probe_env']
 
 # %% ../../nbs/13d_doctor_1_probe.ipynb #c0809374
 VERDICTS = ('ok', 'fail', 'warn', 'skip')
@@ -70,6 +71,10 @@ class Env:
     model_cache: str = ''                   # memagent.models.cache_dir(): built-in models
     hub_cache: str = ''                     # the Hugging Face hub cache
     ray_resources: dict | None = None       # ray.cluster_resources() of a given cluster; None: no cluster given
+    ray_address: str | None = None          # the cluster asked for (--ray-address), whether or not it answered
+    nvcc_problem: str | None = None         # why the nvcc a build would use was not found (CUDA_HOME naming no nvcc)
+    unwritable: dict | None = None          # folder the run writes -> why no file can be created there; None: not probed
+    missing_paths: dict = field(default_factory=dict)   # path variable -> the value that names no existing path
     problems: dict = field(default_factory=dict)  # probe steps that failed: what -> why
     def to_dict(self) -> dict: return dataclasses.asdict(self)
 
@@ -163,14 +168,19 @@ def _nvidia_smi(timeout_s: float) -> tuple:
 
 # %% ../../nbs/13d_doctor_1_probe.ipynb #d48e3f0a
 def _nvcc(timeout_s: float = 10.0) -> tuple:
-    "`(path, release)` of the nvcc a build would use (`$CUDA_HOME/bin/nvcc`, else on PATH); `(None, None)` when there is none."
-    home = os.environ.get('CUDA_HOME') or os.environ.get('CUDA_PATH')
-    path = str(Path(home) / 'bin' / 'nvcc') if home and (Path(home) / 'bin' / 'nvcc').is_file() else shutil.which('nvcc')
-    if not path: return None, None
+    "`(path, release, problem)` of the nvcc a build would use: `$CUDA_HOME/bin/nvcc` (or `$CUDA_PATH`'s) when the variable is set, as torch's extension builder takes it, else nvcc on PATH; a variable naming no nvcc is the problem, never a reason to report another nvcc."
+    var = 'CUDA_HOME' if os.environ.get('CUDA_HOME') else 'CUDA_PATH' if os.environ.get('CUDA_PATH') else None
+    if var:
+        path = Path(os.environ[var]) / 'bin' / 'nvcc'
+        if not path.is_file(): return None, None, f"{var}={os.environ[var]} has no bin/nvcc (a build uses {var}, not the nvcc on PATH)"
+        path = str(path)
+    else: path = shutil.which('nvcc')
+    if not path: return None, None, None
     try: out = subprocess.run([path, '--version'], capture_output=True, text=True, timeout=timeout_s).stdout
-    except (OSError, subprocess.TimeoutExpired): return path, None
+    except subprocess.TimeoutExpired: return path, None, f"{path} --version did not answer within {timeout_s:g} s"
+    except OSError as e: return path, None, f"{path}: {e}"
     m = re.search(r'release (\d+\.\d+)', out)
-    return path, m.group(1) if m else None
+    return path, m.group(1) if m else None, None
 
 def cudnn_dirs(nvcc_path: str | None = None, environ=None) -> list[str]:
     "Where a Transformer Engine build looks for `cudnn.h`, in order: CUDNN_PATH, CUDNN_HOME, the CUDA toolkit's include/, CPATH, the system's."
@@ -202,7 +212,48 @@ def _disk(run_dir) -> tuple:
     try: return str(p), shutil.disk_usage(p).free
     except OSError: return str(p), None
 
-def probe_env(run_dir=None, ray_address: str | None = None, nvidia_smi_timeout_s: float = 5.0) -> Env:
+# variables that must name an existing path (the caches, MEMAGENT_CACHE and HF_HOME / HF_HUB_CACHE, are made on first use: their
+# nearest existing parent must take a file, which `unwritable` checks)
+PATH_VARIABLES = ('CUDA_HOME', 'CUDA_PATH', 'CUDNN_PATH', 'CUDNN_HOME', 'TMPDIR')
+RAY_PROBE_TIMEOUT_S = 30.0
+
+def unwritable(path) -> str | None:
+    "Why no file can be created in `path` (or, where it does not exist yet, in its nearest existing parent, where it would be made); None when a probe file was written and removed there."
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent: p = p.parent
+    if not p.is_dir(): return f"{p} is not a folder"
+    try: fd, name = tempfile.mkstemp(prefix='.memagent-doctor-probe-', dir=p)
+    except OSError as e: return f"no file can be created in {p} ({e.strerror or e})"
+    os.close(fd); os.unlink(name)
+    return None
+
+def missing_path_variables(environ=None) -> dict:
+    "The variables of `PATH_VARIABLES` that are set to a path that does not exist: name -> value."
+    e = os.environ if environ is None else environ
+    return {k: e[k] for k in PATH_VARIABLES if e.get(k) and not Path(e[k]).expanduser().exists()}
+
+def ray_cluster_resources(address: str, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> tuple:
+    "`(resources, None)` of the Ray cluster at `address`, or `(None, why)`: its GCS port does not accept a connection, or joining does not finish within `timeout_s` (then the attempt is left behind in a daemon thread)."
+    import socket, threading
+    hostport = address.split('://', 1)[-1].rsplit('/', 1)[0]
+    if address not in ('auto', 'local') and ':' in hostport:
+        host, port = hostport.rsplit(':', 1)
+        try:
+            with socket.create_connection((host.strip('[]'), int(port)), timeout=min(timeout_s, 10.0)): pass
+        except (OSError, ValueError) as e:
+            return None, f"Ray at {address}: no connection to {hostport} ({e.strerror if isinstance(e, OSError) and e.strerror else e})"
+    box = {}
+    def join():
+        try:
+            from memagent.transfer import ensure_ray
+            box['resources'] = dict(ensure_ray(address).cluster_resources())
+        except Exception as e: box['error'] = f"Ray at {address}: {type(e).__name__}: {e}"
+    t = threading.Thread(target=join, daemon=True, name='memagent-doctor-ray'); t.start(); t.join(timeout_s)
+    if t.is_alive(): return None, f"Ray at {address} did not answer within {timeout_s:g} s (the doctor's limit for joining a cluster)"
+    return box.get('resources'), box.get('error')
+
+def probe_env(run_dir=None, ray_address: str | None = None, nvidia_smi_timeout_s: float = 5.0,
+              ray_timeout_s: float = RAY_PROBE_TIMEOUT_S) -> Env:
     "This machine's facts, in seconds: metadata, files, nvidia-smi, /proc; torch is imported only when it is a CUDA build; Ray is asked only when `ray_address` is given."
     from memagent.models import _hub_cache, cache_dir
     problems = {}
@@ -231,7 +282,11 @@ def probe_env(run_dir=None, ray_address: str | None = None, nvidia_smi_timeout_s
                 v = torch.cuda.nccl.version()
                 env.nccl_version = '.'.join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception as e: problems['torch'] = f"{type(e).__name__}: {e}"
-    env.nvcc_path, env.nvcc_version = _nvcc()
+    env.nvcc_path, env.nvcc_version, env.nvcc_problem = _nvcc()
+    env.unwritable = {what: why for what, p in (('run directory', run_dir), ('checkpoints', Path(run_dir) / 'checkpoints'),
+                                                ('model cache', cache_dir()), ('hub cache', hub or None)) if p
+                      and (why := unwritable(p))}
+    env.missing_paths = missing_path_variables()
     env.cudnn_header = next((str(Path(d) / 'cudnn.h') for d in cudnn_dirs(env.nvcc_path) if (Path(d) / 'cudnn.h').is_file()), None)
     env.driver_version, gpus, why = _nvidia_smi(nvidia_smi_timeout_s)
     if why is None: env.gpus, env.gpu_source = visible_gpus(gpus, os.environ.get('CUDA_VISIBLE_DEVICES')), 'nvidia-smi'
@@ -244,8 +299,7 @@ def probe_env(run_dir=None, ray_address: str | None = None, nvidia_smi_timeout_s
                 env.gpu_source = 'torch'
             except Exception as e: problems['torch.cuda.mem_get_info'] = f"{type(e).__name__}: {e}"
     if ray_address:
-        try:
-            from memagent.transfer import ensure_ray
-            env.ray_resources = dict(ensure_ray(ray_address).cluster_resources())
-        except Exception as e: problems['ray'] = f"{type(e).__name__}: {e}"
+        env.ray_address = ray_address
+        env.ray_resources, why = ray_cluster_resources(ray_address, ray_timeout_s)
+        if why: problems['ray'] = why
     return env

@@ -6,13 +6,14 @@
 from __future__ import annotations
 import json, re
 from pathlib import Path
-from .probe import GiB, Env, Row, cudnn_dirs, module_found
+from .probe import GiB, PATH_VARIABLES, Env, Row, cudnn_dirs, module_found
 
 # %% auto #0
 __all__ = ['PYTHON_REQUIRES', 'MEGATRON_PIN', 'SGLANG_GLIBC', 'TORCH_GLIBC', 'DRIVER_FOR_CUDA', 'STACK_CUDA', 'BUILT_FROM',
            'HARDWARE_ROWS', 'layout_needs', 'python_row', 'glibc_row', 'torch_row', 'driver_row', 'gpu_count_row',
            'gpu_memory_row', 'nccl_row', 'megatron_row', 'te_row', 'attention_row', 'nvcc_row', 'cudnn_row',
-           'sglang_row', 'kernels_row', 'world_row', 'ray_row', 'disk_row', 'ram_row', 'data_row', 'weights_row']
+           'sglang_row', 'kernels_row', 'world_row', 'ray_row', 'disk_row', 'folders_row', 'ram_row', 'data_row',
+           'weights_row']
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #edcbd024
 PYTHON_REQUIRES = '>=3.11'          # settings.ini min_python
@@ -253,8 +254,9 @@ def _te_build(cfg, world_size: int, env: Env) -> str | None:
 
 def nvcc_row(cfg, world_size: int, env: Env) -> Row:
     "nvcc of torch's CUDA line, when Transformer Engine has to be built here."
-    found = f"{env.nvcc_path} release {env.nvcc_version}" if env.nvcc_version else (f"{env.nvcc_path} (no release read)" if env.nvcc_path
-                                                                                     else 'no nvcc ($CUDA_HOME/bin, PATH)')
+    found = (env.nvcc_problem if env.nvcc_problem and not env.nvcc_version else
+             f"{env.nvcc_path} release {env.nvcc_version}" if env.nvcc_version else (f"{env.nvcc_path} (no release read)" if env.nvcc_path
+                                                                                      else 'no nvcc ($CUDA_HOME/bin, PATH)'))
     why = _te_build(cfg, world_size, env)
     if why is None: return Row('nvcc', found, 'not needed: no Transformer Engine to build', 'skip')
     major = int((env.torch_cuda or str(STACK_CUDA)).split('.')[0])
@@ -321,6 +323,9 @@ def ray_row(cfg, world_size: int, env: Env, simulated_gpus: bool = False) -> Row
     cpus = cfg.batch.n_gpus if colo else 1
     what = (f"{cfg.batch.n_gpus} bundles {{GPU: 1, CPU: 1}} (colocated)" if colo else
             f"{world_size} ranks, one GPU each" if gpus else f"{world_size} ranks on CPU")
+    if env.ray_address and env.ray_resources is None:      # a cluster was named and did not answer (in time): say so, never this node
+        return Row('Ray resources', env.problems.get('ray', f"Ray at {env.ray_address}: no resources read"), f"{gpus} GPUs and {cpus} CPUs for {what}",
+                   'fail', f"start the cluster (`ray start --head`) or give the address it prints (--ray-address, RAY_ADDRESS)", False)
     if env.ray_resources is not None:
         have_g, have_c, src, fast = env.ray_resources.get('GPU', 0), env.ray_resources.get('CPU', 0), 'the Ray cluster', False
     else: have_g, have_c, src, fast = len(env.gpus), env.cpus, 'this node (no cluster given)', True
@@ -344,6 +349,27 @@ def disk_row(cfg, world_size: int, env: Env) -> Row:
     ok = env.disk_free is not None and env.disk_free >= ck['kept']
     return Row('disk', found, needed, 'ok' if ok else 'fail', '' if ok else
                f"free {_gib(ck['kept'] - (env.disk_free or 0))} more there, give --run-dir on a larger disk, or lower schedule.keep_last")
+
+def folders_row(cfg, world_size: int, env: Env) -> Row:
+    "The folders a run writes take a new file (a probe written and removed: the run directory, its checkpoints, the model cache; the hub cache, where downloads go), and every path variable that is set names a path that exists."
+    needed = ("a file can be created in the run directory, its checkpoints and the model cache (and the hub cache, for downloads); "
+              "each of " + ', '.join(PATH_VARIABLES) + " that is set names an existing path")
+    if env.unwritable is None: return Row('folders', 'not probed (an environment given, not read from this machine)', needed, 'skip')
+    # the model cache must take a file when a built-in model or tokenizer of the preset is still to be built there
+    build = [m for m in {str(cfg.model.name), str(cfg.model.tokenizer or '')} if m in BUILT_FROM
+             and not (Path(env.model_cache) / m / 'config.json').is_file()]
+    hard = {k: v for k, v in env.unwritable.items() if k in ('run directory', 'checkpoints') or (k == 'model cache' and build)}
+    bad = [f"{k}: {v}" for k, v in hard.items()] + [f"{k}={v} does not exist" for k, v in env.missing_paths.items()]
+    if bad:
+        return Row('folders', '; '.join(bad) + (f" (the model cache must hold {', '.join(build)}, not built yet)" if 'model cache' in hard else ''),
+                   needed, 'fail', 'make those folders writable, or give --run-dir / MEMAGENT_CACHE on a writable disk; '
+                   'correct or unset the variables that name nothing')
+    soft = {k: v for k, v in env.unwritable.items() if k not in hard}
+    if soft:
+        return Row('folders', '; '.join(f"{k}: {v}" for k, v in soft.items()), needed, 'warn',
+                   'nothing can be built or downloaded into them (MEMAGENT_CACHE, HF_HOME / HF_HUB_CACHE elsewhere); this preset only reads them')
+    return Row('folders', f"{env.run_dir} (and its checkpoints), {env.model_cache} and {env.hub_cache or 'the hub cache'} take a new file; "
+               + ('no path variable names a missing path' if not env.missing_paths else ''), needed, 'ok')
 
 def ram_row(cfg, world_size: int, env: Env) -> Row:
     "Host RAM for the plan's host terms per node (export model, state dicts in flight); on a CPU layout also every rank's per-GPU peak."
