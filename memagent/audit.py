@@ -6,7 +6,7 @@
 from __future__ import annotations
 import argparse, copy, importlib.util, json, math, os, platform, re, subprocess, sys
 from pathlib import Path
-from .provenance import flatten, sha256_file
+from .provenance import flatten, sha256_file, provenance, provenance_problems
 from .report import md_table
 
 # %% auto #0
@@ -43,7 +43,7 @@ MEANING = ('passed = the observed behaviour of the audited copy matched the expe
 FIXTURES_SHA256 = 'af0f4aefb6d835335c22147e1987919692194e99b101b3b39a754e225967416e'   # reports/agemem_audit/fixtures.json
 PROTOCOL_SHA256 = '8d65f99d47e3a5c7505776db30d82947b08849862fae9278cac63a48c7a2f2ab'   # reports/agemem_audit/protocol.md
 RECEIPT_FIELDS = ('schema', 'status', 'meaning', 'audited', 'pinned_official', 'call_site_weights', 'fixtures', 'protocol',
-                  'environment', 'summary', 'cases')
+                  'environment', 'summary', 'cases', 'provenance')
 AUDITED_FIELDS = ('repository', 'revision', 'obtained_from', 'files', 'executed', 'checkout_unchanged_after_run')
 CASE_FIELDS = ('id', 'group', 'judge', 'observed', 'checks')
 
@@ -297,6 +297,7 @@ def run_audit(source_repo, report_dir=None) -> dict:
         'environment': _environment(),
         'summary': summary,
         'cases': cases,
+        'provenance': provenance(repo=report_dir),      # this repository's commit (and whether its source differed), packages, host
     }
 
 def write_receipt(receipt: dict, path) -> Path:
@@ -376,6 +377,7 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     problems += _differs('pinned_official', rc.get('pinned_official'), dict(PINNED_OFFICIAL, audited=False))
     problems += _differs('call_site_weights', rc.get('call_site_weights'), _weights(fx))
     problems += environment_problems(rc.get('environment'))
+    problems += provenance_problems(rc.get('provenance'))
     # completeness
     want = [c['id'] for c in fx['cases']]
     if not isinstance(rc.get('cases'), list): problems.append(f"cases: {_short(rc.get('cases'))}, not a list")

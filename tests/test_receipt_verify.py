@@ -155,6 +155,10 @@ UNRECOMPUTABLE = [
     ('audited extra field', lambda rc: rc['audited'].update(reviewed=True), 'audited.reviewed: not a field the runner writes'),
     ('case extra field', lambda rc: rc['cases'][0].update(note='fine'), "case 'update_succeeded'.note: not a field the runner writes"),
     ('fixtures path', lambda rc: rc['fixtures'].update(path='other.json'), "fixtures: stored {'path': 'other.json'"),
+    ('provenance dirty flipped', lambda rc: rc['provenance']['git'].update(dirty=not rc['provenance']['git']['dirty']),
+     'provenance.git: dirty=True disagrees with the changed files it lists'),
+    ('provenance removed', lambda rc: rc.pop('provenance'), 'receipt.provenance: missing'),
+    ('provenance claim added', lambda rc: rc['provenance'].update(reviewed=True), 'provenance.reviewed: not a field provenance() writes'),
 ]
 
 
