@@ -43,3 +43,54 @@ def test_an_output_that_would_replace_an_input_is_refused_and_nothing_is_written
     err = capsys.readouterr().err
     assert says in err and 'would replace the input' in err, err
     assert _tree(tmp_path) == before
+
+
+# ---- run notebooks: a report into the repository's reports/ from a tree that differs from HEAD is refused before any write ----
+
+RUN_NOTEBOOKS_WITH_REPORTS = ['acceptance', 'agemem_audit', 'bench', 'launch', 'parity', 'plan', 'rehearsal', 'simulate', 'smoke', 'train']
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _code_cells(name):
+    return [''.join(c['source']) for c in json.loads((ROOT / 'nbs' / f'{name}.ipynb').read_text())['cells'] if c['cell_type'] == 'code']
+
+
+def test_a_report_folder_of_an_unclean_tree_is_refused_naming_the_files(tmp_path):
+    "memagent.report.refuse_unclean_report_dir in a repository whose tracked source differs from HEAD: reports/ refused, naming the file; elsewhere allowed."
+    import subprocess
+    from memagent.report import refuse_unclean_report_dir
+    g = lambda *a: subprocess.run(['git', '-C', str(tmp_path), *a], check=True, capture_output=True)
+    g('init', '-q'); (tmp_path / 'a.py').write_text('x = 1\n'); g('add', 'a.py')
+    g('-c', 'user.email=t@t', '-c', 'user.name=t', 'commit', '-qm', 'a')
+    refuse_unclean_report_dir(tmp_path / 'reports' / 'plan' / 'x')          # clean: fine
+    (tmp_path / 'a.py').write_text('x = 2\n')
+    with pytest.raises(ValueError, match=r"parameter out_root: .*reports/plan/x is under the repository's reports/.*\['a.py'\]"):
+        refuse_unclean_report_dir(tmp_path / 'reports' / 'plan' / 'x', 'parameter out_root')
+    refuse_unclean_report_dir(tmp_path / 'elsewhere')                        # not a committed report: fine
+
+
+@pytest.mark.parametrize('name', RUN_NOTEBOOKS_WITH_REPORTS)
+def test_run_notebook_checks_the_tree_in_its_parameter_checks(name):
+    "Each run notebook that renders into reports/ calls the tree check in the two cells after its parameters, which write nothing."
+    cells = _code_cells(name)
+    nbj = json.loads((ROOT / 'nbs' / f'{name}.ipynb').read_text())['cells']
+    i = [j for j, c in enumerate([c for c in nbj if c['cell_type'] == 'code']) if 'parameters' in c['metadata'].get('tags', [])][0]
+    checks = '\n'.join(cells[i + 1:i + 3])
+    assert 'refuse_unclean_report_dir(' in checks, name
+    before = checks.split('refuse_unclean_report_dir(')[0]
+    for w in ('.mkdir(', 'write_text(', 'write_examples(', 'savefig(', 'rmtree(', "open(", 'write_receipt('):
+        assert w not in before, f"{name}: {w} before the tree check"
+
+
+def test_plan_notebook_refuses_an_unclean_tree_before_writing(tmp_path):
+    "The plan notebook's own cells, rendering into the reports/ of a clone whose source differs from HEAD: refused, the clone unchanged."
+    import subprocess
+    clone = tmp_path / 'clone'
+    subprocess.run(['git', 'clone', '-q', '--depth', '1', f'file://{ROOT}', str(clone)], check=True)
+    (clone / 'settings.ini').write_text((clone / 'settings.ini').read_text() + '\n# edited\n')
+    before = _tree(clone / 'reports')
+    cells, ns = _code_cells('plan'), {}
+    exec(cells[0], ns); ns.update(out_root=str(clone / 'reports' / 'plan'), run='x')
+    with pytest.raises(ValueError, match=r"parameter out_root: .* is under the repository's reports/.*settings.ini"):
+        for src in cells[1:]: exec(src, ns)
+    assert _tree(clone / 'reports') == before and not (clone / 'reports' / 'plan' / 'x').exists()
