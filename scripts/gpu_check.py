@@ -247,8 +247,10 @@ def cmd_subset(a):
 
 def cmd_part(a):
     "One part of the subset in this process (what `subset` runs under a cap)."
+    from gpu_subset import run_part, PARTS
+    if a.name not in (names := [n for n, _, _ in PARTS]):      # before the part's file is written (a name is also a file name)
+        print(f"gpu_check.py part: unknown part {a.name!r}; the parts: {names}", file=sys.stderr); sys.exit(2)
     if not a.cpu_simulation: _need_cuda(f'part {a.name}')
-    from gpu_subset import run_part
     run_part(a.name, Path(a.out), a.cpu_simulation)
 
 

@@ -67,6 +67,10 @@ ngpu=$($py -c 'import torch; print(torch.cuda.device_count())')
 [ -n "$part" ] || { if [ "$dry" = 1 ] || [ "$ngpu" -ge 2 ]; then part=all; else part=subset; fi; }
 case "$part" in subset|cluster|all) ;; *) echo "gpu_check.sh: --part must be subset, cluster or all, got '$part'" >&2; exit 2 ;; esac
 out=${out:-reports/smoke/gpu-$(date -u +%Y%m%d)}
+abs_out=$(realpath -m "$out")
+for src in nbs memagent scripts tests; do     # the cluster part writes smoke.ipynb beside its own input, nbs/smoke.ipynb
+  case "$abs_out/" in "$PWD/$src/"*) echo "gpu_check.sh: --out $out is inside the source folder $src/, whose files it would replace; give a folder under reports/ or elsewhere" >&2; exit 2 ;; esac
+done
 nodes=$([ "$dry" = 1 ] && echo 8 || echo "$ngpu")     # a dry run shows the plan of an 8-GPU node
 flags=$([ "$reduced" = 1 ] && echo --reduced || true)
 
@@ -87,9 +91,16 @@ check() {  # check PART: its layout and the parts not checked; a refusal stops a
 }
 
 echo "gpu_check: part=$part out=$out gpus=$ngpu dry_run=$dry reduced=$reduced cpu_simulation=$cpusim"
+# every check of every part before the first write: the cluster part's model folder, preset and layout are refused here,
+# not after the subset has run and written for minutes
+if [ "$part" = cluster ] || [ "$part" = all ]; then
+  params=$($py scripts/gpu_check.py preset --models "${models:-none}" --gpus "$nodes" $flags)
+  preset=$(echo "$params" | sed -n 's/^preset: //p')
+  check cluster
+fi
+if [ "$part" = subset ] || [ "$part" = all ]; then check subset; fi
 if [ "$part" = subset ] || [ "$part" = all ]; then
   echo "== subset: one GPU, tiny Qwen3, megatron-core bf16 + distributed optimizer + recompute"
-  check subset
   run mkdir -p "$out"
   [ "$dry" = 1 ] || export MEMAGENT_CACHE="${MEMAGENT_CACHE:-$out/cache}"   # the built tiny model: under --out
   $py scripts/gpu_check.py plan --preset tiny-megatron --gpus-per-node 1
@@ -97,10 +108,7 @@ if [ "$part" = subset ] || [ "$part" = all ]; then
       $([ "$cpusim" = 1 ] && echo --cpu-simulation || true)
 fi
 if [ "$part" = cluster ] || [ "$part" = all ]; then
-  params=$($py scripts/gpu_check.py preset --models "${models:-none}" --gpus "$nodes" $flags)
-  preset=$(echo "$params" | sed -n 's/^preset: //p')
   echo "== cluster: the colocated layout of $preset on $nodes GPUs"
-  check cluster
   run mkdir -p "$out"
   echo "smoke parameters (written to $out/smoke_params.yaml):"; echo "$params" | sed 's/^/  /'
   [ "$dry" = 1 ] || echo "$params" > "$out/smoke_params.yaml"

@@ -214,3 +214,22 @@ def test_a_models_folder_that_is_missing_or_empty_is_refused_not_read_as_none(tm
         r = _py('preset', '--models', str(models), '--gpus', '8')
         assert r.returncode == 2 and why in r.stderr and r.stdout == ''
     assert [p.name for p in empty.iterdir()] == ['Qwen3-4B']
+
+
+def test_an_unknown_part_or_an_out_folder_among_the_sources_is_refused_before_any_write(tmp_path):
+    "`gpu_check.py part` with a name that is no part (or a path) and `gpu_check.sh --out` inside a source folder exit 2 and write nothing."
+    for name in ('nope', '../escape'):
+        r = _py('part', name, '--out', str(tmp_path / 'o'), '--cpu-simulation')
+        assert r.returncode == 2 and f"unknown part {name!r}" in r.stderr and not (tmp_path / 'o').exists() and not (tmp_path / 'escape.json').exists(), r.stderr
+    before = sorted(p.name for p in (ROOT / 'nbs').iterdir())
+    r = _run('--dry-run', '--part', 'cluster', '--out', 'nbs')
+    assert r.returncode == 2 and '--out nbs is inside the source folder nbs/' in r.stderr, r.stderr
+    assert sorted(p.name for p in (ROOT / 'nbs').iterdir()) == before
+
+
+def test_part_all_refuses_the_cluster_part_before_the_subset_writes(tmp_path):
+    "--part all with a --models folder that does not exist stops before the subset's mkdir: nothing under --out."
+    out = tmp_path / 'gpu'
+    r = _run('--part', 'all', '--models', str(tmp_path / 'none-here'), '--out', str(out))
+    assert r.returncode == 2 and f"--models {tmp_path / 'none-here'}: no such folder" in r.stderr and not out.exists(), (r.returncode, r.stderr[-800:])
+    assert '== subset' not in r.stdout, 'the subset started before the cluster part was checked'
