@@ -94,3 +94,36 @@ def test_plan_notebook_refuses_an_unclean_tree_before_writing(tmp_path):
     with pytest.raises(ValueError, match=r"parameter out_root: .* is under the repository's reports/.*settings.ini"):
         for src in cells[1:]: exec(src, ns)
     assert _tree(clone / 'reports') == before and not (clone / 'reports' / 'plan' / 'x').exists()
+
+
+def _run_checks(name, params):
+    "A run notebook's parameters cell, then `params`, then the cell after it (its checks), as papermill would run them."
+    nbj = [c for c in json.loads((ROOT / 'nbs' / f'{name}.ipynb').read_text())['cells'] if c['cell_type'] == 'code']
+    i = next(j for j, c in enumerate(nbj) if 'parameters' in c['metadata'].get('tags', []))
+    ns = {}
+    exec(''.join(nbj[i]['source']), ns); ns.update(params)
+    exec(''.join(nbj[i + 1]['source']), ns)
+
+
+@pytest.mark.parametrize('name', ['smoke', 'rehearsal'])
+def test_an_earlier_run_without_overwrite_is_refused_in_the_checks_not_recorded_and_run_past(tmp_path, name):
+    "overwrite=False and a non-empty run or report folder of that name: FileExistsError from the checks cell (it was a gate failure the notebook ran past, rewriting the report); nothing changes."
+    runs, reps = tmp_path / 'runs', tmp_path / 'reports'
+    (runs / 'r').mkdir(parents=True); (runs / 'r' / 'metrics.jsonl').write_text('{"step": 1}\n')
+    (reps / 'r').mkdir(parents=True); (reps / 'r' / 'README.md').write_text('# an earlier report\n')
+    before = _tree(tmp_path)
+    with pytest.raises(FileExistsError, match=r"runs/r exists and is not empty \(set overwrite=True"):
+        _run_checks(name, {'run': 'r', 'out_dir': str(runs), 'report_dir': str(reps), 'overwrite': False})
+    assert _tree(tmp_path) == before
+    (runs / 'r' / 'metrics.jsonl').unlink(); (runs / 'r').rmdir(); before = _tree(tmp_path)
+    with pytest.raises(FileExistsError, match=r"reports/r exists and is not empty"):
+        _run_checks(name, {'run': 'r', 'out_dir': str(runs), 'report_dir': str(reps), 'overwrite': False})
+    assert _tree(tmp_path) == before
+
+
+def test_smoke_refuses_data_inside_the_run_directory_it_would_empty(tmp_path):
+    runs = tmp_path / 'runs'; (runs / 'r').mkdir(parents=True)
+    data = runs / 'r' / 'd.jsonl'; data.write_text('{}\n')
+    with pytest.raises(ValueError, match=r"parameter data=.* is inside the run directory .*overwrite=True empties"):
+        _run_checks('smoke', {'run': 'r', 'out_dir': str(runs), 'report_dir': str(tmp_path / 'rep'), 'data': str(data)})
+    assert data.read_text() == '{}\n'
