@@ -12,9 +12,9 @@ from .provenance import sha256_file, sha256_dir
 
 # %% auto #0
 __all__ = ['TINY_QWEN3', 'TOKENIZER_FILES', 'TOKENIZER_SOURCE', 'BUILDERS', 'FRESH', 'cache_dir', 'qwen3_tokenizer_dir',
-           'tokenizer_files', 'shipped_qwen3_tokenizer', 'known_models', 'model_dir', 'check_weights', 'load_tokenizer',
-           'load_model', 'in_dir', 'safetensors_files', 'checkpoint_files', 'CheckpointTensors', 'Checkpoint',
-           'load_checkpoint', 'tokenizer_identity', 'model_identity']
+           'tokenizer_files', 'shipped_qwen3_tokenizer', 'known_models', 'model_dir', 'name_problem', 'check_weights',
+           'load_tokenizer', 'load_model', 'in_dir', 'safetensors_files', 'checkpoint_files', 'CheckpointTensors',
+           'Checkpoint', 'load_checkpoint', 'tokenizer_identity', 'model_identity']
 
 # %% ../nbs/02_models.ipynb #68084fa2
 def cache_dir() -> Path:
@@ -169,17 +169,22 @@ def model_dir(name) -> Path:
 def _looks_like_path(name: str) -> bool:
     return name.startswith(('/', '.', '~')) or name.count('/') > 1 or os.sep != '/' and os.sep in name
 
+def name_problem(name) -> str | None:
+    "Why `name` cannot resolve to a model here (None: it can), decided without building, loading or a network: what a run checks before it writes."
+    if not isinstance(name, (str, os.PathLike)) or not str(name).strip(): return f"model name must be a non-empty string or path, got {name!r}"
+    p = Path(str(name)).expanduser()
+    if name in BUILDERS or p.is_dir(): return None
+    if _looks_like_path(str(name)): return _unknown(name, f"no such directory: {p}")
+    if _offline() and str(name) not in known_models()['hub cache']:
+        return _unknown(name, "not a built-in name, not a local directory, and not in the hub cache (the hub is off: HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)")
+    return None
+
 def _source(name):
     "A directory for built-in names and local paths, else the name itself (a hub id); a name that cannot resolve raises."
     if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
         raise ValueError(f"model name must be a non-empty string or path, got {name!r}")
-    p = Path(str(name)).expanduser()
-    if name in BUILDERS or p.is_dir(): return model_dir(name)
-    if _looks_like_path(str(name)): raise FileNotFoundError(_unknown(name, f"no such directory: {p}"))
-    if _offline() and str(name) not in known_models()['hub cache']:
-        raise FileNotFoundError(_unknown(name, "not a built-in name, not a local directory, and not in the hub cache "
-                                               "(the hub is off: HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)"))
-    return str(name)
+    if (why := name_problem(name)): raise FileNotFoundError(why)
+    return model_dir(name) if name in BUILDERS or Path(str(name)).expanduser().is_dir() else str(name)
 
 def check_weights(d) -> None:
     "Check a model directory's `config.json` parses and every `.safetensors` file is whole; raise naming the file."

@@ -127,3 +127,12 @@ def test_smoke_refuses_data_inside_the_run_directory_it_would_empty(tmp_path):
     with pytest.raises(ValueError, match=r"parameter data=.* is inside the run directory .*overwrite=True empties"):
         _run_checks('smoke', {'run': 'r', 'out_dir': str(runs), 'report_dir': str(tmp_path / 'rep'), 'data': str(data)})
     assert data.read_text() == '{}\n'
+
+
+@pytest.mark.parametrize('params,needle', [({'model': './no-such-model'}, 'parameter model: model'), ({'recipe': 'nope'}, "preset 'nope'"),
+                                           ({'eval_chunk_tokens': 100000}, "config key 'batch.max_tokens_per_micro'")])
+def test_bench_refuses_its_models_and_presets_before_making_its_folder(tmp_path, params, needle):
+    "The bench notebook's checks cell resolves its model names (without building or loading), its presets and the evaluation section's configuration before it creates its report folder."
+    with pytest.raises((ValueError, KeyError)) as e:
+        _run_checks('bench', {'out_root': str(tmp_path / 'rep'), 'run': 'x', 'quick': True, **params})
+    assert needle in str(e.value) and not (tmp_path / 'rep').exists(), str(e.value)
