@@ -96,14 +96,21 @@ def test_acceptance_notebook_memory_analysis_on_own_haystacks(tmp_path):
     assert (rep / 'trajectories_10.md').read_text().count('| answer |') == 2 and (rep / 'retention_10.png').is_file()
 
 
-def test_sample_haystacks_say_they_are_not_the_recipe_set(tmp_path):
-    "The data cell alone (the run stops at the first model, which does not exist): the sets are built and named honestly."
+def test_sample_haystacks_say_they_are_not_the_recipe_set(tmp_path, capsys):
+    """A model that does not exist is refused by the checks, before the sets are built (nothing written); with the models
+    there, the data cell (run in process after the checks, as papermill runs it) builds the sets and names them honestly."""
     pm = pytest.importorskip('papermill')
     with pytest.raises(pm.PapermillExecutionError, match='no-such-model'):
         _run(tmp_path, eval_data='sample-haystack-1', lengths=[10], base_model=str(tmp_path / 'no-such-model'))
-    assert (tmp_path / 'reports' / 'tiny' / 'data' / 'sample_haystack_10.jsonl').is_file()
-    nb = json.loads((tmp_path / 'executed.ipynb').read_text())
-    shown = ''.join(''.join(o.get('text', '')) for c in nb['cells'] if c['cell_type'] == 'code' for o in c.get('outputs', []))
+    assert not (tmp_path / 'reports' / 'tiny').exists()
+    cells = [''.join(c['source']) for c in json.loads((ROOT / 'nbs' / 'acceptance.ipynb').read_text())['cells'] if c['cell_type'] == 'code']
+    ns = {}
+    exec(cells[0], ns); ns.update(TINY, eval_data='sample-haystack-1', lengths=[10], out_root=str(tmp_path / 'reports'))
+    for src in cells[1:]:
+        exec(src, ns)
+        if 'examples_of = ' in src: break
+    assert (tmp_path / 'reports' / 'tiny' / 'data' / 'sample_haystack_10.jsonl').is_file() and len(ns['examples_of'][10]) == 1
+    shown = capsys.readouterr().out
     assert "**Not the recipe's evaluation set.**" in shown and 'first 1 questions' in shown
 
 

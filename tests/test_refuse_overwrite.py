@@ -136,3 +136,16 @@ def test_bench_refuses_its_models_and_presets_before_making_its_folder(tmp_path,
     with pytest.raises((ValueError, KeyError)) as e:
         _run_checks('bench', {'out_root': str(tmp_path / 'rep'), 'run': 'x', 'quick': True, **params})
     assert needle in str(e.value) and not (tmp_path / 'rep').exists(), str(e.value)
+
+
+def test_acceptance_refuses_a_reused_run_and_an_unresolvable_model_in_its_checks(tmp_path):
+    "A run_name whose folder holds an earlier gate, and a candidate checkpoint that is not there: refused by the checks cell, nothing written."
+    old = tmp_path / 'acc' / 'r'; old.mkdir(parents=True); (old / 'gate.json').write_text('{}\n')
+    before = _tree(tmp_path)
+    base = {'out_root': str(tmp_path / 'acc'), 'preset': 'tiny', 'base_model': 'tiny-qwen3', 'reference_model': 'tiny-qwen3',
+            'candidate_model': 'tiny-qwen3', 'eval_data': 'sample-haystack-2'}
+    with pytest.raises(FileExistsError, match=r"run_name='r': .*acc/r exists and is not empty"):
+        _run_checks('acceptance', {**base, 'run_name': 'r'})
+    with pytest.raises(ValueError, match=r"parameter candidate_model='./no-such-checkpoint': model './no-such-checkpoint': no such directory"):
+        _run_checks('acceptance', {**base, 'run_name': 'new', 'candidate_model': './no-such-checkpoint'})
+    assert _tree(tmp_path) == before and not (tmp_path / 'acc' / 'new').exists()
