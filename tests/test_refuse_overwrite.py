@@ -96,13 +96,13 @@ def test_plan_notebook_refuses_an_unclean_tree_before_writing(tmp_path):
     assert _tree(clone / 'reports') == before and not (clone / 'reports' / 'plan' / 'x').exists()
 
 
-def _run_checks(name, params):
-    "A run notebook's parameters cell, then `params`, then the cell after it (its checks), as papermill would run them."
+def _run_checks(name, params, cells=1):
+    "A run notebook's parameters cell, then `params`, then the `cells` cells after it (its checks), as papermill would run them."
     nbj = [c for c in json.loads((ROOT / 'nbs' / f'{name}.ipynb').read_text())['cells'] if c['cell_type'] == 'code']
     i = next(j for j, c in enumerate(nbj) if 'parameters' in c['metadata'].get('tags', []))
     ns = {}
     exec(''.join(nbj[i]['source']), ns); ns.update(params)
-    exec(''.join(nbj[i + 1]['source']), ns)
+    for c in nbj[i + 1:i + 1 + cells]: exec(''.join(c['source']), ns)
 
 
 @pytest.mark.parametrize('name', ['smoke', 'rehearsal'])
@@ -149,3 +149,14 @@ def test_acceptance_refuses_a_reused_run_and_an_unresolvable_model_in_its_checks
     with pytest.raises(ValueError, match=r"parameter candidate_model='./no-such-checkpoint': model './no-such-checkpoint': no such directory"):
         _run_checks('acceptance', {**base, 'run_name': 'new', 'candidate_model': './no-such-checkpoint'})
     assert _tree(tmp_path) == before and not (tmp_path / 'acc' / 'new').exists()
+
+
+def test_agemem_audit_refuses_a_receipt_path_that_is_one_of_its_inputs(tmp_path):
+    "mode='run' with out = the fixtures file: refused in the checks, the fixtures untouched."
+    rep = tmp_path / 'audit'; rep.mkdir()
+    for f in ('fixtures.json', 'protocol.md'): (rep / f).write_bytes((ROOT / 'reports' / 'agemem_audit' / f).read_bytes())
+    before = _tree(rep)
+    with pytest.raises(ValueError, match=r"the out .*fixtures.json is the fixtures"):
+        _run_checks('agemem_audit', {'mode': 'run', 'source_repo': str(tmp_path), 'report_dir': str(rep),
+                                     'out': str(rep / 'sub' / '..' / 'fixtures.json')}, cells=2)
+    assert _tree(rep) == before
