@@ -97,7 +97,11 @@ if __name__ == '__main__':
     ap.add_argument('--runs', default=str(ROOT/'runs'/'probes'))
     ap.add_argument('--out', default=str(ROOT/'reports'/'probes'/'cpu-demo'))
     a = ap.parse_args()
-    runs = Path(a.runs); runs.mkdir(parents=True, exist_ok=True)
+    from memagent.report import refuse_unclean_report_dir
+    refuse_unclean_report_dir(Path(a.out), 'probes.py --out')     # before hours of training, not after them
+    runs = Path(a.runs)
+    if a.collect and not runs.is_dir(): raise SystemExit(f"probes: --collect: no runs folder {runs}")
     if not a.collect:
+        runs.mkdir(parents=True, exist_ok=True)
         for name in (a.only or VARIANTS): run_variant(name, a.steps, runs)
     collect(runs, Path(a.out), a.steps)

@@ -33,15 +33,15 @@ say "0/4 early checks (before any install): Python 3.11, then memagent-doctor's 
 [ -f "$LOCK" ] || { echo "setup_gpu.sh: no lock $LOCK (make it with: bash scripts/lock_gpu.sh)"; exit 1; }
 "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || problem "python: found $("$py" -V 2>&1); needed Python 3.11 (the lock is made for CPython 3.11, its wheels are cp311); fix: install Python 3.11 and pass PYTHON=python3.11"
 # The doctor's own rows, from the source tree, in a bootstrap environment that has only what memagent.doctor imports
-# (pyyaml, packaging; a few hundred kB): the venv itself, or a throwaway one for a dry run.
-boot=$venv; [ "$dry" = 1 ] && boot=$(mktemp -d)
+# (pyyaml, packaging; a few hundred kB): a throwaway one outside the tree, so that nothing is written before the checks pass.
+boot=$(mktemp -d)
 "$py" -m venv "$boot" && "$boot/bin/python" -m pip install -q pyyaml packaging || { echo "setup_gpu.sh: could not make the bootstrap environment $boot"; exit 1; }
 doctor_rows='python,glibc,CUDA driver,nvcc,cuDNN headers'
 if ! PYTHONPATH=. "$boot/bin/python" -c "import sys; from memagent.doctor import doctor_cli; sys.exit(doctor_cli(sys.argv[1:]))" \
      --preset qwen3-4b-frozen --world-size 8 --fast --rows "$doctor_rows"; then
   problem "memagent-doctor: a row above fails (found, needed and the fix are printed under it)"
 fi
-[ "$dry" = 1 ] && rm -rf "$boot"
+rm -rf "$boot"
 if [ "$problems" -gt 0 ] && [ "$dry" = 0 ]; then echo "setup_gpu.sh: $problems early check(s) failed; stopping before any install"; exit 1; fi
 
 pins=$(mktemp); trap 'rm -f "$pins"' EXIT

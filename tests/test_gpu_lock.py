@@ -111,5 +111,5 @@ def test_real_run_stops_before_installing(tmp_path):
     r = subprocess.run(['bash', str(SETUP_GPU), str(venv)], capture_output=True, text=True, timeout=120, cwd=ROOT,
                        env={**os.environ, 'PYTHON': sys.executable})
     assert r.returncode == 1 and re.search(r'^CUDA driver +FAIL', r.stdout, re.M) and 'stopping before any install' in r.stdout, r.stdout + r.stderr
-    assert 'scripts/setup.sh' not in r.stdout                   # the venv holds only the doctor's bootstrap (pyyaml, packaging)
-    assert not list(venv.glob('lib/python*/site-packages/torch')) and not list(venv.glob('lib/python*/site-packages/sglang'))
+    assert 'scripts/setup.sh' not in r.stdout
+    assert not venv.exists(), 'the early checks failed, yet the venv was made (the bootstrap belongs in a throwaway folder)'
