@@ -160,3 +160,10 @@ def test_agemem_audit_refuses_a_receipt_path_that_is_one_of_its_inputs(tmp_path)
         _run_checks('agemem_audit', {'mode': 'run', 'source_repo': str(tmp_path), 'report_dir': str(rep),
                                      'out': str(rep / 'sub' / '..' / 'fixtures.json')}, cells=2)
     assert _tree(rep) == before
+
+
+def test_parity_refuses_a_report_folder_inside_an_upstream_checkout(tmp_path):
+    up, rx = tmp_path / 'official', tmp_path / 'relax'; up.mkdir(); rx.mkdir()
+    with pytest.raises(ValueError, match=r"parameter report_dir: .*official/out is inside official_dir"):
+        _run_checks('parity', {'mode': 'run', 'official_dir': str(up), 'relax_dir': str(rx), 'report_dir': str(up / 'out')})
+    assert not (up / 'out').exists()
