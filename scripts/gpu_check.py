@@ -333,6 +333,12 @@ def cmd_compare(a):
     from memagent.runcheck import weight_prompt_ids
     p = yaml.safe_load(Path(a.params).read_text())
     cfg = get_preset(p['preset'], {**p['overrides'], 'rollout.colocate': False, 'rollout.engine': 'hf'})
+    # every configuration and count this compares, checked before the server's log or the sync files are written
+    if a.gpus < 1 or a.gpus > torch.cuda.device_count():
+        sys.exit(f"gpu_check.py compare: --gpus {a.gpus}: this machine has {torch.cuda.device_count()} GPUs")
+    cfgs = {backend: get_preset(p['preset'], {**p['overrides'], 'rollout.colocate': False, 'rollout.engine': 'hf', 'backend': backend,
+                                              **({'batch.tp': 1, 'batch.sequence_parallel': False} if backend == 'torch' else {})})
+            for backend in ('torch', 'megatron')}
     tok, out = load_tokenizer(cfg.model.tokenizer or cfg.model.name), Path(a.out)
     prompts = [tok(f"Summarize item {i}: " + "memory " * 400)['input_ids'] for i in range(64)]
     sp = SamplingParams(max_new_tokens=128, temperature=1.0, top_p=1.0)
@@ -363,9 +369,7 @@ def cmd_compare(a):
     del hf; torch.cuda.empty_cache()
     for tr in trajs: tr.reward = float(len(tr.final_text) % 2)   # any reward with variance: this times the update only
     rows, _ = trajectories_to_rows(trajs, cfg)
-    for backend in ('torch', 'megatron'):
-        c = get_preset(p['preset'], {**p['overrides'], 'rollout.colocate': False, 'rollout.engine': 'hf', 'backend': backend,
-                                     **({'batch.tp': 1, 'batch.sequence_parallel': False} if backend == 'torch' else {})})
+    for backend, c in cfgs.items():
         group = make_group(c, tok.pad_token_id, a.gpus)
         try:
             put, k = layout_step(rows, group.dp_size, c.optim.mini_batches)[0], [0]
