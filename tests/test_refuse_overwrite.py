@@ -167,3 +167,10 @@ def test_parity_refuses_a_report_folder_inside_an_upstream_checkout(tmp_path):
     with pytest.raises(ValueError, match=r"parameter report_dir: .*official/out is inside official_dir"):
         _run_checks('parity', {'mode': 'run', 'official_dir': str(up), 'relax_dir': str(rx), 'report_dir': str(up / 'out')})
     assert not (up / 'out').exists()
+
+
+def test_smoke_refuses_a_bad_data_file_in_its_checks(tmp_path):
+    bad = tmp_path / 'd.jsonl'; bad.write_text('{"id": "a"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl: line 1: field 'question': missing field"):
+        _run_checks('smoke', {'run': 'r', 'out_dir': str(tmp_path / 'runs'), 'report_dir': str(tmp_path / 'rep'), 'data': str(bad)})
+    assert not (tmp_path / 'runs').exists() and not (tmp_path / 'rep').exists()
