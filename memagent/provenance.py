@@ -10,8 +10,8 @@ from importlib import metadata
 
 # %% auto #0
 __all__ = ['KEY_PACKAGES', 'sha256_file', 'sha256_bytes', 'sha256_text', 'sha256_dir', 'flatten', 'git_toplevel',
-           'changed_source_files', 'git_state', 'package_versions', 'host_info', 'provenance', 'provenance_problems',
-           'refuse_overwrite']
+           'changed_source_files', 'refuse_unclean_report_dir', 'git_state', 'package_versions', 'host_info',
+           'provenance', 'provenance_problems', 'refuse_overwrite']
 
 # %% ../nbs/01_provenance.ipynb #806a4499
 _BLOCK = 1 << 20
@@ -65,6 +65,17 @@ def changed_source_files(path='.') -> list[str] | None:
     st = subprocess.run(['git', '-C', str(top), 'status', '--porcelain', '--untracked-files=no', '--', '.', ':(exclude)reports'],
                         capture_output=True, text=True, timeout=20)
     return [l[3:] for l in st.stdout.splitlines() if l.strip()]
+
+def _committed_report_dir(out: Path) -> bool:
+    top = git_toplevel(out)
+    return top is not None and out.resolve().is_relative_to(top / 'reports')
+
+def refuse_unclean_report_dir(out_dir, who: str = 'write_report'):
+    "Refuse (`ValueError` naming the files) a report folder under the repository's reports/ while tracked source differs from HEAD: committed reports are rendered from a clean tree at HEAD. A run notebook calls it in its parameter checks, before it writes anything."
+    out = Path(out_dir)
+    if _committed_report_dir(out) and (changed := changed_source_files(out)):
+        raise ValueError(f"{who}: {out} is under the repository's reports/, which are rendered from a clean tree at HEAD; "
+                         f"these tracked files differ from HEAD: {changed[:8]}. Commit them first (or write the report elsewhere).")
 
 def git_state(path='.') -> dict:
     "The commit of the git work tree containing `path` and whether its source (everything outside `reports/`) differs from it."

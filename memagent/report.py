@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse, csv, dataclasses, json, math, sys
 from pathlib import Path
 import yaml
-from .provenance import changed_source_files, flatten, git_toplevel, provenance, sha256_file
+from .provenance import flatten, provenance, refuse_unclean_report_dir, sha256_file
 
 # %% auto #0
 __all__ = ['REQUIRED_FIELDS', 'SUMMARY_FILES', 'read_metrics', 'check_steps', 'moving_average', 'window_stats', 'scalar_columns',
            'write_csv', 'plot_reward_curve', 'plot_metric_grid', 'read_run', 'reward_summary', 'summary_cli',
-           'md_table', 'provenance_md', 'config_md', 'refuse_unclean_report_dir', 'write_report', 'holds_answer',
-           'gold_chunks', 'retention', 'plot_retention', 'retention_table', 'trajectory_view', 'pick_items',
-           'memory_report']
+           'md_table', 'provenance_md', 'config_md', 'write_report', 'holds_answer', 'gold_chunks', 'retention',
+           'plot_retention', 'retention_table', 'trajectory_view', 'pick_items', 'memory_report']
 
 # %% ../nbs/17_report.ipynb #db442c53
 REQUIRED_FIELDS = ('step', 'reward_mean', 'pass_rate')
@@ -276,17 +275,6 @@ def config_md(cfg_dict) -> str:
     return f"```yaml\n{text.rstrip()}\n```"
 
 # %% ../nbs/17_report.ipynb #4f2c702c
-def _committed_report_dir(out: Path) -> bool:
-    top = git_toplevel(out)
-    return top is not None and out.resolve().is_relative_to(top / 'reports')
-
-def refuse_unclean_report_dir(out_dir, who: str = 'write_report'):
-    "Refuse (`ValueError` naming the files) a report folder under the repository's reports/ while tracked source differs from HEAD: committed reports are rendered from a clean tree at HEAD. A run notebook calls it in its parameter checks, before it writes anything."
-    out = Path(out_dir)
-    if _committed_report_dir(out) and (changed := changed_source_files(out)):
-        raise ValueError(f"{who}: {out} is under the repository's reports/, which are rendered from a clean tree at HEAD; "
-                         f"these tracked files differ from HEAD: {changed[:8]}. Commit them first (or write the report elsewhere).")
-
 def write_report(out_dir, title: str, sections: list[tuple[str, str]], files=()) -> Path:
     "Write `out_dir/README.md`: `# title`, one `## heading` per section, then the listed files (links + SHA-256)."
     out = Path(out_dir)

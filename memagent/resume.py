@@ -12,7 +12,7 @@ from .health import json_line
 
 # %% auto #0
 __all__ = ['DATA_KEY', 'ResumeError', 'check_resume_config', 'plan_metrics', 'write_metrics', 'reconcile_metrics', 'check_resume',
-           'examples_sha256', 'preflight_resume']
+           'examples_sha256', 'preflight_resume', 'settle_resume']
 
 # %% ../nbs/13b_resume.ipynb #bd5c45ff
 class ResumeError(ValueError):
@@ -89,3 +89,9 @@ def preflight_resume(run_dir, cfg, examples) -> dict | None:
         check_resume_config(saved, cfg, (prov.get('data_sha256'), examples_sha256(examples)))
         return {'checkpoint': c.name, 'step': state.get('step')}
     return None
+
+def settle_resume(run_dir, ck: dict, keep: list[dict]):
+    "A resume's writes, once every check has passed: `latest` names the checkpoint taken (after a fallback it named another; run.json lists why), and `metrics.jsonl` ends at its step (`keep`, from `check_resume`)."
+    from memagent.checkpoint import point_latest
+    point_latest(Path(run_dir)/'checkpoints', Path(ck['path']).name)
+    write_metrics(Path(run_dir)/'metrics.jsonl', keep)

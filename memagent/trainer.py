@@ -19,7 +19,7 @@ from .colocate import Placement, make_group, trainer_engine
 from .reward import call_reward, get_reward
 from . import checkpoint as ckpt
 from .health import RunHealth, json_line
-from .resume import check_resume, examples_sha256, write_metrics
+from .resume import check_resume, examples_sha256, settle_resume
 
 # %% auto #0
 __all__ = ['PromptSampler', 'rollout_metrics', 'update_metrics', 'Trainer']
@@ -148,18 +148,16 @@ class Trainer:
         if ck: self._restore(ck)           # refuses a checkpoint of another parallel layout or sampler; still nothing written
         ckpt.remove_stale_tmp(ck_root)
         save_config(cfg, self.run_dir/'config.yaml')
-        (self.run_dir/'run.json').write_text(json.dumps({'steps': cfg.schedule.steps, 'config': cfg.to_dict(),
-                                                         'derived': cfg.derived(), 'world_size': world_size,
-                                                         'resumed_from': ck['path'] if ck else None, 'skipped_checkpoints': ck['skipped'] if ck else [],
+        (self.run_dir/'run.json').write_text(json.dumps({'steps': cfg.schedule.steps, 'config': cfg.to_dict(), 'derived': cfg.derived(),
+                                                         'world_size': world_size, 'resumed_from': ck['path'] if ck else None,
+                                                         'skipped_checkpoints': ck['skipped'] if ck else [],
                                                          'resume_overrides': [{'key': k, 'checkpoint': o, 'now': n} for k, o, n in overrides],
                                                          'launch': self.launch, 'provenance': self.prov}, indent=1, default=str))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(self.run_dir/'tb'))
         if ck:
-            if ck['latest'] != Path(ck['path']).name:     # fell back (named in run.json): latest names what the metrics now end at
-                ckpt.point_latest(ck_root, Path(ck['path']).name)
-            write_metrics(self.run_dir/'metrics.jsonl', self._metrics_kept)
+            settle_resume(self.run_dir, ck, self._metrics_kept)   # latest names the checkpoint taken; the metrics end at its step
             if self.engine is not None: self.push_weights(ck['model'])
         self.health.record('running', self.step_no)
 
