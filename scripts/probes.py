@@ -97,7 +97,7 @@ if __name__ == '__main__':
     ap.add_argument('--runs', default=str(ROOT/'runs'/'probes'))
     ap.add_argument('--out', default=str(ROOT/'reports'/'probes'/'cpu-demo'))
     a = ap.parse_args()
-    from memagent.report import refuse_unclean_report_dir
+    from memagent.provenance import refuse_unclean_report_dir
     refuse_unclean_report_dir(Path(a.out), 'probes.py --out')     # before hours of training, not after them
     runs = Path(a.runs)
     if a.collect and not runs.is_dir(): raise SystemExit(f"probes: --collect: no runs folder {runs}")

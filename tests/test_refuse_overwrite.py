@@ -58,7 +58,7 @@ def _code_cells(name):
 def test_a_report_folder_of_an_unclean_tree_is_refused_naming_the_files(tmp_path):
     "memagent.report.refuse_unclean_report_dir in a repository whose tracked source differs from HEAD: reports/ refused, naming the file; elsewhere allowed."
     import subprocess
-    from memagent.report import refuse_unclean_report_dir
+    from memagent.provenance import refuse_unclean_report_dir
     g = lambda *a: subprocess.run(['git', '-C', str(tmp_path), *a], check=True, capture_output=True)
     g('init', '-q'); (tmp_path / 'a.py').write_text('x = 1\n'); g('add', 'a.py')
     g('-c', 'user.email=t@t', '-c', 'user.name=t', 'commit', '-qm', 'a')
