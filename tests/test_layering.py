@@ -14,7 +14,7 @@ LAYERS = (
     ('memagent', 'config', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net', 'devices', 'ondevice'),   # pure leaves
     ('data', 'prompts', 'models', 'credit', 'loss', 'report'),                                          # pure or file-level
     ('engines',),                                                                    # leaves: know nothing of the trainer
-    ('rollout', 'transfer', 'checkpoint', 'evaluate', 'acceptance', 'parity', 'audit', 'resume', 'fuzz', 'simulate',
+    ('rollout', 'transfer', 'checkpoint', 'evaluate', 'acceptance', 'parity', 'audit', 'observed', 'resume', 'fuzz', 'simulate',
      'screening'),
     ('backends', 'policy'),                                          # the policy interface; its implementations
     ('colocate',),                                                   # places ranks and engines: the factories for both
