@@ -14,7 +14,9 @@ lock=requirements/gpu-linux-x86_64-py311.txt
 uv=${UV:-uv}
 ini() { python3 -c "import configparser,sys; c=configparser.ConfigParser(delimiters=['=']); c.read('settings.ini'); print(c['DEFAULT'][sys.argv[1]])" "$1"; }
 pin() { sed -n "s/^$1=\([^ ]*\).*/\1/p" scripts/setup_gpu.sh; }
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+# on any failure (uv, the index, a read of the inputs) the temporaries go and the lock is left as it was
+cleanup() { rc=$?; rm -rf "$tmp" "$lock.tmp"; [ "$rc" -eq 0 ] || echo "lock_gpu.sh: failed (exit $rc): $lock is unchanged" >&2; }
+tmp=$(mktemp -d); trap cleanup EXIT; trap 'exit 130' INT; trap 'exit 143' TERM
 in=$tmp/gpu-stack.in                       # the input's name is what the lock's "via -r" annotations show
 { for k in requirements dev_requirements gpu_requirements; do ini "$k" | tr ' ' '\n'; done
   pin TORCH_PIN; echo "transformer-engine[core_cu13]==$(pin TE_VERSION)"; pin TE_TORCH_DEPS | tr ',' '\n'; } \

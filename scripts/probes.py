@@ -97,10 +97,14 @@ if __name__ == '__main__':
     ap.add_argument('--runs', default=str(ROOT/'runs'/'probes'))
     ap.add_argument('--out', default=str(ROOT/'reports'/'probes'/'cpu-demo'))
     a = ap.parse_args()
+    # every refusal exits 2 here, before hours of training and before anything is written
+    if a.steps < 1: ap.error(f"--steps {a.steps}: must be a positive integer")
+    if a.only == []: ap.error(f"--only names no variant (name one or more of {list(VARIANTS)}, or leave --only out for all)")
     from memagent.provenance import refuse_unclean_report_dir
-    refuse_unclean_report_dir(Path(a.out), 'probes.py --out')     # before hours of training, not after them
+    try: refuse_unclean_report_dir(Path(a.out), 'probes.py --out')
+    except ValueError as e: ap.error(str(e))
     runs = Path(a.runs)
-    if a.collect and not runs.is_dir(): raise SystemExit(f"probes: --collect: no runs folder {runs}")
+    if a.collect and not runs.is_dir(): ap.error(f"--collect: no runs folder {runs}")
     if not a.collect:
         runs.mkdir(parents=True, exist_ok=True)
         for name in (a.only or VARIANTS): run_variant(name, a.steps, runs)

@@ -8,6 +8,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv}
+# DIR must be a virtual environment already (pyvenv.cfg: it is updated in place), an empty folder or a new path: anything
+# else is refused here, before python, venv or pip writes into it
+if [ -e "$venv" ] || [ -L "$venv" ]; then
+  if [ ! -d "$venv" ]; then
+    what=$([ -f "$venv" ] && echo 'is a file' || echo 'is not a folder')
+    echo "setup.sh: $venv exists and $what, not a virtual environment: refusing to install into it (name another folder)" >&2; exit 2
+  elif [ ! -f "$venv/pyvenv.cfg" ] && [ -n "$(ls -A "$venv")" ]; then
+    echo "setup.sh: $venv exists and is not a virtual environment (no pyvenv.cfg; it holds: $(ls -A "$venv" | head -5 | paste -sd' ')):" \
+         "refusing to install into it (name another folder, or an empty one)" >&2; exit 2
+  fi
+fi
 py=${PYTHON:-python3.11}
 command -v "$py" >/dev/null || py=python3
 echo "+ $py -m venv $venv"; "$py" -m venv "$venv"
