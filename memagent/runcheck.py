@@ -45,9 +45,10 @@ class Guard:
 
 # %% ../nbs/13c_runcheck.ipynb #8e53a2e1
 class Gates:
-    "Named checks with their numbers, and phases timed under an optional `Guard`."
-    def __init__(self, guard: Guard | None = None, echo: bool = True):
+    "Named checks with their numbers, and phases timed under an optional `Guard`; `stop_on_failure`: a failed phase stops the later ones."
+    def __init__(self, guard: Guard | None = None, echo: bool = True, stop_on_failure: bool = False):
         self.guard, self.echo, self.rows, self.phases = guard, echo, [], {}
+        self.stop_on_failure, self.stopped = stop_on_failure, None     # stopped: the failed phase that stopped the run
 
     def gate(self, name: str, passed, **numbers) -> bool:
         "Record a check; returns whether it passed."
@@ -58,10 +59,18 @@ class Gates:
     @property
     def failed(self) -> list[str]: return [g['gate'] for g in self.rows if g['result'] == 'FAIL']
 
+    @property
+    def not_run(self) -> list[str]: return [g['gate'] for g in self.rows if g['result'] == 'NOT RUN']
+
     @contextmanager
     def phase(self, name: str, always: bool = False, gate_ok: bool = False):
         "Time a phase; an exception (or the guard firing) becomes a failed gate `name`. Yields whether to run the body."
         g = self.guard
+        if self.stopped is not None and not always:        # stop_on_failure, after a failed phase: recorded, not run
+            self.phases[name] = None
+            self.rows.append({'gate': name, 'result': 'NOT RUN', 'reason': f"phase {self.stopped!r} failed"})
+            if self.echo: print(f"[NOT RUN] {name}: phase {self.stopped!r} failed")
+            yield False; return
         if g is not None and g.expired and not always:
             self.phases[name] = None
             self.gate(name, False, error='skipped: the wall-clock guard had already expired'); yield False; return
@@ -73,6 +82,7 @@ class Gates:
             if 'out of memory' in str(e).lower() or type(e).__name__ == 'OutOfMemoryError': msg = 'OOM: ' + msg
             traceback.print_exc()
             self.gate(name, False, error=msg[:500], seconds=round(time.perf_counter() - t0, 3))
+            if self.stop_on_failure and self.stopped is None: self.stopped = name
         finally:
             self.phases[name] = time.perf_counter() - t0
             if g is not None: g.current = None

@@ -1,7 +1,8 @@
 """The smoke notebook end to end through papermill on the tiny preset: it passes with agreeing row counts for
 both steps and the engine holding the trainer's weights after every sync, and a failing gate (the
-`inject_failure='rows'` and `'weights'` hooks) makes papermill exit non-zero after the report is written."""
-import json, re, subprocess, sys
+`inject_failure='rows'` and `'weights'` hooks) makes papermill exit non-zero after the report is written.
+A failed phase stops the later ones (run in this process: the notebook's cells, no kernel)."""
+import json, re, signal, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,41 @@ def test_smoke_wall_clock_guard(tmp_path):
     gates = {g['gate']: g for g in json.loads((rep / 'gates.json').read_text())['gates']}
     assert gates['wall_clock']['result'] == 'FAIL'
     assert any('wall-clock guard' in str(g.get('error', '')) for g in gates.values())
+
+
+def _exec_cells(params):
+    "The notebook's code cells from its parameters cell on, in this process, `params` set after the parameters cell as papermill sets them: (namespace, the exception that ended the run or None)."
+    cells = [c for c in json.loads(NB.read_text())['cells'] if c['cell_type'] == 'code']
+    i = next(j for j, c in enumerate(cells) if 'parameters' in c['metadata'].get('tags', []))
+    ns, alarm = {}, signal.getsignal(signal.SIGALRM)
+    exec(''.join(cells[i]['source']), ns); ns.update(params)
+    try:
+        for c in cells[i + 1:]: exec(''.join(c['source']), ns)
+    except Exception as e: return ns, e
+    finally:
+        if 'guard' in ns: ns['guard'].disarm()                   # the wall-clock guard's timer and watchdog stop with the test
+        signal.signal(signal.SIGALRM, alarm)
+    return ns, None
+
+
+def test_smoke_a_failed_phase_stops_the_later_phases(tmp_path, monkeypatch):
+    "The machine's model cache is a file, not a folder: setup fails; each later phase is NOT RUN naming it and writes nothing, the shutdown and the report still run, the last cell raises."
+    cache = tmp_path / 'cache'; cache.write_text('a file where the model cache should be\n')
+    monkeypatch.setenv('MEMAGENT_CACHE', str(cache))
+    runs, reps = tmp_path / 'runs', tmp_path / 'reports'
+    _, err = _exec_cells({'run': 'r', 'out_dir': str(runs), 'report_dir': str(reps), 'timeout_s': 300})
+    later = ['trainer_init', 'train', 'step_checks', 'checkpoint', 'export', 'eval']
+    assert isinstance(err, RuntimeError), repr(err)
+    assert f"smoke r: 1 gate(s) failed: setup; phase setup failed, so these did not run: {', '.join(later)}" in str(err), str(err)
+    gates = json.loads((reps / 'r' / 'gates.json').read_text())
+    assert not gates['passed'] and gates['stopped_at'] == 'setup'
+    by = {g['gate']: g for g in gates['gates']}
+    assert by['setup']['result'] == 'FAIL' and str(cache) in by['setup']['error'], by['setup']
+    assert [g['gate'] for g in gates['gates'] if g['result'] == 'NOT RUN'] == later
+    assert all(by[n]['reason'] == "phase 'setup' failed" and gates['phases'][n] is None for n in later)
+    assert [g['gate'] for g in gates['gates'] if g['result'] == 'FAIL'] == ['setup'] and by['wall_clock']['result'] == 'PASS'
+    assert gates['phases']['shutdown'] is not None                     # the shutdown still ran
+    readme = (reps / 'r' / 'README.md').read_text()
+    assert '**FAILED**: 1/8 gates passed; failed: setup; phase setup failed, so these did not run: ' in readme, readme[:2000]
+    assert '| train | NOT RUN | reason=phase \'setup\' failed |' in readme and '| eval | not run |' in readme
+    assert not runs.exists()                                            # no later phase wrote into the run folder
