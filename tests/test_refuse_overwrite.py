@@ -47,7 +47,7 @@ def test_an_output_that_would_replace_an_input_is_refused_and_nothing_is_written
 
 # ---- run notebooks: a report into the repository's reports/ from a tree that differs from HEAD is refused before any write ----
 
-RUN_NOTEBOOKS_WITH_REPORTS = ['acceptance', 'agemem_audit', 'bench', 'launch', 'parity', 'plan', 'rehearsal', 'simulate', 'smoke', 'train']
+RUN_NOTEBOOKS_WITH_REPORTS = ['acceptance', 'agemem_audit', 'agemem_observed', 'bench', 'launch', 'parity', 'plan', 'rehearsal', 'simulate', 'smoke', 'train']
 ROOT = Path(__file__).resolve().parents[1]
 
 

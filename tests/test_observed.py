@@ -1,0 +1,167 @@
+"""The AgeMem second study: the committed receipt verifies and shows the three contrasts the study is for; every displayed field
+edited (a log entry, a difference, the prose, the environment, the provenance, the report, the episodes with their hash) is
+refused, and a receipt of the wrong shape fails with a reason. With an upstream checkout at $AGEMEM_SRC, a fresh run reproduces
+the committed cases and a modified checkout is refused before anything is written."""
+import configparser, json, os, shutil, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
+
+from memagent.audit import AUDITED_REVISION, AuditRefused, VerificationError, check_checkout
+from memagent.observed import (EPISODES_SHA256, STORE_MODULE, OBSERVED_FILES, audit_cli, render_report, run_observed,
+                               verify_observed)
+
+REPORT = ROOT / 'reports' / 'agemem_observed'
+FILES = ('episodes.json', 'protocol.md', 'receipt.json', 'README.md')
+SRC = os.environ.get('AGEMEM_SRC')
+needs_src = pytest.mark.skipif(not (SRC and Path(SRC).is_dir()), reason='AGEMEM_SRC is not set to an upstream AgeMem checkout '
+                               'at the pinned revision; the full run is skipped (the verification tests still run)')
+
+
+def _case(rc, cid): return next(c for c in rc['cases'] if c['id'] == cid)
+
+
+def _copy(tmp_path, edit=None, make=None) -> Path:
+    "A copy of the report folder whose receipt `edit` changes in place, or `make` replaces."
+    for f in FILES: shutil.copy(REPORT / f, tmp_path / f)
+    if edit or make:
+        rc = json.loads((tmp_path / 'receipt.json').read_text())
+        if edit: edit(rc)
+        else: rc = make(rc)
+        (tmp_path / 'receipt.json').write_text(json.dumps(rc, indent=1, ensure_ascii=False) + '\n')
+    return tmp_path
+
+
+def test_committed_receipt_verifies_and_shows_the_contrasts(capsys):
+    "The receipt CI verifies: 21 episodes, every check matched, and the three contrasts of the study as numbers."
+    res = verify_observed(REPORT)
+    assert (res['status'], res['cases'], res['checks'] == res['matched']) == ('verified', 21, True)
+    rc = json.loads((REPORT / 'receipt.json').read_text())
+    r = lambda cid, side, k: _case(rc, cid)[side]['breakdown'][k]
+    for cid in ('update_failed', 'delete_failed', 'update_never_added'):          # a failed update/delete: maintenance only officially
+        assert (r(cid, 'official', 'memory_r_maintenance'), r(cid, 'observed', 'memory_r_maintenance')) == (1.0, 0.0), cid
+    reset = _case(rc, 'stage1_add_removed')                                        # the reset Stage-1 add: visible only when observed
+    assert (reset['official']['memory_stats']['added_count'], reset['observed']['memory_stats']['added_count']) == (0, 1)
+    assert reset['store_held'] == ['mem-01'] and reset['difference']['total'] > 0
+    prose = _case(rc, 'summary_prose_only')                                        # a tool named in prose: counts only officially
+    assert (prose['official']['tool_stats']['Summary_context'], prose['observed']['tool_stats']['Summary_context']) == (1, 0)
+    assert prose['difference']['total'] < 0
+    assert render_report(rc) == (REPORT / 'README.md').read_text()
+    assert audit_cli(['--study', 'observed', '--verify']) == 0 and '"verified"' in capsys.readouterr().out
+
+
+def test_memagent_audit_is_the_command_for_both_studies(capsys):
+    "The console script points at the command that takes --study; without it, the first study's verification runs unchanged."
+    cfg = configparser.ConfigParser(); cfg.read(ROOT / 'settings.ini')
+    assert 'memagent-audit=memagent.observed.receipt:audit_cli' in cfg['DEFAULT']['console_scripts'].split()
+    assert audit_cli(['--verify']) == 0 and '"cases": 16' in capsys.readouterr().out
+
+
+EDITS = [
+    ('a failed update logged as a success', lambda rc: _case(rc, 'update_failed')['log'][1].update(result=True),
+     "case 'update_failed': observed.memory_stats (from the log)"),
+    ('a log entry from no reply of the episode', lambda rc: _case(rc, 'delete_failed')['log'][1].update(issued_by='I deleted it.'),
+     "case 'delete_failed': log entry 2 was issued by a reply that is not in the episode"),
+    ('an observed statistic', lambda rc: _case(rc, 'stage1_add_removed')['observed']['memory_stats'].update(added_count=0),
+     "case 'stage1_add_removed': observed.memory_stats (from the log)"),
+    ('a difference', lambda rc: _case(rc, 'summary_called')['difference'].update(total=0.5), "case 'summary_called': difference"),
+    ('an official total', lambda rc: _case(rc, 'judge_one')['official']['breakdown'].update(total=0.9), "case 'judge_one': difference"),
+    ('the context', lambda rc: _case(rc, 'retrieval_used')['context'].pop(), "case 'retrieval_used': context has"),
+    ('the store held', lambda rc: _case(rc, 'delete_succeeded').update(store_held=['mem-01']), "store_held (from the log)"),
+    ('the final answer', lambda rc: _case(rc, 'retrieval_ignored').update(final_answer='Kestrel Bay'), "retrieval_ignored"),
+    ('meaning', lambda rc: rc.update(meaning='passed = the observed reward is correct'), "meaning: stored 'passed = the observed"),
+    ('limits', lambda rc: rc.update(limits='A policy trained on it behaves better.'), 'limits: stored'),
+    ('an added claim', lambda rc: rc.update(reviewed_by='an independent auditor'), 'receipt.reviewed_by: not a field the runner writes'),
+    ('the embedder', lambda rc: rc['store']['embedder'].update(name='text-embedding-v4'), 'store: stored'),
+    ('environment emptied', lambda rc: rc.update(environment={}), 'environment {} is not what the runner writes'),
+    ('provenance dirty flipped', lambda rc: rc['provenance']['git'].update(dirty=True), 'provenance.git: dirty=True'),
+    ('provenance removed', lambda rc: rc.pop('provenance'), 'receipt.provenance: missing'),
+    ('a file hash', lambda rc: rc['audited']['files'].update({STORE_MODULE: '0' * 64}), 'is not the pinned'),
+    ('the executed files', lambda rc: rc['audited'].update(executed=rc['audited']['executed'][:1]), 'audited.executed: stored'),
+    ('a case removed', lambda rc: rc['cases'].pop(), "present 0 times in the receipt"),
+    ('the summary', lambda rc: rc['summary'].update(matched=1), 'summary.matched: stored 1'),
+    ('a check flag', lambda rc: _case(rc, 'update_succeeded')['checks'][0].update(match=False), 'recorded checks disagree'),
+]
+
+
+@pytest.mark.parametrize('edit,message', [e[1:] for e in EDITS], ids=[e[0] for e in EDITS])
+def test_an_edited_field_is_refused(tmp_path, edit, message, capsys):
+    d = _copy(tmp_path, edit)
+    with pytest.raises(VerificationError) as e: verify_observed(d)
+    assert message in str(e.value), str(e.value)[:3000]
+    assert audit_cli(['--study', 'observed', '--verify', '--report-dir', str(d)]) == 1 and 'VERIFY FAILED' in capsys.readouterr().err
+
+
+def test_an_edited_report_is_refused(tmp_path):
+    "The README a reader sees with one figure changed: not the receipt's rendering."
+    d = _copy(tmp_path)
+    text = (d / 'README.md').read_text()
+    (d / 'README.md').write_text(text.replace('| `stage1_add_removed` | stage1_add | pair | 0.', '| `stage1_add_removed` | stage1_add | pair | 1.', 1))
+    assert (d / 'README.md').read_text() != text
+    with pytest.raises(VerificationError, match='not the rendering of the receipt'): verify_observed(d)
+
+
+def test_episodes_edited_with_the_receipts_hash_of_them_are_refused(tmp_path):
+    "An expectation changed in episodes.json and the receipt's hash updated to match: the hash pinned in the code still refuses it."
+    from memagent.provenance import sha256_file
+    d = _copy(tmp_path)
+    ep = json.loads((d / 'episodes.json').read_text()); ep['cases'][1]['expect']['observed']['memory_r']['maintenance'] = 1.0
+    (d / 'episodes.json').write_text(json.dumps(ep, indent=1) + '\n')
+    rc = json.loads((d / 'receipt.json').read_text()); rc['fixtures']['sha256'] = sha256_file(d / 'episodes.json')
+    (d / 'receipt.json').write_text(json.dumps(rc, indent=1) + '\n')
+    with pytest.raises(VerificationError) as e: verify_observed(d)
+    assert f'is not the committed one pinned in memagent.observed ({EPISODES_SHA256})' in str(e.value)
+
+
+WRONG_SHAPES = [('a list', lambda rc: [rc], 'a JSON list, not the object a receipt is'),
+                ('cases an object', lambda rc: {**rc, 'cases': {'a': 1}}, "cases: {'a': 1}, not a list"),
+                ('a log that is a string', lambda rc: {**rc, 'cases': [{**rc['cases'][0], 'log': 'fine'}, *rc['cases'][1:]]},
+                 "case 'update_succeeded': log, context, official and observed must be"),
+                ('official a list', lambda rc: {**rc, 'cases': [{**rc['cases'][0], 'official': []}, *rc['cases'][1:]]},
+                 "case 'update_succeeded': log, context, official and observed must be"),
+                ('a log entry a number', lambda rc: {**rc, 'cases': [{**rc['cases'][0], 'log': [3]}, *rc['cases'][1:]]},
+                 'the receipt has the wrong shape')]
+
+
+@pytest.mark.parametrize('make,message', [w[1:] for w in WRONG_SHAPES], ids=[w[0] for w in WRONG_SHAPES])
+def test_a_receipt_of_the_wrong_shape_fails_verification_with_a_reason(tmp_path, make, message, capsys):
+    d = _copy(tmp_path, make=make)
+    with pytest.raises(VerificationError) as e: verify_observed(d)
+    assert message in str(e.value), str(e.value)[:2000]
+    assert audit_cli(['--study', 'observed', '--verify', '--report-dir', str(d)]) == 1 and 'VERIFY FAILED' in capsys.readouterr().err
+
+
+def test_run_notebook_verify_mode(tmp_path):
+    "The run notebook, as a user runs it in verify mode: the receipt verifies and its tables show."
+    pm = pytest.importorskip('papermill')
+    out = tmp_path / 'out.ipynb'
+    pm.execute_notebook(str(ROOT / 'nbs' / 'agemem_observed.ipynb'), str(out), parameters={'mode': 'verify'},
+                        cwd=str(ROOT), progress_bar=False, kernel_name='python3')
+    nb = json.loads(out.read_text())
+    text = ''.join(''.join(o.get('text', '')) + json.dumps(o.get('data', {})) for c in nb['cells'] for o in c.get('outputs', []))
+    assert '"status": "verified"' in text and '`summary_prose_only`' in text and AUDITED_REVISION in text
+
+
+@needs_src
+def test_full_run_reproduces_the_committed_cases(tmp_path):
+    before = check_checkout(SRC, AUDITED_REVISION, OBSERVED_FILES)
+    fresh = run_observed(SRC, REPORT)
+    committed = json.loads((REPORT / 'receipt.json').read_text())
+    assert fresh['status'] == 'passed'
+    for k in ('cases', 'summary', 'fixtures', 'protocol', 'store', 'call_site_weights', 'audited'):
+        assert fresh[k] == committed[k], k
+    assert check_checkout(SRC, AUDITED_REVISION, OBSERVED_FILES) == before
+
+
+@needs_src
+def test_modified_store_in_the_checkout_is_refused_before_any_write(tmp_path):
+    clone = tmp_path / 'AgeMem'
+    subprocess.run(['git', 'clone', '-q', '--no-checkout', SRC, str(clone)], check=True)
+    subprocess.run(['git', '-C', str(clone), 'checkout', '-q', AUDITED_REVISION], check=True)
+    p = clone / STORE_MODULE; p.write_text(p.read_text().replace('if item is None:\n                return False', 'if item is None:\n                return True', 1))
+    with pytest.raises(AuditRefused, match='SHA-256'): check_checkout(clone, AUDITED_REVISION, OBSERVED_FILES)
+    assert audit_cli(['--study', 'observed', '--source-repo', str(clone), '--out', str(tmp_path / 'r.json')]) == 2
+    assert not (tmp_path / 'r.json').exists()
