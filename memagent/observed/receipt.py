@@ -16,8 +16,8 @@ from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, 
 
 # %% auto #0
 __all__ = ['RECEIPT_SCHEMA', 'N_CASES', 'EPISODES_SHA256', 'PROTOCOL_SHA256', 'MEANING', 'LIMITS', 'RECEIPT_FIELDS',
-           'AUDITED_FIELDS', 'CASE_FIELDS', 'STORE', 'PINS', 'default_report_dir', 'run_observed', 'verify_observed',
-           'side_by_side_rows', 'statistics_rows', 'findings', 'render_report', 'plot_differences', 'audit_cli']
+           'AUDITED_FIELDS', 'CASE_FIELDS', 'STORE', 'PINS', 'default_report_dir', 'run_observed', 'side_by_side_rows',
+           'statistics_rows', 'findings', 'render_report', 'plot_differences', 'verify_observed', 'audit_cli']
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #61924ea7
 RECEIPT_SCHEMA = 'memagent.agemem_observed.receipt/1'
@@ -71,89 +71,6 @@ def run_observed(source_repo, report_dir=None) -> dict:
             'fixtures': {'path': 'episodes.json', 'sha256': sha256_file(ep_path)},
             'protocol': {'path': 'protocol.md', 'sha256': sha256_file(proto_path)},
             'environment': _environment(), 'summary': summary, 'cases': cases, 'provenance': provenance(repo=report_dir)}
-
-# %% ../../nbs/18a_observed_2_receipt.ipynb #2a1c674d
-def _case_problems(case: dict, rec: dict, tol) -> list[str]:
-    "What a recorded case claims that its episode, its expectations, or its own log and context do not give back."
-    cid, p = case['id'], []
-    p += field_problems(f'case {cid!r}', rec, CASE_FIELDS)
-    for k in ('group', 'role', 'first_study', 'note', 'judge'): p += _differs(f'case {cid!r}: {k}', rec.get(k), case.get(k))
-    log, ctx, off, obs = rec.get('log'), rec.get('context'), rec.get('official'), rec.get('observed')
-    if not (isinstance(log, list) and isinstance(ctx, list) and isinstance(off, dict) and isinstance(obs, dict)):
-        return p + [f'case {cid!r}: log, context, official and observed must be two lists and two objects']
-    fresh = compare(case['expect'], case_outputs(rec), tol)            # every expectation against what the case records
-    p += [f"case {cid!r}: {c['field']}: recorded {c['observed']!r}, expected {c['expected']!r}" for c in fresh if not c['match']]
-    if _differs('', rec.get('checks'), fresh): p.append(f'case {cid!r}: recorded checks disagree with a fresh comparison')
-    tools, memory = observed_stats(log, rec.get('final_answer'))   # the observed statistics, recomputed from the recorded log
-    p += _differs(f'case {cid!r}: observed.tool_stats (from the log)', obs.get('tool_stats'), tools)
-    p += _differs(f'case {cid!r}: observed.memory_stats (from the log)', obs.get('memory_stats'), memory)
-    p += _differs(f'case {cid!r}: store_held (from the log)', rec.get('store_held'), sorted(held_ids(log)))
-    p += _differs(f'case {cid!r}: difference', rec.get('difference'), difference(off, obs))
-    p += _differs(f'case {cid!r}: observed.context_stats (the official extractor on the same context)', obs.get('context_stats'), off.get('context_stats'))
-    cs = off.get('context_stats') or {}
-    chars = sum(len(m.get('content', '')) for m in ctx if isinstance(m, dict))
-    if cs.get('total_messages') != len(ctx): p.append(f"case {cid!r}: context has {len(ctx)} messages, its statistics say {cs.get('total_messages')!r}")
-    if cs.get('token_usage_ratio') != chars / 4 / case['call']['max_tokens']:
-        p.append(f"case {cid!r}: context of {chars} characters does not give token_usage_ratio {cs.get('token_usage_ratio')!r}")
-    answers = [s['assistant'] for s in case['steps'] if 'assistant' in s]
-    fa = rec.get('final_answer')
-    if fa is not None and not (answers and f'<answer>' in answers[-1] and fa in answers[-1]):
-        p.append(f'case {cid!r}: final answer {fa!r} is not in the episode\'s last reply')
-    issued = {s['assistant'] for s in case['steps'] if 'assistant' in s}
-    p += [f"case {cid!r}: log entry {i + 1} was issued by a reply that is not in the episode" for i, op in enumerate(log)
-          if not isinstance(op, dict) or op.get('issued_by') not in issued]
-    return p
-
-def verify_observed(report_dir=None, receipt_path=None) -> dict:
-    "Re-check the second study's receipt against the committed episodes and protocol; raise `VerificationError` on any problem."
-    report_dir = Path(report_dir) if report_dir else default_report_dir()
-    receipt_path = Path(receipt_path) if receipt_path else report_dir / 'receipt.json'
-    try: return _verify(report_dir, receipt_path)
-    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
-        if isinstance(e, VerificationError): raise
-        raise wrong_shape(receipt_path, VerificationError, e) from None
-
-def _verify(report_dir: Path, receipt_path: Path) -> dict:
-    ep_path, proto_path = report_dir / 'episodes.json', report_dir / 'protocol.md'
-    rc, ep, problems = open_receipt(receipt_path, ep_path, load_episodes, RECEIPT_SCHEMA, also=(proto_path,))
-    problems += field_problems('receipt', rc, RECEIPT_FIELDS)
-    problems += _differs('meaning', rc.get('meaning'), MEANING) + _differs('limits', rc.get('limits'), LIMITS)
-    for name, path, pinned in (('episodes.json', ep_path, EPISODES_SHA256), ('protocol.md', proto_path, PROTOCOL_SHA256)):
-        if (got := sha256_file(path)) != pinned:
-            problems.append(f'{name} SHA-256 {got} is not the committed one pinned in memagent.observed ({pinned})')
-    problems += _differs('fixtures', rc.get('fixtures'), {'path': 'episodes.json', 'sha256': EPISODES_SHA256})
-    problems += _differs('protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256})
-    problems += _differs('store', rc.get('store'), STORE)
-    aud = rc.get('audited') if isinstance(rc.get('audited'), dict) else {}
-    problems += field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
-    origin = origin_problems(audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, PINS)
-    problems += [f'audited copy: {p}' for p in origin]
-    problems += _differs('audited.executed', aud.get('executed'), list(EXECUTED)) + _differs('audited.read', aud.get('read'), [WORKFLOW_FILE])
-    if aud.get('checkout_unchanged_after_run') is not True:
-        problems.append(f'receipt records checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: the checkout was not left as found')
-    problems += _differs('call_site_weights', rc.get('call_site_weights'), ep['call_site']['weights'])
-    problems += environment_problems(rc.get('environment')) + provenance_problems(rc.get('provenance'))
-    want = [c['id'] for c in ep['cases']]
-    if len(want) != N_CASES: problems.append(f'{len(want)} episodes, expected {N_CASES}')
-    if not isinstance(rc.get('cases'), list): problems.append(f"cases: {_short(rc.get('cases'))}, not a list")
-    cases = [c if isinstance(c, dict) else {} for c in rc.get('cases')] if isinstance(rc.get('cases'), list) else []
-    got = [c.get('id') for c in cases]
-    problems += [f'case {cid!r}: present {got.count(cid)} times in the receipt (expected once)' for cid in want if got.count(cid) != 1]
-    problems += [f'case {cid!r}: in the receipt but not in episodes.json' for cid in got if cid not in want]
-    by_id = {c.get('id'): c for c in cases}
-    for case in ep['cases']:
-        if case['id'] in by_id: problems += _case_problems(case, by_id[case['id']], ep['tolerance'])
-    summary, stored = _summary(cases), rc.get('summary')
-    if not isinstance(stored, dict): problems.append(f'summary: {_short(stored)}, not an object'); stored = {}
-    for k in dict.fromkeys([*summary, *stored]): problems += _differs(f'summary.{k}', stored.get(k, _MISSING), summary.get(k, _MISSING))
-    problems += _differs('status', rc.get('status'), _status(aud.get('checkout_unchanged_after_run'), origin, summary))
-    if rc.get('status') != 'passed': problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
-    readme = report_dir / 'README.md'     # the report a reader sees: it must be this receipt's rendering, byte for byte
-    if not problems and readme.is_file() and readme.read_text() != render_report(rc):
-        problems.append(f'{readme}: not the rendering of the receipt (memagent.observed.render_report); re-render it from the receipt')
-    if problems: raise VerificationError(problems)
-    return {'status': 'verified', 'cases': summary['cases'], 'checks': summary['checks'], 'matched': summary['matched'],
-            'episodes_sha256': EPISODES_SHA256, 'protocol_sha256': PROTOCOL_SHA256, 'audited': f"{aud['repository']}@{aud['revision']}"}
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #9dbc0e32
 def _counts(side: dict) -> str:
@@ -250,6 +167,89 @@ def plot_differences(receipt: dict, path) -> Path:
     ax.set_title(f"AgeMem second study, {len(cases)} episodes (receipt at {(receipt['provenance']['git'].get('commit') or 'no commit ')[:7].strip()})", fontsize=9)
     fig.tight_layout(); path = Path(path); fig.savefig(path, dpi=110); plt.close(fig)
     return path
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #2a1c674d
+def _case_problems(case: dict, rec: dict, tol) -> list[str]:
+    "What a recorded case claims that its episode, its expectations, or its own log and context do not give back."
+    cid, p = case['id'], []
+    p += field_problems(f'case {cid!r}', rec, CASE_FIELDS)
+    for k in ('group', 'role', 'first_study', 'note', 'judge'): p += _differs(f'case {cid!r}: {k}', rec.get(k), case.get(k))
+    log, ctx, off, obs = rec.get('log'), rec.get('context'), rec.get('official'), rec.get('observed')
+    if not (isinstance(log, list) and isinstance(ctx, list) and isinstance(off, dict) and isinstance(obs, dict)):
+        return p + [f'case {cid!r}: log, context, official and observed must be two lists and two objects']
+    fresh = compare(case['expect'], case_outputs(rec), tol)            # every expectation against what the case records
+    p += [f"case {cid!r}: {c['field']}: recorded {c['observed']!r}, expected {c['expected']!r}" for c in fresh if not c['match']]
+    if _differs('', rec.get('checks'), fresh): p.append(f'case {cid!r}: recorded checks disagree with a fresh comparison')
+    tools, memory = observed_stats(log, rec.get('final_answer'))   # the observed statistics, recomputed from the recorded log
+    p += _differs(f'case {cid!r}: observed.tool_stats (from the log)', obs.get('tool_stats'), tools)
+    p += _differs(f'case {cid!r}: observed.memory_stats (from the log)', obs.get('memory_stats'), memory)
+    p += _differs(f'case {cid!r}: store_held (from the log)', rec.get('store_held'), sorted(held_ids(log)))
+    p += _differs(f'case {cid!r}: difference', rec.get('difference'), difference(off, obs))
+    p += _differs(f'case {cid!r}: observed.context_stats (the official extractor on the same context)', obs.get('context_stats'), off.get('context_stats'))
+    cs = off.get('context_stats') or {}
+    chars = sum(len(m.get('content', '')) for m in ctx if isinstance(m, dict))
+    if cs.get('total_messages') != len(ctx): p.append(f"case {cid!r}: context has {len(ctx)} messages, its statistics say {cs.get('total_messages')!r}")
+    if cs.get('token_usage_ratio') != chars / 4 / case['call']['max_tokens']:
+        p.append(f"case {cid!r}: context of {chars} characters does not give token_usage_ratio {cs.get('token_usage_ratio')!r}")
+    answers = [s['assistant'] for s in case['steps'] if 'assistant' in s]
+    fa = rec.get('final_answer')
+    if fa is not None and not (answers and f'<answer>' in answers[-1] and fa in answers[-1]):
+        p.append(f'case {cid!r}: final answer {fa!r} is not in the episode\'s last reply')
+    issued = {s['assistant'] for s in case['steps'] if 'assistant' in s}
+    p += [f"case {cid!r}: log entry {i + 1} was issued by a reply that is not in the episode" for i, op in enumerate(log)
+          if not isinstance(op, dict) or op.get('issued_by') not in issued]
+    return p
+
+def verify_observed(report_dir=None, receipt_path=None) -> dict:
+    "Re-check the second study's receipt against the committed episodes and protocol; raise `VerificationError` on any problem."
+    report_dir = Path(report_dir) if report_dir else default_report_dir()
+    receipt_path = Path(receipt_path) if receipt_path else report_dir / 'receipt.json'
+    try: return _verify(report_dir, receipt_path)
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
+        if isinstance(e, VerificationError): raise
+        raise wrong_shape(receipt_path, VerificationError, e) from None
+
+def _verify(report_dir: Path, receipt_path: Path) -> dict:
+    ep_path, proto_path = report_dir / 'episodes.json', report_dir / 'protocol.md'
+    rc, ep, problems = open_receipt(receipt_path, ep_path, load_episodes, RECEIPT_SCHEMA, also=(proto_path,))
+    problems += field_problems('receipt', rc, RECEIPT_FIELDS)
+    problems += _differs('meaning', rc.get('meaning'), MEANING) + _differs('limits', rc.get('limits'), LIMITS)
+    for name, path, pinned in (('episodes.json', ep_path, EPISODES_SHA256), ('protocol.md', proto_path, PROTOCOL_SHA256)):
+        if (got := sha256_file(path)) != pinned:
+            problems.append(f'{name} SHA-256 {got} is not the committed one pinned in memagent.observed ({pinned})')
+    problems += _differs('fixtures', rc.get('fixtures'), {'path': 'episodes.json', 'sha256': EPISODES_SHA256})
+    problems += _differs('protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256})
+    problems += _differs('store', rc.get('store'), STORE)
+    aud = rc.get('audited') if isinstance(rc.get('audited'), dict) else {}
+    problems += field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
+    origin = origin_problems(audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, PINS)
+    problems += [f'audited copy: {p}' for p in origin]
+    problems += _differs('audited.executed', aud.get('executed'), list(EXECUTED)) + _differs('audited.read', aud.get('read'), [WORKFLOW_FILE])
+    if aud.get('checkout_unchanged_after_run') is not True:
+        problems.append(f'receipt records checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: the checkout was not left as found')
+    problems += _differs('call_site_weights', rc.get('call_site_weights'), ep['call_site']['weights'])
+    problems += environment_problems(rc.get('environment')) + provenance_problems(rc.get('provenance'))
+    want = [c['id'] for c in ep['cases']]
+    if len(want) != N_CASES: problems.append(f'{len(want)} episodes, expected {N_CASES}')
+    if not isinstance(rc.get('cases'), list): problems.append(f"cases: {_short(rc.get('cases'))}, not a list")
+    cases = [c if isinstance(c, dict) else {} for c in rc.get('cases')] if isinstance(rc.get('cases'), list) else []
+    got = [c.get('id') for c in cases]
+    problems += [f'case {cid!r}: present {got.count(cid)} times in the receipt (expected once)' for cid in want if got.count(cid) != 1]
+    problems += [f'case {cid!r}: in the receipt but not in episodes.json' for cid in got if cid not in want]
+    by_id = {c.get('id'): c for c in cases}
+    for case in ep['cases']:
+        if case['id'] in by_id: problems += _case_problems(case, by_id[case['id']], ep['tolerance'])
+    summary, stored = _summary(cases), rc.get('summary')
+    if not isinstance(stored, dict): problems.append(f'summary: {_short(stored)}, not an object'); stored = {}
+    for k in dict.fromkeys([*summary, *stored]): problems += _differs(f'summary.{k}', stored.get(k, _MISSING), summary.get(k, _MISSING))
+    problems += _differs('status', rc.get('status'), _status(aud.get('checkout_unchanged_after_run'), origin, summary))
+    if rc.get('status') != 'passed': problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
+    readme = report_dir / 'README.md'     # the report a reader sees: it must be this receipt's rendering, byte for byte
+    if not problems and readme.is_file() and readme.read_text() != render_report(rc):
+        problems.append(f'{readme}: not the rendering of the receipt (memagent.observed.render_report); re-render it from the receipt')
+    if problems: raise VerificationError(problems)
+    return {'status': 'verified', 'cases': summary['cases'], 'checks': summary['checks'], 'matched': summary['matched'],
+            'episodes_sha256': EPISODES_SHA256, 'protocol_sha256': PROTOCOL_SHA256, 'audited': f"{aud['repository']}@{aud['revision']}"}
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #281bcb09
 def audit_cli(argv=None) -> int:
