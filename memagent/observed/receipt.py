@@ -193,7 +193,7 @@ def _case_problems(case: dict, rec: dict, tol) -> list[str]:
         p.append(f"case {cid!r}: context of {chars} characters does not give token_usage_ratio {cs.get('token_usage_ratio')!r}")
     answers = [s['assistant'] for s in case['steps'] if 'assistant' in s]
     fa = rec.get('final_answer')
-    if fa is not None and not (answers and f'<answer>' in answers[-1] and fa in answers[-1]):
+    if fa is not None and not (answers and '<answer>' in answers[-1] and fa in answers[-1]):
         p.append(f'case {cid!r}: final answer {fa!r} is not in the episode\'s last reply')
     issued = {s['assistant'] for s in case['steps'] if 'assistant' in s}
     p += [f"case {cid!r}: log entry {i + 1} was issued by a reply that is not in the episode" for i, op in enumerate(log)

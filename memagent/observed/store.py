@@ -138,9 +138,11 @@ class Recorder:
                          'store_after': sorted(self.manager._store._items), 'issued_by': text})
 
     def _dispatch(self, call, text, summary, similarity):
+        # the workflow reads every call with .get (lines 124-125, then args.get in each branch): anything else would raise there
+        if not isinstance(call, dict) or not isinstance(call.get('arguments', {}), dict):
+            raise EpisodeError(f'{self.where}: tool call {call!r} is not an object with an object of arguments (the workflow would raise)')
         name, args = call.get('name'), call.get('arguments', {})
         e0 = len(self.embeds)
-        if not isinstance(args, dict): args = {}
         if name == 'Summary_context':                                      # lines 129-209
             note, result = self._summary(args, summary)
         elif name == 'Clear_context':                                      # lines 211-253
