@@ -1,6 +1,7 @@
 """The rehearsal notebook at reduced counts (the variant CI runs): the frozen preset's shapes on TP 2 x DP 2 Ray
-ranks, with its row, rank, capacity and plan gates, the checkpoint and export, and the 64-chunk truncation."""
-import json, subprocess, sys
+ranks, with its row, rank, capacity and plan gates, the checkpoint and export, and the 64-chunk truncation.
+A failed phase stops the later ones (run in this process: the notebook's cells, no kernel)."""
+import json, signal, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,45 @@ def test_rehearsal_reduced(tmp_path):
 def test_rehearsal_refuses_unknown_parameter(tmp_path):
     p, _, _ = _papermill(tmp_path, 'bad', stepz=2)
     assert p.returncode != 0 and "unknown parameter 'stepz'" in (p.stdout + p.stderr)
+
+
+def _exec_cells(params):
+    "The notebook's code cells from its parameters cell on, in this process, `params` set after the parameters cell as papermill sets them: (namespace, the exception that ended the run or None)."
+    cells = [c for c in json.loads(NB.read_text())['cells'] if c['cell_type'] == 'code']
+    i = next(j for j, c in enumerate(cells) if 'parameters' in c['metadata'].get('tags', []))
+    ns, alarm = {}, signal.getsignal(signal.SIGALRM)
+    exec(''.join(cells[i]['source']), ns); ns.update(params)
+    try:
+        for c in cells[i + 1:]: exec(''.join(c['source']), ns)
+    except Exception as e: return ns, e
+    finally:
+        if 'guard' in ns: ns['guard'].disarm()                   # the wall-clock guard's timer and watchdog stop with the test
+        if 'mem' in ns: ns['mem'].__exit__(None, None, None)      # the memory sampler's thread too
+        signal.signal(signal.SIGALRM, alarm)
+    return ns, None
+
+
+def test_rehearsal_a_failed_phase_stops_the_later_phases(tmp_path, monkeypatch):
+    "The machine's model cache is a file, not a folder: the data phase fails; each later phase is NOT RUN naming it and writes nothing (no run folder, no Ray), the shutdown and the report still run, the last cell raises."
+    cache = tmp_path / 'cache'; cache.write_text('a file where the model cache should be\n')
+    monkeypatch.setenv('MEMAGENT_CACHE', str(cache))
+    runs, reps = tmp_path / 'runs', tmp_path / 'reports'
+    ns, err = _exec_cells({'run': 'r', 'out_dir': str(runs), 'report_dir': str(reps), 'timeout_s': 300, 'progress': False})
+    later = ['trainer_init', 'train', 'step_checks', 'checkpoint', 'export', 'eval', 'truncation']
+    assert isinstance(err, RuntimeError), repr(err)
+    assert f"rehearsal r: 1 gate(s) failed: data; phase data failed, so these did not run: {', '.join(later)}" in str(err), str(err)
+    R = json.loads((reps / 'r' / 'rehearsal.json').read_text())
+    assert not R['passed'] and R['stopped_at'] == 'data'
+    by = {g['gate']: g for g in R['gates']}
+    assert by['data']['result'] == 'FAIL' and str(cache) in by['data']['error'], by['data']
+    assert [g['gate'] for g in R['gates'] if g['result'] == 'NOT RUN'] == later
+    assert all(by[n]['reason'] == "phase 'data' failed" and R['phases'][n] is None for n in later)
+    assert [g['gate'] for g in R['gates'] if g['result'] == 'FAIL'] == ['data']
+    assert by['overrides_only']['result'] == by['wall_clock']['result'] == 'PASS'
+    assert R['phases']['shutdown'] is not None and ns['trainer'] is None and ns['metrics'] == [] and ns['EVAL'] == {}
+    readme = (reps / 'r' / 'README.md').read_text()
+    assert f"**FAILED**: 3/{len(R['gates'])} gates passed; failed: data; phase data failed, so these did not run: " in readme, readme[:2000]
+    assert "| train | NOT RUN | reason=phase 'data' failed |" in readme and '| eval | not run |' in readme
+    assert not runs.exists()                                            # no later phase wrote into the run folder
+    import ray
+    assert not ray.is_initialized()                                     # no Ray ranks started
