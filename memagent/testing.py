@@ -15,7 +15,7 @@ from .provenance import flatten, sha256_text
 
 # %% auto #0
 __all__ = ['SGLANG_SCHEMAS', 'fake_tokens', 'send_whole', 'Exchange', 'send_cut', 'send_nothing', 'send_garbage', 'send_trickle',
-           'logprob_request_error', 'schema_error', 'FakeSGLangServer', 'main', 'synthetic_run']
+           'logprob_request_error', 'schema_error', 'FakeSGLangServer', 'main', 'synthetic_run', 'run_notebook_cells']
 
 # %% ../nbs/20_testing.ipynb #12e673d7
 def fake_tokens(prompt: list[int], sp: SamplingParams, vocab: int = 1000) -> tuple[list[int], list[float], str]:
@@ -426,3 +426,20 @@ def synthetic_run(out_dir, solved: int, n_items: int = 1000, samples: int = 1, k
         for p in parts[:-1]: d = d.setdefault(p, {})
         d[parts[-1]] = v
     return write_run(out_dir, recs, summarize(recs, base, n_boot=n_boot, seed=seed))
+
+# %% ../nbs/20_testing.ipynb #71dbdda6
+def run_notebook_cells(path, params: dict, cells: int | None = None) -> tuple[dict, BaseException | None]:
+    "Run the notebook at `path` from its `parameters` cell, with `params` set after it, in this process: (namespace, the exception or None)."
+    import signal
+    code = [c for c in json.loads(Path(path).read_text())['cells'] if c['cell_type'] == 'code']
+    i = next(j for j, c in enumerate(code) if 'parameters' in c['metadata'].get('tags', []))
+    ns, alarm = {}, signal.getsignal(signal.SIGALRM)
+    exec(''.join(code[i]['source']), ns); ns.update(params)
+    try:
+        for c in code[i + 1:] if cells is None else code[i + 1:i + 1 + cells]: exec(''.join(c['source']), ns)
+    except Exception as e: return ns, e
+    finally:
+        if 'guard' in ns: ns['guard'].disarm()                   # the wall-clock guard's timer and watchdog stop with the caller
+        if 'mem' in ns: ns['mem'].__exit__(None, None, None)      # the memory sampler's thread too
+        signal.signal(signal.SIGALRM, alarm)
+    return ns, None

@@ -97,12 +97,10 @@ def test_plan_notebook_refuses_an_unclean_tree_before_writing(tmp_path):
 
 
 def _run_checks(name, params, cells=1):
-    "A run notebook's parameters cell, then `params`, then the `cells` cells after it (its checks), as papermill would run them."
-    nbj = [c for c in json.loads((ROOT / 'nbs' / f'{name}.ipynb').read_text())['cells'] if c['cell_type'] == 'code']
-    i = next(j for j, c in enumerate(nbj) if 'parameters' in c['metadata'].get('tags', []))
-    ns = {}
-    exec(''.join(nbj[i]['source']), ns); ns.update(params)
-    for c in nbj[i + 1:i + 1 + cells]: exec(''.join(c['source']), ns)
+    "A run notebook's parameters cell, then `params`, then the `cells` cells after it (its checks), as papermill would run them; their error raised."
+    from memagent.testing import run_notebook_cells
+    _, err = run_notebook_cells(ROOT / 'nbs' / f'{name}.ipynb', params, cells)
+    if err is not None: raise err
 
 
 @pytest.mark.parametrize('name', ['smoke', 'rehearsal'])

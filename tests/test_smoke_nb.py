@@ -2,7 +2,7 @@
 both steps and the engine holding the trainer's weights after every sync, and a failing gate (the
 `inject_failure='rows'` and `'weights'` hooks) makes papermill exit non-zero after the report is written.
 A failed phase stops the later ones (run in this process: the notebook's cells, no kernel)."""
-import json, re, signal, subprocess, sys
+import json, re, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -122,18 +122,9 @@ def test_smoke_wall_clock_guard(tmp_path):
 
 
 def _exec_cells(params):
-    "The notebook's code cells from its parameters cell on, in this process, `params` set after the parameters cell as papermill sets them: (namespace, the exception that ended the run or None)."
-    cells = [c for c in json.loads(NB.read_text())['cells'] if c['cell_type'] == 'code']
-    i = next(j for j, c in enumerate(cells) if 'parameters' in c['metadata'].get('tags', []))
-    ns, alarm = {}, signal.getsignal(signal.SIGALRM)
-    exec(''.join(cells[i]['source']), ns); ns.update(params)
-    try:
-        for c in cells[i + 1:]: exec(''.join(c['source']), ns)
-    except Exception as e: return ns, e
-    finally:
-        if 'guard' in ns: ns['guard'].disarm()                   # the wall-clock guard's timer and watchdog stop with the test
-        signal.signal(signal.SIGALRM, alarm)
-    return ns, None
+    "The notebook's cells in this process (memagent.testing.run_notebook_cells): (namespace, the exception that ended the run or None)."
+    from memagent.testing import run_notebook_cells
+    return run_notebook_cells(NB, params)
 
 
 def test_smoke_a_failed_phase_stops_the_later_phases(tmp_path, monkeypatch):
