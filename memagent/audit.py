@@ -6,7 +6,7 @@
 from __future__ import annotations
 import argparse, copy, importlib.util, json, math, os, platform, re, subprocess, sys
 from pathlib import Path
-from .provenance import flatten, sha256_file, provenance, provenance_problems
+from .provenance import flatten, sha256_file, provenance, provenance_problems, refuse_overwrite
 from .report import md_table
 
 # %% auto #0
@@ -16,7 +16,8 @@ __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_
            'AuditError', 'AuditRefused', 'VerificationError', 'default_report_dir', 'validate_fixtures',
            'load_fixtures', 'values_match', 'compare', 'check_checkout', 'load_reward_module', 'StubJudge', 'run_case',
            'origin_problems', 'audited_upstream', 'run_audit', 'write_receipt', 'open_receipt', 'field_problems',
-           'environment_problems', 'wrong_shape', 'verify_receipt', 'summary_rows', 'summary_table', 'audit_cli']
+           'environment_problems', 'wrong_shape', 'verify_receipt', 'summary_rows', 'summary_table', 'study_cli',
+           'audit_cli']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
 PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
@@ -440,28 +441,38 @@ def summary_table(receipt: dict) -> str:
     return md_table([{k: _code(v) for k, v in r.items()} for r in summary_rows(receipt)], floatfmt='.6g', align=False)
 
 # %% ../nbs/18_audit.ipynb #8ef9cca1
-def audit_cli(argv=None) -> int:
-    "Console entry point `memagent-audit`: run the audit against a checkout, or `--verify` the committed receipt."
-    ap = argparse.ArgumentParser(prog='memagent-audit', description='AgeMem reward audit: run against a pinned '
-                                 'upstream checkout, or verify the committed receipt without one.')
+def study_cli(argv, *, prog: str, description: str, inputs: tuple, default_dir, run, verify, epilog=None) -> int:
+    """The command of one AgeMem study: `--source-repo PATH` runs `run(source_repo, report_dir)` and writes the receipt (exit 0 passed,
+    1 not passed, 2 refused: an output that is one of the `inputs`, a checkout or an input that is not the pinned one); `--verify`
+    checks a receipt with `verify(report_dir, receipt)` (exit 0 verified, 1 not)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
     ap.add_argument('--source-repo', help='path of the upstream checkout (pinned revision; outside this repository)')
     ap.add_argument('--out', help='where to write the receipt (default: <report-dir>/receipt.json)')
     ap.add_argument('--verify', action='store_true', help='verify the committed receipt; needs no upstream checkout')
     ap.add_argument('--receipt', help='receipt to verify (default: <report-dir>/receipt.json)')
-    ap.add_argument('--report-dir', help='folder with protocol.md and fixtures.json (default: reports/agemem_audit)')
+    ap.add_argument('--report-dir', help=f"folder with {' and '.join(inputs)} (default: reports/{default_dir().name} of this repository)")
     a = ap.parse_args(argv)
     if a.verify == bool(a.source_repo): ap.error('give exactly one of --source-repo PATH or --verify')
-    report_dir = Path(a.report_dir) if a.report_dir else default_report_dir()
+    report_dir = Path(a.report_dir) if a.report_dir else default_dir()
     if a.verify:
-        try: res = verify_receipt(report_dir, a.receipt)
+        try: res = verify(report_dir, a.receipt)
         except VerificationError as e:
             print(f'VERIFY FAILED: {e}', file=sys.stderr); return 1
         print(json.dumps(res, indent=1)); return 0
-    try: receipt = run_audit(a.source_repo, report_dir)
-    except AuditRefused as e:
+    out = Path(a.out) if a.out else report_dir / 'receipt.json'
+    try:
+        refuse_overwrite({name: report_dir / name for name in inputs}, {'out': out})   # the receipt must not replace what it is checked against
+        receipt = run(a.source_repo, report_dir)
+    except (AuditError, ValueError) as e:
         print(f'REFUSED: {e}', file=sys.stderr); return 2
-    out = write_receipt(receipt, a.out or report_dir / 'receipt.json')
+    write_receipt(receipt, out)
     s = receipt['summary']
     print(f"{receipt['status']}: {s['matched']}/{s['checks']} checks matched over {s['cases']} cases -> {out}")
     for cid in s['mismatched_cases']: print(f'  mismatch in case {cid}', file=sys.stderr)
     return 0 if receipt['status'] == 'passed' else 1
+
+def audit_cli(argv=None, epilog=None) -> int:
+    "The first study's command: run the audit against a checkout, or `--verify` the committed receipt."
+    return study_cli(argv, prog='memagent-audit', epilog=epilog, description='AgeMem reward audit: run against a pinned upstream checkout, or '
+                     'verify the committed receipt without one.', inputs=('fixtures.json', 'protocol.md'),
+                     default_dir=default_report_dir, run=run_audit, verify=verify_receipt)

@@ -8,6 +8,7 @@ import pytest
 from memagent.acceptance import compare_cli
 from memagent.data import convert_cli, haystack_cli
 from memagent.evaluate import evaluate_cli
+from memagent.observed import audit_cli
 
 
 def _tree(d: Path) -> dict:
@@ -44,6 +45,19 @@ def test_an_output_that_would_replace_an_input_is_refused_and_nothing_is_written
     assert says in err and 'would replace the input' in err, err
     assert _tree(tmp_path) == before
 
+
+@pytest.mark.parametrize('study,inputs', [([], ('fixtures.json', 'protocol.md')), (['--study', 'observed'], ('episodes.json', 'protocol.md'))],
+                         ids=['reward', 'observed'])
+def test_memagent_audit_refuses_a_receipt_that_would_replace_its_inputs(tmp_path, capsys, study, inputs):
+    "Both studies' command: --out naming an input (however spelt) is refused with exit 2 before the checkout is read; nothing changes."
+    for f in inputs: (tmp_path / f).write_text('{}\n')
+    (tmp_path / 'sub').mkdir()
+    before = _tree(tmp_path)
+    for f in inputs:
+        out = tmp_path / 'sub' / '..' / f
+        assert audit_cli([*study, '--source-repo', str(tmp_path / 'no-checkout'), '--report-dir', str(tmp_path), '--out', str(out)]) == 2
+        assert 'would replace the input' in capsys.readouterr().err
+    assert _tree(tmp_path) == before
 
 # ---- run notebooks: a report into the repository's reports/ from a tree that differs from HEAD is refused before any write ----
 

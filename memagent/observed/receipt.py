@@ -10,7 +10,7 @@ from ..provenance import sha256_file, provenance, provenance_problems
 from ..report import md_table
 from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, AuditRefused, VerificationError, check_checkout,
                             compare, origin_problems, audited_upstream, _environment, _status, _summary, _differs, _short, _MISSING,
-                            open_receipt, field_problems, environment_problems, wrong_shape, audit_cli as reward_audit_cli)
+                            open_receipt, field_problems, environment_problems, wrong_shape, study_cli, audit_cli as reward_audit_cli)
 from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, TOOLS, load_upstream, load_episodes,
                                      observe_case, case_outputs, observed_stats, difference, held_ids)
 
@@ -253,34 +253,12 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #281bcb09
 def audit_cli(argv=None) -> int:
-    "Console entry point `memagent-audit`: `--study reward` (default) is the first study's CLI; `--study observed` runs or verifies the second."
+    "Console entry point `memagent-audit`: `--study reward` (default) is the first study's command; `--study observed` runs or verifies the second."
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False); pre.add_argument('--study', choices=('reward', 'observed'), default='reward')
     known, rest = pre.parse_known_args(argv)
-    if known.study == 'reward': return reward_audit_cli(rest)
-    ap = argparse.ArgumentParser(prog='memagent-audit --study observed', description='AgeMem second study: the observed reward beside '
-                                 'the official one, run against the pinned upstream checkout, or its receipt verified without one.')
-    ap.add_argument('--source-repo', help='path of the upstream checkout (pinned revision; outside this repository)')
-    ap.add_argument('--out', help='where to write the receipt (default: <report-dir>/receipt.json)')
-    ap.add_argument('--verify', action='store_true', help='verify the committed receipt; needs no upstream checkout')
-    ap.add_argument('--receipt', help='receipt to verify (default: <report-dir>/receipt.json)')
-    ap.add_argument('--report-dir', help='folder with protocol.md and episodes.json (default: reports/agemem_observed)')
-    a = ap.parse_args(rest)
-    if a.verify == bool(a.source_repo): ap.error('give exactly one of --source-repo PATH or --verify')
-    report_dir = Path(a.report_dir) if a.report_dir else default_report_dir()
-    if a.verify:
-        try: res = verify_observed(report_dir, a.receipt)
-        except VerificationError as e: print(f'VERIFY FAILED: {e}', file=sys.stderr); return 1
-        print(json.dumps(res, indent=1)); return 0
-    from memagent.provenance import refuse_overwrite
-    out = Path(a.out) if a.out else report_dir / 'receipt.json'
-    try:
-        refuse_overwrite({'episodes': report_dir / 'episodes.json', 'protocol': report_dir / 'protocol.md'}, {'out': out})
-        receipt = run_observed(a.source_repo, report_dir)
-    except (AuditError, ValueError) as e: print(f'REFUSED: {e}', file=sys.stderr); return 2
-    from memagent.audit import write_receipt
-    write_receipt(receipt, out)
-    s = receipt['summary']
-    print(f"{receipt['status']}: {s['matched']}/{s['checks']} checks matched over {s['cases']} episodes -> {out}")
-    for cid in s['mismatched_cases']: print(f'  mismatch in case {cid}', file=sys.stderr)
-    return 0 if receipt['status'] == 'passed' else 1
+    if known.study == 'reward': return reward_audit_cli(rest, epilog='--study observed: the second study (reports/agemem_observed), '
+                                                        'with the same options; --study reward (the default): this one.')
+    return study_cli(rest, prog='memagent-audit --study observed', description='AgeMem second study: the observed reward beside the '
+                     'official one, run against the pinned upstream checkout, or its receipt verified without one.',
+                     inputs=('episodes.json', 'protocol.md'), default_dir=default_report_dir, run=run_observed, verify=verify_observed)
