@@ -14,10 +14,10 @@ __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_
            'N_CASES', 'FIXTURES_SCHEMA', 'RECEIPT_SCHEMA', 'EXPECT_KEYS', 'MEANING', 'FIXTURES_SHA256',
            'PROTOCOL_SHA256', 'RECEIPT_FIELDS', 'AUDITED_FIELDS', 'CASE_FIELDS', 'REBUILD_ORIGIN', 'AUDITED_PINS',
            'AuditError', 'AuditRefused', 'VerificationError', 'default_report_dir', 'validate_fixtures',
-           'load_fixtures', 'values_match', 'compare', 'check_checkout', 'load_reward_module', 'StubJudge', 'run_case',
-           'origin_problems', 'audited_upstream', 'run_audit', 'write_receipt', 'open_receipt', 'field_problems',
-           'environment_problems', 'wrong_shape', 'verify_receipt', 'summary_rows', 'summary_table', 'study_cli',
-           'audit_cli']
+           'load_fixtures', 'values_match', 'compare', 'check_checkout', 'load_by_path', 'load_reward_module',
+           'StubJudge', 'run_case', 'origin_problems', 'audited_upstream', 'run_audit', 'write_receipt', 'open_receipt',
+           'field_problems', 'environment_problems', 'wrong_shape', 'verify_receipt', 'summary_rows', 'summary_table',
+           'study_cli', 'audit_cli']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
 PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
@@ -165,18 +165,26 @@ def check_checkout(src, revision=AUDITED_REVISION, files=None) -> dict:
     except AuditRefused: origin = None
     return {'revision': head, 'files': hashes, 'origin': origin}
 
+def load_by_path(src, rel, name, stand_ins=None):
+    "Import `src/rel` as module `name`, with `stand_ins` (module name -> module) in `sys.modules` for the load only; no bytecode written, `sys.modules` left as it was."
+    path = Path(src) / rel
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None: raise AuditRefused(f'{path}: cannot be loaded as a module')
+    mod, saved = importlib.util.module_from_spec(spec), {}
+    for k, v in {**(stand_ins or {}), name: mod}.items(): saved[k] = sys.modules.get(k); sys.modules[k] = v
+    old, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try: spec.loader.exec_module(mod)
+    finally:
+        sys.dont_write_bytecode = old
+        for k, v in saved.items():
+            if v is None: sys.modules.pop(k, None)
+            else: sys.modules[k] = v
+    return mod
+
 def load_reward_module(src, rel=REWARD_MODULE):
     "Import the audited reward file from the checkout by file path, leaving no bytecode and no `sys.modules` entry."
     path = Path(src) / rel
-    name = '_agemem_audited_reward'
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None: raise AuditRefused(f'{path}: cannot be loaded as a module')
-    mod = importlib.util.module_from_spec(spec)
-    old = sys.dont_write_bytecode
-    sys.dont_write_bytecode = True
-    try: spec.loader.exec_module(mod)
-    finally: sys.dont_write_bytecode = old
-    sys.modules.pop(name, None)
+    mod = load_by_path(src, rel, '_agemem_audited_reward')
     for attr in ('extract_tool_usage_stats', 'extract_context_stats', 'extract_memory_stats', 'ThreeStageRewardCalculator'):
         if not hasattr(mod, attr): raise AuditRefused(f'{path}: has no {attr}')
     return mod

@@ -4,16 +4,16 @@
 
 # %% ../../nbs/18a_observed_1_store.ipynb #350b506a
 from __future__ import annotations
-import copy, hashlib, importlib.util, inspect, json, math, re, sys, types
+import copy, hashlib, json, math, re, types
 from pathlib import Path
-from ..audit import AUDITED_REVISION, REWARD_MODULE, AUDITED_FILES, AuditRefused, check_checkout, load_reward_module
+from ..audit import AUDITED_REVISION, REWARD_MODULE, AUDITED_FILES, AuditRefused, check_checkout, load_by_path, load_reward_module
 
 # %% auto #0
 __all__ = ['STORE_MODULE', 'UTILS_MODULE', 'WORKFLOW_FILE', 'OBSERVED_FILES', 'EXECUTED', 'TOOLS', 'EMBED_DIM',
            'EMBED_MIN_LETTERS', 'EMBEDDER', 'MANAGER', 'EPISODES_SCHEMA', 'HQ_WORDS', 'COMPONENTS', 'OpenAIStandIn',
-           'load_by_path', 'load_upstream', 'embed', 'cosine', 'make_manager', 'EpisodeError', 'Recorder',
-           'validate_episodes', 'load_episodes', 'play', 'op_line', 'held_ids', 'used_retrieval', 'observed_stats',
-           'observation_transcript', 'side_view', 'difference', 'observe_case', 'case_outputs']
+           'load_upstream', 'embed', 'cosine', 'make_manager', 'EpisodeError', 'Recorder', 'validate_episodes',
+           'load_episodes', 'play', 'op_line', 'held_ids', 'used_retrieval', 'observed_stats', 'observation_transcript',
+           'side_view', 'difference', 'observe_case', 'case_outputs']
 
 # %% ../../nbs/18a_observed_1_store.ipynb #2d8a45ef
 STORE_MODULE = 'trinity/common/workflows/memory_context/memory_store.py'
@@ -35,22 +35,6 @@ class OpenAIStandIn(types.ModuleType):
         super().__init__('openai')
         def OpenAI(*a, **k): raise RuntimeError('the openai stand-in cannot build a client: the observed study calls no hosted service')
         self.OpenAI = OpenAI
-
-def load_by_path(src, rel, name, stand_ins=None) -> types.ModuleType:
-    "Import `src/rel` as module `name` with `stand_ins` (module name -> module) in `sys.modules` for the load only; no bytecode, nothing left behind."
-    path = Path(src) / rel
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None: raise AuditRefused(f'{path}: cannot be loaded as a module')
-    mod, saved = importlib.util.module_from_spec(spec), {}
-    for k, v in {**(stand_ins or {}), name: mod}.items(): saved[k] = sys.modules.get(k); sys.modules[k] = v
-    old, sys.dont_write_bytecode = sys.dont_write_bytecode, True
-    try: spec.loader.exec_module(mod)
-    finally:
-        sys.dont_write_bytecode = old
-        for k, v in saved.items():
-            if v is None: sys.modules.pop(k, None)
-            else: sys.modules[k] = v
-    return mod
 
 def load_upstream(src) -> dict:
     "The checked checkout's three executed modules: the reward (as the first study loads it), the store (openai stood in), the workflow utils."
