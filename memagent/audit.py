@@ -62,11 +62,11 @@ class VerificationError(AuditError):
         super().__init__(head + '\n'.join(f'  - {p}' for p in self.problems[:50]))
 
 # %% ../nbs/18_audit.ipynb #8cf8b272
-def default_report_dir(start=None) -> Path:
-    "`reports/agemem_audit` under the first folder at or above `start` (default: cwd) that holds `settings.ini`."
+def default_report_dir(start=None, name='agemem_audit') -> Path:
+    "`reports/<name>` under the first folder at or above `start` (default: cwd) that holds `settings.ini`."
     here = Path(start or Path.cwd()).resolve()
     for d in (here, *here.parents):
-        if (d / 'settings.ini').exists(): return d / 'reports' / 'agemem_audit'
+        if (d / 'settings.ini').exists(): return d / 'reports' / name
     raise AuditError(f'no settings.ini at or above {here}: pass the report folder explicitly')
 
 # %% ../nbs/18_audit.ipynb #e490b763

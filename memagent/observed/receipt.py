@@ -8,10 +8,10 @@ import argparse, copy, json, sys
 from pathlib import Path
 from ..provenance import sha256_file, provenance, provenance_problems
 from ..report import md_table
-from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, AuditRefused, VerificationError, check_checkout,
+from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, VerificationError, check_checkout, default_report_dir as audit_report_dir,
                             compare, origin_problems, audited_upstream, _environment, _status, _summary, _differs, _short, _MISSING,
                             open_receipt, field_problems, environment_problems, wrong_shape, study_cli, audit_cli as reward_audit_cli)
-from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, TOOLS, load_upstream, load_episodes,
+from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, load_upstream, load_episodes,
                                      observe_case, case_outputs, observed_stats, difference, held_ids)
 
 # %% auto #0
@@ -39,10 +39,7 @@ PINS = {rel: (AUDITED_REVISION, sha) for rel, sha in OBSERVED_FILES.items()}
 
 def default_report_dir(start=None) -> Path:
     "`reports/agemem_observed` under the first folder at or above `start` (default: cwd) that holds `settings.ini`."
-    here = Path(start or Path.cwd()).resolve()
-    for d in (here, *here.parents):
-        if (d / 'settings.ini').exists(): return d / 'reports' / 'agemem_observed'
-    raise AuditError(f'no settings.ini at or above {here}: pass the report folder explicitly')
+    return audit_report_dir(start, 'agemem_observed')
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #5d5a7fdc
 def run_observed(source_repo, report_dir=None) -> dict:
@@ -124,7 +121,7 @@ def render_report(receipt: dict) -> str:
     commit = f"`{g['commit'][:7]}`" if g.get('commit') else 'none (not a git work tree)'
     files = md_table([{'file': f'`{rel}`', 'use': 'executed' if rel in a['executed'] else 'read', 'SHA-256': f'`{h}`'}
                       for rel, h in a['files'].items()], align=False)
-    out = [f"# AgeMem, the second study: the reward from what the store did, beside the official one\n",
+    out = ["# AgeMem, the second study: the reward from what the store did, beside the official one\n",
            f"**Status: {receipt['status']}** ({s['matched']} of {s['checks']} checks over {s['cases']} episodes). {receipt['meaning'][0].upper()}{receipt['meaning'][1:]}.\n",
            f"Audited copy: `{a['repository']}` at `{a['revision']}` (the same pinned public copy as `reports/agemem_audit/`), loaded by file path "
            f"and hash-checked; the run left it unchanged: {a['checkout_unchanged_after_run']}. Receipt written at commit {commit}.\n",
