@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 # %% auto #0
-__all__ = ['KEYCODE_SPLITS', 'filler_sentences', 'make_synthetic', 'make_keycodes']
+__all__ = ['KEYCODE_SPLITS', 'filler_sentences', 'make_synthetic', 'make_keycodes', 'density_pairs', 'keycode_length_sets']
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #7a6353a6
 _FILLER = ('the', 'a', 'river', 'stone', 'morning', 'quiet', 'field', 'small', 'old', 'road', 'window', 'light',
@@ -104,7 +104,8 @@ def make_synthetic(n: int, num_words: int | None = None, num_tokens: int | None 
 # %% ../../nbs/03_data_3_synthetic.ipynb #fdb30097
 _KEY_WORDS = {  # (adjectives, nouns) per split: no word of a held-out key occurs in a training key
     'train': (('amber', 'brisk', 'cobalt', 'dusty', 'eager', 'frosty', 'gentle', 'hollow', 'ivory', 'jolly', 'keen', 'lunar'),
-              ('falcon', 'harbor', 'lantern', 'meadow', 'otter', 'pepper', 'quarry', 'saddle', 'tulip', 'walnut', 'anchor', 'beacon')),
+              ('falcon', 'harbor', 'lantern', 'meadow', 'otter', 'pepper', 'quarry', 'saddle', 'tulip', 'walnut', 'anchor',
+               'beacon')),
     'heldout': (('crimson', 'silent', 'rapid', 'velvet', 'narrow', 'polar', 'rustic', 'sunny'),
                 ('badger', 'canyon', 'dolphin', 'ember', 'glacier', 'hammer', 'island', 'jigsaw'))}
 _FILLER_HELDOUT = ('copper', 'lantern', 'drifted', 'beneath', 'orchard', 'gravel', 'harvest', 'pale', 'ferry', 'mill',
@@ -113,29 +114,40 @@ _FILLER_HELDOUT = ('copper', 'lantern', 'drifted', 'beneath', 'orchard', 'gravel
                    'clock', 'spring', 'roof', 'smoke', 'pond', 'moss', 'an', 'by', 'at', 'on', 'had', 'its', 'from', 'past')
 KEYCODE_SPLITS = tuple(_KEY_WORDS)
 
-def _kc_segment(rng, facts, budget, ntok, vocab):
-    "Filler sentences with `facts` at random sentence boundaries, as long as fits in `budget` tokens (a leading space counted)."
+def _kc_segment(rng, facts, budget, ntok, vocab, lead=' '):
+    "One chunk's text: `facts` among filler sentences, exactly `budget` tokens as it stands after `lead`; None if none fits."
     sents, words = list(facts), rng.randint(6, 12)
+    size = lambda ss: ntok(lead + ' '.join(ss))
     while words >= 2:                      # sentences of 6-12 words, then shorter ones to fill the last tokens
         s = filler_sentences(rng, words, vocab)[0]
         pos = rng.randint(0, len(sents))
         trial = sents[:pos] + [s] + sents[pos:]
-        if ntok(' ' + ' '.join(trial)) > budget: words -= 1; continue
+        if size(trial) > budget: words -= 1; continue
         sents, words = trial, max(words, rng.randint(6, 12)) if words >= 6 else words
+    filler = [j for j, s in enumerate(sents) if s not in facts]
+    while size(sents) < budget:            # then one word at a time, before a filler sentence's full stop
+        if not filler: return None
+        j = rng.choice(filler)
+        for w in rng.sample(vocab, len(vocab)):
+            trial = sents[:j] + [sents[j][:-1] + ' ' + w + '.'] + sents[j + 1:]
+            if size(trial) <= budget: sents = trial; break
+        else: return None
     return ' '.join(sents)
 
 def make_keycodes(n: int, tokenizer, chunk_tokens: int, chunks: int = 3, pairs: int = 3, split: str = 'train',
                   seed: int = 0, max_redraws: int = 50) -> list[dict]:
-    "`n` key-code documents of exactly `chunks` chunks of `chunk_tokens` tokens: `pairs` facts, the asked one's chunk balanced over the items."
+    "`n` key-code documents of exactly `chunks` chunks of exactly `chunk_tokens` tokens: `pairs` facts, the asked one's chunk balanced over the items."
     if isinstance(n, bool) or not isinstance(n, int) or n < 0: raise ValueError(f"n must be an int >= 0, got {n!r}")
     if split not in _KEY_WORDS: raise ValueError(f"split must be one of {KEYCODE_SPLITS}, got {split!r}")
-    if not isinstance(chunks, int) or chunks < 1: raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
-    if not isinstance(pairs, int) or pairs < 1: raise ValueError(f"pairs must be an int >= 1, got {pairs!r}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1:
+        raise ValueError(f"pairs must be an int >= 1, got {pairs!r}")
     adj, noun = _KEY_WORDS[split]
     keys_all = [f'{a} {b}' for a in adj for b in noun]
     if pairs > len(keys_all): raise ValueError(f"pairs={pairs} exceeds the {len(keys_all)} keys of split {split!r}")
-    from memagent.chunking import chunk_document
-    ntok = lambda s: len(tokenizer(s, add_special_tokens=False)['input_ids'])
+    from memagent.chunking import chunk_document, encode_text
+    ntok = lambda s: len(encode_text(tokenizer, s))
     fact_len = max(ntok(f' The code of the {k} is 8888.') for k in keys_all)
     if pairs * fact_len > chunks * (chunk_tokens - 4) or fact_len > chunk_tokens - 4:
         raise ValueError(f"{pairs} facts of up to {fact_len} tokens do not fit in {chunks} chunks of {chunk_tokens} tokens")
@@ -152,17 +164,37 @@ def make_keycodes(n: int, tokenizer, chunk_tokens: int, chunks: int = 3, pairs: 
             where = [needle] + [others[j] if j < len(others) else rng.randrange(chunks) for j in range(pairs - 1)]
             per = [[facts[j] for j in range(pairs) if where[j] == c] for c in range(chunks)]
             for p in per: rng.shuffle(p)
-            segs = [_kc_segment(rng, per[c], chunk_tokens - 1, ntok, vocab) for c in range(chunks)]
+            segs = [_kc_segment(rng, per[c], chunk_tokens, ntok, vocab, lead='' if c == 0 else ' ') for c in range(chunks)]
+            if None in segs: continue
             context = ' '.join(segs)
             ch = chunk_document(context, tokenizer, chunk_tokens)
             found = [next((c for c, t in enumerate(ch.texts) if f in t), None) for f in facts]
-            if ch.num_chunks == chunks and found == where: break
+            if ch.token_counts == [chunk_tokens] * chunks and found == where: break
         else:
-            raise ValueError(f"make_keycodes: item {i} of split {split!r}: no draw in {max_redraws + 1} put every fact whole "
-                             f"into its chunk ({chunks} chunks of {chunk_tokens} tokens); use longer chunks")
+            raise ValueError(f"make_keycodes: item {i} of split {split!r}: no draw in {max_redraws + 1} made {chunks} chunks of "
+                             f"exactly {chunk_tokens} tokens with every fact whole in its chunk; use longer chunks")
         out.append({'id': f'keycode-{split}-s{seed}-{i}', 'question': f'What is the code of the {keys[0]}?',
                     'context': context, 'answers': [codes[0]], 'num_docs': 1, 'source': 'keycode',
                     'meta': {'key': keys[0], 'needle_chunk': needle, 'chunks': chunks, 'chunk_tokens': chunk_tokens,
                              'fact_chunks': where, 'distractor_keys': keys[1:], 'negatives': codes[1:], 'split': split,
                              'seed': seed, 'num_tokens': ntok(context), 'redraws': redraw}})
     return out
+
+
+# %% ../../nbs/03_data_3_synthetic.ipynb #c6aeae51
+def density_pairs(chunks: int, train_chunks: int, train_pairs: int) -> int:
+    "Facts in a document of `chunks` chunks at the training density: `floor(train_pairs * chunks / train_chunks + 1/2)`, at least 1."
+    for k, v in (('chunks', chunks), ('train_chunks', train_chunks), ('train_pairs', train_pairs)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{k} must be an int >= 1, got {v!r}")
+    return max(1, (2 * train_pairs * chunks + train_chunks) // (2 * train_chunks))
+
+def keycode_length_sets(n: int, tokenizer, chunk_tokens: int, lengths, train_chunks: int, train_pairs: int,
+                        seed: int, split: str = 'heldout', progress: bool = False) -> dict:
+    "`{chunks: n examples}` for each length in `lengths`: `make_keycodes` with `density_pairs` facts, one seed for all."
+    from tqdm.auto import tqdm
+    out = {}
+    for L in tqdm(list(lengths), desc='key-code sets', unit='length', disable=not progress):
+        out[L] = make_keycodes(n, tokenizer, chunk_tokens, chunks=L, pairs=density_pairs(L, train_chunks, train_pairs),
+                               split=split, seed=seed)
+    return out
+
