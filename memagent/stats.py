@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 # %% auto #0
-__all__ = ['bootstrap_ci', 'paired_bootstrap_ci', 'pass_at_k', 'linear_fit']
+__all__ = ['VERDICTS', 'bootstrap_ci', 'paired_bootstrap_ci', 'equivalence', 'verdict_text', 'pass_at_k', 'linear_fit']
 
 # %% ../nbs/15a_stats.ipynb #74d75dc8
 def bootstrap_ci(values, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> list:
@@ -25,6 +25,41 @@ def paired_bootstrap_ci(a, b, n_boot: int = 1000, seed: int = 0, level: float = 
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.shape != b.shape: raise ValueError(f"paired bootstrap needs one value per item in both runs: {a.shape} vs {b.shape}")
     return bootstrap_ci(a - b, n_boot=n_boot, seed=seed, level=level)
+
+# %% ../nbs/15a_stats.ipynb #69648c84
+VERDICTS = ('equivalent', 'different', 'undecided')
+
+def equivalence(a, b, tolerance: float, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
+                scale: float = 100.0) -> dict:
+    "Paired item-bootstrap verdict on `mean(a) - mean(b)` against `±tolerance`, in units of `scale` (100: points)."
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"equivalence needs one value per item in both runs, at least one item: {a.shape} vs {b.shape}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    diff = scale * float(np.mean(a - b))
+    lo, hi = (scale * v for v in paired_bootstrap_ci(a, b, n_boot=n_boot, seed=seed, level=level))
+    half, margin = (hi - lo) / 2, abs(abs(diff) - tolerance)
+    if -tolerance <= lo and hi <= tolerance: verdict = 'equivalent'
+    elif lo > tolerance or hi < -tolerance: verdict = 'different'
+    else: verdict = 'undecided'
+    need = None
+    if verdict == 'undecided' and margin > 0: need = int(math.ceil(a.size * (half / margin) ** 2))
+    zero = bool(np.all(a - b == (a - b)[0]))
+    return {'verdict': verdict, 'items': int(a.size), 'diff': diff, 'ci': [lo, hi], 'half_width': half,
+            'tolerance': float(tolerance), 'margin': margin, 'items_to_decide': need, 'zero_width': zero,
+            'note': (('the two score alike on every item' if diff == 0 else 'the same difference on every item')
+                     + ': a zero-width interval') if zero else None,
+            'level': level, 'resamples': n_boot, 'seed': seed}
+
+def verdict_text(e: dict) -> str:
+    "One line for an `equivalence` result, e.g. 'undecided at 48 items (about 1210 would decide)'."
+    v = e['verdict'] if e['verdict'] != 'undecided' else f"undecided at {e['items']} items"
+    if e['verdict'] == 'undecided':
+        v += (f" (about {e['items_to_decide']} would decide)" if e['items_to_decide'] is not None
+              else ' (the difference sits at the tolerance: no item count decides)')
+    return v + (f" ({e['note']})" if e['note'] else '')
+
 
 # %% ../nbs/15a_stats.ipynb #2a7ea6e4
 def pass_at_k(n: int, c: int, k: int) -> float:
