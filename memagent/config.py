@@ -94,6 +94,7 @@ class LossCfg:
     clip_low: float = 0.2
     clip_high: float = 0.3
     dual_clip: float | None = None  # c of dual clip (official: 3.0); None: off
+    log_ratio_bound: float = 20.0   # |logp - old_logp| (and the TIS log-ratio) clamped here before exp (verl: 20)
     kl_type: str = 'low_var_kl'     # 'low_var_kl' (k3), 'k1', 'k2' or 'none'
     kl_coef: float = 0.001
     kl_clamp: float = 10.0
@@ -382,6 +383,7 @@ RANGES = {
     'loss.clip_low': Range(0, 1, hi_open=True, why="the ratio's lower bound 1 - clip_low must stay above 0"),
     'loss.clip_high': Range(0),
     'loss.dual_clip': Range(1, lo_open=True, why='null: off'),
+    'loss.log_ratio_bound': Range(0, lo_open=True, why='the log-ratio is clamped to [-bound, bound] before exp; exp(88.7) overflows fp32'),
     'loss.kl_coef': Range(0), 'loss.kl_clamp': Range(0, lo_open=True), 'loss.entropy_coef': Range(0),
     'loss.tis_cap': Range(1, why='null: off; a cap below 1 would shrink every weight, not truncate the large ones'),
     'optim.lr': Range(0, why='0 leaves the weights unchanged'),

@@ -20,9 +20,13 @@ class ResumeError(ValueError):
 
 DATA_KEY = 'data.train'   # the resume_overrides key that allows other training examples than the checkpoint's
 
+def _predating(old: dict, cfg) -> dict:
+    "A checkpoint's flattened config with each key it predates (absent there, a field now) read as that field's default."
+    return {**{k: v for k, v in flatten(type(cfg)().to_dict()).items() if k not in old}, **old}
+
 def check_resume_config(saved_yaml: str, cfg, data_sha256: tuple[str | None, str] | None = None) -> list[tuple[str, object, object]]:
     "Keys whose values differ between the checkpoint's config and `cfg` (and the training examples' SHA-256, `data_sha256`: (checkpoint's, now)): allowed ones are returned, any other refuses."
-    old, new = flatten(yaml.safe_load(saved_yaml) or {}), flatten(cfg.to_dict())
+    old, new = _predating(flatten(yaml.safe_load(saved_yaml) or {}), cfg), flatten(cfg.to_dict())
     diffs = [(k, old.get(k, '<absent>'), new.get(k, '<absent>')) for k in sorted(set(old) | set(new))
              if k != 'resume_overrides' and old.get(k, '<absent>') != new.get(k, '<absent>')]
     if data_sha256 is not None and data_sha256[0] != data_sha256[1]:
