@@ -10,11 +10,12 @@ import numpy as np
 from .provenance import flatten, provenance, sha256_file, refuse_overwrite
 from .evaluate import (COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, metric_names, read_records, records_parity,
                                score_record, summarize)
-from .stats import paired_bootstrap_ci
+from .stats import bootstrap_ci, equivalence, paired_bootstrap_ci, verdict_text
 
 # %% auto #0
 __all__ = ['JUDGED', 'HOTPOTQA', 'SHOWN', 'ROLES', 'CompareError', 'MalformedRecords', 'comparable_fields', 'recompute',
-           'record_items', 'data_identity', 'load_run', 'identity_checks', 'compare', 'compare_cli', 'shown_runs',
+           'record_items', 'data_identity', 'unique_samples', 'recorded_tokenizer', 'recount_chunks', 'load_run',
+           'metric_scores', 'identity_checks', 'chunk_check', 'compare', 'compare_cli', 'shown_runs',
            'truncation_disclosure', 'plot_lengths', 'verification_md', 'render_acceptance']
 
 # %% ../nbs/16b_acceptance.ipynb #c02ccb13
@@ -86,13 +87,13 @@ def _say_diff(d: dict, kinds=('extra', 'missing', 'answers'), other: str = 'the 
     words = {'extra': f'not in {other}', 'missing': f'of {other} missing', 'answers': f'with other answers than in {other}'}
     return '; '.join(f"{len(d[k])} items {words[k]} (e.g. {', '.join(map(repr, d[k][:3]))})" for k in kinds if d[k])
 
-def data_identity(summary: dict, items: dict, where: str = 'summary') -> dict:
-    "The data a run read as the gate sees it: the recorded file's SHA-256 recomputed and its first `totals.items` rows matched against the records' `items` when the file is here (`CompareError` when either disagrees), else the summary's hash marked unverified."
+def data_identity(summary: dict, items: dict, where: str = 'summary') -> tuple[dict, dict | None]:
+    "The data a run read as the gate sees it, and `{id: example}` of its first `totals.items` rows (None when the file is not here): the recorded file's SHA-256 recomputed and the rows matched against the records' `items` (`CompareError` when either disagrees), else the summary's hash marked unverified."
     d = summary.get('data') or {}
     p = d.get('path')
     if not p or not Path(p).is_file():
         return {'sha256': d.get('sha256'), 'verified': False, 'path': p,
-                'why': 'the summary records no data file' if not p else f'data file {p} is not here'}
+                'why': 'the summary records no data file' if not p else f'data file {p} is not here'}, None
     got = sha256_file(p)
     if got != d.get('sha256'):
         raise CompareError(f"{where}: data file {p} has SHA-256 {got} but the summary records data.sha256 {d.get('sha256')!r}")
@@ -102,7 +103,53 @@ def data_identity(summary: dict, items: dict, where: str = 'summary') -> dict:
     bad = _say_diff(_diff_items(items, {str(e['id']): list(e['answers']) for e in rows}), ('extra', 'answers'),  # items not recorded: the
                     f"its first {len(rows)} rows")                                                              # 'complete' check says so
     if bad: raise CompareError(f"{where}: the records are not the items of data file {p}: {bad}")
-    return {'sha256': got, 'verified': True, 'path': p}
+    return {'sha256': got, 'verified': True, 'path': p}, {str(e['id']): e for e in rows}
+
+def unique_samples(records, samples_per_item, where: str = 'records'):
+    "`CompareError` naming `where` and the pairs when an (id, sample) pair occurs twice or a sample index is outside `0..samples_per_item-1`."
+    if isinstance(samples_per_item, bool) or not isinstance(samples_per_item, int) or samples_per_item < 1:
+        raise CompareError(f"{where}: totals.samples_per_item {samples_per_item!r} is not a whole number >= 1")
+    seen, dup, out = set(), [], []
+    for r in records:
+        k = (str(r['id']), int(r['sample']))
+        if k in seen: dup.append(k)
+        seen.add(k)
+        if not 0 <= k[1] < samples_per_item: out.append(k)
+    if dup: raise CompareError(f"{where}: {len(dup)} duplicate (id, sample) records, e.g. {dup[:3]}: a sample is recorded once")
+    if out: raise CompareError(f"{where}: sample indices outside 0..{samples_per_item - 1}, e.g. {out[:3]}")
+
+_TOKENIZERS = {}
+
+def recorded_tokenizer(summary: dict, where: str = 'summary'):
+    "The tokenizer a summary names (`tokenizer.path`), its files' SHA-256 checked against `tokenizer.files_sha256`; `CompareError` when it is not here or differs."
+    from memagent.models import load_tokenizer, tokenizer_files
+    t = summary.get('tokenizer') or {}
+    p, want = t.get('path'), t.get('files_sha256')
+    if not p or not Path(p).is_dir(): raise CompareError(f"{where}: the tokenizer the summary names ({p or t.get('name_or_path')!r}) is not here")
+    if not want: raise CompareError(f"{where}: the summary records no tokenizer.files_sha256 to check {p} against")
+    got = tokenizer_files(p)
+    if got != want:
+        diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+        raise CompareError(f"{where}: tokenizer files in {p} differ from the recorded hashes: {diff[:4]}")
+    key = (str(Path(p).resolve()), json.dumps(got, sort_keys=True))
+    if key not in _TOKENIZERS: _TOKENIZERS[key] = load_tokenizer(p)
+    return _TOKENIZERS[key]
+
+def recount_chunks(summary: dict, records, examples: dict, where: str = 'summary') -> dict:
+    "Every record's `num_chunks`, `truncated` and `dropped_tokens` recomputed from its item's document with the recorded tokenizer and limits: `{'records', 'mismatches': [...]}`."
+    from memagent.chunking import chunk_document
+    tok, lim = recorded_tokenizer(summary, where), summary.get('limits') or {}
+    trim = lim.get('max_context_tokens') if lim.get('context_trim') == 'centre' else None
+    cut, bad = {}, []
+    for r in records:
+        i = str(r['id'])
+        if i not in cut:
+            c = chunk_document(examples[i]['context'], tok, lim['chunk_tokens'], lim.get('max_chunks'), max_context_tokens=trim)
+            cut[i] = {'num_chunks': c.num_chunks, 'truncated': c.truncated, 'dropped_tokens': c.dropped_tokens}
+        if r.get('error'): continue                       # a failed request read nothing: its counts are not claims
+        wrong = {k: (r.get(k), v) for k, v in cut[i].items() if r.get(k) != v}
+        if wrong: bad.append(f"{i}/{r['sample']}: " + ', '.join(f"{k} {a!r} recorded, {b!r} recomputed" for k, (a, b) in wrong.items()))
+    return {'records': len(records), 'mismatches': bad}
 
 def _summary_of(run) -> tuple[dict, Path | None]:
     "The summary of a run (a dict, a `summary.json` path or a run directory) and the directory it is in (None for a dict)."
@@ -115,7 +162,7 @@ def _summary_of(run) -> tuple[dict, Path | None]:
     except json.JSONDecodeError as e: raise CompareError(f"{p}: not valid JSON: {e}") from e
 
 def load_run(run) -> dict:
-    "`{'summary', 'records', 'source', 'recomputed', 'items', 'data'}` for a summary dict, a `summary.json` path or a run directory; the records' hash is checked, the summary recomputed from them and the data file checked against them (`data_identity`)."
+    "`{'summary', 'records', 'source', 'recomputed', 'items', 'data', 'examples'}` for a summary dict, a `summary.json` path or a run directory; the records' hash is checked, duplicates refused, the summary recomputed from them and the data file checked against them (`data_identity`)."
     summary, src = _summary_of(run)
     if summary.get('schema_version') != SCHEMA_VERSION:
         raise CompareError(f"{src or 'summary'}: schema_version {summary.get('schema_version')!r} != {SCHEMA_VERSION!r}")
@@ -128,9 +175,12 @@ def load_run(run) -> dict:
     try: records = read_records(rp)                       # every record checked: file, line and field of a malformed one
     except ValueError as e: raise MalformedRecords(str(e)) from None
     where = str(src or 'summary')
-    again, items = recompute(summary, records, where), record_items(records, where)
+    again = recompute(summary, records, where)
+    unique_samples(records, summary['totals']['samples_per_item'], where)
+    items = record_items(records, where)
+    data, examples = data_identity(summary, items, where)
     return {'summary': summary, 'records': records, 'source': str(src) if src else None, 'recomputed': again, 'items': items,
-            'data': data_identity(summary, items, where)}
+            'data': data, 'examples': examples}
 
 def _as_mapping(x) -> dict:
     "A run or `{key: run}` as `{key: run}` (int keys for lengths; 'hotpotqa' for the HotpotQA set)."
@@ -145,14 +195,35 @@ HOTPOTQA = 'hotpotqa'
 def _check(checks, name, key, passed, reason, **values):
     checks.append({'name': name, 'key': key, 'passed': bool(passed), 'reason': reason, **values})
 
-def _paired(a_recs, b_recs, metric, n_boot, seed) -> dict:
-    sa, sb = item_scores(a_recs, metric), item_scores(b_recs, metric)
+def _paired(sa: dict, sb: dict, n_boot, seed) -> dict:
+    "Paired statistics of two `{item: score}` maps over their common items."
     common = [i for i in sa if i in sb]
     if not common: return {'items': 0}
     a, b = np.array([sa[i] for i in common]), np.array([sb[i] for i in common])
     return {'items': len(common), 'agreement': float(np.mean(a == b)), 'diff_pp': 100 * float(np.mean(a - b)),
             'diff_ci95_pp': [100 * v for v in paired_bootstrap_ci(a, b, n_boot=n_boot, seed=seed)],
             'a_only': int(np.sum(a > b)), 'b_only': int(np.sum(b > a))}
+
+def metric_scores(run: dict, metric: str, n_boot: int, seed: int) -> dict:
+    "`{'value', 'ci95', 'items': {id: score}, 'source'}` of `metric` for a loaded run: a metric of its parity mode from its records, or a registered reward computed from each record's response with the item's answers and negatives read from the data file (never from the records); `CompareError` when neither can be."
+    s, recs = run['recomputed'], run['records']
+    if metric in s['metrics']:
+        return {**s['metrics'][metric], 'items': item_scores(recs, metric), 'source': f"the records ({s['parity']} scoring)"}
+    from memagent.reward import REWARDS, call_reward
+    if metric not in REWARDS:
+        raise CompareError(f"metric {metric!r} is neither a metric of parity mode {s['parity']!r} ({sorted(s['metrics'])}) nor a registered reward")
+    if run['examples'] is None:
+        raise CompareError(f"the reward {metric!r} needs each item's answers and negatives from the data file, and {run['data']['why']}")
+    acc = {}
+    for r in recs:
+        ex = run['examples'][str(r['id'])]
+        v = 0.0 if r.get('error') else call_reward(REWARDS[metric], r.get('response') or '', ex['answers'],
+                                                   (ex.get('meta') or {}).get('negatives') or [])
+        acc.setdefault(str(r['id']), []).append(v)
+    items = {i: sum(v) / len(v) for i, v in acc.items()}
+    vals = list(items.values())
+    return {'value': 100 * float(np.mean(vals)), 'ci95': [100 * v for v in bootstrap_ci(vals, n_boot=n_boot, seed=seed)],
+            'items': items, 'source': f"the reward {metric!r} on each response, answers and negatives from {run['data']['path']}"}
 
 def _h16(h) -> str:
     "The first 16 hex digits of a hash, 'none' for a missing one."
@@ -169,9 +240,12 @@ def identity_checks(checks: list, key, loaded: dict):
     data = {r: run['data'] for r, run in loaded.items()}
     how = lambda d: 'recomputed from ' + str(d['path']) if d['verified'] else f"recorded, unverified: {d['why']}"
     same = len({d['sha256'] for d in data.values()}) == 1 and data['reference']['sha256'] is not None
-    _check(checks, 'data', key, same, ('one data SHA-256 ' + _h16(data['reference']['sha256']) + ': ' if same else 'data SHA-256 differs: ')
-           + '; '.join(f"{r} {'' if same else _h16(d['sha256']) + ' '}({how(d)})" for r, d in data.items()),
-           verified=sorted(r for r, d in data.items() if d['verified']))
+    ver = sorted(r for r, d in data.items() if d['verified'])
+    mixed = 0 < len(ver) < len(data)       # one role's data here and another's not: that role's records cannot be checked
+    _check(checks, 'data', key, same and not mixed, ('one data SHA-256 ' + _h16(data['reference']['sha256']) + ': ' if same else 'data SHA-256 differs: ')
+           + '; '.join(f"{r} {'' if same else _h16(d['sha256']) + ' '}({how(d)})" for r, d in data.items())
+           + (f" (verified for {', '.join(ver)} only: every role's data file must be here to recompute its records)" if mixed else ''),
+           verified=ver)
     ids = {r: (Path(run['source']).resolve() if run['source'] else None, run['summary']['records']['sha256']) for r, run in loaded.items()}
     same_run = [f"{a} and {b} are " + (f"one run directory ({ids[a][0]})" if ids[a][0] and ids[a][0] == ids[b][0]
                 else f"runs with identical per-sample records (SHA-256 {_h16(ids[a][1])}): one run given twice")
@@ -204,6 +278,22 @@ def _shown(run: dict) -> dict:
                          'max_chunks': lim.get('max_chunks'), 'wall_s': (s.get('timing') or {}).get('wall_s'),
                          'comparable': {k: v for k, v in comparable_fields(s).items() if not k.startswith('data.')}}}
 
+def chunk_check(checks: list, key, role: str, run: dict):
+    "Append the `chunks` check of one loaded run: every record's chunk count, truncation and dropped tokens recomputed from the data file with the recorded tokenizer (`recount_chunks`)."
+    s = run['summary']
+    if s.get('mode') != 'recurrent':
+        return _check(checks, 'chunks', key, True, f"{role}: mode {s.get('mode')!r} reads no chunks: nothing to recount", role=role)
+    if run['examples'] is None:
+        return _check(checks, 'chunks', key, True, f"{role}: chunk counts as recorded, UNVERIFIED ({run['data']['why']})",
+                      role=role, verified=False)
+    try: got = recount_chunks(s, run['records'], run['examples'], f"{role}")
+    except CompareError as e:
+        return _check(checks, 'chunks', key, False, f"{e}: chunk counts cannot be recomputed", role=role, verified=False)
+    bad = got['mismatches']
+    _check(checks, 'chunks', key, not bad, f"{role}: " + (f"chunk counts of all {got['records']} records recomputed from the data "
+           "file with the recorded tokenizer" if not bad else f"{len(bad)} records disagree with their documents: "
+           + '; '.join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else '')), role=role, verified=True, mismatches=len(bad))
+
 def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None, seed: int = 0,
             n_boot: int = 1000, require_hotpotqa: bool = True, metric: str = 'sub_em', hotpotqa_metric: str = 'boxed_em') -> dict:
     "The acceptance check of candidate vs reference (within `tolerance_pp`) and vs base (strictly better); every check listed."
@@ -213,7 +303,7 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
     avail = sorted(k for k in roles['candidate'] if isinstance(k, int))
     lengths = avail if lengths is None else [int(l) for l in lengths]
     keys = list(lengths) + ([HOTPOTQA] if require_hotpotqa or HOTPOTQA in roles['candidate'] else [])
-    checks, runs, values, paired = [], {}, {}, {}
+    checks, runs, values, paired, decided = [], {}, {}, {}, {}
     if not lengths: _check(checks, 'lengths', None, False, 'no RULER-HQA length to compare')
     for key in keys:
         loaded = {}
@@ -237,6 +327,11 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
             errs = sum(1 for r in run['records'] if r.get('error'))
             _check(checks, 'no_errors', key, errs == 0 and s.get('errors', 0) == 0,
                    f"{role}: {errs} request errors" + ('' if errs == 0 else ' (a run with errors cannot pass)'), role=role, errors=errs)
+            chunk_check(checks, key, role, run)
+            t, lim = s['truncated_samples'], (run['summary'].get('limits') or {}).get('max_chunks')
+            _check(checks, 'not_truncated', key, t == 0, f"{role}: " + ('no sample cut at max_chunks' if t == 0 else
+                   f"{t} of {n} samples cut at max_chunks={lim}: a run that did not read the whole context cannot pass"),
+                   role=role, truncated=t)
         ref_fields = comparable_fields(loaded['reference']['summary'])
         for role in ('candidate', 'base'):
             f = comparable_fields(loaded[role]['summary'])
@@ -246,9 +341,11 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
             _check(checks, 'comparable', key, not diff, reason, role=role, fields=diff)
         identity_checks(checks, key, loaded)
         met = hotpotqa_metric if key == HOTPOTQA else metric
-        v = {role: loaded[role]['recomputed']['metrics'][met]['value'] for role in loaded}    # never the summary's own numbers
-        ci = {role: loaded[role]['recomputed']['metrics'][met]['ci95'] for role in loaded}
-        values[str(key)] = {'metric': met, **{r: {'value': v[r], 'ci95': ci[r]} for r in v}}
+        try: sc = {role: metric_scores(loaded[role], met, n_boot, seed) for role in loaded}    # never the summary's own numbers
+        except CompareError as e:
+            _check(checks, 'metric', key, False, str(e)); continue
+        v, ci = {r: x['value'] for r, x in sc.items()}, {r: x['ci95'] for r, x in sc.items()}
+        values[str(key)] = {'metric': met, 'source': sc['reference']['source'], **{r: {'value': v[r], 'ci95': ci[r]} for r in v}}
         if key != HOTPOTQA:
             gap = abs(v['candidate'] - v['reference'])
             _check(checks, 'tolerance', key, gap <= tolerance_pp + 1e-9,
@@ -257,10 +354,15 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
         beat = v['candidate'] > v['base']
         _check(checks, 'beats_base', key, beat, f"{met} candidate {v['candidate']:.2f} {'>' if beat else '<='} base {v['base']:.2f}"
                + ('' if beat else ' (must be strictly better)'), candidate=v['candidate'], base=v['base'])
-        recs = {r: loaded[r]['records'] for r in loaded}
+        it = {r: sc[r]['items'] for r in sc}
         paired[str(key)] = {'metric': met,
-                            'candidate_vs_reference': _paired(recs['candidate'], recs['reference'], met, n_boot, seed),
-                            'candidate_vs_base': _paired(recs['candidate'], recs['base'], met, n_boot, seed)}
+                            'candidate_vs_reference': _paired(it['candidate'], it['reference'], n_boot, seed),
+                            'candidate_vs_base': _paired(it['candidate'], it['base'], n_boot, seed)}
+        common = [i for i in it['reference'] if i in it['candidate']]
+        if key != HOTPOTQA and common:
+            eq = equivalence([it['candidate'][i] for i in common], [it['reference'][i] for i in common], tolerance_pp,
+                             n_boot=n_boot, seed=seed)
+            decided[str(key)] = {**eq, 'metric': met, 'text': verdict_text(eq)}
     models = {r: {k: (rs[r]['recorded']['model'] or {}).get('weights_sha256') for k, rs in runs.items() if r in rs} for r in roles}
     for r, w in models.items():
         one = len(set(w.values())) <= 1
@@ -270,7 +372,7 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
     return {'schema_version': SCHEMA_VERSION, 'passed': passed, 'tolerance_pp': tolerance_pp, 'lengths': lengths,
             'metric': metric, 'hotpotqa_metric': hotpotqa_metric, 'require_hotpotqa': require_hotpotqa,
             'reasons': [f"{c['name']}[{c['key']}]: {c['reason']}" for c in checks if not c['passed']],
-            'checks': checks, 'values': values, 'paired': paired, 'runs': runs,
+            'checks': checks, 'values': values, 'paired': paired, 'equivalence': decided, 'runs': runs,
             'bootstrap': {'resamples': n_boot, 'seed': seed, 'unit': 'item'}, 'provenance': provenance()}
 
 # %% ../nbs/16b_acceptance.ipynb #a4353362
@@ -304,12 +406,15 @@ def compare_cli(argv=None) -> int:
     ap.add_argument('--out', required=True); ap.add_argument('--tolerance-pp', type=float, default=3.0)
     ap.add_argument('--lengths', type=int, nargs='*', default=None); ap.add_argument('--seed', type=int, default=0)
     ap.add_argument('--no-hotpotqa', action='store_true', help='do not require the HotpotQA boxed-EM run')
+    ap.add_argument('--metric', default='sub_em', help="the metric both conditions judge at every length: a metric of the runs' "
+                    "parity mode (sub_em: the recipe's) or a registered reward computed with each item's negatives from the data "
+                    "file (answer_without_distractors: the key-code task's)")
     a = ap.parse_args(argv)
     try:
         read = {f'--{r} file': [f for p in getattr(a, r) for f in _files(p.split('=', 1)[-1])] for r in ('candidate', 'reference', 'base')}
         refuse_overwrite(read, {'--out': a.out})
         rep = compare(_cli_runs(a.candidate), _cli_runs(a.reference), _cli_runs(a.base), tolerance_pp=a.tolerance_pp,
-                      lengths=a.lengths, seed=a.seed, require_hotpotqa=not a.no_hotpotqa)
+                      lengths=a.lengths, seed=a.seed, require_hotpotqa=not a.no_hotpotqa, metric=a.metric)
     except (OSError, ValueError) as e:
         print(f"memagent-compare: error: {e}", file=sys.stderr); return 2
     if bad := [c['reason'] for c in rep['checks'] if c.get('malformed')]:      # bad input: refused, no report written
@@ -348,8 +453,8 @@ def truncation_disclosure(runs: dict) -> str:
             if any_trunc else "No sample exceeded `max_chunks`: every run read its whole context.")
     return lead + '\n\n' + md_table(rows)
 
-def plot_lengths(summaries: dict, path, metric: str = 'sub_em') -> Path:
-    "PNG: `metric` (%) per RULER-HQA length with 95% intervals, one line per model."
+def plot_lengths(summaries: dict, path, metric: str = 'sub_em', unit: str = 'documents per item (RULER-HQA)') -> Path:
+    "PNG: `metric` (%) per length with 95% intervals, one line per model; `summaries` is `{role: {length: {'metrics': {metric: {'value', 'ci95'}}}}}`."
     import matplotlib; matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -363,7 +468,7 @@ def plot_lengths(summaries: dict, path, metric: str = 'sub_em') -> Path:
         xs = [i + (j - 1) * 0.06 for i in range(len(ks))]
         ax.errorbar(xs, y, yerr=[lo, hi], marker='o', capsize=4, label=role)
         ax.set_xticks(range(len(ks)), [str(k) for k in ks])
-    ax.set_xlabel('documents per item (RULER-HQA)'); ax.set_ylabel(f'{metric} (%)'); ax.set_ylim(-2, 102)
+    ax.set_xlabel(unit); ax.set_ylabel(f'{metric} (%)'); ax.set_ylim(-2, 102)
     ax.grid(alpha=0.3); ax.legend(); ax.set_title(f'{metric} per length, 95% item-bootstrap intervals')
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
@@ -397,28 +502,32 @@ def verification_md(report: dict, left=()) -> str:
             + ('\n\nNot copied to `summaries/`: ' + '; '.join(left) + '.' if left else '') + '\n\n' + md_table(rows))
 
 def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | None = None, data_note: str | None = None,
-                      recipe_data: bool = True, extra_sections=(), extra_files=()) -> Path:
-    "Write README.md, sub_em.png, compare.json and summaries/ for an acceptance run; returns README.md's path. Every number shown comes from `report` (recomputed by `compare`); `summaries` (`{role: {key: summary}}`) are copied to summaries/ when they are the runs compared. `data_note` (what the sets are) opens the report; `recipe_data=False` says in the title that they are not the recipe's evaluation set; `extra_sections` (heading, markdown) follow the results, `extra_files` are listed."
+                      recipe_data: bool = True, extra_sections=(), extra_files=(), unit: str = 'documents') -> Path:
+    "Write README.md, `<metric>.png`, compare.json and summaries/ for an acceptance run; returns README.md's path. Every number shown comes from `report` (recomputed by `compare`); `summaries` (`{role: {key: summary}}`) are copied to summaries/ when they are the runs compared. `data_note` (what the sets are) opens the report; `recipe_data=False` says in the title that they are not the recipe's evaluation set; `extra_sections` (heading, markdown) follow the results, `extra_files` are listed."
     from memagent.report import md_table, provenance_md, write_report
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     (out / 'compare.json').write_text(json.dumps(report, indent=1) + '\n')
     copied, left = _copied_summaries(out, report, summaries)
     runs = shown_runs(report)
-    files = ['compare.json', *copied,
-             plot_lengths({r: {k: run['recomputed'] for k, run in m.items()} for r, m in runs.items()}, out / 'sub_em.png').name]
-    fmt = lambda s, m: f"{s['metrics'][m]['value']:.2f} [{s['metrics'][m]['ci95'][0]:.1f}, {s['metrics'][m]['ci95'][1]:.1f}]"
-    rec = lambda r, k: runs[r][k]['recomputed']
+    vals = report.get('values', {})
+    by_len = {r: {k: {'metrics': {report['metric']: vals[str(k)][r]}} for k in report['lengths'] if r in vals.get(str(k), {})}
+              for r in ROLES}
+    plot = f"{report['metric']}.png"
+    files = ['compare.json', *copied, plot_lengths(by_len, out / plot, report['metric'], unit).name]
+    fmt = lambda v: f"{v['value']:.2f} [{v['ci95'][0]:.1f}, {v['ci95'][1]:.1f}]"
     rows = []
     for key in report['lengths']:
-        if not all(key in runs.get(r, {}) for r in ROLES): continue
+        if not all(r in vals.get(str(key), {}) for r in ROLES): continue
         c = {ch['name']: ch for ch in report['checks'] if ch['key'] == key and ch['name'] in ('tolerance', 'beats_base')}
-        rows.append({'documents': key, **{r: fmt(rec(r, key), report['metric']) for r in ROLES},
+        eq = report.get('equivalence', {}).get(str(key))
+        rows.append({unit: key, **{r: fmt(vals[str(key)][r]) for r in ROLES},
                      '|cand - ref| pp': c.get('tolerance', {}).get('gap_pp'),
-                     'within tolerance': c.get('tolerance', {}).get('passed'), 'beats base': c.get('beats_base', {}).get('passed')})
-    if all(HOTPOTQA in runs.get(r, {}) for r in ROLES):
+                     'within tolerance': c.get('tolerance', {}).get('passed'), 'beats base': c.get('beats_base', {}).get('passed'),
+                     'cand - ref, paired 95% CI pp': f"{eq['diff']:+.2f} [{eq['ci'][0]:+.1f}, {eq['ci'][1]:+.1f}]" if eq else None,
+                     'could it decide?': eq['text'] if eq else None})
+    if all(r in vals.get(HOTPOTQA, {}) for r in ROLES):
         c = next((ch for ch in report['checks'] if ch['key'] == HOTPOTQA and ch['name'] == 'beats_base'), {})
-        rows.append({'documents': 'HotpotQA dev (boxed EM)', **{r: fmt(rec(r, HOTPOTQA), report['hotpotqa_metric']) for r in ROLES},
-                     'beats base': c.get('passed')})
+        rows.append({unit: 'HotpotQA dev (boxed EM)', **{r: fmt(vals[HOTPOTQA][r]) for r in ROLES}, 'beats base': c.get('passed')})
     verdict = ('**PASSED**: every check below holds.' if report['passed'] else
                '**NOT PASSED**. Reasons:\n\n' + '\n'.join(f'- {x}' for x in report['reasons']))
     checks = md_table([{'check': c['name'], 'set': c['key'], 'passed': c['passed'], 'reason': c['reason']} for c in report['checks']])
@@ -441,8 +550,13 @@ def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | Non
     parity = first['recomputed']['parity'] if first else None
     sections = ([('Evaluation data', data_note)] if data_note else []) + [('Verdict', verdict),
                 ('Results', f"Parity mode `{parity}`. Metric: `{report['metric']}` in %, 95% item-bootstrap interval in brackets, "
-                            f"recomputed from the records; tolerance {report['tolerance_pp']} pp.\n\n"
-                            + (md_table(rows, floatfmt='.2f') if rows else '_(no set with all three runs loaded)_') + '\n\n![sub_EM per length](sub_em.png)'),
+                            f"recomputed from {next((v['source'] for v in vals.values() if v.get('source')), 'the records')}; "
+                            f"tolerance {report['tolerance_pp']} pp. The rule judges the point difference. Beside it, the paired "
+                            "item-bootstrap interval of candidate minus reference says whether these items could decide "
+                            "(`memagent.stats.equivalence`): *equivalent* inside ±tolerance, *different* entirely beyond it, "
+                            "else *undecided*, with about how many items would decide.\n\n"
+                            + (md_table(rows, floatfmt='.2f') if rows else '_(no set with all three runs loaded)_')
+                            + f"\n\n![{report['metric']} per length]({plot})"),
                 *extra_sections, ('Truncation disclosure', truncation_disclosure(runs)),
                 ('Checks', checks), ('Paired per-item statistics', md_table(prow, floatfmt='.3f') if prow else '_(none)_'),
                 ('Models', 'As each run recorded them (**unverified**: not recomputable from the records; `distinct_models` '

@@ -190,3 +190,109 @@ def test_the_acceptance_notebook_renders_a_failed_identity_check(tmp_path):
         assert any(x.startswith(r) for x in report['reasons']) and r in readme, (r, report['reasons'])
     assert all(c['passed'] for c in report['checks'] if c['name'] in ('items', 'data'))
     assert '## What the gate verified' in readme
+
+
+def _two_sample_run(out, right, info):
+    "A hand-made run of 4 items x 2 samples: sample s of item i is right when s < right[i] (records scored, summary rebuilt)."
+    from memagent.evaluate import score_record
+    from memagent.testing import synthetic_run
+    base = json.loads(Path(synthetic_run(out, 4, n_items=4, samples=2, info=info)).read_text())
+    recs = [score_record({'id': f'q{i:05d}', 'sample': s, 'answers': ['yes'], 'response': '\\boxed{yes}' if s < right[i] else '\\boxed{no}',
+                          'num_chunks': 1, 'truncated': False, 'dropped_tokens': 0, 'memory_lengths': [1], 'error': None}, 'relax')
+            for i in range(4) for s in range(2)]
+    return _rewrite(out, recs, base)
+
+
+def _rewrite(out, recs, old):
+    "Write `recs` with a summary rebuilt from them: every number the gate recomputes checks out."
+    keep = {k: v for k, v in old.items() if k not in ('metrics', 'pass_at_k', 'pass_at_n', 'records', 'parity_extras')}
+    write_run(out, recs, summarize(recs, keep, n_boot=old['bootstrap']['resamples'], seed=old['bootstrap']['seed']))
+    return Path(out)
+
+
+def test_wrong_samples_replaced_by_copies_of_right_ones_fail(tmp_path):
+    "The candidate got one of two samples right on every item (50%); its wrong samples are replaced by copies of its right ones."
+    from memagent.provenance import sha256_text
+    info = lambda r: {'model': {'name': r, 'weights_sha256': sha256_text(r)}}
+    ref = _two_sample_run(tmp_path / 'reference', [2, 2, 2, 2], info('reference'))
+    base = _two_sample_run(tmp_path / 'base', [0, 0, 0, 1], info('base'))
+    cand = _two_sample_run(tmp_path / 'candidate', [1, 1, 1, 1], info('candidate'))
+    honest = compare(cand, ref, base, require_hotpotqa=False, n_boot=50)
+    assert honest['values']['200']['candidate']['value'] == 50.0 and failed(honest, 'tolerance')
+    recs = [json.loads(l) for l in (cand / RECORDS_FILE).read_text().splitlines()]
+    forged = [r if r['sample'] == 0 else next(x for x in recs if x['id'] == r['id'] and x['sample'] == 0) for r in recs]
+    _rewrite(cand, forged, json.loads((cand / SUMMARY_FILE).read_text()))
+    rep = compare(cand, ref, base, require_hotpotqa=False, n_boot=50)
+    assert rep['passed'] is False
+    why = failed(rep, 'records')
+    assert why and "4 duplicate (id, sample) records, e.g. [('q00000', 0)" in why[0], rep['reasons']
+
+
+def test_records_that_claim_fewer_chunks_than_their_documents_fail(world):
+    "The candidate's records claim 1 chunk per sample, its summary rebuilt to match and its data fields the reference's."
+    r, t = world['runs'], world['tmp']
+    honest = gate(r['candidate'], r['reference'], r['base'])
+    chunks = [c for c in honest['checks'] if c['name'] == 'chunks']
+    assert len(chunks) == 3 and all(c['passed'] and c['verified'] for c in chunks), [c['reason'] for c in chunks]
+    cand = copy_run(r['candidate'], t / 'one_chunk')
+    recs = [json.loads(l) for l in (cand / RECORDS_FILE).read_text().splitlines()]
+    assert {x['num_chunks'] for x in recs} == {2}
+    for x in recs: x.update(num_chunks=1, truncated=False, dropped_tokens=0)
+    old = json.loads((cand / SUMMARY_FILE).read_text())
+    old['data'] = json.loads((r['reference'] / SUMMARY_FILE).read_text())['data']
+    _rewrite(cand, recs, old)
+    rep = gate(cand, r['reference'], r['base'])
+    assert not failed(rep, 'records') and not failed(rep, 'items')       # every number checks out against the records
+    why = failed(rep, 'chunks')
+    assert why and why[0].startswith('candidate: 3 records disagree with their documents') and 'num_chunks 1 recorded, 2 recomputed' in why[0]
+    # the tokenizer the summary names, with a file changed: the counts cannot be recomputed, which fails too
+    tdir = t / 'tok_copy'; shutil.copytree(old['tokenizer']['path'], tdir)
+    (tdir / 'tokenizer_config.json').write_text((tdir / 'tokenizer_config.json').read_text() + ' ')
+    edit_summary(cand, lambda s: s['tokenizer'].update(path=str(tdir)))
+    why = failed(gate(cand, r['reference'], r['base']), 'chunks')
+    assert why and 'differ from the recorded hashes' in why[0] and 'tokenizer_config.json' in why[0], why
+
+
+def test_a_truncated_sample_fails_the_gate(world):
+    r, t = world['runs'], world['tmp']
+    assert not failed(gate(r['candidate'], r['reference'], r['base']), 'not_truncated')
+    cand = copy_run(r['candidate'], t / 'cut')
+    recs = [json.loads(l) for l in (cand / RECORDS_FILE).read_text().splitlines()]
+    recs[0]['truncated'] = True
+    _rewrite(cand, recs, json.loads((cand / SUMMARY_FILE).read_text()))
+    rep = gate(cand, r['reference'], r['base'])
+    assert any('1 of 3 samples cut at max_chunks=2' in x for x in failed(rep, 'not_truncated')), rep['reasons']
+    assert any('truncated False recomputed' in x or "truncated True recorded" in x for x in failed(rep, 'chunks')), rep['reasons']
+
+
+def test_the_task_reward_reads_negatives_from_the_data_file(world, tmp_path):
+    "answer_without_distractors: scored from each response with the data file's answers and negatives; no data file, no score."
+    from memagent.data import read_examples
+    from memagent.reward import answer_without_distractors
+    r = world['runs']
+    rep = compare(r['candidate'], r['reference'], r['base'], require_hotpotqa=False, n_boot=50, metric='answer_without_distractors')
+    exs = {e['id']: e for e in read_examples(world['files']['a'])}
+    for role in ('candidate', 'reference', 'base'):
+        recs = [json.loads(l) for l in (r[role] / RECORDS_FILE).read_text().splitlines()]
+        want = 100 * sum(answer_without_distractors(x['response'], exs[x['id']]['answers'], exs[x['id']]['meta'].get('negatives', []))
+                         for x in recs) / len(recs)
+        assert rep['values'][str(rep['lengths'][0])][role]['value'] == pytest.approx(want)
+    assert 'from ' + str(world['files']['a']) in rep['values'][str(rep['lengths'][0])]['source']
+    eq = rep['equivalence'][str(rep['lengths'][0])]
+    assert eq['verdict'] in ('equivalent', 'different', 'undecided') and eq['items'] == 3
+    gone = {role: copy_run(r[role], tmp_path / role) for role in ('candidate', 'reference', 'base')}
+    for d in gone.values(): edit_summary(d, lambda s: s['data'].update(path=None))
+    rep = compare(gone['candidate'], gone['reference'], gone['base'], require_hotpotqa=False, n_boot=50, metric='answer_without_distractors')
+    assert any("needs each item's answers and negatives from the data file" in x for x in failed(rep, 'metric')), rep['reasons']
+
+
+def test_memagent_compare_takes_the_metric(world, tmp_path, capsys):
+    from memagent.acceptance import compare_cli
+    r = world['runs']
+    args = ['--candidate', str(r['candidate']), '--reference', str(r['reference']), '--base', str(r['base']), '--no-hotpotqa']
+    rc = compare_cli(args + ['--out', str(tmp_path / 'a.json'), '--metric', 'answer_without_distractors'])
+    rep = json.loads((tmp_path / 'a.json').read_text())
+    assert rc in (0, 1) and rep['metric'] == 'answer_without_distractors'
+    assert rep['values'][str(rep['lengths'][0])]['metric'] == 'answer_without_distractors'
+    assert compare_cli(args + ['--out', str(tmp_path / 'b.json'), '--metric', 'no_such_metric']) == 1
+    assert any("'no_such_metric' is neither a metric" in x for x in json.loads((tmp_path / 'b.json').read_text())['reasons'])
