@@ -11,11 +11,11 @@ from urllib.parse import urlsplit
 import yaml
 
 # %% auto #0
-__all__ = ['CHOICES', 'NONEMPTY', 'RANGES', 'PRESETS', 'ModelCfg', 'DataCfg', 'ChunkingCfg', 'PromptCfg', 'RolloutCfg', 'GRPOCfg',
-           'LossCfg', 'OptimCfg', 'BatchCfg', 'ScheduleCfg', 'EvalCfg', 'HealthCfg', 'Config', 'get_key', 'config_keys',
-           'Range', 'apply_overrides', 'from_dict', 'save_config', 'load_config', 'injected_params',
-           'refuse_unknown_params', 'folder_name', 'qwen3_4b_frozen', 'qwen3_06b_pilot', 'memagent_official',
-           'cpu_demo', 'tiny', 'get_preset']
+__all__ = ['CHOICES', 'NONEMPTY', 'RANGES', 'PARAM_KINDS', 'PRESETS', 'ModelCfg', 'DataCfg', 'ChunkingCfg', 'PromptCfg',
+           'RolloutCfg', 'GRPOCfg', 'LossCfg', 'OptimCfg', 'BatchCfg', 'ScheduleCfg', 'EvalCfg', 'HealthCfg', 'Config',
+           'get_key', 'config_keys', 'Range', 'apply_overrides', 'from_dict', 'save_config', 'load_config',
+           'injected_params', 'refuse_unknown_params', 'folder_name', 'typed_param', 'qwen3_4b_frozen',
+           'qwen3_06b_pilot', 'memagent_official', 'cpu_demo', 'tiny', 'get_preset']
 
 # %% ../nbs/00_config.ipynb #c20a9c38
 @dataclass
@@ -501,6 +501,27 @@ def folder_name(value, param: str, empty_ok: bool = False):
         raise ValueError(f"parameter {param}: {value!r} must name one folder inside the output root (no '/', '\\', '.' or '..'), "
                          "so the run cannot write outside it")
     return value
+PARAM_KINDS = ('bool', 'int>=1', 'int>=0', 'finite>=0', 'ints>=1')
+
+def typed_param(value, param: str, kind: str):
+    "`value` of run-notebook parameter `param` held to `kind` (one of `PARAM_KINDS`); a `ValueError` naming the parameter, with papermill's `-y` hint for a bool given as text."
+    if kind not in PARAM_KINDS: raise ValueError(f"unknown parameter kind {kind!r}; known: {PARAM_KINDS}")
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if kind == 'bool':
+        if isinstance(value, bool): return value
+        hint = (f" (papermill -p passes text: give -y '{param}: {str(value).lower()}')" if isinstance(value, str)
+                and value.lower() in ('true', 'false', 'yes', 'no', '0', '1') else '')
+        raise ValueError(f"parameter {param}: {value!r} is not a bool{hint}")
+    if kind in ('int>=1', 'int>=0'):
+        lo = int(kind[-1])
+        if is_int(value) and value >= lo: return value
+        raise ValueError(f"parameter {param}: {value!r} is not a whole number >= {lo}")
+    if kind == 'finite>=0':
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0: return value
+        raise ValueError(f"parameter {param}: {value!r} is not a finite number >= 0")
+    if isinstance(value, (list, tuple)) and value and all(is_int(v) and v >= 1 for v in value): return list(value)
+    raise ValueError(f"parameter {param}: {value!r} is not a non-empty list of whole numbers >= 1")
+
 
 # %% ../nbs/00_config.ipynb #3a2f7c0f
 def qwen3_4b_frozen() -> Config:
