@@ -8,6 +8,8 @@
     python scripts/gpu_check.py subset  --out DIR [--cpu-simulation] [--parts a,b]   # one GPU: the parts of scripts/gpu_subset.py,
                                                                     #   each in its own process under its own cap
     python scripts/gpu_check.py part NAME --out DIR [--cpu-simulation]   # one part (what `subset` runs)
+    python scripts/gpu_check.py render --out DIR                     # subset.json and subset.md again from the part files a run
+                                                                    #   recorded (never written), by the code of now
     python scripts/gpu_check.py compare --params FILE --gpus N --out DIR   # SGLang vs HF tokens/s, megatron vs torch step time,
                                                                     #   the weight check after an SGLang sync
 
@@ -254,6 +256,16 @@ def cmd_part(a):
     run_part(a.name, Path(a.out), a.cpu_simulation)
 
 
+def cmd_render(a):
+    "A subset's report rendered again from the part files it recorded, keeping the run's provenance (anywhere: no GPU needed)."
+    from gpu_subset import rerender
+    out = Path(a.out)
+    if not (out / 'subset.json').is_file() or not (out / 'parts').is_dir():
+        print(f"gpu_check.py render: {out} holds no subset.json and parts/ of a subset run", file=sys.stderr); sys.exit(2)
+    body = rerender(out)
+    print(f"wrote {out / 'subset.md'}: {'PASS' if body['pass'] else 'FAIL'}")
+
+
 def _summary(r: dict) -> dict:
     "A weight check's numbers without its log-prob lists."
     return {k: v for k, v in r.items() if k not in ('trainer', 'engine')}
@@ -423,10 +435,11 @@ def main(argv=None):
     s.add_argument('--cpu-simulation', action='store_true', help="the subset's code path on CPU (tiny shapes, the CPU stand-in optimizer): recorded as such")
     s.add_argument('--parts', default=None, help='comma-separated part names (default: every part of gpu_subset.PARTS)')
     s = sub.add_parser('part'); s.add_argument('name'); s.add_argument('--out', required=True); s.add_argument('--cpu-simulation', action='store_true')
+    s = sub.add_parser('render'); s.add_argument('--out', required=True, help="a subset run's folder (its subset.json and parts/)")
     s = sub.add_parser('compare'); s.add_argument('--params', required=True); s.add_argument('--gpus', type=int, required=True)
     s.add_argument('--out', required=True); s.add_argument('--smoke-run', default=None, help="the smoke's run directory (its metrics.jsonl)")
     a = ap.parse_args(argv)
-    {'preset': cmd_preset, 'layout': cmd_layout, 'plan': cmd_plan, 'subset': cmd_subset, 'part': cmd_part, 'compare': cmd_compare}[a.cmd](a)
+    {'preset': cmd_preset, 'layout': cmd_layout, 'plan': cmd_plan, 'subset': cmd_subset, 'part': cmd_part, 'render': cmd_render, 'compare': cmd_compare}[a.cmd](a)
 
 
 if __name__ == '__main__':

@@ -19,10 +19,11 @@ step4b-*     the megatron step at Qwen3-4B shapes with random weights, one proce
              recompute at 9,216 tokens where the plan says the card holds it (else 4,608), and Transformer Engine with
              full recompute where it is installed: seconds per step, tokens/s, model TFLOP/s against the bf16 matmul rate
              measured in the same process, peak GPU memory against memagent.plan, one more step taken apart at a
-             synchronization (each phase's peak against the plan's phases, each phase's seconds), and the split of one
-             profiled step by part of the layer (memagent.bench.profile_step), called unreliable where its optimizer
-             share is more than SPLIT_AGREEMENT from the timed phases'; a shape the plan says the card cannot hold is
-             skipped and named
+             synchronization (each phase's peak against the plan's phases: one above fails the part; each phase's
+             seconds from CUDA events), and the split of one profiled step by part of the layer
+             (memagent.bench.profile_step), reliable only where memagent.bench.split_checks finds it agrees with the
+             kernels recorded, the profiled wall time, the timed step and the timed phases; a shape the plan says the
+             card cannot hold is skipped and named
 precision    a bf16-vs-fp32 step that can fail: the tiny model first trained in fp32 on a fixed sequence until its
              log-probs are far from uniform, then one step in each precision; a control (the untrained model) must fall
              outside the tolerance
@@ -286,9 +287,25 @@ def matmul_rate(dtype: str, n: int = 8192, repeats: int = 5) -> float:
     return 2 * n ** 3 / min(ts)
 
 
-def model_flops(arch, tokens: int, seq_len: int) -> float:
-    "Model FLOPs of one training step (forward + backward, recompute not counted): 6 N T for the N parameters (the tied head included) plus causal attention, 6 T L (heads x head_dim) per layer."
-    return 6 * arch.numel() * tokens + 6 * tokens * seq_len * arch.heads * arch.head_dim * arch.layers
+def model_flops(arch, tokens: int, seq_len: int, head_positions: int | None = None) -> float:
+    "Model FLOPs of one training step (forward + backward, recompute not counted): 6 N T for the N parameters outside the output head, 6 V h H for the head on the H positions the log-prob head computes (the response positions; all T if not given), plus causal attention, 6 T L (heads x head_dim) per layer."
+    head = arch.vocab * arch.hidden                    # the output head's matrix (tied: the embedding's, counted once in numel)
+    H = tokens if head_positions is None else head_positions
+    return 6 * (arch.numel() - head) * tokens + 6 * head * H + 6 * tokens * seq_len * arch.heads * arch.head_dim * arch.layers
+
+
+def response_positions(rows: int, seq_len: int) -> int:
+    "The positions the log-prob head computes in a step4b batch: the response half of each row (`step4b_batch`), whose first token is never position 0."
+    return rows * (seq_len - seq_len // 2)
+
+
+def step4b_batch(rows: int, seq_len: int, vocab: int, device) -> dict:
+    "The step4b parts' fixed batch: seeded random tokens, the second half of each row the response."
+    import torch
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, vocab, (rows, seq_len), generator=g)
+    resp = torch.zeros_like(ids, dtype=torch.bool); resp[:, seq_len // 2:] = True
+    return {'input_ids': ids.to(device), 'attention_mask': torch.ones_like(ids, dtype=torch.bool).to(device), 'response_mask': resp.to(device)}
 
 
 def step4b_config(recompute: str, cpu_sim: bool, attention: str = 'auto'):
@@ -310,35 +327,50 @@ def step4b_plan(recompute: str, rows: int, seq_len: int, gpu_gib: float, cpu_sim
     return cfg, p
 
 
-def _phase_step(be, batch) -> tuple[dict, dict]:
-    "One step taken apart at a device synchronization: the allocator's peak (GiB: held before it, the forward and backward's peak, held after the backward, the optimizer step's peak) and the seconds of each phase."
+PHASES = ('forward', 'backward (with recompute)', 'optimizer step')
+
+def _phase_step(be, batch) -> tuple[dict | None, dict]:
+    "One step taken apart per phase: the seconds of the forward, the backward with its recompute and the optimizer step (CUDA events on a GPU, the host clock on CPU), and on a GPU the allocator's peak (GiB: held before it, the forward and backward's peak, held after the backward, the optimizer step's peak)."
     import torch
     from memagent.plan import GiB
-    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); held = torch.cuda.memory_allocated(); t0 = time.perf_counter()
-    lp = be.logprobs(batch)
-    be.backward(-(lp.sum() / batch['response_mask'][:, 1:].sum())); del lp
-    torch.cuda.synchronize(); t1 = time.perf_counter()
-    backward, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats(); be.step(); torch.cuda.synchronize(); t2 = time.perf_counter()
-    return ({'held before the step': held / GiB, 'backward': backward / GiB, 'held after the backward': after / GiB,
-             'optimizer step': torch.cuda.max_memory_allocated() / GiB}, {'forward and backward': t1 - t0, 'optimizer step': t2 - t1})
+    cuda = _cuda()
+    if cuda:
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); held = torch.cuda.memory_allocated()
+        mark = lambda i: marks[i].record()
+    else:
+        marks = [0.0] * 4
+        def mark(i): marks[i] = time.perf_counter()
+    mark(0)
+    lp = be.logprobs(batch); loss = -(lp.sum() / batch['response_mask'][:, 1:].sum())
+    mark(1)
+    be.backward(loss); del lp, loss
+    mark(2)
+    if cuda:
+        torch.cuda.synchronize(); backward, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    be.step()
+    mark(3)
+    if cuda:
+        torch.cuda.synchronize()
+        secs = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)]
+        mem = {'held before the step': held / GiB, 'backward': backward / GiB, 'held after the backward': after / GiB,
+               'optimizer step': torch.cuda.max_memory_allocated() / GiB}
+    else: secs, mem = [marks[i + 1] - marks[i] for i in range(3)], None
+    return mem, dict(zip(PHASES, secs))
 
 
-SPLIT_AGREEMENT = 0.10     # the split's optimizer share may differ this much from the timed phases' before it is called unreliable
-
-def split_check(split: dict, phase_s: dict | None) -> dict | None:
-    "Does the profiled split agree with the synchronized phase timing? Its optimizer share against the optimizer step's share of the timed step."
-    if not phase_s or not split.get('total_s'): return None
-    timed = phase_s['optimizer step'] / sum(phase_s.values())
-    return {'optimizer_share_split': split['share']['optimizer'], 'optimizer_share_timed': timed, 'tolerance': SPLIT_AGREEMENT,
-            'agrees': abs(split['share']['optimizer'] - timed) <= SPLIT_AGREEMENT}
+def memory_by_phase(phases_gib: dict | None, plan_phases_gib: dict | None) -> dict:
+    "Every phase's measured peak against its planned phase (GiB): a phase above its plan is a failed memory check."
+    ph, pp = phases_gib or {}, plan_phases_gib or {}
+    return {k: {'peak_gib': ph[k], 'plan_gib': pp[k], 'over': ph[k] > pp[k]} for k in pp if k in ph}
 
 
 def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
     "One attention path and recompute mode of the megatron step at Qwen3-4B shapes (CPU: the tiny model at small shapes), sized by the plan to the card, then one profiled step split by part of the layer."
     import torch
     from memagent.backends.megatron import MegatronBackend, have_transformer_engine
-    from memagent.bench import profile_step
+    from memagent.bench import profile_step, split_checks
     from memagent.ondevice import compute_device
     from memagent.plan import GiB, get_arch
     _sibling(); from gpu_check import _step
@@ -376,10 +408,8 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
     be = MegatronBackend.from_config(cfg, hf)
     del hf; _gc()
     build_s = time.perf_counter() - t0
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, arch.vocab, (rows, seq_len), generator=g)
-    resp = torch.zeros_like(ids, dtype=torch.bool); resp[:, seq_len // 2:] = True
-    batch = {'input_ids': ids.to(dev), 'attention_mask': torch.ones_like(ids, dtype=torch.bool).to(dev), 'response_mask': resp.to(dev)}
+    batch = step4b_batch(rows, seq_len, arch.vocab, dev)
+    head_positions = int(batch['response_mask'][:, 1:].sum())
     _peak_reset()
     secs = []
     try:
@@ -391,25 +421,26 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
         rate = max(rates)
         rec.put('matmul_rate_tflops', {'before': rates[0] / 1e12, 'after': rates[1] / 1e12, 'used': rate / 1e12})
         built = be.attention
-        phases, phase_s = _phase_step(be, batch) if _cuda() else (None, None)     # one more step, taken apart per phase
+        phases, phase_s = _phase_step(be, batch)               # one more step, taken apart per phase
         split = profile_step(be.model, lambda: _step(be, batch))   # after the peak: the profiler's buffers are not the step's
-        split['check'] = split_check(split, phase_s)
     finally: be.close(); del be; _gc()
     tokens = rows * seq_len
     med = statistics.median(secs)
-    flops = model_flops(arch, tokens, seq_len)
+    split['checks'] = split_checks(split, phase_s, med)
+    flops = model_flops(arch, tokens, seq_len, head_positions)
     planned = p.allocated('update')
     r = {'recompute': recompute, 'rows': rows, 'seq_len': seq_len, 'tokens': tokens, 'attention': built, 'planned_attention': p.details['attention'],
          'dtype': cfg.model.dtype, 'distributed_optimizer': cfg.batch.distributed_optimizer, 'build_s': build_s,
          'seconds_per_step': {'median': med, 'min': min(secs), 'max': max(secs), 'n': len(secs)}, 'tokens_per_s': tokens / med,
          'model_tflops': flops / med / 1e12, 'model_tflops_range': [flops / max(secs) / 1e12, flops / min(secs) / 1e12],
-         'matmul_tflops': rate / 1e12, 'fraction_of_matmul_rate': flops / med / rate,
+         'head_positions': head_positions, 'matmul_tflops': rate / 1e12, 'fraction_of_matmul_rate': flops / med / rate,
          'loss': loss, 'grad_norm': norm, 'peak_gib': peak / GiB if peak is not None else None, 'plan_gib': planned / GiB,
          'peak_over_plan': peak / planned if peak is not None else None,
          'plan_terms_gib': {k: v / GiB for k, v in p.update.items()}, 'split': split, 'phases_gib': phases, 'phases_s': phase_s,
          'plan_phases_gib': {k: v / GiB for k, v in p.details['update_phases'].items()}}
+    r['memory_by_phase'] = memory_by_phase(phases, r['plan_phases_gib'])
     r['pass'] = (math.isfinite(loss) and math.isfinite(norm) and (peak is None or peak <= planned)
-                 and built == attention == r['planned_attention'])
+                 and not any(m['over'] for m in r['memory_by_phase'].values()) and built == attention == r['planned_attention'])
     rec.put('step', r)
     rec.done(r['pass'])
 
@@ -420,7 +451,8 @@ def step4b_side_by_side(parts: dict) -> dict | None:
     if not steps: return None
     rows = [{'part': n, **{k: s[k] for k in ('attention', 'recompute', 'rows', 'seq_len', 'tokens_per_s', 'model_tflops', 'fraction_of_matmul_rate',
                                            'peak_gib', 'plan_gib')}, 'seconds_per_step': s['seconds_per_step']['median'],
-              'split': s['split']['share'], 'split_check': s['split'].get('check')} for n, s in steps.items()]
+              'split': s['split']['share'], 'split_reliable': s['split_checks']['reliable'],
+              'memory_over_plan': [k for k, m in s.get('memory_by_phase', {}).items() if m['over']]} for n, s in steps.items()]
     out = {'rows': rows}
     lo, sd = steps.get('step4b-local-full'), steps.get('step4b-sdpa-full')
     if lo and sd and (lo['rows'], lo['seq_len']) == (sd['rows'], sd['seq_len']):
@@ -432,10 +464,10 @@ def step4b_side_by_side(parts: dict) -> dict | None:
         f = sd['fraction_of_matmul_rate']
         out['sdpa_fraction_of_matmul_rate'] = {'value': f, 'aim': STEP4B_GOAL['fraction_of_matmul_rate'],
                                                'reached': f >= STEP4B_GOAL['fraction_of_matmul_rate']}
-        top = max((k for k in sd['split']['share'] if k != 'other'), key=lambda k: sd['split']['share'][k])
-        chk = sd['split'].get('check')
-        out['sdpa_largest_part'] = {'part': top, 'share': sd['split']['share'][top], 'split_check': chk,
-                                    'reliable': chk is None or chk['agrees']}
+        chk = sd['split_checks']
+        top = max((k for k in sd['split']['share'] if k != 'other'), key=lambda k: sd['split']['share'][k]) if chk['reliable'] else None
+        out['sdpa_largest_part'] = {'part': top, 'share': sd['split']['share'][top] if top else None, 'reliable': chk['reliable'],
+                                    'verdict': split_verdict(chk)}
     return out
 
 
@@ -557,11 +589,41 @@ def report_header(cpu_sim: bool) -> dict:
             'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() and not cpu_sim else 'cpu'}
 
 
-def write_report(out: Path, fixed: dict, status: dict, total_s: float) -> dict:
-    "subset.json and subset.md from the part files and how their processes ended (`fixed`: `report_header`)."
-    _sibling(); from gpu_check import layout_lines, _write
+REDERIVED_WHY = ("model_flops counts the tied log-prob head on the positions it computes (the response positions), not on every "
+                 "token; model TFLOP/s and the fraction of the matmul rate re-derived from the recorded seconds")
+
+def derive_step4b(view: dict, cpu_sim: bool) -> None:
+    "What a step4b part's report reads, derived from its recorded figures by the code of now: model FLOPs on the positions computed (the recorded values kept beside the new ones where they differ), every phase's peak against its plan (one above fails the part), the split's checks."
+    from memagent.bench import split_checks
+    from memagent.plan import get_arch
+    s = view.get('results', {}).get('step')
+    if not s: return
+    arch = get_arch(step4b_config(s['recompute'], cpu_sim).model.name)
+    s.setdefault('head_positions', response_positions(s['rows'], s['seq_len']))      # the batch rule of every step4b run
+    sec, flops = s['seconds_per_step'], model_flops(arch, s['tokens'], s['seq_len'], s['head_positions'])
+    now = {'model_tflops': flops / sec['median'] / 1e12, 'model_tflops_range': [flops / sec['max'] / 1e12, flops / sec['min'] / 1e12],
+           'fraction_of_matmul_rate': flops / sec['median'] / (s['matmul_tflops'] * 1e12)}
+    differs = lambda a, b: any(not math.isclose(x, y, rel_tol=1e-9) for x, y in zip(a, b)) if isinstance(b, list) else not math.isclose(a, b, rel_tol=1e-9)
+    changed = {k: {'recorded': s[k], 'now': v} for k, v in now.items() if differs(s[k], v)}
+    if changed: s['rederived'] = {'why': REDERIVED_WHY, 'head_positions': s['head_positions'], 'tokens': s['tokens'], 'figures': changed}
+    s.update(now)
+    s['memory_by_phase'] = memory_by_phase(s.get('phases_gib'), s.get('plan_phases_gib'))
+    over = [k for k, m in s['memory_by_phase'].items() if m['over']]
+    if over:
+        s['pass'] = False
+        if view['verdict'] == 'passed': view['verdict'] = 'failed'
+        view['memory_failed'] = ', '.join(f"{k} peak {s['memory_by_phase'][k]['peak_gib']:.1f} GiB above its planned {s['memory_by_phase'][k]['plan_gib']:.1f} GiB"
+                                          for k in over)
+    s['split_checks'] = split_checks(s['split'], s.get('phases_s'), sec['median'])
+
+
+def write_report(out: Path, fixed: dict, status: dict, total_s: float, provenance: dict | None = None) -> dict:
+    "subset.json and subset.md from the part files and how their processes ended (`fixed`: `report_header`); `provenance`: the run's, when a report is rendered again from its part files (`rerender`)."
+    _sibling(); from gpu_check import layout_lines
+    from memagent.provenance import provenance as now
     layout = fixed['layout']
     parts = {name: part_view(out, name, status.get(name)) for name, _, _ in PARTS}
+    for name in STEP4B: derive_step4b(parts[name], fixed['cpu_simulation'])
     run = [p for p in parts.values() if p['verdict'] != 'not run']
     body = {**{k: layout[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'cpu_simulation': fixed['cpu_simulation'],
             'pass': bool(run) and all(p['verdict'] in ('passed', 'skipped') for p in run), 'parts': parts,
@@ -570,9 +632,28 @@ def write_report(out: Path, fixed: dict, status: dict, total_s: float) -> dict:
             'transformer_engine': fixed['transformer_engine'], 'device': fixed['device'],
             'tolerances': TOL, 'sequence_parallel': 'not checked: it needs TP >= 2, so at least 2 GPUs (part cluster)',
             'doctor_rows': layout['rows'], 'step4b_side_by_side': step4b_side_by_side(parts)}
-    _write(out, 'subset.json', body)
+    body['provenance'] = provenance or now()
+    if provenance is not None: body['rendered_again'] = {'from': 'the part files the run recorded (unchanged)', 'provenance': now()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'subset.json').write_text(json.dumps(body, indent=1, default=str))
     (out / 'subset.md').write_text(render_md(layout, body, layout_lines))
+    print(f"wrote {out / 'subset.json'}")
     return body
+
+
+def rerender(out: Path) -> dict:
+    "subset.json and subset.md rendered again, by the code of now, from the part files a run recorded and the layout, environment and process records of its subset.json; the part files are read, never written, and the run's provenance is kept."
+    rep = json.loads((out / 'subset.json').read_text())
+    layout = {**{k: rep[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'rows': rep['doctor_rows']}
+    fixed = {'layout': layout, 'cpu_simulation': rep['cpu_simulation'], 'environment': rep['environment'],
+             'transformer_engine': rep['transformer_engine'], 'device': rep['device']}
+    status = {n: p['process'] for n, p in rep['parts'].items() if p.get('process')}
+    return write_report(out, fixed, status, rep['seconds'], provenance=rep['provenance'])
+
+
+def split_verdict(v: dict) -> str:
+    from memagent.bench import split_verdict as sv
+    return sv(v)
 
 
 def _f(x, nd=3):
@@ -585,8 +666,14 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
     L = layout_lines(layout) + ['', f"# gpu_check subset: {'PASS' if body['pass'] else 'FAIL'}"
                                 + (' (cpu-simulation: a code-path check at tiny shapes, not a GPU check)' if body['cpu_simulation'] else ''), '',
          f"device {body['device']}; driver {_f(e['driver'])}; CUDA (torch) {_f(e['cuda_runtime_of_torch'])}; torch {_f(e['torch'])}; "
-         f"transformers {_f(e['transformers'])}; megatron-core {_f(e['megatron_core'])}; Transformer Engine {_f(e['transformer_engine'])}", '',
-         '| part | verdict | seconds | cap (s) |', '|---|---|---|---|']
+         f"transformers {_f(e['transformers'])}; megatron-core {_f(e['megatron_core'])}; Transformer Engine {_f(e['transformer_engine'])}", '']
+    ra = body.get('rendered_again')
+    if ra:
+        g0, g1 = body['provenance'].get('git', {}), ra['provenance'].get('git', {})
+        L += [f"Rendered again from {ra['from']} by the code at {str(g1.get('commit'))[:7]}{' (uncommitted changes)' if g1.get('dirty') else ''}; "
+              f"the run itself ran at {str(g0.get('commit'))[:7]}. What the code of now derives differently from the recorded figures is "
+              "said in each part: the split's checks, model FLOPs on the positions the head computes, every phase's peak against its plan.", '']
+    L += ['| part | verdict | seconds | cap (s) |', '|---|---|---|---|']
     for name, cap, what in PARTS:
         p = P[name]; st = p.get('process') or {}
         L.append(f"| {name} | {p['verdict']} | {_f(st.get('seconds'), 3)} | {cap} |")
@@ -595,6 +682,7 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
         p = P[name]; r = p.get('results', {})
         L += [f"## {name}: {p['verdict']}", '', what + '.', '']
         if p.get('error'): L += [f"error: `{p['error']}`", '']
+        if p.get('memory_failed'): L += [f"memory check FAILED: {p['memory_failed']}", '']
         if name == 'megatron' and r:
             L += ['| recompute | dtype | optimizer | attention | parameters | loss rel diff | grad norm rel diff | state round trip | checkpoint before step 1 | pass |',
                   '|---|---|---|---|---|---|---|---|---|---|']
@@ -635,25 +723,27 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
                            f"{_f(s['model_tflops'])} model TFLOP/s = {_f(s['fraction_of_matmul_rate'])} of the {_f(s['matmul_tflops'])} TFLOP/s "
                            f"matmul rate measured here; peak {_f(s['peak_gib'])} GiB against the plan's {_f(s['plan_gib'])} GiB "
                            f"(peak / plan {_f(s['peak_over_plan'])})")
+            if s and s.get('rederived'):
+                d = s['rederived']
+                L.append(f"re-derived at rendering: {d['why']} ({d['head_positions']} of {d['tokens']} positions); recorded: "
+                         + ', '.join(f"{k} {_f(v['recorded']) if not isinstance(v['recorded'], list) else '..'.join(_f(x) for x in v['recorded'])}"
+                                     for k, v in d['figures'].items()))
             if s and s.get('phases_gib'):
-                ph, pp = s['phases_gib'], s['plan_phases_gib']
-                L.append(f"peak by phase (GiB): backward {_f(ph['backward'])} (plan {_f(pp['backward'])}), optimizer step "
-                         f"{_f(ph['optimizer step'])} (plan {_f(pp['optimizer step'])}); held before the step {_f(ph['held before the step'])}, "
-                         f"after the backward {_f(ph['held after the backward'])}")
+                ph, mb = s['phases_gib'], s.get('memory_by_phase', {})
+                L.append("peak by phase (GiB): " + ', '.join(f"{k} {_f(m['peak_gib'])} (plan {_f(m['plan_gib'])}{': OVER its plan' if m['over'] else ''})"
+                                                             for k, m in mb.items())
+                         + f"; held before the step {_f(ph['held before the step'])}, after the backward {_f(ph['held after the backward'])}")
             if s and s.get('phases_s'):
                 t = s['phases_s']
-                L.append(f"time by phase (one step, synchronized): forward and backward {_f(t['forward and backward'])} s, optimizer step "
-                         f"{_f(t['optimizer step'])} s ({t['optimizer step'] / sum(t.values()):.0%})")
+                L.append("time by phase (one step, at device synchronizations): " + ', '.join(f"{k} {_f(v)} s" for k, v in t.items())
+                         + f" (optimizer step {t['optimizer step'] / sum(t.values()):.0%})")
             if s:
-                sp = s['split']
-                dev = (f" ({_f(sp['device_s'])} s of kernels in a profiled step of {_f(sp['profiled_wall_s'])} s wall"
-                       + (f"; {_f(sp['unlinked_s'])} s launched by no operator, counted as other" if sp.get('unlinked_s') else '') + ')'
-                       if 'device_s' in sp else '')
-                L.append(f"one profiled step, {sp['clock']}{dev}: " + ', '.join(f"{k} {v:.0%}" for k, v in sp['share'].items()))
-                c = sp.get('check')
-                if c and not c['agrees']:
-                    L.append(f"the split is NOT reliable here: it gives the optimizer {c['optimizer_share_split']:.0%} of the step, the synchronized "
-                             f"phase timing {c['optimizer_share_timed']:.0%} (tolerance {c['tolerance']:.0%})")
+                sp, v = s['split'], s['split_checks']
+                if v['reliable']:
+                    L.append(f"one profiled step, {sp['clock']}: " + ', '.join(f"{k} {x:.0%}" for k, x in sp['share'].items()) + f"; {split_verdict(v)}")
+                else:
+                    L.append(f"one profiled step, {sp['clock']}: {split_verdict(v)}. Seconds it credited per part, not a split of the step: "
+                             + ', '.join(f"{k} {_f(x)}" for k, x in sp['seconds'].items()))
         elif name == 'precision' and r:
             t, c, k = r.get('training', {}), r.get('bf16_vs_fp32'), r.get('control_untrained')
             L.append(f"trained loss {_f(t.get('trained_loss'))} against ln V = {_f(t.get('uniform_loss_ln_vocab'))} (uniform)")
@@ -669,10 +759,10 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
               '|---|---|---|---|---|---|---|---|---|---|']
         for x in sb['rows']:
             top = sorted(x['split'].items(), key=lambda kv: -kv[1])[:3]
-            unreliable = x.get('split_check') is not None and not x['split_check']['agrees']
+            over = f" (phase over plan: {', '.join(x['memory_over_plan'])})" if x.get('memory_over_plan') else ''
             L.append(f"| {x['part']} | {x['attention']} | {x['recompute']} | {x['rows']} x {x['seq_len']} | {_f(x['seconds_per_step'])} | "
-                     f"{_f(x['tokens_per_s'])} | {_f(x['model_tflops'])} | {_f(x['fraction_of_matmul_rate'])} | {_f(x['peak_gib'])} / {_f(x['plan_gib'])} | "
-                     + ', '.join(f"{k} {v:.0%}" for k, v in top) + (' (split not reliable: see the part)' if unreliable else '') + ' |')
+                     f"{_f(x['tokens_per_s'])} | {_f(x['model_tflops'])} | {_f(x['fraction_of_matmul_rate'])} | {_f(x['peak_gib'])} / {_f(x['plan_gib'])}{over} | "
+                     + (', '.join(f"{k} {v:.0%}" for k, v in top) if x['split_reliable'] else 'not known: the split is not reliable (see the part)') + ' |')
         g = sb.get('sdpa_over_local')
         if g:
             f = sb['sdpa_fraction_of_matmul_rate']
@@ -681,8 +771,6 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
                       f"{f['aim']:g}: {'reached' if f['reached'] else 'not reached'}); "
                       + (f"its largest part of the step is {sb['sdpa_largest_part']['part']} ({sb['sdpa_largest_part']['share']:.0%})."
                          if sb['sdpa_largest_part']['reliable'] else
-                         f"where its time goes is not known from this run: the profiled split disagrees with the synchronized phase timing "
-                         f"(optimizer {sb['sdpa_largest_part']['split_check']['optimizer_share_split']:.0%} against "
-                         f"{sb['sdpa_largest_part']['split_check']['optimizer_share_timed']:.0%}).")]
+                         f"where its time goes is not known from this run: {sb['sdpa_largest_part']['verdict']}.")]
         L.append('')
     return '\n'.join(L)

@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh on a machine without a GPU: --dry-run shows every command, the layouts (and their refusals) and the
 plans; a real run refuses naming the memagent-doctor rows; the layout is never downgraded without --reduced."""
-import json, os, subprocess, sys
+import json, os, shutil, subprocess, sys
 from pathlib import Path
 import pytest, yaml
 
@@ -163,43 +163,74 @@ def test_a_part_that_hangs_or_dies_hides_nothing_of_the_others(tmp_path, monkeyp
     assert json.loads((out / 'subset.json').read_text())['parts']['weight_sync']['results']['weight_sync']['pass']
 
 
-def test_a_split_that_disagrees_with_the_timed_phases_is_not_reported_as_where_the_time_goes(tmp_path):
-    """The step4b parts of the H200 run, rendered again with the synchronized phase timing each part now takes: where the
-    profiled split's optimizer share is far from the timed one the part says the split is not reliable, and the side by side
-    does not name a largest part; where they agree it does."""
+def _scripts():
     sys.path.insert(0, str(ROOT / 'scripts'))
     try:
         import gpu_subset, gpu_check
+        return gpu_subset, gpu_check
     finally: sys.path.remove(str(ROOT / 'scripts'))
+
+
+def test_the_h200_reports_render_again_from_their_part_files(tmp_path):
+    """`gpu_check.py render` on copies of the committed H200 runs: the part files stay byte for byte, every recorded split is
+    called not reliable with the figures that show why, no part is named the largest, the model FLOPs are re-derived on the
+    positions the head computes, and a phase peak above its planned phase fails its part. The committed reports are that
+    rendering."""
+    for run in ('gpu-20261204-step4b', 'gpu-20261204'):
+        src, out = ROOT / 'reports/smoke' / run / 'subset', tmp_path / run
+        shutil.copytree(src, out)
+        r = _py('render', '--out', str(out))
+        assert r.returncode == 0, r.stderr[-3000:]
+        for f in (src / 'parts').rglob('*'):
+            if f.is_file(): assert (out / 'parts' / f.relative_to(src / 'parts')).read_bytes() == f.read_bytes(), f
+        md, body = (out / 'subset.md').read_text(), json.loads((out / 'subset.json').read_text())
+        assert md.count('the split is NOT reliable') == 4 and 'its largest part of the step is' not in md, md   # 3 parts + the summary
+        assert body['step4b_side_by_side']['sdpa_largest_part']['part'] is None
+        committed = json.loads((src / 'subset.json').read_text())
+        assert body['provenance'] == committed['provenance'] and body['parts'] == committed['parts'], run
+        assert md.split('Rendered again')[1].split('\n', 1)[1] == (src / 'subset.md').read_text().split('Rendered again')[1].split('\n', 1)[1]
+        for name in ('step4b-local-full', 'step4b-sdpa-full', 'step4b-sdpa-selective'):
+            st = body['parts'][name]['results']['step']
+            rec = json.loads((src / 'parts' / f'{name}.json').read_text())['results']['step']
+            assert st['head_positions'] * 2 == st['tokens'] and st['model_tflops'] < 0.97 * rec['model_tflops'], (name, st['model_tflops'])
+            assert st['rederived']['figures']['fraction_of_matmul_rate']['recorded'] == rec['fraction_of_matmul_rate']
+            assert not st['split_checks']['reliable'] and 'phases' in st['split_checks']['missing']
+            assert 'timed step' in st['split_checks']['disagree']
+    sb = json.loads((tmp_path / 'gpu-20261204-step4b/subset.json').read_text())
+    assert sb['parts']['step4b-local-full']['verdict'] == 'failed' and sb['pass'] is False
+    assert sb['parts']['step4b-local-full']['results']['step']['memory_by_phase']['optimizer step']['over']
+    assert 'memory check FAILED: optimizer step peak 85.1 GiB above its planned 82.6 GiB' in (tmp_path / 'gpu-20261204-step4b/subset.md').read_text()
+    assert sb['parts']['step4b-sdpa-full']['verdict'] == 'passed'
+
+
+def test_a_split_that_adds_up_names_the_largest_part_and_one_that_does_not_names_none(tmp_path):
+    """The sdpa-full part of the H200 run with a split that adds up (its parts equal the kernels, fit the wall time and the
+    timed step, and its optimizer share is the timed one): the report names its largest part. Then the same with the
+    optimizer timed at a tenth of its share, and with no phases timed: not reliable, no largest part."""
+    gpu_subset, _ = _scripts()
     run = ROOT / 'reports/smoke/gpu-20261204-step4b/subset'
     rep = json.loads((run / 'subset.json').read_text())
     layout = {**{k: rep[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'rows': rep['doctor_rows']}
     fixed = {'layout': layout, 'cpu_simulation': False, 'environment': rep['environment'], 'transformer_engine': False, 'device': rep['device']}
-    status = {}
-    for timed_optimizer, agrees in ((0.1, False), (None, True)):
-        out = tmp_path / str(agrees)
+    for case, reliable in (('agrees', True), ('optimizer timed apart', False), ('no phases', False)):
+        out = tmp_path / case.replace(' ', '-')
         (out / 'parts').mkdir(parents=True)
-        for f in (run / 'parts').glob('step4b-*.json'):
-            body = json.loads(f.read_text())
-            st = body['results'].get('step')
-            if st is not None:
-                share = st['split']['share']['optimizer']          # agreeing: the timed phases give the split's own share
-                opt = timed_optimizer if timed_optimizer is not None else share * st['seconds_per_step']['median']
-                st['phases_s'] = {'forward and backward': st['seconds_per_step']['median'] - opt, 'optimizer step': opt}
-                st['split']['check'] = gpu_subset.split_check(st['split'], st['phases_s'])
-                assert st['split']['check']['agrees'] is agrees, st['split']['check']
-            (out / 'parts' / f.name).write_text(json.dumps(body))
-            status[f.stem] = {'rc': 0, 'timed_out': False, 'seconds': 1.0, 'cap_s': 60}
-        body = gpu_subset.write_report(out, fixed, status, 10.0)
+        body = json.loads((run / 'parts/step4b-sdpa-full.json').read_text())
+        st, sp = body['results']['step'], body['results']['step']['split']
+        secs = {'attention core': 0.12, 'attention projections': 0.09, 'MLP': 0.33, 'norms': 0.05, 'log-prob head': 0.04,
+                'gradient reduction': 0.0, 'optimizer': 0.13, 'other': 0.10}
+        sp.update(seconds=secs, total_s=sum(secs.values()), device_s=sum(secs.values()), unattributed_s=0.0,
+                  share={k: v / sum(secs.values()) for k, v in secs.items()})
+        opt = {'agrees': secs['optimizer'] / sum(secs.values()), 'optimizer timed apart': 0.015}.get(case)
+        st['phases_s'] = None if opt is None else {'forward': 0.3, 'backward (with recompute)': 0.6 - opt, 'optimizer step': opt}
+        (out / 'parts/step4b-sdpa-full.json').write_text(json.dumps(body))
+        b = gpu_subset.write_report(out, fixed, {'step4b-sdpa-full': {'rc': 0, 'timed_out': False, 'seconds': 1.0, 'cap_s': 45}}, 1.0)
         md = (out / 'subset.md').read_text()
-        sb = body['step4b_side_by_side']['sdpa_largest_part']
-        assert sb['reliable'] is agrees
-        if agrees:
-            assert 'its largest part of the step is optimizer' in md and 'NOT reliable' not in md
-        else:
-            assert md.count('the split is NOT reliable here') == 3 and 'where its time goes is not known from this run' in md
-            assert 'its largest part of the step is' not in md and '(split not reliable: see the part)' in md
-    assert gpu_subset.split_check({'share': {'optimizer': 0.5}, 'total_s': 1.0}, None) is None       # nothing timed: no verdict
+        assert b['parts']['step4b-sdpa-full']['results']['step']['split_checks']['reliable'] is reliable, case
+        row = next(r for r in b['step4b_side_by_side']['rows'] if r['part'] == 'step4b-sdpa-full')
+        assert row['split_reliable'] is reliable
+        if reliable: assert 'the split is reliable' in md and 'MLP 38%' in md and 'NOT reliable' not in md, md
+        else: assert 'the split is NOT reliable' in md and 'MLP 38%' not in md, md
 
 
 def test_a_models_folder_that_is_missing_or_empty_is_refused_not_read_as_none(tmp_path):
