@@ -144,3 +144,62 @@ def test_a_role_served_by_the_wrong_model_is_refused_before_scoring(tmp_path):
         assert 'ModelMismatchError' in str(e.value) and f'model_path {other}' in str(e.value)
         assert f"path {model_dir('tiny-qwen3').resolve()}" in str(e.value)
         assert wrong.calls == [] and ok.calls == []
+
+
+def _two_tiny_policies(tmp_path):
+    "Two different tiny models (the tiny base's weights, perturbed by two seeds), exported as HF directories."
+    import torch
+    from memagent.checkpoint import export_hf
+    from memagent.models import load_model, load_tokenizer
+    m, tok = load_model('tiny-qwen3'), load_tokenizer('tiny-qwen3')
+    out = {}
+    for i, role in enumerate(('reference', 'candidate'), 1):
+        g = torch.Generator().manual_seed(i)
+        out[role] = str(export_hf(m, tok, tmp_path / role, state_dict={k: v + 0.02 * torch.randn(v.shape, generator=g).to(v.dtype)
+                                                                        for k, v in m.state_dict().items()}))
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_acceptance_notebook_keycode_lengths(tmp_path):
+    "The embedded task's path at tiny size: two lengths in chunks, a few items, two different tiny models against the base."
+    from memagent.chunking import chunk_document
+    from memagent.data import read_examples
+    from memagent.models import load_tokenizer
+    pol = _two_tiny_policies(tmp_path)
+    rep = _run(tmp_path, eval_data='keycode', lengths=[2, 3], max_items=6, hotpotqa=None, overrides={'eval.top_p': 1.0},
+               reference_model=pol['reference'], candidate_model=pol['candidate'])
+    report = json.loads((rep / 'compare.json').read_text())
+    readme = (rep / 'README.md').read_text()
+    assert report['metric'] == 'boxed_em' and report['lengths'] == [2, 3] and 'hotpotqa' not in report['values']
+    for L in ('2', '3'):
+        assert report['equivalence'][L]['verdict'] in ('equivalent', 'different', 'undecided') and report['equivalence'][L]['items'] == 6
+        assert report['equivalence'][L]['text'] in readme
+        assert {c['role'] for c in report['checks'] if c['name'] == 'chunks' and c['key'] == int(L) and c['passed'] and c['verified']} \
+            == {'base', 'reference', 'candidate'}
+        assert all(c['passed'] for c in report['checks'] if c['name'] in ('not_truncated', 'distinct_models', 'distinct_runs', 'data', 'items'))
+    tok = load_tokenizer('tiny-qwen3')
+    for L, facts in ((2, 2), (3, 3)):                       # the tiny preset trains 3 facts in 3 chunks: density 1 per chunk
+        exs = read_examples(rep / 'data' / f'keycode_{L}.jsonl')
+        assert len(exs) == 6 and all(len(e['meta']['fact_chunks']) == facts for e in exs)
+        assert all(chunk_document(e['context'], tok, 32).token_counts == [32] * L for e in exs)
+    assert "not the recipe's evaluation set" in readme.split('## Verdict')[0] and '## Time and load per phase' in readme
+    assert (rep / 'boxed_em.png').is_file() and '## What the memory holds: 3 chunks' in readme
+    s = json.loads((rep / 'summaries' / 'candidate_3.json').read_text())
+    assert s['limits']['max_chunks'] == 3 and s['truncated_samples'] == 0
+
+
+@pytest.mark.parametrize('params, match', [
+    ({'lengths': [3, 0]}, 'parameter lengths'), ({'lengths': [2.0, 3]}, 'parameter lengths'),
+    ({'tolerance_pp': float('nan')}, 'parameter tolerance_pp'), ({'tolerance_pp': float('inf')}, 'parameter tolerance_pp'),
+    ({'samples': 1.5}, 'parameter samples'), ({'progress': 'false'}, "-y 'progress: false'"),
+    ({'hotpotqa': 'no'}, 'parameter hotpotqa'), ({'max_items': 'probe', 'eval_data': 'sample-haystack-1'}, "max_items='probe'"),
+    ({'lengths': [3, 4096]}, 'parameter lengths'), ({'hotpotqa': True}, 'no HotpotQA set'),
+    ({'metric': 'no_such_metric'}, 'parameter metric')])
+def test_acceptance_bad_parameters_are_refused_before_anything_is_written(tmp_path, params, match):
+    from memagent.testing import run_notebook_cells
+    p = {**TINY, 'eval_data': 'keycode', 'lengths': [2, 3], 'max_items': 6, 'hotpotqa': None, 'out_root': str(tmp_path / 'reports'),
+         'progress': False, **params}
+    ns, err = run_notebook_cells(ROOT / 'nbs' / 'acceptance.ipynb', p, cells=1)
+    assert isinstance(err, ValueError) and match in str(err), err
+    assert not (tmp_path / 'reports').exists()
