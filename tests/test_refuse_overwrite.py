@@ -61,7 +61,7 @@ def test_memagent_audit_refuses_a_receipt_that_would_replace_its_inputs(tmp_path
 
 # ---- run notebooks: a report into the repository's reports/ from a tree that differs from HEAD is refused before any write ----
 
-RUN_NOTEBOOKS_WITH_REPORTS = ['acceptance', 'agemem_audit', 'agemem_observed', 'bench', 'launch', 'parity', 'plan', 'rehearsal', 'simulate', 'smoke', 'train']
+RUN_NOTEBOOKS_WITH_REPORTS = ['acceptance', 'agemem_audit', 'agemem_observed', 'bench', 'launch', 'loss_parity', 'parity', 'plan', 'rehearsal', 'simulate', 'smoke', 'train']
 ROOT = Path(__file__).resolve().parents[1]
 
 
