@@ -110,3 +110,14 @@ def test_bound_refused_unless_positive_finite():
         with pytest.raises(ValueError, match='loss.log_ratio_bound'):
             get_preset('tiny', {'loss.log_ratio_bound': bad})
     assert get_preset('tiny', {'loss.log_ratio_bound': 5.0}).loss.log_ratio_bound == 5.0
+
+
+def test_resume_reads_a_key_the_checkpoint_predates_as_its_default():
+    "A checkpoint's config written before loss.log_ratio_bound existed resumes with the default; another value is still refused."
+    import yaml
+    from memagent.config import get_preset
+    from memagent.resume import ResumeError, check_resume_config
+    old = get_preset('tiny').to_dict(); del old['loss']['log_ratio_bound']
+    assert check_resume_config(yaml.safe_dump(old), get_preset('tiny')) == []
+    with pytest.raises(ResumeError, match='loss.log_ratio_bound: 20.0 in the checkpoint, 5.0 now'):
+        check_resume_config(yaml.safe_dump(old), get_preset('tiny', {'loss.log_ratio_bound': 5.0}))
