@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh [--dry-run] [--part subset|cluster|all] [--out DIR] [--models DIR] [--reduced] [--cpu-simulation]
 #
-# subset   one GPU, no network, its parts each in their own process under their own cap (scripts/gpu_subset.py): megatron-core
+# subset   one GPU, no network, its parts each in their own process under their own cap (memagent.gpucheck): megatron-core
 #          in bf16 with fp32 main grads and its own (distributed) optimizer per recompute mode against the fp32 torch step, the
 #          optimizer-state round trip and a checkpoint before step 1; the weight check after a sync; the in-process Trainer for
 #          2 steps with the torch and the megatron backend (health, KL, seconds per phase, peak GPU memory); the in-process

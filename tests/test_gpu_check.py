@@ -17,11 +17,8 @@ def _py(*args):
 
 
 def _gpu_check():
-    sys.path.insert(0, str(ROOT / 'scripts'))
-    try:
-        import gpu_check
-        return gpu_check
-    finally: sys.path.remove(str(ROOT / 'scripts'))
+    import memagent.gpucheck.layout as layout
+    return layout
 
 
 def _no_te():
@@ -141,18 +138,15 @@ def test_python3_when_python_is_absent(tmp_path):
 def test_a_part_that_hangs_or_dies_hides_nothing_of_the_others(tmp_path, monkeypatch):
     """The subset's driver on a machine where one part's process never answers and another's dies: the first is stopped at its
     cap, the second recorded, the parts before and after them still run and report, and the whole subset fails."""
-    sys.path.insert(0, str(ROOT / 'scripts'))
-    try:
-        import gpu_subset
-    finally: sys.path.remove(str(ROOT / 'scripts'))
-    fake = tmp_path / 'python'            # the interpreter the driver starts each part with; $3 is the part's name
+    import memagent.gpucheck.report as report
+    fake = tmp_path / 'python'            # the interpreter the driver starts each part with (-m memagent.gpucheck.report NAME): $3 is the name
     fake.write_text(f'#!/usr/bin/env bash\ncase "$3" in\n  trainer) sleep 600 ;;\n  engine) echo "engine: killed" >&2; exit 137 ;;\n'
                     f'  *) exec {sys.executable} "$@" ;;\nesac\n')
     fake.chmod(0o755)
-    monkeypatch.setattr(gpu_subset, 'PARTS', tuple((n, 2 if n == 'trainer' else c, w) for n, c, w in gpu_subset.PARTS))
+    monkeypatch.setattr(report, 'PARTS', tuple((n, 2 if n == 'trainer' else c, w) for n, c, w in report.PARTS))
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
     out = tmp_path / 'out'
-    body = gpu_subset.run_subset(out, True, ['weight_sync', 'trainer', 'engine', 'step4b-sdpa-selective'], py=str(fake))
+    body = report.run_subset(out, True, ['weight_sync', 'trainer', 'engine', 'step4b-sdpa-selective'], py=str(fake))
     v = {n: p['verdict'] for n, p in body['parts'].items()}
     assert v == {'megatron': 'not run', 'weight_sync': 'passed', 'trainer': 'timeout', 'engine': 'error', 'step4b-local-full': 'not run',
                  'step4b-sdpa-full': 'not run', 'step4b-sdpa-selective': 'passed', 'step4b-te-full': 'not run', 'precision': 'not run'}, v
@@ -161,14 +155,6 @@ def test_a_part_that_hangs_or_dies_hides_nothing_of_the_others(tmp_path, monkeyp
     md = (out / 'subset.md').read_text()
     assert '# gpu_check subset: FAIL' in md and '| trainer | timeout |' in md and '| step4b-sdpa-selective | passed |' in md
     assert json.loads((out / 'subset.json').read_text())['parts']['weight_sync']['results']['weight_sync']['pass']
-
-
-def _scripts():
-    sys.path.insert(0, str(ROOT / 'scripts'))
-    try:
-        import gpu_subset, gpu_check
-        return gpu_subset, gpu_check
-    finally: sys.path.remove(str(ROOT / 'scripts'))
 
 
 def test_the_h200_reports_render_again_from_their_part_files(tmp_path):
@@ -207,7 +193,7 @@ def test_a_split_that_adds_up_names_the_largest_part_and_one_that_does_not_names
     """The sdpa-full part of the H200 run with a split that adds up (its parts equal the kernels, fit the wall time and the
     timed step, and its optimizer share is the timed one): the report names its largest part. Then the same with the
     optimizer timed at a tenth of its share, and with no phases timed: not reliable, no largest part."""
-    gpu_subset, _ = _scripts()
+    import memagent.gpucheck.report as report
     run = ROOT / 'reports/smoke/gpu-20261204-step4b/subset'
     rep = json.loads((run / 'subset.json').read_text())
     layout = {**{k: rep[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'rows': rep['doctor_rows']}
@@ -224,7 +210,7 @@ def test_a_split_that_adds_up_names_the_largest_part_and_one_that_does_not_names
         opt = {'agrees': secs['optimizer'] / sum(secs.values()), 'optimizer timed apart': 0.015}.get(case)
         st['phases_s'] = None if opt is None else {'forward': 0.3, 'backward (with recompute)': 0.6 - opt, 'optimizer step': opt}
         (out / 'parts/step4b-sdpa-full.json').write_text(json.dumps(body))
-        b = gpu_subset.write_report(out, fixed, {'step4b-sdpa-full': {'rc': 0, 'timed_out': False, 'seconds': 1.0, 'cap_s': 45}}, 1.0)
+        b = report.write_report(out, fixed, {'step4b-sdpa-full': {'rc': 0, 'timed_out': False, 'seconds': 1.0, 'cap_s': 45}}, 1.0)
         md = (out / 'subset.md').read_text()
         assert b['parts']['step4b-sdpa-full']['results']['step']['split_checks']['reliable'] is reliable, case
         row = next(r for r in b['step4b_side_by_side']['rows'] if r['part'] == 'step4b-sdpa-full')

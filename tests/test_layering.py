@@ -19,7 +19,7 @@ LAYERS = (
     ('backends', 'policy'),                                          # the policy interface; its implementations
     ('colocate',),                                                   # places ranks and engines: the factories for both
     ('trainer', 'doctor', 'plan', 'runcheck'),                       # orchestration
-    ('testing', 'bench', 'simnode', 'gpucheck'),                     # never imported by the above
+    ('testing', 'bench', 'stepsplit', 'simnode', 'gpucheck'),        # never imported by the above
 )
 TRAINING_PATH = ('trainer', 'doctor', 'colocate', 'policy', 'rollout', 'transfer', 'loss', 'credit', 'engines', 'checkpoint', 'backends.torch',
                  'backends.ray', 'backends.megatron', 'reward', 'prompts', 'chunking', 'models', 'data', 'config', 'provenance', 'net',
@@ -148,7 +148,7 @@ def _files(m: str) -> list[Path]:
 
 def test_training_path_does_not_import_testing_bench_the_simulated_node_or_the_gpu_check():
     code = ("import sys\n" + ''.join(f"import memagent.{m}\n" for m in TRAINING_PATH) +
-            "bad = sorted(m for m in sys.modules if m in ('memagent.testing', 'memagent.bench', 'memagent.simnode', 'memagent.gpucheck'))\nprint(bad)")
+            "bad = sorted(m for m in sys.modules if m in ('memagent.testing', 'memagent.bench', 'memagent.simnode', 'memagent.gpucheck', 'memagent.stepsplit'))\nprint(bad)")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == '[]', out.stdout
