@@ -149,7 +149,8 @@ def test_a_part_that_hangs_or_dies_hides_nothing_of_the_others(tmp_path, monkeyp
     body = report.run_subset(out, True, ['weight_sync', 'trainer', 'engine', 'step4b-sdpa-selective'], py=str(fake))
     v = {n: p['verdict'] for n, p in body['parts'].items()}
     assert v == {'megatron': 'not run', 'weight_sync': 'passed', 'trainer': 'timeout', 'engine': 'error', 'step4b-local-full': 'not run',
-                 'step4b-sdpa-full': 'not run', 'step4b-sdpa-selective': 'passed', 'step4b-te-full': 'not run', 'precision': 'not run'}, v
+                 'step4b-sdpa-full': 'not run', 'step4b-sdpa-selective': 'passed', 'step4b-te-full': 'not run', 'precision': 'not run',
+                 'optimizer': 'not run', 'train-notebook': 'not run'}, v
     assert body['parts']['trainer']['process']['timed_out'] and body['parts']['trainer']['process']['seconds'] < 60
     assert body['parts']['engine']['process']['rc'] == 137 and body['pass'] is False
     md = (out / 'subset.md').read_text()

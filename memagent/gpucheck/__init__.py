@@ -6,12 +6,7 @@
 __all__ = []
 
 # %% ../../nbs/22_gpucheck.ipynb #99dffd46
-from . import layout, checks, parts, step4b, report, cli
 from .layout import subset_layout, cluster_layout, layout_lines, REDUCED_LAYOUTS
 from .parts import PARTS
 from .step4b import STEP4B, model_flops
-from .report import run_part
-from .report import run_subset, write_report, rerender
-from .cli import main
-__all__ = ['layout', 'checks', 'parts', 'step4b', 'report', 'cli', 'subset_layout', 'cluster_layout', 'layout_lines', 'REDUCED_LAYOUTS',
-           'PARTS', 'STEP4B', 'model_flops', 'run_part', 'run_subset', 'write_report', 'rerender', 'main']
+__all__ = ['subset_layout', 'cluster_layout', 'layout_lines', 'REDUCED_LAYOUTS', 'PARTS', 'STEP4B', 'model_flops']

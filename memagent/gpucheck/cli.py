@@ -9,7 +9,7 @@ from pathlib import Path
 from .layout import REDUCED_LAYOUTS, cluster_layout, config_for, layout_lines, subset_layout
 from .checks import peak_vs_plan, perturbed, sglang_sync_check
 from .parts import PARTS
-from .step4b import STEP4B, STEP4B_HEADROOM, step4b_plan
+from .step4b import STEP4B, STEP4B_HEADROOM, STEP4B_MIN_GIB, step4b_plan
 from .report import part_main, rerender, run_subset
 
 # %% auto #0
@@ -62,7 +62,7 @@ def cmd_subset(a):
                 _, p = step4b_plan(rc, rows, L, gib, attention=att)
                 print(f"  {name} on a GPU would run: Qwen3-4B, {rows} x {L} tokens, recompute {rc}, attention {p.details['attention']}: "
                       f"the plan's update allocates {p.allocated('update') / GiB:.1f} GiB, peak {p.peak('update') / GiB:.1f} GiB of {gib:g} GiB: "
-                      f"{'fits' if p.peak('update') <= STEP4B_HEADROOM * gib * GiB else f'over {STEP4B_HEADROOM:.0%} of the card: fewer rows or skipped'}")
+                      f"{'skipped: a card under ' + str(STEP4B_MIN_GIB) + ' GiB' if gib < STEP4B_MIN_GIB else 'fits' if p.peak('update') <= STEP4B_HEADROOM * gib * GiB else f'over {STEP4B_HEADROOM:.0%} of the card: fewer rows or skipped'}")
     body = run_subset(Path(a.out), a.cpu_simulation, a.parts.split(',') if a.parts else None)
     print(f"wrote {Path(a.out) / 'subset.md'}")
     if not body['pass']: sys.exit('gpu_check.py subset: a part failed, timed out or did not run (see subset.md)')

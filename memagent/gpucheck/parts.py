@@ -24,6 +24,8 @@ PARTS = (
     ('step4b-sdpa-selective', 45, 'the megatron step at Qwen3-4B shapes, the SDPA core attention, selective recompute, 2 rows of 4,608 tokens where the plan says they fit, else 1'),
     ('step4b-te-full', 45, 'the megatron step at Qwen3-4B shapes, Transformer Engine, full recompute, 2 rows of 4,608 tokens (skipped where TE is not installed)'),
     ('precision', 45, 'a bf16-vs-fp32 step on a model trained away from uniform, with a control that must fail'),
+    ('optimizer', 45, "megatron-core's optimizer step against torch's fused AdamW at Qwen3-0.6B's shapes: seconds and peak of each"),
+    ('train-notebook', 120, 'the train notebook with the tiny preset, its cells in process with TensorBoard off: seconds per section, tokens/s, peak memory'),
 )
 
 SUBSET_BUDGET_S = 420
@@ -35,9 +37,10 @@ TOL = {'loss_rel': 2e-2, 'grad_norm_rel': 5e-2}
 CPU_TOKENS = 256           # --cpu-simulation: the tokens of a step's rows (a GPU runs the preset's micro-batch budget)
 
 # %% auto #0
-__all__ = ['ENGINE_CAP_S', 'REPEATS', 'PARTS', 'SUBSET_BUDGET_S', 'CPU_CAP_FACTOR', 'TOL', 'CPU_TOKENS', 'Recorder',
-           'part_megatron', 'part_weight_sync', 'part_trainer', 'engine_workload', 'shrink', 'part_engine',
-           'part_precision']
+__all__ = ['ENGINE_CAP_S', 'REPEATS', 'PARTS', 'SUBSET_BUDGET_S', 'CPU_CAP_FACTOR', 'TOL', 'CPU_TOKENS', 'OPTIM_PRESET',
+           'TRAIN_NB_PARAMS', 'TRAIN_NB_NEEDS', 'Recorder', 'part_megatron', 'part_weight_sync', 'part_trainer',
+           'engine_workload', 'shrink', 'part_engine', 'part_precision', 'optimizer_config', 'adamw', 'part_optimizer',
+           'notebook_phases', 'part_train_notebook']
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #a889b0b7
 def _gc():
@@ -282,3 +285,119 @@ def part_precision(rec: Recorder, cpu_sim: bool):
     rec.put('control_untrained', control)
     far = trained_loss < 0.5 * math.log(V)
     rec.done(check['pass'] and control['outside_tolerance'] and far)
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #4af36469
+OPTIM_PRESET = 'qwen3-0.6b-pilot'      # the optimizer part's shapes on a GPU (its model with random weights)
+
+def optimizer_config(cpu_sim: bool):
+    "The pilot preset's step on one GPU with its distributed optimizer (CPU: the tiny model, fp32, the stand-in optimizer)."
+    from memagent.config import get_preset
+    ov = {'batch.n_gpus': 1, 'batch.tp': 1, 'batch.sequence_parallel': False, 'rollout.colocate': False, 'rollout.gpus_per_engine': 1,
+          'loss.kl_type': 'none', 'backend': 'megatron', 'model.dtype': 'bfloat16', 'batch.distributed_optimizer': True}
+    if cpu_sim: ov.update({'model.name': 'tiny-qwen3', 'model.tokenizer': 'tiny-qwen3', 'model.dtype': 'float32', 'batch.distributed_optimizer': False})
+    return get_preset(OPTIM_PRESET, ov)
+
+def adamw(params, lr: float = 1e-6) -> tuple[object, str]:
+    "torch's AdamW over `params`: the fused kernel where torch offers it for their device, else foreach, and which it is."
+    import torch
+    try: return torch.optim.AdamW(params, lr=lr, fused=True), 'fused'
+    except (RuntimeError, ValueError, TypeError) as e: return torch.optim.AdamW(params, lr=lr, foreach=True), f"foreach (fused refused: {e})"
+
+def _timed(fn, repeats: int) -> tuple[list[float], list[int | None]]:
+    "Seconds of each of `repeats` calls of `fn` at device synchronizations, and the allocator's peak during each (None on CPU)."
+    secs, peaks = [], []
+    for _ in range(repeats):
+        _sync(); _peak_reset(); t = time.perf_counter(); fn(); _sync()
+        secs.append(time.perf_counter() - t); peaks.append(_peak())
+    return secs, peaks
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #6bb9869a
+def part_optimizer(rec: Recorder, cpu_sim: bool):
+    "megatron-core's optimizer step as the recipe builds it, then torch's AdamW (fused where offered) over parameters of the same shapes: seconds and peak of each."
+    import torch
+    from memagent.backends.megatron import MegatronBackend
+    from memagent.bench import spread
+    from memagent.models import load_model
+    from memagent.ondevice import compute_device
+    from memagent.plan import ARCHS, GiB
+    dev, cfg = compute_device(), optimizer_config(cpu_sim)
+    hf = load_model('tiny-qwen3', 'float32') if cpu_sim else _random_model(ARCHS[cfg.model.name], cfg.model.dtype, dev)
+    vocab = hf.config.vocab_size
+    be = MegatronBackend.from_config(cfg, hf); del hf; _gc()
+    batch = {k: v.to(dev) for k, v in fixed_batch(vocab, CPU_TOKENS if cpu_sim else 2048).items()}
+    def grads():                                               # the gradients a step consumes (not timed)
+        lp = be.logprobs(batch); be.backward(-(lp.sum() / batch['response_mask'][:, 1:].sum()))
+    gib = lambda ps: max(ps) / GiB if ps and ps[0] is not None else None
+    try:
+        grads(); be.step()                                     # warm-up: the optimizer's states exist
+        secs, peaks = [], []
+        for _ in range(REPEATS):
+            grads(); s, p = _timed(be.step, 1); secs += s; peaks += p
+        shapes, name = [tuple(p.shape) for p in be.model.parameters()], type(be.optimizer).__name__
+    finally: be.close(); del be; _gc()
+    n = sum(math.prod(s) for s in shapes)
+    meg = {'optimizer': name, 'seconds': spread(secs), 'peak_gib': gib(peaks),
+           'what': "MegatronBackend.step(): gradient reduction, grad norm and clipping, the optimizer step, the bf16 copy of the fp32 main params"}
+    rec.put('megatron_core', meg)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in shapes]
+    for p in params: p.grad = torch.randn_like(p) * 1e-3
+    opt, impl = adamw(params)
+    opt.step()                                                 # warm-up: its states exist
+    secs, peaks = _timed(opt.step, REPEATS)
+    tor = {'optimizer': f'torch.optim.AdamW ({impl})', 'seconds': spread(secs), 'peak_gib': gib(peaks),
+           'what': 'the update alone, over fp32 parameters and gradients of the same shapes (no reduction, clipping or bf16 copy)'}
+    del opt, params; _gc()
+    rec.put('torch_adamw', tor)
+    rec.put('summary', {'parameters': n, 'preset': OPTIM_PRESET if not cpu_sim else 'tiny-qwen3 (cpu-simulation)',
+                        'megatron_over_torch_seconds': meg['seconds']['median'] / tor['seconds']['median']})
+    rec.done(all(math.isfinite(x) for x in (meg['seconds']['median'], tor['seconds']['median'])))
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #a202003c
+TRAIN_NB_PARAMS = {'preset': 'tiny', 'steps': 2, 'eval_items': 4, 'tensorboard': False}
+TRAIN_NB_NEEDS = ('matplotlib',)    # what the train notebook imports beyond what the subset needs
+
+def notebook_phases(path, params: dict) -> tuple[dict, dict, BaseException | None]:
+    "Run the notebook at `path` from its `parameters` cell, `params` set after it, in this process, timing each code cell under the `## ` section it sits in: (namespace, seconds per section, the exception that stopped it or None)."
+    cells = json.loads(Path(path).read_text())['cells']
+    i = next(j for j, c in enumerate(cells) if c['cell_type'] == 'code' and 'parameters' in c['metadata'].get('tags', []))
+    ns, secs, section = {}, {}, 'parameters'
+    exec(''.join(cells[i]['source']), ns); ns.update(params)
+    for c in cells[i + 1:]:
+        src = ''.join(c['source'])
+        if c['cell_type'] == 'markdown' and src.startswith('## '): section = src.splitlines()[0][3:].strip()
+        if c['cell_type'] != 'code': continue
+        t = time.perf_counter()
+        try: exec(src, ns)
+        except Exception as e: return ns, {**secs, section: secs.get(section, 0.0) + time.perf_counter() - t}, e
+        finally: secs[section] = secs.get(section, 0.0) + time.perf_counter() - t
+    return ns, secs, None
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #7ba47f79
+def part_train_notebook(rec: Recorder, cpu_sim: bool):
+    "The train notebook with the tiny preset, its cells in this process with TensorBoard off: seconds per section, tokens/s of the training steps, peak memory."
+    import importlib.util, shutil
+    from memagent.bench import _RSSPeak
+    from memagent.parity.receipt import repo_root
+    from memagent.plan import GiB
+    missing = [m for m in TRAIN_NB_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        rec.put('skipped', f"the train notebook needs {', '.join(missing)}, not installed here (scripts/gpu_wheels.sh does not carry it)")
+        rec.done(True); return
+    base = rec.path.parent / 'train-notebook'
+    shutil.rmtree(base, ignore_errors=True)
+    params = {**TRAIN_NB_PARAMS, 'run': 'gpucheck', 'out_dir': str(base / 'runs'), 'report_dir': str(base / 'reports')}
+    _peak_reset()
+    with _RSSPeak() as host:
+        t0 = time.perf_counter(); _, secs, err = notebook_phases(repo_root() / 'nbs' / 'train.ipynb', params); wall = time.perf_counter() - t0
+    mf = base / 'runs' / 'gpucheck' / 'metrics.jsonl'
+    ms = [json.loads(l) for l in mf.read_text().splitlines() if l.strip()] if mf.is_file() else []
+    step_s = sum(m['time_step'] for m in ms)
+    r = {'params': params, 'how': "the notebook's cells in this process (notebook_phases), TensorBoard off", 'seconds_by_section': secs,
+         'wall_s': wall, 'steps': len(ms), 'trained_tokens': sum(m['n_tokens'] for m in ms),
+         'tokens_per_s': sum(m['n_tokens'] for m in ms) / step_s if step_s else None,
+         'gpu_peak_gib': _peak() / GiB if _cuda() else None, 'host_peak_rss_gib': host.peak / GiB,
+         'error': f"{type(err).__name__}: {err}" if err else None}
+    r['pass'] = err is None and len(ms) == params['steps']
+    rec.put('train_notebook', r)
+    rec.done(r['pass'])

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..stepsplit import split_verdict
 from .layout import layout_lines, subset_layout, environment
 from .parts import (PARTS, SUBSET_BUDGET_S, CPU_CAP_FACTOR, TOL, _cuda, part_megatron, part_weight_sync,
-                                     part_trainer, part_engine, part_precision, Recorder)
+                                     part_trainer, part_engine, part_precision, part_optimizer, part_train_notebook, Recorder)
 from .step4b import (STEP4B, STEP4B_GOAL, memory_by_phase, model_flops, part_step4b, response_positions,
                                       step4b_config, step4b_side_by_side)
 
@@ -22,7 +22,7 @@ def run_part(name: str, out: Path, cpu_sim: bool):
     "One part in this process: its result file under `out/parts/`; an exception is recorded there before it propagates."
     rec = Recorder(out, name)
     fn = {'megatron': part_megatron, 'weight_sync': part_weight_sync, 'trainer': part_trainer, 'engine': part_engine,
-          'precision': part_precision}.get(name)
+          'precision': part_precision, 'optimizer': part_optimizer, 'train-notebook': part_train_notebook}.get(name)
     try:
         if name in STEP4B: part_step4b(rec, name, cpu_sim)
         elif fn is None: raise SystemExit(f"gpu_check.py part: unknown part {name!r}; the parts: {[p for p, _, _ in PARTS]}")
@@ -173,7 +173,7 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
                          + f"; held before the step {_f(ph['held before the step'])}, after the backward {_f(ph['held after the backward'])}")
             if s and s.get('phases_s'):
                 t = s['phases_s']
-                L.append("time by phase (one step, at device synchronizations): " + ', '.join(f"{k} {_f(v)} s" for k, v in t.items())
+                L.append("time by phase (one step; CUDA events on a GPU, the host clock on CPU): " + ', '.join(f"{k} {_f(v)} s" for k, v in t.items())
                          + f" (optimizer step {t['optimizer step'] / sum(t.values()):.0%})")
             if s:
                 sp, v = s['split'], s['split_checks']
@@ -182,6 +182,20 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
                 else:
                     L.append(f"one profiled step, {sp['clock']}: {split_verdict(v)}. Seconds it credited per part, not a split of the step: "
                              + ', '.join(f"{k} {_f(x)}" for k, x in sp['seconds'].items()))
+        elif name == 'optimizer' and r.get('summary'):
+            for k in ('megatron_core', 'torch_adamw'):
+                o = r[k]
+                L.append(f"{o['optimizer']}: {_f(o['seconds']['median'])} s a step (range {_f(o['seconds']['min'])}..{_f(o['seconds']['max'])}, "
+                         f"{o['seconds']['n']} steps), peak {_f(o['peak_gib'])} GiB; it times {o['what']}")
+            L.append(f"{r['summary']['parameters']:,} parameters ({r['summary']['preset']}); megatron-core's step over torch's: "
+                     f"{_f(r['summary']['megatron_over_torch_seconds'])}x the seconds")
+        elif name == 'train-notebook' and r.get('train_notebook'):
+            t = r['train_notebook']
+            L.append(f"{t['how']}; {t['steps']} steps of preset {t['params']['preset']}: {_f(t['tokens_per_s'])} trained tokens/s of the steps, "
+                     f"GPU peak {_f(t['gpu_peak_gib'])} GiB, host peak RSS {_f(t['host_peak_rss_gib'])} GiB, {_f(t['wall_s'])} s in all")
+            L.append('seconds by section: ' + ', '.join(f"{k} {_f(v)}" for k, v in t['seconds_by_section'].items()))
+            if t['error']: L.append(f"stopped: `{t['error']}`")
+        elif r.get('skipped'): L.append(f"skipped: {r['skipped']}")
         elif name == 'precision' and r:
             t, c, k = r.get('training', {}), r.get('bf16_vs_fp32'), r.get('control_untrained')
             L.append(f"trained loss {_f(t.get('trained_loss'))} against ln V = {_f(t.get('uniform_loss_ln_vocab'))} (uniform)")

@@ -17,9 +17,12 @@ STEP4B_HEADROOM = 0.95     # a step4b shape runs when the plan's update peak is 
 
 STEP4B_GOAL = {'sdpa_over_local_model_tflops': 2.0, 'fraction_of_matmul_rate': 0.40}   # the fused path's goal and aim (full recompute)
 
+STEP4B_MIN_GIB = 100      # the step4b parts run on an H200-class card: on a smaller one they are skipped and named
+
 # %% auto #0
-__all__ = ['STEP4B', 'STEP4B_HEADROOM', 'STEP4B_GOAL', 'PHASES', 'matmul_rate', 'model_flops', 'response_positions',
-           'step4b_batch', 'step4b_config', 'step4b_plan', 'memory_by_phase', 'part_step4b', 'step4b_side_by_side']
+__all__ = ['STEP4B', 'STEP4B_HEADROOM', 'STEP4B_GOAL', 'STEP4B_MIN_GIB', 'PHASES', 'matmul_rate', 'model_flops',
+           'response_positions', 'step4b_batch', 'step4b_config', 'step4b_plan', 'memory_by_phase', 'part_step4b',
+           'step4b_side_by_side']
 
 # %% ../../nbs/22_gpucheck_4_step4b.ipynb #62a35e88
 def matmul_rate(dtype: str, n: int = 8192, repeats: int = 5) -> float:
@@ -118,6 +121,10 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
         rec.put('skipped', 'Transformer Engine is not installed here' if not have_transformer_engine() else 'Transformer Engine needs a GPU')
         rec.done(True); return
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if _cuda() else 139.8
+    if gpu_gib < STEP4B_MIN_GIB:
+        rec.put('skipped', f"a {gpu_gib:.1f} GiB card: the Qwen3-4B step's planned peaks need an H200-class card "
+                           f"(at least {STEP4B_MIN_GIB} GiB)")
+        rec.done(True); return
     tried = []
     for rows in range(most_rows, 0, -1):                       # the most rows the plan says this card holds
         _, p4b = step4b_plan(recompute, rows, seq_len, gpu_gib, attention=attention)
