@@ -2,7 +2,7 @@
 # The checks only a GPU machine can make, as one prepared run. Install first: bash scripts/setup_gpu.sh (torch at SGLang's
 # pin, SGLang, megatron-core and Transformer Engine, from the lock); the one-GPU subset also runs offline (below).
 #
-#   bash scripts/gpu_check.sh [--dry-run] [--part subset|cluster|all] [--out DIR] [--models DIR] [--reduced] [--cpu-simulation]
+#   bash scripts/gpu_check.sh [--dry-run] [--part subset|cluster|all|NAME] [--out DIR] [--models DIR] [--reduced] [--cpu-simulation]
 #
 # subset   one GPU, no network, its parts each in their own process under their own cap (memagent.gpucheck): megatron-core
 #          in bf16 with fp32 main grads and its own (distributed) optimizer per recompute mode against the fp32 torch step, the
@@ -19,6 +19,7 @@
 #          smoke (rows generated = transferred = consumed), SGLang vs HF engine tokens/s and megatron vs torch step
 #          time on the same rows, peak GPU memory per rank against the plan.
 # all      subset, then cluster (default: all with 2 GPUs or more, subset with one).
+# NAME     one part of the subset alone (memagent.gpucheck.parts.PARTS: megatron, ..., step4b-sdpa-full, optimizer, train-notebook).
 #
 # The layout is never changed silently: each part checks its preset's layout as configured, or refuses (exit 2) naming
 # the memagent-doctor rows that fail (Transformer Engine, GPU count, GPU memory, ...) with their fixes.
@@ -48,7 +49,7 @@ while [ $# -gt 0 ]; do
     --models) models=$2; shift ;;
     --reduced) reduced=1 ;;
     --cpu-simulation) cpusim=1 ;;
-    -h|--help) sed -n 2,35p "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -59,6 +60,13 @@ if [ -z "$py" ]; then
 fi
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+subset_parts=''
+case "$part" in
+  ''|subset|cluster|all) ;;
+  *) if $py -c 'import sys; from memagent.gpucheck.parts import PARTS; sys.exit(sys.argv[1] not in [n for n, _, _ in PARTS])' "$part"; then
+       subset_parts=$part; part=subset           # one part of the subset, alone
+     else echo "gpu_check.sh: --part must be subset, cluster, all or a part of the subset, got '$part'" >&2; exit 2; fi ;;
+esac
 if [ "$cpusim" = 1 ]; then
   [ -z "$part" ] || [ "$part" = subset ] || { echo "gpu_check.sh: --cpu-simulation runs only the subset, got --part $part" >&2; exit 2; }
   part=subset; export CUDA_VISIBLE_DEVICES=''      # the CPU code path even where a GPU is present
@@ -105,7 +113,7 @@ if [ "$part" = subset ] || [ "$part" = all ]; then
   [ "$dry" = 1 ] || export MEMAGENT_CACHE="${MEMAGENT_CACHE:-$out/cache}"   # the built tiny model: under --out
   $py scripts/gpu_check.py plan --preset tiny-megatron --gpus-per-node 1
   run $py scripts/gpu_check.py subset --out "$out/subset" \
-      $([ "$cpusim" = 1 ] && echo --cpu-simulation || true)
+      $([ "$cpusim" = 1 ] && echo --cpu-simulation || true) $([ -n "$subset_parts" ] && echo --parts "$subset_parts" || true)
 fi
 if [ "$part" = cluster ] || [ "$part" = all ]; then
   echo "== cluster: the colocated layout of $preset on $nodes GPUs"

@@ -251,3 +251,12 @@ def test_part_all_refuses_the_cluster_part_before_the_subset_writes(tmp_path):
     r = _run('--part', 'all', '--models', str(tmp_path / 'none-here'), '--out', str(out))
     assert r.returncode == 2 and f"--models {tmp_path / 'none-here'}: no such folder" in r.stderr and not out.exists(), (r.returncode, r.stderr[-800:])
     assert '== subset' not in r.stdout, 'the subset started before the cluster part was checked'
+
+
+def test_one_part_of_the_subset_runs_alone():
+    "`--part NAME` for a part of the subset runs the subset with that part only; a name that is no part is refused (exit 2)."
+    r = _run('--dry-run', '--part', 'train-notebook', '--out', '/tmp/gpu-check-one-part')
+    assert r.returncode == 0 and 'scripts/gpu_check.py subset --out /tmp/gpu-check-one-part/subset --parts train-notebook' in r.stdout, r.stdout[-2000:]
+    assert '== cluster' not in r.stdout
+    r = _run('--dry-run', '--part', 'nope')
+    assert r.returncode == 2 and "--part must be subset, cluster, all or a part of the subset, got 'nope'" in r.stderr
