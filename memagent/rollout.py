@@ -14,7 +14,7 @@ from .chunking import chunk_document
 from .reward import extract_boxed
 
 # %% auto #0
-__all__ = ['FINAL', 'request_seed', 'stop_token_ids', 'MemAgentWalk', 'RequestQueue', 'RolloutTimeoutError', 'run_sync',
+__all__ = ['FINAL', 'request_seed', 'stop_token_ids', 'MemAgentWalk', 'run_sync', 'RequestQueue', 'RolloutTimeoutError',
            'run_async', 'choose_scheduler', 'rollout', 'logprob_agreement']
 
 # %% ../nbs/09_rollout.ipynb #95c0d5ce
@@ -97,19 +97,7 @@ class MemAgentWalk:
         tr.meta['generated_tokens'] += len(r.output_ids)
         tr.validate()
 
-# %% ../nbs/09_rollout.ipynb #e984efb3
-class RequestQueue(Protocol):
-    "What `run_async` needs from an engine: submit one request, and wait for any completions, on the queue's own clock."
-    limit: int              # requests in flight at most
-    wait_limit_s: float     # a request with no answer this long after submission fails
-    def submit(self, prompt, params) -> object: ...                  # a handle
-    def wait_any(self, timeout: float) -> list: ...                  # [(handle, GenerationResult | EngineError)], [] at the timeout
-    def now(self) -> float: ...
-    def cancel(self, handle) -> None: ...                            # forget a request that will not be waited for
-
-class RolloutTimeoutError(TransientEngineError):
-    "A request got no answer within the rollout's wait limit."
-
+# %% ../nbs/09_rollout.ipynb #1b25a7d9
 def _account(st, phase, prompt, r):
     st['requests'] += 1; st['prompt_tokens'] += len(prompt)
     if not isinstance(r, Exception): st['generated_tokens'] += len(r.output_ids)
@@ -127,6 +115,7 @@ def _groups(walk):
     for j in range(len(walk)): members.setdefault(walk.group_of(j), []).append(j)
     return members
 
+# %% ../nbs/09_rollout.ipynb #fdbd000d
 def run_sync(walk, engine, stats: dict | None = None, on_group=None, on_step=None) -> None:
     "Step-synchronous: all next requests of the earliest phase as one `engine.generate` call, until every trajectory is finished."
     st = stats if stats is not None else {}; _new_stats(st, 'sync')
@@ -141,6 +130,20 @@ def run_sync(walk, engine, stats: dict | None = None, on_group=None, on_step=Non
     if on_group is not None:
         for g, js in _groups(walk).items(): on_group([walk.trajs[j] for j in js])
 
+# %% ../nbs/09_rollout.ipynb #a94f4c02
+class RequestQueue(Protocol):
+    "What `run_async` needs from an engine: submit one request, and wait for any completions, on the queue's own clock."
+    limit: int              # requests in flight at most
+    wait_limit_s: float     # a request with no answer this long after submission fails
+    def submit(self, prompt, params) -> object: ...                  # a handle
+    def wait_any(self, timeout: float) -> list: ...                  # [(handle, GenerationResult | EngineError)], [] at the timeout
+    def now(self) -> float: ...
+    def cancel(self, handle) -> None: ...                            # forget a request that will not be waited for
+
+class RolloutTimeoutError(TransientEngineError):
+    "A request got no answer within the rollout's wait limit."
+
+# %% ../nbs/09_rollout.ipynb #c306d60e
 def run_async(walk, queue, stats: dict | None = None, on_group=None, on_step=None) -> None:
     "Per-trajectory: up to `queue.limit` requests in flight; each completion is fed back and its trajectory's next request sent at once."
     import heapq
