@@ -8,6 +8,7 @@ import argparse, copy, importlib.util, json, math, os, platform, re, subprocess,
 from pathlib import Path
 from .provenance import flatten, sha256_file, provenance, provenance_problems, refuse_overwrite
 from .report import md_table
+from .files import FileError, read_json
 
 # %% auto #0
 __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_MODULE', 'AUDITED_FILES', 'CALL_SITE_WEIGHTS',
@@ -111,8 +112,7 @@ def validate_fixtures(fx: dict, source='fixtures.json', n_cases=N_CASES) -> dict
 def load_fixtures(path, n_cases=N_CASES) -> dict:
     "Read and validate a fixture JSON file."
     path = Path(path)
-    try: fx = json.loads(path.read_text())
-    except json.JSONDecodeError as e: raise ValueError(f'{path}: line {e.lineno}: invalid JSON ({e.msg})') from None
+    fx = read_json(path)                  # FileError (a ValueError) naming the file, line and reason
     return validate_fixtures(fx, source=str(path), n_cases=n_cases)
 
 # %% ../nbs/18_audit.ipynb #d36a46cd
@@ -317,14 +317,16 @@ def write_receipt(receipt: dict, path) -> Path:
 
 # %% ../nbs/18_audit.ipynb #6c8d42b7
 def open_receipt(receipt_path, fixtures_path, load, schema: str, error=None, also=()) -> tuple[dict, object, list]:
-    "`(receipt, fixtures, problems)`: `error` (default `VerificationError`) on a missing or unreadable file; `problems` lists a wrong schema or fixture hash."
+    "`(receipt, fixtures, problems)`: `error` (default `VerificationError`) on a missing or unreadable file, marked `bad_input` (the command exits 2, not 1); `problems` lists a wrong schema or fixture hash."
     error = error or VerificationError
+    def refused(problems):
+        e = error(problems); e.bad_input = True; return e
     receipt_path, fixtures_path = Path(receipt_path), Path(fixtures_path)
     missing = [f'{p}: missing' for p in (receipt_path, fixtures_path, *map(Path, also)) if not p.is_file()]
-    if missing: raise error(missing)
-    try: rc = json.loads(receipt_path.read_text())
-    except json.JSONDecodeError as e: raise error([f'{receipt_path}: line {e.lineno}: invalid JSON ({e.msg})'])
-    if not isinstance(rc, dict): raise error([f'{receipt_path}: a JSON {type(rc).__name__}, not the object a receipt is'])
+    if missing: raise refused(missing)
+    try: rc = read_json(receipt_path)
+    except FileError as e: raise refused([str(e)]) from None
+    if not isinstance(rc, dict): raise refused([f'{receipt_path}: a JSON {type(rc).__name__}, not the object a receipt is'])
     try: fx = load(fixtures_path)
     except ValueError as e: raise error([str(e)])
     problems = [] if rc.get('schema') == schema else [f'schema {rc.get("schema")!r} != {schema!r}']
@@ -452,19 +454,22 @@ def summary_table(receipt: dict) -> str:
 def study_cli(argv, *, prog: str, description: str, inputs: tuple, default_dir, run, verify, epilog=None) -> int:
     """The command of one AgeMem study: `--source-repo PATH` runs `run(source_repo, report_dir)` and writes the receipt (exit 0 passed,
     1 not passed, 2 refused: an output that is one of the `inputs`, a checkout or an input that is not the pinned one); `--verify`
-    checks a receipt with `verify(report_dir, receipt)` (exit 0 verified, 1 not)."""
+    checks a receipt with `verify(report_dir, receipt)` (exit 0 verified, 1 not, 2 a receipt or input it cannot read)."""
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
     ap.add_argument('--source-repo', help='path of the upstream checkout (pinned revision; outside this repository)')
     ap.add_argument('--out', help='where to write the receipt (default: <report-dir>/receipt.json)')
     ap.add_argument('--verify', action='store_true', help='verify the committed receipt; needs no upstream checkout')
     ap.add_argument('--receipt', help='receipt to verify (default: <report-dir>/receipt.json)')
-    ap.add_argument('--report-dir', help=f"folder with {' and '.join(inputs)} (default: reports/{default_dir().name} of this repository)")
+    ap.add_argument('--report-dir', help=f"folder with {' and '.join(inputs)} (default: the study's folder in reports/ of the "
+                    "checkout this command runs in; outside a checkout, give it)")
     a = ap.parse_args(argv)
     if a.verify == bool(a.source_repo): ap.error('give exactly one of --source-repo PATH or --verify')
-    report_dir = Path(a.report_dir) if a.report_dir else default_dir()
+    try: report_dir = Path(a.report_dir) if a.report_dir else default_dir()
+    except AuditError as e: ap.error(f"{e} (--report-dir)")
     if a.verify:
         try: res = verify(report_dir, a.receipt)
         except VerificationError as e:
+            if getattr(e, 'bad_input', False): print(f'REFUSED: {e}', file=sys.stderr); return 2   # not a receipt it can read
             print(f'VERIFY FAILED: {e}', file=sys.stderr); return 1
         print(json.dumps(res, indent=1)); return 0
     out = Path(a.out) if a.out else report_dir / 'receipt.json'

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file, load_file
 from .provenance import sha256_file
+from .files import read_json
 from .ondevice import to_host
 
 # %% auto #0
@@ -148,8 +149,8 @@ def verify_checkpoint(path) -> dict:
     p = Path(path)
     mf = p/'manifest.json'
     if not mf.exists(): raise CheckpointError(f"{p}: not a complete checkpoint (no manifest.json)")
-    try: files = json.loads(mf.read_text())['files']
-    except (ValueError, KeyError) as e: raise CheckpointError(f"{mf}: unreadable manifest ({type(e).__name__}: {e})") from e
+    try: files = read_json(mf, 'checkpoint_manifest')['files']
+    except ValueError as e: raise CheckpointError(f"unreadable manifest: {e}") from e
     for rel, meta in files.items():
         f = p/rel
         if not f.is_file(): raise CheckpointError(f"{f}: listed in the manifest but missing")
@@ -174,9 +175,9 @@ def load_checkpoint(path, check_finite: bool = True) -> dict:
         shards[s['key']] = s['state']
     opt = None if not shards else shards['all'] if list(shards) == ['all'] else {'shards': shards}
     out = {'model': _read(p/'model.safetensors', lambda f: load_file(str(f))), 'optimizer': opt,
-           'state': _read(p/'state.json', lambda f: json.loads(f.read_text())),
+           'state': _read(p/'state.json', lambda f: read_json(f, 'checkpoint_state')),
            'rng': _read(p/'rng.pt', lambda f: torch.load(f, map_location='cpu', weights_only=False)),
-           'config_yaml': (p/'config.yaml').read_text(), 'provenance': _read(p/'provenance.json', lambda f: json.loads(f.read_text())),
+           'config_yaml': (p/'config.yaml').read_text(), 'provenance': _read(p/'provenance.json', lambda f: read_json(f, 'object')),
            'path': str(p)}
     if check_finite and (bad := nonfinite_tensors(out['model']) + nonfinite_tensors(opt or {}, 'optimizer')):
         raise CheckpointError(f"{p/'model.safetensors'}: non-finite tensors {bad[:8]}")
@@ -283,8 +284,8 @@ def read_weights_record(model_dir) -> dict | None:
     "The weights record `export_hf` wrote in `model_dir` (`tensors_sha256`, `fingerprint`), or None when there is none."
     p = Path(model_dir)/WEIGHTS_FILE
     if not p.is_file(): return None
-    try: return json.loads(p.read_text())
-    except ValueError as e: raise CheckpointError(f"{p}: unreadable weights record ({e})") from e
+    try: return read_json(p, 'object')
+    except ValueError as e: raise CheckpointError(f"unreadable weights record: {e}") from e
 
 def export_hf(model, tokenizer, out_dir, provenance: dict | None = None, state_dict: dict | None = None,
               identity: bool = True) -> Path:

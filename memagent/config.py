@@ -470,9 +470,8 @@ def save_config(cfg: Config, path) -> Path:
 
 def load_config(path) -> Config:
     "Read a YAML config written by `save_config` (or by hand; `1e-4` is a number); errors name the file."
-    try: d = yaml.load(Path(path).read_text(), Loader=_Loader)
-    except yaml.YAMLError as e: raise ValueError(f"{path}: not valid YAML: {e}") from e
-    if not isinstance(d, dict): raise ValueError(f"{path}: expected a mapping at the top level")
+    from memagent.files import read_yaml
+    d = read_yaml(path, 'object', loader=_Loader)       # FileError (a ValueError) naming the file, line and field
     try: return from_dict(d)
     except (KeyError, ValueError) as e: raise type(e)(f"{path}: {e.args[0]}") from e
 

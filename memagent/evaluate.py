@@ -11,6 +11,7 @@ from .provenance import provenance, sha256_file, sha256_text, refuse_overwrite
 from .engines import engine_from_config, EngineError
 from .stats import bootstrap_ci, pass_at_k
 from .data.readers import unencodable
+from .files import FileError, loads_json, read_json, loads_yaml
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMPARABLE', 'RECORDS_FILE', 'SUMMARY_FILE',
@@ -59,9 +60,8 @@ def read_records(path) -> list[dict]:
     with open(path, encoding='utf-8') as f:
         for n, line in enumerate(f, 1):
             if not line.strip(): continue
-            try: rec = json.loads(line)
-            except json.JSONDecodeError as e: raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if bad := record_problems(rec): raise ValueError(f"{path}:{n}: malformed record: {'; '.join(bad)}")
+            rec = loads_json(line, path, n)
+            if bad := record_problems(rec): raise FileError(path, n, None, f"malformed record: {'; '.join(bad)}")
             out.append(rec)
     return out
 
@@ -159,8 +159,8 @@ def _prepared(data_path) -> dict | None:
     "Where a file prepared by `memagent-prepare` came from (its data root's manifest entry), or None for any other file."
     m = Path(data_path).parent / 'manifest.json'
     if not m.is_file(): return None
-    try: man = json.loads(m.read_text(encoding='utf-8'))
-    except ValueError as e: raise ValueError(f"{m}: unreadable manifest beside the evaluated file {data_path}: {e}") from e
+    try: man = read_json(m, 'object')
+    except FileError as e: raise FileError(m, e.line, e.field, f"unreadable manifest beside the evaluated file {data_path}: {e.reason}") from None
     if not isinstance(man, dict) or man.get('kind') != 'memagent.data.prepare': return None
     for k, e in (man.get('files') or {}).items():
         if (e.get('converted') or {}).get('path') == Path(data_path).name:
@@ -431,8 +431,8 @@ def _parse_sets(items) -> dict:
     for it in items or []:
         if '=' not in it: raise ValueError(f"--set expects key=value, got {it!r}")
         k, v = it.split('=', 1)
-        try: out[k.strip()] = yaml.safe_load(v)
-        except yaml.YAMLError as e:
+        try: out[k.strip()] = loads_yaml(v, f'--set {k.strip()}')
+        except FileError as e:
             raise ValueError(f"--set {it!r}: the value is not YAML ({str(e).splitlines()[0]}); quote it, e.g. {k.strip()}='...'") from None
     return out
 

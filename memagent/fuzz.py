@@ -6,6 +6,7 @@
 from __future__ import annotations
 import gzip, hashlib, json, random
 from collections import Counter
+from .files import FileError, loads_json, read_json
 from pathlib import Path
 from .parity import (VerificationError, check_official, check_relax, compare, ours, receipt_status, repo_root,
                              run_official, run_relax, verify_receipt)
@@ -185,8 +186,8 @@ def read_fuzz(path) -> list[dict]:
     except (OSError, EOFError, UnicodeDecodeError) as e: raise VerificationError([f'{path}: not gzipped UTF-8 ({e})'])
     out = []
     for ln, line in enumerate(text.splitlines(), 1):
-        try: d = json.loads(line)
-        except json.JSONDecodeError as e: raise VerificationError([f'{path}:{ln}: invalid JSON ({e.msg})'])
+        try: d = loads_json(line, path, ln)
+        except FileError as e: raise VerificationError([str(e)]) from None
         for k, t in (('i', int), ('draw', dict), ('upstream', dict), ('ours', dict)):
             if not isinstance(d.get(k) if isinstance(d, dict) else None, t): raise VerificationError([f'{path}:{ln}: field {k!r} must be a {t.__name__}'])
         for k in ('upstream', 'ours'):
@@ -238,8 +239,8 @@ def verify(report_dir=None, fixtures_path=None, sample: int | None = 500) -> dic
     problems, res = [], {}
     try: res = verify_receipt(report_dir / 'receipt.json', fixtures_path)
     except VerificationError as e: problems += e.problems
-    try: rc = json.loads((report_dir / 'receipt.json').read_text())
-    except (OSError, json.JSONDecodeError): raise VerificationError(problems) from None   # verify_receipt named the fault
+    try: rc = read_json(report_dir / 'receipt.json')
+    except (OSError, FileError): raise VerificationError(problems) from None   # verify_receipt named the fault
     try: res['fuzz'] = verify_fuzz(rc, report_dir, sample)
     except VerificationError as e: problems += e.problems
     if problems: raise VerificationError(problems)

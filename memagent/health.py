@@ -89,7 +89,8 @@ class RunHealth:
 def read_health(run_dir) -> dict | None:
     "The run's health record, or None for a run that has none."
     p = Path(run_dir)/'health.json'
-    return json.loads(p.read_text()) if p.exists() else None
+    from memagent.files import read_json
+    return read_json(p, 'health') if p.exists() else None
 
 def json_line(m: dict) -> str:
     "`m` as one line of strict JSON: a NaN or infinite number becomes null, named in `null_reasons` with its value and the reason `m['null_reasons']` gives for it."

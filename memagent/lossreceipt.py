@@ -8,6 +8,7 @@ import gzip, json, math
 from pathlib import Path
 from .audit import origin_problems, field_problems, environment_problems, wrong_shape, _environment, _short
 from .provenance import sha256_file, provenance_problems
+from .files import FileError, read_json
 from .lossparity import (DIFFERENCES, TOL, EPS_REL, MIN_SEEDS, FAMILIES, DTYPES, DRAW, OURS, VERL, CHECKS, STAND_INS,
                                  VERL_CONFIG_FIELDS, VERL_REPOSITORY, VERL_REVISION, VERL_FILES, VerificationError, check_verl,
                                  load_verl, case_checks, _summary)
@@ -184,8 +185,8 @@ def verify(report_dir=None) -> dict:
     report = Path(report_dir) if report_dir else _repo_root() / REPORT_DIR
     path = report / 'receipt.json'
     if not path.is_file(): raise VerificationError([f'{path}: missing'])
-    try: rc = json.loads(path.read_text())
-    except json.JSONDecodeError as e: raise VerificationError([f'{path}: line {e.lineno}: invalid JSON ({e.msg})']) from None
+    try: rc = read_json(path)
+    except FileError as e: raise VerificationError([str(e)]) from None
     if not isinstance(rc, dict): raise VerificationError([f'{path}: not an object'])
     try: return _verify(rc, report)
     except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e: raise wrong_shape(path, VerificationError, e) from None

@@ -8,6 +8,7 @@ import argparse, csv, dataclasses, json, math, sys
 from pathlib import Path
 import yaml
 from .provenance import flatten, provenance, refuse_unclean_report_dir, sha256_file
+from .files import FileError, check_shape, decode, loads_json, read_json
 
 # %% auto #0
 __all__ = ['REQUIRED_FIELDS', 'SUMMARY_FILES', 'read_metrics', 'check_steps', 'moving_average', 'window_stats', 'scalar_columns',
@@ -26,21 +27,19 @@ def read_metrics(path) -> tuple[list[dict], int]:
     path = Path(path)
     if not path.is_file(): raise ValueError(f"{path}: metrics file not found")
     rows, blank = [], 0
-    with open(path) as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip(): blank += 1; continue
-            try: rec = json.loads(line)
-            except json.JSONDecodeError as e: raise ValueError(f"{path}:{ln}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict): raise ValueError(f"{path}:{ln}: expected a JSON object, got {type(rec).__name__}")
-            miss = [k for k in REQUIRED_FIELDS if k not in rec]
-            if miss: raise ValueError(f"{path}:{ln}: missing field(s) {miss}")
-            s = rec['step']
-            if not isinstance(s, int) or isinstance(s, bool): raise ValueError(f"{path}:{ln}: field 'step' must be an integer, got {s!r}")
-            for k in ('reward_mean', 'pass_rate'):
-                v = rec[k]
-                if not _is_number(v): raise ValueError(f"{path}:{ln}: field {k!r} must be a number, got {v!r}")
-                if not math.isfinite(v): raise ValueError(f"{path}:{ln}: field {k!r} is not finite ({v}) at step {s}")
-            rows.append({**rec, '_line': ln})
+    lines = path.read_bytes().split(b'\n')
+    if lines and lines[-1] == b'': lines.pop()          # the newline that ends the last line
+    for ln, raw in enumerate(lines, 1):
+        if not raw.strip(): blank += 1; continue
+        rec = check_shape(loads_json(decode(raw, path, ln), path, ln), 'metrics_row', path, ln)   # FileError: file, line, field
+        miss = [k for k in REQUIRED_FIELDS if k not in rec]
+        if miss: raise FileError(path, ln, None, f"missing field(s) {miss}")
+        s = rec['step']
+        for k in ('reward_mean', 'pass_rate'):
+            v = rec[k]
+            if not _is_number(v): raise FileError(path, ln, k, f"must be a number, got {v!r}")
+            if not math.isfinite(v): raise FileError(path, ln, k, f"is not finite ({v}) at step {s}")
+        rows.append({**rec, '_line': ln})
     if not rows: raise ValueError(f"{path}: no steps recorded")
     return rows, blank
 
@@ -53,8 +52,8 @@ def check_steps(rows: list[dict], expected_steps: int, path='metrics.jsonl') -> 
     for r in rows:
         s, ln = r['step'], r.get('_line', '?')
         if s < 1 or s > expected_steps:
-            raise ValueError(f"{path}:{ln}: step {s} out of range 1..{expected_steps}")
-        if s in seen: raise ValueError(f"{path}:{ln}: duplicate step {s} (first at line {seen[s]})")
+            raise FileError(path, ln, 'step', f"step {s} out of range 1..{expected_steps}")
+        if s in seen: raise FileError(path, ln, 'step', f"duplicate step {s} (first at line {seen[s]})")
         seen[s] = ln
     missing = [s for s in range(1, expected_steps + 1) if s not in seen]
     if missing:
@@ -151,8 +150,7 @@ def read_run(run_dir) -> dict:
     "Load and check `run.json` of a run directory: an object with a positive integer `steps`, `config` and `provenance`."
     p = Path(run_dir) / 'run.json'
     if not p.is_file(): raise ValueError(f"{p}: run.json not found (every run directory carries its planned steps and provenance)")
-    try: run = json.loads(p.read_text())
-    except json.JSONDecodeError as e: raise ValueError(f"{p}:{e.lineno}: not valid JSON ({e.msg})") from None
+    run = read_json(p, 'run')
     if not isinstance(run, dict): raise ValueError(f"{p}: expected a JSON object")
     miss = [k for k in ('steps', 'config', 'provenance') if k not in run]
     if miss: raise ValueError(f"{p}: missing field(s) {miss}")

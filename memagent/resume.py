@@ -6,8 +6,8 @@
 from __future__ import annotations
 import json, os, warnings
 from pathlib import Path
-import yaml
 from .provenance import flatten, sha256_text
+from .files import FileError, loads_json, loads_yaml, read_json
 from .health import json_line
 
 # %% auto #0
@@ -26,7 +26,7 @@ def _predating(old: dict, cfg) -> dict:
 
 def check_resume_config(saved_yaml: str, cfg, data_sha256: tuple[str | None, str] | None = None) -> list[tuple[str, object, object]]:
     "Keys whose values differ between the checkpoint's config and `cfg` (and the training examples' SHA-256, `data_sha256`: (checkpoint's, now)): allowed ones are returned, any other refuses."
-    old, new = _predating(flatten(yaml.safe_load(saved_yaml) or {}), cfg), flatten(cfg.to_dict())
+    old, new = _predating(flatten(loads_yaml(saved_yaml, 'the checkpoint config.yaml') or {}), cfg), flatten(cfg.to_dict())
     diffs = [(k, old.get(k, '<absent>'), new.get(k, '<absent>')) for k in sorted(set(old) | set(new))
              if k != 'resume_overrides' and old.get(k, '<absent>') != new.get(k, '<absent>')]
     if data_sha256 is not None and data_sha256[0] != data_sha256[1]:
@@ -48,8 +48,8 @@ def plan_metrics(path, ckpt_step: int, ckpt_metrics: dict | None = None) -> tupl
     rows, torn = [], 0
     for i, l in enumerate(lines, 1):
         if not l.strip(): continue
-        try: rows.append(json.loads(l))
-        except ValueError:
+        try: rows.append(loads_json(l, p, i))
+        except FileError:
             if i == len(lines) and not text.endswith('\n'):
                 torn = 1; warnings.warn(f"{p}:{i}: dropping a torn last line (the run stopped while writing it)"); continue
             raise ValueError(f"{p}:{i}: not valid JSON; the metrics file is damaged") from None
@@ -88,7 +88,7 @@ def preflight_resume(run_dir, cfg, examples) -> dict | None:
     root = Path(run_dir)/'checkpoints'
     first = latest_checkpoint(root)
     for c in ([first] if first else []) + [c for c in reversed(list_checkpoints(root)) if c != first]:
-        try: saved, prov, state = (c/'config.yaml').read_text(), json.loads((c/'provenance.json').read_text()), json.loads((c/'state.json').read_text())
+        try: saved, prov, state = (c/'config.yaml').read_text(), read_json(c/'provenance.json', 'object'), read_json(c/'state.json', 'checkpoint_state')
         except (OSError, ValueError): continue             # unreadable: the trainer passes it over too, naming it
         check_resume_config(saved, cfg, (prov.get('data_sha256'), examples_sha256(examples)))
         return {'checkpoint': c.name, 'step': state.get('step')}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json, math
 from dataclasses import dataclass, field, asdict, fields
 from pathlib import Path
+from .files import loads_json
 
 # %% auto #0
 __all__ = ['TURN_KINDS', 'FINISH_REASONS', 'Turn', 'Trajectory', 'save_jsonl', 'load_jsonl', 'Row']
@@ -108,7 +109,7 @@ def load_jsonl(path) -> list[Trajectory]:
     with open(path, encoding='utf-8') as f:
         for i, line in enumerate(f, 1):
             if not line.strip(): continue
-            try: out.append(Trajectory.from_dict(json.loads(line)).validate())
+            try: out.append(Trajectory.from_dict(loads_json(line, path, i)).validate())
             except Exception as e: raise ValueError(f"{path}:{i}: {e}") from e
     return out
 

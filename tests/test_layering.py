@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parents[1] / 'memagent'
 # devices (a Ray process's GPU) and ondevice (the device a process computes on, the virtual device) are leaves;
 # resume, fuzz, simulate and screening sit with the run-level modules they build on.
 LAYERS = (
-    ('memagent', 'config', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net', 'devices', 'ondevice'),   # pure leaves
+    ('memagent', 'config', 'files', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net', 'devices', 'ondevice'),   # pure leaves
     ('data', 'prompts', 'models', 'credit', 'loss', 'report'),                                          # pure or file-level
     ('engines',),                                                                    # leaves: know nothing of the trainer
     ('rollout', 'transfer', 'checkpoint', 'evaluate', 'acceptance', 'parity', 'lossparity', 'lossreceipt', 'audit', 'observed', 'resume', 'fuzz', 'simulate',

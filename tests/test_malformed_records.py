@@ -46,7 +46,7 @@ def test_malformed_records_are_refused_naming_file_line_and_field(trio, tmp_path
                         '--out', str(out), '--no-hotpotqa'])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert f"{trio['candidate'] / RECORDS_FILE}:3:" in err and says in err, err
+    assert f"{trio['candidate'] / RECORDS_FILE}: line 3:" in err and says in err, err
     assert not out.exists()
 
 
@@ -57,4 +57,4 @@ def test_the_gate_lists_malformed_records_as_a_failed_check(trio):
     rep = compare(trio['candidate'], trio['reference'], trio['base'], require_hotpotqa=False, n_boot=50)
     bad = [c for c in rep['checks'] if c.get('malformed')]
     assert not rep['passed'] and len(bad) == 1 and bad[0]['name'] == 'records' and not bad[0]['passed']
-    assert f"{trio['candidate'] / RECORDS_FILE}:3: malformed record: sample: missing" in bad[0]['reason']
+    assert f"{trio['candidate'] / RECORDS_FILE}: line 3: malformed record: sample: missing" in bad[0]['reason']

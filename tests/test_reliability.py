@@ -226,3 +226,20 @@ def test_killed_at_each_boundary_resumes_consistently(tmp_path, examples, where)
     assert _steps(tmp_path) == [1, 2, 3] and read_health(tmp_path)['status'] == 'completed'
     s = reward_summary(tmp_path)              # the run still reports, every step exactly once
     assert s['steps'] == 3
+
+
+@pytest.mark.parametrize('bad', [b'[' * 100_000 + b']' * 100_000, b'[1]', '{}'.encode('utf-16')], ids=['nesting bomb', 'wrong shape', 'not UTF-8'])
+def test_an_unreadable_checkpoint_manifest_is_passed_over_and_recorded(tmp_path, examples, bad):
+    "The newest checkpoint's manifest.json is bad: resume falls back to the one before, warning and recording it (memagent.files reads it)."
+    cfg = _cfg(**{'schedule.steps': 2})
+    tr = _trainer(cfg, tmp_path, examples); tr.train(); tr.close()
+    mf = tmp_path/'checkpoints'/'step_000002'/'manifest.json'
+    mf.write_bytes(bad)
+    with pytest.warns(UserWarning) as caught:
+        again = _trainer(cfg, tmp_path, examples)
+    try:
+        said = ' | '.join(str(w.message) for w in caught)
+        assert str(mf) in said and 'unreadable manifest' in said, said
+        assert any(str(mf) in x for x in json.loads((tmp_path/'run.json').read_text())['skipped_checkpoints'])
+        assert again.step_no == 1
+    finally: again.close()

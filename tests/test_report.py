@@ -63,15 +63,15 @@ def test_peak_ties_take_first_step():
 
 @pytest.mark.parametrize('kind,kwargs,msg', [
     ('incomplete', dict(rewards=[0.1, 0.2, 0.3], planned=5), 'incomplete run: 2 of 5 steps missing (4, 5)'),
-    ('duplicate', dict(rewards=[0.1, 0.2, 0.3], steps=[1, 2, 2], planned=3), 'metrics.jsonl:3: duplicate step 2 (first at line 2)'),
-    ('out_of_range_high', dict(rewards=[0.1, 0.2], steps=[1, 3], planned=2), 'metrics.jsonl:2: step 3 out of range 1..2'),
-    ('out_of_range_zero', dict(rewards=[0.1, 0.2], steps=[0, 1], planned=2), 'metrics.jsonl:1: step 0 out of range 1..2'),
-    ('nan', dict(rewards=[0.1, float('nan')]), "metrics.jsonl:2: field 'reward_mean' is not finite"),
-    ('inf', dict(rewards=[float('inf'), 0.1]), "metrics.jsonl:1: field 'reward_mean' is not finite"),
-    ('missing_field', dict(rewards=[0], lines=['{"step": 1, "pass_rate": 0.5}']), "metrics.jsonl:1: missing field(s) ['reward_mean']"),
-    ('bad_json', dict(rewards=[0], lines=['{"step": 1, "reward_mean": 0.1, "pass_rate": 0.1}', '{oops']), 'metrics.jsonl:2: not valid JSON'),
-    ('string_reward', dict(rewards=[0], lines=['{"step": 1, "reward_mean": "0.5", "pass_rate": 0.5}']), "field 'reward_mean' must be a number"),
-    ('float_step', dict(rewards=[0], lines=['{"step": 1.0, "reward_mean": 0.5, "pass_rate": 0.5}']), "field 'step' must be an integer"),
+    ('duplicate', dict(rewards=[0.1, 0.2, 0.3], steps=[1, 2, 2], planned=3), "metrics.jsonl: line 3: field 'step': duplicate step 2 (first at line 2)"),
+    ('out_of_range_high', dict(rewards=[0.1, 0.2], steps=[1, 3], planned=2), "metrics.jsonl: line 2: field 'step': step 3 out of range 1..2"),
+    ('out_of_range_zero', dict(rewards=[0.1, 0.2], steps=[0, 1], planned=2), "metrics.jsonl: line 1: field 'step': step 0 out of range 1..2"),
+    ('nan', dict(rewards=[0.1, float('nan')]), "metrics.jsonl: line 2: field 'reward_mean': is not finite"),
+    ('inf', dict(rewards=[float('inf'), 0.1]), "metrics.jsonl: line 1: field 'reward_mean': is not finite"),
+    ('missing_field', dict(rewards=[0], lines=['{"step": 1, "pass_rate": 0.5}']), "metrics.jsonl: line 1: missing field(s) ['reward_mean']"),
+    ('bad_json', dict(rewards=[0], lines=['{"step": 1, "reward_mean": 0.1, "pass_rate": 0.1}', '{oops']), 'metrics.jsonl: line 2: not valid JSON'),
+    ('string_reward', dict(rewards=[0], lines=['{"step": 1, "reward_mean": "0.5", "pass_rate": 0.5}']), "field 'reward_mean': must be a number"),
+    ('float_step', dict(rewards=[0], lines=['{"step": 1.0, "reward_mean": 0.5, "pass_rate": 0.5}']), "field 'step': expected a whole number, got float"),
 ])
 def test_refusals(tmp_path, kind, kwargs, msg):
     run = make_run(tmp_path / kind, **kwargs)
@@ -91,7 +91,7 @@ def test_expected_steps_argument_and_run_json(tmp_path):
     (run / 'run.json').write_text('{"steps": 0, "config": {}, "provenance": {}}')
     with pytest.raises(ValueError, match="'steps' must be a positive integer"): reward_summary(run)
     (run / 'run.json').write_text('{"steps": 3}')
-    with pytest.raises(ValueError, match=r"missing field\(s\) \['config', 'provenance'\]"): reward_summary(run)
+    with pytest.raises(ValueError, match=r"run.json: field 'config': missing: not a run"): reward_summary(run)
 
 
 def _cli(*args):

@@ -11,6 +11,7 @@ from ..provenance import flatten, provenance, sha256_file, refuse_overwrite
 from ..evaluate import (COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, metric_names, read_records, records_parity,
                                score_record, summarize)
 from ..stats import bootstrap_ci, equivalence, paired_bootstrap_ci, verdict_text
+from ..files import FileError, read_json
 
 # %% auto #0
 __all__ = ['JUDGED', 'HOTPOTQA', 'SHOWN', 'CompareError', 'MalformedRecords', 'comparable_fields', 'recompute', 'record_items',
@@ -157,8 +158,8 @@ def _summary_of(run) -> tuple[dict, Path | None]:
     p = Path(run)
     if p.is_dir(): p = p / SUMMARY_FILE
     if not p.is_file(): raise CompareError(f"{p}: no evaluation summary here")
-    try: return json.loads(p.read_text()), p.parent
-    except json.JSONDecodeError as e: raise CompareError(f"{p}: not valid JSON: {e}") from e
+    try: return read_json(p, 'summary'), p.parent
+    except FileError as e: raise CompareError(str(e)) from None
 
 def load_run(run) -> dict:
     "`{'summary', 'records', 'source', 'recomputed', 'items', 'data', 'examples'}` for a summary dict, a `summary.json` path or a run directory; the records' hash is checked, duplicates refused, the summary recomputed from them and the data file checked against them (`data_identity`)."

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..provenance import sha256_file, provenance
 from .readers import DataError, convert, _cli_error, _repo_root, _write_json
+from ..files import read_json
 
 # %% auto #0
 __all__ = ['PINNED', 'PrepareError', 'data_root', 'converted_name', 'prepare_command', 'prepare', 'prepared_file',
@@ -101,7 +102,7 @@ def _reference(source: Path, root: Path) -> tuple:
     "The reference manifest for an offline copy: `source/manifest.json`, else `root/manifest.json`; (path, files) or (None, {})."
     for p in (source / 'manifest.json', root / 'manifest.json'):
         if p.is_file():
-            m = json.loads(p.read_text(encoding='utf-8'))
+            m = read_json(p, 'prepare_manifest')
             want = {k: PINNED[k] for k in ('repo_id', 'repo_type', 'revision')}
             got = {k: m.get(k) for k in want}
             if m.get('kind') != 'memagent.data.prepare' or got != want:
@@ -139,7 +140,7 @@ def prepare(root=None, source=None, unverified: bool = False, files=None, progre
     if unverified and source is None: raise ValueError("unverified=True only applies to a copy from a local directory (source)")
     root = data_root(root); root.mkdir(parents=True, exist_ok=True)
     mpath = root / 'manifest.json'
-    old = json.loads(mpath.read_text(encoding='utf-8')) if mpath.is_file() else {}
+    old = read_json(mpath, 'prepare_manifest') if mpath.is_file() else {}
     if old and {k: old.get(k) for k in ('repo_id', 'revision')} != {k: PINNED[k] for k in ('repo_id', 'revision')}:
         raise PrepareError(f"{mpath}: prepared from {old.get('repo_id')}@{old.get('revision')}, not the pinned "
                            f"{PINNED['repo_id']}@{PINNED['revision']}; use another root")
@@ -182,7 +183,7 @@ def prepared_file(name, root=None) -> Path:
         raise FileNotFoundError(f"{name}: no such file, and not a pinned data file ({', '.join(PINNED['files'])})")
     r = data_root(root); out = r / converted_name(key)
     m = r / 'manifest.json'
-    entry = json.loads(m.read_text(encoding='utf-8')).get('files', {}).get(key) if m.is_file() else None
+    entry = read_json(m, 'prepare_manifest')['files'].get(key) if m.is_file() else None
     why = f"no {m}" if not m.is_file() else f"no entry for it in {m}" if entry is None else f"no {out}" if not out.is_file() else None
     if why: raise FileNotFoundError(f"{key}: not prepared in {r} ({why}); run:\n  {prepare_command(r, [key])}")
     if out.stat().st_size != entry['converted']['bytes']:
@@ -194,7 +195,7 @@ def prepared_entry(path) -> dict | None:
     "What the data root's manifest says about the prepared file at `path` (pinned name, revision, verification, hashes); None if it is not one."
     p = Path(path); m = p.parent / 'manifest.json'
     if not m.is_file(): return None
-    man = json.loads(m.read_text(encoding='utf-8'))
+    man = read_json(m, 'prepare_manifest')
     if man.get('kind') != 'memagent.data.prepare': return None
     for name, f in man.get('files', {}).items():
         if f['converted']['path'] == p.name:

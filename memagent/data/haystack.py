@@ -25,6 +25,7 @@ def load_hotpotqa(path=None, split: str = 'dev', limit: int | None = None) -> li
     for line, rec in iter_records(path):
         if limit == 0: break
         if isinstance(rec, BadRecord): raise DataError(path, line, None, rec.error, location_unit(path))
+        if not isinstance(rec, dict): raise DataError(path, line, None, f"a HotpotQA row is an object, got {type(rec).__name__}", location_unit(path))
         rows.append(rec)
         if limit is not None and len(rows) >= limit: break
     return rows
@@ -111,6 +112,8 @@ def haystack_cli(argv=None) -> int:
                          {'output': a.out, 'manifest': a.manifest or Path(a.out).with_name(Path(a.out).name + '.manifest.json')})
         pool_rows = load_hotpotqa(a.pool)
         qrows = load_hotpotqa(a.questions) if a.questions else pool_rows
+        for what, f, rows in (('pool', a.pool, pool_rows), ('--questions', a.questions, qrows)):
+            if not rows: raise DataError(f, None, None, f"the {what} file has no rows: an empty data set is never written")
         exs = build_haystack(qrows, doc_pool(pool_rows), a.num_docs, seed=a.seed, shuffle=a.shuffle, limit=a.limit,
                              progress=not a.quiet)
         write_examples(exs, a.out)

@@ -77,12 +77,10 @@ def write_gzip(data: bytes, path) -> Path:
     return path
 
 # %% ../../nbs/03_data_1_readers.ipynb #045ab6ad
-class DataError(ValueError):
-    "A bad input row or file: names the file, the 1-based location (`unit` line/item/row), the field and the reason."
-    def __init__(self, file, line, field, reason, unit='line'):
-        self.file, self.line, self.field, self.reason, self.unit = str(file), line, field, reason, unit
-        where = f"{self.file}: {unit} {line}" if line is not None else self.file
-        super().__init__(f"{where}: field {field!r}: {reason}" if field else f"{where}: {reason}")
+from ..files import FileError, loads_json
+
+class DataError(FileError):
+    "A bad input row or file (`memagent.files.FileError`): names the file, the 1-based location (`unit` line/item/row), the field and the reason."
 
 class BadRecord:
     "A record that could not be parsed (kept so it can be counted as `malformed_json`)."
@@ -129,13 +127,13 @@ def iter_records(path) -> Iterator[tuple]:
     if s in ('.jsonl', '.jsonl.gz'):
         for i, line in _lines(path):
             if not line.strip(): continue
-            try: rec = json.loads(line)
-            except json.JSONDecodeError as e: rec = BadRecord(f"malformed JSON: {e.msg} at column {e.colno}")
+            try: rec = loads_json(line, path, i)
+            except FileError as e: rec = BadRecord(f"malformed JSON: {e.reason}")
             yield i, rec
     elif s in ('.json', '.json.gz'):
         text = ''.join(line for _, line in _lines(path))
-        try: doc = json.loads(text)
-        except json.JSONDecodeError as e: raise DataError(path, e.lineno, None, f"malformed JSON: {e.msg}", unit='line') from None
+        try: doc = loads_json(text, path)
+        except FileError as e: raise DataError(path, e.line, None, f"malformed JSON: {e.reason}", unit='line') from None
         if isinstance(doc, list):
             yield from enumerate(doc, 1)
         elif isinstance(doc, dict) and doc and all(isinstance(v, dict) for v in doc.values()):
@@ -388,8 +386,8 @@ def _resolve_fmt(path, fmt):
     raise ValueError(f"{path}: cannot tell the format from its first record; pass fmt='hotpotqa', 'ruler' or 'parquet'")
 
 def convert(src, out, fmt: str = 'auto', strict: bool = False, limit: int | None = None, manifest=None,
-            progress: bool = False, max_skip_examples: int = 20) -> dict:
-    "Convert `src` (a path or list of paths) into schema JSONL at `out`; writes and returns the manifest (default `out` + '.manifest.json')."
+            progress: bool = False, max_skip_examples: int = 20, allow_empty: bool = False) -> dict:
+    "Convert `src` (a path or list of paths) into schema JSONL at `out`; writes and returns the manifest (default `out` + '.manifest.json'). No row to write is an error unless `allow_empty`."
     srcs = [Path(s) for s in ([src] if isinstance(src, (str, os.PathLike)) else src)]
     if not srcs: raise ValueError("no sources given")
     _check_limit(limit)
@@ -426,6 +424,9 @@ def convert(src, out, fmt: str = 'auto', strict: bool = False, limit: int | None
                         'rows_skipped': sum(skipped.values()), 'skipped': dict(skipped)})
         skipped_total.update(skipped); read_total += read
     if bar is not None: bar.close()
+    if not examples and not allow_empty:
+        raise DataError(', '.join(map(str, srcs)), None, None, f"no row to write (read {read_total}, skipped "
+                        f"{sum(skipped_total.values())}: {dict(skipped_total)}); nothing was written (--allow-empty if intended)")
     write_examples(examples, out)
     m = {'kind': 'memagent.data.convert', 'schema': list(SCHEMA_FIELDS), 'sources': sources,
          'output': {**_file_record(out), 'rows': len(examples)},
@@ -459,10 +460,12 @@ def convert_cli(argv=None) -> int:
     ap.add_argument('--limit', type=int, default=None, help='write at most this many rows')
     ap.add_argument('--manifest', default=None, help='manifest path (default OUT.manifest.json)')
     ap.add_argument('--quiet', action='store_true', help='no progress bar')
+    ap.add_argument('--allow-empty', action='store_true', help='write an empty output when no row converts (an error otherwise)')
     a = ap.parse_args(argv)
     try:
         refuse_overwrite({'input': a.src}, {'output': a.out, 'manifest': a.manifest or Path(a.out).with_name(Path(a.out).name + '.manifest.json')})
-        m = convert(a.src, a.out, fmt=a.format, strict=a.strict, limit=a.limit, manifest=a.manifest, progress=not a.quiet)
+        m = convert(a.src, a.out, fmt=a.format, strict=a.strict, limit=a.limit, manifest=a.manifest, progress=not a.quiet,
+                    allow_empty=a.allow_empty)
     except (DataError, ValueError, FileNotFoundError, OSError) as e:
         return _cli_error(ap.prog, e)
     print(f"read {m['rows_read']}, wrote {m['rows_written']}, skipped {m['rows_skipped']} {m['skipped']} -> {a.out}")

@@ -38,7 +38,10 @@ def simulate(row: Row) -> Row:
     return row
 
 def _safe(name, f, *args, **kw) -> Row:
+    from memagent.files import FileError
     try: return f(*args, **kw)
+    except FileError as e: return Row(name, str(e), 'files the kit can read', 'fail',
+                                      f'repair or remove {e.file}, then run the step that writes it again')
     except Exception as e: return Row(name, f"the check raised {type(e).__name__}: {e}", 'a check that completes', 'fail',
                                       'report this: memagent.doctor could not decide the row')
 

@@ -396,7 +396,8 @@ def _pinned_state(name: str, root) -> tuple[str, str, str]:
     key = next(k for k in PINNED['files'] if name in (k, converted_name(k)))
     try: out = prepared_file(key, root)
     except (FileNotFoundError, PrepareError) as e: return 'missing', str(e).splitlines()[0].split('; run:')[0], key
-    entry = json.loads((out.parent/'manifest.json').read_text(encoding='utf-8'))['files'][key]
+    from memagent.files import read_json
+    entry = read_json(out.parent/'manifest.json', 'prepare_manifest')['files'][key]
     raw = out.parent/key
     if raw.is_file() and raw.stat().st_size != entry['bytes']:
         return 'missing', f"{raw}: {raw.stat().st_size} bytes, the manifest says {entry['bytes']}", key

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import copy, hashlib, json, math, re, types
 from pathlib import Path
+from ..files import read_json
 from ..audit import AUDITED_REVISION, REWARD_MODULE, AUDITED_FILES, AuditRefused, check_checkout, load_by_path, load_reward_module
 
 # %% auto #0
@@ -239,8 +240,7 @@ def validate_episodes(ep: dict, source='episodes.json') -> dict:
 def load_episodes(path) -> dict:
     "Read and validate an episodes file."
     path = Path(path)
-    try: ep = json.loads(path.read_text())
-    except json.JSONDecodeError as e: raise ValueError(f'{path}: line {e.lineno}: invalid JSON ({e.msg})') from None
+    ep = read_json(path)                  # FileError (a ValueError) naming the file, line and reason
     return validate_episodes(ep, source=str(path))
 
 # %% ../../nbs/18a_observed_1_store.ipynb #40acbf08

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json, math
 from pathlib import Path
 from ..provenance import sha256_file, provenance_problems
+from ..files import decode, loads_json
 from ..audit import open_receipt, origin_problems, field_problems, wrong_shape, environment_problems, _environment, _short
 from ..reward import REWARDS, score_prediction, official_hotpotqa
 from .modes import OfficialAbort, official_prediction, official_item_metrics, official_summary_extras
@@ -51,11 +52,10 @@ def load_fixtures(path=None, min_count=MIN_FIXTURES) -> list[dict]:
     "Read and validate the fixture JSONL; raise `ValueError` naming the line and field at fault."
     path = Path(path) if path else repo_root() / FIXTURES_PATH
     out, seen = [], set()
-    for ln, line in enumerate(path.read_text(encoding='utf-8').splitlines(), 1):
+    for ln, line in enumerate(decode(path.read_bytes(), path).splitlines(), 1):
         if not line.strip(): continue
         where = f'{path}:{ln}'
-        try: f = json.loads(line)
-        except json.JSONDecodeError as e: raise ValueError(f'{where}: invalid JSON ({e.msg})') from None
+        f = loads_json(line, path, ln)      # FileError (a ValueError) naming the file, line and reason
         if not isinstance(f, dict): raise ValueError(f'{where}: expected an object')
         for k, t in (('id', str), ('group', str), ('response', str), ('answers', list)):
             if not isinstance(f.get(k), t): raise ValueError(f'{where}: field {k!r} must be a {t.__name__}')

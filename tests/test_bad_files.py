@@ -1,0 +1,97 @@
+"""Every console tool reads its files through `memagent.files`, so every one refuses the same bad files the same way:
+exit 2, the file named, no traceback and no output written. The entry points are read from settings.ini; a new tool
+fails `test_every_console_script_is_covered` until its inputs are listed here."""
+import configparser, contextlib, io, os
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD = {'nesting bomb': ('[' * 100_000 + ']' * 100_000).encode(), 'wrong shape': b'[1, 2]',
+       'not UTF-8': '{"a": 1}'.encode('utf-16'), 'duplicate key': b'{"a": 1, "a": 2}', 'empty': b''}
+
+
+def console_scripts() -> dict:
+    c = configparser.ConfigParser(); c.read(ROOT / 'settings.ini')
+    return dict(s.split('=', 1) for s in c['DEFAULT']['console_scripts'].split())
+
+
+def _write(p: Path, data: bytes, jsonl=False) -> Path:
+    p.parent.mkdir(parents=True, exist_ok=True); p.write_bytes(data + (b'\n' if jsonl and data else b'')); return p
+
+
+def _runs(t: Path, bad: bytes):
+    "`{name: (argv, bad file, outputs that must not appear)}`: each tool with the bad bytes as one of its inputs."
+    yield 'memagent-convert', 'a .json source', [str(_write(t / 'in.json', bad)), str(t / 'out.jsonl')], t / 'in.json', [t / 'out.jsonl', t / 'out.jsonl.manifest.json']
+    yield 'memagent-convert', 'a .jsonl source', [str(_write(t / 'in.jsonl', bad, True)), str(t / 'o2.jsonl')], t / 'in.jsonl', [t / 'o2.jsonl']
+    yield 'memagent-haystack', 'the pool', [str(_write(t / 'pool.json', bad)), str(t / 'hay.jsonl'), '--num-docs', '2'], t / 'pool.json', [t / 'hay.jsonl']
+    yield 'memagent-evaluate', '--data', ['--model', 'tiny-qwen3', '--preset', 'tiny', '--data', str(_write(t / 'd.jsonl', bad, True)),
+                                          '--out', str(t / 'ev')], t / 'd.jsonl', [t / 'ev']
+    yield 'memagent-evaluate', '--config', ['--model', 'tiny-qwen3', '--data', str(t / 'd.jsonl'), '--config', str(_write(t / 'c.yaml', bad)),
+                                            '--out', str(t / 'ev2')], t / 'c.yaml', [t / 'ev2']
+    (t / 'src').mkdir(exist_ok=True)
+    yield 'memagent-prepare', "the source's manifest", ['--from', str(t / 'src'), '--root', str(t / 'root'), '--unverified'], \
+        _write(t / 'src' / 'manifest.json', bad), [t / 'root' / 'manifest.json']
+    yield 'memagent-prepare', "the root's manifest", ['--from', str(t / 'src2'), '--root', str(t / 'root2'), '--unverified'], \
+        _write(t / 'root2' / 'manifest.json', bad), [t / 'root2' / 'hotpotqa_dev.jsonl']
+    for r in ('c', 'r', 'b'): _write(t / r / 'summary.json', bad)
+    yield 'memagent-compare', 'a summary', ['--candidate', str(t / 'c'), '--reference', str(t / 'r'), '--base', str(t / 'b'),
+                                            '--out', str(t / 'cmp.json')], t / 'c' / 'summary.json', [t / 'cmp.json']
+    _write(t / 'run' / 'run.json', b'{"steps": 1, "config": {}, "provenance": {}}')
+    yield 'memagent-reward-summary', 'metrics.jsonl', [str(t / 'run')], _write(t / 'run' / 'metrics.jsonl', bad, True), \
+        [t / 'run' / 'reward_summary.json']
+    _write(t / 'run2' / 'metrics.jsonl', b'{"step": 1, "reward_mean": 0.1, "pass_rate": 0.1}\n')
+    yield 'memagent-reward-summary', 'run.json', [str(t / 'run2')], _write(t / 'run2' / 'run.json', bad), [t / 'run2' / 'reward_summary.json']
+    yield 'memagent-audit', 'the receipt', ['--verify', '--receipt', str(_write(t / 'rec.json', bad))], t / 'rec.json', []
+    yield 'memagent-audit', "the second study's receipt", ['--study', 'observed', '--verify', '--receipt', str(_write(t / 'rec2.json', bad))], \
+        t / 'rec2.json', []
+
+
+NOT_APPLICABLE = {'memagent-doctor': 'reads files only inside its rows: a bad file fails its row, naming the file '
+                                     '(test_doctor_names_a_bad_manifest_in_its_row), and the doctor exits 1 with the table'}
+
+
+def _call(target: str, argv):
+    import importlib
+    mod, fn = target.split(':')
+    err, out = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out): rc = getattr(importlib.import_module(mod), fn)(argv)
+    except SystemExit as e: rc = e.code
+    return rc, err.getvalue() + out.getvalue()
+
+
+def test_every_console_script_is_covered(tmp_path):
+    covered = {name for name, *_ in _runs(tmp_path, b'{}')}
+    assert covered | set(NOT_APPLICABLE) == set(console_scripts()), set(console_scripts()) ^ (covered | set(NOT_APPLICABLE))
+
+
+@pytest.mark.parametrize('case', list(BAD))
+def test_every_console_tool_refuses_a_bad_file_naming_it(tmp_path, case):
+    scripts, seen = console_scripts(), []
+    for name, what, argv, bad_file, outputs in _runs(tmp_path / case.replace(' ', '_'), BAD[case]):
+        rc, said = _call(scripts[name], argv)          # an exception escaping here is the traceback a user would see
+        seen.append(name)
+        assert rc == 2, (name, what, rc, said[-500:])
+        assert str(bad_file) in said, (name, what, said[-500:])
+        assert 'Traceback' not in said, (name, what, said[-500:])
+        assert not any(Path(o).exists() for o in outputs), (name, what, [o for o in outputs if Path(o).exists()])
+    assert set(seen) == set(scripts) - set(NOT_APPLICABLE)
+
+
+def test_doctor_names_a_bad_manifest_in_its_row(tmp_path):
+    from memagent.doctor import doctor_cli
+    _write(tmp_path / 'manifest.json', BAD['nesting bomb'])
+    rc, said = _call('memagent.doctor:doctor_cli', ['--preset', 'qwen3-4b-frozen', '--world-size', '8', '--data-root', str(tmp_path),
+                                                     '--rows', 'pinned data'])
+    assert rc == 1 and 'FAIL' in said and f"repair or remove {tmp_path / 'manifest.json'}" in ' '.join(said.split()), said
+
+
+def test_memagent_audit_works_outside_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from memagent.observed.receipt import audit_cli
+    rc, said = _call('memagent.observed.receipt:audit_cli', ['--help'])
+    assert rc == 0 and '--report-dir' in said
+    rc, said = _call('memagent.observed.receipt:audit_cli', ['--verify'])
+    assert rc == 2 and 'no settings.ini' in said and '--report-dir' in said
+    rc, said = _call('memagent.observed.receipt:audit_cli', ['--verify', '--report-dir', str(ROOT / 'reports' / 'agemem_audit')])
+    assert rc == 0, said[-500:]
