@@ -14,8 +14,8 @@ from .ondevice import compute_device, to_device
 from .health import require_finite
 
 # %% auto #0
-__all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'prompt_logprobs', 'update_on_rows', 'backend_class', 'build_policy',
-           'build_reference', 'optimizer_shard', 'LocalGroup']
+__all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'update_metrics', 'prompt_logprobs', 'update_on_rows', 'backend_class',
+           'build_policy', 'build_reference', 'optimizer_shard', 'LocalGroup']
 
 # %% ../nbs/12b_policy.ipynb #3b48d035
 METRICS = [  # (name, aggregation, definition)
@@ -59,6 +59,15 @@ def merge_metrics(parts: list[dict]) -> dict:
         out[k] = (sum(v for v, _ in vals) if a == 'sum' else max(v for v, _ in vals) if a == 'max' else
                   min(v for v, _ in vals) if a == 'min' else vals[0][0] if a == 'same' else sum(v * n for v, n in vals) / tok)
     return out
+
+# %% ../nbs/12b_policy.ipynb #1a997e7a
+def update_metrics(upd: list[dict], max_tokens: int) -> dict:
+    "The replicas' update metrics merged, plus the packing of the micro-batches they ran."
+    st = micro_batch_stats([u['micro_batch_lengths'] for u in upd], max_tokens)
+    m = merge_metrics([{k: v for k, v in u.items() if k != 'micro_batch_lengths'} for u in upd])
+    return dict(m, rows_consumed_per_rank=[u['rows_consumed'] for u in upd], packing_fill=st['fill'],
+                padded_tokens=st['padded_tokens'], max_padded_tokens=st['max_padded'], rank_token_imbalance=st['rank_imbalance'],
+                micro_batches_per_rank=st['micro_batches_per_rank'], tokens_per_rank=st['tokens_per_rank'])
 
 # %% ../nbs/12b_policy.ipynb #8f26c04d
 def _logprobs(policy, bt, T):

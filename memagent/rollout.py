@@ -5,6 +5,7 @@
 # %% ../nbs/09_rollout.ipynb #79ff655b
 from __future__ import annotations
 import hashlib, time
+import numpy as np
 from dataclasses import replace
 from typing import Protocol
 from .engines import SamplingParams, EngineError, TransientEngineError, HFEngine, teacher_forced_logprobs
@@ -15,7 +16,7 @@ from .reward import extract_boxed
 
 # %% auto #0
 __all__ = ['FINAL', 'request_seed', 'stop_token_ids', 'MemAgentWalk', 'run_sync', 'RequestQueue', 'RolloutTimeoutError',
-           'run_async', 'choose_scheduler', 'rollout', 'logprob_agreement']
+           'run_async', 'choose_scheduler', 'rollout', 'rollout_metrics', 'logprob_agreement']
 
 # %% ../nbs/09_rollout.ipynb #95c0d5ce
 def request_seed(seed: int, example_id, sample_index: int, turn_index: int) -> int:
@@ -247,6 +248,26 @@ def rollout(examples, engine, tokenizer, cfg, group_size: int | None = None, see
     st['seconds']['requests'] = time.perf_counter() - t1
     st['failed'] = sum(not tr.ok for tr in trajs)
     return trajs
+
+# %% ../nbs/09_rollout.ipynb #95b9e6f9
+def _mean_max(xs) -> tuple[float, float]:
+    return (float(np.mean(xs)), float(np.max(xs))) if xs else (0.0, 0.0)
+
+def rollout_metrics(trajs: list[Trajectory], kept: list[Trajectory], bad_groups: set) -> dict:
+    "Per-trajectory (never per-row) statistics of a step's rollout."
+    rewards = [tr.reward for tr in kept]
+    mem = [x for tr in kept for x in tr.memory_lengths]
+    resp = [len(u.response_ids) for tr in kept for u in tr.turns]
+    return dict(trajectories=len(trajs), failed_trajectories=sum(not tr.ok for tr in trajs), dropped_groups=len(bad_groups),
+                reward_mean=float(np.mean(rewards)) if rewards else float('nan'),
+                pass_rate=float(np.mean([r > 0 for r in rewards])) if rewards else float('nan'),
+                turns_mean=float(np.mean([tr.num_turns for tr in kept])) if kept else 0.0,
+                memory_tokens_mean=_mean_max(mem)[0], memory_tokens_max=_mean_max(mem)[1],
+                response_tokens_mean=_mean_max(resp)[0],
+                truncated_trajectories=sum(tr.truncated for tr in kept),
+                length_finished_turns=sum(u.finish_reason == 'length' for tr in kept for u in tr.turns),
+                boxed_rate=float(np.mean([bool(tr.prediction) for tr in kept])) if kept else 0.0,
+                **({} if rewards else {'null_reasons': dict.fromkeys(('reward_mean', 'pass_rate'), 'no usable trajectory (every group dropped)')}))
 
 # %% ../nbs/09_rollout.ipynb #143d8959
 def logprob_agreement(model, trajectories, temperature: float | None = None, chunk: int = 512) -> dict:
