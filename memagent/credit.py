@@ -93,8 +93,13 @@ def _normalizers(trajs, agg: str, mini_batches: int) -> tuple[list[int], list[in
 def _weight(loss_mask, j: int, agg: str, n, tok) -> float:
     return 1.0 / n[j] if agg == 'trajectory' else int(sum(loss_mask)) / tok[j]
 
-def expand_rows(trajs: list[Trajectory], advantages: list[float], mode: str = 'split', agg: str = 'trajectory',
-                mini_batches: int = 1) -> list[Row]:
+def expand_rows(
+    trajs: list[Trajectory],    # each with a finite `reward` and at least one turn
+    advantages: list[float],    # one per trajectory, in `trajs` order (`group_advantages`)
+    mode: str = 'split',        # `split`: each row's credit is `A/T`; `share`: `A`
+    agg: str = 'trajectory',    # `trajectory`: weight `1/N_j`; `token_mean`: `n_tok/n_tok_j`
+    mini_batches: int = 1,      # PPO mini-batches: group `g` trains in mini-batch `g % mini_batches`
+) -> list[Row]:                 # one row per turn, in trajectory order: `sum(T)` rows
     "One `Row` per turn: credit `A/T` (split) or `A` (share); weight `1/N_j` (trajectory) or `n_tok/n_tok_j` (token_mean) in its mini-batch j."
     if mode not in CREDIT_MODES: raise ValueError(f"credit mode must be one of {CREDIT_MODES}, got {mode!r}")
     if agg not in AGG_MODES: raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")

@@ -151,7 +151,17 @@ def row_loss(logp, old_logp, credit, mask, ref_logp=None, cfg=None, rollout_logp
     tok, parts = token_loss(logp, old_logp, credit, ref_logp, cfg, rollout_logp, entropy, mask)
     return row_means(tok, mask), parts
 
-def policy_loss(logp, old_logp, credit, mask, weights, ref_logp=None, cfg=None, rollout_logp=None, entropy=None):
+def policy_loss(
+    logp,               # `[rows, tokens]` the policy's log-probs of the tokens, with gradient
+    old_logp,           # `[rows, tokens]` the behaviour log-probs: the PPO ratio is `exp(logp - old_logp)`
+    credit,             # `[rows]` (or `[rows, tokens]`) each row's credit (`Row.credit`)
+    mask,               # `[rows, tokens]` 1 on trained response tokens; 0 on prompt and padding
+    weights,            # `[rows]` each row's weight (`Row.weight`: it holds the step normalizer)
+    ref_logp=None,      # `[rows, tokens]` the reference's log-probs, for the KL term
+    cfg=None,           # a `LossCfg`, a config with `.loss`, or None: the frozen recipe's defaults
+    rollout_logp=None,  # `[rows, tokens]` the engine's sampling log-probs, for the TIS weights
+    entropy=None,       # `[rows, tokens]` per-token entropy, for the entropy term
+) -> tuple:             # `(loss, metrics)`: a 0-dim tensor and a dict of floats
     "Step (or micro-batch) loss `sum_i weights_i * rowmean_i(token_loss)`; `credit` and `weights` are per row. Returns `(loss, metrics)`."
     if logp.dim() != 2: raise ValueError(f"logp must be [rows, tokens], got shape {tuple(logp.shape)}")
     for name, t in (('old_logp', old_logp), ('mask', mask), ('ref_logp', ref_logp), ('rollout_logp', rollout_logp), ('entropy', entropy)):

@@ -192,9 +192,21 @@ def choose_scheduler(engine, cfg) -> str:
     if s not in ('sync', 'async'): raise ValueError(f"rollout.scheduler must be 'auto', 'sync' or 'async', got {s!r}")
     return s
 
-def rollout(examples, engine, tokenizer, cfg, group_size: int | None = None, seed: int = 0, variant: str | None = None,
-            progress: bool = True, group_offset: int = 0, sampling: dict | None = None, thinking: str | None = None,
-            stats: dict | None = None, on_group=None) -> list[Trajectory]:
+def rollout(
+    examples,                        # dicts with `id`, `question`, `context`; optional `answers`, `meta.negatives`
+    engine,                          # has `generate(prompts, params, return_exceptions=True)`; `request_queue()` allows async
+    tokenizer,                       # the policy's tokenizer: chunks, prompts, stop tokens and memory lengths
+    cfg,                             # a `Config`: its `chunking`, `prompt`, `rollout` and `grpo` sections are read
+    group_size: int | None = None,   # samples per example (G); None: `cfg.grpo.group_size`
+    seed: int = 0,                   # the base of every request's seed (`request_seed`)
+    variant: str | None = None,      # the prompt variant; None: `cfg.prompt.variant`
+    progress: bool = True,           # show a progress bar over trajectories
+    group_offset: int = 0,           # added to each example's index to give its `group_index`
+    sampling: dict | None = None,    # overrides of `temperature`, `top_p`, `top_k` (evaluation's sampling)
+    thinking: str | None = None,     # the thinking policy; None: `cfg.prompt.thinking`
+    stats: dict | None = None,       # filled with the rollout's statistics (see *Statistics* above)
+    on_group=None,                   # called with a group's trajectories as soon as the group finishes
+) -> list[Trajectory]:               # `len(examples) * G` trajectories: example by example, `G` samples each
     "Run `group_size` recurrent MemAgent trajectories per example under the scheduler `cfg.rollout.scheduler` names; `on_group(trajs)` as each group finishes."
     G = group_size or cfg.grpo.group_size
     variant, thinking = variant or cfg.prompt.variant, thinking or cfg.prompt.thinking
