@@ -14,8 +14,8 @@ import yaml
 __all__ = ['CHOICES', 'NONEMPTY', 'RANGES', 'PARAM_KINDS', 'PRESETS', 'ModelCfg', 'DataCfg', 'ChunkingCfg', 'PromptCfg',
            'RolloutCfg', 'GRPOCfg', 'LossCfg', 'OptimCfg', 'BatchCfg', 'ScheduleCfg', 'EvalCfg', 'HealthCfg', 'Config',
            'get_key', 'config_keys', 'Range', 'apply_overrides', 'from_dict', 'save_config', 'load_config',
-           'injected_params', 'refuse_unknown_params', 'folder_name', 'typed_param', 'qwen3_4b_frozen',
-           'qwen3_06b_pilot', 'memagent_official', 'cpu_demo', 'tiny', 'get_preset']
+           'injected_params', 'refuse_unknown_params', 'folder_name', 'typed_param', 'parse_sets', 'check_params',
+           'qwen3_4b_frozen', 'qwen3_06b_pilot', 'memagent_official', 'cpu_demo', 'tiny', 'get_preset']
 
 # %% ../nbs/00_config.ipynb #c20a9c38
 @dataclass
@@ -520,6 +520,48 @@ def typed_param(value, param: str, kind: str):
         raise ValueError(f"parameter {param}: {value!r} is not a finite number >= 0")
     if isinstance(value, (list, tuple)) and value and all(is_int(v) and v >= 1 for v in value): return list(value)
     raise ValueError(f"parameter {param}: {value!r} is not a non-empty list of whole numbers >= 1")
+
+_PARAM_TYPES = None
+
+def _param_type(t):
+    "A parameter's declared type: the annotation itself, or a string annotation read with the typing names a parameters cell may use."
+    global _PARAM_TYPES
+    if not isinstance(t, str): return t
+    if _PARAM_TYPES is None:
+        import typing
+        _PARAM_TYPES = {'Optional': typing.Optional, 'Union': typing.Union, 'Literal': typing.Literal, 'Any': typing.Any,
+                        'int': int, 'float': float, 'bool': bool, 'str': str, 'dict': dict, 'list': list, 'None': None}
+    for _ in range(2):          # a quoted annotation under `from __future__ import annotations` is a string of a string
+        if isinstance(t, str): t = eval(t, {'__builtins__': {}}, _PARAM_TYPES)
+    return t
+
+def parse_sets(items) -> dict:
+    "`{key: value}` of command-line overrides `KEY=VALUE`, each value read as YAML (`memagent.files.loads_yaml`); `ValueError` naming the bad one."
+    from memagent.files import FileError, loads_yaml
+    out = {}
+    for it in items or []:
+        if '=' not in it: raise ValueError(f"--set expects key=value, got {it!r}")
+        k, v = it.split('=', 1)
+        try: out[k.strip()] = loads_yaml(v, f'--set {k.strip()}')
+        except FileError as e:
+            raise ValueError(f"--set {it!r}: the value is not YAML ({e.reason}); quote it, e.g. {k.strip()}='...'") from None
+    return out
+
+def check_params(namespace: dict) -> None:
+    "Hold every parameter the parameters cell annotates (`name: type = value`) to its type, strictly: a bool is a bool, an int an int, a number finite; `ValueError` naming the first that is not (papermill's `-y` hint for text given for a bool)."
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+    for name, t in (namespace.get('__annotations__') or {}).items():
+        if name not in namespace: continue
+        v, t = namespace[name], _param_type(t)
+        try: TypeAdapter(t, config=ConfigDict(strict=True, allow_inf_nan=False)).validate_python(v)
+        except ValidationError as e:
+            want = t.__name__ if isinstance(t, type) and not getattr(t, '__args__', None) else str(t).replace('typing.', '')
+            hint = ''
+            if isinstance(v, str) and v.strip().lower() in ('true', 'false', 'yes', 'no', 'none', 'null'):
+                hint = f" (papermill -p passes text: give -y '{name}: {v.strip().lower()}' to pass a YAML value)"
+            elif isinstance(v, str):
+                hint = f" (papermill -p passes text: give -y '{name}: {v}' to pass a number or a list)"
+            raise ValueError(f"parameter {name}: {v!r} is not of its declared type {want}{hint}") from None
 
 
 # %% ../nbs/00_config.ipynb #3a2f7c0f

@@ -11,7 +11,7 @@ from .provenance import provenance, sha256_file, sha256_text, refuse_overwrite
 from .engines import engine_from_config, EngineError
 from .stats import bootstrap_ci, pass_at_k
 from .data.readers import unencodable
-from .files import FileError, loads_json, read_json, loads_yaml
+from .files import FileError, StagedDir, loads_json, read_json, loads_yaml
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMPARABLE', 'RECORDS_FILE', 'SUMMARY_FILE',
@@ -388,8 +388,6 @@ def evaluate(examples, engine, tokenizer, cfg, mode: str = 'recurrent', out_dir=
     scheduler = choose_scheduler(engine, ecfg) if mode == 'recurrent' else 'sync'
     step = len(examples) if scheduler == 'async' else batch_size    # async: every item at once, the queue bounds what is in flight
     live, errors = None, 0
-    if out_dir is not None:     # each item's records as it finishes; rewritten in item order at the end
-        Path(out_dir).mkdir(parents=True, exist_ok=True); live = open(Path(out_dir) / RECORDS_FILE, 'w', encoding='utf-8')
     def on_item(recs):
         nonlocal errors
         if live is not None:
@@ -397,21 +395,25 @@ def evaluate(examples, engine, tokenizer, cfg, mode: str = 'recurrent', out_dir=
             live.flush()
         errors += sum(1 for r in recs if r['error'])
         bar.update(1); bar.set_postfix(errors=errors)
-    try:
-        for s in range(0, len(examples), step):
-            batch = examples[s:s + step]
-            if mode == 'recurrent': records += _recurrent_batch(batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, variant, on_item)
-            else:
-                recs = _base_batch(batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, base_max_tokens)
-                records += recs
-                for i in range(0, len(recs), samples): on_item(recs[i:i + samples])
-    finally:
-        if live is not None: live.close()
-    bar.close()
-    info['timing'] = {'wall_s': time.perf_counter() - t0, 'batch_size': step, 'scheduler': scheduler}
-    summary = summarize(records, info, n_boot=n_boot, seed=cfg.eval.seed)
-    summary['provenance'] = provenance()
-    if out_dir is not None: write_run(out_dir, records, summary)
+    from contextlib import nullcontext
+    # a working folder beside out_dir, which replaces it when the run completes (memagent.files.StagedDir)
+    with (StagedDir(out_dir, {'data': data_path}) if out_dir is not None else nullcontext()) as work:
+        if work is not None: live = open(work / RECORDS_FILE, 'w', encoding='utf-8')   # each item's records as it finishes
+        try:
+            for s in range(0, len(examples), step):
+                batch = examples[s:s + step]
+                if mode == 'recurrent': records += _recurrent_batch(batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, variant, on_item)
+                else:
+                    recs = _base_batch(batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, base_max_tokens)
+                    records += recs
+                    for i in range(0, len(recs), samples): on_item(recs[i:i + samples])
+        finally:
+            if live is not None: live.close()
+        bar.close()
+        info['timing'] = {'wall_s': time.perf_counter() - t0, 'batch_size': step, 'scheduler': scheduler}
+        summary = summarize(records, info, n_boot=n_boot, seed=cfg.eval.seed)
+        summary['provenance'] = provenance()
+        if work is not None: write_run(work, records, summary)      # rewritten in item order
     return summary
 
 def write_run(out_dir, records, summary) -> Path:
@@ -425,17 +427,6 @@ def write_run(out_dir, records, summary) -> Path:
     return out / SUMMARY_FILE
 
 # %% ../nbs/16_evaluate.ipynb #a4353362
-def _parse_sets(items) -> dict:
-    import yaml
-    out = {}
-    for it in items or []:
-        if '=' not in it: raise ValueError(f"--set expects key=value, got {it!r}")
-        k, v = it.split('=', 1)
-        try: out[k.strip()] = loads_yaml(v, f'--set {k.strip()}')
-        except FileError as e:
-            raise ValueError(f"--set {it!r}: the value is not YAML ({str(e).splitlines()[0]}); quote it, e.g. {k.strip()}='...'") from None
-    return out
-
 def evaluate_exit_code(summary: dict, allow_errors: bool = False) -> tuple[int, str | None]:
     "(exit code, reason) for a written run: 1 when any sample errored (unless `allow_errors`) or when every sample did."
     n, errs = summary['totals']['samples'], summary['errors']
@@ -459,7 +450,7 @@ def write_memory_report(data, out_dir, tokenizer, cfg, name: str = 'model') -> P
 
 def evaluate_cli(argv=None) -> int:
     "Console script `memagent-evaluate`."
-    from memagent.config import get_preset, load_config, apply_overrides
+    from memagent.config import get_preset, load_config, apply_overrides, parse_sets
     from memagent.models import load_tokenizer
     ap = argparse.ArgumentParser(prog='memagent-evaluate', description='Evaluate a model on a schema JSONL file.')
     ap.add_argument('--model', required=True); ap.add_argument('--data', required=True); ap.add_argument('--out', required=True)
@@ -481,7 +472,7 @@ def evaluate_cli(argv=None) -> int:
         refuse_overwrite({'--data': a.data, '--config': a.config},
                          {f'--out file {n}': Path(a.out) / n for n in (RECORDS_FILE, SUMMARY_FILE, 'memory.md')})
         cfg = load_config(a.config) if a.config else get_preset(a.preset)
-        cfg = apply_overrides(cfg, _parse_sets(a.set))
+        cfg = apply_overrides(cfg, parse_sets(a.set))
         tok = load_tokenizer(a.tokenizer or cfg.model.tokenizer or a.model)
         eng = engine_from_config(cfg, a.model, tok)
         s = evaluate(a.data, eng, tok, cfg, mode=a.mode, out_dir=a.out, model_name=a.model, samples=a.samples,

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 # %% auto #0
 __all__ = ['MAX_DEPTH', 'SHAPES', 'FileError', 'decode', 'depth', 'loads_json', 'loads_yaml', 'CheckpointManifest',
            'PrepareManifest', 'CheckpointState', 'MetricsRow', 'RunRecord', 'Summary', 'Health', 'check_shape',
-           'read_json', 'read_jsonl', 'read_yaml']
+           'read_json', 'read_jsonl', 'read_yaml', 'same_path', 'refuse_aliases', 'Staged', 'StagedDir']
 
 # %% ../nbs/01b_files.ipynb #76543f5f
 MAX_DEPTH = 100   # the deepest nesting read; the kit's own files nest under 10 levels
@@ -145,3 +145,92 @@ def read_yaml(path, kind: str | None = None, loader=None):
     "The YAML document at `path`, checked (`loads_yaml`) and of shape `kind`."
     p = Path(path)
     return check_shape(loads_yaml(decode(p.read_bytes(), p), p, loader), kind, p)
+
+# %% ../nbs/01b_files.ipynb #4c9073ab
+import os
+
+def same_path(a, b) -> bool:
+    "Whether paths `a` and `b` name one file: the same inode when both exist (hard links, symlinks), else the same resolved path."
+    a, b = Path(a), Path(b)
+    try:
+        if a.exists() and b.exists(): return os.path.samefile(a, b)
+    except OSError: pass
+    return a.resolve() == b.resolve()
+
+def _items(d) -> list:
+    return [(k, Path(p)) for k, v in (d or {}).items() for p in (v if isinstance(v, (list, tuple)) else [v]) if p is not None]
+
+def refuse_aliases(inputs: dict, outputs: dict) -> None:
+    "`ValueError` naming both paths when an output is one of the inputs or another output (`name -> path or list of paths`; None skipped)."
+    outs, ins = _items(outputs), _items(inputs)
+    for on, o in outs:
+        for i_n, i in ins:
+            if same_path(o, i):
+                raise ValueError(f"the {on} {o} is the {i_n} {i}: writing it would replace the input; give another output path")
+    for j, (an, a) in enumerate(outs):
+        for bn, b in outs[j + 1:]:
+            if same_path(a, b): raise ValueError(f"the {an} {a} and the {bn} {b} are one file: one would replace the other")
+
+def _unwritable(p: Path) -> str | None:
+    "Why a file at `p` cannot be written (its folder, or the nearest existing folder above it), or None."
+    if p.is_dir(): return 'it is a folder'
+    d = p.parent
+    while not d.exists(): d = d.parent
+    if not d.is_dir(): return f'{d} is not a folder'
+    if not os.access(d, os.W_OK | os.X_OK): return f'{d} is not writable'
+    return None
+
+class Staged:
+    "The outputs of one command: checked before anything is written, staged beside their targets, moved into place together."
+    def __init__(self, outputs: dict, inputs: dict | None = None):
+        refuse_aliases(inputs or {}, outputs)
+        self.targets = {n: Path(p) for n, p in outputs.items() if p is not None}
+        for n, t in self.targets.items():
+            if why := _unwritable(t): raise ValueError(f"the {n} {t} cannot be written: {why}")
+        self.staged = {n: t.with_name(f'.staged-{os.getpid()}-{t.name}') for n, t in self.targets.items()}
+
+    def __getitem__(self, name) -> Path:
+        "Where output `name` is written until `commit`."
+        p = self.staged[name]; p.parent.mkdir(parents=True, exist_ok=True); return p
+
+    def discard(self):
+        for p in self.staged.values(): p.unlink(missing_ok=True)
+
+    def commit(self):
+        "Move every staged output into place; an output that was never written is an error (and nothing moves)."
+        if missing := [n for n, p in self.staged.items() if not p.is_file()]:
+            self.discard(); raise RuntimeError(f"outputs never written: {missing}")
+        for n, p in self.staged.items(): os.replace(p, self.targets[n])
+
+    def __enter__(self): return self
+    def __exit__(self, et, e, tb):
+        if et is not None: self.discard(); return False
+        self.commit()
+
+# %% ../nbs/01b_files.ipynb #149d6d85
+import shutil, warnings
+
+class StagedDir:
+    "A folder a run fills as it goes: written in a working folder beside `target`, which replaces `target` only when the run completes."
+    def __init__(self, target, inputs: dict | None = None):
+        self.target = Path(target)
+        if self.target.exists() and not self.target.is_dir(): raise ValueError(f"the output folder {self.target} is a file")
+        for n, p in _items(inputs):               # the folder is replaced when the run completes: nothing it reads may live in it
+            if p.resolve() == self.target.resolve() or self.target.resolve() in p.resolve().parents:
+                raise ValueError(f"the {n} {p} is inside the output folder {self.target}, which the run replaces when it completes; "
+                                 "give another output folder")
+        if why := _unwritable(self.target / 'x'): raise ValueError(f"the output folder {self.target} cannot be written: {why}")
+        self.work = self.target.with_name(f'.running-{os.getpid()}-{self.target.name}')
+
+    def __enter__(self) -> Path:
+        if self.work.exists(): shutil.rmtree(self.work)
+        self.work.mkdir(parents=True); return self.work
+
+    def __exit__(self, et, e, tb):
+        if et is not None:
+            warnings.warn(f"{self.target}: the run stopped ({et.__name__}); what it finished is in {self.work}, and {self.target} is as it was")
+            return False
+        old = self.target.with_name(f'.replaced-{os.getpid()}-{self.target.name}')
+        if self.target.exists(): os.replace(self.target, old)
+        os.replace(self.work, self.target)
+        if old.exists(): shutil.rmtree(old)

@@ -167,16 +167,8 @@ def _typed(v, t) -> bool:
     return isinstance(v, ts) and (bool in ts or not isinstance(v, bool))
 
 # %% ../nbs/01_provenance.ipynb #31d66846
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        if a.exists() and b.exists(): return os.path.samefile(a, b)
-    except OSError: pass
-    return a.resolve() == b.resolve()
-
 def refuse_overwrite(inputs: dict, outputs: dict) -> None:
-    "Raise `ValueError` naming both paths when an output path is one of the inputs (`inputs`/`outputs`: name -> path or list of paths; None skipped)."
-    def items(d): return [(k, Path(p)) for k, v in d.items() for p in (v if isinstance(v, (list, tuple)) else [v]) if p is not None]
-    for on, o in items(outputs):
-        for i_n, i in items(inputs):
-            if _same_file(o, i):
-                raise ValueError(f"the {on} {o} is the {i_n} {i}: writing it would replace the input; give another output path")
+    "Raise `ValueError` naming both paths when an output is one of the inputs or another output, however spelt (`memagent.files.refuse_aliases`)."
+    from memagent.files import refuse_aliases
+    refuse_aliases(inputs, outputs)
+

@@ -8,7 +8,7 @@ import argparse, csv, dataclasses, json, math, sys
 from pathlib import Path
 import yaml
 from .provenance import flatten, provenance, refuse_unclean_report_dir, sha256_file
-from .files import FileError, check_shape, decode, loads_json, read_json
+from .files import FileError, Staged, check_shape, decode, loads_json, read_json
 
 # %% auto #0
 __all__ = ['REQUIRED_FIELDS', 'SUMMARY_FILES', 'read_metrics', 'check_steps', 'moving_average', 'window_stats', 'scalar_columns',
@@ -162,6 +162,9 @@ def reward_summary(run_dir, window: int = 5, expected_steps: int | None = None, 
     "Check a run is whole and did not stop unhealthy (`health.json`), then write `reward_by_step.csv`, `reward_curve.png` and `reward_summary.json` (in `out_dir`, default the run dir)."
     run_dir = Path(run_dir)
     if not isinstance(window, int) or window < 1: raise ValueError(f"window must be a positive integer, got {window!r}")
+    out = Path(out_dir) if out_dir is not None else run_dir
+    st = Staged({f: out / f for f in SUMMARY_FILES},          # checked against the run's files before anything is read
+                {k: run_dir / k for k in ('metrics.jsonl', 'run.json', 'health.json', 'run.lock')})
     run = read_run(run_dir)
     from memagent.health import read_health
     if (h := read_health(run_dir)) is not None and h['status'] == 'stopped':
@@ -174,11 +177,14 @@ def reward_summary(run_dir, window: int = 5, expected_steps: int | None = None, 
     rows = check_steps(rows, exp, mpath)
     steps = [r['step'] for r in rows]
     rewards = [float(r['reward_mean']) for r in rows]; passes = [float(r['pass_rate']) for r in rows]
-    out = Path(out_dir) if out_dir is not None else run_dir
-    out.mkdir(parents=True, exist_ok=True)
     name = run.get('name') or run_dir.resolve().name
-    write_csv(rows, out / 'reward_by_step.csv')
-    plot_reward_curve(steps, rewards, passes, out / 'reward_curve.png', window=window, title=f'{name}: reward per step')
+    with st:                                   # the three files move into place together, or none does
+        write_csv(rows, st['reward_by_step.csv'])
+        plot_reward_curve(steps, rewards, passes, st['reward_curve.png'], window=window, title=f'{name}: reward per step')
+        _summary_json(st['reward_summary.json'], run, name, rows, exp, src, steps, rewards, passes, window, blank, mpath, run_dir)
+    return json.loads(st.targets['reward_summary.json'].read_text())
+
+def _summary_json(path, run, name, rows, exp, src, steps, rewards, passes, window, blank, mpath, run_dir):
     w = min(window, len(passes))
     summary = {'run': name, 'steps': len(rows), 'expected_steps': exp, 'expected_steps_source': src,
                'run_json_steps': run['steps'], **window_stats(steps, rewards, window),
@@ -187,8 +193,7 @@ def reward_summary(run_dir, window: int = 5, expected_steps: int | None = None, 
                'provenance': provenance(tool='memagent.report.reward_summary',
                                         inputs={'metrics.jsonl': sha256_file(mpath), 'run.json': sha256_file(run_dir / 'run.json')}),
                'run_provenance': run['provenance']}
-    (out / 'reward_summary.json').write_text(json.dumps(summary, indent=2) + '\n')
-    return summary
+    Path(path).write_text(json.dumps(summary, indent=2) + '\n')
 
 # %% ../nbs/17_report.ipynb #99e52e70
 def summary_cli(argv=None) -> int:

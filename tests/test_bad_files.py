@@ -95,3 +95,96 @@ def test_memagent_audit_works_outside_a_checkout(tmp_path, monkeypatch):
     assert rc == 2 and 'no settings.ini' in said and '--report-dir' in said
     rc, said = _call('memagent.observed.receipt:audit_cli', ['--verify', '--report-dir', str(ROOT / 'reports' / 'agemem_audit')])
     assert rc == 0, said[-500:]
+
+
+# ---- one way to write: an output never replaces an input or another output, and a refusal writes nothing ----
+
+def _tree(root: Path) -> dict:
+    "Every file under `root` (symlinks as their target) with its bytes: what a refusal must leave as it was."
+    return {str(p.relative_to(root)): (os.readlink(p) if p.is_symlink() else p.read_bytes()) for p in sorted(root.rglob('*'))
+            if p.is_symlink() or p.is_file()}
+
+
+def _aliasing(t: Path):
+    "`(tool, what, argv)`: each console tool given an output that is one of its inputs or another output, however spelt."
+    from memagent.data import load_hotpotqa
+    import json
+    rows = load_hotpotqa(limit=3)
+    pool = t / 'pool.jsonl'; pool.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    (t / 'link.jsonl').symlink_to(pool); os.link(pool, t / 'hard.jsonl')
+    yield 'memagent-convert', 'the manifest is the output', [str(pool), str(t / 'o.jsonl'), '--manifest', str(t / 'o.jsonl')]
+    yield 'memagent-convert', 'the output is a symlink to the input', [str(pool), str(t / 'link.jsonl')]
+    yield 'memagent-convert', 'the output is a hard link to the input', [str(pool), str(t / 'hard.jsonl')]
+    yield 'memagent-convert', "the output is the input through '..'", [str(pool), str(t / 'sub' / '..' / 'pool.jsonl')]
+    yield 'memagent-haystack', 'the manifest is the output', [str(pool), str(t / 'h.jsonl'), '--num-docs', '10', '--manifest', str(t / 'h.jsonl')]
+    yield 'memagent-haystack', 'the output is a symlink to the pool', [str(pool), str(t / 'link.jsonl'), '--num-docs', '10']
+    run = t / 'run'; run.mkdir()
+    (run / 'run.json').write_text('{"steps": 1, "config": {}, "provenance": {}}')
+    (run / 'metrics.jsonl').write_text('{"step": 1, "reward_mean": 0.1, "pass_rate": 0.1}\n')
+    (run / 'reward_by_step.csv').symlink_to(run / 'metrics.jsonl')
+    yield 'memagent-reward-summary', 'reward_by_step.csv is a symlink to metrics.jsonl', [str(run)]
+    ev = t / 'ev'; ev.mkdir(); (ev / 'data.jsonl').write_bytes(pool.read_bytes())
+    yield 'memagent-evaluate', 'the data is inside the output folder', ['--model', 'tiny-qwen3', '--data', str(ev / 'data.jsonl'), '--out', str(ev)]
+    for r in ('c', 'r', 'b'): (t / r).mkdir(); (t / r / 'summary.json').write_text('{}')
+    yield 'memagent-compare', "--out is the candidate's summary", ['--candidate', str(t / 'c'), '--reference', str(t / 'r'), '--base', str(t / 'b'),
+                                                                   '--out', str(t / 'c' / 'summary.json')]
+    yield 'memagent-compare', '--out is a folder', ['--candidate', str(t / 'c'), '--reference', str(t / 'r'), '--base', str(t / 'b'),
+                                                    '--out', str(t / 'r')]
+
+
+ALIASING_NOT_APPLICABLE = {
+    'memagent-prepare': "its outputs are the data root's own files, written through a staging folder: --from the root itself copies "
+                        "each file to staging and verifies it before it replaces anything (test_prepare_refused_leaves_the_root_as_it_was)",
+    'memagent-audit': 'an --out that is one of its inputs: tests/test_refuse_overwrite.py::test_memagent_audit_refuses_a_receipt_that_would_replace_its_inputs',
+    'memagent-doctor': 'writes no file'}
+
+
+def test_no_console_tool_writes_over_its_inputs(tmp_path):
+    scripts, seen = console_scripts(), set()
+    for name, what, argv in _aliasing(tmp_path):
+        before = _tree(tmp_path)
+        rc, said = _call(scripts[name], argv)
+        seen.add(name)
+        assert rc == 2 and 'Traceback' not in said, (name, what, rc, said[-400:])
+        assert _tree(tmp_path) == before, (name, what, 'the tree changed')
+    assert seen | set(ALIASING_NOT_APPLICABLE) == set(scripts), set(scripts) ^ (seen | set(ALIASING_NOT_APPLICABLE))
+
+
+def test_prepare_refused_leaves_the_root_as_it_was(tmp_path):
+    "memagent-prepare --from a folder without the file: the root's earlier copy, conversion and manifest stay byte for byte."
+    import json
+    from test_acceptance_nb import pinned_format_root
+    root = pinned_format_root(tmp_path)
+    before = _tree(root)
+    empty = tmp_path / 'empty'; empty.mkdir()
+    rc, said = _call(console_scripts()['memagent-prepare'], ['--from', str(empty), '--root', str(root), '--unverified',
+                                                              '--files', 'eval_50.json'])
+    assert rc == 2 and 'eval_50.json: not in' in said, said
+    assert _tree(root) == before
+
+
+def test_an_interrupted_evaluation_leaves_the_earlier_run(tmp_path):
+    "A second evaluation into the same folder stops after its first batch: the first run's records and summary stay as they were."
+    import json
+    from memagent.config import get_preset
+    from memagent.data import make_synthetic, write_examples
+    from memagent.engines import HFEngine
+    from memagent.evaluate import evaluate
+    from memagent.models import load_model, load_tokenizer
+    cfg = get_preset('tiny', {'chunking.max_chunks': 2, 'eval.top_p': 1.0})
+    tok = load_tokenizer('tiny-qwen3'); eng = HFEngine(load_model('tiny-qwen3'), tok)
+    data = write_examples(make_synthetic(4, num_words=30, seed=1), tmp_path / 'd.jsonl')
+    out = tmp_path / 'ev'
+    evaluate(data, eng, tok, cfg, out_dir=out, samples=1, batch_size=2, progress=False, n_boot=20, max_items=None)
+    before = _tree(out)
+    calls, generate = [0], eng.generate
+    def stop_after_one_batch(*a, **k):
+        calls[0] += 1
+        if calls[0] > 3: raise KeyboardInterrupt
+        return generate(*a, **k)
+    eng.generate = stop_after_one_batch
+    with pytest.raises(KeyboardInterrupt), pytest.warns(UserWarning, match='what it finished is in'):
+        evaluate(data, eng, tok, cfg, out_dir=out, samples=1, batch_size=2, progress=False, n_boot=20, max_items=None)
+    assert _tree(out) == before
+    work = tmp_path / f'.running-{os.getpid()}-ev'
+    assert (work / 'records.jsonl').read_text().count('\n') == 2     # what it finished: the first batch's two items

@@ -9,7 +9,8 @@ from memagent.config import (PRESETS, RANGES, Config, _numeric, apply_overrides,
                              injected_params, load_config, refuse_unknown_params, save_config)
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_NOTEBOOKS = ('train', 'smoke', 'bench', 'agemem_audit', 'agemem_observed', 'rehearsal', 'simulate', 'acceptance', 'launch', 'parity', 'loss_parity', 'plan')
+RUN_NOTEBOOKS = ('train', 'smoke', 'bench', 'agemem_audit', 'agemem_observed', 'rehearsal', 'simulate', 'acceptance', 'launch', 'parity',
+                 'loss_parity', 'plan', 'gpu_check')
 
 
 def _refused(overrides, *needles):
@@ -187,7 +188,10 @@ def _nb_cells(name):
 
 
 def _param_names(src):
-    return [t.id for n in ast.parse(src).body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+    "The names a parameters cell assigns, each declared with its type (`name: type = value`)."
+    body = ast.parse(src).body
+    return ([t.id for n in body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+            + [n.target.id for n in body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)])
 
 
 @pytest.mark.parametrize('name', RUN_NOTEBOOKS)
@@ -262,3 +266,34 @@ def test_server_urls_that_nothing_would_read_are_refused():
         get_preset('qwen3-4b-frozen', {'rollout.sglang_urls': ['http://127.0.0.1:30000']})
     c = get_preset('tiny', {'rollout.engine': 'sglang', 'rollout.sglang_urls': ['http://127.0.0.1:30000']})
     assert c.rollout.sglang_urls == ['http://127.0.0.1:30000']
+
+
+
+def test_every_run_notebook_is_listed():
+    "Every notebook with a `parameters` cell is a run notebook the tests below cover: a new one is covered the day it is added."
+    found = {p.stem for p in (ROOT / 'nbs').glob('*.ipynb')
+             if any('parameters' in c.get('metadata', {}).get('tags', []) for c in json.loads(p.read_text())['cells'])}
+    assert found == set(RUN_NOTEBOOKS), found ^ set(RUN_NOTEBOOKS)
+
+
+@pytest.mark.parametrize('name', RUN_NOTEBOOKS)
+def test_run_notebook_declares_and_holds_every_parameter_type(name, tmp_path, monkeypatch):
+    """Every parameter is declared with its type, and the check cell holds each to it before anything is written: a bool
+    given as papermill's text ('false') is refused with the `-y` hint, a number as text, NaN or a float where an int goes too."""
+    from memagent.testing import run_notebook_cells
+    cells = [c for c in _nb_cells(name) if c['cell_type'] == 'code']
+    i = next(i for i, c in enumerate(cells) if 'parameters' in c.get('metadata', {}).get('tags', []))
+    src = ''.join(cells[i]['source'])
+    body = ast.parse(src).body
+    assert all(isinstance(n, ast.AnnAssign) for n in body), f"{name}: every parameter is declared as `name: type = value`"
+    ns = {}; exec(src, ns)
+    monkeypatch.chdir(tmp_path)                        # anything written by mistake lands here, and is caught below
+    for p, t in ns['__annotations__'].items():
+        t = str(t)
+        bads = (['false'] if 'bool' in t and 'str' not in t else []) + ([2.5] if 'int' in t and 'float' not in t else []) + \
+               (['3'] if 'int' in t and 'str' not in t else []) + ([float('nan')] if 'float' in t else [])
+        for bad in bads:
+            _, err = run_notebook_cells(ROOT / 'nbs' / f'{name}.ipynb', {p: bad}, cells=1)
+            assert isinstance(err, ValueError) and f'parameter {p}:' in str(err), (name, p, bad, err)
+            if bad == 'false': assert f"-y '{p}: false'" in str(err), (name, p, str(err))
+    assert list(tmp_path.iterdir()) == [], (name, list(tmp_path.iterdir()))

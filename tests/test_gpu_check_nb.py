@@ -27,7 +27,7 @@ def test_the_run_notebook_runs_a_part_on_cpu_and_reports_it(tmp_path):
 
 
 @pytest.mark.parametrize('params, says', [({'parts': ['nope']}, 'parts must be None or a non-empty list'),
-                                           ({'cpu_simulation': 'yes'}, 'cpu_simulation must be True or False'),
+                                           ({'cpu_simulation': 'yes'}, "parameter cpu_simulation: 'yes' is not of its declared type bool"),
                                            ({'outt': 'x', 'In': ['# Parameters\nouttt = "x"\n']}, "unknown parameter 'outtt'")])
 def test_a_wrong_parameter_is_refused_before_anything_is_written(tmp_path, params, says):
     ns, err = run_notebook_cells(NB, {'out': str(tmp_path / 'o'), 'cpu_simulation': True, **params}, cells=1)

@@ -11,7 +11,7 @@ from ..provenance import flatten, provenance, sha256_file, refuse_overwrite
 from ..evaluate import (COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, metric_names, read_records, records_parity,
                                score_record, summarize)
 from ..stats import bootstrap_ci, equivalence, paired_bootstrap_ci, verdict_text
-from ..files import FileError, read_json
+from ..files import FileError, Staged, read_json
 
 # %% auto #0
 __all__ = ['JUDGED', 'HOTPOTQA', 'SHOWN', 'CompareError', 'MalformedRecords', 'comparable_fields', 'recompute', 'record_items',
@@ -412,14 +412,16 @@ def compare_cli(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         read = {f'--{r} file': [f for p in getattr(a, r) for f in _files(p.split('=', 1)[-1])] for r in ('candidate', 'reference', 'base')}
-        refuse_overwrite(read, {'--out': a.out})
+        st = Staged({'--out': a.out}, read)                 # checked before the comparison runs
         rep = compare(_cli_runs(a.candidate), _cli_runs(a.reference), _cli_runs(a.base), tolerance_pp=a.tolerance_pp,
                       lengths=a.lengths, seed=a.seed, require_hotpotqa=not a.no_hotpotqa, metric=a.metric)
     except (OSError, ValueError) as e:
         print(f"memagent-compare: error: {e}", file=sys.stderr); return 2
     if bad := [c['reason'] for c in rep['checks'] if c.get('malformed')]:      # bad input: refused, no report written
         print("memagent-compare: refused: malformed per-sample records:\n" + '\n'.join(f'  {r}' for r in bad), file=sys.stderr); return 2
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rep, indent=1) + '\n')
+    try:
+        with st: st['--out'].write_text(json.dumps(rep, indent=1) + '\n')
+    except OSError as e:
+        print(f"memagent-compare: error: the report could not be written: {e}", file=sys.stderr); return 2
     print('PASSED' if rep['passed'] else 'NOT PASSED'); [print(' -', x) for x in rep['reasons']]
     return 0 if rep['passed'] else 1

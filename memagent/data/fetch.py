@@ -10,6 +10,7 @@ from pathlib import Path
 from ..provenance import sha256_file, provenance
 from .readers import DataError, convert, _cli_error, _repo_root, _write_json
 from ..files import read_json
+import shutil
 
 # %% auto #0
 __all__ = ['PINNED', 'PrepareError', 'data_root', 'converted_name', 'prepare_command', 'prepare', 'prepared_file',
@@ -60,7 +61,8 @@ def _hub_hash(etag) -> tuple:
 
 def _refuse_corrupt(path, name, kind, expected, actual, why):
     bad = path.with_name(path.name + '.corrupt'); os.replace(path, bad)
-    raise PrepareError(f"{name}: {kind} mismatch ({why}): expected {expected}, got {actual}; the file is kept as {bad}")
+    raise PrepareError(f"{name}: {kind} mismatch ({why}): expected {expected}, got {actual}; the file is kept as {bad.name} "
+                       "in the data root")
 
 def _fetch_verified(name, root: Path) -> dict:
     "Download one pinned file into `root` at the pinned revision and check it against the hub's own hash."
@@ -88,6 +90,7 @@ def _fetch_verified(name, root: Path) -> dict:
         return h if h[0 if kind == 'hub-lfs-sha256' else 1] == want else None
     h = matches()
     if h is None:
+        path.unlink(missing_ok=True)          # a stale copy (or a link to the data root's) is never written through
         got = Path(hf_hub_download(repo, name, repo_type=rtype, revision=rev, local_dir=root, force_download=True))
         if got.resolve() != path.resolve(): raise PrepareError(f"{name}: hf_hub_download wrote {got}, expected {path}")
         if meta.size is not None and path.stat().st_size != meta.size:
@@ -158,20 +161,28 @@ def prepare(root=None, source=None, unverified: bool = False, files=None, progre
                                                                  'unverified': unverified})}
         _write_json(m, mpath)
         return m
+    # Each file is fetched (or copied), verified and converted in a staging folder inside the root; only a file that got
+    # through all three replaces the root's copy, its conversion and its manifest entry. A refused or interrupted file
+    # leaves the root's earlier copy, conversion and entry byte for byte as they were.
+    stage = root / f'.staging-{os.getpid()}'
     try:
         for name in names:
-            (root / converted_name(name)).unlink(missing_ok=True)   # never leave an old conversion beside a refused file
-            old.get('files', {}).pop(name, None)
-            rec = _fetch_verified(name, root) if source is None else _copy_verified(name, source, root, ref_path, ref, unverified)
-            out = root / converted_name(name)
-            cm = convert(root / name, out, fmt=PINNED['files'][name], progress=progress)
-            rec['converted'] = {'path': out.name, 'sha256': cm['output']['sha256'], 'bytes': cm['output']['bytes'],
+            if stage.exists(): shutil.rmtree(stage)
+            stage.mkdir()
+            if (root / name).is_file(): os.link(root / name, stage / name)   # a copy already here is checked, not fetched again
+            rec = _fetch_verified(name, stage) if source is None else _copy_verified(name, source, stage, ref_path, ref, unverified)
+            conv = converted_name(name)
+            cm = convert(stage / name, stage / conv, fmt=PINNED['files'][name], progress=progress)
+            rec['converted'] = {'path': conv, 'sha256': cm['output']['sha256'], 'bytes': cm['output']['bytes'],
                                 'rows': cm['rows_written'], 'rows_read': cm['rows_read'], 'rows_skipped': cm['rows_skipped'],
                                 'skipped': cm['skipped']}
-            done[name] = rec
-    except BaseException:
-        if done or old.get('files'): write()
-        raise
+            for f in (name, conv, conv + '.manifest.json'): os.replace(stage / f, root / f)
+            old.get('files', {}).pop(name, None); done[name] = rec
+            write()                                   # the manifest names exactly what the root holds, after every file
+    finally:
+        if stage.exists():
+            for bad in stage.glob('*.corrupt'): os.replace(bad, root / bad.name)   # kept for inspection, as the refusal says
+            shutil.rmtree(stage)
     return write()
 
 def prepared_file(name, root=None) -> Path:

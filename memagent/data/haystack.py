@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse, random, sys
 from pathlib import Path
 
-from ..provenance import provenance, refuse_overwrite
+from ..provenance import provenance
+from ..files import Staged
 from .readers import SCHEMA_FIELDS, BadRecord, DataError, RowError, format_documents, hotpotqa_path
 from .readers import iter_records, location_unit, paragraph_text, write_examples
 from .readers import _answers, _check_limit, _cli_error, _file_record, _hotpot_paragraphs, _repo_root
@@ -108,21 +109,23 @@ def haystack_cli(argv=None) -> int:
     ap.add_argument('--quiet', action='store_true', help='no progress bar')
     a = ap.parse_args(argv)
     try:
-        refuse_overwrite({'pool': a.pool, 'questions': a.questions},
-                         {'output': a.out, 'manifest': a.manifest or Path(a.out).with_name(Path(a.out).name + '.manifest.json')})
+        out = Path(a.out)
+        st = Staged({'output': out, 'manifest': a.manifest or out.with_name(out.name + '.manifest.json')},
+                    {'pool': a.pool, 'questions': a.questions})         # checked before anything is read or written
         pool_rows = load_hotpotqa(a.pool)
         qrows = load_hotpotqa(a.questions) if a.questions else pool_rows
         for what, f, rows in (('pool', a.pool, pool_rows), ('--questions', a.questions, qrows)):
             if not rows: raise DataError(f, None, None, f"the {what} file has no rows: an empty data set is never written")
         exs = build_haystack(qrows, doc_pool(pool_rows), a.num_docs, seed=a.seed, shuffle=a.shuffle, limit=a.limit,
                              progress=not a.quiet)
-        write_examples(exs, a.out)
         srcs = [a.pool] + ([a.questions] if a.questions else [])
-        m = {'kind': 'memagent.data.haystack', 'schema': list(SCHEMA_FIELDS),
-             'sources': [_file_record(s) for s in srcs], 'output': {**_file_record(a.out), 'rows': len(exs)},
-             'params': {'num_docs': a.num_docs, 'seed': a.seed, 'shuffle': a.shuffle, 'limit': a.limit},
-             'provenance': provenance(repo=_repo_root())}
-        _write_json(m, a.manifest or Path(a.out).with_name(Path(a.out).name + '.manifest.json'))
+        with st:                               # both outputs move into place together, or neither does
+            write_examples(exs, st['output'])
+            m = {'kind': 'memagent.data.haystack', 'schema': list(SCHEMA_FIELDS), 'sources': [_file_record(s) for s in srcs],
+                 'output': {**_file_record(st['output']), 'path': str(out.parent.resolve() / out.name), 'rows': len(exs)},
+                 'params': {'num_docs': a.num_docs, 'seed': a.seed, 'shuffle': a.shuffle, 'limit': a.limit},
+                 'provenance': provenance(repo=_repo_root())}
+            _write_json(m, st['manifest'])
     except (DataError, ValueError, FileNotFoundError, OSError) as e:
         return _cli_error(ap.prog, e)
     print(f"wrote {len(exs)} examples with {a.num_docs} documents -> {a.out}")

@@ -77,7 +77,7 @@ def write_gzip(data: bytes, path) -> Path:
     return path
 
 # %% ../../nbs/03_data_1_readers.ipynb #045ab6ad
-from ..files import FileError, loads_json
+from ..files import FileError, Staged, loads_json
 
 class DataError(FileError):
     "A bad input row or file (`memagent.files.FileError`): names the file, the 1-based location (`unit` line/item/row), the field and the reason."
@@ -393,6 +393,7 @@ def convert(src, out, fmt: str = 'auto', strict: bool = False, limit: int | None
     _check_limit(limit)
     out = Path(out)
     manifest_path = Path(manifest) if manifest else out.with_name(out.name + '.manifest.json')
+    st = Staged({'output': out, 'manifest': manifest_path}, {'input': srcs})    # checked before anything is read or written
     examples, seen, sources, examples_skipped = [], set(), [], []
     skipped_total = Counter(); read_total = 0
     bar = None
@@ -424,19 +425,23 @@ def convert(src, out, fmt: str = 'auto', strict: bool = False, limit: int | None
                         'rows_skipped': sum(skipped.values()), 'skipped': dict(skipped)})
         skipped_total.update(skipped); read_total += read
     if bar is not None: bar.close()
-    if not examples and not allow_empty:
+    if not examples and not allow_empty and limit != 0:      # limit=0 asks for none
         raise DataError(', '.join(map(str, srcs)), None, None, f"no row to write (read {read_total}, skipped "
                         f"{sum(skipped_total.values())}: {dict(skipped_total)}); nothing was written (--allow-empty if intended)")
-    write_examples(examples, out)
-    m = {'kind': 'memagent.data.convert', 'schema': list(SCHEMA_FIELDS), 'sources': sources,
-         'output': {**_file_record(out), 'rows': len(examples)},
-         'rows_read': read_total, 'rows_written': len(examples), 'rows_skipped': sum(skipped_total.values()),
+    with st:                                   # both outputs move into place together, or neither does
+        write_examples(examples, st['output'])
+        m = _convert_manifest(sources, {**_file_record(st['output']), 'path': str(out.parent.resolve() / out.name), 'rows': len(examples)}, read_total,
+                              skipped_total, examples_skipped, dict(fmt=fmt, strict=strict, limit=limit))
+        _write_json(m, st['manifest'])
+    return m
+
+def _convert_manifest(sources, output, read_total, skipped_total, examples_skipped, params) -> dict:
+    m = {'kind': 'memagent.data.convert', 'schema': list(SCHEMA_FIELDS), 'sources': sources, 'output': output,
+         'rows_read': read_total, 'rows_written': output['rows'], 'rows_skipped': sum(skipped_total.values()),
          'skipped': {r: skipped_total[r] for r in SKIP_REASONS if skipped_total[r]},
          'skipped_examples': examples_skipped,
-         'params': {'fmt': fmt, 'strict': strict, 'limit': limit},
-         'provenance': provenance(repo=_repo_root())}
+         'params': params, 'provenance': provenance(repo=_repo_root())}
     assert m['rows_written'] + m['rows_skipped'] == m['rows_read'], m
-    _write_json(m, manifest_path)
     return m
 
 def _write_json(obj, path):

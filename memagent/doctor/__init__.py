@@ -115,8 +115,8 @@ def doctor_cli(argv=None) -> int:
     try:
         sets = {}
         if a.set:                                          # the project's override parser (it imports numpy): only when needed
-            from memagent.evaluate import _parse_sets
-            sets = _parse_sets(a.set)
+            from memagent.config import parse_sets
+            sets = parse_sets(a.set)
         cfg = get_preset(a.preset, sets)
     except (KeyError, ValueError) as e:
         print(f"memagent-doctor: {e.args[0] if e.args else e}", file=sys.stderr); return 2
