@@ -8,12 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 import yaml
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 # %% auto #0
-__all__ = ['MAX_DEPTH', 'SHAPES', 'FileError', 'decode', 'depth', 'loads_json', 'loads_yaml', 'CheckpointManifest',
-           'PrepareManifest', 'CheckpointState', 'MetricsRow', 'RunRecord', 'Summary', 'Health', 'check_shape',
-           'read_json', 'read_jsonl', 'read_yaml', 'same_path', 'refuse_aliases', 'Staged', 'StagedDir']
+__all__ = ['MAX_DEPTH', 'SHAPES', 'FileError', 'decode', 'depth', 'loads_json', 'loads_yaml', 'check_shape', 'read_json',
+           'read_jsonl', 'read_yaml', 'same_path', 'refuse_aliases', 'Staged', 'StagedDir']
 
 # %% ../nbs/01b_files.ipynb #76543f5f
 MAX_DEPTH = 100   # the deepest nesting read; the kit's own files nest under 10 levels
@@ -95,22 +93,23 @@ def loads_yaml(text: str, file, loader=None):
     return obj
 
 # %% ../nbs/01b_files.ipynb #dd4fea9e
-class _Shape(BaseModel):
-    model_config = ConfigDict(extra='allow', strict=True)
-
-class _FileEntry(_Shape): bytes: int; sha256: str
-class CheckpointManifest(_Shape): files: dict[str, _FileEntry]
-class PrepareManifest(_Shape): files: dict[str, dict[str, Any]]
-class CheckpointState(_Shape): step: int
-class MetricsRow(_Shape): step: int
-class RunRecord(_Shape): steps: int; config: dict[str, Any]; provenance: dict[str, Any]
-class Summary(_Shape): schema_version: str; totals: dict[str, Any]; records: dict[str, Any]
-class Health(_Shape): status: str
-
-SHAPES = {'object': dict[str, Any], 'prepare_manifest': PrepareManifest, 'checkpoint_manifest': CheckpointManifest,
-          'checkpoint_state': CheckpointState, 'metrics_row': MetricsRow, 'run': RunRecord, 'summary': Summary,
-          'health': Health}
+SHAPES = {  # kind -> {field: type} it must hold (every other field allowed); 'object': any JSON object
+    'object': {}, 'prepare_manifest': {'files': dict[str, dict[str, Any]]},
+    'checkpoint_manifest': {'files': dict[str, '_FileEntry']}, 'checkpoint_state': {'step': int}, 'metrics_row': {'step': int},
+    'run': {'steps': int, 'config': dict[str, Any], 'provenance': dict[str, Any]},
+    'summary': {'schema_version': str, 'totals': dict[str, Any], 'records': dict[str, Any]}, 'health': {'status': str}}
 _ADAPTERS = {}
+
+def _adapter(kind: str):
+    "The pydantic validator of `kind`, built on first use (pydantic is imported only when a shape is checked)."
+    if kind not in _ADAPTERS:
+        from pydantic import ConfigDict, TypeAdapter, create_model
+        cfg = ConfigDict(extra='allow', strict=True)
+        entry = create_model('_FileEntry', __config__=cfg, bytes=(int, ...), sha256=(str, ...))
+        fields = {k: ((dict[str, entry] if t == dict[str, '_FileEntry'] else t), ...) for k, t in SHAPES[kind].items()}
+        model = create_model(kind, __config__=cfg, **fields) if fields else dict[str, Any]
+        _ADAPTERS[kind] = TypeAdapter(model, config=None if fields else ConfigDict(strict=True))
+    return _ADAPTERS[kind]
 _SAID = {'missing': 'missing', 'dict_type': 'expected a JSON object', 'model_type': 'expected a JSON object',
          'int_type': 'expected a whole number', 'string_type': 'expected a string', 'list_type': 'expected a list'}
 
@@ -118,8 +117,8 @@ def check_shape(value, kind: str | None, file, line=None):
     "`value` if it has the shape of `kind` (see `SHAPES`; None: any), else `FileError` naming the first wrong field."
     if kind is None: return value
     if kind not in SHAPES: raise ValueError(f"unknown file kind {kind!r}; known: {sorted(SHAPES)}")
-    if kind not in _ADAPTERS: _ADAPTERS[kind] = TypeAdapter(SHAPES[kind], config=None if kind != 'object' else ConfigDict(strict=True))
-    try: _ADAPTERS[kind].validate_python(value)
+    from pydantic import ValidationError
+    try: _adapter(kind).validate_python(value)
     except ValidationError as e:
         err = e.errors()[0]
         field = '.'.join(str(x) for x in err['loc']) or None

@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh on a machine without a GPU: --dry-run shows every command, the layouts (and their refusals) and the
 plans; a real run refuses naming the memagent-doctor rows; the layout is never downgraded without --reduced."""
-import json, os, shutil, subprocess, sys
+import ast, json, os, shutil, subprocess, sys
 from pathlib import Path
 import pytest, yaml
 
@@ -66,7 +66,7 @@ def test_smoke_parameters_are_the_smoke_notebooks(tmp_path):
     p = _gpu_check().smoke_params('none', 8)
     nb = json.loads((ROOT / 'nbs' / 'smoke.ipynb').read_text())
     cell = next(c for c in nb['cells'] if 'parameters' in c.get('metadata', {}).get('tags', []))
-    names = {line.split('=')[0].strip() for line in ''.join(cell['source']).splitlines() if '=' in line and not line.startswith(' ')}
+    names = {n.target.id for n in ast.parse(''.join(cell['source'])).body if isinstance(n, ast.AnnAssign)}
     assert set(p) <= names, set(p) - names
     from memagent.config import get_preset
     cfg = get_preset(p['preset'], p['overrides'])                 # the overrides validate

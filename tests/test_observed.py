@@ -131,7 +131,9 @@ def test_a_receipt_of_the_wrong_shape_fails_verification_with_a_reason(tmp_path,
     d = _copy(tmp_path, make=make)
     with pytest.raises(VerificationError) as e: verify_observed(d)
     assert message in str(e.value), str(e.value)[:2000]
-    assert audit_cli(['--study', 'observed', '--verify', '--report-dir', str(d)]) == 1 and 'VERIFY FAILED' in capsys.readouterr().err
+    code, said = (2, 'REFUSED') if e.value.__dict__.get('bad_input') else (1, 'VERIFY FAILED')    # not a receipt at all: bad input
+    assert code == (2 if message.startswith('a JSON list') else 1)
+    assert audit_cli(['--study', 'observed', '--verify', '--report-dir', str(d)]) == code and said in capsys.readouterr().err
 
 
 def test_run_notebook_verify_mode(tmp_path):

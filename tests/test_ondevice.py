@@ -52,15 +52,15 @@ def test_trainer_steps_and_weight_check_on_the_virtual_device(tmp_path, examples
 
 
 def test_a_micro_batch_left_on_the_host_stops_the_step(tmp_path, examples, monkeypatch):
-    "The fault one H200 found (the collated rows never moved to the policy's device), put back: the step stops in the PPO surrogate."
+    "The fault one H200 found (the collated rows never moved to the policy's device), put back: the step stops in the loss, at its first arithmetic on the rows (the padding rule's `torch.where`)."
     import memagent.policy as policy
     monkeypatch.setattr(policy, 'to_device', lambda batch, device: batch)
     with VirtualDevice():
         tr = Trainer(_cfg('torch'), tmp_path, examples, progress=False, tensorboard=False)
         try:
-            with pytest.raises(VirtualDeviceError, match=r'Tensor\.mul: 1 host tensor') as e: tr.step()
+            with pytest.raises(VirtualDeviceError, match=r'torch\.where: 1 host tensor') as e: tr.step()
         finally: tr.close()
-    assert any(f.name == 'ppo_surrogate' for f in e.traceback)
+    assert any(f.name in ('padded_to_zero', 'ppo_surrogate') for f in e.traceback)
 
 
 def test_evaluation_on_the_virtual_device(tmp_path):

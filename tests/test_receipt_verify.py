@@ -197,9 +197,11 @@ WRONG_SHAPES = [('a list', lambda rc: [rc], 'a JSON list, not the object a recei
 
 @pytest.mark.parametrize('make,message', [w[1:] for w in WRONG_SHAPES], ids=[w[0] for w in WRONG_SHAPES])
 def test_a_receipt_of_the_wrong_shape_fails_verification_with_a_reason(tmp_path, make, message, capsys):
-    "The verifier and `memagent-audit --verify` name the reason (exit 1, 'VERIFY FAILED'); no traceback escapes."
+    "The verifier and `memagent-audit --verify` name the reason (exit 1, 'VERIFY FAILED'; a file that is no receipt: exit 2, 'REFUSED'); no traceback escapes."
     d = _tampered(tmp_path, lambda rc: None)
-    (d / 'receipt.json').write_text(json.dumps(make(json.loads((d / 'receipt.json').read_text()))))
+    bad = make(json.loads((d / 'receipt.json').read_text()))
+    (d / 'receipt.json').write_text(json.dumps(bad))
     with pytest.raises(VerificationError) as e: verify_receipt(d)
     assert message in str(e.value)
-    assert audit_cli(['--verify', '--report-dir', str(d)]) == 1 and 'VERIFY FAILED' in capsys.readouterr().err
+    code, said = (1, 'VERIFY FAILED') if isinstance(bad, dict) else (2, 'REFUSED')    # not a receipt at all: bad input
+    assert audit_cli(['--verify', '--report-dir', str(d)]) == code and said in capsys.readouterr().err

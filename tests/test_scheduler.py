@@ -170,7 +170,7 @@ def test_simulation_notebook_renders_its_report(tmp_path):
     pytest.importorskip('papermill')
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, '-m', 'papermill', str(root / 'nbs' / 'simulate.ipynb'), str(tmp_path / 'o.ipynb'), '--cwd', str(root),
-           '--no-progress-bar', '-k', 'python3', '-p', 'seeds', '[0]', '-p', 'eval_items', '8', '-p', 'train_groups', '2',
+           '--no-progress-bar', '-k', 'python3', '-y', 'seeds: [0]', '-p', 'eval_items', '8', '-p', 'train_groups', '2',
            '-p', 'sensitivity', 'False', '-p', 'run', 'tiny', '-p', 'out_root', str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
