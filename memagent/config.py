@@ -500,17 +500,12 @@ def folder_name(value, param: str, empty_ok: bool = False):
         raise ValueError(f"parameter {param}: {value!r} must name one folder inside the output root (no '/', '\\', '.' or '..'), "
                          "so the run cannot write outside it")
     return value
-PARAM_KINDS = ('bool', 'int>=1', 'int>=0', 'finite>=0', 'ints>=1')
+PARAM_KINDS = ('int>=1', 'int>=0', 'finite>=0', 'ints>=1')
 
 def typed_param(value, param: str, kind: str):
-    "`value` of run-notebook parameter `param` held to `kind` (one of `PARAM_KINDS`); a `ValueError` naming the parameter, with papermill's `-y` hint for a bool given as text."
+    "`value` of run-notebook parameter `param` held to the range `kind` names (one of `PARAM_KINDS`; its type is `check_params`' job); a `ValueError` naming the parameter."
     if kind not in PARAM_KINDS: raise ValueError(f"unknown parameter kind {kind!r}; known: {PARAM_KINDS}")
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
-    if kind == 'bool':
-        if isinstance(value, bool): return value
-        hint = (f" (papermill -p passes text: give -y '{param}: {str(value).lower()}')" if isinstance(value, str)
-                and value.lower() in ('true', 'false', 'yes', 'no', '0', '1') else '')
-        raise ValueError(f"parameter {param}: {value!r} is not a bool{hint}")
     if kind in ('int>=1', 'int>=0'):
         lo = int(kind[-1])
         if is_int(value) and value >= lo: return value

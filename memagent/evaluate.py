@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, json, os, sys, time
 from pathlib import Path
 import numpy as np
-from .provenance import provenance, sha256_file, sha256_text, refuse_overwrite
+from .provenance import provenance, sha256_file, sha256_text
 from .engines import engine_from_config, EngineError
 from .stats import bootstrap_ci, pass_at_k
 from .data.readers import unencodable
@@ -469,8 +469,7 @@ def evaluate_cli(argv=None) -> int:
                     help="also write what the memory holds (retention, trajectories; memagent.report.memory_report) to OUT/memory.md")
     a = ap.parse_args(argv)
     try:
-        refuse_overwrite({'--data': a.data, '--config': a.config},
-                         {f'--out file {n}': Path(a.out) / n for n in (RECORDS_FILE, SUMMARY_FILE, 'memory.md')})
+        StagedDir(a.out, {'--data': a.data, '--config': a.config})   # checked before anything loads: --out is replaced when the run completes
         cfg = load_config(a.config) if a.config else get_preset(a.preset)
         cfg = apply_overrides(cfg, parse_sets(a.set))
         tok = load_tokenizer(a.tokenizer or cfg.model.tokenizer or a.model)

@@ -216,8 +216,8 @@ class StagedDir:
         if self.target.exists() and not self.target.is_dir(): raise ValueError(f"the output folder {self.target} is a file")
         for n, p in _items(inputs):               # the folder is replaced when the run completes: nothing it reads may live in it
             if p.resolve() == self.target.resolve() or self.target.resolve() in p.resolve().parents:
-                raise ValueError(f"the {n} {p} is inside the output folder {self.target}, which the run replaces when it completes; "
-                                 "give another output folder")
+                raise ValueError(f"the {n} {p} is inside the output folder {self.target}, which the run replaces when it completes: "
+                                 "that would replace the input; give another output folder")
         if why := _unwritable(self.target / 'x'): raise ValueError(f"the output folder {self.target} cannot be written: {why}")
         self.work = self.target.with_name(f'.running-{os.getpid()}-{self.target.name}')
 

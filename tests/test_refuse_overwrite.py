@@ -28,7 +28,9 @@ CASES = [
     ('memagent-haystack: manifest = questions', haystack_cli,
      lambda d: [str(d / 'pool.jsonl'), str(d / 'o.jsonl'), '--num-docs', '3', '--questions', str(d / 'in.jsonl'), '--manifest', str(d / 'in.jsonl')], 'the manifest'),
     ('memagent-evaluate: --data is the records file of --out', evaluate_cli,
-     lambda d: ['--model', 'tiny-qwen3', '--data', str(d / 'records.jsonl'), '--out', str(d)], '--out file records.jsonl'),
+     lambda d: ['--model', 'tiny-qwen3', '--data', str(d / 'records.jsonl'), '--out', str(d)], 'the --data'),
+    ('memagent-evaluate: --config is inside --out', evaluate_cli,
+     lambda d: ['--model', 'tiny-qwen3', '--data', str(d / 'in.jsonl'), '--config', str(d / 'ev' / 'c.yaml'), '--out', str(d / 'ev')], 'the --config'),
     ('memagent-compare: --out is a file of a run it reads', compare_cli,
      lambda d: ['--candidate', str(d / 'cand'), '--reference', str(d / 'ref'), '--base', str(d / 'base'), '--out', str(d / 'ref' / 'summary.json')],
      "the --out"),
@@ -39,6 +41,7 @@ CASES = [
 def test_an_output_that_would_replace_an_input_is_refused_and_nothing_is_written(tmp_path, capsys, cli, args, says):
     for f in ('in.jsonl', 'pool.jsonl', 'records.jsonl'): (tmp_path / f).write_text(json.dumps({'id': f}) + '\n')
     (tmp_path / 'sub').mkdir(); _runs(tmp_path)
+    (tmp_path / 'ev').mkdir(); (tmp_path / 'ev' / 'c.yaml').write_text('seed: 1\n')
     before = _tree(tmp_path)
     assert cli(args(tmp_path)) == 2
     err = capsys.readouterr().err

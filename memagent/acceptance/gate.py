@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse, json, math, os, sys
 from pathlib import Path
 import numpy as np
-from ..provenance import flatten, provenance, sha256_file, refuse_overwrite
+from ..provenance import flatten, provenance, sha256_file
 from ..evaluate import (COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, metric_names, read_records, records_parity,
                                score_record, summarize)
 from ..stats import bootstrap_ci, equivalence, paired_bootstrap_ci, verdict_text
@@ -139,6 +139,7 @@ def recount_chunks(summary: dict, records, examples: dict, where: str = 'summary
     "Every record's `num_chunks`, `truncated` and `dropped_tokens` recomputed from its item's document with the recorded tokenizer and limits: `{'records', 'mismatches': [...]}`."
     from memagent.chunking import chunk_document
     tok, lim = recorded_tokenizer(summary, where), summary.get('limits') or {}
+    if not isinstance(lim.get('chunk_tokens'), int): raise CompareError(f"{where}: the summary records no limits.chunk_tokens to cut its documents with")
     trim = lim.get('max_context_tokens') if lim.get('context_trim') == 'centre' else None
     cut, bad = {}, []
     for r in records:

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-from ..provenance import sha256_file, provenance, refuse_overwrite
+from ..provenance import sha256_file, provenance
 
 # %% auto #0
 __all__ = ['SHIPPED', 'SCHEMA_FIELDS', 'SKIP_REASONS', 'CONVERTERS', 'shipped_data_dir', 'hotpotqa_path', 'verify_shipped',
@@ -468,7 +468,6 @@ def convert_cli(argv=None) -> int:
     ap.add_argument('--allow-empty', action='store_true', help='write an empty output when no row converts (an error otherwise)')
     a = ap.parse_args(argv)
     try:
-        refuse_overwrite({'input': a.src}, {'output': a.out, 'manifest': a.manifest or Path(a.out).with_name(Path(a.out).name + '.manifest.json')})
         m = convert(a.src, a.out, fmt=a.format, strict=a.strict, limit=a.limit, manifest=a.manifest, progress=not a.quiet,
                     allow_empty=a.allow_empty)
     except (DataError, ValueError, FileNotFoundError, OSError) as e:
