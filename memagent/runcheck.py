@@ -135,7 +135,8 @@ class ProcessMemory:
             try: rss = p.memory_info().rss
             except psutil.Error: continue
             rec = self.procs.setdefault(p.pid, {'pid': p.pid, 'name': '?', 'peak_rss': 0, 'proc': p})
-            if not rec['name'].startswith('ray::') or rec['name'] == 'ray::IDLE': rec['name'] = self._label(p)
+            if not rec['name'].startswith('ray::') or rec['name'] == 'ray::IDLE':
+                if (label := self._label(p)) != '?': rec['name'] = label    # an exited process (no cmdline) keeps its name
             rec['peak_rss'] = max(rec['peak_rss'], rss); total += rss
         self.peak_total, self.samples = max(self.peak_total, total), self.samples + 1
 
