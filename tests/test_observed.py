@@ -1,6 +1,7 @@
 """The AgeMem second study: the committed receipt verifies and shows the three contrasts the study is for; every displayed field
 edited (a log entry, a difference, the prose, the environment, the provenance, the report, the episodes with their hash) is
-refused, and a receipt of the wrong shape fails with a reason. With an upstream checkout at $AGEMEM_SRC, a fresh run reproduces
+refused, and a receipt of the wrong shape fails with a reason. The report is checked as a reader sees it: README.md states the
+SHA-256 of the differences.png it shows, so a swapped figure, an edited README, or either one missing fails, naming the file. With an upstream checkout at $AGEMEM_SRC, a fresh run reproduces
 the committed cases and a modified checkout is refused before anything is written."""
 import configparser, json, os, shutil, subprocess, sys
 from pathlib import Path
@@ -11,11 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 
 from memagent.audit import AUDITED_REVISION, AuditRefused, VerificationError, check_checkout
+from memagent.provenance import sha256_file
 from memagent.observed import (EPISODES_SHA256, STORE_MODULE, OBSERVED_FILES, audit_cli, render_report, run_observed,
                                verify_observed)
 
 REPORT = ROOT / 'reports' / 'agemem_observed'
-FILES = ('episodes.json', 'protocol.md', 'receipt.json', 'README.md')
+FILES = ('episodes.json', 'protocol.md', 'receipt.json', 'README.md', 'differences.png')
 SRC = os.environ.get('AGEMEM_SRC')
 needs_src = pytest.mark.skipif(not (SRC and Path(SRC).is_dir()), reason='AGEMEM_SRC is not set to an upstream AgeMem checkout '
                                'at the pinned revision; the full run is skipped (the verification tests still run)')
@@ -49,7 +51,9 @@ def test_committed_receipt_verifies_and_shows_the_contrasts(capsys):
     prose = _case(rc, 'summary_prose_only')                                        # a tool named in prose: counts only officially
     assert (prose['official']['tool_stats']['Summary_context'], prose['observed']['tool_stats']['Summary_context']) == (1, 0)
     assert prose['difference']['total'] < 0
-    assert render_report(rc) == (REPORT / 'README.md').read_text()
+    fig = sha256_file(REPORT / 'differences.png')                                   # the README states the figure it shows
+    assert render_report(rc, figure_sha256=fig) == (REPORT / 'README.md').read_text()
+    assert f'`differences.png` SHA-256 `{fig}`, drawn by `plot_differences` from this receipt.' in (REPORT / 'README.md').read_text()
     assert audit_cli(['--study', 'observed', '--verify']) == 0 and '"verified"' in capsys.readouterr().out
 
 
@@ -101,7 +105,37 @@ def test_an_edited_report_is_refused(tmp_path):
     text = (d / 'README.md').read_text()
     (d / 'README.md').write_text(text.replace('| `stage1_add_removed` | stage1_add | pair | 0.', '| `stage1_add_removed` | stage1_add | pair | 1.', 1))
     assert (d / 'README.md').read_text() != text
-    with pytest.raises(VerificationError, match='not the rendering of the receipt'): verify_observed(d)
+    with pytest.raises(VerificationError) as e: verify_observed(d)
+    assert f'{d / "README.md"}: not the rendering of the receipt (memagent.observed.render_report): line ' in str(e.value), str(e.value)
+    assert "reads '| `stage1_add_removed` | stage1_add | pair | 1." in str(e.value) and 'differences.png' not in str(e.value)
+
+
+def _png(width: int) -> bytes:
+    "A valid PNG, `width` x 1 black pixels: another image than the committed figure."
+    import struct, zlib
+    chunk = lambda t, b: struct.pack('>I', len(b)) + t + b + struct.pack('>I', zlib.crc32(t + b))
+    return (b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', struct.pack('>IIBBBBB', width, 1, 8, 0, 0, 0, 0))
+            + chunk(b'IDAT', zlib.compress(b'\0' + b'\0' * width)) + chunk(b'IEND', b''))
+
+
+@pytest.mark.parametrize('swap', [lambda b: b + b'\0', lambda b: _png(8)], ids=['one byte appended', 'another image'])
+def test_a_swapped_figure_is_refused(tmp_path, swap, capsys):
+    "differences.png replaced: its SHA-256 is not the one README.md states, and the message names the figure."
+    d = _copy(tmp_path)
+    (d / 'differences.png').write_bytes(swap((REPORT / 'differences.png').read_bytes()))
+    with pytest.raises(VerificationError) as e: verify_observed(d)
+    want = (f"{d / 'differences.png'}: the figure's SHA-256 {sha256_file(d / 'differences.png')} is not the one README.md states "
+            f"({sha256_file(REPORT / 'differences.png')})")
+    assert want in str(e.value) and 'not the rendering' not in str(e.value), str(e.value)
+    assert audit_cli(['--study', 'observed', '--verify', '--report-dir', str(d)]) == 1 and 'differences.png' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('name', ['README.md', 'differences.png'])
+def test_a_missing_report_file_is_refused(tmp_path, name):
+    "The report is README.md and the figure it shows: either one missing fails, naming it."
+    d = _copy(tmp_path); (d / name).unlink()
+    with pytest.raises(VerificationError) as e: verify_observed(d)
+    assert f'{d / name}: missing' in str(e.value), str(e.value)
 
 
 def test_episodes_edited_with_the_receipts_hash_of_them_are_refused(tmp_path):

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #db43f8b0
 from __future__ import annotations
-import argparse, copy, json, sys
+import argparse, copy, json, re, sys
 from pathlib import Path
 from ..provenance import sha256_file, provenance, provenance_problems
 from ..report import md_table
@@ -115,8 +115,16 @@ def findings(receipt: dict) -> list[str]:
             f"an executed summary hides its own request from the official reward: `summary_called` {t('summary_called', 'official', 'Summary_context')} "
             f"and {t('summary_called', 'observed', 'Summary_context')} ({c['summary_called']['difference']['total']:+.3f})."]
 
-def render_report(receipt: dict) -> str:
-    "The study's README.md, every figure read from `receipt` (the run notebook writes it; verification compares it)."
+# %% ../../nbs/18a_observed_2_receipt.ipynb #5d484483
+def _figure_line(figure_sha256: str) -> str:
+    "The README's line under the plot: the SHA-256 of the `differences.png` it shows."
+    if not (isinstance(figure_sha256, str) and re.fullmatch('[0-9a-f]{64}', figure_sha256)):
+        raise ValueError(f'figure_sha256: {_short(figure_sha256)} is not a SHA-256 (64 lowercase hex digits)')
+    return f"`differences.png` SHA-256 `{figure_sha256}`, drawn by `plot_differences` from this receipt.\n"
+
+def render_report(receipt: dict, *, figure_sha256: str) -> str:
+    "The study's README.md, every figure read from `receipt`, stating `figure_sha256`, the SHA-256 of the `differences.png` it shows."
+    fig = _figure_line(figure_sha256)
     s, a, g = receipt['summary'], receipt['audited'], receipt['provenance']['git']
     commit = f"`{g['commit'][:7]}`" if g.get('commit') else 'none (not a git work tree)'
     files = md_table([{'file': f'`{rel}`', 'use': 'executed' if rel in a['executed'] else 'read', 'SHA-256': f'`{h}`'}
@@ -138,7 +146,7 @@ def render_report(receipt: dict) -> str:
            "Totals of the official reward (statistics from the final context) and the observed one (tool and memory statistics from the "
            "store's log), their difference (observed - official), and the components it comes from.\n",
            md_table(side_by_side_rows(receipt), floatfmt='.4f', align=False) + '\n',
-           "![total difference per case](differences.png)\n",
+           "![total difference per case](differences.png)\n", fig,
            "What each reward saw (official / observed): tool uses; updates, deletes, adds, retrievals; whether the retrieval was used; "
            "the three memory components; judge calls.\n",
            md_table(statistics_rows(receipt), align=False) + '\n',
@@ -197,8 +205,32 @@ def _case_problems(case: dict, rec: dict, tol) -> list[str]:
           if not isinstance(op, dict) or op.get('issued_by') not in issued]
     return p
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #dbadf0f0
+_STATED = re.compile(r'^`differences\.png` SHA-256 `([0-9a-f]{64})`', re.M)
+
+def _report_problems(report_dir: Path, rc: dict, compare_readme: bool) -> list[str]:
+    "The report a reader sees: README.md and differences.png present, README.md the rendering of `rc` with the png's SHA-256."
+    readme, png = report_dir / 'README.md', report_dir / 'differences.png'
+    p = [f'{f}: missing (the report is README.md and the differences.png it shows)' for f in (readme, png) if not f.is_file()]
+    if p or not compare_readme: return p
+    text, fig = readme.read_text(), sha256_file(png)
+    if text == render_report(rc, figure_sha256=fig): return []
+    stated = m.group(1) if (m := _STATED.search(text)) else None
+    if stated and stated != fig:
+        p.append(f'{png}: the figure\'s SHA-256 {fig} is not the one README.md states ({stated}): not the figure the README was '
+                 'rendered with; draw it with plot_differences and re-render README.md')
+    want = render_report(rc, figure_sha256=stated or fig)   # an edit elsewhere in the README, shown where it is
+    if text != want:
+        a, b = text.splitlines(), want.splitlines()
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        at = (f'line {k + 1} reads {_short(a[k] if k < len(a) else None)}, the rendering has {_short(b[k] if k < len(b) else None)}'
+              if a != b else 'it differs only in line endings or the final newline')
+        p.append(f'{readme}: not the rendering of the receipt (memagent.observed.render_report): {at}; re-render it from the receipt')
+    return p
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #3c69c402
 def verify_observed(report_dir=None, receipt_path=None) -> dict:
-    "Re-check the second study's receipt against the committed episodes and protocol; raise `VerificationError` on any problem."
+    "Re-check the second study's receipt against the committed episodes and protocol, and its report (README.md, differences.png); raise `VerificationError` on any problem."
     report_dir = Path(report_dir) if report_dir else default_report_dir()
     receipt_path = Path(receipt_path) if receipt_path else report_dir / 'receipt.json'
     try: return _verify(report_dir, receipt_path)
@@ -241,9 +273,7 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     for k in dict.fromkeys([*summary, *stored]): problems += _differs(f'summary.{k}', stored.get(k, _MISSING), summary.get(k, _MISSING))
     problems += _differs('status', rc.get('status'), _status(aud.get('checkout_unchanged_after_run'), origin, summary))
     if rc.get('status') != 'passed': problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
-    readme = report_dir / 'README.md'     # the report a reader sees: it must be this receipt's rendering, byte for byte
-    if not problems and readme.is_file() and readme.read_text() != render_report(rc):
-        problems.append(f'{readme}: not the rendering of the receipt (memagent.observed.render_report); re-render it from the receipt')
+    problems += _report_problems(report_dir, rc, compare_readme=not problems)
     if problems: raise VerificationError(problems)
     return {'status': 'verified', 'cases': summary['cases'], 'checks': summary['checks'], 'matched': summary['matched'],
             'episodes_sha256': EPISODES_SHA256, 'protocol_sha256': PROTOCOL_SHA256, 'audited': f"{aud['repository']}@{aud['revision']}"}
