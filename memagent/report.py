@@ -13,8 +13,8 @@ from .files import FileError, Staged, check_shape, decode, loads_json, read_json
 # %% auto #0
 __all__ = ['REQUIRED_FIELDS', 'SUMMARY_FILES', 'read_metrics', 'check_steps', 'moving_average', 'window_stats', 'scalar_columns',
            'write_csv', 'plot_reward_curve', 'plot_metric_grid', 'read_run', 'reward_summary', 'summary_cli',
-           'md_table', 'provenance_md', 'config_md', 'write_report', 'holds_answer', 'gold_chunks', 'retention',
-           'plot_retention', 'retention_table', 'trajectory_view', 'pick_items', 'memory_report']
+           'md_table', 'provenance_md', 'config_md', 'report_text', 'write_report', 'holds_answer', 'gold_chunks',
+           'retention', 'plot_retention', 'retention_table', 'trajectory_view', 'pick_items', 'memory_report']
 
 # %% ../nbs/17_report.ipynb #db442c53
 REQUIRED_FIELDS = ('step', 'reward_mean', 'pass_rate')
@@ -278,25 +278,33 @@ def config_md(cfg_dict) -> str:
     return f"```yaml\n{text.rstrip()}\n```"
 
 # %% ../nbs/17_report.ipynb #4f2c702c
-def write_report(out_dir, title: str, sections: list[tuple[str, str]], files=()) -> Path:
-    "Write `out_dir/README.md`: `# title`, one `## heading` per section, then the listed files (links + SHA-256)."
-    out = Path(out_dir)
-    refuse_unclean_report_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
+def _report_text(out: Path, title: str, sections, files, who: str) -> str:
     parts = [f'# {title}']
     for head, body in sections: parts.append(f'## {head}\n\n{body.strip()}')
     if files:
         lines = []
         for f in files:
             p = Path(f); p = p if p.is_absolute() else out / p
-            if not p.is_file(): raise ValueError(f"write_report: listed file {p} does not exist")
+            if not p.is_file(): raise ValueError(f"{who}: listed file {p} does not exist")
             try: rel = p.resolve().relative_to(out.resolve()).as_posix()
             except ValueError: rel = p.resolve().as_posix()
             lines.append(f"- [{rel}]({rel}) `sha256:{sha256_file(p)[:16]}`")
             if p.suffix.lower() in ('.png', '.svg', '.jpg', '.jpeg'): lines.append(f"\n  ![{p.stem}]({rel})\n")
         parts.append('## Files\n\n' + '\n'.join(lines))
+    return '\n\n'.join(parts) + '\n'
+
+def report_text(out_dir, title: str, sections: list[tuple[str, str]], files=()) -> str:
+    "The text `write_report` writes, written nowhere: `# title`, one `## heading` per section, then the listed files (links + SHA-256 of the files in `out_dir`)."
+    return _report_text(Path(out_dir), title, sections, files, 'report_text')
+
+def write_report(out_dir, title: str, sections: list[tuple[str, str]], files=()) -> Path:
+    "Write `out_dir/README.md`: `# title`, one `## heading` per section, then the listed files (links + SHA-256); the text is `report_text`'s."
+    out = Path(out_dir)
+    refuse_unclean_report_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = _report_text(out, title, sections, files, 'write_report')
     path = out / 'README.md'
-    path.write_text('\n\n'.join(parts) + '\n')
+    path.write_text(text)
     return path
 
 # %% ../nbs/17_report.ipynb #e813ad51

@@ -1,7 +1,8 @@
 """Tests of the fuzzed parity and of what the parity verifier accepts: an article-only gold answer is scored as
 Relax scores it, every figure the parity report renders is recomputed (an edited one is refused), a fork named as
-the origin is refused, a faithful receipt of a disagreeing run verifies as `failed`, and the committed fuzz draws
-replay from their seed without the upstream code."""
+the origin is refused, a faithful receipt of a disagreeing run verifies as `failed`, the committed fuzz draws
+replay from their seed without the upstream code, and the README is the receipt's rendering (an edited or missing
+one is refused)."""
 import copy, gzip, hashlib, json, shutil, sys
 from pathlib import Path
 
@@ -112,6 +113,7 @@ def _rewrite_fuzz(fz, receipt, lines):
     sec.update(fz.fuzz_summary(lines)); sec['disagreements'] = fz.disagreements(lines)
     rc['status'] = receipt_status(rc)
     receipt.write_text(json.dumps(rc, indent=1, ensure_ascii=False) + '\n')
+    (receipt.parent / 'README.md').write_text(fz.render_readme(rc, receipt.parent))   # and its rendering
     return rc
 
 
@@ -190,3 +192,41 @@ def test_fuzz_file_bytes_depend_only_on_the_lines(fuzz, tmp_path):
     fuzz.write_fuzz(a, lines, tmp_path / 'a'); fuzz.write_fuzz(b, lines, tmp_path / 'b')
     assert a['sha256'] == b['sha256'] == hashlib.sha256((tmp_path / 'a' / fuzz.FUZZ_FILE).read_bytes()).hexdigest()
     assert json.loads(gzip.decompress((tmp_path / 'a' / fuzz.FUZZ_FILE).read_bytes()))['draw'] == fuzz.draw(1, 0)
+
+
+# --- the README is the receipt's rendering: the committed one is reproduced byte for byte, an edited or missing one is refused
+
+def test_committed_readme_is_the_rendering_of_the_receipt(fuzz):
+    rc = json.loads((REPORT / 'receipt.json').read_text())
+    assert (REPORT / 'README.md').read_bytes() == fuzz.render_readme(rc, REPORT).encode()
+    assert fuzz.readme_problems(rc, REPORT) == []
+    res = fuzz.verify(REPORT, FIXTURES, sample=50)
+    assert res['status'] == 'verified' and res['readme'] == 'the rendering of receipt.json'
+
+
+@pytest.mark.parametrize('edit, line', [
+    (lambda t: t.replace('748 of\n748 checks agreed', '748 of\n750 checks agreed', 1), "line 8 reads '750 checks agreed"),
+    (lambda t: t.replace('| relax | em | 0.481818 | 0.481818 |', '| relax | em | 0.5 | 0.481818 |', 1), "reads '| relax | em | 0.5 |"),
+    (lambda t: t.replace('**Status: passed.**', '**Status: passed (reviewed).**', 1), "line 5 reads '**Status: passed (reviewed).**"),
+    (lambda t: t.replace('`sha256:9d4223ea6696ef38`', '`sha256:0000000000000000`', 1), "reads '- [receipt.json](receipt.json) `sha256:0000000000000000`"),
+    (lambda t: t + 'Reviewed.\n', "reads 'Reviewed.\\n', the rendering has None"),
+    (lambda t: t.rstrip('\n'), 'the rendering has'),
+])
+def test_edited_readme_is_refused(fuzz, copies, edit, line):
+    receipt, fixtures = copies
+    readme = receipt.parent / 'README.md'
+    text = readme.read_text()
+    assert edit(text) != text
+    readme.write_text(edit(text))
+    with pytest.raises(VerificationError, match='README.md: not the rendering of receipt.json') as e:
+        fuzz.verify(receipt.parent, fixtures, sample=10)
+    assert line in str(e.value)
+    assert len(e.value.problems) == 1                      # the receipt and the draws still verify
+
+
+def test_missing_readme_is_refused(fuzz, copies):
+    receipt, fixtures = copies
+    (receipt.parent / 'README.md').unlink()
+    with pytest.raises(VerificationError, match=r'README\.md: missing') as e:
+        fuzz.verify(receipt.parent, fixtures, sample=10)
+    assert e.value.problems == [f"{receipt.parent / 'README.md'}: missing (it is the rendering of receipt.json)"]
