@@ -16,9 +16,9 @@ __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_
            'PROTOCOL_SHA256', 'RECEIPT_FIELDS', 'AUDITED_FIELDS', 'CASE_FIELDS', 'REBUILD_ORIGIN', 'AUDITED_PINS',
            'AuditError', 'AuditRefused', 'VerificationError', 'default_report_dir', 'validate_fixtures',
            'load_fixtures', 'values_match', 'compare', 'check_checkout', 'load_by_path', 'load_reward_module',
-           'StubJudge', 'run_case', 'origin_problems', 'audited_upstream', 'run_audit', 'write_receipt', 'open_receipt',
-           'field_problems', 'environment_problems', 'wrong_shape', 'verify_receipt', 'summary_rows', 'summary_table',
-           'study_cli', 'audit_cli']
+           'StubJudge', 'run_case', 'origin_problems', 'audited_upstream', 'run_audit', 'write_receipt', 'summary_rows',
+           'summary_table', 'render_report', 'open_receipt', 'field_problems', 'environment_problems', 'wrong_shape',
+           'verify_receipt', 'study_cli', 'audit_cli']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
 PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
@@ -315,6 +315,259 @@ def write_receipt(receipt: dict, path) -> Path:
     path.write_text(json.dumps(receipt, indent=1, ensure_ascii=False) + '\n')
     return path
 
+# %% ../nbs/18_audit.ipynb #f6f952aa
+def summary_rows(receipt: dict) -> list[dict]:
+    "One row per case with the outputs the pairs and controls compare."
+    rows = []
+    for c in receipt['cases']:
+        o = c['observed']; ms, cs, bd, ts = o['memory_stats'], o['context_stats'], o['breakdown'], o['tool_stats']
+        rows.append({'case': c['id'], 'group': c['group'], 'judge': (c.get('judge') or {}).get('reply', '-'),
+                     'tool uses': sum(ts.values()), 'upd/del/add/ret': f"{ms['updated_count']}/{ms['deleted_count']}/{ms['added_count']}/{ms['retrieved_count']}",
+                     'used_retrieved': ms['used_retrieved_memory'],
+                     'user_query/key_info': f"{cs['preserved_user_query']}/{cs['preserved_key_info']}",
+                     'r_storage': bd['memory_r_storage'], 'r_maintenance': bd['memory_r_maintenance'],
+                     'r_relevance': bd['memory_r_relevance'], 'total': bd['total'],
+                     'match': all(x['match'] for x in c['checks'])})
+    return rows
+
+def _code(v):
+    "An identifier (a letter first, an underscore inside) in backticks; any other value unchanged."
+    return f'`{v}`' if isinstance(v, str) and v[:1].isalpha() and '_' in v else v
+
+def summary_table(receipt: dict) -> str:
+    "The markdown table of `summary_rows(receipt)`: plain rules, floats to 6 significant digits, identifiers as code."
+    return md_table([{k: _code(v) for k, v in r.items()} for r in summary_rows(receipt)], floatfmt='.6g', align=False)
+
+# %% ../nbs/18_audit.ipynb #5cf6a412
+# The README's prose, kept here; every figure in it is a {field} that `render_report` fills from the receipt.
+_README_HEAD = '''# AgeMem reward audit: what the reward sees of earlier memory work
+
+**Status: {status}**, meaning that every output of the audited functions matched the expectation written
+down before the run ({matched} of {checks} checks over {cases} cases). "Passed" says the observed behaviour of the audited
+copy was reproduced as predicted. It does **not** say the reward is correct, well designed, or the one used in
+the paper's experiments, and it is not a success rate of anything.
+
+- What was run: the reward module `{executed}` of the **public copy**
+  `{repository}` at `{revision}`, loaded by file path from a checkout
+  outside this repository (not copied, edited or installed). Its three extractors and
+  `ThreeStageRewardCalculator.calculate_total_reward` were called with the training call site's weights
+  (task/tool/context/memory = {weights}).
+- What was **not** run: the pinned official revision `{official}`
+  is not reachable from here. The two may differ; everything below is about the public copy.
+- Inputs: {cases} chat-message lists written for this study ([fixtures.json](fixtures.json)); {no_judge} run without a judge,
+  {with_judge} with a local stub judge that returns a fixed {replies}. No model, network, GPU, training, workflow or
+  memory store was involved.
+- Records: [protocol.md](protocol.md) (committed before the run), [receipt.json](receipt.json) (every output,
+  every check, file hashes, interpreter and platform), [agemem_audit.ipynb](agemem_audit.ipynb) (rendered run
+  notebook; a rerun wrote a byte-identical receipt).
+
+Audited file hashes (SHA-256, checked before the run; the run refuses any other checkout):
+
+{files_table}
+
+## Pairs and controls
+
+Every case uses the same episode facts (`task_score=1.0`, answer found, 2 of 5 rounds, 32768-token budget), so
+differences inside a pair come from the messages alone. `r_*` are the memory components before weighting
+(memory term = their mean, times weight {memory_weight}); `total` is the clipped total reward.
+
+{pairs_table}
+
+Maintenance is a presence flag, not a per-operation count: one or more counted update/delete results give
+`r_maintenance = 1`, which adds `{memory_weight} x 1/3 = {maintenance_share}` to the total at the call-site weights. Inside the
+update and delete pairs the totals differ only through message length (the compression term uses characters
+/ 4), by about 1e-6 or less.
+
+All {cases} cases with their direct outputs (from the receipt):
+
+{cases_table}
+'''
+
+# %% ../nbs/18_audit.ipynb #9df528b1
+# pair / control, what it shows, what it does not show: the prose columns of the pairs table ({fields} from the receipt)
+_PAIR_PROSE = (
+    ('update succeeded / failed', "The count comes from the `memory_updated:` prefix of the tool result; `True` and `False` are treated alike.",
+     'Whether a policy learns to issue failing updates; how often updates fail in training.'),
+    ('delete succeeded / failed', 'Same for deletes: a failed delete earns the maintenance component.',
+     'That the outcome is never checked elsewhere in the workflow (only this reward path was run).'),
+    ('delete cancelled / no maintenance', 'The cancellation string lacks `memory_deleted:`, so no maintenance credit; the request itself still '
+     'counts as a tool use and lifts the tool-efficiency term.', 'Whether asking for an unconfirmed delete is a useful or harmful behaviour.'),
+    ('Stage-1 add kept / removed', 'The statistics read only the final context list: once the Stage-1 exchange is gone, the add is invisible '
+     'to the reward.', 'That the memory store lost the entry (it keeps it; the store is not consulted); how much later retrieval restores the signal.'),
+    ('retrieval used / explicitly ignored', '"Used" means "an assistant message follows the retrieval block"; a reply that says it ignores the '
+     'note is scored the same.', 'Anything about the live-judge path, which replaces this fallback whenever a retrieval block exists.'),
+    ('original / unrelated question', 'Preservation is checked against the first user message found in the final context, not against the task '
+     'question passed in.', 'Whether unrelated final questions occur in real episodes.'),
+    ('no user message (control)', 'The preservation component drops to 0 through the first flag only. `preserved_key_info` is true whenever a '
+     'user message exists, since that message is itself part of the searched text, and defaults to true when none exists.',
+     'That key information was actually retained or lost.'),
+    ('prose mentions `Summary_context` (control)', 'A tool name in plain assistant text counts as a call and as preventive context control; '
+     'nothing was summarised. This is the largest gap between matched inputs in the set ({prose_gap}).', 'Whether trained policies produce such mentions.'),
+    ('failed update + same retrieval, stub judge {judges}', "With a judge, relevance is the judge's number; maintenance stays {judge_maintenance} "
+     'for the failed update, independent of that grade.', 'How a real judge grades real retrievals.'))
+
+_OUTPUT_LABELS = {'total': 'total', 'judge_calls': 'judge calls', 'tool_efficiency': 'weighted tool-efficiency term',
+                  'context_management': 'weighted context term'}
+
+def _pair_outputs(receipt: dict) -> tuple[list[str], dict]:
+    "The pairs table's 'direct outputs' column (one entry per row of `_PAIR_PROSE`) and the figures its prose names, read from the cases by id."
+    obs = {c['id']: flatten(c['observed']) for c in receipt['cases']}
+    judge = {c['id']: (c.get('judge') or {}).get('reply') for c in receipt['cases']}
+    def v(cid, key):
+        x, name = obs[cid][key], key.split('.')[-1]
+        if isinstance(x, bool): return str(x).lower()
+        if name == 'total': return f'{x:.6f}'
+        return f'{x:.3g}' if name in ('tool_efficiency', 'context_management') else f'{x:g}'   # weighted terms: 3 digits
+    def label(key):
+        name = key.split('.')[-1].removeprefix('memory_')
+        return f'`{name}` uses' if key.startswith('tool_stats.') else _OUTPUT_LABELS.get(name, f'`{name}`')
+    def pair(a, b, *keys): return '; '.join(f'{label(k)} {v(a, k)} / {v(b, k)}' for k in keys)
+    def one(cid, *keys): return '; '.join(f'{label(k)} {v(cid, k)}' for k in keys)
+    m, r, cs, total = 'memory_stats.', 'breakdown.memory_r_', 'context_stats.', 'breakdown.total'
+    outputs = [
+        pair('update_succeeded', 'update_failed', m + 'updated_count', r + 'maintenance', total),
+        pair('delete_succeeded', 'delete_failed', m + 'deleted_count', r + 'maintenance', total),
+        pair('delete_cancelled', 'no_maintenance', m + 'deleted_count', r + 'maintenance', 'tool_stats.Delete_memory', 'breakdown.tool_efficiency'),
+        pair('stage1_add_kept', 'stage1_add_removed', m + 'added_count', r + 'storage', total),
+        pair('retrieval_used', 'retrieval_ignored', m + 'used_retrieved_memory', r + 'relevance')
+        + (' (no judge)' if judge['retrieval_used'] is None and judge['retrieval_ignored'] is None else ''),
+        pair('original_question', 'unrelated_question', cs + 'preserved_user_query', cs + 'preserved_key_info'),
+        one('no_user_message', cs + 'preserved_user_query', cs + 'preserved_key_info', 'breakdown.context_management') + ' vs about 0.0999',
+        one('summary_prose_only', 'tool_stats.Summary_context', cs + 'messages_removed') + '; preventive component 1; '
+        f"total {v('summary_prose_only', total)} vs {v('original_question', total)} for the same episode without the mention",
+        pair('judge_zero', 'judge_one', r + 'relevance', r + 'maintenance', 'judge_calls', total)]
+    gap = obs['summary_prose_only'][total] - obs['original_question'][total]
+    return outputs, {'prose_gap': f'{gap:+.2f}', 'judges': f"{judge['judge_zero']} / {judge['judge_one']}",
+                     'judge_maintenance': v('judge_zero', r + 'maintenance')}
+
+# %% ../nbs/18_audit.ipynb #c49c6de2
+_README_FLOW = '''
+## How the call site uses these numbers (read, not executed)
+
+From {read_files} of the audited copy:
+
+```mermaid
+flowchart LR
+  S1[Stage 1: chat and memory tools] --> ST[(memory store keeps entries)]
+  S1 --> CL[context list cleared, system prompt re-added]
+  CL --> S23[Stages 2 and 3 append to the context list]
+  ST -. retrieval may bring text back .-> S23
+  S23 --> EX[three extractors on the final context list]
+  EX --> RC[calculate_total_reward: one total]
+  RC --> B[same total set on every experience of stages 1, 2 and 3]
+  B --> ADV[advantage from the last step, broadcast to all steps of the run]
+```
+
+- Before Stage 2 the workflow empties its context list and puts the system prompt back. Stage-1 messages,
+  including memory tool results, are not in the list any more.
+- After Stage 3, the three extractors run once on that final list; `extract_memory_stats` receives the memory
+  manager but does not read it.
+- One total reward is computed and assigned to every experience from all three stages; the step-wise GRPO
+  advantage function normalises the last step's reward within the group and gives the same advantage to every
+  step of the run. The signal is therefore delayed and shared; it carries no separate credit for an individual
+  memory operation.
+
+The Stage-1 pair above is the direct consequence: whatever Stage 1 did to the store, the reward only sees what
+is still in the final list. Later retrievals or new operations in Stages 2 and 3 can put some evidence back; how
+much, we did not measure.
+
+## Three sources, kept apart
+
+**Paper** (ACL 2026, "Agentic Memory: Learning Unified Long-Term and Short-Term Memory Management for LLM
+Agents", https://aclanthology.org/2026.acl-long.981/). Not re-read for this report; the points below are the
+paper's statements as cited in our study description and were not checked against the paper text here.
+Eq. (24) defines maintenance by whether an update/delete took place, not by whether it was correct. Appendix
+C.4 combines three reward terms with equal weights of 1/3. Section 3.4 broadcasts one trajectory-level
+advantage to all steps of the trajectory.
+
+**Public source** (read). The call site weights task/tool/context/memory at {weights} and the calculator clips the
+total to [-1, 1]; this differs from the equal three-term weighting cited for Appendix C.4. We used the call-site
+values and do not read the difference as an error in the paper's experiments. The extractors match strings: tool names anywhere in assistant text, tool-result prefixes
+(`memory_updated:`, `memory_deleted:`, `memory_added:`), `[retrieved memories]` blocks followed by an assistant
+message, and the first non-bracketed user message. With a judge client present and a retrieval block in the
+context, relevance comes from the judge; stored-entry quality comes from the judge only when a counted `memory_added:`
+result and an `Add_memory` call with JSON arguments are both still in the context.
+
+**Local observation** (run, this receipt). The {cases} outputs in the tables, all as predicted from the source
+reading. Python {python}; standard library only on the upstream side.
+
+Nothing here says the reward makes training fail, that any policy exploits these proxies, or that paper results
+would change. Those would need training runs that this audit does not include.
+'''
+
+# %% ../nbs/18_audit.ipynb #09c105fe
+_README_LIMITS = '''
+## Limits
+
+- The public copy `{repository}@{revision_short}` was audited, not the pinned official revision `{official_short}`.
+- No training run, no optimizer, no workflow; no real memory mutation (the store is never created).
+- The live LLM judge was replaced by a fixed stub in {with_judge} cases and absent in {no_judge}. In training a judge client is
+  always passed, so the no-judge relevance values (0.5/0.2) apply there only when the judge call fails or
+  returns no number.
+- {cases_word} hand-written contexts show what the functions do with such inputs, not how often such contexts arise.
+- The call-site flow above is read from source, not executed.
+
+## Reproduce
+
+Verify the committed receipt (no upstream code needed; checks fixture and protocol hashes, all {cases} cases, every
+output against its expectation):
+
+```bash
+.venv/bin/python -c "from memagent.audit import audit_cli; raise SystemExit(audit_cli(['--verify']))"
+# or, with the package installed:  memagent-audit --verify
+```
+
+Rerun against the upstream copy (kept outside this repository, at the pinned commit):
+
+```bash
+git clone https://github.com/{repository} /path/to/AgeMem
+git -C /path/to/AgeMem checkout {revision}
+memagent-audit --source-repo /path/to/AgeMem --out /tmp/receipt.json
+AGEMEM_SRC=/path/to/AgeMem .venv/bin/pytest tests/test_audit.py   # includes the full rerun
+papermill nbs/agemem_audit.ipynb /tmp/out.ipynb -p mode run -p source_repo /path/to/AgeMem --cwd .
+```
+
+The runner refuses a checkout whose revision, tracked-file state or file hashes differ from the pinned values.
+'''
+
+# %% ../nbs/18_audit.ipynb #c99e09a1
+_NUMBER_WORDS = ('No', 'One', 'Two', 'Three', 'Four', 'Five', 'Six', 'Seven', 'Eight', 'Nine', 'Ten', 'Eleven', 'Twelve', 'Thirteen',
+                 'Fourteen', 'Fifteen', 'Sixteen', 'Seventeen', 'Eighteen', 'Nineteen', 'Twenty')
+
+def render_report(receipt: dict) -> str:
+    "The first study's README.md: the prose above with every figure read from `receipt` (the run notebook writes it; `verify_receipt` compares it)."
+    s, a, po, w, env = receipt['summary'], receipt['audited'], receipt['pinned_official'], receipt['call_site_weights'], receipt['environment']
+    outputs, pair_fields = _pair_outputs(receipt)
+    replies = dict.fromkeys(c['judge']['reply'] for c in receipt['cases'] if c.get('judge'))
+    files = [{'file': f"`{rel}` ({'executed' if rel == a['executed'] else 'read'})", 'SHA-256': f'`{h}`'} for rel, h in a['files'].items()]
+    pairs = [{'pair / control': label.format(**pair_fields), 'direct outputs': out, 'what it shows': shows.format(**pair_fields),
+              'what it does not show': not_shown} for (label, shows, not_shown), out in zip(_PAIR_PROSE, outputs, strict=True)]
+    weights = '/'.join(f'{w[k]:g}' for k in ('task_completion_weight', 'tool_efficiency_weight', 'context_management_weight',
+                                             'memory_management_weight'))
+    fields = dict(
+        status=receipt['status'], matched=s['matched'], checks=s['checks'], cases=s['cases'], with_judge=s['cases_with_judge'],
+        no_judge=s['cases'] - s['cases_with_judge'], replies=' or '.join(f'`"{r}"`' for r in replies),
+        cases_word=_NUMBER_WORDS[s['cases']] if s['cases'] < len(_NUMBER_WORDS) else str(s['cases']),
+        executed=a['executed'], repository=a['repository'], revision=a['revision'], revision_short=a['revision'][:7],
+        read_files=' and '.join(f'`{Path(rel).name}`' for rel in a['files'] if rel != a['executed']),
+        official=f"{po['repository']}@{po['revision']}", official_short=f"{po['repository']}@{po['revision'][:7]}",
+        weights=weights, memory_weight=f"{w['memory_management_weight']:g}", maintenance_share=f"{w['memory_management_weight'] / 3:g}",
+        python=f"{env['python']} ({env['implementation']}), {env['platform'].split('-')[0]} {env['machine']}",
+        files_table=md_table(files, align=False), pairs_table=md_table(pairs, align=False), cases_table=summary_table(receipt))
+    return (_README_HEAD + _README_FLOW + _README_LIMITS).format(**fields)
+
+def _readme_problems(readme: Path, rc: dict | None) -> list[str]:
+    "`[]` when `readme` is `render_report(rc)` byte for byte, else one line naming the file and the first line that differs; `rc=None` (a receipt that failed its checks) checks only that the file exists."
+    fix = 're-render it from the receipt (memagent.audit.render_report)'
+    if not readme.is_file(): return [f'{readme}: missing; {fix}']
+    if rc is None: return []
+    got, want = readme.read_bytes(), render_report(rc).encode()
+    if got == want: return []
+    a, b = got.decode('utf-8', 'replace').split('\n'), want.decode().split('\n')
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return [f'{readme}: not the rendering of the receipt: line {k + 1} reads {_short(a[k] if k < len(a) else None)}, '
+            f'the rendering has {_short(b[k] if k < len(b) else None)}; {fix}']
+
 # %% ../nbs/18_audit.ipynb #6c8d42b7
 def open_receipt(receipt_path, fixtures_path, load, schema: str, error=None, also=()) -> tuple[dict, object, list]:
     "`(receipt, fixtures, problems)`: `error` (default `VerificationError`) on a missing or unreadable file, marked `bad_input` (the command exits 2, not 1); `problems` lists a wrong schema or fixture hash."
@@ -422,33 +675,11 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
         problems += _differs(f'summary.{k}', stored.get(k, _MISSING), summary.get(k, _MISSING))
     problems += _differs('status', rc.get('status'), _status(aud.get('checkout_unchanged_after_run'), origin, summary))
     if rc.get('status') != 'passed': problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
+    problems += _readme_problems(report_dir / 'README.md', None if problems else rc)   # last: the rendering of a receipt that verified
     if problems: raise VerificationError(problems)
     return {'status': 'verified', 'cases': summary['cases'], 'checks': summary['checks'], 'matched': summary['matched'],
             'fixtures_sha256': rc['fixtures']['sha256'], 'protocol_sha256': rc['protocol']['sha256'],
             'audited': f"{aud['repository']}@{aud['revision']}"}
-
-# %% ../nbs/18_audit.ipynb #f6f952aa
-def summary_rows(receipt: dict) -> list[dict]:
-    "One row per case with the outputs the pairs and controls compare."
-    rows = []
-    for c in receipt['cases']:
-        o = c['observed']; ms, cs, bd, ts = o['memory_stats'], o['context_stats'], o['breakdown'], o['tool_stats']
-        rows.append({'case': c['id'], 'group': c['group'], 'judge': (c.get('judge') or {}).get('reply', '-'),
-                     'tool uses': sum(ts.values()), 'upd/del/add/ret': f"{ms['updated_count']}/{ms['deleted_count']}/{ms['added_count']}/{ms['retrieved_count']}",
-                     'used_retrieved': ms['used_retrieved_memory'],
-                     'user_query/key_info': f"{cs['preserved_user_query']}/{cs['preserved_key_info']}",
-                     'r_storage': bd['memory_r_storage'], 'r_maintenance': bd['memory_r_maintenance'],
-                     'r_relevance': bd['memory_r_relevance'], 'total': bd['total'],
-                     'match': all(x['match'] for x in c['checks'])})
-    return rows
-
-def _code(v):
-    "An identifier (a letter first, an underscore inside) in backticks; any other value unchanged."
-    return f'`{v}`' if isinstance(v, str) and v[:1].isalpha() and '_' in v else v
-
-def summary_table(receipt: dict) -> str:
-    "The markdown table of `summary_rows(receipt)`: plain rules, floats to 6 significant digits, identifiers as code."
-    return md_table([{k: _code(v) for k, v in r.items()} for r in summary_rows(receipt)], floatfmt='.6g', align=False)
 
 # %% ../nbs/18_audit.ipynb #8ef9cca1
 def study_cli(argv, *, prog: str, description: str, inputs: tuple, default_dir, run, verify, epilog=None) -> int:

@@ -9,10 +9,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 
 from memagent.audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditRefused, N_CASES, REWARD_MODULE, VerificationError,
-                            audit_cli, check_checkout, run_audit, verify_receipt)
+                            audit_cli, check_checkout, render_report, run_audit, verify_receipt)
+from memagent.observed.receipt import audit_cli as console_audit_cli      # the `memagent-audit` entry point
 
 REPORT = ROOT / 'reports' / 'agemem_audit'
-FILES = ('fixtures.json', 'protocol.md', 'receipt.json')
+FILES = ('fixtures.json', 'protocol.md', 'receipt.json', 'README.md')
 SRC = os.environ.get('AGEMEM_SRC')
 needs_src = pytest.mark.skipif(not (SRC and Path(SRC).is_dir()),
                                reason='AGEMEM_SRC is not set to an upstream AgeMem checkout at the pinned revision; '
@@ -35,6 +36,33 @@ def test_committed_receipt_verifies():
     assert res['status'] == 'verified' and res['cases'] == N_CASES and res['checks'] > 0
     assert res['audited'].endswith(AUDITED_REVISION)
     assert audit_cli(['--verify', '--report-dir', str(REPORT)]) == 0
+
+
+def test_committed_readme_is_the_rendering_of_the_receipt():
+    rc = json.loads((REPORT / 'receipt.json').read_text())
+    assert render_report(rc).encode() == (REPORT / 'README.md').read_bytes()
+
+
+def test_edited_readme_fails(copy_dir, capsys):
+    "`sed s/464/400/` on the copy's README: the receipt still verifies, the README is not its rendering."
+    readme = copy_dir / 'README.md'
+    readme.write_text(''.join(re.sub('464', '400', line, count=1) for line in readme.read_text().splitlines(keepends=True)))
+    with pytest.raises(VerificationError, match=re.escape(f'{readme}: not the rendering of the receipt: line 4 reads')) as e:
+        verify_receipt(copy_dir)
+    assert "'down before the run (400 of 464 checks" in str(e.value) and 'the rendering has' in str(e.value)
+    assert 're-render it from the receipt' in str(e.value) and len(e.value.problems) == 1
+    capsys.readouterr()
+    assert console_audit_cli(['--verify', '--report-dir', str(copy_dir)]) == 1
+    assert 'VERIFY FAILED' in (err := capsys.readouterr().err) and 'README.md: not the rendering of the receipt' in err
+
+
+def test_missing_readme_fails(copy_dir, capsys):
+    (copy_dir / 'README.md').unlink()
+    with pytest.raises(VerificationError, match=re.escape(f"{copy_dir / 'README.md'}: missing; re-render it from the receipt")):
+        verify_receipt(copy_dir)
+    capsys.readouterr()
+    assert console_audit_cli(['--verify', '--report-dir', str(copy_dir)]) == 1
+    assert 'README.md: missing' in capsys.readouterr().err
 
 
 def test_changed_fixture_fails(copy_dir):
