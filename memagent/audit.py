@@ -17,8 +17,8 @@ __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_
            'AuditError', 'AuditRefused', 'VerificationError', 'default_report_dir', 'validate_fixtures',
            'load_fixtures', 'values_match', 'compare', 'check_checkout', 'load_by_path', 'load_reward_module',
            'StubJudge', 'run_case', 'origin_problems', 'audited_upstream', 'run_audit', 'write_receipt', 'summary_rows',
-           'summary_table', 'render_report', 'open_receipt', 'field_problems', 'environment_problems', 'wrong_shape',
-           'verify_receipt', 'study_cli', 'audit_cli']
+           'summary_table', 'render_report', 'render_files', 'open_receipt', 'field_problems', 'environment_problems',
+           'wrong_shape', 'verify_receipt', 'study_cli', 'audit_cli']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
 PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
@@ -568,6 +568,14 @@ def _readme_problems(readme: Path, rc: dict | None) -> list[str]:
     return [f'{readme}: not the rendering of the receipt: line {k + 1} reads {_short(a[k] if k < len(a) else None)}, '
             f'the rendering has {_short(b[k] if k < len(b) else None)}; {fix}']
 
+# %% ../nbs/18_audit.ipynb #a0d1f001
+def render_files(receipt: dict, report_dir) -> list[Path]:
+    "Write the report of `receipt` into `report_dir`: README.md, its rendering (the run notebook and `memagent-audit --source-repo` call it)."
+    p = Path(report_dir) / 'README.md'
+    p.write_text(render_report(receipt), encoding='utf-8')
+    return [p]
+
+
 # %% ../nbs/18_audit.ipynb #6c8d42b7
 def open_receipt(receipt_path, fixtures_path, load, schema: str, error=None, also=()) -> tuple[dict, object, list]:
     "`(receipt, fixtures, problems)`: `error` (default `VerificationError`) on a missing or unreadable file, marked `bad_input` (the command exits 2, not 1); `problems` lists a wrong schema or fixture hash."
@@ -682,10 +690,11 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
             'audited': f"{aud['repository']}@{aud['revision']}"}
 
 # %% ../nbs/18_audit.ipynb #8ef9cca1
-def study_cli(argv, *, prog: str, description: str, inputs: tuple, default_dir, run, verify, epilog=None) -> int:
+def study_cli(argv, *, prog: str, description: str, inputs: tuple, default_dir, run, verify, render, epilog=None) -> int:
     """The command of one AgeMem study: `--source-repo PATH` runs `run(source_repo, report_dir)` and writes the receipt (exit 0 passed,
-    1 not passed, 2 refused: an output that is one of the `inputs`, a checkout or an input that is not the pinned one); `--verify`
-    checks a receipt with `verify(report_dir, receipt)` (exit 0 verified, 1 not, 2 a receipt or input it cannot read)."""
+    1 not passed, 2 refused: an output that is one of the `inputs`, a checkout or an input that is not the pinned one), and, when the
+    receipt goes to the report folder, the report `render(receipt, report_dir)` draws from it; `--verify` checks a receipt with
+    `verify(report_dir, receipt)` (exit 0 verified, 1 not, 2 a receipt or input it cannot read)."""
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
     ap.add_argument('--source-repo', help='path of the upstream checkout (pinned revision; outside this repository)')
     ap.add_argument('--out', help='where to write the receipt (default: <report-dir>/receipt.json)')
@@ -705,11 +714,14 @@ def study_cli(argv, *, prog: str, description: str, inputs: tuple, default_dir, 
         print(json.dumps(res, indent=1)); return 0
     out = Path(a.out) if a.out else report_dir / 'receipt.json'
     try:
-        refuse_overwrite({name: report_dir / name for name in inputs}, {'out': out})   # the receipt must not replace what it is checked against
+        refuse_overwrite({name: report_dir / name for name in inputs}, {'out': out, 'README.md': report_dir / 'README.md'})   # nor the report
         receipt = run(a.source_repo, report_dir)
     except (AuditError, ValueError) as e:
         print(f'REFUSED: {e}', file=sys.stderr); return 2
     write_receipt(receipt, out)
+    if out.resolve() == (report_dir / 'receipt.json').resolve():       # the report folder's receipt: its report follows it
+        print('rendered', ', '.join(str(p) for p in render(receipt, report_dir)))
+    else: print(f'{report_dir} not rendered: the receipt went to {out}, not to {report_dir / "receipt.json"}', file=sys.stderr)
     s = receipt['summary']
     print(f"{receipt['status']}: {s['matched']}/{s['checks']} checks matched over {s['cases']} cases -> {out}")
     for cid in s['mismatched_cases']: print(f'  mismatch in case {cid}', file=sys.stderr)
@@ -719,4 +731,4 @@ def audit_cli(argv=None, epilog=None) -> int:
     "The first study's command: run the audit against a checkout, or `--verify` the committed receipt."
     return study_cli(argv, prog='memagent-audit', epilog=epilog, description='AgeMem reward audit: run against a pinned upstream checkout, or '
                      'verify the committed receipt without one.', inputs=('fixtures.json', 'protocol.md'),
-                     default_dir=default_report_dir, run=run_audit, verify=verify_receipt)
+                     default_dir=default_report_dir, run=run_audit, verify=verify_receipt, render=render_files)

@@ -189,3 +189,12 @@ def test_run_notebook_verify_mode(tmp_path):
     nb = json.loads(out.read_text())
     text = ''.join(''.join(o.get('text', '')) for c in nb['cells'] for o in c.get('outputs', []))
     assert '"status": "verified"' in text and AUDITED_REVISION in text
+
+
+@needs_src
+def test_a_run_into_the_report_folder_renders_its_readme(copy_dir):
+    "`memagent-audit --source-repo` writing the report folder's receipt writes its README too, so the folder verifies as a whole."
+    (copy_dir / 'README.md').unlink()
+    assert audit_cli(['--source-repo', SRC, '--report-dir', str(copy_dir)]) == 0
+    assert (copy_dir / 'README.md').read_bytes() == (REPORT / 'README.md').read_bytes()     # same cases, same rendering
+    assert verify_receipt(copy_dir)['status'] == 'verified'

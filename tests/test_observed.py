@@ -201,3 +201,14 @@ def test_modified_store_in_the_checkout_is_refused_before_any_write(tmp_path):
     with pytest.raises(AuditRefused, match='SHA-256'): check_checkout(clone, AUDITED_REVISION, OBSERVED_FILES)
     assert audit_cli(['--study', 'observed', '--source-repo', str(clone), '--out', str(tmp_path / 'r.json')]) == 2
     assert not (tmp_path / 'r.json').exists()
+
+
+@needs_src
+def test_a_run_into_the_report_folder_renders_its_figure_and_readme(tmp_path):
+    "`memagent-audit --study observed --source-repo` writing the report folder's receipt draws the figure and writes the README."
+    d = _copy(tmp_path)
+    for f in ('README.md', 'differences.png'): (d / f).unlink()
+    assert audit_cli(['--study', 'observed', '--source-repo', SRC, '--report-dir', str(d)]) == 0
+    assert (d / 'differences.png').is_file() and (d / 'README.md').is_file()
+    from memagent.observed import verify_observed
+    assert verify_observed(d)['status'] == 'verified'

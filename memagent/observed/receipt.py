@@ -17,7 +17,8 @@ from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, 
 # %% auto #0
 __all__ = ['RECEIPT_SCHEMA', 'N_CASES', 'EPISODES_SHA256', 'PROTOCOL_SHA256', 'MEANING', 'LIMITS', 'RECEIPT_FIELDS',
            'AUDITED_FIELDS', 'CASE_FIELDS', 'STORE', 'PINS', 'default_report_dir', 'run_observed', 'side_by_side_rows',
-           'statistics_rows', 'findings', 'render_report', 'plot_differences', 'verify_observed', 'audit_cli']
+           'statistics_rows', 'findings', 'render_report', 'plot_differences', 'render_files', 'verify_observed',
+           'audit_cli']
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #61924ea7
 RECEIPT_SCHEMA = 'memagent.agemem_observed.receipt/1'
@@ -173,6 +174,16 @@ def plot_differences(receipt: dict, path) -> Path:
     fig.tight_layout(); path = Path(path); fig.savefig(path, dpi=110); plt.close(fig)
     return path
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #a0d1f002
+def render_files(receipt: dict, report_dir) -> list[Path]:
+    "Write the report of `receipt` into `report_dir`: differences.png first, then README.md, which states the figure's SHA-256."
+    d = Path(report_dir)
+    png = plot_differences(receipt, d / 'differences.png')
+    readme = d / 'README.md'
+    readme.write_text(render_report(receipt, figure_sha256=sha256_file(png)), encoding='utf-8')
+    return [png, readme]
+
+
 # %% ../../nbs/18a_observed_2_receipt.ipynb #2a1c674d
 def _case_problems(case: dict, rec: dict, tol) -> list[str]:
     "What a recorded case claims that its episode, its expectations, or its own log and context do not give back."
@@ -288,4 +299,5 @@ def audit_cli(argv=None) -> int:
                                                         'with the same options; --study reward (the default): this one.')
     return study_cli(rest, prog='memagent-audit --study observed', description='AgeMem second study: the observed reward beside the '
                      'official one, run against the pinned upstream checkout, or its receipt verified without one.',
-                     inputs=('episodes.json', 'protocol.md'), default_dir=default_report_dir, run=run_observed, verify=verify_observed)
+                     inputs=('episodes.json', 'protocol.md'), default_dir=default_report_dir, run=run_observed, verify=verify_observed,
+                     render=render_files)
