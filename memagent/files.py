@@ -11,7 +11,7 @@ import yaml
 
 # %% auto #0
 __all__ = ['MAX_DEPTH', 'SHAPES', 'FileError', 'decode', 'depth', 'loads_json', 'loads_yaml', 'check_shape', 'read_json',
-           'read_jsonl', 'read_yaml', 'same_path', 'refuse_aliases', 'Staged', 'StagedDir']
+           'read_jsonl', 'read_yaml', 'same_path', 'refuse_aliases', 'Staged', 'StagedDir', 'check_inputs']
 
 # %% ../nbs/01b_files.ipynb #76543f5f
 MAX_DEPTH = 100   # the deepest nesting read; the kit's own files nest under 10 levels
@@ -233,3 +233,38 @@ class StagedDir:
         if self.target.exists(): os.replace(self.target, old)
         os.replace(self.work, self.target)
         if old.exists(): shutil.rmtree(old)
+
+# %% ../nbs/01b_files.ipynb #d28572ba
+def _inside(p: Path, folder: Path) -> bool:
+    "Whether the file `p` lies in `folder` however spelt: its resolved path is under the folder's, or it is a hard link to a file there."
+    f, r = folder.resolve(), p.resolve()
+    if r == f or f in r.parents: return True
+    if not (p.is_file() and f.is_dir() and p.stat().st_nlink > 1): return False     # a file with one name has no other name in there
+    return any(q.is_file() and same_path(p, q) for q in f.rglob('*'))
+
+_READERS = {'.json': read_json, '.jsonl': read_jsonl, '.yaml': read_yaml, '.yml': read_yaml}
+
+def _read_input(p: Path, kind):
+    "Read the input `p` with `kind` (a `SHAPES` kind or None: by its suffix; a callable: that reader); `FileError` when it holds nothing."
+    if p.stat().st_size == 0: raise FileError(p, None, None, 'an empty file: an input must hold data')
+    if callable(kind): value = kind(p)
+    elif (reader := _READERS.get(p.suffix.lower())) is None:
+        raise ValueError(f"{p}: no reader for {p.suffix!r} files (known: {sorted(_READERS)}); give a reader as its kind")
+    else: value = reader(p, kind)
+    if value is None or value == []: raise FileError(p, None, None, 'holds no data (only blank lines or comments)')
+
+def check_inputs(inputs: dict, outputs: dict | None = None) -> None:
+    "A run's check cell, before anything is written: every input `{param: (path, kind)}` (or a list of such pairs; path None: not given) read through this module with its shape, and none inside an output folder `{param: folder}`; errors name the parameter."
+    ins = [(n, Path(p), k) for n, v in inputs.items() for p, k in (v if isinstance(v, list) else [v]) if p is not None]
+    for n, p, _ in ins:
+        if not p.is_file(): raise FileNotFoundError(f"parameter {n}: {p}: no such file" + (' (a folder)' if p.is_dir() else ''))
+        for on, folder in _items(outputs):
+            if _inside(p, folder):
+                raise ValueError(f"parameter {n}: {p} is inside the output folder {folder} (parameter {on}), which the run writes "
+                                 f"or replaces: give an input outside it, or another {on}")
+    for n, p, kind in ins:
+        try: _read_input(p, kind)
+        except FileError as e:
+            e.param, e.args = n, (f"parameter {n}: {e.args[0]}",)
+            raise
+

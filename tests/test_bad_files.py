@@ -188,3 +188,134 @@ def test_an_interrupted_evaluation_leaves_the_earlier_run(tmp_path):
     assert _tree(out) == before
     work = tmp_path / f'.running-{os.getpid()}-ev'
     assert (work / 'records.jsonl').read_text().count('\n') == 2     # what it finished: the first batch's two items
+
+
+# ---- run notebooks: the check cell reads every input file through memagent.files and refuses one inside an output folder ----
+
+import json, shutil
+from test_config import RUN_NOTEBOOKS
+
+
+def _records(p: Path) -> Path:
+    "Two rows of the memagent record schema, as JSONL at `p`."
+    from memagent.data import make_synthetic, write_examples
+    return write_examples(make_synthetic(2, num_words=20, seed=0), p)
+
+
+def _data_root(root: Path, eval_50: bytes | None = None) -> Path:
+    "A data root as memagent-prepare leaves it: eval_50's converted file (`eval_50`, else two good rows) and a manifest recording its size."
+    f = root / 'eval_50.jsonl'
+    _records(f) if eval_50 is None else _write(f, eval_50, True)
+    entry = {'converted': {'path': f.name, 'bytes': f.stat().st_size}}
+    _write(root / 'manifest.json', json.dumps({'kind': 'memagent.data.prepare', 'files': {'eval_50.json': entry}}).encode())
+    return root
+
+
+_TRAIN = lambda t: {'preset': 'tiny', 'run': 'r', 'out_dir': str(t / 'runs'), 'report_dir': str(t / 'reports')}
+_ACCEPTANCE = lambda t: {'preset': 'tiny', 'base_model': 'tiny-qwen3', 'reference_model': 'tiny-qwen3', 'candidate_model': 'tiny-qwen3',
+                         'eval_data': 'pinned', 'lengths': [50], 'hotpotqa': False, 'run_name': 'r', 'out_root': str(t / 'acc')}
+
+
+def _jsonl(param):
+    "A run notebook's data parameter given a JSONL file of the bad bytes: `[(what, parameters, the bad file)]`."
+    def cases(t: Path, bad: bytes):
+        f = _write(t / 'in' / f'{param}.jsonl', bad, True)
+        return [(param, {**_TRAIN(t), param: str(f)}, f)]
+    return cases
+
+
+def _pinned_root(t: Path, bad: bytes):
+    "acceptance's data_root (eval_data='pinned'): the root's manifest is the bad file, then one data file its manifest names."
+    r1, r2 = _data_root(t / 'root1'), _data_root(t / 'root2', bad)
+    _write(r1 / 'manifest.json', bad)
+    return [("the root's manifest.json", {**_ACCEPTANCE(t), 'data_root': str(r1)}, r1 / 'manifest.json'),
+            ('a data file the manifest names', {**_ACCEPTANCE(t), 'data_root': str(r2)}, r2 / 'eval_50.jsonl')]
+
+
+def _receipt(name, checkout=False):
+    "A verify-mode notebook given a copy of its committed report folder whose receipt.json is the bad file."
+    def cases(t: Path, bad: bytes):
+        if checkout:    # the notebook finds the repository from the working folder even in verify mode: this folder stands in for it
+            shutil.copy(ROOT / 'settings.ini', t / 'cwd' / 'settings.ini')
+            (t / 'cwd' / 'data' / 'parity').mkdir(parents=True)
+            (t / 'cwd' / 'data' / 'parity' / 'fixtures.jsonl').symlink_to(ROOT / 'data' / 'parity' / 'fixtures.jsonl')
+        rep = t / 'report'; shutil.copytree(ROOT / 'reports' / name, rep)
+        return [('receipt.json', {'mode': 'verify', 'report_dir': str(rep)}, _write(rep / 'receipt.json', bad))]
+    return cases
+
+
+INPUT_PARAMS = {  # notebook -> {parameter: the cases giving it a bad file}
+    'train': {'train_data': _jsonl('train_data'), 'eval_data': _jsonl('eval_data')},
+    'smoke': {'data': _jsonl('data')},
+    'acceptance': {'data_root': _pinned_root},
+    'agemem_audit': {'report_dir': _receipt('agemem_audit')},
+    'agemem_observed': {'report_dir': _receipt('agemem_observed')},
+    'parity': {'report_dir': _receipt('parity', checkout=True)},
+    'loss_parity': {'report_dir': _receipt('loss_parity', checkout=True)}}
+VERIFY_MODE = {'agemem_audit', 'agemem_observed', 'parity', 'loss_parity'}   # read receipt.json through their verifiers, every cell run
+NO_INPUT_FILES = {
+    'bench': 'a model name (resolved by memagent.models), presets and workloads it builds; no parameter names a JSON, JSONL or YAML file',
+    'rehearsal': "haystacks built from the package's shipped HotpotQA sample; no parameter names a file",
+    'simulate': 'a simulation from seeds, lengths and latency fields given as values; reads no file',
+    'launch': 'a simulated node from numbers and mode names; reads no file',
+    'plan': 'a memory plan from a preset, overrides and numbers; reads no file',
+    'gpu_check': 'out is the folder it writes; its parts build their inputs; no parameter names a file it reads'}
+KNOWN = {('parity', 'wrong shape'): "memagent.fuzz.verify reads the receipt without a shape: a JSON list meets AttributeError "
+                                    "('list' object has no attribute 'get') instead of a VerificationError naming the receipt"}
+
+
+def test_every_run_notebook_declares_its_input_files():
+    "A new run notebook fails here until its input-file parameters are listed in INPUT_PARAMS, or it is declared without any."
+    assert not set(INPUT_PARAMS) & set(NO_INPUT_FILES)
+    assert set(INPUT_PARAMS) | set(NO_INPUT_FILES) == set(RUN_NOTEBOOKS), set(RUN_NOTEBOOKS) ^ (set(INPUT_PARAMS) | set(NO_INPUT_FILES))
+
+
+@pytest.mark.parametrize('name,param,case', [
+    pytest.param(n, p, c, marks=[pytest.mark.xfail(strict=True, reason=KNOWN[n, c])] if (n, c) in KNOWN else [])
+    for n in INPUT_PARAMS for p in INPUT_PARAMS[n] for c in BAD])
+def test_every_run_notebook_refuses_a_bad_input_file_naming_it(tmp_path, monkeypatch, name, param, case):
+    """The bad bytes as one input of a run notebook, run in this process: the check cell (a verify-mode notebook: every cell)
+    raises `FileError` naming the file and the parameter (a verifier: its `VerificationError` naming the file), and writes nothing."""
+    from memagent.files import FileError
+    from memagent.testing import run_notebook_cells
+    (tmp_path / 'cwd').mkdir()
+    for what, params, bad_file in INPUT_PARAMS[name][param](tmp_path, BAD[case]):
+        before = _tree(tmp_path)
+        monkeypatch.chdir(tmp_path / 'cwd')                        # anything written by mistake lands under tmp_path, and is caught below
+        _, err = run_notebook_cells(ROOT / 'nbs' / f'{name}.ipynb', params, cells=None if name in VERIFY_MODE else 1)
+        said = str(err)
+        if name in VERIFY_MODE: assert type(err).__name__ == 'VerificationError', (name, what, repr(err)[-500:])
+        else: assert isinstance(err, FileError) and f'parameter {param}: ' in said, (name, what, repr(err)[-500:])
+        assert str(bad_file) in said, (name, what, said[-500:])
+        assert _tree(tmp_path) == before, (name, what, 'something was written')
+
+
+def _aliased(t: Path):
+    "`(notebook, input parameter, output folder, parameters)`: an input inside a folder the run writes, spelt through a symlink, '..' and a hard link."
+    places = [('train', 'train_data', t / 'runs' / 'r', _TRAIN(t)), ('train', 'eval_data', t / 'reports' / 'r', _TRAIN(t)),
+              ('smoke', 'data', t / 'runs' / 'r', _TRAIN(t)), ('smoke', 'data', t / 'reports' / 'r', _TRAIN(t)),
+              ('acceptance', 'data_root', t / 'acc' / 'r', _ACCEPTANCE(t))]
+    (t / 'x').mkdir()
+    for i, (name, param, folder, base) in enumerate(places):
+        real = _data_root(folder / f'root{i}') if param == 'data_root' else _records(folder / 'in' / f'd{i}.jsonl')
+        (t / f'link{i}').symlink_to(folder)
+        rel = real.relative_to(folder)
+        if param == 'data_root':
+            hard = t / f'hard{i}'; hard.mkdir()
+            for f in real.iterdir(): os.link(f, hard / f.name)
+        else: hard = t / f'hard{i}.jsonl'; os.link(real, hard)
+        for how, p in (('a symlink', t / f'link{i}' / rel), ("'..'", t / 'x' / '..' / real.relative_to(t)), ('a hard link', hard)):
+            yield name, param, folder, {**base, param: str(p)}, how
+
+
+def test_run_notebooks_refuse_an_input_inside_an_output_folder(tmp_path, monkeypatch):
+    "train, smoke and acceptance: an input inside a folder the run writes or replaces, however spelt, is refused by the check cell naming the parameter and the folder; nothing is written."
+    from memagent.testing import run_notebook_cells
+    (tmp_path / 'cwd').mkdir()
+    cases = list(_aliased(tmp_path))
+    monkeypatch.chdir(tmp_path / 'cwd')
+    before = _tree(tmp_path)
+    for name, param, folder, params, how in cases:
+        _, err = run_notebook_cells(ROOT / 'nbs' / f'{name}.ipynb', params, cells=1)
+        assert isinstance(err, ValueError) and f'parameter {param}' in str(err) and str(folder) in str(err), (name, param, how, repr(err)[-500:])
+        assert _tree(tmp_path) == before, (name, param, how, 'something was written')
