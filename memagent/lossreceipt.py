@@ -184,10 +184,12 @@ def verify(report_dir=None) -> dict:
     "Re-check the receipt, its cases and its README against the current code, without the verl checkout; raise `VerificationError`."
     report = Path(report_dir) if report_dir else _repo_root() / REPORT_DIR
     path = report / 'receipt.json'
-    if not path.is_file(): raise VerificationError([f'{path}: missing'])
+    def unreadable(why):                                      # a receipt it cannot read: refused (a command exits 2), not failed
+        e = VerificationError([why]); e.bad_input = True; return e
+    if not path.is_file(): raise unreadable(f'{path}: missing')
     try: rc = read_json(path)
-    except FileError as e: raise VerificationError([str(e)]) from None
-    if not isinstance(rc, dict): raise VerificationError([f'{path}: not an object'])
+    except FileError as e: raise unreadable(str(e)) from None
+    if not isinstance(rc, dict): raise unreadable(f'{path}: not an object')
     try: return _verify(rc, report)
     except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e: raise wrong_shape(path, VerificationError, e) from None
 

@@ -260,8 +260,7 @@ NO_INPUT_FILES = {
     'launch': 'a simulated node from numbers and mode names; reads no file',
     'plan': 'a memory plan from a preset, overrides and numbers; reads no file',
     'gpu_check': 'out is the folder it writes; its parts build their inputs; no parameter names a file it reads'}
-KNOWN = {('parity', 'wrong shape'): "memagent.fuzz.verify reads the receipt without a shape: a JSON list meets AttributeError "
-                                    "('list' object has no attribute 'get') instead of a VerificationError naming the receipt"}
+KNOWN = {}    # (notebook, case) pairs that still fail, each with its reason, marked xfail(strict) until fixed
 
 
 def test_every_run_notebook_declares_its_input_files():
