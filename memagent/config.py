@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_config.ipynb #1da9bab9
 from __future__ import annotations
-import ast, copy, dataclasses, difflib, math, re, typing
+import argparse, ast, copy, dataclasses, difflib, math, re, typing
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -15,7 +15,7 @@ __all__ = ['CHOICES', 'NONEMPTY', 'RANGES', 'PARAM_KINDS', 'PRESETS', 'ModelCfg'
            'RolloutCfg', 'GRPOCfg', 'LossCfg', 'OptimCfg', 'BatchCfg', 'ScheduleCfg', 'EvalCfg', 'HealthCfg', 'Config',
            'get_key', 'config_keys', 'Range', 'apply_overrides', 'from_dict', 'save_config', 'load_config',
            'injected_params', 'refuse_unknown_params', 'folder_name', 'typed_param', 'parse_sets', 'check_params',
-           'qwen3_4b_frozen', 'qwen3_06b_pilot', 'memagent_official', 'cpu_demo', 'tiny', 'get_preset']
+           'cli_number', 'qwen3_4b_frozen', 'qwen3_06b_pilot', 'memagent_official', 'cpu_demo', 'tiny', 'get_preset']
 
 # %% ../nbs/00_config.ipynb #c20a9c38
 @dataclass
@@ -500,21 +500,29 @@ def folder_name(value, param: str, empty_ok: bool = False):
         raise ValueError(f"parameter {param}: {value!r} must name one folder inside the output root (no '/', '\\', '.' or '..'), "
                          "so the run cannot write outside it")
     return value
-PARAM_KINDS = ('int>=1', 'int>=0', 'finite>=0', 'ints>=1')
+
+def _whole(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
+def _finite(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+PARAM_KINDS = {   # kind: (what a value must be, the test of a value, how one command-line word is read; None: a list kind)
+    'int>=1': ('a whole number >= 1', lambda v: _whole(v) and v >= 1, int),
+    'int>=0': ('a whole number >= 0', lambda v: _whole(v) and v >= 0, int),
+    'finite>0': ('a finite number > 0', lambda v: _finite(v) and v > 0, float),
+    'finite>=0': ('a finite number >= 0', lambda v: _finite(v) and v >= 0, float),
+    'ints>=1': ('a non-empty list of whole numbers >= 1',
+                lambda v: isinstance(v, (list, tuple)) and bool(v) and all(_whole(x) and x >= 1 for x in v), None),
+}
+
+def _kind(kind: str) -> tuple:
+    "The `PARAM_KINDS` entry of `kind`; a `ValueError` naming the known kinds otherwise."
+    if kind not in PARAM_KINDS: raise ValueError(f"unknown parameter kind {kind!r}; known: {list(PARAM_KINDS)}")
+    return PARAM_KINDS[kind]
 
 def typed_param(value, param: str, kind: str):
     "`value` of run-notebook parameter `param` held to the range `kind` names (one of `PARAM_KINDS`; its type is `check_params`' job); a `ValueError` naming the parameter."
-    if kind not in PARAM_KINDS: raise ValueError(f"unknown parameter kind {kind!r}; known: {PARAM_KINDS}")
-    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
-    if kind in ('int>=1', 'int>=0'):
-        lo = int(kind[-1])
-        if is_int(value) and value >= lo: return value
-        raise ValueError(f"parameter {param}: {value!r} is not a whole number >= {lo}")
-    if kind == 'finite>=0':
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0: return value
-        raise ValueError(f"parameter {param}: {value!r} is not a finite number >= 0")
-    if isinstance(value, (list, tuple)) and value and all(is_int(v) and v >= 1 for v in value): return list(value)
-    raise ValueError(f"parameter {param}: {value!r} is not a non-empty list of whole numbers >= 1")
+    must, ok, _ = _kind(kind)
+    if not ok(value): raise ValueError(f"parameter {param}: {value!r} is not {must}")
+    return list(value) if kind == 'ints>=1' else value
 
 _PARAM_TYPES = None
 
@@ -557,6 +565,24 @@ def check_params(namespace: dict) -> None:
             elif isinstance(v, str):
                 hint = f" (papermill -p passes text: give -y '{name}: {v}' to pass a number or a list)"
             raise ValueError(f"parameter {name}: {v!r} is not of its declared type {want}{hint}") from None
+
+
+# %% ../nbs/00_config.ipynb #d2ab91e0
+class cli_number:
+    "An argparse `type=`: the option's word read and held to `kind` (a scalar kind of `PARAM_KINDS`); `argparse.ArgumentTypeError` saying what is required."
+    def __init__(self, kind: str):
+        must, ok, read = _kind(kind)
+        if read is None: raise ValueError(f"{kind!r} is a list kind: give nargs='+' and the kind of one item")
+        self.kind, self.must, self._ok, self._read = kind, must, ok, read
+        self.__name__ = kind                                    # argparse's name for the type
+    def __call__(self, text: str):
+        try: v = self._read(text)
+        except (TypeError, ValueError): v = None
+        if v is None or not self._ok(v): raise argparse.ArgumentTypeError(f"{text!r} is not {self.must}")
+        return v
+    def __repr__(self): return f"cli_number({self.kind!r})"
+    def __eq__(self, other): return isinstance(other, cli_number) and other.kind == self.kind
+    def __hash__(self): return hash((cli_number, self.kind))
 
 
 # %% ../nbs/00_config.ipynb #3a2f7c0f

@@ -450,19 +450,19 @@ def write_memory_report(data, out_dir, tokenizer, cfg, name: str = 'model') -> P
 
 def evaluate_cli(argv=None) -> int:
     "Console script `memagent-evaluate`."
-    from memagent.config import get_preset, load_config, apply_overrides, parse_sets
+    from memagent.config import get_preset, load_config, apply_overrides, parse_sets, cli_number
     from memagent.models import load_tokenizer
     ap = argparse.ArgumentParser(prog='memagent-evaluate', description='Evaluate a model on a schema JSONL file.')
     ap.add_argument('--model', required=True); ap.add_argument('--data', required=True); ap.add_argument('--out', required=True)
     ap.add_argument('--preset', default='tiny'); ap.add_argument('--config', default=None, help='YAML config (instead of --preset)')
     ap.add_argument('--set', action='append', default=[], metavar='KEY=VALUE')
     ap.add_argument('--mode', choices=('recurrent', 'base'), default='recurrent')
-    ap.add_argument('--samples', type=int, default=None)
-    ap.add_argument('--max-items', type=int, default=None, help='default: eval.max_items of the config')
+    ap.add_argument('--samples', type=cli_number('int>=1'), default=None, help='default: eval.samples of the config')
+    ap.add_argument('--max-items', type=cli_number('int>=1'), default=None, help='default: eval.max_items of the config')
     ap.add_argument('--all-items', action='store_true', help='evaluate every item of the file')
-    ap.add_argument('--batch-size', type=int, default=8); ap.add_argument('--variant', default='eval')
+    ap.add_argument('--batch-size', type=cli_number('int>=1'), default=8); ap.add_argument('--variant', default='eval')
     ap.add_argument('--tokenizer', default=None); ap.add_argument('--key', default=None)
-    ap.add_argument('--base-max-tokens', type=int, default=None); ap.add_argument('--no-progress', action='store_true')
+    ap.add_argument('--base-max-tokens', type=cli_number('int>=1'), default=None); ap.add_argument('--no-progress', action='store_true')
     ap.add_argument('--allow-errors', action='store_true',
                     help='exit 0 although some samples have request errors (never when every sample failed)')
     ap.add_argument('--memory', action='store_true',

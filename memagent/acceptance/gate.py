@@ -402,10 +402,11 @@ def _files(p) -> list[Path]:
 
 def compare_cli(argv=None) -> int:
     "Console script `memagent-compare`: writes the report JSON; exit 0 when it passes, 1 when not, 2 on bad input."
+    from memagent.config import cli_number
     ap = argparse.ArgumentParser(prog='memagent-compare', description='Acceptance comparison of evaluation runs.')
     for r in ('candidate', 'reference', 'base'): ap.add_argument(f'--{r}', nargs='+', required=True)
-    ap.add_argument('--out', required=True); ap.add_argument('--tolerance-pp', type=float, default=3.0)
-    ap.add_argument('--lengths', type=int, nargs='*', default=None); ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--out', required=True); ap.add_argument('--tolerance-pp', type=cli_number('finite>=0'), default=3.0)
+    ap.add_argument('--lengths', type=cli_number('int>=1'), nargs='+', default=None); ap.add_argument('--seed', type=cli_number('int>=0'), default=0)
     ap.add_argument('--no-hotpotqa', action='store_true', help='do not require the HotpotQA boxed-EM run')
     ap.add_argument('--metric', default='sub_em', help="the metric both conditions judge at every length: a metric of the runs' "
                     "parity mode (sub_em: the recipe's) or a registered reward computed with each item's negatives from the data "

@@ -97,13 +97,14 @@ def token_stats(examples, tokenizer, field: str = 'context') -> dict:
 # %% ../../nbs/03_data_2_haystack.ipynb #5fe9b4b3
 def haystack_cli(argv=None) -> int:
     "Entry point of `memagent-haystack`."
+    from memagent.config import cli_number
     ap = argparse.ArgumentParser(prog='memagent-haystack', description='Build RULER-HQA haystacks from HotpotQA distractor rows.')
     ap.add_argument('pool', help='HotpotQA distractor file: the document pool (and the questions unless --questions)')
     ap.add_argument('out', help='output JSONL (.jsonl or .jsonl.gz)')
-    ap.add_argument('--num-docs', type=int, required=True)
-    ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--num-docs', type=cli_number('int>=1'), required=True)
+    ap.add_argument('--seed', type=cli_number('int>=0'), default=0)
     ap.add_argument('--shuffle', default='per_question', choices=SHUFFLES)
-    ap.add_argument('--limit', type=int, default=None, help='number of questions (the first ones)')
+    ap.add_argument('--limit', type=cli_number('int>=1'), default=None, help='number of questions (the first ones)')
     ap.add_argument('--questions', default=None, help='HotpotQA file with the questions (default: the pool file)')
     ap.add_argument('--manifest', default=None, help='manifest path (default OUT.manifest.json)')
     ap.add_argument('--quiet', action='store_true', help='no progress bar')

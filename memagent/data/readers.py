@@ -457,12 +457,13 @@ def _cli_error(prog, e) -> int:
 
 def convert_cli(argv=None) -> int:
     "Entry point of `memagent-convert`."
+    from memagent.config import cli_number
     ap = argparse.ArgumentParser(prog='memagent-convert', description='Convert HotpotQA / RULER-HQA / verl parquet rows into memagent JSONL.')
     ap.add_argument('src', nargs='+', help='input files (.jsonl, .jsonl.gz, .json, .parquet)')
     ap.add_argument('out', help='output JSONL (.jsonl or .jsonl.gz)')
     ap.add_argument('--format', default='auto', choices=['auto', *CONVERTERS, *_FMT_ALIASES])
     ap.add_argument('--strict', action='store_true', help='fail on the first bad row instead of skipping it')
-    ap.add_argument('--limit', type=int, default=None, help='write at most this many rows')
+    ap.add_argument('--limit', type=cli_number('int>=1'), default=None, help='write at most this many rows')
     ap.add_argument('--manifest', default=None, help='manifest path (default OUT.manifest.json)')
     ap.add_argument('--quiet', action='store_true', help='no progress bar')
     ap.add_argument('--allow-empty', action='store_true', help='write an empty output when no row converts (an error otherwise)')

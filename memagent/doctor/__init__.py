@@ -95,23 +95,22 @@ def summary_line(rows) -> str:
 
 def doctor_cli(argv=None) -> int:
     "Console script `memagent-doctor`: every row for a preset and a world size; exit 1 naming every failing row."
-    from memagent.config import PRESETS, get_preset
+    from memagent.config import PRESETS, cli_number, get_preset
     ap = argparse.ArgumentParser(prog='memagent-doctor', description='Preflight check of a launch: one row per requirement of the '
                                  'layout, found vs needed, before Ray or any model. Exit 1 when any row fails.')
     ap.add_argument('--preset', required=True, help=f"one of {list(PRESETS)}")
-    ap.add_argument('--world-size', type=int, required=True, help='training ranks (the trainer\'s world_size)')
+    ap.add_argument('--world-size', type=cli_number('int>=1'), required=True, help='training ranks (the trainer\'s world_size)')
     ap.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', help='a config override (value read as YAML); repeatable')
     ap.add_argument('--run-dir', default='runs', help='where the run writes its checkpoints (disk row)')
     ap.add_argument('--data-root', default=None, help='the pinned data root (default: data.root, $MEMAGENT_DATA_ROOT, the cache)')
     ap.add_argument('--simulated-gpus', action='store_true', help='a node that declares GPUs to Ray without having them: hardware rows warn')
     ap.add_argument('--fast', action='store_true', help='only the fast rows (what the trainer runs before Ray)')
     ap.add_argument('--ray-address', default=None, help="ask this Ray cluster for its resources (the row is then not fast)")
-    ap.add_argument('--ray-timeout', type=float, default=RAY_PROBE_TIMEOUT_S, metavar='S',
+    ap.add_argument('--ray-timeout', type=cli_number('finite>0'), default=RAY_PROBE_TIMEOUT_S, metavar='S',
                     help=f"seconds to wait for that cluster before its row fails naming the limit (default {RAY_PROBE_TIMEOUT_S:g})")
     ap.add_argument('--json', action='store_true', help='print the rows as JSON')
     ap.add_argument('--rows', default=None, help="only these rows, comma-separated names (e.g. 'python,glibc,CUDA driver')")
     a = ap.parse_args(argv)
-    if a.world_size < 1: ap.error(f"--world-size must be at least 1, got {a.world_size}")
     try:
         sets = {}
         if a.set:                                          # the project's override parser (it imports numpy): only when needed
