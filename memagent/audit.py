@@ -309,6 +309,7 @@ def run_audit(source_repo, report_dir=None) -> dict:
         'provenance': provenance(repo=report_dir),      # this repository's commit (and whether its source differed), packages, host
     }
 
+# %% ../nbs/18_audit.ipynb #f22bae9d
 def write_receipt(receipt: dict, path) -> Path:
     "Write `receipt` as indented JSON (floats keep full precision)."
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
@@ -627,6 +628,7 @@ def verify_receipt(report_dir=None, receipt_path=None) -> dict:
     try: return _verify(report_dir, receipt_path)
     except (AttributeError, TypeError, KeyError, IndexError) as e: raise wrong_shape(receipt_path, VerificationError, e) from None
 
+# %% ../nbs/18_audit.ipynb #485e044f
 def _verify(report_dir: Path, receipt_path: Path) -> dict:
     fx_path, proto_path = report_dir / 'fixtures.json', report_dir / 'protocol.md'
     # identity of inputs and of the audited copy

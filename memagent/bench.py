@@ -334,6 +334,7 @@ def _kv_bytes(engine, tokens):
     size = next(engine.model.parameters()).element_size()
     return int(tokens * 2 * cfg.num_hidden_layers * kvh * hd * size)
 
+# %% ../nbs/21_bench.ipynb #3780f8eb
 def bench_linear_cost(engine, tokenizer, cfg, doc_counts=(50, 200, 800), n_items: int = 2, samples: int = 1,
                       fit_max_chunks: bool = True, batch_size: int | None = None, seed: int = 0, warmup: bool = True) -> dict:
     "Seconds per sample and peak per-request tokens vs documents (recurrent eval on RULER-HQA items); linear fit, flatness."

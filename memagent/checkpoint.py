@@ -144,6 +144,7 @@ def save_checkpoint(ckpt_root, step: int, model_state: dict, optimizer_state: di
     for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []: shutil.rmtree(old, ignore_errors=True)
     return dst
 
+# %% ../nbs/15_checkpoint.ipynb #548bf2f2
 def verify_checkpoint(path) -> dict:
     "Check every file against `manifest.json` (present, size, SHA-256, nothing unlisted); the manifest, or CheckpointError naming the file."
     p = Path(path)
@@ -189,6 +190,7 @@ def point_latest(ckpt_root, name: str):
     root = Path(ckpt_root); tmp = root/f'.latest.{os.getpid()}'
     tmp.write_text(name); os.replace(tmp, root/'latest')
 
+# %% ../nbs/15_checkpoint.ipynb #3ebcf961
 def load_latest(ckpt_root, check_finite: bool = True) -> dict | None:
     "The newest checkpoint that verifies and loads, from the one `latest` names down; every checkpoint passed over is warned and listed in `skipped` (why), and `latest` the name the pointer held. None if there is none."
     root = Path(ckpt_root)
@@ -287,6 +289,7 @@ def read_weights_record(model_dir) -> dict | None:
     try: return read_json(p, 'object')
     except ValueError as e: raise CheckpointError(f"unreadable weights record: {e}") from e
 
+# %% ../nbs/15_checkpoint.ipynb #064862ef
 def export_hf(model, tokenizer, out_dir, provenance: dict | None = None, state_dict: dict | None = None,
               identity: bool = True) -> Path:
     "Write `model` (optionally with weights `state_dict`) and `tokenizer` as an HF directory, atomically; with `identity`, also `memagent_weights.json` (tensor hash and fingerprint)."

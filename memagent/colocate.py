@@ -19,6 +19,7 @@ __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placem
 # %% ../nbs/08a_colocate.ipynb #8fb7941c
 TRAIN_SHARE, SERVER_SHARE, PROBE_SHARE = 0.5, 0.2, 0.1    # of a bundle's GPU (and CPU): trainer rank, server actor, start-up probe
 
+# %% ../nbs/08a_colocate.ipynb #e12b6896
 class Placement:
     "The training GPUs as one Ray placement group: a bundle per GPU, ranks and engines mapped onto the bundles in (node, GPU) order."
     def __init__(self, n_gpus: int, gpus_per_engine: int = 1, use_gpu: bool | None = None, timeout_s: float = 300.0):

@@ -80,6 +80,7 @@ def _yaml_loader(base):
 
 _LOADERS = {}
 
+# %% ../nbs/01b_files.ipynb #dd9f75f1
 def loads_yaml(text: str, file, loader=None):
     "One YAML document of `file` (read with `loader`, PyYAML's safe loader by default): duplicate keys and nesting past `MAX_DEPTH` refused."
     base = loader or yaml.SafeLoader

@@ -76,6 +76,7 @@ def _payload(rng, answers):
     if k == 10: return f'\\text{{{rng.choice(answers)}}}'
     return _articles_only(rng) if rng.random() < .5 else _punct_only(rng)
 
+# %% ../nbs/18c_fuzz.ipynb #c4442f78
 def _box(rng, payload):
     "A box around `payload`: \\boxed{..}, \\fbox{..}, the space form, upper case, an unclosed one, or none at all."
     k = rng.randrange(10)

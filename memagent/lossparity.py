@@ -317,6 +317,7 @@ def ours_policy_loss(d: dict, dt: str) -> dict:
         out[str(j)] = {'loss': loss.item(), 'grad': lp.grad.tolist(), 'clip_frac': met['clip_frac'], 'dual_clip_frac': met['dual_clip_frac']}
     return out
 
+# %% ../nbs/18d_loss_parity.ipynb #a0617f94
 def verl_actor_config(d: dict, n_traj: int) -> VerlConfig:
     "verl's actor config for a policy case: the fields of `VERL_CONFIG_FIELDS`, set from the case (D4, D6)."
     info = {} if d['agg'] == 'token_mean' else {'global_batch_size': n_traj}

@@ -78,6 +78,7 @@ def write_cases(receipt: dict, lines, report_dir) -> Path:
 def read_cases(path) -> list[dict]:
     with gzip.open(path, 'rt') as f: return [json.loads(l) for l in f if l.strip()]
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #994e57e2
 def write_receipt(receipt: dict, report_dir) -> Path:
     "Write `receipt.json` and its rendering `README.md` (the README is a function of the receipt; `verify` checks it)."
     d = Path(report_dir); d.mkdir(parents=True, exist_ok=True)
@@ -193,6 +194,7 @@ def verify(report_dir=None) -> dict:
     try: return _verify(rc, report)
     except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e: raise wrong_shape(path, VerificationError, e) from None
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #123187ac
 def _verify(rc: dict, report: Path) -> dict:
     problems = _fixed_problems(rc)
     p, lines = _cases_problems(rc, report)

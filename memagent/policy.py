@@ -86,6 +86,7 @@ def _micro_batch(policy, rows: list[Row], pad_id: int) -> dict:
 
 _LOSSES = ('loss', 'pg_loss', 'kl_loss', 'entropy_loss')
 
+# %% ../nbs/12b_policy.ipynb #31bab1f8
 def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int, on_progress=None) -> dict:
     "Per PPO mini-batch: micro-batch this rank's rows, accumulate the weighted loss's gradient, one optimizer step; metrics plus `micro_batch_lengths`."
     T, t0, M = cfg.rollout.temperature, time.perf_counter(), cfg.optim.mini_batches

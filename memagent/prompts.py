@@ -137,6 +137,7 @@ def encode_memory(tokenizer, text: str) -> list:
     if not isinstance(text, str): raise TypeError(f"memory must be a string, got {type(text).__name__}")
     return _encode_content(tokenizer, text, (0, len(text)))
 
+# %% ../nbs/05_prompts.ipynb #239f755a
 def encode_user_parts(tokenizer, text: str, thinking: str = 'off', memory_span=None) -> tuple:
     "`(markup_before, content, markup_after)` ids of `text` as one user message; `content` is plain text but for `memory_span` of `text`."
     if not isinstance(text, str): raise TypeError(f"user text must be a string, got {type(text).__name__}")
@@ -193,6 +194,7 @@ def chat_preamble(tokenizer, thinking: str = 'off') -> str:
     r = render_user(tokenizer, _SENTINEL, thinking)
     return r[:r.index(_SENTINEL)]
 
+# %% ../nbs/05_prompts.ipynb #b23a3072
 def injected_system_prompt(tokenizer):
     "The preamble if the template injects a system turn on its own (heuristic: it mentions 'system'), else None."
     pre = chat_preamble(tokenizer)

@@ -71,6 +71,7 @@ def reconcile_metrics(path, ckpt_step: int, ckpt_metrics: dict | None = None) ->
     write_metrics(path, keep)
     return counts
 
+# %% ../nbs/13b_resume.ipynb #f5541131
 def check_resume(ck: dict, cfg, data_sha256: str, metrics_path) -> tuple[list[tuple[str, object, object]], list[dict]]:
     "Every check of a resume that reads files, before the trainer writes any: the config and the data (`check_resume_config`), then the metrics file (`plan_metrics`); (allowed differences, the metrics lines to keep)."
     diffs = check_resume_config(ck['config_yaml'], cfg, ((ck.get('provenance') or {}).get('data_sha256'), data_sha256))

@@ -105,6 +105,7 @@ def _hwm(p) -> int:
     except OSError: pass
     return 0
 
+# %% ../nbs/13c_runcheck.ipynb #af41e4d2
 class ProcessMemory:
     "Peak RSS of this process and its descendants, per process and summed, sampled every `every_s` seconds in a thread."
     def __init__(self, every_s: float = 0.5):
@@ -251,6 +252,7 @@ def weight_gate(G: Gates, step: int, trainer, prompt_ids, tol: float, previous: 
     G.gate(name, r['passed'], **nums)
     return r
 
+# %% ../nbs/13c_runcheck.ipynb #9748dfb5
 def kl_gate(G: Gates, metrics: list[dict], cfg, key: str) -> bool | None:
     "Gate `kl[step 1]`: the first step's `kl` metric within `KL_TOL[key]` (0.0 exactly on CPU fp32); None, printing why, when the gate does not apply."
     if cfg.loss.kl_type == 'none' or not cfg.loss.kl_coef: print('kl[step 1]: not checked, the KL term is off'); return None

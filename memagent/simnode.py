@@ -80,6 +80,7 @@ def stop_group(pid: int) -> int:
     if '/ray/' in script and 'default_worker.py' not in script or 'ray.util.client.server' in script: return 2
     return 0
 
+# %% ../nbs/20a_simnode.ipynb #ddfac68a
 class SimulatedNode:
     "A one-node Ray cluster on this host declaring `gpus` GPUs and `cpus` CPUs (`ray start --head`), the SGLang shim first on its `PYTHONPATH`; stopped by process id. A context manager."
     def __init__(self, gpus: int = 8, cpus: int = 16, startup_timeout_s: float = 180.0):
@@ -206,6 +207,7 @@ def launch_child(mode: str, out, gpus: int = 8, cpus: int = 16, prompts_seed: in
     (out / f'{mode}.json').write_text(json.dumps(rec, indent=1, default=str))
     return rec
 
+# %% ../nbs/20a_simnode.ipynb #1b0b9624
 def launch_checks(rec: dict) -> dict:
     "What a correct launch is, judged from its record: `{check: bool}`."
     ranks, w, g = rec['ranks'], rec['world_size'], rec['gpus_per_engine']

@@ -117,6 +117,7 @@ class SimQueue:
     def now(self) -> float: return self.e.clock
     def cancel(self, handle) -> None: self.e._cancel(handle)
 
+# %% ../nbs/09b_simulate.ipynb #3fad0f5a
 class SimEngine:
     "Engine model: `servers` continuously batching servers on a virtual clock, at most `limit` requests of this client in flight on each."
     def __init__(self, model: LatencyModel = LatencyModel(), servers: int = 1, limit: int = 64, length=None,

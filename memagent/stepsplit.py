@@ -53,6 +53,7 @@ def _is_runtime(e) -> bool:
 
 def _seconds(e) -> float: return (e.time_range.end - e.time_range.start) / 1e6
 
+# %% ../nbs/21a_stepsplit.ipynb #2b346100
 def split_events(events, device: bool) -> dict:
     "Seconds per `STEP_PARTS` entry from a profiler's `events()`: on a GPU each kernel recorded on the device once (by correlation id), credited through the runtime record that launched it; on the CPU each operator's own host time; either in the nearest named range, or the part of the forward operator that created the autograd node it runs under."
     from torch.autograd import DeviceType
@@ -104,6 +105,7 @@ def split_events(events, device: bool) -> dict:
     return {'seconds': out, 'counted': 'device kernels, each once (by correlation id), by the runtime call that launched it',
             'device_s': device_s, 'unattributed_s': unattributed, 'claimed_s': claimed_s}
 
+# %% ../nbs/21a_stepsplit.ipynb #b56af7a0
 def profile_step(model, step) -> dict:
     "`step()` once under `torch.profiler` with `part_ranges(model)`: seconds per part (`split_events`), their total, the profiled step's wall time, and which clock (device or host)."
     import torch
@@ -121,7 +123,6 @@ def profile_step(model, step) -> dict:
     total = sum(parts.values())
     return {'clock': 'device (CUDA kernels)' if device else 'host (CPU operators)', 'seconds': parts, 'total_s': total,
             'profiled_wall_s': wall, **sp, 'share': {k: (v / total if total else 0.0) for k, v in parts.items()}}
-
 
 # %% ../nbs/21a_stepsplit.ipynb #5a3d1e04
 SPLIT_TOL = 0.10     # how far a split may be from a source it does not derive from before it is called not reliable

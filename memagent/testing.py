@@ -87,6 +87,7 @@ def _garbage(srv, ex, handle): handle(ex); ex.write = send_garbage
 def _trickle(srv, ex, handle): handle(ex); ex.write = send_trickle(srv.trickle_s)
 def _trickle_all(srv, ex, handle): handle(ex); ex.write = send_trickle(srv.trickle_s, headers_too=True)
 
+# %% ../nbs/20_testing.ipynb #7788faee
 def _is(*types):
     return lambda v: isinstance(v, types) and (bool in types or not isinstance(v, bool))
 def _opt(f): return lambda v: v is None or f(v)
@@ -142,6 +143,7 @@ def logprob_request_error(body: dict, prompt_len: int, engine=None) -> str | Non
         return "/generate: return_text_in_logprobs needs a backing engine with a tokenizer (SGLang asserts one)"
     return None
 
+# %% ../nbs/20_testing.ipynb #36130f12
 def schema_error(path: str, body) -> str | None:
     "Why `body` does not fit the request class of SGLang route `path` (None when it fits or the route has no schema here)."
     schema = SGLANG_SCHEMAS.get(path)
@@ -160,6 +162,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self): self.server.app._serve(self, 'GET')
     def do_POST(self): self.server.app._serve(self, 'POST')
 
+# %% ../nbs/20_testing.ipynb #430e66bf
 class FakeSGLangServer:
     "A local HTTP server in a thread speaking SGLang's native schema: a route table, injectable faults, a latency model."
     def __init__(self, engine=None, vocab: int = 1000, slow_s: float = 2.0, latency: Callable | None = None,

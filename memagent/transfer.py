@@ -76,6 +76,7 @@ class ChannelError(RuntimeError):
 
 _NOT_READY = object()
 
+# %% ../nbs/12_transfer.ipynb #d4b6e1f0
 class _Ledger:
     "Bookkeeping shared by the channels: steps in flight, failures, released counts."
     def __init__(self, capacity: int, world_size: int | None = None):
@@ -136,6 +137,7 @@ class _Ledger:
         state = 'put but not all ranks done' if rid in self.steps else f"not produced yet (latest produced: {last!r})"
         return f"rollout {rid!r}: rank {rank} of {world} got no rows within {timeout:g} s; the step is {state}"
 
+# %% ../nbs/12_transfer.ipynb #e61b95ca
 class RowChannel:
     "Interface: move the rows of each step (keyed by rollout id) from one producer to `world_size` consumer ranks."
     def put(self, rollout_id, rows: list[Row]) -> int: raise NotImplementedError
@@ -227,6 +229,7 @@ def cluster_gpus(have: dict, cuda: bool | None = None) -> float:
                            f"share cuda:0 or run on the CPU; start Ray with the node's GPUs")
     return gpus
 
+# %% ../nbs/12_transfer.ipynb #06e538a6
 def ensure_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None,
                object_store_memory: int | None = None, need: dict | None = None, what: str = 'the layout'):
     """Start Ray once per process, or join a running cluster; refuse up front a layout (`need`: `{resource: amount}`) it cannot hold.
@@ -252,6 +255,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, num_gpus
     if need: require_resources(need, what)
     return ray
 
+# %% ../nbs/12_transfer.ipynb #bcf8ed50
 class _RowStore:
     "The actor behind `RayChannel`: a `_Ledger` of columnar payloads, with async waits."
     def __init__(self, capacity, world_size=None):
@@ -310,6 +314,7 @@ class _RowStore:
 
 _ERRORS = {'ValueError': ValueError, 'ChannelError': ChannelError, 'TimeoutError': TimeoutError}
 
+# %% ../nbs/12_transfer.ipynb #0d8e0dbe
 def _unwrap(res):
     if res[0] == 'ok': return res[1]
     raise _ERRORS[res[0]](res[1])
@@ -414,6 +419,7 @@ def mini_batch_slices(rows: list[Row], mini_batches: int) -> list[list[int]]:
     for i, j in enumerate(js): out.setdefault(j, []).append(i)
     return list(out.values())
 
+# %% ../nbs/12_transfer.ipynb #f4e4c173
 def micro_batch_stats(per_rank: list[list[list[int]]], max_tokens: int) -> dict:
     "Budget fill, padding, balance and the lower bound of micro-batches given as row lengths, per rank (what the ranks ran)."
     import math

@@ -123,6 +123,7 @@ class Rank:
         if hasattr(self.policy, 'close'): self.policy.close()
         if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
 
+# %% ../../nbs/12c_ray_group.ipynb #61cbe336
 class RayGroup:
     "`world` `Rank` actors in one torch.distributed group; the policy-group interface of `memagent.policy`."
     def __init__(self, cfg: Config, pad_id: int, world: int, address: str | None = None, placement=None):

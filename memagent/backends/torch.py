@@ -53,6 +53,7 @@ def _lp_ent_chunk(h, w, tgt, temperature):
     with torch.no_grad(): ent = -(z.exp() * z).sum(-1)   # a metric: no gradient through the entropy
     return z.gather(-1, tgt[:, None])[:, 0], ent
 
+# %% ../../nbs/12a_torch_backend.ipynb #334769f2
 class TorchBackend:
     "A policy (with `optim`) or a frozen reference (without) on an HF causal LM; data-parallel over the default process group."
     supports_entropy, row_source, state_key = True, True, 0    # data-parallel replicas hold identical optimizer states

@@ -48,6 +48,7 @@ def _facts(rng, hops, distractors):
                 {'person': people[0], 'company': comps[0]})
     raise ValueError(f"hops must be 1 or 2, got {hops}")
 
+# %% ../../nbs/03_data_3_synthetic.ipynb #75af18a8
 def _synthetic_one(rng, idx, num_words, hops, positions, distractors, seed):
     gold, other, question, answer, keys = _facts(rng, hops, distractors)
     sents = filler_sentences(rng, num_words)
@@ -134,6 +135,7 @@ def _kc_segment(rng, facts, budget, ntok, vocab, lead=' '):
         else: return None
     return ' '.join(sents)
 
+# %% ../../nbs/03_data_3_synthetic.ipynb #2ab1462c
 def make_keycodes(n: int, tokenizer, chunk_tokens: int, chunks: int = 3, pairs: int = 3, split: str = 'train',
                   seed: int = 0, max_redraws: int = 50) -> list[dict]:
     "`n` key-code documents of exactly `chunks` chunks of exactly `chunk_tokens` tokens: `pairs` facts, the asked one's chunk balanced over the items."
@@ -179,7 +181,6 @@ def make_keycodes(n: int, tokenizer, chunk_tokens: int, chunks: int = 3, pairs: 
                              'fact_chunks': where, 'distractor_keys': keys[1:], 'negatives': codes[1:], 'split': split,
                              'seed': seed, 'num_tokens': ntok(context), 'redraws': redraw}})
     return out
-
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #c6aeae51
 def density_pairs(chunks: int, train_chunks: int, train_pairs: int) -> int:

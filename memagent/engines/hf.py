@@ -256,6 +256,7 @@ class HFEngine:
         else: self.update_weights(state_dict={k: v.clone() for k, v in state_dict.items()})
         return time.perf_counter() - t0
 
+# %% ../../nbs/08_engines_2_hf.ipynb #f03722c1
 def _tied_names(model) -> set:
     "Parameter names that share storage with another parameter (e.g. a tied LM head)."
     seen, tied = {}, set()

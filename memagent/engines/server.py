@@ -72,6 +72,7 @@ def sglang_server_cmd(model_path, port, host: str = '127.0.0.1', tp: int = 1, co
     if dtype is not None: cmd += ['--dtype', str(dtype)]
     return cmd + [str(a) for a in extra_args]
 
+# %% ../../nbs/08_engines_5_server.ipynb #3a2f1d2a
 class SGLangServer(ServerProcess):
     "Launch an SGLang server (`python -m sglang.launch_server`) on a free port, wait for `/health`, stop it cleanly."
     def __init__(self, model_path, port: int | None = None, tp: int = 1, context_length: int = 8192,

@@ -71,6 +71,7 @@ def prompt_logprob_request(ids) -> dict:
     return {'input_ids': check_prompt(ids), 'sampling_params': _jsonable_params(_SCORE), 'return_logprob': True,
             'logprob_start_len': 0, 'top_logprobs_num': 0, 'return_text_in_logprobs': False, 'stream': False}
 
+# %% ../../nbs/08_engines_4_sglang.ipynb #98798292
 def parse_prompt_logprobs(body, ids) -> list[float]:
     "The log-probs of `ids[1:]` in one reply to `prompt_logprob_request(ids)`; abort -> transient, anything that does not line up -> deterministic."
     ids = check_prompt(ids)
@@ -144,6 +145,7 @@ class FutureQueue:
     def now(self) -> float: return time.monotonic()
     def cancel(self, handle) -> None: self._pending.discard(handle); handle.cancel()
 
+# %% ../../nbs/08_engines_4_sglang.ipynb #f72abd87
 class SGLangEngine:
     "Client of SGLang's native HTTP API over several servers: least-in-flight balancing, concurrency limit, per-request deadlines, bounded retries."
     def __init__(self, urls, timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 1.0, concurrency: int = 64,

@@ -91,6 +91,7 @@ def sglang_sync_check(eng, ids, before: list, after: list, sync) -> dict:
             'before_sync': _summary(first), 'after_sync': _summary(synced), 'old_weights_after_sync': _summary(old),
             'pass': first['passed'] and synced['passed'] and not old['passed']}
 
+# %% ../../nbs/22_gpucheck_2_checks.ipynb #f3151676
 def peak_vs_plan(p: dict, smoke_run: str | None, gpus: int) -> dict | None:
     "The smoke run's largest per-rank GPU peak during its updates (`gpu_peak_gib`) against the plan's update-phase terms torch allocates."
     from memagent.config import get_preset

@@ -71,6 +71,7 @@ def cmd_part(a):
     "One part of the subset in this process (what `subset` runs under a cap): `report.part_main`."
     part_main([a.name, '--out', a.out] + (['--cpu-simulation'] if a.cpu_simulation else []))
 
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #c230da0e
 def cmd_render(a):
     "A subset's report rendered again from the part files it recorded, keeping the run's provenance (anywhere: no GPU needed)."
     out = Path(a.out)
@@ -88,6 +89,7 @@ def _time(fn, repeats: int = 2) -> float:
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / repeats
 
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #92df285f
 def cmd_compare(a):
     "SGLang vs the HF engine on the same prompts (tokens/s), and the megatron vs torch update on the same rows (seconds)."
     _need_cuda('compare')

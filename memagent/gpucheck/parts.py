@@ -135,6 +135,7 @@ def _register_reward():
     if 'gpu_check_odd_length' not in REWARDS:
         register_reward('gpu_check_odd_length')(lambda text, answers: float(len(text) % 2))
 
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #21b679e6
 def part_trainer(rec: Recorder, cpu_sim: bool):
     "The in-process Trainer, 2 steps per backend, as a user with one GPU runs it."
     import shutil
@@ -198,6 +199,7 @@ def shrink(w: dict, predicted_s: float, budget_s: float) -> tuple[dict, list[str
         w[k] //= 2; predicted_s /= 2; steps.append(f"{k} halved to {w[k]}")
     return w, steps
 
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #38625e77
 def part_engine(rec: Recorder, cpu_sim: bool):
     "HFEngine against generate() on the same prompts, interleaved repeats; the workload shrunk by `shrink` if a probe predicts an overrun."
     from memagent.bench import bench_generate, bench_prompts, spread, verdict

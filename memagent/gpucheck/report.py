@@ -98,6 +98,7 @@ def report_header(cpu_sim: bool) -> dict:
 def _f(x, nd=3):
     return 'n/a' if x is None else (f"{x:.{nd}g}" if isinstance(x, float) else str(x))
 
+# %% ../../nbs/22_gpucheck_5_report.ipynb #ca97dc51
 def render_md(layout: dict, body: dict, layout_lines) -> str:
     "The report to read: the layout and what was not checked first, then one section per part with its verdict and figures."
     e, P = body['environment'], body['parts']

@@ -109,6 +109,7 @@ def memory_by_phase(phases_gib: dict | None, plan_phases_gib: dict | None) -> di
     ph, pp = phases_gib or {}, plan_phases_gib or {}
     return {k: {'peak_gib': ph[k], 'plan_gib': pp[k], 'over': ph[k] > pp[k]} for k in pp if k in ph}
 
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #28dd55a0
 def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
     "One attention path and recompute mode of the megatron step at Qwen3-4B shapes (CPU: the tiny model at small shapes), sized by the plan to the card, then one profiled step split by part of the layer."
     import torch
@@ -190,6 +191,7 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
     rec.put('step', r)
     rec.done(r['pass'])
 
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #baae5e5a
 def step4b_side_by_side(parts: dict) -> dict | None:
     "The step4b parts that ran, side by side, and the fused path's goal: SDPA's model TFLOP/s over the local spec's (full recompute), its range from the repeats' extremes, and the fraction of the matmul rate."
     steps = {n: parts[n]['results']['step'] for n in STEP4B if n in parts and 'step' in parts[n].get('results', {})}

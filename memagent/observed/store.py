@@ -89,6 +89,7 @@ MANAGER = {'class': 'MemoryManager', 'init': 'bypassed (object.__new__); _store 
 class EpisodeError(ValueError):
     "An episode that the workflow could not have produced, or one the recorder cannot execute (names the case and step)."
 
+# %% ../../nbs/18a_observed_1_store.ipynb #c48c4729
 class Recorder:
     """Drives the upstream store the way the training workflow's `_apply_tools` does (`train_hotpotQA.py` lines 118-302) and keeps
     two views of one episode: `context`, the chat messages the workflow would hold (what the official extractors read), and `log`,

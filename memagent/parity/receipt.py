@@ -252,6 +252,7 @@ def _verify_mode(mode, block, fixtures, problems) -> dict:
     problems += [f'{mode}: {p}' for p in _diff(fresh['summary'], block.get('summary'), 'summary')]
     return fresh
 
+# %% ../../nbs/18b_parity_3_receipt.ipynb #e8cfd92d
 def verify_receipt(receipt_path=None, fixtures_path=None) -> dict:
     "Re-check `reports/parity/receipt.json` against the fixtures and our current functions; raise `VerificationError`."
     root = repo_root()

@@ -193,6 +193,7 @@ def _printed_figures(text: str) -> dict:
         elif k == 'Total': out['n_items'] = int(v)
     return out
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #ba6c0adc
 def run_official(src, fixtures) -> dict:
     "Outputs of the official reward and evaluator on every fixture, plus the evaluator's printed aggregate."
     src = Path(src)

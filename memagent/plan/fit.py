@@ -84,6 +84,7 @@ ALLOCATED_TERMS = ('weights', 'gradients', 'optimizer states', 'reference model'
                    'activations (backward working set)', 'attention backward transients', 'log-prob head chunk',
                    'optimizer step temporaries', 'cuBLAS workspaces', 'attention score buffer', 'weight gather bucket (peak)')
 
+# %% ../../nbs/14b_plan_2_fit.ipynb #684f7f23
 @dataclass
 class Plan:
     "Per-GPU bytes by term for the rollout, update and sync phases, host RAM per node, tokens per step, and the verdict."
@@ -282,6 +283,7 @@ def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bu
             'driver export model': n_full, 'state dicts in flight': 2 * n_full}
     return rollout, update, sync, host, det
 
+# %% ../../nbs/14b_plan_2_fit.ipynb #3c3dccdc
 def make_plan(cfg, cluster: Cluster | None = None, offload: bool = False, head_chunk: int = 1024,
               doc_tokens: int | None = None, bucket_size: int | None = None, search: bool = True,
               sync_bucket_bytes: int | None = None, micro_batch: tuple[int, int] | None = None) -> Plan:
@@ -351,6 +353,7 @@ def _find_fix(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucke
                 except ValueError: pass
     return None
 
+# %% ../../nbs/14b_plan_2_fit.ipynb #2c384f9d
 def _counterfactuals(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes=None) -> dict:
     out = {}
     def add(label, c, o):

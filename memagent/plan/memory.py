@@ -111,6 +111,7 @@ def megatron_params(arch: Arch, tp: int = 1, dtype: str = 'bfloat16', attention:
 
 def _pad(n: int, d: int) -> int: return -(-n // d) * d
 
+# %% ../../nbs/14b_plan_1_memory.ipynb #f2510735
 def ddp_layout(params: list[ParamSpec], dp: int = 1, distributed_optimizer: bool = False, grad_fp32: bool = True,
                bucket_size: int | None = None) -> list[dict]:
     "Megatron DDP's buffers: per (param dtype, grad dtype), `numel` (padded), `numel_unpadded`, bucket ranges and each parameter's range."
@@ -171,6 +172,7 @@ def hf_tensors(arch: Arch) -> int:
     per_layer = 4 + 2 + 3 + 2 + (2 if arch.qk_norm else 0) + (3 if arch.qkv_bias else 0)   # q k v o, 2 norms, gate up down, q/k norms, biases
     return 1 + arch.layers * per_layer + 1 + (0 if arch.tied else 1)
 
+# %% ../../nbs/14b_plan_1_memory.ipynb #fec696b5
 def optimizer_step_temporaries(state_bytes: int, tensors: int, optimizer: str = 'adam', weight_decay: float = 0.0,
                                fused: bool = False) -> int:
     "Bytes torch's multi-tensor (foreach) optimizer step allocates at once for one parameter group of `tensors` tensors whose gradients (and Adam's v) take `state_bytes`: Adam's sqrt(v), SGD's gradients plus weight decay; none for a fused optimizer."
@@ -187,6 +189,7 @@ def _norm_hf(s, w, n, E): return s * w * 4 + 4 * s * n + 2 * s * w * E
 
 ATTENTION_KINDS = {'megatron': ('local', 'sdpa', 'te'), 'torch': ('eager', 'sdpa')}
 
+# %% ../../nbs/14b_plan_1_memory.ipynb #d61f44d0
 def activation_bytes(arch: Arch, rows: int, seq_len: int, tp: int = 1, dtype: str = 'bfloat16', attention: str = 'local',
                      recompute: str = 'none', sequence_parallel: bool = False, backend: str = 'megatron') -> dict:
     "Bytes autograd saves in one micro-batch's forward (`saved`, by term) and backward's extra working set (`working`), per TP rank."

@@ -103,6 +103,7 @@ def causal_mask(L: int, device=None) -> torch.Tensor:
     "Megatron's attention mask for causal self-attention: bool `[1, 1, L, L]`, True = masked (future keys)."
     return torch.triu(torch.ones(L, L, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
+# %% ../../../nbs/14_megatron_5_backend.ipynb #cc2cca0f
 class MegatronBackend:
     "Policy backend (or, with `frozen=True`, the frozen reference) on megatron-core, with the interface of `memagent.backends.torch.TorchBackend`; also `save_hf(dir)`."
     supports_entropy, hf_model = False, None      # log-probs only; the driver keeps its own HF skeleton for export

@@ -89,6 +89,7 @@ def hf_to_megatron(hf_state_dict: dict, hf_config, tp_rank: int = 0, tp_size: in
     "Map an HF Qwen3/Llama (`*ForCausalLM`) state dict to the GPTModel state dict of tensor-parallel rank `tp_rank` of `tp_size` (PP = 1)."
     return dict(hf_to_megatron_items(hf_state_dict, hf_config, tp_rank, tp_size))
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #a3339c65
 def megatron_to_hf(megatron_state_dict: dict | list[dict], hf_config, include_tied: bool = True) -> dict:
     "Inverse of `hf_to_megatron`: one state dict (TP = 1) or the list of all TP ranks' state dicts, in rank order. Tied models get `lm_head.weight` (= the embedding) only if `include_tied`."
     a = hf_arch(hf_config)
@@ -206,6 +207,7 @@ class _LiveBytes:
         end = time.monotonic() + timeout
         while self.now and time.monotonic() < end: time.sleep(1e-4)
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #6a4c5707
 def _tp_layout():
     "(size, group) of this rank's TP group; (1, None) without megatron's parallel state."
     if not HAVE_MEGATRON: return 1, None
@@ -263,6 +265,7 @@ def gather_hf_state_dict(model, hf_config, bucket_bytes: int = SYNC_BUCKET_BYTES
     if shards is None: return None
     return megatron_to_hf(shards if len(shards) > 1 else shards[0], hf_config, include_tied=include_tied)
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #330634c0
 def export_megatron_to_hf(model, hf_config, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
     "Write an HF directory (safetensors + config + generation config [+ tokenizer]) from a megatron GPTModel; at TP > 1 every TP rank must call it, TP rank 0 writes."
     from huggingface_hub import save_torch_state_dict

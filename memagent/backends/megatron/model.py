@@ -53,6 +53,7 @@ def check_tp(a: dict, tp: int):
     for name, n in (('num_attention_heads', a['heads']), ('num_key_value_heads', a['groups']), ('intermediate_size', a['ffn'])):
         if n % tp: raise ValueError(f"tensor parallelism tp={tp}: HF config field {name}={n} is not divisible by tp")
 
+# %% ../../../nbs/14_megatron_2_model.ipynb #e53c1bc6
 def megatron_config_from_hf(hf_config, dtype: torch.dtype = torch.float32, tp: int = 1, **overrides):
     "`(TransformerConfig, gpt_kwargs)` for a GPTModel equivalent to an HF Qwen3/Llama config split over `tp` ranks; `overrides` go to TransformerConfig."
     require_megatron()

@@ -54,6 +54,7 @@ def _load_marker(opt, sd: dict) -> bool:
     warnings.warn(f"optimizer state not restored, starting a fresh optimizer: {reason}")
     return True
 
+# %% ../../../nbs/14_megatron_4_optim.ipynb #dcf500e2
 class CpuMainParamOptimizer:
     "CPU STAND-IN for megatron-core's mixed-precision optimizer (CUDA-only in 0.16.1): fp32 main params, torch AdamW/SGD on DDP's fp32 main grads, TP-aware clipping, copy back."
     def __init__(self, model, ddp, o: OptimCfg):
@@ -110,6 +111,7 @@ class CpuMainParamOptimizer:
             if v.shape != m.shape: raise ValueError(f"CpuMainParamOptimizer.load_state_dict: {n} main param {tuple(v.shape)} != {tuple(m.shape)}")
             m.copy_(v); p.copy_(m)
 
+# %% ../../../nbs/14_megatron_4_optim.ipynb #3a98b673
 class MegatronCoreOptimizer:
     "megatron-core's optimizer (`get_megatron_optimizer`, GPU only) behind the stand-in's interface; state save/load per rank (untested on CPU)."
     def __init__(self, model, ddp, o: OptimCfg, grad_clip: float | None):
@@ -183,6 +185,7 @@ class MegatronCoreOptimizer:
                 for p, t in zip(params, d['param_state']): o._set_main_param_and_optimizer_states(p, {k: v.to(dev) for k, v in t.items()})
         self.steps_taken = sd.get('steps_taken', 1)
 
+# %% ../../../nbs/14_megatron_4_optim.ipynb #5dd4b7d1
 def build_megatron_optimizer(model, ddp, o: OptimCfg, grad_clip: float | None, warmup_steps: int = 0):
     "`(optimizer, scheduler)`: megatron-core's optimizer on CUDA, the CPU stand-in otherwise; `LinearWarmup` if `warmup_steps`."
     opt = MegatronCoreOptimizer(model, ddp, o, grad_clip) if torch.cuda.is_available() else CpuMainParamOptimizer(model, ddp, o)

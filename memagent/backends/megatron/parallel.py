@@ -114,6 +114,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> ParallelInfo:
         model_parallel_cuda_manual_seed(seed)
     return _parallel_info()
 
+# %% ../../../nbs/14_megatron_1_parallel.ipynb #f3e9c73e
 def destroy_parallel():
     "Tear down megatron's groups, and the default process group if `init_parallel` created it."
     global _OWN_PG
