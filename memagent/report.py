@@ -199,8 +199,9 @@ def _summary_json(path, run, name, rows, exp, src, steps, rewards, passes, windo
 def summary_cli(argv=None) -> int:
     "Console entry `memagent-reward-summary`: summarize a run directory or exit non-zero with the reason."
     ap = argparse.ArgumentParser(prog='memagent-reward-summary', description='Reward summary of a memagent training run.')
-    ap.add_argument('run_dir'); ap.add_argument('--window', type=int, default=5)
-    ap.add_argument('--expected-steps', type=int, default=None); ap.add_argument('--out-dir', default=None)
+    from memagent.config import cli_number
+    ap.add_argument('run_dir'); ap.add_argument('--window', type=cli_number('int>=1'), default=5)
+    ap.add_argument('--expected-steps', type=cli_number('int>=1'), default=None); ap.add_argument('--out-dir', default=None)
     a = ap.parse_args(argv)
     try: s = reward_summary(a.run_dir, window=a.window, expected_steps=a.expected_steps, out_dir=a.out_dir)
     except ValueError as e:

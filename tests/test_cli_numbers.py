@@ -37,10 +37,7 @@ NO_NUMERIC = {
     'memagent-prepare': 'paths, a subset of the pinned files (choices) and flags: no number',
     'memagent-audit': 'paths and flags in both studies (--study reward, --study observed): no number',
 }
-PENDING = {
-    'memagent-reward-summary': "summary_cli (nbs/17_report.ipynb) still reads --window and --expected-steps with a bare type=int; "
-                               "once both use cli_number with the kinds in KINDS, remove this entry",
-}
+PENDING = {}   # tool -> why its parser still reads a number with a bare type; each entry fails its tool's tests until removed
 # the argv that reaches each parser a tool builds (default: ['--help'])
 HELP_ARGVS = {'memagent-audit': (['--help'], ['--study', 'observed', '--help'])}
 # out-of-range words per kind ('-inf' and '-1' are passed as --opt=WORD, so argparse never takes them for an option)
