@@ -98,7 +98,10 @@ SHAPES = {  # kind -> {field: type} it must hold (every other field allowed); 'o
     'object': {}, 'prepare_manifest': {'files': dict[str, dict[str, Any]]},
     'checkpoint_manifest': {'files': dict[str, '_FileEntry']}, 'checkpoint_state': {'step': int}, 'metrics_row': {'step': int},
     'run': {'steps': int, 'config': dict[str, Any], 'provenance': dict[str, Any]},
-    'summary': {'schema_version': str, 'totals': dict[str, Any], 'records': dict[str, Any]}, 'health': {'status': str}}
+    'summary': {'schema_version': str, 'totals': dict[str, Any], 'records': dict[str, Any]}, 'health': {'status': str},
+    'acceptance_report': {'lengths': list[int], 'metric': str, 'hotpotqa_metric': str, 'require_hotpotqa': bool,
+                          'tolerance_pp': float | int, 'bootstrap': dict[str, Any], 'values': dict[str, Any], 'runs': dict[str, Any]},
+    'acceptance_render': {'unit': str, 'recipe_data': bool, 'extra_sections': list[list[str]], 'left': list[str], 'files': list[str]}}
 _ADAPTERS = {}
 
 def _adapter(kind: str):

@@ -81,7 +81,7 @@ def test_acceptance_notebook_memory_analysis_on_own_haystacks(tmp_path):
     from memagent.chunking import chunk_document
     from memagent.data import read_examples
     from memagent.models import load_tokenizer
-    from memagent.report import gold_chunks
+    from memagent.memreport import gold_chunks
     ov = {**TINY['overrides'], 'chunking.chunk_tokens': 256, 'chunking.max_chunks': 12}
     rep = _run(tmp_path, eval_data='sample-haystack-2', lengths=[10], overrides=ov)
     ret = json.loads((rep / 'retention_10.json').read_text())
@@ -187,6 +187,13 @@ def test_acceptance_notebook_keycode_lengths(tmp_path):
     assert (rep / 'boxed_em.png').is_file() and '## What the memory holds: 3 chunks' in readme
     s = json.loads((rep / 'summaries' / 'candidate_3.json').read_text())
     assert s['limits']['max_chunks'] == 3 and s['truncated_samples'] == 0
+    # the rendered folder verifies as a whole from its own files, and an edited README does not
+    from memagent.acceptance import compare_cli
+    from memagent.acceptance.report import verify_acceptance
+    assert verify_acceptance(rep)['verdicts'] == {L: report['equivalence'][L]['text'] for L in ('2', '3')}
+    assert compare_cli(['--verify', str(rep)]) == 0
+    (rep / 'README.md').write_text(readme.replace('## Verdict', '## Verdict\n\nAll good.', 1))
+    assert compare_cli(['--verify', str(rep)]) == 1
 
 
 @pytest.mark.parametrize('params, match', [

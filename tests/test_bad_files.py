@@ -36,6 +36,10 @@ def _runs(t: Path, bad: bytes):
     for r in ('c', 'r', 'b'): _write(t / r / 'summary.json', bad)
     yield 'memagent-compare', 'a summary', ['--candidate', str(t / 'c'), '--reference', str(t / 'r'), '--base', str(t / 'b'),
                                             '--out', str(t / 'cmp.json')], t / 'c' / 'summary.json', [t / 'cmp.json']
+    yield 'memagent-compare', '--verify: the folder\'s compare.json', ['--verify', str(t / 'acc')], _write(t / 'acc' / 'compare.json', bad), []
+    _write(t / 'acc2' / 'compare.json', b'{"lengths": [3], "metric": "m", "hotpotqa_metric": "b", "require_hotpotqa": false, '
+           b'"tolerance_pp": 3.0, "bootstrap": {}, "values": {}, "runs": {}}')
+    yield 'memagent-compare', "--verify: the folder's render.json", ['--verify', str(t / 'acc2')], _write(t / 'acc2' / 'render.json', bad), []
     _write(t / 'run' / 'run.json', b'{"steps": 1, "config": {}, "provenance": {}}')
     yield 'memagent-reward-summary', 'metrics.jsonl', [str(t / 'run')], _write(t / 'run' / 'metrics.jsonl', bad, True), \
         [t / 'run' / 'reward_summary.json']

@@ -6,8 +6,9 @@
 __all__ = []
 
 # %% ../../nbs/16b_acceptance.ipynb #16b0c003
-from . import gate, report
+from . import gate, report, cli
 from .gate import *
 from .report import *
+from .cli import *
 
-__all__ = [*gate.__all__, *report.__all__]
+__all__ = [*gate.__all__, *report.__all__, *cli.__all__]

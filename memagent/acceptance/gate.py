@@ -4,19 +4,19 @@
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #ac75b0d7
 from __future__ import annotations
-import argparse, json, math, os, sys
+import json, math, os
 from pathlib import Path
 import numpy as np
 from ..provenance import flatten, provenance, sha256_file
 from ..evaluate import (COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, metric_names, read_records, records_parity,
                                score_record, summarize)
 from ..stats import bootstrap_ci, equivalence, paired_bootstrap_ci, verdict_text
-from ..files import FileError, Staged, read_json
+from ..files import FileError, read_json
 
 # %% auto #0
 __all__ = ['JUDGED', 'HOTPOTQA', 'SHOWN', 'CompareError', 'MalformedRecords', 'comparable_fields', 'recompute', 'record_items',
            'data_identity', 'unique_samples', 'recorded_tokenizer', 'recount_chunks', 'load_run', 'metric_scores',
-           'identity_checks', 'chunk_check', 'compare', 'compare_cli']
+           'identity_checks', 'chunk_check', 'compare']
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #c02ccb13
 class CompareError(ValueError):
@@ -375,55 +375,3 @@ def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None,
             'reasons': [f"{c['name']}[{c['key']}]: {c['reason']}" for c in checks if not c['passed']],
             'checks': checks, 'values': values, 'paired': paired, 'equivalence': decided, 'runs': runs,
             'bootstrap': {'resamples': n_boot, 'seed': seed, 'unit': 'item'}, 'provenance': provenance()}
-
-# %% ../../nbs/16b_acceptance_1_gate.ipynb #a4353362
-def _cli_path(p: Path) -> str:
-    "A path named on the command line, as a run: a run directory or a summary file, else `CompareError`."
-    if (p / SUMMARY_FILE).is_file() or (p.suffix == '.json' and p.is_file()): return str(p)
-    raise CompareError(f"{p}: no such run (neither a run directory with {SUMMARY_FILE} nor a summary file)")
-
-def _cli_runs(items) -> object:
-    if len(items) == 1 and '=' not in items[0]:
-        p = Path(items[0])
-        if (p / SUMMARY_FILE).is_file() or p.suffix == '.json': return _cli_path(p)
-        subs = {d.name: str(d) for d in sorted(p.iterdir()) if (d / SUMMARY_FILE).is_file()} if p.is_dir() else {}
-        if not subs: raise CompareError(f"{p}: neither a run directory nor a directory of run directories")
-        return subs
-    out = {}
-    for it in items:
-        if '=' not in it: raise CompareError(f"expected key=path, got {it!r}")
-        k, v = it.split('=', 1); out[k] = _cli_path(Path(v))
-    return out
-
-def _files(p) -> list[Path]:
-    "The files under `p` (a run directory or a directory of them), or `p` itself: what `compare` may read."
-    p = Path(p)
-    return sorted(f for f in p.rglob('*') if f.is_file()) if p.is_dir() else [p]
-
-def compare_cli(argv=None) -> int:
-    "Console script `memagent-compare`: writes the report JSON; exit 0 when it passes, 1 when not, 2 on bad input."
-    from memagent.config import cli_number
-    ap = argparse.ArgumentParser(prog='memagent-compare', description='Acceptance comparison of evaluation runs.')
-    for r in ('candidate', 'reference', 'base'): ap.add_argument(f'--{r}', nargs='+', required=True)
-    ap.add_argument('--out', required=True); ap.add_argument('--tolerance-pp', type=cli_number('finite>=0'), default=3.0)
-    ap.add_argument('--lengths', type=cli_number('int>=1'), nargs='+', default=None); ap.add_argument('--seed', type=cli_number('int>=0'), default=0)
-    ap.add_argument('--no-hotpotqa', action='store_true', help='do not require the HotpotQA boxed-EM run')
-    ap.add_argument('--metric', default='sub_em', help="the metric both conditions judge at every length: a metric of the runs' "
-                    "parity mode (sub_em: the recipe's) or a registered reward computed with each item's negatives from the data "
-                    "file (answer_without_distractors: the key-code task's)")
-    a = ap.parse_args(argv)
-    try:
-        read = {f'--{r} file': [f for p in getattr(a, r) for f in _files(p.split('=', 1)[-1])] for r in ('candidate', 'reference', 'base')}
-        st = Staged({'--out': a.out}, read)                 # checked before the comparison runs
-        rep = compare(_cli_runs(a.candidate), _cli_runs(a.reference), _cli_runs(a.base), tolerance_pp=a.tolerance_pp,
-                      lengths=a.lengths, seed=a.seed, require_hotpotqa=not a.no_hotpotqa, metric=a.metric)
-    except (OSError, ValueError) as e:
-        print(f"memagent-compare: error: {e}", file=sys.stderr); return 2
-    if bad := [c['reason'] for c in rep['checks'] if c.get('malformed')]:      # bad input: refused, no report written
-        print("memagent-compare: refused: malformed per-sample records:\n" + '\n'.join(f'  {r}' for r in bad), file=sys.stderr); return 2
-    try:
-        with st: st['--out'].write_text(json.dumps(rep, indent=1) + '\n')
-    except OSError as e:
-        print(f"memagent-compare: error: the report could not be written: {e}", file=sys.stderr); return 2
-    print('PASSED' if rep['passed'] else 'NOT PASSED'); [print(' -', x) for x in rep['reasons']]
-    return 0 if rep['passed'] else 1

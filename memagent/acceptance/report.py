@@ -233,7 +233,7 @@ def verify_acceptance(report_dir) -> dict:
     from memagent.report import report_text
     from memagent.acceptance.gate import compare
     d = Path(report_dir)
-    report, render = read_json(d / 'compare.json'), read_json(d / RENDER_FILE)
+    report, render = read_json(d / 'compare.json', 'acceptance_report'), read_json(d / RENDER_FILE, 'acceptance_render')
     keys = [*report['lengths'], *([HOTPOTQA] if HOTPOTQA in report.get('values', {}) else [])]
     runs = {r: {k: d / 'runs' / r / str(k) for k in keys} for r in ROLES}
     fresh = compare(runs['candidate'], runs['reference'], runs['base'], tolerance_pp=report['tolerance_pp'],
