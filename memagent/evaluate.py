@@ -438,7 +438,7 @@ def write_memory_report(data, out_dir, tokenizer, cfg, name: str = 'model') -> P
     "`out_dir/memory.md` (+ retention and trajectory files) from an evaluation's records: what the memory held after each chunk, sub_EM by gold position."
     from memagent.chunking import chunk_texts_of
     from memagent.data import read_examples
-    from memagent.report import memory_report
+    from memagent.memreport import memory_report
     out, chunks_of = Path(out_dir), chunk_texts_of(cfg.chunking, tokenizer)
     recs = [json.loads(l) for l in (out / RECORDS_FILE).read_text().splitlines() if l.strip()]
     exs = {str(e['id']): e for e in read_examples(data)}
@@ -466,7 +466,7 @@ def evaluate_cli(argv=None) -> int:
     ap.add_argument('--allow-errors', action='store_true',
                     help='exit 0 although some samples have request errors (never when every sample failed)')
     ap.add_argument('--memory', action='store_true',
-                    help="also write what the memory holds (retention, trajectories; memagent.report.memory_report) to OUT/memory.md")
+                    help="also write what the memory holds (retention, trajectories; memagent.memreport.memory_report) to OUT/memory.md")
     a = ap.parse_args(argv)
     try:
         StagedDir(a.out, {'--data': a.data, '--config': a.config})   # checked before anything loads: --out is replaced when the run completes
