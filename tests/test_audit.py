@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 
 from memagent.audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditRefused, N_CASES, REWARD_MODULE, VerificationError,
-                            audit_cli, check_checkout, render_report, run_audit, verify_receipt)
+                            check_checkout, run_audit)
+from memagent.auditreport import audit_cli, render_report, verify_receipt
 from memagent.observed.receipt import audit_cli as console_audit_cli      # the `memagent-audit` entry point
 
 REPORT = ROOT / 'reports' / 'agemem_audit'

@@ -12,9 +12,9 @@ PKG = Path(__file__).resolve().parents[1] / 'memagent'
 # resume, fuzz, simulate and screening sit with the run-level modules they build on.
 LAYERS = (
     ('memagent', 'config', 'files', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net', 'devices', 'ondevice'),   # pure leaves
-    ('data', 'prompts', 'models', 'credit', 'loss', 'report'),                                          # pure or file-level
+    ('data', 'prompts', 'models', 'credit', 'loss', 'report', 'memreport'),                                        # pure or file-level
     ('engines',),                                                                    # leaves: know nothing of the trainer
-    ('rollout', 'transfer', 'checkpoint', 'evaluate', 'acceptance', 'parity', 'lossparity', 'lossreceipt', 'audit', 'observed', 'resume', 'fuzz', 'simulate',
+    ('rollout', 'transfer', 'checkpoint', 'evaluate', 'acceptance', 'parity', 'lossparity', 'lossreceipt', 'audit', 'observed', 'resume', 'fuzz', 'simulate', 'auditreport',
      'screening'),
     ('backends', 'policy'),                                          # the policy interface; its implementations
     ('colocate',),                                                   # places ranks and engines: the factories for both

@@ -24,7 +24,7 @@ LONG_DEFINITIONS = {
     ('nbs/14_megatron_5_backend.ipynb', 'cc2cca0f'): 'one class, MegatronBackend, of 222 lines',
     ('nbs/14b_plan_2_fit.ipynb', '684f7f23'): 'one class, Plan, of 82 lines (a dataclass)',
     ('nbs/14b_plan_2_fit.ipynb', '5a1af127'): 'one function, _terms, of 112 lines',
-    ('nbs/18_audit.ipynb', '485e044f'): 'one function, _verify, of 61 lines',
+    ('nbs/18_audit_1_report.ipynb', '485e044f'): 'one function, _verify, of 61 lines',
     ('nbs/18a_observed_1_store.ipynb', 'c48c4729'): 'one class, Recorder, of 106 lines',
     ('nbs/19_screening.ipynb', '83e09718'): 'one function, screen, of 72 lines',
     ('nbs/20_testing.ipynb', '430e66bf'): 'one class, FakeSGLangServer, of 222 lines',
@@ -62,8 +62,8 @@ PENDING = {
     ('nbs/16_evaluate.ipynb', 'a4353362'): 'being edited',
     ('nbs/16b_acceptance_1_gate.ipynb', 'c02ccb13'): 'being edited',
     ('nbs/16b_acceptance_1_gate.ipynb', '636c9632'): 'being edited',
-    ('nbs/17_report.ipynb', 'e813ad51'): 'being edited',
-    ('nbs/17_report.ipynb', '512fc9aa'): 'being edited',
+    ('nbs/17a_memreport.ipynb', 'e813ad51'): 'being edited',
+    ('nbs/17a_memreport.ipynb', '512fc9aa'): 'being edited',
 }
 
 def _export_cells():

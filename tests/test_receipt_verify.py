@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 
 from memagent.audit import (AUDITED_PINS, AUDITED_REPOSITORY, AUDITED_REVISION, REBUILD_ORIGIN, VerificationError,
-                            audit_cli, audited_upstream, origin_problems, verify_receipt)
+                            audited_upstream, origin_problems)
+from memagent.auditreport import audit_cli, verify_receipt
 from memagent.parity import RELAX_FILES as RELAX_PINS, RELAX_REPOSITORY
 
 REPORT = ROOT / 'reports' / 'agemem_audit'
@@ -131,7 +132,7 @@ def _report_numbers(text: str) -> list[str]:
 def test_report_readme_figures_are_the_receipts():
     "The committed AgeMem report states its headline counts, case table and totals as the receipt holds them."
     import re
-    from memagent.audit import summary_table
+    from memagent.auditreport import summary_table
     rc = json.loads((REPORT / 'receipt.json').read_text())
     readme = (REPORT / 'README.md').read_text()
     s = rc['summary']

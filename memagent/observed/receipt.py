@@ -10,7 +10,8 @@ from ..provenance import sha256_file, provenance, provenance_problems
 from ..report import md_table
 from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, VerificationError, check_checkout, default_report_dir as audit_report_dir,
                             compare, origin_problems, audited_upstream, _environment, _status, _summary, _differs, _short, _MISSING,
-                            open_receipt, field_problems, environment_problems, wrong_shape, study_cli, audit_cli as reward_audit_cli)
+                            open_receipt, field_problems, environment_problems, wrong_shape)
+from ..auditreport import study_cli, audit_cli as reward_audit_cli
 from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, load_upstream, load_episodes,
                                      observe_case, case_outputs, observed_stats, difference, held_ids)
 
