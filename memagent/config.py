@@ -75,6 +75,8 @@ class RolloutCfg:
     mem_fraction: float = 0.8       # SGLang --mem-fraction-static: share of a GPU for weights + KV cache; colocated recipe: 0.7
     weight_sync: str = 'disk'       # 'disk' (HF directory, update_weights_from_disk) or 'tensor' (in memory, update_weights_from_tensor)
     response_cap: int | None = None # rehearsals only: every request's max_new_tokens is at most this (memory and final turns);
+
+# %% ../nbs/00_config.ipynb #77ef9a89
                                     # the memory bound itself (chunking.memory_tokens) is unchanged. None: the chunking bounds
 
 @dataclass
@@ -133,6 +135,7 @@ class ScheduleCfg:
     save_every: int = 50
     keep_last: int = 2
 
+# %% ../nbs/00_config.ipynb #a0010cbc
 @dataclass
 class EvalCfg:
     "Evaluation sampling, lengths and the acceptance tolerance."
@@ -173,6 +176,7 @@ CHOICES = {
 }
 NONEMPTY = ('name', 'model.name', 'model.tokenizer', 'model.revision', 'data.train', 'data.eval', 'data.root', 'rollout.sglang_urls')
 
+# %% ../nbs/00_config.ipynb #0770237e
 @dataclass
 class Config:
     "The whole recipe. Sections are dataclasses; derived values are properties."
@@ -359,6 +363,8 @@ class Range:
         return ' or '.join([*(repr(a) for a in self.also), s])
 
 _U32 = Range(0, 2**32 - 1, why='numpy and torch take unsigned 32-bit seeds')
+
+# %% ../nbs/00_config.ipynb #ab7e2494
 RANGES = {
     'seed': _U32,
     'data.max_train': Range(1, why='null: every example; 0 examples cannot train'),
@@ -408,6 +414,7 @@ RANGES = {
     'optim.mini_batches': Range(1, why='1: one optimizer step per rollout batch'),
 }
 
+# %% ../nbs/00_config.ipynb #10fbb59d
 def _check_range(key, v, spec: Range):
     "Raise naming the key, the value and the allowed range when `v` (not null) is outside `spec`."
     if v is None: return
@@ -526,6 +533,7 @@ def typed_param(value, param: str, kind: str):
 
 _PARAM_TYPES = None
 
+# %% ../nbs/00_config.ipynb #73eaf858
 def _param_type(t):
     "A parameter's declared type: the annotation itself, or a string annotation read with the typing names a parameters cell may use."
     global _PARAM_TYPES
@@ -565,7 +573,6 @@ def check_params(namespace: dict) -> None:
             elif isinstance(v, str):
                 hint = f" (papermill -p passes text: give -y '{name}: {v}' to pass a number or a list)"
             raise ValueError(f"parameter {name}: {v!r} is not of its declared type {want}{hint}") from None
-
 
 # %% ../nbs/00_config.ipynb #d2ab91e0
 class cli_number:
@@ -627,6 +634,7 @@ def qwen3_06b_pilot() -> Config:
     c.schedule = ScheduleCfg(steps=20, save_every=10, keep_last=2)
     return c
 
+# %% ../nbs/00_config.ipynb #b7c4a202
 def memagent_official() -> Config:
     "The official MemAgent recipe values (Qwen2.5-7B-Instruct), kept as a parity mode."
     return Config(
@@ -673,6 +681,7 @@ def cpu_demo() -> Config:
         schedule=ScheduleCfg(steps=18, save_every=6, keep_last=2),
         eval=EvalCfg(lengths=[3], temperature=0.6, top_p=1.0, samples=1, max_items=96, seed=4321))
 
+# %% ../nbs/00_config.ipynb #1a107ac6
 def tiny() -> Config:
     "A random 2-layer Qwen3 for tests: every code path, seconds per step."
     return Config(

@@ -107,6 +107,7 @@ def _ks(n):
     while k < n: ks.append(k); k *= 2
     return ks + [n]
 
+# %% ../nbs/16_evaluate.ipynb #8b2e6af2
 def summarize(records: list[dict], run_info: dict | None = None, n_boot: int = 1000, seed: int = 0) -> dict:
     "Summary of per-sample `records`: totals, errors, truncation, each metric in % with a 95% item bootstrap CI, pass@k."
     run_info = dict(run_info or {})
@@ -207,6 +208,7 @@ def _item_records(ecfg, ex, samples, ts) -> list:
                            t.memory_lengths, t.error, t.memories))
     return out
 
+# %% ../nbs/16_evaluate.ipynb #289ee24a
 def _recurrent_batch(batch, engine, tokenizer, ecfg, samples, seed, variant, on_item=None):
     "Records of `batch` in item order; `on_item(records)` with each item's records as soon as its trajectories are finished."
     from memagent.rollout import rollout
@@ -282,6 +284,7 @@ def _refuse(model, want, served, why):
     exp = f"checkpoint {model!r} (path {want['path']}" + (f", tensors_sha256 {want['record']['tensors_sha256'][:16]}" if (want['record'] or {}).get('tensors_sha256') else '') + ')'
     raise ModelMismatchError(f"the engine does not serve the checkpoint this run is labelled with: {why}. Served: {served}; expected: {exp}")
 
+# %% ../nbs/16_evaluate.ipynb #38da2f30
 def check_served_model(engine, model, logprob_tol: float = 0.1) -> dict:
     "Prove `engine` serves checkpoint `model` (see above), else `ModelMismatchError` naming both identities; returns the proof."
     if not hasattr(engine, 'identity'):
@@ -358,6 +361,7 @@ def run_info(cfg, tokenizer, mode: str, examples, data_path=None, model_name=Non
             'seeds': {'eval': cfg.eval.seed, 'per_request': 'derived from (eval seed, item id, sample, turn)'},
             'limits': limits, 'totals': {'items': len(examples), 'samples_per_item': samples}, 'config_name': cfg.name}
 
+# %% ../nbs/16_evaluate.ipynb #8bf7fe2b
 def evaluate(examples, engine, tokenizer, cfg, mode: str = 'recurrent', out_dir=None, data_path=None,
              model_name=None, samples: int | None = None, max_items: int | None | str = 'config', batch_size: int = 8,
              variant: str = 'eval', base_max_tokens: int | None = None, n_boot: int = 1000, progress: bool = True,
@@ -416,6 +420,7 @@ def evaluate(examples, engine, tokenizer, cfg, mode: str = 'recurrent', out_dir=
         if work is not None: write_run(work, records, summary)      # rewritten in item order
     return summary
 
+# %% ../nbs/16_evaluate.ipynb #7f2b36a5
 def write_run(out_dir, records, summary) -> Path:
     "Write `records.jsonl` and `summary.json` (which records the records file's name and SHA-256)."
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
@@ -448,6 +453,7 @@ def write_memory_report(data, out_dir, tokenizer, cfg, name: str = 'model') -> P
     p = out / 'memory.md'; p.write_text(f"# {name}: what the memory holds\n\n{mr['markdown']}\n")
     return p
 
+# %% ../nbs/16_evaluate.ipynb #dcacfc4f
 def evaluate_cli(argv=None) -> int:
     "Console script `memagent-evaluate`."
     from memagent.config import get_preset, load_config, apply_overrides, parse_sets, cli_number

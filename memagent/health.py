@@ -34,6 +34,7 @@ def trained_step(m: dict) -> bool:
     "Whether a step's metrics line records an update on real rows (not only zero-weight padding)."
     return m.get('rows_generated', 0) > 0 and 'skipped_update' not in m
 
+# %% ../nbs/13a_health.ipynb #12b213f9
 class RunHealth:
     "Counts empty steps (no usable trajectory) and steps that trained; decides the run's status; writes `<run_dir>/health.json`."
     def __init__(self, max_empty_steps: int, run_dir, state: dict | None = None, metrics: list[dict] | None = None):
@@ -92,6 +93,7 @@ def read_health(run_dir) -> dict | None:
     from memagent.files import read_json
     return read_json(p, 'health') if p.exists() else None
 
+# %% ../nbs/13a_health.ipynb #ceaf4eab
 def json_line(m: dict) -> str:
     "`m` as one line of strict JSON: a NaN or infinite number becomes null, named in `null_reasons` with its value and the reason `m['null_reasons']` gives for it."
     why, nulls = m.get('null_reasons') or {}, {}
@@ -103,4 +105,3 @@ def json_line(m: dict) -> str:
     out = {k: fix(k, v) for k, v in m.items() if k != 'null_reasons'}
     if why or nulls: out['null_reasons'] = {**why, **nulls}      # a line already strict keeps its reasons
     return json.dumps(out, allow_nan=False)
-

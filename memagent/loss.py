@@ -151,6 +151,7 @@ def row_loss(logp, old_logp, credit, mask, ref_logp=None, cfg=None, rollout_logp
     tok, parts = token_loss(logp, old_logp, credit, ref_logp, cfg, rollout_logp, entropy, mask)
     return row_means(tok, mask), parts
 
+# %% ../nbs/11_loss.ipynb #6ed672c5
 def policy_loss(
     logp,               # `[rows, tokens]` the policy's log-probs of the tokens, with gradient
     old_logp,           # `[rows, tokens]` the behaviour log-probs: the PPO ratio is `exp(logp - old_logp)`
@@ -187,4 +188,3 @@ def policy_loss(
         if 'entropy' in parts: met.update(entropy=tm(parts['entropy']), entropy_loss=-p.entropy_coef * wsum(parts['entropy']))
         if 'tis_capped' in parts: met.update(tis_capped_frac=tm(parts['tis_capped']))
     return loss, met
-

@@ -65,6 +65,7 @@ def retention(records, examples, chunks_of, success=lambda r: float(not r.get('e
     return {'by_offset': {d: by_off[d] for d in sorted(by_off)}, 'by_anchor': {a: by_anchor[a] for a in sorted(by_anchor)},
             'skipped': skipped, 'records': per}
 
+# %% ../nbs/17a_memreport.ipynb #10efc723
 def plot_retention(results: dict, path, title: str = 'what the memory holds') -> Path:
     "Two panels for `{model: retention(...)}`: memory holds gold vs turns since the gold chunk; success by the gold chunk's position."
     fig, ax = _figure(1, 2, size=(11, 4)); a1, a2 = ax[0]
@@ -123,6 +124,7 @@ def _snippet(chunk: str, answers, negatives, width: int = 70) -> str:
             return ('… ' if a else '') + chunk[a:b] + (' …' if b < len(chunk) else '')
     return chunk[:2 * width] + (' …' if len(chunk) > 2 * width else '')
 
+# %% ../nbs/17a_memreport.ipynb #22960871
 def trajectory_view(example: dict, records: dict, chunk_texts, around: int = 1, last: int = 2) -> str:
     "Markdown of one item: per chunk, the memory each model in `records` ({name: record}) wrote after it; folded when long; final answers."
     ans, neg = list(example.get('answers') or []), list((example.get('meta') or {}).get('negatives') or [])

@@ -192,6 +192,7 @@ def choose_scheduler(engine, cfg) -> str:
     if s not in ('sync', 'async'): raise ValueError(f"rollout.scheduler must be 'auto', 'sync' or 'async', got {s!r}")
     return s
 
+# %% ../nbs/09_rollout.ipynb #c8060213
 def rollout(
     examples,                        # dicts with `id`, `question`, `context`; optional `answers`, `meta.negatives`
     engine,                          # has `generate(prompts, params, return_exceptions=True)`; `request_queue()` allows async

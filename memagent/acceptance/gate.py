@@ -78,6 +78,7 @@ def record_items(records, where: str = 'records') -> dict:
         if out.setdefault(i, a) != a: raise CompareError(f"{where}: the samples of item {i!r} name different answers ({out[i]!r} and {a!r})")
     return out
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #cf607b8f
 def _diff_items(have: dict, want: dict) -> dict:
     "Item ids of `have` not in `want` ('extra'), of `want` not in `have` ('missing'), in both with other answers ('answers')."
     return {'extra': [i for i in have if i not in want], 'missing': [i for i in want if i not in have],
@@ -135,6 +136,7 @@ def recorded_tokenizer(summary: dict, where: str = 'summary'):
     if key not in _TOKENIZERS: _TOKENIZERS[key] = load_tokenizer(p)
     return _TOKENIZERS[key]
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #e3999198
 def recount_chunks(summary: dict, records, examples: dict, where: str = 'summary') -> dict:
     "Every record's `num_chunks`, `truncated` and `dropped_tokens` recomputed from its item's document with the recorded tokenizer and limits: `{'records', 'mismatches': [...]}`."
     from memagent.chunking import chunk_document
@@ -230,6 +232,7 @@ def _h16(h) -> str:
     "The first 16 hex digits of a hash, 'none' for a missing one."
     return str(h)[:16] if h else 'none'
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #974d7964
 def identity_checks(checks: list, key, loaded: dict):
     "Append to `checks` the identity checks of the runs `loaded` (role -> `load_run`) at `key`: same items, same data, different runs, different models."
     ref = loaded['reference']
@@ -279,6 +282,7 @@ def _shown(run: dict) -> dict:
                          'max_chunks': lim.get('max_chunks'), 'wall_s': (s.get('timing') or {}).get('wall_s'),
                          'comparable': {k: v for k, v in comparable_fields(s).items() if not k.startswith('data.')}}}
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #702d3d7d
 def chunk_check(checks: list, key, role: str, run: dict):
     "Append the `chunks` check of one loaded run: every record's chunk count, truncation and dropped tokens recomputed from the data file with the recorded tokenizer (`recount_chunks`)."
     s = run['summary']
@@ -295,6 +299,7 @@ def chunk_check(checks: list, key, role: str, run: dict):
            "file with the recorded tokenizer" if not bad else f"{len(bad)} records disagree with their documents: "
            + '; '.join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else '')), role=role, verified=True, mismatches=len(bad))
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #d785d399
 def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None, seed: int = 0,
             n_boot: int = 1000, require_hotpotqa: bool = True, metric: str = 'sub_em', hotpotqa_metric: str = 'boxed_em') -> dict:
     "The acceptance check of candidate vs reference (within `tolerance_pp`) and vs base (strictly better); every check listed."

@@ -64,6 +64,7 @@ def _refuse_corrupt(path, name, kind, expected, actual, why):
     raise PrepareError(f"{name}: {kind} mismatch ({why}): expected {expected}, got {actual}; the file is kept as {bad.name} "
                        "in the data root")
 
+# %% ../../nbs/03_data_4_fetch.ipynb #7a05b462
 def _fetch_verified(name, root: Path) -> dict:
     "Download one pinned file into `root` at the pinned revision and check it against the hub's own hash."
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, constants
@@ -113,6 +114,7 @@ def _reference(source: Path, root: Path) -> tuple:
             return p, {k: v for k, v in m.get('files', {}).items() if v.get('verified')}
     return None, {}
 
+# %% ../../nbs/03_data_4_fetch.ipynb #762dd579
 def _copy_verified(name, source: Path, root: Path, ref_path, ref: dict, unverified: bool) -> dict:
     "Copy one pinned file from `source` into `root`, checked against the reference manifest (or taken unverified)."
     import shutil
@@ -135,6 +137,7 @@ def _copy_verified(name, source: Path, root: Path, ref_path, ref: dict, unverifi
     return {**rec, 'verified': True, 'verification': f"manifest:{ref_path.resolve()}",
             **({'hub_hash': entry['hub_hash']} if 'hub_hash' in entry else {})}
 
+# %% ../../nbs/03_data_4_fetch.ipynb #b63166da
 def prepare(root=None, source=None, unverified: bool = False, files=None, progress: bool = False) -> dict:
     "Fetch (or copy from `source`) the pinned files into `root`, verify them, convert them to schema JSONL; writes and returns `root/manifest.json`."
     names = list(PINNED['files']) if files is None else list(files)
@@ -185,6 +188,7 @@ def prepare(root=None, source=None, unverified: bool = False, files=None, progre
             shutil.rmtree(stage)
     return write()
 
+# %% ../../nbs/03_data_4_fetch.ipynb #8e4e4b32
 def prepared_file(name, root=None) -> Path:
     "The schema JSONL prepared from the pinned file `name` in the data root; an existing path is returned as is. Missing: the error gives the prepare command."
     p = Path(name).expanduser()

@@ -41,6 +41,7 @@ def doc_pool(questions) -> list[str]:
 
 SHUFFLES = ('per_question', 'official')
 
+# %% ../../nbs/03_data_2_haystack.ipynb #95b42284
 def build_haystack(questions, pool=None, num_docs: int = 50, seed: int = 0, shuffle: str = 'per_question',
                    limit: int | None = None, progress: bool = False) -> list[dict]:
     "RULER-HQA examples: each question's own paragraphs + `num_docs - own` random `pool` docs, shuffled, gold slots in meta."

@@ -119,6 +119,7 @@ def _lines(path) -> Iterator[tuple]:
                 yield i, _decode(path, raw, i)
     except (EOFError, gzip.BadGzipFile, zlib.error) as e: raise DataError(path, i + 1, None, _gzip_problem(e)) from None
 
+# %% ../../nbs/03_data_1_readers.ipynb #1c03c31c
 def iter_records(path) -> Iterator[tuple]:
     "Yield `(location, record)` from .jsonl/.jsonl.gz (streamed), .json (list, or dict of id -> row) or .parquet (batched)."
     path = Path(path)
@@ -202,6 +203,7 @@ def _check_limit(limit, name='limit'):
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"{name} must be an int >= 0 or None (every row), got {limit!r}")
 
+# %% ../../nbs/03_data_1_readers.ipynb #9c680dcb
 def read_examples(path, limit: int | None = None) -> list[dict]:
     "Read a schema JSONL (.jsonl or .jsonl.gz) file, validating every row read; at most `limit` rows (None: all, 0: none); raises `DataError` on the first bad row, and on a file with no row at all."
     _check_limit(limit)
@@ -277,6 +279,7 @@ def count_documents(context: str) -> int:
     "Number of `Document i:` header lines in a context (RULER-HQA layout)."
     return len(_DOC_HEADER.findall(context))
 
+# %% ../../nbs/03_data_1_readers.ipynb #f16ff22d
 def _hotpot_paragraphs(row, field='context'):
     ctx = row[field]
     if not isinstance(ctx, list): raise RowError('bad_type', field, f"must be a list of [title, [sentences]], got {type(ctx).__name__}")
@@ -328,6 +331,7 @@ def from_ruler(row: dict) -> dict:
     elif isinstance(nd, bool) or not isinstance(nd, int) or nd < 0: raise RowError('bad_type', 'num_docs', 'must be an integer >= 0')
     return {'id': ex_id, 'question': q, 'context': ctx, 'answers': answers, 'num_docs': nd, 'source': 'ruler_hqa', 'meta': meta}
 
+# %% ../../nbs/03_data_1_readers.ipynb #1f691c3a
 def from_verl(row: dict) -> dict:
     "Convert one verl/MemAgent training row (`prompt, context, reward_model.ground_truth, extra_info`) into the schema."
     _need(row, 'context', 'reward_model')
@@ -385,6 +389,7 @@ def _resolve_fmt(path, fmt):
         break
     raise ValueError(f"{path}: cannot tell the format from its first record; pass fmt='hotpotqa', 'ruler' or 'parquet'")
 
+# %% ../../nbs/03_data_1_readers.ipynb #8c223749
 def convert(src, out, fmt: str = 'auto', strict: bool = False, limit: int | None = None, manifest=None,
             progress: bool = False, max_skip_examples: int = 20, allow_empty: bool = False) -> dict:
     "Convert `src` (a path or list of paths) into schema JSONL at `out`; writes and returns the manifest (default `out` + '.manifest.json'). No row to write is an error unless `allow_empty`."
@@ -444,6 +449,7 @@ def _convert_manifest(sources, output, read_total, skipped_total, examples_skipp
     assert m['rows_written'] + m['rows_skipped'] == m['rows_read'], m
     return m
 
+# %% ../../nbs/03_data_1_readers.ipynb #63feafe8
 def _write_json(obj, path):
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + '.tmp')

@@ -37,6 +37,7 @@ class Gpu:
     total: int
     free: int
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #d047ae4c
 @dataclass
 class Env:
     "Every fact the rows read (`probe_env` reads them; tests write them). None: absent or unknown."
@@ -227,6 +228,7 @@ def unwritable(path) -> str | None:
     os.close(fd); os.unlink(name)
     return None
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #2edb52ae
 def missing_path_variables(environ=None) -> dict:
     "The variables of `PATH_VARIABLES` that are set to a path that does not exist: name -> value."
     e = os.environ if environ is None else environ
@@ -252,6 +254,7 @@ def ray_cluster_resources(address: str, timeout_s: float = RAY_PROBE_TIMEOUT_S) 
     if t.is_alive(): return None, f"Ray at {address} did not answer within {timeout_s:g} s (the doctor's limit for joining a cluster)"
     return box.get('resources'), box.get('error')
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #548cf51e
 def probe_env(run_dir=None, ray_address: str | None = None, nvidia_smi_timeout_s: float = 5.0,
               ray_timeout_s: float = RAY_PROBE_TIMEOUT_S) -> Env:
     "This machine's facts, in seconds: metadata, files, nvidia-smi, /proc; torch is imported only when it is a CUDA build; Ray is asked only when `ray_address` is given."

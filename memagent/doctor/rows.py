@@ -90,6 +90,7 @@ def torch_row(cfg, world_size: int, env: Env) -> Row:
                    "CUDA_VISIBLE_DEVICES and the container's access to the GPUs")
     return Row('torch build', found, needed, 'ok')
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #01f9f9f2
 def driver_row(cfg, world_size: int, env: Env) -> Row:
     "An NVIDIA driver of at least the line of torch's CUDA runtime (`DRIVER_FOR_CUDA`; a CPU torch: the GPU stack's CUDA 13)."
     found = (f"NVIDIA driver {env.driver_version}" if env.driver_version
@@ -221,6 +222,7 @@ def te_row(cfg, world_size: int, env: Env) -> Row:
     why = f"backend {cfg.backend!r}" if cfg.backend != 'megatron' else "no sequence parallel and batch.attention is not 'te': the local and sdpa specs need no TE"
     return Row('Transformer Engine', found, f"not needed: {why}", 'skip')
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #88f1894a
 def attention_row(cfg, world_size: int, env: Env) -> Row:
     "The attention the layout will run (te, sdpa or local for megatron; SDPA for the torch backend) and why: `choose_layer_spec` on this machine's facts."
     b = cfg.backend == 'megatron' and cfg.batch
@@ -272,6 +274,7 @@ def cudnn_row(cfg, world_size: int, env: Env) -> Row:
     return Row('cuDNN headers', found, f"cudnn.h of cuDNN 9 ({why})", 'ok' if env.cudnn_header else 'fail',
                '' if env.cudnn_header else "install cuDNN 9's development files for the CUDA line, or set CUDNN_PATH to a directory whose include/ holds cudnn.h")
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #d410b174
 def sglang_row(cfg, world_size: int, env: Env) -> Row:
     "sglang, its server module, and the torch it pins, when the rollout engine is SGLang."
     found = ('sglang is not installed' if env.sglang_version is None else
@@ -350,6 +353,7 @@ def disk_row(cfg, world_size: int, env: Env) -> Row:
     return Row('disk', found, needed, 'ok' if ok else 'fail', '' if ok else
                f"free {_gib(ck['kept'] - (env.disk_free or 0))} more there, give --run-dir on a larger disk, or lower schedule.keep_last")
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #592034e3
 def folders_row(cfg, world_size: int, env: Env) -> Row:
     "The folders a run writes take a new file (a probe written and removed: the run directory, its checkpoints, the model cache; the hub cache, where downloads go), and every path variable that is set names a path that exists."
     needed = ("a file can be created in the run directory, its checkpoints and the model cache (and the hub cache, for downloads); "
@@ -448,6 +452,7 @@ def _weights_problem(d: Path, backend: str) -> str | None:
         if backend == 'megatron' or not only_bin: return str(e)
     return None
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #3958e5ea
 def weights_row(cfg, world_size: int, env: Env) -> Row:
     "The model's weights on local disk, found the way `memagent.models` resolves `model.name`, without loading them."
     from memagent.models import _looks_like_path
