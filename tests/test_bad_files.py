@@ -322,3 +322,12 @@ def test_run_notebooks_refuse_an_input_inside_an_output_folder(tmp_path, monkeyp
         _, err = run_notebook_cells(ROOT / 'nbs' / f'{name}.ipynb', params, cells=1)
         assert isinstance(err, ValueError) and f'parameter {param}' in str(err) and str(folder) in str(err), (name, param, how, repr(err)[-500:])
         assert _tree(tmp_path) == before, (name, param, how, 'something was written')
+
+
+def test_every_console_tool_helps_outside_a_checkout(tmp_path, monkeypatch):
+    "`--help` of every console script works in a folder that is no checkout: what a tool needs from the repository is an option."
+    monkeypatch.chdir(tmp_path)
+    for name, target in console_scripts().items():
+        rc, said = _call(target, ['--help'])
+        assert rc == 0 and 'usage:' in said and 'Traceback' not in said, (name, rc, said[-300:])
+    assert list(tmp_path.iterdir()) == []
