@@ -331,3 +331,22 @@ def test_every_console_tool_helps_outside_a_checkout(tmp_path, monkeypatch):
         rc, said = _call(target, ['--help'])
         assert rc == 0 and 'usage:' in said and 'Traceback' not in said, (name, rc, said[-300:])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_that_cannot_be_written_leaves_nothing(tmp_path):
+    """An output whose folder cannot be made (here: a file stands where the folder would be, which stops root as well as a
+    read-only folder stops a user) is refused with exit 2 before any output is in place: convert leaves no data file without
+    its manifest, compare no report."""
+    import json
+    from memagent.data import load_hotpotqa
+    pool = tmp_path / 'pool.jsonl'; pool.write_text(''.join(json.dumps(r) + '\n' for r in load_hotpotqa(limit=3)))
+    (tmp_path / 'blocker').write_text('a file, not a folder')
+    scripts = console_scripts()
+    before = _tree(tmp_path)
+    rc, said = _call(scripts['memagent-convert'], [str(pool), str(tmp_path / 'out.jsonl'), '--manifest', str(tmp_path / 'blocker' / 'm.json')])
+    assert rc == 2 and 'Traceback' not in said and _tree(tmp_path) == before, (rc, said[-400:])
+    for r in ('c', 'r', 'b'): (tmp_path / r).mkdir(); (tmp_path / r / 'summary.json').write_text('{}')
+    before = _tree(tmp_path)
+    rc, said = _call(scripts['memagent-compare'], ['--candidate', str(tmp_path / 'c'), '--reference', str(tmp_path / 'r'),
+                                                   '--base', str(tmp_path / 'b'), '--out', str(tmp_path / 'blocker' / 'cmp.json')])
+    assert rc == 2 and 'Traceback' not in said and _tree(tmp_path) == before, (rc, said[-400:])
