@@ -4,8 +4,9 @@
     python scripts/readme.py            # write README.md
     python scripts/readme.py --check    # exit 1 if README.md is not the rendering, or quotes an untraced number
 
-The README is the notebook's markdown cells joined by blank lines. Its code cell `readme_sources = {...}`
-(a dict literal, read with `ast`, never executed here) names the report files the figures come from:
+The README is the notebook's markdown cells joined by blank lines. `scripts/readme_sources.py` assigns
+`readme_sources = {...}` (a dict literal, read with `ast`, never executed here), naming the report files the figures
+come from:
 
     'bench': {'file': 'reports/bench/cpu/bench.json', 'commit': 'bench.provenance.git.commit',
               'dirty': 'bench.provenance.git.dirty'}                   # a JSON report
@@ -28,27 +29,22 @@ import argparse, ast, difflib, hashlib, json, re, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-INDEX, README, REPORTS = 'nbs/index.ipynb', 'README.md', 'reports'
+INDEX, SOURCES, README, REPORTS = 'nbs/index.ipynb', 'scripts/readme_sources.py', 'README.md', 'reports'
 PLACEHOLDER = re.compile(r'\{\{\s*([A-Za-z_]\w*)((?:\.[^.:{}\s]+)*)\s*(?::([^{}]*))?\}\}')
 TEXT_SUFFIXES = {'.json', '.md', '.csv', '.yaml', '.yml', '.txt', '.ipynb', '.jsonl'}
 # Numbers that are names, not measurements: removed before the figure check, each with its reason.
 NOT_FIGURES = {'Python 3.11': 'the supported Python version', 'CC BY-SA 4.0': 'the licence of the shipped data'}
 
 
-def notebook_parts(nb_path: Path) -> tuple[list[str], dict]:
-    "The markdown cells of the index notebook, and its `readme_sources` dict."
+def notebook_parts(nb_path: Path, sources_path: Path | None = None) -> tuple[list[str], dict]:
+    "The markdown cells of the index notebook, and the `readme_sources` dict of `sources_path` (default: beside it, SOURCES)."
     nb = json.loads(nb_path.read_text())
-    md, sources = [], None
-    for cell in nb['cells']:
-        src = ''.join(cell['source'])
-        if cell['cell_type'] == 'markdown': md.append(src)
-        elif cell['cell_type'] == 'code':
-            for node in ast.parse(src).body:
-                if isinstance(node, ast.Assign) and [getattr(t, 'id', None) for t in node.targets] == ['readme_sources']:
-                    if sources is not None: raise ValueError(f"{nb_path}: readme_sources is assigned twice")
-                    sources = ast.literal_eval(node.value)
-    if sources is None: raise ValueError(f"{nb_path}: no code cell assigns readme_sources")
-    return md, sources
+    md = [''.join(cell['source']) for cell in nb['cells'] if cell['cell_type'] == 'markdown']
+    sources_path = sources_path or nb_path.parent.parent / SOURCES
+    found = [ast.literal_eval(node.value) for node in ast.parse(sources_path.read_text()).body
+             if isinstance(node, ast.Assign) and [getattr(t, 'id', None) for t in node.targets] == ['readme_sources']]
+    if len(found) != 1: raise ValueError(f"{sources_path}: readme_sources must be assigned exactly once, found {len(found)}")
+    return md, found[0]
 
 
 class Source:

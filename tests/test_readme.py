@@ -43,13 +43,13 @@ def test_names_are_not_figures():
 
 
 def _repo(tmp_path, md: str, sources: dict, files: dict) -> Path:
-    "A minimal repository: nbs/index.ipynb with one markdown cell and the readme_sources cell, plus report files."
+    "A minimal repository: nbs/index.ipynb with one markdown cell, scripts/readme_sources.py, and the report files."
     for rel, content in files.items():
         (tmp_path/rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path/rel).write_text(content if isinstance(content, str) else json.dumps(content))
-    cells = [{'cell_type': 'markdown', 'metadata': {}, 'source': md},
-             {'cell_type': 'code', 'metadata': {}, 'execution_count': None, 'outputs': [],
-              'source': f'readme_sources = {sources!r}'}]
+    cells = [{'cell_type': 'markdown', 'metadata': {}, 'source': md}]
+    (tmp_path/'scripts').mkdir(exist_ok=True)
+    (tmp_path/'scripts'/'readme_sources.py').write_text(f'readme_sources = {sources!r}\n')
     (tmp_path/'nbs').mkdir(exist_ok=True)
     (tmp_path/'nbs'/'index.ipynb').write_text(json.dumps({'cells': cells, 'metadata': {}, 'nbformat': 4, 'nbformat_minor': 5}))
     return tmp_path
