@@ -362,10 +362,26 @@ def run_info(cfg, tokenizer, mode: str, examples, data_path=None, model_name=Non
             'limits': limits, 'totals': {'items': len(examples), 'samples_per_item': samples}, 'config_name': cfg.name}
 
 # %% ../nbs/16_evaluate.ipynb #8bf7fe2b
-def evaluate(examples, engine, tokenizer, cfg, mode: str = 'recurrent', out_dir=None, data_path=None,
-             model_name=None, samples: int | None = None, max_items: int | None | str = 'config', batch_size: int = 8,
-             variant: str = 'eval', base_max_tokens: int | None = None, n_boot: int = 1000, progress: bool = True,
-             model_info: dict | None = None, key=None, check_model: bool = False) -> dict:
+def evaluate(
+    examples,                                # example dicts or a schema JSONL path
+    engine,                                  # serves the requests; `identity()` for `check_model`
+    tokenizer,                               # the policy's tokenizer: chunks, prompts, stop tokens
+    cfg,                                     # a `Config` (`eval`, `chunking`, `prompt`, `rollout`)
+    mode: str = 'recurrent',                 # 'recurrent' (MemAgent loop) or 'base' (one prompt)
+    out_dir=None,                            # gets records.jsonl, summary.json; None: no files
+    data_path=None,                          # the data file recorded; None: `examples` if a path
+    model_name=None,                         # the checkpoint (name or path) of the run's label
+    samples: int | None = None,              # samples per item; None: `cfg.eval.samples`
+    max_items: int | None | str = 'config',  # first n items; 'config': `eval.max_items`; None: all
+    batch_size: int = 8,                     # items per sync batch (async: every item at once)
+    variant: str = 'eval',                   # the prompt variant
+    base_max_tokens: int | None = None,      # 'base' context budget (tokens); None: the default
+    n_boot: int = 1000,                      # bootstrap resamples of the 95% intervals
+    progress: bool = True,                   # show a progress bar over items
+    model_info: dict | None = None,          # the recorded model identity; None: from `model_name`
+    key=None,                                # the run's key (length); None: the data's `num_docs`
+    check_model: bool = False,               # first prove the engine serves `model_name`
+) -> dict:                                   # the summary (also summary.json in `out_dir`)
     "Evaluate `examples` (list or schema JSONL path) recurrently or with the base prompt; write records + summary to `out_dir`. With `check_model`, first prove the engine serves `model_name`."
     if mode not in ('recurrent', 'base'): raise ValueError(f"mode must be 'recurrent' or 'base', got {mode!r}")
     if isinstance(examples, (str, os.PathLike)):

@@ -62,10 +62,25 @@ def patch(f):
 
 class Trainer:
     "GRPO on MemAgent trajectories. `step()` runs one step; `train()` runs to `cfg.schedule.steps`."
-    def __init__(self, cfg: Config, run_dir, examples: list[dict], tokenizer=None, engine=None, world_size: int = 1,
-                 ray_address: str | None = None, dump_rollouts: bool = True, replay_dir=None, resume: bool = True,
-                 tensorboard: bool = True, progress: bool = True, extra_provenance: dict | None = None,
-                 ray_cpus: int | None = None, ray_gpus: int | None = None, simulated_gpus: bool = False):
+    def __init__(
+        self,                                  # the trainer
+        cfg: Config,                           # the recipe, validated on construction
+        run_dir,                               # the run directory: lock, metrics, checkpoints, ...
+        examples: list[dict],                  # dicts with `id`, `question`, `context`, `answers`
+        tokenizer=None,                        # the policy's tokenizer; None: from `cfg.model`
+        engine=None,                           # the caller's; None: launch `cfg.rollout.engine`
+        world_size: int = 1,                   # training ranks; more than 1: Ray ranks
+        ray_address: str | None = None,        # a Ray cluster to join; None: found or started
+        dump_rollouts: bool = True,            # write each step's trajectories to rollouts/
+        replay_dir=None,                       # replay the rollouts dumped there (no engine)
+        resume: bool = True,                   # resume from the newest checkpoint that verifies
+        tensorboard: bool = True,              # also log every metric to tb/
+        progress: bool = True,                 # show a progress bar in `train`
+        extra_provenance: dict | None = None,  # more keys for run.json, checkpoints, exports
+        ray_cpus: int | None = None,           # CPUs a new Ray cluster declares
+        ray_gpus: int | None = None,           # GPUs a new Ray cluster declares
+        simulated_gpus: bool = False,          # a simulated node: the GPU rows only warn
+    ):
         self.cfg, self.run_dir, self.examples = cfg.validate(), Path(run_dir), examples
         self.group = self.engine = self.placement = self.tb = self.lock = None
         self.own_engine = False

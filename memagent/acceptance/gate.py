@@ -300,8 +300,18 @@ def chunk_check(checks: list, key, role: str, run: dict):
            + '; '.join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else '')), role=role, verified=True, mismatches=len(bad))
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #d785d399
-def compare(candidate, reference, base, tolerance_pp: float = 3.0, lengths=None, seed: int = 0,
-            n_boot: int = 1000, require_hotpotqa: bool = True, metric: str = 'sub_em', hotpotqa_metric: str = 'boxed_em') -> dict:
+def compare(
+    candidate,                          # trained model: `{key: run}` or a run (summary, path, dir)
+    reference,                          # the reference model's runs, in the same form
+    base,                               # the base model's runs, in the same form
+    tolerance_pp: float = 3.0,          # largest |candidate - reference| passing, in points (pp)
+    lengths=None,                       # RULER-HQA lengths compared; None: `candidate`'s int keys
+    seed: int = 0,                      # the bootstrap's seed
+    n_boot: int = 1000,                 # bootstrap resamples (intervals, paired, equivalence)
+    require_hotpotqa: bool = True,      # compare HotpotQA too; False: only if `candidate` has it
+    metric: str = 'sub_em',             # the metric compared at each length
+    hotpotqa_metric: str = 'boxed_em',  # the metric compared on HotpotQA
+) -> dict:                              # the report: `passed`, `reasons`, every check, the values
     "The acceptance check of candidate vs reference (within `tolerance_pp`) and vs base (strictly better); every check listed."
     if isinstance(tolerance_pp, bool) or not isinstance(tolerance_pp, (int, float)) or not (math.isfinite(tolerance_pp) and tolerance_pp >= 0):
         raise ValueError(f"tolerance_pp must be a finite number >= 0 (percentage points), got {tolerance_pp!r}")

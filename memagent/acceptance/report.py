@@ -181,8 +181,17 @@ def acceptance_sections(report: dict, render: dict) -> tuple[str, list, list]:
 
 
 # %% ../../nbs/16b_acceptance_2_report.ipynb #a7c1d013
-def render_acceptance(out_dir, report: dict, summaries: dict, params: dict | None = None, data_note: str | None = None,
-                      recipe_data: bool = True, extra_sections=(), extra_files=(), unit: str = 'documents') -> Path:
+def render_acceptance(
+    out_dir,                       # the report folder (created)
+    report: dict,                  # `compare`'s report: every number shown comes from it
+    summaries: dict,               # `{role: {key: summary}}`, copied if they are the runs compared
+    params: dict | None = None,    # the run's parameters, shown in a section; None: no section
+    data_note: str | None = None,  # what the sets are; opens the report
+    recipe_data: bool = True,      # False: the title says these are not the recipe's sets
+    extra_sections=(),             # (heading, markdown) pairs shown after the results
+    extra_files=(),                # more files the README lists (in `out_dir`)
+    unit: str = 'documents',       # what a length counts: plot x label, table column
+) -> Path:                         # README.md's path
     """Write README.md, `<metric>.png`, compare.json, render.json and summaries/ for an acceptance run; returns README.md's path.
     Every number shown comes from `report` (recomputed by `compare`); `summaries` (`{role: {key: summary}}`) are copied to
     summaries/ when they are the runs compared. `data_note` (what the sets are) opens the report; `recipe_data=False` says in
@@ -224,7 +233,9 @@ def _json_diff(want, got, where: str) -> list[str]:
     same = json.dumps(want, sort_keys=True) == json.dumps(got, sort_keys=True)
     return [] if same else [f'{where}: stored {json.dumps(got)[:120]}, recomputed {json.dumps(want)[:120]}']
 
-def verify_acceptance(report_dir) -> dict:
+def verify_acceptance(
+    report_dir,  # a report folder: compare.json, render.json, README.md, runs/
+) -> dict:       # `status`, `passed`, `metric`, each length's verdict
     """Re-check an acceptance report folder: the gate run again on its per-sample runs (`runs/<role>/<key>`, their data files
     read where the runs recorded them) gives compare.json (all but `provenance`), and README.md is, byte for byte, the
     rendering of that report and render.json, with the SHA-256 of every file it lists (the plot included) taken from disk.
