@@ -15,7 +15,8 @@ MAX_LINES = 60
 LONG_DEFINITIONS = {
     ('nbs/00_config.ipynb', '0770237e'): 'one class, Config (a dataclass of the sections and its checks), of 111 lines',
     ('nbs/09_rollout.ipynb', 'c8060213'): 'one function, rollout (its docments take a line per parameter), of 68 lines',
-    ('nbs/16b_acceptance_1_gate.ipynb', 'd785d399'): 'one function, compare (every check of the rule in order), of 80 lines',
+    ('nbs/16b_acceptance_1_gate.ipynb', 'd785d399'): 'one function, compare (every check of the rule in order, a docment per parameter), of 90 lines',
+    ('nbs/16_evaluate.ipynb', '8bf7fe2b'): 'one function, evaluate (a docment per parameter), of 73 lines',
     ('nbs/08_engines_2_hf.ipynb', '295d0159'): 'one class, HFEngine, of 158 lines',
     ('nbs/08_engines_4_sglang.ipynb', 'f72abd87'): 'one class, SGLangEngine, of 274 lines',
     ('nbs/08a_colocate.ipynb', 'e12b6896'): 'one class, Placement, of 71 lines',
