@@ -11,10 +11,10 @@ PKG = Path(__file__).resolve().parents[1] / 'memagent'
 # devices (a Ray process's GPU) and ondevice (the device a process computes on, the virtual device) are leaves;
 # resume, fuzz, simulate and screening sit with the run-level modules they build on.
 LAYERS = (
-    ('memagent', 'config', 'files', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net', 'devices', 'ondevice'),   # pure leaves
+    ('memagent', 'config', 'files', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net', 'devices', 'ondevice', 'sampler'),   # pure leaves
     ('data', 'prompts', 'models', 'credit', 'loss', 'report', 'memreport'),                                        # pure or file-level
     ('engines',),                                                                    # leaves: know nothing of the trainer
-    ('rollout', 'transfer', 'checkpoint', 'evaluate', 'acceptance', 'parity', 'lossparity', 'lossreceipt', 'audit', 'observed', 'resume', 'fuzz', 'simulate', 'auditreport',
+    ('rollout', 'transfer', 'checkpoint', 'served', 'evaluate', 'acceptance', 'parity', 'lossparity', 'lossreceipt', 'audit', 'observed', 'resume', 'fuzz', 'simulate', 'auditreport',
      'screening'),
     ('backends', 'policy'),                                          # the policy interface; its implementations
     ('colocate',),                                                   # places ranks and engines: the factories for both
