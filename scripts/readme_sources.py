@@ -3,12 +3,12 @@ without running anything). Each `file` lies under reports/ and its `*` must matc
 read by key path; markdown files through `fields`, one regular expression with one group each, which must match
 exactly once. `commit` and `dirty` name where the report records the git state of its run."""
 readme_sources = {
-    'train': {'file': 'reports/train/cpu-demo-20261201-141513/reward_summary.json',
+    'train': {'file': 'reports/train/acceptance-reference/reward_summary.json',
               'commit': 'train.provenance.git.commit', 'dirty': 'train.provenance.git.dirty'},
-    'train_md': {'file': 'reports/train/cpu-demo-20261201-141513/README.md', 'commit': 'train_md.commit', 'fields': {
+    'train_md': {'file': 'reports/train/acceptance-reference/README.md', 'commit': 'train_md.commit', 'fields': {
         'wall_min': r'^- Wall time: ([0-9.]+) min in total',
         'commit': r'^- git: `([0-9a-f]{40})` \(clean\)'}},
-    'held': {'file': 'reports/train/cpu-demo-20261201-141513/heldout.json',
+    'held': {'file': 'reports/train/acceptance-reference/heldout.json',
              'commit': 'held.provenance.git.commit', 'dirty': 'held.provenance.git.dirty'},
     'probes': {'file': 'reports/probes/cpu-demo/probes.json',
                'commit': 'probes.provenance.git.commit', 'dirty': 'probes.provenance.git.dirty'},
