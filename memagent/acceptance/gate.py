@@ -121,12 +121,25 @@ def unique_samples(records, samples_per_item, where: str = 'records'):
 
 _TOKENIZERS = {}
 
+def _tokenizer_here(p, want):
+    """The folder of the recorded tokenizer on this machine: its recorded path, else a built-in model whose tokenizer files
+    have the recorded SHA-256 (a tokenizer is its files; a trained checkpoint's folder need not travel with its report)."""
+    if p and Path(p).is_dir(): return p
+    if not want: return None
+    from memagent.models import BUILDERS, model_dir, tokenizer_files
+    for name in BUILDERS:
+        try: d = model_dir(name)
+        except Exception: continue                         # a built-in this machine cannot build is not the one
+        if tokenizer_files(d) == want: return str(d)
+    return None
+
 def recorded_tokenizer(summary: dict, where: str = 'summary'):
-    "The tokenizer a summary names (`tokenizer.path`), its files' SHA-256 checked against `tokenizer.files_sha256`; `CompareError` when it is not here or differs."
+    "The tokenizer a summary names (`tokenizer.path`, else a built-in with the same files), its files' SHA-256 checked against `tokenizer.files_sha256`; `CompareError` when it is not here or differs."
     from memagent.models import load_tokenizer, tokenizer_files
     t = summary.get('tokenizer') or {}
-    p, want = t.get('path'), t.get('files_sha256')
-    if not p or not Path(p).is_dir(): raise CompareError(f"{where}: the tokenizer the summary names ({p or t.get('name_or_path')!r}) is not here")
+    p, want = _tokenizer_here(t.get('path'), t.get('files_sha256')), t.get('files_sha256')
+    if not p: raise CompareError(f"{where}: the tokenizer the summary names ({t.get('path') or t.get('name_or_path')!r}) is not here, "
+                                 "and no built-in model has tokenizer files with its recorded SHA-256")
     if not want: raise CompareError(f"{where}: the summary records no tokenizer.files_sha256 to check {p} against")
     got = tokenizer_files(p)
     if got != want:
