@@ -37,11 +37,12 @@ def pinned_format_root(tmp_path, n_questions: int = 2) -> Path:
     return root
 
 
-def _run(tmp_path, **params):
+def _run(tmp_path, cwd=None, **params):
+    "The notebook through papermill, its report in tmp_path/reports: by absolute path from the repository root, or (cwd) as a relative out_root."
     pm = pytest.importorskip('papermill')
     pm.execute_notebook(str(ROOT / 'nbs' / 'acceptance.ipynb'), str(tmp_path / 'executed.ipynb'),
-                        parameters={**TINY, 'out_root': str(tmp_path / 'reports'), **params},
-                        cwd=str(ROOT), progress_bar=False, kernel_name='python3')
+                        parameters={**TINY, 'out_root': 'reports' if cwd else str(tmp_path / 'reports'), **params},
+                        cwd=str(cwd or ROOT), progress_bar=False, kernel_name='python3')
     return tmp_path / 'reports' / 'tiny'
 
 
@@ -161,14 +162,14 @@ def _two_tiny_policies(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_acceptance_notebook_keycode_lengths(tmp_path):
+def test_acceptance_notebook_keycode_lengths(tmp_path, monkeypatch):
     "The embedded task's path at tiny size: two lengths in chunks, a few items, two different tiny models against the base."
     from memagent.chunking import chunk_document
     from memagent.data import read_examples
     from memagent.models import load_tokenizer
     pol = _two_tiny_policies(tmp_path)
-    rep = _run(tmp_path, eval_data='keycode', lengths=[2, 3], max_items=6, hotpotqa=None, overrides={'eval.top_p': 1.0},
-               reference_model=pol['reference'], candidate_model=pol['candidate'])
+    rep = _run(tmp_path, cwd=tmp_path, eval_data='keycode', lengths=[2, 3], max_items=6, hotpotqa=None, overrides={'eval.top_p': 1.0},
+               reference_model=pol['reference'], candidate_model=pol['candidate'])      # out_root relative, as the README runs it
     report = json.loads((rep / 'compare.json').read_text())
     readme = (rep / 'README.md').read_text()
     assert report['metric'] == 'boxed_em' and report['lengths'] == [2, 3] and 'hotpotqa' not in report['values']
@@ -187,7 +188,9 @@ def test_acceptance_notebook_keycode_lengths(tmp_path):
     assert (rep / 'boxed_em.png').is_file() and '## What the memory holds: 3 chunks' in readme
     s = json.loads((rep / 'summaries' / 'candidate_3.json').read_text())
     assert s['limits']['max_chunks'] == 3 and s['truncated_samples'] == 0
-    # the rendered folder verifies as a whole from its own files, and an edited README does not
+    # the rendered folder verifies as a whole from its own files (from the folder the run was made in, as its data paths are
+    # relative to it), and an edited README does not
+    monkeypatch.chdir(tmp_path)
     from memagent.acceptance import compare_cli
     from memagent.acceptance.report import verify_acceptance
     assert verify_acceptance(rep)['verdicts'] == {L: report['equivalence'][L]['text'] for L in ('2', '3')}

@@ -181,6 +181,12 @@ def acceptance_sections(report: dict, render: dict) -> tuple[str, list, list]:
 
 
 # %% ../../nbs/16b_acceptance_2_report.ipynb #a7c1d013
+def _inside(f, out: Path) -> str:
+    "A listed file as a path relative to `out`: `f` absolute or relative to the working directory (as `memory_report` returns them), else already relative to `out`."
+    p = Path(f)
+    if p.exists() and p.resolve().is_relative_to(out.resolve()): return p.resolve().relative_to(out.resolve()).as_posix()
+    return str(f)
+
 def render_acceptance(
     out_dir,                       # the report folder (created)
     report: dict,                  # `compare`'s report: every number shown comes from it
@@ -206,7 +212,7 @@ def render_acceptance(
               for r in ROLES}
     plot = plot_lengths(by_len, out / f"{report['metric']}.png", report['metric'], unit).name
     files = ['compare.json', RENDER_FILE, *copied, plot,
-             *(Path(f).relative_to(out).as_posix() if Path(f).is_absolute() else str(f) for f in extra_files)]
+             *(_inside(f, out) for f in extra_files)]
     render = json.loads(json.dumps({'unit': unit, 'data_note': data_note, 'recipe_data': recipe_data,
                                     'extra_sections': [list(s) for s in extra_sections], 'left': list(left),
                                     'params': params or None, 'files': files}, default=str))
