@@ -10,6 +10,8 @@ readme_sources = {
         'commit': r'^- git: `([0-9a-f]{40})` \(clean\)'}},
     'held': {'file': 'reports/train/acceptance-reference/heldout.json',
              'commit': 'held.provenance.git.commit', 'dirty': 'held.provenance.git.dirty'},
+    'acc': {'file': 'reports/acceptance/cpu-demo/compare.json',
+            'commit': 'acc.provenance.git.commit', 'dirty': 'acc.provenance.git.dirty'},
     'probes': {'file': 'reports/probes/cpu-demo/probes.json',
                'commit': 'probes.provenance.git.commit', 'dirty': 'probes.provenance.git.dirty'},
     'smoke': {'file': 'reports/smoke/cpu-tiny/gates.json', 'commit': 'smoke_md.commit'},
