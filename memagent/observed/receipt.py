@@ -6,35 +6,40 @@
 from __future__ import annotations
 import argparse, copy, json, re, sys
 from pathlib import Path
-from ..provenance import sha256_file, provenance, provenance_problems
+from ..provenance import flatten, sha256_file, provenance, provenance_problems
 from ..report import md_table
 from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, VerificationError, check_checkout, default_report_dir as audit_report_dir,
-                            compare, origin_problems, audited_upstream, _environment, _status, _summary, _differs, _short, _MISSING,
+                            compare, values_match, origin_problems, audited_upstream, _environment, _status, _summary, _differs, _short, _MISSING,
                             open_receipt, field_problems, environment_problems, wrong_shape)
 from ..auditreport import study_cli, audit_cli as reward_audit_cli
 from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, load_upstream, load_episodes,
                                      observe_case, case_outputs, observed_stats, difference, held_ids)
+from ..files import read_json
 
 # %% auto #0
 __all__ = ['RECEIPT_SCHEMA', 'N_CASES', 'EPISODES_SHA256', 'PROTOCOL_SHA256', 'MEANING', 'LIMITS', 'RECEIPT_FIELDS',
-           'AUDITED_FIELDS', 'CASE_FIELDS', 'STORE', 'PINS', 'default_report_dir', 'run_observed', 'side_by_side_rows',
-           'statistics_rows', 'findings', 'render_report', 'plot_differences', 'render_files', 'verify_observed',
-           'audit_cli']
+           'AUDITED_FIELDS', 'CASE_FIELDS', 'STORE', 'PINS', 'CORRECTIONS_SCHEMA', 'CORRECTIONS_SHA256',
+           'CORRECTIONS_RECORD_SHA256', 'AMENDABLE', 'default_report_dir', 'load_corrections', 'expected', 'amendments',
+           'run_observed', 'side_by_side_rows', 'statistics_rows', 'rounds_line', 'findings', 'render_report',
+           'plot_differences', 'render_files', 'verify_observed', 'audit_cli']
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #61924ea7
 RECEIPT_SCHEMA = 'memagent.agemem_observed.receipt/1'
 N_CASES = 21
 EPISODES_SHA256 = 'eea3818a890e295e82f0e34bb4a338045f00a1c6fdba8bfe2ab3c8cc8c9ff060'   # reports/agemem_observed/episodes.json
 PROTOCOL_SHA256 = 'ce95b6eca0ec4fbc9ecdf464e8d3b19177f905e8031f105c1f4d19dd40321d0f'   # reports/agemem_observed/protocol.md
-MEANING = ('passed = both rewards, and the store operations of every episode, matched the expectations written before the run; '
+MEANING = ('passed = both rewards, and the store operations of every episode, matched the expectations written before the run '
+           '(as corrections.json amends those that finished_at_round enters); '
            'it says nothing about whether either reward is correct, or how a policy trained on either would behave')
 LIMITS = ('No policy was trained, so nothing here says that a policy trained on the observed reward behaves better, or differently. '
           'The embedder is not the paper\'s. The episodes are scripted, and Stage 2\'s distractor injection and the task score\'s '
-          'judge are not run. "Used the retrieved memory" is a string test: the final answer occurs in a retrieved memory.')
+          'judge are not run. Two episodes run the memory judge, as a stub; the training call site always passes a chat client '
+          '(train_hotpotQA.py lines 78, 356), so in training the judge replaces R_relevance and R_storage whenever it has input. '
+          '"Used the retrieved memory" is a string test: the final answer occurs in a retrieved memory.')
 RECEIPT_FIELDS = ('schema', 'status', 'meaning', 'limits', 'audited', 'store', 'call_site_weights', 'fixtures', 'protocol',
-                  'environment', 'summary', 'cases', 'provenance')
+                  'corrections', 'environment', 'summary', 'cases', 'provenance')
 AUDITED_FIELDS = ('repository', 'revision', 'obtained_from', 'files', 'executed', 'read', 'checkout_unchanged_after_run')
-CASE_FIELDS = ('id', 'group', 'role', 'first_study', 'note', 'judge', 'final_answer', 'found_answer', 'finished_at_round',
+CASE_FIELDS = ('id', 'group', 'role', 'first_study', 'note', 'judge', 'final_answer', 'found_answer', 'rounds', 'finished_at_round',
                'store_held', 'log', 'context', 'official', 'observed', 'difference', 'checks')
 STORE = {'embedder': EMBEDDER, 'manager': MANAGER}
 PINS = {rel: (AUDITED_REVISION, sha) for rel, sha in OBSERVED_FILES.items()}
@@ -43,22 +48,68 @@ def default_report_dir(start=None) -> Path:
     "`reports/agemem_observed` under the first folder at or above `start` (default: cwd) that holds `settings.ini`."
     return audit_report_dir(start, 'agemem_observed')
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #bd30e976
+CORRECTIONS_SCHEMA = 'memagent.agemem_observed.corrections/1'
+CORRECTIONS_SHA256 = 'd05ebf2c433b54d52a6fbe81e5228da00963b4ebfaac45eb5a1188679fb929a7' # reports/agemem_observed/corrections.json
+CORRECTIONS_RECORD_SHA256 = 'b63a57e270d4c49964d247d7afe86a096c89866bc2539317d218cf170089d253' # reports/agemem_observed/corrections.md
+AMENDABLE = ('finished_at_round', 'difference.tool_efficiency', 'difference.total')
+
+def load_corrections(path, ep: dict) -> dict:
+    "Read corrections.json; raise `ValueError` naming the case and field when an amendment is not one `AMENDABLE` allows or its registered value is not the one in `ep`."
+    path = Path(path); co = read_json(path)
+    def bad(why): raise ValueError(f'{path}: {why}')
+    if not isinstance(co, dict) or co.get('schema') != CORRECTIONS_SCHEMA: bad(f'expected an object with schema {CORRECTIONS_SCHEMA!r}')
+    if co.get('record') != 'corrections.md' or not isinstance(co.get('amended'), dict): bad('expected "record": "corrections.md" and "amended" (an object)')
+    cases = {c['id']: c for c in ep['cases']}
+    for cid, fields in co['amended'].items():
+        if cid not in cases or not isinstance(fields, dict) or not fields: bad(f'amended[{cid!r}]: not an episode with amended fields')
+        registered = flatten(cases[cid]['expect'])
+        for k, v in fields.items():
+            if k not in AMENDABLE: bad(f'amended[{cid!r}].{k}: not an amendable field ({", ".join(AMENDABLE)})')
+            if not isinstance(v, dict) or set(v) != {'registered', 'corrected'} or v['registered'] != registered.get(k):
+                bad(f'amended[{cid!r}].{k}: needs "registered" (the episodes.json value, {registered.get(k)!r}) and "corrected"')
+    return co
+
+def expected(case: dict, corrections: dict) -> dict:
+    "The case's expectations: those of episodes.json, with the corrected value of each amendment in place."
+    exp = copy.deepcopy(case['expect'])
+    for k, v in corrections['amended'].get(case['id'], {}).items():
+        *path, leaf = k.split('.'); d = exp
+        for p in path: d = d[p]
+        d[leaf] = v['corrected']
+    return exp
+
+def amendments(ep: dict, outputs: dict) -> dict:
+    "For each case, the `AMENDABLE` fields whose output (`outputs[id]`, `case_outputs` of the run) differs from the registered value."
+    out = {}
+    for c in ep['cases']:
+        e, o = flatten(c['expect']), flatten(outputs[c['id']])
+        d = {k: {'registered': e[k], 'corrected': o[k]} for k in AMENDABLE if not values_match(e[k], o[k], ep['tolerance'])}
+        if d: out[c['id']] = d
+    return out
+
+
 # %% ../../nbs/18a_observed_2_receipt.ipynb #5d5a7fdc
+def _corrections_field(report_dir: Path, co: dict) -> dict:
+    return {'path': 'corrections.json', 'sha256': sha256_file(report_dir / 'corrections.json'), 'record': {'path': co['record'],
+            'sha256': sha256_file(report_dir / co['record'])}, 'amended': sum(map(len, co['amended'].values()))}
+
 def run_observed(source_repo, report_dir=None) -> dict:
     "Check the checkout, play every episode on the upstream store, score it with both rewards and return the receipt."
     report_dir = Path(report_dir) if report_dir else default_report_dir()
     ep_path, proto_path = report_dir / 'episodes.json', report_dir / 'protocol.md'
     if not proto_path.is_file(): raise AuditError(f'{proto_path}: protocol missing; write it before running')
     ep = load_episodes(ep_path)
+    co = load_corrections(report_dir / 'corrections.json', ep)
     mods = load_upstream(source_repo)
     weights, cases = ep['call_site']['weights'], []
     for case in ep['cases']:
         rec = observe_case(mods, case, ep['system_prompt'], weights)
         cases.append({'id': case['id'], 'group': case['group'], 'role': case['role'], 'first_study': case.get('first_study'),
                       'note': case['note'], 'judge': case.get('judge'), 'final_answer': rec['final_answer'],
-                      'found_answer': rec['found_answer'], 'finished_at_round': rec['finished_at_round'], 'store_held': rec['store_held'],
+                      'found_answer': rec['found_answer'], 'rounds': rec['rounds'], 'finished_at_round': rec['finished_at_round'], 'store_held': rec['store_held'],
                       'log': rec['log'], 'context': rec['context'], 'official': rec['official'], 'observed': rec['observed'],
-                      'difference': rec['difference'], 'checks': compare(case['expect'], case_outputs(rec), ep['tolerance'])})
+                      'difference': rec['difference'], 'checks': compare(expected(case, co), case_outputs(rec), ep['tolerance'])})
     after = check_checkout(source_repo, AUDITED_REVISION, OBSERVED_FILES)
     checkout = mods['checkout']
     audited = {'repository': AUDITED_REPOSITORY, 'revision': checkout['revision'], 'obtained_from': checkout['origin'],
@@ -68,7 +119,7 @@ def run_observed(source_repo, report_dir=None) -> dict:
     return {'schema': RECEIPT_SCHEMA, 'status': _status(audited['checkout_unchanged_after_run'], origin, summary),
             'meaning': MEANING, 'limits': LIMITS, 'audited': audited, 'store': copy.deepcopy(STORE), 'call_site_weights': weights,
             'fixtures': {'path': 'episodes.json', 'sha256': sha256_file(ep_path)},
-            'protocol': {'path': 'protocol.md', 'sha256': sha256_file(proto_path)},
+            'protocol': {'path': 'protocol.md', 'sha256': sha256_file(proto_path)}, 'corrections': _corrections_field(report_dir, co),
             'environment': _environment(), 'summary': summary, 'cases': cases, 'provenance': provenance(repo=report_dir)}
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #9dbc0e32
@@ -100,6 +151,10 @@ def _log_line(op: dict) -> str:
     args = json.dumps(op['arguments'], ensure_ascii=False)
     return f"{op['seq']}. stage {op['stage']}: `{op['tool']}` {args} -> `{json.dumps(op['result'], ensure_ascii=False)}` (embeddings: {op['embeddings']}; store after: {', '.join(op['store_after']) or 'empty'})"
 
+def rounds_line(rounds: list) -> str:
+    "The Stage-3 rounds of a case: each one, collected (and why) or not; `finished_at_round` is the number collected."
+    return '; '.join(f"{x['round']} {'collected, ' + x['why'] if x['collected'] else 'not collected'}" for x in rounds) or 'none'
+
 def findings(receipt: dict) -> list[str]:
     "The three contrasts the study is for, each read from the receipt's cases."
     c = {x['id']: x for x in receipt['cases']}
@@ -115,7 +170,12 @@ def findings(receipt: dict) -> list[str]:
             f"A tool named in prose counts only officially: `summary_prose_only` Summary_context {t('summary_prose_only', 'official', 'Summary_context')} "
             f"official, {t('summary_prose_only', 'observed', 'Summary_context')} observed (total difference {c['summary_prose_only']['difference']['total']:+.3f}); "
             f"an executed summary hides its own request from the official reward: `summary_called` {t('summary_called', 'official', 'Summary_context')} "
-            f"and {t('summary_called', 'observed', 'Summary_context')} ({c['summary_called']['difference']['total']:+.3f})."]
+            f"and {t('summary_called', 'observed', 'Summary_context')} ({c['summary_called']['difference']['total']:+.3f}).",
+            f"Without a judge, the used-retrieval proxy separates `retrieval_used` (R_relevance {r('retrieval_used', 'observed', 'memory_r_relevance'):g} observed) "
+            f"from `retrieval_ignored` ({r('retrieval_ignored', 'observed', 'memory_r_relevance'):g}; {r('retrieval_ignored', 'official', 'memory_r_relevance'):g} "
+            "officially). This holds only when no judge runs: the training call site always passes a chat client (`train_hotpotQA.py` lines 78, "
+            "356), and the calculator's judge then replaces R_relevance whenever a retrieval block reaches it and R_storage whenever held adds do "
+            "(`my_reward.py` lines 467-505, 512-541)."]
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #5d484483
 def _figure_line(figure_sha256: str) -> str:
@@ -142,7 +202,9 @@ def render_report(receipt: dict, *, figure_sha256: str) -> str:
            f"The embedder ({receipt['store']['embedder']['name']}, {receipt['store']['embedder']['dim']} dimensions): "
            f"{receipt['store']['embedder']['rule']}; {receipt['store']['embedder']['consequence']}.\n",
            "Records: [protocol.md](protocol.md) (the question, the recorder, the two rewards, the hypotheses), [episodes.json](episodes.json) "
-           "(the episodes and every expected output, written before the run), [receipt.json](receipt.json) (every output, log, context and check).\n",
+           "(the episodes and every expected output, written before the run), [corrections.md](corrections.md) (what was corrected after the run, "
+           f"with the {receipt['corrections']['amended']} expectations [corrections.json](corrections.json) amends), [receipt.json](receipt.json) "
+           "(every output, log, context and check).\n",
            "## Findings\n", *[f'- {x}' for x in findings(receipt)], '',
            "## Side by side\n",
            "Totals of the official reward (statistics from the final context) and the observed one (tool and memory statistics from the "
@@ -154,7 +216,7 @@ def render_report(receipt: dict, *, figure_sha256: str) -> str:
            md_table(statistics_rows(receipt), align=False) + '\n',
            "## The logs\n", "Every operation the store executed, per episode: stage, tool, arguments, what the store returned.\n"]
     for c in receipt['cases']:
-        out += [f"**`{c['id']}`** ({c['group']}, {c['role']}): {c['note']}.\n"]
+        out += [f"**`{c['id']}`** ({c['group']}, {c['role']}): {c['note']}.\n", f"Stage-3 rounds: {rounds_line(c['rounds'])}.\n"]
         out += [_log_line(op) for op in c['log']] or ['(no operation)']
         out += ['']
     out += ['## What this does not show\n', receipt['limits'] + '\n']
@@ -186,7 +248,14 @@ def render_files(receipt: dict, report_dir) -> list[Path]:
 
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #2a1c674d
-def _case_problems(case: dict, rec: dict, tol) -> list[str]:
+def _stage3_replies(case: dict) -> int:
+    "The number of assistant replies after the episode enters Stage 3."
+    stage, n = 0, 0
+    for s in case['steps']:
+        stage = s.get('stage', stage); n += stage == 3 and 'assistant' in s
+    return n
+
+def _case_problems(case: dict, rec: dict, tol, co: dict) -> list[str]:
     "What a recorded case claims that its episode, its expectations, or its own log and context do not give back."
     cid, p = case['id'], []
     p += field_problems(f'case {cid!r}', rec, CASE_FIELDS)
@@ -194,7 +263,7 @@ def _case_problems(case: dict, rec: dict, tol) -> list[str]:
     log, ctx, off, obs = rec.get('log'), rec.get('context'), rec.get('official'), rec.get('observed')
     if not (isinstance(log, list) and isinstance(ctx, list) and isinstance(off, dict) and isinstance(obs, dict)):
         return p + [f'case {cid!r}: log, context, official and observed must be two lists and two objects']
-    fresh = compare(case['expect'], case_outputs(rec), tol)            # every expectation against what the case records
+    fresh = compare(expected(case, co), case_outputs(rec), tol)            # every expectation against what the case records
     p += [f"case {cid!r}: {c['field']}: recorded {c['observed']!r}, expected {c['expected']!r}" for c in fresh if not c['match']]
     if _differs('', rec.get('checks'), fresh): p.append(f'case {cid!r}: recorded checks disagree with a fresh comparison')
     tools, memory = observed_stats(log, rec.get('final_answer'))   # the observed statistics, recomputed from the recorded log
@@ -208,6 +277,11 @@ def _case_problems(case: dict, rec: dict, tol) -> list[str]:
     if cs.get('total_messages') != len(ctx): p.append(f"case {cid!r}: context has {len(ctx)} messages, its statistics say {cs.get('total_messages')!r}")
     if cs.get('token_usage_ratio') != chars / 4 / case['call']['max_tokens']:
         p.append(f"case {cid!r}: context of {chars} characters does not give token_usage_ratio {cs.get('token_usage_ratio')!r}")
+    rounds, stage3 = rec.get('rounds'), _stage3_replies(case)
+    if not (isinstance(rounds, list) and all(isinstance(x, dict) and x.get('collected') is (x.get('why') is not None) for x in rounds)):
+        p.append(f'case {cid!r}: rounds must be a list of {{round, collected, why}}, collected exactly when a reason is given')
+    elif [x.get('round') for x in rounds] != list(range(stage3)) or rec.get('finished_at_round') != sum(x['collected'] for x in rounds):
+        p.append(f"case {cid!r}: {stage3} Stage-3 replies and finished_at_round {rec.get('finished_at_round')!r}, the recorded rounds say otherwise")
     answers = [s['assistant'] for s in case['steps'] if 'assistant' in s]
     fa = rec.get('final_answer')
     if fa is not None and not (answers and '<answer>' in answers[-1] and fa in answers[-1]):
@@ -252,15 +326,18 @@ def verify_observed(report_dir=None, receipt_path=None) -> dict:
 
 def _verify(report_dir: Path, receipt_path: Path) -> dict:
     ep_path, proto_path = report_dir / 'episodes.json', report_dir / 'protocol.md'
-    rc, ep, problems = open_receipt(receipt_path, ep_path, load_episodes, RECEIPT_SCHEMA, also=(proto_path,))
+    co_path = report_dir / 'corrections.json'
+    rc, ep, problems = open_receipt(receipt_path, ep_path, load_episodes, RECEIPT_SCHEMA, also=(proto_path, co_path, report_dir / 'corrections.md'))
     problems += field_problems('receipt', rc, RECEIPT_FIELDS)
     problems += _differs('meaning', rc.get('meaning'), MEANING) + _differs('limits', rc.get('limits'), LIMITS)
-    for name, path, pinned in (('episodes.json', ep_path, EPISODES_SHA256), ('protocol.md', proto_path, PROTOCOL_SHA256)):
+    co = load_corrections(co_path, ep)        # ValueError naming the amendment at fault
+    for name, path, pinned in (('episodes.json', ep_path, EPISODES_SHA256), ('protocol.md', proto_path, PROTOCOL_SHA256),
+                               ('corrections.json', co_path, CORRECTIONS_SHA256), (co['record'], report_dir / co['record'], CORRECTIONS_RECORD_SHA256)):
         if (got := sha256_file(path)) != pinned:
             problems.append(f'{name} SHA-256 {got} is not the committed one pinned in memagent.observed ({pinned})')
     problems += _differs('fixtures', rc.get('fixtures'), {'path': 'episodes.json', 'sha256': EPISODES_SHA256})
     problems += _differs('protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256})
-    problems += _differs('store', rc.get('store'), STORE)
+    problems += _differs('store', rc.get('store'), STORE) + _differs('corrections', rc.get('corrections'), _corrections_field(report_dir, co))
     aud = rc.get('audited') if isinstance(rc.get('audited'), dict) else {}
     problems += field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
     origin = origin_problems(audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, PINS)
@@ -279,7 +356,7 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     problems += [f'case {cid!r}: in the receipt but not in episodes.json' for cid in got if cid not in want]
     by_id = {c.get('id'): c for c in cases}
     for case in ep['cases']:
-        if case['id'] in by_id: problems += _case_problems(case, by_id[case['id']], ep['tolerance'])
+        if case['id'] in by_id: problems += _case_problems(case, by_id[case['id']], ep['tolerance'], co)
     summary, stored = _summary(cases), rc.get('summary')
     if not isinstance(stored, dict): problems.append(f'summary: {_short(stored)}, not an object'); stored = {}
     for k in dict.fromkeys([*summary, *stored]): problems += _differs(f'summary.{k}', stored.get(k, _MISSING), summary.get(k, _MISSING))
@@ -300,5 +377,5 @@ def audit_cli(argv=None) -> int:
                                                         'with the same options; --study reward (the default): this one.')
     return study_cli(rest, prog='memagent-audit --study observed', description='AgeMem second study: the observed reward beside the '
                      'official one, run against the pinned upstream checkout, or its receipt verified without one.',
-                     inputs=('episodes.json', 'protocol.md'), default_dir=default_report_dir, run=run_observed, verify=verify_observed,
+                     inputs=('episodes.json', 'protocol.md', 'corrections.json', 'corrections.md'), default_dir=default_report_dir, run=run_observed, verify=verify_observed,
                      render=render_files)

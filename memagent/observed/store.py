@@ -11,10 +11,11 @@ from ..audit import AUDITED_REVISION, REWARD_MODULE, AUDITED_FILES, AuditRefused
 
 # %% auto #0
 __all__ = ['STORE_MODULE', 'UTILS_MODULE', 'WORKFLOW_FILE', 'OBSERVED_FILES', 'EXECUTED', 'TOOLS', 'EMBED_DIM',
-           'EMBED_MIN_LETTERS', 'EMBEDDER', 'MANAGER', 'EPISODES_SCHEMA', 'HQ_WORDS', 'COMPONENTS', 'OpenAIStandIn',
-           'load_upstream', 'embed', 'cosine', 'make_manager', 'EpisodeError', 'Recorder', 'validate_episodes',
-           'load_episodes', 'play', 'op_line', 'held_ids', 'used_retrieval', 'observed_stats', 'observation_transcript',
-           'side_view', 'difference', 'observe_case', 'case_outputs']
+           'EMBED_MIN_LETTERS', 'EMBEDDER', 'MANAGER', 'EPISODES_SCHEMA', 'AUTO_SUMMARY_THRESHOLD', 'COLLECTING_TOOLS',
+           'HQ_WORDS', 'COMPONENTS', 'OpenAIStandIn', 'load_upstream', 'embed', 'cosine', 'make_manager',
+           'EpisodeError', 'Recorder', 'validate_episodes', 'load_episodes', 'overflows', 'collected_round', 'play',
+           'op_line', 'held_ids', 'used_retrieval', 'observed_stats', 'observation_transcript', 'side_view',
+           'difference', 'observe_case', 'case_outputs']
 
 # %% ../../nbs/18a_observed_1_store.ipynb #2d8a45ef
 STORE_MODULE = 'trinity/common/workflows/memory_context/memory_store.py'
@@ -244,23 +245,49 @@ def load_episodes(path) -> dict:
     ep = read_json(path)                  # FileError (a ValueError) naming the file, line and reason
     return validate_episodes(ep, source=str(path))
 
+# %% ../../nbs/18a_observed_1_store.ipynb #6c386905
+AUTO_SUMMARY_THRESHOLD = 0.8                                          # train_hotpotQA.py line 67 (workflow_args default)
+COLLECTING_TOOLS = ('Summary_context', 'Clear_context', 'Retrieve_memory')   # line 740
+
+def overflows(context, max_tokens: int) -> bool:
+    "`_should_autosummarize` (lines 112-116): the context's characters / 4 exceed `AUTO_SUMMARY_THRESHOLD` of `max_tokens`."
+    return sum(len(m.get('content', '')) for m in context) / 4 > max_tokens * AUTO_SUMMARY_THRESHOLD
+
+def collected_round(tool_calls, final_answer, r: int, max_rounds: int, overflow: bool, last: bool):
+    """Why `_run_stage3_formal_qa` (`train_hotpotQA.py` lines 735-771) collects Stage-3 round `r` (0-based) into `stage3_exps`,
+    whose length the call site passes as `finished_at_round` (lines 393, 413); `None` when it does not. `tool_calls` is what
+    `parse_tool_calls` found in the reply, `final_answer` what `parse_answer` returned, `overflow` whether `_should_autosummarize`
+    held after the tools ran, `last` whether the loop ended with this round."""
+    if r < max_rounds - 1 and any(isinstance(c, dict) and c.get('name') in COLLECTING_TOOLS for c in tool_calls):
+        return 'context tool before the last round (lines 739-746)'
+    if final_answer: return 'answer (lines 752-758)'
+    if overflow: return 'automatic summary (lines 761-765)'
+    if last: return 'last round, no answer (lines 767-771)'
+    return None
+
+
 # %% ../../nbs/18a_observed_1_store.ipynb #40acbf08
 def play(mods: dict, case: dict, system_prompt: str) -> dict:
-    """Execute one episode on a fresh store: the final `context`, the `log`, the Stage-3 rounds (`finished_at_round`, one per
-    assistant reply, as `len(stage3_exps)`) and the final answer (`parse_answer` of the last Stage-3 reply; `found_answer` when there is one)."""
-    rec = Recorder(mods, system_prompt, where=f"case {case['id']!r}")
-    rounds, answer = 0, None
+    """Execute one episode on a fresh store: the final `context`, the `log`, the Stage-3 `rounds` (each reply, whether upstream
+    collects its experience and why, by `collected_round`), `finished_at_round` (the collected rounds, as `len(stage3_exps)`), and the
+    final answer (`parse_answer` of the last Stage-3 reply; `found_answer` when there is one)."""
+    rec, where = Recorder(mods, system_prompt, where=f"case {case['id']!r}"), f"case {case['id']!r}"
+    rounds, answer, overflow, max_rounds = [], None, False, case['call']['max_rounds']
     for j, s in enumerate(case['steps']):
         if 'stage' in s: rec.enter(s['stage']); continue
-        if rec.stage == 0: raise EpisodeError(f"case {case['id']!r}: step {j} before the first stage")
+        if rec.stage == 0: raise EpisodeError(f"{where}: step {j} before the first stage")
         if 'user' in s: rec.user(s['user']); continue
-        if rec.stage == 3:
-            if answer is not None: raise EpisodeError(f"case {case['id']!r}: step {j}: a reply after the final answer (the stage loop stops at the answer)")
-            rounds += 1
-        rec.assistant(s['assistant'], s.get('summary'), s.get('similarity'))
-        if rec.stage == 3: answer = rec.utils.parse_answer(s['assistant'])
-    return {'context': rec.context, 'log': rec.log, 'finished_at_round': rounds, 'final_answer': answer,
-            'found_answer': answer is not None, 'embeddings': len(rec.embeds), 'manager': rec.manager}
+        if rec.stage == 3 and (answer is not None or overflow or len(rounds) == max_rounds):
+            raise EpisodeError(f"{where}: step {j}: a Stage-3 reply after the loop ended (answer, automatic summary or max_rounds, lines 702-765)")
+        calls = rec.assistant(s['assistant'], s.get('summary'), s.get('similarity'))
+        if rec.stage != 3: continue
+        answer, overflow = rec.utils.parse_answer(s['assistant']), overflows(rec.context, case['call']['max_tokens'])
+        rounds.append({'round': len(rounds), 'collected': False, 'why': collected_round(calls, answer, len(rounds), max_rounds, overflow, False)})
+    if rounds and not rounds[-1]['why']:
+        rounds[-1]['why'] = collected_round([], answer, rounds[-1]['round'], max_rounds, overflow, True)
+    for x in rounds: x['collected'] = x['why'] is not None
+    return {'context': rec.context, 'log': rec.log, 'rounds': rounds, 'finished_at_round': sum(x['collected'] for x in rounds),
+            'final_answer': answer, 'found_answer': answer is not None, 'embeddings': len(rec.embeds), 'manager': rec.manager}
 
 def op_line(op: dict) -> str:
     "One log entry as the protocol writes its expected effect: `Tool -> outcome`."
@@ -345,7 +372,7 @@ def observe_case(mods: dict, case: dict, system_prompt: str, weights: dict) -> d
     observed = {'tool_stats': tool_stats, 'context_stats': dict(context_stats), 'memory_stats': memory_stats,
                 'breakdown': dict(breakdown), 'judge_calls': len(judge.calls) if judge else 0}
     return {'context': ep['context'], 'log': ep['log'], 'final_answer': ep['final_answer'], 'found_answer': ep['found_answer'],
-            'finished_at_round': ep['finished_at_round'], 'store_held': sorted(held_ids(ep['log'])),
+            'rounds': ep['rounds'], 'finished_at_round': ep['finished_at_round'], 'store_held': sorted(held_ids(ep['log'])),
             'official': official, 'observed': observed, 'difference': difference(official, observed)}
 
 def case_outputs(rec: dict) -> dict:
