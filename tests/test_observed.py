@@ -1,6 +1,7 @@
 """The AgeMem second study: the committed receipt verifies and shows the three contrasts the study is for; every displayed field
 edited (a log entry, a difference, the prose, the environment, the provenance, the report, the episodes with their hash) is
-refused, and a receipt of the wrong shape fails with a reason. The report is checked as a reader sees it: README.md states the
+refused, and a receipt of the wrong shape fails with a reason. Stage-3 rounds count as the workflow collects them, and the
+corrections after the run amend only the expectations that count enters, from their registered values. The report is checked as a reader sees it: README.md states the
 SHA-256 of the differences.png it shows, so a swapped figure, an edited README, or either one missing fails, naming the file. With an upstream checkout at $AGEMEM_SRC, a fresh run reproduces
 the committed cases and a modified checkout is refused before anything is written."""
 import configparser, json, os, shutil, subprocess, sys
@@ -17,7 +18,7 @@ from memagent.observed import (EPISODES_SHA256, STORE_MODULE, OBSERVED_FILES, au
                                verify_observed)
 
 REPORT = ROOT / 'reports' / 'agemem_observed'
-FILES = ('episodes.json', 'protocol.md', 'receipt.json', 'README.md', 'differences.png')
+FILES = ('episodes.json', 'protocol.md', 'corrections.json', 'corrections.md', 'receipt.json', 'README.md', 'differences.png')
 SRC = os.environ.get('AGEMEM_SRC')
 needs_src = pytest.mark.skipif(not (SRC and Path(SRC).is_dir()), reason='AGEMEM_SRC is not set to an upstream AgeMem checkout '
                                'at the pinned revision; the full run is skipped (the verification tests still run)')
@@ -88,6 +89,10 @@ EDITS = [
     ('a case removed', lambda rc: rc['cases'].pop(), "present 0 times in the receipt"),
     ('the summary', lambda rc: rc['summary'].update(matched=1), 'summary.matched: stored 1'),
     ('a check flag', lambda rc: _case(rc, 'update_succeeded')['checks'][0].update(match=False), 'recorded checks disagree'),
+    ('a round marked collected', lambda rc: _case(rc, 'update_succeeded')['rounds'][0].update(collected=True, why='answer'),
+     "case 'update_succeeded': 2 Stage-3 replies and finished_at_round 1, the recorded rounds say otherwise"),
+    ('a round dropped', lambda rc: _case(rc, 'delete_after_failed')['rounds'].pop(0), "case 'delete_after_failed': 3 Stage-3 replies"),
+    ('the corrections record', lambda rc: rc['corrections'].update(amended=0), 'corrections: stored'),
 ]
 
 
@@ -148,6 +153,37 @@ def test_episodes_edited_with_the_receipts_hash_of_them_are_refused(tmp_path):
     (d / 'receipt.json').write_text(json.dumps(rc, indent=1) + '\n')
     with pytest.raises(VerificationError) as e: verify_observed(d)
     assert f'is not the committed one pinned in memagent.observed ({EPISODES_SHA256})' in str(e.value)
+
+
+def test_rounds_are_counted_as_the_workflow_collects_them():
+    "finished_at_round is the number of Stage-3 rounds the workflow collects (collected_round), and the receipt shows each round."
+    from memagent.observed import collected_round
+    rc = json.loads((REPORT / 'receipt.json').read_text())
+    for c in rc['cases']: assert c['finished_at_round'] == sum(x['collected'] for x in c['rounds']), c['id']
+    for cid in ('delete_after_failed', 'delete_after_cancelled'):     # two deletes, then the answer: one collected round
+        c = _case(rc, cid)
+        assert [x['collected'] for x in c['rounds']] == [False, False, True] and c['difference']['total'] < 0, cid
+    assert [x['collected'] for x in _case(rc, 'retrieval_used')['rounds']] == [True, True]
+    assert collected_round([{'name': 'Delete_memory', 'arguments': {}}], None, 0, 5, False, False) is None
+    assert collected_round([{'name': 'Clear_context', 'arguments': {}}], None, 4, 5, False, False) is None
+
+
+def test_an_amendment_not_of_the_registered_value_is_refused(tmp_path):
+    "corrections.json amends only the fields finished_at_round enters, from the value episodes.json registered; its hash is pinned."
+    from memagent.observed import load_corrections, load_episodes
+    ep = load_episodes(REPORT / 'episodes.json')
+    co = json.loads((REPORT / 'corrections.json').read_text())
+    co['amended']['update_failed']['finished_at_round']['registered'] = 3
+    (tmp_path / 'c.json').write_text(json.dumps(co))
+    with pytest.raises(ValueError, match=r"amended\['update_failed'\].finished_at_round: needs \"registered\" \(the episodes.json value, 2\)"):
+        load_corrections(tmp_path / 'c.json', ep)
+    co = json.loads((REPORT / 'corrections.json').read_text()); co['amended']['update_failed']['observed.memory_r.maintenance'] = {'registered': 0.0, 'corrected': 1.0}
+    (tmp_path / 'c.json').write_text(json.dumps(co))
+    with pytest.raises(ValueError, match='not an amendable field'): load_corrections(tmp_path / 'c.json', ep)
+    (tmp_path / 'r').mkdir(); d = _copy(tmp_path / 'r')
+    co = json.loads((d / 'corrections.json').read_text()); co['amended']['update_failed']['finished_at_round']['corrected'] = 2
+    (d / 'corrections.json').write_text(json.dumps(co, indent=1) + '\n')
+    with pytest.raises(VerificationError, match='corrections.json SHA-256'): verify_observed(d)
 
 
 WRONG_SHAPES = [('a list', lambda rc: [rc], 'a JSON list, not the object a receipt is'),
