@@ -13,14 +13,15 @@ from .transfer import RowChannel, RayChannel, InProcessChannel
 from .trajectory import Row
 
 # %% auto #0
-__all__ = ['GOAL_OPS', 'MIN_REPEATS', 'interleave', 'spread', 'verdict', 'bench_examples', 'bench_rollout', 'PhaseTimer',
-           'phase_split', 'bench_prompts', 'left_pad', 'bench_generate', 'matmul_gflops', 'memory_bandwidth',
-           'prefill_flops', 'decode_flops', 'weight_bytes', 'bench_sampling', 'synthetic_row_lengths', 'bench_channel',
-           'bench_linear_cost']
+__all__ = ['GOAL_OPS', 'MIN_REPEATS', 'DRIFT', 'interleave', 'spread', 'drift', 'verdict', 'bench_examples', 'bench_rollout',
+           'PhaseTimer', 'phase_split', 'bench_prompts', 'left_pad', 'bench_generate', 'matmul_gflops',
+           'memory_bandwidth', 'prefill_flops', 'decode_flops', 'weight_bytes', 'bench_sampling',
+           'synthetic_row_lengths', 'bench_channel', 'bench_linear_cost']
 
 # %% ../nbs/21_bench.ipynb #8bf50779
 GOAL_OPS = {'>=': lambda v, g: v >= g, '>': lambda v, g: v > g, '<=': lambda v, g: v <= g, '<': lambda v, g: v < g}
 MIN_REPEATS = 5
+DRIFT = 0.10          # a side whose repeats move one way by more than this fraction, first to last, drifted
 
 def interleave(fs: dict, repeats: int) -> dict:
     "Call every function of `fs` once per repeat, in the order given (A, B, A, B, ...): {name: [one result per repeat]}."
@@ -42,11 +43,24 @@ def spread(values) -> dict:
     v = _values(values, 'spread')
     return dict(median=float(np.median(v)), min=min(v), max=max(v), n=len(v))
 
-def verdict(values, goal_op: str, goal: float, min_repeats: int = MIN_REPEATS) -> str:
-    "'met' if every value satisfies `value goal_op goal`, 'not met' if none does, else 'undecided' (also with < `min_repeats` values)."
+def drift(values, frac: float = DRIFT) -> dict | None:
+    "How one side's per-repeat `values` drifted: each repeat above the last (or each below) and first-to-last change over `frac`; else None."
+    v = _values(values, 'drift')
+    if not 0 < frac: raise ValueError(f"drift: frac must be > 0, got {frac!r}")
+    if len(v) < 3 or min(v) <= 0: return None
+    steps = [b - a for a, b in zip(v, v[1:])]
+    if not (all(d > 0 for d in steps) or all(d < 0 for d in steps)): return None
+    change = max(v[-1] / v[0], v[0] / v[-1]) - 1        # the same for a time and its rate
+    return dict(direction='up' if v[-1] > v[0] else 'down', change=change, first=v[0], last=v[-1]) if change > frac else None
+
+def verdict(values, goal_op: str, goal: float, min_repeats: int = MIN_REPEATS, sides: dict | None = None,
+            drift_frac: float = DRIFT) -> str:
+    """'met' if every value satisfies `value goal_op goal`, 'not met' if none does, else 'undecided' (also with < `min_repeats` values);
+    'host drift' when a side of the comparison (`sides`: {name: per-repeat values}) drifted (`drift`)."""
     if goal_op not in GOAL_OPS: raise ValueError(f"verdict: goal_op must be one of {sorted(GOAL_OPS)}, got {goal_op!r}")
     v = _values(values, 'verdict')
     if len(v) < min_repeats: return 'undecided'
+    if any(drift(s, drift_frac) for s in (sides or {}).values()): return 'host drift'
     ok = [GOAL_OPS[goal_op](x, goal) for x in v]
     return 'met' if all(ok) else 'not met' if not any(ok) else 'undecided'
 
