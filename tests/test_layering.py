@@ -14,7 +14,7 @@ LAYERS = (
     ('memagent', 'config', 'files', 'provenance', 'reward', 'chunking', 'trajectory', 'stats', 'health', 'net', 'devices', 'ondevice', 'sampler'),   # pure leaves
     ('data', 'prompts', 'models', 'credit', 'loss', 'report', 'memreport'),                                        # pure or file-level
     ('engines',),                                                                    # leaves: know nothing of the trainer
-    ('rollout', 'transfer', 'checkpoint', 'served', 'evaluate', 'acceptance', 'parity', 'lossparity', 'lossreceipt', 'audit', 'observed', 'resume', 'fuzz', 'simulate', 'auditreport',
+    ('rollout', 'transfer', 'checkpoint', 'served', 'evaluate', 'acceptance', 'parity', 'lossparity', 'lossreceipt', 'audit', 'observed', 'advantages', 'resume', 'fuzz', 'simulate', 'auditreport',
      'screening'),
     ('backends', 'policy'),                                          # the policy interface; its implementations
     ('colocate',),                                                   # places ranks and engines: the factories for both
