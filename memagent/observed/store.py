@@ -14,8 +14,8 @@ __all__ = ['STORE_MODULE', 'UTILS_MODULE', 'WORKFLOW_FILE', 'OBSERVED_FILES', 'E
            'EMBED_MIN_LETTERS', 'EMBEDDER', 'MANAGER', 'EPISODES_SCHEMA', 'AUTO_SUMMARY_THRESHOLD', 'COLLECTING_TOOLS',
            'HQ_WORDS', 'COMPONENTS', 'OpenAIStandIn', 'load_upstream', 'embed', 'cosine', 'make_manager',
            'EpisodeError', 'Recorder', 'validate_episodes', 'load_episodes', 'overflows', 'collected_round', 'play',
-           'op_line', 'held_ids', 'used_retrieval', 'observed_stats', 'observation_transcript', 'side_view',
-           'difference', 'observe_case', 'case_outputs']
+           'op_line', 'held_ids', 'used_retrieval', 'observed_stats', 'observation_transcript', 'reward_side',
+           'side_view', 'difference', 'observe_case', 'case_outputs']
 
 # %% ../../nbs/18a_observed_1_store.ipynb #2d8a45ef
 STORE_MODULE = 'trinity/common/workflows/memory_context/memory_store.py'
@@ -340,6 +340,20 @@ def observation_transcript(log) -> list[dict]:
                 f"- {x['content']} (Memory ID: {x['memory_id']})" for x in op['result'])})
     return out
 
+# %% ../../nbs/18a_observed_1_store.ipynb #b3a5ac46
+def reward_side(mods: dict, call: dict, weights: dict, context, tool_stats: dict, memory_stats: dict, context_messages, judge=None) -> dict:
+    """`calculate_total_reward` of the pinned calculator with `weights` and `judge` as its chat client: the statistics given, the
+    context statistics of the official extractor on `context`, `context_messages` as the messages it reads; the rest from `call`."""
+    context_stats = mods['reward'].extract_context_stats(copy.deepcopy(context), call['max_tokens'])
+    calc = mods['reward'].ThreeStageRewardCalculator(**weights, chat_client=judge)
+    total, breakdown = calc.calculate_total_reward(
+        task_score=call['task_score'], tool_usage_stats=tool_stats, context_stats=context_stats, memory_stats=memory_stats,
+        finished_at_round=call['finished_at_round'], max_rounds=call['max_rounds'], found_answer=call['found_answer'],
+        question=call['question'], supporting_facts=call.get('supporting_facts'), context_messages=context_messages)
+    return {'tool_stats': tool_stats, 'context_stats': dict(context_stats), 'memory_stats': memory_stats,
+            'breakdown': dict(breakdown), 'judge_calls': len(judge.calls) if judge else 0}
+
+
 # %% ../../nbs/18a_observed_1_store.ipynb #56512dd7
 COMPONENTS = ('task_completion', 'context_management', 'memory_management', 'tool_efficiency', 'total')
 
@@ -362,15 +376,8 @@ def observe_case(mods: dict, case: dict, system_prompt: str, weights: dict) -> d
     call = dict(case['call'], finished_at_round=ep['finished_at_round'], found_answer=ep['found_answer'])
     official = run_case(mods['reward'], {'id': case['id'], 'messages': ep['context'], 'call': call, 'judge': case.get('judge')}, weights)
     judge = StubJudge(case['judge']['reply']) if case.get('judge') else None
-    tool_stats, memory_stats = observed_stats(ep['log'], ep['final_answer'])
-    context_stats = mods['reward'].extract_context_stats(copy.deepcopy(ep['context']), call['max_tokens'])
-    calc = mods['reward'].ThreeStageRewardCalculator(**weights, chat_client=judge)
-    total, breakdown = calc.calculate_total_reward(
-        task_score=call['task_score'], tool_usage_stats=tool_stats, context_stats=context_stats, memory_stats=memory_stats,
-        finished_at_round=call['finished_at_round'], max_rounds=call['max_rounds'], found_answer=call['found_answer'],
-        question=call['question'], supporting_facts=call.get('supporting_facts'), context_messages=observation_transcript(ep['log']))
-    observed = {'tool_stats': tool_stats, 'context_stats': dict(context_stats), 'memory_stats': memory_stats,
-                'breakdown': dict(breakdown), 'judge_calls': len(judge.calls) if judge else 0}
+    observed = reward_side(mods, call, weights, ep['context'], *observed_stats(ep['log'], ep['final_answer']),
+                           observation_transcript(ep['log']), judge)
     return {'context': ep['context'], 'log': ep['log'], 'final_answer': ep['final_answer'], 'found_answer': ep['found_answer'],
             'rounds': ep['rounds'], 'finished_at_round': ep['finished_at_round'], 'store_held': sorted(held_ids(ep['log'])),
             'official': official, 'observed': observed, 'difference': difference(official, observed)}
