@@ -48,6 +48,8 @@ def _runs(t: Path, bad: bytes):
     yield 'memagent-audit', 'the receipt', ['--verify', '--receipt', str(_write(t / 'rec.json', bad))], t / 'rec.json', []
     yield 'memagent-audit', "the second study's receipt", ['--study', 'observed', '--verify', '--receipt', str(_write(t / 'rec2.json', bad))], \
         t / 'rec2.json', []
+    yield 'memagent-audit', "the third study's receipt", ['--study', 'advantages', '--verify', '--receipt', str(_write(t / 'rec3.json', bad))], \
+        t / 'rec3.json', []
 
 
 NOT_APPLICABLE = {'memagent-doctor': 'reads files only inside its rows: a bad file fails its row, naming the file '
@@ -254,9 +256,10 @@ INPUT_PARAMS = {  # notebook -> {parameter: the cases giving it a bad file}
     'acceptance': {'data_root': _pinned_root},
     'agemem_audit': {'report_dir': _receipt('agemem_audit')},
     'agemem_observed': {'report_dir': _receipt('agemem_observed')},
+    'agemem_advantages': {'report_dir': _receipt('agemem_advantages')},     # before its run: the folder's inputs and the bad receipt
     'parity': {'report_dir': _receipt('parity', checkout=True)},
     'loss_parity': {'report_dir': _receipt('loss_parity', checkout=True)}}
-VERIFY_MODE = {'agemem_audit', 'agemem_observed', 'parity', 'loss_parity'}   # read receipt.json through their verifiers, every cell run
+VERIFY_MODE = {'agemem_audit', 'agemem_observed', 'agemem_advantages', 'parity', 'loss_parity'}   # read receipt.json through their verifiers, every cell run
 NO_INPUT_FILES = {
     'bench': 'a model name (resolved by memagent.models), presets and workloads it builds; no parameter names a JSON, JSONL or YAML file',
     'rehearsal': "haystacks built from the package's shipped HotpotQA sample; no parameter names a file",

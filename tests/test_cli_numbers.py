@@ -35,11 +35,11 @@ KINDS = {
 }
 NO_NUMERIC = {
     'memagent-prepare': 'paths, a subset of the pinned files (choices) and flags: no number',
-    'memagent-audit': 'paths and flags in both studies (--study reward, --study observed): no number',
+    'memagent-audit': 'paths and flags in the three studies (--study reward, --study observed, --study advantages): no number',
 }
 PENDING = {}   # tool -> why its parser still reads a number with a bare type; each entry fails its tool's tests until removed
 # the argv that reaches each parser a tool builds (default: ['--help'])
-HELP_ARGVS = {'memagent-audit': (['--help'], ['--study', 'observed', '--help'])}
+HELP_ARGVS = {'memagent-audit': (['--help'], ['--study', 'observed', '--help'], ['--study', 'advantages', '--help'])}
 # out-of-range words per kind ('-inf' and '-1' are passed as --opt=WORD, so argparse never takes them for an option)
 BAD = {'int>=1': ('nan', 'inf', '-1', '0', '2.5', 'abc'), 'int>=0': ('nan', 'inf', '-1', '2.5', 'abc'),
        'finite>0': ('nan', 'inf', '-inf', '-1', '0', 'abc'), 'finite>=0': ('nan', 'inf', '-inf', '-1', 'abc')}

@@ -9,7 +9,7 @@ from memagent.config import (PRESETS, RANGES, Config, _numeric, apply_overrides,
                              injected_params, load_config, refuse_unknown_params, save_config)
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_NOTEBOOKS = ('train', 'smoke', 'bench', 'agemem_audit', 'agemem_observed', 'rehearsal', 'simulate', 'acceptance', 'launch', 'parity',
+RUN_NOTEBOOKS = ('train', 'smoke', 'bench', 'agemem_audit', 'agemem_observed', 'agemem_advantages', 'rehearsal', 'simulate', 'acceptance', 'launch', 'parity',
                  'loss_parity', 'plan', 'gpu_check')
 
 

@@ -49,10 +49,11 @@ def test_an_output_that_would_replace_an_input_is_refused_and_nothing_is_written
     assert _tree(tmp_path) == before
 
 
-@pytest.mark.parametrize('study,inputs', [([], ('fixtures.json', 'protocol.md')), (['--study', 'observed'], ('episodes.json', 'protocol.md'))],
-                         ids=['reward', 'observed'])
+@pytest.mark.parametrize('study,inputs', [([], ('fixtures.json', 'protocol.md')), (['--study', 'observed'], ('episodes.json', 'protocol.md')),
+                                         (['--study', 'advantages'], ('groups.json', 'protocol.md'))],
+                         ids=['reward', 'observed', 'advantages'])
 def test_memagent_audit_refuses_a_receipt_that_would_replace_its_inputs(tmp_path, capsys, study, inputs):
-    "Both studies' command: --out naming an input (however spelt) is refused with exit 2 before the checkout is read; nothing changes."
+    "Every study's command: --out naming an input (however spelt) is refused with exit 2 before the checkout is read; nothing changes."
     for f in inputs: (tmp_path / f).write_text('{}\n')
     (tmp_path / 'sub').mkdir()
     before = _tree(tmp_path)
@@ -64,7 +65,7 @@ def test_memagent_audit_refuses_a_receipt_that_would_replace_its_inputs(tmp_path
 
 # ---- run notebooks: a report into the repository's reports/ from a tree that differs from HEAD is refused before any write ----
 
-RUN_NOTEBOOKS_WITH_REPORTS = ['acceptance', 'agemem_audit', 'agemem_observed', 'bench', 'launch', 'loss_parity', 'parity', 'plan', 'rehearsal', 'simulate', 'smoke', 'train']
+RUN_NOTEBOOKS_WITH_REPORTS = ['acceptance', 'agemem_advantages', 'agemem_audit', 'agemem_observed', 'bench', 'launch', 'loss_parity', 'parity', 'plan', 'rehearsal', 'simulate', 'smoke', 'train']
 ROOT = Path(__file__).resolve().parents[1]
 
 

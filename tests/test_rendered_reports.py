@@ -13,11 +13,15 @@ def _observed(d): from memagent.observed import verify_observed; return verify_o
 def _parity(d): from memagent.fuzz import verify; return verify(d, sample=5)
 def _loss_parity(d): from memagent.lossreceipt import verify; return verify(d)
 def _acceptance(d): from memagent.acceptance.report import verify_acceptance; return verify_acceptance(d)
+def _advantages(d): from memagent.advantages import verify_advantages; return verify_advantages(d)
 
 
 # report folder -> its verifier; the files a receipt-verifier reads are found in the folder itself
 VERIFIED = {'agemem_audit': _audit, 'agemem_observed': _observed, 'parity': _parity, 'loss_parity': _loss_parity}
 VERIFIED.update({str(p.parent.relative_to(ROOT / 'reports')): _acceptance for p in sorted((ROOT / 'reports' / 'acceptance').glob('*/compare.json'))})
+# the third AgeMem study's folder holds its protocol and groups.json from before its run; its verifier joins once the run writes its receipt
+ADVANTAGES = ROOT / 'reports' / 'agemem_advantages'
+if (ADVANTAGES / 'receipt.json').exists(): VERIFIED['agemem_advantages'] = _advantages
 
 
 def test_every_verified_report_is_listed():

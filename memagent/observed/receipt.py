@@ -369,12 +369,16 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #281bcb09
 def audit_cli(argv=None) -> int:
-    "Console entry point `memagent-audit`: `--study reward` (default) is the first study's command; `--study observed` runs or verifies the second."
+    "Console entry point `memagent-audit`: `--study reward` (default) is the first study's command; `--study observed` runs or verifies the second, `--study advantages` the third."
     argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False); pre.add_argument('--study', choices=('reward', 'observed'), default='reward')
+    pre = argparse.ArgumentParser(add_help=False); pre.add_argument('--study', choices=('reward', 'observed', 'advantages'), default='reward')
     known, rest = pre.parse_known_args(argv)
-    if known.study == 'reward': return reward_audit_cli(rest, epilog='--study observed: the second study (reports/agemem_observed), '
-                                                        'with the same options; --study reward (the default): this one.')
+    if known.study == 'reward': return reward_audit_cli(rest, epilog='--study observed: the second study (reports/agemem_observed); '
+                                                        '--study advantages: the third (reports/agemem_advantages); each with the same '
+                                                        'options; --study reward (the default): this one.')
+    if known.study == 'advantages':
+        from memagent.advantages.receipt import advantages_cli      # the third study builds on this one's store
+        return advantages_cli(rest)
     return study_cli(rest, prog='memagent-audit --study observed', description='AgeMem second study: the observed reward beside the '
                      'official one, run against the pinned upstream checkout, or its receipt verified without one.',
                      inputs=('episodes.json', 'protocol.md', 'corrections.json', 'corrections.md'), default_dir=default_report_dir, run=run_observed, verify=verify_observed,
