@@ -64,6 +64,7 @@ class MemAgentWalk:
 
     def __len__(self): return len(self.trajs)
     def group_of(self, j) -> int: return self.owner[j]
+    def turns_left(self, j) -> int: return self.trajs[j].num_chunks + 1 - len(self.trajs[j].turns)   # `run_async`'s priority
 
     def next_request(self, j):
         "`(phase, prompt_ids, SamplingParams)` of trajectory `j`'s next turn, or None when it is finished."
@@ -151,14 +152,13 @@ def run_async(walk, queue, stats: dict | None = None, on_group=None, on_step=Non
     st = stats if stats is not None else {}; _new_stats(st, 'async'); st['max_in_flight'] = 0
     groups = _groups(walk); left = {g: len(js) for g, js in groups.items()}
     ready, inflight = [], {}        # ready: heap of (-turns left, j); inflight: handle -> (j, phase, prompt, submitted at)
-    def turns_left(j): return walk.trajs[j].num_chunks + 1 - len(walk.trajs[j].turns)
     def finished(j):
         g = walk.group_of(j); left[g] -= 1
         if left[g] == 0 and on_group is not None: on_group([walk.trajs[i] for i in groups[g]])
     def advance(j):
         r = walk.next_request(j)
         if r is None: finished(j)
-        else: heapq.heappush(ready, (-turns_left(j), j, r))
+        else: heapq.heappush(ready, (-walk.turns_left(j), j, r))
     for j in range(len(walk)): advance(j)
     while ready or inflight:
         while ready and len(inflight) < queue.limit:

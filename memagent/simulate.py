@@ -209,6 +209,7 @@ class SyntheticWalk:
 
     def __len__(self): return len(self.trajs)
     def group_of(self, j) -> int: return j // self.G
+    def turns_left(self, j) -> int: return self.trajs[j].num_chunks + 1 - len(self.trajs[j].turns)
 
     def next_request(self, j):
         tr = self.trajs[j]; k = len(tr.turns)

@@ -101,6 +101,7 @@ def test_future_queue_wait_limit_in_real_time():
         def __init__(self): self.trajs, self.out = [type('T', (), {'num_chunks': 0, 'turns': [], 'ok': True})() for _ in range(2)], {}
         def __len__(self): return 2
         def group_of(self, j): return j
+        def turns_left(self, j): return 1                  # one turn each
         def next_request(self, j): return None if j in self.out else (FINAL, [1, 2], SamplingParams(1, seed=j + 1))
         def feed(self, j, p, r): self.out[j] = r
     w = Walk(); t0 = time.monotonic()
