@@ -29,7 +29,7 @@ LONG_DEFINITIONS = {
     ('nbs/14b_plan_2_fit.ipynb', '684f7f23'): 'one class, Plan, of 82 lines (a dataclass)',
     ('nbs/14b_plan_2_fit.ipynb', '5a1af127'): 'one function, _terms, of 112 lines',
     ('nbs/18_audit_1_report.ipynb', '485e044f'): 'one function, _verify, of 61 lines',
-    ('nbs/18a_observed_1_store.ipynb', 'c48c4729'): 'one class, Recorder, of 106 lines',
+    ('nbs/18a_observed_1_store.ipynb', 'c48c4729'): 'one class, Recorder, of 110 lines',
     ('nbs/19_screening.ipynb', '83e09718'): 'one function, screen, of 72 lines',
     ('nbs/20_testing.ipynb', '430e66bf'): 'one class, FakeSGLangServer, of 222 lines',
     ('nbs/20a_simnode.ipynb', 'ddfac68a'): 'one class, SimulatedNode, of 66 lines',

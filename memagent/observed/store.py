@@ -12,10 +12,10 @@ from ..audit import AUDITED_REVISION, REWARD_MODULE, AUDITED_FILES, AuditRefused
 # %% auto #0
 __all__ = ['STORE_MODULE', 'UTILS_MODULE', 'WORKFLOW_FILE', 'OBSERVED_FILES', 'EXECUTED', 'TOOLS', 'EMBED_DIM',
            'EMBED_MIN_LETTERS', 'EMBEDDER', 'MANAGER', 'EPISODES_SCHEMA', 'AUTO_SUMMARY_THRESHOLD', 'COLLECTING_TOOLS',
-           'HQ_WORDS', 'COMPONENTS', 'OpenAIStandIn', 'load_upstream', 'embed', 'cosine', 'make_manager',
-           'EpisodeError', 'Recorder', 'validate_episodes', 'load_episodes', 'overflows', 'collected_round', 'play',
-           'op_line', 'held_ids', 'used_retrieval', 'observed_stats', 'observation_transcript', 'reward_side',
-           'side_view', 'difference', 'observe_case', 'case_outputs']
+           'COLLECTION_RULES', 'HQ_WORDS', 'COMPONENTS', 'OpenAIStandIn', 'load_upstream', 'embed', 'cosine',
+           'make_manager', 'EpisodeError', 'Recorder', 'validate_episodes', 'load_episodes', 'overflows',
+           'collected_round', 'play', 'op_line', 'held_ids', 'used_retrieval', 'observed_stats',
+           'observation_transcript', 'reward_side', 'side_view', 'difference', 'observe_case', 'case_outputs']
 
 # %% ../../nbs/18a_observed_1_store.ipynb #2d8a45ef
 STORE_MODULE = 'trinity/common/workflows/memory_context/memory_store.py'
@@ -164,7 +164,7 @@ class Recorder:
         self._record(name, args, result, note, text, len(self.embeds) - e0)
 
     def _summary(self, args, summary):
-        "Summary_context: the summarizer's reply is the episode's `summary` (it stands in for the chat model, line 182)."
+        "Summary_context: the summarizer's reply is the episode's `summary`, a text or a function of the chosen messages (it stands in for the chat model, line 182)."
         span, keep_user = args.get('span', 'all'), args.get('preserve_user_query', False)
         rest = [(i, m) for i, m in enumerate(self.context) if m.get('role') != 'system']
         chosen = rest
@@ -178,6 +178,7 @@ class Recorder:
         if not chosen:
             note = '[context tool result]\nsummary_context_applied:no_messages_to_summarize'; self._append('tool', note)
             return note, {'summarized': 0}
+        if callable(summary): summary = summary([m for i, m in chosen])
         if not isinstance(summary, str): raise EpisodeError(f'{self.where}: Summary_context runs, but the step gives no "summary" text')
         idx = sorted((i for i, m in chosen), reverse=True)
         for i in idx: self.context.pop(i)
@@ -186,13 +187,15 @@ class Recorder:
         return note, {'summarized': len(chosen)}
 
     def _clear(self, args, similarity):
-        "Clear_context: with criteria, each non-system message goes when the judged similarity (the episode's replies, in order) is >= 0.6."
-        criteria, kept, removed, replies = args.get('criteria', ''), [], 0, list(similarity or [])
+        "Clear_context: with criteria, each non-system message goes when the judged similarity (the episode's replies in order, or a function of criteria and content) is >= 0.6."
+        criteria, kept, removed = args.get('criteria', ''), [], 0
+        replies = similarity if callable(similarity) else list(similarity or [])
         for m in self.context:
             if m.get('role') == 'system': kept.append(m); continue
             if criteria:
-                if not replies: raise EpisodeError(f'{self.where}: Clear_context has criteria, but the step gives no similarity reply for every message')
-                if self.utils.extract_score(replies.pop(0), default=0.0) >= 0.6: removed += 1; continue
+                if not (callable(replies) or replies): raise EpisodeError(f'{self.where}: Clear_context has criteria, but the step gives no similarity reply for every message')
+                reply = replies(criteria, m.get('content', '')) if callable(replies) else replies.pop(0)
+                if self.utils.extract_score(reply, default=0.0) >= 0.6: removed += 1; continue
             kept.append(m)
         self.context[:] = kept
         note = f'[context tool result]\nclear_context_applied:success:removed_{removed}_messages'; self._append('tool', note)
@@ -248,21 +251,31 @@ def load_episodes(path) -> dict:
 # %% ../../nbs/18a_observed_1_store.ipynb #6c386905
 AUTO_SUMMARY_THRESHOLD = 0.8                                          # train_hotpotQA.py line 67 (workflow_args default)
 COLLECTING_TOOLS = ('Summary_context', 'Clear_context', 'Retrieve_memory')   # line 740
+COLLECTION_RULES = {   # stage -> (the tools that collect a round in advance, and why a round is collected: in advance, answer, overflow, last round)
+    1: (('Add_memory', 'Retrieve_memory', 'Update_memory'), 'memory tool before the last round (lines 544-551)',      # line 545
+        'answer (lines 557-562)', 'automatic summary (lines 565-569)', 'last round, no answer (lines 571-574)'),
+    2: (('Clear_context', 'Summary_context'), 'context tool before the last round (lines 640-647)',                    # line 641
+        'answer (lines 653-658)', 'automatic summary (lines 661-665)', 'last round, no answer (lines 667-670)'),
+    3: (COLLECTING_TOOLS, 'context tool before the last round (lines 739-746)',
+        'answer (lines 752-758)', 'automatic summary (lines 761-765)', 'last round, no answer (lines 767-771)'),
+}
 
 def overflows(context, max_tokens: int) -> bool:
     "`_should_autosummarize` (lines 112-116): the context's characters / 4 exceed `AUTO_SUMMARY_THRESHOLD` of `max_tokens`."
     return sum(len(m.get('content', '')) for m in context) / 4 > max_tokens * AUTO_SUMMARY_THRESHOLD
 
-def collected_round(tool_calls, final_answer, r: int, max_rounds: int, overflow: bool, last: bool):
-    """Why `_run_stage3_formal_qa` (`train_hotpotQA.py` lines 735-771) collects Stage-3 round `r` (0-based) into `stage3_exps`,
-    whose length the call site passes as `finished_at_round` (lines 393, 413); `None` when it does not. `tool_calls` is what
-    `parse_tool_calls` found in the reply, `final_answer` what `parse_answer` returned, `overflow` whether `_should_autosummarize`
-    held after the tools ran, `last` whether the loop ended with this round."""
-    if r < max_rounds - 1 and any(isinstance(c, dict) and c.get('name') in COLLECTING_TOOLS for c in tool_calls):
-        return 'context tool before the last round (lines 739-746)'
-    if final_answer: return 'answer (lines 752-758)'
-    if overflow: return 'automatic summary (lines 761-765)'
-    if last: return 'last round, no answer (lines 767-771)'
+def collected_round(tool_calls, final_answer, r: int, max_rounds: int, overflow: bool, last: bool, stage: int = 3):
+    """Why the workflow collects round `r` (0-based) of a loop of `stage` into the stage's experiences; `None` when it does not. Stage 1:
+    `_run_stage1_casual_chat` (`train_hotpotQA.py` lines 544-574); Stage 2: one distractor's loop of `_run_stage2_distractor_injection`
+    (lines 640-670); Stage 3: `_run_stage3_formal_qa` (lines 735-771), whose experiences' count the call site passes as
+    `finished_at_round` (lines 393, 413). `tool_calls` is what `parse_tool_calls` found in the reply, `final_answer` what `parse_answer`
+    returned, `overflow` whether `_should_autosummarize` held after the tools ran, `last` whether the loop ended with this round."""
+    if stage not in COLLECTION_RULES: raise ValueError(f'collected_round: stage must be 1, 2 or 3, got {stage!r}')
+    tools, early, answered, overflowed, ran_out = COLLECTION_RULES[stage]
+    if r < max_rounds - 1 and any(isinstance(c, dict) and c.get('name') in tools for c in tool_calls): return early
+    if final_answer: return answered
+    if overflow: return overflowed
+    if last: return ran_out
     return None
 
 
