@@ -153,7 +153,8 @@ def test_behaviours(env):
     episodes = [BASE + [RIGHT], BASE + [RETRIEVE, RIGHT], BASE + [NAMED, RIGHT], BASE + [UPDATE('mem-01') + RIGHT], BASE + [UPDATE('mem-07') + RIGHT],
                 BASE + [UPDATE_NAMED + RIGHT], [S1_EMPTY] + BASE[1:] + [RETRIEVE, WRONG], [S1_NO_ANSWER] + BASE[1:] + [RETRIEVE, RIGHT],
                 [S1, SUMMARY, S2, S2, RIGHT], [S1, SUMMARY_NAMED, S2, S2, UNSURE] + [UNSURE] * 4,
-                BASE + [delete('mem-01', 'false'), delete('mem-01', 'true'), delete('mem-01', 'true'), RIGHT]]
+                BASE + [delete('mem-01', 'false'), delete('mem-01', 'true'), delete('mem-01', 'true'), RIGHT],
+                BASE + ['<tool_call>[{"name": ["Add_memory"], "arguments": {}}]</tool_call>' + RIGHT]]     # a name that is no tool
     got = [behaviours(r, TASK['answer'], mods) for r in run(env, episodes)]
     end = ['answered', 'correct']
     assert got[0] == ['call:Add_memory', 'add_content'] + end
@@ -167,6 +168,7 @@ def test_behaviours(env):
     assert got[8] == ['call:Summary_context', 'call:Add_memory', 'add_content', 'summary_executed'] + end
     assert got[9] == ['call:Add_memory', 'prose:Summary_context', 'add_content']
     assert got[10] == ['call:Add_memory', 'call:Delete_memory', 'add_content', 'delete_ok', 'delete_failed', 'delete_cancelled'] + end
+    assert got[11] == ['call:Add_memory', 'prose:Add_memory', 'add_content'] + end                    # no effect; named, not called
     bad = dict(run(env, [BASE + [RIGHT]])[0], task_score=0.0)
     with pytest.raises(ValueError, match='task score 0.0 recorded, 1.0 recomputed'): behaviours(bad, TASK['answer'], mods)
 

@@ -246,7 +246,8 @@ def behaviours(rec: dict, answer: str, mods: dict) -> list[str]:
     final = (rec['final_answer'] or '').strip().lower()
     shown = set().union(*(_op_behaviours(op, final) for op in rec['log'] if op['tool'] in TOOLS))
     for reply in rec['replies']:
-        called = {c.get('name') for c in mods['utils'].parse_tool_calls(reply['text']) if isinstance(c, dict)}
+        calls = [c for c in mods['utils'].parse_tool_calls(reply['text']) if isinstance(c, dict)]
+        called = {c['name'] for c in calls if isinstance(c.get('name'), str)}
         shown |= {f'prose:{t}' for t in TOOLS if t in reply['text'] and t not in called}
     score = task_score(mods, rec['final_answer'], answer)
     if rec['task_score'] is not None and score != rec['task_score']:
