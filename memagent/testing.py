@@ -15,7 +15,8 @@ from .provenance import flatten, sha256_text
 
 # %% auto #0
 __all__ = ['SGLANG_SCHEMAS', 'fake_tokens', 'send_whole', 'Exchange', 'send_cut', 'send_nothing', 'send_garbage', 'send_trickle',
-           'logprob_request_error', 'schema_error', 'FakeSGLangServer', 'main', 'synthetic_run', 'run_notebook_cells']
+           'logprob_request_error', 'schema_error', 'FakeSGLangServer', 'main', 'synthetic_run', 'synthetic_trio',
+           'run_notebook_cells']
 
 # %% ../nbs/20_testing.ipynb #12e673d7
 def fake_tokens(prompt: list[int], sp: SamplingParams, vocab: int = 1000) -> tuple[list[int], list[float], str]:
@@ -429,6 +430,22 @@ def synthetic_run(out_dir, solved: int, n_items: int = 1000, samples: int = 1, k
         for p in parts[:-1]: d = d.setdefault(p, {})
         d[parts[-1]] = v
     return write_run(out_dir, recs, summarize(recs, base, n_boot=n_boot, seed=seed))
+
+# %% ../nbs/20_testing.ipynb #62064bab
+def synthetic_trio(root, cand: int, ref: int, base: int, hot=(60, 50, 40), cinfo: dict | None = None, n_items: int = 1000,
+                   **kw) -> dict:
+    """Hand-made candidate, reference and base runs, three models with their own weights hash: {role: {200: summary path,
+    'hotpotqa': summary path}}. `cand`/`ref`/`base` items of `n_items` solved at length 200, `hot` HotpotQA percents;
+    `cinfo` and `**kw` (for `synthetic_run`) apply to the candidate's runs only."""
+    root, out = Path(root), {}
+    for role, solved, h in (('candidate', cand, hot[0]), ('reference', ref, hot[1]), ('base', base, hot[2])):
+        c = role == 'candidate'
+        info = {'model': {'name': role, 'weights_sha256': sha256_text(role)}, **((cinfo or {}) if c else {})}
+        out[role] = {200: synthetic_run(root / role / '200', solved, n_items=n_items, info=info, **(kw if c else {})),
+                     'hotpotqa': synthetic_run(root / role / 'hotpotqa', h * n_items // 100, n_items=n_items, key='hotpotqa',
+                                               info=info)}
+    return out
+
 
 # %% ../nbs/20_testing.ipynb #71dbdda6
 def run_notebook_cells(path, params: dict, cells: int | None = None) -> tuple[dict, BaseException | None]:

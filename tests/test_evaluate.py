@@ -13,19 +13,7 @@ from memagent.evaluate import (COMPARABLE, METRICS, RECORD_FIELDS, RECORDS_FILE,
 from memagent.stats import bootstrap_ci, paired_bootstrap_ci
 from memagent.acceptance import compare, compare_cli
 from memagent.provenance import sha256_text
-from memagent.testing import synthetic_run
-
-
-def trio(root, cand, ref, base, hot=(60, 50, 40), cinfo=None, n_items=1000, **kw):
-    "Synthetic candidate/reference/base runs (three models: each its own weights hash) at length 200 (solved counts out of `n_items`) and on HotpotQA (percent)."
-    out = {}
-    for role, solved, h in (('candidate', cand, hot[0]), ('reference', ref, hot[1]), ('base', base, hot[2])):
-        c = role == 'candidate'
-        info = {'model': {'name': role, 'weights_sha256': sha256_text(role)}, **((cinfo or {}) if c else {})}
-        out[role] = {200: synthetic_run(root / role / '200', solved, n_items=n_items, info=info, **(kw if c else {})),
-                     'hotpotqa': synthetic_run(root / role / 'hotpotqa', h * n_items // 100, n_items=n_items, key='hotpotqa',
-                                               info=info)}
-    return out
+from memagent.testing import synthetic_run, synthetic_trio as trio
 
 
 def run(r, **kw): return compare(r['candidate'], r['reference'], r['base'], **kw)
