@@ -4,14 +4,15 @@
 
 # %% ../nbs/18_audit_1_report.ipynb #18a10003
 from __future__ import annotations
-import argparse, json, sys
+import argparse, json, re, sys
 from pathlib import Path
 from .provenance import flatten, provenance_problems, refuse_overwrite, sha256_file
 from .report import md_table
 from .audit import (AUDITED_FIELDS, AUDITED_PINS, AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, CASE_FIELDS, FIXTURES_SHA256, MEANING, N_CASES, PINNED_OFFICIAL, PROTOCOL_SHA256, RECEIPT_FIELDS, RECEIPT_SCHEMA, REWARD_MODULE, VerificationError, _MISSING, _differs, _short, _status, _summary, _weights, audited_upstream, compare, default_report_dir, environment_problems, field_problems, load_fixtures, open_receipt, origin_problems, run_audit, write_receipt, wrong_shape)
 
 # %% auto #0
-__all__ = ['summary_rows', 'summary_table', 'render_report', 'render_files', 'verify_receipt', 'study_cli', 'audit_cli']
+__all__ = ['summary_rows', 'summary_table', 'render_report', 'render_files', 'verify_receipt', 'study_cli', 'audit_cli',
+           'write_figure_report', 'figure_report_problems']
 
 # %% ../nbs/18_audit_1_report.ipynb #f6f952aa
 def summary_rows(receipt: dict) -> list[dict]:
@@ -388,3 +389,33 @@ def audit_cli(argv=None, epilog=None) -> int:
     return study_cli(argv, prog='memagent-audit', epilog=epilog, description='AgeMem reward audit: run against a pinned upstream checkout, or '
                      'verify the committed receipt without one.', inputs=('fixtures.json', 'protocol.md'),
                      default_dir=default_report_dir, run=run_audit, verify=verify_receipt, render=render_files)
+
+# %% ../nbs/18_audit_1_report.ipynb #6280a4e0
+def write_figure_report(report_dir, figure: str, plot, render) -> list[Path]:
+    "Write a study's report into `report_dir`: the figure first (`plot(path)`), then README.md (`render(figure_sha256=...)`), which states its hash."
+    d = Path(report_dir)
+    png = plot(d / figure)
+    readme = d / 'README.md'
+    readme.write_text(render(figure_sha256=sha256_file(png)), encoding='utf-8')
+    return [png, readme]
+
+def figure_report_problems(report_dir, figure: str, render, drawn_by: str, rendered_by: str, compare: bool = True) -> list[str]:
+    "Problems of `report_dir`'s README.md and `figure`: [] when both are there and (`compare`) the README is `render(figure_sha256=<its hash>)`."
+    readme, png = Path(report_dir) / 'README.md', Path(report_dir) / figure
+    p = [f'{f}: missing (the report is README.md and the {figure} it shows)' for f in (readme, png) if not f.is_file()]
+    if p or not compare: return p
+    text, fig = readme.read_text(encoding='utf-8'), sha256_file(png)
+    if text == render(figure_sha256=fig): return []
+    stated = m.group(1) if (m := re.search(rf'^`{re.escape(figure)}` SHA-256 `([0-9a-f]{{64}})`', text, re.M)) else None
+    if stated and stated != fig:
+        p.append(f"{png}: the figure's SHA-256 {fig} is not the one README.md states ({stated}): not the figure the README was "
+                 f'rendered with; draw it with {drawn_by} and re-render README.md')
+    want = render(figure_sha256=stated or fig)       # an edit elsewhere in the README, shown where it is
+    if text != want:
+        a, b = text.splitlines(), want.splitlines()
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        at = (f'line {k + 1} reads {_short(a[k] if k < len(a) else None)}, the rendering has {_short(b[k] if k < len(b) else None)}'
+              if a != b else 'it differs only in line endings or the final newline')
+        p.append(f'{readme}: not the rendering of the receipt ({rendered_by}): {at}; re-render it from the receipt')
+    return p
+

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #55c9c416
 from __future__ import annotations
-import json, math
+import math
 from pathlib import Path
 from ..files import read_json
 from ..provenance import sha256_file

@@ -4,13 +4,13 @@
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #19c43d83
 from __future__ import annotations
-import copy, json, math, re, statistics, time
+import copy, json, statistics, time
 from pathlib import Path
 from ..provenance import sha256_file, sha256_text, provenance, provenance_problems
 from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, VerificationError, check_checkout, default_report_dir as audit_report_dir,
-                            origin_problems, audited_upstream, _environment, _differs, _short, _MISSING, open_receipt, field_problems,
+                            origin_problems, audited_upstream, _environment, _differs, _MISSING, open_receipt, field_problems,
                             environment_problems, wrong_shape)
-from ..auditreport import study_cli
+from ..auditreport import study_cli, figure_report_problems
 from ..rollout import run_sync
 from .upstream import ADVANTAGE_FILES, EXECUTED, load_study, episode_rewards, grpo_advantages, system_prompt
 from .walk import AgeMemWalk, ScriptedEngine, behaviours, play, SAMPLING, MAX_NEW, WINDOW
@@ -311,27 +311,10 @@ def _findings_problems(rc: dict, groups: dict) -> list[str]:
     return p
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #76a29346
-_STATED = re.compile(r'^`advantages\.png` SHA-256 `([0-9a-f]{64})`', re.M)
-
 def _report_problems(report_dir: Path, rc: dict, compare_readme: bool) -> list[str]:
     "The report a reader sees: README.md and advantages.png present, README.md the rendering of `rc` with the png's SHA-256."
-    readme, png = report_dir / 'README.md', report_dir / 'advantages.png'
-    p = [f'{f}: missing (the report is README.md and the advantages.png it shows)' for f in (readme, png) if not f.is_file()]
-    if p or not compare_readme: return p
-    text, fig = readme.read_text(encoding='utf-8'), sha256_file(png)
-    if text == render_report(rc, figure_sha256=fig): return []
-    stated = m.group(1) if (m := _STATED.search(text)) else None
-    if stated and stated != fig:
-        p.append(f"{png}: the figure's SHA-256 {fig} is not the one README.md states ({stated}): not the figure the README was "
-                 'rendered with; draw it with plot_advantages and re-render README.md')
-    want = render_report(rc, figure_sha256=stated or fig)
-    if text != want:
-        a, b = text.splitlines(), want.splitlines()
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        at = (f'line {k + 1} reads {_short(a[k] if k < len(a) else None)}, the rendering has {_short(b[k] if k < len(b) else None)}'
-              if a != b else 'it differs only in line endings or the final newline')
-        p.append(f'{readme}: not the rendering of the receipt (memagent.advantages.render_report): {at}; re-render it from the receipt')
-    return p
+    return figure_report_problems(report_dir, 'advantages.png', lambda **k: render_report(rc, **k), 'plot_advantages', 'memagent.advantages.render_report',
+                                  compare=compare_readme)
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #a96bcc19
 def verify_advantages(report_dir=None, receipt_path=None) -> dict:

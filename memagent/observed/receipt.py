@@ -11,7 +11,7 @@ from ..report import md_table
 from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, VerificationError, check_checkout, default_report_dir as audit_report_dir,
                             compare, values_match, origin_problems, audited_upstream, _environment, _status, _summary, _differs, _short, _MISSING,
                             open_receipt, field_problems, environment_problems, wrong_shape)
-from ..auditreport import study_cli, audit_cli as reward_audit_cli
+from ..auditreport import study_cli, audit_cli as reward_audit_cli, figure_report_problems, write_figure_report
 from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, load_upstream, load_episodes,
                                      observe_case, case_outputs, observed_stats, difference, held_ids)
 from ..files import read_json
@@ -240,11 +240,7 @@ def plot_differences(receipt: dict, path) -> Path:
 # %% ../../nbs/18a_observed_2_receipt.ipynb #a0d1f002
 def render_files(receipt: dict, report_dir) -> list[Path]:
     "Write the report of `receipt` into `report_dir`: differences.png first, then README.md, which states the figure's SHA-256."
-    d = Path(report_dir)
-    png = plot_differences(receipt, d / 'differences.png')
-    readme = d / 'README.md'
-    readme.write_text(render_report(receipt, figure_sha256=sha256_file(png)), encoding='utf-8')
-    return [png, readme]
+    return write_figure_report(report_dir, 'differences.png', lambda path: plot_differences(receipt, path), lambda **k: render_report(receipt, **k))
 
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #2a1c674d
@@ -292,27 +288,10 @@ def _case_problems(case: dict, rec: dict, tol, co: dict) -> list[str]:
     return p
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #dbadf0f0
-_STATED = re.compile(r'^`differences\.png` SHA-256 `([0-9a-f]{64})`', re.M)
-
 def _report_problems(report_dir: Path, rc: dict, compare_readme: bool) -> list[str]:
     "The report a reader sees: README.md and differences.png present, README.md the rendering of `rc` with the png's SHA-256."
-    readme, png = report_dir / 'README.md', report_dir / 'differences.png'
-    p = [f'{f}: missing (the report is README.md and the differences.png it shows)' for f in (readme, png) if not f.is_file()]
-    if p or not compare_readme: return p
-    text, fig = readme.read_text(), sha256_file(png)
-    if text == render_report(rc, figure_sha256=fig): return []
-    stated = m.group(1) if (m := _STATED.search(text)) else None
-    if stated and stated != fig:
-        p.append(f'{png}: the figure\'s SHA-256 {fig} is not the one README.md states ({stated}): not the figure the README was '
-                 'rendered with; draw it with plot_differences and re-render README.md')
-    want = render_report(rc, figure_sha256=stated or fig)   # an edit elsewhere in the README, shown where it is
-    if text != want:
-        a, b = text.splitlines(), want.splitlines()
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        at = (f'line {k + 1} reads {_short(a[k] if k < len(a) else None)}, the rendering has {_short(b[k] if k < len(b) else None)}'
-              if a != b else 'it differs only in line endings or the final newline')
-        p.append(f'{readme}: not the rendering of the receipt (memagent.observed.render_report): {at}; re-render it from the receipt')
-    return p
+    return figure_report_problems(report_dir, 'differences.png', lambda **k: render_report(rc, **k), 'plot_differences', 'memagent.observed.render_report',
+                                  compare=compare_readme)
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #3c69c402
 def verify_observed(report_dir=None, receipt_path=None) -> dict:
