@@ -22,6 +22,8 @@ readme_sources = {
               'commit': 'audit.provenance.git.commit', 'dirty': 'audit.provenance.git.dirty'},
     'observed': {'file': 'reports/agemem_observed/receipt.json',
                  'commit': 'observed.provenance.git.commit', 'dirty': 'observed.provenance.git.dirty'},
+    'advantages': {'file': 'reports/agemem_advantages/receipt.json',
+                   'commit': 'advantages.provenance.git.commit', 'dirty': 'advantages.provenance.git.dirty'},
     'parity': {'file': 'reports/parity/receipt.json',
                'commit': 'parity.provenance.git.commit', 'dirty': 'parity.provenance.git.dirty'},
     'rehearsal': {'file': 'reports/rehearsal/cpu-frozen/rehearsal.json',
