@@ -12,7 +12,8 @@ from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, Verificat
                             environment_problems, wrong_shape)
 from ..auditreport import study_cli, figure_report_problems
 from ..rollout import run_sync
-from .upstream import ADVANTAGE_FILES, EXECUTED, load_study, episode_rewards, grpo_advantages, system_prompt
+from .upstream import (ADVANTAGE_FILES, EXECUTED, load_study, episode_rewards, grpo_advantages, system_prompt,
+                                         distractor_messages)
 from .walk import AgeMemWalk, ScriptedEngine, behaviours, play, SAMPLING, MAX_NEW, WINDOW
 from .groups import (GROUPS_SHA256, PROTOCOL_SHA256, SAMPLED_BUDGET_S, MAX_GROUPS, GROUP_SIZE, REWARDS, JUDGES,
                                         NORMALISATIONS as NORMS, load_groups, episode_scripts, hypotheses, parsable_fraction, probe_decision,
@@ -58,10 +59,12 @@ RECORD_KEYS = ('task_id', 'episode', 'replies', 'context', 'log', 'experiences',
 
 def prompt_record(text: str) -> dict: return {'sha256': sha256_text(text), 'characters': len(text)}
 
-def elide_prompt(context: list, system: str) -> list:
-    "`context` with each system message that is the system prompt replaced by the prompt's SHA-256 and length."
-    rec = prompt_record(system)
-    return [{'role': 'system', 'system_prompt': rec} if m.get('role') == 'system' and m.get('content') == system else m for m in context]
+def elide_prompt(context: list, system: str, distractors=()) -> list:
+    "`context` with upstream's own texts, the system prompt and each distractor message, replaced by their SHA-256 and length."
+    rec, dis = prompt_record(system), set(distractors)
+    return [{'role': 'system', 'system_prompt': rec} if m.get('role') == 'system' and m.get('content') == system else
+            {'role': 'user', 'distractor': prompt_record(m['content'])} if m.get('role') == 'user' and m.get('content') in dis else m
+            for m in context]
 
 def score_group(mods: dict, recs: list[dict], task: dict, group_task_id: str, system: str, labels=None) -> dict:
     "The rewards, the eight advantages and the behaviours of one group's episodes (`recs`, from `AgeMemWalk.records`)."
@@ -69,7 +72,7 @@ def score_group(mods: dict, recs: list[dict], task: dict, group_task_id: str, sy
     eps = []
     for i, r in enumerate(recs):
         e = {**(labels[i] if labels else {}), **{k: copy.deepcopy(r[k]) for k in RECORD_KEYS}}
-        e['context'] = elide_prompt(e['context'], system)
+        e['context'] = elide_prompt(e['context'], system, distractor_messages(mods, task['question']))
         e['behaviours'] = behaviours(r, task['answer'], mods)
         sides = None if lost else {j: episode_rewards(mods, r, task, judge=j == 'on') for j in JUDGES}
         e['rewards'] = None if lost else {w: {j: sides[j][w] for j in JUDGES} for w in REWARDS}
@@ -207,7 +210,8 @@ def _probe_part(mods, tokenizer, system: str, sampled: bool) -> tuple:
     tasks = sampled_tasks(MAX_GROUPS)
     pr = run_probe(mods, tasks[0], engine, tokenizer)
     rec = pr.pop('record')
-    pr['episode_record'] = {k: copy.deepcopy(rec[k]) for k in RECORD_KEYS} | {'context': elide_prompt(rec['context'], system)}
+    pr['episode_record'] = {k: copy.deepcopy(rec[k]) for k in RECORD_KEYS} | {'context': elide_prompt(rec['context'], system,
+                                                                                           distractor_messages(mods, tasks[0]['question']))}
     pr['policy'] = policy_identity(tokenizer)
     groups = run_sampled(mods, tasks[:pr['decision']['groups']], engine, tokenizer, system) if sampled and pr['decision']['run'] else []
     return pr, groups

@@ -12,9 +12,9 @@ from ..audit import _short
 from .groups import REWARDS, JUDGES, NORMALISATIONS as NORMS, signs_differ
 
 # %% auto #0
-__all__ = ['ZERO_BAND', 'NEAR_ZERO', 'behaviour_rows', 'glance_rows', 'answer_lines', 'source_lines', 'sampled_lines',
-           'hypothesis_rows', 'cell_rows', 'sampled_rows', 'ratio_gap_lines', 'render_report', 'plot_advantages',
-           'render_files']
+__all__ = ['ZERO_BAND', 'SAMPLE_EPISODE', 'SAMPLE_CHARS', 'NEAR_ZERO', 'behaviour_rows', 'glance_rows', 'answer_lines',
+           'source_lines', 'sampled_lines', 'sample_lines', 'hypothesis_rows', 'cell_rows', 'sampled_rows',
+           'ratio_gap_lines', 'render_report', 'plot_advantages', 'render_files']
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #e56b12ec
 ZERO_BAND = 1e-6       # a mean advantage this close to 0 is 0: upstream computes advantages in float32
@@ -113,9 +113,12 @@ def sampled_lines(rc: dict) -> list[str]:
     d = pr['decision']
     out += ["The probe played one episode of the policy on row 1 and timed it (protocol, \"Sampled groups\").\n",
             md_table([{'row': f"`{pr['task']}`", 'replies': pr['replies'], 'with a parsable call': sum(pr['parsable']), 'p': f"{pr['p']:.3f}",
-                       't_probe (s)': f"{pr['t_probe']:.1f}", 'N': d['groups'], 'rule': 'p >= 0.20 and N >= 2',
+                       't_probe (s)': f"{pr['t_probe']:.1f}", 'N': d['groups'], 'rule': f"p >= {d['threshold']:.2f} and N >= 2",
                        'decision': 'run' if d['run'] else 'not run'}], align=False) + '\n',
             f"Sampled part: **{sp['state']}**. {sp['why'][0].upper()}{sp['why'][1:]}.\n"]
+    if not sum(pr['parsable']):
+        out += [f"**The model could not use the tools**: none of its {pr['replies']} replies held a call that upstream's "
+                '`parse_tool_calls` returns with a known tool name (the probe\'s episode is in "Sample episodes" below).\n']
     if sp['groups']: out += [md_table(_groups_rows(sp['groups']), align=False) + '\n']
     if rc['behaviours']['sampled']:
         out += ['Per behaviour, finished sampled groups, per-experience advantage:\n',
@@ -124,6 +127,39 @@ def sampled_lines(rc: dict) -> list[str]:
         out += [md_table(sampled_rows(sp['hypotheses']), align=False) + '\n',
                 'Episodes of one group share its mean and standard deviation, so these intervals are approximate.\n']
     return out
+
+# %% ../../nbs/18e_advantages_5_report.ipynb #8b8fdc80
+SAMPLE_EPISODE = ('C1', 'A', 'b1')     # the constructed episode shown whole: a retrieval called, then the right answer
+SAMPLE_CHARS = 160                     # a reply longer than this is cut in the sample tables
+
+def _clip(text: str) -> str:
+    t = ' '.join(str(text).split())
+    return '`' + (t if len(t) <= SAMPLE_CHARS else t[:SAMPLE_CHARS - 3] + '...').replace('`', "'") + '`'
+
+def _reply_rows(replies: list, experiences: list) -> list[dict]:
+    got = {(x['stage'], x['distractor'], x['round']) for x in experiences}
+    return [{'stage': r['stage'], 'distractor': '–' if r['distractor'] is None else r['distractor'] + 1, 'round': r['round'] + 1,
+             'calls': len(r['calls']), 'collected': 'yes' if (r['stage'], r['distractor'], r['round']) in got else 'no',
+             'reply': _clip(r['text'])} for r in replies]
+
+def sample_lines(rc: dict) -> list[str]:
+    "One constructed episode and the probe's episode, reply by reply: the policy's own text only, never the workflow's prompts."
+    out = ['## Sample episodes\n', "Each row is one reply of the policy, as the walk received it. The workflow's own messages (its "
+           'system prompt and the distractors) are upstream text: the README does not show them, and the receipt holds them as '
+           'SHA-256 and length. The Stage-1 message is in no final context: the Stage-2 reset clears it.\n']
+    g, v, b = SAMPLE_EPISODE
+    ep = next((e for grp in rc['constructed']['groups'] if grp['group'] == g for e in grp['episodes']
+               if (e['variant'], e['background']) == (v, b)), None)
+    if ep is not None:
+        out += [f"Constructed, `{g}` variant {v}, background `{b}` (scripted), final answer `{ep['final_answer']}`, "
+                f"{len(ep['experiences'])} experiences collected:\n", md_table(_reply_rows(ep['replies'], ep['experiences']), align=False) + '\n']
+    pr = rc['probe']
+    if pr is not None and pr.get('episode_record'):
+        er = pr['episode_record']
+        out += [f"Sampled, the probe's episode of `{pr['policy']['model']['name']}` on `{pr['task']}` ({pr['replies']} replies, "
+                f"{sum(pr['parsable'])} with a parsable call):\n", md_table(_reply_rows(er['replies'], er['experiences']), align=False) + '\n']
+    return out
+
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #2962a88b
 def _val(v) -> str:
@@ -170,8 +206,8 @@ def ratio_gap_lines(rc: dict) -> list[str]:
         if c['met'] or c.get('factor') is None or c['group'] not in groups: continue
         near, far = [], []
         for e in groups[c['group']]['episodes']:
-            a = e['advantages'][c['reward']][c['judge']]
-            if not a['per_episode']: continue
+            a = (e['advantages'] or {}).get(c['reward'], {}).get(c['judge'])        # none in a lost group
+            if not a or not a['per_episode']: continue
             gap = abs(a['per_experience'] / (a['per_episode'] * c['factor']) - 1)
             (near if abs(a['per_episode']) < NEAR_ZERO else far).append((f"{e['variant']}-{e['background']}", a['per_episode'], gap))
         if not near: continue
@@ -217,7 +253,7 @@ def render_report(receipt: dict, *, figure_sha256: str) -> str:
             '![mean advantage per behaviour](advantages.png)\n', fig,
             '## The groups\n', md_table(_groups_rows(rc['constructed']['groups']), align=False) + '\n',
             'Experiences: the collected rounds of each episode, in order A-b1 to B-b4. Every record is in [receipt.json](receipt.json).\n']
-    out += sampled_lines(rc) + ['## Source\n'] + source_lines(rc) + ['## What this does not show\n', rc['limits'] + '\n']
+    out += sampled_lines(rc) + sample_lines(rc) + ['## Source\n'] + source_lines(rc) + ['## What this does not show\n', rc['limits'] + '\n']
     return '\n'.join(out)
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #ae5650de
