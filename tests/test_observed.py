@@ -58,6 +58,20 @@ def test_committed_receipt_verifies_and_shows_the_contrasts(capsys):
     assert audit_cli(['--study', 'observed', '--verify']) == 0 and '"verified"' in capsys.readouterr().out
 
 
+def test_judge_free_cases_are_also_scored_with_the_local_judge_on():
+    "Every judge-free case records both rewards with the local judge on; only the memory component moves, and the README shows the table."
+    rc = json.loads((REPORT / 'receipt.json').read_text())
+    free = [c for c in rc['cases'] if c['judge'] is None]
+    assert len(free) == 19 and all(c['judge_on'] for c in free) and all(c['judge_on'] is None for c in rc['cases'] if c['judge'])
+    for c in free:
+        for side in ('official', 'observed'):
+            on, off = c['judge_on'][side]['breakdown'], c[side]['breakdown']
+            assert all(on[k] == off[k] for k in ('task_completion', 'context_management', 'tool_efficiency')), c['id']
+    used, ignored = _case(rc, 'retrieval_used')['judge_on'], _case(rc, 'retrieval_ignored')['judge_on']
+    assert (used['observed']['breakdown']['memory_r_relevance'], ignored['observed']['breakdown']['memory_r_relevance']) == (1.0, 0.0)
+    assert '## The judge on' in (REPORT / 'README.md').read_text()
+
+
 def test_memagent_audit_is_the_command_for_both_studies(capsys):
     "The console script points at the command that takes --study; without it, the first study's verification runs unchanged."
     cfg = configparser.ConfigParser(); cfg.read(ROOT / 'settings.ini')
@@ -93,6 +107,22 @@ EDITS = [
      "case 'update_succeeded': 2 Stage-3 replies and finished_at_round 1, the recorded rounds say otherwise"),
     ('a round dropped', lambda rc: _case(rc, 'delete_after_failed')['rounds'].pop(0), "case 'delete_after_failed': 3 Stage-3 replies"),
     ('the corrections record', lambda rc: rc['corrections'].update(amended=0), 'corrections: stored'),
+    ('a judge-on total', lambda rc: _case(rc, 'retrieval_used')['judge_on']['observed']['breakdown'].update(total=0.9),
+     "case 'retrieval_used': judge_on.difference"),
+    ('a judge-on task component', lambda rc: _case(rc, 'stage1_add_kept')['judge_on']['official']['breakdown'].update(tool_efficiency=0.2),
+     "case 'stage1_add_kept': judge_on.official.breakdown.tool_efficiency (judge off)"),
+    ('a judge-on statistic', lambda rc: _case(rc, 'no_user_message')['judge_on']['observed']['memory_stats'].update(added_count=2),
+     "case 'no_user_message': judge_on.observed.memory_stats (judge off)"),
+    ('a judge reply out of the rule', lambda rc: _case(rc, 'retrieval_ignored')['judge_on']['official']['judge_replies'][0].update(reply='2'),
+     "case 'retrieval_ignored': judge_on.official: judge reply"),
+    ('a judge call dropped', lambda rc: _case(rc, 'retrieval_used')['judge_on']['observed']['judge_replies'].pop(),
+     "case 'retrieval_used': judge_on.observed: judge_calls 2 is not the number of judge_replies"),
+    ('the judge-on answer', lambda rc: _case(rc, 'retrieval_ignored')['judge_on'].update(answer='Kestrel Bay'),
+     "case 'retrieval_ignored': judge_on.answer"),
+    ('judge-on removed', lambda rc: _case(rc, 'summary_called').update(judge_on=None),
+     "case 'summary_called': judge_on must be recorded exactly when the episode runs no judge"),
+    ('judge-on added to a judged case', lambda rc: _case(rc, 'judge_one').update(judge_on=_case(rc, 'judge_zero')['judge_on'] or {}),
+     "case 'judge_one': judge_on must be"),
 ]
 
 
