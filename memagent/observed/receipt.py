@@ -214,9 +214,9 @@ def _figure_line(figure_sha256: str) -> str:
 
 def judge_on_rows(receipt: dict) -> list[dict]:
     "One row per judge-free case: each total, and the difference (observed - official), with the judge off and on."
-    return [{'case': f"`{c['id']}`", 'official off': c['official']['breakdown']['total'], 'on': c['judge_on']['official']['breakdown']['total'],
-             'observed off': c['observed']['breakdown']['total'], 'on ': c['judge_on']['observed']['breakdown']['total'],
-             'difference off': c['difference']['total'], 'on  ': c['judge_on']['difference']['total'],
+    return [{'case': f"`{c['id']}`", 'official off': c['official']['breakdown']['total'], 'official on': c['judge_on']['official']['breakdown']['total'],
+             'observed off': c['observed']['breakdown']['total'], 'observed on': c['judge_on']['observed']['breakdown']['total'],
+             'difference off': c['difference']['total'], 'difference on': c['judge_on']['difference']['total'],
              'judge calls': f"{c['judge_on']['official']['judge_calls']} / {c['judge_on']['observed']['judge_calls']}"}
             for c in receipt['cases'] if c.get('judge_on')]
 
@@ -224,7 +224,7 @@ def judge_on_section(receipt: dict) -> list[str]:
     "The README's section on the judge-free cases scored again with the local judge on."
     rows = judge_on_rows(receipt)
     return ["## The judge on\n",
-            f"The {len(rows)} episodes run without a memory judge, scored again by both rewards with {JUDGE_ON_RULE}. The training call site "
+            f"The {len(rows)} episodes run without a memory judge, scored again with {JUDGE_ON_RULE}. The training call site "
             "always passes a chat client (`train_hotpotQA.py` lines 78, 356; [corrections.md](corrections.md), section 2). Only the memory "
             "component can move (`my_reward.py` lines 467-541); the statistics are the judge-off ones. Totals and difference "
             "(observed - official), judge off and on; judge calls with it on (official / observed).\n",
