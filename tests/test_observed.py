@@ -2,8 +2,10 @@
 edited (a log entry, a difference, the prose, the environment, the provenance, the report, the episodes with their hash) is
 refused, and a receipt of the wrong shape fails with a reason. Stage-3 rounds count as the workflow collects them, and the
 corrections after the run amend only the expectations that count enters, from their registered values. The report is checked as a reader sees it: README.md states the
-SHA-256 of the differences.png it shows, so a swapped figure, an edited README, or either one missing fails, naming the file. With an upstream checkout at $AGEMEM_SRC, a fresh run reproduces
-the committed cases and a modified checkout is refused before anything is written."""
+SHA-256 of the differences.png it shows, so a swapped figure, an edited README, or either one missing fails, naming the file. Each judge-free episode is also scored with the local judge
+on, and only the memory component moves. With an upstream checkout at $AGEMEM_SRC, a fresh run reproduces
+the committed cases, a modified checkout is refused before anything is written, and upstream's own Stage-3 loop, run on each
+episode's replies, collects the receipt's finished_at_round."""
 import configparser, json, os, shutil, subprocess, sys
 from pathlib import Path
 
@@ -58,6 +60,20 @@ def test_committed_receipt_verifies_and_shows_the_contrasts(capsys):
     assert audit_cli(['--study', 'observed', '--verify']) == 0 and '"verified"' in capsys.readouterr().out
 
 
+def test_judge_free_cases_are_also_scored_with_the_local_judge_on():
+    "Every judge-free case records both rewards with the local judge on; only the memory component moves, and the README shows the table."
+    rc = json.loads((REPORT / 'receipt.json').read_text())
+    free = [c for c in rc['cases'] if c['judge'] is None]
+    assert len(free) == 19 and all(c['judge_on'] for c in free) and all(c['judge_on'] is None for c in rc['cases'] if c['judge'])
+    for c in free:
+        for side in ('official', 'observed'):
+            on, off = c['judge_on'][side]['breakdown'], c[side]['breakdown']
+            assert all(on[k] == off[k] for k in ('task_completion', 'context_management', 'tool_efficiency')), c['id']
+    used, ignored = _case(rc, 'retrieval_used')['judge_on'], _case(rc, 'retrieval_ignored')['judge_on']
+    assert (used['observed']['breakdown']['memory_r_relevance'], ignored['observed']['breakdown']['memory_r_relevance']) == (1.0, 0.0)
+    assert '## The judge on' in (REPORT / 'README.md').read_text()
+
+
 def test_memagent_audit_is_the_command_for_both_studies(capsys):
     "The console script points at the command that takes --study; without it, the first study's verification runs unchanged."
     cfg = configparser.ConfigParser(); cfg.read(ROOT / 'settings.ini')
@@ -93,6 +109,22 @@ EDITS = [
      "case 'update_succeeded': 2 Stage-3 replies and finished_at_round 1, the recorded rounds say otherwise"),
     ('a round dropped', lambda rc: _case(rc, 'delete_after_failed')['rounds'].pop(0), "case 'delete_after_failed': 3 Stage-3 replies"),
     ('the corrections record', lambda rc: rc['corrections'].update(amended=0), 'corrections: stored'),
+    ('a judge-on total', lambda rc: _case(rc, 'retrieval_used')['judge_on']['observed']['breakdown'].update(total=0.9),
+     "case 'retrieval_used': judge_on.difference"),
+    ('a judge-on task component', lambda rc: _case(rc, 'stage1_add_kept')['judge_on']['official']['breakdown'].update(tool_efficiency=0.2),
+     "case 'stage1_add_kept': judge_on.official.breakdown.tool_efficiency (judge off)"),
+    ('a judge-on statistic', lambda rc: _case(rc, 'no_user_message')['judge_on']['observed']['memory_stats'].update(added_count=2),
+     "case 'no_user_message': judge_on.observed.memory_stats (judge off)"),
+    ('a judge reply out of the rule', lambda rc: _case(rc, 'retrieval_ignored')['judge_on']['official']['judge_replies'][0].update(reply='2'),
+     "case 'retrieval_ignored': judge_on.official: judge reply"),
+    ('a judge call dropped', lambda rc: _case(rc, 'retrieval_used')['judge_on']['observed']['judge_replies'].pop(),
+     "case 'retrieval_used': judge_on.observed: judge_calls 2 is not the number of judge_replies"),
+    ('the judge-on answer', lambda rc: _case(rc, 'retrieval_ignored')['judge_on'].update(answer='Kestrel Bay'),
+     "case 'retrieval_ignored': judge_on.answer"),
+    ('judge-on removed', lambda rc: _case(rc, 'summary_called').update(judge_on=None),
+     "case 'summary_called': judge_on must be recorded exactly when the episode runs no judge"),
+    ('judge-on added to a judged case', lambda rc: _case(rc, 'judge_one').update(judge_on=_case(rc, 'judge_zero')['judge_on'] or {}),
+     "case 'judge_one': judge_on must be"),
 ]
 
 
@@ -248,3 +280,88 @@ def test_a_run_into_the_report_folder_renders_its_figure_and_readme(tmp_path):
     assert (d / 'differences.png').is_file() and (d / 'README.md').is_file()
     from memagent.observed import verify_observed
     assert verify_observed(d)['status'] == 'verified'
+
+
+class _ScriptedModel:
+    """The model as `_run_stage3_formal_qa` uses it (lines 701-707): `chat_async` returns the episode's next reply; each call leaves
+    one experience in the history, which `extract_experience_from_history` hands over and clears."""
+    def __init__(self, steps): self.steps, self.history, self.step = list(steps), [], None
+    async def chat_async(self, messages, n=1):
+        if not self.steps: raise AssertionError('the loop asked for a reply after the episode\'s last Stage-3 reply')
+        self.step = self.steps.pop(0)
+        self.history.append(type('Exp', (), {'eid': type('EID', (), {'step': None})()})())
+        return [type('Response', (), {'response_text': self.step['assistant']})()]
+    def extract_experience_from_history(self, clear_history=True):
+        out = self.history
+        if clear_history: self.history = []
+        return out
+
+
+class _EpisodeChat:
+    "The chat client `_apply_tools` asks for a summary (line 182): the summary the episode's current step gives; no other question."
+    def __init__(self, model): self.model = model
+    def chat(self, messages, model_name=None, **kwargs):
+        step = self.model.step or {}
+        if 'summary' not in step: raise AssertionError(f'the workflow asked its chat client, and the step gives no summary: {step}')
+        return step['summary']
+
+
+def _upstream_workflow(src):
+    "train_hotpotQA.py loaded by path from the checked checkout, its imports the checkout's own modules or, where not installed, stand-ins."
+    import logging, types
+    from memagent.audit import load_by_path
+    from memagent.advantages.upstream import load_study
+    from memagent.observed.store import WORKFLOW_FILE
+    mods, pkg = load_study(src), 'trinity.common.workflows.memory_context'
+    def module(name, **attrs): m = types.ModuleType(name); m.__dict__.update(attrs); return m
+    registry = type('Registry', (), {'register_module': lambda self, name: (lambda cls: cls)})()
+    stand_ins = {'trinity.common.experience': mods['experience'],
+                 'trinity.common.models.model': module('trinity.common.models.model', ModelWrapper=type('ModelWrapper', (), {})),
+                 'trinity.common.workflows.workflow': module('trinity.common.workflows.workflow', WORKFLOWS=registry, Task=type('Task', (), {}),
+                                                             MultiTurnWorkflow=type('MultiTurnWorkflow', (), {})),
+                 'trinity.utils.log': module('trinity.utils.log', get_logger=lambda name=None: logging.getLogger(name)),
+                 f'{pkg}.memory_store': mods['store'], f'{pkg}.workflow_prompt': mods['workflow_prompt'], f'{pkg}.utils': mods['utils'],
+                 f'{pkg}.workflow_metrics': mods['workflow_metrics'], 'trinity.common.workflows.memory_reward.my_reward': mods['reward']}
+    return load_by_path(src, WORKFLOW_FILE, f'{pkg}.train_hotpotQA', stand_ins), mods
+
+
+@needs_src
+def test_finished_at_round_is_what_upstreams_stage3_loop_collects():
+    """Upstream's own `_run_stage3_formal_qa` (train_hotpotQA.py lines 676-775), run on each episode's Stage-3 replies after its
+    earlier stages' tool calls ran through upstream's `_apply_tools`, collects as many experiences as the receipt's `finished_at_round`,
+    asks for exactly the episode's replies, and leaves the context the receipt records (an episode with no Stage-3 user message: less
+    the question the loop asks itself)."""
+    import asyncio, itertools, logging, types
+    from memagent.observed.store import load_episodes, make_manager
+    wf, mods = _upstream_workflow(SRC)
+    W = wf.AgeMemHotpotWorkflowTraining
+    ep, rc = load_episodes(REPORT / 'episodes.json'), json.loads((REPORT / 'receipt.json').read_text())
+    for case in ep['cases']:
+        ids = itertools.count(1)
+        wf.uuid = types.SimpleNamespace(uuid4=lambda: f'mem-{next(ids):02d}')      # the recorder's ids for the store's adds (line 277)
+        self = object.__new__(W)          # __init__ builds a hosted client; the loop reads only what is set here
+        self.model = model = _ScriptedModel([])
+        self.chat_client, self.memory_manager = _EpisodeChat(model), make_manager(mods['store'], [])
+        self.context_messages, self.verbose, self.logger, self.expected_answer = [], False, logging.getLogger('agemem'), None
+        self.max_context_tokens, self.auto_summary_token_threshold = case['call']['max_tokens'], 0.8
+        self.stage3_max_rounds, self.current_stage = case['call']['max_rounds'], 0
+        stage3 = []
+        for s in case['steps']:
+            if 'stage' in s:
+                if self.current_stage == 0 or s['stage'] == 2: self.context_messages.clear(); self._append_context('system', ep['system_prompt'])
+                self.current_stage = s['stage']
+            elif self.current_stage == 3: stage3.append(s)
+            elif 'user' in s: self._append_context('user', s['user'])
+            else:
+                model.step = s; self._append_context('assistant', s['assistant'])
+                self._apply_tools(wf.parse_tool_calls(s['assistant']))
+        users = [s['user'] for s in stage3 if 'user' in s]
+        assert len(users) <= 1 and all('user' not in s for s in stage3[1:]), case['id']
+        self.question = users[0] if users else case['call']['question']       # the loop asks the question itself (line 685)
+        model.steps = [s for s in stage3 if 'assistant' in s]
+        exps, task_score, found = asyncio.run(W._run_stage3_formal_qa(self))
+        assert model.steps == [], f"{case['id']}: the loop ended before the episode's last reply"
+        assert len(exps) == _case(rc, case['id'])['finished_at_round'], case['id']
+        assert found == _case(rc, case['id'])['found_answer'], case['id']
+        ctx = self.context_messages if users else [m for m in self.context_messages if m != {'role': 'user', 'content': self.question}]
+        assert ctx == _case(rc, case['id'])['context'], case['id']      # and the recorder's context is upstream's (less the question it asks itself)

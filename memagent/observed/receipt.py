@@ -13,15 +13,17 @@ from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, Verificat
                             open_receipt, field_problems, environment_problems, wrong_shape)
 from ..auditreport import study_cli, audit_cli as reward_audit_cli, figure_report_problems, write_figure_report
 from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, load_upstream, load_episodes,
-                                     observe_case, case_outputs, observed_stats, difference, held_ids)
+                                     observe_case, case_outputs, observed_stats, difference, held_ids,
+                                     reward_side, observation_transcript)
 from ..files import read_json
 
 # %% auto #0
 __all__ = ['RECEIPT_SCHEMA', 'N_CASES', 'EPISODES_SHA256', 'PROTOCOL_SHA256', 'MEANING', 'LIMITS', 'RECEIPT_FIELDS',
            'AUDITED_FIELDS', 'CASE_FIELDS', 'STORE', 'PINS', 'CORRECTIONS_SCHEMA', 'CORRECTIONS_SHA256',
-           'CORRECTIONS_RECORD_SHA256', 'AMENDABLE', 'default_report_dir', 'load_corrections', 'expected', 'amendments',
-           'run_observed', 'side_by_side_rows', 'statistics_rows', 'rounds_line', 'findings', 'render_report',
-           'plot_differences', 'render_files', 'verify_observed', 'audit_cli']
+           'CORRECTIONS_RECORD_SHA256', 'AMENDABLE', 'JUDGE_ON_RULE', 'JUDGE_FREE', 'default_report_dir',
+           'load_corrections', 'expected', 'amendments', 'run_observed', 'judge_answer', 'judge_on',
+           'side_by_side_rows', 'statistics_rows', 'rounds_line', 'findings', 'judge_on_rows', 'judge_on_section',
+           'render_report', 'plot_differences', 'render_files', 'verify_observed', 'audit_cli']
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #61924ea7
 RECEIPT_SCHEMA = 'memagent.agemem_observed.receipt/1'
@@ -35,12 +37,13 @@ LIMITS = ('No policy was trained, so nothing here says that a policy trained on 
           'The embedder is not the paper\'s. The episodes are scripted, and Stage 2\'s distractor injection and the task score\'s '
           'judge are not run. Two episodes run the memory judge, as a stub; the training call site always passes a chat client '
           '(train_hotpotQA.py lines 78, 356), so in training the judge replaces R_relevance and R_storage whenever it has input. '
+          'The other 19 are also scored with a local judge on, one that knows the episode\'s own answer; it is not the paper\'s judge model. '
           '"Used the retrieved memory" is a string test: the final answer occurs in a retrieved memory.')
 RECEIPT_FIELDS = ('schema', 'status', 'meaning', 'limits', 'audited', 'store', 'call_site_weights', 'fixtures', 'protocol',
                   'corrections', 'environment', 'summary', 'cases', 'provenance')
 AUDITED_FIELDS = ('repository', 'revision', 'obtained_from', 'files', 'executed', 'read', 'checkout_unchanged_after_run')
 CASE_FIELDS = ('id', 'group', 'role', 'first_study', 'note', 'judge', 'final_answer', 'found_answer', 'rounds', 'finished_at_round',
-               'store_held', 'log', 'context', 'official', 'observed', 'difference', 'checks')
+               'store_held', 'log', 'context', 'official', 'observed', 'difference', 'checks', 'judge_on')
 STORE = {'embedder': EMBEDDER, 'manager': MANAGER}
 PINS = {rel: (AUDITED_REVISION, sha) for rel, sha in OBSERVED_FILES.items()}
 
@@ -51,7 +54,7 @@ def default_report_dir(start=None) -> Path:
 # %% ../../nbs/18a_observed_2_receipt.ipynb #bd30e976
 CORRECTIONS_SCHEMA = 'memagent.agemem_observed.corrections/1'
 CORRECTIONS_SHA256 = 'd05ebf2c433b54d52a6fbe81e5228da00963b4ebfaac45eb5a1188679fb929a7' # reports/agemem_observed/corrections.json
-CORRECTIONS_RECORD_SHA256 = 'b63a57e270d4c49964d247d7afe86a096c89866bc2539317d218cf170089d253' # reports/agemem_observed/corrections.md
+CORRECTIONS_RECORD_SHA256 = '313c7fd3c38d22780f035650d310b251d2a7fe5829eaa5c3db59e55fcf67c326' # reports/agemem_observed/corrections.md
 AMENDABLE = ('finished_at_round', 'difference.tool_efficiency', 'difference.total')
 
 def load_corrections(path, ep: dict) -> dict:
@@ -110,6 +113,7 @@ def run_observed(source_repo, report_dir=None) -> dict:
                       'found_answer': rec['found_answer'], 'rounds': rec['rounds'], 'finished_at_round': rec['finished_at_round'], 'store_held': rec['store_held'],
                       'log': rec['log'], 'context': rec['context'], 'official': rec['official'], 'observed': rec['observed'],
                       'difference': rec['difference'], 'checks': compare(expected(case, co), case_outputs(rec), ep['tolerance'])})
+        cases[-1]['judge_on'] = None if case.get('judge') else judge_on(mods, case, cases[-1], weights)
     after = check_checkout(source_repo, AUDITED_REVISION, OBSERVED_FILES)
     checkout = mods['checkout']
     audited = {'repository': AUDITED_REPOSITORY, 'revision': checkout['revision'], 'obtained_from': checkout['origin'],
@@ -121,6 +125,30 @@ def run_observed(source_repo, report_dir=None) -> dict:
             'fixtures': {'path': 'episodes.json', 'sha256': sha256_file(ep_path)},
             'protocol': {'path': 'protocol.md', 'sha256': sha256_file(proto_path)}, 'corrections': _corrections_field(report_dir, co),
             'environment': _environment(), 'summary': summary, 'cases': cases, 'provenance': provenance(repo=report_dir)}
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #085cbf9f
+JUDGE_ON_RULE = ("the third study's local judge (memagent.advantages.upstream.LocalJudge) on both rewards; the answer it knows is the "
+                 "episode's final answer, which its call scores 1.0 (task_score); with no final answer it knows none and replies 0")
+JUDGE_FREE = ('task_completion', 'context_management', 'tool_efficiency')    # the components the memory judge does not enter
+
+def judge_answer(rec: dict) -> str:
+    "The answer the local judge knows for a recorded case: its final answer, or none (`''`)."
+    return rec.get('final_answer') or ''
+
+def judge_on(mods: dict, case: dict, rec: dict, weights: dict) -> dict:
+    """A judge-free recorded case `rec` scored again by both rewards, each with its own `LocalJudge` knowing `judge_answer(rec)`:
+    the same statistics and `context_messages` as the judge-off sides; `{answer, official, observed, difference}`."""
+    from memagent.advantages.upstream import LocalJudge      # the third study's judge, one rule for both studies
+    reward, answer = mods['reward'], judge_answer(rec)
+    call = dict(case['call'], finished_at_round=rec['finished_at_round'], found_answer=rec['found_answer'])
+    judges, msgs = {side: LocalJudge(answer) for side in ('official', 'observed')}, copy.deepcopy(rec['context'])
+    official = reward_side(mods, call, weights, msgs, reward.extract_tool_usage_stats(msgs), reward.extract_memory_stats(msgs, None),
+                           msgs, judges['official'])
+    observed = reward_side(mods, call, weights, rec['context'], *observed_stats(rec['log'], rec['final_answer']),
+                           observation_transcript(rec['log']), judges['observed'])
+    return {'answer': answer, 'official': {**official, 'judge_replies': judges['official'].calls},
+            'observed': {**observed, 'judge_replies': judges['observed'].calls}, 'difference': difference(official, observed)}
+
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #9dbc0e32
 def _counts(side: dict) -> str:
@@ -177,13 +205,33 @@ def findings(receipt: dict) -> list[str]:
             "356), and the calculator's judge then replaces R_relevance whenever a retrieval block reaches it and R_storage whenever held adds do "
             "(`my_reward.py` lines 467-505, 512-541)."]
 
-# %% ../../nbs/18a_observed_2_receipt.ipynb #5d484483
+# %% ../../nbs/18a_observed_2_receipt.ipynb #72c99bc9
 def _figure_line(figure_sha256: str) -> str:
     "The README's line under the plot: the SHA-256 of the `differences.png` it shows."
     if not (isinstance(figure_sha256, str) and re.fullmatch('[0-9a-f]{64}', figure_sha256)):
         raise ValueError(f'figure_sha256: {_short(figure_sha256)} is not a SHA-256 (64 lowercase hex digits)')
     return f"`differences.png` SHA-256 `{figure_sha256}`, drawn by `plot_differences` from this receipt.\n"
 
+def judge_on_rows(receipt: dict) -> list[dict]:
+    "One row per judge-free case: each total, and the difference (observed - official), with the judge off and on."
+    return [{'case': f"`{c['id']}`", 'official off': c['official']['breakdown']['total'], 'official on': c['judge_on']['official']['breakdown']['total'],
+             'observed off': c['observed']['breakdown']['total'], 'observed on': c['judge_on']['observed']['breakdown']['total'],
+             'difference off': c['difference']['total'], 'difference on': c['judge_on']['difference']['total'],
+             'judge calls': f"{c['judge_on']['official']['judge_calls']} / {c['judge_on']['observed']['judge_calls']}"}
+            for c in receipt['cases'] if c.get('judge_on')]
+
+def judge_on_section(receipt: dict) -> list[str]:
+    "The README's section on the judge-free cases scored again with the local judge on."
+    rows = judge_on_rows(receipt)
+    return ["## The judge on\n",
+            f"The {len(rows)} episodes run without a memory judge, scored again with {JUDGE_ON_RULE}. The training call site "
+            "always passes a chat client (`train_hotpotQA.py` lines 78, 356; [corrections.md](corrections.md), section 2). Only the memory "
+            "component can move (`my_reward.py` lines 467-541); the statistics are the judge-off ones. Totals and difference "
+            "(observed - official), judge off and on; judge calls with it on (official / observed).\n",
+            md_table(rows, floatfmt='.4f', align=False) + '\n']
+
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #5d484483
 def render_report(receipt: dict, *, figure_sha256: str) -> str:
     "The study's README.md, every figure read from `receipt`, stating `figure_sha256`, the SHA-256 of the `differences.png` it shows."
     fig = _figure_line(figure_sha256)
@@ -213,7 +261,7 @@ def render_report(receipt: dict, *, figure_sha256: str) -> str:
            "![total difference per case](differences.png)\n", fig,
            "What each reward saw (official / observed): tool uses; updates, deletes, adds, retrievals; whether the retrieval was used; "
            "the three memory components; judge calls.\n",
-           md_table(statistics_rows(receipt), align=False) + '\n',
+           md_table(statistics_rows(receipt), align=False) + '\n', *judge_on_section(receipt),
            "## The logs\n", "Every operation the store executed, per episode: stage, tool, arguments, what the store returned.\n"]
     for c in receipt['cases']:
         out += [f"**`{c['id']}`** ({c['group']}, {c['role']}): {c['note']}.\n", f"Stage-3 rounds: {rounds_line(c['rounds'])}.\n"]
@@ -243,6 +291,32 @@ def render_files(receipt: dict, report_dir) -> list[Path]:
     return write_figure_report(report_dir, 'differences.png', lambda path: plot_differences(receipt, path), lambda **k: render_report(receipt, **k))
 
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #c9655f68
+def _judge_on_problems(case: dict, rec: dict) -> list[str]:
+    """What a case's `judge_on` claims that the case does not give back: present exactly for a judge-free case, the answer of
+    `judge_answer`, each side's statistics and judge-free components those of the judge-off side, its judge calls the replies it
+    records (each by the judge's rule: 0 or 1 for relevance, a count of at most the items for storage, 0 with no answer), and the difference."""
+    cid, jo = case['id'], rec.get('judge_on')
+    if case.get('judge') is not None or jo is None:
+        return [] if (case.get('judge') is None) == (jo is not None) else [f"case {cid!r}: judge_on must be recorded exactly when the episode runs no judge"]
+    if not (isinstance(jo, dict) and set(jo) == {'answer', 'official', 'observed', 'difference'} and all(isinstance(jo[s], dict) for s in ('official', 'observed'))):
+        return [f"case {cid!r}: judge_on must be {{answer, official, observed, difference}}"]
+    p = _differs(f'case {cid!r}: judge_on.answer', jo['answer'], judge_answer(rec))
+    for side in ('official', 'observed'):
+        on, off, where = jo[side], rec[side], f'case {cid!r}: judge_on.{side}'
+        for k in ('tool_stats', 'context_stats', 'memory_stats'): p += _differs(f'{where}.{k} (judge off)', on.get(k), off.get(k))
+        for k in JUDGE_FREE: p += _differs(f'{where}.breakdown.{k} (judge off)', (on.get('breakdown') or {}).get(k), off['breakdown'].get(k))
+        replies = on.get('judge_replies')
+        if not isinstance(replies, list) or on.get('judge_calls') != len(replies):
+            p.append(f'{where}: judge_calls {on.get("judge_calls")!r} is not the number of judge_replies'); continue
+        for r in replies:
+            ok = isinstance(r, dict) and isinstance(r.get('items'), int) and (
+                (r.get('kind') == 'relevance' and r.get('reply') in ('0', '1')) or
+                (r.get('kind') == 'storage' and isinstance(r.get('reply'), str) and r['reply'].isdigit() and int(r['reply']) <= r['items']))
+            if not ok or (not jo['answer'] and r.get('reply') != '0'): p.append(f'{where}: judge reply {_short(r)} breaks the judge\'s rule')
+    return p + _differs(f'case {cid!r}: judge_on.difference', jo['difference'], difference(jo['official'], jo['observed']))
+
+
 # %% ../../nbs/18a_observed_2_receipt.ipynb #2a1c674d
 def _stage3_replies(case: dict) -> int:
     "The number of assistant replies after the episode enters Stage 3."
@@ -266,7 +340,7 @@ def _case_problems(case: dict, rec: dict, tol, co: dict) -> list[str]:
     p += _differs(f'case {cid!r}: observed.tool_stats (from the log)', obs.get('tool_stats'), tools)
     p += _differs(f'case {cid!r}: observed.memory_stats (from the log)', obs.get('memory_stats'), memory)
     p += _differs(f'case {cid!r}: store_held (from the log)', rec.get('store_held'), sorted(held_ids(log)))
-    p += _differs(f'case {cid!r}: difference', rec.get('difference'), difference(off, obs))
+    p += _differs(f'case {cid!r}: difference', rec.get('difference'), difference(off, obs)) + _judge_on_problems(case, rec)
     p += _differs(f'case {cid!r}: observed.context_stats (the official extractor on the same context)', obs.get('context_stats'), off.get('context_stats'))
     cs = off.get('context_stats') or {}
     chars = sum(len(m.get('content', '')) for m in ctx if isinstance(m, dict))
