@@ -12,7 +12,7 @@ from .audit import (AUDITED_FIELDS, AUDITED_PINS, AUDITED_REPOSITORY, AUDITED_RE
 
 # %% auto #0
 __all__ = ['summary_rows', 'summary_table', 'render_report', 'render_files', 'verify_receipt', 'study_cli', 'audit_cli',
-           'write_figure_report', 'figure_report_problems']
+           'figure_line', 'write_figure_report', 'figure_report_problems']
 
 # %% ../nbs/18_audit_1_report.ipynb #f6f952aa
 def summary_rows(receipt: dict) -> list[dict]:
@@ -391,6 +391,12 @@ def audit_cli(argv=None, epilog=None) -> int:
                      default_dir=default_report_dir, run=run_audit, verify=verify_receipt, render=render_files)
 
 # %% ../nbs/18_audit_1_report.ipynb #6280a4e0
+def figure_line(figure: str, figure_sha256: str, drawn_by: str) -> str:
+    "The README's line under its plot: the SHA-256 of `figure`, which `figure_report_problems` reads back."
+    if not (isinstance(figure_sha256, str) and re.fullmatch('[0-9a-f]{64}', figure_sha256)):
+        raise ValueError(f'figure_sha256: {_short(figure_sha256)} is not a SHA-256 (64 lowercase hex digits)')
+    return f"`{figure}` SHA-256 `{figure_sha256}`, drawn by `{drawn_by}` from this receipt.\n"
+
 def write_figure_report(report_dir, figure: str, plot, render) -> list[Path]:
     "Write a study's report into `report_dir`: the figure first (`plot(path)`), then README.md (`render(figure_sha256=...)`), which states its hash."
     d = Path(report_dir)

@@ -4,11 +4,10 @@
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #5fd0cb64
 from __future__ import annotations
-import math, re, statistics
+import math, statistics
 from pathlib import Path
-from ..auditreport import write_figure_report
+from ..auditreport import write_figure_report, figure_line
 from ..report import md_table
-from ..audit import _short
 from .groups import REWARDS, JUDGES, NORMALISATIONS as NORMS, signs_differ
 
 # %% auto #0
@@ -74,11 +73,7 @@ def answer_lines(rows: list, where: str) -> list[str]:
     return out
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #32167d0b
-def _figure_line(figure_sha256: str) -> str:
-    "The README's line under the plot: the SHA-256 of the `advantages.png` it shows."
-    if not (isinstance(figure_sha256, str) and re.fullmatch('[0-9a-f]{64}', figure_sha256)):
-        raise ValueError(f'figure_sha256: {_short(figure_sha256)} is not a SHA-256 (64 lowercase hex digits)')
-    return f"`advantages.png` SHA-256 `{figure_sha256}`, drawn by `plot_advantages` from this receipt.\n"
+def _figure_line(figure_sha256: str) -> str: return figure_line('advantages.png', figure_sha256, 'plot_advantages')
 
 def _groups_rows(groups: list) -> list[dict]:
     return [{'group': f"`{g.get('group') or g['task']}`", 'task id': f"`{g.get('task_id', '–')}`", 'state': g.get('state', 'finished'),

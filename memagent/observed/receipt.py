@@ -4,14 +4,14 @@
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #db43f8b0
 from __future__ import annotations
-import argparse, copy, json, re, sys
+import argparse, copy, json, sys
 from pathlib import Path
 from ..provenance import flatten, sha256_file, provenance, provenance_problems
 from ..report import md_table
 from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, VerificationError, check_checkout, default_report_dir as audit_report_dir,
                             compare, values_match, origin_problems, audited_upstream, _environment, _status, _summary, _differs, _short, _MISSING,
                             open_receipt, field_problems, environment_problems, wrong_shape)
-from ..auditreport import study_cli, audit_cli as reward_audit_cli, figure_report_problems, write_figure_report
+from ..auditreport import study_cli, audit_cli as reward_audit_cli, figure_report_problems, write_figure_report, figure_line
 from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, load_upstream, load_episodes,
                                      observe_case, case_outputs, observed_stats, difference, held_ids,
                                      reward_side, observation_transcript)
@@ -206,11 +206,7 @@ def findings(receipt: dict) -> list[str]:
             "(`my_reward.py` lines 467-505, 512-541)."]
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #72c99bc9
-def _figure_line(figure_sha256: str) -> str:
-    "The README's line under the plot: the SHA-256 of the `differences.png` it shows."
-    if not (isinstance(figure_sha256, str) and re.fullmatch('[0-9a-f]{64}', figure_sha256)):
-        raise ValueError(f'figure_sha256: {_short(figure_sha256)} is not a SHA-256 (64 lowercase hex digits)')
-    return f"`differences.png` SHA-256 `{figure_sha256}`, drawn by `plot_differences` from this receipt.\n"
+def _figure_line(figure_sha256: str) -> str: return figure_line('differences.png', figure_sha256, 'plot_differences')
 
 def judge_on_rows(receipt: dict) -> list[dict]:
     "One row per judge-free case: each total, and the difference (observed - official), with the judge off and on."
