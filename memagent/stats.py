@@ -8,7 +8,8 @@ import math
 import numpy as np
 
 # %% auto #0
-__all__ = ['VERDICTS', 'bootstrap_ci', 'paired_bootstrap_ci', 'equivalence', 'verdict_text', 'pass_at_k', 'linear_fit']
+__all__ = ['VERDICTS', 'bootstrap_ci', 'paired_bootstrap_ci', 'equivalence', 'verdict_text', 'pass_at_k', 'linear_fit',
+           'incomplete_beta', 't_cdf', 't_quantile', 'mean_interval']
 
 # %% ../nbs/15a_stats.ipynb #74d75dc8
 def bootstrap_ci(values, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> list:
@@ -78,3 +79,50 @@ def linear_fit(x, y) -> dict:
     ss_res, ss_tot = float(np.sum((y - pred) ** 2)), float(np.sum((y - y.mean()) ** 2))
     return {'slope': float(slope), 'intercept': float(intercept), 'r2': 1 - ss_res / ss_tot if ss_tot > 0 else 1.0,
             'max_abs_residual': float(np.max(np.abs(y - pred)))}
+
+# %% ../nbs/15a_stats.ipynb #79cb37e8
+def _beta_fraction(a: float, b: float, x: float) -> float:
+    "The continued fraction of the incomplete beta function (modified Lentz), converging for x < (a + 1) / (a + b + 2)."
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny); h = d
+    for m in range(1, 10_000):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)), -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d; d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c; c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15: return h
+    raise ArithmeticError(f'incomplete beta fraction did not converge for a={a}, b={b}, x={x}')
+
+def incomplete_beta(a: float, b: float, x: float) -> float:
+    "The regularised incomplete beta function I_x(a, b)."
+    if x <= 0: return 0.0
+    if x >= 1: return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2): return front * _beta_fraction(a, b, x) / a
+    return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
+
+def t_cdf(t: float, df: float) -> float:
+    "P(T <= t) for Student's t with `df` degrees of freedom: 1 - I_{df/(df+t^2)}(df/2, 1/2) / 2 for t >= 0, by symmetry below."
+    tail = 0.5 * incomplete_beta(df / 2, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+def t_quantile(q: float, df: float) -> float:
+    "The `q` quantile of Student's t with `df` degrees of freedom, by bisection on `t_cdf` to 1e-12."
+    if not 0 < q < 1 or not df > 0: raise ValueError(f't_quantile needs 0 < q < 1 and df > 0, got q={q}, df={df}')
+    if q < 0.5: return -t_quantile(1 - q, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < q: lo, hi = hi, hi * 2
+    while hi - lo > 1e-12 * max(1.0, hi):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < q else (lo, mid)
+    return (lo + hi) / 2
+
+# %% ../nbs/15a_stats.ipynb #7308a3dc
+def mean_interval(values, level: float = 0.95) -> dict | None:
+    "mean ± t((1 + level) / 2, n - 1) x s / sqrt(n) of `values`, with s the sample std; `None` with fewer than 3 values."
+    x = [float(v) for v in values]
+    if len(x) < 3: return None
+    n, m = len(x), sum(x) / len(x)
+    s = math.sqrt(sum((v - m) ** 2 for v in x) / (n - 1)); t = t_quantile((1 + level) / 2, n - 1)
+    return {'n': n, 'mean': m, 'sd': s, 't': t, 'low': m - t * s / math.sqrt(n), 'high': m + t * s / math.sqrt(n)}
+

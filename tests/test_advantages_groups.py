@@ -6,8 +6,9 @@ from pathlib import Path
 from types import SimpleNamespace
 import pytest
 from memagent.advantages.groups import (GROUPS_SHA256, PROTOCOL_SHA256, GroupsError, load_groups, check_groups, episode_plans,
-                                        episode_scripts, hypotheses, probe_decision, parsable_fraction, t_quantile,
-                                        mean_interval, sampled_hypotheses, signs_differ, meets)
+                                        episode_scripts, hypotheses, probe_decision, parsable_fraction,
+                                        sampled_hypotheses, signs_differ, meets)
+from memagent.stats import t_quantile, mean_interval
 from memagent.provenance import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
