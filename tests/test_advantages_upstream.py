@@ -13,9 +13,10 @@ if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
 
 from memagent.audit import AUDITED_REVISION, AuditRefused
 from memagent.observed.store import OBSERVED_FILES, Recorder
-from memagent.advantages.upstream import (ADVANTAGE_FILES, EXECUTED, GRPO_MODULE, SETTINGS, LocalJudge, WEIGHTS, contains_answer,
-                                          episode_rewards, grpo_advantages, judge_items, load_study, similarity, stage1_message,
+from memagent.advantages.upstream import (ADVANTAGE_FILES, EXECUTED, GRPO_MODULE, SETTINGS, WEIGHTS,
+                                          episode_rewards, grpo_advantages, load_study, similarity, stage1_message,
                                           summarise, system_prompt, task_score)
+from memagent.observed.store import LocalJudge, contains_answer, judge_items
 
 SRC = os.environ.get('AGEMEM_SRC')
 needs_src = pytest.mark.skipif(not (SRC and Path(SRC).is_dir()), reason='AGEMEM_SRC is not set to an upstream AgeMem checkout '

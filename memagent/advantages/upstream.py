@@ -4,20 +4,20 @@
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #faab3b77
 from __future__ import annotations
-import ast, copy, hashlib, json, re, types
+import ast, copy, json, types
 from pathlib import Path
 from ..files import read_yaml
+from ..provenance import sha256_file
 from ..audit import AUDITED_REVISION, CALL_SITE_WEIGHTS, REWARD_MODULE, AuditRefused, check_checkout, load_by_path
 from ..observed.store import (STORE_MODULE, UTILS_MODULE, WORKFLOW_FILE, load_upstream, observation_transcript,
-                                     observed_stats, reward_side)
+                                     observed_stats, reward_side, LocalJudge)
 
 # %% auto #0
 __all__ = ['PROMPT_MODULE', 'METRICS_MODULE', 'GRPO_MODULE', 'EXPERIENCE_MODULE', 'ADVANTAGE_FN_FILE', 'ALGORITHM_FILE',
            'CONFIG_FILE', 'RUNNER_FILE', 'TRAIN_YAML', 'ADVANTAGE_FILES', 'EXECUTED', 'SETTINGS', 'WEIGHTS',
            'SETTINGS_IN_YAML', 'training_settings', 'experience_stand_ins', 'grpo_stand_ins', 'stage1_lead',
            'load_study', 'system_prompt', 'stage1_message', 'distractor_messages', 'RefusingClient', 'task_score',
-           'summarise', 'similarity', 'contains_answer', 'judge_items', 'LocalJudge', 'reward_call', 'episode_rewards',
-           'grpo_experiences', 'grpo_advantages']
+           'summarise', 'similarity', 'reward_call', 'episode_rewards', 'grpo_experiences', 'grpo_advantages']
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #38be5c5c
 PROMPT_MODULE = 'trinity/common/workflows/memory_context/workflow_prompt.py'
@@ -100,9 +100,9 @@ def grpo_stand_ins(experience_mod) -> dict:
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #98a7ded5
 def stage1_lead(src) -> str:
     "The constant lead of Stage 1's user message, parsed from the pinned workflow file (refused if its bytes are not the pinned ones)."
-    raw = (Path(src) / WORKFLOW_FILE).read_bytes()
-    if hashlib.sha256(raw).hexdigest() != ADVANTAGE_FILES[WORKFLOW_FILE]: raise AuditRefused(f'{src}: {WORKFLOW_FILE}: not the pinned file')
-    fns = [n for n in ast.walk(ast.parse(raw.decode('utf-8'))) if isinstance(n, ast.AsyncFunctionDef) and n.name == '_run_stage1_casual_chat']
+    path = Path(src) / WORKFLOW_FILE
+    if sha256_file(path) != ADVANTAGE_FILES[WORKFLOW_FILE]: raise AuditRefused(f'{src}: {WORKFLOW_FILE}: not the pinned file')
+    fns = [n for n in ast.walk(ast.parse(path.read_text(encoding='utf-8'))) if isinstance(n, ast.AsyncFunctionDef) and n.name == '_run_stage1_casual_chat']
     values = [a.value for f in fns for a in ast.walk(f)
               if isinstance(a, ast.Assign) and [getattr(t, 'id', None) for t in a.targets] == ['casual_user_msg']]
     parts = values[0].values if len(values) == 1 and isinstance(values[0], ast.JoinedStr) else []
@@ -183,49 +183,6 @@ def similarity(criteria, message) -> str:
     "The local similarity model of `Clear_context` (lines 233-241): `'1.0'` when the criteria occur in the message's content, else `'0.0'`."
     content = message.get('content', '') if isinstance(message, dict) else message
     return '1.0' if str(criteria).strip().lower() in str(content).lower() else '0.0'
-
-# %% ../../nbs/18e_advantages_1_upstream.ipynb #8d5e24c9
-def contains_answer(text, answer) -> bool:
-    "Whether `answer` occurs in `text` as a whole phrase, ignoring case (an empty answer occurs nowhere)."
-    answer = str(answer or '')
-    return bool(answer) and re.search(r'(?<!\w)' + re.escape(answer) + r'(?!\w)', str(text), re.IGNORECASE) is not None
-
-_ENTRIES = re.compile(r'\((\d+) total\):\n')      # the storage prompt's header line ends with the entries' count (line 527)
-
-def _entries(body: str) -> list[str] | None:
-    "The storage prompt's numbered entries (`{i + 1}. {text[:300]}` a line, line 528) under its last header; `None` if there are none."
-    heads = list(_ENTRIES.finditer(body))
-    if not heads: return None
-    n, block, starts = int(heads[-1].group(1)), body[heads[-1].end():], [0]
-    if n < 1 or not block.startswith('1. '): return None
-    for k in range(2, n + 1):
-        starts.append(block.find(f'\n{k}. ', starts[-1]) + 1)
-        if starts[-1] == 0: return None
-    ends = [s - 1 for s in starts[1:]] + [len(block)]
-    return [block[s + len(f'{k}. '):e] for k, (s, e) in enumerate(zip(starts, ends), 1)]
-
-def judge_items(prompt: str) -> tuple[str, list[str]]:
-    "`('storage', entries)` or `('relevance', items)`: what one of the calculator's two prompts lists; `ValueError` for another text."
-    body = prompt.rpartition('\n\n')[0]           # the closing instruction follows the last blank line
-    entries = _entries(body)
-    if entries is not None: return 'storage', entries
-    lines, items = body.split('\n'), []
-    while lines and lines[-1].startswith('- '): items.insert(0, lines.pop()[2:])   # `- {item}` a line (line 494)
-    if not items: raise ValueError('neither of the two prompts the calculator sends: no numbered entries, no listed items')
-    return 'relevance', items
-
-class LocalJudge:
-    "The local memory judge: it knows the task's expected `answer` and replies to the calculator's two prompts by the protocol's rule."
-    def __init__(self, answer: str): self.answer, self.calls = answer, []
-
-    def chat(self, messages, model_name=None, **kwargs):
-        try: kind, items = judge_items(messages[-1]['content'])
-        except ValueError as e:
-            self.calls.append({'model_name': model_name, 'kind': 'unreadable', 'items': 0, 'reply': None, 'error': str(e)}); raise
-        hits = sum(contains_answer(x, self.answer) for x in items)
-        reply = str(hits) if kind == 'storage' else ('1' if hits else '0')
-        self.calls.append({'model_name': model_name, 'kind': kind, 'items': len(items), 'reply': reply})
-        return reply
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #9c389f81
 def reward_call(rec: dict, task: dict) -> dict:

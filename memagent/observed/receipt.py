@@ -12,7 +12,7 @@ from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, Verificat
                             compare, values_match, origin_problems, audited_upstream, _environment, _status, _summary, _differs, _short, _MISSING,
                             open_receipt, field_problems, environment_problems, wrong_shape)
 from ..auditreport import study_cli, audit_cli as reward_audit_cli, figure_report_problems, write_figure_report, figure_line
-from .store import (OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, load_upstream, load_episodes,
+from .store import (LocalJudge, OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, load_upstream, load_episodes,
                                      observe_case, case_outputs, observed_stats, difference, held_ids,
                                      reward_side, observation_transcript)
 from ..files import read_json
@@ -54,7 +54,7 @@ def default_report_dir(start=None) -> Path:
 # %% ../../nbs/18a_observed_2_receipt.ipynb #bd30e976
 CORRECTIONS_SCHEMA = 'memagent.agemem_observed.corrections/1'
 CORRECTIONS_SHA256 = 'd05ebf2c433b54d52a6fbe81e5228da00963b4ebfaac45eb5a1188679fb929a7' # reports/agemem_observed/corrections.json
-CORRECTIONS_RECORD_SHA256 = '313c7fd3c38d22780f035650d310b251d2a7fe5829eaa5c3db59e55fcf67c326' # reports/agemem_observed/corrections.md
+CORRECTIONS_RECORD_SHA256 = '3f96f10d4d33724bcef90122a8efacc6a2d68463723e2ee30dd122b492850a52' # reports/agemem_observed/corrections.md
 AMENDABLE = ('finished_at_round', 'difference.tool_efficiency', 'difference.total')
 
 def load_corrections(path, ep: dict) -> dict:
@@ -127,7 +127,7 @@ def run_observed(source_repo, report_dir=None) -> dict:
             'environment': _environment(), 'summary': summary, 'cases': cases, 'provenance': provenance(repo=report_dir)}
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #085cbf9f
-JUDGE_ON_RULE = ("the third study's local judge (memagent.advantages.upstream.LocalJudge) on both rewards; the answer it knows is the "
+JUDGE_ON_RULE = ("the local judge (memagent.observed.store.LocalJudge, the third study's too) on both rewards; the answer it knows is the "
                  "episode's final answer, which its call scores 1.0 (task_score); with no final answer it knows none and replies 0")
 JUDGE_FREE = ('task_completion', 'context_management', 'tool_efficiency')    # the components the memory judge does not enter
 
@@ -138,7 +138,6 @@ def judge_answer(rec: dict) -> str:
 def judge_on(mods: dict, case: dict, rec: dict, weights: dict) -> dict:
     """A judge-free recorded case `rec` scored again by both rewards, each with its own `LocalJudge` knowing `judge_answer(rec)`:
     the same statistics and `context_messages` as the judge-off sides; `{answer, official, observed, difference}`."""
-    from memagent.advantages.upstream import LocalJudge      # the third study's judge, one rule for both studies
     reward, answer = mods['reward'], judge_answer(rec)
     call = dict(case['call'], finished_at_round=rec['finished_at_round'], found_answer=rec['found_answer'])
     judges, msgs = {side: LocalJudge(answer) for side in ('official', 'observed')}, copy.deepcopy(rec['context'])

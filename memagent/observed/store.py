@@ -15,7 +15,8 @@ __all__ = ['STORE_MODULE', 'UTILS_MODULE', 'WORKFLOW_FILE', 'OBSERVED_FILES', 'E
            'COLLECTION_RULES', 'HQ_WORDS', 'COMPONENTS', 'OpenAIStandIn', 'load_upstream', 'embed', 'cosine',
            'make_manager', 'EpisodeError', 'Recorder', 'validate_episodes', 'load_episodes', 'overflows',
            'collected_round', 'play', 'op_line', 'held_ids', 'used_retrieval', 'observed_stats',
-           'observation_transcript', 'reward_side', 'side_view', 'difference', 'observe_case', 'case_outputs']
+           'observation_transcript', 'reward_side', 'side_view', 'difference', 'observe_case', 'case_outputs',
+           'contains_answer', 'judge_items', 'LocalJudge']
 
 # %% ../../nbs/18a_observed_1_store.ipynb #2d8a45ef
 STORE_MODULE = 'trinity/common/workflows/memory_context/memory_store.py'
@@ -399,3 +400,46 @@ def case_outputs(rec: dict) -> dict:
     "A recorded case in the shape of its expectations (`expect` of the episodes file)."
     return {'ops': [op_line(op) for op in rec['log']], 'finished_at_round': rec['finished_at_round'], 'found_answer': rec['found_answer'],
             'official': side_view(rec['official']), 'observed': side_view(rec['observed']), 'difference': rec['difference']}
+
+# %% ../../nbs/18a_observed_1_store.ipynb #098899ac
+def contains_answer(text, answer) -> bool:
+    "Whether `answer` occurs in `text` as a whole phrase, ignoring case (an empty answer occurs nowhere)."
+    answer = str(answer or '')
+    return bool(answer) and re.search(r'(?<!\w)' + re.escape(answer) + r'(?!\w)', str(text), re.IGNORECASE) is not None
+
+_ENTRIES = re.compile(r'\((\d+) total\):\n')      # the storage prompt's header line ends with the entries' count (line 527)
+
+def _entries(body: str) -> list[str] | None:
+    "The storage prompt's numbered entries (`{i + 1}. {text[:300]}` a line, line 528) under its last header; `None` if there are none."
+    heads = list(_ENTRIES.finditer(body))
+    if not heads: return None
+    n, block, starts = int(heads[-1].group(1)), body[heads[-1].end():], [0]
+    if n < 1 or not block.startswith('1. '): return None
+    for k in range(2, n + 1):
+        starts.append(block.find(f'\n{k}. ', starts[-1]) + 1)
+        if starts[-1] == 0: return None
+    ends = [s - 1 for s in starts[1:]] + [len(block)]
+    return [block[s + len(f'{k}. '):e] for k, (s, e) in enumerate(zip(starts, ends), 1)]
+
+def judge_items(prompt: str) -> tuple[str, list[str]]:
+    "`('storage', entries)` or `('relevance', items)`: what one of the calculator's two prompts lists; `ValueError` for another text."
+    body = prompt.rpartition('\n\n')[0]           # the closing instruction follows the last blank line
+    entries = _entries(body)
+    if entries is not None: return 'storage', entries
+    lines, items = body.split('\n'), []
+    while lines and lines[-1].startswith('- '): items.insert(0, lines.pop()[2:])   # `- {item}` a line (line 494)
+    if not items: raise ValueError('neither of the two prompts the calculator sends: no numbered entries, no listed items')
+    return 'relevance', items
+
+class LocalJudge:
+    "The local memory judge: it knows the task's expected `answer` and replies to the calculator's two prompts by the protocol's rule."
+    def __init__(self, answer: str): self.answer, self.calls = answer, []
+
+    def chat(self, messages, model_name=None, **kwargs):
+        try: kind, items = judge_items(messages[-1]['content'])
+        except ValueError as e:
+            self.calls.append({'model_name': model_name, 'kind': 'unreadable', 'items': 0, 'reply': None, 'error': str(e)}); raise
+        hits = sum(contains_answer(x, self.answer) for x in items)
+        reply = str(hits) if kind == 'storage' else ('1' if hits else '0')
+        self.calls.append({'model_name': model_name, 'kind': kind, 'items': len(items), 'reply': reply})
+        return reply
