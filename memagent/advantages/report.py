@@ -58,6 +58,7 @@ def glance_rows(rows: list, norm: str = 'per_experience') -> list[dict]:
 
 _CLASSES = {('reinforces', 'reinforces'): 'Both rewards reinforce', ('reinforces', 'discourages'): 'Only the official reward reinforces',
             ('discourages', 'reinforces'): 'Only the observed reward reinforces', ('discourages', 'discourages'): 'Both discourage'}
+_VERB = {'reinforces': 'reinforces', 'discourages': 'discourages', 'neither': 'does neither'}
 
 def answer_lines(rows: list, where: str) -> list[str]:
     "The answer in sentences: per judge setting, the behaviours each reward reinforces (per experience), and where signs differ."
@@ -66,7 +67,7 @@ def answer_lines(rows: list, where: str) -> list[str]:
         pairs = {}
         for r in rows: pairs.setdefault(tuple(r['verdict'][w][j]['per_experience'] for w in REWARDS), []).append(f"`{r['behaviour']}`")
         for pair in sorted(pairs, key=lambda x: (x not in _CLASSES, list(_CLASSES).index(x) if x in _CLASSES else 0, x)):
-            label = _CLASSES.get(pair, f'The official reward: {pair[0]}; the observed: {pair[1]}')
+            label = _CLASSES.get(pair, 'The official reward {}, the observed one {}'.format(*(_VERB[v] for v in pair)))
             out.append(f"- {label}, judge {j}: {', '.join(pairs[pair])}.")
         dis = [f"`{r['behaviour']}` ({r['disagree'][j]['per_experience']:.0%})" for r in rows if r['disagree'][j]['per_experience'] > 0]
         out.append(f"- Signs differ, judge {j}: {', '.join(dis)}." if dis else f'- Signs never differ, judge {j}, in the {where}.')
