@@ -19,42 +19,87 @@ __all__ = ['PINNED_OFFICIAL', 'AUDITED_REPOSITORY', 'AUDITED_REVISION', 'REWARD_
            'field_problems', 'environment_problems', 'wrong_shape']
 
 # %% ../nbs/18_audit.ipynb #a36885eb
-PINNED_OFFICIAL = {'repository': 'y1y5/AgeMem', 'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
-                   'reachable': False}
+PINNED_OFFICIAL = {
+    'repository': 'y1y5/AgeMem',
+    'revision': '98f563f907d67b2f2436e3ae7b7ceff32e482814',
+    'reachable': False,
+}
 AUDITED_REPOSITORY = 'Helicoplacoidea/AgeMem'
 AUDITED_REVISION = 'ba665714148e5081dac910a0cdc6237e252ad501'
 REWARD_MODULE = 'trinity/common/workflows/memory_reward/my_reward.py'
 AUDITED_FILES = {
     REWARD_MODULE: 'd371117ba92b8a6bd5723aa980054bbcdf0f8686f927a10755185bd68c97f682',
-    'trinity/common/workflows/memory_context/train_hotpotQA.py':
-        '7e42513896bd40fe9ee0856f1d9a44d0d7facf19c09778aa0fca1e55cb4a1789',
-    'trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py':
-        '898216a7026307e7f88cd644f3825a5a48ea2fa59d297ecb527edb5f97825147',
+    'trinity/common/workflows/memory_context/train_hotpotQA.py': (
+        '7e42513896bd40fe9ee0856f1d9a44d0d7facf19c09778aa0fca1e55cb4a1789'
+    ),
+    'trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py': (
+        '898216a7026307e7f88cd644f3825a5a48ea2fa59d297ecb527edb5f97825147'
+    ),
 }
-CALL_SITE_WEIGHTS = {'task_completion_weight': 0.5, 'tool_efficiency_weight': 0.2,
-                     'context_management_weight': 0.15, 'memory_management_weight': 0.15}
+CALL_SITE_WEIGHTS = {
+    'task_completion_weight': 0.5,
+    'tool_efficiency_weight': 0.2,
+    'context_management_weight': 0.15,
+    'memory_management_weight': 0.15,
+}
 N_CASES = 16
 FIXTURES_SCHEMA = 'memagent.agemem_audit.fixtures/1'
 RECEIPT_SCHEMA = 'memagent.agemem_audit.receipt/1'
-EXPECT_KEYS = ('tool_stats', 'context_stats', 'memory_stats', 'breakdown', 'judge_calls', 'input_unchanged')
-# what the reader sees that no recomputation gives back is pinned here: the receipt's prose and the committed inputs
-MEANING = ('passed = the observed behaviour of the audited copy matched the expectations fixed before the run; it says '
-           'nothing about whether the reward is correct')
-FIXTURES_SHA256 = 'af0f4aefb6d835335c22147e1987919692194e99b101b3b39a754e225967416e'   # reports/agemem_audit/fixtures.json
-PROTOCOL_SHA256 = '8d65f99d47e3a5c7505776db30d82947b08849862fae9278cac63a48c7a2f2ab'   # reports/agemem_audit/protocol.md
-RECEIPT_FIELDS = ('schema', 'status', 'meaning', 'audited', 'pinned_official', 'call_site_weights', 'fixtures', 'protocol',
-                  'environment', 'summary', 'cases', 'provenance')
-AUDITED_FIELDS = ('repository', 'revision', 'obtained_from', 'files', 'executed', 'checkout_unchanged_after_run')
+EXPECT_KEYS = (
+    'tool_stats',
+    'context_stats',
+    'memory_stats',
+    'breakdown',
+    'judge_calls',
+    'input_unchanged',
+)
+# what the reader sees that no recomputation gives back is pinned here: the receipt's prose and the
+# committed inputs
+MEANING = (
+    'passed = the observed behaviour of the audited copy matched the expectations fixed before '
+    'the run; it says '
+    'nothing about whether the reward is correct'
+)
+# reports/agemem_audit/fixtures.json
+FIXTURES_SHA256 = 'af0f4aefb6d835335c22147e1987919692194e99b101b3b39a754e225967416e'
+# reports/agemem_audit/protocol.md
+PROTOCOL_SHA256 = '8d65f99d47e3a5c7505776db30d82947b08849862fae9278cac63a48c7a2f2ab'
+RECEIPT_FIELDS = (
+    'schema',
+    'status',
+    'meaning',
+    'audited',
+    'pinned_official',
+    'call_site_weights',
+    'fixtures',
+    'protocol',
+    'environment',
+    'summary',
+    'cases',
+    'provenance',
+)
+AUDITED_FIELDS = (
+    'repository',
+    'revision',
+    'obtained_from',
+    'files',
+    'executed',
+    'checkout_unchanged_after_run',
+)
 CASE_FIELDS = ('id', 'group', 'judge', 'observed', 'checks')
+
 
 class AuditError(Exception):
     "Base error of the audit."
 
+# %% ../nbs/18_audit.ipynb #c5c5e6f6
 class AuditRefused(AuditError):
     "The upstream checkout is not the pinned one (revision, tracked files or hashes differ)."
 
+# %% ../nbs/18_audit.ipynb #f8581414
 class VerificationError(AuditError):
     "A receipt does not match the committed fixtures/protocol; `.problems` lists every reason."
+
     def __init__(self, problems):
         self.problems = list(problems)
         head = f'{len(self.problems)} problem(s) found while verifying the receipt:\n'
@@ -62,68 +107,103 @@ class VerificationError(AuditError):
 
 # %% ../nbs/18_audit.ipynb #8cf8b272
 def default_report_dir(start=None, name='agemem_audit') -> Path:
-    "`reports/<name>` under the first folder at or above `start` (default: cwd) that holds `settings.ini`."
+    """`reports/<name>` under the first folder at or above `start` (default: cwd) that holds
+    `settings.ini`."""
     here = Path(start or Path.cwd()).resolve()
     for d in (here, *here.parents):
-        if (d / 'settings.ini').exists(): return d / 'reports' / name
+        if (d / 'settings.ini').exists():
+            return d / 'reports' / name
     raise AuditError(f'no settings.ini at or above {here}: pass the report folder explicitly')
 
 # %% ../nbs/18_audit.ipynb #e490b763
-_CALL_KEYS = ('task_score', 'found_answer', 'finished_at_round', 'max_rounds', 'max_tokens', 'question')
+_CALL_KEYS = (
+    'task_score',
+    'found_answer',
+    'finished_at_round',
+    'max_rounds',
+    'max_tokens',
+    'question',
+)
+
 
 def validate_fixtures(fx: dict, source='fixtures.json', n_cases=N_CASES) -> dict:
-    "Check the structure of a fixture dict; raise `ValueError` naming the case/field at fault. Returns `fx`."
-    def bad(where, why): raise ValueError(f'{source}: {where}: {why}')
-    if not isinstance(fx, dict): bad('top level', 'expected a JSON object')
-    if fx.get('schema') != FIXTURES_SCHEMA: bad('schema', f'expected {FIXTURES_SCHEMA!r}, got {fx.get("schema")!r}')
+    """Check the structure of a fixture dict; raise `ValueError` naming the case/field at fault.
+    Returns `fx`."""
+
+    def bad(where, why):
+        raise ValueError(f'{source}: {where}: {why}')
+
+    if not isinstance(fx, dict):
+        bad('top level', 'expected a JSON object')
+    if fx.get('schema') != FIXTURES_SCHEMA:
+        bad('schema', f'expected {FIXTURES_SCHEMA!r}, got {fx.get("schema")!r}')
     tol = fx.get('tolerance')
     if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not 0 <= tol < 1e-3:
         bad('tolerance', f'expected a small non-negative number, got {tol!r}')
     cases = fx.get('cases')
-    if not isinstance(cases, list): bad('cases', 'expected a list')
-    if n_cases is not None and len(cases) != n_cases: bad('cases', f'expected {n_cases} cases, found {len(cases)}')
+    if not isinstance(cases, list):
+        bad('cases', 'expected a list')
+    if n_cases is not None and len(cases) != n_cases:
+        bad('cases', f'expected {n_cases} cases, found {len(cases)}')
     seen = set()
     for i, c in enumerate(cases):
         cid = c.get('id') if isinstance(c, dict) else None
         where = f'cases[{i}] (id={cid!r})'
-        if not isinstance(cid, str) or not cid: bad(where, 'missing string field "id"')
-        if cid in seen: bad(where, 'duplicate id')
+        if not isinstance(cid, str) or not cid:
+            bad(where, 'missing string field "id"')
+        if cid in seen:
+            bad(where, 'duplicate id')
         seen.add(cid)
         msgs = c.get('messages')
-        if not isinstance(msgs, list): bad(where, 'field "messages" must be a list')
+        if not isinstance(msgs, list):
+            bad(where, 'field "messages" must be a list')
         for j, m in enumerate(msgs):
-            if not (isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)):
+            if not (
+                isinstance(m, dict)
+                and isinstance(m.get('role'), str)
+                and isinstance(m.get('content'), str)
+            ):
                 bad(f'{where}.messages[{j}]', 'each message needs string "role" and "content"')
         call = c.get('call')
-        if not isinstance(call, dict): bad(where, 'field "call" must be an object')
+        if not isinstance(call, dict):
+            bad(where, 'field "call" must be an object')
         for k in _CALL_KEYS:
-            if k not in call: bad(f'{where}.call', f'missing field {k!r}')
+            if k not in call:
+                bad(f'{where}.call', f'missing field {k!r}')
         judge = c.get('judge')
-        if judge is not None and not (isinstance(judge, dict) and isinstance(judge.get('reply'), str)):
+        if judge is not None and not (
+            isinstance(judge, dict) and isinstance(judge.get('reply'), str)
+        ):
             bad(f'{where}.judge', 'must be null or {"reply": <string>}')
         exp = c.get('expect')
-        if not isinstance(exp, dict): bad(where, 'field "expect" must be an object')
+        if not isinstance(exp, dict):
+            bad(where, 'field "expect" must be an object')
         for k in EXPECT_KEYS:
-            if k not in exp: bad(f'{where}.expect', f'missing field {k!r}')
+            if k not in exp:
+                bad(f'{where}.expect', f'missing field {k!r}')
     return fx
 
+# %% ../nbs/18_audit.ipynb #f2b39f3c
 def load_fixtures(path, n_cases=N_CASES) -> dict:
     "Read and validate a fixture JSON file."
     path = Path(path)
-    fx = read_json(path)                  # FileError (a ValueError) naming the file, line and reason
+    fx = read_json(path)  # FileError (a ValueError) naming the file, line and reason
     return validate_fixtures(fx, source=str(path), n_cases=n_cases)
 
 # %% ../nbs/18_audit.ipynb #d36a46cd
 _MISSING = '<missing>'
+
 
 def values_match(expected, observed, tol=1e-9) -> bool:
     "Protocol rule for one leaf: bools are bools, numbers within `tol`, everything else equal."
     if isinstance(expected, bool) or isinstance(observed, bool):
         return isinstance(expected, bool) and isinstance(observed, bool) and expected == observed
     if isinstance(expected, (int, float)) and isinstance(observed, (int, float)):
-        if isinstance(expected, int) and isinstance(observed, int): return expected == observed
+        if isinstance(expected, int) and isinstance(observed, int):
+            return expected == observed
         return math.isfinite(observed) and abs(expected - observed) <= tol
     return expected == observed
+
 
 def compare(expected: dict, observed: dict, tol=1e-9) -> list[dict]:
     "One check per leaf of `expected` or `observed`: {'field', 'expected', 'observed', 'match'}."
@@ -138,67 +218,105 @@ def compare(expected: dict, observed: dict, tol=1e-9) -> list[dict]:
 # %% ../nbs/18_audit.ipynb #0b71074e
 def _git(src, *args) -> str:
     r = subprocess.run(['git', '-C', str(src), *args], capture_output=True, text=True)
-    if r.returncode != 0: raise AuditRefused(f'{src}: git {" ".join(args)} failed: {r.stderr.strip() or r.stdout.strip()}')
+    if r.returncode != 0:
+        raise AuditRefused(
+            f'{src}: git {" ".join(args)} failed: {r.stderr.strip() or r.stdout.strip()}'
+        )
     return r.stdout.strip()
 
+# %% ../nbs/18_audit.ipynb #c38def12
 def check_checkout(src, revision=AUDITED_REVISION, files=None) -> dict:
-    "Verify the upstream checkout at `src` (revision, tracked + clean files, SHA-256); raise `AuditRefused` otherwise."
+    """Verify the upstream checkout at `src` (revision, tracked + clean files, SHA-256); raise
+    `AuditRefused` otherwise."""
     files = AUDITED_FILES if files is None else files
     src = Path(src)
-    if not src.is_dir(): raise AuditRefused(f'{src}: not a directory')
+    if not src.is_dir():
+        raise AuditRefused(f'{src}: not a directory')
     head = _git(src, 'rev-parse', 'HEAD')
-    if head != revision: raise AuditRefused(f'{src}: HEAD is {head}, pinned revision is {revision}')
+    if head != revision:
+        raise AuditRefused(f'{src}: HEAD is {head}, pinned revision is {revision}')
     hashes, problems = {}, []
     tracked = set(_git(src, 'ls-files', '--', *files).splitlines())
     dirty = _git(src, 'status', '--porcelain', '--', *files)
     for rel, want in files.items():
         p = src / rel
-        if rel not in tracked: problems.append(f'{rel}: not tracked by git'); continue
-        if not p.is_file(): problems.append(f'{rel}: missing'); continue
+        if rel not in tracked:
+            problems.append(f'{rel}: not tracked by git')
+            continue
+        if not p.is_file():
+            problems.append(f'{rel}: missing')
+            continue
         hashes[rel] = got = sha256_file(p)
-        if got != want: problems.append(f'{rel}: SHA-256 {got} != pinned {want}')
-    if dirty: problems.append(f'modified according to git: {dirty}')
-    if problems: raise AuditRefused(f'{src}: checkout refused: ' + '; '.join(problems))
-    try: origin = _git(src, 'config', '--get', 'remote.origin.url')
-    except AuditRefused: origin = None
+        if got != want:
+            problems.append(f'{rel}: SHA-256 {got} != pinned {want}')
+    if dirty:
+        problems.append(f'modified according to git: {dirty}')
+    if problems:
+        raise AuditRefused(f'{src}: checkout refused: ' + '; '.join(problems))
+    try:
+        origin = _git(src, 'config', '--get', 'remote.origin.url')
+    except AuditRefused:
+        origin = None
     return {'revision': head, 'files': hashes, 'origin': origin}
 
+# %% ../nbs/18_audit.ipynb #96487362
 def load_by_path(src, rel, name, stand_ins=None):
-    "Import `src/rel` as module `name`, with `stand_ins` (module name -> module) in `sys.modules` for the load only; no bytecode written, `sys.modules` left as it was."
+    """Import `src/rel` as module `name`, with `stand_ins` (module name -> module) in `sys.modules`
+    for the load only; no bytecode written, `sys.modules` left as it was."""
     path = Path(src) / rel
     spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None: raise AuditRefused(f'{path}: cannot be loaded as a module')
+    if spec is None or spec.loader is None:
+        raise AuditRefused(f'{path}: cannot be loaded as a module')
     mod, saved = importlib.util.module_from_spec(spec), {}
-    for k, v in {**(stand_ins or {}), name: mod}.items(): saved[k] = sys.modules.get(k); sys.modules[k] = v
+    for k, v in {**(stand_ins or {}), name: mod}.items():
+        saved[k] = sys.modules.get(k)
+        sys.modules[k] = v
     old, sys.dont_write_bytecode = sys.dont_write_bytecode, True
-    try: spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
     finally:
         sys.dont_write_bytecode = old
         for k, v in saved.items():
-            if v is None: sys.modules.pop(k, None)
-            else: sys.modules[k] = v
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
     return mod
 
+# %% ../nbs/18_audit.ipynb #d4f3aac1
 def load_reward_module(src, rel=REWARD_MODULE):
-    "Import the audited reward file from the checkout by file path, leaving no bytecode and no `sys.modules` entry."
+    """Import the audited reward file from the checkout by file path, leaving no bytecode and no
+    `sys.modules` entry."""
     path = Path(src) / rel
     mod = load_by_path(src, rel, '_agemem_audited_reward')
-    for attr in ('extract_tool_usage_stats', 'extract_context_stats', 'extract_memory_stats', 'ThreeStageRewardCalculator'):
-        if not hasattr(mod, attr): raise AuditRefused(f'{path}: has no {attr}')
+    for attr in (
+        'extract_tool_usage_stats',
+        'extract_context_stats',
+        'extract_memory_stats',
+        'ThreeStageRewardCalculator',
+    ):
+        if not hasattr(mod, attr):
+            raise AuditRefused(f'{path}: has no {attr}')
     return mod
 
 # %% ../nbs/18_audit.ipynb #39ac046e
 class StubJudge:
     "Local stand-in for the judge client: `chat(...)` returns `reply` and records each call."
-    def __init__(self, reply: str): self.reply, self.calls = reply, []
+
+    def __init__(self, reply: str):
+        self.reply, self.calls = reply, []
+
     def chat(self, messages, model_name=None, **kwargs):
         self.calls.append({'model_name': model_name, 'n_messages': len(messages)})
         return self.reply
 
+
 def run_case(mod, case: dict, weights=None) -> dict:
-    "Call the three extractors and `ThreeStageRewardCalculator.calculate_total_reward` on one fixture case."
+    """Call the three extractors and `ThreeStageRewardCalculator.calculate_total_reward` on one
+    fixture case."""
     weights = CALL_SITE_WEIGHTS if weights is None else weights
-    msgs = copy.deepcopy(case['messages']); pristine = copy.deepcopy(msgs)
+    msgs = copy.deepcopy(case['messages'])
+    pristine = copy.deepcopy(msgs)
     call = case['call']
     judge = StubJudge(case['judge']['reply']) if case.get('judge') else None
     tool_stats = mod.extract_tool_usage_stats(msgs)
@@ -206,92 +324,182 @@ def run_case(mod, case: dict, weights=None) -> dict:
     memory_stats = mod.extract_memory_stats(msgs, None)
     calc = mod.ThreeStageRewardCalculator(**weights, chat_client=judge)
     total, breakdown = calc.calculate_total_reward(
-        task_score=call['task_score'], tool_usage_stats=tool_stats, context_stats=context_stats,
-        memory_stats=memory_stats, finished_at_round=call['finished_at_round'], max_rounds=call['max_rounds'],
-        found_answer=call['found_answer'], question=call['question'],
-        supporting_facts=call.get('supporting_facts'), context_messages=msgs)
-    if total != breakdown.get('total'): raise AuditError(f"{case['id']}: returned total {total} != breakdown total")
-    return {'tool_stats': dict(tool_stats), 'context_stats': dict(context_stats), 'memory_stats': dict(memory_stats),
-            'breakdown': dict(breakdown), 'judge_calls': len(judge.calls) if judge else 0,
-            'input_unchanged': msgs == pristine}
+        task_score=call['task_score'],
+        tool_usage_stats=tool_stats,
+        context_stats=context_stats,
+        memory_stats=memory_stats,
+        finished_at_round=call['finished_at_round'],
+        max_rounds=call['max_rounds'],
+        found_answer=call['found_answer'],
+        question=call['question'],
+        supporting_facts=call.get('supporting_facts'),
+        context_messages=msgs,
+    )
+    if total != breakdown.get('total'):
+        raise AuditError(f"{case['id']}: returned total {total} != breakdown total")
+    return {
+        'tool_stats': dict(tool_stats),
+        'context_stats': dict(context_stats),
+        'memory_stats': dict(memory_stats),
+        'breakdown': dict(breakdown),
+        'judge_calls': len(judge.calls) if judge else 0,
+        'input_unchanged': msgs == pristine,
+    }
 
 # %% ../nbs/18_audit.ipynb #8f238331
 REBUILD_ORIGIN = 'stored text of each path at its commit, rebuilt outside the repository'
 
+
 def _github_url(url, repository: str) -> bool:
-    "True when `url` is `https://github.com/<repository>`, bare or ending in `.git` or `/` (owner and name ignore case)."
-    m = re.fullmatch(r'https://github\.com/([\w.-]+?)/([\w.-]+?)(?:\.git|/)?', url) if isinstance(url, str) else None
+    """True when `url` is `https://github.com/<repository>`, bare or ending in `.git` or `/` (owner
+    and name ignore case)."""
+    m = (
+        re.fullmatch(r'https://github\.com/([\w.-]+?)/([\w.-]+?)(?:\.git|/)?', url)
+        if isinstance(url, str)
+        else None
+    )
     return m is not None and f'{m[1]}/{m[2]}'.lower() == repository.lower()
 
-def origin_problems(upstream: dict, repository: str, revision: str | None, files: dict) -> list[str]:
-    "Each way `upstream` departs from `repository` at `revision` (`None`: a declared rebuild) with `files` (path -> (commit, sha256))."
-    if not isinstance(upstream, dict): return [f'upstream block is {type(upstream).__name__}, not an object']
+# %% ../nbs/18_audit.ipynb #baa465d2
+def origin_problems(
+    upstream: dict, repository: str, revision: str | None, files: dict
+) -> list[str]:
+    """Each way `upstream` departs from `repository` at `revision` (`None`: a declared rebuild) with
+    `files` (path -> (commit, sha256))."""
+    if not isinstance(upstream, dict):
+        return [f'upstream block is {type(upstream).__name__}, not an object']
     probs, origin = [], upstream.get('origin')
     if upstream.get('repository') != repository:
         probs.append(f"repository {upstream.get('repository')!r} is not the pinned {repository!r}")
     if upstream.get('revision') != revision:
         probs.append(f"revision {upstream.get('revision')!r} is not the pinned {revision!r}")
     if revision is None:
-        if origin != REBUILD_ORIGIN: probs.append(f'origin {origin!r} is not the declared rebuild {REBUILD_ORIGIN!r}')
-    elif not _github_url(origin, repository): probs.append(f'origin {origin!r} is not https://github.com/{repository}')
+        if origin != REBUILD_ORIGIN:
+            probs.append(f'origin {origin!r} is not the declared rebuild {REBUILD_ORIGIN!r}')
+    elif not _github_url(origin, repository):
+        probs.append(f'origin {origin!r} is not https://github.com/{repository}')
     got = upstream.get('files')
-    if not isinstance(got, dict): return probs + [f'files is {type(got).__name__}, not an object of path -> commit and SHA-256']
+    if not isinstance(got, dict):
+        return probs + [
+            f'files is {type(got).__name__}, not an object of path -> commit and SHA-256'
+        ]
     for rel, (commit, sha) in files.items():
         f = got.get(rel)
-        if not isinstance(f, dict): probs.append(f'{rel}: ' + ('missing from files' if f is None else f'expected commit and sha256, got {f!r}')); continue
-        if f.get('commit') != commit: probs.append(f"{rel}: commit {f.get('commit')!r} is not the pinned {commit!r}")
-        if f.get('sha256') != sha: probs.append(f"{rel}: SHA-256 {f.get('sha256')!r} is not the pinned {sha!r}")
+        if not isinstance(f, dict):
+            probs.append(
+                f'{rel}: '
+                + ('missing from files' if f is None else f'expected commit and sha256, got {f!r}')
+            )
+            continue
+        if f.get('commit') != commit:
+            probs.append(f"{rel}: commit {f.get('commit')!r} is not the pinned {commit!r}")
+        if f.get('sha256') != sha:
+            probs.append(f"{rel}: SHA-256 {f.get('sha256')!r} is not the pinned {sha!r}")
     return probs + [f'{rel}: in files but not pinned' for rel in got if rel not in files]
 
+# %% ../nbs/18_audit.ipynb #4fd99a05
 AUDITED_PINS = {rel: (AUDITED_REVISION, sha) for rel, sha in AUDITED_FILES.items()}
 
+
 def audited_upstream(audited: dict) -> dict:
-    "The receipt's `audited` block as an upstream block: each file at the checkout's revision, where `check_checkout` hashed it."
+    """The receipt's `audited` block as an upstream block: each file at the checkout's revision,
+    where `check_checkout` hashed it."""
     files = audited.get('files')
-    return {'repository': audited.get('repository'), 'revision': audited.get('revision'), 'origin': audited.get('obtained_from'),
-            'files': {rel: {'commit': audited.get('revision'), 'sha256': h} for rel, h in files.items()} if isinstance(files, dict) else files}
+    return {
+        'repository': audited.get('repository'),
+        'revision': audited.get('revision'),
+        'origin': audited.get('obtained_from'),
+        'files': {rel: {'commit': audited.get('revision'), 'sha256': h} for rel, h in files.items()}
+        if isinstance(files, dict)
+        else files,
+    }
 
 # %% ../nbs/18_audit.ipynb #f50fffa8
 def _environment() -> dict:
-    return {'python': platform.python_version(), 'implementation': platform.python_implementation(),
-            'platform': platform.platform(), 'machine': platform.machine()}
+    return {
+        'python': platform.python_version(),
+        'implementation': platform.python_implementation(),
+        'platform': platform.platform(),
+        'machine': platform.machine(),
+    }
 
+# %% ../nbs/18_audit.ipynb #113cf4ae
 def _weights(fx: dict) -> dict:
-    "The reward weights the cases run with: the fixtures' `call_site.weights`, else `CALL_SITE_WEIGHTS`."
+    """The reward weights the cases run with: the fixtures' `call_site.weights`, else
+    `CALL_SITE_WEIGHTS`."""
     return fx['call_site']['weights'] if 'call_site' in fx else CALL_SITE_WEIGHTS
 
+# %% ../nbs/18_audit.ipynb #03d6cd22
 def _summary(cases) -> dict:
-    "The receipt's `summary`, counted from each case's `id`, `judge` and recorded `checks` (a check matches only when its `match` is `true`)."
-    checks = [[x for x in c.get('checks') if isinstance(x, dict)] if isinstance(c.get('checks'), list) else [] for c in cases]
+    """The receipt's `summary`, counted from each case's `id`, `judge` and recorded `checks` (a
+    check matches only when its `match` is `true`)."""
+    checks = [
+        [x for x in c.get('checks') if isinstance(x, dict)]
+        if isinstance(c.get('checks'), list)
+        else []
+        for c in cases
+    ]
     bad = [sum(x.get('match') is not True for x in xs) for xs in checks]
     n = sum(map(len, checks))
-    return {'cases': len(cases), 'cases_with_judge': sum(bool(c.get('judge')) for c in cases),
-            'checks': n, 'matched': n - sum(bad), 'mismatched': sum(bad),
-            'mismatched_cases': [c.get('id') for c, k in zip(cases, bad) if k]}
+    return {
+        'cases': len(cases),
+        'cases_with_judge': sum(bool(c.get('judge')) for c in cases),
+        'checks': n,
+        'matched': n - sum(bad),
+        'mismatched': sum(bad),
+        'mismatched_cases': [c.get('id') for c, k in zip(cases, bad) if k],
+    }
 
+# %% ../nbs/18_audit.ipynb #125070aa
 def _status(unchanged, origin: list, summary: dict) -> str:
-    "`passed`, or the first thing that failed: a checkout changed by the run, an origin with problems, a mismatch."
-    return ('checkout_changed' if unchanged is not True else 'unexpected_source' if origin
-            else 'mismatch' if summary['mismatched'] else 'passed')
+    """`passed`, or the first thing that failed: a checkout changed by the run, an origin with
+    problems, a mismatch."""
+    return (
+        'checkout_changed'
+        if unchanged is not True
+        else 'unexpected_source'
+        if origin
+        else 'mismatch'
+        if summary['mismatched']
+        else 'passed'
+    )
 
+# %% ../nbs/18_audit.ipynb #26d2254a
 def run_audit(source_repo, report_dir=None) -> dict:
-    "Check the upstream checkout, run every fixture case through the audited functions and return the receipt."
+    """Check the upstream checkout, run every fixture case through the audited functions and return
+    the receipt."""
     report_dir = Path(report_dir) if report_dir else default_report_dir()
     fx_path, proto_path = report_dir / 'fixtures.json', report_dir / 'protocol.md'
-    if not proto_path.is_file(): raise AuditError(f'{proto_path}: protocol missing; write it before running')
+    if not proto_path.is_file():
+        raise AuditError(f'{proto_path}: protocol missing; write it before running')
     fx = load_fixtures(fx_path)
     checkout = check_checkout(source_repo)
     mod = load_reward_module(source_repo)
     tol, cases = fx['tolerance'], []
     for case in fx['cases']:
         observed = run_case(mod, case, _weights(fx))
-        cases.append({'id': case['id'], 'group': case['group'], 'judge': case.get('judge'),
-                      'observed': observed, 'checks': compare(case['expect'], observed, tol)})
-    after = check_checkout(source_repo)    # the run must leave the checkout as it found it
-    audited = {'repository': AUDITED_REPOSITORY, 'revision': checkout['revision'], 'obtained_from': checkout['origin'],
-               'files': checkout['files'], 'executed': REWARD_MODULE, 'checkout_unchanged_after_run': after == checkout}
+        cases.append(
+            {
+                'id': case['id'],
+                'group': case['group'],
+                'judge': case.get('judge'),
+                'observed': observed,
+                'checks': compare(case['expect'], observed, tol),
+            }
+        )
+    after = check_checkout(source_repo)  # the run must leave the checkout as it found it
+    audited = {
+        'repository': AUDITED_REPOSITORY,
+        'revision': checkout['revision'],
+        'obtained_from': checkout['origin'],
+        'files': checkout['files'],
+        'executed': REWARD_MODULE,
+        'checkout_unchanged_after_run': after == checkout,
+    }
     summary = _summary(cases)
-    origin = origin_problems(audited_upstream(audited), AUDITED_REPOSITORY, AUDITED_REVISION, AUDITED_PINS)
+    origin = origin_problems(
+        audited_upstream(audited), AUDITED_REPOSITORY, AUDITED_REVISION, AUDITED_PINS
+    )
     return {
         'schema': RECEIPT_SCHEMA,
         'status': _status(audited['checkout_unchanged_after_run'], origin, summary),
@@ -304,56 +512,104 @@ def run_audit(source_repo, report_dir=None) -> dict:
         'environment': _environment(),
         'summary': summary,
         'cases': cases,
-        'provenance': provenance(repo=report_dir),      # this repository's commit (and whether its source differed), packages, host
+        'provenance': provenance(
+            repo=report_dir
+        ),  # this repository's commit (and whether its source differed), packages, host
     }
 
 # %% ../nbs/18_audit.ipynb #f22bae9d
 def write_receipt(receipt: dict, path) -> Path:
     "Write `receipt` as indented JSON (floats keep full precision)."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(receipt, indent=1, ensure_ascii=False) + '\n')
     return path
 
 # %% ../nbs/18_audit.ipynb #6c8d42b7
-def open_receipt(receipt_path, fixtures_path, load, schema: str, error=None, also=()) -> tuple[dict, object, list]:
-    "`(receipt, fixtures, problems)`: `error` (default `VerificationError`) on a missing or unreadable file, marked `bad_input` (the command exits 2, not 1); `problems` lists a wrong schema or fixture hash."
+def open_receipt(
+    receipt_path, fixtures_path, load, schema: str, error=None, also=()
+) -> tuple[dict, object, list]:
+    """`(receipt, fixtures, problems)`: `error` (default `VerificationError`) on a missing or
+    unreadable file, marked `bad_input` (the command exits 2, not 1); `problems` lists a wrong
+    schema or fixture hash."""
     error = error or VerificationError
+
     def refused(problems):
-        e = error(problems); e.bad_input = True; return e
+        e = error(problems)
+        e.bad_input = True
+        return e
+
     receipt_path, fixtures_path = Path(receipt_path), Path(fixtures_path)
-    missing = [f'{p}: missing' for p in (receipt_path, fixtures_path, *map(Path, also)) if not p.is_file()]
-    if missing: raise refused(missing)
-    try: rc = read_json(receipt_path)
-    except FileError as e: raise refused([str(e)]) from None
-    if not isinstance(rc, dict): raise refused([f'{receipt_path}: a JSON {type(rc).__name__}, not the object a receipt is'])
-    try: fx = load(fixtures_path)
-    except ValueError as e: raise error([str(e)])
+    missing = [
+        f'{p}: missing' for p in (receipt_path, fixtures_path, *map(Path, also)) if not p.is_file()
+    ]
+    if missing:
+        raise refused(missing)
+    try:
+        rc = read_json(receipt_path)
+    except FileError as e:
+        raise refused([str(e)]) from None
+    if not isinstance(rc, dict):
+        raise refused([f'{receipt_path}: a JSON {type(rc).__name__}, not the object a receipt is'])
+    try:
+        fx = load(fixtures_path)
+    except ValueError as e:
+        raise error([str(e)])
     problems = [] if rc.get('schema') == schema else [f'schema {rc.get("schema")!r} != {schema!r}']
     block = rc.get('fixtures') if isinstance(rc.get('fixtures'), dict) else {}
     if (got := sha256_file(fixtures_path)) != block.get('sha256'):
-        problems.append(f'{fixtures_path.name} SHA-256 {got} differs from the receipt ({block.get("sha256")})')
+        problems.append(
+            f'{fixtures_path.name} SHA-256 {got} differs from the receipt ({block.get("sha256")})'
+        )
     return rc, fx, problems
 
+# %% ../nbs/18_audit.ipynb #d66ffa3b
 def field_problems(where: str, d, fields, optional=()) -> list[str]:
-    "Each field of `d` missing from `fields` or not among `fields` and `optional`: a verifier refuses what no runner writes."
-    if not isinstance(d, dict): return [f'{where}: {type(d).__name__} {_short(d)}, not an object']
-    return ([f'{where}.{k}: missing' for k in fields if k not in d] +
-            [f'{where}.{k}: not a field the runner writes' for k in d if k not in fields and k not in optional])
+    """Each field of `d` missing from `fields` or not among `fields` and `optional`: a verifier
+    refuses what no runner writes."""
+    if not isinstance(d, dict):
+        return [f'{where}: {type(d).__name__} {_short(d)}, not an object']
+    return [f'{where}.{k}: missing' for k in fields if k not in d] + [
+        f'{where}.{k}: not a field the runner writes'
+        for k in d
+        if k not in fields and k not in optional
+    ]
 
+# %% ../nbs/18_audit.ipynb #084184cd
 def _short(v, n=120) -> str:
     "`repr(v)`, cut to `n` characters: a value quoted in a verifier's message."
-    s = repr(v); return s if len(s) <= n else s[:n - 3] + '...'
+    s = repr(v)
+    return s if len(s) <= n else s[: n - 3] + '...'
 
+# %% ../nbs/18_audit.ipynb #ad3c16b8
 def environment_problems(env) -> list[str]:
-    "`[]` when `env` is what a receipt's runner writes (`_environment()`'s fields, each a non-empty string), else one line."
-    if isinstance(env, dict) and list(env) == list(_environment()) and all(isinstance(v, str) and v for v in env.values()): return []
-    return [f'environment {_short(env)} is not what the runner writes: {", ".join(_environment())}, each a non-empty string']
+    """`[]` when `env` is what a receipt's runner writes (`_environment()`'s fields, each a
+    non-empty string), else one line."""
+    if (
+        isinstance(env, dict)
+        and list(env) == list(_environment())
+        and all(isinstance(v, str) and v for v in env.values())
+    ):
+        return []
+    return [
+        f'environment {_short(env)} is not what the runner writes: {", ".join(_environment())}, '
+        'each a non-empty string'
+    ]
 
+# %% ../nbs/18_audit.ipynb #a5d0d15b
 def wrong_shape(receipt_path, error, e: Exception):
-    "The error a verifier raises when a receipt's values are of types no runner writes (instead of a traceback)."
-    return error([f'{receipt_path}: the receipt has the wrong shape somewhere its checks above did not name ({type(e).__name__}: {e})'])
+    """The error a verifier raises when a receipt's values are of types no runner writes (instead of
+    a traceback)."""
+    return error(
+        [
+            f'{receipt_path}: the receipt has the wrong shape somewhere its checks above did not '
+            f'name ({type(e).__name__}: {e})'
+        ]
+    )
 
+# %% ../nbs/18_audit.ipynb #49432872
 def _differs(field: str, stored, fresh) -> list[str]:
-    "`[]` when `stored` and `fresh` are the same JSON value (`true` is not `1`, `1` is not `1.0`), else one line naming both."
+    """`[]` when `stored` and `fresh` are the same JSON value (`true` is not `1`, `1` is not `1.0`),
+    else one line naming both."""
     same = json.dumps(stored, sort_keys=True) == json.dumps(fresh, sort_keys=True)
     return [] if same else [f'{field}: stored {stored!r}, recomputed {fresh!r}']

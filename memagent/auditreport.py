@@ -8,7 +8,40 @@ import argparse, json, re, sys
 from pathlib import Path
 from .provenance import flatten, provenance_problems, refuse_overwrite, sha256_file
 from .report import md_table
-from .audit import (AUDITED_FIELDS, AUDITED_PINS, AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, CASE_FIELDS, FIXTURES_SHA256, MEANING, N_CASES, PINNED_OFFICIAL, PROTOCOL_SHA256, RECEIPT_FIELDS, RECEIPT_SCHEMA, REWARD_MODULE, VerificationError, _MISSING, _differs, _short, _status, _summary, _weights, audited_upstream, compare, default_report_dir, environment_problems, field_problems, load_fixtures, open_receipt, origin_problems, run_audit, write_receipt, wrong_shape)
+from memagent.audit import (
+    AUDITED_FIELDS,
+    AUDITED_PINS,
+    AUDITED_REPOSITORY,
+    AUDITED_REVISION,
+    AuditError,
+    CASE_FIELDS,
+    FIXTURES_SHA256,
+    MEANING,
+    N_CASES,
+    PINNED_OFFICIAL,
+    PROTOCOL_SHA256,
+    RECEIPT_FIELDS,
+    RECEIPT_SCHEMA,
+    REWARD_MODULE,
+    VerificationError,
+    _MISSING,
+    _differs,
+    _short,
+    _status,
+    _summary,
+    _weights,
+    audited_upstream,
+    compare,
+    default_report_dir,
+    environment_problems,
+    field_problems,
+    load_fixtures,
+    open_receipt,
+    origin_problems,
+    run_audit,
+    write_receipt,
+    wrong_shape,
+)
 
 # %% auto #0
 __all__ = ['summary_rows', 'summary_table', 'render_report', 'render_files', 'verify_receipt', 'study_cli', 'audit_cli',
@@ -19,26 +52,46 @@ def summary_rows(receipt: dict) -> list[dict]:
     "One row per case with the outputs the pairs and controls compare."
     rows = []
     for c in receipt['cases']:
-        o = c['observed']; ms, cs, bd, ts = o['memory_stats'], o['context_stats'], o['breakdown'], o['tool_stats']
-        rows.append({'case': c['id'], 'group': c['group'], 'judge': (c.get('judge') or {}).get('reply', '-'),
-                     'tool uses': sum(ts.values()), 'upd/del/add/ret': f"{ms['updated_count']}/{ms['deleted_count']}/{ms['added_count']}/{ms['retrieved_count']}",
-                     'used_retrieved': ms['used_retrieved_memory'],
-                     'user_query/key_info': f"{cs['preserved_user_query']}/{cs['preserved_key_info']}",
-                     'r_storage': bd['memory_r_storage'], 'r_maintenance': bd['memory_r_maintenance'],
-                     'r_relevance': bd['memory_r_relevance'], 'total': bd['total'],
-                     'match': all(x['match'] for x in c['checks'])})
+        o = c['observed']
+        ms, cs, bd, ts = o['memory_stats'], o['context_stats'], o['breakdown'], o['tool_stats']
+        rows.append(
+            {
+                'case': c['id'],
+                'group': c['group'],
+                'judge': (c.get('judge') or {}).get('reply', '-'),
+                'tool uses': sum(ts.values()),
+                'upd/del/add/ret': (
+                    f"{ms['updated_count']}/{ms['deleted_count']}/{ms['added_count']}/{ms['retrieved_count']}"
+                ),
+                'used_retrieved': ms['used_retrieved_memory'],
+                'user_query/key_info': f"{cs['preserved_user_query']}/{cs['preserved_key_info']}",
+                'r_storage': bd['memory_r_storage'],
+                'r_maintenance': bd['memory_r_maintenance'],
+                'r_relevance': bd['memory_r_relevance'],
+                'total': bd['total'],
+                'match': all(x['match'] for x in c['checks']),
+            }
+        )
     return rows
+
 
 def _code(v):
     "An identifier (a letter first, an underscore inside) in backticks; any other value unchanged."
     return f'`{v}`' if isinstance(v, str) and v[:1].isalpha() and '_' in v else v
 
+
 def summary_table(receipt: dict) -> str:
-    "The markdown table of `summary_rows(receipt)`: plain rules, floats to 6 significant digits, identifiers as code."
-    return md_table([{k: _code(v) for k, v in r.items()} for r in summary_rows(receipt)], floatfmt='.6g', align=False)
+    """The markdown table of `summary_rows(receipt)`: plain rules, floats to 6 significant digits,
+    identifiers as code."""
+    return md_table(
+        [{k: _code(v) for k, v in r.items()} for r in summary_rows(receipt)],
+        floatfmt='.6g',
+        align=False,
+    )
 
 # %% ../nbs/18_audit_1_report.ipynb #5cf6a412
-# The README's prose, kept here; every figure in it is a {field} that `render_report` fills from the receipt.
+# The README's prose, kept here; every figure in it is a {field} that `render_report` fills from the
+# receipt.
 _README_HEAD = '''# AgeMem reward audit: what the reward sees of earlier memory work
 
 **Status: {status}**, meaning that every output of the audited functions matched the expectation written
@@ -80,64 +133,161 @@ update and delete pairs the totals differ only through message length (the compr
 All {cases} cases with their direct outputs (from the receipt):
 
 {cases_table}
-'''
+'''  # noqa: E501
 
 # %% ../nbs/18_audit_1_report.ipynb #9df528b1
-# pair / control, what it shows, what it does not show: the prose columns of the pairs table ({fields} from the receipt)
+# pair / control, what it shows, what it does not show: the prose columns of the pairs table
+# ({fields} from the receipt)
 _PAIR_PROSE = (
-    ('update succeeded / failed', "The count comes from the `memory_updated:` prefix of the tool result; `True` and `False` are treated alike.",
-     'Whether a policy learns to issue failing updates; how often updates fail in training.'),
-    ('delete succeeded / failed', 'Same for deletes: a failed delete earns the maintenance component.',
-     'That the outcome is never checked elsewhere in the workflow (only this reward path was run).'),
-    ('delete cancelled / no maintenance', 'The cancellation string lacks `memory_deleted:`, so no maintenance credit; the request itself still '
-     'counts as a tool use and lifts the tool-efficiency term.', 'Whether asking for an unconfirmed delete is a useful or harmful behaviour.'),
-    ('Stage-1 add kept / removed', 'The statistics read only the final context list: once the Stage-1 exchange is gone, the add is invisible '
-     'to the reward.', 'That the memory store lost the entry (it keeps it; the store is not consulted); how much later retrieval restores the signal.'),
-    ('retrieval used / explicitly ignored', '"Used" means "an assistant message follows the retrieval block"; a reply that says it ignores the '
-     'note is scored the same.', 'Anything about the live-judge path, which replaces this fallback whenever a retrieval block exists.'),
-    ('original / unrelated question', 'Preservation is checked against the first user message found in the final context, not against the task '
-     'question passed in.', 'Whether unrelated final questions occur in real episodes.'),
-    ('no user message (control)', 'The preservation component drops to 0 through the first flag only. `preserved_key_info` is true whenever a '
-     'user message exists, since that message is itself part of the searched text, and defaults to true when none exists.',
-     'That key information was actually retained or lost.'),
-    ('prose mentions `Summary_context` (control)', 'A tool name in plain assistant text counts as a call and as preventive context control; '
-     'nothing was summarised. This is the largest gap between matched inputs in the set ({prose_gap}).', 'Whether trained policies produce such mentions.'),
-    ('failed update + same retrieval, stub judge {judges}', "With a judge, relevance is the judge's number; maintenance stays {judge_maintenance} "
-     'for the failed update, independent of that grade.', 'How a real judge grades real retrievals.'))
+    (
+        'update succeeded / failed',
+        "The count comes from the `memory_updated:` prefix of the tool result; `True` and `False` "
+        "are treated alike.",
+        'Whether a policy learns to issue failing updates; how often updates fail in training.',
+    ),
+    (
+        'delete succeeded / failed',
+        'Same for deletes: a failed delete earns the maintenance component.',
+        'That the outcome is never checked elsewhere in the workflow (only this reward path was '
+        'run).',
+    ),
+    (
+        'delete cancelled / no maintenance',
+        'The cancellation string lacks `memory_deleted:`, so no maintenance credit; the request '
+        'itself still '
+        'counts as a tool use and lifts the tool-efficiency term.',
+        'Whether asking for an unconfirmed delete is a useful or harmful behaviour.',
+    ),
+    (
+        'Stage-1 add kept / removed',
+        'The statistics read only the final context list: once the Stage-1 exchange is gone, the '
+        'add is invisible '
+        'to the reward.',
+        'That the memory store lost the entry (it keeps it; the store is not consulted); how much '
+        'later retrieval restores the signal.',
+    ),
+    (
+        'retrieval used / explicitly ignored',
+        '"Used" means "an assistant message follows the retrieval block"; a reply that says it '
+        'ignores the '
+        'note is scored the same.',
+        'Anything about the live-judge path, which replaces this fallback whenever a retrieval '
+        'block exists.',
+    ),
+    (
+        'original / unrelated question',
+        'Preservation is checked against the first user message found in the final context, not '
+        'against the task '
+        'question passed in.',
+        'Whether unrelated final questions occur in real episodes.',
+    ),
+    (
+        'no user message (control)',
+        'The preservation component drops to 0 through the first flag only. `preserved_key_info` '
+        'is true whenever a '
+        'user message exists, since that message is itself part of the searched text, and '
+        'defaults to true when none exists.',
+        'That key information was actually retained or lost.',
+    ),
+    (
+        'prose mentions `Summary_context` (control)',
+        'A tool name in plain assistant text counts as a call and as preventive context control; '
+        'nothing was summarised. This is the largest gap between matched inputs in the set '
+        '({prose_gap}).',
+        'Whether trained policies produce such mentions.',
+    ),
+    (
+        'failed update + same retrieval, stub judge {judges}',
+        "With a judge, relevance is the judge's number; maintenance stays {judge_maintenance} "
+        'for the failed update, independent of that grade.',
+        'How a real judge grades real retrievals.',
+    ),
+)
 
-_OUTPUT_LABELS = {'total': 'total', 'judge_calls': 'judge calls', 'tool_efficiency': 'weighted tool-efficiency term',
-                  'context_management': 'weighted context term'}
+_OUTPUT_LABELS = {
+    'total': 'total',
+    'judge_calls': 'judge calls',
+    'tool_efficiency': 'weighted tool-efficiency term',
+    'context_management': 'weighted context term',
+}
+
 
 def _pair_outputs(receipt: dict) -> tuple[list[str], dict]:
-    "The pairs table's 'direct outputs' column (one entry per row of `_PAIR_PROSE`) and the figures its prose names, read from the cases by id."
+    """The pairs table's 'direct outputs' column (one entry per row of `_PAIR_PROSE`) and the
+    figures its prose names, read from the cases by id."""
     obs = {c['id']: flatten(c['observed']) for c in receipt['cases']}
     judge = {c['id']: (c.get('judge') or {}).get('reply') for c in receipt['cases']}
+
     def v(cid, key):
         x, name = obs[cid][key], key.split('.')[-1]
-        if isinstance(x, bool): return str(x).lower()
-        if name == 'total': return f'{x:.6f}'
-        return f'{x:.3g}' if name in ('tool_efficiency', 'context_management') else f'{x:g}'   # weighted terms: 3 digits
+        if isinstance(x, bool):
+            return str(x).lower()
+        if name == 'total':
+            return f'{x:.6f}'
+        return (
+            f'{x:.3g}' if name in ('tool_efficiency', 'context_management') else f'{x:g}'
+        )  # weighted terms: 3 digits
+
     def label(key):
         name = key.split('.')[-1].removeprefix('memory_')
-        return f'`{name}` uses' if key.startswith('tool_stats.') else _OUTPUT_LABELS.get(name, f'`{name}`')
-    def pair(a, b, *keys): return '; '.join(f'{label(k)} {v(a, k)} / {v(b, k)}' for k in keys)
-    def one(cid, *keys): return '; '.join(f'{label(k)} {v(cid, k)}' for k in keys)
+        return (
+            f'`{name}` uses'
+            if key.startswith('tool_stats.')
+            else _OUTPUT_LABELS.get(name, f'`{name}`')
+        )
+
+    def pair(a, b, *keys):
+        return '; '.join(f'{label(k)} {v(a, k)} / {v(b, k)}' for k in keys)
+
+    def one(cid, *keys):
+        return '; '.join(f'{label(k)} {v(cid, k)}' for k in keys)
+
     m, r, cs, total = 'memory_stats.', 'breakdown.memory_r_', 'context_stats.', 'breakdown.total'
     outputs = [
         pair('update_succeeded', 'update_failed', m + 'updated_count', r + 'maintenance', total),
         pair('delete_succeeded', 'delete_failed', m + 'deleted_count', r + 'maintenance', total),
-        pair('delete_cancelled', 'no_maintenance', m + 'deleted_count', r + 'maintenance', 'tool_stats.Delete_memory', 'breakdown.tool_efficiency'),
+        pair(
+            'delete_cancelled',
+            'no_maintenance',
+            m + 'deleted_count',
+            r + 'maintenance',
+            'tool_stats.Delete_memory',
+            'breakdown.tool_efficiency',
+        ),
         pair('stage1_add_kept', 'stage1_add_removed', m + 'added_count', r + 'storage', total),
         pair('retrieval_used', 'retrieval_ignored', m + 'used_retrieved_memory', r + 'relevance')
-        + (' (no judge)' if judge['retrieval_used'] is None and judge['retrieval_ignored'] is None else ''),
-        pair('original_question', 'unrelated_question', cs + 'preserved_user_query', cs + 'preserved_key_info'),
-        one('no_user_message', cs + 'preserved_user_query', cs + 'preserved_key_info', 'breakdown.context_management') + ' vs about 0.0999',
-        one('summary_prose_only', 'tool_stats.Summary_context', cs + 'messages_removed') + '; preventive component 1; '
-        f"total {v('summary_prose_only', total)} vs {v('original_question', total)} for the same episode without the mention",
-        pair('judge_zero', 'judge_one', r + 'relevance', r + 'maintenance', 'judge_calls', total)]
+        + (
+            ' (no judge)'
+            if judge['retrieval_used'] is None and judge['retrieval_ignored'] is None
+            else ''
+        ),
+        pair(
+            'original_question',
+            'unrelated_question',
+            cs + 'preserved_user_query',
+            cs + 'preserved_key_info',
+        ),
+        one(
+            'no_user_message',
+            cs + 'preserved_user_query',
+            cs + 'preserved_key_info',
+            'breakdown.context_management',
+        )
+        + ' vs about 0.0999',
+        one('summary_prose_only', 'tool_stats.Summary_context', cs + 'messages_removed')
+        + (
+            '; preventive component 1; '
+            f"total {v('summary_prose_only', total)} vs {v('original_question', total)} for the "
+            "same episode without the mention"
+        ),
+        pair('judge_zero', 'judge_one', r + 'relevance', r + 'maintenance', 'judge_calls', total),
+    ]
     gap = obs['summary_prose_only'][total] - obs['original_question'][total]
-    return outputs, {'prose_gap': f'{gap:+.2f}', 'judges': f"{judge['judge_zero']} / {judge['judge_one']}",
-                     'judge_maintenance': v('judge_zero', r + 'maintenance')}
+    return outputs, {
+        'prose_gap': f'{gap:+.2f}',
+        'judges': f"{judge['judge_zero']} / {judge['judge_one']}",
+        'judge_maintenance': v('judge_zero', r + 'maintenance'),
+    }
 
 # %% ../nbs/18_audit_1_report.ipynb #c49c6de2
 _README_FLOW = '''
@@ -192,7 +342,7 @@ reading. Python {python}; standard library only on the upstream side.
 
 Nothing here says the reward makes training fail, that any policy exploits these proxies, or that paper results
 would change. Those would need training runs that this audit does not include.
-'''
+'''  # noqa: E501
 
 # %% ../nbs/18_audit_1_report.ipynb #09c105fe
 _README_LIMITS = '''
@@ -227,201 +377,423 @@ papermill nbs/agemem_audit.ipynb /tmp/out.ipynb -p mode run -p source_repo /path
 ```
 
 The runner refuses a checkout whose revision, tracked-file state or file hashes differ from the pinned values.
-'''
+'''  # noqa: E501
 
 # %% ../nbs/18_audit_1_report.ipynb #c99e09a1
-_NUMBER_WORDS = ('No', 'One', 'Two', 'Three', 'Four', 'Five', 'Six', 'Seven', 'Eight', 'Nine', 'Ten', 'Eleven', 'Twelve', 'Thirteen',
-                 'Fourteen', 'Fifteen', 'Sixteen', 'Seventeen', 'Eighteen', 'Nineteen', 'Twenty')
+_NUMBER_WORDS = (
+    'No',
+    'One',
+    'Two',
+    'Three',
+    'Four',
+    'Five',
+    'Six',
+    'Seven',
+    'Eight',
+    'Nine',
+    'Ten',
+    'Eleven',
+    'Twelve',
+    'Thirteen',
+    'Fourteen',
+    'Fifteen',
+    'Sixteen',
+    'Seventeen',
+    'Eighteen',
+    'Nineteen',
+    'Twenty',
+)
+
 
 def render_report(receipt: dict) -> str:
-    "The first study's README.md: the prose above with every figure read from `receipt` (the run notebook writes it; `verify_receipt` compares it)."
-    s, a, po, w, env = receipt['summary'], receipt['audited'], receipt['pinned_official'], receipt['call_site_weights'], receipt['environment']
+    """The first study's README.md: the prose above with every figure read from `receipt` (the run
+    notebook writes it; `verify_receipt` compares it)."""
+    s, a, po, w, env = (
+        receipt['summary'],
+        receipt['audited'],
+        receipt['pinned_official'],
+        receipt['call_site_weights'],
+        receipt['environment'],
+    )
     outputs, pair_fields = _pair_outputs(receipt)
     replies = dict.fromkeys(c['judge']['reply'] for c in receipt['cases'] if c.get('judge'))
-    files = [{'file': f"`{rel}` ({'executed' if rel == a['executed'] else 'read'})", 'SHA-256': f'`{h}`'} for rel, h in a['files'].items()]
-    pairs = [{'pair / control': label.format(**pair_fields), 'direct outputs': out, 'what it shows': shows.format(**pair_fields),
-              'what it does not show': not_shown} for (label, shows, not_shown), out in zip(_PAIR_PROSE, outputs, strict=True)]
-    weights = '/'.join(f'{w[k]:g}' for k in ('task_completion_weight', 'tool_efficiency_weight', 'context_management_weight',
-                                             'memory_management_weight'))
+    files = [
+        {'file': f"`{rel}` ({'executed' if rel == a['executed'] else 'read'})", 'SHA-256': f'`{h}`'}
+        for rel, h in a['files'].items()
+    ]
+    pairs = [
+        {
+            'pair / control': label.format(**pair_fields),
+            'direct outputs': out,
+            'what it shows': shows.format(**pair_fields),
+            'what it does not show': not_shown,
+        }
+        for (label, shows, not_shown), out in zip(_PAIR_PROSE, outputs, strict=True)
+    ]
+    weights = '/'.join(
+        f'{w[k]:g}'
+        for k in (
+            'task_completion_weight',
+            'tool_efficiency_weight',
+            'context_management_weight',
+            'memory_management_weight',
+        )
+    )
     fields = dict(
-        status=receipt['status'], matched=s['matched'], checks=s['checks'], cases=s['cases'], with_judge=s['cases_with_judge'],
-        no_judge=s['cases'] - s['cases_with_judge'], replies=' or '.join(f'`"{r}"`' for r in replies),
-        cases_word=_NUMBER_WORDS[s['cases']] if s['cases'] < len(_NUMBER_WORDS) else str(s['cases']),
-        executed=a['executed'], repository=a['repository'], revision=a['revision'], revision_short=a['revision'][:7],
-        read_files=' and '.join(f'`{Path(rel).name}`' for rel in a['files'] if rel != a['executed']),
-        official=f"{po['repository']}@{po['revision']}", official_short=f"{po['repository']}@{po['revision'][:7]}",
-        weights=weights, memory_weight=f"{w['memory_management_weight']:g}", maintenance_share=f"{w['memory_management_weight'] / 3:g}",
-        python=f"{env['python']} ({env['implementation']}), {env['platform'].split('-')[0]} {env['machine']}",
-        files_table=md_table(files, align=False), pairs_table=md_table(pairs, align=False), cases_table=summary_table(receipt))
+        status=receipt['status'],
+        matched=s['matched'],
+        checks=s['checks'],
+        cases=s['cases'],
+        with_judge=s['cases_with_judge'],
+        no_judge=s['cases'] - s['cases_with_judge'],
+        replies=' or '.join(f'`"{r}"`' for r in replies),
+        cases_word=_NUMBER_WORDS[s['cases']]
+        if s['cases'] < len(_NUMBER_WORDS)
+        else str(s['cases']),
+        executed=a['executed'],
+        repository=a['repository'],
+        revision=a['revision'],
+        revision_short=a['revision'][:7],
+        read_files=' and '.join(
+            f'`{Path(rel).name}`' for rel in a['files'] if rel != a['executed']
+        ),
+        official=f"{po['repository']}@{po['revision']}",
+        official_short=f"{po['repository']}@{po['revision'][:7]}",
+        weights=weights,
+        memory_weight=f"{w['memory_management_weight']:g}",
+        maintenance_share=f"{w['memory_management_weight'] / 3:g}",
+        python=(
+            f"{env['python']} ({env['implementation']}), {env['platform'].split('-')[0]} "
+            f"{env['machine']}"
+        ),
+        files_table=md_table(files, align=False),
+        pairs_table=md_table(pairs, align=False),
+        cases_table=summary_table(receipt),
+    )
     return (_README_HEAD + _README_FLOW + _README_LIMITS).format(**fields)
 
+# %% ../nbs/18_audit_1_report.ipynb #c32be1b1
 def _readme_problems(readme: Path, rc: dict | None) -> list[str]:
-    "`[]` when `readme` is `render_report(rc)` byte for byte, else one line naming the file and the first line that differs; `rc=None` (a receipt that failed its checks) checks only that the file exists."
+    """`[]` when `readme` is `render_report(rc)` byte for byte, else one line naming the file and
+    the first line that differs; `rc=None` (a receipt that failed its checks) checks only that the
+    file exists."""
     fix = 're-render it from the receipt (memagent.auditreport.render_report)'
-    if not readme.is_file(): return [f'{readme}: missing; {fix}']
-    if rc is None: return []
+    if not readme.is_file():
+        return [f'{readme}: missing; {fix}']
+    if rc is None:
+        return []
     got, want = readme.read_bytes(), render_report(rc).encode()
-    if got == want: return []
+    if got == want:
+        return []
     a, b = got.decode('utf-8', 'replace').split('\n'), want.decode().split('\n')
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return [f'{readme}: not the rendering of the receipt: line {k + 1} reads {_short(a[k] if k < len(a) else None)}, '
-            f'the rendering has {_short(b[k] if k < len(b) else None)}; {fix}']
+    return [
+        f'{readme}: not the rendering of the receipt: line {k + 1} reads '
+        f'{_short(a[k] if k < len(a) else None)}, '
+        f'the rendering has {_short(b[k] if k < len(b) else None)}; {fix}'
+    ]
 
 # %% ../nbs/18_audit_1_report.ipynb #a0d1f001
 def render_files(receipt: dict, report_dir) -> list[Path]:
-    "Write the report of `receipt` into `report_dir`: README.md, its rendering (the run notebook and `memagent-audit --source-repo` call it)."
+    """Write the report of `receipt` into `report_dir`: README.md, its rendering (the run notebook
+    and `memagent-audit --source-repo` call it)."""
     p = Path(report_dir) / 'README.md'
     p.write_text(render_report(receipt), encoding='utf-8')
     return [p]
 
-
 # %% ../nbs/18_audit_1_report.ipynb #6c8d42b7
 def verify_receipt(report_dir=None, receipt_path=None) -> dict:
-    "Re-check `receipt.json` against `fixtures.json` and `protocol.md`; raise `VerificationError` on any problem."
+    """Re-check `receipt.json` against `fixtures.json` and `protocol.md`; raise `VerificationError`
+    on any problem."""
     report_dir = Path(report_dir) if report_dir else default_report_dir()
     receipt_path = Path(receipt_path) if receipt_path else report_dir / 'receipt.json'
-    try: return _verify(report_dir, receipt_path)
-    except (AttributeError, TypeError, KeyError, IndexError) as e: raise wrong_shape(receipt_path, VerificationError, e) from None
+    try:
+        return _verify(report_dir, receipt_path)
+    except (AttributeError, TypeError, KeyError, IndexError) as e:
+        raise wrong_shape(receipt_path, VerificationError, e) from None
 
 # %% ../nbs/18_audit_1_report.ipynb #485e044f
 def _verify(report_dir: Path, receipt_path: Path) -> dict:
     fx_path, proto_path = report_dir / 'fixtures.json', report_dir / 'protocol.md'
     # identity of inputs and of the audited copy
-    rc, fx, problems = open_receipt(receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, also=(proto_path,))
+    rc, fx, problems = open_receipt(
+        receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, also=(proto_path,)
+    )
     problems += field_problems('receipt', rc, RECEIPT_FIELDS)
     problems += _differs('meaning', rc.get('meaning'), MEANING)
-    for name, path, pinned in (('fixtures.json', fx_path, FIXTURES_SHA256), ('protocol.md', proto_path, PROTOCOL_SHA256)):
+    for name, path, pinned in (
+        ('fixtures.json', fx_path, FIXTURES_SHA256),
+        ('protocol.md', proto_path, PROTOCOL_SHA256),
+    ):
         if (got := sha256_file(path)) != pinned:
-            problems.append(f'{name} SHA-256 {got} is not the committed one pinned in memagent.audit ({pinned})')
-    problems += _differs('fixtures', rc.get('fixtures'), {'path': 'fixtures.json', 'sha256': FIXTURES_SHA256})
-    problems += _differs('protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256})
+            problems.append(
+                f'{name} SHA-256 {got} is not the committed one pinned in memagent.audit ({pinned})'
+            )
+    problems += _differs(
+        'fixtures', rc.get('fixtures'), {'path': 'fixtures.json', 'sha256': FIXTURES_SHA256}
+    )
+    problems += _differs(
+        'protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256}
+    )
     aud = rc.get('audited') if isinstance(rc.get('audited'), dict) else {}
     problems += field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
-    origin = origin_problems(audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, AUDITED_PINS)
+    origin = origin_problems(
+        audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, AUDITED_PINS
+    )
     problems += [f'audited copy: {p}' for p in origin]
     if aud.get('checkout_unchanged_after_run') is not True:
-        problems.append(f'receipt records checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: '
-                        'the checkout was not left as found (or the receipt does not say)')
-    if aud.get('executed') != REWARD_MODULE: problems.append(f'receipt executed {aud.get("executed")!r}, not {REWARD_MODULE}')
-    problems += _differs('pinned_official', rc.get('pinned_official'), dict(PINNED_OFFICIAL, audited=False))
+        problems.append(
+            'receipt records '
+            f'checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: '
+            'the checkout was not left as found (or the receipt does not say)'
+        )
+    if aud.get('executed') != REWARD_MODULE:
+        problems.append(f'receipt executed {aud.get("executed")!r}, not {REWARD_MODULE}')
+    problems += _differs(
+        'pinned_official', rc.get('pinned_official'), dict(PINNED_OFFICIAL, audited=False)
+    )
     problems += _differs('call_site_weights', rc.get('call_site_weights'), _weights(fx))
     problems += environment_problems(rc.get('environment'))
     problems += provenance_problems(rc.get('provenance'))
     # completeness
     want = [c['id'] for c in fx['cases']]
-    if not isinstance(rc.get('cases'), list): problems.append(f"cases: {_short(rc.get('cases'))}, not a list")
-    cases = [c if isinstance(c, dict) else {} for c in rc.get('cases')] if isinstance(rc.get('cases'), list) else []
+    if not isinstance(rc.get('cases'), list):
+        problems.append(f"cases: {_short(rc.get('cases'))}, not a list")
+    cases = (
+        [c if isinstance(c, dict) else {} for c in rc.get('cases')]
+        if isinstance(rc.get('cases'), list)
+        else []
+    )
     got_ids = [c.get('id') for c in cases]
     for cid in want:
         n = got_ids.count(cid)
-        if n != 1: problems.append(f'case {cid!r}: present {n} times in the receipt (expected once)')
+        if n != 1:
+            problems.append(f'case {cid!r}: present {n} times in the receipt (expected once)')
     for cid in got_ids:
-        if cid not in want: problems.append(f'case {cid!r}: in the receipt but not in fixtures.json')
-    if len(want) != N_CASES: problems.append(f'{len(want)} fixture cases, expected {N_CASES}')
+        if cid not in want:
+            problems.append(f'case {cid!r}: in the receipt but not in fixtures.json')
+    if len(want) != N_CASES:
+        problems.append(f'{len(want)} fixture cases, expected {N_CASES}')
     # every recorded output against its expectation, every recorded check against a fresh one
     tol, by_id = fx['tolerance'], {c.get('id'): c for c in cases}
     for case in fx['cases']:
         rec = by_id.get(case['id'])
-        if rec is None: continue
+        if rec is None:
+            continue
         problems += field_problems(f"case {case['id']!r}", rec, CASE_FIELDS)
-        for k in ('group', 'judge'): problems += _differs(f"case {case['id']!r}: {k}", rec.get(k), case.get(k))
+        for k in ('group', 'judge'):
+            problems += _differs(f"case {case['id']!r}: {k}", rec.get(k), case.get(k))
         if not (isinstance(rec.get('observed'), dict) and isinstance(rec.get('checks'), list)):
-            problems.append(f"case {case['id']!r}: observed {_short(rec.get('observed'))} and checks {_short(rec.get('checks'))} "
-                            "must be an object and a list"); continue
+            problems.append(
+                f"case {case['id']!r}: observed {_short(rec.get('observed'))} and checks "
+                f"{_short(rec.get('checks'))} "
+                "must be an object and a list"
+            )
+            continue
         fresh = compare(case['expect'], rec.get('observed', {}), tol)
-        problems += [f"case {case['id']!r}: {c['field']}: recorded {c['observed']!r}, expected {c['expected']!r}"
-                     for c in fresh if not c['match']]
+        problems += [
+            f"case {case['id']!r}: {c['field']}: recorded {c['observed']!r}, expected "
+            f"{c['expected']!r}"
+            for c in fresh
+            if not c['match']
+        ]
         if _differs('', rec.get('checks'), fresh):
-            problems.append(f"case {case['id']!r}: recorded checks disagree with a fresh comparison")
+            problems.append(
+                f"case {case['id']!r}: recorded checks disagree with a fresh comparison"
+            )
     # every figure the reports show, recounted from the cases
     summary, stored = _summary(cases), rc.get('summary')
-    if not isinstance(stored, dict): problems.append(f'summary: {_short(stored)}, not an object'); stored = {}
+    if not isinstance(stored, dict):
+        problems.append(f'summary: {_short(stored)}, not an object')
+        stored = {}
     for k in dict.fromkeys([*summary, *stored]):
         problems += _differs(f'summary.{k}', stored.get(k, _MISSING), summary.get(k, _MISSING))
-    problems += _differs('status', rc.get('status'), _status(aud.get('checkout_unchanged_after_run'), origin, summary))
-    if rc.get('status') != 'passed': problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
-    problems += _readme_problems(report_dir / 'README.md', None if problems else rc)   # last: the rendering of a receipt that verified
-    if problems: raise VerificationError(problems)
-    return {'status': 'verified', 'cases': summary['cases'], 'checks': summary['checks'], 'matched': summary['matched'],
-            'fixtures_sha256': rc['fixtures']['sha256'], 'protocol_sha256': rc['protocol']['sha256'],
-            'audited': f"{aud['repository']}@{aud['revision']}"}
+    problems += _differs(
+        'status',
+        rc.get('status'),
+        _status(aud.get('checkout_unchanged_after_run'), origin, summary),
+    )
+    if rc.get('status') != 'passed':
+        problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
+    problems += _readme_problems(
+        report_dir / 'README.md', None if problems else rc
+    )  # last: the rendering of a receipt that verified
+    if problems:
+        raise VerificationError(problems)
+    return {
+        'status': 'verified',
+        'cases': summary['cases'],
+        'checks': summary['checks'],
+        'matched': summary['matched'],
+        'fixtures_sha256': rc['fixtures']['sha256'],
+        'protocol_sha256': rc['protocol']['sha256'],
+        'audited': f"{aud['repository']}@{aud['revision']}",
+    }
 
 # %% ../nbs/18_audit_1_report.ipynb #8ef9cca1
-def study_cli(argv, *, prog: str, description: str, inputs: tuple, default_dir, run, verify, render, epilog=None) -> int:
-    """The command of one AgeMem study: `--source-repo PATH` runs `run(source_repo, report_dir)` and writes the receipt (exit 0 passed,
-    1 not passed, 2 refused: an output that is one of the `inputs`, a checkout or an input that is not the pinned one), and, when the
-    receipt goes to the report folder, the report `render(receipt, report_dir)` draws from it; `--verify` checks a receipt with
-    `verify(report_dir, receipt)` (exit 0 verified, 1 not, 2 a receipt or input it cannot read)."""
+def study_cli(
+    argv,
+    *,
+    prog: str,
+    description: str,
+    inputs: tuple,
+    default_dir,
+    run,
+    verify,
+    render,
+    epilog=None,
+) -> int:
+    """The command of one AgeMem study: `--source-repo PATH` runs `run(source_repo, report_dir)` and
+    writes the receipt (exit 0 passed,
+        1 not passed, 2 refused: an output that is one of the `inputs`, a checkout or an input that
+        is
+        not the pinned one), and, when the
+        receipt goes to the report folder, the report `render(receipt, report_dir)` draws from it;
+        `--verify` checks a receipt with
+        `verify(report_dir, receipt)` (exit 0 verified, 1 not, 2 a receipt or input it cannot
+        read)."""
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
-    ap.add_argument('--source-repo', help='path of the upstream checkout (pinned revision; outside this repository)')
+    ap.add_argument(
+        '--source-repo',
+        help='path of the upstream checkout (pinned revision; outside this repository)',
+    )
     ap.add_argument('--out', help='where to write the receipt (default: <report-dir>/receipt.json)')
-    ap.add_argument('--verify', action='store_true', help='verify the committed receipt; needs no upstream checkout')
+    ap.add_argument(
+        '--verify',
+        action='store_true',
+        help='verify the committed receipt; needs no upstream checkout',
+    )
     ap.add_argument('--receipt', help='receipt to verify (default: <report-dir>/receipt.json)')
-    ap.add_argument('--report-dir', help=f"folder with {' and '.join(inputs)} (default: the study's folder in reports/ of the "
-                    "checkout this command runs in; outside a checkout, give it)")
+    ap.add_argument(
+        '--report-dir',
+        help=f"folder with {' and '.join(inputs)} (default: the study's folder in reports/ of the "
+        "checkout this command runs in; outside a checkout, give it)",
+    )
     a = ap.parse_args(argv)
-    if a.verify == bool(a.source_repo): ap.error('give exactly one of --source-repo PATH or --verify')
-    try: report_dir = Path(a.report_dir) if a.report_dir else default_dir()
-    except AuditError as e: ap.error(f"{e} (--report-dir)")
+    if a.verify == bool(a.source_repo):
+        ap.error('give exactly one of --source-repo PATH or --verify')
+    try:
+        report_dir = Path(a.report_dir) if a.report_dir else default_dir()
+    except AuditError as e:
+        ap.error(f"{e} (--report-dir)")
     if a.verify:
-        try: res = verify(report_dir, a.receipt)
+        try:
+            res = verify(report_dir, a.receipt)
         except VerificationError as e:
-            if getattr(e, 'bad_input', False): print(f'REFUSED: {e}', file=sys.stderr); return 2   # not a receipt it can read
-            print(f'VERIFY FAILED: {e}', file=sys.stderr); return 1
-        print(json.dumps(res, indent=1)); return 0
+            if getattr(e, 'bad_input', False):
+                print(f'REFUSED: {e}', file=sys.stderr)
+                return 2  # not a receipt it can read
+            print(f'VERIFY FAILED: {e}', file=sys.stderr)
+            return 1
+        print(json.dumps(res, indent=1))
+        return 0
     out = Path(a.out) if a.out else report_dir / 'receipt.json'
     try:
-        refuse_overwrite({name: report_dir / name for name in inputs}, {'out': out, 'README.md': report_dir / 'README.md'})   # nor the report
+        refuse_overwrite(
+            {name: report_dir / name for name in inputs},
+            {'out': out, 'README.md': report_dir / 'README.md'},
+        )  # nor the report
         receipt = run(a.source_repo, report_dir)
     except (AuditError, ValueError) as e:
-        print(f'REFUSED: {e}', file=sys.stderr); return 2
+        print(f'REFUSED: {e}', file=sys.stderr)
+        return 2
     write_receipt(receipt, out)
-    if out.resolve() == (report_dir / 'receipt.json').resolve():       # the report folder's receipt: its report follows it
+    if (
+        out.resolve() == (report_dir / 'receipt.json').resolve()
+    ):  # the report folder's receipt: its report follows it
         print('rendered', ', '.join(str(p) for p in render(receipt, report_dir)))
-    else: print(f'{report_dir} not rendered: the receipt went to {out}, not to {report_dir / "receipt.json"}', file=sys.stderr)
+    else:
+        print(
+            f'{report_dir} not rendered: the receipt went to {out}, not to '
+            f'{report_dir / "receipt.json"}',
+            file=sys.stderr,
+        )
     s = receipt['summary']
-    print(f"{receipt['status']}: {s['matched']}/{s['checks']} checks matched over {s['cases']} cases -> {out}")
-    for cid in s['mismatched_cases']: print(f'  mismatch in case {cid}', file=sys.stderr)
+    print(
+        f"{receipt['status']}: {s['matched']}/{s['checks']} checks matched over {s['cases']} "
+        f"cases -> {out}"
+    )
+    for cid in s['mismatched_cases']:
+        print(f'  mismatch in case {cid}', file=sys.stderr)
     return 0 if receipt['status'] == 'passed' else 1
 
+# %% ../nbs/18_audit_1_report.ipynb #b5dbc9ad
 def audit_cli(argv=None, epilog=None) -> int:
-    "The first study's command: run the audit against a checkout, or `--verify` the committed receipt."
-    return study_cli(argv, prog='memagent-audit', epilog=epilog, description='AgeMem reward audit: run against a pinned upstream checkout, or '
-                     'verify the committed receipt without one.', inputs=('fixtures.json', 'protocol.md'),
-                     default_dir=default_report_dir, run=run_audit, verify=verify_receipt, render=render_files)
+    """The first study's command: run the audit against a checkout, or `--verify` the committed
+    receipt."""
+    return study_cli(
+        argv,
+        prog='memagent-audit',
+        epilog=epilog,
+        description='AgeMem reward audit: run against a pinned upstream checkout, or '
+        'verify the committed receipt without one.',
+        inputs=('fixtures.json', 'protocol.md'),
+        default_dir=default_report_dir,
+        run=run_audit,
+        verify=verify_receipt,
+        render=render_files,
+    )
 
 # %% ../nbs/18_audit_1_report.ipynb #6280a4e0
 def figure_line(figure: str, figure_sha256: str, drawn_by: str) -> str:
-    "The README's line under its plot: the SHA-256 of `figure`, which `figure_report_problems` reads back."
+    """The README's line under its plot: the SHA-256 of `figure`, which `figure_report_problems`
+    reads back."""
     if not (isinstance(figure_sha256, str) and re.fullmatch('[0-9a-f]{64}', figure_sha256)):
-        raise ValueError(f'figure_sha256: {_short(figure_sha256)} is not a SHA-256 (64 lowercase hex digits)')
+        raise ValueError(
+            f'figure_sha256: {_short(figure_sha256)} is not a SHA-256 (64 lowercase hex digits)'
+        )
     return f"`{figure}` SHA-256 `{figure_sha256}`, drawn by `{drawn_by}` from this receipt.\n"
 
+# %% ../nbs/18_audit_1_report.ipynb #3ebbfa4d
 def write_figure_report(report_dir, figure: str, plot, render) -> list[Path]:
-    "Write a study's report into `report_dir`: the figure first (`plot(path)`), then README.md (`render(figure_sha256=...)`), which states its hash."
+    """Write a study's report into `report_dir`: the figure first (`plot(path)`), then README.md
+    (`render(figure_sha256=...)`), which states its hash."""
     d = Path(report_dir)
     png = plot(d / figure)
     readme = d / 'README.md'
     readme.write_text(render(figure_sha256=sha256_file(png)), encoding='utf-8')
     return [png, readme]
 
-def figure_report_problems(report_dir, figure: str, render, drawn_by: str, rendered_by: str, compare: bool = True) -> list[str]:
-    "Problems of `report_dir`'s README.md and `figure`: [] when both are there and (`compare`) the README is `render(figure_sha256=<its hash>)`."
+# %% ../nbs/18_audit_1_report.ipynb #6bf8fc9d
+def figure_report_problems(
+    report_dir, figure: str, render, drawn_by: str, rendered_by: str, compare: bool = True
+) -> list[str]:
+    """Problems of `report_dir`'s README.md and `figure`: [] when both are there and (`compare`) the
+    README is `render(figure_sha256=<its hash>)`."""
     readme, png = Path(report_dir) / 'README.md', Path(report_dir) / figure
-    p = [f'{f}: missing (the report is README.md and the {figure} it shows)' for f in (readme, png) if not f.is_file()]
-    if p or not compare: return p
+    p = [
+        f'{f}: missing (the report is README.md and the {figure} it shows)'
+        for f in (readme, png)
+        if not f.is_file()
+    ]
+    if p or not compare:
+        return p
     text, fig = readme.read_text(encoding='utf-8'), sha256_file(png)
-    if text == render(figure_sha256=fig): return []
-    stated = m.group(1) if (m := re.search(rf'^`{re.escape(figure)}` SHA-256 `([0-9a-f]{{64}})`', text, re.M)) else None
+    if text == render(figure_sha256=fig):
+        return []
+    stated = (
+        m.group(1)
+        if (m := re.search(rf'^`{re.escape(figure)}` SHA-256 `([0-9a-f]{{64}})`', text, re.M))
+        else None
+    )
     if stated and stated != fig:
-        p.append(f"{png}: the figure's SHA-256 {fig} is not the one README.md states ({stated}): not the figure the README was "
-                 f'rendered with; draw it with {drawn_by} and re-render README.md')
-    want = render(figure_sha256=stated or fig)       # an edit elsewhere in the README, shown where it is
+        p.append(
+            f"{png}: the figure's SHA-256 {fig} is not the one README.md states ({stated}): not "
+            "the figure the README was "
+            f'rendered with; draw it with {drawn_by} and re-render README.md'
+        )
+    want = render(figure_sha256=stated or fig)  # an edit elsewhere in the README, shown where it is
     if text != want:
         a, b = text.splitlines(), want.splitlines()
         k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        at = (f'line {k + 1} reads {_short(a[k] if k < len(a) else None)}, the rendering has {_short(b[k] if k < len(b) else None)}'
-              if a != b else 'it differs only in line endings or the final newline')
-        p.append(f'{readme}: not the rendering of the receipt ({rendered_by}): {at}; re-render it from the receipt')
+        at = (
+            f'line {k + 1} reads {_short(a[k] if k < len(a) else None)}, the rendering has '
+            f'{_short(b[k] if k < len(b) else None)}'
+            if a != b
+            else 'it differs only in line endings or the final newline'
+        )
+        p.append(
+            f'{readme}: not the rendering of the receipt ({rendered_by}): {at}; re-render it from '
+            'the receipt'
+        )
     return p
-

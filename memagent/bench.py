@@ -19,370 +19,725 @@ __all__ = ['GOAL_OPS', 'MIN_REPEATS', 'DRIFT', 'interleave', 'spread', 'drift', 
            'synthetic_row_lengths', 'bench_channel', 'bench_linear_cost']
 
 # %% ../nbs/21_bench.ipynb #8bf50779
-GOAL_OPS = {'>=': lambda v, g: v >= g, '>': lambda v, g: v > g, '<=': lambda v, g: v <= g, '<': lambda v, g: v < g}
+GOAL_OPS = {
+    '>=': lambda v, g: v >= g,
+    '>': lambda v, g: v > g,
+    '<=': lambda v, g: v <= g,
+    '<': lambda v, g: v < g,
+}
 MIN_REPEATS = 5
-DRIFT = 0.10          # a side whose repeats move one way by more than this fraction, first to last, drifted
+DRIFT = 0.10  # a side whose repeats move one way by more than this fraction, first to last, drifted
+
 
 def interleave(fs: dict, repeats: int) -> dict:
-    "Call every function of `fs` once per repeat, in the order given (A, B, A, B, ...): {name: [one result per repeat]}."
+    """Call every function of `fs` once per repeat, in the order given (A, B, A, B, ...): {name:
+    [one result per repeat]}."""
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"interleave: repeats must be an int >= 1, got {repeats!r}")
     out = {k: [] for k in fs}
     for _ in range(repeats):
-        for k, f in fs.items(): out[k].append(f())
+        for k, f in fs.items():
+            out[k].append(f())
     return out
 
+# %% ../nbs/21_bench.ipynb #1c13854b
 def _values(values, who: str) -> list[float]:
     v = [float(x) for x in values]
-    if not v: raise ValueError(f"{who}: no values")
-    if any(x != x for x in v): raise ValueError(f"{who}: a value is NaN: {v}")
+    if not v:
+        raise ValueError(f"{who}: no values")
+    if any(x != x for x in v):
+        raise ValueError(f"{who}: a value is NaN: {v}")
     return v
 
+# %% ../nbs/21_bench.ipynb #dba4a785
 def spread(values) -> dict:
     "Median, min, max and count of per-repeat `values`."
     v = _values(values, 'spread')
     return dict(median=float(np.median(v)), min=min(v), max=max(v), n=len(v))
 
+# %% ../nbs/21_bench.ipynb #c6e687d7
 def drift(values, frac: float = DRIFT) -> dict | None:
-    "How one side's per-repeat `values` drifted: each repeat above the last (or each below) and first-to-last change over `frac`; else None."
+    """How one side's per-repeat `values` drifted: each repeat above the last (or each below) and
+    first-to-last change over `frac`; else None."""
     v = _values(values, 'drift')
-    if not 0 < frac: raise ValueError(f"drift: frac must be > 0, got {frac!r}")
-    if len(v) < 3 or min(v) <= 0: return None
+    if not 0 < frac:
+        raise ValueError(f"drift: frac must be > 0, got {frac!r}")
+    if len(v) < 3 or min(v) <= 0:
+        return None
     steps = [b - a for a, b in zip(v, v[1:])]
-    if not (all(d > 0 for d in steps) or all(d < 0 for d in steps)): return None
-    change = max(v[-1] / v[0], v[0] / v[-1]) - 1        # the same for a time and its rate
-    return dict(direction='up' if v[-1] > v[0] else 'down', change=change, first=v[0], last=v[-1]) if change > frac else None
+    if not (all(d > 0 for d in steps) or all(d < 0 for d in steps)):
+        return None
+    change = max(v[-1] / v[0], v[0] / v[-1]) - 1  # the same for a time and its rate
+    return (
+        dict(direction='up' if v[-1] > v[0] else 'down', change=change, first=v[0], last=v[-1])
+        if change > frac
+        else None
+    )
 
-def verdict(values, goal_op: str, goal: float, min_repeats: int = MIN_REPEATS, sides: dict | None = None,
-            drift_frac: float = DRIFT) -> str:
-    """'met' if every value satisfies `value goal_op goal`, 'not met' if none does, else 'undecided' (also with < `min_repeats` values);
-    'host drift' when a side of the comparison (`sides`: {name: per-repeat values}) drifted (`drift`)."""
-    if goal_op not in GOAL_OPS: raise ValueError(f"verdict: goal_op must be one of {sorted(GOAL_OPS)}, got {goal_op!r}")
+# %% ../nbs/21_bench.ipynb #7a27c15b
+def verdict(
+    values,
+    goal_op: str,
+    goal: float,
+    min_repeats: int = MIN_REPEATS,
+    sides: dict | None = None,
+    drift_frac: float = DRIFT,
+) -> str:
+    """'met' if every value satisfies `value goal_op goal`, 'not met' if none does, else 'undecided'
+    (also with < `min_repeats` values);
+        'host drift' when a side of the comparison (`sides`: {name: per-repeat values}) drifted
+        (`drift`)."""
+    if goal_op not in GOAL_OPS:
+        raise ValueError(f"verdict: goal_op must be one of {sorted(GOAL_OPS)}, got {goal_op!r}")
     v = _values(values, 'verdict')
-    if len(v) < min_repeats: return 'undecided'
-    if any(drift(s, drift_frac) for s in (sides or {}).values()): return 'host drift'
+    if len(v) < min_repeats:
+        return 'undecided'
+    if any(drift(s, drift_frac) for s in (sides or {}).values()):
+        return 'host drift'
     ok = [GOAL_OPS[goal_op](x, goal) for x in v]
     return 'met' if all(ok) else 'not met' if not any(ok) else 'undecided'
 
 # %% ../nbs/21_bench.ipynb #7093b8b6
-def bench_examples(n: int, tokenizer, chunk_tokens: int, max_chunks: int, seed: int = 0) -> list[dict]:
+def bench_examples(
+    n: int, tokenizer, chunk_tokens: int, max_chunks: int, seed: int = 0
+) -> list[dict]:
     "`n` synthetic examples whose documents span 1..`max_chunks` chunks of `chunk_tokens` tokens."
     rng = random.Random(seed)
-    words = "lamp garden road evening wind stone river tower field bread letter cloud bridge paper morning".split()
+    words = (
+        "lamp garden road evening wind stone river tower field bread letter cloud bridge paper "
+        "morning"
+    ).split()
     out = []
     for i in range(n):
-        target = rng.randint(1, max_chunks) * chunk_tokens - rng.randint(1, max(1, chunk_tokens // 2))
+        target = rng.randint(1, max_chunks) * chunk_tokens - rng.randint(
+            1, max(1, chunk_tokens // 2)
+        )
         text, ids = '', []
         while len(ids) < target:
             text += ' ' + ' '.join(rng.choice(words) for _ in range(16))
             ids = tokenizer.encode(text, add_special_tokens=False)
-        out.append(dict(id=f'bench-{i}', question=f'Which word comes first in document {i}?', context=text.strip(),
-                        answers=[text.split()[0]]))
+        out.append(
+            dict(
+                id=f'bench-{i}',
+                question=f'Which word comes first in document {i}?',
+                context=text.strip(),
+                answers=[text.split()[0]],
+            )
+        )
     return out
 
-def bench_rollout(engine, tokenizer, cfg, n_traj: int = 32, examples=None, seed: int = 0, sequential: bool = True,
-                  phases: bool = False) -> dict:
-    "Generated tokens/s of the batched rollout vs a one-trajectory-at-a-time loop on the same engine, inputs and seeds."
-    examples = examples or bench_examples(n_traj, tokenizer, cfg.chunking.chunk_tokens, cfg.chunking.max_chunks, seed)
+# %% ../nbs/21_bench.ipynb #948f271f
+def bench_rollout(
+    engine,
+    tokenizer,
+    cfg,
+    n_traj: int = 32,
+    examples=None,
+    seed: int = 0,
+    sequential: bool = True,
+    phases: bool = False,
+) -> dict:
+    """Generated tokens/s of the batched rollout vs a one-trajectory-at-a-time loop on the same
+    engine, inputs and seeds."""
+    examples = examples or bench_examples(
+        n_traj, tokenizer, cfg.chunking.chunk_tokens, cfg.chunking.max_chunks, seed
+    )
     examples = examples[:n_traj]
     timer = (lambda: PhaseTimer(engine.model)) if phases else contextlib.nullcontext
     st = {}
     with timer() as pt:
         t0 = time.perf_counter()
-        batched = rollout(examples, engine, tokenizer, cfg, group_size=1, seed=seed, progress=False, stats=st)
+        batched = rollout(
+            examples, engine, tokenizer, cfg, group_size=1, seed=seed, progress=False, stats=st
+        )
         tb = time.perf_counter() - t0
-    out = {'n_traj': len(batched), 'turns': sum(t.num_turns for t in batched), 'generated_tokens': st['generated_tokens'],
-           'batched_s': tb, 'batched_tokens_per_s': st['generated_tokens'] / tb, 'memory_batches': st['memory_batches'],
-           'failed': st['failed']}
-    if phases: out['batched_phases'] = pt.result(tb)
+    out = {
+        'n_traj': len(batched),
+        'turns': sum(t.num_turns for t in batched),
+        'generated_tokens': st['generated_tokens'],
+        'batched_s': tb,
+        'batched_tokens_per_s': st['generated_tokens'] / tb,
+        'memory_batches': st['memory_batches'],
+        'failed': st['failed'],
+    }
+    if phases:
+        out['batched_phases'] = pt.result(tb)
     if sequential:
         with timer() as pt:
             t0, toks, seq = time.perf_counter(), 0, []
             for ex in examples:
                 s1 = {}
-                seq += rollout([ex], engine, tokenizer, cfg, group_size=1, seed=seed, progress=False, stats=s1)
+                seq += rollout(
+                    [ex], engine, tokenizer, cfg, group_size=1, seed=seed, progress=False, stats=s1
+                )
                 toks += s1['generated_tokens']
             ts = time.perf_counter() - t0
-        if phases: out['sequential_phases'] = pt.result(ts)
-        same = sum([u.response_ids for u in a.turns] == [u.response_ids for u in b.turns] for a, b in zip(batched, seq))
-        out.update(sequential_s=ts, sequential_tokens=toks, sequential_tokens_per_s=toks / ts,
-                   speedup=(st['generated_tokens'] / tb) / (toks / ts), identical_fraction=same / len(batched))
+        if phases:
+            out['sequential_phases'] = pt.result(ts)
+        same = sum(
+            [u.response_ids for u in a.turns] == [u.response_ids for u in b.turns]
+            for a, b in zip(batched, seq)
+        )
+        out.update(
+            sequential_s=ts,
+            sequential_tokens=toks,
+            sequential_tokens_per_s=toks / ts,
+            speedup=(st['generated_tokens'] / tb) / (toks / ts),
+            identical_fraction=same / len(batched),
+        )
     return out
 
 # %% ../nbs/21_bench.ipynb #3c0dda2a
 def _synchronizer(model):
-    "A function that waits for `model`'s device (CUDA kernels run asynchronously: a clock read at their launch measures nothing)."
+    """A function that waits for `model`'s device (CUDA kernels run asynchronously: a clock read at
+    their launch measures nothing)."""
     import torch
+
     dev = next(model.parameters()).device
     return (lambda: torch.cuda.synchronize(dev)) if dev.type == 'cuda' else (lambda: None)
 
+# %% ../nbs/21_bench.ipynb #810d7299
 class PhaseTimer:
-    "Seconds in prefill (decoder calls over > 1 position) and decode (1 position) forwards of `model`, from forward hooks; on a GPU each clock read waits for the device."
-    def __init__(self, model): self.model, self._sync = model, _synchronizer(model); self.reset()
+    """Seconds in prefill (decoder calls over > 1 position) and decode (1 position) forwards of
+    `model`, from forward hooks; on a GPU each clock read waits for the device."""
+
+    def __init__(self, model):
+        self.model, self._sync = model, _synchronizer(model)
+        self.reset()
+
     def reset(self):
         self.prefill_s = self.decode_s = 0.0
         self.prefill_calls = self.decode_calls = self.prefill_tokens = self.decode_rows = 0
         self._phase, self._t = 'decode', 0.0
+
     def _pre(self, mod, args, kwargs):
         ids = kwargs.get('input_ids', args[0] if args else None)
-        if ids is None: ids = kwargs['inputs_embeds']
+        if ids is None:
+            ids = kwargs['inputs_embeds']
         self._phase = 'prefill' if ids.shape[1] > 1 else 'decode'
-        if self._phase == 'prefill': self.prefill_calls += 1; self.prefill_tokens += ids.shape[0] * ids.shape[1]
-        else: self.decode_calls += 1
-        self._sync(); self._t = time.perf_counter()
+        if self._phase == 'prefill':
+            self.prefill_calls += 1
+            self.prefill_tokens += ids.shape[0] * ids.shape[1]
+        else:
+            self.decode_calls += 1
+        self._sync()
+        self._t = time.perf_counter()
+
     def _head_pre(self, mod, args):
-        if self._phase == 'decode': self.decode_rows += int(np.prod(args[0].shape[:-1]))
-        self._sync(); self._t = time.perf_counter()
+        if self._phase == 'decode':
+            self.decode_rows += int(np.prod(args[0].shape[:-1]))
+        self._sync()
+        self._t = time.perf_counter()
+
     def _post(self, mod, args, out):
-        self._sync(); dt = time.perf_counter() - self._t
-        if self._phase == 'prefill': self.prefill_s += dt
-        else: self.decode_s += dt
+        self._sync()
+        dt = time.perf_counter() - self._t
+        if self._phase == 'prefill':
+            self.prefill_s += dt
+        else:
+            self.decode_s += dt
+
     def __enter__(self):
         dec, head = self.model.get_decoder(), self.model.get_output_embeddings()
-        self._hooks = [dec.register_forward_pre_hook(self._pre, with_kwargs=True), dec.register_forward_hook(self._post),
-                       head.register_forward_pre_hook(self._head_pre), head.register_forward_hook(self._post)]
+        self._hooks = [
+            dec.register_forward_pre_hook(self._pre, with_kwargs=True),
+            dec.register_forward_hook(self._post),
+            head.register_forward_pre_hook(self._head_pre),
+            head.register_forward_hook(self._post),
+        ]
         return self
+
     def __exit__(self, *a):
-        for h in self._hooks: h.remove()
+        for h in self._hooks:
+            h.remove()
+
     def result(self, wall_s: float | None = None) -> dict:
-        "The counts and seconds; with the call's `wall_s`, also `other_s`, the time outside the model's forwards."
-        r = dict(prefill_s=self.prefill_s, decode_s=self.decode_s, prefill_calls=self.prefill_calls, decode_calls=self.decode_calls,
-                 prefill_tokens=self.prefill_tokens, decode_rows=self.decode_rows)
-        if wall_s is not None: r.update(wall_s=wall_s, other_s=wall_s - self.prefill_s - self.decode_s)
+        """The counts and seconds; with the call's `wall_s`, also `other_s`, the time outside the
+        model's forwards."""
+        r = dict(
+            prefill_s=self.prefill_s,
+            decode_s=self.decode_s,
+            prefill_calls=self.prefill_calls,
+            decode_calls=self.decode_calls,
+            prefill_tokens=self.prefill_tokens,
+            decode_rows=self.decode_rows,
+        )
+        if wall_s is not None:
+            r.update(wall_s=wall_s, other_s=wall_s - self.prefill_s - self.decode_s)
         return r
 
 # %% ../nbs/21_bench.ipynb #28a083fc
 def phase_split(r: dict) -> dict:
-    "Per-phase figures of a `bench_rollout(..., phases=True)` result: seconds, decode rows/s, batched / sequential speed-ups."
+    """Per-phase figures of a `bench_rollout(..., phases=True)` result: seconds, decode rows/s,
+    batched / sequential speed-ups."""
     b, q = r['batched_phases'], r['sequential_phases']
     rate = lambda p: p['decode_rows'] / p['decode_s'] if p['decode_s'] else float('nan')
-    return dict(prefill_s=(b['prefill_s'], q['prefill_s']), decode_s=(b['decode_s'], q['decode_s']), other_s=(b['other_s'], q['other_s']),
-                decode_rows=(b['decode_rows'], q['decode_rows']), decode_rows_per_s=(rate(b), rate(q)),
-                prefill_speedup=q['prefill_s'] / b['prefill_s'], decode_speedup=rate(b) / rate(q),
-                e2e_speedup=r['speedup'], prefill_share=b['prefill_s'] / b['wall_s'],
-                e2e_bound_if_free_decode=q['wall_s'] / (b['wall_s'] - b['decode_s']))
+    return dict(
+        prefill_s=(b['prefill_s'], q['prefill_s']),
+        decode_s=(b['decode_s'], q['decode_s']),
+        other_s=(b['other_s'], q['other_s']),
+        decode_rows=(b['decode_rows'], q['decode_rows']),
+        decode_rows_per_s=(rate(b), rate(q)),
+        prefill_speedup=q['prefill_s'] / b['prefill_s'],
+        decode_speedup=rate(b) / rate(q),
+        e2e_speedup=r['speedup'],
+        prefill_share=b['prefill_s'] / b['wall_s'],
+        e2e_bound_if_free_decode=q['wall_s'] / (b['wall_s'] - b['decode_s']),
+    )
 
 # %% ../nbs/21_bench.ipynb #07ff259c
-def bench_prompts(tokenizer, n: int, max_tokens: int, min_tokens: int | None = None, seed: int = 0) -> list[list[int]]:
-    "`n` token-id prompts of `min_tokens`..`max_tokens` tokens (the first exactly `max_tokens`), cut from synthetic text."
+def bench_prompts(
+    tokenizer, n: int, max_tokens: int, min_tokens: int | None = None, seed: int = 0
+) -> list[list[int]]:
+    """`n` token-id prompts of `min_tokens`..`max_tokens` tokens (the first exactly `max_tokens`),
+    cut from synthetic text."""
     min_tokens = max_tokens if min_tokens is None else min_tokens
-    if not 1 <= min_tokens <= max_tokens: raise ValueError(f"bench_prompts: need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+    if not 1 <= min_tokens <= max_tokens:
+        raise ValueError(
+            f"bench_prompts: need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}"
+        )
     rng = random.Random(seed)
-    ids = tokenizer.encode(bench_examples(1, tokenizer, max_tokens, 2, seed)[0]['context'], add_special_tokens=False)
-    while len(ids) < 2 * max_tokens: ids = ids + ids
+    ids = tokenizer.encode(
+        bench_examples(1, tokenizer, max_tokens, 2, seed)[0]['context'], add_special_tokens=False
+    )
+    while len(ids) < 2 * max_tokens:
+        ids = ids + ids
     lens = [max_tokens] + [rng.randint(min_tokens, max_tokens) for _ in range(n - 1)]
-    return [ids[(o := rng.randint(0, len(ids) - L)):o + L] for L in lens][:n]
+    return [ids[(o := rng.randint(0, len(ids) - L)) : o + L] for L in lens][:n]
 
+# %% ../nbs/21_bench.ipynb #1897285a
 def left_pad(prompts: list[list[int]], pad_id: int, device=None):
-    "(input_ids, attention_mask) [B x longest] on `device` (default the host), prompts right-aligned, as the engine and `generate()` both expect."
+    """(input_ids, attention_mask) [B x longest] on `device` (default the host), prompts
+    right-aligned, as the engine and `generate()` both expect."""
     import torch
+
     L = max(len(p) for p in prompts)
-    ids, am = torch.full((len(prompts), L), pad_id, dtype=torch.long), torch.zeros((len(prompts), L), dtype=torch.long)
-    for r, p in enumerate(prompts): ids[r, L - len(p):] = torch.tensor(p); am[r, L - len(p):] = 1
+    ids, am = (
+        torch.full((len(prompts), L), pad_id, dtype=torch.long),
+        torch.zeros((len(prompts), L), dtype=torch.long),
+    )
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p) :] = torch.tensor(p)
+        am[r, L - len(p) :] = 1
     return (ids, am) if device is None else (ids.to(device), am.to(device))
 
+# %% ../nbs/21_bench.ipynb #2c2342f3
 def _run_engine(engine, prompts, n_new, temperature, top_p, seed):
     from memagent.engines import SamplingParams
+
     sps = [SamplingParams(n_new, temperature, top_p, seed=seed + i) for i in range(len(prompts))]
     with PhaseTimer(engine.model) as pt:
-        t0 = time.perf_counter(); res = engine.generate(prompts, sps); w = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = engine.generate(prompts, sps)
+        w = time.perf_counter() - t0
     n = [len(r.output_ids) for r in res]
-    if set(n) != {n_new}: raise RuntimeError(f"bench_generate: the engine produced {sorted(set(n))} tokens per request, expected {n_new}")
+    if set(n) != {n_new}:
+        raise RuntimeError(
+            f"bench_generate: the engine produced {sorted(set(n))} tokens per request, expected "
+            f"{n_new}"
+        )
     return dict(tokens=sum(n), **pt.result(w))
 
+# %% ../nbs/21_bench.ipynb #825202ef
 def _run_hf(model, prompts, pad_id, n_new, temperature, top_p, seed):
     import torch
-    ids, am = left_pad(prompts, pad_id, next(model.parameters()).device)     # where the model is
+
+    ids, am = left_pad(prompts, pad_id, next(model.parameters()).device)  # where the model is
     torch.manual_seed(seed)
     with PhaseTimer(model) as pt, torch.inference_mode():
         t0 = time.perf_counter()
-        o = model.generate(input_ids=ids, attention_mask=am, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                           max_new_tokens=n_new, min_new_tokens=0, eos_token_id=None, pad_token_id=pad_id)
-        pt._sync(); w = time.perf_counter() - t0
-    if o.shape[1] - ids.shape[1] != n_new: raise RuntimeError(f"bench_generate: generate() produced {o.shape[1] - ids.shape[1]} tokens, expected {n_new}")
+        o = model.generate(
+            input_ids=ids,
+            attention_mask=am,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            max_new_tokens=n_new,
+            min_new_tokens=0,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+        )
+        pt._sync()
+        w = time.perf_counter() - t0
+    if o.shape[1] - ids.shape[1] != n_new:
+        raise RuntimeError(
+            f"bench_generate: generate() produced {o.shape[1] - ids.shape[1]} tokens, expected "
+            f"{n_new}"
+        )
     return dict(tokens=len(prompts) * n_new, **pt.result(w))
 
-def bench_generate(engine, prompts, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> dict:
-    "Generated tokens/s of one `HFEngine.generate` run, then one `model.generate()` run, on the same prompts and sampling settings."
-    r = dict(engine=_run_engine(engine, prompts, max_new_tokens, temperature, top_p, seed),
-             generate=_run_hf(engine.model, prompts, engine.pad_id, max_new_tokens, temperature, top_p, seed))
-    for v in r.values(): v['tokens_per_s'] = v['tokens'] / v['wall_s']
-    return dict(requests=len(prompts), padded_width=max(len(p) for p in prompts), prompt_tokens=sum(len(p) for p in prompts),
-                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **r,
-                ratio=r['engine']['tokens_per_s'] / r['generate']['tokens_per_s'])
+# %% ../nbs/21_bench.ipynb #7eab583f
+def bench_generate(
+    engine,
+    prompts,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> dict:
+    """Generated tokens/s of one `HFEngine.generate` run, then one `model.generate()` run, on the
+    same prompts and sampling settings."""
+    r = dict(
+        engine=_run_engine(engine, prompts, max_new_tokens, temperature, top_p, seed),
+        generate=_run_hf(
+            engine.model, prompts, engine.pad_id, max_new_tokens, temperature, top_p, seed
+        ),
+    )
+    for v in r.values():
+        v['tokens_per_s'] = v['tokens'] / v['wall_s']
+    return dict(
+        requests=len(prompts),
+        padded_width=max(len(p) for p in prompts),
+        prompt_tokens=sum(len(p) for p in prompts),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        **r,
+        ratio=r['engine']['tokens_per_s'] / r['generate']['tokens_per_s'],
+    )
 
 # %% ../nbs/21_bench.ipynb #e12defe3
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    "fp32 GFLOP/s of an `n x n` @ `n x n` product at the current torch thread count (fastest of `repeats`, after one warm-up)."
+    """fp32 GFLOP/s of an `n x n` @ `n x n` product at the current torch thread count (fastest of
+    `repeats`, after one warm-up)."""
     import torch
+
     a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b); ts = []
+    torch.mm(a, b)
+    ts = []
     for _ in range(repeats):
-        t0 = time.perf_counter(); torch.mm(a, b); ts.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / min(ts) / 1e9
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        ts.append(time.perf_counter() - t0)
+    return 2 * n**3 / min(ts) / 1e9
 
+# %% ../nbs/21_bench.ipynb #136a45a5
 def memory_bandwidth(mb: int = 512, repeats: int = 5) -> dict:
-    "GB/s reading (`sum`) and copying (read + write) an `mb`-MiB fp32 tensor, fastest of `repeats` after one warm-up each."
+    """GB/s reading (`sum`) and copying (read + write) an `mb`-MiB fp32 tensor, fastest of `repeats`
+    after one warm-up each."""
     import torch
-    x = torch.randn(mb * 2**20 // 4); y = torch.empty_like(x); nb = x.numel() * 4
-    def best(f):
-        f(); ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
-        return min(ts)
-    return dict(mb=mb, read_gbs=nb / best(lambda: x.sum()) / 1e9, copy_gbs=2 * nb / best(lambda: y.copy_(x)) / 1e9)
 
+    x = torch.randn(mb * 2**20 // 4)
+    y = torch.empty_like(x)
+    nb = x.numel() * 4
+
+    def best(f):
+        f()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    return dict(
+        mb=mb,
+        read_gbs=nb / best(lambda: x.sum()) / 1e9,
+        copy_gbs=2 * nb / best(lambda: y.copy_(x)) / 1e9,
+    )
+
+# %% ../nbs/21_bench.ipynb #88f60304
 def _linear_params(model) -> int:
     emb = model.get_input_embeddings().weight
     return sum(p.numel() for p in model.get_decoder().parameters() if p.dim() == 2 and p is not emb)
 
+# %% ../nbs/21_bench.ipynb #e966e2a5
 def prefill_flops(model, batch: int, seq_len: int) -> dict:
-    "FLOPs of one prefill of [batch x seq_len] positions: decoder matrix products, attention (full square), output head (last position)."
+    """FLOPs of one prefill of [batch x seq_len] positions: decoder matrix products, attention (full
+    square), output head (last position)."""
     c = model.config
     hd = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
     W = model.get_output_embeddings().weight
-    r = dict(linear=2 * _linear_params(model) * batch * seq_len,
-             attention=2 * 2 * c.num_hidden_layers * batch * seq_len ** 2 * c.num_attention_heads * hd,
-             head=2 * batch * W.shape[0] * W.shape[1])
+    r = dict(
+        linear=2 * _linear_params(model) * batch * seq_len,
+        attention=2 * 2 * c.num_hidden_layers * batch * seq_len**2 * c.num_attention_heads * hd,
+        head=2 * batch * W.shape[0] * W.shape[1],
+    )
     return dict(r, total=sum(r.values()))
 
+# %% ../nbs/21_bench.ipynb #12dfa1a9
 def decode_flops(model, batch: int, context: int) -> dict:
-    "FLOPs of one decode step of `batch` rows attending to `context` positions each: matrix products, attention, output head."
+    """FLOPs of one decode step of `batch` rows attending to `context` positions each: matrix
+    products, attention, output head."""
     c = model.config
     hd = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
     W = model.get_output_embeddings().weight
-    r = dict(linear=2 * _linear_params(model) * batch, attention=2 * 2 * c.num_hidden_layers * batch * context * c.num_attention_heads * hd,
-             head=2 * batch * W.shape[0] * W.shape[1])
+    r = dict(
+        linear=2 * _linear_params(model) * batch,
+        attention=2 * 2 * c.num_hidden_layers * batch * context * c.num_attention_heads * hd,
+        head=2 * batch * W.shape[0] * W.shape[1],
+    )
     return dict(r, total=sum(r.values()))
 
+# %% ../nbs/21_bench.ipynb #4e14e1cc
 def weight_bytes(model) -> int:
     "Bytes of the model's distinct parameters (a tied head and embedding counted once)."
-    return sum(p.numel() * p.element_size() for p in model.parameters())     # parameters() yields a shared tensor once
+    return sum(
+        p.numel() * p.element_size() for p in model.parameters()
+    )  # parameters() yields a shared tensor once
 
 # %% ../nbs/21_bench.ipynb #cb5cf557
 def bench_sampling(batch: int, vocab: int, repeats: int = 20, seed: int = 0) -> dict:
-    "Milliseconds per step of `sample_tokens` (seeded rows, log-probs) vs softmax + `torch.multinomial` at [batch x vocab] (fastest of `repeats`)."
+    """Milliseconds per step of `sample_tokens` (seeded rows, log-probs) vs softmax +
+    `torch.multinomial` at [batch x vocab] (fastest of `repeats`)."""
     import torch
     from memagent.engines import sample_tokens
+
     z = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * 3
     gens = [torch.Generator().manual_seed(seed + i) for i in range(batch)]
+
     def best(f):
-        f(); ts = []
+        f()
+        ts = []
         for _ in range(repeats):
-            t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
         return min(ts) * 1e3
-    return dict(batch=batch, vocab=vocab, engine_ms=best(lambda: sample_tokens(z, gens, [1.0] * batch)),
-                multinomial_ms=best(lambda: torch.multinomial(z.softmax(-1), 1)))
+
+    return dict(
+        batch=batch,
+        vocab=vocab,
+        engine_ms=best(lambda: sample_tokens(z, gens, [1.0] * batch)),
+        multinomial_ms=best(lambda: torch.multinomial(z.softmax(-1), 1)),
+    )
 
 # %% ../nbs/21_bench.ipynb #a769f3f5
-def synthetic_row_lengths(n_traj: int = 64, chunks=(10, 16), chunk: int = 2048, memory: int = 1024, final: int = 256,
-                          template: int = 150, seed: int = 0) -> list[int]:
-    "Row token lengths (prompt + response) of a step of MemAgent trajectories with growing, bounded memories."
-    rng = random.Random(seed); out = []
+def synthetic_row_lengths(
+    n_traj: int = 64,
+    chunks=(10, 16),
+    chunk: int = 2048,
+    memory: int = 1024,
+    final: int = 256,
+    template: int = 150,
+    seed: int = 0,
+) -> list[int]:
+    """Row token lengths (prompt + response) of a step of MemAgent trajectories with growing,
+    bounded memories."""
+    rng = random.Random(seed)
+    out = []
     for _ in range(n_traj):
         C, mem = rng.randint(*chunks), rng.randint(20, 200)
         for c in range(C):
             ch = chunk if c < C - 1 else rng.randint(chunk // 10, chunk)
             resp = min(memory, max(30, int(rng.gauss(mem + 100, 150))))
-            out.append(template + ch + mem + resp); mem = resp
+            out.append(template + ch + mem + resp)
+            mem = resp
         out.append(template + 40 + mem + rng.randint(20, final))
     return out
 
 # %% ../nbs/21_bench.ipynb #bc183800
-def bench_channel(n_rows: int, batched: bool, world_size: int = 2, prompt_tokens: int = 3000,
-                  response_tokens: int = 500, channel: RowChannel | None = None) -> dict:
-    "Rows/s through a channel (a fresh `RayChannel` by default): one put of `n_rows`, or one put per row; then `world_size` gets."
+def bench_channel(
+    n_rows: int,
+    batched: bool,
+    world_size: int = 2,
+    prompt_tokens: int = 3000,
+    response_tokens: int = 500,
+    channel: RowChannel | None = None,
+) -> dict:
+    """Rows/s through a channel (a fresh `RayChannel` by default): one put of `n_rows`, or one put
+    per row; then `world_size` gets."""
     n_rows -= n_rows % world_size
-    rows = [Row(f'b{i}', 0, i, 1, 1.0, 0.5, 0.5, 1.0 / n_rows, list(range(prompt_tokens)), [1] * response_tokens,
-                [-0.5] * response_tokens, [1] * response_tokens) for i in range(n_rows)]
+    rows = [
+        Row(
+            f'b{i}',
+            0,
+            i,
+            1,
+            1.0,
+            0.5,
+            0.5,
+            1.0 / n_rows,
+            list(range(prompt_tokens)),
+            [1] * response_tokens,
+            [-0.5] * response_tokens,
+            [1] * response_tokens,
+        )
+        for i in range(n_rows)
+    ]
     own = channel is None
     ch = RayChannel(capacity=n_rows) if own else channel
     rid = f'bench-{time.time_ns()}'
-    ch.counts(rid)                               # the actor is up before the clock starts
+    ch.counts(rid)  # the actor is up before the clock starts
     t0 = time.perf_counter()
     wrote = ch.put(rid, rows, batch_size=None if batched else 1)
     t1 = time.perf_counter()
     got = sum(len(ch.get(rid, r, world_size, timeout=600)) for r in range(world_size))
     t2 = time.perf_counter()
-    if own: ch.close()
-    if not wrote == got == n_rows: raise RuntimeError(f"bench: wrote {wrote}, got {got}, expected {n_rows}")
-    return dict(n_rows=n_rows, batched=batched, put_s=t1 - t0, get_s=t2 - t1,
-                rows_per_s=n_rows / (t2 - t0), put_rows_per_s=n_rows / (t1 - t0))
+    if own:
+        ch.close()
+    if not wrote == got == n_rows:
+        raise RuntimeError(f"bench: wrote {wrote}, got {got}, expected {n_rows}")
+    return dict(
+        n_rows=n_rows,
+        batched=batched,
+        put_s=t1 - t0,
+        get_s=t2 - t1,
+        rows_per_s=n_rows / (t2 - t0),
+        put_rows_per_s=n_rows / (t1 - t0),
+    )
 
 # %% ../nbs/21_bench.ipynb #74983ccd
 class _RSSPeak:
     "Peak resident set size sampled in a background thread (bytes)."
+
     def __init__(self, every_s: float = 0.005):
         self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
+
     @staticmethod
     def rss() -> int:
         try:
             import psutil
+
             return psutil.Process().memory_info().rss
         except ImportError:
-            with open('/proc/self/statm') as f: return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+            with open('/proc/self/statm') as f:
+                return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss()); time.sleep(self.every_s)
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.every_s)
+
     def __enter__(self):
-        self.base = self.peak = self.rss(); self._t = threading.Thread(target=self._run, daemon=True); self._t.start(); return self
+        self.base = self.peak = self.rss()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
     def __exit__(self, *a):
-        self._stop.set(); self._t.join(); self.peak = max(self.peak, self.rss())
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.rss())
+
 
 class _CountingEngine:
     "Wraps an engine and records the largest prompt + generated tokens of any request."
-    def __init__(self, engine): self.engine, self.peak_tokens, self.requests = engine, 0, 0
-    def __getattr__(self, k): return getattr(self.engine, k)
+
+    def __init__(self, engine):
+        self.engine, self.peak_tokens, self.requests = engine, 0, 0
+
+    def __getattr__(self, k):
+        return getattr(self.engine, k)
+
     def generate(self, prompts, params, return_exceptions: bool = False):
         res = self.engine.generate(prompts, params, return_exceptions=return_exceptions)
         for p, r in zip(prompts, res):
             self.requests += 1
-            if not isinstance(r, Exception): self.peak_tokens = max(self.peak_tokens, len(p) + len(r.output_ids))
+            if not isinstance(r, Exception):
+                self.peak_tokens = max(self.peak_tokens, len(p) + len(r.output_ids))
         return res
+
 
 def _kv_bytes(engine, tokens):
     cfg = getattr(getattr(engine, 'model', None), 'config', None)
-    if cfg is None: return None
+    if cfg is None:
+        return None
     hd = getattr(cfg, 'head_dim', None) or cfg.hidden_size // cfg.num_attention_heads
     kvh = getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads
     size = next(engine.model.parameters()).element_size()
     return int(tokens * 2 * cfg.num_hidden_layers * kvh * hd * size)
 
 # %% ../nbs/21_bench.ipynb #3780f8eb
-def bench_linear_cost(engine, tokenizer, cfg, doc_counts=(50, 200, 800), n_items: int = 2, samples: int = 1,
-                      fit_max_chunks: bool = True, batch_size: int | None = None, seed: int = 0, warmup: bool = True) -> dict:
-    "Seconds per sample and peak per-request tokens vs documents (recurrent eval on RULER-HQA items); linear fit, flatness."
+def bench_linear_cost(
+    engine,
+    tokenizer,
+    cfg,
+    doc_counts=(50, 200, 800),
+    n_items: int = 2,
+    samples: int = 1,
+    fit_max_chunks: bool = True,
+    batch_size: int | None = None,
+    seed: int = 0,
+    warmup: bool = True,
+) -> dict:
+    """Seconds per sample and peak per-request tokens vs documents (recurrent eval on RULER-HQA
+    items); linear fit, flatness."""
     from memagent.data import load_hotpotqa, doc_pool, build_haystack
     from memagent.config import apply_overrides
-    rows = load_hotpotqa(); pool = doc_pool(rows)
+
+    rows = load_hotpotqa()
+    pool = doc_pool(rows)
     sets = {n: build_haystack(rows[:n_items], pool, n, seed=seed) for n in doc_counts}
     c = cfg.chunking
     if fit_max_chunks:
-        longest = max(len(tokenizer.encode(e['context'], add_special_tokens=False)) for v in sets.values() for e in v)
-        cfg = apply_overrides(cfg, {'chunking.max_chunks': max(c.max_chunks, -(-longest // c.chunk_tokens))})
+        longest = max(
+            len(tokenizer.encode(e['context'], add_special_tokens=False))
+            for v in sets.values()
+            for e in v
+        )
+        cfg = apply_overrides(
+            cfg, {'chunking.max_chunks': max(c.max_chunks, -(-longest // c.chunk_tokens))}
+        )
     eng = _CountingEngine(engine)
-    if warmup: evaluate(sets[doc_counts[0]][:1], eng, tokenizer, cfg, samples=1, max_items=None, progress=False, n_boot=10)
+    if warmup:
+        evaluate(
+            sets[doc_counts[0]][:1],
+            eng,
+            tokenizer,
+            cfg,
+            samples=1,
+            max_items=None,
+            progress=False,
+            n_boot=10,
+        )
     out = []
     for n in doc_counts:
         eng.peak_tokens = 0
         with _RSSPeak() as mem:
             t0 = time.perf_counter()
-            s = evaluate(sets[n], eng, tokenizer, cfg, samples=samples, max_items=None, batch_size=batch_size or n_items,
-                         progress=False, n_boot=10)
+            s = evaluate(
+                sets[n],
+                eng,
+                tokenizer,
+                cfg,
+                samples=samples,
+                max_items=None,
+                batch_size=batch_size or n_items,
+                progress=False,
+                n_boot=10,
+            )
             dt = time.perf_counter() - t0
         recs = s['totals']['samples']
-        out.append({'documents': n, 'samples': recs, 'seconds_per_sample': s['timing']['wall_s'] / recs,
-                    'seconds_per_sample_with_overhead': dt / recs,
-                    'context_tokens_mean': float(np.mean([len(tokenizer.encode(e['context'], add_special_tokens=False)) for e in sets[n]])),
-                    'chunks_mean': s['chunks_mean'],
-                    'truncated_samples': s['truncated_samples'], 'errors': s['errors'],
-                    'peak_request_tokens': eng.peak_tokens, 'kv_bytes_per_request': _kv_bytes(engine, eng.peak_tokens),
-                    'peak_rss_delta_mb': (mem.peak - mem.base) / 2**20})
+        out.append(
+            {
+                'documents': n,
+                'samples': recs,
+                'seconds_per_sample': s['timing']['wall_s'] / recs,
+                'seconds_per_sample_with_overhead': dt / recs,
+                'context_tokens_mean': float(
+                    np.mean(
+                        [
+                            len(tokenizer.encode(e['context'], add_special_tokens=False))
+                            for e in sets[n]
+                        ]
+                    )
+                ),
+                'chunks_mean': s['chunks_mean'],
+                'truncated_samples': s['truncated_samples'],
+                'errors': s['errors'],
+                'peak_request_tokens': eng.peak_tokens,
+                'kv_bytes_per_request': _kv_bytes(engine, eng.peak_tokens),
+                'peak_rss_delta_mb': (mem.peak - mem.base) / 2**20,
+            }
+        )
     pk = [r['peak_request_tokens'] for r in out]
-    return {'rows': out, 'fit_seconds_per_sample': linear_fit(doc_counts, [r['seconds_per_sample'] for r in out]),
-            'flat_growth': (max(pk) - min(pk)) / min(pk) if min(pk) else None,
-            'flat': (max(pk) - min(pk)) / min(pk) < 0.10 if min(pk) else False,
-            'settings': {'chunk_tokens': c.chunk_tokens, 'memory_tokens': c.memory_tokens, 'final_tokens': c.final_tokens,
-                         'max_chunks': cfg.chunking.max_chunks, 'n_items': n_items, 'samples': samples,
-                         'memory_measure': 'peak_request_tokens = max over requests of prompt + generated tokens; '
-                                           'peak_rss_delta_mb = sampled RSS peak minus RSS before the run'}}
+    return {
+        'rows': out,
+        'fit_seconds_per_sample': linear_fit(doc_counts, [r['seconds_per_sample'] for r in out]),
+        'flat_growth': (max(pk) - min(pk)) / min(pk) if min(pk) else None,
+        'flat': (max(pk) - min(pk)) / min(pk) < 0.10 if min(pk) else False,
+        'settings': {
+            'chunk_tokens': c.chunk_tokens,
+            'memory_tokens': c.memory_tokens,
+            'final_tokens': c.final_tokens,
+            'max_chunks': cfg.chunking.max_chunks,
+            'n_items': n_items,
+            'samples': samples,
+            'memory_measure': (
+                'peak_request_tokens = max over requests of prompt + generated tokens; '
+                'peak_rss_delta_mb = sampled RSS peak minus RSS before the run'
+            ),
+        },
+    }

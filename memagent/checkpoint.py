@@ -24,73 +24,115 @@ __all__ = ['NO_OPTIMIZER_STATE', 'WEIGHTS_FILE', 'FINGERPRINT_PROMPT', 'FINGERPR
 class CheckpointError(RuntimeError):
     "A checkpoint is incomplete, corrupt or non-finite; the message names the file (and tensor)."
 
+# %% ../nbs/15_checkpoint.ipynb #bb41c89f
 def rng_state() -> dict:
     "The states of Python's, NumPy's and torch's global generators."
-    return {'python': random.getstate(), 'numpy': np.random.get_state(), 'torch': torch.get_rng_state()}
+    return {
+        'python': random.getstate(),
+        'numpy': np.random.get_state(),
+        'torch': torch.get_rng_state(),
+    }
 
+# %% ../nbs/15_checkpoint.ipynb #1629cf3b
 def set_rng_state(s: dict):
     "Restore what `rng_state` captured."
-    random.setstate(s['python']); np.random.set_state(s['numpy']); torch.set_rng_state(s['torch'])
+    random.setstate(s['python'])
+    np.random.set_state(s['numpy'])
+    torch.set_rng_state(s['torch'])
 
+# %% ../nbs/15_checkpoint.ipynb #18871100
 _STEP_DIR = re.compile(r'^step_(\d{6,})$')
 
+
 def list_checkpoints(ckpt_root) -> list[Path]:
-    "Complete checkpoints (with a manifest) under `ckpt_root`, oldest first; temporary directories are ignored."
+    """Complete checkpoints (with a manifest) under `ckpt_root`, oldest first; temporary directories
+    are ignored."""
     root = Path(ckpt_root)
-    if not root.exists(): return []
-    out = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p/'manifest.json').exists()]
+    if not root.exists():
+        return []
+    out = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and _STEP_DIR.match(p.name) and (p / 'manifest.json').exists()
+    ]
     return sorted(out, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
+# %% ../nbs/15_checkpoint.ipynb #e6485637
 def latest_checkpoint(ckpt_root) -> Path | None:
-    "The checkpoint named by `latest`, else the newest complete one, else None (not verified: see `load_latest`)."
-    root = Path(ckpt_root); ptr = root/'latest'
+    """The checkpoint named by `latest`, else the newest complete one, else None (not verified: see
+    `load_latest`)."""
+    root = Path(ckpt_root)
+    ptr = root / 'latest'
     if ptr.exists():
-        p = root/ptr.read_text().strip()
-        if (p/'manifest.json').exists(): return p
+        p = root / ptr.read_text().strip()
+        if (p / 'manifest.json').exists():
+            return p
     cks = list_checkpoints(root)
     return cks[-1] if cks else None
 
+# %% ../nbs/15_checkpoint.ipynb #c7761137
 def remove_stale_tmp(ckpt_root) -> list[str]:
-    "Remove temporary directories a crashed save left behind (call only while holding the run's lock); their names."
+    """Remove temporary directories a crashed save left behind (call only while holding the run's
+    lock); their names."""
     root = Path(ckpt_root)
     gone = sorted(p.name for p in root.glob('.tmp-*')) if root.exists() else []
-    for n in gone: shutil.rmtree(root/n, ignore_errors=True)
-    for p in root.glob('.latest.*') if root.exists() else []: p.unlink(missing_ok=True)
+    for n in gone:
+        shutil.rmtree(root / n, ignore_errors=True)
+    for p in root.glob('.latest.*') if root.exists() else []:
+        p.unlink(missing_ok=True)
     return gone
 
 # %% ../nbs/15_checkpoint.ipynb #b2d4f601
 NO_OPTIMIZER_STATE = 'no_optimizer_state'
 
+
 def no_optimizer_state(reason: str) -> dict:
-    "The marker a backend saves instead of an optimizer state it cannot give (megatron-core's before the first step): `{'no_optimizer_state': reason}`."
-    if not isinstance(reason, str) or not reason.strip(): raise ValueError("no_optimizer_state: give the reason as a non-empty string")
+    """The marker a backend saves instead of an optimizer state it cannot give (megatron-core's
+    before the first step): `{'no_optimizer_state': reason}`."""
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError("no_optimizer_state: give the reason as a non-empty string")
     return {NO_OPTIMIZER_STATE: reason}
+
 
 def no_optimizer_state_reason(state) -> str | None:
     "The reason of a `no_optimizer_state` marker; None for a real optimizer state (or None)."
     return state.get(NO_OPTIMIZER_STATE) if isinstance(state, dict) else None
 
+
 def optimizer_markers(optimizer_state) -> dict:
-    "Shard key -> reason, for each shard of a policy group's optimizer state (`{'shards': ...}`) whose optimizer is a `no_optimizer_state` marker."
+    """Shard key -> reason, for each shard of a policy group's optimizer state (`{'shards': ...}`)
+    whose optimizer is a `no_optimizer_state` marker."""
     shards = optimizer_state.get('shards', {}) if isinstance(optimizer_state, dict) else {}
     out = {}
     for k, s in shards.items():
         r = no_optimizer_state_reason(s.get('optimizer') if isinstance(s, dict) else None)
-        if r is not None: out[k] = r
+        if r is not None:
+            out[k] = r
     return out
 
+
 def check_optimizer_markers(optimizer_state, state: dict | None, where: str = 'checkpoint') -> dict:
-    "`optimizer_markers`, refused (CheckpointError) where a real state is expected: some shards have one, or the checkpoint's step took optimizer steps (`state['metrics']['optimizer_steps']`)."
+    """`optimizer_markers`, refused (CheckpointError) where a real state is expected: some shards
+    have one, or the checkpoint's step took optimizer steps
+    (`state['metrics']['optimizer_steps']`)."""
     m = optimizer_markers(optimizer_state)
-    if not m: return m
+    if not m:
+        return m
     reason, shards = next(iter(m.values())), optimizer_state['shards']
     if len(m) != len(shards):
-        raise CheckpointError(f"{where}: optimizer shards {sorted(map(str, m))} hold no optimizer state ({reason}) but shards "
-                              f"{sorted(str(k) for k in shards if k not in m)} hold one: the ranks disagree on whether a step was taken")
+        raise CheckpointError(
+            f"{where}: optimizer shards {sorted(map(str, m))} hold no optimizer state ({reason}) "
+            "but shards "
+            f"{sorted(str(k) for k in shards if k not in m)} hold one: the ranks disagree on "
+            "whether a step was taken"
+        )
     steps = ((state or {}).get('metrics') or {}).get('optimizer_steps') or 0
     if steps:
-        raise CheckpointError(f"{where}: no optimizer state was saved ({reason}), but the checkpoint's step took {steps} optimizer "
-                              "steps: their Adam state is missing; resume from another checkpoint")
+        raise CheckpointError(
+            f"{where}: no optimizer state was saved ({reason}), but the checkpoint's step took "
+            f"{steps} optimizer "
+            "steps: their Adam state is missing; resume from another checkpoint"
+        )
     return m
 
 # %% ../nbs/15_checkpoint.ipynb #866a0a2f
@@ -104,163 +146,288 @@ def _state_dict_tensors(sd: dict) -> dict:
         seen[key] = k
     return out
 
+# %% ../nbs/15_checkpoint.ipynb #df048c3f
 def nonfinite_tensors(obj, prefix: str = '') -> list[str]:
     "Names of the floating-point tensors in a (nested) dict or list that hold a NaN or an infinity."
-    if torch.is_tensor(obj): return [prefix or '<tensor>'] if obj.is_floating_point() and not torch.isfinite(obj).all() else []
-    if isinstance(obj, dict): return [n for k, v in obj.items() for n in nonfinite_tensors(v, f'{prefix}.{k}' if prefix else str(k))]
-    if isinstance(obj, (list, tuple)): return [n for i, v in enumerate(obj) for n in nonfinite_tensors(v, f'{prefix}[{i}]')]
+    if torch.is_tensor(obj):
+        return (
+            [prefix or '<tensor>']
+            if obj.is_floating_point() and not torch.isfinite(obj).all()
+            else []
+        )
+    if isinstance(obj, dict):
+        return [
+            n
+            for k, v in obj.items()
+            for n in nonfinite_tensors(v, f'{prefix}.{k}' if prefix else str(k))
+        ]
+    if isinstance(obj, (list, tuple)):
+        return [n for i, v in enumerate(obj) for n in nonfinite_tensors(v, f'{prefix}[{i}]')]
     return []
 
+# %% ../nbs/15_checkpoint.ipynb #a8d9e92b
 def _write_manifest(d: Path):
     files = sorted(p for p in d.rglob('*') if p.is_file() and p.name != 'manifest.json')
-    m = {'format': 1, 'files': {p.relative_to(d).as_posix(): {'bytes': p.stat().st_size, 'sha256': sha256_file(p)} for p in files}}
-    (d/'manifest.json').write_text(json.dumps(m, indent=1))
+    m = {
+        'format': 1,
+        'files': {
+            p.relative_to(d).as_posix(): {'bytes': p.stat().st_size, 'sha256': sha256_file(p)}
+            for p in files
+        },
+    }
+    (d / 'manifest.json').write_text(json.dumps(m, indent=1))
 
-def save_checkpoint(ckpt_root, step: int, model_state: dict, optimizer_state: dict | None, state: dict,
-                    config_yaml: str, provenance: dict, keep_last: int = 2, check_finite: bool = True) -> Path:
-    "Atomically write checkpoint `step_<step>` with its manifest, move `latest` to it, and keep only the newest `keep_last`."
-    if check_finite and (bad := nonfinite_tensors(model_state) + nonfinite_tensors(optimizer_state or {}, 'optimizer')):
-        raise CheckpointError(f"step {step}: refusing to save a checkpoint with non-finite tensors: {bad[:8]}")
-    root = Path(ckpt_root); root.mkdir(parents=True, exist_ok=True)
+# %% ../nbs/15_checkpoint.ipynb #d4fca1cc
+def save_checkpoint(
+    ckpt_root,
+    step: int,
+    model_state: dict,
+    optimizer_state: dict | None,
+    state: dict,
+    config_yaml: str,
+    provenance: dict,
+    keep_last: int = 2,
+    check_finite: bool = True,
+) -> Path:
+    """Atomically write checkpoint `step_<step>` with its manifest, move `latest` to it, and keep
+    only the newest `keep_last`."""
+    if check_finite and (
+        bad := nonfinite_tensors(model_state)
+        + nonfinite_tensors(optimizer_state or {}, 'optimizer')
+    ):
+        raise CheckpointError(
+            f"step {step}: refusing to save a checkpoint with non-finite tensors: {bad[:8]}"
+        )
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
     name = f'step_{step:06d}'
     tmp = Path(tempfile.mkdtemp(prefix=f'.tmp-{name}-', dir=root))
     try:
-        save_file(_state_dict_tensors(model_state), str(tmp/'model.safetensors'))
+        save_file(_state_dict_tensors(model_state), str(tmp / 'model.safetensors'))
         if optimizer_state is not None:
-            (tmp/'optimizer').mkdir()
-            shards = optimizer_state['shards'] if 'shards' in optimizer_state else {'all': optimizer_state}
-            for key, s in shards.items(): torch.save({'key': key, 'state': to_host(s)}, tmp/'optimizer'/f'shard_{key}.pt')
-        torch.save(rng_state(), tmp/'rng.pt')
-        (tmp/'config.yaml').write_text(config_yaml)
-        (tmp/'provenance.json').write_text(json.dumps(provenance, indent=1))
-        (tmp/'state.json').write_text(json.dumps(dict(state, step=step), indent=1))
-        _write_manifest(tmp)                                   # written last: marks completeness
-        dst = root/name
-        if dst.exists(): shutil.rmtree(dst)
+            (tmp / 'optimizer').mkdir()
+            shards = (
+                optimizer_state['shards']
+                if 'shards' in optimizer_state
+                else {'all': optimizer_state}
+            )
+            for key, s in shards.items():
+                torch.save({'key': key, 'state': to_host(s)}, tmp / 'optimizer' / f'shard_{key}.pt')
+        torch.save(rng_state(), tmp / 'rng.pt')
+        (tmp / 'config.yaml').write_text(config_yaml)
+        (tmp / 'provenance.json').write_text(json.dumps(provenance, indent=1))
+        (tmp / 'state.json').write_text(json.dumps(dict(state, step=step), indent=1))
+        _write_manifest(tmp)  # written last: marks completeness
+        dst = root / name
+        if dst.exists():
+            shutil.rmtree(dst)
         os.rename(tmp, dst)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True); raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     point_latest(root, name)
-    for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []: shutil.rmtree(old, ignore_errors=True)
+    for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
     return dst
 
 # %% ../nbs/15_checkpoint.ipynb #548bf2f2
 def verify_checkpoint(path) -> dict:
-    "Check every file against `manifest.json` (present, size, SHA-256, nothing unlisted); the manifest, or CheckpointError naming the file."
+    """Check every file against `manifest.json` (present, size, SHA-256, nothing unlisted); the
+    manifest, or CheckpointError naming the file."""
     p = Path(path)
-    mf = p/'manifest.json'
-    if not mf.exists(): raise CheckpointError(f"{p}: not a complete checkpoint (no manifest.json)")
-    try: files = read_json(mf, 'checkpoint_manifest')['files']
-    except ValueError as e: raise CheckpointError(f"unreadable manifest: {e}") from e
+    mf = p / 'manifest.json'
+    if not mf.exists():
+        raise CheckpointError(f"{p}: not a complete checkpoint (no manifest.json)")
+    try:
+        files = read_json(mf, 'checkpoint_manifest')['files']
+    except ValueError as e:
+        raise CheckpointError(f"unreadable manifest: {e}") from e
     for rel, meta in files.items():
-        f = p/rel
-        if not f.is_file(): raise CheckpointError(f"{f}: listed in the manifest but missing")
-        if f.stat().st_size != meta['bytes']: raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {meta['bytes']}")
-        if sha256_file(f) != meta['sha256']: raise CheckpointError(f"{f}: SHA-256 differs from the manifest (corrupt)")
-    extra = sorted(q.relative_to(p).as_posix() for q in p.rglob('*') if q.is_file() and q.name != 'manifest.json')
+        f = p / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f}: listed in the manifest but missing")
+        if f.stat().st_size != meta['bytes']:
+            raise CheckpointError(
+                f"{f}: {f.stat().st_size} bytes, the manifest says {meta['bytes']}"
+            )
+        if sha256_file(f) != meta['sha256']:
+            raise CheckpointError(f"{f}: SHA-256 differs from the manifest (corrupt)")
+    extra = sorted(
+        q.relative_to(p).as_posix()
+        for q in p.rglob('*')
+        if q.is_file() and q.name != 'manifest.json'
+    )
     extra = [e for e in extra if e not in files]
-    if extra: raise CheckpointError(f"{p}: files not in the manifest: {extra[:5]}")
+    if extra:
+        raise CheckpointError(f"{p}: files not in the manifest: {extra[:5]}")
     return files
 
+# %% ../nbs/15_checkpoint.ipynb #cd3d41ec
 def _read(path: Path, fn):
-    try: return fn(path)
-    except Exception as e: raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
+    try:
+        return fn(path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
 
+# %% ../nbs/15_checkpoint.ipynb #5b90982a
 def load_checkpoint(path, check_finite: bool = True) -> dict:
-    "Verify, then load everything `save_checkpoint` wrote: `model`, `optimizer` (`{'shards': ...}`), `state`, `rng`, `config_yaml`, `provenance`; `no_optimizer_state`: the shards saved without optimizer state, with the reason."
+    """Verify, then load everything `save_checkpoint` wrote: `model`, `optimizer` (`{'shards':
+    ...}`), `state`, `rng`, `config_yaml`, `provenance`; `no_optimizer_state`: the shards saved
+    without optimizer state, with the reason."""
     p = Path(path)
     files = verify_checkpoint(p)
     shards = {}
     for rel in sorted(f for f in files if f.startswith('optimizer/')):
-        s = _read(p/rel, lambda f: torch.load(f, map_location='cpu', weights_only=False))   # host tensors, whatever saved them
+        s = _read(
+            p / rel, lambda f: torch.load(f, map_location='cpu', weights_only=False)
+        )  # host tensors, whatever saved them
         shards[s['key']] = s['state']
     opt = None if not shards else shards['all'] if list(shards) == ['all'] else {'shards': shards}
-    out = {'model': _read(p/'model.safetensors', lambda f: load_file(str(f))), 'optimizer': opt,
-           'state': _read(p/'state.json', lambda f: read_json(f, 'checkpoint_state')),
-           'rng': _read(p/'rng.pt', lambda f: torch.load(f, map_location='cpu', weights_only=False)),
-           'config_yaml': (p/'config.yaml').read_text(), 'provenance': _read(p/'provenance.json', lambda f: read_json(f, 'object')),
-           'path': str(p)}
-    if check_finite and (bad := nonfinite_tensors(out['model']) + nonfinite_tensors(opt or {}, 'optimizer')):
-        raise CheckpointError(f"{p/'model.safetensors'}: non-finite tensors {bad[:8]}")
-    out['no_optimizer_state'] = check_optimizer_markers(opt, out['state'], str(p/'optimizer'))
+    out = {
+        'model': _read(p / 'model.safetensors', lambda f: load_file(str(f))),
+        'optimizer': opt,
+        'state': _read(p / 'state.json', lambda f: read_json(f, 'checkpoint_state')),
+        'rng': _read(p / 'rng.pt', lambda f: torch.load(f, map_location='cpu', weights_only=False)),
+        'config_yaml': (p / 'config.yaml').read_text(),
+        'provenance': _read(p / 'provenance.json', lambda f: read_json(f, 'object')),
+        'path': str(p),
+    }
+    if check_finite and (
+        bad := nonfinite_tensors(out['model']) + nonfinite_tensors(opt or {}, 'optimizer')
+    ):
+        raise CheckpointError(f"{p / 'model.safetensors'}: non-finite tensors {bad[:8]}")
+    out['no_optimizer_state'] = check_optimizer_markers(opt, out['state'], str(p / 'optimizer'))
     return out
 
+# %% ../nbs/15_checkpoint.ipynb #1cd4e95b
 def point_latest(ckpt_root, name: str):
     "Move `latest` to checkpoint `name`, atomically."
-    root = Path(ckpt_root); tmp = root/f'.latest.{os.getpid()}'
-    tmp.write_text(name); os.replace(tmp, root/'latest')
+    root = Path(ckpt_root)
+    tmp = root / f'.latest.{os.getpid()}'
+    tmp.write_text(name)
+    os.replace(tmp, root / 'latest')
 
 # %% ../nbs/15_checkpoint.ipynb #3ebcf961
 def load_latest(ckpt_root, check_finite: bool = True) -> dict | None:
-    "The newest checkpoint that verifies and loads, from the one `latest` names down; every checkpoint passed over is warned and listed in `skipped` (why), and `latest` the name the pointer held. None if there is none."
+    """The newest checkpoint that verifies and loads, from the one `latest` names down; every
+    checkpoint passed over is warned and listed in `skipped` (why), and `latest` the name the
+    pointer held. None if there is none."""
     root = Path(ckpt_root)
     problems = []
+
     def skip(why):
-        problems.append(why); warnings.warn(f"{root}: {why}")
-    incomplete = sorted(p.name for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)
-                        and not (p/'manifest.json').exists()) if root.exists() else []
-    for name in incomplete: skip(f"{name}: no manifest.json, so not a complete checkpoint (a damaged or partly deleted one); not used")
-    named = (root/'latest').read_text().strip() if (root/'latest').exists() else None
+        problems.append(why)
+        warnings.warn(f"{root}: {why}")
+
+    incomplete = (
+        sorted(
+            p.name
+            for p in root.iterdir()
+            if p.is_dir() and _STEP_DIR.match(p.name) and not (p / 'manifest.json').exists()
+        )
+        if root.exists()
+        else []
+    )
+    for name in incomplete:
+        skip(
+            f"{name}: no manifest.json, so not a complete checkpoint (a damaged or partly deleted "
+            "one); not used"
+        )
+    named = (root / 'latest').read_text().strip() if (root / 'latest').exists() else None
     cands = list_checkpoints(root)
     first = latest_checkpoint(root)
     if named is not None and (first is None or first.name != named):
-        skip(f"latest names {named!r}, which is not a complete checkpoint; taking the newest complete one instead")
+        skip(
+            f"latest names {named!r}, which is not a complete checkpoint; taking the newest "
+            "complete one instead"
+        )
     if first is not None:
         step = lambda c: int(_STEP_DIR.match(c.name).group(1))
         for c in cands:
             if step(c) > step(first):
-                skip(f"{c.name}: newer than {first.name}, which latest names (a save stopped before it moved latest); not used")
+                skip(
+                    f"{c.name}: newer than {first.name}, which latest names (a save stopped "
+                    "before it moved latest); not used"
+                )
         cands = [c for c in cands if step(c) < step(first)] + [first]
     for c in reversed(cands):
-        try: ck = load_checkpoint(c, check_finite)
+        try:
+            ck = load_checkpoint(c, check_finite)
         except CheckpointError as e:
-            problems.append(str(e)); warnings.warn(f"skipping checkpoint {c.name}: {e}"); continue
+            problems.append(str(e))
+            warnings.warn(f"skipping checkpoint {c.name}: {e}")
+            continue
         ck['skipped'], ck['latest'] = problems, named
         return ck
-    if problems: raise CheckpointError(f"{root}: no intact checkpoint; " + ' | '.join(problems))
+    if problems:
+        raise CheckpointError(f"{root}: no intact checkpoint; " + ' | '.join(problems))
     return None
 
 # %% ../nbs/15_checkpoint.ipynb #eb13ff1c
 class RunLockedError(RuntimeError):
     "Another process (or trainer) holds the run directory's lock."
 
+
 class RunLock:
     "An exclusive lock on a run directory; `release()` (or process exit) frees it."
+
     def __init__(self, run_dir):
-        self.path = Path(run_dir)/'.lock'; self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(run_dir) / '.lock'
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, 'a+')
-        try: fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._f.seek(0); holder = self._f.read().strip() or 'unknown holder'; self._f.close(); self._f = None
-            raise RunLockedError(f"{self.path.parent}: another trainer holds this run directory ({holder}); "
-                                 "stop it, or use another run directory") from None
-        self._f.seek(0); self._f.truncate()
-        self._f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+            self._f.seek(0)
+            holder = self._f.read().strip() or 'unknown holder'
+            self._f.close()
+            self._f = None
+            raise RunLockedError(
+                f"{self.path.parent}: another trainer holds this run directory ({holder}); "
+                "stop it, or use another run directory"
+            ) from None
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(
+            f"pid {os.getpid()} on {socket.gethostname()} since "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+        )
         self._f.flush()
 
     def release(self):
         if self._f is not None:
-            fcntl.flock(self._f, fcntl.LOCK_UN); self._f.close(); self._f = None
+            fcntl.flock(self._f, fcntl.LOCK_UN)
+            self._f.close()
+            self._f = None
 
 # %% ../nbs/15_checkpoint.ipynb #6b52344c
 WEIGHTS_FILE = 'memagent_weights.json'
-FINGERPRINT_PROMPT = tuple(range(10, 42))   # 32 token ids every vocabulary holds
+FINGERPRINT_PROMPT = tuple(range(10, 42))  # 32 token ids every vocabulary holds
 FINGERPRINT_TOKENS = 4
 
+
 def tensors_sha256(model_dir) -> str:
-    "SHA-256 over every tensor of the `.safetensors` files in `model_dir`, in name order: name, dtype, shape and raw bytes (independent of sharding and file metadata)."
+    """SHA-256 over every tensor of the `.safetensors` files in `model_dir`, in name order: name,
+    dtype, shape and raw bytes (independent of sharding and file metadata)."""
     d = Path(model_dir)
     files = sorted(d.glob('*.safetensors'))
-    if not files: raise CheckpointError(f"{d}: no .safetensors files to hash")
+    if not files:
+        raise CheckpointError(f"{d}: no .safetensors files to hash")
     index = {}
     for f in files:
         with open(f, 'rb') as fh:
             n = int.from_bytes(fh.read(8), 'little')
-            try: header = json.loads(fh.read(n))
-            except ValueError as e: raise CheckpointError(f"{f}: unreadable safetensors header ({e})") from e
+            try:
+                header = json.loads(fh.read(n))
+            except ValueError as e:
+                raise CheckpointError(f"{f}: unreadable safetensors header ({e})") from e
         for name, meta in header.items():
-            if name == '__metadata__': continue
-            if name in index: raise CheckpointError(f"{d}: tensor {name!r} is in both {index[name][0].name} and {f.name}")
+            if name == '__metadata__':
+                continue
+            if name in index:
+                raise CheckpointError(
+                    f"{d}: tensor {name!r} is in both {index[name][0].name} and {f.name}"
+                )
             index[name] = (f, 8 + n, meta)
     h = hashlib.sha256()
     for name in sorted(index):
@@ -268,59 +435,97 @@ def tensors_sha256(model_dir) -> str:
         h.update(json.dumps([name, meta['dtype'], meta['shape']]).encode())
         lo, hi = meta['data_offsets']
         with open(f, 'rb') as fh:
-            fh.seek(base + lo); left = hi - lo
+            fh.seek(base + lo)
+            left = hi - lo
             while left:
                 b = fh.read(min(left, 1 << 24))
-                if not b: raise CheckpointError(f"{f}: tensor {name!r} is cut short")
-                h.update(b); left -= len(b)
+                if not b:
+                    raise CheckpointError(f"{f}: tensor {name!r} is cut short")
+                h.update(b)
+                left -= len(b)
     return h.hexdigest()
 
-def model_fingerprint(model, prompt_ids=FINGERPRINT_PROMPT, n_tokens: int = FINGERPRINT_TOKENS) -> dict:
-    "Greedy continuation of a fixed prompt and its log-probs, as an engine returns them: what a server that cannot be read from disk is checked against."
+# %% ../nbs/15_checkpoint.ipynb #4ff3149d
+def model_fingerprint(
+    model, prompt_ids=FINGERPRINT_PROMPT, n_tokens: int = FINGERPRINT_TOKENS
+) -> dict:
+    """Greedy continuation of a fixed prompt and its log-probs, as an engine returns them: what a
+    server that cannot be read from disk is checked against."""
     from memagent.engines import HFEngine, SamplingParams
-    r = HFEngine(model).generate([list(prompt_ids)], SamplingParams(max_new_tokens=n_tokens, temperature=0.0))[0]
-    return {'prompt_ids': list(prompt_ids), 'output_ids': [int(t) for t in r.output_ids],
-            'logprobs': [float(x) for x in r.logprobs], 'dtype': str(next(model.parameters()).dtype)}
 
+    r = HFEngine(model).generate(
+        [list(prompt_ids)], SamplingParams(max_new_tokens=n_tokens, temperature=0.0)
+    )[0]
+    return {
+        'prompt_ids': list(prompt_ids),
+        'output_ids': [int(t) for t in r.output_ids],
+        'logprobs': [float(x) for x in r.logprobs],
+        'dtype': str(next(model.parameters()).dtype),
+    }
+
+# %% ../nbs/15_checkpoint.ipynb #62643787
 def read_weights_record(model_dir) -> dict | None:
-    "The weights record `export_hf` wrote in `model_dir` (`tensors_sha256`, `fingerprint`), or None when there is none."
-    p = Path(model_dir)/WEIGHTS_FILE
-    if not p.is_file(): return None
-    try: return read_json(p, 'object')
-    except ValueError as e: raise CheckpointError(f"unreadable weights record: {e}") from e
+    """The weights record `export_hf` wrote in `model_dir` (`tensors_sha256`, `fingerprint`), or
+    None when there is none."""
+    p = Path(model_dir) / WEIGHTS_FILE
+    if not p.is_file():
+        return None
+    try:
+        return read_json(p, 'object')
+    except ValueError as e:
+        raise CheckpointError(f"unreadable weights record: {e}") from e
 
 # %% ../nbs/15_checkpoint.ipynb #064862ef
-def export_hf(model, tokenizer, out_dir, provenance: dict | None = None, state_dict: dict | None = None,
-              identity: bool = True) -> Path:
-    "Write `model` (optionally with weights `state_dict`) and `tokenizer` as an HF directory, atomically; with `identity`, also `memagent_weights.json` (tensor hash and fingerprint)."
-    out = Path(out_dir); out.parent.mkdir(parents=True, exist_ok=True)
+def export_hf(
+    model,
+    tokenizer,
+    out_dir,
+    provenance: dict | None = None,
+    state_dict: dict | None = None,
+    identity: bool = True,
+) -> Path:
+    """Write `model` (optionally with weights `state_dict`) and `tokenizer` as an HF directory,
+    atomically; with `identity`, also `memagent_weights.json` (tensor hash and fingerprint)."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}-', dir=out.parent))
     try:
         model.save_pretrained(tmp, state_dict=state_dict)
-        if tokenizer is not None: tokenizer.save_pretrained(tmp)
-        if provenance is not None: (tmp/'memagent_provenance.json').write_text(json.dumps(provenance, indent=1))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if provenance is not None:
+            (tmp / 'memagent_provenance.json').write_text(json.dumps(provenance, indent=1))
         if identity:
             src = model
-            if state_dict is not None:                  # the written weights, not the model object's
+            if state_dict is not None:  # the written weights, not the model object's
                 from transformers import AutoModelForCausalLM
+
                 src = AutoModelForCausalLM.from_pretrained(tmp, dtype='auto')
-            rec = {'format': 1, 'tensors_sha256': tensors_sha256(tmp), 'fingerprint': model_fingerprint(src)}
-            (tmp/WEIGHTS_FILE).write_text(json.dumps(rec, indent=1))
-        if out.exists(): shutil.rmtree(out)
+            rec = {
+                'format': 1,
+                'tensors_sha256': tensors_sha256(tmp),
+                'fingerprint': model_fingerprint(src),
+            }
+            (tmp / WEIGHTS_FILE).write_text(json.dumps(rec, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
         os.rename(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True); raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 # %% ../nbs/15_checkpoint.ipynb #60c498d9
 def push_weights(engine, state_dict: dict, hf_model, tokenizer, sync_dir) -> float:
-    "Send the policy's `state_dict` to `engine` its way: an HF directory written to `sync_dir` when `engine.weight_sync` is 'disk', else the tensors; returns seconds."
+    """Send the policy's `state_dict` to `engine` its way: an HF directory written to `sync_dir`
+    when `engine.weight_sync` is 'disk', else the tensors; returns seconds."""
     route = engine.weight_sync
-    if route not in ('disk', 'tensor'): raise ValueError(f"engine.weight_sync must be 'disk' or 'tensor', got {route!r}")
+    if route not in ('disk', 'tensor'):
+        raise ValueError(f"engine.weight_sync must be 'disk' or 'tensor', got {route!r}")
     t0 = time.perf_counter()
-    if route == 'tensor': engine.sync_weights(state_dict=state_dict)
+    if route == 'tensor':
+        engine.sync_weights(state_dict=state_dict)
     else:
         export_hf(hf_model, tokenizer, sync_dir, state_dict=state_dict, identity=False)
         engine.sync_weights(path=Path(sync_dir))
     return time.perf_counter() - t0
-

@@ -14,49 +14,65 @@ __all__ = ['encode_text', 'Chunks', 'chunk_ids', 'trim_centre', 'encode_long', '
 
 # %% ../nbs/04_chunking.ipynb #6bfad10e
 def _plain_pipeline(tokenizer):
-    "The tokenizer's own normalizer, pre-tokenizer and model (shared, not copied) in a `tokenizers.Tokenizer` with no added tokens."
+    """The tokenizer's own normalizer, pre-tokenizer and model (shared, not copied) in a
+    `tokenizers.Tokenizer` with no added tokens."""
     b = getattr(tokenizer, 'backend_tokenizer', None)
     if b is None:
-        raise TypeError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} ({type(tokenizer).__name__}) has no `tokenizers` "
-                        "backend: encoding text without its added tokens needs a fast tokenizer")
+        raise TypeError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} "
+            f"({type(tokenizer).__name__}) has no `tokenizers` "
+            "backend: encoding text without its added tokens needs a fast tokenizer"
+        )
     t = Tokenizer(b.model)
-    if b.normalizer is not None: t.normalizer = b.normalizer
-    if b.pre_tokenizer is not None: t.pre_tokenizer = b.pre_tokenizer
+    if b.normalizer is not None:
+        t.normalizer = b.normalizer
+    if b.pre_tokenizer is not None:
+        t.pre_tokenizer = b.pre_tokenizer
     return t
 
+
 def encode_text(tokenizer, text: str) -> list:
-    "Ids of `text` as plain text: no special tokens added, and the text of every added token (special or not) encoded as ordinary pieces."
-    if not isinstance(text, str): raise TypeError(f"text must be a string, got {type(text).__name__}")
+    """Ids of `text` as plain text: no special tokens added, and the text of every added token
+    (special or not) encoded as ordinary pieces."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a string, got {type(text).__name__}")
     return _plain_pipeline(tokenizer).encode(text, add_special_tokens=False).ids
 
 # %% ../nbs/04_chunking.ipynb #847e3868
 @dataclass
 class Chunks:
     "Kept chunks of one document plus the disclosure of everything not kept."
-    texts: list | None            # decoded text of each kept chunk (None when no tokenizer was given)
-    token_ids: list               # ids of each kept chunk
-    token_counts: list            # len of each kept chunk
-    num_chunks: int               # chunks kept (<= max_chunks)
-    total_chunks: int             # chunks the (trimmed) document makes
-    total_tokens: int             # tokens of the whole document, before any trim
-    truncated: bool               # True if any chunk was dropped by max_chunks
-    dropped_chunks: int           # total_chunks - num_chunks
-    dropped_tokens: int           # tokens in the dropped chunks
-    trimmed_tokens: int = 0       # tokens removed by a centre trim before chunking
-    hard_splits: int = 0          # text slices cut without a safe boundary
+
+    texts: list | None  # decoded text of each kept chunk (None when no tokenizer was given)
+    token_ids: list  # ids of each kept chunk
+    token_counts: list  # len of each kept chunk
+    num_chunks: int  # chunks kept (<= max_chunks)
+    total_chunks: int  # chunks the (trimmed) document makes
+    total_tokens: int  # tokens of the whole document, before any trim
+    truncated: bool  # True if any chunk was dropped by max_chunks
+    dropped_chunks: int  # total_chunks - num_chunks
+    dropped_tokens: int  # tokens in the dropped chunks
+    trimmed_tokens: int = 0  # tokens removed by a centre trim before chunking
+    hard_splits: int = 0  # text slices cut without a safe boundary
 
     def check(self):
         "Raise if the counts are inconsistent."
-        assert self.num_chunks == len(self.token_ids) == len(self.token_counts), 'chunk count mismatch'
+        assert self.num_chunks == len(self.token_ids) == len(self.token_counts), (
+            'chunk count mismatch'
+        )
         assert self.texts is None or len(self.texts) == self.num_chunks, 'texts/chunks mismatch'
         assert self.num_chunks + self.dropped_chunks == self.total_chunks, 'chunk accounting'
-        assert sum(self.token_counts) + self.dropped_tokens + self.trimmed_tokens == self.total_tokens, 'token accounting'
+        assert (
+            sum(self.token_counts) + self.dropped_tokens + self.trimmed_tokens == self.total_tokens
+        ), 'token accounting'
         assert self.truncated == (self.dropped_chunks > 0), 'truncated flag'
         return self
 
     def summary(self) -> dict:
         "Everything but the ids and texts (what a trajectory or a log records)."
-        d = asdict(self); d.pop('texts'); d.pop('token_ids')
+        d = asdict(self)
+        d.pop('texts')
+        d.pop('token_ids')
         return d
 
 # %% ../nbs/04_chunking.ipynb #ba81a43c
@@ -64,54 +80,84 @@ def _as_list(x) -> list:
     "Plain Python ints from a list, array or numpy slice."
     return x.tolist() if hasattr(x, 'tolist') else list(x)
 
-def chunk_ids(ids, chunk_tokens: int, max_chunks: int | None = None, tokenizer=None, total_tokens: int | None = None,
-              trimmed_tokens: int = 0, hard_splits: int = 0) -> Chunks:
-    "Cut `ids` into consecutive `chunk_tokens`-sized chunks, keep the first `max_chunks`, disclose the rest."
-    if not isinstance(chunk_tokens, int) or chunk_tokens <= 0: raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+
+def chunk_ids(
+    ids,
+    chunk_tokens: int,
+    max_chunks: int | None = None,
+    tokenizer=None,
+    total_tokens: int | None = None,
+    trimmed_tokens: int = 0,
+    hard_splits: int = 0,
+) -> Chunks:
+    """Cut `ids` into consecutive `chunk_tokens`-sized chunks, keep the first `max_chunks`, disclose
+    the rest."""
+    if not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     if max_chunks is not None and (not isinstance(max_chunks, int) or max_chunks < 0):
         raise ValueError(f"max_chunks must be None or an int >= 0, got {max_chunks!r}")
     n = len(ids)
     total = math.ceil(n / chunk_tokens)
     kept = total if max_chunks is None else min(total, max_chunks)
-    chunks = [_as_list(ids[i*chunk_tokens:(i+1)*chunk_tokens]) for i in range(kept)]
+    chunks = [_as_list(ids[i * chunk_tokens : (i + 1) * chunk_tokens]) for i in range(kept)]
     counts = [len(c) for c in chunks]
     texts = None if tokenizer is None else [tokenizer.decode(c) for c in chunks]
-    return Chunks(texts=texts, token_ids=chunks, token_counts=counts, num_chunks=kept, total_chunks=total,
-                  total_tokens=n + trimmed_tokens if total_tokens is None else total_tokens,
-                  truncated=kept < total, dropped_chunks=total - kept, dropped_tokens=n - sum(counts),
-                  trimmed_tokens=trimmed_tokens, hard_splits=hard_splits).check()
+    return Chunks(
+        texts=texts,
+        token_ids=chunks,
+        token_counts=counts,
+        num_chunks=kept,
+        total_chunks=total,
+        total_tokens=n + trimmed_tokens if total_tokens is None else total_tokens,
+        truncated=kept < total,
+        dropped_chunks=total - kept,
+        dropped_tokens=n - sum(counts),
+        trimmed_tokens=trimmed_tokens,
+        hard_splits=hard_splits,
+    ).check()
 
 # %% ../nbs/04_chunking.ipynb #58541203
 def trim_centre(ids, max_tokens: int):
-    "Keep the first `max_tokens//2` and the last `max_tokens - max_tokens//2` ids if `ids` is longer than `max_tokens`."
-    if max_tokens < 0: raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if len(ids) <= max_tokens: return ids
+    """Keep the first `max_tokens//2` and the last `max_tokens - max_tokens//2` ids if `ids` is
+    longer than `max_tokens`."""
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if len(ids) <= max_tokens:
+        return ids
     head = max_tokens // 2
     tail = max_tokens - head
-    if isinstance(ids, (list, tuple, array)): return ids[:head] + ids[len(ids) - tail:]
+    if isinstance(ids, (list, tuple, array)):
+        return ids[:head] + ids[len(ids) - tail :]
     import numpy as np
-    return np.concatenate([ids[:head], ids[len(ids) - tail:]])
+
+    return np.concatenate([ids[:head], ids[len(ids) - tail :]])
 
 # %% ../nbs/04_chunking.ipynb #3126cde0
 _SAFE_CUT = re.compile(r'[^\W_](?=\s)')
 
+
 def _slices(text: str, piece_chars: int = 100_000):
-    "Yield (slice, hard) pieces of `text` of about `piece_chars` chars, cut before whitespace that follows a letter/digit."
+    """Yield (slice, hard) pieces of `text` of about `piece_chars` chars, cut before whitespace that
+    follows a letter/digit."""
     start, n = 0, len(text)
     while n - start > piece_chars:
         lo, hi = start + piece_chars // 2, start + piece_chars
         cut = None
-        for m in _SAFE_CUT.finditer(text, lo, hi): cut = m.end()
+        for m in _SAFE_CUT.finditer(text, lo, hi):
+            cut = m.end()
         if cut is None or cut <= start:
             yield text[start:hi], True
             start = hi
         else:
             yield text[start:cut], False
             start = cut
-    if start < n: yield text[start:], False
+    if start < n:
+        yield text[start:], False
+
 
 def encode_long(text: str, tokenizer, piece_chars: int = 100_000) -> tuple:
-    "Plain-text token ids of `text` (`encode_text`: no added token matched) as a compact `array('I')`, encoded in slices; returns (ids, hard_splits)."
+    """Plain-text token ids of `text` (`encode_text`: no added token matched) as a compact
+    `array('I')`, encoded in slices; returns (ids, hard_splits)."""
     ids, hard = array('I'), 0
     for piece, h in _slices(text, piece_chars):
         hard += h
@@ -119,24 +165,44 @@ def encode_long(text: str, tokenizer, piece_chars: int = 100_000) -> tuple:
     return ids, hard
 
 # %% ../nbs/04_chunking.ipynb #23b05b91
-def chunk_document(text: str, tokenizer, chunk_tokens: int, max_chunks: int | None = None,
-                   max_context_tokens: int | None = None, piece_chars: int = 100_000) -> Chunks:
-    "Tokenize `text` in slices, optionally centre-trim to `max_context_tokens`, chunk, keep the first `max_chunks`."
-    if not isinstance(text, str): raise TypeError(f"document text must be a string, got {type(text).__name__}")
+def chunk_document(
+    text: str,
+    tokenizer,
+    chunk_tokens: int,
+    max_chunks: int | None = None,
+    max_context_tokens: int | None = None,
+    piece_chars: int = 100_000,
+) -> Chunks:
+    """Tokenize `text` in slices, optionally centre-trim to `max_context_tokens`, chunk, keep the
+    first `max_chunks`."""
+    if not isinstance(text, str):
+        raise TypeError(f"document text must be a string, got {type(text).__name__}")
     ids, hard = encode_long(text, tokenizer, piece_chars)
     total, trimmed = len(ids), 0
     if max_context_tokens is not None and total > max_context_tokens:
         ids = trim_centre(ids, max_context_tokens)
         trimmed = total - len(ids)
-    return chunk_ids(ids, chunk_tokens, max_chunks, tokenizer, total_tokens=total, trimmed_tokens=trimmed, hard_splits=hard)
+    return chunk_ids(
+        ids,
+        chunk_tokens,
+        max_chunks,
+        tokenizer,
+        total_tokens=total,
+        trimmed_tokens=trimmed,
+        hard_splits=hard,
+    )
 
 # %% ../nbs/04_chunking.ipynb #cbb47306
 def chunk_texts_of(ck, tokenizer):
     "A cached `example -> chunk texts`, cut as the rollout cuts them under chunking config `ck`."
     trim = ck.max_context_tokens if ck.context_trim == 'centre' else None
     cache = {}
+
     def texts(ex):
         if ex['id'] not in cache:
-            cache[ex['id']] = chunk_document(ex['context'], tokenizer, ck.chunk_tokens, ck.max_chunks, max_context_tokens=trim).texts
+            cache[ex['id']] = chunk_document(
+                ex['context'], tokenizer, ck.chunk_tokens, ck.max_chunks, max_context_tokens=trim
+            ).texts
         return cache[ex['id']]
+
     return texts

@@ -17,38 +17,83 @@ __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placem
            'launch_servers', 'engine_cmd', 'launch_engines', 'trainer_engine', 'make_group']
 
 # %% ../nbs/08a_colocate.ipynb #8fb7941c
-TRAIN_SHARE, SERVER_SHARE, PROBE_SHARE = 0.5, 0.2, 0.1    # of a bundle's GPU (and CPU): trainer rank, server actor, start-up probe
+TRAIN_SHARE, SERVER_SHARE, PROBE_SHARE = (
+    0.5,
+    0.2,
+    0.1,
+)  # of a bundle's GPU (and CPU): trainer rank, server actor, start-up probe
 
 # %% ../nbs/08a_colocate.ipynb #e12b6896
 class Placement:
-    "The training GPUs as one Ray placement group: a bundle per GPU, ranks and engines mapped onto the bundles in (node, GPU) order."
-    def __init__(self, n_gpus: int, gpus_per_engine: int = 1, use_gpu: bool | None = None, timeout_s: float = 300.0):
+    """The training GPUs as one Ray placement group: a bundle per GPU, ranks and engines mapped onto
+    the bundles in (node, GPU) order."""
+
+    def __init__(
+        self,
+        n_gpus: int,
+        gpus_per_engine: int = 1,
+        use_gpu: bool | None = None,
+        timeout_s: float = 300.0,
+    ):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
-        if not (isinstance(n_gpus, int) and isinstance(gpus_per_engine, int) and n_gpus >= 1 and gpus_per_engine >= 1
-                and n_gpus % gpus_per_engine == 0):
-            raise ValueError(f"n_gpus={n_gpus!r} must be a positive multiple of gpus_per_engine={gpus_per_engine!r}")
-        if not ray.is_initialized(): raise RuntimeError("Placement needs a running Ray (ray.init, or memagent.transfer.ensure_ray)")
+
+        if not (
+            isinstance(n_gpus, int)
+            and isinstance(gpus_per_engine, int)
+            and n_gpus >= 1
+            and gpus_per_engine >= 1
+            and n_gpus % gpus_per_engine == 0
+        ):
+            raise ValueError(
+                f"n_gpus={n_gpus!r} must be a positive multiple of "
+                f"gpus_per_engine={gpus_per_engine!r}"
+            )
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "Placement needs a running Ray (ray.init, or memagent.transfer.ensure_ray)"
+            )
         self.n_gpus, self.gpus_per_engine = n_gpus, gpus_per_engine
         have = ray.cluster_resources()
         self.use_gpu = cluster_gpus(have) > 0 if use_gpu is None else use_gpu
         self.bundle = {'GPU': 1, 'CPU': 1} if self.use_gpu else {'CPU': 1}
-        require_resources({k: v * n_gpus for k, v in self.bundle.items()}, f"the colocated layout ({n_gpus} bundles of {self.bundle})", have)
+        require_resources(
+            {k: v * n_gpus for k, v in self.bundle.items()},
+            f"the colocated layout ({n_gpus} bundles of {self.bundle})",
+            have,
+        )
         self.pg = placement_group([dict(self.bundle) for _ in range(n_gpus)], strategy='PACK')
         if not self.pg.wait(timeout_s):
             remove_placement_group(self.pg)
-            raise TimeoutError(f"placement group of {n_gpus} bundles {self.bundle} not ready after {timeout_s}s; "
-                               f"the cluster has {ray.cluster_resources()}")
-        probe = ray.remote(bundle_info)       # memagent.devices imports no torch: each probe costs a worker start only
-        info = ray.get([probe.options(**self._on(b, PROBE_SHARE)).remote() for b in range(n_gpus)], timeout=timeout_s)
-        self.order = sorted(range(n_gpus), key=lambda b: (info[b][0], [int(g) if g.isdigit() else g for g in info[b][1]], b))
+            raise TimeoutError(
+                f"placement group of {n_gpus} bundles {self.bundle} not ready after {timeout_s}s; "
+                f"the cluster has {ray.cluster_resources()}"
+            )
+        probe = ray.remote(
+            bundle_info
+        )  # memagent.devices imports no torch: each probe costs a worker start only
+        info = ray.get(
+            [probe.options(**self._on(b, PROBE_SHARE)).remote() for b in range(n_gpus)],
+            timeout=timeout_s,
+        )
+        self.order = sorted(
+            range(n_gpus),
+            key=lambda b: (info[b][0], [int(g) if g.isdigit() else g for g in info[b][1]], b),
+        )
         self.nodes = [info[b][0] for b in self.order]
         self.gpu_ids = [info[b][1] for b in self.order]
-        split = [e for e in range(self.n_engines) if len({self.nodes[r] for r in self.engine_ranks(e)}) > 1]
+        split = [
+            e
+            for e in range(self.n_engines)
+            if len({self.nodes[r] for r in self.engine_ranks(e)}) > 1
+        ]
         if split:
             self.remove()
-            raise RuntimeError(f"engines {split} would span nodes ({[sorted({self.nodes[r] for r in self.engine_ranks(e)}) for e in split]}); "
-                               f"gpus_per_engine={gpus_per_engine} must fit on one node")
+            raise RuntimeError(
+                f"engines {split} would span nodes "
+                f"({[sorted({self.nodes[r] for r in self.engine_ranks(e)}) for e in split]}); "
+                f"gpus_per_engine={gpus_per_engine} must fit on one node"
+            )
 
     @classmethod
     def from_config(cls, cfg, use_gpu: bool | None = None, timeout_s: float = 300.0) -> 'Placement':
@@ -56,21 +101,31 @@ class Placement:
         return cls(cfg.batch.n_gpus, cfg.rollout.gpus_per_engine, use_gpu, timeout_s)
 
     @property
-    def n_engines(self) -> int: return self.n_gpus // self.gpus_per_engine
+    def n_engines(self) -> int:
+        return self.n_gpus // self.gpus_per_engine
 
     def _on(self, bundle: int, share: float) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        return {'scheduling_strategy': PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle),
-                'num_cpus': share, 'num_gpus': share if self.use_gpu else 0}
+
+        return {
+            'scheduling_strategy': PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=bundle
+            ),
+            'num_cpus': share,
+            'num_gpus': share if self.use_gpu else 0,
+        }
 
     def train_options(self, rank: int) -> dict:
-        "Keyword arguments of `ActorClass.options(...)` for trainer rank `rank`: its bundle and its share of that GPU."
-        if not 0 <= rank < self.n_gpus: raise ValueError(f"rank {rank} outside [0, {self.n_gpus})")
+        """Keyword arguments of `ActorClass.options(...)` for trainer rank `rank`: its bundle and
+        its share of that GPU."""
+        if not 0 <= rank < self.n_gpus:
+            raise ValueError(f"rank {rank} outside [0, {self.n_gpus})")
         return self._on(self.order[rank], TRAIN_SHARE)
 
     def engine_ranks(self, engine: int) -> list[int]:
         "The trainer ranks whose GPUs engine `engine` uses."
-        if not 0 <= engine < self.n_engines: raise ValueError(f"engine {engine} outside [0, {self.n_engines})")
+        if not 0 <= engine < self.n_engines:
+            raise ValueError(f"engine {engine} outside [0, {self.n_engines})")
         g = self.gpus_per_engine
         return list(range(engine * g, (engine + 1) * g))
 
@@ -79,30 +134,58 @@ class Placement:
         return [self.order[r] for r in self.engine_ranks(engine)]
 
     def engine_options(self, engine: int) -> dict:
-        "Keyword arguments of `ActorClass.options(...)` for the actor running engine `engine`'s server: its first bundle."
+        """Keyword arguments of `ActorClass.options(...)` for the actor running engine `engine`'s
+        server: its first bundle."""
         return self._on(self.engine_bundles(engine)[0], SERVER_SHARE)
 
     def engine_env(self, engine: int) -> dict:
-        "The server's environment: `CUDA_VISIBLE_DEVICES` naming every GPU of the engine (nothing on a CPU cluster)."
-        if not self.use_gpu: return {}
-        return {'CUDA_VISIBLE_DEVICES': ','.join(self.gpu_ids[r][0] for r in self.engine_ranks(engine))}
+        """The server's environment: `CUDA_VISIBLE_DEVICES` naming every GPU of the engine (nothing
+        on a CPU cluster)."""
+        if not self.use_gpu:
+            return {}
+        return {
+            'CUDA_VISIBLE_DEVICES': ','.join(self.gpu_ids[r][0] for r in self.engine_ranks(engine))
+        }
 
     def remove(self) -> None:
         "Give the bundles back to the cluster."
         from ray.util.placement_group import remove_placement_group
+
         remove_placement_group(self.pg)
 
 # %% ../nbs/08a_colocate.ipynb #9e5bdcab
-HOST, PORT = '{host}', '{port}'          # placeholders in a server command: the actor's node address, a free port there
+HOST, PORT = (
+    '{host}',
+    '{port}',
+)  # placeholders in a server command: the actor's node address, a free port there
+
 
 class EngineServer:
-    "One inference server run by a Ray actor: `cmd` through `ServerProcess` on the actor's node, with `HOST`/`PORT` filled in."
-    def __init__(self, cmd, env: dict | None = None, log_dir=None, startup_timeout_s: float = 900.0, grace_s: float = 30.0):
+    """One inference server run by a Ray actor: `cmd` through `ServerProcess` on the actor's node,
+    with `HOST`/`PORT` filled in."""
+
+    def __init__(
+        self,
+        cmd,
+        env: dict | None = None,
+        log_dir=None,
+        startup_timeout_s: float = 900.0,
+        grace_s: float = 30.0,
+    ):
         import ray
-        self.host, self.port, self.env = ray.util.get_node_ip_address(), free_port(), dict(env or {})
-        self.cmd = [self.host if a == HOST else str(self.port) if a == PORT else str(a) for a in cmd]
+
+        self.host, self.port, self.env = (
+            ray.util.get_node_ip_address(),
+            free_port(),
+            dict(env or {}),
+        )
+        self.cmd = [
+            self.host if a == HOST else str(self.port) if a == PORT else str(a) for a in cmd
+        ]
         log = Path(log_dir or tempfile.gettempdir()) / f"engine_{self.host}_{self.port}.log"
-        self.server = ServerProcess(self.cmd, f"http://{self.host}:{self.port}", log, startup_timeout_s, grace_s, self.env)
+        self.server = ServerProcess(
+            self.cmd, f"http://{self.host}:{self.port}", log, startup_timeout_s, grace_s, self.env
+        )
 
     def start(self) -> str:
         "Start the server and wait until it is healthy; its URL."
@@ -110,43 +193,76 @@ class EngineServer:
         return self.server.url
 
     def info(self) -> dict:
-        "Where the server runs: URL, node, placement group, process id, the environment it was given, its command and log."
+        """Where the server runs: URL, node, placement group, process id, the environment it was
+        given, its command and log."""
         import ray
+
         p = self.server.proc
-        return {'url': self.server.url, 'node': self.host, 'placement_group': ray.get_runtime_context().get_placement_group_id(),
-                'pid': p.pid if p is not None else None, 'env': self.env, 'cmd': self.cmd, 'log': str(self.server.log_path)}
+        return {
+            'url': self.server.url,
+            'node': self.host,
+            'placement_group': ray.get_runtime_context().get_placement_group_id(),
+            'pid': p.pid if p is not None else None,
+            'env': self.env,
+            'cmd': self.cmd,
+            'log': str(self.server.log_path),
+        }
 
     def stop(self) -> int | None:
         "Stop the server; its exit code."
         self.server.stop()
         return self.server.proc.returncode if self.server.proc is not None else None
 
+# %% ../nbs/08a_colocate.ipynb #42d9bb70
 class EngineServers:
-    "The server actors of one launch: their URLs and `info()`, and one `stop()` for all (stop every server, then end the actors)."
+    """The server actors of one launch: their URLs and `info()`, and one `stop()` for all (stop
+    every server, then end the actors)."""
+
     def __init__(self, actors: list):
         self.actors, self.urls = list(actors), []
 
     def info(self) -> list[dict]:
         import ray
+
         return ray.get([a.info.remote() for a in self.actors])
 
     def stop(self, timeout_s: float = 120.0) -> None:
         import ray
-        actors, self.actors = self.actors, []
-        try: ray.get([a.stop.remote() for a in actors], timeout=timeout_s)
-        finally:
-            for a in actors: ray.kill(a)
 
-def launch_servers(placement: Placement, cmds: list, log_dir=None, startup_timeout_s: float = 900.0,
-                   grace_s: float = 30.0) -> EngineServers:
-    "One `EngineServer` per engine of `placement`, running `cmds[e]`, started together; stopped again if any fails to start."
+        actors, self.actors = self.actors, []
+        try:
+            ray.get([a.stop.remote() for a in actors], timeout=timeout_s)
+        finally:
+            for a in actors:
+                ray.kill(a)
+
+# %% ../nbs/08a_colocate.ipynb #f6fe498d
+def launch_servers(
+    placement: Placement,
+    cmds: list,
+    log_dir=None,
+    startup_timeout_s: float = 900.0,
+    grace_s: float = 30.0,
+) -> EngineServers:
+    """One `EngineServer` per engine of `placement`, running `cmds[e]`, started together; stopped
+    again if any fails to start."""
     import ray
-    if len(cmds) != placement.n_engines: raise ValueError(f"{len(cmds)} commands for {placement.n_engines} engines")
+
+    if len(cmds) != placement.n_engines:
+        raise ValueError(f"{len(cmds)} commands for {placement.n_engines} engines")
     Actor = ray.remote(EngineServer)
-    servers = EngineServers([Actor.options(**placement.engine_options(e)).remote(cmd, placement.engine_env(e), log_dir,
-                                                                                startup_timeout_s, grace_s)
-                             for e, cmd in enumerate(cmds)])
-    try: servers.urls = ray.get([a.start.remote() for a in servers.actors], timeout=startup_timeout_s + 120)
+    servers = EngineServers(
+        [
+            Actor.options(**placement.engine_options(e)).remote(
+                cmd, placement.engine_env(e), log_dir, startup_timeout_s, grace_s
+            )
+            for e, cmd in enumerate(cmds)
+        ]
+    )
+    try:
+        servers.urls = ray.get(
+            [a.start.remote() for a in servers.actors], timeout=startup_timeout_s + 120
+        )
     except BaseException:
         servers.stop()
         raise
@@ -154,44 +270,94 @@ def launch_servers(placement: Placement, cmds: list, log_dir=None, startup_timeo
 
 # %% ../nbs/08a_colocate.ipynb #f01c2f91
 def engine_cmd(cfg, model_path, extra_args=(), python: str = sys.executable) -> list[str]:
-    "SGLang's command for one colocated engine of `cfg` (with `HOST`/`PORT` for its actor to fill in)."
+    """SGLang's command for one colocated engine of `cfg` (with `HOST`/`PORT` for its actor to fill
+    in)."""
     r = cfg.rollout
-    return sglang_server_cmd(model_path, PORT, HOST, r.gpus_per_engine, r.context_length, r.mem_fraction, cfg.model.dtype,
-                             ('--enable-memory-saver', *extra_args), python)
+    return sglang_server_cmd(
+        model_path,
+        PORT,
+        HOST,
+        r.gpus_per_engine,
+        r.context_length,
+        r.mem_fraction,
+        cfg.model.dtype,
+        ('--enable-memory-saver', *extra_args),
+        python,
+    )
 
-def launch_engines(cfg, placement: Placement, model_path, log_dir=None, extra_args=(), python: str = sys.executable,
-                   startup_timeout_s: float = 900.0) -> SGLangEngine:
+
+def launch_engines(
+    cfg,
+    placement: Placement,
+    model_path,
+    log_dir=None,
+    extra_args=(),
+    python: str = sys.executable,
+    startup_timeout_s: float = 900.0,
+) -> SGLangEngine:
     "Start `cfg`'s colocated SGLang engines on `placement`; the client, whose `close()` stops them."
     r = cfg.rollout
     if (placement.n_gpus, placement.gpus_per_engine) != (cfg.batch.n_gpus, r.gpus_per_engine):
-        raise ValueError(f"placement has {placement.n_gpus} GPUs in engines of {placement.gpus_per_engine}; the config asks for "
-                         f"batch.n_gpus={cfg.batch.n_gpus}, rollout.gpus_per_engine={r.gpus_per_engine}")
-    servers = launch_servers(placement, [engine_cmd(cfg, model_path, extra_args, python)] * placement.n_engines, log_dir,
-                             startup_timeout_s)
-    client = SGLangEngine(servers.urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
-                          concurrency=r.concurrency, colocated=True, tp_size=r.gpus_per_engine, weight_sync=r.weight_sync,
-                          on_close=servers.stop)
-    client.servers = servers             # where each engine runs (`servers.info()`): the launch report reads it
+        raise ValueError(
+            f"placement has {placement.n_gpus} GPUs in engines of {placement.gpus_per_engine}; "
+            "the config asks for "
+            f"batch.n_gpus={cfg.batch.n_gpus}, rollout.gpus_per_engine={r.gpus_per_engine}"
+        )
+    servers = launch_servers(
+        placement,
+        [engine_cmd(cfg, model_path, extra_args, python)] * placement.n_engines,
+        log_dir,
+        startup_timeout_s,
+    )
+    client = SGLangEngine(
+        servers.urls,
+        timeout_s=r.request_timeout_s,
+        max_retries=r.max_retries,
+        backoff_s=r.backoff_s,
+        concurrency=r.concurrency,
+        colocated=True,
+        tp_size=r.gpus_per_engine,
+        weight_sync=r.weight_sync,
+        on_close=servers.stop,
+    )
+    client.servers = (
+        servers  # where each engine runs (`servers.info()`): the launch report reads it
+    )
     return client
 
 # %% ../nbs/08a_colocate.ipynb #e2f1f32c
 def trainer_engine(cfg, tokenizer=None, placement=None, model_name=None):
-    "The trainer's engine: colocated SGLang engines on `placement` when `rollout.colocate`, else `engine_from_config(cfg)`."
-    if not cfg.rollout.colocate: return engine_from_config(cfg, model_name, tokenizer)
+    """The trainer's engine: colocated SGLang engines on `placement` when `rollout.colocate`, else
+    `engine_from_config(cfg)`."""
+    if not cfg.rollout.colocate:
+        return engine_from_config(cfg, model_name, tokenizer)
     if placement is None:
-        raise ValueError("rollout.colocate=True: trainer_engine needs placement= (a memagent.colocate.Placement of the "
-                         "training GPUs) to launch the SGLang engines on; set rollout.colocate=False to use rollout.sglang_urls")
+        raise ValueError(
+            "rollout.colocate=True: trainer_engine needs placement= (a "
+            "memagent.colocate.Placement of the "
+            "training GPUs) to launch the SGLang engines on; set rollout.colocate=False to use "
+            "rollout.sglang_urls"
+        )
     from memagent.models import model_dir
+
     return launch_engines(cfg, placement, model_dir(model_name or cfg.model.name))
 
 # %% ../nbs/08a_colocate.ipynb #4f28eb3d
-def make_group(cfg: Config, pad_id: int, world_size: int = 1, ray_address: str | None = None, placement=None):
-    "A `LocalGroup` for one process, else a `RayGroup` of `world_size` ranks (placed by `placement.train_options(rank)` when given)."
-    # imported here, not with the module: Ray workers that run this module's actors and tasks (the server actors, the
+def make_group(
+    cfg: Config, pad_id: int, world_size: int = 1, ray_address: str | None = None, placement=None
+):
+    """A `LocalGroup` for one process, else a `RayGroup` of `world_size` ranks (placed by
+    `placement.train_options(rank)` when given)."""
+    # imported here, not with the module: Ray workers that run this module's actors and tasks (the
+    # server actors, the
     # bundle probes) then import no torch
     from memagent.policy import LocalGroup
     from memagent.backends.ray import RayGroup
+
     if world_size == 1:
-        if placement is not None: raise ValueError("make_group: a placement needs Ray ranks (world_size > 1); got world_size=1")
+        if placement is not None:
+            raise ValueError(
+                "make_group: a placement needs Ray ranks (world_size > 1); got world_size=1"
+            )
         return LocalGroup(cfg, pad_id)
     return RayGroup(cfg, pad_id, world_size, ray_address, placement)

@@ -21,116 +21,181 @@ __all__ = ['CHOICES', 'NONEMPTY', 'RANGES', 'PARAM_KINDS', 'PRESETS', 'ModelCfg'
 @dataclass
 class ModelCfg:
     "The policy model and its tokenizer."
-    name: str = 'tiny-qwen3'        # a name understood by `memagent.models` (built-in, local dir or hub id)
-    tokenizer: str | None = None    # None: the model's own tokenizer
-    revision: str | None = None     # pinned hub revision, recorded in provenance
+
+    name: str = (
+        'tiny-qwen3'  # a name understood by `memagent.models` (built-in, local dir or hub id)
+    )
+    tokenizer: str | None = None  # None: the model's own tokenizer
+    revision: str | None = None  # pinned hub revision, recorded in provenance
     dtype: str = 'float32'
 
+# %% ../nbs/00_config.ipynb #bb69ab9d
 @dataclass
 class DataCfg:
     "Training and held-out data."
-    train: str | None = None        # JSONL in the memagent schema; None: built by the run notebook from `task`
-    eval: str | None = None
-    task: str = 'hotpotqa'          # 'hotpotqa' (converted HotpotQA/RULER files) or 'synthetic' (facts in filler)
-    max_train: int | None = None    # cap on training examples (None: all)
-    max_eval: int | None = None
-    synthetic_tokens: int = 56      # task 'synthetic': document length in tokens (facts hidden in filler)
-    synthetic_hops: int = 1         # task 'synthetic': 1 (one fact) or 2 (two linked facts)
-    keycode_pairs: int = 3          # task 'keycode': key-code facts per document (one asked, the rest distractors)
-    keycode_chunks: int = 3         # task 'keycode': chunks per document (of chunking.chunk_tokens); the needle's chunk is balanced over them
-    root: str | None = None         # directory of the pinned data prepared by `memagent-prepare`; None: $MEMAGENT_DATA_ROOT, else the cache
 
+    train: str | None = (
+        None  # JSONL in the memagent schema; None: built by the run notebook from `task`
+    )
+    eval: str | None = None
+    task: str = (
+        'hotpotqa'  # 'hotpotqa' (converted HotpotQA/RULER files) or 'synthetic' (facts in filler)
+    )
+    max_train: int | None = None  # cap on training examples (None: all)
+    max_eval: int | None = None
+    synthetic_tokens: int = (
+        56  # task 'synthetic': document length in tokens (facts hidden in filler)
+    )
+    synthetic_hops: int = 1  # task 'synthetic': 1 (one fact) or 2 (two linked facts)
+    keycode_pairs: int = (
+        3  # task 'keycode': key-code facts per document (one asked, the rest distractors)
+    )
+    # task 'keycode': chunks per document (of chunking.chunk_tokens); the needle's chunk is balanced
+    # over them
+    keycode_chunks: int = 3
+    root: str | None = (
+        # directory of the pinned data prepared by `memagent-prepare`; None: $MEMAGENT_DATA_ROOT,
+        # else the cache
+        None
+    )
+
+# %% ../nbs/00_config.ipynb #187c2067
 @dataclass
 class ChunkingCfg:
     "How a document is cut into chunks and how long memory and answers may be."
-    chunk_tokens: int = 2048        # tokens of document per memory turn
-    memory_tokens: int = 1024       # memory bound, also the memory turn's max new tokens
-    final_tokens: int = 256         # max new tokens of the final answer
-    max_chunks: int = 64            # beyond: truncated and disclosed
-    context_trim: str = 'none'      # 'none' or 'centre' (official: keep the first and last halves of max_context_tokens)
+
+    chunk_tokens: int = 2048  # tokens of document per memory turn
+    memory_tokens: int = 1024  # memory bound, also the memory turn's max new tokens
+    final_tokens: int = 256  # max new tokens of the final answer
+    max_chunks: int = 64  # beyond: truncated and disclosed
+    # 'none' or 'centre' (official: keep the first and last halves of max_context_tokens)
+    context_trim: str = 'none'
     max_context_tokens: int | None = None
 
+# %% ../nbs/00_config.ipynb #fba1e232
 @dataclass
 class PromptCfg:
     "Which template variant and thinking policy the prompts use."
-    variant: str = 'train'          # 'train' (official MemAgent templates) or 'eval' (evaluator templates)
-    thinking: str = 'off'           # 'off', 'on' (trace kept in memory) or 'strip' (generated, removed from memory)
 
+    variant: str = 'train'  # 'train' (official MemAgent templates) or 'eval' (evaluator templates)
+    thinking: str = (
+        'off'  # 'off', 'on' (trace kept in memory) or 'strip' (generated, removed from memory)
+    )
+
+# %% ../nbs/00_config.ipynb #a07d9668
 @dataclass
 class RolloutCfg:
     "The rollout engine and its sampling."
-    engine: str = 'hf'              # 'hf' (in-process transformers) or 'sglang' (HTTP servers)
+
+    engine: str = 'hf'  # 'hf' (in-process transformers) or 'sglang' (HTTP servers)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     request_timeout_s: float = 600.0
-    max_retries: int = 3            # transient failures only; deterministic ones fail at once
+    max_retries: int = 3  # transient failures only; deterministic ones fail at once
     backoff_s: float = 1.0
     sglang_urls: list[str] = field(default_factory=list)
-    concurrency: int = 64           # in-flight generation requests per SGLang server (the client holds servers x concurrency)
-    scheduler: str = 'auto'         # 'sync' (one engine batch per chunk step), 'async' (per trajectory), 'auto' (async when the engine offers a request queue)
-    context_length: int = 8192      # engine context (chunk + memory + template + response)
-    colocate: bool = False          # SGLang engines launched by the project on Ray, on the training GPUs, released during the update
-    gpus_per_engine: int = 1        # GPUs (SGLang tensor parallel size) per engine; the frozen recipe: 2
-    mem_fraction: float = 0.8       # SGLang --mem-fraction-static: share of a GPU for weights + KV cache; colocated recipe: 0.7
-    weight_sync: str = 'disk'       # 'disk' (HF directory, update_weights_from_disk) or 'tensor' (in memory, update_weights_from_tensor)
-    response_cap: int | None = None # rehearsals only: every request's max_new_tokens is at most this (memory and final turns);
+    # in-flight generation requests per SGLang server (the client holds servers x concurrency)
+    concurrency: int = 64
+    # 'sync' (one engine batch per chunk step), 'async' (per trajectory), 'auto' (async when the
+    # engine offers a request queue)
+    scheduler: str = 'auto'
+    context_length: int = 8192  # engine context (chunk + memory + template + response)
+    # SGLang engines launched by the project on Ray, on the training GPUs, released during the
+    # update
+    colocate: bool = False
+    gpus_per_engine: int = 1  # GPUs (SGLang tensor parallel size) per engine; the frozen recipe: 2
+    # SGLang --mem-fraction-static: share of a GPU for weights + KV cache; colocated recipe: 0.7
+    mem_fraction: float = 0.8
+    # 'disk' (HF directory, update_weights_from_disk) or 'tensor' (in memory,
+    # update_weights_from_tensor)
+    weight_sync: str = 'disk'
+    response_cap: int | None = (
+        # rehearsals only: every request's max_new_tokens is at most this (memory and final turns);
+        None
+    )
 
 # %% ../nbs/00_config.ipynb #77ef9a89
-                                    # the memory bound itself (chunking.memory_tokens) is unchanged. None: the chunking bounds
+# the memory bound itself (chunking.memory_tokens) is unchanged. None: the chunking bounds
+
 
 @dataclass
 class GRPOCfg:
     "Groups, advantage normalization, credit and reward."
-    group_size: int = 8             # samples per prompt
-    prompts_per_step: int = 8
-    std_normalize: bool = True      # A = (r - mean) / (std + eps); official MemAgent: False (A = r - mean)
-    eps: float = 1e-6
-    credit: str = 'split'           # 'split' (A/T per turn) or 'share' (A per turn)
-    filter_zero_variance: bool = False
-    reward: str = 'boxed_em'        # a name in memagent.reward's registry
 
+    group_size: int = 8  # samples per prompt
+    prompts_per_step: int = 8
+    std_normalize: bool = (
+        True  # A = (r - mean) / (std + eps); official MemAgent: False (A = r - mean)
+    )
+    eps: float = 1e-6
+    credit: str = 'split'  # 'split' (A/T per turn) or 'share' (A per turn)
+    filter_zero_variance: bool = False
+    reward: str = 'boxed_em'  # a name in memagent.reward's registry
+
+# %% ../nbs/00_config.ipynb #0148dbef
 @dataclass
 class LossCfg:
     "The policy loss: PPO clip, KL, entropy, aggregation."
+
     clip_low: float = 0.2
     clip_high: float = 0.3
     dual_clip: float | None = None  # c of dual clip (official: 3.0); None: off
-    log_ratio_bound: float = 20.0   # |logp - old_logp| (and the TIS log-ratio) clamped here before exp (verl: 20)
-    kl_type: str = 'low_var_kl'     # 'low_var_kl' (k3), 'k1', 'k2' or 'none'
+    log_ratio_bound: float = (
+        20.0  # |logp - old_logp| (and the TIS log-ratio) clamped here before exp (verl: 20)
+    )
+    kl_type: str = 'low_var_kl'  # 'low_var_kl' (k3), 'k1', 'k2' or 'none'
     kl_coef: float = 0.001
     kl_clamp: float = 10.0
     entropy_coef: float = 0.0
-    agg: str = 'trajectory'         # 'trajectory' (every trajectory weighs the same) or 'token_mean' (official)
-    tis_cap: float | None = None    # truncated importance sampling cap on rollout/trainer mismatch; None: off
+    agg: str = (
+        'trajectory'  # 'trajectory' (every trajectory weighs the same) or 'token_mean' (official)
+    )
+    tis_cap: float | None = (
+        None  # truncated importance sampling cap on rollout/trainer mismatch; None: off
+    )
 
+# %% ../nbs/00_config.ipynb #38a819f1
 @dataclass
 class OptimCfg:
     "The optimizer."
-    name: str = 'adam'              # 'adam' (decoupled weight decay, i.e. AdamW) or 'sgd'
+
+    name: str = 'adam'  # 'adam' (decoupled weight decay, i.e. AdamW) or 'sgd'
     lr: float = 1e-6
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-8
     grad_clip: float | None = 1.0
     warmup_steps: int = 0
-    mini_batches: int = 1           # optimizer steps per rollout batch (PPO mini-batches of whole prompt groups)
+    mini_batches: int = (
+        1  # optimizer steps per rollout batch (PPO mini-batches of whole prompt groups)
+    )
 
+# %% ../nbs/00_config.ipynb #bb5bae94
 @dataclass
 class BatchCfg:
     "Devices, parallelism and the micro-batch token budget."
+
     max_tokens_per_micro: int = 9216  # token budget of one micro-batch on one device
     n_gpus: int = 8
     tp: int = 2
     pp: int = 1
-    recompute: str = 'none'         # megatron activation recompute: 'none', 'selective' (attention core) or 'full' (every layer)
-    sequence_parallel: bool = False # megatron: shard norm and residual activations over TP (TP > 1; GPU with Transformer Engine)
-    distributed_optimizer: bool = False  # megatron: fp32 main weights and Adam states sharded over DP
-    attention: str = 'auto'         # megatron layer spec: 'auto' (on a GPU Transformer Engine when installed, else sdpa; local on CPU), 'te', 'sdpa' or 'local'
+    # megatron activation recompute: 'none', 'selective' (attention core) or 'full' (every layer)
+    recompute: str = 'none'
+    # megatron: shard norm and residual activations over TP (TP > 1; GPU with Transformer Engine)
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = (
+        False  # megatron: fp32 main weights and Adam states sharded over DP
+    )
+    # megatron layer spec: 'auto' (on a GPU Transformer Engine when installed, else sdpa; local on
+    # CPU), 'te', 'sdpa' or 'local'
+    attention: str = 'auto'
 
+# %% ../nbs/00_config.ipynb #9a055c85
 @dataclass
 class ScheduleCfg:
     "Steps and checkpoints."
+
     steps: int = 100
     save_every: int = 50
     keep_last: int = 2
@@ -139,21 +204,33 @@ class ScheduleCfg:
 @dataclass
 class EvalCfg:
     "Evaluation sampling, lengths and the acceptance tolerance."
-    lengths: list[int] = field(default_factory=lambda: [50, 200, 800])  # RULER-HQA documents per question
+
+    lengths: list[int] = field(
+        default_factory=lambda: [50, 200, 800]
+    )  # RULER-HQA documents per question
     temperature: float = 0.7
     top_p: float = 0.95
-    samples: int = 1                # samples per item (pass@N uses N = samples)
+    samples: int = 1  # samples per item (pass@N uses N = samples)
     max_items: int | None = 128
-    tolerance_pp: float = 3.0       # acceptance: |candidate - reference| in percentage points
-    parity: str = 'relax'           # whose scoring rules: 'relax' (the frozen recipe) or 'official' (MemAgent's own reward and evaluator)
+    tolerance_pp: float = 3.0  # acceptance: |candidate - reference| in percentage points
+    # whose scoring rules: 'relax' (the frozen recipe) or 'official' (MemAgent's own reward and
+    # evaluator)
+    parity: str = 'relax'
     seed: int = 1234
+
 
 @dataclass
 class HealthCfg:
     "When a run stops instead of carrying on in a state whose numbers would mean nothing."
-    max_empty_steps: int = 3        # consecutive steps with no row to train on, or with every trajectory failed, before the run stops with an error
-    check_finite: bool = True       # stop on a non-finite loss, gradient norm or weight; refuse to save or load a non-finite checkpoint
-    stall_timeout_s: float = 900.0  # a training rank that finishes no micro-batch for this long is named and the step stops
+
+    # consecutive steps with no row to train on, or with every trajectory failed, before the run
+    # stops with an error
+    max_empty_steps: int = 3
+    # stop on a non-finite loss, gradient norm or weight; refuse to save or load a non-finite
+    # checkpoint
+    check_finite: bool = True
+    # a training rank that finishes no micro-batch for this long is named and the step stops
+    stall_timeout_s: float = 900.0
 
 # %% ../nbs/00_config.ipynb #7519076f
 CHOICES = {
@@ -174,16 +251,26 @@ CHOICES = {
     'batch.recompute': ('none', 'selective', 'full'),
     'batch.attention': ('auto', 'te', 'sdpa', 'local'),
 }
-NONEMPTY = ('name', 'model.name', 'model.tokenizer', 'model.revision', 'data.train', 'data.eval', 'data.root', 'rollout.sglang_urls')
+NONEMPTY = (
+    'name',
+    'model.name',
+    'model.tokenizer',
+    'model.revision',
+    'data.train',
+    'data.eval',
+    'data.root',
+    'rollout.sglang_urls',
+)
 
 # %% ../nbs/00_config.ipynb #0770237e
 @dataclass
 class Config:
     "The whole recipe. Sections are dataclasses; derived values are properties."
+
     name: str = 'custom'
     description: str = ''
     seed: int = 1234
-    backend: str = 'torch'          # trainer backend: 'torch' (HF model) or 'megatron' (megatron-core)
+    backend: str = 'torch'  # trainer backend: 'torch' (HF model) or 'megatron' (megatron-core)
     model: ModelCfg = field(default_factory=ModelCfg)
     data: DataCfg = field(default_factory=DataCfg)
     chunking: ChunkingCfg = field(default_factory=ChunkingCfg)
@@ -196,98 +283,188 @@ class Config:
     schedule: ScheduleCfg = field(default_factory=ScheduleCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     health: HealthCfg = field(default_factory=HealthCfg)
-    resume_overrides: list[str] = field(default_factory=list)  # dotted keys that may differ between a checkpoint's config and the resumed run's
+    resume_overrides: list[str] = field(
+        default_factory=list
+    )  # dotted keys that may differ between a checkpoint's config and the resumed run's
 
     @property
     def dp_size(self) -> int:
         "Data-parallel ranks = GPUs / (tensor parallel x pipeline parallel)."
         return self.batch.n_gpus // (self.batch.tp * self.batch.pp)
+
     @property
     def rows_per_trajectory(self) -> int:
         "At most max_chunks memory turns plus the final turn."
         return self.chunking.max_chunks + 1
+
     @property
-    def trajectories_per_step(self) -> int: return self.grpo.prompts_per_step * self.grpo.group_size
+    def trajectories_per_step(self) -> int:
+        return self.grpo.prompts_per_step * self.grpo.group_size
+
     @property
     def row_capacity(self) -> int:
         "The most rows one step can produce: the row channel's capacity."
         return self.trajectories_per_step * self.rows_per_trajectory
+
     @property
     def template_allowance(self) -> int:
-        "Tokens reserved for the prompt template and chat markup (measured on the Qwen3 chat template: ~150)."
+        """Tokens reserved for the prompt template and chat markup (measured on the Qwen3 chat
+        template: ~150)."""
         return 256
+
     @property
     def engine_context_tokens(self) -> int:
         "Context a memory turn needs: chunk + memory + template + new memory."
         c = self.chunking
-        return c.chunk_tokens + c.memory_tokens + self.template_allowance + max(c.memory_tokens, c.final_tokens)
+        return (
+            c.chunk_tokens
+            + c.memory_tokens
+            + self.template_allowance
+            + max(c.memory_tokens, c.final_tokens)
+        )
+
     @property
     def max_row_tokens(self) -> int:
         "The longest row a step can produce (a memory turn at its bounds)."
         return self.engine_context_tokens
 
     def validate(self) -> 'Config':
-        "Check every field's type, range or allowed values, and the cross-field constraints; raise naming the key."
+        """Check every field's type, range or allowed values, and the cross-field constraints; raise
+        naming the key."""
         _check_types(self, '')
-        for key, spec in RANGES.items(): _check_range(key, get_key(self, key), spec)
+        for key, spec in RANGES.items():
+            _check_range(key, get_key(self, key), spec)
         for key, allowed in CHOICES.items():
             v = get_key(self, key)
-            if v not in allowed: raise ValueError(f"config key {key!r}: {v!r} is not one of {list(allowed)}")
+            if v not in allowed:
+                raise ValueError(f"config key {key!r}: {v!r} is not one of {list(allowed)}")
         for key in NONEMPTY:
             v = get_key(self, key)
             for i, x in enumerate(v if isinstance(v, list) else [v]):
                 if x is not None and not x.strip():
-                    raise ValueError(f"config key {key + (f'[{i}]' if isinstance(v, list) else '')!r}: must not be an empty string")
+                    raise ValueError(
+                        f"config key {key + (f'[{i}]' if isinstance(v, list) else '')!r}: must "
+                        "not be an empty string"
+                    )
         from memagent.reward import REWARDS
+
         if self.grpo.reward not in REWARDS:
-            raise ValueError(f"config key 'grpo.reward': {self.grpo.reward!r} is not a registered reward; known: {sorted(REWARDS)}")
+            raise ValueError(
+                f"config key 'grpo.reward': {self.grpo.reward!r} is not a registered reward; "
+                f"known: {sorted(REWARDS)}"
+            )
         known = config_keys(self)
         for i, k in enumerate(self.resume_overrides):
             if k not in known:
                 near = difflib.get_close_matches(k, known, n=3)
-                raise ValueError(f"config key 'resume_overrides[{i}]': {k!r} is not a config key"
-                                 + (f"; did you mean {near}?" if near else f"; keys look like 'schedule.steps' or 'optim.lr'"))
+                raise ValueError(
+                    f"config key 'resume_overrides[{i}]': {k!r} is not a config key"
+                    + (
+                        f"; did you mean {near}?"
+                        if near
+                        else f"; keys look like 'schedule.steps' or 'optim.lr'"
+                    )
+                )
         b = self.batch
         if b.n_gpus % (b.tp * b.pp):
-            raise ValueError(f"config keys 'batch.n_gpus'={b.n_gpus} must be divisible by 'batch.tp' x 'batch.pp' = {b.tp * b.pp}")
+            raise ValueError(
+                f"config keys 'batch.n_gpus'={b.n_gpus} must be divisible by 'batch.tp' x "
+                f"'batch.pp' = {b.tp * b.pp}"
+            )
         if b.sequence_parallel and b.tp == 1:
-            raise ValueError("config key 'batch.sequence_parallel': needs 'batch.tp' > 1 (it shards activations over tensor-parallel ranks)")
+            raise ValueError(
+                "config key 'batch.sequence_parallel': needs 'batch.tp' > 1 (it shards "
+                "activations over tensor-parallel ranks)"
+            )
         r = self.rollout
         if r.colocate and r.engine != 'sglang':
-            raise ValueError(f"config key 'rollout.colocate': needs rollout.engine='sglang' (got {r.engine!r}); the hf engine runs in the driver")
+            raise ValueError(
+                "config key 'rollout.colocate': needs rollout.engine='sglang' (got "
+                f"{r.engine!r}); the hf engine runs in the driver"
+            )
         if r.colocate and b.n_gpus % r.gpus_per_engine:
-            raise ValueError(f"config key 'rollout.gpus_per_engine'={r.gpus_per_engine} must divide 'batch.n_gpus'={b.n_gpus} when colocated")
+            raise ValueError(
+                f"config key 'rollout.gpus_per_engine'={r.gpus_per_engine} must divide "
+                f"'batch.n_gpus'={b.n_gpus} when colocated"
+            )
         for i, u in enumerate(r.sglang_urls):
             p = urlsplit(u) if isinstance(u, str) else None
-            try: ok = p is not None and p.scheme in ('http', 'https') and bool(p.hostname) and (p.port or 0) >= 0
-            except ValueError: ok = False                               # a port that is not a number
-            if not ok: raise ValueError(f"config key 'rollout.sglang_urls[{i}]': {u!r} is not an http(s) URL with a host "
-                                        "(SGLang's HTTP server, e.g. http://10.0.0.2:30000)")
-        if r.sglang_urls and (r.engine != 'sglang' or r.colocate):     # a server list nothing would read
-            raise ValueError(f"config key 'rollout.sglang_urls': {len(r.sglang_urls)} server URL(s) set, but "
-                             + (f"rollout.engine={r.engine!r} runs in the driver and reads no server" if r.engine != 'sglang' else
-                                "rollout.colocate=True launches its own engines on the training GPUs")
-                             + "; remove the URLs, or set rollout.engine='sglang' and rollout.colocate=False to use them")
+            try:
+                ok = (
+                    p is not None
+                    and p.scheme in ('http', 'https')
+                    and bool(p.hostname)
+                    and (p.port or 0) >= 0
+                )
+            except ValueError:
+                ok = False  # a port that is not a number
+            if not ok:
+                raise ValueError(
+                    f"config key 'rollout.sglang_urls[{i}]': {u!r} is not an http(s) URL with a "
+                    "host "
+                    "(SGLang's HTTP server, e.g. http://10.0.0.2:30000)"
+                )
+        if r.sglang_urls and (
+            r.engine != 'sglang' or r.colocate
+        ):  # a server list nothing would read
+            raise ValueError(
+                f"config key 'rollout.sglang_urls': {len(r.sglang_urls)} server URL(s) set, but "
+                + (
+                    f"rollout.engine={r.engine!r} runs in the driver and reads no server"
+                    if r.engine != 'sglang'
+                    else "rollout.colocate=True launches its own engines on the training GPUs"
+                )
+                + (
+                    "; remove the URLs, or set rollout.engine='sglang' and rollout.colocate=False "
+                    "to use them"
+                )
+            )
         if r.weight_sync == 'tensor' and not r.colocate:
-            raise ValueError("config key 'rollout.weight_sync': 'tensor' needs rollout.colocate=True (the engine reads tensors from its GPUs' processes)")
+            raise ValueError(
+                "config key 'rollout.weight_sync': 'tensor' needs rollout.colocate=True (the "
+                "engine reads tensors from its GPUs' processes)"
+            )
         if self.grpo.prompts_per_step % self.optim.mini_batches:
-            raise ValueError(f"config key 'optim.mini_batches'={self.optim.mini_batches} must divide 'grpo.prompts_per_step'="
-                             f"{self.grpo.prompts_per_step} (each mini-batch holds whole prompt groups)")
+            raise ValueError(
+                f"config key 'optim.mini_batches'={self.optim.mini_batches} must divide "
+                "'grpo.prompts_per_step'="
+                f"{self.grpo.prompts_per_step} (each mini-batch holds whole prompt groups)"
+            )
         if self.chunking.context_trim == 'centre' and self.chunking.max_context_tokens is None:
-            raise ValueError("config key 'chunking.max_context_tokens': required when chunking.context_trim='centre'")
+            raise ValueError(
+                "config key 'chunking.max_context_tokens': required when "
+                "chunking.context_trim='centre'"
+            )
         if self.engine_context_tokens > self.rollout.context_length:
-            raise ValueError(f"config key 'rollout.context_length'={self.rollout.context_length} is smaller than a memory "
-                             f"turn needs ({self.engine_context_tokens} = chunk + memory + template + response)")
+            raise ValueError(
+                f"config key 'rollout.context_length'={self.rollout.context_length} is smaller "
+                "than a memory "
+                f"turn needs ({self.engine_context_tokens} = chunk + memory + template + response)"
+            )
         if self.max_row_tokens > b.max_tokens_per_micro:
-            raise ValueError(f"config key 'batch.max_tokens_per_micro'={b.max_tokens_per_micro} cannot hold one row "
-                             f"of up to {self.max_row_tokens} tokens")
+            raise ValueError(
+                f"config key 'batch.max_tokens_per_micro'={b.max_tokens_per_micro} cannot hold "
+                "one row "
+                f"of up to {self.max_row_tokens} tokens"
+            )
         return self
 
-    def to_dict(self) -> dict: return asdict(self)
+    def to_dict(self) -> dict:
+        return asdict(self)
+
     def derived(self) -> dict:
         "The derived values, for logs and reports."
-        return {k: getattr(self, k) for k in ('dp_size', 'rows_per_trajectory', 'trajectories_per_step',
-                                               'row_capacity', 'engine_context_tokens', 'max_row_tokens')}
+        return {
+            k: getattr(self, k)
+            for k in (
+                'dp_size',
+                'rows_per_trajectory',
+                'trajectories_per_step',
+                'row_capacity',
+                'engine_context_tokens',
+                'max_row_tokens',
+            )
+        }
 
 # %% ../nbs/00_config.ipynb #a766b53a
 def _check_value(v, tp, key):
@@ -295,72 +472,107 @@ def _check_value(v, tp, key):
     tp = tp.replace(' ', '')
     opts = tp.split('|')
     if v is None:
-        if 'None' in opts: return
+        if 'None' in opts:
+            return
         raise ValueError(f"config key {key!r}: must not be null (type {tp})")
     for o in opts:
-        if o == 'None': continue
-        if o == 'bool' and isinstance(v, bool): return
-        if o == 'int' and isinstance(v, int) and not isinstance(v, bool): return
-        if o == 'float' and isinstance(v, (int, float)) and not isinstance(v, bool): return
-        if o == 'str' and isinstance(v, str): return
+        if o == 'None':
+            continue
+        if o == 'bool' and isinstance(v, bool):
+            return
+        if o == 'int' and isinstance(v, int) and not isinstance(v, bool):
+            return
+        if o == 'float' and isinstance(v, (int, float)) and not isinstance(v, bool):
+            return
+        if o == 'str' and isinstance(v, str):
+            return
         if o.startswith('list[') and isinstance(v, list):
             inner = o[5:-1]
-            for i, x in enumerate(v): _check_value(x, inner, f"{key}[{i}]")
+            for i, x in enumerate(v):
+                _check_value(x, inner, f"{key}[{i}]")
             return
     hint = ''
     if isinstance(v, str) and any(o in ('int', 'float') for o in opts):
-        try: float(v); hint = " (a number given as a string: give it unquoted; `load_config` reads YAML's 1e-4 as a number)"
-        except ValueError: pass
+        try:
+            float(v)
+            hint = (
+                " (a number given as a string: give it unquoted; `load_config` reads YAML's 1e-4 "
+                "as a number)"
+            )
+        except ValueError:
+            pass
     raise ValueError(f"config key {key!r}: expected {tp}, got {type(v).__name__} {v!r}{hint}")
 
+# %% ../nbs/00_config.ipynb #3886e03b
 def _check_types(obj, prefix):
     for f in fields(obj):
         v, key = getattr(obj, f.name), prefix + f.name
-        if dataclasses.is_dataclass(v): _check_types(v, key + '.')
-        else: _check_value(v, f.type, key)
+        if dataclasses.is_dataclass(v):
+            _check_types(v, key + '.')
+        else:
+            _check_value(v, f.type, key)
 
+# %% ../nbs/00_config.ipynb #4272b217
 def get_key(cfg, key: str):
     "The value at a dotted key such as `'grpo.credit'`."
     obj = cfg
-    for part in key.split('.'): obj = getattr(obj, part)
+    for part in key.split('.'):
+        obj = getattr(obj, part)
     return obj
 
+# %% ../nbs/00_config.ipynb #61ec9826
 def config_keys(cfg=None) -> list[str]:
     "Every dotted leaf key of a config (default: a fresh `Config()`), in declaration order."
     out = []
+
     def walk(obj, prefix):
         for f in fields(obj):
             v = getattr(obj, f.name)
-            if dataclasses.is_dataclass(v): walk(v, prefix + f.name + '.')
-            else: out.append(prefix + f.name)
+            if dataclasses.is_dataclass(v):
+                walk(v, prefix + f.name + '.')
+            else:
+                out.append(prefix + f.name)
+
     walk(cfg if cfg is not None else Config(), '')
     return out
 
 # %% ../nbs/00_config.ipynb #5138f13b
 @dataclass(frozen=True)
 class Range:
-    "The allowed values of a numeric key: an interval (`None`: unbounded; ends open or closed), values allowed besides it, and why."
+    """The allowed values of a numeric key: an interval (`None`: unbounded; ends open or closed),
+    values allowed besides it, and why."""
+
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
     hi_open: bool = False
-    also: tuple = ()                # values allowed outside the interval (e.g. top_k's -1: no filter)
-    size: tuple | None = None       # list keys: (min, max) items, None: unbounded; the interval applies to each item
-    why: str = ''                   # what the bounds mean, quoted in errors
+    also: tuple = ()  # values allowed outside the interval (e.g. top_k's -1: no filter)
+    size: tuple | None = (
+        None  # list keys: (min, max) items, None: unbounded; the interval applies to each item
+    )
+    why: str = ''  # what the bounds mean, quoted in errors
 
     def ok(self, v) -> bool:
-        if v in self.also: return True
-        if not math.isfinite(v): return False
-        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo): return False
+        if v in self.also:
+            return True
+        if not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
         return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
 
     def __str__(self):
         lo, hi = self.lo, self.hi
-        if lo is not None and hi is not None: s = f"{'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
-        elif lo is not None: s = f"{'>' if self.lo_open else '>='} {lo}"
-        elif hi is not None: s = f"{'<' if self.hi_open else '<='} {hi}"
-        else: s = 'any finite number'
+        if lo is not None and hi is not None:
+            s = f"{'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        elif lo is not None:
+            s = f"{'>' if self.lo_open else '>='} {lo}"
+        elif hi is not None:
+            s = f"{'<' if self.hi_open else '<='} {hi}"
+        else:
+            s = 'any finite number'
         return ' or '.join([*(repr(a) for a in self.also), s])
+
 
 _U32 = Range(0, 2**32 - 1, why='numpy and torch take unsigned 32-bit seeds')
 
@@ -373,33 +585,54 @@ RANGES = {
     'data.synthetic_hops': Range(1, 2, why='1: one fact, 2: two linked facts'),
     'data.keycode_pairs': Range(1, 200),
     'data.keycode_chunks': Range(1, 64),
-    'chunking.chunk_tokens': Range(1), 'chunking.memory_tokens': Range(1), 'chunking.final_tokens': Range(1),
-    'chunking.max_chunks': Range(1), 'chunking.max_context_tokens': Range(1, why='null: no trimming bound'),
+    'chunking.chunk_tokens': Range(1),
+    'chunking.memory_tokens': Range(1),
+    'chunking.final_tokens': Range(1),
+    'chunking.max_chunks': Range(1),
+    'chunking.max_context_tokens': Range(1, why='null: no trimming bound'),
     'rollout.temperature': Range(0, why='0: greedy'),
     'rollout.top_p': Range(0, 1, lo_open=True),
-    'rollout.top_k': Range(1, also=(-1,), why='-1: no top-k filter; 0 would leave no token to sample'),
+    'rollout.top_k': Range(
+        1, also=(-1,), why='-1: no top-k filter; 0 would leave no token to sample'
+    ),
     'rollout.request_timeout_s': Range(0, lo_open=True, why='seconds'),
     'rollout.max_retries': Range(0, why='0: no retry'),
     'rollout.backoff_s': Range(0, why='seconds; 0: retry at once'),
-    'rollout.concurrency': Range(1), 'rollout.context_length': Range(1),
+    'rollout.concurrency': Range(1),
+    'rollout.context_length': Range(1),
     'rollout.response_cap': Range(1, why='tokens per response; null: the chunking bounds'),
     'grpo.group_size': Range(2, why='GRPO needs at least 2 samples per prompt'),
     'grpo.prompts_per_step': Range(1),
     'grpo.eps': Range(0, lo_open=True, why='the advantage divides by std + eps'),
-    'loss.clip_low': Range(0, 1, hi_open=True, why="the ratio's lower bound 1 - clip_low must stay above 0"),
+    'loss.clip_low': Range(
+        0, 1, hi_open=True, why="the ratio's lower bound 1 - clip_low must stay above 0"
+    ),
     'loss.clip_high': Range(0),
     'loss.dual_clip': Range(1, lo_open=True, why='null: off'),
-    'loss.log_ratio_bound': Range(0, lo_open=True, why='the log-ratio is clamped to [-bound, bound] before exp; exp(88.7) overflows fp32'),
-    'loss.kl_coef': Range(0), 'loss.kl_clamp': Range(0, lo_open=True), 'loss.entropy_coef': Range(0),
-    'loss.tis_cap': Range(1, why='null: off; a cap below 1 would shrink every weight, not truncate the large ones'),
+    'loss.log_ratio_bound': Range(
+        0,
+        lo_open=True,
+        why='the log-ratio is clamped to [-bound, bound] before exp; exp(88.7) overflows fp32',
+    ),
+    'loss.kl_coef': Range(0),
+    'loss.kl_clamp': Range(0, lo_open=True),
+    'loss.entropy_coef': Range(0),
+    'loss.tis_cap': Range(
+        1, why='null: off; a cap below 1 would shrink every weight, not truncate the large ones'
+    ),
     'optim.lr': Range(0, why='0 leaves the weights unchanged'),
     'optim.weight_decay': Range(0),
     'optim.betas': Range(0, 1, hi_open=True, size=(2, 2), why="Adam's two decay rates"),
     'optim.eps': Range(0, lo_open=True),
     'optim.grad_clip': Range(0, lo_open=True, why='null: no clipping'),
     'optim.warmup_steps': Range(0, why='0: no warmup'),
-    'batch.max_tokens_per_micro': Range(1), 'batch.n_gpus': Range(1), 'batch.tp': Range(1), 'batch.pp': Range(1),
-    'schedule.steps': Range(1), 'schedule.save_every': Range(1), 'schedule.keep_last': Range(1),
+    'batch.max_tokens_per_micro': Range(1),
+    'batch.n_gpus': Range(1),
+    'batch.tp': Range(1),
+    'batch.pp': Range(1),
+    'schedule.steps': Range(1),
+    'schedule.save_every': Range(1),
+    'schedule.keep_last': Range(1),
     'eval.lengths': Range(1, size=(1, None), why='documents per question, at least one length'),
     'eval.temperature': Range(0, why='0: greedy'),
     'eval.top_p': Range(0, 1, lo_open=True),
@@ -417,25 +650,34 @@ RANGES = {
 # %% ../nbs/00_config.ipynb #10fbb59d
 def _check_range(key, v, spec: Range):
     "Raise naming the key, the value and the allowed range when `v` (not null) is outside `spec`."
-    if v is None: return
+    if v is None:
+        return
     why = f" ({spec.why})" if spec.why else ''
     if isinstance(v, list):
         lo, hi = spec.size or (0, None)
         if len(v) < lo or (hi is not None and len(v) > hi):
             n = f"exactly {lo}" if lo == hi else f"at least {lo}" if hi is None else f"{lo} to {hi}"
             raise ValueError(f"config key {key!r}: {v!r} has {len(v)} items, needs {n}{why}")
-        for i, x in enumerate(v): _check_range(f"{key}[{i}]", x, dataclasses.replace(spec, size=None))
+        for i, x in enumerate(v):
+            _check_range(f"{key}[{i}]", x, dataclasses.replace(spec, size=None))
     elif not spec.ok(v):
         fin = '' if math.isfinite(v) else ' (not a finite number)'
         raise ValueError(f"config key {key!r}: {v!r}{fin} is outside the allowed range {spec}{why}")
 
+
 def _numeric(tp: str) -> bool:
-    "Whether an annotation (a string) holds numbers: int, float, or a list of them (bool is not a number here)."
-    return any(o.removeprefix('list[').removesuffix(']') in ('int', 'float') for o in tp.replace(' ', '').split('|'))
+    """Whether an annotation (a string) holds numbers: int, float, or a list of them (bool is not a
+    number here)."""
+    return any(
+        o.removeprefix('list[').removesuffix(']') in ('int', 'float')
+        for o in tp.replace(' ', '').split('|')
+    )
 
 # %% ../nbs/00_config.ipynb #a82347a2
-def _section_names(obj): return [f.name for f in fields(obj)]
+def _section_names(obj):
+    return [f.name for f in fields(obj)]
 
+# %% ../nbs/00_config.ipynb #d204834a
 def apply_overrides(cfg: Config, overrides: dict | None) -> Config:
     "A validated copy of `cfg` with dotted-key `overrides` applied."
     cfg = copy.deepcopy(cfg)
@@ -445,185 +687,377 @@ def apply_overrides(cfg: Config, overrides: dict | None) -> Config:
             if not dataclasses.is_dataclass(obj) or part not in _section_names(obj):
                 where = '.'.join(parts[:i]) or 'the top level'
                 allowed = _section_names(obj) if dataclasses.is_dataclass(obj) else []
-                raise KeyError(f"unknown config key {key!r}: {part!r} is not a key of {where}; allowed: {allowed}")
-            if i < len(parts) - 1: obj = getattr(obj, part)
+                raise KeyError(
+                    f"unknown config key {key!r}: {part!r} is not a key of {where}; allowed: "
+                    f"{allowed}"
+                )
+            if i < len(parts) - 1:
+                obj = getattr(obj, part)
         if dataclasses.is_dataclass(getattr(obj, parts[-1])):
-            raise KeyError(f"config key {key!r} is a section; set one of its keys: {_section_names(getattr(obj, parts[-1]))}")
-        if isinstance(value, tuple): value = list(value)
+            raise KeyError(
+                f"config key {key!r} is a section; set one of its keys: "
+                f"{_section_names(getattr(obj, parts[-1]))}"
+            )
+        if isinstance(value, tuple):
+            value = list(value)
         setattr(obj, parts[-1], value)
     return cfg.validate()
 
+# %% ../nbs/00_config.ipynb #a3bb6ada
 def from_dict(d: dict, base: Config | None = None) -> Config:
     "Build a validated Config from a (possibly partial) nested dict; unknown keys raise."
     flat = {}
+
     def walk(x, prefix):
         for k, v in x.items():
-            if isinstance(v, dict): walk(v, f"{prefix}{k}.")
-            else: flat[prefix + k] = v
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[prefix + k] = v
+
     walk(d, '')
     return apply_overrides(base or Config(), flat)
 
-# YAML 1.2 floats without a decimal point (`1e-4`, `3E5`): YAML 1.1, which PyYAML implements, reads them as strings.
+# %% ../nbs/00_config.ipynb #082551c3
+# YAML 1.2 floats without a decimal point (`1e-4`, `3E5`): YAML 1.1, which PyYAML implements, reads
+# them as strings.
 _FLOAT_NO_DOT = re.compile(r'^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$')
-class _Loader(yaml.SafeLoader): "PyYAML's safe loader that also reads `1e-4` as a float."
-class _Dumper(yaml.SafeDumper): "PyYAML's safe dumper that quotes a string such as `'1e-4'`, so it reads back as a string."
-for _c in (_Loader, _Dumper): _c.add_implicit_resolver('tag:yaml.org,2002:float', _FLOAT_NO_DOT, list('-+0123456789'))
+
+
+class _Loader(yaml.SafeLoader):
+    "PyYAML's safe loader that also reads `1e-4` as a float."
+
+# %% ../nbs/00_config.ipynb #6a660f99
+class _Dumper(yaml.SafeDumper):
+    "PyYAML's safe dumper that quotes a string such as `'1e-4'`, so it reads back as a string."
+
+# %% ../nbs/00_config.ipynb #dcaea577
+for _c in (_Loader, _Dumper):
+    _c.add_implicit_resolver('tag:yaml.org,2002:float', _FLOAT_NO_DOT, list('-+0123456789'))
+
 
 def save_config(cfg: Config, path) -> Path:
     "Write the config as YAML (derived values are not written: they are recomputed on load)."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False))
     return path
 
+# %% ../nbs/00_config.ipynb #885ab910
 def load_config(path) -> Config:
-    "Read a YAML config written by `save_config` (or by hand; `1e-4` is a number); errors name the file."
+    """Read a YAML config written by `save_config` (or by hand; `1e-4` is a number); errors name the
+    file."""
     from memagent.files import read_yaml
-    d = read_yaml(path, 'object', loader=_Loader)       # FileError (a ValueError) naming the file, line and field
-    try: return from_dict(d)
-    except (KeyError, ValueError) as e: raise type(e)(f"{path}: {e.args[0]}") from e
+
+    d = read_yaml(
+        path, 'object', loader=_Loader
+    )  # FileError (a ValueError) naming the file, line and field
+    try:
+        return from_dict(d)
+    except (KeyError, ValueError) as e:
+        raise type(e)(f"{path}: {e.args[0]}") from e
 
 # %% ../nbs/00_config.ipynb #fb68da5c
 def injected_params(namespace: dict) -> list[str] | None:
-    "Names assigned by papermill's injected-parameters cell, read from the kernel input history `In`; None if none ran."
+    """Names assigned by papermill's injected-parameters cell, read from the kernel input history
+    `In`; None if none ran."""
     for src in reversed(namespace.get('In') or []):
         if isinstance(src, str) and src.startswith('# Parameters\n'):
-            return [t.id for n in ast.parse(src).body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+            return [
+                t.id
+                for n in ast.parse(src).body
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            ]
     return None
 
+# %% ../nbs/00_config.ipynb #f56a35f7
 def refuse_unknown_params(namespace: dict, known) -> None:
-    "Raise on an injected papermill parameter that is not in `known` (a list or a space-separated string), naming it and the known ones."
+    """Raise on an injected papermill parameter that is not in `known` (a list or a space-separated
+    string), naming it and the known ones."""
     known = known.split() if isinstance(known, str) else list(known)
-    bad = [n for n in injected_params(namespace) or [] if n not in known and not n.startswith('PAPERMILL_')]
+    bad = [
+        n
+        for n in injected_params(namespace) or []
+        if n not in known and not n.startswith('PAPERMILL_')
+    ]
     if bad:
-        say = lambda n: f"{n!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(n, known, n=1)) else repr(n)
-        raise ValueError(f"unknown parameter{'s' if len(bad) > 1 else ''} {', '.join(map(say, bad))}: "
-                         f"this notebook's parameters are {known}")
+        say = lambda n: (
+            f"{n!r} (did you mean {m[0]!r}?)"
+            if (m := difflib.get_close_matches(n, known, n=1))
+            else repr(n)
+        )
+        raise ValueError(
+            f"unknown parameter{'s' if len(bad) > 1 else ''} {', '.join(map(say, bad))}: "
+            f"this notebook's parameters are {known}"
+        )
 
+# %% ../nbs/00_config.ipynb #824059c9
 def folder_name(value, param: str, empty_ok: bool = False):
-    "`value` if it names one folder inside its output root (one path component, not '.' or '..'); a `ValueError` naming `param` otherwise; '' or None pass when `empty_ok` (the notebook then names the run itself)."
-    if empty_ok and value in ('', None): return value
-    if not (isinstance(value, str) and value and value not in ('.', '..') and '\\' not in value and '\0' not in value
-            and Path(value).name == value):
-        raise ValueError(f"parameter {param}: {value!r} must name one folder inside the output root (no '/', '\\', '.' or '..'), "
-                         "so the run cannot write outside it")
+    """`value` if it names one folder inside its output root (one path component, not '.' or '..');
+    a `ValueError` naming `param` otherwise; '' or None pass when `empty_ok` (the notebook then
+    names the run itself)."""
+    if empty_ok and value in ('', None):
+        return value
+    if not (
+        isinstance(value, str)
+        and value
+        and value not in ('.', '..')
+        and '\\' not in value
+        and '\0' not in value
+        and Path(value).name == value
+    ):
+        raise ValueError(
+            f"parameter {param}: {value!r} must name one folder inside the output root (no '/', "
+            "'\\', '.' or '..'), "
+            "so the run cannot write outside it"
+        )
     return value
 
-def _whole(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
-def _finite(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+# %% ../nbs/00_config.ipynb #84b44637
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
-PARAM_KINDS = {   # kind: (what a value must be, the test of a value, how one command-line word is read; None: a list kind)
+# %% ../nbs/00_config.ipynb #1a258d3a
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+# %% ../nbs/00_config.ipynb #a96fce52
+# kind: (what a value must be, the test of a value, how one command-line word is read; None: a list
+# kind)
+PARAM_KINDS = {
     'int>=1': ('a whole number >= 1', lambda v: _whole(v) and v >= 1, int),
     'int>=0': ('a whole number >= 0', lambda v: _whole(v) and v >= 0, int),
     'finite>0': ('a finite number > 0', lambda v: _finite(v) and v > 0, float),
     'finite>=0': ('a finite number >= 0', lambda v: _finite(v) and v >= 0, float),
-    'ints>=1': ('a non-empty list of whole numbers >= 1',
-                lambda v: isinstance(v, (list, tuple)) and bool(v) and all(_whole(x) and x >= 1 for x in v), None),
+    'ints>=1': (
+        'a non-empty list of whole numbers >= 1',
+        lambda v: isinstance(v, (list, tuple)) and bool(v) and all(_whole(x) and x >= 1 for x in v),
+        None,
+    ),
 }
+
 
 def _kind(kind: str) -> tuple:
     "The `PARAM_KINDS` entry of `kind`; a `ValueError` naming the known kinds otherwise."
-    if kind not in PARAM_KINDS: raise ValueError(f"unknown parameter kind {kind!r}; known: {list(PARAM_KINDS)}")
+    if kind not in PARAM_KINDS:
+        raise ValueError(f"unknown parameter kind {kind!r}; known: {list(PARAM_KINDS)}")
     return PARAM_KINDS[kind]
 
+# %% ../nbs/00_config.ipynb #d49901db
 def typed_param(value, param: str, kind: str):
-    "`value` of run-notebook parameter `param` held to the range `kind` names (one of `PARAM_KINDS`; its type is `check_params`' job); a `ValueError` naming the parameter."
+    """`value` of run-notebook parameter `param` held to the range `kind` names (one of
+    `PARAM_KINDS`; its type is `check_params`' job); a `ValueError` naming the parameter."""
     must, ok, _ = _kind(kind)
-    if not ok(value): raise ValueError(f"parameter {param}: {value!r} is not {must}")
+    if not ok(value):
+        raise ValueError(f"parameter {param}: {value!r} is not {must}")
     return list(value) if kind == 'ints>=1' else value
+
 
 _PARAM_TYPES = None
 
 # %% ../nbs/00_config.ipynb #73eaf858
 def _param_type(t):
-    "A parameter's declared type: the annotation itself, or a string annotation read with the typing names a parameters cell may use."
+    """A parameter's declared type: the annotation itself, or a string annotation read with the
+    typing names a parameters cell may use."""
     global _PARAM_TYPES
-    if not isinstance(t, str): return t
+    if not isinstance(t, str):
+        return t
     if _PARAM_TYPES is None:
         import typing
-        _PARAM_TYPES = {'Optional': typing.Optional, 'Union': typing.Union, 'Literal': typing.Literal, 'Any': typing.Any,
-                        'int': int, 'float': float, 'bool': bool, 'str': str, 'dict': dict, 'list': list, 'None': None}
-    for _ in range(2):          # a quoted annotation under `from __future__ import annotations` is a string of a string
-        if isinstance(t, str): t = eval(t, {'__builtins__': {}}, _PARAM_TYPES)
+
+        _PARAM_TYPES = {
+            'Optional': typing.Optional,
+            'Union': typing.Union,
+            'Literal': typing.Literal,
+            'Any': typing.Any,
+            'int': int,
+            'float': float,
+            'bool': bool,
+            'str': str,
+            'dict': dict,
+            'list': list,
+            'None': None,
+        }
+    for _ in range(
+        2
+    ):  # a quoted annotation under `from __future__ import annotations` is a string of a string
+        if isinstance(t, str):
+            t = eval(t, {'__builtins__': {}}, _PARAM_TYPES)
     return t
 
+# %% ../nbs/00_config.ipynb #85a636be
 def parse_sets(items) -> dict:
-    "`{key: value}` of command-line overrides `KEY=VALUE`, each value read as YAML (`memagent.files.loads_yaml`); `ValueError` naming the bad one."
+    """`{key: value}` of command-line overrides `KEY=VALUE`, each value read as YAML
+    (`memagent.files.loads_yaml`); `ValueError` naming the bad one."""
     from memagent.files import FileError, loads_yaml
+
     out = {}
     for it in items or []:
-        if '=' not in it: raise ValueError(f"--set expects key=value, got {it!r}")
+        if '=' not in it:
+            raise ValueError(f"--set expects key=value, got {it!r}")
         k, v = it.split('=', 1)
-        try: out[k.strip()] = loads_yaml(v, f'--set {k.strip()}')
+        try:
+            out[k.strip()] = loads_yaml(v, f'--set {k.strip()}')
         except FileError as e:
-            raise ValueError(f"--set {it!r}: the value is not YAML ({e.reason}); quote it, e.g. {k.strip()}='...'") from None
+            raise ValueError(
+                f"--set {it!r}: the value is not YAML ({e.reason}); quote it, e.g. "
+                f"{k.strip()}='...'"
+            ) from None
     return out
 
+# %% ../nbs/00_config.ipynb #bc1a8bac
 def check_params(namespace: dict) -> None:
-    "Hold every parameter the parameters cell annotates (`name: type = value`) to its type, strictly: a bool is a bool, an int an int, a number finite; `ValueError` naming the first that is not (papermill's `-y` hint for text given for a bool)."
+    """Hold every parameter the parameters cell annotates (`name: type = value`) to its type,
+    strictly: a bool is a bool, an int an int, a number finite; `ValueError` naming the first that
+    is not (papermill's `-y` hint for text given for a bool)."""
     from pydantic import ConfigDict, TypeAdapter, ValidationError
+
     for name, t in (namespace.get('__annotations__') or {}).items():
-        if name not in namespace: continue
+        if name not in namespace:
+            continue
         v, t = namespace[name], _param_type(t)
-        try: TypeAdapter(t, config=ConfigDict(strict=True, allow_inf_nan=False)).validate_python(v)
+        try:
+            TypeAdapter(t, config=ConfigDict(strict=True, allow_inf_nan=False)).validate_python(v)
         except ValidationError as e:
-            want = t.__name__ if isinstance(t, type) and not getattr(t, '__args__', None) else str(t).replace('typing.', '')
+            want = (
+                t.__name__
+                if isinstance(t, type) and not getattr(t, '__args__', None)
+                else str(t).replace('typing.', '')
+            )
             hint = ''
-            if isinstance(v, str) and v.strip().lower() in ('true', 'false', 'yes', 'no', 'none', 'null'):
-                hint = f" (papermill -p passes text: give -y '{name}: {v.strip().lower()}' to pass a YAML value)"
+            if isinstance(v, str) and v.strip().lower() in (
+                'true',
+                'false',
+                'yes',
+                'no',
+                'none',
+                'null',
+            ):
+                hint = (
+                    f" (papermill -p passes text: give -y '{name}: {v.strip().lower()}' to pass a "
+                    "YAML value)"
+                )
             elif isinstance(v, str):
-                hint = f" (papermill -p passes text: give -y '{name}: {v}' to pass a number or a list)"
-            raise ValueError(f"parameter {name}: {v!r} is not of its declared type {want}{hint}") from None
+                hint = (
+                    f" (papermill -p passes text: give -y '{name}: {v}' to pass a number or a list)"
+                )
+            raise ValueError(
+                f"parameter {name}: {v!r} is not of its declared type {want}{hint}"
+            ) from None
 
 # %% ../nbs/00_config.ipynb #d2ab91e0
 class cli_number:
-    "An argparse `type=`: the option's word read and held to `kind` (a scalar kind of `PARAM_KINDS`); `argparse.ArgumentTypeError` saying what is required."
+    """An argparse `type=`: the option's word read and held to `kind` (a scalar kind of
+    `PARAM_KINDS`); `argparse.ArgumentTypeError` saying what is required."""
+
     def __init__(self, kind: str):
         must, ok, read = _kind(kind)
-        if read is None: raise ValueError(f"{kind!r} is a list kind: give nargs='+' and the kind of one item")
+        if read is None:
+            raise ValueError(f"{kind!r} is a list kind: give nargs='+' and the kind of one item")
         self.kind, self.must, self._ok, self._read = kind, must, ok, read
-        self.__name__ = kind                                    # argparse's name for the type
-    def __call__(self, text: str):
-        try: v = self._read(text)
-        except (TypeError, ValueError): v = None
-        if v is None or not self._ok(v): raise argparse.ArgumentTypeError(f"{text!r} is not {self.must}")
-        return v
-    def __repr__(self): return f"cli_number({self.kind!r})"
-    def __eq__(self, other): return isinstance(other, cli_number) and other.kind == self.kind
-    def __hash__(self): return hash((cli_number, self.kind))
+        self.__name__ = kind  # argparse's name for the type
 
+    def __call__(self, text: str):
+        try:
+            v = self._read(text)
+        except (TypeError, ValueError):
+            v = None
+        if v is None or not self._ok(v):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.must}")
+        return v
+
+    def __repr__(self):
+        return f"cli_number({self.kind!r})"
+
+    def __eq__(self, other):
+        return isinstance(other, cli_number) and other.kind == self.kind
+
+    def __hash__(self):
+        return hash((cli_number, self.kind))
 
 # %% ../nbs/00_config.ipynb #3a2f7c0f
 def qwen3_4b_frozen() -> Config:
     "The frozen reproduction contract: every value of the Qwen3-4B recipe."
     return Config(
-        name='qwen3-4b-frozen', seed=1234, backend='megatron',
-        description='Frozen MemAgent reproduction on Qwen3-4B: chunk 2048 / memory 1024 / final 256, <=64 chunks, '
-                    'GRPO 8x8, split credit, PPO clip 0.2/0.3, low_var_kl 0.001, Adam lr 1e-6.',
-        model=ModelCfg(name='Qwen/Qwen3-4B', revision='1cfa9a7208912126459214e8b04321603b3df60c', dtype='bfloat16'),
+        name='qwen3-4b-frozen',
+        seed=1234,
+        backend='megatron',
+        description=(
+            'Frozen MemAgent reproduction on Qwen3-4B: chunk 2048 / memory 1024 / final 256, <=64 '
+            'chunks, '
+            'GRPO 8x8, split credit, PPO clip 0.2/0.3, low_var_kl 0.001, Adam lr 1e-6.'
+        ),
+        model=ModelCfg(
+            name='Qwen/Qwen3-4B',
+            revision='1cfa9a7208912126459214e8b04321603b3df60c',
+            dtype='bfloat16',
+        ),
         data=DataCfg(train='hotpotqa_train_32k.parquet', eval='eval_200.json', task='hotpotqa'),
         chunking=ChunkingCfg(2048, 1024, 256, 64),
         prompt=PromptCfg(variant='train', thinking='on'),
-        # colocated: one SGLang engine per 2 training GPUs at memory fraction 0.7, released during the update
-        rollout=RolloutCfg(engine='sglang', temperature=1.0, top_p=1.0, context_length=8192,
-                           colocate=True, gpus_per_engine=2, mem_fraction=0.7),
-        grpo=GRPOCfg(group_size=8, prompts_per_step=8, std_normalize=True, eps=1e-6, credit='split', reward='boxed_em'),
-        loss=LossCfg(clip_low=0.2, clip_high=0.3, kl_type='low_var_kl', kl_coef=0.001, entropy_coef=0.0, agg='trajectory'),
+        # colocated: one SGLang engine per 2 training GPUs at memory fraction 0.7, released during
+        # the update
+        rollout=RolloutCfg(
+            engine='sglang',
+            temperature=1.0,
+            top_p=1.0,
+            context_length=8192,
+            colocate=True,
+            gpus_per_engine=2,
+            mem_fraction=0.7,
+        ),
+        grpo=GRPOCfg(
+            group_size=8,
+            prompts_per_step=8,
+            std_normalize=True,
+            eps=1e-6,
+            credit='split',
+            reward='boxed_em',
+        ),
+        loss=LossCfg(
+            clip_low=0.2,
+            clip_high=0.3,
+            kl_type='low_var_kl',
+            kl_coef=0.001,
+            entropy_coef=0.0,
+            agg='trajectory',
+        ),
         optim=OptimCfg(name='adam', lr=1e-6, weight_decay=0.1, betas=[0.9, 0.98], grad_clip=1.0),
-        # bf16 weights, fp32 main grads, Adam states sharded over DP. Selective recompute costs nothing with Transformer
-        # Engine's fused attention and keeps the local spec's L x L scores, which would not fit, out of memory without it:
+        # bf16 weights, fp32 main grads, Adam states sharded over DP. Selective recompute costs
+        # nothing with Transformer
+        # Engine's fused attention and keeps the local spec's L x L scores, which would not fit, out
+        # of memory without it:
         # see reports/plan/
-        batch=BatchCfg(max_tokens_per_micro=9216, n_gpus=8, tp=2, pp=1, recompute='selective', sequence_parallel=True,
-                       distributed_optimizer=True),
+        batch=BatchCfg(
+            max_tokens_per_micro=9216,
+            n_gpus=8,
+            tp=2,
+            pp=1,
+            recompute='selective',
+            sequence_parallel=True,
+            distributed_optimizer=True,
+        ),
         schedule=ScheduleCfg(steps=100, save_every=50, keep_last=2),
-        eval=EvalCfg(lengths=[50, 200, 800], temperature=0.7, top_p=0.95, samples=1, max_items=128))
+        eval=EvalCfg(lengths=[50, 200, 800], temperature=0.7, top_p=0.95, samples=1, max_items=128),
+    )
 
+# %% ../nbs/00_config.ipynb #e15a5d6b
 def qwen3_06b_pilot() -> Config:
-    "The one-GPU pilot: a control-flow diagnostic on a Pass@N-screened set, never an accuracy claim."
+    """The one-GPU pilot: a control-flow diagnostic on a Pass@N-screened set, never an accuracy
+    claim."""
     c = qwen3_4b_frozen()
     c.name, c.backend = 'qwen3-0.6b-pilot', 'torch'
-    c.description = 'One-GPU Qwen3-0.6B pilot: chunk 512 / memory 128 / final 64, <=4 chunks, thinking off, 20 steps, 1x8.'
-    # fp32 weights: at lr 1e-6 one Adam step moves a weight by ~1e-6, below half a bf16 spacing for almost every weight
-    c.model = ModelCfg(name='Qwen/Qwen3-0.6B', revision='c1899de289a04d12100db370d81485cdf75e47ca', dtype='float32')
+    c.description = (
+        'One-GPU Qwen3-0.6B pilot: chunk 512 / memory 128 / final 64, <=4 chunks, thinking off, '
+        '20 steps, 1x8.'
+    )
+    # fp32 weights: at lr 1e-6 one Adam step moves a weight by ~1e-6, below half a bf16 spacing for
+    # almost every weight
+    c.model = ModelCfg(
+        name='Qwen/Qwen3-0.6B', revision='c1899de289a04d12100db370d81485cdf75e47ca', dtype='float32'
+    )
     c.data = DataCfg(train='pilot_train.jsonl', eval='pilot_heldout.jsonl', task='hotpotqa')
     c.chunking = ChunkingCfg(512, 128, 64, 4)
     c.prompt.thinking = 'off'
@@ -638,54 +1072,116 @@ def qwen3_06b_pilot() -> Config:
 def memagent_official() -> Config:
     "The official MemAgent recipe values (Qwen2.5-7B-Instruct), kept as a parity mode."
     return Config(
-        name='memagent-official', seed=1234, backend='megatron',
-        description='Official MemAgent: chunk 5000 / memory 1024 / final 1024, 40K centre-trimmed training contexts, '
-                    'group 16 x 128 prompts in 16 PPO mini-batches, A = r - mean, share credit, token-mean loss, clip 0.2/0.2 dual 3.',
+        name='memagent-official',
+        seed=1234,
+        backend='megatron',
+        description=(
+            'Official MemAgent: chunk 5000 / memory 1024 / final 1024, 40K centre-trimmed '
+            'training contexts, '
+            'group 16 x 128 prompts in 16 PPO mini-batches, A = r - mean, share credit, '
+            'token-mean loss, clip 0.2/0.2 dual 3.'
+        ),
         model=ModelCfg(name='Qwen/Qwen2.5-7B-Instruct', dtype='bfloat16'),
         data=DataCfg(train='hotpotqa_train_32k.parquet', eval='eval_200.json', task='hotpotqa'),
         chunking=ChunkingCfg(5000, 1024, 1024, 64, context_trim='centre', max_context_tokens=40000),
         prompt=PromptCfg(variant='train', thinking='off'),
         rollout=RolloutCfg(engine='sglang', temperature=1.0, top_p=1.0, context_length=8192),
-        grpo=GRPOCfg(group_size=16, prompts_per_step=128, std_normalize=False, credit='share', reward='official_hotpotqa'),
-        loss=LossCfg(clip_low=0.2, clip_high=0.2, dual_clip=3.0, kl_type='low_var_kl', kl_coef=0.001, agg='token_mean'),
-        # 16 optimizer steps per rollout batch: the official run scripts (run_memory_7B.sh, run_memory_14B.sh at MemAgent
-        # 76b7a658) set data.train_batch_size / actor.ppo_mini_batch_size = 128 / 8 and 256 / 16 prompts
-        optim=OptimCfg(name='adam', lr=1e-6, weight_decay=0.01, betas=[0.9, 0.999], grad_clip=1.0, warmup_steps=20,
-                       mini_batches=16),
+        grpo=GRPOCfg(
+            group_size=16,
+            prompts_per_step=128,
+            std_normalize=False,
+            credit='share',
+            reward='official_hotpotqa',
+        ),
+        loss=LossCfg(
+            clip_low=0.2,
+            clip_high=0.2,
+            dual_clip=3.0,
+            kl_type='low_var_kl',
+            kl_coef=0.001,
+            agg='token_mean',
+        ),
+        # 16 optimizer steps per rollout batch: the official run scripts (run_memory_7B.sh,
+        # run_memory_14B.sh at MemAgent
+        # 76b7a658) set data.train_batch_size / actor.ppo_mini_batch_size = 128 / 8 and 256 / 16
+        # prompts
+        optim=OptimCfg(
+            name='adam',
+            lr=1e-6,
+            weight_decay=0.01,
+            betas=[0.9, 0.999],
+            grad_clip=1.0,
+            warmup_steps=20,
+            mini_batches=16,
+        ),
         batch=BatchCfg(max_tokens_per_micro=9216, n_gpus=8, tp=2, pp=1),
         schedule=ScheduleCfg(steps=200, save_every=50, keep_last=2),
-        eval=EvalCfg(lengths=[50, 200, 800], temperature=0.7, top_p=0.95, samples=1, max_items=128, parity='official'))
+        eval=EvalCfg(
+            lengths=[50, 200, 800],
+            temperature=0.7,
+            top_p=0.95,
+            samples=1,
+            max_items=128,
+            parity='official',
+        ),
+    )
 
+# %% ../nbs/00_config.ipynb #bfc4d5d0
 def cpu_demo() -> Config:
-    "The embedded default: a real small instruct model learning a key-code memory task on a 2-core CPU."
+    """The embedded default: a real small instruct model learning a key-code memory task on a 2-core
+    CPU."""
     return Config(
-        name='cpu-demo', seed=1234, backend='torch',
-        description='SmolLM2-135M-Instruct reads key-code documents (2 facts "The code of the <key> is <4 digits>.", one '
-                    'asked, the other a distractor, in different chunks) in 3 chunks of 48 tokens with a 24-token memory, and '
-                    'answers in 16 tokens; reward: the asked code appears in the final answer and no distractor code does. '
-                    'Held-out keys are never seen in training. GRPO 2 prompts x 4 samples, rollout temperature 0.6, lr 1e-5, '
-                    '18 steps, CPU, one process.',
+        name='cpu-demo',
+        seed=1234,
+        backend='torch',
+        description=(
+            'SmolLM2-135M-Instruct reads key-code documents (2 facts "The code of the <key> is <4 '
+            'digits>.", one '
+            'asked, the other a distractor, in different chunks) in 3 chunks of 48 tokens with a '
+            '24-token memory, and '
+            'answers in 16 tokens; reward: the asked code appears in the final answer and no '
+            'distractor code does. '
+            'Held-out keys are never seen in training. GRPO 2 prompts x 4 samples, rollout '
+            'temperature 0.6, lr 1e-5, '
+            '18 steps, CPU, one process.'
+        ),
         model=ModelCfg(name='smollm2-135m-instruct', dtype='float32'),
         data=DataCfg(task='keycode', max_train=64, max_eval=96, keycode_pairs=2, keycode_chunks=3),
         chunking=ChunkingCfg(chunk_tokens=48, memory_tokens=24, final_tokens=16, max_chunks=3),
         prompt=PromptCfg(variant='train', thinking='off'),
-        # Temperature 0.6, below the 1.0 of the GPU recipes: chosen for a 135M model, to sample nearer its most likely
-        # answers while groups keep some reward variance. lr 1e-5: at 3e-5 the policy collapsed to a 3-token memory within
-        # 12 steps; 2 pairs: with 3 (two distractors) 12 steps at 1e-5 gave no measurable gain on the held-out items that need
-        # memory, with 2 a clear one. The probes behind these settings are in reports/probes/cpu-demo/.
+        # Temperature 0.6, below the 1.0 of the GPU recipes: chosen for a 135M model, to sample
+        # nearer its most likely
+        # answers while groups keep some reward variance. lr 1e-5: at 3e-5 the policy collapsed to a
+        # 3-token memory within
+        # 12 steps; 2 pairs: with 3 (two distractors) 12 steps at 1e-5 gave no measurable gain on
+        # the held-out items that need
+        # memory, with 2 a clear one. The probes behind these settings are in
+        # reports/probes/cpu-demo/.
         rollout=RolloutCfg(engine='hf', temperature=0.6, top_p=1.0, context_length=2048),
-        grpo=GRPOCfg(group_size=4, prompts_per_step=2, std_normalize=True, credit='split', reward='answer_without_distractors'),
-        loss=LossCfg(clip_low=0.2, clip_high=0.3, kl_type='low_var_kl', kl_coef=0.001, agg='trajectory'),
+        grpo=GRPOCfg(
+            group_size=4,
+            prompts_per_step=2,
+            std_normalize=True,
+            credit='split',
+            reward='answer_without_distractors',
+        ),
+        loss=LossCfg(
+            clip_low=0.2, clip_high=0.3, kl_type='low_var_kl', kl_coef=0.001, agg='trajectory'
+        ),
         optim=OptimCfg(name='adam', lr=1e-5, weight_decay=0.0, betas=[0.9, 0.98], grad_clip=1.0),
         batch=BatchCfg(max_tokens_per_micro=2048, n_gpus=1, tp=1, pp=1),
         schedule=ScheduleCfg(steps=18, save_every=6, keep_last=2),
-        eval=EvalCfg(lengths=[3], temperature=0.6, top_p=1.0, samples=1, max_items=96, seed=4321))
+        eval=EvalCfg(lengths=[3], temperature=0.6, top_p=1.0, samples=1, max_items=96, seed=4321),
+    )
 
 # %% ../nbs/00_config.ipynb #1a107ac6
 def tiny() -> Config:
     "A random 2-layer Qwen3 for tests: every code path, seconds per step."
     return Config(
-        name='tiny', seed=1234, backend='torch', description='Random tiny Qwen3 for tests.',
+        name='tiny',
+        seed=1234,
+        backend='torch',
+        description='Random tiny Qwen3 for tests.',
         model=ModelCfg(name='tiny-qwen3', dtype='float32'),
         data=DataCfg(task='keycode', max_train=8, max_eval=4, keycode_pairs=3, keycode_chunks=3),
         chunking=ChunkingCfg(chunk_tokens=32, memory_tokens=16, final_tokens=8, max_chunks=3),
@@ -696,12 +1192,21 @@ def tiny() -> Config:
         optim=OptimCfg(name='adam', lr=1e-4, weight_decay=0.0),
         batch=BatchCfg(max_tokens_per_micro=2048, n_gpus=1, tp=1, pp=1),
         schedule=ScheduleCfg(steps=2, save_every=1, keep_last=2),
-        eval=EvalCfg(lengths=[2], samples=1, max_items=4))
+        eval=EvalCfg(lengths=[2], samples=1, max_items=4),
+    )
 
-PRESETS = {'qwen3-4b-frozen': qwen3_4b_frozen, 'qwen3-0.6b-pilot': qwen3_06b_pilot, 'memagent-official': memagent_official,
-           'cpu-demo': cpu_demo, 'tiny': tiny}
+
+PRESETS = {
+    'qwen3-4b-frozen': qwen3_4b_frozen,
+    'qwen3-0.6b-pilot': qwen3_06b_pilot,
+    'memagent-official': memagent_official,
+    'cpu-demo': cpu_demo,
+    'tiny': tiny,
+}
+
 
 def get_preset(name: str, overrides: dict | None = None) -> Config:
     "A fresh, validated copy of a named preset with optional dotted-key overrides."
-    if name not in PRESETS: raise KeyError(f"unknown preset {name!r}; available: {list(PRESETS)}")
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; available: {list(PRESETS)}")
     return apply_overrides(PRESETS[name]().validate(), overrides)

@@ -17,153 +17,250 @@ __all__ = ['CREDIT_MODES', 'AGG_MODES', 'group_advantages', 'filter_zero_varianc
 def _groups(trajs) -> 'OrderedDict[int, list[int]]':
     "Indices of `trajs` by `group_index`, in order of first appearance."
     g = OrderedDict()
-    for i, t in enumerate(trajs): g.setdefault(t.group_index, []).append(i)
+    for i, t in enumerate(trajs):
+        g.setdefault(t.group_index, []).append(i)
     return g
 
+# %% ../nbs/10_credit.ipynb #71be6ad0
 def _check_trajs(trajs):
-    if not trajs: raise ValueError("no trajectories: a step needs at least one complete group")
+    if not trajs:
+        raise ValueError("no trajectories: a step needs at least one complete group")
     failed = [t.traj_id for t in trajs if t.error is not None]
-    if failed: raise ValueError(f"{len(failed)} failed trajectories reached credit (drop their groups first): {failed[:8]}")
+    if failed:
+        raise ValueError(
+            f"{len(failed)} failed trajectories reached credit (drop their groups first): "
+            f"{failed[:8]}"
+        )
     ids = [t.traj_id for t in trajs]
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise ValueError(f"duplicate traj_id in step: {dup[:8]}")
     nor = [t.traj_id for t in trajs if t.reward is None or not math.isfinite(t.reward)]
-    if nor: raise ValueError(f"trajectories without a finite reward: {nor[:8]}")
+    if nor:
+        raise ValueError(f"trajectories without a finite reward: {nor[:8]}")
     empty = [t.traj_id for t in trajs if not t.turns]
-    if empty: raise ValueError(f"trajectories without turns: {empty[:8]}")
+    if empty:
+        raise ValueError(f"trajectories without turns: {empty[:8]}")
 
-def group_advantages(trajs: list[Trajectory], group_size: int, std_normalize: bool = True, eps: float = 1e-6):
-    "Per-trajectory GRPO advantages: `A = (r - mean_g) / (std_g + eps)` (unbiased std) or `r - mean_g`; returns `(advantages, stats)`."
+# %% ../nbs/10_credit.ipynb #bd15f73d
+def group_advantages(
+    trajs: list[Trajectory], group_size: int, std_normalize: bool = True, eps: float = 1e-6
+):
+    """Per-trajectory GRPO advantages: `A = (r - mean_g) / (std_g + eps)` (unbiased std) or `r -
+    mean_g`; returns `(advantages, stats)`."""
     _check_trajs(trajs)
-    if group_size < 1: raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if std_normalize and group_size < 2: raise ValueError("std_normalize needs group_size >= 2 (unbiased std of one sample is undefined)")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if std_normalize and group_size < 2:
+        raise ValueError(
+            "std_normalize needs group_size >= 2 (unbiased std of one sample is undefined)"
+        )
     groups = _groups(trajs)
     adv = [0.0] * len(trajs)
     zero_var, stds = [], []
     for g, idx in groups.items():
         if len(idx) != group_size:
-            raise ValueError(f"group {g} has {len(idx)} trajectories, expected group_size={group_size} "
-                             f"(traj_ids {[trajs[i].traj_id for i in idx][:8]})")
+            raise ValueError(
+                f"group {g} has {len(idx)} trajectories, expected group_size={group_size} "
+                f"(traj_ids {[trajs[i].traj_id for i in idx][:8]})"
+            )
         r = np.array([trajs[i].reward for i in idx], dtype=np.float64)
         mean = r.mean()
         std = r.std(ddof=1) if len(r) > 1 else 0.0
         stds.append(float(std))
-        if np.all(r == r[0]): zero_var.append(g)
+        if np.all(r == r[0]):
+            zero_var.append(g)
         a = (r - mean) / (std + eps) if std_normalize else r - mean
-        for i, v in zip(idx, a): adv[i] = float(v)
+        for i, v in zip(idx, a):
+            adv[i] = float(v)
     rewards = np.array([t.reward for t in trajs], dtype=np.float64)
-    stats = dict(n_groups=len(groups), n_trajectories=len(trajs), group_size=group_size,
-                 std_normalize=bool(std_normalize), eps=eps,
-                 zero_variance_groups=len(zero_var), zero_variance_group_ids=zero_var,
-                 reward_mean=float(rewards.mean()), reward_std=float(rewards.std(ddof=1)) if len(trajs) > 1 else 0.0,
-                 group_std_mean=float(np.mean(stds)), adv_abs_max=float(np.max(np.abs(adv))))
+    stats = dict(
+        n_groups=len(groups),
+        n_trajectories=len(trajs),
+        group_size=group_size,
+        std_normalize=bool(std_normalize),
+        eps=eps,
+        zero_variance_groups=len(zero_var),
+        zero_variance_group_ids=zero_var,
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std(ddof=1)) if len(trajs) > 1 else 0.0,
+        group_std_mean=float(np.mean(stds)),
+        adv_abs_max=float(np.max(np.abs(adv))),
+    )
     return adv, stats
 
 # %% ../nbs/10_credit.ipynb #ca41d149
 def filter_zero_variance(trajs: list[Trajectory], advantages: list[float], stats: dict):
-    "Drop groups whose rewards are all equal; returns `(trajs, advantages, stats)` with the drop counted in stats."
+    """Drop groups whose rewards are all equal; returns `(trajs, advantages, stats)` with the drop
+    counted in stats."""
     drop = set(stats.get('zero_variance_group_ids', []))
     keep = [i for i, t in enumerate(trajs) if t.group_index not in drop]
     gone = [i for i, t in enumerate(trajs) if t.group_index in drop]
-    stats = dict(stats, filtered_groups=len(drop), filtered_trajectories=len(gone),
-                 filtered_rows=sum(trajs[i].num_turns for i in gone))
+    stats = dict(
+        stats,
+        filtered_groups=len(drop),
+        filtered_trajectories=len(gone),
+        filtered_rows=sum(trajs[i].num_turns for i in gone),
+    )
     return [trajs[i] for i in keep], [advantages[i] for i in keep], stats
 
 # %% ../nbs/10_credit.ipynb #a65b3355
 CREDIT_MODES = ('split', 'share')
 AGG_MODES = ('trajectory', 'token_mean')
 
+
 def mini_batch_of(group_index: int, mini_batches: int) -> int:
-    "The PPO mini-batch (0..mini_batches-1) that prompt group `group_index` is trained in: `group_index % mini_batches`."
-    if mini_batches < 1: raise ValueError(f"mini_batches must be >= 1, got {mini_batches}")
+    """The PPO mini-batch (0..mini_batches-1) that prompt group `group_index` is trained in:
+    `group_index % mini_batches`."""
+    if mini_batches < 1:
+        raise ValueError(f"mini_batches must be >= 1, got {mini_batches}")
     return int(group_index) % mini_batches
 
+# %% ../nbs/10_credit.ipynb #6f1dca7a
 def _normalizers(trajs, agg: str, mini_batches: int) -> tuple[list[int], list[int]]:
     "Trajectories and loss tokens per mini-batch: the denominators of `Row.weight`."
     n, tok = [0] * mini_batches, [0] * mini_batches
     for t in trajs:
         j = mini_batch_of(t.group_index, mini_batches)
-        n[j] += 1; tok[j] += sum(int(sum(u.loss_mask)) for u in t.turns)
+        n[j] += 1
+        tok[j] += sum(int(sum(u.loss_mask)) for u in t.turns)
     if agg == 'token_mean':
         for j in sorted({mini_batch_of(t.group_index, mini_batches) for t in trajs}):
-            if tok[j] == 0: raise ValueError(f"agg='token_mean' but mini-batch {j} of {mini_batches} has no response tokens with loss_mask=1")
+            if tok[j] == 0:
+                raise ValueError(
+                    f"agg='token_mean' but mini-batch {j} of {mini_batches} has no response "
+                    "tokens with loss_mask=1"
+                )
     return n, tok
 
+# %% ../nbs/10_credit.ipynb #71a4c797
 def _weight(loss_mask, j: int, agg: str, n, tok) -> float:
     return 1.0 / n[j] if agg == 'trajectory' else int(sum(loss_mask)) / tok[j]
 
+# %% ../nbs/10_credit.ipynb #6f4505c5
 def expand_rows(
-    trajs: list[Trajectory],    # each with a finite `reward` and at least one turn
-    advantages: list[float],    # one per trajectory, in `trajs` order (`group_advantages`)
-    mode: str = 'split',        # `split`: each row's credit is `A/T`; `share`: `A`
-    agg: str = 'trajectory',    # `trajectory`: weight `1/N_j`; `token_mean`: `n_tok/n_tok_j`
-    mini_batches: int = 1,      # PPO mini-batches: group `g` trains in mini-batch `g % mini_batches`
-) -> list[Row]:                 # one row per turn, in trajectory order: `sum(T)` rows
-    "One `Row` per turn: credit `A/T` (split) or `A` (share); weight `1/N_j` (trajectory) or `n_tok/n_tok_j` (token_mean) in its mini-batch j."
-    if mode not in CREDIT_MODES: raise ValueError(f"credit mode must be one of {CREDIT_MODES}, got {mode!r}")
-    if agg not in AGG_MODES: raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    trajs: list[Trajectory],  # each with a finite `reward` and at least one turn
+    advantages: list[float],  # one per trajectory, in `trajs` order (`group_advantages`)
+    mode: str = 'split',  # `split`: each row's credit is `A/T`; `share`: `A`
+    agg: str = 'trajectory',  # `trajectory`: weight `1/N_j`; `token_mean`: `n_tok/n_tok_j`
+    mini_batches: int = 1,  # PPO mini-batches: group `g` trains in mini-batch `g % mini_batches`
+) -> list[Row]:  # one row per turn, in trajectory order: `sum(T)` rows
+    """One `Row` per turn: credit `A/T` (split) or `A` (share); weight `1/N_j` (trajectory) or
+    `n_tok/n_tok_j` (token_mean) in its mini-batch j."""
+    if mode not in CREDIT_MODES:
+        raise ValueError(f"credit mode must be one of {CREDIT_MODES}, got {mode!r}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
     _check_trajs(trajs)
-    if len(advantages) != len(trajs): raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
-    n, tok = _normalizers(trajs, agg, mini_batches)          # trajectories and loss tokens per mini-batch
+    if len(advantages) != len(trajs):
+        raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
+    n, tok = _normalizers(trajs, agg, mini_batches)  # trajectories and loss tokens per mini-batch
     rows = []
     for t, a in zip(trajs, advantages):
         T, j = t.num_turns, mini_batch_of(t.group_index, mini_batches)
         credit = a / T if mode == 'split' else a
         for u in t.turns:
-            rows.append(Row(t.traj_id, t.group_index, u.turn_index, T, float(t.reward), float(a), float(credit),
-                            _weight(u.loss_mask, j, agg, n, tok),
-                            list(u.prompt_ids), list(u.response_ids), list(u.rollout_logprobs), list(u.loss_mask)))
+            rows.append(
+                Row(
+                    t.traj_id,
+                    t.group_index,
+                    u.turn_index,
+                    T,
+                    float(t.reward),
+                    float(a),
+                    float(credit),
+                    _weight(u.loss_mask, j, agg, n, tok),
+                    list(u.prompt_ids),
+                    list(u.response_ids),
+                    list(u.rollout_logprobs),
+                    list(u.loss_mask),
+                )
+            )
     return rows
 
 # %% ../nbs/10_credit.ipynb #687595d6
 class StepRows:
-    "A step's rows, built group by group as groups complete (`add`); `finish(order)` weights them: `trajectories_to_rows`'s `(rows, stats)`."
+    """A step's rows, built group by group as groups complete (`add`); `finish(order)` weights them:
+    `trajectories_to_rows`'s `(rows, stats)`."""
+
     def __init__(self, cfg):
         g, l = cfg.grpo, getattr(cfg, 'loss', None)
         self.group_size, self.std_normalize, self.eps = g.group_size, g.std_normalize, g.eps
         self.filter = bool(getattr(g, 'filter_zero_variance', False))
         self.mode, self.agg = g.credit, getattr(l, 'agg', 'trajectory')
         self.mini_batches = getattr(getattr(cfg, 'optim', None), 'mini_batches', 1)
-        self.groups, self.dropped = {}, []          # group index -> (trajectories, rows with credit); dropped group indices
+        self.groups, self.dropped = (
+            {},
+            [],
+        )  # group index -> (trajectories, rows with credit); dropped group indices
 
     def add(self, group: list[Trajectory]) -> bool:
-        "Normalize one complete group and expand its rows now (weights at `finish`); a group with a failed trajectory is dropped. Returns whether it was kept."
+        """Normalize one complete group and expand its rows now (weights at `finish`); a group with
+        a failed trajectory is dropped. Returns whether it was kept."""
         gi = sorted({t.group_index for t in group})
-        if len(gi) != 1: raise ValueError(f"StepRows.add: one group at a time, got group indices {gi}")
+        if len(gi) != 1:
+            raise ValueError(f"StepRows.add: one group at a time, got group indices {gi}")
         g = gi[0]
-        if g in self.groups or g in self.dropped: raise ValueError(f"StepRows.add: group {g} was already added")
-        if any(t.error is not None for t in group): self.dropped.append(g); return False
-        adv, _ = group_advantages(group, self.group_size, std_normalize=self.std_normalize, eps=self.eps)
-        self.groups[g] = (list(group), expand_rows(group, adv, self.mode, 'trajectory', 1))   # weights: at finish
+        if g in self.groups or g in self.dropped:
+            raise ValueError(f"StepRows.add: group {g} was already added")
+        if any(t.error is not None for t in group):
+            self.dropped.append(g)
+            return False
+        adv, _ = group_advantages(
+            group, self.group_size, std_normalize=self.std_normalize, eps=self.eps
+        )
+        self.groups[g] = (
+            list(group),
+            expand_rows(group, adv, self.mode, 'trajectory', 1),
+        )  # weights: at finish
         return True
 
     def add_all(self, trajs: list[Trajectory]) -> None:
         "`add` every group of `trajs`, in order of first appearance."
-        for idx in _groups(trajs).values(): self.add([trajs[i] for i in idx])
+        for idx in _groups(trajs).values():
+            self.add([trajs[i] for i in idx])
 
     def finish(self, order=None) -> tuple[list[Row], dict]:
-        "The rows of the groups `order` (default: every kept group by index), in that order, with the step's weights; and the step's stats."
+        """The rows of the groups `order` (default: every kept group by index), in that order, with
+        the step's weights; and the step's stats."""
         order = sorted(self.groups) if order is None else list(order)
         missing = [g for g in order if g not in self.groups]
-        if missing: raise ValueError(f"StepRows.finish: groups {missing[:8]} were never added, or were dropped")
+        if missing:
+            raise ValueError(
+                f"StepRows.finish: groups {missing[:8]} were never added, or were dropped"
+            )
         trajs = [t for g in order for t in self.groups[g][0]]
-        adv, stats = group_advantages(trajs, self.group_size, std_normalize=self.std_normalize, eps=self.eps)
+        adv, stats = group_advantages(
+            trajs, self.group_size, std_normalize=self.std_normalize, eps=self.eps
+        )
         keep = order
         if self.filter:
             trajs, adv, stats = filter_zero_variance(trajs, adv, stats)
-            zero = set(stats['zero_variance_group_ids']); keep = [g for g in order if g not in zero]
-        else: stats = dict(stats, filtered_groups=0, filtered_trajectories=0, filtered_rows=0)
-        if not trajs: return [], dict(stats, n_rows=0)
+            zero = set(stats['zero_variance_group_ids'])
+            keep = [g for g in order if g not in zero]
+        else:
+            stats = dict(stats, filtered_groups=0, filtered_trajectories=0, filtered_rows=0)
+        if not trajs:
+            return [], dict(stats, n_rows=0)
         n, tok = _normalizers(trajs, self.agg, self.mini_batches)
         rows = [r for g in keep for r in self.groups[g][1]]
-        for r in rows: r.weight = _weight(r.loss_mask, mini_batch_of(r.group_index, self.mini_batches), self.agg, n, tok)
-        return rows, dict(stats, n_rows=len(rows), credit=self.mode, agg=self.agg, mini_batches=self.mini_batches,
-                          turns_mean=float(np.mean([t.num_turns for t in trajs])))
+        for r in rows:
+            r.weight = _weight(
+                r.loss_mask, mini_batch_of(r.group_index, self.mini_batches), self.agg, n, tok
+            )
+        return rows, dict(
+            stats,
+            n_rows=len(rows),
+            credit=self.mode,
+            agg=self.agg,
+            mini_batches=self.mini_batches,
+            turns_mean=float(np.mean([t.num_turns for t in trajs])),
+        )
 
 # %% ../nbs/10_credit.ipynb #7a711c05
 def trajectories_to_rows(trajs: list[Trajectory], cfg):
-    "Normalize (`cfg.grpo`), optionally filter zero-variance groups, expand (`cfg.grpo.credit`, `cfg.loss.agg`, `cfg.optim.mini_batches`); returns `(rows, stats)`."
+    """Normalize (`cfg.grpo`), optionally filter zero-variance groups, expand (`cfg.grpo.credit`,
+    `cfg.loss.agg`, `cfg.optim.mini_batches`); returns `(rows, stats)`."""
     _check_trajs(trajs)
     acc = StepRows(cfg)
     acc.add_all(trajs)

@@ -12,45 +12,78 @@ __all__ = ['NOSET_ENV', 'DeviceError', 'noset_visible_devices', 'torch_device_in
 # %% ../nbs/12_devices.ipynb #46017a1c
 NOSET_ENV = 'RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES'
 
+
 class DeviceError(RuntimeError):
-    "A rank's GPU cannot be told from Ray's assignment; the message names the ids and the variables."
+    """A rank's GPU cannot be told from Ray's assignment; the message names the ids and the
+    variables."""
 
+# %% ../nbs/12_devices.ipynb #2aae8070
 def noset_visible_devices(environ=None) -> bool:
-    "Whether Ray leaves `CUDA_VISIBLE_DEVICES` as it is (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES` '1' or 'true', as Ray reads it)."
-    return (environ if environ is not None else os.environ).get(NOSET_ENV, '').lower() in ('1', 'true')
+    """Whether Ray leaves `CUDA_VISIBLE_DEVICES` as it is
+    (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES` '1' or 'true', as Ray reads it)."""
+    return (environ if environ is not None else os.environ).get(NOSET_ENV, '').lower() in (
+        '1',
+        'true',
+    )
 
+# %% ../nbs/12_devices.ipynb #995ecfe3
 def torch_device_index(ray_gpu_ids, visible: str | None, noset: bool) -> int | None:
-    "torch's index of the first GPU Ray gave this process (`ray_gpu_ids`), given its `CUDA_VISIBLE_DEVICES` and NOSET; None when Ray gave none."
+    """torch's index of the first GPU Ray gave this process (`ray_gpu_ids`), given its
+    `CUDA_VISIBLE_DEVICES` and NOSET; None when Ray gave none."""
     ids = [str(g) for g in ray_gpu_ids]
-    if not ids: return None
+    if not ids:
+        return None
     vis = [v.strip() for v in visible.split(',') if v.strip()] if visible else None
     if vis is None:
-        if noset and ids[0].isdigit(): return int(ids[0])        # nothing narrows the node: Ray's ids are the GPU ordinals
-        raise DeviceError(f"Ray gave GPUs {ids} but CUDA_VISIBLE_DEVICES is {visible!r} "
-                          f"({NOSET_ENV}={'on' if noset else 'off'}): the GPU cannot be told")
+        if noset and ids[0].isdigit():
+            return int(ids[0])  # nothing narrows the node: Ray's ids are the GPU ordinals
+        raise DeviceError(
+            f"Ray gave GPUs {ids} but CUDA_VISIBLE_DEVICES is {visible!r} "
+            f"({NOSET_ENV}={'on' if noset else 'off'}): the GPU cannot be told"
+        )
     if ids[0] not in vis:
-        raise DeviceError(f"Ray gave GPU {ids[0]!r} but CUDA_VISIBLE_DEVICES={visible!r} does not list it "
-                          f"({NOSET_ENV}={'on' if noset else 'off'})")
+        raise DeviceError(
+            f"Ray gave GPU {ids[0]!r} but CUDA_VISIBLE_DEVICES={visible!r} does not list it "
+            f"({NOSET_ENV}={'on' if noset else 'off'})"
+        )
     return vis.index(ids[0])
 
+# %% ../nbs/12_devices.ipynb #a4953781
 def rank_device(cuda: bool | None = None, environ=None) -> dict:
-    "This Ray worker's GPU assignment and the torch device it maps to (`device`: 'cuda:i', or 'cpu' without CUDA); `DeviceError` for a GPU machine's rank without a GPU."
+    """This Ray worker's GPU assignment and the torch device it maps to (`device`: 'cuda:i', or
+    'cpu' without CUDA); `DeviceError` for a GPU machine's rank without a GPU."""
     import ray
+
     environ = os.environ if environ is None else environ
     if cuda is None:
         import torch
+
         cuda = torch.cuda.is_available()
-    ids, visible, noset = [str(g) for g in ray.get_gpu_ids()], environ.get('CUDA_VISIBLE_DEVICES'), noset_visible_devices(environ)
+    ids, visible, noset = (
+        [str(g) for g in ray.get_gpu_ids()],
+        environ.get('CUDA_VISIBLE_DEVICES'),
+        noset_visible_devices(environ),
+    )
     index = torch_device_index(ids, visible, noset)
     if cuda and index is None:
-        raise DeviceError(f"this rank has CUDA but Ray gave it no GPU (CUDA_VISIBLE_DEVICES={visible!r}): it would land on "
-                          f"cuda:0 with every other such rank; ask Ray for one GPU per rank")
-    return dict(node=ray.util.get_node_ip_address(), ray_gpu_ids=ids, cuda_visible_devices=visible, noset=noset,
-                device_index=index, device=f'cuda:{index}' if cuda else 'cpu')
+        raise DeviceError(
+            f"this rank has CUDA but Ray gave it no GPU (CUDA_VISIBLE_DEVICES={visible!r}): it "
+            "would land on "
+            f"cuda:0 with every other such rank; ask Ray for one GPU per rank"
+        )
+    return dict(
+        node=ray.util.get_node_ip_address(),
+        ray_gpu_ids=ids,
+        cuda_visible_devices=visible,
+        noset=noset,
+        device_index=index,
+        device=f'cuda:{index}' if cuda else 'cpu',
+    )
 
 # %% ../nbs/12_devices.ipynb #c888eed5
 def bundle_info() -> tuple:
-    "Where a task runs: (node address, the GPU ids Ray gave it). `memagent.colocate.Placement` asks each of its bundles."
+    """Where a task runs: (node address, the GPU ids Ray gave it). `memagent.colocate.Placement`
+    asks each of its bundles."""
     import ray
-    return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
 
+    return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]

@@ -12,7 +12,10 @@ from .engines import engine_from_config, EngineError
 from .stats import bootstrap_ci, pass_at_k
 from .data.readers import unencodable
 from .files import FileError, StagedDir, loads_json, read_json, loads_yaml
-from .served import ModelMismatchError, check_served_model   # the proof of the model an engine serves
+from memagent.served import (
+    ModelMismatchError,
+    check_served_model,
+)  # the proof of the model an engine serves
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMPARABLE', 'RECORDS_FILE', 'SUMMARY_FILE',
@@ -23,13 +26,46 @@ __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMP
 # %% ../nbs/16_evaluate.ipynb #2e2d87d0
 SCHEMA_VERSION = 'memagent.evaluate/1'
 METRICS = ('em', 'sub_em', 'strict_sub_em', 'f1', 'boxed_em')
-BINARY_METRICS = ('em', 'sub_em', 'strict_sub_em', 'boxed_em')  # 0/1 per sample: pass@k is defined on these
-RECORD_FIELDS = ('id', 'sample', 'answers', 'parity', 'prediction', *METRICS, 'response', 'num_chunks', 'truncated',
-                 'dropped_tokens', 'memory_lengths', 'memories', 'error')
-COMPARABLE = ('schema_version', 'mode', 'parity', 'data.sha256', 'data.item_ids_sha256', 'prompts.variant',
-              'prompts.template_sha256', 'thinking', 'tokenizer.class', 'tokenizer.size', 'tokenizer.vocab_sha256',
-              'tokenizer.chat_template_sha256', 'sampling', 'seeds.eval', 'limits', 'totals.items',
-              'totals.samples_per_item')
+BINARY_METRICS = (
+    'em',
+    'sub_em',
+    'strict_sub_em',
+    'boxed_em',
+)  # 0/1 per sample: pass@k is defined on these
+RECORD_FIELDS = (
+    'id',
+    'sample',
+    'answers',
+    'parity',
+    'prediction',
+    *METRICS,
+    'response',
+    'num_chunks',
+    'truncated',
+    'dropped_tokens',
+    'memory_lengths',
+    'memories',
+    'error',
+)
+COMPARABLE = (
+    'schema_version',
+    'mode',
+    'parity',
+    'data.sha256',
+    'data.item_ids_sha256',
+    'prompts.variant',
+    'prompts.template_sha256',
+    'thinking',
+    'tokenizer.class',
+    'tokenizer.size',
+    'tokenizer.vocab_sha256',
+    'tokenizer.chat_template_sha256',
+    'sampling',
+    'seeds.eval',
+    'limits',
+    'totals.items',
+    'totals.samples_per_item',
+)
 RECORDS_FILE, SUMMARY_FILE = 'records.jsonl', 'summary.json'
 
 # %% ../nbs/16_evaluate.ipynb #5b7953e7
@@ -37,63 +73,111 @@ def _text_ok(s) -> bool:
     "A string that can be written as UTF-8 (no lone surrogate)."
     return unencodable(s) is None
 
+
 def record_problems(rec) -> list[str]:
-    "Each field of a per-sample record that is missing or of a type `_record` never writes; `[]` for a well-formed record."
-    if not isinstance(rec, dict): return [f'a JSON {type(rec).__name__}, not an object']
-    out = [f'{k}: missing' for k in ('id', 'sample', 'answers', 'response', 'num_chunks') if k not in rec]
-    if 'id' in rec and not (isinstance(rec['id'], str) and rec['id'] and _text_ok(rec['id'])): out.append(f"id: {rec['id']!r} is not a non-empty string")
-    out += [f'{k}: {rec[k]!r} is not a whole number >= 0' for k in ('sample', 'num_chunks', 'dropped_tokens')
-            if k in rec and not (isinstance(rec[k], int) and not isinstance(rec[k], bool) and rec[k] >= 0)]
+    """Each field of a per-sample record that is missing or of a type `_record` never writes; `[]`
+    for a well-formed record."""
+    if not isinstance(rec, dict):
+        return [f'a JSON {type(rec).__name__}, not an object']
+    out = [
+        f'{k}: missing'
+        for k in ('id', 'sample', 'answers', 'response', 'num_chunks')
+        if k not in rec
+    ]
+    if 'id' in rec and not (isinstance(rec['id'], str) and rec['id'] and _text_ok(rec['id'])):
+        out.append(f"id: {rec['id']!r} is not a non-empty string")
+    out += [
+        f'{k}: {rec[k]!r} is not a whole number >= 0'
+        for k in ('sample', 'num_chunks', 'dropped_tokens')
+        if k in rec
+        and not (isinstance(rec[k], int) and not isinstance(rec[k], bool) and rec[k] >= 0)
+    ]
     a = rec.get('answers')
-    if 'answers' in rec and not (isinstance(a, list) and all(isinstance(x, str) and _text_ok(x) for x in a)):
+    if 'answers' in rec and not (
+        isinstance(a, list) and all(isinstance(x, str) and _text_ok(x) for x in a)
+    ):
         out.append(f'answers: {a!r} is not a list of strings')
     for k in ('response', 'prediction', 'parity'):
         if k in rec and rec[k] is not None and not (isinstance(rec[k], str) and _text_ok(rec[k])):
             out.append(f'{k}: {rec[k]!r} is not UTF-8 text')
-    if rec.get('error') is not None and not isinstance(rec['error'], str): out.append(f"error: {rec['error']!r} is not text or null")
-    if 'truncated' in rec and not isinstance(rec['truncated'], bool): out.append(f"truncated: {rec['truncated']!r} is not true or false")
+    if rec.get('error') is not None and not isinstance(rec['error'], str):
+        out.append(f"error: {rec['error']!r} is not text or null")
+    if 'truncated' in rec and not isinstance(rec['truncated'], bool):
+        out.append(f"truncated: {rec['truncated']!r} is not true or false")
     return out
 
+
 def read_records(path) -> list[dict]:
-    "The per-sample records of a records file; `ValueError` naming the file, the line and the field of the first malformed one."
+    """The per-sample records of a records file; `ValueError` naming the file, the line and the
+    field of the first malformed one."""
     out = []
     with open(path, encoding='utf-8') as f:
         for n, line in enumerate(f, 1):
-            if not line.strip(): continue
+            if not line.strip():
+                continue
             rec = loads_json(line, path, n)
-            if bad := record_problems(rec): raise FileError(path, n, None, f"malformed record: {'; '.join(bad)}")
+            if bad := record_problems(rec):
+                raise FileError(path, n, None, f"malformed record: {'; '.join(bad)}")
             out.append(rec)
     return out
 
 # %% ../nbs/16_evaluate.ipynb #851f4f13
 def metric_names(parity: str | None) -> tuple:
-    "The metrics a parity mode scores (the numeric fields of its `score`), in its order; `METRICS` when no mode is named."
-    if parity is None: return METRICS
+    """The metrics a parity mode scores (the numeric fields of its `score`), in its order; `METRICS`
+    when no mode is named."""
+    if parity is None:
+        return METRICS
     from memagent.parity import get_parity
-    sc = get_parity(parity).score('', ['x'])
-    return tuple(k for k, v in sc.items() if k != 'prediction' and isinstance(v, (int, float)) and not isinstance(v, bool))
 
+    sc = get_parity(parity).score('', ['x'])
+    return tuple(
+        k
+        for k, v in sc.items()
+        if k != 'prediction' and isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
+
+# %% ../nbs/16_evaluate.ipynb #17b6f17b
 def score_record(rec: dict, parity: str) -> dict:
-    "`rec` scored by parity mode `parity` from its `response` and `answers` (every score field replaced); an errored record scores 0."
+    """`rec` scored by parity mode `parity` from its `response` and `answers` (every score field
+    replaced); an errored record scores 0."""
     from memagent.parity import get_parity
-    if rec.get('error'): sc = {'prediction': '', **{m: 0.0 for m in metric_names(parity)}}
-    else: sc = get_parity(parity).score(rec.get('response') or '', list(rec['answers']))
-    out = {'id': str(rec['id']), 'sample': int(rec['sample']), 'answers': list(rec['answers']), 'parity': parity}
-    out.update({k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in sc.items()})
+
+    if rec.get('error'):
+        sc = {'prediction': '', **{m: 0.0 for m in metric_names(parity)}}
+    else:
+        sc = get_parity(parity).score(rec.get('response') or '', list(rec['answers']))
+    out = {
+        'id': str(rec['id']),
+        'sample': int(rec['sample']),
+        'answers': list(rec['answers']),
+        'parity': parity,
+    }
+    out.update(
+        {
+            k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+            for k, v in sc.items()
+        }
+    )
     out.update({k: v for k, v in rec.items() if k not in out and k not in sc})
     return out
 
+# %% ../nbs/16_evaluate.ipynb #835c4739
 def records_parity(records) -> str | None:
-    "The one parity mode `records` were scored with (None when they name none); mixed modes are refused."
+    """The one parity mode `records` were scored with (None when they name none); mixed modes are
+    refused."""
     ps = {r.get('parity') for r in records}
-    if len(ps) > 1: raise ValueError(f"records scored with several parity modes: {sorted(map(str, ps))}")
+    if len(ps) > 1:
+        raise ValueError(f"records scored with several parity modes: {sorted(map(str, ps))}")
     return next(iter(ps), None)
 
+# %% ../nbs/16_evaluate.ipynb #379a6784
 def _item_order(records) -> list:
     seen = {}
-    for r in records: seen.setdefault(str(r['id']), None)
+    for r in records:
+        seen.setdefault(str(r['id']), None)
     return list(seen)
 
+# %% ../nbs/16_evaluate.ipynb #3bd49e34
 def item_scores(records, metric: str) -> dict:
     "`{item id: mean of the item's sample scores}` for `metric` (errored samples count as 0)."
     acc = {}
@@ -102,308 +186,622 @@ def item_scores(records, metric: str) -> dict:
         acc.setdefault(str(r['id']), []).append(v)
     return {k: sum(v) / len(v) for k, v in acc.items()}
 
+# %% ../nbs/16_evaluate.ipynb #d52438fd
 def _ks(n):
     ks, k = [], 1
-    while k < n: ks.append(k); k *= 2
+    while k < n:
+        ks.append(k)
+        k *= 2
     return ks + [n]
 
 # %% ../nbs/16_evaluate.ipynb #8b2e6af2
-def summarize(records: list[dict], run_info: dict | None = None, n_boot: int = 1000, seed: int = 0) -> dict:
-    "Summary of per-sample `records`: totals, errors, truncation, each metric in % with a 95% item bootstrap CI, pass@k."
+def summarize(
+    records: list[dict], run_info: dict | None = None, n_boot: int = 1000, seed: int = 0
+) -> dict:
+    """Summary of per-sample `records`: totals, errors, truncation, each metric in % with a 95% item
+    bootstrap CI, pass@k."""
     run_info = dict(run_info or {})
     parity = run_info.get('parity') or records_parity(records)
     names = metric_names(parity)
     items = _item_order(records)
     per_item = {}
-    for r in records: per_item.setdefault(str(r['id']), []).append(r)
+    for r in records:
+        per_item.setdefault(str(r['id']), []).append(r)
     counts = sorted({len(v) for v in per_item.values()})
     spi = run_info.get('totals', {}).get('samples_per_item', counts[-1] if counts else 0)
-    n_items = run_info.get('totals', {}).get('items', len(items))  # items asked for, not items that came back
+    n_items = run_info.get('totals', {}).get(
+        'items', len(items)
+    )  # items asked for, not items that came back
     expected = n_items * spi
     errors = sum(1 for r in records if r.get('error'))
     metrics = {}
     for m in names:
         s = item_scores(records, m)
         vals = [s[i] for i in items]
-        metrics[m] = {'value': 100 * float(np.mean(vals)) if vals else float('nan'),
-                      'ci95': [100 * v for v in bootstrap_ci(vals, n_boot=n_boot, seed=seed)]}
+        metrics[m] = {
+            'value': 100 * float(np.mean(vals)) if vals else float('nan'),
+            'ci95': [100 * v for v in bootstrap_ci(vals, n_boot=n_boot, seed=seed)],
+        }
     pass_at = {}
     n_min = counts[0] if counts else 0
     for m in (m for m in names if m in BINARY_METRICS):
-        if n_min == 0: break
+        if n_min == 0:
+            break
         row = {}
         for k in _ks(n_min):
-            row[str(k)] = 100 * float(np.mean([pass_at_k(len(per_item[i]), sum(1 for r in per_item[i] if not r.get('error') and r[m] >= 1), k)
-                                               for i in items]))
+            row[str(k)] = 100 * float(
+                np.mean(
+                    [
+                        pass_at_k(
+                            len(per_item[i]),
+                            sum(1 for r in per_item[i] if not r.get('error') and r[m] >= 1),
+                            k,
+                        )
+                        for i in items
+                    ]
+                )
+            )
         pass_at[m] = row
-    totals = {'items': n_items, 'items_recorded': len(items), 'samples_per_item': spi, 'samples_expected': expected,
-              'samples': len(records)}
-    honesty = {'successful': len(records) - errors, 'errors': errors, 'complete': len(records) == expected and
-               len(items) == n_items and all(c == spi for c in counts),
-               'truncated_samples': sum(1 for r in records if r.get('truncated')),
-               'dropped_tokens': int(sum(int(r.get('dropped_tokens') or 0) for r in records)),
-               'max_dropped_tokens': int(max([int(r.get('dropped_tokens') or 0) for r in records], default=0)),
-               'chunks_mean': float(np.mean([r.get('num_chunks', 0) for r in records])) if records else 0.0,
-               'chunks_max': int(max([r.get('num_chunks', 0) for r in records], default=0))}
+    totals = {
+        'items': n_items,
+        'items_recorded': len(items),
+        'samples_per_item': spi,
+        'samples_expected': expected,
+        'samples': len(records),
+    }
+    honesty = {
+        'successful': len(records) - errors,
+        'errors': errors,
+        'complete': len(records) == expected
+        and len(items) == n_items
+        and all(c == spi for c in counts),
+        'truncated_samples': sum(1 for r in records if r.get('truncated')),
+        'dropped_tokens': int(sum(int(r.get('dropped_tokens') or 0) for r in records)),
+        'max_dropped_tokens': int(
+            max([int(r.get('dropped_tokens') or 0) for r in records], default=0)
+        ),
+        'chunks_mean': float(np.mean([r.get('num_chunks', 0) for r in records]))
+        if records
+        else 0.0,
+        'chunks_max': int(max([r.get('num_chunks', 0) for r in records], default=0)),
+    }
     out = {'schema_version': SCHEMA_VERSION, **run_info, 'parity': parity}
     out['totals'] = {**run_info.get('totals', {}), **totals}
     out.update(honesty)
-    out.update({'metrics': metrics, 'pass_at_k': pass_at, 'pass_at_n': {m: v[str(n_min)] for m, v in pass_at.items()},
-                'bootstrap': {'resamples': n_boot, 'seed': seed, 'level': 0.95, 'unit': 'item', 'method': 'percentile'}})
+    out.update(
+        {
+            'metrics': metrics,
+            'pass_at_k': pass_at,
+            'pass_at_n': {m: v[str(n_min)] for m, v in pass_at.items()},
+            'bootstrap': {
+                'resamples': n_boot,
+                'seed': seed,
+                'level': 0.95,
+                'unit': 'item',
+                'method': 'percentile',
+            },
+        }
+    )
     if parity is not None:
         from memagent.parity import get_parity
+
         out['parity_extras'] = get_parity(parity).summary_extras(records)
     return out
 
 # %% ../nbs/16_evaluate.ipynb #3902e29f
 def _prepared(data_path) -> dict | None:
-    "Where a file prepared by `memagent-prepare` came from (its data root's manifest entry), or None for any other file."
+    """Where a file prepared by `memagent-prepare` came from (its data root's manifest entry), or
+    None for any other file."""
     m = Path(data_path).parent / 'manifest.json'
-    if not m.is_file(): return None
-    try: man = read_json(m, 'object')
-    except FileError as e: raise FileError(m, e.line, e.field, f"unreadable manifest beside the evaluated file {data_path}: {e.reason}") from None
-    if not isinstance(man, dict) or man.get('kind') != 'memagent.data.prepare': return None
+    if not m.is_file():
+        return None
+    try:
+        man = read_json(m, 'object')
+    except FileError as e:
+        raise FileError(
+            m,
+            e.line,
+            e.field,
+            f"unreadable manifest beside the evaluated file {data_path}: {e.reason}",
+        ) from None
+    if not isinstance(man, dict) or man.get('kind') != 'memagent.data.prepare':
+        return None
     for k, e in (man.get('files') or {}).items():
         if (e.get('converted') or {}).get('path') == Path(data_path).name:
-            return {'pinned': k, 'repo_id': man.get('repo_id'), 'revision': e.get('revision'), 'source_sha256': e.get('sha256'),
-                    'verified': e.get('verified'), 'verification': e.get('verification')}
+            return {
+                'pinned': k,
+                'repo_id': man.get('repo_id'),
+                'revision': e.get('revision'),
+                'source_sha256': e.get('sha256'),
+                'verified': e.get('verified'),
+                'verification': e.get('verification'),
+            }
     return None
 
+# %% ../nbs/16_evaluate.ipynb #ea57bf7b
 def _dataset_info(examples, data_path) -> dict:
     ids = [str(e['id']) for e in examples]
     nd = sorted({e.get('num_docs') for e in examples if e.get('num_docs') is not None})
-    info = {'path': str(data_path) if data_path else None, 'name': Path(data_path).name if data_path else None,
-            'item_ids_sha256': sha256_text('\n'.join(ids)), 'num_docs': nd[0] if len(nd) == 1 else nd,
-            'sources': sorted({str(e.get('source')) for e in examples})}
+    info = {
+        'path': str(data_path) if data_path else None,
+        'name': Path(data_path).name if data_path else None,
+        'item_ids_sha256': sha256_text('\n'.join(ids)),
+        'num_docs': nd[0] if len(nd) == 1 else nd,
+        'sources': sorted({str(e.get('source')) for e in examples}),
+    }
     if data_path:
         info['sha256'], info['sha256_of'] = sha256_file(data_path), 'file'
         prep = _prepared(data_path)
-        if prep: info['prepared'] = prep
-    else:  # no file: hash the examples' canonical JSON (a run from a file and one from memory will not compare)
+        if prep:
+            info['prepared'] = prep
+    # no file: hash the examples' canonical JSON (a run from a file and one from memory will not
+    # compare)
+    else:
         canon = '\n'.join(json.dumps(e, sort_keys=True, ensure_ascii=False) for e in examples)
         info['sha256'], info['sha256_of'] = sha256_text(canon), 'examples'
     return info
 
+# %% ../nbs/16_evaluate.ipynb #4260d38d
 def eval_config(cfg, variant: str = 'eval'):
-    "A copy of `cfg` whose rollout samples with the eval temperature/top_p and uses prompt `variant`."
+    """A copy of `cfg` whose rollout samples with the eval temperature/top_p and uses prompt
+    `variant`."""
     from memagent.config import apply_overrides
-    return apply_overrides(cfg, {'rollout.temperature': cfg.eval.temperature, 'rollout.top_p': cfg.eval.top_p,
-                                 'prompt.variant': variant})
 
-def _record(parity, ex, sample, answers, response, num_chunks=0, truncated=False, dropped_tokens=0, memory_lengths=(), error=None,
-            memories=()):
-    return score_record({'id': str(ex['id']), 'sample': int(sample), 'answers': list(answers), 'response': response or '',
-                         'num_chunks': int(num_chunks), 'truncated': bool(truncated), 'dropped_tokens': int(dropped_tokens),
-                         'memory_lengths': list(memory_lengths), 'memories': list(memories), 'error': error}, parity)
+    return apply_overrides(
+        cfg,
+        {
+            'rollout.temperature': cfg.eval.temperature,
+            'rollout.top_p': cfg.eval.top_p,
+            'prompt.variant': variant,
+        },
+    )
 
+# %% ../nbs/16_evaluate.ipynb #b9d124af
+def _record(
+    parity,
+    ex,
+    sample,
+    answers,
+    response,
+    num_chunks=0,
+    truncated=False,
+    dropped_tokens=0,
+    memory_lengths=(),
+    error=None,
+    memories=(),
+):
+    return score_record(
+        {
+            'id': str(ex['id']),
+            'sample': int(sample),
+            'answers': list(answers),
+            'response': response or '',
+            'num_chunks': int(num_chunks),
+            'truncated': bool(truncated),
+            'dropped_tokens': int(dropped_tokens),
+            'memory_lengths': list(memory_lengths),
+            'memories': list(memories),
+            'error': error,
+        },
+        parity,
+    )
+
+# %% ../nbs/16_evaluate.ipynb #09a83d82
 def _item_records(ecfg, ex, samples, ts) -> list:
-    "The `samples` records of item `ex` from its trajectories `ts` (a missing sample is an error record)."
+    """The `samples` records of item `ex` from its trajectories `ts` (a missing sample is an error
+    record)."""
     by = {int(t.sample_index): t for t in ts}
     out = []
     for s in range(samples):
         t = by.get(s)
         if t is None:
-            out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], '', error='rollout returned no trajectory for this sample')); continue
-        out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], t.final_text, t.num_chunks, t.truncated, t.dropped_tokens,
-                           t.memory_lengths, t.error, t.memories))
+            out.append(
+                _record(
+                    ecfg.eval.parity,
+                    ex,
+                    s,
+                    ex['answers'],
+                    '',
+                    error='rollout returned no trajectory for this sample',
+                )
+            )
+            continue
+        out.append(
+            _record(
+                ecfg.eval.parity,
+                ex,
+                s,
+                ex['answers'],
+                t.final_text,
+                t.num_chunks,
+                t.truncated,
+                t.dropped_tokens,
+                t.memory_lengths,
+                t.error,
+                t.memories,
+            )
+        )
     return out
 
 # %% ../nbs/16_evaluate.ipynb #289ee24a
 def _recurrent_batch(batch, engine, tokenizer, ecfg, samples, seed, variant, on_item=None):
-    "Records of `batch` in item order; `on_item(records)` with each item's records as soon as its trajectories are finished."
+    """Records of `batch` in item order; `on_item(records)` with each item's records as soon as its
+    trajectories are finished."""
     from memagent.rollout import rollout
     from memagent.engines import EngineError
+
     def group_done(ts):
-        if on_item is not None: on_item(_item_records(ecfg, batch[ts[0].group_index], samples, ts))
-    try:
-        trajs = rollout(batch, engine, tokenizer, ecfg, group_size=samples, seed=seed, variant=variant, progress=False,
-                        sampling={'temperature': ecfg.eval.temperature, 'top_p': ecfg.eval.top_p, 'top_k': ecfg.rollout.top_k},
-                        on_group=group_done)
-    except EngineError as e:
-        out = [_record(ecfg.eval.parity, ex, s, ex['answers'], '', error=f"{type(e).__name__}: {e}") for ex in batch for s in range(samples)]
         if on_item is not None:
-            for i in range(0, len(out), samples): on_item(out[i:i + samples])
+            on_item(_item_records(ecfg, batch[ts[0].group_index], samples, ts))
+
+    try:
+        trajs = rollout(
+            batch,
+            engine,
+            tokenizer,
+            ecfg,
+            group_size=samples,
+            seed=seed,
+            variant=variant,
+            progress=False,
+            sampling={
+                'temperature': ecfg.eval.temperature,
+                'top_p': ecfg.eval.top_p,
+                'top_k': ecfg.rollout.top_k,
+            },
+            on_group=group_done,
+        )
+    except EngineError as e:
+        out = [
+            _record(ecfg.eval.parity, ex, s, ex['answers'], '', error=f"{type(e).__name__}: {e}")
+            for ex in batch
+            for s in range(samples)
+        ]
+        if on_item is not None:
+            for i in range(0, len(out), samples):
+                on_item(out[i : i + samples])
         return out
     by = {}
-    for t in trajs: by.setdefault(t.group_index, []).append(t)
-    return [r for i, ex in enumerate(batch) for r in _item_records(ecfg, ex, samples, by.get(i, []))]
+    for t in trajs:
+        by.setdefault(t.group_index, []).append(t)
+    return [
+        r for i, ex in enumerate(batch) for r in _item_records(ecfg, ex, samples, by.get(i, []))
+    ]
 
+# %% ../nbs/16_evaluate.ipynb #bf1432fb
 def default_base_max_tokens(cfg) -> int:
-    "Context budget of the base diagnostic: engine context - final answer tokens - template allowance."
+    """Context budget of the base diagnostic: engine context - final answer tokens - template
+    allowance."""
     return cfg.rollout.context_length - cfg.chunking.final_tokens - cfg.template_allowance
 
+# %% ../nbs/16_evaluate.ipynb #71741408
 def _base_batch(batch, engine, tokenizer, ecfg, samples, seed, max_tokens):
     from memagent import prompts as P
     from memagent.engines import SamplingParams, EngineError
     from memagent.rollout import request_seed, stop_token_ids
+
     stops = tuple(stop_token_ids(tokenizer))
     reqs, meta = [], []
-    enc = lambda t: P.encode_text(tokenizer, t)   # documents are text: special-token parsing off, as in the prompt
+    enc = lambda t: P.encode_text(
+        tokenizer, t
+    )  # documents are text: special-token parsing off, as in the prompt
     for ex in batch:
         text = P.base_prompt(ex['context'], ex['question'], tokenizer, max_tokens)
         suffix = P.TEMPLATES['base_suffix'].replace('{question}', ex['question'])
-        if not text.endswith(suffix): raise AssertionError(f"item {ex['id']}: base prompt lost the question")
-        dropped = max(0, len(enc(ex['context'])) - len(enc(text[:len(text) - len(suffix)])))
+        if not text.endswith(suffix):
+            raise AssertionError(f"item {ex['id']}: base prompt lost the question")
+        dropped = max(0, len(enc(ex['context'])) - len(enc(text[: len(text) - len(suffix)])))
         ids = P.encode_user(tokenizer, text, ecfg.prompt.thinking)
         for s in range(samples):
             reqs.append(ids)
             meta.append((ex, s, dropped))
-    params = [SamplingParams(max_new_tokens=_capped(ecfg.chunking.final_tokens, ecfg), temperature=ecfg.rollout.temperature,
-                             top_p=ecfg.rollout.top_p, top_k=ecfg.rollout.top_k,
-                             stop_token_ids=stops, seed=request_seed(seed, str(ex['id']), s, 0))
-              for ex, s, _ in meta]
-    try: res = engine.generate(reqs, params, return_exceptions=True)
-    except EngineError as e: res = [e] * len(reqs)
+    params = [
+        SamplingParams(
+            max_new_tokens=_capped(ecfg.chunking.final_tokens, ecfg),
+            temperature=ecfg.rollout.temperature,
+            top_p=ecfg.rollout.top_p,
+            top_k=ecfg.rollout.top_k,
+            stop_token_ids=stops,
+            seed=request_seed(seed, str(ex['id']), s, 0),
+        )
+        for ex, s, _ in meta
+    ]
+    try:
+        res = engine.generate(reqs, params, return_exceptions=True)
+    except EngineError as e:
+        res = [e] * len(reqs)
     out = []
     for (ex, s, dropped), r in zip(meta, res):
         if isinstance(r, Exception):
-            out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], '', 0, dropped > 0, dropped, (), f"{type(r).__name__}: {r}")); continue
-        text = r.text if r.text is not None else tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        out.append(_record(ecfg.eval.parity, ex, s, ex['answers'], text, 0, dropped > 0, dropped, ()))
+            out.append(
+                _record(
+                    ecfg.eval.parity,
+                    ex,
+                    s,
+                    ex['answers'],
+                    '',
+                    0,
+                    dropped > 0,
+                    dropped,
+                    (),
+                    f"{type(r).__name__}: {r}",
+                )
+            )
+            continue
+        text = (
+            r.text
+            if r.text is not None
+            else tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        )
+        out.append(
+            _record(ecfg.eval.parity, ex, s, ex['answers'], text, 0, dropped > 0, dropped, ())
+        )
     return out
 
 # %% ../nbs/16_evaluate.ipynb #ed8fb01b
 def item_limit(max_items, cfg) -> int | None:
-    "How many items `evaluate` takes: `'config'` -> `cfg.eval.max_items`, `None` -> every item, an int >= 0 -> that many."
+    """How many items `evaluate` takes: `'config'` -> `cfg.eval.max_items`, `None` -> every item, an
+    int >= 0 -> that many."""
     src = 'max_items'
     if isinstance(max_items, str):
-        if max_items != 'config': raise ValueError(f"max_items must be an int >= 0, None (every item) or 'config', got {max_items!r}")
+        if max_items != 'config':
+            raise ValueError(
+                f"max_items must be an int >= 0, None (every item) or 'config', got {max_items!r}"
+            )
         max_items, src = cfg.eval.max_items, 'eval.max_items of the config'
-    if max_items is not None and (isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < 0):
+    if max_items is not None and (
+        isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < 0
+    ):
         raise ValueError(f"{src} must be an int >= 0 or None (every item), got {max_items!r}")
     return max_items
 
+# %% ../nbs/16_evaluate.ipynb #1cd8f496
 def _capped(bound: int, cfg) -> int:
-    "A request's max_new_tokens: the chunking bound, or `rollout.response_cap` when that is lower (rehearsals)."
+    """A request's max_new_tokens: the chunking bound, or `rollout.response_cap` when that is lower
+    (rehearsals)."""
     cap = cfg.rollout.response_cap
     return bound if cap is None else min(bound, cap)
 
-def run_info(cfg, tokenizer, mode: str, examples, data_path=None, model_name=None, samples: int = 1,
-             variant: str = 'eval', base_max_tokens: int | None = None, engine=None, model_info: dict | None = None) -> dict:
-    "Everything that identifies an evaluation run before it runs (the comparable fields and the model)."
+# %% ../nbs/16_evaluate.ipynb #4f5b889c
+def run_info(
+    cfg,
+    tokenizer,
+    mode: str,
+    examples,
+    data_path=None,
+    model_name=None,
+    samples: int = 1,
+    variant: str = 'eval',
+    base_max_tokens: int | None = None,
+    engine=None,
+    model_info: dict | None = None,
+) -> dict:
+    """Everything that identifies an evaluation run before it runs (the comparable fields and the
+    model)."""
     from memagent.models import tokenizer_identity, model_identity
     from memagent.prompts import prompt_record
+
     c = cfg.chunking
-    limits = {'chunk_tokens': c.chunk_tokens, 'memory_tokens': c.memory_tokens, 'final_tokens': c.final_tokens,
-              'max_chunks': c.max_chunks, 'context_trim': c.context_trim, 'max_context_tokens': c.max_context_tokens,
-              'base_max_tokens': base_max_tokens if mode == 'base' else None}
+    limits = {
+        'chunk_tokens': c.chunk_tokens,
+        'memory_tokens': c.memory_tokens,
+        'final_tokens': c.final_tokens,
+        'max_chunks': c.max_chunks,
+        'context_trim': c.context_trim,
+        'max_context_tokens': c.max_context_tokens,
+        'base_max_tokens': base_max_tokens if mode == 'base' else None,
+    }
     if model_info is None:
-        try: model_info = model_identity(model_name) if model_name else {'name': None}
-        except (FileNotFoundError, OSError, ValueError) as e: model_info = {'name': str(model_name), 'error': str(e)}
-    return {'mode': mode, 'parity': cfg.eval.parity, 'data': _dataset_info(examples, data_path), 'prompts': prompt_record(variant, cfg.prompt.thinking, tokenizer),
-            'thinking': cfg.prompt.thinking, 'tokenizer': tokenizer_identity(tokenizer), 'model': model_info,
-            'engine': {'class': type(engine).__name__ if engine is not None else None, 'kind': cfg.rollout.engine},
-            'sampling': {'temperature': cfg.eval.temperature, 'top_p': cfg.eval.top_p, 'top_k': cfg.rollout.top_k,
-                         'memory_max_new_tokens': _capped(c.memory_tokens, cfg), 'final_max_new_tokens': _capped(c.final_tokens, cfg)},
-            'seeds': {'eval': cfg.eval.seed, 'per_request': 'derived from (eval seed, item id, sample, turn)'},
-            'limits': limits, 'totals': {'items': len(examples), 'samples_per_item': samples}, 'config_name': cfg.name}
+        try:
+            model_info = model_identity(model_name) if model_name else {'name': None}
+        except (FileNotFoundError, OSError, ValueError) as e:
+            model_info = {'name': str(model_name), 'error': str(e)}
+    return {
+        'mode': mode,
+        'parity': cfg.eval.parity,
+        'data': _dataset_info(examples, data_path),
+        'prompts': prompt_record(variant, cfg.prompt.thinking, tokenizer),
+        'thinking': cfg.prompt.thinking,
+        'tokenizer': tokenizer_identity(tokenizer),
+        'model': model_info,
+        'engine': {
+            'class': type(engine).__name__ if engine is not None else None,
+            'kind': cfg.rollout.engine,
+        },
+        'sampling': {
+            'temperature': cfg.eval.temperature,
+            'top_p': cfg.eval.top_p,
+            'top_k': cfg.rollout.top_k,
+            'memory_max_new_tokens': _capped(c.memory_tokens, cfg),
+            'final_max_new_tokens': _capped(c.final_tokens, cfg),
+        },
+        'seeds': {
+            'eval': cfg.eval.seed,
+            'per_request': 'derived from (eval seed, item id, sample, turn)',
+        },
+        'limits': limits,
+        'totals': {'items': len(examples), 'samples_per_item': samples},
+        'config_name': cfg.name,
+    }
 
 # %% ../nbs/16_evaluate.ipynb #8bf7fe2b
 def evaluate(
-    examples,                                # example dicts or a schema JSONL path
-    engine,                                  # serves the requests; `identity()` for `check_model`
-    tokenizer,                               # the policy's tokenizer: chunks, prompts, stop tokens
-    cfg,                                     # a `Config` (`eval`, `chunking`, `prompt`, `rollout`)
-    mode: str = 'recurrent',                 # 'recurrent' (MemAgent loop) or 'base' (one prompt)
-    out_dir=None,                            # gets records.jsonl, summary.json; None: no files
-    data_path=None,                          # the data file recorded; None: `examples` if a path
-    model_name=None,                         # the checkpoint (name or path) of the run's label
-    samples: int | None = None,              # samples per item; None: `cfg.eval.samples`
+    examples,  # example dicts or a schema JSONL path
+    engine,  # serves the requests; `identity()` for `check_model`
+    tokenizer,  # the policy's tokenizer: chunks, prompts, stop tokens
+    cfg,  # a `Config` (`eval`, `chunking`, `prompt`, `rollout`)
+    mode: str = 'recurrent',  # 'recurrent' (MemAgent loop) or 'base' (one prompt)
+    out_dir=None,  # gets records.jsonl, summary.json; None: no files
+    data_path=None,  # the data file recorded; None: `examples` if a path
+    model_name=None,  # the checkpoint (name or path) of the run's label
+    samples: int | None = None,  # samples per item; None: `cfg.eval.samples`
     max_items: int | None | str = 'config',  # first n items; 'config': `eval.max_items`; None: all
-    batch_size: int = 8,                     # items per sync batch (async: every item at once)
-    variant: str = 'eval',                   # the prompt variant
-    base_max_tokens: int | None = None,      # 'base' context budget (tokens); None: the default
-    n_boot: int = 1000,                      # bootstrap resamples of the 95% intervals
-    progress: bool = True,                   # show a progress bar over items
-    model_info: dict | None = None,          # the recorded model identity; None: from `model_name`
-    key=None,                                # the run's key (length); None: the data's `num_docs`
-    check_model: bool = False,               # first prove the engine serves `model_name`
-) -> dict:                                   # the summary (also summary.json in `out_dir`)
-    "Evaluate `examples` (list or schema JSONL path) recurrently or with the base prompt; write records + summary to `out_dir`. With `check_model`, first prove the engine serves `model_name`."
-    if mode not in ('recurrent', 'base'): raise ValueError(f"mode must be 'recurrent' or 'base', got {mode!r}")
+    batch_size: int = 8,  # items per sync batch (async: every item at once)
+    variant: str = 'eval',  # the prompt variant
+    base_max_tokens: int | None = None,  # 'base' context budget (tokens); None: the default
+    n_boot: int = 1000,  # bootstrap resamples of the 95% intervals
+    progress: bool = True,  # show a progress bar over items
+    model_info: dict | None = None,  # the recorded model identity; None: from `model_name`
+    key=None,  # the run's key (length); None: the data's `num_docs`
+    check_model: bool = False,  # first prove the engine serves `model_name`
+) -> dict:  # the summary (also summary.json in `out_dir`)
+    """Evaluate `examples` (list or schema JSONL path) recurrently or with the base prompt; write
+    records + summary to `out_dir`. With `check_model`, first prove the engine serves
+    `model_name`."""
+    if mode not in ('recurrent', 'base'):
+        raise ValueError(f"mode must be 'recurrent' or 'base', got {mode!r}")
     if isinstance(examples, (str, os.PathLike)):
         from memagent.data import read_examples
+
         data_path = data_path or examples
         examples = read_examples(examples)
     examples = list(examples)
     samples = cfg.eval.samples if samples is None else samples
     max_items = item_limit(max_items, cfg)
-    if max_items is not None: examples = examples[:max_items]
-    if not examples: raise ValueError(f"evaluate: no examples to evaluate (max_items={max_items!r})")
-    if samples < 1 or batch_size < 1: raise ValueError(f"samples and batch_size must be >= 1, got {samples}, {batch_size}")
+    if max_items is not None:
+        examples = examples[:max_items]
+    if not examples:
+        raise ValueError(f"evaluate: no examples to evaluate (max_items={max_items!r})")
+    if samples < 1 or batch_size < 1:
+        raise ValueError(f"samples and batch_size must be >= 1, got {samples}, {batch_size}")
     ecfg = eval_config(cfg, variant)
-    if check_model and model_name is None: raise ValueError("check_model=True needs model_name (the checkpoint the run is labelled with)")
+    if check_model and model_name is None:
+        raise ValueError(
+            "check_model=True needs model_name (the checkpoint the run is labelled with)"
+        )
     served = check_served_model(engine, model_name) if check_model else None
-    if mode == 'base' and base_max_tokens is None: base_max_tokens = default_base_max_tokens(ecfg)
-    info = run_info(ecfg, tokenizer, mode, examples, data_path, model_name, samples, variant, base_max_tokens, engine, model_info)
+    if mode == 'base' and base_max_tokens is None:
+        base_max_tokens = default_base_max_tokens(ecfg)
+    info = run_info(
+        ecfg,
+        tokenizer,
+        mode,
+        examples,
+        data_path,
+        model_name,
+        samples,
+        variant,
+        base_max_tokens,
+        engine,
+        model_info,
+    )
     info['key'] = key if key is not None else info['data']['num_docs']
     info['served_model'] = served or {'checked': False}
     from tqdm.auto import tqdm
-    bar = tqdm(total=len(examples), desc=f'evaluate {mode}', unit='item', disable=not progress, file=sys.stderr)
+
+    bar = tqdm(
+        total=len(examples),
+        desc=f'evaluate {mode}',
+        unit='item',
+        disable=not progress,
+        file=sys.stderr,
+    )
     records, t0 = [], time.perf_counter()
     from memagent.rollout import choose_scheduler
+
     scheduler = choose_scheduler(engine, ecfg) if mode == 'recurrent' else 'sync'
-    step = len(examples) if scheduler == 'async' else batch_size    # async: every item at once, the queue bounds what is in flight
+    step = (
+        len(examples) if scheduler == 'async' else batch_size
+    )  # async: every item at once, the queue bounds what is in flight
     live, errors = None, 0
+
     def on_item(recs):
         nonlocal errors
         if live is not None:
-            for r in recs: live.write(json.dumps(r, ensure_ascii=False) + '\n')
+            for r in recs:
+                live.write(json.dumps(r, ensure_ascii=False) + '\n')
             live.flush()
         errors += sum(1 for r in recs if r['error'])
-        bar.update(1); bar.set_postfix(errors=errors)
+        bar.update(1)
+        bar.set_postfix(errors=errors)
+
     from contextlib import nullcontext
-    # a working folder beside out_dir, which replaces it when the run completes (memagent.files.StagedDir)
-    with (StagedDir(out_dir, {'data': data_path}) if out_dir is not None else nullcontext()) as work:
-        if work is not None: live = open(work / RECORDS_FILE, 'w', encoding='utf-8')   # each item's records as it finishes
+
+    # a working folder beside out_dir, which replaces it when the run completes
+    # (memagent.files.StagedDir)
+    with StagedDir(out_dir, {'data': data_path}) if out_dir is not None else nullcontext() as work:
+        if work is not None:
+            live = open(
+                work / RECORDS_FILE, 'w', encoding='utf-8'
+            )  # each item's records as it finishes
         try:
             for s in range(0, len(examples), step):
-                batch = examples[s:s + step]
-                if mode == 'recurrent': records += _recurrent_batch(batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, variant, on_item)
+                batch = examples[s : s + step]
+                if mode == 'recurrent':
+                    records += _recurrent_batch(
+                        batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, variant, on_item
+                    )
                 else:
-                    recs = _base_batch(batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, base_max_tokens)
+                    recs = _base_batch(
+                        batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, base_max_tokens
+                    )
                     records += recs
-                    for i in range(0, len(recs), samples): on_item(recs[i:i + samples])
+                    for i in range(0, len(recs), samples):
+                        on_item(recs[i : i + samples])
         finally:
-            if live is not None: live.close()
+            if live is not None:
+                live.close()
         bar.close()
-        info['timing'] = {'wall_s': time.perf_counter() - t0, 'batch_size': step, 'scheduler': scheduler}
+        info['timing'] = {
+            'wall_s': time.perf_counter() - t0,
+            'batch_size': step,
+            'scheduler': scheduler,
+        }
         summary = summarize(records, info, n_boot=n_boot, seed=cfg.eval.seed)
         summary['provenance'] = provenance()
-        if work is not None: write_run(work, records, summary)      # rewritten in item order
+        if work is not None:
+            write_run(work, records, summary)  # rewritten in item order
     return summary
 
 # %% ../nbs/16_evaluate.ipynb #7f2b36a5
 def write_run(out_dir, records, summary) -> Path:
     "Write `records.jsonl` and `summary.json` (which records the records file's name and SHA-256)."
-    out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     rp = out / RECORDS_FILE
     with open(rp, 'w', encoding='utf-8') as f:
-        for r in records: f.write(json.dumps(r, ensure_ascii=False) + '\n')
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + '\n')
     summary['records'] = {'file': RECORDS_FILE, 'sha256': sha256_file(rp), 'count': len(records)}
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1, ensure_ascii=False, allow_nan=True) + '\n')
+    (out / SUMMARY_FILE).write_text(
+        json.dumps(summary, indent=1, ensure_ascii=False, allow_nan=True) + '\n'
+    )
     return out / SUMMARY_FILE
 
 # %% ../nbs/16_evaluate.ipynb #a4353362
 def evaluate_exit_code(summary: dict, allow_errors: bool = False) -> tuple[int, str | None]:
-    "(exit code, reason) for a written run: 1 when any sample errored (unless `allow_errors`) or when every sample did."
+    """(exit code, reason) for a written run: 1 when any sample errored (unless `allow_errors`) or
+    when every sample did."""
     n, errs = summary['totals']['samples'], summary['errors']
-    if errs and errs == n: return 1, f"every one of the {n} samples failed with a request error"
-    if errs and not allow_errors: return 1, f"{errs} of {n} samples failed with a request error (--allow-errors accepts that)"
+    if errs and errs == n:
+        return 1, f"every one of the {n} samples failed with a request error"
+    if errs and not allow_errors:
+        return 1, f"{errs} of {n} samples failed with a request error (--allow-errors accepts that)"
     return 0, None
 
+
 def write_memory_report(data, out_dir, tokenizer, cfg, name: str = 'model') -> Path:
-    "`out_dir/memory.md` (+ retention and trajectory files) from an evaluation's records: what the memory held after each chunk, sub_EM by gold position."
+    """`out_dir/memory.md` (+ retention and trajectory files) from an evaluation's records: what the
+    memory held after each chunk, sub_EM by gold position."""
     from memagent.chunking import chunk_texts_of
     from memagent.data import read_examples
     from memagent.memreport import memory_report
+
     out, chunks_of = Path(out_dir), chunk_texts_of(cfg.chunking, tokenizer)
     recs = [json.loads(l) for l in (out / RECORDS_FILE).read_text().splitlines() if l.strip()]
     exs = {str(e['id']): e for e in read_examples(data)}
     used = [exs[i] for i in dict.fromkeys(str(r['id']) for r in recs)]
-    mr = memory_report(used, {name: recs}, chunks_of, lambda m, r: float(r['sub_em']), out, title=f'{name}: what the memory holds',
-                       metric='sub_em')
-    p = out / 'memory.md'; p.write_text(f"# {name}: what the memory holds\n\n{mr['markdown']}\n")
+    mr = memory_report(
+        used,
+        {name: recs},
+        chunks_of,
+        lambda m, r: float(r['sub_em']),
+        out,
+        title=f'{name}: what the memory holds',
+        metric='sub_em',
+    )
+    p = out / 'memory.md'
+    p.write_text(f"# {name}: what the memory holds\n\n{mr['markdown']}\n")
     return p
 
 # %% ../nbs/16_evaluate.ipynb #dcacfc4f
@@ -411,39 +809,102 @@ def evaluate_cli(argv=None) -> int:
     "Console script `memagent-evaluate`."
     from memagent.config import get_preset, load_config, apply_overrides, parse_sets, cli_number
     from memagent.models import load_tokenizer
-    ap = argparse.ArgumentParser(prog='memagent-evaluate', description='Evaluate a model on a schema JSONL file.')
-    ap.add_argument('--model', required=True); ap.add_argument('--data', required=True); ap.add_argument('--out', required=True)
-    ap.add_argument('--preset', default='tiny'); ap.add_argument('--config', default=None, help='YAML config (instead of --preset)')
+
+    ap = argparse.ArgumentParser(
+        prog='memagent-evaluate', description='Evaluate a model on a schema JSONL file.'
+    )
+    ap.add_argument('--model', required=True)
+    ap.add_argument('--data', required=True)
+    ap.add_argument('--out', required=True)
+    ap.add_argument('--preset', default='tiny')
+    ap.add_argument('--config', default=None, help='YAML config (instead of --preset)')
     ap.add_argument('--set', action='append', default=[], metavar='KEY=VALUE')
     ap.add_argument('--mode', choices=('recurrent', 'base'), default='recurrent')
-    ap.add_argument('--samples', type=cli_number('int>=1'), default=None, help='default: eval.samples of the config')
-    ap.add_argument('--max-items', type=cli_number('int>=1'), default=None, help='default: eval.max_items of the config')
+    ap.add_argument(
+        '--samples',
+        type=cli_number('int>=1'),
+        default=None,
+        help='default: eval.samples of the config',
+    )
+    ap.add_argument(
+        '--max-items',
+        type=cli_number('int>=1'),
+        default=None,
+        help='default: eval.max_items of the config',
+    )
     ap.add_argument('--all-items', action='store_true', help='evaluate every item of the file')
-    ap.add_argument('--batch-size', type=cli_number('int>=1'), default=8); ap.add_argument('--variant', default='eval')
-    ap.add_argument('--tokenizer', default=None); ap.add_argument('--key', default=None)
-    ap.add_argument('--base-max-tokens', type=cli_number('int>=1'), default=None); ap.add_argument('--no-progress', action='store_true')
-    ap.add_argument('--allow-errors', action='store_true',
-                    help='exit 0 although some samples have request errors (never when every sample failed)')
-    ap.add_argument('--memory', action='store_true',
-                    help="also write what the memory holds (retention, trajectories; memagent.memreport.memory_report) to OUT/memory.md")
+    ap.add_argument('--batch-size', type=cli_number('int>=1'), default=8)
+    ap.add_argument('--variant', default='eval')
+    ap.add_argument('--tokenizer', default=None)
+    ap.add_argument('--key', default=None)
+    ap.add_argument('--base-max-tokens', type=cli_number('int>=1'), default=None)
+    ap.add_argument('--no-progress', action='store_true')
+    ap.add_argument(
+        '--allow-errors',
+        action='store_true',
+        help='exit 0 although some samples have request errors (never when every sample failed)',
+    )
+    ap.add_argument(
+        '--memory',
+        action='store_true',
+        help=(
+            "also write what the memory holds (retention, trajectories; "
+            "memagent.memreport.memory_report) to OUT/memory.md"
+        ),
+    )
     a = ap.parse_args(argv)
     try:
-        StagedDir(a.out, {'--data': a.data, '--config': a.config})   # checked before anything loads: --out is replaced when the run completes
+        StagedDir(
+            a.out, {'--data': a.data, '--config': a.config}
+        )  # checked before anything loads: --out is replaced when the run completes
         cfg = load_config(a.config) if a.config else get_preset(a.preset)
         cfg = apply_overrides(cfg, parse_sets(a.set))
         tok = load_tokenizer(a.tokenizer or cfg.model.tokenizer or a.model)
         eng = engine_from_config(cfg, a.model, tok)
-        s = evaluate(a.data, eng, tok, cfg, mode=a.mode, out_dir=a.out, model_name=a.model, samples=a.samples,
-                     max_items=None if a.all_items else ('config' if a.max_items is None else a.max_items),
-                     batch_size=a.batch_size, variant=a.variant, base_max_tokens=a.base_max_tokens,
-                     progress=not a.no_progress, key=a.key, check_model=True)
-        if a.memory: write_memory_report(a.data, a.out, tok, cfg, name=Path(str(a.model)).name or str(a.model))
-    except (OSError, ValueError, KeyError, EngineError) as e:   # an engine error here came before any request: no engine to evaluate
-        print(f"memagent-evaluate: error: {e}", file=sys.stderr); return 2
+        s = evaluate(
+            a.data,
+            eng,
+            tok,
+            cfg,
+            mode=a.mode,
+            out_dir=a.out,
+            model_name=a.model,
+            samples=a.samples,
+            max_items=None if a.all_items else ('config' if a.max_items is None else a.max_items),
+            batch_size=a.batch_size,
+            variant=a.variant,
+            base_max_tokens=a.base_max_tokens,
+            progress=not a.no_progress,
+            key=a.key,
+            check_model=True,
+        )
+        if a.memory:
+            write_memory_report(
+                a.data, a.out, tok, cfg, name=Path(str(a.model)).name or str(a.model)
+            )
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        EngineError,
+    ) as e:  # an engine error here came before any request: no engine to evaluate
+        print(f"memagent-evaluate: error: {e}", file=sys.stderr)
+        return 2
     m = s['metrics']
-    print(json.dumps({'out': str(a.out), 'items': s['totals']['items'], 'samples': s['totals']['samples'], 'errors': s['errors'],
-                      'truncated_samples': s['truncated_samples'], 'dropped_tokens': s['dropped_tokens'],
-                      **{k: round(v['value'], 2) for k, v in m.items()}}))
+    print(
+        json.dumps(
+            {
+                'out': str(a.out),
+                'items': s['totals']['items'],
+                'samples': s['totals']['samples'],
+                'errors': s['errors'],
+                'truncated_samples': s['truncated_samples'],
+                'dropped_tokens': s['dropped_tokens'],
+                **{k: round(v['value'], 2) for k, v in m.items()},
+            }
+        )
+    )
     code, why = evaluate_exit_code(s, a.allow_errors)
-    if why: print(f"memagent-evaluate: {why}; records and summary written to {a.out}", file=sys.stderr)
+    if why:
+        print(f"memagent-evaluate: {why}; records and summary written to {a.out}", file=sys.stderr)
     return code

@@ -14,32 +14,52 @@ __all__ = ['MAX_DEPTH', 'SHAPES', 'FileError', 'decode', 'depth', 'loads_json', 
            'read_jsonl', 'read_yaml', 'same_path', 'refuse_aliases', 'Staged', 'StagedDir', 'check_inputs']
 
 # %% ../nbs/01b_files.ipynb #76543f5f
-MAX_DEPTH = 100   # the deepest nesting read; the kit's own files nest under 10 levels
+MAX_DEPTH = 100  # the deepest nesting read; the kit's own files nest under 10 levels
+
 
 class FileError(ValueError):
-    "Bad input in a file: names the file, the 1-based location (`unit` line/item/row), the field path and the reason."
+    """Bad input in a file: names the file, the 1-based location (`unit` line/item/row), the field
+    path and the reason."""
+
     def __init__(self, file, line, field, reason, unit='line'):
-        self.file, self.line, self.field, self.reason, self.unit = str(file), line, field, reason, unit
+        self.file, self.line, self.field, self.reason, self.unit = (
+            str(file),
+            line,
+            field,
+            reason,
+            unit,
+        )
         where = f"{self.file}: {unit} {line}" if line is not None else self.file
         super().__init__(f"{where}: field {field!r}: {reason}" if field else f"{where}: {reason}")
 
 # %% ../nbs/01b_files.ipynb #aff66aa1
 def decode(raw: bytes, file, line=None) -> str:
     "`raw` as UTF-8 text, strictly; `FileError` naming the first byte that is not."
-    try: return raw.decode('utf-8')
+    try:
+        return raw.decode('utf-8')
     except UnicodeDecodeError as e:
-        raise FileError(file, line, None, f"not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}): "
-                                          "a binary file or another encoding") from None
+        raise FileError(
+            file,
+            line,
+            None,
+            f"not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}): "
+            "a binary file or another encoding",
+        ) from None
 
-class _Duplicate(Exception): pass
+# %% ../nbs/01b_files.ipynb #629feb04
+class _Duplicate(Exception):
+    pass
 
+# %% ../nbs/01b_files.ipynb #332c3d17
 def _object(pairs) -> dict:
     out = {}
     for k, v in pairs:
-        if k in out: raise _Duplicate(k)
+        if k in out:
+            raise _Duplicate(k)
         out[k] = v
     return out
 
+# %% ../nbs/01b_files.ipynb #69f38bc4
 def depth(x) -> int:
     "Nesting depth of a parsed value (a scalar is 0, `[]` is 1), without recursion."
     best, stack = 0, [(x, 0)]
@@ -50,79 +70,151 @@ def depth(x) -> int:
             stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
     return best
 
+# %% ../nbs/01b_files.ipynb #7f35f65f
 def _deep(file, line, d=None):
-    return FileError(file, line, None, (f"nested {d} levels deep" if d else "nested deeper than the parser allows")
-                     + f"; at most {MAX_DEPTH} levels are read")
+    return FileError(
+        file,
+        line,
+        None,
+        (f"nested {d} levels deep" if d else "nested deeper than the parser allows")
+        + f"; at most {MAX_DEPTH} levels are read",
+    )
 
+# %% ../nbs/01b_files.ipynb #1ab2b044
 def loads_json(text: str, file, line=None):
-    "One JSON document (or JSONL line `line`) of `file`: duplicate keys and nesting past `MAX_DEPTH` refused."
-    try: obj = json.loads(text, object_pairs_hook=_object)
-    except _Duplicate as e: raise FileError(file, line, None, f"duplicate key {e.args[0]!r} in one object") from None
-    except RecursionError: raise _deep(file, line) from None
+    """One JSON document (or JSONL line `line`) of `file`: duplicate keys and nesting past
+    `MAX_DEPTH` refused."""
+    try:
+        obj = json.loads(text, object_pairs_hook=_object)
+    except _Duplicate as e:
+        raise FileError(file, line, None, f"duplicate key {e.args[0]!r} in one object") from None
+    except RecursionError:
+        raise _deep(file, line) from None
     except json.JSONDecodeError as e:
-        raise FileError(file, line if line is not None else e.lineno, None,
-                        f"not valid JSON ({e.msg} at column {e.colno})") from None
-    if (d := depth(obj)) > MAX_DEPTH: raise _deep(file, line, d)
+        raise FileError(
+            file,
+            line if line is not None else e.lineno,
+            None,
+            f"not valid JSON ({e.msg} at column {e.colno})",
+        ) from None
+    if (d := depth(obj)) > MAX_DEPTH:
+        raise _deep(file, line, d)
     return obj
 
+# %% ../nbs/01b_files.ipynb #0579db38
 def _yaml_loader(base):
     "A subclass of the YAML loader `base` that refuses a duplicate key in a mapping."
+
     class Strict(base):
         def construct_mapping(self, node, deep=False):
             seen = set()
             for k, _ in node.value:
                 key = self.construct_object(k, deep=True)
                 if isinstance(key, (str, int, float, bool)) and key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", k.start_mark)
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", k.start_mark
+                    )
                 seen.add(key)
             return super().construct_mapping(node, deep)
+
     return Strict
+
 
 _LOADERS = {}
 
 # %% ../nbs/01b_files.ipynb #dd9f75f1
 def loads_yaml(text: str, file, loader=None):
-    "One YAML document of `file` (read with `loader`, PyYAML's safe loader by default): duplicate keys and nesting past `MAX_DEPTH` refused."
+    """One YAML document of `file` (read with `loader`, PyYAML's safe loader by default): duplicate
+    keys and nesting past `MAX_DEPTH` refused."""
     base = loader or yaml.SafeLoader
-    if base not in _LOADERS: _LOADERS[base] = _yaml_loader(base)
-    try: obj = yaml.load(text, Loader=_LOADERS[base])
-    except RecursionError: raise _deep(file, None) from None
+    if base not in _LOADERS:
+        _LOADERS[base] = _yaml_loader(base)
+    try:
+        obj = yaml.load(text, Loader=_LOADERS[base])
+    except RecursionError:
+        raise _deep(file, None) from None
     except yaml.YAMLError as e:
         m = getattr(e, 'problem_mark', None) or getattr(e, 'context_mark', None)
-        raise FileError(file, m.line + 1 if m else None, None, f"not valid YAML ({getattr(e, 'problem', None) or e})") from None
-    if (d := depth(obj)) > MAX_DEPTH: raise _deep(file, None, d)
+        raise FileError(
+            file,
+            m.line + 1 if m else None,
+            None,
+            f"not valid YAML ({getattr(e, 'problem', None) or e})",
+        ) from None
+    if (d := depth(obj)) > MAX_DEPTH:
+        raise _deep(file, None, d)
     return obj
 
 # %% ../nbs/01b_files.ipynb #dd4fea9e
-SHAPES = {  # kind -> {field: type} it must hold (every other field allowed); 'object': any JSON object
-    'object': {}, 'prepare_manifest': {'files': dict[str, dict[str, Any]]},
-    'checkpoint_manifest': {'files': dict[str, '_FileEntry']}, 'checkpoint_state': {'step': int}, 'metrics_row': {'step': int},
+# kind -> {field: type} it must hold (every other field allowed); 'object': any JSON object
+SHAPES = {
+    'object': {},
+    'prepare_manifest': {'files': dict[str, dict[str, Any]]},
+    'checkpoint_manifest': {'files': dict[str, '_FileEntry']},
+    'checkpoint_state': {'step': int},
+    'metrics_row': {'step': int},
     'run': {'steps': int, 'config': dict[str, Any], 'provenance': dict[str, Any]},
-    'summary': {'schema_version': str, 'totals': dict[str, Any], 'records': dict[str, Any]}, 'health': {'status': str},
-    'acceptance_report': {'lengths': list[int], 'metric': str, 'hotpotqa_metric': str, 'require_hotpotqa': bool,
-                          'tolerance_pp': float | int, 'bootstrap': dict[str, Any], 'values': dict[str, Any], 'runs': dict[str, Any]},
-    'acceptance_render': {'unit': str, 'recipe_data': bool, 'extra_sections': list[list[str]], 'left': list[str], 'files': list[str]}}
+    'summary': {'schema_version': str, 'totals': dict[str, Any], 'records': dict[str, Any]},
+    'health': {'status': str},
+    'acceptance_report': {
+        'lengths': list[int],
+        'metric': str,
+        'hotpotqa_metric': str,
+        'require_hotpotqa': bool,
+        'tolerance_pp': float | int,
+        'bootstrap': dict[str, Any],
+        'values': dict[str, Any],
+        'runs': dict[str, Any],
+    },
+    'acceptance_render': {
+        'unit': str,
+        'recipe_data': bool,
+        'extra_sections': list[list[str]],
+        'left': list[str],
+        'files': list[str],
+    },
+}
 _ADAPTERS = {}
 
+
 def _adapter(kind: str):
-    "The pydantic validator of `kind`, built on first use (pydantic is imported only when a shape is checked)."
+    """The pydantic validator of `kind`, built on first use (pydantic is imported only when a shape
+    is checked)."""
     if kind not in _ADAPTERS:
         from pydantic import ConfigDict, TypeAdapter, create_model
+
         cfg = ConfigDict(extra='allow', strict=True)
         entry = create_model('_FileEntry', __config__=cfg, bytes=(int, ...), sha256=(str, ...))
-        fields = {k: ((dict[str, entry] if t == dict[str, '_FileEntry'] else t), ...) for k, t in SHAPES[kind].items()}
+        fields = {
+            k: ((dict[str, entry] if t == dict[str, '_FileEntry'] else t), ...)
+            for k, t in SHAPES[kind].items()
+        }
         model = create_model(kind, __config__=cfg, **fields) if fields else dict[str, Any]
         _ADAPTERS[kind] = TypeAdapter(model, config=None if fields else ConfigDict(strict=True))
     return _ADAPTERS[kind]
-_SAID = {'missing': 'missing', 'dict_type': 'expected a JSON object', 'model_type': 'expected a JSON object',
-         'int_type': 'expected a whole number', 'string_type': 'expected a string', 'list_type': 'expected a list'}
+
+# %% ../nbs/01b_files.ipynb #93c3baf9
+_SAID = {
+    'missing': 'missing',
+    'dict_type': 'expected a JSON object',
+    'model_type': 'expected a JSON object',
+    'int_type': 'expected a whole number',
+    'string_type': 'expected a string',
+    'list_type': 'expected a list',
+}
+
 
 def check_shape(value, kind: str | None, file, line=None):
-    "`value` if it has the shape of `kind` (see `SHAPES`; None: any), else `FileError` naming the first wrong field."
-    if kind is None: return value
-    if kind not in SHAPES: raise ValueError(f"unknown file kind {kind!r}; known: {sorted(SHAPES)}")
+    """`value` if it has the shape of `kind` (see `SHAPES`; None: any), else `FileError` naming the
+    first wrong field."""
+    if kind is None:
+        return value
+    if kind not in SHAPES:
+        raise ValueError(f"unknown file kind {kind!r}; known: {sorted(SHAPES)}")
     from pydantic import ValidationError
-    try: _adapter(kind).validate_python(value)
+
+    try:
+        _adapter(kind).validate_python(value)
     except ValidationError as e:
         err = e.errors()[0]
         field = '.'.join(str(x) for x in err['loc']) or None
@@ -131,19 +223,24 @@ def check_shape(value, kind: str | None, file, line=None):
         raise FileError(file, line, field, f"{why}: not a {kind.replace('_', ' ')}") from None
     return value
 
+# %% ../nbs/01b_files.ipynb #ee75e228
 def read_json(path, kind: str | None = None):
     "The JSON document at `path`, checked (`loads_json`) and of shape `kind`."
     p = Path(path)
     return check_shape(loads_json(decode(p.read_bytes(), p), p), kind, p)
 
+# %% ../nbs/01b_files.ipynb #343dfa3d
 def read_jsonl(path, kind: str | None = None) -> list:
-    "Every non-blank line of the JSONL file at `path`, each checked (`loads_json`) and of shape `kind`."
+    """Every non-blank line of the JSONL file at `path`, each checked (`loads_json`) and of shape
+    `kind`."""
     p, out = Path(path), []
     for n, raw in enumerate(p.read_bytes().split(b'\n'), 1):
-        if not raw.strip(): continue
+        if not raw.strip():
+            continue
         out.append(check_shape(loads_json(decode(raw, p, n), p, n), kind, p, n))
     return out
 
+# %% ../nbs/01b_files.ipynb #28fe4ff7
 def read_yaml(path, kind: str | None = None, loader=None):
     "The YAML document at `path`, checked (`loads_yaml`) and of shape `kind`."
     p = Path(path)
@@ -152,123 +249,207 @@ def read_yaml(path, kind: str | None = None, loader=None):
 # %% ../nbs/01b_files.ipynb #4c9073ab
 import os
 
+
 def same_path(a, b) -> bool:
-    "Whether paths `a` and `b` name one file: the same inode when both exist (hard links, symlinks), else the same resolved path."
+    """Whether paths `a` and `b` name one file: the same inode when both exist (hard links,
+    symlinks), else the same resolved path."""
     a, b = Path(a), Path(b)
     try:
-        if a.exists() and b.exists(): return os.path.samefile(a, b)
-    except OSError: pass
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
     return a.resolve() == b.resolve()
 
+# %% ../nbs/01b_files.ipynb #28312aa6
 def _items(d) -> list:
-    return [(k, Path(p)) for k, v in (d or {}).items() for p in (v if isinstance(v, (list, tuple)) else [v]) if p is not None]
+    return [
+        (k, Path(p))
+        for k, v in (d or {}).items()
+        for p in (v if isinstance(v, (list, tuple)) else [v])
+        if p is not None
+    ]
 
+# %% ../nbs/01b_files.ipynb #14e2e76a
 def refuse_aliases(inputs: dict, outputs: dict) -> None:
-    "`ValueError` naming both paths when an output is one of the inputs or another output (`name -> path or list of paths`; None skipped)."
+    """`ValueError` naming both paths when an output is one of the inputs or another output (`name
+    -> path or list of paths`; None skipped)."""
     outs, ins = _items(outputs), _items(inputs)
     for on, o in outs:
         for i_n, i in ins:
             if same_path(o, i):
-                raise ValueError(f"the {on} {o} is the {i_n} {i}: writing it would replace the input; give another output path")
+                raise ValueError(
+                    f"the {on} {o} is the {i_n} {i}: writing it would replace the input; give "
+                    "another output path"
+                )
     for j, (an, a) in enumerate(outs):
-        for bn, b in outs[j + 1:]:
-            if same_path(a, b): raise ValueError(f"the {an} {a} and the {bn} {b} are one file: one would replace the other")
+        for bn, b in outs[j + 1 :]:
+            if same_path(a, b):
+                raise ValueError(
+                    f"the {an} {a} and the {bn} {b} are one file: one would replace the other"
+                )
 
+# %% ../nbs/01b_files.ipynb #80d429bf
 def _unwritable(p: Path) -> str | None:
-    "Why a file at `p` cannot be written (its folder, or the nearest existing folder above it), or None."
-    if p.is_dir(): return 'it is a folder'
+    """Why a file at `p` cannot be written (its folder, or the nearest existing folder above it), or
+    None."""
+    if p.is_dir():
+        return 'it is a folder'
     d = p.parent
-    while not d.exists(): d = d.parent
-    if not d.is_dir(): return f'{d} is not a folder'
-    if not os.access(d, os.W_OK | os.X_OK): return f'{d} is not writable'
+    while not d.exists():
+        d = d.parent
+    if not d.is_dir():
+        return f'{d} is not a folder'
+    if not os.access(d, os.W_OK | os.X_OK):
+        return f'{d} is not writable'
     return None
 
+# %% ../nbs/01b_files.ipynb #21f02172
 class Staged:
-    "The outputs of one command: checked before anything is written, staged beside their targets, moved into place together."
+    """The outputs of one command: checked before anything is written, staged beside their targets,
+    moved into place together."""
+
     def __init__(self, outputs: dict, inputs: dict | None = None):
         refuse_aliases(inputs or {}, outputs)
         self.targets = {n: Path(p) for n, p in outputs.items() if p is not None}
         for n, t in self.targets.items():
-            if why := _unwritable(t): raise ValueError(f"the {n} {t} cannot be written: {why}")
-        self.staged = {n: t.with_name(f'.staged-{os.getpid()}-{t.name}') for n, t in self.targets.items()}
+            if why := _unwritable(t):
+                raise ValueError(f"the {n} {t} cannot be written: {why}")
+        self.staged = {
+            n: t.with_name(f'.staged-{os.getpid()}-{t.name}') for n, t in self.targets.items()
+        }
 
     def __getitem__(self, name) -> Path:
         "Where output `name` is written until `commit`."
-        p = self.staged[name]; p.parent.mkdir(parents=True, exist_ok=True); return p
+        p = self.staged[name]
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
 
     def discard(self):
-        for p in self.staged.values(): p.unlink(missing_ok=True)
+        for p in self.staged.values():
+            p.unlink(missing_ok=True)
 
     def commit(self):
-        "Move every staged output into place; an output that was never written is an error (and nothing moves)."
+        """Move every staged output into place; an output that was never written is an error (and
+        nothing moves)."""
         if missing := [n for n, p in self.staged.items() if not p.is_file()]:
-            self.discard(); raise RuntimeError(f"outputs never written: {missing}")
-        for n, p in self.staged.items(): os.replace(p, self.targets[n])
+            self.discard()
+            raise RuntimeError(f"outputs never written: {missing}")
+        for n, p in self.staged.items():
+            os.replace(p, self.targets[n])
 
-    def __enter__(self): return self
+    def __enter__(self):
+        return self
+
     def __exit__(self, et, e, tb):
-        if et is not None: self.discard(); return False
+        if et is not None:
+            self.discard()
+            return False
         self.commit()
 
 # %% ../nbs/01b_files.ipynb #149d6d85
 import shutil, warnings
 
+
 class StagedDir:
-    "A folder a run fills as it goes: written in a working folder beside `target`, which replaces `target` only when the run completes."
+    """A folder a run fills as it goes: written in a working folder beside `target`, which replaces
+    `target` only when the run completes."""
+
     def __init__(self, target, inputs: dict | None = None):
         self.target = Path(target)
-        if self.target.exists() and not self.target.is_dir(): raise ValueError(f"the output folder {self.target} is a file")
-        for n, p in _items(inputs):               # the folder is replaced when the run completes: nothing it reads may live in it
+        if self.target.exists() and not self.target.is_dir():
+            raise ValueError(f"the output folder {self.target} is a file")
+        for n, p in _items(
+            inputs
+        ):  # the folder is replaced when the run completes: nothing it reads may live in it
             if p.resolve() == self.target.resolve() or self.target.resolve() in p.resolve().parents:
-                raise ValueError(f"the {n} {p} is inside the output folder {self.target}, which the run replaces when it completes: "
-                                 "that would replace the input; give another output folder")
-        if why := _unwritable(self.target / 'x'): raise ValueError(f"the output folder {self.target} cannot be written: {why}")
+                raise ValueError(
+                    f"the {n} {p} is inside the output folder {self.target}, which the run "
+                    "replaces when it completes: "
+                    "that would replace the input; give another output folder"
+                )
+        if why := _unwritable(self.target / 'x'):
+            raise ValueError(f"the output folder {self.target} cannot be written: {why}")
         self.work = self.target.with_name(f'.running-{os.getpid()}-{self.target.name}')
 
     def __enter__(self) -> Path:
-        if self.work.exists(): shutil.rmtree(self.work)
-        self.work.mkdir(parents=True); return self.work
+        if self.work.exists():
+            shutil.rmtree(self.work)
+        self.work.mkdir(parents=True)
+        return self.work
 
     def __exit__(self, et, e, tb):
         if et is not None:
-            warnings.warn(f"{self.target}: the run stopped ({et.__name__}); what it finished is in {self.work}, and {self.target} is as it was")
+            warnings.warn(
+                f"{self.target}: the run stopped ({et.__name__}); what it finished is in "
+                f"{self.work}, and {self.target} is as it was"
+            )
             return False
         old = self.target.with_name(f'.replaced-{os.getpid()}-{self.target.name}')
-        if self.target.exists(): os.replace(self.target, old)
+        if self.target.exists():
+            os.replace(self.target, old)
         os.replace(self.work, self.target)
-        if old.exists(): shutil.rmtree(old)
+        if old.exists():
+            shutil.rmtree(old)
 
 # %% ../nbs/01b_files.ipynb #d28572ba
 def _inside(p: Path, folder: Path) -> bool:
-    "Whether the file `p` lies in `folder` however spelt: its resolved path is under the folder's, or it is a hard link to a file there."
+    """Whether the file `p` lies in `folder` however spelt: its resolved path is under the folder's,
+    or it is a hard link to a file there."""
     f, r = folder.resolve(), p.resolve()
-    if r == f or f in r.parents: return True
-    if not (p.is_file() and f.is_dir() and p.stat().st_nlink > 1): return False     # a file with one name has no other name in there
+    if r == f or f in r.parents:
+        return True
+    if not (p.is_file() and f.is_dir() and p.stat().st_nlink > 1):
+        return False  # a file with one name has no other name in there
     return any(q.is_file() and same_path(p, q) for q in f.rglob('*'))
 
+# %% ../nbs/01b_files.ipynb #bd0f0418
 _READERS = {'.json': read_json, '.jsonl': read_jsonl, '.yaml': read_yaml, '.yml': read_yaml}
 
-def _read_input(p: Path, kind):
-    "Read the input `p` with `kind` (a `SHAPES` kind or None: by its suffix; a callable: that reader); `FileError` when it holds nothing."
-    if p.stat().st_size == 0: raise FileError(p, None, None, 'an empty file: an input must hold data')
-    if callable(kind): value = kind(p)
-    elif (reader := _READERS.get(p.suffix.lower())) is None:
-        raise ValueError(f"{p}: no reader for {p.suffix!r} files (known: {sorted(_READERS)}); give a reader as its kind")
-    else: value = reader(p, kind)
-    if value is None or value == []: raise FileError(p, None, None, 'holds no data (only blank lines or comments)')
 
+def _read_input(p: Path, kind):
+    """Read the input `p` with `kind` (a `SHAPES` kind or None: by its suffix; a callable: that
+    reader); `FileError` when it holds nothing."""
+    if p.stat().st_size == 0:
+        raise FileError(p, None, None, 'an empty file: an input must hold data')
+    if callable(kind):
+        value = kind(p)
+    elif (reader := _READERS.get(p.suffix.lower())) is None:
+        raise ValueError(
+            f"{p}: no reader for {p.suffix!r} files (known: {sorted(_READERS)}); give a reader as "
+            "its kind"
+        )
+    else:
+        value = reader(p, kind)
+    if value is None or value == []:
+        raise FileError(p, None, None, 'holds no data (only blank lines or comments)')
+
+# %% ../nbs/01b_files.ipynb #39f57eb4
 def check_inputs(inputs: dict, outputs: dict | None = None) -> None:
-    "A run's check cell, before anything is written: every input `{param: (path, kind)}` (or a list of such pairs; path None: not given) read through this module with its shape, and none inside an output folder `{param: folder}`; errors name the parameter."
-    ins = [(n, Path(p), k) for n, v in inputs.items() for p, k in (v if isinstance(v, list) else [v]) if p is not None]
+    """A run's check cell, before anything is written: every input `{param: (path, kind)}` (or a
+    list of such pairs; path None: not given) read through this module with its shape, and none
+    inside an output folder `{param: folder}`; errors name the parameter."""
+    ins = [
+        (n, Path(p), k)
+        for n, v in inputs.items()
+        for p, k in (v if isinstance(v, list) else [v])
+        if p is not None
+    ]
     for n, p, _ in ins:
-        if not p.is_file(): raise FileNotFoundError(f"parameter {n}: {p}: no such file" + (' (a folder)' if p.is_dir() else ''))
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"parameter {n}: {p}: no such file" + (' (a folder)' if p.is_dir() else '')
+            )
         for on, folder in _items(outputs):
             if _inside(p, folder):
-                raise ValueError(f"parameter {n}: {p} is inside the output folder {folder} (parameter {on}), which the run writes "
-                                 f"or replaces: give an input outside it, or another {on}")
+                raise ValueError(
+                    f"parameter {n}: {p} is inside the output folder {folder} (parameter {on}), "
+                    "which the run writes "
+                    f"or replaces: give an input outside it, or another {on}"
+                )
     for n, p, kind in ins:
-        try: _read_input(p, kind)
+        try:
+            _read_input(p, kind)
         except FileError as e:
             e.param, e.args = n, (f"parameter {n}: {e.args[0]}",)
             raise
-

@@ -8,8 +8,18 @@ import gzip, hashlib, json, random
 from collections import Counter
 from .files import FileError, loads_json, read_json
 from pathlib import Path
-from .parity import (VerificationError, check_official, check_relax, compare, ours, receipt_status, repo_root,
-                             run_official, run_relax, verify_receipt)
+from memagent.parity import (
+    VerificationError,
+    check_official,
+    check_relax,
+    compare,
+    ours,
+    receipt_status,
+    repo_root,
+    run_official,
+    run_relax,
+    verify_receipt,
+)
 
 # %% auto #0
 __all__ = ['GRAMMAR_VERSION', 'FUZZ_SEED', 'FUZZ_COUNT', 'FUZZ_FILE', 'MODE_NAMES', 'WINDOW', 'ATOMS', 'SPACES', 'PUNCT',
@@ -23,111 +33,246 @@ FUZZ_SEED = 20261201
 FUZZ_COUNT = 10_000
 FUZZ_FILE = 'fuzz.jsonl.gz'
 MODE_NAMES = ('official', 'relax')  # each mode scored against its own upstream
-WINDOW = 300     # the characters both upstream rewards search for a box
+WINDOW = 300  # the characters both upstream rewards search for a box
 
-ATOMS = ('Paris', 'Nottingham Forest', 'The The', 'The Who', 'the Beatles', 'A Tribe Called Quest', 'an apple',
-         'a', 'an', 'the', 'The', 'A', 'AN', 'a an the', 'the the', '...', '.', ',', '!?', '--', "'", '"the"',
-         'yes', 'no', 'noanswer', 'Yes', 'NO', 'Yes.', 'no way', 'Nottingham', "O'Neil", 'St. Louis', '1,000',
-         '3.14', '.5', '0.5', '50%', '50\\%', '\\$5', '$5$', 'x^{2}', '\\frac{1}{2}', '\\dfrac{1}{2}', '90^\\circ',
-         '\\text{Paris}', 'Café', 'café', 'CAFÉ', 'İstanbul', 'Straße', 'STRASSE', 'ﬁnal', '東京', 'Ελλάδα', 'ΣΊΣΥΦΟΣ')
+ATOMS = (
+    'Paris',
+    'Nottingham Forest',
+    'The The',
+    'The Who',
+    'the Beatles',
+    'A Tribe Called Quest',
+    'an apple',
+    'a',
+    'an',
+    'the',
+    'The',
+    'A',
+    'AN',
+    'a an the',
+    'the the',
+    '...',
+    '.',
+    ',',
+    '!?',
+    '--',
+    "'",
+    '"the"',
+    'yes',
+    'no',
+    'noanswer',
+    'Yes',
+    'NO',
+    'Yes.',
+    'no way',
+    'Nottingham',
+    "O'Neil",
+    'St. Louis',
+    '1,000',
+    '3.14',
+    '.5',
+    '0.5',
+    '50%',
+    '50\\%',
+    '\\$5',
+    '$5$',
+    'x^{2}',
+    '\\frac{1}{2}',
+    '\\dfrac{1}{2}',
+    '90^\\circ',
+    '\\text{Paris}',
+    'Café',
+    'café',
+    'CAFÉ',
+    'İstanbul',
+    'Straße',
+    'STRASSE',
+    'ﬁnal',
+    '東京',
+    'Ελλάδα',
+    'ΣΊΣΥΦΟΣ',
+)
 SPACES = ('', ' ', '  ', '\t', '\n', ' \n ', '\u00a0', '\u2003')
 PUNCT = ('.', ',', '!', '?', ';', ':', '-', '"', "'", '(', ')', '*')
 ARTICLES = ('a', 'an', 'the', 'A', 'An', 'The', 'THE')
-FILLER = ('so the answer is', 'Memory says:', 'we conclude', 'lorem ipsum dolor', '{', '}', '$', '\\', 'box',
-          '\\boxed', 'the', '</think>', '<think>', 'yes', '...')
+FILLER = (
+    'so the answer is',
+    'Memory says:',
+    'we conclude',
+    'lorem ipsum dolor',
+    '{',
+    '}',
+    '$',
+    '\\',
+    'box',
+    '\\boxed',
+    'the',
+    '</think>',
+    '<think>',
+    'yes',
+    '...',
+)
+
 
 def _case(rng, s):
     return rng.choice((s, s, s.lower(), s.upper(), s.title(), s.swapcase()))
 
+# %% ../nbs/18c_fuzz.ipynb #474ae091
 def _articles_only(rng):
-    return rng.choice(SPACES[:3] + (' ',)).join(rng.choice(ARTICLES) for _ in range(rng.randint(1, 3)))
+    return rng.choice(SPACES[:3] + (' ',)).join(
+        rng.choice(ARTICLES) for _ in range(rng.randint(1, 3))
+    )
 
-def _punct_only(rng): return ''.join(rng.choice(PUNCT) for _ in range(rng.randint(1, 4)))
+# %% ../nbs/18c_fuzz.ipynb #3616e463
+def _punct_only(rng):
+    return ''.join(rng.choice(PUNCT) for _ in range(rng.randint(1, 4)))
 
+# %% ../nbs/18c_fuzz.ipynb #d3ccbc81
 def _variant(rng, s):
-    "A surface variant of `s`: its case changed, an article, punctuation or whitespace added around it."
+    """A surface variant of `s`: its case changed, an article, punctuation or whitespace added
+    around it."""
     k = rng.randrange(6)
-    if k == 0: s = _case(rng, s)
-    elif k == 1: s = f'{rng.choice(ARTICLES)} {s}'
-    elif k == 2: s = s + rng.choice(PUNCT)
-    elif k == 3: s = rng.choice(SPACES) + s + rng.choice(SPACES)
-    elif k == 4: s = s.replace(' ', rng.choice(('  ', '\t', '-', '')))
+    if k == 0:
+        s = _case(rng, s)
+    elif k == 1:
+        s = f'{rng.choice(ARTICLES)} {s}'
+    elif k == 2:
+        s = s + rng.choice(PUNCT)
+    elif k == 3:
+        s = rng.choice(SPACES) + s + rng.choice(SPACES)
+    elif k == 4:
+        s = s.replace(' ', rng.choice(('  ', '\t', '-', '')))
     return s
 
+# %% ../nbs/18c_fuzz.ipynb #8c370fc9
 def _answer(rng):
-    "One gold alias: an atom, an article-only, punctuation-only or whitespace-only string, or a variant of an atom."
+    """One gold alias: an atom, an article-only, punctuation-only or whitespace-only string, or a
+    variant of an atom."""
     k = rng.randrange(10)
-    if k == 0: return _articles_only(rng)
-    if k == 1: return _punct_only(rng)
-    if k == 2: return rng.choice(SPACES[1:])
-    if k < 6: return _variant(rng, rng.choice(ATOMS))
+    if k == 0:
+        return _articles_only(rng)
+    if k == 1:
+        return _punct_only(rng)
+    if k == 2:
+        return rng.choice(SPACES[1:])
+    if k < 6:
+        return _variant(rng, rng.choice(ATOMS))
     return rng.choice(ATOMS)
 
+# %% ../nbs/18c_fuzz.ipynb #167a14c2
 def _payload(rng, answers):
-    "What goes inside a box: a gold alias or a variant of one, another answer, or one of the constructs below."
+    """What goes inside a box: a gold alias or a variant of one, another answer, or one of the
+    constructs below."""
     k = rng.randrange(12)
-    if k < 3: return rng.choice(answers)
-    if k < 5: return _variant(rng, rng.choice(answers))
-    if k == 5: return _answer(rng)
-    if k == 6: return rng.choice(('', ' ', '\n', '\t \t'))
-    if k == 7: return '{' + rng.choice(answers) + '}'                      # nested braces
-    if k == 8: return rng.choice(('{', '}', '{{', '}}')) + rng.choice(answers)   # unbalanced
-    if k == 9: return rng.choice(answers) + rng.choice(('{', '}', '{x}'))
-    if k == 10: return f'\\text{{{rng.choice(answers)}}}'
-    return _articles_only(rng) if rng.random() < .5 else _punct_only(rng)
+    if k < 3:
+        return rng.choice(answers)
+    if k < 5:
+        return _variant(rng, rng.choice(answers))
+    if k == 5:
+        return _answer(rng)
+    if k == 6:
+        return rng.choice(('', ' ', '\n', '\t \t'))
+    if k == 7:
+        return '{' + rng.choice(answers) + '}'  # nested braces
+    if k == 8:
+        return rng.choice(('{', '}', '{{', '}}')) + rng.choice(answers)  # unbalanced
+    if k == 9:
+        return rng.choice(answers) + rng.choice(('{', '}', '{x}'))
+    if k == 10:
+        return f'\\text{{{rng.choice(answers)}}}'
+    return _articles_only(rng) if rng.random() < 0.5 else _punct_only(rng)
 
 # %% ../nbs/18c_fuzz.ipynb #c4442f78
 def _box(rng, payload):
-    "A box around `payload`: \\boxed{..}, \\fbox{..}, the space form, upper case, an unclosed one, or none at all."
+    """A box around `payload`: \\boxed{..}, \\fbox{..}, the space form, upper case, an unclosed one,
+    or none at all."""
     k = rng.randrange(10)
-    if k < 4: return f'\\boxed{{{payload}}}'
-    if k == 4: return f'\\fbox{{{payload}}}'
-    if k == 5: return f'\\boxed {payload}' + rng.choice(('', '$', '$ and more', '.'))
-    if k == 6: return f'\\BOXED{{{payload}}}' if rng.random() < .5 else f'\\Boxed{{{payload}}}'
-    if k == 7: return f'\\boxed{{{payload}'
-    if k == 8: return f'$\\boxed{{{payload}}}$'
+    if k < 4:
+        return f'\\boxed{{{payload}}}'
+    if k == 4:
+        return f'\\fbox{{{payload}}}'
+    if k == 5:
+        return f'\\boxed {payload}' + rng.choice(('', '$', '$ and more', '.'))
+    if k == 6:
+        return f'\\BOXED{{{payload}}}' if rng.random() < 0.5 else f'\\Boxed{{{payload}}}'
+    if k == 7:
+        return f'\\boxed{{{payload}'
+    if k == 8:
+        return f'$\\boxed{{{payload}}}$'
     return payload
 
+# %% ../nbs/18c_fuzz.ipynb #3245b254
 def _filler(rng, n):
     "About `n` characters of text made of `FILLER` words (n=0: nothing)."
     out = ''
-    while len(out) < n: out += rng.choice(FILLER) + rng.choice((' ', ' ', '\n'))
+    while len(out) < n:
+        out += rng.choice(FILLER) + rng.choice((' ', ' ', '\n'))
     return out[:n]
 
+# %% ../nbs/18c_fuzz.ipynb #50d6ea41
 def _tail_len(rng):
-    "Characters after the last box: none, a few, or close to the 300-character window on either side."
+    """Characters after the last box: none, a few, or close to the 300-character window on either
+    side."""
     k = rng.randrange(4)
-    if k == 0: return 0
-    if k == 1: return rng.randint(1, 20)
+    if k == 0:
+        return 0
+    if k == 1:
+        return rng.randint(1, 20)
     return WINDOW + rng.randint(-25, 15)
 
+# %% ../nbs/18c_fuzz.ipynb #9bcb35df
 def draw(seed: int, i: int) -> dict:
-    "Draw `i` of grammar `GRAMMAR_VERSION` under `seed`: a fixture-shaped dict (id, group, response, answers, maybe error)."
+    """Draw `i` of grammar `GRAMMAR_VERSION` under `seed`: a fixture-shaped dict (id, group,
+    response, answers, maybe error)."""
     rng = random.Random(f'{GRAMMAR_VERSION}:{seed}:{i}')
     answers = [_answer(rng) for _ in range(rng.choice((1, 1, 1, 2, 3, 4)))]
-    group = rng.choice(('one_box', 'one_box', 'several_boxes', 'think', 'window', 'bare', 'whitespace', 'error'))
-    if group == 'error': return {'id': f'fz{i:05d}', 'group': group, 'response': '', 'answers': answers, 'error': True}
-    if group == 'whitespace': response = rng.choice(('', ' ', '\n\n', '\t', ' \u00a0 '))
-    elif group == 'bare': response = _filler(rng, rng.randint(0, 40)) + _payload(rng, answers)
+    group = rng.choice(
+        ('one_box', 'one_box', 'several_boxes', 'think', 'window', 'bare', 'whitespace', 'error')
+    )
+    if group == 'error':
+        return {
+            'id': f'fz{i:05d}',
+            'group': group,
+            'response': '',
+            'answers': answers,
+            'error': True,
+        }
+    if group == 'whitespace':
+        response = rng.choice(('', ' ', '\n\n', '\t', ' \u00a0 '))
+    elif group == 'bare':
+        response = _filler(rng, rng.randint(0, 40)) + _payload(rng, answers)
     else:
-        boxes = [_box(rng, _payload(rng, answers)) for _ in range(1 if group == 'one_box' else rng.randint(2, 4))]
+        boxes = [
+            _box(rng, _payload(rng, answers))
+            for _ in range(1 if group == 'one_box' else rng.randint(2, 4))
+        ]
         parts = []
-        for b in boxes: parts += [_filler(rng, rng.choice((0, 5, 40, 280))), b]
-        response = ''.join(parts) + _filler(rng, _tail_len(rng) if group == 'window' else rng.choice((0, 0, 3, 30)))
+        for b in boxes:
+            parts += [_filler(rng, rng.choice((0, 5, 40, 280))), b]
+        response = ''.join(parts) + _filler(
+            rng, _tail_len(rng) if group == 'window' else rng.choice((0, 0, 3, 30))
+        )
         if group == 'think':
             inner = _box(rng, _payload(rng, answers))
             k = rng.randrange(4)
-            if k == 0: response = f'<think>{inner}</think>{response}'
-            elif k == 1: response = f'<think>{response}</think>' + rng.choice(('', ' ', inner))
-            elif k == 2: response = f'<think>{inner}</think>x</think>{response}'
-            else: response = f'<think>{inner} {response}'
-        if rng.random() < .2: response = rng.choice(SPACES[1:]) + response + rng.choice(SPACES[1:])
+            if k == 0:
+                response = f'<think>{inner}</think>{response}'
+            elif k == 1:
+                response = f'<think>{response}</think>' + rng.choice(('', ' ', inner))
+            elif k == 2:
+                response = f'<think>{inner}</think>x</think>{response}'
+            else:
+                response = f'<think>{inner} {response}'
+        if rng.random() < 0.2:
+            response = rng.choice(SPACES[1:]) + response + rng.choice(SPACES[1:])
     return {'id': f'fz{i:05d}', 'group': group, 'response': response, 'answers': answers}
 
+# %% ../nbs/18c_fuzz.ipynb #fe5f25f9
 def draws(seed: int = FUZZ_SEED, count: int = FUZZ_COUNT, indices=None) -> list[dict]:
     "The draws `indices` (default: all `count`) of the grammar under `seed`."
     return [draw(seed, i) for i in (range(count) if indices is None else indices)]
 
+# %% ../nbs/18c_fuzz.ipynb #25438699
 def draw_sha256(d: dict) -> str:
     "SHA-256 of a draw's canonical JSON (sorted keys, UTF-8)."
     return hashlib.sha256(json.dumps(d, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
@@ -138,34 +283,79 @@ def _scored(upstream: dict, d: dict) -> dict:
     up = upstream['cases'][d['id']]
     return {k: up[k] for k in ('train_reward', 'eval')}
 
+# %% ../nbs/18c_fuzz.ipynb #3b615d42
 def disagreements(lines) -> list[dict]:
-    "One row {'i', 'id', 'group', 'mode', 'field', 'upstream', 'ours'} per check of a stored line where the two sides differ."
-    return [{'i': ln['i'], 'id': ln['draw']['id'], 'group': ln['draw']['group'], 'mode': m, 'field': c['field'],
-             'upstream': c['upstream'], 'ours': c['ours']}
-            for ln in lines for m in MODE_NAMES for c in compare(ln['upstream'][m], ln['ours'][m]) if not c['agree']]
+    """One row {'i', 'id', 'group', 'mode', 'field', 'upstream', 'ours'} per check of a stored line
+    where the two sides differ."""
+    return [
+        {
+            'i': ln['i'],
+            'id': ln['draw']['id'],
+            'group': ln['draw']['group'],
+            'mode': m,
+            'field': c['field'],
+            'upstream': c['upstream'],
+            'ours': c['ours'],
+        }
+        for ln in lines
+        for m in MODE_NAMES
+        for c in compare(ln['upstream'][m], ln['ours'][m])
+        if not c['agree']
+    ]
 
+# %% ../nbs/18c_fuzz.ipynb #130434a9
 def fuzz_summary(lines) -> dict:
-    "The counts the receipt records: draws, draws per group, and per mode checks, agreed checks and disagreeing draws."
+    """The counts the receipt records: draws, draws per group, and per mode checks, agreed checks
+    and disagreeing draws."""
     modes = {}
     for m in MODE_NAMES:
         checks = [[c['agree'] for c in compare(ln['upstream'][m], ln['ours'][m])] for ln in lines]
-        modes[m] = {'checks': sum(map(len, checks)), 'agreed': sum(map(sum, checks)), 'disagreeing_draws': sum(not all(c) for c in checks)}
-    return {'count': len(lines), 'groups': dict(sorted(Counter(ln['draw']['group'] for ln in lines).items())), 'modes': modes}
+        modes[m] = {
+            'checks': sum(map(len, checks)),
+            'agreed': sum(map(sum, checks)),
+            'disagreeing_draws': sum(not all(c) for c in checks),
+        }
+    return {
+        'count': len(lines),
+        'groups': dict(sorted(Counter(ln['draw']['group'] for ln in lines).items())),
+        'modes': modes,
+    }
 
-def run_fuzz(official_dir, relax_dir, seed: int = FUZZ_SEED, count: int = FUZZ_COUNT) -> tuple[dict, list[dict]]:
-    "Score every draw with the upstream code (the `memagent.parity` loaders) and with our modes: (receipt section, stored lines)."
+# %% ../nbs/18c_fuzz.ipynb #3289668a
+def run_fuzz(
+    official_dir, relax_dir, seed: int = FUZZ_SEED, count: int = FUZZ_COUNT
+) -> tuple[dict, list[dict]]:
+    """Score every draw with the upstream code (the `memagent.parity` loaders) and with our modes:
+    (receipt section, stored lines)."""
     before = {'official': check_official(official_dir), 'relax': check_relax(relax_dir)}
     ds = draws(seed, count)
     up = {'official': run_official(official_dir, ds), 'relax': run_relax(relax_dir, ds)}
-    lines = [{'i': i, 'draw': d, 'upstream': {m: _scored(up[m], d) for m in MODE_NAMES}, 'ours': {m: ours(m, d) for m in MODE_NAMES}}
-             for i, d in enumerate(ds)]
+    lines = [
+        {
+            'i': i,
+            'draw': d,
+            'upstream': {m: _scored(up[m], d) for m in MODE_NAMES},
+            'ours': {m: ours(m, d) for m in MODE_NAMES},
+        }
+        for i, d in enumerate(ds)
+    ]
     after = {'official': check_official(official_dir), 'relax': check_relax(relax_dir)}
-    section = {'grammar': GRAMMAR_VERSION, 'seed': seed, 'file': FUZZ_FILE, 'sha256': None, **fuzz_summary(lines),
-               'upstream': before, 'unchanged_after_run': before == after, 'disagreements': disagreements(lines)}
+    section = {
+        'grammar': GRAMMAR_VERSION,
+        'seed': seed,
+        'file': FUZZ_FILE,
+        'sha256': None,
+        **fuzz_summary(lines),
+        'upstream': before,
+        'unchanged_after_run': before == after,
+        'disagreements': disagreements(lines),
+    }
     return section, lines
 
+# %% ../nbs/18c_fuzz.ipynb #c2bd69f0
 def write_fuzz(section: dict, lines, report_dir) -> Path:
-    "Write the lines as gzipped JSONL, keys in the order the lines hold them (no timestamp, so the bytes depend only on the lines) and record its SHA-256 in `section`."
+    """Write the lines as gzipped JSONL, keys in the order the lines hold them (no timestamp, so the
+    bytes depend only on the lines) and record its SHA-256 in `section`."""
     data = ''.join(json.dumps(ln, ensure_ascii=False) + '\n' for ln in lines).encode()
     path = Path(report_dir) / section['file']
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,100 +363,175 @@ def write_fuzz(section: dict, lines, report_dir) -> Path:
     section['sha256'] = hashlib.sha256(path.read_bytes()).hexdigest()
     return path
 
+# %% ../nbs/18c_fuzz.ipynb #6a08ddbf
 def add_fuzz(receipt: dict, section: dict) -> dict:
-    "`receipt` with the fuzz section added and its status recomputed by `memagent.parity.receipt_status`."
+    """`receipt` with the fuzz section added and its status recomputed by
+    `memagent.parity.receipt_status`."""
     receipt['fuzz'] = section
     receipt['status'] = receipt_status(receipt)
     return receipt
 
 # %% ../nbs/18c_fuzz.ipynb #b07d5f74
 def read_fuzz(path) -> list[dict]:
-    "The stored lines of a fuzz file; `VerificationError` naming the line and field for a malformed one."
+    """The stored lines of a fuzz file; `VerificationError` naming the line and field for a
+    malformed one."""
     path = Path(path)
-    if not path.is_file(): raise VerificationError([f'{path}: missing'])
-    try: text = gzip.decompress(path.read_bytes()).decode('utf-8')
-    except (OSError, EOFError, UnicodeDecodeError) as e: raise VerificationError([f'{path}: not gzipped UTF-8 ({e})'])
+    if not path.is_file():
+        raise VerificationError([f'{path}: missing'])
+    try:
+        text = gzip.decompress(path.read_bytes()).decode('utf-8')
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise VerificationError([f'{path}: not gzipped UTF-8 ({e})'])
     out = []
     for ln, line in enumerate(text.splitlines(), 1):
-        try: d = loads_json(line, path, ln)
-        except FileError as e: raise VerificationError([str(e)]) from None
+        try:
+            d = loads_json(line, path, ln)
+        except FileError as e:
+            raise VerificationError([str(e)]) from None
         for k, t in (('i', int), ('draw', dict), ('upstream', dict), ('ours', dict)):
-            if not isinstance(d.get(k) if isinstance(d, dict) else None, t): raise VerificationError([f'{path}:{ln}: field {k!r} must be a {t.__name__}'])
+            if not isinstance(d.get(k) if isinstance(d, dict) else None, t):
+                raise VerificationError([f'{path}:{ln}: field {k!r} must be a {t.__name__}'])
         for k in ('upstream', 'ours'):
-            if set(d[k]) != set(MODE_NAMES): raise VerificationError([f'{path}:{ln}: {k} must hold the modes {list(MODE_NAMES)}, has {sorted(d[k])}'])
+            if set(d[k]) != set(MODE_NAMES):
+                raise VerificationError(
+                    [f'{path}:{ln}: {k} must hold the modes {list(MODE_NAMES)}, has {sorted(d[k])}']
+                )
         out.append(d)
     return out
 
+# %% ../nbs/18c_fuzz.ipynb #31e4ec18
 def replay_indices(count: int, sample: int | None) -> list[int]:
-    "Every draw (`sample=None`) or about `sample` draws evenly spread over `count`, the first and the last included."
-    if sample is None or sample >= count: return list(range(count))
+    """Every draw (`sample=None`) or about `sample` draws evenly spread over `count`, the first and
+    the last included."""
+    if sample is None or sample >= count:
+        return list(range(count))
     step = count / sample
     return sorted({min(count - 1, int(j * step)) for j in range(sample)} | {count - 1})
 
+# %% ../nbs/18c_fuzz.ipynb #89ae1972
 def verify_fuzz(receipt: dict, report_dir, sample: int | None = 500) -> dict:
-    "Check the receipt's fuzz section against its file, regenerate and re-score a sample of draws; raise `VerificationError`."
+    """Check the receipt's fuzz section against its file, regenerate and re-score a sample of draws;
+    raise `VerificationError`."""
     fz = receipt.get('fuzz')
-    if not isinstance(fz, dict): raise VerificationError(['the receipt has no fuzz section'])
+    if not isinstance(fz, dict):
+        raise VerificationError(['the receipt has no fuzz section'])
     problems = []
-    if fz.get('grammar') != GRAMMAR_VERSION: problems.append(f'fuzz: grammar {fz.get("grammar")!r} is not this module\'s {GRAMMAR_VERSION!r}')
-    if fz.get('file') != FUZZ_FILE: problems.append(f'fuzz: file {fz.get("file")!r} is not {FUZZ_FILE!r}')
+    if fz.get('grammar') != GRAMMAR_VERSION:
+        problems.append(
+            f'fuzz: grammar {fz.get("grammar")!r} is not this module\'s {GRAMMAR_VERSION!r}'
+        )
+    if fz.get('file') != FUZZ_FILE:
+        problems.append(f'fuzz: file {fz.get("file")!r} is not {FUZZ_FILE!r}')
     path = Path(report_dir) / FUZZ_FILE
-    if path.is_file() and (got := hashlib.sha256(path.read_bytes()).hexdigest()) != fz.get('sha256'):
-        problems.append(f'fuzz: {path.name} SHA-256 {got} differs from the receipt ({fz.get("sha256")})')
+    if path.is_file() and (got := hashlib.sha256(path.read_bytes()).hexdigest()) != fz.get(
+        'sha256'
+    ):
+        problems.append(
+            f'fuzz: {path.name} SHA-256 {got} differs from the receipt ({fz.get("sha256")})'
+        )
     lines = read_fuzz(path)
-    if [ln['i'] for ln in lines] != list(range(len(lines))): problems.append('fuzz: the stored lines are not draws 0, 1, 2, ... in order')
+    if [ln['i'] for ln in lines] != list(range(len(lines))):
+        problems.append('fuzz: the stored lines are not draws 0, 1, 2, ... in order')
     for m in MODE_NAMES:
         named = receipt.get('modes', {}).get(m, {}).get('upstream', {})
-        if (fz.get('upstream') or {}).get(m) != {k: v for k, v in named.items() if k != 'unchanged_after_run'}:
+        if (fz.get('upstream') or {}).get(m) != {
+            k: v for k, v in named.items() if k != 'unchanged_after_run'
+        }:
             problems.append(f'fuzz: upstream {m} is not the source the receipt\'s {m} mode names')
     for k, v in fuzz_summary(lines).items():
-        if fz.get(k) != v: problems.append(f'fuzz: {k}: the receipt records {fz.get(k)!r}, the stored draws give {v!r}')
+        if fz.get(k) != v:
+            problems.append(
+                f'fuzz: {k}: the receipt records {fz.get(k)!r}, the stored draws give {v!r}'
+            )
     if fz.get('disagreements') != json.loads(json.dumps(disagreements(lines), ensure_ascii=False)):
-        problems.append(f'fuzz: the recorded disagreements ({len(fz.get("disagreements") or [])}) are not those of the stored draws ({len(disagreements(lines))})')
+        problems.append(
+            f'fuzz: the recorded disagreements ({len(fz.get("disagreements") or [])}) are not '
+            f'those of the stored draws ({len(disagreements(lines))})'
+        )
     idx = replay_indices(len(lines), sample) if isinstance(fz.get('seed'), int) else []
-    if not idx: problems.append(f'fuzz: seed {fz.get("seed")!r} is not an integer: nothing can be replayed')
+    if not idx:
+        problems.append(f'fuzz: seed {fz.get("seed")!r} is not an integer: nothing can be replayed')
     for i in idx:
         ln, d = lines[i], draw(fz['seed'], i)
-        if draw_sha256(d) != draw_sha256(ln['draw']): problems.append(f'fuzz: draw {i}: the stored draw is not what seed {fz["seed"]} gives'); continue
+        if draw_sha256(d) != draw_sha256(ln['draw']):
+            problems.append(f'fuzz: draw {i}: the stored draw is not what seed {fz["seed"]} gives')
+            continue
         for m in MODE_NAMES:
             for c in compare(ln['ours'][m], ours(m, d)):
-                if not c['agree']: problems.append(f"fuzz: draw {i} ({d['id']}): {m}: {c['field']}: our output is now {c['ours']!r}, the receipt records {c['upstream']!r}")
-    if problems: raise VerificationError(problems)
-    return {'status': 'verified', 'draws': len(lines), 'replayed': len(idx), 'disagreements': len(fz['disagreements']),
-            'grammar': GRAMMAR_VERSION, 'seed': fz['seed']}
+                if not c['agree']:
+                    problems.append(
+                        f"fuzz: draw {i} ({d['id']}): {m}: {c['field']}: our output is now "
+                        f"{c['ours']!r}, the receipt records {c['upstream']!r}"
+                    )
+    if problems:
+        raise VerificationError(problems)
+    return {
+        'status': 'verified',
+        'draws': len(lines),
+        'replayed': len(idx),
+        'disagreements': len(fz['disagreements']),
+        'grammar': GRAMMAR_VERSION,
+        'seed': fz['seed'],
+    }
 
 # %% ../nbs/18c_fuzz.ipynb #e18d26f1
 def fuzz_tables(receipt: dict, examples: int = 3) -> str:
-    "Markdown tables of the receipt's fuzz section: counts per mode, draws per group, up to `examples` disagreements per mode and field."
+    """Markdown tables of the receipt's fuzz section: counts per mode, draws per group, up to
+    `examples` disagreements per mode and field."""
     from memagent.report import md_table
     from memagent.parity import _cell
+
     fz = receipt['fuzz']
-    head = (f"Grammar `{fz['grammar']}`, seed `{fz['seed']}`: {fz['count']} draws, every one kept, stored in "
-            f"[{fz['file']}]({fz['file']}) (SHA-256 `{fz['sha256'][:16]}`); {len(fz['disagreements'])} disagreeing checks.")
+    head = (
+        f"Grammar `{fz['grammar']}`, seed `{fz['seed']}`: {fz['count']} draws, every one kept, "
+        "stored in "
+        f"[{fz['file']}]({fz['file']}) (SHA-256 `{fz['sha256'][:16]}`); "
+        f"{len(fz['disagreements'])} disagreeing checks."
+    )
     modes = md_table([{'mode': m, **s} for m, s in fz['modes'].items()], align=False)
     groups = md_table([{'group': g, 'draws': n} for g, n in fz['groups'].items()], align=False)
     seen, rows = Counter(), []
     for r in fz['disagreements']:
         seen[r['mode'], r['field']] += 1
         if seen[r['mode'], r['field']] <= examples:
-            rows.append({'draw': f"`{r['id']}`", 'group': r['group'], 'mode': r['mode'], 'field': r['field'],
-                         'upstream': _cell(r['upstream']), 'ours': _cell(r['ours'])})
+            rows.append(
+                {
+                    'draw': f"`{r['id']}`",
+                    'group': r['group'],
+                    'mode': r['mode'],
+                    'field': r['field'],
+                    'upstream': _cell(r['upstream']),
+                    'ours': _cell(r['ours']),
+                }
+            )
     ex = md_table(rows, align=False) if rows else 'No draw disagrees.'
     return f'{head}\n\n{modes}\n\n{groups}\n\n{ex}'
 
 # %% ../nbs/18c_fuzz.ipynb #e63df122
 README_TITLE = 'Parity of the scoring modes: relax and official against their upstream code'
-README_FILES = ('receipt.json', FUZZ_FILE)   # listed, with their SHA-256, in the README's Files section
+README_FILES = (
+    'receipt.json',
+    FUZZ_FILE,
+)  # listed, with their SHA-256, in the README's Files section
+
 
 def _readme_head(rc: dict) -> str:
-    "The 'What was shown' section: status, fixtures, fuzz draws and the upstream of each mode, from the receipt."
+    """The 'What was shown' section: status, fixtures, fuzz draws and the upstream of each mode,
+    from the receipt."""
     from memagent.parity import MODES
+
     off, rel, fz, fx = rc['modes']['official'], rc['modes']['relax'], rc['fuzz'], rc['fixtures']
     aborts = [c['id'] for c in off['cases'] if c['upstream']['eval'].get('abort')]
     dropped = [c['id'] for c in off['cases'] if c['upstream']['eval'].get('kept') is False]
     up = off['upstream']
-    verdict = ('the upstream functions and this project\'s parity mode gave the same outputs' if rc['status'] == 'passed' else
-               'the upstream functions and this project\'s parity modes did **not** all give the same outputs (each disagreement is listed below)')
+    verdict = (
+        'the upstream functions and this project\'s parity mode gave the same outputs'
+        if rc['status'] == 'passed'
+        else (
+            'the upstream functions and this project\'s parity modes did **not** all give the '
+            'same outputs (each disagreement is listed below)'
+        )
+    )
     return f"""**Status: {rc['status']}.** On the {fx['count']} fixtures ([{fx['path']}](../../{fx['path']}),
 `sha256:{fx['sha256'][:16]}`) and on {fz['count']} draws of the fuzz grammar `{fz['grammar']}` (seed
 `{fz['seed']}`, [{FUZZ_FILE}]({FUZZ_FILE})) {verdict}. Fixtures: {off['summary']['agreed']} of
@@ -295,79 +560,133 @@ The receipt ([receipt.json](receipt.json)) holds every upstream output, ours, ev
 the environment and the fuzz section; the draws are in [{FUZZ_FILE}]({FUZZ_FILE}). `memagent.fuzz.verify` (CI,
 `tests/test_parity.py`, `tests/test_parity_fuzz.py`) re-checks both without the upstream code: every figure
 above is recomputed from the recorded per-case outputs, and a sample of draws is regenerated from the seed and
-re-scored."""
+re-scored."""  # noqa: E501
 
 # %% ../nbs/18c_fuzz.ipynb #a748a674
 _FIGURES = """Official figures are the percentages its script prints (empty outputs dropped, rounded to 2 decimals); Relax's are
-the means of its summary (errors as 0). Both sides computed on the same fixtures."""
+the means of its summary (errors as 0). Both sides computed on the same fixtures."""  # noqa: E501
 _DIFF = """Our two modes, both proven above, on the same fixtures: one row per fixture and field where they disagree
 (`train_reward`: `boxed_em` vs `official_hotpotqa`; `kept`: whether the official script keeps the item, `aborts` where
-it stops; `prediction`: the extracted answer, `-` for none; `em`, `sub_em`, `f1`: per item, the official ones rounded)."""
+it stops; `prediction`: the extracted answer, `-` for none; `em`, `sub_em`, `f1`: per item, the official ones rounded)."""  # noqa: E501
 _FUZZ = """Draws of a seeded grammar (`memagent.fuzz`) of the constructs these metrics break on: article-only,
 punctuation-only and whitespace-only answers and payloads, nested and unbalanced braces, `\\fbox`, several boxes,
 boxes straddling the 300-character window, `<think>` blocks, case and Unicode, yes/no/noanswer, several aliases.
 Each draw is scored by the upstream code (loaded as for the fixtures) and by each mode; every per-draw field is
-compared (the aggregates are compared on the fixtures). Every draw is kept."""
+compared (the aggregates are compared on the fixtures). Every draw is kept."""  # noqa: E501
+
 
 def readme_sections(receipt: dict) -> list[tuple[str, str]]:
-    "The README's `(heading, markdown)` sections, from the receipt alone (and the modes' train rewards, `memagent.parity.MODES`)."
+    """The README's `(heading, markdown)` sections, from the receipt alone (and the modes' train
+    rewards, `memagent.parity.MODES`)."""
     from memagent.report import md_table, provenance_md
     from memagent.parity import MODES, differences_count, differences_table, source_table
+
     rc, fz = receipt, receipt['fuzz']
     stubs = md_table([{'module': f'`{k}`', 'how': v} for k, v in rc['stubs'].items()], align=False)
-    modes = md_table([{'mode': m, 'train reward': MODES[m].train_reward, 'fixtures': b['summary']['cases'], 'checks': b['summary']['checks'],
-                       'agreed': b['summary']['agreed'], 'aggregate agrees': b['summary']['aggregate_agrees']}
-                      for m, b in rc['modes'].items()], align=False)
-    agg = md_table([{'mode': m, 'figure': c['field'], 'upstream': c['upstream'], 'ours': c['ours']}
-                    for m, b in rc['modes'].items() for c in b['aggregate']['checks'] if c['field'] != 'fixtures'],
-                   floatfmt='.6g', align=False)
+    modes = md_table(
+        [
+            {
+                'mode': m,
+                'train reward': MODES[m].train_reward,
+                'fixtures': b['summary']['cases'],
+                'checks': b['summary']['checks'],
+                'agreed': b['summary']['agreed'],
+                'aggregate agrees': b['summary']['aggregate_agrees'],
+            }
+            for m, b in rc['modes'].items()
+        ],
+        align=False,
+    )
+    agg = md_table(
+        [
+            {'mode': m, 'figure': c['field'], 'upstream': c['upstream'], 'ours': c['ours']}
+            for m, b in rc['modes'].items()
+            for c in b['aggregate']['checks']
+            if c['field'] != 'fixtures'
+        ],
+        floatfmt='.6g',
+        align=False,
+    )
     diffs = rc['mode_differences']
-    diff = (f"{_DIFF}\n{len(diffs)} rows over {len({r['id'] for r in diffs})} fixtures.\n\n"
-            f"{differences_count(rc)}\n\n{differences_table(rc)}")
+    diff = (
+        f"{_DIFF}\n{len(diffs)} rows over {len({r['id'] for r in diffs})} fixtures.\n\n"
+        f"{differences_count(rc)}\n\n{differences_table(rc)}"
+    )
     recheck = f"""```bash
 papermill nbs/parity.ipynb /tmp/parity.ipynb --cwd .              # verify: no upstream code needed, every draw replayed
 pytest -q tests/test_parity.py tests/test_parity_fuzz.py
 papermill nbs/parity.ipynb /tmp/parity.ipynb --cwd . -p mode run -p official_dir DIR -p relax_dir DIR \\
     -p fuzz_seed {fz['seed']} -p fuzz_count {fz['count']}
-```"""
-    return [('What was shown', _readme_head(rc)),
-            ('Upstream files (loaded by path; commit and SHA-256 checked before the run)', source_table(rc)),
-            ('Stubs and replacements', stubs), ('Checks per mode', modes), ('Aggregates', f'{_FIGURES}\n\n{agg}'),
-            ('Where the two modes differ', diff), ('Fuzzing', f'{_FUZZ}\n\n{fuzz_tables(rc)}'), ('Re-check', recheck),
-            ('Provenance', provenance_md(rc['provenance']))]
+```"""  # noqa: E501
+    return [
+        ('What was shown', _readme_head(rc)),
+        (
+            'Upstream files (loaded by path; commit and SHA-256 checked before the run)',
+            source_table(rc),
+        ),
+        ('Stubs and replacements', stubs),
+        ('Checks per mode', modes),
+        ('Aggregates', f'{_FIGURES}\n\n{agg}'),
+        ('Where the two modes differ', diff),
+        ('Fuzzing', f'{_FUZZ}\n\n{fuzz_tables(rc)}'),
+        ('Re-check', recheck),
+        ('Provenance', provenance_md(rc['provenance'])),
+    ]
 
+# %% ../nbs/18c_fuzz.ipynb #d49c19c9
 def render_readme(receipt: dict, report_dir) -> str:
-    "The text of `report_dir/README.md`: `readme_sections` by `memagent.report.report_text`, with the SHA-256 of the `README_FILES` in `report_dir`."
+    """The text of `report_dir/README.md`: `readme_sections` by `memagent.report.report_text`, with
+    the SHA-256 of the `README_FILES` in `report_dir`."""
     from memagent.report import report_text
+
     return report_text(report_dir, README_TITLE, readme_sections(receipt), files=README_FILES)
 
 # %% ../nbs/18c_fuzz.ipynb #ee4d80ea
 def readme_problems(receipt: dict, report_dir) -> list[str]:
-    "`[]` when `report_dir/README.md` is byte for byte `render_readme(receipt, report_dir)`; else one line naming the file and the first differing line."
+    """`[]` when `report_dir/README.md` is byte for byte `render_readme(receipt, report_dir)`; else
+    one line naming the file and the first differing line."""
     from memagent.audit import _short
+
     path = Path(report_dir) / 'README.md'
-    if not path.is_file(): return [f'{path}: missing (it is the rendering of receipt.json)']
-    try: want = render_readme(receipt, report_dir)
+    if not path.is_file():
+        return [f'{path}: missing (it is the rendering of receipt.json)']
+    try:
+        want = render_readme(receipt, report_dir)
     except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
         return [f'{path}: receipt.json cannot be rendered to compare it ({type(e).__name__}: {e})']
     got = path.read_bytes()
-    if got == want.encode(): return []
-    a, b = got.decode('utf-8', errors='replace').splitlines(keepends=True), want.splitlines(keepends=True)
+    if got == want.encode():
+        return []
+    a, b = (
+        got.decode('utf-8', errors='replace').splitlines(keepends=True),
+        want.splitlines(keepends=True),
+    )
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return [f'{path}: not the rendering of receipt.json: line {k + 1} reads {_short(a[k] if k < len(a) else None)}, '
-            f'the rendering has {_short(b[k] if k < len(b) else None)}']
+    return [
+        f'{path}: not the rendering of receipt.json: line {k + 1} reads '
+        f'{_short(a[k] if k < len(a) else None)}, '
+        f'the rendering has {_short(b[k] if k < len(b) else None)}'
+    ]
+
 
 def verify(report_dir=None, fixtures_path=None, sample: int | None = 500) -> dict:
-    "`memagent.parity.verify_receipt` of `report_dir/receipt.json`, `verify_fuzz` of its fuzz section and `readme_problems` of its README; one `VerificationError` lists the problems of all three."
+    """`memagent.parity.verify_receipt` of `report_dir/receipt.json`, `verify_fuzz` of its fuzz
+    section and `readme_problems` of its README; one `VerificationError` lists the problems of all
+    three."""
     report_dir = Path(report_dir) if report_dir else repo_root() / 'reports' / 'parity'
     problems, res = [], {}
-    try: res = verify_receipt(report_dir / 'receipt.json', fixtures_path)
+    try:
+        res = verify_receipt(report_dir / 'receipt.json', fixtures_path)
     except VerificationError as e:
-        if getattr(e, 'bad_input', False): raise            # a receipt it cannot read (named, exit 2): nothing more to check
+        if getattr(e, 'bad_input', False):
+            raise  # a receipt it cannot read (named, exit 2): nothing more to check
         problems += e.problems
     rc = read_json(report_dir / 'receipt.json')
-    try: res['fuzz'] = verify_fuzz(rc, report_dir, sample)
-    except VerificationError as e: problems += e.problems
+    try:
+        res['fuzz'] = verify_fuzz(rc, report_dir, sample)
+    except VerificationError as e:
+        problems += e.problems
     problems += readme_problems(rc, report_dir)
-    if problems: raise VerificationError(problems)
+    if problems:
+        raise VerificationError(problems)
     return {**res, 'readme': 'the rendering of receipt.json'}

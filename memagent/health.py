@@ -16,19 +16,28 @@ __all__ = ['RunHealthError', 'NonFiniteError', 'require_finite', 'require_finite
 class RunHealthError(RuntimeError):
     "The run cannot make progress; the message says which steps and why."
 
+
 class NonFiniteError(RunHealthError):
     "A loss, gradient norm or weight is NaN or infinite."
 
+
 def require_finite(x, what: str) -> float:
     "`float(x)`, or `NonFiniteError` naming `what` when it is NaN or infinite."
-    v = float(x.detach()) if isinstance(x, torch.Tensor) else float(x)     # a loss that still requires grad: no autograd warning
-    if not math.isfinite(v): raise NonFiniteError(f"{what} is {v}")
+    v = (
+        float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+    )  # a loss that still requires grad: no autograd warning
+    if not math.isfinite(v):
+        raise NonFiniteError(f"{what} is {v}")
     return v
 
+
 def require_finite_params(params, what: str = 'weights'):
-    "`NonFiniteError` naming the first parameter tensor with a NaN or infinity (`params`: (name, tensor) pairs)."
+    """`NonFiniteError` naming the first parameter tensor with a NaN or infinity (`params`: (name,
+    tensor) pairs)."""
     for n, p in params:
-        if not torch.isfinite(p).all(): raise NonFiniteError(f"{what}: parameter {n!r} holds a non-finite value")
+        if not torch.isfinite(p).all():
+            raise NonFiniteError(f"{what}: parameter {n!r} holds a non-finite value")
+
 
 def trained_step(m: dict) -> bool:
     "Whether a step's metrics line records an update on real rows (not only zero-weight padding)."
@@ -36,28 +45,58 @@ def trained_step(m: dict) -> bool:
 
 # %% ../nbs/13a_health.ipynb #12b213f9
 class RunHealth:
-    "Counts empty steps (no usable trajectory) and steps that trained; decides the run's status; writes `<run_dir>/health.json`."
-    def __init__(self, max_empty_steps: int, run_dir, state: dict | None = None, metrics: list[dict] | None = None):
+    """Counts empty steps (no usable trajectory) and steps that trained; decides the run's status;
+    writes `<run_dir>/health.json`."""
+
+    def __init__(
+        self,
+        max_empty_steps: int,
+        run_dir,
+        state: dict | None = None,
+        metrics: list[dict] | None = None,
+    ):
         s = state or {}
-        self.max_empty_steps, self.path = max_empty_steps, Path(run_dir)/'health.json'
+        self.max_empty_steps, self.path = max_empty_steps, Path(run_dir) / 'health.json'
         self.failed_streak, self.first_empty = s.get('failed_streak', []), s.get('first_empty')
-        # a checkpoint written before the count existed: counted from its metrics lines (reconciled with it)
-        self.trained_steps = s['trained_steps'] if 'trained_steps' in s else sum(map(trained_step, metrics or []))
+        # a checkpoint written before the count existed: counted from its metrics lines (reconciled
+        # with it)
+        self.trained_steps = (
+            s['trained_steps'] if 'trained_steps' in s else sum(map(trained_step, metrics or []))
+        )
 
     def state_dict(self) -> dict:
-        return {'failed_streak': list(self.failed_streak), 'first_empty': self.first_empty, 'trained_steps': self.trained_steps}
+        return {
+            'failed_streak': list(self.failed_streak),
+            'first_empty': self.first_empty,
+            'trained_steps': self.trained_steps,
+        }
 
     def observe(self, step: int, m: dict, first_error: str | None = None):
-        "After a step's rollout (`m`: trajectories, failed_trajectories, kept_trajectories); raises after `max_empty_steps` empty steps in a row."
+        """After a step's rollout (`m`: trajectories, failed_trajectories, kept_trajectories);
+        raises after `max_empty_steps` empty steps in a row."""
         if m['trajectories'] and not m['kept_trajectories']:
-            self.failed_streak.append({'step': step, 'error': first_error, 'failed': m['failed_trajectories'], 'of': m['trajectories']})
+            self.failed_streak.append(
+                {
+                    'step': step,
+                    'error': first_error,
+                    'failed': m['failed_trajectories'],
+                    'of': m['trajectories'],
+                }
+            )
             self.first_empty = self.first_empty or self.failed_streak[-1]
-        else: self.failed_streak = []
+        else:
+            self.failed_streak = []
         if len(self.failed_streak) >= self.max_empty_steps:
             s = self.failed_streak
-            what = 'every trajectory failed' if all(x.get('failed') == x.get('of') for x in s) else 'no usable trajectory'
-            raise RunHealthError(f"steps {s[0]['step']}..{s[-1]['step']}: {what} in {len(s)} steps in a row "
-                                 f"(health.max_empty_steps={self.max_empty_steps}); first error: {s[0]['error']}")
+            what = (
+                'every trajectory failed'
+                if all(x.get('failed') == x.get('of') for x in s)
+                else 'no usable trajectory'
+            )
+            raise RunHealthError(
+                f"steps {s[0]['step']}..{s[-1]['step']}: {what} in {len(s)} steps in a row "
+                f"(health.max_empty_steps={self.max_empty_steps}); first error: {s[0]['error']}"
+            )
 
     def step_done(self, step: int, m: dict):
         "After a step's metrics line: count it if it trained; the record says `running` at `step`."
@@ -65,43 +104,76 @@ class RunHealth:
         self.record('running', step)
 
     def finish(self, step: int, steps: int):
-        "At the end of `train()`: `completed` once `step` reaches the schedule's `steps`, some step trained and the last step had usable trajectories; else `RunHealthError` (recorded `stopped`)."
-        if step < steps: return self.record('running', step)
+        """At the end of `train()`: `completed` once `step` reaches the schedule's `steps`, some
+        step trained and the last step had usable trajectories; else `RunHealthError` (recorded
+        `stopped`)."""
+        if step < steps:
+            return self.record('running', step)
         if not self.trained_steps:
             e = self.first_empty
-            why = (f"no step of {step} updated the policy: step {e['step']} had no usable trajectory "
-                   f"({e['failed']} of {e['of']} failed); first error: {e['error']}" if e else
-                   f"no step of {step} updated the policy: every group was filtered (zero reward variance) in every step")
-            self.record('stopped', step, f'RunHealthError: {why}'); raise RunHealthError(why)
-        if s := self.failed_streak:   # the policy the run ends with produced no usable trajectory
-            why = (f"steps {s[0]['step']}..{s[-1]['step']}, the last {len(s)} of {step}, had no usable trajectory "
-                   f"({s[-1]['failed']} of {s[-1]['of']} failed in step {s[-1]['step']}): the final policy is not shown to work; "
-                   f"first error: {s[0]['error']}")
-            self.record('stopped', step, f'RunHealthError: {why}'); raise RunHealthError(why)
+            why = (
+                f"no step of {step} updated the policy: step {e['step']} had no usable trajectory "
+                f"({e['failed']} of {e['of']} failed); first error: {e['error']}"
+                if e
+                else (
+                    f"no step of {step} updated the policy: every group was filtered (zero reward "
+                    "variance) in every step"
+                )
+            )
+            self.record('stopped', step, f'RunHealthError: {why}')
+            raise RunHealthError(why)
+        if s := self.failed_streak:  # the policy the run ends with produced no usable trajectory
+            why = (
+                f"steps {s[0]['step']}..{s[-1]['step']}, the last {len(s)} of {step}, had no "
+                "usable trajectory "
+                f"({s[-1]['failed']} of {s[-1]['of']} failed in step {s[-1]['step']}): the final "
+                "policy is not shown to work; "
+                f"first error: {s[0]['error']}"
+            )
+            self.record('stopped', step, f'RunHealthError: {why}')
+            raise RunHealthError(why)
         self.record('completed', step)
 
     def record(self, status: str, step: int, reason: str | None = None):
-        "Write the health record: `status` is running, completed or stopped, with the steps that trained and the first empty one."
-        rec = {'status': status, 'step': step, 'reason': reason, 'trained_steps': self.trained_steps,
-               'first_empty_step': self.first_empty, 'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+        """Write the health record: `status` is running, completed or stopped, with the steps that
+        trained and the first empty one."""
+        rec = {
+            'status': status,
+            'step': step,
+            'reason': reason,
+            'trained_steps': self.trained_steps,
+            'first_empty_step': self.first_empty,
+            'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
+        }
         tmp = self.path.with_name(self.path.name + '.tmp')
-        tmp.write_text(json.dumps(rec, indent=1)); os.replace(tmp, self.path)
+        tmp.write_text(json.dumps(rec, indent=1))
+        os.replace(tmp, self.path)
 
+# %% ../nbs/13a_health.ipynb #1d8e40bf
 def read_health(run_dir) -> dict | None:
     "The run's health record, or None for a run that has none."
-    p = Path(run_dir)/'health.json'
+    p = Path(run_dir) / 'health.json'
     from memagent.files import read_json
+
     return read_json(p, 'health') if p.exists() else None
 
 # %% ../nbs/13a_health.ipynb #ceaf4eab
 def json_line(m: dict) -> str:
-    "`m` as one line of strict JSON: a NaN or infinite number becomes null, named in `null_reasons` with its value and the reason `m['null_reasons']` gives for it."
+    """`m` as one line of strict JSON: a NaN or infinite number becomes null, named in
+    `null_reasons` with its value and the reason `m['null_reasons']` gives for it."""
     why, nulls = m.get('null_reasons') or {}, {}
+
     def fix(k, v):
-        if isinstance(v, float) and not math.isfinite(v): nulls[k] = f"{v}: {why[k]}" if k in why else f"{v}"; return None
-        if isinstance(v, (list, tuple)): return [fix(f'{k}[{i}]', x) for i, x in enumerate(v)]
-        if isinstance(v, dict): return {kk: fix(f'{k}.{kk}', x) for kk, x in v.items()}
+        if isinstance(v, float) and not math.isfinite(v):
+            nulls[k] = f"{v}: {why[k]}" if k in why else f"{v}"
+            return None
+        if isinstance(v, (list, tuple)):
+            return [fix(f'{k}[{i}]', x) for i, x in enumerate(v)]
+        if isinstance(v, dict):
+            return {kk: fix(f'{k}.{kk}', x) for kk, x in v.items()}
         return v
+
     out = {k: fix(k, v) for k, v in m.items() if k != 'null_reasons'}
-    if why or nulls: out['null_reasons'] = {**why, **nulls}      # a line already strict keeps its reasons
+    if why or nulls:
+        out['null_reasons'] = {**why, **nulls}  # a line already strict keeps its reasons
     return json.dumps(out, allow_nan=False)

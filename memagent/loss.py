@@ -17,77 +17,112 @@ __all__ = ['KL_ESTIMATORS', 'loss_params', 'padded_to_zero', 'masked_mean', 'row
 # %% ../nbs/11_loss.ipynb #16cec9b3
 from .config import LossCfg
 
+
 def loss_params(cfg=None) -> LossCfg:
-    "The loss section of `cfg` (a config with `.loss`, a `LossCfg`, or None for the frozen recipe's defaults)."
-    if cfg is None: return LossCfg()
+    """The loss section of `cfg` (a config with `.loss`, a `LossCfg`, or None for the frozen
+    recipe's defaults)."""
+    if cfg is None:
+        return LossCfg()
     return cfg.loss if hasattr(cfg, 'loss') else cfg
 
 # %% ../nbs/11_loss.ipynb #435018de
 def padded_to_zero(mask: torch.Tensor, *xs):
-    "Each tensor of `xs` with its padded positions (`mask` 0) set to 0 (None passes): what padding holds never reaches a value or a gradient."
+    """Each tensor of `xs` with its padded positions (`mask` 0) set to 0 (None passes): what padding
+    holds never reaches a value or a gradient."""
     m = mask.bool()
     return tuple(None if x is None else torch.where(m, x, x.new_zeros(())) for x in xs)
 
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    "Mean of `x` over entries where `mask` is 1 (0 when nothing is masked in); padding never enters, NaN included."
+    """Mean of `x` over entries where `mask` is 1 (0 when nothing is masked in); padding never
+    enters, NaN included."""
     m = mask.bool()
     return torch.where(m, x, x.new_zeros(())).sum() / m.sum().clamp(min=1).to(x.dtype)
 
+
 def row_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    "Per-row masked mean of a `[rows, tokens]` tensor: `sum_j m_ij x_ij / sum_j m_ij` (0 for an empty row); padding never enters."
+    """Per-row masked mean of a `[rows, tokens]` tensor: `sum_j m_ij x_ij / sum_j m_ij` (0 for an
+    empty row); padding never enters."""
     m = mask.bool()
     return torch.where(m, x, x.new_zeros(())).sum(-1) / m.sum(-1).clamp(min=1).to(x.dtype)
 
-
 # %% ../nbs/11_loss.ipynb #2efc018e
-def ppo_surrogate(logp, old_logp, credit, clip_low=0.2, clip_high=0.3, dual_clip=None, log_ratio_bound=20.0):
-    "Per-token `max(-c*rho, -c*clip(rho, 1-clip_low, 1+clip_high))`, dual-clipped at `-c*dual_clip` for `c<0`; `rho = exp(clamp(logp - old_logp, -b, b))`. Returns `(loss, info)`."
+def ppo_surrogate(
+    logp, old_logp, credit, clip_low=0.2, clip_high=0.3, dual_clip=None, log_ratio_bound=20.0
+):
+    """Per-token `max(-c*rho, -c*clip(rho, 1-clip_low, 1+clip_high))`, dual-clipped at
+    `-c*dual_clip` for `c<0`; `rho = exp(clamp(logp - old_logp, -b, b))`. Returns `(loss, info)`."""
     lr = logp - old_logp
     ratio = torch.exp(lr.clamp(-log_ratio_bound, log_ratio_bound))
     s1 = -credit * ratio
     s2 = -credit * ratio.clamp(1 - clip_low, 1 + clip_high)
     pg = torch.maximum(s1, s2)
     clipped = s2 > s1
-    info = dict(ratio=ratio, bounded=lr.abs() > log_ratio_bound, clipped=clipped,
-                clipped_low=clipped & (ratio < 1 - clip_low), clipped_high=clipped & (ratio > 1 + clip_high))
+    info = dict(
+        ratio=ratio,
+        bounded=lr.abs() > log_ratio_bound,
+        clipped=clipped,
+        clipped_low=clipped & (ratio < 1 - clip_low),
+        clipped_high=clipped & (ratio > 1 + clip_high),
+    )
     if dual_clip is not None:
-        if dual_clip <= 1: raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         neg = credit < 0
         bound = -credit * dual_clip
         info['dual_clipped'] = neg & (pg > bound)
         pg = torch.where(neg, torch.minimum(pg, bound), pg)
-    else: info['dual_clipped'] = torch.zeros_like(clipped)
+    else:
+        info['dual_clipped'] = torch.zeros_like(clipped)
     return pg, info
 
-
 # %% ../nbs/11_loss.ipynb #bdee8494
-def kl_k1(logp, ref_logp): "`logp - ref_logp`"; return logp - ref_logp
-def kl_k2(logp, ref_logp): "`0.5 * (logp - ref_logp)**2`"; return 0.5 * (logp - ref_logp) ** 2
+def kl_k1(logp, ref_logp):
+    "`logp - ref_logp`"
+    return logp - ref_logp
+
+
+def kl_k2(logp, ref_logp):
+    "`0.5 * (logp - ref_logp)**2`"
+    return 0.5 * (logp - ref_logp) ** 2
+
+
 def kl_k3(logp, ref_logp, log_bound: float = 20.0):
-    "`exp(d) - d - 1` with `d = clamp(ref_logp - logp, -log_bound, log_bound)` (low-variance KL): bounded before the exponential."
+    """`exp(d) - d - 1` with `d = clamp(ref_logp - logp, -log_bound, log_bound)` (low-variance KL):
+    bounded before the exponential."""
     d = (ref_logp - logp).clamp(-log_bound, log_bound)
     return torch.exp(d) - d - 1
 
+
 KL_ESTIMATORS = {'k1': kl_k1, 'k2': kl_k2, 'k3': kl_k3, 'low_var_kl': kl_k3}
 
-def kl_penalty(logp, ref_logp, kind: str = 'low_var_kl', clamp: float | None = 10.0, log_bound: float = 20.0):
-    "Per-token KL estimate by name (see `KL_ESTIMATORS`; k3 bounds its log-difference by `log_bound`), clamped to `[-clamp, clamp]` unless `clamp` is None."
-    if kind not in KL_ESTIMATORS: raise ValueError(f"unknown KL estimator {kind!r}; known: {sorted(KL_ESTIMATORS)}")
+
+def kl_penalty(
+    logp, ref_logp, kind: str = 'low_var_kl', clamp: float | None = 10.0, log_bound: float = 20.0
+):
+    """Per-token KL estimate by name (see `KL_ESTIMATORS`; k3 bounds its log-difference by
+    `log_bound`), clamped to `[-clamp, clamp]` unless `clamp` is None."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; known: {sorted(KL_ESTIMATORS)}")
     f = KL_ESTIMATORS[kind]
     kl = f(logp, ref_logp, log_bound) if f is kl_k3 else f(logp, ref_logp)
     return kl.clamp(-clamp, clamp) if clamp is not None else kl
 
-
 # %% ../nbs/11_loss.ipynb #bc41d933
 def tis_weights(old_logp, rollout_logp, cap: float, log_bound: float = 20.0):
-    "Per-token `min(exp(clamp(old_logp - rollout_logp, -log_bound, log_bound)), cap)`, without gradient."
-    if cap is None or cap <= 0: raise ValueError(f"tis cap must be a positive number, got {cap}")
-    with torch.no_grad(): return torch.exp((old_logp - rollout_logp).clamp(-log_bound, log_bound)).clamp(max=cap)
+    """Per-token `min(exp(clamp(old_logp - rollout_logp, -log_bound, log_bound)), cap)`, without
+    gradient."""
+    if cap is None or cap <= 0:
+        raise ValueError(f"tis cap must be a positive number, got {cap}")
+    with torch.no_grad():
+        return torch.exp((old_logp - rollout_logp).clamp(-log_bound, log_bound)).clamp(max=cap)
+
 
 def tis_capped(old_logp, rollout_logp, cap: float, log_bound: float = 20.0):
-    "Tokens whose weight the cap lowered: strictly above `cap` before it (a weight equal to the cap is unchanged)."
-    with torch.no_grad(): return torch.exp((old_logp - rollout_logp).clamp(-log_bound, log_bound)) > cap
-
+    """Tokens whose weight the cap lowered: strictly above `cap` before it (a weight equal to the
+    cap is unchanged)."""
+    with torch.no_grad():
+        return torch.exp((old_logp - rollout_logp).clamp(-log_bound, log_bound)) > cap
 
 # %% ../nbs/11_loss.ipynb #0e2d39d7
 def _entropy_chunk(z):
@@ -95,96 +130,144 @@ def _entropy_chunk(z):
     lse = torch.logsumexp(z, -1)
     return lse - (torch.softmax(z, -1) * z).sum(-1)
 
+
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    "Per-token entropy `logsumexp(z) - sum softmax(z) z` over the last dim, computed `chunk_size` tokens at a time."
+    """Per-token entropy `logsumexp(z) - sum softmax(z) z` over the last dim, computed `chunk_size`
+    tokens at a time."""
     shape = logits.shape[:-1]
     z = logits.reshape(-1, logits.shape[-1])
     grad = torch.is_grad_enabled() and z.requires_grad
     out = []
     for s in range(0, z.shape[0], chunk_size):
-        c = z[s:s + chunk_size]
+        c = z[s : s + chunk_size]
         if grad:
             from torch.utils.checkpoint import checkpoint
+
             out.append(checkpoint(_entropy_chunk, c, use_reentrant=False))
-        else: out.append(_entropy_chunk(c))
+        else:
+            out.append(_entropy_chunk(c))
     return (torch.cat(out) if out else z.new_zeros(0, dtype=torch.float32)).reshape(shape)
 
-def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
+
+def logprobs_from_logits(
+    logits: torch.Tensor, ids: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0
+) -> torch.Tensor:
     "Log-prob of `ids` under `softmax(logits / temperature)`, `chunk_size` tokens at a time."
     shape = ids.shape
-    z = logits.reshape(-1, logits.shape[-1]); t = ids.reshape(-1)
+    z = logits.reshape(-1, logits.shape[-1])
+    t = ids.reshape(-1)
     out = []
     for s in range(0, z.shape[0], chunk_size):
-        c = z[s:s + chunk_size].float() / temperature
-        out.append(c.gather(-1, t[s:s + chunk_size, None])[:, 0] - torch.logsumexp(c, -1))
+        c = z[s : s + chunk_size].float() / temperature
+        out.append(c.gather(-1, t[s : s + chunk_size, None])[:, 0] - torch.logsumexp(c, -1))
     return (torch.cat(out) if out else z.new_zeros(0, dtype=torch.float32)).reshape(shape)
 
 # %% ../nbs/11_loss.ipynb #abe164c4
-def token_loss(logp, old_logp, credit, ref_logp=None, cfg=None, rollout_logp=None, entropy=None, mask=None):
-    "Per-token loss `w_tis * pg + kl_coef * kl - entropy_coef * H` and its parts (dict of tensors); padding (`mask` 0) set to 0 first."
+def token_loss(
+    logp, old_logp, credit, ref_logp=None, cfg=None, rollout_logp=None, entropy=None, mask=None
+):
+    """Per-token loss `w_tis * pg + kl_coef * kl - entropy_coef * H` and its parts (dict of
+    tensors); padding (`mask` 0) set to 0 first."""
     p = loss_params(cfg)
     if mask is not None:
-        logp, old_logp, ref_logp, rollout_logp, entropy = padded_to_zero(mask, logp, old_logp, ref_logp, rollout_logp, entropy)
-        if credit.shape == logp.shape: credit, = padded_to_zero(mask, credit)
+        logp, old_logp, ref_logp, rollout_logp, entropy = padded_to_zero(
+            mask, logp, old_logp, ref_logp, rollout_logp, entropy
+        )
+        if credit.shape == logp.shape:
+            (credit,) = padded_to_zero(mask, credit)
     c = credit[:, None] if credit.dim() == 1 and logp.dim() == 2 else credit
     b = p.log_ratio_bound
     pg, info = ppo_surrogate(logp, old_logp, c, p.clip_low, p.clip_high, p.dual_clip, b)
     parts = dict(info)
     if p.tis_cap is not None:
-        if rollout_logp is None: raise ValueError("tis_cap is set but rollout_logp was not given")
+        if rollout_logp is None:
+            raise ValueError("tis_cap is set but rollout_logp was not given")
         parts['tis_capped'] = tis_capped(old_logp, rollout_logp, p.tis_cap, b)
         pg = pg * tis_weights(old_logp, rollout_logp, p.tis_cap, b)
     parts['pg'] = pg
     tok = pg
     if p.kl_type != 'none' and p.kl_coef:
-        if ref_logp is None: raise ValueError(f"kl_type={p.kl_type!r} with kl_coef={p.kl_coef} needs ref_logp")
+        if ref_logp is None:
+            raise ValueError(f"kl_type={p.kl_type!r} with kl_coef={p.kl_coef} needs ref_logp")
         parts['kl'] = kl_penalty(logp, ref_logp, p.kl_type, p.kl_clamp, b)
         tok = tok + p.kl_coef * parts['kl']
     if entropy is not None:
         parts['entropy'] = entropy
-        if p.entropy_coef: tok = tok - p.entropy_coef * entropy
-    elif p.entropy_coef: raise ValueError(f"entropy_coef={p.entropy_coef} needs entropy")
+        if p.entropy_coef:
+            tok = tok - p.entropy_coef * entropy
+    elif p.entropy_coef:
+        raise ValueError(f"entropy_coef={p.entropy_coef} needs entropy")
     return tok, parts
 
-def row_loss(logp, old_logp, credit, mask, ref_logp=None, cfg=None, rollout_logp=None, entropy=None):
+
+def row_loss(
+    logp, old_logp, credit, mask, ref_logp=None, cfg=None, rollout_logp=None, entropy=None
+):
     "Per-row masked token mean of `token_loss` (`[rows]`), plus the token parts."
     tok, parts = token_loss(logp, old_logp, credit, ref_logp, cfg, rollout_logp, entropy, mask)
     return row_means(tok, mask), parts
 
 # %% ../nbs/11_loss.ipynb #6ed672c5
 def policy_loss(
-    logp,               # `[rows, tokens]` the policy's log-probs of the tokens, with gradient
-    old_logp,           # `[rows, tokens]` the behaviour log-probs: the PPO ratio is `exp(logp - old_logp)`
-    credit,             # `[rows]` (or `[rows, tokens]`) each row's credit (`Row.credit`)
-    mask,               # `[rows, tokens]` 1 on trained response tokens; 0 on prompt and padding
-    weights,            # `[rows]` each row's weight (`Row.weight`: it holds the step normalizer)
-    ref_logp=None,      # `[rows, tokens]` the reference's log-probs, for the KL term
-    cfg=None,           # a `LossCfg`, a config with `.loss`, or None: the frozen recipe's defaults
+    logp,  # `[rows, tokens]` the policy's log-probs of the tokens, with gradient
+    old_logp,  # `[rows, tokens]` the behaviour log-probs: the PPO ratio is `exp(logp - old_logp)`
+    credit,  # `[rows]` (or `[rows, tokens]`) each row's credit (`Row.credit`)
+    mask,  # `[rows, tokens]` 1 on trained response tokens; 0 on prompt and padding
+    weights,  # `[rows]` each row's weight (`Row.weight`: it holds the step normalizer)
+    ref_logp=None,  # `[rows, tokens]` the reference's log-probs, for the KL term
+    cfg=None,  # a `LossCfg`, a config with `.loss`, or None: the frozen recipe's defaults
     rollout_logp=None,  # `[rows, tokens]` the engine's sampling log-probs, for the TIS weights
-    entropy=None,       # `[rows, tokens]` per-token entropy, for the entropy term
-) -> tuple:             # `(loss, metrics)`: a 0-dim tensor and a dict of floats
-    "Step (or micro-batch) loss `sum_i weights_i * rowmean_i(token_loss)`; `credit` and `weights` are per row. Returns `(loss, metrics)`."
-    if logp.dim() != 2: raise ValueError(f"logp must be [rows, tokens], got shape {tuple(logp.shape)}")
-    for name, t in (('old_logp', old_logp), ('mask', mask), ('ref_logp', ref_logp), ('rollout_logp', rollout_logp), ('entropy', entropy)):
-        if t is not None and t.shape != logp.shape: raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
-    if weights.shape != logp.shape[:1]: raise ValueError(f"weights shape {tuple(weights.shape)} != ({logp.shape[0]},)")
+    entropy=None,  # `[rows, tokens]` per-token entropy, for the entropy term
+) -> tuple:  # `(loss, metrics)`: a 0-dim tensor and a dict of floats
+    """Step (or micro-batch) loss `sum_i weights_i * rowmean_i(token_loss)`; `credit` and `weights`
+    are per row. Returns `(loss, metrics)`."""
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [rows, tokens], got shape {tuple(logp.shape)}")
+    for name, t in (
+        ('old_logp', old_logp),
+        ('mask', mask),
+        ('ref_logp', ref_logp),
+        ('rollout_logp', rollout_logp),
+        ('entropy', entropy),
+    ):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
+    if weights.shape != logp.shape[:1]:
+        raise ValueError(f"weights shape {tuple(weights.shape)} != ({logp.shape[0]},)")
     p = loss_params(cfg)
     rl, parts = row_loss(logp, old_logp, credit, mask, ref_logp, p, rollout_logp, entropy)
     w = weights.to(rl.dtype)
     loss = (w * rl).sum()
     m = mask.bool()
     with torch.no_grad():
-        def tm(x): return float(masked_mean(x.float(), m)) if m.any() else 0.0
-        def wsum(x): return float((w * row_means(x.float(), m)).sum())
+
+        def tm(x):
+            return float(masked_mean(x.float(), m)) if m.any() else 0.0
+
+        def wsum(x):
+            return float((w * row_means(x.float(), m)).sum())
+
         ratio = parts['ratio'][m]
-        met = dict(loss=float(loss), n_tokens=int(m.sum()), n_rows=int(logp.shape[0]),
-                   pg_loss=wsum(parts['pg']), clip_frac=tm(parts['clipped']), clip_frac_low=tm(parts['clipped_low']),
-                   clip_frac_high=tm(parts['clipped_high']), dual_clip_frac=tm(parts['dual_clipped']),
-                   ratio_bound_frac=tm(parts['bounded']),
-                   ratio_mean=float(ratio.mean()) if ratio.numel() else 1.0,
-                   ratio_min=float(ratio.min()) if ratio.numel() else 1.0,
-                   ratio_max=float(ratio.max()) if ratio.numel() else 1.0)
-        if 'kl' in parts: met.update(kl=tm(parts['kl']), kl_loss=p.kl_coef * wsum(parts['kl']))
-        if 'entropy' in parts: met.update(entropy=tm(parts['entropy']), entropy_loss=-p.entropy_coef * wsum(parts['entropy']))
-        if 'tis_capped' in parts: met.update(tis_capped_frac=tm(parts['tis_capped']))
+        met = dict(
+            loss=float(loss),
+            n_tokens=int(m.sum()),
+            n_rows=int(logp.shape[0]),
+            pg_loss=wsum(parts['pg']),
+            clip_frac=tm(parts['clipped']),
+            clip_frac_low=tm(parts['clipped_low']),
+            clip_frac_high=tm(parts['clipped_high']),
+            dual_clip_frac=tm(parts['dual_clipped']),
+            ratio_bound_frac=tm(parts['bounded']),
+            ratio_mean=float(ratio.mean()) if ratio.numel() else 1.0,
+            ratio_min=float(ratio.min()) if ratio.numel() else 1.0,
+            ratio_max=float(ratio.max()) if ratio.numel() else 1.0,
+        )
+        if 'kl' in parts:
+            met.update(kl=tm(parts['kl']), kl_loss=p.kl_coef * wsum(parts['kl']))
+        if 'entropy' in parts:
+            met.update(
+                entropy=tm(parts['entropy']), entropy_loss=-p.entropy_coef * wsum(parts['entropy'])
+            )
+        if 'tis_capped' in parts:
+            met.update(tis_capped_frac=tm(parts['tis_capped']))
     return loss, met

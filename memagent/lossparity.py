@@ -26,157 +26,301 @@ __all__ = ['VERL_REPOSITORY', 'VERL_REVISION', 'CORE_FILE', 'TF_FILE', 'CORR_FIL
 
 # %% ../nbs/18d_loss_parity.ipynb #d85130a8
 VERL_REPOSITORY = 'volcengine/verl'
-VERL_REVISION = 'b178a3cd56f58b2d502255daba591e92833930a7'    # 2026-01-29
+VERL_REVISION = 'b178a3cd56f58b2d502255daba591e92833930a7'  # 2026-01-29
 CORE_FILE = 'verl/trainer/ppo/core_algos.py'
 TF_FILE = 'verl/utils/torch_functional.py'
 CORR_FILE = 'verl/trainer/ppo/rollout_corr_helper.py'
 VERL_FILES = {  # path -> (commit that last changed it, SHA-256)
-    CORE_FILE: ('5689fd799bc2f7c966ccc90c7a08cda78b5713ee', 'fadfafa83d94ba40d7ac2abeedb6e99ea0716b42f8744c421ecbb371db8b4d24'),
-    TF_FILE: ('67a127b4eb735504ac3a4ae8a0b321d7dd5f08ec', '8ac62195a800ba784d1cddf03ee0bc7627f20236cc11e135fdba20e8d4a01f14'),
-    CORR_FILE: ('97eac90487a0c6f7ef38e38d305e8f3fad7c4f0b', 'd7c584d1c3f2fd31e4c2e508e32a7a54b12b94284cd441f1f1c7889f5258c304'),
+    CORE_FILE: (
+        '5689fd799bc2f7c966ccc90c7a08cda78b5713ee',
+        'fadfafa83d94ba40d7ac2abeedb6e99ea0716b42f8744c421ecbb371db8b4d24',
+    ),
+    TF_FILE: (
+        '67a127b4eb735504ac3a4ae8a0b321d7dd5f08ec',
+        '8ac62195a800ba784d1cddf03ee0bc7627f20236cc11e135fdba20e8d4a01f14',
+    ),
+    CORR_FILE: (
+        '97eac90487a0c6f7ef38e38d305e8f3fad7c4f0b',
+        'd7c584d1c3f2fd31e4c2e508e32a7a54b12b94284cd441f1f1c7889f5258c304',
+    ),
 }
+
 
 class LossParityError(Exception):
     "Base error of the loss parity receipt."
 
+
 class LossParityRefused(LossParityError):
     "The verl checkout is not the pinned one (revision, tracked files or hashes differ)."
 
+
 class VerificationError(LossParityError):
     "A receipt does not match its cases or our functions; `.problems` lists every reason."
+
     def __init__(self, problems):
         self.problems = list(problems)
-        super().__init__(f'{len(self.problems)} problem(s) found while verifying the loss parity receipt:\n' +
-                         '\n'.join(f'  - {p}' for p in self.problems[:50]))
+        super().__init__(
+            f'{len(self.problems)} problem(s) found while verifying the loss parity receipt:\n'
+            + '\n'.join(f'  - {p}' for p in self.problems[:50])
+        )
 
 # %% ../nbs/18d_loss_parity.ipynb #f617f625
 def _git(src, *args) -> str:
     r = subprocess.run(['git', '-C', str(src), *args], capture_output=True, text=True)
-    if r.returncode != 0: raise LossParityRefused(f'{src}: git {" ".join(args)} failed: {r.stderr.strip() or r.stdout.strip()}')
+    if r.returncode != 0:
+        raise LossParityRefused(
+            f'{src}: git {" ".join(args)} failed: {r.stderr.strip() or r.stdout.strip()}'
+        )
     return r.stdout.strip()
 
+
 def check_verl(src) -> dict:
-    "Verify the verl checkout at `src` (revision, the three files tracked, unmodified, hashed as pinned); raise `LossParityRefused` naming each file and both hashes."
+    """Verify the verl checkout at `src` (revision, the three files tracked, unmodified, hashed as
+    pinned); raise `LossParityRefused` naming each file and both hashes."""
     src = Path(src)
-    if not src.is_dir(): raise LossParityRefused(f'{src}: not a directory')
+    if not src.is_dir():
+        raise LossParityRefused(f'{src}: not a directory')
     problems = []
     for rel, (_, want) in VERL_FILES.items():
         p = src / rel
-        if not p.is_file(): problems.append(f'{rel}: missing'); continue
-        if (got := sha256_file(p)) != want: problems.append(f'{rel}: SHA-256 {got} != pinned {want}')
+        if not p.is_file():
+            problems.append(f'{rel}: missing')
+            continue
+        if (got := sha256_file(p)) != want:
+            problems.append(f'{rel}: SHA-256 {got} != pinned {want}')
     head = _git(src, 'rev-parse', 'HEAD')
-    if head != VERL_REVISION: problems.insert(0, f'HEAD is {head}, pinned revision is {VERL_REVISION}')
+    if head != VERL_REVISION:
+        problems.insert(0, f'HEAD is {head}, pinned revision is {VERL_REVISION}')
     tracked = set(_git(src, 'ls-files', '--', *VERL_FILES).splitlines())
     problems += [f'{rel}: not tracked by git' for rel in VERL_FILES if rel not in tracked]
-    if dirty := _git(src, 'status', '--porcelain', '--', *VERL_FILES): problems.append(f'modified according to git: {dirty}')
+    if dirty := _git(src, 'status', '--porcelain', '--', *VERL_FILES):
+        problems.append(f'modified according to git: {dirty}')
     files = {}
     for rel, (commit, _) in VERL_FILES.items():
         last = _git(src, 'log', '-1', '--format=%H', '--', rel)
-        if last != commit: problems.append(f'{rel}: last changed at {last or "(no commit)"}, pinned {commit}')
-        files[rel] = {'commit': last, 'sha256': sha256_file(src / rel) if (src / rel).is_file() else None}
-    if problems: raise LossParityRefused(f'{src}: verl checkout refused: ' + '; '.join(problems))
-    try: origin = _git(src, 'config', '--get', 'remote.origin.url')
-    except LossParityRefused: origin = None
+        if last != commit:
+            problems.append(f'{rel}: last changed at {last or "(no commit)"}, pinned {commit}')
+        files[rel] = {
+            'commit': last,
+            'sha256': sha256_file(src / rel) if (src / rel).is_file() else None,
+        }
+    if problems:
+        raise LossParityRefused(f'{src}: verl checkout refused: ' + '; '.join(problems))
+    try:
+        origin = _git(src, 'config', '--get', 'remote.origin.url')
+    except LossParityRefused:
+        origin = None
     return {'repository': VERL_REPOSITORY, 'revision': head, 'origin': origin, 'files': files}
 
 # %% ../nbs/18d_loss_parity.ipynb #7532b4ca
 STAND_INS = {
     'omegaconf': 'import-only: DictConfig, a class named in a type alias of core_algos',
-    'tensordict': 'import-only: TensorDict, imported by torch_functional, unused by the compared functions',
-    'transformers': 'import-only: PreTrainedTokenizer, imported by torch_functional, unused by the compared functions',
+    'tensordict': (
+        'import-only: TensorDict, imported by torch_functional, unused by the compared functions'
+    ),
+    'transformers': (
+        'import-only: PreTrainedTokenizer, imported by torch_functional, unused by the compared '
+        'functions'
+    ),
     'verl, verl.trainer, verl.workers': 'empty packages, so the dotted imports resolve',
-    'verl.utils': 'package; as_torch_index and group_mean_std raise if called (the vectorised GRPO, not compared)',
-    'verl.utils.device': 'get_device_name / get_torch_device return cpu / torch.cpu (torch_functional imports them)',
-    'verl.utils.import_utils': 'deprecated(...) returns the function unchanged (a decorator in core_algos)',
-    'verl.utils.torch_functional': 'not a stand-in: the pinned file, loaded by path under this name for the other two',
-    'verl.trainer.config, verl.trainer.config.algorithm': 'AlgoConfig and RolloutCorrectionConfig: empty classes (isinstance and type hints)',
-    'verl.workers.config, verl.workers.config.actor': 'ActorConfig and PolicyLossConfig: empty classes (type hints)',
+    'verl.utils': (
+        'package; as_torch_index and group_mean_std raise if called (the vectorised GRPO, not '
+        'compared)'
+    ),
+    'verl.utils.device': (
+        'get_device_name / get_torch_device return cpu / torch.cpu (torch_functional imports them)'
+    ),
+    'verl.utils.import_utils': (
+        'deprecated(...) returns the function unchanged (a decorator in core_algos)'
+    ),
+    'verl.utils.torch_functional': (
+        'not a stand-in: the pinned file, loaded by path under this name for the other two'
+    ),
+    'verl.trainer.config, verl.trainer.config.algorithm': (
+        'AlgoConfig and RolloutCorrectionConfig: empty classes (isinstance and type hints)'
+    ),
+    'verl.workers.config, verl.workers.config.actor': (
+        'ActorConfig and PolicyLossConfig: empty classes (type hints)'
+    ),
     'verl.protocol': 'import-only: DataProto, an empty class (rollout_corr_helper type hints)',
 }
-VERL_CONFIG_FIELDS = {   # what compute_policy_loss_vanilla reads from its config, and what the comparison sets
+# what compute_policy_loss_vanilla reads from its config, and what the comparison sets
+VERL_CONFIG_FIELDS = {
     'clip_ratio': 'epsilon of the clip; set to clip_low (unused: both sides are given)',
     'clip_ratio_low': "the kit's loss.clip_low",
     'clip_ratio_high': "the kit's loss.clip_high",
-    'clip_ratio_c': "the kit's loss.dual_clip, read with config.get; infinity where the kit's dual clip is off (D6)",
-    'global_batch_info': "{} for token-mean; {'global_batch_size': trajectories of the mini-batch} for seq-mean-token-mean (D4)",
+    'clip_ratio_c': (
+        "the kit's loss.dual_clip, read with config.get; infinity where the kit's dual clip is "
+        "off (D6)"
+    ),
+    'global_batch_info': (
+        "{} for token-mean; {'global_batch_size': trajectories of the mini-batch} for "
+        "seq-mean-token-mean (D4)"
+    ),
 }
 
-class _Cls: pass
-def _cls(name): return type(name, (_Cls,), {})
+
+class _Cls:
+    pass
+
+# %% ../nbs/18d_loss_parity.ipynb #4eed32c3
+def _cls(name):
+    return type(name, (_Cls,), {})
+
+# %% ../nbs/18d_loss_parity.ipynb #5d61bfba
 def _pkg(name, **attrs):
-    m = types.ModuleType(name); m.__dict__.update(attrs); m.__path__ = []; return m
-def _refuse(*a, **k): raise LossParityError('a verl function outside the compared ones was called')
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    m.__path__ = []
+    return m
 
+# %% ../nbs/18d_loss_parity.ipynb #38db95ed
+def _refuse(*a, **k):
+    raise LossParityError('a verl function outside the compared ones was called')
+
+# %% ../nbs/18d_loss_parity.ipynb #ca2c6093
 def _stand_ins() -> dict:
-    return {'omegaconf': _pkg('omegaconf', DictConfig=_cls('DictConfig')),
-            'tensordict': _pkg('tensordict', TensorDict=_cls('TensorDict')),
-            'transformers': _pkg('transformers', PreTrainedTokenizer=_cls('PreTrainedTokenizer')),
-            'verl': _pkg('verl'), 'verl.trainer': _pkg('verl.trainer'), 'verl.workers': _pkg('verl.workers'),
-            'verl.utils': _pkg('verl.utils', as_torch_index=_refuse, group_mean_std=_refuse),
-            'verl.utils.device': _pkg('verl.utils.device', get_device_name=lambda: 'cpu', get_torch_device=lambda: torch.cpu),
-            'verl.utils.import_utils': _pkg('verl.utils.import_utils', deprecated=lambda *a, **k: (lambda f: f)),
-            'verl.trainer.config': _pkg('verl.trainer.config', AlgoConfig=_cls('AlgoConfig')),
-            'verl.trainer.config.algorithm': _pkg('verl.trainer.config.algorithm', RolloutCorrectionConfig=_cls('RolloutCorrectionConfig')),
-            'verl.workers.config': _pkg('verl.workers.config', ActorConfig=_cls('ActorConfig')),
-            'verl.workers.config.actor': _pkg('verl.workers.config.actor', PolicyLossConfig=_cls('PolicyLossConfig')),
-            'verl.protocol': _pkg('verl.protocol', DataProto=_cls('DataProto'))}
+    return {
+        'omegaconf': _pkg('omegaconf', DictConfig=_cls('DictConfig')),
+        'tensordict': _pkg('tensordict', TensorDict=_cls('TensorDict')),
+        'transformers': _pkg('transformers', PreTrainedTokenizer=_cls('PreTrainedTokenizer')),
+        'verl': _pkg('verl'),
+        'verl.trainer': _pkg('verl.trainer'),
+        'verl.workers': _pkg('verl.workers'),
+        'verl.utils': _pkg('verl.utils', as_torch_index=_refuse, group_mean_std=_refuse),
+        'verl.utils.device': _pkg(
+            'verl.utils.device', get_device_name=lambda: 'cpu', get_torch_device=lambda: torch.cpu
+        ),
+        'verl.utils.import_utils': _pkg(
+            'verl.utils.import_utils', deprecated=lambda *a, **k: lambda f: f
+        ),
+        'verl.trainer.config': _pkg('verl.trainer.config', AlgoConfig=_cls('AlgoConfig')),
+        'verl.trainer.config.algorithm': _pkg(
+            'verl.trainer.config.algorithm', RolloutCorrectionConfig=_cls('RolloutCorrectionConfig')
+        ),
+        'verl.workers.config': _pkg('verl.workers.config', ActorConfig=_cls('ActorConfig')),
+        'verl.workers.config.actor': _pkg(
+            'verl.workers.config.actor', PolicyLossConfig=_cls('PolicyLossConfig')
+        ),
+        'verl.protocol': _pkg('verl.protocol', DataProto=_cls('DataProto')),
+    }
 
+# %% ../nbs/18d_loss_parity.ipynb #e34506ee
 def load_verl(src) -> types.SimpleNamespace:
-    "The three pinned files loaded by path under the stand-ins (for the load only); `check_verl` first."
+    """The three pinned files loaded by path under the stand-ins (for the load only); `check_verl`
+    first."""
     s = _stand_ins()
     tf = load_by_path(src, TF_FILE, 'verl.utils.torch_functional', s)
     s['verl.utils.torch_functional'] = tf
-    return types.SimpleNamespace(core=load_by_path(src, CORE_FILE, '_verl_core_algos', s), tf=tf,
-                                 corr=load_by_path(src, CORR_FILE, '_verl_rollout_corr_helper', s))
+    return types.SimpleNamespace(
+        core=load_by_path(src, CORE_FILE, '_verl_core_algos', s),
+        tf=tf,
+        corr=load_by_path(src, CORR_FILE, '_verl_rollout_corr_helper', s),
+    )
 
+# %% ../nbs/18d_loss_parity.ipynb #400a0144
 class VerlConfig(dict):
-    "verl's actor config as the compared function reads it: attributes and `.get`, only the fields in `VERL_CONFIG_FIELDS`."
+    """verl's actor config as the compared function reads it: attributes and `.get`, only the fields
+    in `VERL_CONFIG_FIELDS`."""
+
     def __getattr__(self, k):
-        try: return self[k]
-        except KeyError: raise AttributeError(k) from None
+        try:
+            return self[k]
+        except KeyError:
+            raise AttributeError(k) from None
 
 # %% ../nbs/18d_loss_parity.ipynb #bd3a318b
-DIFFERENCES = {   # id -> (what the kit does on purpose and why; how the receipt treats it). Listed in nbs/11_loss.ipynb too.
-    'D1': ('groups of size 1 are refused (grpo.group_size >= 2): an unbiased std of one sample is undefined; verl gives such a group mean 0 and std 1',
-           'not compared: every drawn group has 2 to 8 trajectories'),
-    'D2': ('every group of a step must hold exactly group_size trajectories (a short group is an error, not a smaller group); verl takes groups of any size',
-           'compared on steps of equal groups'),
-    'D3': ("the advantage is per trajectory and kept on rows with no trained token; verl multiplies it by the response mask",
-           "compared as the kit's advantage times the mask"),
-    'D4': ("the `trajectory` aggregation divides a mini-batch's sum of row means by its trajectories, so a trajectory's weight does not grow with its turns; "
-           "verl's seq-mean-token-mean divides by its non-empty rows",
-           "compared to verl's agg_loss seq-mean-token-mean given global_batch_size = the mini-batch's trajectories"),
-    'D5': ("masked means divide by the token count; verl adds 1e-8 to it (masked_mean, seq-mean-token-mean)",
-           'those checks allow a relative 1e-7 in fp64'),
-    'D6': ("dual clip is off unless loss.dual_clip is set; verl's vanilla loss always dual-clips (clip_ratio_c, default 3)",
-           'dual clip off is compared to verl with clip_ratio_c = infinity'),
-    'D7': ("k1 and k2 are clamped to +-kl_clamp like k3 (one rule for every estimator); verl clamps only k3",
-           "compared with the kit's clamp off for k1 and k2 (kl_clamp=None); k3 at the clamp, 10, on both sides"),
-    'D8': ("the KL estimators are named k1, k2, k3 and low_var_kl; verl's kl and mse are k1 and k2, and it has abs and straight-through '+' variants",
-           "kl and mse compared as k1 and k2; abs and the '+' variants not compared (the kit has none)"),
-    'D9': ("TIS weights are not zeroed at padding (padding never enters the loss); verl multiplies them by the mask",
-           'compared on masked-in tokens'),
-    'D10': ("the kit logs clip_frac_low/high and ratio_bound_frac; verl logs ppo_kl, rollout_is_mean/std/min/max, the effective sample size, "
-            "sequence statistics and fraction_low",
-            'not compared: no counterpart on the other side'),
-    'D11': ("token_mean refuses a mini-batch without a trained token (memagent.credit); verl divides 0 by 0",
-            'not compared: every drawn mini-batch holds a trained token'),
-    'D12': ("the kit offers the trajectory and token_mean aggregations only; verl also has seq-mean-token-sum and seq-mean-token-sum-norm",
-            'not compared (the kit has none)'),
-    'D13': ("advantages are computed in float64 whatever the training dtype, so an all-equal group gets exactly 0; verl computes in the "
-            "reward tensor's dtype: in fp32 the mean of equal rewards can be a few ulps off them, and over std + eps (std ~1e-8, eps 1e-6) "
-            "that residual becomes an advantage up to ~0.1",
-            "fp32 rows of all-equal groups (std normalised): ours exactly 0, verl's within |r| 2^-20 / eps; the other rows compared as usual"),
+# id -> (what the kit does on purpose and why; how the receipt treats it). Listed in
+# nbs/11_loss.ipynb too.
+DIFFERENCES = {
+    'D1': (
+        'groups of size 1 are refused (grpo.group_size >= 2): an unbiased std of one sample is '
+        'undefined; verl gives such a group mean 0 and std 1',
+        'not compared: every drawn group has 2 to 8 trajectories',
+    ),
+    'D2': (
+        'every group of a step must hold exactly group_size trajectories (a short group is an '
+        'error, not a smaller group); verl takes groups of any size',
+        'compared on steps of equal groups',
+    ),
+    'D3': (
+        "the advantage is per trajectory and kept on rows with no trained token; verl multiplies "
+        "it by the response mask",
+        "compared as the kit's advantage times the mask",
+    ),
+    'D4': (
+        "the `trajectory` aggregation divides a mini-batch's sum of row means by its "
+        "trajectories, so a trajectory's weight does not grow with its turns; "
+        "verl's seq-mean-token-mean divides by its non-empty rows",
+        "compared to verl's agg_loss seq-mean-token-mean given global_batch_size = the "
+        "mini-batch's trajectories",
+    ),
+    'D5': (
+        "masked means divide by the token count; verl adds 1e-8 to it (masked_mean, "
+        "seq-mean-token-mean)",
+        'those checks allow a relative 1e-7 in fp64',
+    ),
+    'D6': (
+        "dual clip is off unless loss.dual_clip is set; verl's vanilla loss always dual-clips "
+        "(clip_ratio_c, default 3)",
+        'dual clip off is compared to verl with clip_ratio_c = infinity',
+    ),
+    'D7': (
+        "k1 and k2 are clamped to +-kl_clamp like k3 (one rule for every estimator); verl clamps "
+        "only k3",
+        "compared with the kit's clamp off for k1 and k2 (kl_clamp=None); k3 at the clamp, 10, on "
+        "both sides",
+    ),
+    'D8': (
+        "the KL estimators are named k1, k2, k3 and low_var_kl; verl's kl and mse are k1 and k2, "
+        "and it has abs and straight-through '+' variants",
+        "kl and mse compared as k1 and k2; abs and the '+' variants not compared (the kit has "
+        "none)",
+    ),
+    'D9': (
+        "TIS weights are not zeroed at padding (padding never enters the loss); verl multiplies "
+        "them by the mask",
+        'compared on masked-in tokens',
+    ),
+    'D10': (
+        "the kit logs clip_frac_low/high and ratio_bound_frac; verl logs ppo_kl, "
+        "rollout_is_mean/std/min/max, the effective sample size, "
+        "sequence statistics and fraction_low",
+        'not compared: no counterpart on the other side',
+    ),
+    'D11': (
+        "token_mean refuses a mini-batch without a trained token (memagent.credit); verl divides "
+        "0 by 0",
+        'not compared: every drawn mini-batch holds a trained token',
+    ),
+    'D12': (
+        "the kit offers the trajectory and token_mean aggregations only; verl also has "
+        "seq-mean-token-sum and seq-mean-token-sum-norm",
+        'not compared (the kit has none)',
+    ),
+    'D13': (
+        "advantages are computed in float64 whatever the training dtype, so an all-equal group "
+        "gets exactly 0; verl computes in the "
+        "reward tensor's dtype: in fp32 the mean of equal rewards can be a few ulps off them, and "
+        "over std + eps (std ~1e-8, eps 1e-6) "
+        "that residual becomes an advantage up to ~0.1",
+        "fp32 rows of all-equal groups (std normalised): ours exactly 0, verl's within |r| 2^-20 "
+        "/ eps; the other rows compared as usual",
+    ),
 }
 FAMILIES = ('grpo_advantage', 'policy_loss', 'kl', 'tis')
 DTYPES = {'fp32': torch.float32, 'fp64': torch.float64}
-TOL = {'fp64': (1e-12, 1e-12), 'fp32': (2e-6, 1e-6)}     # (relative to the scale of the terms, absolute)
-EPS_REL = 1e-7                                           # D5: verl's +1e-8 in a count
+TOL = {
+    'fp64': (1e-12, 1e-12),
+    'fp32': (2e-6, 1e-6),
+}  # (relative to the scale of the terms, absolute)
+EPS_REL = 1e-7  # D5: verl's +1e-8 in a count
 MIN_SEEDS = 200
 
 # %% ../nbs/18d_loss_parity.ipynb #4c135af0
 def _rng(family: str, seed: int) -> np.random.Generator:
     return np.random.default_rng([FAMILIES.index(family), seed])
+
 
 def _lengths(g, n, lo=1, hi=8, empty=0.15):
     "Row lengths with some rows masked out entirely: (tokens, trained tokens) per row."
@@ -184,16 +328,20 @@ def _lengths(g, n, lo=1, hi=8, empty=0.15):
     trained = np.where(g.random(n) < empty, 0, L)
     return L, trained
 
+
 def _mask(L, trained, width):
     return np.array([[1 if j < t else 0 for j in range(width)] for t in trained], dtype=np.int64)
+
 
 def _logp(g, shape):
     "Log-probs in [-6, 0), some near 0 and some very unlikely."
     x = -g.exponential(1.0, shape)
     return np.where(g.random(shape) < 0.05, -g.uniform(10, 40, shape), x)
 
+
 def _log_ratio(g, shape, extreme=0.08):
-    "Log-ratios mostly near 0 (inside and just outside the clip), some exactly 0, some past the bound (+-21 to +-40)."
+    """Log-ratios mostly near 0 (inside and just outside the clip), some exactly 0, some past the
+    bound (+-21 to +-40)."""
     d = g.normal(0, 0.25, shape)
     d = np.where(g.random(shape) < 0.1, 0.0, d)
     ext = g.uniform(21, 40, shape) * g.choice([-1, 1], shape)
@@ -203,62 +351,114 @@ def _log_ratio(g, shape, extreme=0.08):
 def _turn(L, trained_mask):
     return Turn('final', 0, [1], [1] * int(L), [0.0] * int(L), [int(x) for x in trained_mask])
 
+# %% ../nbs/18d_loss_parity.ipynb #521a4b33
 def draw_grpo_advantage(seed: int) -> dict:
-    "Groups of 2-8 trajectories (one row each, some rows with no trained token), interleaved; binary, continuous or all-equal rewards."
+    """Groups of 2-8 trajectories (one row each, some rows with no trained token), interleaved;
+    binary, continuous or all-equal rewards."""
     g = _rng('grpo_advantage', seed)
     n_groups, size = int(g.integers(1, 7)), int(g.integers(2, 9))
     kind = int(g.integers(0, 4))
     rewards = []
     for _ in range(n_groups):
         k = kind if kind < 3 else int(g.integers(0, 3))
-        if k == 0: r = g.integers(0, 2, size).astype(float)
-        elif k == 1: r = g.normal(0, 2, size)
-        else: r = np.full(size, float(g.choice([0.0, 1.0, 0.5, -1.0, g.normal()])))
+        if k == 0:
+            r = g.integers(0, 2, size).astype(float)
+        elif k == 1:
+            r = g.normal(0, 2, size)
+        else:
+            r = np.full(size, float(g.choice([0.0, 1.0, 0.5, -1.0, g.normal()])))
         rewards.append(r)
     order = g.permutation(n_groups * size)
     rows = [(int(i // size), float(rewards[i // size][i % size])) for i in order]
     L, trained = _lengths(g, len(rows))
-    return {'group_size': size, 'std_normalize': bool(seed % 2 == 0), 'eps': 1e-6, 'groups': [r[0] for r in rows],
-            'rewards': [r[1] for r in rows], 'L': L.tolist(), 'trained': trained.tolist()}
+    return {
+        'group_size': size,
+        'std_normalize': bool(seed % 2 == 0),
+        'eps': 1e-6,
+        'groups': [r[0] for r in rows],
+        'rewards': [r[1] for r in rows],
+        'L': L.tolist(),
+        'trained': trained.tolist(),
+    }
 
-def _as(x: float, dt: str) -> float: return float(np.float32(x)) if dt == 'fp32' else float(x)
+# %% ../nbs/18d_loss_parity.ipynb #49c36c06
+def _as(x: float, dt: str) -> float:
+    return float(np.float32(x)) if dt == 'fp32' else float(x)
 
+# %% ../nbs/18d_loss_parity.ipynb #007908a0
 def ours_grpo_advantage(d: dict, dt: str) -> dict:
-    trajs = [Trajectory(f't{i}', f'e{gi}', gi, i, turns=[_turn(L, [1] * t + [0] * (L - t))], reward=_as(r, dt))
-             for i, (gi, r, L, t) in enumerate(zip(d['groups'], d['rewards'], d['L'], d['trained']))]
-    adv, _ = group_advantages(trajs, d['group_size'], std_normalize=d['std_normalize'], eps=d['eps'])
+    trajs = [
+        Trajectory(
+            f't{i}', f'e{gi}', gi, i, turns=[_turn(L, [1] * t + [0] * (L - t))], reward=_as(r, dt)
+        )
+        for i, (gi, r, L, t) in enumerate(zip(d['groups'], d['rewards'], d['L'], d['trained']))
+    ]
+    adv, _ = group_advantages(
+        trajs, d['group_size'], std_normalize=d['std_normalize'], eps=d['eps']
+    )
     m = _mask(d['L'], d['trained'], max(d['L']))
     return {'advantages': (np.array(adv)[:, None] * m).tolist()}
 
+# %% ../nbs/18d_loss_parity.ipynb #fd9a4297
 def verl_grpo_advantage(V, d: dict, dt: str) -> dict:
     t = DTYPES[dt]
     m = torch.tensor(_mask(d['L'], d['trained'], max(d['L'])), dtype=t)
-    rew = torch.zeros_like(m); rew[:, 0] = torch.tensor([_as(r, dt) for r in d['rewards']], dtype=t)
-    adv, _ = V.core.compute_grpo_outcome_advantage(rew, m, np.array([f'g{gi}' for gi in d['groups']], dtype=object),
-                                                   epsilon=d['eps'], norm_adv_by_std_in_grpo=d['std_normalize'])
+    rew = torch.zeros_like(m)
+    rew[:, 0] = torch.tensor([_as(r, dt) for r in d['rewards']], dtype=t)
+    adv, _ = V.core.compute_grpo_outcome_advantage(
+        rew,
+        m,
+        np.array([f'g{gi}' for gi in d['groups']], dtype=object),
+        epsilon=d['eps'],
+        norm_adv_by_std_in_grpo=d['std_normalize'],
+    )
     return {'advantages': adv.tolist()}
 
+# %% ../nbs/18d_loss_parity.ipynb #21b4eea9
 def _zero_variance_check(d, ours, up) -> dict:
-    "D13 in fp32: rows of all-equal groups are 0 on our side; verl's are within |r| 2^-20 / eps (its fp32 mean a few ulps off r)."
-    rows = [i for i, g in enumerate(d['groups']) if len({_as(r, 'fp32') for gg, r in zip(d['groups'], d['rewards']) if gg == g}) == 1]
-    ok = isinstance(up, list) and len(up) == len(ours) and all(len(up[i]) == len(ours[i]) for i in rows)
-    ok = ok and all(v == 0.0 for i in rows for v in ours[i]) and all(
-        isinstance(v, float) and abs(v) <= abs(_as(d['rewards'][i], 'fp32')) * 2 ** -20 / d['eps'] for i in rows for v in up[i])
+    """D13 in fp32: rows of all-equal groups are 0 on our side; verl's are within |r| 2^-20 / eps
+    (its fp32 mean a few ulps off r)."""
+    rows = [
+        i
+        for i, g in enumerate(d['groups'])
+        if len({_as(r, 'fp32') for gg, r in zip(d['groups'], d['rewards']) if gg == g}) == 1
+    ]
+    ok = (
+        isinstance(up, list)
+        and len(up) == len(ours)
+        and all(len(up[i]) == len(ours[i]) for i in rows)
+    )
+    ok = (
+        ok
+        and all(v == 0.0 for i in rows for v in ours[i])
+        and all(
+            isinstance(v, float) and abs(v) <= abs(_as(d['rewards'][i], 'fp32')) * 2**-20 / d['eps']
+            for i in rows
+            for v in up[i]
+        )
+    )
     return {'check': 'advantages_zero_variance_groups', 'agree': bool(ok), 'via': ['D13']}, rows
 
+# %% ../nbs/18d_loss_parity.ipynb #92189dd7
 def checks_grpo_advantage(d, ours, up, dt):
     via = ['D3'] if 0 in d['trained'] else []
     o, u = ours['advantages'], up.get('advantages')
-    if dt != 'fp32' or not d['std_normalize']: return [_check('advantages', o, u, dt, via)]
+    if dt != 'fp32' or not d['std_normalize']:
+        return [_check('advantages', o, u, dt, via)]
     zc, rows = _zero_variance_check(d, o, u)
-    if not rows: return [_check('advantages', o, u, dt, via)]
+    if not rows:
+        return [_check('advantages', o, u, dt, via)]
     keep = [i for i in range(len(o)) if i not in rows]
-    if not isinstance(u, list) or len(u) != len(o): return [_check('advantages', o, u, dt, via), zc]
-    return ([_check('advantages', [o[i] for i in keep], [u[i] for i in keep], dt, via)] if keep else []) + [zc]
+    if not isinstance(u, list) or len(u) != len(o):
+        return [_check('advantages', o, u, dt, via), zc]
+    return (
+        [_check('advantages', [o[i] for i in keep], [u[i] for i in keep], dt, via)] if keep else []
+    ) + [zc]
 
 # %% ../nbs/18d_loss_parity.ipynb #38486014
 def draw_policy_loss(seed: int) -> dict:
-    "Groups of multi-turn trajectories in 1-3 mini-batches (the first at ratio 1), asymmetric clip, dual clip on or off, both aggregations."
+    """Groups of multi-turn trajectories in 1-3 mini-batches (the first at ratio 1), asymmetric
+    clip, dual clip on or off, both aggregations."""
     g = _rng('policy_loss', seed)
     n_groups, size, M = int(g.integers(1, 5)), int(g.integers(2, 5)), 1 + (seed // 4) % 3
     trajs = []
@@ -273,56 +473,107 @@ def draw_policy_loss(seed: int) -> dict:
                 turns.append(lm.tolist())
             trajs.append({'group': gi, 'advantage': a, 'turns': turns})
     agg = ('token_mean', 'trajectory')[seed % 2]
-    if agg == 'token_mean':      # D11: a mini-batch with rows holds a trained token
+    if agg == 'token_mean':  # D11: a mini-batch with rows holds a trained token
         for j in range(M):
             tj = [t for t in trajs if t['group'] % M == j]
-            if tj and not any(sum(lm) for t in tj for lm in t['turns']): tj[0]['turns'][0][0] = 1
+            if tj and not any(sum(lm) for t in tj for lm in t['turns']):
+                tj[0]['turns'][0][0] = 1
     R, W = sum(len(t['turns']) for t in trajs), max(len(lm) for t in trajs for lm in t['turns'])
     lr = _log_ratio(g, (R, W))
     row_mb = [t['group'] % M for t in trajs for _ in t['turns']]
-    if M > 1: lr[[i for i, j in enumerate(row_mb) if j == 0]] = 0.0
+    if M > 1:
+        lr[[i for i, j in enumerate(row_mb) if j == 0]] = 0.0
     logp = _logp(g, (R, W))
-    return {'trajs': trajs, 'mini_batches': M, 'agg': agg, 'credit': ('split', 'share')[(seed // 12) % 2],
-            'clip_low': float(g.uniform(0.05, 0.35)), 'clip_high': float(g.uniform(0.05, 0.45)),
-            'dual_clip': float(g.uniform(1.5, 5.0)) if (seed // 2) % 2 else None,
-            'logp': logp.tolist(), 'old_logp': (logp - lr).tolist()}
+    return {
+        'trajs': trajs,
+        'mini_batches': M,
+        'agg': agg,
+        'credit': ('split', 'share')[(seed // 12) % 2],
+        'clip_low': float(g.uniform(0.05, 0.35)),
+        'clip_high': float(g.uniform(0.05, 0.45)),
+        'dual_clip': float(g.uniform(1.5, 5.0)) if (seed // 2) % 2 else None,
+        'logp': logp.tolist(),
+        'old_logp': (logp - lr).tolist(),
+    }
 
+# %% ../nbs/18d_loss_parity.ipynb #14c81402
 def _policy_rows(d: dict):
-    "The kit's rows (credit and weight from memagent.credit) and, per mini-batch, the row indices and trajectories."
-    trajs = [Trajectory(f't{i}', f'e{t["group"]}', t['group'], i, turns=[_turn(len(lm), lm) for lm in t['turns']], reward=0.0)
-             for i, t in enumerate(d['trajs'])]
+    """The kit's rows (credit and weight from memagent.credit) and, per mini-batch, the row indices
+    and trajectories."""
+    trajs = [
+        Trajectory(
+            f't{i}',
+            f'e{t["group"]}',
+            t['group'],
+            i,
+            turns=[_turn(len(lm), lm) for lm in t['turns']],
+            reward=0.0,
+        )
+        for i, t in enumerate(d['trajs'])
+    ]
     for tr in trajs:
-        for k, u in enumerate(tr.turns): u.turn_index = k
-    rows = expand_rows(trajs, [t['advantage'] for t in d['trajs']], d['credit'], d['agg'], d['mini_batches'])
+        for k, u in enumerate(tr.turns):
+            u.turn_index = k
+    rows = expand_rows(
+        trajs, [t['advantage'] for t in d['trajs']], d['credit'], d['agg'], d['mini_batches']
+    )
     mbs = {}
-    for i, r in enumerate(rows): mbs.setdefault(mini_batch_of(r.group_index, d['mini_batches']), []).append(i)
+    for i, r in enumerate(rows):
+        mbs.setdefault(mini_batch_of(r.group_index, d['mini_batches']), []).append(i)
     return rows, {j: mbs[j] for j in sorted(mbs)}
 
+# %% ../nbs/18d_loss_parity.ipynb #62b7b05c
 def _policy_tensors(d, rows, idx, dt):
     t = DTYPES[dt]
     W = max(len(rows[i].loss_mask) for i in idx)
     m = torch.tensor([rows[i].loss_mask + [0] * (W - len(rows[i].loss_mask)) for i in idx], dtype=t)
-    lp = torch.tensor(d['logp'], dtype=t)[idx, :W]; old = torch.tensor(d['old_logp'], dtype=t)[idx, :W]
-    return lp, old, m, torch.tensor([rows[i].credit for i in idx], dtype=t), torch.tensor([rows[i].weight for i in idx], dtype=t)
+    lp = torch.tensor(d['logp'], dtype=t)[idx, :W]
+    old = torch.tensor(d['old_logp'], dtype=t)[idx, :W]
+    return (
+        lp,
+        old,
+        m,
+        torch.tensor([rows[i].credit for i in idx], dtype=t),
+        torch.tensor([rows[i].weight for i in idx], dtype=t),
+    )
 
+# %% ../nbs/18d_loss_parity.ipynb #2b0f32d4
 def ours_policy_loss(d: dict, dt: str) -> dict:
     rows, mbs = _policy_rows(d)
-    cfg = LossCfg(clip_low=d['clip_low'], clip_high=d['clip_high'], dual_clip=d['dual_clip'], kl_type='none', agg=d['agg'])
+    cfg = LossCfg(
+        clip_low=d['clip_low'],
+        clip_high=d['clip_high'],
+        dual_clip=d['dual_clip'],
+        kl_type='none',
+        agg=d['agg'],
+    )
     out = {}
     for j, idx in mbs.items():
         lp, old, m, c, w = _policy_tensors(d, rows, idx, dt)
         lp.requires_grad_()
         loss, met = policy_loss(lp, old, c, m, w, cfg=cfg)
         loss.backward()
-        out[str(j)] = {'loss': loss.item(), 'grad': lp.grad.tolist(), 'clip_frac': met['clip_frac'], 'dual_clip_frac': met['dual_clip_frac']}
+        out[str(j)] = {
+            'loss': loss.item(),
+            'grad': lp.grad.tolist(),
+            'clip_frac': met['clip_frac'],
+            'dual_clip_frac': met['dual_clip_frac'],
+        }
     return out
 
 # %% ../nbs/18d_loss_parity.ipynb #a0617f94
 def verl_actor_config(d: dict, n_traj: int) -> VerlConfig:
-    "verl's actor config for a policy case: the fields of `VERL_CONFIG_FIELDS`, set from the case (D4, D6)."
+    """verl's actor config for a policy case: the fields of `VERL_CONFIG_FIELDS`, set from the case
+    (D4, D6)."""
     info = {} if d['agg'] == 'token_mean' else {'global_batch_size': n_traj}
-    return VerlConfig(clip_ratio=d['clip_low'], clip_ratio_low=d['clip_low'], clip_ratio_high=d['clip_high'],
-                      clip_ratio_c=d['dual_clip'] if d['dual_clip'] is not None else math.inf, global_batch_info=info)
+    return VerlConfig(
+        clip_ratio=d['clip_low'],
+        clip_ratio_low=d['clip_low'],
+        clip_ratio_high=d['clip_high'],
+        clip_ratio_c=d['dual_clip'] if d['dual_clip'] is not None else math.inf,
+        global_batch_info=info,
+    )
+
 
 def verl_policy_loss(V, d: dict, dt: str) -> dict:
     rows, mbs = _policy_rows(d)
@@ -334,9 +585,14 @@ def verl_policy_loss(V, d: dict, dt: str) -> dict:
         mode = 'token-mean' if d['agg'] == 'token_mean' else 'seq-mean-token-mean'
         loss, met = V.core.compute_policy_loss_vanilla(old, lp, c[:, None] * m, m, mode, cfg)
         loss.backward()
-        out[str(j)] = {'loss': loss.item(), 'grad': lp.grad.tolist(), 'clip_frac': met['actor/pg_clipfrac'],
-                       'dual_clip_frac': met['actor/pg_clipfrac_lower']}
+        out[str(j)] = {
+            'loss': loss.item(),
+            'grad': lp.grad.tolist(),
+            'clip_frac': met['actor/pg_clipfrac'],
+            'dual_clip_frac': met['actor/pg_clipfrac_lower'],
+        }
     return out
+
 
 def checks_policy_loss(d, ours, up, dt):
     agg = ['D4', 'D5'] if d['agg'] == 'trajectory' else []
@@ -344,24 +600,43 @@ def checks_policy_loss(d, ours, up, dt):
     out = []
     for j in sorted(set(ours) | set(up)):
         o, u = ours.get(j, {}), up.get(j, {})
-        for k, via in (('loss', agg + dual), ('grad', agg + dual), ('clip_frac', ['D5'] + dual), ('dual_clip_frac', ['D5'] + dual)):
+        for k, via in (
+            ('loss', agg + dual),
+            ('grad', agg + dual),
+            ('clip_frac', ['D5'] + dual),
+            ('dual_clip_frac', ['D5'] + dual),
+        ):
             out.append(_check(f'mini_batch_{j}.{k}', o.get(k), u.get(k), dt, via))
     return out
 
 # %% ../nbs/18d_loss_parity.ipynb #3cf116d2
-KL_KINDS = ('k1', 'k2', 'k3', 'low_var_kl', 'kl', 'mse')       # verl's names; kl and mse are the kit's k1 and k2 (D8)
+KL_KINDS = (
+    'k1',
+    'k2',
+    'k3',
+    'low_var_kl',
+    'kl',
+    'mse',
+)  # verl's names; kl and mse are the kit's k1 and k2 (D8)
 KIT_KL = {'kl': 'k1', 'mse': 'k2'}
 
+
 def draw_kl(seed: int) -> dict:
-    "Log-probs and a reference mostly close, some equal, some 20 to 120 nats apart; a weight per token for the gradient."
+    """Log-probs and a reference mostly close, some equal, some 20 to 120 nats apart; a weight per
+    token for the gradient."""
     g = _rng('kl', seed)
     R, L = int(g.integers(1, 7)), int(g.integers(1, 11))
     lp = _logp(g, (R, L))
     d = g.normal(0, 1.0, (R, L))
     d = np.where(g.random((R, L)) < 0.1, 0.0, d)
     d = np.where(g.random((R, L)) < 0.12, g.uniform(20, 120, (R, L)) * g.choice([-1, 1], (R, L)), d)
-    return {'kind': KL_KINDS[seed % len(KL_KINDS)], 'logp': lp.tolist(), 'ref_logp': (lp + d).tolist(),
-            'weights': g.normal(0, 1, (R, L)).tolist()}
+    return {
+        'kind': KL_KINDS[seed % len(KL_KINDS)],
+        'logp': lp.tolist(),
+        'ref_logp': (lp + d).tolist(),
+        'weights': g.normal(0, 1, (R, L)).tolist(),
+    }
+
 
 def _kl_grad(fn, d, dt):
     t = DTYPES[dt]
@@ -370,97 +645,196 @@ def _kl_grad(fn, d, dt):
     (kl * torch.tensor(d['weights'], dtype=t)).sum().backward()
     return {'value': kl.tolist(), 'grad': lp.grad.tolist()}
 
+
 def ours_kl(d: dict, dt: str) -> dict:
     kind = KIT_KL.get(d['kind'], d['kind'])
-    return _kl_grad(lambda a, b: kl_penalty(a, b, kind, clamp=None if kind in ('k1', 'k2') else 10.0), d, dt)
+    return _kl_grad(
+        lambda a, b: kl_penalty(a, b, kind, clamp=None if kind in ('k1', 'k2') else 10.0), d, dt
+    )
 
-def verl_kl(V, d: dict, dt: str) -> dict: return _kl_grad(lambda a, b: V.core.kl_penalty(a, b, d['kind']), d, dt)
+
+def verl_kl(V, d: dict, dt: str) -> dict:
+    return _kl_grad(lambda a, b: V.core.kl_penalty(a, b, d['kind']), d, dt)
+
 
 def checks_kl(d, ours, up, dt):
-    via = (['D7'] if KIT_KL.get(d['kind'], d['kind']) in ('k1', 'k2') else []) + (['D8'] if d['kind'] in KIT_KL else [])
+    via = (['D7'] if KIT_KL.get(d['kind'], d['kind']) in ('k1', 'k2') else []) + (
+        ['D8'] if d['kind'] in KIT_KL else []
+    )
     return [_check(k, ours[k], up[k], dt, via) for k in ('value', 'grad')]
 
 # %% ../nbs/18d_loss_parity.ipynb #f34c6646
 TIS_CAPS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
+
 def draw_tis(seed: int) -> dict:
-    "Old and rollout log-probs mostly close, some equal (the equality case at cap 1), some 21 to 40 nats apart; rows with no trained token."
+    """Old and rollout log-probs mostly close, some equal (the equality case at cap 1), some 21 to
+    40 nats apart; rows with no trained token."""
     g = _rng('tis', seed)
     R, W = int(g.integers(1, 7)), int(g.integers(1, 11))
     L, trained = _lengths(g, R, 1, W)
-    if not trained.any(): trained[0] = L[0]
+    if not trained.any():
+        trained[0] = L[0]
     old = _logp(g, (R, W))
-    return {'cap': TIS_CAPS[seed % len(TIS_CAPS)], 'L': L.tolist(), 'trained': trained.tolist(), 'W': W,
-            'old_logp': old.tolist(), 'rollout_logp': (old - _log_ratio(g, (R, W), 0.1)).tolist()}
+    return {
+        'cap': TIS_CAPS[seed % len(TIS_CAPS)],
+        'L': L.tolist(),
+        'trained': trained.tolist(),
+        'W': W,
+        'old_logp': old.tolist(),
+        'rollout_logp': (old - _log_ratio(g, (R, W), 0.1)).tolist(),
+    }
+
 
 def _tis_tensors(d, dt):
     t = DTYPES[dt]
-    return (torch.tensor(d['old_logp'], dtype=t), torch.tensor(d['rollout_logp'], dtype=t),
-            torch.tensor(_mask(d['L'], d['trained'], d['W']), dtype=t))
+    return (
+        torch.tensor(d['old_logp'], dtype=t),
+        torch.tensor(d['rollout_logp'], dtype=t),
+        torch.tensor(_mask(d['L'], d['trained'], d['W']), dtype=t),
+    )
+
 
 def ours_tis(d: dict, dt: str) -> dict:
     old, roll, m = _tis_tensors(d, dt)
     w = tis_weights(old, roll, d['cap'])
-    _, met = policy_loss(old, old, torch.ones(len(old), dtype=old.dtype), m, torch.ones(len(old), dtype=old.dtype),
-                         cfg=LossCfg(kl_type='none', tis_cap=d['cap']), rollout_logp=roll)
+    _, met = policy_loss(
+        old,
+        old,
+        torch.ones(len(old), dtype=old.dtype),
+        m,
+        torch.ones(len(old), dtype=old.dtype),
+        cfg=LossCfg(kl_type='none', tis_cap=d['cap']),
+        rollout_logp=roll,
+    )
     return {'weights': w[m.bool()].tolist(), 'capped_frac': met['tis_capped_frac']}
+
 
 def verl_tis(V, d: dict, dt: str) -> dict:
     old, roll, m = _tis_tensors(d, dt)
-    w, met = V.corr.compute_rollout_correction_weights(old - roll, m, rollout_is='token', rollout_is_threshold=d['cap'])
+    w, met = V.corr.compute_rollout_correction_weights(
+        old - roll, m, rollout_is='token', rollout_is_threshold=d['cap']
+    )
     return {'weights': w[m.bool()].tolist(), 'capped_frac': met['rollout_is_ratio_fraction_high']}
 
+
 def checks_tis(d, ours, up, dt):
-    return [_check('weights', ours['weights'], up['weights'], dt, ['D9']), _check('capped_frac', ours['capped_frac'], up['capped_frac'], dt, ['D5'])]
+    return [
+        _check('weights', ours['weights'], up['weights'], dt, ['D9']),
+        _check('capped_frac', ours['capped_frac'], up['capped_frac'], dt, ['D5']),
+    ]
 
 # %% ../nbs/18d_loss_parity.ipynb #23d026cc
 def _flat_nums(x) -> list:
-    if isinstance(x, (list, tuple)): return [v for e in x for v in _flat_nums(e)]
+    if isinstance(x, (list, tuple)):
+        return [v for e in x for v in _flat_nums(e)]
     return [x]
 
+# %% ../nbs/18d_loss_parity.ipynb #2ddad244
 def _shape(x):
-    return [len(x), *(_shape(x[0]) if x and isinstance(x[0], list) else [])] if isinstance(x, list) else []
+    return (
+        [len(x), *(_shape(x[0]) if x and isinstance(x[0], list) else [])]
+        if isinstance(x, list)
+        else []
+    )
 
+# %% ../nbs/18d_loss_parity.ipynb #56fbfbaa
 def _check(name: str, ours, up, dt: str, via=()) -> dict:
-    "One comparison: same shape, every value finite and within the tolerance of `dt` (relative to the largest magnitude of ours); `via`: the documented differences it is compared under."
+    """One comparison: same shape, every value finite and within the tolerance of `dt` (relative to
+    the largest magnitude of ours); `via`: the documented differences it is compared under."""
     rel, atol = TOL[dt]
-    if 'D5' in via: rel = max(rel, EPS_REL)
+    if 'D5' in via:
+        rel = max(rel, EPS_REL)
     a, b = _flat_nums(ours), _flat_nums(up)
     ok = ours is not None and up is not None and _shape(ours) == _shape(up) and len(a) == len(b)
-    ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in a + b)
+    ok = ok and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in a + b
+    )
     if ok:
         scale = max([1.0, *map(abs, a)])
         ok = all(abs(x - y) <= atol + rel * scale for x, y in zip(a, b))
     return {'check': name, 'agree': bool(ok), 'via': list(via)}
 
-DRAW = {'grpo_advantage': draw_grpo_advantage, 'policy_loss': draw_policy_loss, 'kl': draw_kl, 'tis': draw_tis}
-OURS = {'grpo_advantage': ours_grpo_advantage, 'policy_loss': ours_policy_loss, 'kl': ours_kl, 'tis': ours_tis}
-VERL = {'grpo_advantage': verl_grpo_advantage, 'policy_loss': verl_policy_loss, 'kl': verl_kl, 'tis': verl_tis}
-CHECKS = {'grpo_advantage': checks_grpo_advantage, 'policy_loss': checks_policy_loss, 'kl': checks_kl, 'tis': checks_tis}
-FAMILY_DIFFERENCES = {'grpo_advantage': ['D1', 'D2', 'D3', 'D13'], 'policy_loss': ['D4', 'D5', 'D6', 'D10', 'D11', 'D12'],
-                      'kl': ['D7', 'D8'], 'tis': ['D5', 'D9', 'D10']}
-WHAT = {'grpo_advantage': 'core_algos.compute_grpo_outcome_advantage vs memagent.credit.group_advantages, std normalisation on and off',
-        'policy_loss': 'core_algos.compute_policy_loss_vanilla (agg_loss inside) vs memagent.loss.policy_loss with memagent.credit weights: '
-                       'loss, gradient, clip and dual-clip fractions per mini-batch',
-        'kl': 'core_algos.kl_penalty vs memagent.loss.kl_penalty: value and gradient',
-        'tis': 'rollout_corr_helper.compute_rollout_correction_weights (token level) vs memagent.loss.tis_weights and tis_capped_frac'}
+# %% ../nbs/18d_loss_parity.ipynb #1caab177
+DRAW = {
+    'grpo_advantage': draw_grpo_advantage,
+    'policy_loss': draw_policy_loss,
+    'kl': draw_kl,
+    'tis': draw_tis,
+}
+OURS = {
+    'grpo_advantage': ours_grpo_advantage,
+    'policy_loss': ours_policy_loss,
+    'kl': ours_kl,
+    'tis': ours_tis,
+}
+VERL = {
+    'grpo_advantage': verl_grpo_advantage,
+    'policy_loss': verl_policy_loss,
+    'kl': verl_kl,
+    'tis': verl_tis,
+}
+CHECKS = {
+    'grpo_advantage': checks_grpo_advantage,
+    'policy_loss': checks_policy_loss,
+    'kl': checks_kl,
+    'tis': checks_tis,
+}
+FAMILY_DIFFERENCES = {
+    'grpo_advantage': ['D1', 'D2', 'D3', 'D13'],
+    'policy_loss': ['D4', 'D5', 'D6', 'D10', 'D11', 'D12'],
+    'kl': ['D7', 'D8'],
+    'tis': ['D5', 'D9', 'D10'],
+}
+WHAT = {
+    'grpo_advantage': (
+        'core_algos.compute_grpo_outcome_advantage vs memagent.credit.group_advantages, std '
+        'normalisation on and off'
+    ),
+    'policy_loss': (
+        'core_algos.compute_policy_loss_vanilla (agg_loss inside) vs memagent.loss.policy_loss '
+        'with memagent.credit weights: '
+        'loss, gradient, clip and dual-clip fractions per mini-batch'
+    ),
+    'kl': 'core_algos.kl_penalty vs memagent.loss.kl_penalty: value and gradient',
+    'tis': (
+        'rollout_corr_helper.compute_rollout_correction_weights (token level) vs '
+        'memagent.loss.tis_weights and tis_capped_frac'
+    ),
+}
+
 
 @functools.lru_cache(maxsize=None)
 def _case(family: str, seed: int, dt: str):
-    "A case's inputs and our outputs, computed once per process (they depend on the code and the seed only)."
+    """A case's inputs and our outputs, computed once per process (they depend on the code and the
+    seed only)."""
     d = DRAW[family](seed)
     return d, OURS[family](d, dt)
 
+# %% ../nbs/18d_loss_parity.ipynb #9848d40b
 def case_checks(family: str, seed: int, dt: str, upstream: dict) -> list[dict]:
-    "Regenerate the case's inputs from its seed, compute our side now and compare it with the recorded verl outputs."
+    """Regenerate the case's inputs from its seed, compute our side now and compare it with the
+    recorded verl outputs."""
     d, ours = _case(family, seed, dt)
     return CHECKS[family](d, ours, upstream, dt)
 
+# %% ../nbs/18d_loss_parity.ipynb #43631bd2
 def _summary(family: str, results) -> dict:
-    "Counts of one family: cases, checks, agreed, agreed under a documented difference, and each disagreement."
+    """Counts of one family: cases, checks, agreed, agreed under a documented difference, and each
+    disagreement."""
     checks = [(s, dt, c) for s, dt, cs in results for c in cs]
-    return {'cases': len(results), 'seeds': len({s for s, _, _ in results}), 'dtypes': sorted({dt for _, dt, _ in results}),
-            'checks': len(checks), 'agreed': sum(c['agree'] for _, _, c in checks),
-            'agreed_under_documented_difference': sum(c['agree'] and bool(c['via']) for _, _, c in checks),
-            'undocumented_differences': [{'seed': s, 'dtype': dt, 'check': c['check']} for s, dt, c in checks if not c['agree']],
-            'documented_differences': FAMILY_DIFFERENCES[family], 'compares': WHAT[family]}
+    return {
+        'cases': len(results),
+        'seeds': len({s for s, _, _ in results}),
+        'dtypes': sorted({dt for _, dt, _ in results}),
+        'checks': len(checks),
+        'agreed': sum(c['agree'] for _, _, c in checks),
+        'agreed_under_documented_difference': sum(
+            c['agree'] and bool(c['via']) for _, _, c in checks
+        ),
+        'undocumented_differences': [
+            {'seed': s, 'dtype': dt, 'check': c['check']} for s, dt, c in checks if not c['agree']
+        ],
+        'documented_differences': FAMILY_DIFFERENCES[family],
+        'compares': WHAT[family],
+    }

@@ -6,12 +6,38 @@
 from __future__ import annotations
 import gzip, json, math
 from pathlib import Path
-from .audit import origin_problems, field_problems, environment_problems, wrong_shape, _environment, _short
+from memagent.audit import (
+    origin_problems,
+    field_problems,
+    environment_problems,
+    wrong_shape,
+    _environment,
+    _short,
+)
 from .provenance import sha256_file, provenance_problems
 from .files import FileError, read_json
-from .lossparity import (DIFFERENCES, TOL, EPS_REL, MIN_SEEDS, FAMILIES, DTYPES, DRAW, OURS, VERL, CHECKS, STAND_INS,
-                                 VERL_CONFIG_FIELDS, VERL_REPOSITORY, VERL_REVISION, VERL_FILES, VerificationError, check_verl,
-                                 load_verl, case_checks, _summary)
+from memagent.lossparity import (
+    DIFFERENCES,
+    TOL,
+    EPS_REL,
+    MIN_SEEDS,
+    FAMILIES,
+    DTYPES,
+    DRAW,
+    OURS,
+    VERL,
+    CHECKS,
+    STAND_INS,
+    VERL_CONFIG_FIELDS,
+    VERL_REPOSITORY,
+    VERL_REVISION,
+    VERL_FILES,
+    VerificationError,
+    check_verl,
+    load_verl,
+    case_checks,
+    _summary,
+)
 
 # %% auto #0
 __all__ = ['RECEIPT_SCHEMA', 'REPORT_DIR', 'CASES_FILE', 'MEANING', 'RECEIPT_FIELDS', 'differences_json', 'tolerance_json',
@@ -21,31 +47,67 @@ __all__ = ['RECEIPT_SCHEMA', 'REPORT_DIR', 'CASES_FILE', 'MEANING', 'RECEIPT_FIE
 RECEIPT_SCHEMA = 'memagent.lossparity.receipt/1'
 REPORT_DIR = 'reports/loss_parity'
 CASES_FILE = 'cases.jsonl.gz'
-MEANING = ("passed = on every seeded case of every family, verl's functions at the pinned commit and this project's gave the same "
-           'outputs within the stated tolerance, directly or under a documented difference; failed = some did not, each listed; '
-           'it says nothing about which choice is better')
-RECEIPT_FIELDS = ('schema', 'status', 'meaning', 'upstream', 'stand_ins', 'config_fields', 'differences', 'tolerance', 'fuzz',
-                  'families', 'environment', 'provenance')
+MEANING = (
+    "passed = on every seeded case of every family, verl's functions at the pinned commit and "
+    "this project's gave the same "
+    'outputs within the stated tolerance, directly or under a documented difference; failed = '
+    'some did not, each listed; '
+    'it says nothing about which choice is better'
+)
+RECEIPT_FIELDS = (
+    'schema',
+    'status',
+    'meaning',
+    'upstream',
+    'stand_ins',
+    'config_fields',
+    'differences',
+    'tolerance',
+    'fuzz',
+    'families',
+    'environment',
+    'provenance',
+)
 
-def differences_json() -> dict: return {k: {'kit': a, 'compared': b} for k, (a, b) in DIFFERENCES.items()}
 
+def differences_json() -> dict:
+    return {k: {'kit': a, 'compared': b} for k, (a, b) in DIFFERENCES.items()}
+
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #e23a9091
 def tolerance_json() -> dict:
-    return {'rule': '|ours - verl| <= abs + rel x max(1, largest |ours| of the check), every value finite, the same shape',
-            **{dt: {'rel': r, 'abs': a} for dt, (r, a) in TOL.items()}, 'rel_under_D5': EPS_REL}
+    return {
+        'rule': (
+            '|ours - verl| <= abs + rel x max(1, largest |ours| of the check), every value '
+            'finite, the same shape'
+        ),
+        **{dt: {'rel': r, 'abs': a} for dt, (r, a) in TOL.items()},
+        'rel_under_D5': EPS_REL,
+    }
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #573e0640
 def _enc(x):
-    "JSON-safe outputs: a non-finite float as the string 'nan', 'inf' or '-inf' (which no check accepts)."
-    if isinstance(x, list): return [_enc(v) for v in x]
-    if isinstance(x, dict): return {k: _enc(v) for k, v in x.items()}
+    """JSON-safe outputs: a non-finite float as the string 'nan', 'inf' or '-inf' (which no check
+    accepts)."""
+    if isinstance(x, list):
+        return [_enc(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _enc(v) for k, v in x.items()}
     return x if not isinstance(x, float) or math.isfinite(x) else repr(x)
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #fe670bc3
 def receipt_status(unchanged, families: dict) -> str:
-    "`source_changed` if the checkout changed during the run; `passed` when no family has an undocumented difference; else `failed`."
-    if unchanged is not True: return 'source_changed'
-    return 'passed' if all(not f['undocumented_differences'] for f in families.values()) else 'failed'
+    """`source_changed` if the checkout changed during the run; `passed` when no family has an
+    undocumented difference; else `failed`."""
+    if unchanged is not True:
+        return 'source_changed'
+    return (
+        'passed' if all(not f['undocumented_differences'] for f in families.values()) else 'failed'
+    )
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #a61746a2
 def run_loss_parity(verl_dir, seeds: int = MIN_SEEDS) -> tuple[dict, list[dict]]:
-    "Check the checkout, run every family's seeded cases in fp32 and fp64 through verl and the kit; `(receipt, case lines)`."
+    """Check the checkout, run every family's seeded cases in fp32 and fp64 through verl and the
+    kit; `(receipt, case lines)`."""
     src = check_verl(verl_dir)
     V = load_verl(verl_dir)
     lines, families = [], {}
@@ -59,29 +121,54 @@ def run_loss_parity(verl_dir, seeds: int = MIN_SEEDS) -> tuple[dict, list[dict]]
                 res.append((seed, dt, CHECKS[fam](d, OURS[fam](d, dt), up, dt)))
         families[fam] = _summary(fam, res)
     upstream = {**src, 'unchanged_after_run': check_verl(verl_dir) == src}
-    rc = {'schema': RECEIPT_SCHEMA, 'status': receipt_status(upstream['unchanged_after_run'], families), 'meaning': MEANING,
-          'upstream': upstream, 'stand_ins': STAND_INS, 'config_fields': VERL_CONFIG_FIELDS, 'differences': differences_json(),
-          'tolerance': tolerance_json(),
-          'fuzz': {'seeds': seeds, 'dtypes': list(DTYPES), 'families': list(FAMILIES), 'cases': len(lines), 'cases_file': CASES_FILE,
-                   'cases_sha256': None, 'draws': 'memagent.lossparity.draw_<family>(seed): numpy default_rng([family index, seed])'},
-          'families': families, 'environment': _environment()}
+    rc = {
+        'schema': RECEIPT_SCHEMA,
+        'status': receipt_status(upstream['unchanged_after_run'], families),
+        'meaning': MEANING,
+        'upstream': upstream,
+        'stand_ins': STAND_INS,
+        'config_fields': VERL_CONFIG_FIELDS,
+        'differences': differences_json(),
+        'tolerance': tolerance_json(),
+        'fuzz': {
+            'seeds': seeds,
+            'dtypes': list(DTYPES),
+            'families': list(FAMILIES),
+            'cases': len(lines),
+            'cases_file': CASES_FILE,
+            'cases_sha256': None,
+            'draws': (
+                'memagent.lossparity.draw_<family>(seed): numpy default_rng([family index, seed])'
+            ),
+        },
+        'families': families,
+        'environment': _environment(),
+    }
     return rc, lines
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #dfcf08c3
 def write_cases(receipt: dict, lines, report_dir) -> Path:
-    "Write the case lines (verl's outputs) gzipped without a timestamp, and record their SHA-256 in the receipt."
-    p = Path(report_dir) / CASES_FILE; p.parent.mkdir(parents=True, exist_ok=True)
+    """Write the case lines (verl's outputs) gzipped without a timestamp, and record their SHA-256
+    in the receipt."""
+    p = Path(report_dir) / CASES_FILE
+    p.parent.mkdir(parents=True, exist_ok=True)
     with open(p, 'wb') as raw, gzip.GzipFile(fileobj=raw, mode='wb', mtime=0, filename='') as f:
-        for l in lines: f.write((json.dumps(l, separators=(',', ':')) + '\n').encode())
+        for l in lines:
+            f.write((json.dumps(l, separators=(',', ':')) + '\n').encode())
     receipt['fuzz']['cases_sha256'] = sha256_file(p)
     return p
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #c9ceb216
 def read_cases(path) -> list[dict]:
-    with gzip.open(path, 'rt') as f: return [json.loads(l) for l in f if l.strip()]
+    with gzip.open(path, 'rt') as f:
+        return [json.loads(l) for l in f if l.strip()]
 
 # %% ../nbs/18d_loss_parity_1_receipt.ipynb #994e57e2
 def write_receipt(receipt: dict, report_dir) -> Path:
-    "Write `receipt.json` and its rendering `README.md` (the README is a function of the receipt; `verify` checks it)."
-    d = Path(report_dir); d.mkdir(parents=True, exist_ok=True)
+    """Write `receipt.json` and its rendering `README.md` (the README is a function of the receipt;
+    `verify` checks it)."""
+    d = Path(report_dir)
+    d.mkdir(parents=True, exist_ok=True)
     (d / 'receipt.json').write_text(json.dumps(receipt, indent=1, ensure_ascii=False) + '\n')
     (d / 'README.md').write_text(render_readme(receipt))
     return d / 'receipt.json'
@@ -90,14 +177,30 @@ def write_receipt(receipt: dict, report_dir) -> Path:
 def render_readme(rc: dict) -> str:
     "The report a reader sees, rendered from the receipt alone."
     from memagent.report import md_table, provenance_md
+
     up, fz, fams = rc['upstream'], rc['fuzz'], rc['families']
     n_undoc = sum(len(f['undocumented_differences']) for f in fams.values())
-    rows = [{'family': f'`{k}`', 'compares': f['compares'], 'cases': f['cases'], 'checks': f['checks'], 'agreed': f['agreed'],
-             'agreed under a documented difference': f['agreed_under_documented_difference'],
-             'undocumented differences': len(f['undocumented_differences']), 'documented differences': ', '.join(f['documented_differences'])}
-            for k, f in fams.items()]
-    files = [{'file': f'`{p}`', 'commit': f"`{f['commit']}`", 'SHA-256': f"`{f['sha256']}`"} for p, f in up['files'].items()]
-    diffs = [{'id': k, 'the kit, on purpose': v['kit'], 'in the receipt': v['compared']} for k, v in rc['differences'].items()]
+    rows = [
+        {
+            'family': f'`{k}`',
+            'compares': f['compares'],
+            'cases': f['cases'],
+            'checks': f['checks'],
+            'agreed': f['agreed'],
+            'agreed under a documented difference': f['agreed_under_documented_difference'],
+            'undocumented differences': len(f['undocumented_differences']),
+            'documented differences': ', '.join(f['documented_differences']),
+        }
+        for k, f in fams.items()
+    ]
+    files = [
+        {'file': f'`{p}`', 'commit': f"`{f['commit']}`", 'SHA-256': f"`{f['sha256']}`"}
+        for p, f in up['files'].items()
+    ]
+    diffs = [
+        {'id': k, 'the kit, on purpose': v['kit'], 'in the receipt': v['compared']}
+        for k, v in rc['differences'].items()
+    ]
     bad = [{'family': k, **u} for k, f in fams.items() for u in f['undocumented_differences']]
     tol = rc['tolerance']
     return f"""# Loss parity: the kit's RL math against verl
@@ -141,58 +244,113 @@ Obtained from `{up['origin']}`; unchanged after the run: {up['unchanged_after_ru
 ## Provenance
 
 {provenance_md(rc['provenance']) if 'provenance' in rc else 'none recorded'}
-"""
+"""  # noqa: E501
 
 # %% ../nbs/18d_loss_parity_1_receipt.ipynb #abdcf147
-def _same(a, b) -> bool: return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+def _same(a, b) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #32ba80c9
 def _fixed_problems(rc: dict) -> list[str]:
-    "What no recomputation gives back, held to the code: schema, prose, pins, stand-ins, config fields, differences, tolerance, provenance."
+    """What no recomputation gives back, held to the code: schema, prose, pins, stand-ins, config
+    fields, differences, tolerance, provenance."""
     p = field_problems('receipt', rc, RECEIPT_FIELDS)
-    if rc.get('schema') != RECEIPT_SCHEMA: p.append(f"schema {rc.get('schema')!r} != {RECEIPT_SCHEMA!r}")
-    if rc.get('meaning') != MEANING: p.append(f"meaning: the receipt says {_short(rc.get('meaning'))}, the code writes {_short(MEANING)}")
+    if rc.get('schema') != RECEIPT_SCHEMA:
+        p.append(f"schema {rc.get('schema')!r} != {RECEIPT_SCHEMA!r}")
+    if rc.get('meaning') != MEANING:
+        p.append(
+            f"meaning: the receipt says {_short(rc.get('meaning'))}, the code writes "
+            f"{_short(MEANING)}"
+        )
     up = rc.get('upstream') if isinstance(rc.get('upstream'), dict) else {}
     p += [f'upstream: {x}' for x in origin_problems(up, VERL_REPOSITORY, VERL_REVISION, VERL_FILES)]
-    if up.get('unchanged_after_run') is not True: p.append(f"upstream: unchanged_after_run is {up.get('unchanged_after_run')!r}")
-    for key, want in (('stand_ins', STAND_INS), ('config_fields', VERL_CONFIG_FIELDS), ('differences', differences_json()),
-                      ('tolerance', tolerance_json())):
-        if not _same(rc.get(key), want): p.append(f'{key}: the receipt records {_short(rc.get(key))}, the code has {_short(want)}')
+    if up.get('unchanged_after_run') is not True:
+        p.append(f"upstream: unchanged_after_run is {up.get('unchanged_after_run')!r}")
+    for key, want in (
+        ('stand_ins', STAND_INS),
+        ('config_fields', VERL_CONFIG_FIELDS),
+        ('differences', differences_json()),
+        ('tolerance', tolerance_json()),
+    ):
+        if not _same(rc.get(key), want):
+            p.append(
+                f'{key}: the receipt records {_short(rc.get(key))}, the code has {_short(want)}'
+            )
     p += environment_problems(rc.get('environment'))
     prov = rc.get('provenance')
     p += provenance_problems(prov)
     g = prov.get('git') if isinstance(prov, dict) and isinstance(prov.get('git'), dict) else {}
-    if g.get('dirty') is not False: p.append(f"provenance.git: dirty is {g.get('dirty')!r}: a committed receipt is rendered from a clean tree")
+    if g.get('dirty') is not False:
+        p.append(
+            f"provenance.git: dirty is {g.get('dirty')!r}: a committed receipt is rendered from a "
+            "clean tree"
+        )
     return p
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #da22ddd2
 def _cases_problems(rc: dict, report: Path) -> tuple[list[str], list[dict]]:
     fz = rc.get('fuzz') if isinstance(rc.get('fuzz'), dict) else {}
-    p = field_problems('fuzz', fz, ('seeds', 'dtypes', 'families', 'cases', 'cases_file', 'cases_sha256', 'draws'))
+    p = field_problems(
+        'fuzz', fz, ('seeds', 'dtypes', 'families', 'cases', 'cases_file', 'cases_sha256', 'draws')
+    )
     seeds = fz.get('seeds')
-    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < MIN_SEEDS: p.append(f'fuzz.seeds: {seeds!r}, at least {MIN_SEEDS} per family')
-    if fz.get('dtypes') != list(DTYPES) or fz.get('families') != list(FAMILIES) or fz.get('cases_file') != CASES_FILE:
-        p.append(f"fuzz: dtypes {fz.get('dtypes')!r}, families {fz.get('families')!r}, file {fz.get('cases_file')!r} are not the code's")
+    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < MIN_SEEDS:
+        p.append(f'fuzz.seeds: {seeds!r}, at least {MIN_SEEDS} per family')
+    if (
+        fz.get('dtypes') != list(DTYPES)
+        or fz.get('families') != list(FAMILIES)
+        or fz.get('cases_file') != CASES_FILE
+    ):
+        p.append(
+            f"fuzz: dtypes {fz.get('dtypes')!r}, families {fz.get('families')!r}, file "
+            f"{fz.get('cases_file')!r} are not the code's"
+        )
     path = report / CASES_FILE
-    if not path.is_file(): return p + [f'{path}: missing'], []
-    if (got := sha256_file(path)) != fz.get('cases_sha256'): p.append(f"{CASES_FILE}: SHA-256 {got}, the receipt records {fz.get('cases_sha256')}")
+    if not path.is_file():
+        return p + [f'{path}: missing'], []
+    if (got := sha256_file(path)) != fz.get('cases_sha256'):
+        p.append(f"{CASES_FILE}: SHA-256 {got}, the receipt records {fz.get('cases_sha256')}")
     lines = read_cases(path)
     keys = [(l.get('family'), l.get('seed'), l.get('dtype')) for l in lines]
-    want = [(f, s, dt) for f in FAMILIES for s in range(seeds if isinstance(seeds, int) else 0) for dt in DTYPES]
-    if keys != want: p.append(f'{CASES_FILE}: {len(keys)} cases, not one per family, seed and dtype in order ({len(want)} expected)')
-    if fz.get('cases') != len(lines): p.append(f"fuzz.cases: {fz.get('cases')!r}, the file holds {len(lines)}")
+    want = [
+        (f, s, dt)
+        for f in FAMILIES
+        for s in range(seeds if isinstance(seeds, int) else 0)
+        for dt in DTYPES
+    ]
+    if keys != want:
+        p.append(
+            f'{CASES_FILE}: {len(keys)} cases, not one per family, seed and dtype in order '
+            f'({len(want)} expected)'
+        )
+    if fz.get('cases') != len(lines):
+        p.append(f"fuzz.cases: {fz.get('cases')!r}, the file holds {len(lines)}")
     return p, lines
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #9b2f0399
 def verify(report_dir=None) -> dict:
-    "Re-check the receipt, its cases and its README against the current code, without the verl checkout; raise `VerificationError`."
+    """Re-check the receipt, its cases and its README against the current code, without the verl
+    checkout; raise `VerificationError`."""
     report = Path(report_dir) if report_dir else _repo_root() / REPORT_DIR
     path = report / 'receipt.json'
-    def unreadable(why):                                      # a receipt it cannot read: refused (a command exits 2), not failed
-        e = VerificationError([why]); e.bad_input = True; return e
-    if not path.is_file(): raise unreadable(f'{path}: missing')
-    try: rc = read_json(path)
-    except FileError as e: raise unreadable(str(e)) from None
-    if not isinstance(rc, dict): raise unreadable(f'{path}: not an object')
-    try: return _verify(rc, report)
-    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e: raise wrong_shape(path, VerificationError, e) from None
+
+    def unreadable(why):  # a receipt it cannot read: refused (a command exits 2), not failed
+        e = VerificationError([why])
+        e.bad_input = True
+        return e
+
+    if not path.is_file():
+        raise unreadable(f'{path}: missing')
+    try:
+        rc = read_json(path)
+    except FileError as e:
+        raise unreadable(str(e)) from None
+    if not isinstance(rc, dict):
+        raise unreadable(f'{path}: not an object')
+    try:
+        return _verify(rc, report)
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
+        raise wrong_shape(path, VerificationError, e) from None
 
 # %% ../nbs/18d_loss_parity_1_receipt.ipynb #123187ac
 def _verify(rc: dict, report: Path) -> dict:
@@ -201,28 +359,59 @@ def _verify(rc: dict, report: Path) -> dict:
     problems += p
     by_fam = {f: [] for f in FAMILIES}
     for l in lines:
-        if l.get('family') in by_fam: by_fam[l['family']].append((l['seed'], l['dtype'], case_checks(l['family'], l['seed'], l['dtype'], l['upstream'])))
+        if l.get('family') in by_fam:
+            by_fam[l['family']].append(
+                (
+                    l['seed'],
+                    l['dtype'],
+                    case_checks(l['family'], l['seed'], l['dtype'], l['upstream']),
+                )
+            )
     fresh = {f: _summary(f, r) for f, r in by_fam.items()}
     recorded = rc.get('families') if isinstance(rc.get('families'), dict) else {}
     for f in FAMILIES:
         r = recorded.get(f) if isinstance(recorded.get(f), dict) else {}
         for k, v in fresh[f].items():
-            if not _same(r.get(k), v): problems.append(f'families.{f}.{k}: the receipt records {_short(r.get(k))}, its cases give {_short(v)}')
-    problems += [f'families.{k}: not a family the code compares' for k in recorded if k not in FAMILIES]
+            if not _same(r.get(k), v):
+                problems.append(
+                    f'families.{f}.{k}: the receipt records {_short(r.get(k))}, its cases give '
+                    f'{_short(v)}'
+                )
+    problems += [
+        f'families.{k}: not a family the code compares' for k in recorded if k not in FAMILIES
+    ]
     status = receipt_status((rc.get('upstream') or {}).get('unchanged_after_run'), fresh)
-    if rc.get('status') != status: problems.append(f"status: the receipt says {rc.get('status')!r}, its cases give {status!r}")
+    if rc.get('status') != status:
+        problems.append(f"status: the receipt says {rc.get('status')!r}, its cases give {status!r}")
     readme = report / 'README.md'
-    if not readme.is_file(): problems.append(f'{readme}: missing')
+    if not readme.is_file():
+        problems.append(f'{readme}: missing')
     elif readme.read_text() != render_readme(rc):
         a, b = readme.read_text().splitlines(), render_readme(rc).splitlines()
         k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        problems.append(f'README.md is not the rendering of receipt.json: line {k + 1} reads {_short(a[k] if k < len(a) else None)}, '
-                        f'the rendering has {_short(b[k] if k < len(b) else None)}')
-    if problems: raise VerificationError(problems)
-    return {'status': 'verified', 'receipt_status': status, 'verl': f'{VERL_REPOSITORY}@{VERL_REVISION}', 'cases': len(lines),
-            'families': {f: {k: s[k] for k in ('cases', 'checks', 'agreed', 'agreed_under_documented_difference')} |
-                         {'undocumented_differences': len(s['undocumented_differences'])} for f, s in fresh.items()}}
+        problems.append(
+            f'README.md is not the rendering of receipt.json: line {k + 1} reads '
+            f'{_short(a[k] if k < len(a) else None)}, '
+            f'the rendering has {_short(b[k] if k < len(b) else None)}'
+        )
+    if problems:
+        raise VerificationError(problems)
+    return {
+        'status': 'verified',
+        'receipt_status': status,
+        'verl': f'{VERL_REPOSITORY}@{VERL_REVISION}',
+        'cases': len(lines),
+        'families': {
+            f: {
+                k: s[k] for k in ('cases', 'checks', 'agreed', 'agreed_under_documented_difference')
+            }
+            | {'undocumented_differences': len(s['undocumented_differences'])}
+            for f, s in fresh.items()
+        },
+    }
 
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #856179de
 def _repo_root() -> Path:
     from memagent.parity import repo_root
+
     return repo_root()

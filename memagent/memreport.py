@@ -14,20 +14,26 @@ __all__ = ['holds_answer', 'gold_chunks', 'retention', 'plot_retention', 'retent
 
 # %% ../nbs/17a_memreport.ipynb #e813ad51
 def holds_answer(text: str, answers) -> bool:
-    "Does `text` contain a gold alias (HotpotQA-normalized, word-bounded; the `answer_in_final` test)?"
+    """Does `text` contain a gold alias (HotpotQA-normalized, word-bounded; the `answer_in_final`
+    test)?"""
     from memagent.reward import normalize_answer, _contains_words
+
     t = normalize_answer(text or '')
     return any(g and _contains_words(t, g) for g in (normalize_answer(a) for a in answers))
 
+# %% ../nbs/17a_memreport.ipynb #e4ac19b4
 def _chunk_of_offset(chunk_texts, off: int) -> int | None:
     acc = 0
     for i, t in enumerate(chunk_texts):
         acc += len(t)
-        if off < acc: return i
+        if off < acc:
+            return i
     return None
 
+# %% ../nbs/17a_memreport.ipynb #57180d87
 def gold_chunks(example: dict, chunk_texts) -> list[int] | None:
-    "0-based chunks holding the evidence: `meta['needle_chunk']`, else the chunks where `Document i:` of `meta['gold_slots']` begins; None if unknown."
+    """0-based chunks holding the evidence: `meta['needle_chunk']`, else the chunks where `Document
+    i:` of `meta['gold_slots']` begins; None if unknown."""
     meta = example.get('meta') or {}
     if meta.get('needle_chunk') is not None:
         c = int(meta['needle_chunk'])
@@ -36,61 +42,112 @@ def gold_chunks(example: dict, chunk_texts) -> list[int] | None:
         text, out = ''.join(chunk_texts), set()
         for s in meta['gold_slots']:
             off = text.find(f'Document {s}:')
-            if off >= 0: out.add(_chunk_of_offset(chunk_texts, off))
+            if off >= 0:
+                out.add(_chunk_of_offset(chunk_texts, off))
         return sorted(out)
     return None
 
+# %% ../nbs/17a_memreport.ipynb #e9674260
 def retention(records, examples, chunks_of, success=lambda r: float(not r.get('error'))) -> dict:
-    "Per offset from the last gold chunk: [memories holding gold, memories]; per anchor chunk: [success sum, records]; skips by reason."
+    """Per offset from the last gold chunk: [memories holding gold, memories]; per anchor chunk:
+    [success sum, records]; skips by reason."""
     ex_by = {str(e['id']): e for e in examples}
     by_off, by_anchor, skipped, per = {}, {}, {}, []
     skip = lambda why: skipped.__setitem__(why, skipped.get(why, 0) + 1)
     cache = {}
     for r in records:
         ex = ex_by.get(str(r['id']))
-        if ex is None: raise KeyError(f"retention: record id {r['id']!r} is not among the examples")
-        if r.get('error'): skip('errored'); continue
+        if ex is None:
+            raise KeyError(f"retention: record id {r['id']!r} is not among the examples")
+        if r.get('error'):
+            skip('errored')
+            continue
         mems = r.get('memories') or []
-        if not mems: skip('no memories'); continue
-        if ex['id'] not in cache: cache[ex['id']] = gold_chunks(ex, chunks_of(ex))
+        if not mems:
+            skip('no memories')
+            continue
+        if ex['id'] not in cache:
+            cache[ex['id']] = gold_chunks(ex, chunks_of(ex))
         g = cache[ex['id']]
-        if g is None: skip('no gold position'); continue
-        if not g or max(g) >= len(mems): skip('gold chunk not read'); continue
+        if g is None:
+            skip('no gold position')
+            continue
+        if not g or max(g) >= len(mems):
+            skip('gold chunk not read')
+            continue
         a = max(g)
         held = [holds_answer(m, r['answers']) for m in mems[a:]]
         for d, h in enumerate(held):
-            c = by_off.setdefault(d, [0, 0]); c[0] += int(h); c[1] += 1
-        s = float(success(r)); c = by_anchor.setdefault(a, [0.0, 0]); c[0] += s; c[1] += 1
-        per.append({'id': str(r['id']), 'sample': r.get('sample', 0), 'anchor': a, 'turns': len(mems), 'held': held, 'success': s})
-    return {'by_offset': {d: by_off[d] for d in sorted(by_off)}, 'by_anchor': {a: by_anchor[a] for a in sorted(by_anchor)},
-            'skipped': skipped, 'records': per}
+            c = by_off.setdefault(d, [0, 0])
+            c[0] += int(h)
+            c[1] += 1
+        s = float(success(r))
+        c = by_anchor.setdefault(a, [0.0, 0])
+        c[0] += s
+        c[1] += 1
+        per.append(
+            {
+                'id': str(r['id']),
+                'sample': r.get('sample', 0),
+                'anchor': a,
+                'turns': len(mems),
+                'held': held,
+                'success': s,
+            }
+        )
+    return {
+        'by_offset': {d: by_off[d] for d in sorted(by_off)},
+        'by_anchor': {a: by_anchor[a] for a in sorted(by_anchor)},
+        'skipped': skipped,
+        'records': per,
+    }
 
 # %% ../nbs/17a_memreport.ipynb #10efc723
 def plot_retention(results: dict, path, title: str = 'what the memory holds') -> Path:
-    "Two panels for `{model: retention(...)}`: memory holds gold vs turns since the gold chunk; success by the gold chunk's position."
-    fig, ax = _figure(1, 2, size=(11, 4)); a1, a2 = ax[0]
+    """Two panels for `{model: retention(...)}`: memory holds gold vs turns since the gold chunk;
+    success by the gold chunk's position."""
+    fig, ax = _figure(1, 2, size=(11, 4))
+    a1, a2 = ax[0]
     names = list(results)
     for name, res in results.items():
-        xs = list(res['by_offset']); ys = [100 * h / n for h, n in res['by_offset'].values()]
+        xs = list(res['by_offset'])
+        ys = [100 * h / n for h, n in res['by_offset'].values()]
         a1.plot(xs, ys, marker='o', label=name)
-        for x, y, (_, n) in zip(xs, ys, res['by_offset'].values()): a1.annotate(f'n={n}', (x, y), fontsize=7, alpha=0.6)
-    a1.set_xlabel('turns since the (last) gold chunk was read'); a1.set_ylabel('memory holds the gold answer, %')
-    a1.set_ylim(-3, 103); a1.legend(); a1.grid(alpha=0.3)
+        for x, y, (_, n) in zip(xs, ys, res['by_offset'].values()):
+            a1.annotate(f'n={n}', (x, y), fontsize=7, alpha=0.6)
+    a1.set_xlabel('turns since the (last) gold chunk was read')
+    a1.set_ylabel('memory holds the gold answer, %')
+    a1.set_ylim(-3, 103)
+    a1.legend()
+    a1.grid(alpha=0.3)
     anchors = sorted({a for res in results.values() for a in res['by_anchor']})
     w = 0.8 / max(1, len(names))
     for k, (name, res) in enumerate(results.items()):
-        ys = [100 * res['by_anchor'][a][0] / res['by_anchor'][a][1] if a in res['by_anchor'] else 0 for a in anchors]
+        ys = [
+            100 * res['by_anchor'][a][0] / res['by_anchor'][a][1] if a in res['by_anchor'] else 0
+            for a in anchors
+        ]
         a2.bar([i + k * w for i in range(len(anchors))], ys, width=w, label=name)
-    a2.set_xticks([i + w * (len(names) - 1) / 2 for i in range(len(anchors))], [str(a) for a in anchors])
-    a2.set_xlabel('chunk of the (last) gold evidence (0 = first)'); a2.set_ylabel('success, %'); a2.set_ylim(0, 103)
-    a2.legend(); a2.grid(alpha=0.3, axis='y')
-    fig.suptitle(title); fig.tight_layout(); p = Path(path); fig.savefig(p, dpi=90)
+    a2.set_xticks(
+        [i + w * (len(names) - 1) / 2 for i in range(len(anchors))], [str(a) for a in anchors]
+    )
+    a2.set_xlabel('chunk of the (last) gold evidence (0 = first)')
+    a2.set_ylabel('success, %')
+    a2.set_ylim(0, 103)
+    a2.legend()
+    a2.grid(alpha=0.3, axis='y')
+    fig.suptitle(title)
+    fig.tight_layout()
+    p = Path(path)
+    fig.savefig(p, dpi=90)
     return p
+
 
 def retention_table(results: dict, max_offset: int | None = None) -> str:
     "Markdown: memory-holds-gold % by offset for each model (with counts)."
     offs = sorted({d for res in results.values() for d in res['by_offset']})
-    if max_offset is not None: offs = [d for d in offs if d <= max_offset]
+    if max_offset is not None:
+        offs = [d for d in offs if d <= max_offset]
     rows = []
     for d in offs:
         row = {'turns since gold chunk': d}
@@ -103,49 +160,87 @@ def retention_table(results: dict, max_offset: int | None = None) -> str:
 # %% ../nbs/17a_memreport.ipynb #512fc9aa
 import html as _html, re as _re
 
+
 def _mark(text: str, answers, negatives=(), limit: int = 400) -> str:
-    "Escape `text` for a markdown table cell, bold the gold aliases and strike the negatives (word-bounded, case-insensitive)."
+    """Escape `text` for a markdown table cell, bold the gold aliases and strike the negatives
+    (word-bounded, case-insensitive)."""
     t = ' '.join((text or '').split())
-    if len(t) > limit: t = t[:limit] + ' …'
+    if len(t) > limit:
+        t = t[:limit] + ' …'
     t = _html.escape(t, quote=False).replace('|', '\\|')
     for words, fmt in ((negatives, '~~{}~~'), (answers, '**{}**')):
         for w in sorted({w for w in words if w and w.strip()}, key=len, reverse=True):
-            t = _re.sub(rf'(?<![\w*~])({_re.escape(_html.escape(w, quote=False))})(?![\w*~])', lambda m: fmt.format(m.group(1)), t,
-                        flags=_re.IGNORECASE)
+            t = _re.sub(
+                rf'(?<![\w*~])({_re.escape(_html.escape(w, quote=False))})(?![\w*~])',
+                lambda m: fmt.format(m.group(1)),
+                t,
+                flags=_re.IGNORECASE,
+            )
     return t or '∅'
 
+
 def _snippet(chunk: str, answers, negatives, width: int = 70) -> str:
-    "The part of a chunk worth seeing: around the first gold alias, else around the first negative, else its start."
+    """The part of a chunk worth seeing: around the first gold alias, else around the first
+    negative, else its start."""
     low = chunk.lower()
     for w in list(answers) + list(negatives):
         i = low.find(w.lower()) if w else -1
         if i >= 0:
             a, b = max(0, i - width), min(len(chunk), i + len(w) + width)
             return ('… ' if a else '') + chunk[a:b] + (' …' if b < len(chunk) else '')
-    return chunk[:2 * width] + (' …' if len(chunk) > 2 * width else '')
+    return chunk[: 2 * width] + (' …' if len(chunk) > 2 * width else '')
 
 # %% ../nbs/17a_memreport.ipynb #22960871
-def trajectory_view(example: dict, records: dict, chunk_texts, around: int = 1, last: int = 2) -> str:
-    "Markdown of one item: per chunk, the memory each model in `records` ({name: record}) wrote after it; folded when long; final answers."
-    ans, neg = list(example.get('answers') or []), list((example.get('meta') or {}).get('negatives') or [])
+def trajectory_view(
+    example: dict, records: dict, chunk_texts, around: int = 1, last: int = 2
+) -> str:
+    """Markdown of one item: per chunk, the memory each model in `records` ({name: record}) wrote
+    after it; folded when long; final answers."""
+    ans, neg = (
+        list(example.get('answers') or []),
+        list((example.get('meta') or {}).get('negatives') or []),
+    )
     g = gold_chunks(example, chunk_texts)
     n = max([len(chunk_texts)] + [len(r.get('memories') or []) for r in records.values()])
     show = set(range(max(0, n - last), n))
-    for c in (g or []): show |= set(range(max(0, c - around), min(n, c + around + 1)))
+    for c in g or []:
+        show |= set(range(max(0, c - around), min(n, c + around + 1)))
     names = list(records)
     where = 'unknown' if g is None else ', '.join(str(c) for c in g) or 'not read'
-    head = (f"**{example['id']}**: {_mark(example['question'], ans, neg)} gold: **{', '.join(ans)}**; gold chunk(s): {where} "
-            f"of {len(chunk_texts)}" + (f"; distractors: {', '.join(f'~~{x}~~' for x in neg)}" if neg else ''))
+    head = (
+        f"**{example['id']}**: {_mark(example['question'], ans, neg)} gold: **{', '.join(ans)}**; "
+        f"gold chunk(s): {where} "
+        f"of {len(chunk_texts)}"
+        + (f"; distractors: {', '.join(f'~~{x}~~' for x in neg)}" if neg else '')
+    )
     rows, hidden = [], []
+
     def fold():
-        if not hidden: return
-        held = {m: sum(holds_answer((records[m].get('memories') or [''] * n)[t] if t < len(records[m].get('memories') or []) else '', ans)
-                       for t in hidden) for m in names}
-        rows.append(f"| ⋯ | {len(hidden)} turns folded ({hidden[0]}-{hidden[-1]}) | " +
-                    ' | '.join(f'memory held the gold after {held[m]} of them' for m in names) + ' |')
+        if not hidden:
+            return
+        held = {
+            m: sum(
+                holds_answer(
+                    (records[m].get('memories') or [''] * n)[t]
+                    if t < len(records[m].get('memories') or [])
+                    else '',
+                    ans,
+                )
+                for t in hidden
+            )
+            for m in names
+        }
+        rows.append(
+            f"| ⋯ | {len(hidden)} turns folded ({hidden[0]}-{hidden[-1]}) | "
+            + ' | '.join(f'memory held the gold after {held[m]} of them' for m in names)
+            + ' |'
+        )
         hidden.clear()
+
     for t in range(n):
-        if t not in show: hidden.append(t); continue
+        if t not in show:
+            hidden.append(t)
+            continue
         fold()
         chunk = chunk_texts[t] if t < len(chunk_texts) else ''
         tag = ' (gold)' if g and t in g else ''
@@ -153,25 +248,50 @@ def trajectory_view(example: dict, records: dict, chunk_texts, around: int = 1, 
         for m in names:
             mem = records[m].get('memories') or []
             cells.append(_mark(mem[t], ans, neg) if t < len(mem) else '-')
-        rows.append(f"| {t}{tag} | {_mark(_snippet(chunk, ans, neg), ans, neg, limit=300)} | " + ' | '.join(cells) + ' |')
+        rows.append(
+            f"| {t}{tag} | {_mark(_snippet(chunk, ans, neg), ans, neg, limit=300)} | "
+            + ' | '.join(cells)
+            + ' |'
+        )
     fold()
     finals = []
     for m in names:
         r = records[m]
-        finals.append(f"error: {_mark(r['error'], [], [])}" if r.get('error') else _mark(r.get('response', ''), ans, neg))
+        finals.append(
+            f"error: {_mark(r['error'], [], [])}"
+            if r.get('error')
+            else _mark(r.get('response', ''), ans, neg)
+        )
     rows.append('| answer | | ' + ' | '.join(finals) + ' |')
-    table = [f"| chunk | what the chunk holds | " + ' | '.join(f'{m}: memory after the chunk' for m in names) + ' |',
-             '|---|---|' + '---|' * len(names)] + rows
+    table = [
+        f"| chunk | what the chunk holds | "
+        + ' | '.join(f'{m}: memory after the chunk' for m in names)
+        + ' |',
+        '|---|---|' + '---|' * len(names),
+    ] + rows
     return head + '\n\n' + '\n'.join(table) + '\n'
 
+# %% ../nbs/17a_memreport.ipynb #01e84115
 def pick_items(examples, records: dict, k: int, success) -> list:
-    "Up to `k` example ids: items where the models' `success(model, record)` differ first, spread over gold chunk positions; then the others."
-    by = {m: {str(r['id']): r for r in recs if r.get('sample', 0) == 0} for m, recs in records.items()}
-    def pos(e): return (e.get('meta') or {}).get('needle_chunk', (e.get('meta') or {}).get('gold_slots', [0])[-1] if (e.get('meta') or {}).get('gold_slots') else 0)
+    """Up to `k` example ids: items where the models' `success(model, record)` differ first, spread
+    over gold chunk positions; then the others."""
+    by = {
+        m: {str(r['id']): r for r in recs if r.get('sample', 0) == 0} for m, recs in records.items()
+    }
+
+    def pos(e):
+        return (e.get('meta') or {}).get(
+            'needle_chunk',
+            (e.get('meta') or {}).get('gold_slots', [0])[-1]
+            if (e.get('meta') or {}).get('gold_slots')
+            else 0,
+        )
+
     differ, same = {}, {}
     for e in examples:
         i = str(e['id'])
-        if not all(i in b for b in by.values()): continue
+        if not all(i in b for b in by.values()):
+            continue
         s = {success(m, b[i]) for m, b in by.items()}
         (differ if len(s) > 1 else same).setdefault(pos(e), []).append(i)
     out = []
@@ -179,34 +299,97 @@ def pick_items(examples, records: dict, k: int, success) -> list:
         queues = [list(v) for _, v in sorted(pool.items())]
         while any(queues) and len(out) < k:
             for q in queues:
-                if q and len(out) < k: out.append(q.pop(0))
+                if q and len(out) < k:
+                    out.append(q.pop(0))
     return out
 
 # %% ../nbs/17a_memreport.ipynb #8972bfab
-def memory_report(examples, records: dict, chunks_of, success, out_dir, tag: str = '', title: str = '', k: int = 8,
-                  show: int = 3, metric: str = 'success') -> dict:
-    "Retention (`retention<tag>.json/.png`), the viewer on `k` picked items (`trajectories<tag>.md`) and the markdown section; `success(model, record)`."
-    out = Path(out_dir); out.mkdir(parents=True, exist_ok=True); sfx = f'_{tag}' if tag else ''
-    ret = {m: retention(rs, examples, chunks_of, success=lambda r, m=m: success(m, r)) for m, rs in records.items()}
-    png = plot_retention(ret, out/f'retention{sfx}.png', title=title or 'what the memory holds')
-    js = out/f'retention{sfx}.json'; js.write_text(json.dumps({'metric': metric, 'models': ret}, indent=1))
+def memory_report(
+    examples,
+    records: dict,
+    chunks_of,
+    success,
+    out_dir,
+    tag: str = '',
+    title: str = '',
+    k: int = 8,
+    show: int = 3,
+    metric: str = 'success',
+) -> dict:
+    """Retention (`retention<tag>.json/.png`), the viewer on `k` picked items
+    (`trajectories<tag>.md`) and the markdown section; `success(model, record)`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sfx = f'_{tag}' if tag else ''
+    ret = {
+        m: retention(rs, examples, chunks_of, success=lambda r, m=m: success(m, r))
+        for m, rs in records.items()
+    }
+    png = plot_retention(ret, out / f'retention{sfx}.png', title=title or 'what the memory holds')
+    js = out / f'retention{sfx}.json'
+    js.write_text(json.dumps({'metric': metric, 'models': ret}, indent=1))
     ex_by = {str(e['id']): e for e in examples}
     by = {m: {(str(r['id']), r.get('sample', 0)): r for r in rs} for m, rs in records.items()}
     chosen = pick_items(examples, records, k, success)
-    views = [trajectory_view(ex_by[i], {m: by[m][(i, 0)] for m in records}, chunks_of(ex_by[i])) for i in chosen]
-    md = out/f'trajectories{sfx}.md'
-    md.write_text(f"# {title or 'Trajectories'}\n\nChosen by `memagent.report.pick_items` (items where the models differ first, spread "
-                  f"over the gold chunk's position). Gold answers are **bold**, distractors ~~struck~~; each row is the memory a model "
-                  f"wrote after reading that chunk.\n\n" + ('\n\n'.join(views) or '_(no item had records from every model)_') + '\n')
+    views = [
+        trajectory_view(ex_by[i], {m: by[m][(i, 0)] for m in records}, chunks_of(ex_by[i]))
+        for i in chosen
+    ]
+    md = out / f'trajectories{sfx}.md'
+    md.write_text(
+        f"# {title or 'Trajectories'}\n\nChosen by `memagent.report.pick_items` (items where the "
+        "models differ first, spread "
+        f"over the gold chunk's position). Gold answers are **bold**, distractors ~~struck~~; "
+        "each row is the memory a model "
+        f"wrote after reading that chunk.\n\n"
+        + ('\n\n'.join(views) or '_(no item had records from every model)_')
+        + '\n'
+    )
     first = next(iter(ret.values()))
     anchors = sorted({a for r in ret.values() for a in r['by_anchor']})
-    pos = md_table([{'gold chunk': a, **{f'{m}: {metric} %': (100 * r['by_anchor'][a][0] / r['by_anchor'][a][1] if a in r['by_anchor'] else None)
-                                         for m, r in ret.items()}, 'records': first['by_anchor'].get(a, [0, 0])[1]} for a in anchors],
-                   floatfmt='.1f') if anchors else '_(no record with a gold position)_'
+    pos = (
+        md_table(
+            [
+                {
+                    'gold chunk': a,
+                    **{
+                        f'{m}: {metric} %': (
+                            100 * r['by_anchor'][a][0] / r['by_anchor'][a][1]
+                            if a in r['by_anchor']
+                            else None
+                        )
+                        for m, r in ret.items()
+                    },
+                    'records': first['by_anchor'].get(a, [0, 0])[1],
+                }
+                for a in anchors
+            ],
+            floatfmt='.1f',
+        )
+        if anchors
+        else '_(no record with a gold position)_'
+    )
     skipped = '; '.join(f"{m}: {r['skipped']}" for m, r in ret.items() if r['skipped']) or 'none'
-    text = (f"![retention]({png.name})\n\nAfter the turn that read the (last) gold chunk (offset 0) and each later overwrite, how often "
-            f"the memory still holds the gold answer (records skipped, by reason: {skipped}):\n\n"
-            + (retention_table(ret) if any(r['by_offset'] for r in ret.values()) else '_(no record with a gold position)_')
-            + f"\n\n{metric} by the gold chunk's position:\n\n{pos}\n\nPer record: [`{js.name}`]({js.name}). The first "
-            f"{min(show, len(views))} of the {len(views)} items in [`{md.name}`]({md.name}):\n\n" + '\n\n'.join(views[:show]))
-    return {'markdown': text, 'files': [png, js, md], 'retention': ret, 'views': views, 'chosen': chosen}
+    text = (
+        f"![retention]({png.name})\n\nAfter the turn that read the (last) gold chunk (offset 0) "
+        "and each later overwrite, how often "
+        f"the memory still holds the gold answer (records skipped, by reason: {skipped}):\n\n"
+        + (
+            retention_table(ret)
+            if any(r['by_offset'] for r in ret.values())
+            else '_(no record with a gold position)_'
+        )
+        + (
+            f"\n\n{metric} by the gold chunk's position:\n\n{pos}\n\nPer record: "
+            f"[`{js.name}`]({js.name}). The first "
+            f"{min(show, len(views))} of the {len(views)} items in [`{md.name}`]({md.name}):\n\n"
+        )
+        + '\n\n'.join(views[:show])
+    )
+    return {
+        'markdown': text,
+        'files': [png, js, md],
+        'retention': ret,
+        'views': views,
+        'chosen': chosen,
+    }

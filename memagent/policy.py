@@ -19,45 +19,125 @@ __all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'update_metrics', 'prompt_log
 
 # %% ../nbs/12b_policy.ipynb #3b48d035
 METRICS = [  # (name, aggregation, definition)
-    ('loss', 'sum', 'mean over the PPO mini-batches of the mini-batch loss: sum over its rows of weight x row-mean of the per-token loss (= pg_loss + kl_loss + entropy_loss; one mini-batch: the step loss)'),
-    ('pg_loss', 'sum', 'policy-gradient part of loss: sum of weight x row-mean of the clipped surrogate (mean over mini-batches)'),
-    ('kl_loss', 'sum', 'KL part of loss: kl_coef x sum of weight x row-mean of the KL estimator (mean over mini-batches)'),
-    ('entropy_loss', 'sum', 'entropy part of loss: -entropy_coef x sum of weight x row-mean of the entropy (mean over mini-batches)'),
+    (
+        'loss',
+        'sum',
+        'mean over the PPO mini-batches of the mini-batch loss: sum over its rows of weight x '
+        'row-mean of the per-token loss (= pg_loss + kl_loss + entropy_loss; one mini-batch: the '
+        'step loss)',
+    ),
+    (
+        'pg_loss',
+        'sum',
+        'policy-gradient part of loss: sum of weight x row-mean of the clipped surrogate (mean '
+        'over mini-batches)',
+    ),
+    (
+        'kl_loss',
+        'sum',
+        'KL part of loss: kl_coef x sum of weight x row-mean of the KL estimator (mean over '
+        'mini-batches)',
+    ),
+    (
+        'entropy_loss',
+        'sum',
+        'entropy part of loss: -entropy_coef x sum of weight x row-mean of the entropy (mean over '
+        'mini-batches)',
+    ),
     ('n_tokens', 'sum', 'masked-in response tokens scored'),
     ('n_rows', 'sum', 'rows in the micro-batches (padding rows included)'),
-    ('clip_frac', 'token_mean', 'tokens whose clipped surrogate term is the one taken (gradient cut); 0 in the first mini-batch (ratio = 1), so 0 with one mini-batch'),
+    (
+        'clip_frac',
+        'token_mean',
+        'tokens whose clipped surrogate term is the one taken (gradient cut); 0 in the first '
+        'mini-batch (ratio = 1), so 0 with one mini-batch',
+    ),
     ('clip_frac_low', 'token_mean', 'tokens clipped below, ratio < 1 - clip_low'),
     ('clip_frac_high', 'token_mean', 'tokens clipped above, ratio > 1 + clip_high'),
     ('dual_clip_frac', 'token_mean', 'negative-credit tokens bounded by the dual clip'),
-    ('ratio_bound_frac', 'token_mean', 'tokens whose log-ratio lies past +-loss.log_ratio_bound (clamped there before exp; no gradient); near 0 in a healthy run'),
-    ('ratio_mean', 'token_mean', 'mean of exp(logp - old_logp); old_logp: the policy before the update\'s first optimizer step'),
+    (
+        'ratio_bound_frac',
+        'token_mean',
+        'tokens whose log-ratio lies past +-loss.log_ratio_bound (clamped there before exp; no '
+        'gradient); near 0 in a healthy run',
+    ),
+    (
+        'ratio_mean',
+        'token_mean',
+        'mean of exp(logp - old_logp); old_logp: the policy before the update\'s first optimizer '
+        'step',
+    ),
     ('ratio_min', 'min', 'smallest ratio'),
     ('ratio_max', 'max', 'largest ratio'),
     ('kl', 'token_mean', 'mean KL estimator to the reference (kl_type)'),
-    ('entropy', 'token_mean', 'mean entropy of the policy at the sampling temperature (torch backend only)'),
-    ('tis_capped_frac', 'token_mean', 'tokens whose truncated importance weight the cap lowered (strictly above tis_cap)'),
-    ('logprob_mismatch_max', 'max', 'largest |trainer log-prob - rollout log-prob| on a response token'),
+    (
+        'entropy',
+        'token_mean',
+        'mean entropy of the policy at the sampling temperature (torch backend only)',
+    ),
+    (
+        'tis_capped_frac',
+        'token_mean',
+        'tokens whose truncated importance weight the cap lowered (strictly above tis_cap)',
+    ),
+    (
+        'logprob_mismatch_max',
+        'max',
+        'largest |trainer log-prob - rollout log-prob| on a response token',
+    ),
     ('logprob_mismatch_mean', 'token_mean', 'mean |trainer log-prob - rollout log-prob|'),
-    ('grad_norm', 'same', 'global gradient norm before clipping, after summing over data-parallel ranks; mean over the optimizer steps of the update'),
+    (
+        'grad_norm',
+        'same',
+        'global gradient norm before clipping, after summing over data-parallel ranks; mean over '
+        'the optimizer steps of the update',
+    ),
     ('grad_norm_max', 'same', 'largest of those per-optimizer-step gradient norms'),
-    ('optimizer_steps', 'same', 'optimizer steps of the update: one per PPO mini-batch that has rows (optim.mini_batches when no group was dropped)'),
+    (
+        'optimizer_steps',
+        'same',
+        'optimizer steps of the update: one per PPO mini-batch that has rows (optim.mini_batches '
+        'when no group was dropped)',
+    ),
     ('rows_consumed', 'sum', 'rows the ranks took from the channel'),
     ('tokens', 'sum', 'prompt + response tokens of those rows'),
-    ('micro_batches', 'sum', 'training micro-batches run, all mini-batches (memagent.transfer.micro_batches, padded size within the budget)'),
+    (
+        'micro_batches',
+        'sum',
+        'training micro-batches run, all mini-batches (memagent.transfer.micro_batches, padded '
+        'size within the budget)',
+    ),
     ('time_update', 'max', 'seconds in update_on_rows; the slowest replica bounds the step'),
-    ('gpu_peak_gib', 'max', 'largest GPU memory allocated by torch during the update (GiB; GPU runs only), to compare with memagent.plan'),
+    (
+        'gpu_peak_gib',
+        'max',
+        'largest GPU memory allocated by torch during the update (GiB; GPU runs only), to compare '
+        'with memagent.plan',
+    ),
 ]
 _AGG = {n: a for n, a, _ in METRICS}
 
+
 def merge_metrics(parts: list[dict]) -> dict:
-    "Combine metrics of micro-batches (or of replicas) by the aggregation `METRICS` defines for each."
+    """Combine metrics of micro-batches (or of replicas) by the aggregation `METRICS` defines for
+    each."""
     out, tok = {}, sum(p.get('n_tokens', 0) for p in parts) or 1
     for k in dict.fromkeys(k for p in parts for k in p):
-        if k not in _AGG: raise KeyError(f"merge_metrics: metric {k!r} is not defined in memagent.policy.METRICS")
+        if k not in _AGG:
+            raise KeyError(f"merge_metrics: metric {k!r} is not defined in memagent.policy.METRICS")
         vals = [(p[k], p.get('n_tokens', 0)) for p in parts if k in p]
         a = _AGG[k]
-        out[k] = (sum(v for v, _ in vals) if a == 'sum' else max(v for v, _ in vals) if a == 'max' else
-                  min(v for v, _ in vals) if a == 'min' else vals[0][0] if a == 'same' else sum(v * n for v, n in vals) / tok)
+        out[k] = (
+            sum(v for v, _ in vals)
+            if a == 'sum'
+            else max(v for v, _ in vals)
+            if a == 'max'
+            else min(v for v, _ in vals)
+            if a == 'min'
+            else vals[0][0]
+            if a == 'same'
+            else sum(v * n for v, n in vals) / tok
+        )
     return out
 
 # %% ../nbs/12b_policy.ipynb #1a997e7a
@@ -65,126 +145,251 @@ def update_metrics(upd: list[dict], max_tokens: int) -> dict:
     "The replicas' update metrics merged, plus the packing of the micro-batches they ran."
     st = micro_batch_stats([u['micro_batch_lengths'] for u in upd], max_tokens)
     m = merge_metrics([{k: v for k, v in u.items() if k != 'micro_batch_lengths'} for u in upd])
-    return dict(m, rows_consumed_per_rank=[u['rows_consumed'] for u in upd], packing_fill=st['fill'],
-                padded_tokens=st['padded_tokens'], max_padded_tokens=st['max_padded'], rank_token_imbalance=st['rank_imbalance'],
-                micro_batches_per_rank=st['micro_batches_per_rank'], tokens_per_rank=st['tokens_per_rank'])
+    return dict(
+        m,
+        rows_consumed_per_rank=[u['rows_consumed'] for u in upd],
+        packing_fill=st['fill'],
+        padded_tokens=st['padded_tokens'],
+        max_padded_tokens=st['max_padded'],
+        rank_token_imbalance=st['rank_imbalance'],
+        micro_batches_per_rank=st['micro_batches_per_rank'],
+        tokens_per_rank=st['tokens_per_rank'],
+    )
 
 # %% ../nbs/12b_policy.ipynb #8f26c04d
 def _logprobs(policy, bt, T):
-    "The policy's log-probs (and entropy where the backend computes it) of a collated micro-batch; one code path for scoring and training."
-    return policy.logprobs(bt, T, with_entropy=True) if policy.supports_entropy else (policy.logprobs(bt, T), None)
+    """The policy's log-probs (and entropy where the backend computes it) of a collated micro-batch;
+    one code path for scoring and training."""
+    return (
+        policy.logprobs(bt, T, with_entropy=True)
+        if policy.supports_entropy
+        else (policy.logprobs(bt, T), None)
+    )
+
 
 def prompt_logprobs(policy, ids) -> list[float]:
-    "The policy's own teacher-forced log-probs of `ids[1:]` (temperature 1), each given the ids before it, computed on its device: the trainer's side of the weight check."
+    """The policy's own teacher-forced log-probs of `ids[1:]` (temperature 1), each given the ids
+    before it, computed on its device: the trainer's side of the weight check."""
     t = torch.tensor([[int(i) for i in ids]], device=policy.device)
     bt = {'input_ids': t, 'attention_mask': torch.ones_like(t, dtype=torch.bool)}
-    with torch.no_grad(): return policy.logprobs(bt, 1.0)[0, 1:].float().cpu().tolist()
+    with torch.no_grad():
+        return policy.logprobs(bt, 1.0)[0, 1:].float().cpu().tolist()
+
 
 def _micro_batch(policy, rows: list[Row], pad_id: int) -> dict:
-    "The rows right-padded (`collate`, on the host) and moved to the policy's device: the one place a micro-batch goes there."
+    """The rows right-padded (`collate`, on the host) and moved to the policy's device: the one
+    place a micro-batch goes there."""
     return to_device(collate(rows, pad_id), policy.device)
+
 
 _LOSSES = ('loss', 'pg_loss', 'kl_loss', 'entropy_loss')
 
 # %% ../nbs/12b_policy.ipynb #31bab1f8
-def update_on_rows(policy, reference, rows: list[Row], cfg: Config, pad_id: int, on_progress=None) -> dict:
-    "Per PPO mini-batch: micro-batch this rank's rows, accumulate the weighted loss's gradient, one optimizer step; metrics plus `micro_batch_lengths`."
+def update_on_rows(
+    policy, reference, rows: list[Row], cfg: Config, pad_id: int, on_progress=None
+) -> dict:
+    """Per PPO mini-batch: micro-batch this rank's rows, accumulate the weighted loss's gradient,
+    one optimizer step; metrics plus `micro_batch_lengths`."""
     T, t0, M = cfg.rollout.temperature, time.perf_counter(), cfg.optim.mini_batches
-    if torch.cuda.is_available(): torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     tell = on_progress or (lambda ev: None)
-    plans = [[[mb[i] for i in b] for b in micro_batches([rows[i].num_tokens for i in mb], cfg.batch.max_tokens_per_micro)]
-             for mb in mini_batch_slices(rows, M)] or [[]]     # no rows: one step without gradient, as every rank must
+    plans = [
+        [
+            [mb[i] for i in b]
+            for b in micro_batches([rows[i].num_tokens for i in mb], cfg.batch.max_tokens_per_micro)
+        ]
+        for mb in mini_batch_slices(rows, M)
+    ] or [[]]  # no rows: one step without gradient, as every rank must
     nm = len(plans)
-    old = {}                     # behaviour log-probs of mini-batches 2..: scored before the first optimizer step
+    old = {}  # behaviour log-probs of mini-batches 2..: scored before the first optimizer step
     for j in range(1, nm):
         for k, idx in enumerate(plans[j]):
-            with torch.no_grad(): old[j, k] = _logprobs(policy, _micro_batch(policy, [rows[i] for i in idx], pad_id), T)[0]
-            tell(dict(event='old_logp', mini_batch=j + 1, mini_batches=nm, micro_batch=k + 1, micro_batches=len(plans[j])))
+            with torch.no_grad():
+                old[j, k] = _logprobs(
+                    policy, _micro_batch(policy, [rows[i] for i in idx], pad_id), T
+                )[0]
+            tell(
+                dict(
+                    event='old_logp',
+                    mini_batch=j + 1,
+                    mini_batches=nm,
+                    micro_batch=k + 1,
+                    micro_batches=len(plans[j]),
+                )
+            )
     parts, norms = [], []
     for j, plan in enumerate(plans):
         for k, idx in enumerate(plan):
             bt = _micro_batch(policy, [rows[i] for i in idx], pad_id)
-            m = bt['response_mask'].clone(); m[:, 0] = False
-            with torch.no_grad(): ref = reference.logprobs(bt, T).to(policy.device) if reference is not None else None
+            m = bt['response_mask'].clone()
+            m[:, 0] = False
+            with torch.no_grad():
+                ref = reference.logprobs(bt, T).to(policy.device) if reference is not None else None
             logp, ent = _logprobs(policy, bt, T)
-            lp_old = logp.detach() if j == 0 else old.pop((j, k))   # mini-batch 1: no step yet, the current policy is the old one
-            loss, met = policy_loss(logp, lp_old, bt['credit'], m, bt['weight'], ref_logp=ref, cfg=cfg,
-                                    rollout_logp=bt['rollout_logp'], entropy=ent)
-            if cfg.health.check_finite:       # before any backward: nothing non-finite reaches the gradients
-                require_finite(loss, f"loss of micro-batch {k} of mini-batch {j} ({len(idx)} rows, trajectories "
-                                     f"{sorted({rows[i].traj_id for i in idx})[:4]})")
+            lp_old = (
+                logp.detach() if j == 0 else old.pop((j, k))
+            )  # mini-batch 1: no step yet, the current policy is the old one
+            loss, met = policy_loss(
+                logp,
+                lp_old,
+                bt['credit'],
+                m,
+                bt['weight'],
+                ref_logp=ref,
+                cfg=cfg,
+                rollout_logp=bt['rollout_logp'],
+                entropy=ent,
+            )
+            if (
+                cfg.health.check_finite
+            ):  # before any backward: nothing non-finite reaches the gradients
+                require_finite(
+                    loss,
+                    f"loss of micro-batch {k} of mini-batch {j} ({len(idx)} rows, trajectories "
+                    f"{sorted({rows[i].traj_id for i in idx})[:4]})",
+                )
             policy.backward(loss)
             d = (lp_old - bt['rollout_logp'])[m].abs()
-            parts.append(dict(met, **{x: met[x] / nm for x in _LOSSES if x in met},
-                              logprob_mismatch_max=float(d.max()) if d.numel() else 0.0,
-                              logprob_mismatch_mean=float(d.mean()) if d.numel() else 0.0))
-            tell(dict(event='micro_batch', mini_batch=j + 1, mini_batches=nm, micro_batch=k + 1, micro_batches=len(plan)))
+            parts.append(
+                dict(
+                    met,
+                    **{x: met[x] / nm for x in _LOSSES if x in met},
+                    logprob_mismatch_max=float(d.max()) if d.numel() else 0.0,
+                    logprob_mismatch_mean=float(d.mean()) if d.numel() else 0.0,
+                )
+            )
+            tell(
+                dict(
+                    event='micro_batch',
+                    mini_batch=j + 1,
+                    mini_batches=nm,
+                    micro_batch=k + 1,
+                    micro_batches=len(plan),
+                )
+            )
         tell(dict(event='optimizer_step', mini_batch=j + 1, mini_batches=nm))
         norms.append(policy.step())
         tell(dict(event='stepped', mini_batch=j + 1, mini_batches=nm))
-    if getattr(policy, 'scheduler', None) is not None: policy.scheduler.step()   # the LR schedule counts rollout steps
+    if getattr(policy, 'scheduler', None) is not None:
+        policy.scheduler.step()  # the LR schedule counts rollout steps
     out = merge_metrics(parts) if parts else {'loss': 0.0, 'n_tokens': 0, 'n_rows': 0}
-    if torch.cuda.is_available():   # the peak for the plan; then the activations' cached blocks go back for a colocated engine
+    if (
+        torch.cuda.is_available()
+    ):  # the peak for the plan; then the activations' cached blocks go back for a colocated engine
         out['gpu_peak_gib'] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.empty_cache()
-    out.update(grad_norm=sum(norms) / nm, grad_norm_max=max(norms), optimizer_steps=nm, micro_batches=sum(map(len, plans)),
-               rows_consumed=len(rows), tokens=sum(r.num_tokens for r in rows), time_update=time.perf_counter() - t0)
+    out.update(
+        grad_norm=sum(norms) / nm,
+        grad_norm_max=max(norms),
+        optimizer_steps=nm,
+        micro_batches=sum(map(len, plans)),
+        rows_consumed=len(rows),
+        tokens=sum(r.num_tokens for r in rows),
+        time_update=time.perf_counter() - t0,
+    )
     out['micro_batch_lengths'] = [[rows[i].num_tokens for i in b] for plan in plans for b in plan]
     return out
 
 # %% ../nbs/12b_policy.ipynb #e22f0979
-BACKENDS = {'torch': 'memagent.backends.torch:TorchBackend', 'megatron': 'memagent.backends.megatron:MegatronBackend'}
+BACKENDS = {
+    'torch': 'memagent.backends.torch:TorchBackend',
+    'megatron': 'memagent.backends.megatron:MegatronBackend',
+}
+
 
 def backend_class(cfg: Config):
     "The backend class `cfg.backend` names in `BACKENDS`."
-    if cfg.backend not in BACKENDS: raise ValueError(f"backend {cfg.backend!r} is not one of {sorted(BACKENDS)}")
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"backend {cfg.backend!r} is not one of {sorted(BACKENDS)}")
     mod, name = BACKENDS[cfg.backend].split(':')
     return getattr(importlib.import_module(mod), name)
 
+# %% ../nbs/12b_policy.ipynb #b5ecadd6
 def _weights(cls, cfg: Config, device: str | None):
-    "What backend class `cls` builds on: the checkpoint's config and files where it copies the weights into a model of its own (`reads_checkpoint`), else the HF model on `device`."
+    """What backend class `cls` builds on: the checkpoint's config and files where it copies the
+    weights into a model of its own (`reads_checkpoint`), else the HF model on `device`."""
     from memagent.models import load_model, load_checkpoint
-    if getattr(cls, 'reads_checkpoint', False): return load_checkpoint(cfg.model.name, cfg.model.dtype)
+
+    if getattr(cls, 'reads_checkpoint', False):
+        return load_checkpoint(cfg.model.name, cfg.model.dtype)
     return load_model(cfg.model.name, cfg.model.dtype, device or compute_device())
 
+# %% ../nbs/12b_policy.ipynb #1c64aa1d
 def build_policy(cfg: Config, device: str | None = None):
     "The trainable policy backend `cfg.backend` names, on `cfg.model`."
     cls = backend_class(cfg)
     return cls.from_config(cfg, _weights(cls, cfg, device))
 
+# %% ../nbs/12b_policy.ipynb #7128fc2c
 def build_reference(cfg: Config, device: str | None = None):
-    "The frozen reference for the KL term, by the policy's backend class (`reference_from_config`, the policy's layout), or None when the KL term is off."
-    if cfg.loss.kl_type == 'none' or not cfg.loss.kl_coef: return None
+    """The frozen reference for the KL term, by the policy's backend class (`reference_from_config`,
+    the policy's layout), or None when the KL term is off."""
+    if cfg.loss.kl_type == 'none' or not cfg.loss.kl_coef:
+        return None
     cls = backend_class(cfg)
     return cls.reference_from_config(cfg, _weights(cls, cfg, device))
 
+# %% ../nbs/12b_policy.ipynb #d32b1346
 def optimizer_shard(state: dict | None, key):
-    "The optimizer state of `state_key` from a group's `state_dict()` (None when the checkpoint has none)."
-    if state is None: return None
-    if 'shards' not in state: raise ValueError(f"optimizer state has keys {sorted(state)[:5]}, expected a policy group's {{'shards': ...}}")
+    """The optimizer state of `state_key` from a group's `state_dict()` (None when the checkpoint
+    has none)."""
+    if state is None:
+        return None
+    if 'shards' not in state:
+        raise ValueError(
+            f"optimizer state has keys {sorted(state)[:5]}, expected a policy group's {{'shards': "
+            f"...}}"
+        )
     if key not in state['shards']:
-        raise ValueError(f"optimizer state holds shards {sorted(state['shards'])}, this rank needs shard {key!r} (saved with another parallel layout?)")
+        raise ValueError(
+            f"optimizer state holds shards {sorted(state['shards'])}, this rank needs shard "
+            f"{key!r} (saved with another parallel layout?)"
+        )
     return state['shards'][key]
 
+# %% ../nbs/12b_policy.ipynb #e9864314
 class LocalGroup:
     "The policy group of a single process: one backend, the rows of the whole step."
+
     dp_size = 1
+
     def __init__(self, cfg: Config, pad_id: int, device: str | None = None):
         self.cfg, self.pad_id = cfg, pad_id
         self.policy, self.reference = build_policy(cfg, device), build_reference(cfg, device)
 
     def update(self, channel, rollout_id, timeout: float) -> list[dict]:
-        return [update_on_rows(self.policy, self.reference, channel.get(rollout_id, 0, 1, timeout=timeout), self.cfg, self.pad_id)]
+        return [
+            update_on_rows(
+                self.policy,
+                self.reference,
+                channel.get(rollout_id, 0, 1, timeout=timeout),
+                self.cfg,
+                self.pad_id,
+            )
+        ]
 
-    def hf_state_dict(self) -> dict: return self.policy.hf_state_dict()
-    def prompt_logprobs(self, ids) -> list[float]: return prompt_logprobs(self.policy, ids)
-    def state_dict(self) -> dict: return {'shards': {self.policy.state_key: self.policy.state_dict()}}
+    def hf_state_dict(self) -> dict:
+        return self.policy.hf_state_dict()
+
+    def prompt_logprobs(self, ids) -> list[float]:
+        return prompt_logprobs(self.policy, ids)
+
+    def state_dict(self) -> dict:
+        return {'shards': {self.policy.state_key: self.policy.state_dict()}}
+
     def load_state_dict(self, model_sd: dict, state: dict | None):
         self.policy.load_state_dict(model_sd, optimizer_shard(state, self.policy.state_key))
 
     def export_model(self):
         from memagent.models import load_model
-        return self.policy.hf_model if self.policy.hf_model is not None else load_model(self.cfg.model.name, self.cfg.model.dtype)
+
+        return (
+            self.policy.hf_model
+            if self.policy.hf_model is not None
+            else load_model(self.cfg.model.name, self.cfg.model.dtype)
+        )
 
     def close(self):
-        if hasattr(self.policy, 'close'): self.policy.close()
+        if hasattr(self.policy, 'close'):
+            self.policy.close()

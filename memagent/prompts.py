@@ -8,7 +8,7 @@ import re
 from importlib.resources import files
 from pathlib import Path
 from .provenance import sha256_bytes, sha256_text
-from .chunking import encode_text   # documents and prompt text share one plain encoding
+from .chunking import encode_text  # documents and prompt text share one plain encoding
 
 # %% auto #0
 __all__ = ['PROMPTS_DIR', 'VARIANTS', 'THINKING', 'TEMPLATE_SHA256', 'TEMPLATES', 'NO_MEMORY', 'ADDED_TOKENS_IN_USER_TEXT',
@@ -18,33 +18,48 @@ __all__ = ['PROMPTS_DIR', 'VARIANTS', 'THINKING', 'TEMPLATE_SHA256', 'TEMPLATES'
            'memory_from_response', 'base_prompt', 'prompt_record']
 
 # %% ../nbs/05_prompts.ipynb #accfc86f
-PROMPTS_DIR = Path(str(files('memagent')))/'assets'/'prompts'
+PROMPTS_DIR = Path(str(files('memagent'))) / 'assets' / 'prompts'
 VARIANTS = ('train', 'eval')
 THINKING = ('off', 'on', 'strip')
-TEMPLATE_SHA256 = {   # SHA-256 of each template file's bytes: the byte-exact MemAgent templates
-    'base_suffix':  '82238104350f2afa0d0e833e67f4384e35ad37f73cb2569d2f572a2264bada26',
-    'final_eval':   '2897717ca5daa139493c821e1062ae8ed9ab763b979fba2ba823fd48c80f4aee',
-    'final_train':  '80f787ea759b129e383f2df8e7e49b03adfde171e9f1df1a87ae536508437bf6',
-    'memory_eval':  '8fad4576140d8bec7a07668f0cffc9aa88df89b5642db4b305b086d5659ae171',
+TEMPLATE_SHA256 = {  # SHA-256 of each template file's bytes: the byte-exact MemAgent templates
+    'base_suffix': '82238104350f2afa0d0e833e67f4384e35ad37f73cb2569d2f572a2264bada26',
+    'final_eval': '2897717ca5daa139493c821e1062ae8ed9ab763b979fba2ba823fd48c80f4aee',
+    'final_train': '80f787ea759b129e383f2df8e7e49b03adfde171e9f1df1a87ae536508437bf6',
+    'memory_eval': '8fad4576140d8bec7a07668f0cffc9aa88df89b5642db4b305b086d5659ae171',
     'memory_train': 'f7dd45f05fe8fe08f9966730b3d3872fa67f05961cad9f21dcfcd4ec2cbdd9c8',
-    'no_memory':    '1dd86650b232de2f2d2cb11bab363c49d658e706f1accecb39f7b3e7c1272608'}
+    'no_memory': '1dd86650b232de2f2d2cb11bab363c49d658e706f1accecb39f7b3e7c1272608',
+}
+
 
 def check_templates(d: Path = PROMPTS_DIR, pinned: dict = TEMPLATE_SHA256) -> dict:
-    "The SHA-256 of every `*.txt` in `d`, by stem, after checking they are exactly the `pinned` ones."
+    """The SHA-256 of every `*.txt` in `d`, by stem, after checking they are exactly the `pinned`
+    ones."""
     got = {f.stem: sha256_bytes(f.read_bytes()) for f in sorted(Path(d).glob('*.txt'))}
     if set(got) != set(pinned):
-        raise ValueError(f"{d}: prompt templates {sorted(got)} are not the pinned set {sorted(pinned)}")
-    bad = [f"{k}.txt has SHA-256 {got[k]}, pinned {pinned[k]}" for k in sorted(got) if got[k] != pinned[k]]
-    if bad: raise ValueError(f"{d}: prompt templates differ from the pinned MemAgent bytes: " + '; '.join(bad))
+        raise ValueError(
+            f"{d}: prompt templates {sorted(got)} are not the pinned set {sorted(pinned)}"
+        )
+    bad = [
+        f"{k}.txt has SHA-256 {got[k]}, pinned {pinned[k]}"
+        for k in sorted(got)
+        if got[k] != pinned[k]
+    ]
+    if bad:
+        raise ValueError(
+            f"{d}: prompt templates differ from the pinned MemAgent bytes: " + '; '.join(bad)
+        )
     return got
+
 
 def _load_templates(d: Path = PROMPTS_DIR) -> dict:
     "Every `*.txt` in `d`, keyed by file stem, decoded from the raw bytes, after `check_templates`."
     check_templates(d)
     return {f.stem: f.read_bytes().decode('utf-8') for f in sorted(Path(d).glob('*.txt'))}
 
+
 TEMPLATES = _load_templates()
 NO_MEMORY = TEMPLATES['no_memory']
+
 
 def template_sha256s() -> dict:
     "SHA-256 of each template's UTF-8 text (= of its file bytes), by name."
@@ -53,23 +68,31 @@ def template_sha256s() -> dict:
 # %% ../nbs/05_prompts.ipynb #0af8cd14
 _PLACEHOLDER = re.compile(r'\{(question|memory|chunk)\}')
 
+
 def _fill(name: str, **values) -> str:
     "Substitute `{question}`/`{memory}`/`{chunk}` in template `name` in a single pass."
     tpl = TEMPLATES[name]
     need = set(_PLACEHOLDER.findall(tpl))
     if need != set(values):
-        raise ValueError(f"template {name!r} takes placeholders {sorted(need)}, got {sorted(values)}")
+        raise ValueError(
+            f"template {name!r} takes placeholders {sorted(need)}, got {sorted(values)}"
+        )
     for k, v in values.items():
-        if not isinstance(v, str): raise TypeError(f"{k} must be a string, got {type(v).__name__}")
+        if not isinstance(v, str):
+            raise TypeError(f"{k} must be a string, got {type(v).__name__}")
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], tpl)
 
+
 def _check_variant(variant):
-    if variant not in VARIANTS: raise ValueError(f"unknown prompt variant {variant!r}; expected one of {VARIANTS}")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown prompt variant {variant!r}; expected one of {VARIANTS}")
+
 
 def memory_prompt(question: str, memory: str, chunk: str, variant: str = 'train') -> str:
     "The memory-turn user text: question + previous memory + current chunk."
     _check_variant(variant)
     return _fill(f'memory_{variant}', question=question, memory=memory, chunk=chunk)
+
 
 def final_prompt(question: str, memory: str, variant: str = 'train') -> str:
     "The final-turn user text: question + final memory only (no chunk)."
@@ -79,77 +102,139 @@ def final_prompt(question: str, memory: str, variant: str = 'train') -> str:
 # %% ../nbs/05_prompts.ipynb #81737233
 _THINK_SPAN = re.compile(r'<think>.*?</think>', re.S)
 
+
 def strip_thinking(text: str) -> str:
-    "Remove `<think>..</think>` traces; an unclosed `<think>` drops the rest; a lone `</think>` drops what precedes it."
-    if '<think>' not in text and '</think>' not in text: return text
+    """Remove `<think>..</think>` traces; an unclosed `<think>` drops the rest; a lone `</think>`
+    drops what precedes it."""
+    if '<think>' not in text and '</think>' not in text:
+        return text
     t = _THINK_SPAN.sub('', text)
-    if '</think>' in t: t = t.rsplit('</think>', 1)[1]
-    if '<think>' in t: t = t.split('<think>', 1)[0]
+    if '</think>' in t:
+        t = t.rsplit('</think>', 1)[1]
+    if '<think>' in t:
+        t = t.split('<think>', 1)[0]
     return t.strip()
 
 # %% ../nbs/05_prompts.ipynb #e0bf660d
 def _check_thinking(thinking):
-    if thinking not in THINKING: raise ValueError(f"unknown thinking policy {thinking!r}; expected one of {THINKING}")
+    if thinking not in THINKING:
+        raise ValueError(f"unknown thinking policy {thinking!r}; expected one of {THINKING}")
 
+# %% ../nbs/05_prompts.ipynb #5cd57a56
 def render_user(tokenizer, text: str, thinking: str = 'off') -> str:
     "The chat-template rendering of one user message with a generation prompt (no system message)."
     _check_thinking(thinking)
     if not getattr(tokenizer, 'chat_template', None):
-        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template")
-    return tokenizer.apply_chat_template([{'role': 'user', 'content': text}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=thinking != 'off')
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template"
+        )
+    return tokenizer.apply_chat_template(
+        [{'role': 'user', 'content': text}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=thinking != 'off',
+    )
 
+# %% ../nbs/05_prompts.ipynb #bdda2030
 _SENTINEL = '\x00memagent-user-content\x00'
-ADDED_TOKENS_IN_USER_TEXT = 'plain text outside the memory span'   # template text, question, chunk: every added token's text -> its pieces
-MEMORY_IN_PROMPT = ('decoded text; inside the memory span the text of each added token not flagged special is that token, '
-                    'special-token text is plain text')   # see encode_memory
+# template text, question, chunk: every added token's text -> its pieces
+ADDED_TOKENS_IN_USER_TEXT = 'plain text outside the memory span'
+MEMORY_IN_PROMPT = (
+    'decoded text; inside the memory span the text of each added token not flagged special is '
+    'that token, '
+    'special-token text is plain text'
+)  # see encode_memory
+
 
 def _encode_markup(tokenizer, text: str) -> list:
-    "Ids of chat-template markup: the text of every added token (special or not) becomes that token."
-    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False)) if text else []
+    """Ids of chat-template markup: the text of every added token (special or not) becomes that
+    token."""
+    return (
+        list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False))
+        if text
+        else []
+    )
 
+# %% ../nbs/05_prompts.ipynb #9b9be31c
 def added_token_texts(tokenizer, special: bool | None = None) -> tuple:
-    "The text of every added token of `tokenizer`, longest first; only those whose special flag is `special` when it is given."
-    return tuple(sorted({t.content for t in tokenizer.added_tokens_decoder.values() if special is None or t.special == special},
-                        key=lambda t: (-len(t), t)))
+    """The text of every added token of `tokenizer`, longest first; only those whose special flag is
+    `special` when it is given."""
+    return tuple(
+        sorted(
+            {
+                t.content
+                for t in tokenizer.added_tokens_decoder.values()
+                if special is None or t.special == special
+            },
+            key=lambda t: (-len(t), t),
+        )
+    )
 
+# %% ../nbs/05_prompts.ipynb #094cf0fb
 def _matched(tokenizer) -> dict:
-    "`{text: id}` of the added tokens NOT flagged special, the ones a memory keeps as tokens; each must match as written."
+    """`{text: id}` of the added tokens NOT flagged special, the ones a memory keeps as tokens; each
+    must match as written."""
     toks = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if not t.special}
-    bad = sorted(t.content for t in tokenizer.added_tokens_decoder.values() if not t.special and (t.lstrip or t.rstrip or t.single_word or t.normalized))
-    if bad: raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r}: added tokens {bad} match with lstrip, rstrip, "
-                             "single_word or normalized set, which the memory encoding does not reproduce")
+    bad = sorted(
+        t.content
+        for t in tokenizer.added_tokens_decoder.values()
+        if not t.special and (t.lstrip or t.rstrip or t.single_word or t.normalized)
+    )
+    if bad:
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r}: added tokens {bad} "
+            "match with lstrip, rstrip, "
+            "single_word or normalized set, which the memory encoding does not reproduce"
+        )
     return toks
 
+# %% ../nbs/05_prompts.ipynb #76fabece
 def _encode_content(tokenizer, text: str, span=None) -> list:
-    "Plain-text ids of `text`, except that inside `span` (start, end) the text of every added token not flagged special is its id."
+    """Plain-text ids of `text`, except that inside `span` (start, end) the text of every added
+    token not flagged special is its id."""
     toks = _matched(tokenizer) if span is not None else {}
-    if not toks: return encode_text(tokenizer, text)
-    pat = re.compile('|'.join(map(re.escape, sorted(toks, key=lambda t: (-len(t), t)))))    # leftmost, then longest
+    if not toks:
+        return encode_text(tokenizer, text)
+    pat = re.compile(
+        '|'.join(map(re.escape, sorted(toks, key=lambda t: (-len(t), t))))
+    )  # leftmost, then longest
     ids, at = [], 0
     for m in pat.finditer(text, *span):
-        ids += encode_text(tokenizer, text[at:m.start()]) + [toks[m.group()]]
+        ids += encode_text(tokenizer, text[at : m.start()]) + [toks[m.group()]]
         at = m.end()
     return ids + encode_text(tokenizer, text[at:])
 
+# %% ../nbs/05_prompts.ipynb #38531160
 def encode_memory(tokenizer, text: str) -> list:
-    "Ids of a memory `text` as the memory span of a prompt holds them: added tokens not flagged special as their ids, the rest plain text."
-    if not isinstance(text, str): raise TypeError(f"memory must be a string, got {type(text).__name__}")
+    """Ids of a memory `text` as the memory span of a prompt holds them: added tokens not flagged
+    special as their ids, the rest plain text."""
+    if not isinstance(text, str):
+        raise TypeError(f"memory must be a string, got {type(text).__name__}")
     return _encode_content(tokenizer, text, (0, len(text)))
 
 # %% ../nbs/05_prompts.ipynb #239f755a
 def encode_user_parts(tokenizer, text: str, thinking: str = 'off', memory_span=None) -> tuple:
-    "`(markup_before, content, markup_after)` ids of `text` as one user message; `content` is plain text but for `memory_span` of `text`."
-    if not isinstance(text, str): raise TypeError(f"user text must be a string, got {type(text).__name__}")
+    """`(markup_before, content, markup_after)` ids of `text` as one user message; `content` is
+    plain text but for `memory_span` of `text`."""
+    if not isinstance(text, str):
+        raise TypeError(f"user text must be a string, got {type(text).__name__}")
     frame = render_user(tokenizer, _SENTINEL, thinking)
     name = getattr(tokenizer, 'name_or_path', tokenizer)
     if frame.count(_SENTINEL) != 1:
-        raise ValueError(f"tokenizer {name!r}: the chat template writes the user text {frame.count(_SENTINEL)} times, expected once")
+        raise ValueError(
+            f"tokenizer {name!r}: the chat template writes the user text {frame.count(_SENTINEL)} "
+            "times, expected once"
+        )
     pre, post = frame.split(_SENTINEL)
     if render_user(tokenizer, text, thinking) != pre + text + post:
-        raise ValueError(f"tokenizer {name!r}: the chat template changes the user text, so it cannot be encoded apart from the markup")
+        raise ValueError(
+            f"tokenizer {name!r}: the chat template changes the user text, so it cannot be "
+            "encoded apart from the markup"
+        )
     if memory_span is not None and not (0 <= memory_span[0] <= memory_span[1] <= len(text)):
-        raise ValueError(f"memory span {memory_span} is not inside the user text of {len(text)} characters")
+        raise ValueError(
+            f"memory span {memory_span} is not inside the user text of {len(text)} characters"
+        )
     added = added_token_texts(tokenizer)
     pat = re.compile('|'.join(map(re.escape, added))) if added else None
     last = [m.end() for m in pat.finditer(pre)] if pat else []
@@ -158,45 +243,68 @@ def encode_user_parts(tokenizer, text: str, thinking: str = 'off', memory_span=N
     cut_post = first.start() if first else len(post)
     lead = len(pre) - cut_pre
     span = None if memory_span is None else (lead + memory_span[0], lead + memory_span[1])
-    return (_encode_markup(tokenizer, pre[:cut_pre]), _encode_content(tokenizer, pre[cut_pre:] + text + post[:cut_post], span),
-            _encode_markup(tokenizer, post[cut_post:]))
+    return (
+        _encode_markup(tokenizer, pre[:cut_pre]),
+        _encode_content(tokenizer, pre[cut_pre:] + text + post[:cut_post], span),
+        _encode_markup(tokenizer, post[cut_post:]),
+    )
 
+# %% ../nbs/05_prompts.ipynb #5e453ca5
 def encode_user(tokenizer, text: str, thinking: str = 'off') -> list:
-    "Token ids of `text` sent as one user message through the chat template, generation prompt included (see `encode_user_parts`)."
+    """Token ids of `text` sent as one user message through the chat template, generation prompt
+    included (see `encode_user_parts`)."""
     a, b, c = encode_user_parts(tokenizer, text, thinking)
     return a + b + c
 
+# %% ../nbs/05_prompts.ipynb #64653322
 _MEMORY_SENTINEL = '\x00memagent-memory\x00'
 
+
 def _memory_span(build, memory: str) -> tuple:
-    "`(text, (start, end))`: `build(memory)` and the memory's exact place in it, from `build` with a sentinel in the memory's place."
-    if not isinstance(memory, str): raise TypeError(f"memory must be a string, got {type(memory).__name__}")
+    """`(text, (start, end))`: `build(memory)` and the memory's exact place in it, from `build` with
+    a sentinel in the memory's place."""
+    if not isinstance(memory, str):
+        raise TypeError(f"memory must be a string, got {type(memory).__name__}")
     frame = build(_MEMORY_SENTINEL)
     if frame.count(_MEMORY_SENTINEL) != 1:
-        raise ValueError(f"the prompt holds the memory placeholder {frame.count(_MEMORY_SENTINEL)} times, expected once")
+        raise ValueError(
+            f"the prompt holds the memory placeholder {frame.count(_MEMORY_SENTINEL)} times, "
+            "expected once"
+        )
     pre, post = frame.split(_MEMORY_SENTINEL)
     text = build(memory)
-    if text != pre + memory + post: raise ValueError("the prompt does not hold the memory verbatim between the template's text")
+    if text != pre + memory + post:
+        raise ValueError("the prompt does not hold the memory verbatim between the template's text")
     return text, (len(pre), len(pre) + len(memory))
 
-def encode_memory_prompt(tokenizer, question: str, memory: str, chunk: str, variant: str = 'train', thinking: str = 'off') -> list:
-    "Token ids of the memory turn (`memory_prompt`) as one user message: the memory span by `encode_memory`'s rule, the rest plain text."
+# %% ../nbs/05_prompts.ipynb #1ce6339c
+def encode_memory_prompt(
+    tokenizer, question: str, memory: str, chunk: str, variant: str = 'train', thinking: str = 'off'
+) -> list:
+    """Token ids of the memory turn (`memory_prompt`) as one user message: the memory span by
+    `encode_memory`'s rule, the rest plain text."""
     text, span = _memory_span(lambda m: memory_prompt(question, m, chunk, variant), memory)
     return sum(encode_user_parts(tokenizer, text, thinking, span), [])
 
-def encode_final_prompt(tokenizer, question: str, memory: str, variant: str = 'train', thinking: str = 'off') -> list:
-    "Token ids of the final turn (`final_prompt`) as one user message: the memory span by `encode_memory`'s rule, the rest plain text."
+# %% ../nbs/05_prompts.ipynb #72756f98
+def encode_final_prompt(
+    tokenizer, question: str, memory: str, variant: str = 'train', thinking: str = 'off'
+) -> list:
+    """Token ids of the final turn (`final_prompt`) as one user message: the memory span by
+    `encode_memory`'s rule, the rest plain text."""
     text, span = _memory_span(lambda m: final_prompt(question, m, variant), memory)
     return sum(encode_user_parts(tokenizer, text, thinking, span), [])
 
+# %% ../nbs/05_prompts.ipynb #d5e70963
 def chat_preamble(tokenizer, thinking: str = 'off') -> str:
     "What the chat template writes before the user's text when no system message is given."
     r = render_user(tokenizer, _SENTINEL, thinking)
-    return r[:r.index(_SENTINEL)]
+    return r[: r.index(_SENTINEL)]
 
 # %% ../nbs/05_prompts.ipynb #b23a3072
 def injected_system_prompt(tokenizer):
-    "The preamble if the template injects a system turn on its own (heuristic: it mentions 'system'), else None."
+    """The preamble if the template injects a system turn on its own (heuristic: it mentions
+    'system'), else None."""
     pre = chat_preamble(tokenizer)
     return pre if 'system' in pre else None
 
@@ -205,28 +313,41 @@ def _encode(tokenizer, text: str) -> list:
     "Plain-text ids (`encode_text`) of a context or a question, as the base prompt counts them."
     return encode_text(tokenizer, text)
 
+
 def _fit_ids(tokenizer, ids: list, fits) -> tuple:
-    "Longest-ish prefix `ids[:k]` whose decoded text `t` satisfies `fits(t) -> (ok, overshoot, enc)`; returns (t, enc)."
+    """Longest-ish prefix `ids[:k]` whose decoded text `t` satisfies `fits(t) -> (ok, overshoot,
+    enc)`; returns (t, enc)."""
     k = len(ids)
     while k > 0:
         t = tokenizer.decode(ids[:k])
         ok, over, enc = fits(t)
-        if ok: return t, enc
+        if ok:
+            return t, enc
         k -= max(1, over // 2)
     return '', []
 
+
 def bound_memory(text: str, tokenizer, max_tokens: int) -> tuple:
-    "Cut `text` to at most `max_tokens` tokens: returns (text, ids) with ids == encode_memory(text), len(ids) <= max_tokens."
-    if max_tokens < 0: raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    """Cut `text` to at most `max_tokens` tokens: returns (text, ids) with ids ==
+    encode_memory(text), len(ids) <= max_tokens."""
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     ids = encode_memory(tokenizer, text)
-    if len(ids) <= max_tokens: return text, ids
+    if len(ids) <= max_tokens:
+        return text, ids
+
     def fits(t):
         enc = encode_memory(tokenizer, t)
         return len(enc) <= max_tokens, len(enc) - max_tokens, enc
+
     return _fit_ids(tokenizer, ids[:max_tokens], fits)
 
-def memory_from_response(response_text: str, tokenizer, max_tokens: int, thinking: str = 'off') -> tuple:
-    "The new memory from a memory turn's response: thinking policy, then `bound_memory`; returns (text, n_tokens)."
+
+def memory_from_response(
+    response_text: str, tokenizer, max_tokens: int, thinking: str = 'off'
+) -> tuple:
+    """The new memory from a memory turn's response: thinking policy, then `bound_memory`; returns
+    (text, n_tokens)."""
     _check_thinking(thinking)
     text = strip_thinking(response_text) if thinking == 'strip' else response_text
     text, ids = bound_memory(text, tokenizer, max_tokens)
@@ -234,29 +355,49 @@ def memory_from_response(response_text: str, tokenizer, max_tokens: int, thinkin
 
 # %% ../nbs/05_prompts.ipynb #590b26f9
 def base_prompt(context: str, question: str, tokenizer, max_tokens: int) -> str:
-    "Context (first tokens kept) + `base_suffix` with the question, at most `max_tokens` tokens; never cuts the question."
+    """Context (first tokens kept) + `base_suffix` with the question, at most `max_tokens` tokens;
+    never cuts the question."""
     suffix = _fill('base_suffix', question=question)
     n_suffix = len(_encode(tokenizer, suffix))
     if n_suffix > max_tokens:
-        raise ValueError(f"base prompt: the question suffix alone is {n_suffix} tokens > max_tokens={max_tokens}")
+        raise ValueError(
+            f"base prompt: the question suffix alone is {n_suffix} tokens > max_tokens={max_tokens}"
+        )
     ids = _encode(tokenizer, context)
-    if len(_encode(tokenizer, context + suffix)) <= max_tokens: return context + suffix
+    if len(_encode(tokenizer, context + suffix)) <= max_tokens:
+        return context + suffix
+
     def fits(t):
         n = len(_encode(tokenizer, t + suffix))
         return n <= max_tokens, n - max_tokens, None
-    ctx, _ = _fit_ids(tokenizer, ids[:max(0, max_tokens - n_suffix)], fits)
+
+    ctx, _ = _fit_ids(tokenizer, ids[: max(0, max_tokens - n_suffix)], fits)
     return ctx + suffix
 
 # %% ../nbs/05_prompts.ipynb #d7398290
 def prompt_record(variant: str, thinking: str, tokenizer=None) -> dict:
-    "Variant, thinking policy, template names and SHA-256s (plus chat-template facts if `tokenizer` is given)."
-    _check_variant(variant); _check_thinking(thinking)
-    names = {'memory': f'memory_{variant}', 'final': f'final_{variant}', 'first_memory': 'no_memory', 'base_suffix': 'base_suffix'}
+    """Variant, thinking policy, template names and SHA-256s (plus chat-template facts if
+    `tokenizer` is given)."""
+    _check_variant(variant)
+    _check_thinking(thinking)
+    names = {
+        'memory': f'memory_{variant}',
+        'final': f'final_{variant}',
+        'first_memory': 'no_memory',
+        'base_suffix': 'base_suffix',
+    }
     shas = template_sha256s()
-    rec = {'variant': variant, 'thinking': thinking, 'enable_thinking': thinking != 'off',
-           'strip_thinking': thinking == 'strip', 'user_text_added_tokens': ADDED_TOKENS_IN_USER_TEXT,
-           'memory_in_prompt': MEMORY_IN_PROMPT, 'templates': names,
-           'template_sha256': {k: shas[v] for k, v in names.items()}, 'all_template_sha256': shas}
+    rec = {
+        'variant': variant,
+        'thinking': thinking,
+        'enable_thinking': thinking != 'off',
+        'strip_thinking': thinking == 'strip',
+        'user_text_added_tokens': ADDED_TOKENS_IN_USER_TEXT,
+        'memory_in_prompt': MEMORY_IN_PROMPT,
+        'templates': names,
+        'template_sha256': {k: shas[v] for k, v in names.items()},
+        'all_template_sha256': shas,
+    }
     if tokenizer is not None:
         rec['chat_template_sha256'] = sha256_text(tokenizer.chat_template or '')
         rec['injected_system_prompt'] = injected_system_prompt(tokenizer)

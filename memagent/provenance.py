@@ -16,151 +16,293 @@ __all__ = ['KEY_PACKAGES', 'sha256_file', 'sha256_bytes', 'sha256_text', 'sha256
 # %% ../nbs/01_provenance.ipynb #806a4499
 _BLOCK = 1 << 20
 
+
 def sha256_file(path) -> str:
     "SHA-256 of a file's bytes, streamed in 1 MiB blocks."
     h = hashlib.sha256()
     with open(path, 'rb') as f:
-        for b in iter(lambda: f.read(_BLOCK), b''): h.update(b)
+        for b in iter(lambda: f.read(_BLOCK), b''):
+            h.update(b)
     return h.hexdigest()
+
 
 def sha256_bytes(data: bytes) -> str:
     "SHA-256 of `data`."
     return hashlib.sha256(data).hexdigest()
 
+
 def sha256_text(s: str) -> str:
     "SHA-256 of a string's UTF-8 bytes."
     return sha256_bytes(s.encode('utf-8'))
 
+
 def sha256_dir(path, include=None, exclude=('.git', '__pycache__')) -> str:
-    "SHA-256 over a directory: sorted relative paths and each file's SHA-256, so moving the directory keeps the hash."
-    root = Path(path); h = hashlib.sha256()
-    files = sorted(p for p in root.rglob('*') if p.is_file() and not any(part in exclude for part in p.relative_to(root).parts))
-    if include is not None: files = [p for p in files if include(p)]
-    if not files: raise ValueError(f"{root}: no files to hash")
-    for p in files: h.update(f"{p.relative_to(root).as_posix()}\0{sha256_file(p)}\n".encode())
+    """SHA-256 over a directory: sorted relative paths and each file's SHA-256, so moving the
+    directory keeps the hash."""
+    root = Path(path)
+    h = hashlib.sha256()
+    files = sorted(
+        p
+        for p in root.rglob('*')
+        if p.is_file() and not any(part in exclude for part in p.relative_to(root).parts)
+    )
+    if include is not None:
+        files = [p for p in files if include(p)]
+    if not files:
+        raise ValueError(f"{root}: no files to hash")
+    for p in files:
+        h.update(f"{p.relative_to(root).as_posix()}\0{sha256_file(p)}\n".encode())
     return h.hexdigest()
 
 # %% ../nbs/01_provenance.ipynb #54425c8f
 def flatten(d: dict, prefix: str = '') -> dict:
-    "A nested dict as `{'a.b': leaf}` (dotted keys in insertion order; empty dicts and lists are leaves)."
+    """A nested dict as `{'a.b': leaf}` (dotted keys in insertion order; empty dicts and lists are
+    leaves)."""
     out = {}
     for k, v in d.items():
         key = f'{prefix}{k}'
-        if isinstance(v, dict) and v: out.update(flatten(v, key + '.'))
-        else: out[key] = v
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + '.'))
+        else:
+            out[key] = v
     return out
 
 # %% ../nbs/01_provenance.ipynb #826f3b86
 def git_toplevel(path='.') -> Path | None:
     "The root of the git work tree holding `path` (which need not exist yet), or None outside git."
     p = Path(path).resolve()
-    while not p.exists(): p = p.parent
-    top = subprocess.run(['git', '-C', str(p), 'rev-parse', '--show-toplevel'], capture_output=True, text=True, timeout=20)
+    while not p.exists():
+        p = p.parent
+    top = subprocess.run(
+        ['git', '-C', str(p), 'rev-parse', '--show-toplevel'],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     return Path(top.stdout.strip()).resolve() if top.returncode == 0 else None
 
+# %% ../nbs/01_provenance.ipynb #c508a49c
 def changed_source_files(path='.') -> list[str] | None:
-    "Tracked files that differ from HEAD in the git work tree holding `path`, outside `reports/` (None outside git)."
+    """Tracked files that differ from HEAD in the git work tree holding `path`, outside `reports/`
+    (None outside git)."""
     top = git_toplevel(path)
-    if top is None: return None
-    st = subprocess.run(['git', '-C', str(top), 'status', '--porcelain', '--untracked-files=no', '--', '.', ':(exclude)reports'],
-                        capture_output=True, text=True, timeout=20)
+    if top is None:
+        return None
+    st = subprocess.run(
+        [
+            'git',
+            '-C',
+            str(top),
+            'status',
+            '--porcelain',
+            '--untracked-files=no',
+            '--',
+            '.',
+            ':(exclude)reports',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     return [l[3:] for l in st.stdout.splitlines() if l.strip()]
 
+# %% ../nbs/01_provenance.ipynb #085ed8ff
 def _committed_report_dir(out: Path) -> bool:
     top = git_toplevel(out)
     return top is not None and out.resolve().is_relative_to(top / 'reports')
 
+# %% ../nbs/01_provenance.ipynb #46078517
 def refuse_unclean_report_dir(out_dir, who: str = 'write_report'):
-    "Refuse (`ValueError` naming the files) a report folder under the repository's reports/ while tracked source differs from HEAD: committed reports are rendered from a clean tree at HEAD. A run notebook calls it in its parameter checks, before it writes anything."
+    """Refuse (`ValueError` naming the files) a report folder under the repository's reports/ while
+    tracked source differs from HEAD: committed reports are rendered from a clean tree at HEAD. A
+    run notebook calls it in its parameter checks, before it writes anything."""
     out = Path(out_dir)
     if _committed_report_dir(out) and (changed := changed_source_files(out)):
-        raise ValueError(f"{who}: {out} is under the repository's reports/, which are rendered from a clean tree at HEAD; "
-                         f"these tracked files differ from HEAD: {changed[:8]}. Commit them first (or write the report elsewhere).")
+        raise ValueError(
+            f"{who}: {out} is under the repository's reports/, which are rendered from a clean "
+            "tree at HEAD; "
+            f"these tracked files differ from HEAD: {changed[:8]}. Commit them first (or write "
+            "the report elsewhere)."
+        )
 
+# %% ../nbs/01_provenance.ipynb #396da2f2
 def git_state(path='.') -> dict:
-    "The commit of the git work tree containing `path` and whether its source (everything outside `reports/`) differs from it."
+    """The commit of the git work tree containing `path` and whether its source (everything outside
+    `reports/`) differs from it."""
     try:
-        r = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=path, capture_output=True, text=True, timeout=20)
-        if r.returncode: return {'commit': None, 'dirty': None, 'reason': r.stderr.strip()[:200]}
+        r = subprocess.run(
+            ['git', 'rev-parse', 'HEAD'], cwd=path, capture_output=True, text=True, timeout=20
+        )
+        if r.returncode:
+            return {'commit': None, 'dirty': None, 'reason': r.stderr.strip()[:200]}
         changed = changed_source_files(path)
-        return {'commit': r.stdout.strip(), 'dirty': bool(changed), **({'changed': changed[:20]} if changed else {})}
+        return {
+            'commit': r.stdout.strip(),
+            'dirty': bool(changed),
+            **({'changed': changed[:20]} if changed else {}),
+        }
     except (OSError, subprocess.TimeoutExpired) as e:
         return {'commit': None, 'dirty': None, 'reason': str(e)}
 
-KEY_PACKAGES = ('memagent', 'torch', 'transformers', 'tokenizers', 'safetensors', 'numpy', 'ray', 'sglang',
-                'megatron-core', 'nbdev', 'papermill')
+# %% ../nbs/01_provenance.ipynb #f919f02f
+KEY_PACKAGES = (
+    'memagent',
+    'torch',
+    'transformers',
+    'tokenizers',
+    'safetensors',
+    'numpy',
+    'ray',
+    'sglang',
+    'megatron-core',
+    'nbdev',
+    'papermill',
+)
+
 
 def package_versions(names=KEY_PACKAGES) -> dict:
     "Installed versions of the packages that shape results (`None` when not installed)."
     out = {}
     for n in names:
-        try: out[n] = metadata.version(n)
-        except metadata.PackageNotFoundError: out[n] = None
+        try:
+            out[n] = metadata.version(n)
+        except metadata.PackageNotFoundError:
+            out[n] = None
     return out
 
+# %% ../nbs/01_provenance.ipynb #eadb9c8f
 def host_info() -> dict:
     "Python, platform, CPU count and accelerator of this process."
-    info = {'python': sys.version.split()[0], 'platform': platform.platform(), 'machine': platform.machine(),
-            'cpu_count': os.cpu_count(), 'hostname': platform.node()}
+    info = {
+        'python': sys.version.split()[0],
+        'platform': platform.platform(),
+        'machine': platform.machine(),
+        'cpu_count': os.cpu_count(),
+        'hostname': platform.node(),
+    }
     try:
         import torch
+
         info['torch_threads'] = torch.get_num_threads()
         info['cuda'] = torch.cuda.is_available()
-        if info['cuda']: info['devices'] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except ImportError: info['cuda'] = None
+        if info['cuda']:
+            info['devices'] = [
+                torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+            ]
+    except ImportError:
+        info['cuda'] = None
     return info
 
 # %% ../nbs/01_provenance.ipynb #230bd9a6
 def provenance(repo='.', **extra) -> dict:
-    "The record every output embeds: time, git state, package versions, host, and any `extra` fields given."
-    rec = {'created_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()), 'git': git_state(repo),
-           'packages': package_versions(), 'host': host_info()}
+    """The record every output embeds: time, git state, package versions, host, and any `extra`
+    fields given."""
+    rec = {
+        'created_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
+        'git': git_state(repo),
+        'packages': package_versions(),
+        'host': host_info(),
+    }
     clash = set(rec) & set(extra)
-    if clash: raise ValueError(f"provenance: extra keys {sorted(clash)} would overwrite the base record")
+    if clash:
+        raise ValueError(f"provenance: extra keys {sorted(clash)} would overwrite the base record")
     rec.update(extra)
-    json.dumps(rec)  # everything in it must be JSON-serializable; fail here, not when the output is written
+    json.dumps(
+        rec
+    )  # everything in it must be JSON-serializable; fail here, not when the output is written
     return rec
 
 # %% ../nbs/01_provenance.ipynb #fc0eaa5f
-_HOST_TYPES = {'python': str, 'platform': str, 'machine': str, 'cpu_count': (int, type(None)), 'hostname': str,
-               'torch_threads': int, 'cuda': (bool, type(None)), 'devices': list}
+_HOST_TYPES = {
+    'python': str,
+    'platform': str,
+    'machine': str,
+    'cpu_count': (int, type(None)),
+    'hostname': str,
+    'torch_threads': int,
+    'cuda': (bool, type(None)),
+    'devices': list,
+}
+
 
 def provenance_problems(rec, where: str = 'provenance', extra=()) -> list[str]:
-    "Each way `rec` departs from the shape `provenance()` writes (with the caller's `extra` keys): `[]` when it has that shape."
+    """Each way `rec` departs from the shape `provenance()` writes (with the caller's `extra` keys):
+    `[]` when it has that shape."""
     import re
-    if not isinstance(rec, dict): return [f'{where}: a {type(rec).__name__}, not the object provenance() writes']
+
+    if not isinstance(rec, dict):
+        return [f'{where}: a {type(rec).__name__}, not the object provenance() writes']
     base = ('created_utc', 'git', 'packages', 'host')
     out = [f'{where}.{k}: missing' for k in (*base, *extra) if k not in rec]
-    out += [f'{where}.{k}: not a field provenance() writes' for k in rec if k not in (*base, *extra)]
+    out += [
+        f'{where}.{k}: not a field provenance() writes' for k in rec if k not in (*base, *extra)
+    ]
     t = rec.get('created_utc')
-    if 'created_utc' in rec and not (isinstance(t, str) and re.fullmatch(r'\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ', t)):
+    if 'created_utc' in rec and not (
+        isinstance(t, str) and re.fullmatch(r'\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ', t)
+    ):
         out.append(f'{where}.created_utc: {t!r} is not a UTC time as YYYY-MM-DDTHH:MM:SSZ')
     g = rec.get('git')
     if 'git' in rec:
-        if not isinstance(g, dict): out.append(f'{where}.git: {g!r} is not an object')
+        if not isinstance(g, dict):
+            out.append(f'{where}.git: {g!r} is not an object')
         else:
-            out += [f'{where}.git.{k}: not a field git_state() writes' for k in g if k not in ('commit', 'dirty', 'changed', 'reason')]
+            out += [
+                f'{where}.git.{k}: not a field git_state() writes'
+                for k in g
+                if k not in ('commit', 'dirty', 'changed', 'reason')
+            ]
             c, d = g.get('commit'), g.get('dirty')
             if c is None:
-                if d is not None or not isinstance(g.get('reason'), str): out.append(f'{where}.git: no commit, so dirty must be null and a reason given')
-            elif not (isinstance(c, str) and re.fullmatch(r'[0-9a-f]{40}', c)): out.append(f'{where}.git.commit: {c!r} is not a 40-hex commit')
-            elif not isinstance(d, bool): out.append(f'{where}.git.dirty: {d!r} is not true or false')
-            elif d != bool(g.get('changed')) or ('changed' in g and not (isinstance(g['changed'], list) and all(isinstance(x, str) for x in g['changed']))):
-                out.append(f"{where}.git: dirty={d!r} disagrees with the changed files it lists ({g.get('changed')!r})")
+                if d is not None or not isinstance(g.get('reason'), str):
+                    out.append(f'{where}.git: no commit, so dirty must be null and a reason given')
+            elif not (isinstance(c, str) and re.fullmatch(r'[0-9a-f]{40}', c)):
+                out.append(f'{where}.git.commit: {c!r} is not a 40-hex commit')
+            elif not isinstance(d, bool):
+                out.append(f'{where}.git.dirty: {d!r} is not true or false')
+            elif d != bool(g.get('changed')) or (
+                'changed' in g
+                and not (
+                    isinstance(g['changed'], list) and all(isinstance(x, str) for x in g['changed'])
+                )
+            ):
+                out.append(
+                    f"{where}.git: dirty={d!r} disagrees with the changed files it lists "
+                    f"({g.get('changed')!r})"
+                )
     p = rec.get('packages')
     if 'packages' in rec:
         if not isinstance(p, dict) or list(p) != list(KEY_PACKAGES):
-            out.append(f'{where}.packages: {sorted(p) if isinstance(p, dict) else p!r} are not the packages {list(KEY_PACKAGES)}')
-        else: out += [f'{where}.packages.{k}: {v!r} is not a version or null' for k, v in p.items() if not (v is None or (isinstance(v, str) and v))]
+            out.append(
+                f'{where}.packages: {sorted(p) if isinstance(p, dict) else p!r} are not the '
+                f'packages {list(KEY_PACKAGES)}'
+            )
+        else:
+            out += [
+                f'{where}.packages.{k}: {v!r} is not a version or null'
+                for k, v in p.items()
+                if not (v is None or (isinstance(v, str) and v))
+            ]
     h = rec.get('host')
     if 'host' in rec:
-        if not isinstance(h, dict): out.append(f'{where}.host: {h!r} is not an object')
+        if not isinstance(h, dict):
+            out.append(f'{where}.host: {h!r} is not an object')
         else:
-            out += [f'{where}.host.{k}: missing' for k in ('python', 'platform', 'machine', 'cpu_count', 'hostname', 'cuda') if k not in h]
-            out += [f'{where}.host.{k}: not a field host_info() writes' if k not in _HOST_TYPES else f'{where}.host.{k}: {v!r} has the wrong type'
-                    for k, v in h.items() if k not in _HOST_TYPES or not _typed(v, _HOST_TYPES[k])]
+            out += [
+                f'{where}.host.{k}: missing'
+                for k in ('python', 'platform', 'machine', 'cpu_count', 'hostname', 'cuda')
+                if k not in h
+            ]
+            out += [
+                f'{where}.host.{k}: not a field host_info() writes'
+                if k not in _HOST_TYPES
+                else f'{where}.host.{k}: {v!r} has the wrong type'
+                for k, v in h.items()
+                if k not in _HOST_TYPES or not _typed(v, _HOST_TYPES[k])
+            ]
     return out
 
+# %% ../nbs/01_provenance.ipynb #368fb82f
 def _typed(v, t) -> bool:
     "`isinstance(v, t)`, except that a bool is not an int here."
     ts = t if isinstance(t, tuple) else (t,)
@@ -168,7 +310,8 @@ def _typed(v, t) -> bool:
 
 # %% ../nbs/01_provenance.ipynb #31d66846
 def refuse_overwrite(inputs: dict, outputs: dict) -> None:
-    "Raise `ValueError` naming both paths when an output is one of the inputs or another output, however spelt (`memagent.files.refuse_aliases`)."
+    """Raise `ValueError` naming both paths when an output is one of the inputs or another output,
+    however spelt (`memagent.files.refuse_aliases`)."""
     from memagent.files import refuse_aliases
-    refuse_aliases(inputs, outputs)
 
+    refuse_aliases(inputs, outputs)

@@ -18,218 +18,386 @@ __all__ = ['REQUIRED_FIELDS', 'SUMMARY_FILES', 'read_metrics', 'check_steps', 'm
 # %% ../nbs/17_report.ipynb #db442c53
 REQUIRED_FIELDS = ('step', 'reward_mean', 'pass_rate')
 
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
+
 def read_metrics(path) -> tuple[list[dict], int]:
-    "Parse `metrics.jsonl` into a list of step records (with `_line`, their 1-based line) and the count of blank lines skipped."
+    """Parse `metrics.jsonl` into a list of step records (with `_line`, their 1-based line) and the
+    count of blank lines skipped."""
     path = Path(path)
-    if not path.is_file(): raise ValueError(f"{path}: metrics file not found")
+    if not path.is_file():
+        raise ValueError(f"{path}: metrics file not found")
     rows, blank = [], 0
     lines = path.read_bytes().split(b'\n')
-    if lines and lines[-1] == b'': lines.pop()          # the newline that ends the last line
+    if lines and lines[-1] == b'':
+        lines.pop()  # the newline that ends the last line
     for ln, raw in enumerate(lines, 1):
-        if not raw.strip(): blank += 1; continue
-        rec = check_shape(loads_json(decode(raw, path, ln), path, ln), 'metrics_row', path, ln)   # FileError: file, line, field
+        if not raw.strip():
+            blank += 1
+            continue
+        rec = check_shape(
+            loads_json(decode(raw, path, ln), path, ln), 'metrics_row', path, ln
+        )  # FileError: file, line, field
         miss = [k for k in REQUIRED_FIELDS if k not in rec]
-        if miss: raise FileError(path, ln, None, f"missing field(s) {miss}")
+        if miss:
+            raise FileError(path, ln, None, f"missing field(s) {miss}")
         s = rec['step']
         for k in ('reward_mean', 'pass_rate'):
             v = rec[k]
-            if not _is_number(v): raise FileError(path, ln, k, f"must be a number, got {v!r}")
-            if not math.isfinite(v): raise FileError(path, ln, k, f"is not finite ({v}) at step {s}")
+            if not _is_number(v):
+                raise FileError(path, ln, k, f"must be a number, got {v!r}")
+            if not math.isfinite(v):
+                raise FileError(path, ln, k, f"is not finite ({v}) at step {s}")
         rows.append({**rec, '_line': ln})
-    if not rows: raise ValueError(f"{path}: no steps recorded")
+    if not rows:
+        raise ValueError(f"{path}: no steps recorded")
     return rows, blank
 
 # %% ../nbs/17_report.ipynb #a32c18bc
 def check_steps(rows: list[dict], expected_steps: int, path='metrics.jsonl') -> list[dict]:
-    "Refuse duplicate, out-of-range (<1 or > `expected_steps`) and missing steps; return the rows sorted by step."
-    if not isinstance(expected_steps, int) or isinstance(expected_steps, bool) or expected_steps < 1:
-        raise ValueError(f"{path}: expected_steps must be a positive integer, got {expected_steps!r}")
+    """Refuse duplicate, out-of-range (<1 or > `expected_steps`) and missing steps; return the rows
+    sorted by step."""
+    if (
+        not isinstance(expected_steps, int)
+        or isinstance(expected_steps, bool)
+        or expected_steps < 1
+    ):
+        raise ValueError(
+            f"{path}: expected_steps must be a positive integer, got {expected_steps!r}"
+        )
     seen = {}
     for r in rows:
         s, ln = r['step'], r.get('_line', '?')
         if s < 1 or s > expected_steps:
             raise FileError(path, ln, 'step', f"step {s} out of range 1..{expected_steps}")
-        if s in seen: raise FileError(path, ln, 'step', f"duplicate step {s} (first at line {seen[s]})")
+        if s in seen:
+            raise FileError(path, ln, 'step', f"duplicate step {s} (first at line {seen[s]})")
         seen[s] = ln
     missing = [s for s in range(1, expected_steps + 1) if s not in seen]
     if missing:
         show = ', '.join(map(str, missing[:10])) + (' ...' if len(missing) > 10 else '')
-        raise ValueError(f"{path}: incomplete run: {len(missing)} of {expected_steps} steps missing ({show})")
+        raise ValueError(
+            f"{path}: incomplete run: {len(missing)} of {expected_steps} steps missing ({show})"
+        )
     return sorted(rows, key=lambda r: r['step'])
 
 # %% ../nbs/17_report.ipynb #39db8063
 def moving_average(xs, window: int) -> list[float]:
     "Trailing mean: element t is the mean of xs[max(0, t-window+1) .. t]."
-    if window < 1: raise ValueError(f"window must be >= 1, got {window}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     out, acc = [], 0.0
     for i, x in enumerate(xs):
         acc += x
-        if i >= window: acc -= xs[i - window]
+        if i >= window:
+            acc -= xs[i - window]
         out.append(acc / min(i + 1, window))
     return out
 
+
 def window_stats(steps, rewards, window: int = 5) -> dict:
     "First/last-window means of `rewards`, their delta, the peak and the first step reaching it."
-    if window < 1: raise ValueError(f"window must be >= 1, got {window}")
-    if not rewards or len(steps) != len(rewards): raise ValueError("window_stats: need one reward per step and at least one step")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if not rewards or len(steps) != len(rewards):
+        raise ValueError("window_stats: need one reward per step and at least one step")
     w = min(window, len(rewards))
     first, last = sum(rewards[:w]) / w, sum(rewards[-w:]) / w
-    peak = max(rewards); i = rewards.index(peak)
-    return {'first_window_mean': first, 'last_window_mean': last, 'delta': last - first, 'peak': peak,
-            'peak_step': steps[i], 'mean_all': sum(rewards) / len(rewards), 'window': window, 'window_used': w}
+    peak = max(rewards)
+    i = rewards.index(peak)
+    return {
+        'first_window_mean': first,
+        'last_window_mean': last,
+        'delta': last - first,
+        'peak': peak,
+        'peak_step': steps[i],
+        'mean_all': sum(rewards) / len(rewards),
+        'window': window,
+        'window_used': w,
+    }
 
 # %% ../nbs/17_report.ipynb #88b140bf
 def scalar_columns(rows: list[dict], first=('step', 'reward_mean', 'pass_rate')) -> list[str]:
-    "`first`, then every other key whose values are all numbers (or missing/None) across `rows`, sorted."
+    """`first`, then every other key whose values are all numbers (or missing/None) across `rows`,
+    sorted."""
     keys = {}
     for r in rows:
         for k, v in r.items():
-            if k.startswith('_') or k in first: continue
+            if k.startswith('_') or k in first:
+                continue
             ok = v is None or _is_number(v) or isinstance(v, bool)
             keys[k] = keys.get(k, True) and ok
     return list(first) + sorted(k for k, ok in keys.items() if ok)
 
+# %% ../nbs/17_report.ipynb #67446fa6
 def write_csv(rows: list[dict], path, columns=None) -> Path:
-    "Write `rows` as CSV with `columns` (default: `scalar_columns`); missing values are empty cells."
-    path = Path(path); columns = columns or scalar_columns(rows)
+    """Write `rows` as CSV with `columns` (default: `scalar_columns`); missing values are empty
+    cells."""
+    path = Path(path)
+    columns = columns or scalar_columns(rows)
     with open(path, 'w', newline='') as f:
-        w = csv.writer(f); w.writerow(columns)
+        w = csv.writer(f)
+        w.writerow(columns)
         for r in rows:
-            w.writerow(['' if r.get(c) is None else (int(r[c]) if isinstance(r[c], bool) else r[c]) for c in columns])
+            w.writerow(
+                [
+                    '' if r.get(c) is None else (int(r[c]) if isinstance(r[c], bool) else r[c])
+                    for c in columns
+                ]
+            )
     return path
 
+# %% ../nbs/17_report.ipynb #df2b10fd
 def _figure(nrows=1, ncols=1, size=(7, 4)):
     from matplotlib.figure import Figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    fig = Figure(figsize=size, dpi=100); FigureCanvasAgg(fig)
+
+    fig = Figure(figsize=size, dpi=100)
+    FigureCanvasAgg(fig)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
+# %% ../nbs/17_report.ipynb #541e14e9
 def plot_reward_curve(steps, rewards, pass_rates, path, window=5, title='reward') -> Path:
-    "Reward per step with its trailing moving average (left axis) and pass rate (same 0..1 scale) as a PNG."
-    fig, ax = _figure(size=(7, 4)); ax = ax[0][0]
+    """Reward per step with its trailing moving average (left axis) and pass rate (same 0..1 scale)
+    as a PNG."""
+    fig, ax = _figure(size=(7, 4))
+    ax = ax[0][0]
     ax.plot(steps, rewards, marker='o', ms=3, lw=1, alpha=0.6, label='reward_mean (per step)')
     ax.plot(steps, moving_average(rewards, window), lw=2, label=f'moving average (window {window})')
     ax.plot(steps, pass_rates, ls='--', lw=1, label='pass_rate')
-    ax.set_xlabel('training step'); ax.set_ylabel('reward / pass rate')
-    ax.set_title(title); ax.grid(alpha=0.3); ax.legend(loc='best', fontsize=8)
-    fig.tight_layout(); fig.savefig(path)
+    ax.set_xlabel('training step')
+    ax.set_ylabel('reward / pass rate')
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc='best', fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
     return Path(path)
 
-def plot_metric_grid(metrics: list[dict], keys, path, ncols: int = 3, title: str | None = None) -> Path:
-    "A grid of per-step line plots, one panel per key (list values: mean line with a min..max band; 'not logged' when absent)."
+# %% ../nbs/17_report.ipynb #bab66fc1
+def plot_metric_grid(
+    metrics: list[dict], keys, path, ncols: int = 3, title: str | None = None
+) -> Path:
+    """A grid of per-step line plots, one panel per key (list values: mean line with a min..max
+    band; 'not logged' when absent)."""
     keys = list(keys)
-    if not keys: raise ValueError("plot_metric_grid: no keys to plot")
-    ncols = max(1, min(ncols, len(keys))); nrows = math.ceil(len(keys) / ncols)
+    if not keys:
+        raise ValueError("plot_metric_grid: no keys to plot")
+    ncols = max(1, min(ncols, len(keys)))
+    nrows = math.ceil(len(keys) / ncols)
     fig, axes = _figure(nrows, ncols, size=(3.4 * ncols, 2.6 * nrows))
     for i, k in enumerate(keys):
         ax = axes[i // ncols][i % ncols]
         pts, band = [], []
         for j, m in enumerate(metrics):
             v, x = m.get(k), m.get('step', j + 1)
-            if _is_number(v) or isinstance(v, bool): pts.append((x, float(v)))
+            if _is_number(v) or isinstance(v, bool):
+                pts.append((x, float(v)))
             elif isinstance(v, (list, tuple)) and v and all(_is_number(e) for e in v):
-                pts.append((x, sum(v) / len(v))); band.append((x, min(v), max(v)))
-        if pts: ax.plot(*zip(*pts), marker='.', lw=1, label='mean' if band else None)
-        else: ax.text(0.5, 0.5, 'not logged', ha='center', va='center', transform=ax.transAxes)
+                pts.append((x, sum(v) / len(v)))
+                band.append((x, min(v), max(v)))
+        if pts:
+            ax.plot(*zip(*pts), marker='.', lw=1, label='mean' if band else None)
+        else:
+            ax.text(0.5, 0.5, 'not logged', ha='center', va='center', transform=ax.transAxes)
         if band:
-            xs, lo, hi = zip(*band); ax.fill_between(xs, lo, hi, alpha=0.25, label='min..max'); ax.legend(fontsize=6)
-        ax.set_title(k, fontsize=9); ax.set_xlabel('step', fontsize=8); ax.tick_params(labelsize=7); ax.grid(alpha=0.3)
-    for j in range(len(keys), nrows * ncols): axes[j // ncols][j % ncols].set_visible(False)
-    if title: fig.suptitle(title)
-    fig.tight_layout(); fig.savefig(path)
+            xs, lo, hi = zip(*band)
+            ax.fill_between(xs, lo, hi, alpha=0.25, label='min..max')
+            ax.legend(fontsize=6)
+        ax.set_title(k, fontsize=9)
+        ax.set_xlabel('step', fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for j in range(len(keys), nrows * ncols):
+        axes[j // ncols][j % ncols].set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
     return Path(path)
 
 # %% ../nbs/17_report.ipynb #3f82e329
 SUMMARY_FILES = ('reward_by_step.csv', 'reward_curve.png', 'reward_summary.json')
 
+
 def read_run(run_dir) -> dict:
-    "Load and check `run.json` of a run directory: an object with a positive integer `steps`, `config` and `provenance`."
+    """Load and check `run.json` of a run directory: an object with a positive integer `steps`,
+    `config` and `provenance`."""
     p = Path(run_dir) / 'run.json'
-    if not p.is_file(): raise ValueError(f"{p}: run.json not found (every run directory carries its planned steps and provenance)")
+    if not p.is_file():
+        raise ValueError(
+            f"{p}: run.json not found (every run directory carries its planned steps and "
+            "provenance)"
+        )
     run = read_json(p, 'run')
-    if not isinstance(run, dict): raise ValueError(f"{p}: expected a JSON object")
+    if not isinstance(run, dict):
+        raise ValueError(f"{p}: expected a JSON object")
     miss = [k for k in ('steps', 'config', 'provenance') if k not in run]
-    if miss: raise ValueError(f"{p}: missing field(s) {miss}")
+    if miss:
+        raise ValueError(f"{p}: missing field(s) {miss}")
     s = run['steps']
-    if not isinstance(s, int) or isinstance(s, bool) or s < 1: raise ValueError(f"{p}: field 'steps' must be a positive integer, got {s!r}")
+    if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+        raise ValueError(f"{p}: field 'steps' must be a positive integer, got {s!r}")
     return run
 
-def reward_summary(run_dir, window: int = 5, expected_steps: int | None = None, out_dir=None) -> dict:
-    "Check a run is whole and did not stop unhealthy (`health.json`), then write `reward_by_step.csv`, `reward_curve.png` and `reward_summary.json` (in `out_dir`, default the run dir)."
+# %% ../nbs/17_report.ipynb #3008815e
+def reward_summary(
+    run_dir, window: int = 5, expected_steps: int | None = None, out_dir=None
+) -> dict:
+    """Check a run is whole and did not stop unhealthy (`health.json`), then write
+    `reward_by_step.csv`, `reward_curve.png` and `reward_summary.json` (in `out_dir`, default the
+    run dir)."""
     run_dir = Path(run_dir)
-    if not isinstance(window, int) or window < 1: raise ValueError(f"window must be a positive integer, got {window!r}")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive integer, got {window!r}")
     out = Path(out_dir) if out_dir is not None else run_dir
-    st = Staged({f: out / f for f in SUMMARY_FILES},          # checked against the run's files before anything is read
-                {k: run_dir / k for k in ('metrics.jsonl', 'run.json', 'health.json', 'run.lock')})
+    st = Staged(
+        {
+            f: out / f for f in SUMMARY_FILES
+        },  # checked against the run's files before anything is read
+        {k: run_dir / k for k in ('metrics.jsonl', 'run.json', 'health.json', 'run.lock')},
+    )
     run = read_run(run_dir)
     from memagent.health import read_health
+
     if (h := read_health(run_dir)) is not None and h['status'] == 'stopped':
-        raise ValueError(f"{run_dir / 'health.json'}: the run stopped unhealthy at step {h['step']} ({h['reason']}); "
-                         "its rewards are not a result")
+        raise ValueError(
+            f"{run_dir / 'health.json'}: the run stopped unhealthy at step {h['step']} "
+            f"({h['reason']}); "
+            "its rewards are not a result"
+        )
     mpath = run_dir / 'metrics.jsonl'
     rows, blank = read_metrics(mpath)
-    if expected_steps is None: exp, src = run['steps'], 'run.json'
-    else: exp, src = expected_steps, 'argument'
+    if expected_steps is None:
+        exp, src = run['steps'], 'run.json'
+    else:
+        exp, src = expected_steps, 'argument'
     rows = check_steps(rows, exp, mpath)
     steps = [r['step'] for r in rows]
-    rewards = [float(r['reward_mean']) for r in rows]; passes = [float(r['pass_rate']) for r in rows]
+    rewards = [float(r['reward_mean']) for r in rows]
+    passes = [float(r['pass_rate']) for r in rows]
     name = run.get('name') or run_dir.resolve().name
-    with st:                                   # the three files move into place together, or none does
+    with st:  # the three files move into place together, or none does
         write_csv(rows, st['reward_by_step.csv'])
-        plot_reward_curve(steps, rewards, passes, st['reward_curve.png'], window=window, title=f'{name}: reward per step')
-        _summary_json(st['reward_summary.json'], run, name, rows, exp, src, steps, rewards, passes, window, blank, mpath, run_dir)
+        plot_reward_curve(
+            steps,
+            rewards,
+            passes,
+            st['reward_curve.png'],
+            window=window,
+            title=f'{name}: reward per step',
+        )
+        _summary_json(
+            st['reward_summary.json'],
+            run,
+            name,
+            rows,
+            exp,
+            src,
+            steps,
+            rewards,
+            passes,
+            window,
+            blank,
+            mpath,
+            run_dir,
+        )
     return json.loads(st.targets['reward_summary.json'].read_text())
 
-def _summary_json(path, run, name, rows, exp, src, steps, rewards, passes, window, blank, mpath, run_dir):
+# %% ../nbs/17_report.ipynb #e2d54a93
+def _summary_json(
+    path, run, name, rows, exp, src, steps, rewards, passes, window, blank, mpath, run_dir
+):
     w = min(window, len(passes))
-    summary = {'run': name, 'steps': len(rows), 'expected_steps': exp, 'expected_steps_source': src,
-               'run_json_steps': run['steps'], **window_stats(steps, rewards, window),
-               'pass_rate_first_window': sum(passes[:w]) / w, 'pass_rate_last_window': sum(passes[-w:]) / w,
-               'blank_lines_skipped': blank, 'files': list(SUMMARY_FILES),
-               'provenance': provenance(tool='memagent.report.reward_summary',
-                                        inputs={'metrics.jsonl': sha256_file(mpath), 'run.json': sha256_file(run_dir / 'run.json')}),
-               'run_provenance': run['provenance']}
+    summary = {
+        'run': name,
+        'steps': len(rows),
+        'expected_steps': exp,
+        'expected_steps_source': src,
+        'run_json_steps': run['steps'],
+        **window_stats(steps, rewards, window),
+        'pass_rate_first_window': sum(passes[:w]) / w,
+        'pass_rate_last_window': sum(passes[-w:]) / w,
+        'blank_lines_skipped': blank,
+        'files': list(SUMMARY_FILES),
+        'provenance': provenance(
+            tool='memagent.report.reward_summary',
+            inputs={
+                'metrics.jsonl': sha256_file(mpath),
+                'run.json': sha256_file(run_dir / 'run.json'),
+            },
+        ),
+        'run_provenance': run['provenance'],
+    }
     Path(path).write_text(json.dumps(summary, indent=2) + '\n')
 
 # %% ../nbs/17_report.ipynb #99e52e70
 def summary_cli(argv=None) -> int:
-    "Console entry `memagent-reward-summary`: summarize a run directory or exit non-zero with the reason."
-    ap = argparse.ArgumentParser(prog='memagent-reward-summary', description='Reward summary of a memagent training run.')
+    """Console entry `memagent-reward-summary`: summarize a run directory or exit non-zero with the
+    reason."""
+    ap = argparse.ArgumentParser(
+        prog='memagent-reward-summary', description='Reward summary of a memagent training run.'
+    )
     from memagent.config import cli_number
-    ap.add_argument('run_dir'); ap.add_argument('--window', type=cli_number('int>=1'), default=5)
-    ap.add_argument('--expected-steps', type=cli_number('int>=1'), default=None); ap.add_argument('--out-dir', default=None)
+
+    ap.add_argument('run_dir')
+    ap.add_argument('--window', type=cli_number('int>=1'), default=5)
+    ap.add_argument('--expected-steps', type=cli_number('int>=1'), default=None)
+    ap.add_argument('--out-dir', default=None)
     a = ap.parse_args(argv)
-    try: s = reward_summary(a.run_dir, window=a.window, expected_steps=a.expected_steps, out_dir=a.out_dir)
+    try:
+        s = reward_summary(
+            a.run_dir, window=a.window, expected_steps=a.expected_steps, out_dir=a.out_dir
+        )
     except ValueError as e:
         print(f"memagent-reward-summary: refused: {e}", file=sys.stderr)
-        if argv is None: sys.exit(2)
+        if argv is None:
+            sys.exit(2)
         return 2
-    keys = ('steps', 'window', 'first_window_mean', 'last_window_mean', 'delta', 'peak', 'peak_step')
+    keys = (
+        'steps',
+        'window',
+        'first_window_mean',
+        'last_window_mean',
+        'delta',
+        'peak',
+        'peak_step',
+    )
     print(json.dumps({k: s[k] for k in keys}))
     print(f"wrote {', '.join(str(Path(a.out_dir or a.run_dir) / f) for f in SUMMARY_FILES)}")
     return 0
 
 # %% ../nbs/17_report.ipynb #b036dd4f
 def _cell(v, floatfmt):
-    if v is None: return ''
-    if isinstance(v, float): return format(v, floatfmt)
+    if v is None:
+        return ''
+    if isinstance(v, float):
+        return format(v, floatfmt)
     return str(v).replace('|', '\\|').replace('\n', ' ')
 
+
 def md_table(rows: list[dict], columns=None, floatfmt: str = '.3f', align: bool = True) -> str:
-    "A GitHub markdown table of `rows` (columns: given, or every key in order of first appearance); `align` right-aligns numeric columns."
+    """A GitHub markdown table of `rows` (columns: given, or every key in order of first
+    appearance); `align` right-aligns numeric columns."""
     if columns is None:
         columns = []
         for r in rows:
             for k in r:
-                if k not in columns: columns.append(k)
-    if not columns: return '_(no rows)_'
+                if k not in columns:
+                    columns.append(k)
+    if not columns:
+        return '_(no rows)_'
     if align:
-        num = [all(_is_number(r.get(c)) or r.get(c) is None for r in rows) and any(_is_number(r.get(c)) for r in rows) for c in columns]
+        num = [
+            all(_is_number(r.get(c)) or r.get(c) is None for r in rows)
+            and any(_is_number(r.get(c)) for r in rows)
+            for c in columns
+        ]
         rule = '|' + '|'.join('---:' if n else '---' for n in num) + '|'
-    else: rule = '| ' + ' | '.join('---' for _ in columns) + ' |'
+    else:
+        rule = '| ' + ' | '.join('---' for _ in columns) + ' |'
     lines = ['| ' + ' | '.join(_cell(c, floatfmt) for c in columns) + ' |', rule]
     lines += ['| ' + ' | '.join(_cell(r.get(c), floatfmt) for c in columns) + ' |' for r in rows]
     return '\n'.join(lines)
@@ -237,40 +405,66 @@ def md_table(rows: list[dict], columns=None, floatfmt: str = '.3f', align: bool 
 # %% ../nbs/17_report.ipynb #ddd1e692
 _HASHY = ('sha256', 'hash', 'revision', 'commit', 'identity')
 
+
 def provenance_md(prov: dict) -> str:
-    "Markdown bullets for a provenance record: git (commit, dirty), packages, host, hashes, other fields."
-    prov = dict(prov or {}); out = []
+    """Markdown bullets for a provenance record: git (commit, dirty), packages, host, hashes, other
+    fields."""
+    prov = dict(prov or {})
+    out = []
     g = prov.pop('git', None)
     if g is not None:
         dirty = g.get('dirty')
-        flag = 'DIRTY work tree (uncommitted changes)' if dirty else ('clean' if dirty is False else 'unknown state')
-        out.append(f"- git: `{g.get('commit')}` ({flag})" + (f" - {g['reason']}" if g.get('reason') else ''))
-    if 'created_utc' in prov: out.append(f"- created: {prov.pop('created_utc')}")
+        flag = (
+            'DIRTY work tree (uncommitted changes)'
+            if dirty
+            else ('clean' if dirty is False else 'unknown state')
+        )
+        out.append(
+            f"- git: `{g.get('commit')}` ({flag})"
+            + (f" - {g['reason']}" if g.get('reason') else '')
+        )
+    if 'created_utc' in prov:
+        out.append(f"- created: {prov.pop('created_utc')}")
     pk = prov.pop('packages', None)
     if pk:
-        have = ', '.join(f'{k} {v}' for k, v in pk.items() if v); absent = [k for k, v in pk.items() if not v]
-        out.append(f"- packages: {have}" + (f" (not installed: {', '.join(absent)})" if absent else ''))
+        have = ', '.join(f'{k} {v}' for k, v in pk.items() if v)
+        absent = [k for k, v in pk.items() if not v]
+        out.append(
+            f"- packages: {have}" + (f" (not installed: {', '.join(absent)})" if absent else '')
+        )
     h = prov.pop('host', None)
     if h:
-        parts = [f"{k} {h[k]}" for k in ('hostname', 'python', 'platform', 'cpu_count') if h.get(k) is not None]
-        if h.get('devices'): parts.append('devices ' + ', '.join(h['devices']))
-        elif 'cuda' in h: parts.append(f"cuda {h['cuda']}")
+        parts = [
+            f"{k} {h[k]}"
+            for k in ('hostname', 'python', 'platform', 'cpu_count')
+            if h.get(k) is not None
+        ]
+        if h.get('devices'):
+            parts.append('devices ' + ', '.join(h['devices']))
+        elif 'cuda' in h:
+            parts.append(f"cuda {h['cuda']}")
         out.append('- host: ' + '; '.join(map(str, parts)))
     flat = list(flatten(prov).items())
     hashes = [(k, v) for k, v in flat if any(w in k.lower() for w in _HASHY)]
     other = [(k, v) for k, v in flat if (k, v) not in hashes]
     if hashes:
-        out.append('- hashes:'); out += [f"  - {k}: `{v}`" for k, v in hashes]
+        out.append('- hashes:')
+        out += [f"  - {k}: `{v}`" for k, v in hashes]
     if other:
-        out.append('- other:'); out += [f"  - {k}: {json.dumps(v) if not isinstance(v, str) else v}" for k, v in other]
+        out.append('- other:')
+        out += [f"  - {k}: {json.dumps(v) if not isinstance(v, str) else v}" for k, v in other]
     return '\n'.join(out) if out else '_(no provenance recorded)_'
 
 # %% ../nbs/17_report.ipynb #ee507f29
 def _plain(x):
-    if dataclasses.is_dataclass(x) and not isinstance(x, type): x = dataclasses.asdict(x)
-    if isinstance(x, dict): return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)): return [_plain(v) for v in x]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        x = dataclasses.asdict(x)
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
     return x
+
 
 def config_md(cfg_dict) -> str:
     "A fenced compact YAML block of a config (dataclass or dict)."
@@ -280,25 +474,35 @@ def config_md(cfg_dict) -> str:
 # %% ../nbs/17_report.ipynb #4f2c702c
 def _report_text(out: Path, title: str, sections, files, who: str) -> str:
     parts = [f'# {title}']
-    for head, body in sections: parts.append(f'## {head}\n\n{body.strip()}')
+    for head, body in sections:
+        parts.append(f'## {head}\n\n{body.strip()}')
     if files:
         lines = []
         for f in files:
-            p = Path(f); p = p if p.is_absolute() else out / p
-            if not p.is_file(): raise ValueError(f"{who}: listed file {p} does not exist")
-            try: rel = p.resolve().relative_to(out.resolve()).as_posix()
-            except ValueError: rel = p.resolve().as_posix()
+            p = Path(f)
+            p = p if p.is_absolute() else out / p
+            if not p.is_file():
+                raise ValueError(f"{who}: listed file {p} does not exist")
+            try:
+                rel = p.resolve().relative_to(out.resolve()).as_posix()
+            except ValueError:
+                rel = p.resolve().as_posix()
             lines.append(f"- [{rel}]({rel}) `sha256:{sha256_file(p)[:16]}`")
-            if p.suffix.lower() in ('.png', '.svg', '.jpg', '.jpeg'): lines.append(f"\n  ![{p.stem}]({rel})\n")
+            if p.suffix.lower() in ('.png', '.svg', '.jpg', '.jpeg'):
+                lines.append(f"\n  ![{p.stem}]({rel})\n")
         parts.append('## Files\n\n' + '\n'.join(lines))
     return '\n\n'.join(parts) + '\n'
 
+
 def report_text(out_dir, title: str, sections: list[tuple[str, str]], files=()) -> str:
-    "The text `write_report` writes, written nowhere: `# title`, one `## heading` per section, then the listed files (links + SHA-256 of the files in `out_dir`)."
+    """The text `write_report` writes, written nowhere: `# title`, one `## heading` per section,
+    then the listed files (links + SHA-256 of the files in `out_dir`)."""
     return _report_text(Path(out_dir), title, sections, files, 'report_text')
 
+
 def write_report(out_dir, title: str, sections: list[tuple[str, str]], files=()) -> Path:
-    "Write `out_dir/README.md`: `# title`, one `## heading` per section, then the listed files (links + SHA-256); the text is `report_text`'s."
+    """Write `out_dir/README.md`: `# title`, one `## heading` per section, then the listed files
+    (links + SHA-256); the text is `report_text`'s."""
     out = Path(out_dir)
     refuse_unclean_report_dir(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,63 +18,115 @@ __all__ = ['DATA_KEY', 'ResumeError', 'check_resume_config', 'plan_metrics', 'wr
 class ResumeError(ValueError):
     "The run directory cannot be resumed with this configuration; the message lists the keys."
 
-DATA_KEY = 'data.train'   # the resume_overrides key that allows other training examples than the checkpoint's
+# %% ../nbs/13b_resume.ipynb #0d3c3ef7
+# the resume_overrides key that allows other training examples than the checkpoint's
+DATA_KEY = 'data.train'
+
 
 def _predating(old: dict, cfg) -> dict:
-    "A checkpoint's flattened config with each key it predates (absent there, a field now) read as that field's default."
+    """A checkpoint's flattened config with each key it predates (absent there, a field now) read as
+    that field's default."""
     return {**{k: v for k, v in flatten(type(cfg)().to_dict()).items() if k not in old}, **old}
 
-def check_resume_config(saved_yaml: str, cfg, data_sha256: tuple[str | None, str] | None = None) -> list[tuple[str, object, object]]:
-    "Keys whose values differ between the checkpoint's config and `cfg` (and the training examples' SHA-256, `data_sha256`: (checkpoint's, now)): allowed ones are returned, any other refuses."
-    old, new = _predating(flatten(loads_yaml(saved_yaml, 'the checkpoint config.yaml') or {}), cfg), flatten(cfg.to_dict())
-    diffs = [(k, old.get(k, '<absent>'), new.get(k, '<absent>')) for k in sorted(set(old) | set(new))
-             if k != 'resume_overrides' and old.get(k, '<absent>') != new.get(k, '<absent>')]
+# %% ../nbs/13b_resume.ipynb #adbff34e
+def check_resume_config(
+    saved_yaml: str, cfg, data_sha256: tuple[str | None, str] | None = None
+) -> list[tuple[str, object, object]]:
+    """Keys whose values differ between the checkpoint's config and `cfg` (and the training
+    examples' SHA-256, `data_sha256`: (checkpoint's, now)): allowed ones are returned, any other
+    refuses."""
+    old, new = (
+        _predating(flatten(loads_yaml(saved_yaml, 'the checkpoint config.yaml') or {}), cfg),
+        flatten(cfg.to_dict()),
+    )
+    diffs = [
+        (k, old.get(k, '<absent>'), new.get(k, '<absent>'))
+        for k in sorted(set(old) | set(new))
+        if k != 'resume_overrides' and old.get(k, '<absent>') != new.get(k, '<absent>')
+    ]
     if data_sha256 is not None and data_sha256[0] != data_sha256[1]:
-        diffs.append((f'{DATA_KEY} (sha256 of the training examples)', data_sha256[0] or '<absent>', data_sha256[1]))
+        diffs.append(
+            (
+                f'{DATA_KEY} (sha256 of the training examples)',
+                data_sha256[0] or '<absent>',
+                data_sha256[1],
+            )
+        )
     allowed = set(cfg.resume_overrides)
     bad = [d for d in diffs if d[0].split(' ')[0] not in allowed]
     if bad:
-        raise ResumeError("the checkpoint was trained with another configuration: " +
-                          '; '.join(f"{k}: {o!r} in the checkpoint, {n!r} now" for k, o, n in bad) +
-                          ". Resume with the checkpoint's values, use a new run directory, or list the keys in resume_overrides.")
+        raise ResumeError(
+            "the checkpoint was trained with another configuration: "
+            + '; '.join(f"{k}: {o!r} in the checkpoint, {n!r} now" for k, o, n in bad)
+            + (
+                ". Resume with the checkpoint's values, use a new run directory, or list the keys "
+                "in resume_overrides."
+            )
+        )
     return diffs
 
+# %% ../nbs/13b_resume.ipynb #53e85932
 def plan_metrics(path, ckpt_step: int, ckpt_metrics: dict | None = None) -> tuple[list[dict], dict]:
-    "The lines `metrics.jsonl` keeps to end at the checkpoint's step (later and torn lines dropped, the checkpoint's own line restored), and the counts; reads only."
+    """The lines `metrics.jsonl` keeps to end at the checkpoint's step (later and torn lines
+    dropped, the checkpoint's own line restored), and the counts; reads only."""
     p = Path(path)
     text = p.read_text() if p.exists() else ''
     lines = text.split('\n')
-    if lines and lines[-1] == '': lines.pop()
+    if lines and lines[-1] == '':
+        lines.pop()
     rows, torn = [], 0
     for i, l in enumerate(lines, 1):
-        if not l.strip(): continue
-        try: rows.append(loads_json(l, p, i))
+        if not l.strip():
+            continue
+        try:
+            rows.append(loads_json(l, p, i))
         except FileError:
             if i == len(lines) and not text.endswith('\n'):
-                torn = 1; warnings.warn(f"{p}:{i}: dropping a torn last line (the run stopped while writing it)"); continue
+                torn = 1
+                warnings.warn(
+                    f"{p}:{i}: dropping a torn last line (the run stopped while writing it)"
+                )
+                continue
             raise ValueError(f"{p}:{i}: not valid JSON; the metrics file is damaged") from None
     keep = [r for r in rows if r['step'] <= ckpt_step]
     restored = 0
     if ckpt_metrics is not None and ckpt_step > 0 and not any(r['step'] == ckpt_step for r in keep):
-        keep.append(ckpt_metrics); restored = 1
-    return keep, {'kept': len(keep), 'dropped_after_checkpoint': len(rows) - sum(r['step'] <= ckpt_step for r in rows),
-                  'torn': torn, 'restored_from_checkpoint': restored}
+        keep.append(ckpt_metrics)
+        restored = 1
+    return keep, {
+        'kept': len(keep),
+        'dropped_after_checkpoint': len(rows) - sum(r['step'] <= ckpt_step for r in rows),
+        'torn': torn,
+        'restored_from_checkpoint': restored,
+    }
 
+# %% ../nbs/13b_resume.ipynb #3e71cf3a
 def write_metrics(path, rows: list[dict]):
-    "Replace `metrics.jsonl` with `rows`, atomically, one strict JSON line each (`memagent.health.json_line`)."
-    p = Path(path); tmp = p.with_name(p.name + '.tmp')
-    tmp.write_text(''.join(json_line(r) + '\n' for r in rows)); os.replace(tmp, p)
+    """Replace `metrics.jsonl` with `rows`, atomically, one strict JSON line each
+    (`memagent.health.json_line`)."""
+    p = Path(path)
+    tmp = p.with_name(p.name + '.tmp')
+    tmp.write_text(''.join(json_line(r) + '\n' for r in rows))
+    os.replace(tmp, p)
 
+# %% ../nbs/13b_resume.ipynb #712031c6
 def reconcile_metrics(path, ckpt_step: int, ckpt_metrics: dict | None = None) -> dict:
-    "Make `metrics.jsonl` end at the checkpoint's step (`plan_metrics`, then `write_metrics`); the counts."
+    """Make `metrics.jsonl` end at the checkpoint's step (`plan_metrics`, then `write_metrics`); the
+    counts."""
     keep, counts = plan_metrics(path, ckpt_step, ckpt_metrics)
     write_metrics(path, keep)
     return counts
 
 # %% ../nbs/13b_resume.ipynb #f5541131
-def check_resume(ck: dict, cfg, data_sha256: str, metrics_path) -> tuple[list[tuple[str, object, object]], list[dict]]:
-    "Every check of a resume that reads files, before the trainer writes any: the config and the data (`check_resume_config`), then the metrics file (`plan_metrics`); (allowed differences, the metrics lines to keep)."
-    diffs = check_resume_config(ck['config_yaml'], cfg, ((ck.get('provenance') or {}).get('data_sha256'), data_sha256))
+def check_resume(
+    ck: dict, cfg, data_sha256: str, metrics_path
+) -> tuple[list[tuple[str, object, object]], list[dict]]:
+    """Every check of a resume that reads files, before the trainer writes any: the config and the
+    data (`check_resume_config`), then the metrics file (`plan_metrics`); (allowed differences, the
+    metrics lines to keep)."""
+    diffs = check_resume_config(
+        ck['config_yaml'], cfg, ((ck.get('provenance') or {}).get('data_sha256'), data_sha256)
+    )
     keep, _ = plan_metrics(metrics_path, ck['state']['step'], ck['state'].get('metrics'))
     return diffs, keep
 
@@ -83,20 +135,38 @@ def examples_sha256(examples) -> str:
     "The SHA-256 a resume compares: the training examples as canonical JSON."
     return sha256_text(json.dumps(examples, sort_keys=True, ensure_ascii=False))
 
+
 def preflight_resume(run_dir, cfg, examples) -> dict | None:
-    "What a run notebook asks before it writes into `run_dir`: would the trainer refuse to resume this run with `cfg` and `examples`? The config and data check (`check_resume_config`, `ResumeError` naming the keys) against the newest checkpoint whose config and provenance read, from `latest` down (the trainer then verifies its files); its name and step, or None when the run has no checkpoint."
+    """What a run notebook asks before it writes into `run_dir`: would the trainer refuse to resume
+    this run with `cfg` and `examples`? The config and data check (`check_resume_config`,
+    `ResumeError` naming the keys) against the newest checkpoint whose config and provenance read,
+    from `latest` down (the trainer then verifies its files); its name and step, or None when the
+    run has no checkpoint."""
     from memagent.checkpoint import latest_checkpoint, list_checkpoints
-    root = Path(run_dir)/'checkpoints'
+
+    root = Path(run_dir) / 'checkpoints'
     first = latest_checkpoint(root)
-    for c in ([first] if first else []) + [c for c in reversed(list_checkpoints(root)) if c != first]:
-        try: saved, prov, state = (c/'config.yaml').read_text(), read_json(c/'provenance.json', 'object'), read_json(c/'state.json', 'checkpoint_state')
-        except (OSError, ValueError): continue             # unreadable: the trainer passes it over too, naming it
+    for c in ([first] if first else []) + [
+        c for c in reversed(list_checkpoints(root)) if c != first
+    ]:
+        try:
+            saved, prov, state = (
+                (c / 'config.yaml').read_text(),
+                read_json(c / 'provenance.json', 'object'),
+                read_json(c / 'state.json', 'checkpoint_state'),
+            )
+        except (OSError, ValueError):
+            continue  # unreadable: the trainer passes it over too, naming it
         check_resume_config(saved, cfg, (prov.get('data_sha256'), examples_sha256(examples)))
         return {'checkpoint': c.name, 'step': state.get('step')}
     return None
 
+
 def settle_resume(run_dir, ck: dict, keep: list[dict]):
-    "A resume's writes, once every check has passed: `latest` names the checkpoint taken (after a fallback it named another; run.json lists why), and `metrics.jsonl` ends at its step (`keep`, from `check_resume`)."
+    """A resume's writes, once every check has passed: `latest` names the checkpoint taken (after a
+    fallback it named another; run.json lists why), and `metrics.jsonl` ends at its step (`keep`,
+    from `check_resume`)."""
     from memagent.checkpoint import point_latest
-    point_latest(Path(run_dir)/'checkpoints', Path(ck['path']).name)
-    write_metrics(Path(run_dir)/'metrics.jsonl', keep)
+
+    point_latest(Path(run_dir) / 'checkpoints', Path(ck['path']).name)
+    write_metrics(Path(run_dir) / 'metrics.jsonl', keep)

@@ -16,20 +16,26 @@ __all__ = ['REWARDS', 'extract_boxed', 'normalize_answer', 'normalize_math', 'ex
 # %% ../nbs/06_reward.ipynb #eae24eae
 _BOX_RE = re.compile(r'\\(?:boxed|fbox)\{')
 
+
 def extract_boxed(text: str, window: int = 300) -> str:
-    "Content of the last `\\boxed{..}`/`\\fbox{..}` starting within the last `window` chars; '' if none or unbalanced."
-    if not text: return ''
+    """Content of the last `\\boxed{..}`/`\\fbox{..}` starting within the last `window` chars; '' if
+    none or unbalanced."""
+    if not text:
+        return ''
     tail = text[-window:] if window is not None else text
     starts = [m.end() for m in _BOX_RE.finditer(tail)]
-    if not starts: return ''
+    if not starts:
+        return ''
     i = start = starts[-1]
     depth = 1
     while i < len(tail):
         c = tail[i]
-        if c == '{': depth += 1
+        if c == '{':
+            depth += 1
         elif c == '}':
             depth -= 1
-            if depth == 0: return tail[start:i]
+            if depth == 0:
+                return tail[start:i]
         i += 1
     return ''  # unbalanced: the box never closes
 
@@ -37,21 +43,27 @@ def extract_boxed(text: str, window: int = 300) -> str:
 _ARTICLES = re.compile(r'\b(a|an|the)\b')
 _PUNCT = str.maketrans('', '', string.punctuation)
 
+
 def normalize_answer(s: str) -> str:
-    "HotpotQA normalization: lowercase, drop punctuation, drop articles a/an/the, collapse whitespace."
+    """HotpotQA normalization: lowercase, drop punctuation, drop articles a/an/the, collapse
+    whitespace."""
     s = (s or '').lower().translate(_PUNCT)
     s = _ARTICLES.sub(' ', s)
     return ' '.join(s.split())
 
+
 _TEXT_WRAP = re.compile(r'\\(?:text|mbox)\{([^{}]*)\}')
 _LATEX_SPACES = re.compile(r'\\[!,;:]|\\left|\\right')
 
+
 def normalize_math(s: str) -> str:
-    "MATH-style subset: strip, unwrap \\text{}/\\mbox{}, drop \\! \\, \\; \\: \\left \\right, $, all whitespace, one trailing '.'."
+    """MATH-style subset: strip, unwrap \\text{}/\\mbox{}, drop \\! \\, \\; \\: \\left \\right, $,
+    all whitespace, one trailing '.'."""
     s = (s or '').strip()
     while True:
         t = _TEXT_WRAP.sub(r'\1', s)
-        if t == s: break
+        if t == s:
+            break
         s = t
     s = _LATEX_SPACES.sub('', s).replace('$', '')
     s = ''.join(s.split())
@@ -61,156 +73,231 @@ def normalize_math(s: str) -> str:
 def _first(gold) -> str:
     "The gold string: `gold` itself, or the first element of a list/tuple of answers."
     if isinstance(gold, (list, tuple)):
-        if not gold: raise ValueError("empty gold answer list")
+        if not gold:
+            raise ValueError("empty gold answer list")
         gold = gold[0]
-    if not isinstance(gold, str): raise TypeError(f"gold answer must be a string, got {type(gold).__name__}")
+    if not isinstance(gold, str):
+        raise TypeError(f"gold answer must be a string, got {type(gold).__name__}")
     return gold
+
 
 def _contains_words(a: str, b: str) -> bool:
     "Is normalized `b` a whole-word substring of normalized `a`?"
     return f' {b} ' in f' {a} '
+
 
 def exact_match(prediction: str, gold) -> float:
     "1.0 if the normalized prediction equals the normalized (first) gold answer."
     p, g = normalize_answer(prediction), normalize_answer(_first(gold))
     return float(p == g)
 
+
 def sub_em(prediction: str, gold) -> float:
-    "1.0 if both normalized strings are non-empty and either contains the other (lenient, character level)."
+    """1.0 if both normalized strings are non-empty and either contains the other (lenient,
+    character level)."""
     p, g = normalize_answer(prediction), normalize_answer(_first(gold))
     return float(bool(p) and bool(g) and (p in g or g in p))
+
 
 def strict_sub_em(prediction: str, gold) -> float:
     "Like `sub_em`, but containment must fall on word boundaries of the normalized strings."
     p, g = normalize_answer(prediction), normalize_answer(_first(gold))
     return float(bool(p) and bool(g) and (_contains_words(g, p) or _contains_words(p, g)))
 
+
 def f1_score(prediction: str, gold) -> float:
     "Token F1 of the normalized strings; with no token on a side, 1.0 if neither has one, else 0.0."
     pt, gt = normalize_answer(prediction).split(), normalize_answer(_first(gold)).split()
-    if not pt or not gt: return float(pt == gt)
+    if not pt or not gt:
+        return float(pt == gt)
     same = sum((Counter(pt) & Counter(gt)).values())
-    if same == 0: return 0.0
+    if same == 0:
+        return 0.0
     prec, rec = same / len(pt), same / len(gt)
     return 2 * prec * rec / (prec + rec)
 
 # %% ../nbs/06_reward.ipynb #fb203cc3
 REWARDS: dict = {}
 
+
 def register_reward(name: str, overwrite: bool = False, negatives: bool = False):
-    "Decorator: register `fn(response_text, answers) -> float` under `name` in `REWARDS` (`negatives=True`: it also takes `negatives=`)."
+    """Decorator: register `fn(response_text, answers) -> float` under `name` in `REWARDS`
+    (`negatives=True`: it also takes `negatives=`)."""
+
     def deco(fn):
         if name in REWARDS and not overwrite:
-            raise ValueError(f"reward {name!r} is already registered (pass overwrite=True to replace it)")
+            raise ValueError(
+                f"reward {name!r} is already registered (pass overwrite=True to replace it)"
+            )
         fn.uses_negatives = negatives
         REWARDS[name] = fn
         return fn
+
     return deco
 
+# %% ../nbs/06_reward.ipynb #339a528d
 def get_reward(name: str):
     "The registered reward function `name`; unknown names raise, listing the known ones."
     if name not in REWARDS:
         raise KeyError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}")
     return REWARDS[name]
 
+# %% ../nbs/06_reward.ipynb #294f70fe
 def _aliases(answers) -> list:
     if isinstance(answers, str) or not isinstance(answers, (list, tuple)):
         raise TypeError(f"answers must be a list of strings, got {type(answers).__name__}")
-    if not answers: raise ValueError("answers is empty: a reward needs at least one gold alias")
+    if not answers:
+        raise ValueError("answers is empty: a reward needs at least one gold alias")
     return list(answers)
 
+# %% ../nbs/06_reward.ipynb #ee5bfc9e
 def _boxed_match(response_text: str, answers, norm) -> float:
-    "1.0 if the boxed answer, normalized by `norm`, is non-empty and equals any gold alias normalized the same way."
+    """1.0 if the boxed answer, normalized by `norm`, is non-empty and equals any gold alias
+    normalized the same way."""
     p = norm(extract_boxed(response_text))
     return float(bool(p) and p in {norm(a) for a in _aliases(answers)})
 
+# %% ../nbs/06_reward.ipynb #31adf6a8
 @register_reward('boxed_em')
 def boxed_em(response_text: str, answers) -> float:
-    "1.0 if the stripped boxed answer is non-empty and its normalized form equals that of any gold alias (frozen recipe)."
+    """1.0 if the stripped boxed answer is non-empty and its normalized form equals that of any gold
+    alias (frozen recipe)."""
     p = extract_boxed(response_text).strip()
-    return float(bool(p) and normalize_answer(p) in {normalize_answer(a) for a in _aliases(answers)})
+    return float(
+        bool(p) and normalize_answer(p) in {normalize_answer(a) for a in _aliases(answers)}
+    )
 
+# %% ../nbs/06_reward.ipynb #a19716b2
 @register_reward('boxed_em_math')
 def boxed_em_math(response_text: str, answers) -> float:
-    "Project variant (not the official reward): `boxed_em` extraction, `normalize_math` equality, max over gold answers."
+    """Project variant (not the official reward): `boxed_em` extraction, `normalize_math` equality,
+    max over gold answers."""
     return _boxed_match(response_text, answers, normalize_math)
 
+# %% ../nbs/06_reward.ipynb #3b888d38
 @register_reward('answer_in_final')
 def answer_in_final(response_text: str, answers) -> float:
-    "Demo reward: 1.0 if any normalized alias is a word-bounded substring of the normalized final response."
+    """Demo reward: 1.0 if any normalized alias is a word-bounded substring of the normalized final
+    response."""
     r = normalize_answer(response_text)
     return float(any(g and _contains_words(r, g) for g in map(normalize_answer, _aliases(answers))))
 
+# %% ../nbs/06_reward.ipynb #820d0e09
 @register_reward('boxed_or_contains')
 def boxed_or_contains(response_text: str, answers) -> float:
     "Demo reward: 0.5 if a non-empty box is present + 0.5 * `answer_in_final`."
-    return 0.5 * float(extract_boxed(response_text) != '') + 0.5 * answer_in_final(response_text, answers)
+    return 0.5 * float(extract_boxed(response_text) != '') + 0.5 * answer_in_final(
+        response_text, answers
+    )
 
 # %% ../nbs/06_reward.ipynb #cd7652a3
 def call_reward(fn, response_text: str, answers, negatives=()) -> float:
-    "`fn`'s reward for a response; `negatives` (strings a correct answer must not contain) reach only a reward registered with `negatives=True`."
-    if getattr(fn, 'uses_negatives', False): return float(fn(response_text, answers, negatives=list(negatives or ())))
+    """`fn`'s reward for a response; `negatives` (strings a correct answer must not contain) reach
+    only a reward registered with `negatives=True`."""
+    if getattr(fn, 'uses_negatives', False):
+        return float(fn(response_text, answers, negatives=list(negatives or ())))
     return float(fn(response_text, answers))
+
 
 @register_reward('answer_without_distractors', negatives=True)
 def answer_without_distractors(response_text: str, answers, negatives=()) -> float:
-    "1.0 if a normalized gold alias occurs word-bounded in the final response and no normalized negative does."
-    if isinstance(negatives, str): raise TypeError("negatives must be a list of strings, got str")
+    """1.0 if a normalized gold alias occurs word-bounded in the final response and no normalized
+    negative does."""
+    if isinstance(negatives, str):
+        raise TypeError("negatives must be a list of strings, got str")
     r = normalize_answer(response_text)
-    if any(n and _contains_words(r, n) for n in map(normalize_answer, negatives)): return 0.0
+    if any(n and _contains_words(r, n) for n in map(normalize_answer, negatives)):
+        return 0.0
     return answer_in_final(response_text, answers)
 
 # %% ../nbs/06_reward.ipynb #de324f31
 def official_boxed_only(text: str):
-    "Official MemAgent box span: `\\boxed `-branch, else last `\\boxed`, else last `\\fbox`, brace-matched; None if none."
+    """Official MemAgent box span: `\\boxed `-branch, else last `\\boxed`, else last `\\fbox`,
+    brace-matched; None if none."""
     sp = '\\boxed '
-    if sp in text: return sp + text.split(sp)[-1].split('$')[0]
+    if sp in text:
+        return sp + text.split(sp)[-1].split('$')[0]
     at = text.rfind('\\boxed')
-    if at < 0: at = text.rfind('\\fbox')
-    if at < 0: return None
+    if at < 0:
+        at = text.rfind('\\fbox')
+    if at < 0:
+        return None
     depth = 0
     for j in range(at, len(text)):
         ch = text[j]
-        if ch == '{': depth += 1
+        if ch == '{':
+            depth += 1
         elif ch == '}':
             depth -= 1
-            if depth == 0: return text[at:j + 1]
+            if depth == 0:
+                return text[at : j + 1]
     return None
 
+# %% ../nbs/06_reward.ipynb #b4653c9b
 def official_unbox(span: str) -> str:
     "Content of an official box span; ValueError where the official code's assertion fails."
     sp = '\\boxed '
     if sp in span:
-        if not span.startswith(sp): raise ValueError(f'box span {span[:40]!r} does not start with {sp!r}')
-        return span[len(sp):]
+        if not span.startswith(sp):
+            raise ValueError(f'box span {span[:40]!r} does not start with {sp!r}')
+        return span[len(sp) :]
     if not (span.startswith('\\boxed{') and span.endswith('}')):
         raise ValueError(f'box span {span[:40]!r} is not a \\boxed{{...}} span')
-    return span[len('\\boxed{'):-1]
+    return span[len('\\boxed{') : -1]
 
-_OFFICIAL_REWRITES = (('\n', ''), ('\\!', ''), ('\\\\', '\\'), ('tfrac', 'frac'), ('dfrac', 'frac'),
-                      ('\\left', ''), ('\\right', ''), ('^{\\circ}', ''), ('^\\circ', ''), ('\\$', ''),
-                      ('\\%', ''), (' .', ' 0.'), ('{.', '{0.'), (' ', ''))
+# %% ../nbs/06_reward.ipynb #151305da
+_OFFICIAL_REWRITES = (
+    ('\n', ''),
+    ('\\!', ''),
+    ('\\\\', '\\'),
+    ('tfrac', 'frac'),
+    ('dfrac', 'frac'),
+    ('\\left', ''),
+    ('\\right', ''),
+    ('^{\\circ}', ''),
+    ('^\\circ', ''),
+    ('\\$', ''),
+    ('\\%', ''),
+    (' .', ' 0.'),
+    ('{.', '{0.'),
+    (' ', ''),
+)
+
 
 def official_strip(s: str) -> str:
-    "The official reward's MATH `strip_string`: the fixed sequence of literal rewrites in `_OFFICIAL_REWRITES`."
-    for a, b in _OFFICIAL_REWRITES: s = s.replace(a, b)
+    """The official reward's MATH `strip_string`: the fixed sequence of literal rewrites in
+    `_OFFICIAL_REWRITES`."""
+    for a, b in _OFFICIAL_REWRITES:
+        s = s.replace(a, b)
     return s
 
+# %% ../nbs/06_reward.ipynb #d492e1b0
 @register_reward('official_hotpotqa')
 def official_hotpotqa(response_text: str, answers) -> float:
-    "The official MemAgent training reward: lowercased last 300 chars, official box extraction, MATH strip, max over answers."
+    """The official MemAgent training reward: lowercased last 300 chars, official box extraction,
+    MATH strip, max over answers."""
     golds = [a.lower() for a in _aliases(answers)]
     span = official_boxed_only(response_text[-300:].lower())
-    if span is None: return 0.0
-    try: pred = official_strip(official_unbox(span))
-    except ValueError: return 0.0
+    if span is None:
+        return 0.0
+    try:
+        pred = official_strip(official_unbox(span))
+    except ValueError:
+        return 0.0
     return float(any(pred == official_strip(g) for g in golds))
 
 # %% ../nbs/06_reward.ipynb #ec1818b5
 def score_prediction(response_text: str, answers) -> dict:
-    "Prediction (boxed) and em/sub_em/strict_sub_em/f1 vs the first answer, plus boxed_em over all aliases."
+    """Prediction (boxed) and em/sub_em/strict_sub_em/f1 vs the first answer, plus boxed_em over all
+    aliases."""
     answers = _aliases(answers)
     pred = extract_boxed(response_text)
     g = answers[0]
-    return dict(prediction=pred, em=exact_match(pred, g), sub_em=sub_em(pred, g),
-                strict_sub_em=strict_sub_em(pred, g), f1=f1_score(pred, g), boxed_em=boxed_em(response_text, answers))
+    return dict(
+        prediction=pred,
+        em=exact_match(pred, g),
+        sub_em=sub_em(pred, g),
+        strict_sub_em=strict_sub_em(pred, g),
+        f1=f1_score(pred, g),
+        boxed_em=boxed_em(response_text, answers),
+    )

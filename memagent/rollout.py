@@ -8,7 +8,13 @@ import hashlib, time
 import numpy as np
 from dataclasses import replace
 from typing import Protocol
-from .engines import SamplingParams, EngineError, TransientEngineError, HFEngine, teacher_forced_logprobs
+from memagent.engines import (
+    SamplingParams,
+    EngineError,
+    TransientEngineError,
+    HFEngine,
+    teacher_forced_logprobs,
+)
 from .trajectory import Turn, Trajectory
 from . import prompts as P
 from .chunking import chunk_document
@@ -24,142 +30,256 @@ def request_seed(seed: int, example_id, sample_index: int, turn_index: int) -> i
     h = hashlib.sha256(f"{seed}|{example_id}|{sample_index}|{turn_index}".encode()).digest()
     return int.from_bytes(h[:8], 'big') >> 1
 
+
 def stop_token_ids(tokenizer) -> tuple:
-    "The tokenizer's eos plus the chat end-of-turn and end-of-text tokens where the vocabulary has them (Qwen: `<|im_end|>`, `<|endoftext|>`)."
-    ids, vocab = [], tokenizer.get_added_vocab()  # special tokens are added tokens; the full vocabulary costs ~0.1 s to build
+    """The tokenizer's eos plus the chat end-of-turn and end-of-text tokens where the vocabulary has
+    them (Qwen: `<|im_end|>`, `<|endoftext|>`)."""
+    ids, vocab = (
+        [],
+        tokenizer.get_added_vocab(),
+    )  # special tokens are added tokens; the full vocabulary costs ~0.1 s to build
     for t in (tokenizer.eos_token_id, vocab.get('<|im_end|>'), vocab.get('<|endoftext|>')):
-        if isinstance(t, int) and t >= 0 and t not in ids: ids.append(t)
+        if isinstance(t, int) and t >= 0 and t not in ids:
+            ids.append(t)
     return tuple(ids)
 
 # %% ../nbs/09_rollout.ipynb #1a993ed4
-def _decode(tokenizer, ids) -> str: return tokenizer.decode(ids, skip_special_tokens=True)
+def _decode(tokenizer, ids) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
 
 def _engine_call(engine, prompts, params) -> list:
-    "Per-request results or `EngineError`s; an engine raising for the whole call fails every request of it."
-    if not prompts: return []
-    try: res = engine.generate(prompts, params, return_exceptions=True)
-    except EngineError as e: return [e] * len(prompts)
-    if len(res) != len(prompts): raise RuntimeError(f"engine returned {len(res)} results for {len(prompts)} prompts")
+    """Per-request results or `EngineError`s; an engine raising for the whole call fails every
+    request of it."""
+    if not prompts:
+        return []
+    try:
+        res = engine.generate(prompts, params, return_exceptions=True)
+    except EngineError as e:
+        return [e] * len(prompts)
+    if len(res) != len(prompts):
+        raise RuntimeError(f"engine returned {len(res)} results for {len(prompts)} prompts")
     return res
+
 
 def _fail(tr: Trajectory, turn: int, kind: str, err: Exception):
     tr.error = f"turn {turn} ({kind}): {type(err).__name__}: {err}"
-    tr.meta['error_kind'] = 'transient' if isinstance(err, TransientEngineError) else 'deterministic'
+    tr.meta['error_kind'] = (
+        'transient' if isinstance(err, TransientEngineError) else 'deterministic'
+    )
+
 
 def _make_turn(kind, turn_index, prompt_ids, r, memory_tokens) -> Turn:
     n = len(r.output_ids)
-    return Turn(kind=kind, turn_index=turn_index, prompt_ids=list(prompt_ids), response_ids=list(r.output_ids),
-                rollout_logprobs=[float(x) for x in r.logprobs], loss_mask=[1] * n, finish_reason=r.finish_reason,
-                memory_tokens=memory_tokens).validate()
+    return Turn(
+        kind=kind,
+        turn_index=turn_index,
+        prompt_ids=list(prompt_ids),
+        response_ids=list(r.output_ids),
+        rollout_logprobs=[float(x) for x in r.logprobs],
+        loss_mask=[1] * n,
+        finish_reason=r.finish_reason,
+        memory_tokens=memory_tokens,
+    ).validate()
 
 # %% ../nbs/09_rollout.ipynb #1fa179e9
-FINAL = float('inf')    # the phase of the final-answer turn: after every chunk step
+FINAL = float('inf')  # the phase of the final-answer turn: after every chunk step
+
 
 class MemAgentWalk:
-    "The per-trajectory MemAgent state machine of one rollout: the next request of a trajectory, and what a response does to it."
+    """The per-trajectory MemAgent state machine of one rollout: the next request of a trajectory,
+    and what a response does to it."""
+
     def __init__(self, trajs, chunks, owner, tokenizer, cfg, params, variant, thinking):
-        self.trajs, self.chunks, self.owner, self.tok, self.ck = trajs, chunks, owner, tokenizer, cfg.chunking
+        self.trajs, self.chunks, self.owner, self.tok, self.ck = (
+            trajs,
+            chunks,
+            owner,
+            tokenizer,
+            cfg.chunking,
+        )
         self.params, self.variant, self.thinking = params, variant, thinking
         self.memory = [P.NO_MEMORY] * len(trajs)
 
-    def __len__(self): return len(self.trajs)
-    def group_of(self, j) -> int: return self.owner[j]
-    def turns_left(self, j) -> int: return self.trajs[j].num_chunks + 1 - len(self.trajs[j].turns)   # `run_async`'s priority
+    def __len__(self):
+        return len(self.trajs)
+
+    def group_of(self, j) -> int:
+        return self.owner[j]
+
+    def turns_left(self, j) -> int:
+        return self.trajs[j].num_chunks + 1 - len(self.trajs[j].turns)  # `run_async`'s priority
 
     def next_request(self, j):
-        "`(phase, prompt_ids, SamplingParams)` of trajectory `j`'s next turn, or None when it is finished."
-        tr = self.trajs[j]; k = len(tr.turns)
-        if not tr.ok or k > tr.num_chunks: return None
+        """`(phase, prompt_ids, SamplingParams)` of trajectory `j`'s next turn, or None when it is
+        finished."""
+        tr = self.trajs[j]
+        k = len(tr.turns)
+        if not tr.ok or k > tr.num_chunks:
+            return None
         if k < tr.num_chunks:
             chunk = self.chunks[self.owner[j]].texts[k]
-            return k, P.encode_memory_prompt(self.tok, tr.question, self.memory[j], chunk, self.variant, self.thinking), \
-                self.params(tr, k, self.ck.memory_tokens)
-        return FINAL, P.encode_final_prompt(self.tok, tr.question, self.memory[j], self.variant, self.thinking), \
-            self.params(tr, k, self.ck.final_tokens)
+            return (
+                k,
+                P.encode_memory_prompt(
+                    self.tok, tr.question, self.memory[j], chunk, self.variant, self.thinking
+                ),
+                self.params(tr, k, self.ck.memory_tokens),
+            )
+        return (
+            FINAL,
+            P.encode_final_prompt(
+                self.tok, tr.question, self.memory[j], self.variant, self.thinking
+            ),
+            self.params(tr, k, self.ck.final_tokens),
+        )
 
     def feed(self, j, prompt, r) -> None:
-        "Apply one result (a `GenerationResult` or an `EngineError`) to trajectory `j`'s pending turn."
-        tr, tok = self.trajs[j], self.tok; k = len(tr.turns)
+        """Apply one result (a `GenerationResult` or an `EngineError`) to trajectory `j`'s pending
+        turn."""
+        tr, tok = self.trajs[j], self.tok
+        k = len(tr.turns)
         kind = 'memory' if k < tr.num_chunks else 'final'
-        if isinstance(r, EngineError): return _fail(tr, k, kind, r)
+        if isinstance(r, EngineError):
+            return _fail(tr, k, kind, r)
         if kind == 'memory':
-            text, n = P.memory_from_response(_decode(tok, r.output_ids), tok, self.ck.memory_tokens, self.thinking)
+            text, n = P.memory_from_response(
+                _decode(tok, r.output_ids), tok, self.ck.memory_tokens, self.thinking
+            )
             n_check = len(P.encode_memory(tok, text))
             if n_check > self.ck.memory_tokens or n_check != n:
-                raise AssertionError(f"{tr.traj_id} turn {k}: memory re-encodes to {n_check} tokens (bound {self.ck.memory_tokens}, reported {n})")
-            try: tr.turns.append(_make_turn('memory', k, prompt, r, n))
-            except ValueError as e: return _fail(tr, k, 'memory', EngineError(f"invalid engine output: {e}"))
-            self.memory[j] = text; tr.memory_lengths.append(n); tr.memories.append(text)
+                raise AssertionError(
+                    f"{tr.traj_id} turn {k}: memory re-encodes to {n_check} tokens (bound "
+                    f"{self.ck.memory_tokens}, reported {n})"
+                )
+            try:
+                tr.turns.append(_make_turn('memory', k, prompt, r, n))
+            except ValueError as e:
+                return _fail(tr, k, 'memory', EngineError(f"invalid engine output: {e}"))
+            self.memory[j] = text
+            tr.memory_lengths.append(n)
+            tr.memories.append(text)
             tr.meta['generated_tokens'] += len(r.output_ids)
             return
-        read = tr.memory_lengths[-1] if tr.memory_lengths else len(P.encode_memory(tok, P.NO_MEMORY))
-        try: tr.turns.append(_make_turn('final', k, prompt, r, read))
-        except ValueError as e: return _fail(tr, k, 'final', EngineError(f"invalid engine output: {e}"))
-        tr.final_text = _decode(tok, r.output_ids); tr.prediction = extract_boxed(tr.final_text)
+        read = (
+            tr.memory_lengths[-1] if tr.memory_lengths else len(P.encode_memory(tok, P.NO_MEMORY))
+        )
+        try:
+            tr.turns.append(_make_turn('final', k, prompt, r, read))
+        except ValueError as e:
+            return _fail(tr, k, 'final', EngineError(f"invalid engine output: {e}"))
+        tr.final_text = _decode(tok, r.output_ids)
+        tr.prediction = extract_boxed(tr.final_text)
         tr.meta['generated_tokens'] += len(r.output_ids)
         tr.validate()
 
 # %% ../nbs/09_rollout.ipynb #1b25a7d9
 def _account(st, phase, prompt, r):
-    st['requests'] += 1; st['prompt_tokens'] += len(prompt)
-    if not isinstance(r, Exception): st['generated_tokens'] += len(r.output_ids)
+    st['requests'] += 1
+    st['prompt_tokens'] += len(prompt)
+    if not isinstance(r, Exception):
+        st['generated_tokens'] += len(r.output_ids)
+
 
 def _new_stats(st, scheduler):
-    st.update(scheduler=scheduler, memory_batches=[], final_batch=0, requests=0, prompt_tokens=0, generated_tokens=0)
+    st.update(
+        scheduler=scheduler,
+        memory_batches=[],
+        final_batch=0,
+        requests=0,
+        prompt_tokens=0,
+        generated_tokens=0,
+    )
+
 
 def _count_phase(st, phase):
-    if phase == FINAL: st['final_batch'] += 1; return
-    while len(st['memory_batches']) <= phase: st['memory_batches'].append(0)
+    if phase == FINAL:
+        st['final_batch'] += 1
+        return
+    while len(st['memory_batches']) <= phase:
+        st['memory_batches'].append(0)
     st['memory_batches'][phase] += 1
+
 
 def _groups(walk):
     members = {}
-    for j in range(len(walk)): members.setdefault(walk.group_of(j), []).append(j)
+    for j in range(len(walk)):
+        members.setdefault(walk.group_of(j), []).append(j)
     return members
 
 # %% ../nbs/09_rollout.ipynb #fdbd000d
 def run_sync(walk, engine, stats: dict | None = None, on_group=None, on_step=None) -> None:
-    "Step-synchronous: all next requests of the earliest phase as one `engine.generate` call, until every trajectory is finished."
-    st = stats if stats is not None else {}; _new_stats(st, 'sync')
+    """Step-synchronous: all next requests of the earliest phase as one `engine.generate` call,
+    until every trajectory is finished."""
+    st = stats if stats is not None else {}
+    _new_stats(st, 'sync')
     while True:
         reqs = [(j, r) for j in range(len(walk)) if (r := walk.next_request(j)) is not None]
-        if not reqs: break
+        if not reqs:
+            break
         phase = min(r[0] for _, r in reqs)
         batch = [(j, p, sp) for j, (ph, p, sp) in reqs if ph == phase]
         res = _engine_call(engine, [p for _, p, _ in batch], [sp for _, _, sp in batch])
-        for (j, p, _), r in zip(batch, res): _count_phase(st, phase); _account(st, phase, p, r); walk.feed(j, p, r)
-        if on_step is not None: on_step()
+        for (j, p, _), r in zip(batch, res):
+            _count_phase(st, phase)
+            _account(st, phase, p, r)
+            walk.feed(j, p, r)
+        if on_step is not None:
+            on_step()
     if on_group is not None:
-        for g, js in _groups(walk).items(): on_group([walk.trajs[j] for j in js])
+        for g, js in _groups(walk).items():
+            on_group([walk.trajs[j] for j in js])
 
 # %% ../nbs/09_rollout.ipynb #a94f4c02
 class RequestQueue(Protocol):
-    "What `run_async` needs from an engine: submit one request, and wait for any completions, on the queue's own clock."
-    limit: int              # requests in flight at most
-    wait_limit_s: float     # a request with no answer this long after submission fails
-    def submit(self, prompt, params) -> object: ...                  # a handle
-    def wait_any(self, timeout: float) -> list: ...                  # [(handle, GenerationResult | EngineError)], [] at the timeout
+    """What `run_async` needs from an engine: submit one request, and wait for any completions, on
+    the queue's own clock."""
+
+    limit: int  # requests in flight at most
+    wait_limit_s: float  # a request with no answer this long after submission fails
+
+    def submit(self, prompt, params) -> object: ...  # a handle
+    def wait_any(
+        self, timeout: float
+    ) -> list: ...  # [(handle, GenerationResult | EngineError)], [] at the timeout
     def now(self) -> float: ...
-    def cancel(self, handle) -> None: ...                            # forget a request that will not be waited for
+    def cancel(self, handle) -> None: ...  # forget a request that will not be waited for
+
 
 class RolloutTimeoutError(TransientEngineError):
     "A request got no answer within the rollout's wait limit."
 
 # %% ../nbs/09_rollout.ipynb #c306d60e
 def run_async(walk, queue, stats: dict | None = None, on_group=None, on_step=None) -> None:
-    "Per-trajectory: up to `queue.limit` requests in flight; each completion is fed back and its trajectory's next request sent at once."
+    """Per-trajectory: up to `queue.limit` requests in flight; each completion is fed back and its
+    trajectory's next request sent at once."""
     import heapq
-    st = stats if stats is not None else {}; _new_stats(st, 'async'); st['max_in_flight'] = 0
-    groups = _groups(walk); left = {g: len(js) for g, js in groups.items()}
-    ready, inflight = [], {}        # ready: heap of (-turns left, j); inflight: handle -> (j, phase, prompt, submitted at)
+
+    st = stats if stats is not None else {}
+    _new_stats(st, 'async')
+    st['max_in_flight'] = 0
+    groups = _groups(walk)
+    left = {g: len(js) for g, js in groups.items()}
+    ready, inflight = (
+        [],
+        {},
+    )  # ready: heap of (-turns left, j); inflight: handle -> (j, phase, prompt, submitted at)
+
     def finished(j):
-        g = walk.group_of(j); left[g] -= 1
-        if left[g] == 0 and on_group is not None: on_group([walk.trajs[i] for i in groups[g]])
+        g = walk.group_of(j)
+        left[g] -= 1
+        if left[g] == 0 and on_group is not None:
+            on_group([walk.trajs[i] for i in groups[g]])
+
     def advance(j):
         r = walk.next_request(j)
-        if r is None: finished(j)
-        else: heapq.heappush(ready, (-walk.turns_left(j), j, r))
-    for j in range(len(walk)): advance(j)
+        if r is None:
+            finished(j)
+        else:
+            heapq.heappush(ready, (-walk.turns_left(j), j, r))
+
+    for j in range(len(walk)):
+        advance(j)
     while ready or inflight:
         while ready and len(inflight) < queue.limit:
             _, j, (phase, p, sp) = heapq.heappop(ready)
@@ -167,55 +287,79 @@ def run_async(walk, queue, stats: dict | None = None, on_group=None, on_step=Non
         st['max_in_flight'] = max(st['max_in_flight'], len(inflight))
         oldest = min(t for *_, t in inflight.values())
         done = queue.wait_any(max(0.0, oldest + queue.wait_limit_s - queue.now()))
-        if not done:                # no answer in time: fail the overdue requests' trajectories, forget their handles
+        if (
+            not done
+        ):  # no answer in time: fail the overdue requests' trajectories, forget their handles
             now = queue.now()
             for h in [h for h, (*_, t) in inflight.items() if now - t >= queue.wait_limit_s]:
-                j, phase, p, t = inflight.pop(h); queue.cancel(h)
-                done_err = RolloutTimeoutError(f"no answer within {queue.wait_limit_s:g}s of submission "
-                                               f"(the wait limit of {type(queue).__name__}; rollout.request_timeout_s sets it)")
-                _count_phase(st, phase); _account(st, phase, p, done_err); walk.feed(j, p, done_err); advance(j)
+                j, phase, p, t = inflight.pop(h)
+                queue.cancel(h)
+                done_err = RolloutTimeoutError(
+                    f"no answer within {queue.wait_limit_s:g}s of submission "
+                    f"(the wait limit of {type(queue).__name__}; rollout.request_timeout_s sets it)"
+                )
+                _count_phase(st, phase)
+                _account(st, phase, p, done_err)
+                walk.feed(j, p, done_err)
+                advance(j)
             continue
         for h, r in done:
             j, phase, p, _ = inflight.pop(h)
-            _count_phase(st, phase); _account(st, phase, p, r); walk.feed(j, p, r); advance(j)
-        if on_step is not None: on_step()
+            _count_phase(st, phase)
+            _account(st, phase, p, r)
+            walk.feed(j, p, r)
+            advance(j)
+        if on_step is not None:
+            on_step()
 
 # %% ../nbs/09_rollout.ipynb #89f9e446
 def choose_scheduler(engine, cfg) -> str:
-    "'sync' or 'async' for `engine` under `cfg.rollout.scheduler` ('auto': async when the engine offers `request_queue()`)."
+    """'sync' or 'async' for `engine` under `cfg.rollout.scheduler` ('auto': async when the engine
+    offers `request_queue()`)."""
     s = getattr(cfg.rollout, 'scheduler', 'auto')
     can = callable(getattr(engine, 'request_queue', None))
-    if s == 'auto': return 'async' if can else 'sync'
+    if s == 'auto':
+        return 'async' if can else 'sync'
     if s == 'async' and not can:
-        raise ValueError(f"rollout.scheduler='async' needs an engine with request_queue() (the SGLang client); "
-                         f"{type(engine).__name__} serves batches only: set rollout.scheduler to 'sync' or 'auto'")
-    if s not in ('sync', 'async'): raise ValueError(f"rollout.scheduler must be 'auto', 'sync' or 'async', got {s!r}")
+        raise ValueError(
+            f"rollout.scheduler='async' needs an engine with request_queue() (the SGLang client); "
+            f"{type(engine).__name__} serves batches only: set rollout.scheduler to 'sync' or "
+            "'auto'"
+        )
+    if s not in ('sync', 'async'):
+        raise ValueError(f"rollout.scheduler must be 'auto', 'sync' or 'async', got {s!r}")
     return s
 
 # %% ../nbs/09_rollout.ipynb #c8060213
 def rollout(
-    examples,                        # dicts with `id`, `question`, `context`; optional `answers`, `meta.negatives`
-    engine,                          # has `generate(prompts, params, return_exceptions=True)`; `request_queue()` allows async
-    tokenizer,                       # the policy's tokenizer: chunks, prompts, stop tokens and memory lengths
-    cfg,                             # a `Config`: its `chunking`, `prompt`, `rollout` and `grpo` sections are read
-    group_size: int | None = None,   # samples per example (G); None: `cfg.grpo.group_size`
-    seed: int = 0,                   # the base of every request's seed (`request_seed`)
-    variant: str | None = None,      # the prompt variant; None: `cfg.prompt.variant`
-    progress: bool = True,           # show a progress bar over trajectories
-    group_offset: int = 0,           # added to each example's index to give its `group_index`
-    sampling: dict | None = None,    # overrides of `temperature`, `top_p`, `top_k` (evaluation's sampling)
-    thinking: str | None = None,     # the thinking policy; None: `cfg.prompt.thinking`
-    stats: dict | None = None,       # filled with the rollout's statistics (see *Statistics* above)
-    on_group=None,                   # called with a group's trajectories as soon as the group finishes
-) -> list[Trajectory]:               # `len(examples) * G` trajectories: example by example, `G` samples each
-    "Run `group_size` recurrent MemAgent trajectories per example under the scheduler `cfg.rollout.scheduler` names; `on_group(trajs)` as each group finishes."
+    examples,  # dicts with `id`, `question`, `context`; optional `answers`, `meta.negatives`
+    # has `generate(prompts, params, return_exceptions=True)`; `request_queue()` allows async
+    engine,
+    tokenizer,  # the policy's tokenizer: chunks, prompts, stop tokens and memory lengths
+    cfg,  # a `Config`: its `chunking`, `prompt`, `rollout` and `grpo` sections are read
+    group_size: int | None = None,  # samples per example (G); None: `cfg.grpo.group_size`
+    seed: int = 0,  # the base of every request's seed (`request_seed`)
+    variant: str | None = None,  # the prompt variant; None: `cfg.prompt.variant`
+    progress: bool = True,  # show a progress bar over trajectories
+    group_offset: int = 0,  # added to each example's index to give its `group_index`
+    sampling: dict
+    | None = None,  # overrides of `temperature`, `top_p`, `top_k` (evaluation's sampling)
+    thinking: str | None = None,  # the thinking policy; None: `cfg.prompt.thinking`
+    stats: dict | None = None,  # filled with the rollout's statistics (see *Statistics* above)
+    on_group=None,  # called with a group's trajectories as soon as the group finishes
+) -> list[Trajectory]:  # `len(examples) * G` trajectories: example by example, `G` samples each
+    """Run `group_size` recurrent MemAgent trajectories per example under the scheduler
+    `cfg.rollout.scheduler` names; `on_group(trajs)` as each group finishes."""
     G = group_size or cfg.grpo.group_size
     variant, thinking = variant or cfg.prompt.variant, thinking or cfg.prompt.thinking
     ck = cfg.chunking
-    samp = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    samp = dict(
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k
+    )
     samp.update(sampling or {})
     unknown = set(samp) - {'temperature', 'top_p', 'top_k'}
-    if unknown: raise ValueError(f"rollout: unknown sampling keys {sorted(unknown)}")
+    if unknown:
+        raise ValueError(f"rollout: unknown sampling keys {sorted(unknown)}")
     scheduler = choose_scheduler(engine, cfg)
     stops = stop_token_ids(tokenizer)
     st = stats if stats is not None else {}
@@ -225,39 +369,75 @@ def rollout(
     chunks, trajs = [], []
     for ei, ex in enumerate(examples):
         for key in ('id', 'question', 'context'):
-            if key not in ex: raise ValueError(f"rollout: example {ei} has no field {key!r}")
-        c = chunk_document(ex['context'], tokenizer, ck.chunk_tokens, ck.max_chunks, max_context_tokens=trim)
+            if key not in ex:
+                raise ValueError(f"rollout: example {ei} has no field {key!r}")
+        c = chunk_document(
+            ex['context'], tokenizer, ck.chunk_tokens, ck.max_chunks, max_context_tokens=trim
+        )
         chunks.append(c)
         for s in range(G):
-            trajs.append(Trajectory(
-                traj_id=f"{ex['id']}#{s}", example_id=str(ex['id']), group_index=ei + group_offset, sample_index=s,
-                question=ex['question'], answers=list(ex.get('answers') or []), num_chunks=c.num_chunks,
-                negatives=list((ex.get('meta') or {}).get('negatives') or []),
-                truncated=c.truncated, dropped_chunks=c.dropped_chunks, dropped_tokens=c.dropped_tokens,
-                meta={'seed': seed, 'sampling': dict(samp), 'variant': variant, 'thinking': thinking,
-                      'total_chunks': c.total_chunks, 'trimmed_tokens': c.trimmed_tokens, 'generated_tokens': 0}))
+            trajs.append(
+                Trajectory(
+                    traj_id=f"{ex['id']}#{s}",
+                    example_id=str(ex['id']),
+                    group_index=ei + group_offset,
+                    sample_index=s,
+                    question=ex['question'],
+                    answers=list(ex.get('answers') or []),
+                    num_chunks=c.num_chunks,
+                    negatives=list((ex.get('meta') or {}).get('negatives') or []),
+                    truncated=c.truncated,
+                    dropped_chunks=c.dropped_chunks,
+                    dropped_tokens=c.dropped_tokens,
+                    meta={
+                        'seed': seed,
+                        'sampling': dict(samp),
+                        'variant': variant,
+                        'thinking': thinking,
+                        'total_chunks': c.total_chunks,
+                        'trimmed_tokens': c.trimmed_tokens,
+                        'generated_tokens': 0,
+                    },
+                )
+            )
     owner = [ei for ei in range(len(examples)) for _ in range(G)]
     st['seconds']['chunking'] = time.perf_counter() - t0
 
     cap = cfg.rollout.response_cap
-    def params(tr, turn, bound):      # a rehearsal's cap lowers max_new_tokens; the memory bound is unchanged
-        return SamplingParams(bound if cap is None else min(bound, cap), stop_token_ids=stops,
-                              seed=request_seed(seed, tr.example_id, tr.sample_index, turn), **samp)
+
+    def params(
+        tr, turn, bound
+    ):  # a rehearsal's cap lowers max_new_tokens; the memory bound is unchanged
+        return SamplingParams(
+            bound if cap is None else min(bound, cap),
+            stop_token_ids=stops,
+            seed=request_seed(seed, tr.example_id, tr.sample_index, turn),
+            **samp,
+        )
 
     walk = MemAgentWalk(trajs, chunks, owner, tokenizer, cfg, params, variant, thinking)
     bar = None
     if progress:
         try:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(trajs), desc=f'rollout ({scheduler})', unit='traj', leave=False)
-        except ImportError: pass
+        except ImportError:
+            pass
+
     def group_done(ts):
-        if bar is not None: bar.update(len(ts))
-        if on_group is not None: on_group(ts)
+        if bar is not None:
+            bar.update(len(ts))
+        if on_group is not None:
+            on_group(ts)
+
     t1 = time.perf_counter()
-    if scheduler == 'sync': run_sync(walk, engine, st, group_done)
-    else: run_async(walk, engine.request_queue(), st, group_done)
-    if bar is not None: bar.close()
+    if scheduler == 'sync':
+        run_sync(walk, engine, st, group_done)
+    else:
+        run_async(walk, engine.request_queue(), st, group_done)
+    if bar is not None:
+        bar.close()
     st['seconds']['requests'] = time.perf_counter() - t1
     st['failed'] = sum(not tr.ok for tr in trajs)
     return trajs
@@ -266,36 +446,65 @@ def rollout(
 def _mean_max(xs) -> tuple[float, float]:
     return (float(np.mean(xs)), float(np.max(xs))) if xs else (0.0, 0.0)
 
+
 def rollout_metrics(trajs: list[Trajectory], kept: list[Trajectory], bad_groups: set) -> dict:
     "Per-trajectory (never per-row) statistics of a step's rollout."
     rewards = [tr.reward for tr in kept]
     mem = [x for tr in kept for x in tr.memory_lengths]
     resp = [len(u.response_ids) for tr in kept for u in tr.turns]
-    return dict(trajectories=len(trajs), failed_trajectories=sum(not tr.ok for tr in trajs), dropped_groups=len(bad_groups),
-                reward_mean=float(np.mean(rewards)) if rewards else float('nan'),
-                pass_rate=float(np.mean([r > 0 for r in rewards])) if rewards else float('nan'),
-                turns_mean=float(np.mean([tr.num_turns for tr in kept])) if kept else 0.0,
-                memory_tokens_mean=_mean_max(mem)[0], memory_tokens_max=_mean_max(mem)[1],
-                response_tokens_mean=_mean_max(resp)[0],
-                truncated_trajectories=sum(tr.truncated for tr in kept),
-                length_finished_turns=sum(u.finish_reason == 'length' for tr in kept for u in tr.turns),
-                boxed_rate=float(np.mean([bool(tr.prediction) for tr in kept])) if kept else 0.0,
-                **({} if rewards else {'null_reasons': dict.fromkeys(('reward_mean', 'pass_rate'), 'no usable trajectory (every group dropped)')}))
+    return dict(
+        trajectories=len(trajs),
+        failed_trajectories=sum(not tr.ok for tr in trajs),
+        dropped_groups=len(bad_groups),
+        reward_mean=float(np.mean(rewards)) if rewards else float('nan'),
+        pass_rate=float(np.mean([r > 0 for r in rewards])) if rewards else float('nan'),
+        turns_mean=float(np.mean([tr.num_turns for tr in kept])) if kept else 0.0,
+        memory_tokens_mean=_mean_max(mem)[0],
+        memory_tokens_max=_mean_max(mem)[1],
+        response_tokens_mean=_mean_max(resp)[0],
+        truncated_trajectories=sum(tr.truncated for tr in kept),
+        length_finished_turns=sum(u.finish_reason == 'length' for tr in kept for u in tr.turns),
+        boxed_rate=float(np.mean([bool(tr.prediction) for tr in kept])) if kept else 0.0,
+        **(
+            {}
+            if rewards
+            else {
+                'null_reasons': dict.fromkeys(
+                    ('reward_mean', 'pass_rate'), 'no usable trajectory (every group dropped)'
+                )
+            }
+        ),
+    )
 
 # %% ../nbs/09_rollout.ipynb #143d8959
-def logprob_agreement(model, trajectories, temperature: float | None = None, chunk: int = 512) -> dict:
-    "Max/mean |rollout log-prob - teacher-forced log-prob| over every response token of every ok trajectory."
+def logprob_agreement(
+    model, trajectories, temperature: float | None = None, chunk: int = 512
+) -> dict:
+    """Max/mean |rollout log-prob - teacher-forced log-prob| over every response token of every ok
+    trajectory."""
     import torch
-    if isinstance(model, HFEngine): model = model.model     # an HFEngine or a bare model
+
+    if isinstance(model, HFEngine):
+        model = model.model  # an HFEngine or a bare model
     diffs = []
     with torch.no_grad():
         for tr in trajectories:
-            if not tr.ok: continue
-            T = temperature if temperature is not None else tr.meta.get('sampling', {}).get('temperature', 1.0)
+            if not tr.ok:
+                continue
+            T = (
+                temperature
+                if temperature is not None
+                else tr.meta.get('sampling', {}).get('temperature', 1.0)
+            )
             for u in tr.turns:
-                if not u.response_ids: continue
+                if not u.response_ids:
+                    continue
                 ref = teacher_forced_logprobs(model, u.prompt_ids, u.response_ids, T, chunk).cpu()
                 diffs.append((ref - torch.tensor(u.rollout_logprobs)).abs())
     d = torch.cat(diffs) if diffs else torch.zeros(0)
-    return {'max_abs_diff': float(d.max()) if len(d) else 0.0, 'mean_abs_diff': float(d.mean()) if len(d) else 0.0,
-            'tokens': int(len(d)), 'turns': len(diffs)}
+    return {
+        'max_abs_diff': float(d.max()) if len(d) else 0.0,
+        'mean_abs_diff': float(d.mean()) if len(d) else 0.0,
+        'tokens': int(len(d)),
+        'turns': len(diffs),
+    }

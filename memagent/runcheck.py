@@ -14,86 +14,142 @@ __all__ = ['WEIGHT_PROMPT', 'WEIGHT_TOL', 'KL_TOL', 'RunTimeout', 'Guard', 'Gate
 
 # %% ../nbs/13c_runcheck.ipynb #7a455ae9
 class RunTimeout(BaseException):
-    "The guard's signal: the run exceeded its wall-clock limit (a BaseException, so `except Exception` cannot swallow it)."
+    """The guard's signal: the run exceeded its wall-clock limit (a BaseException, so `except
+    Exception` cannot swallow it)."""
+
 
 class Guard:
-    "Wall-clock limit: SIGALRM raises `RunTimeout` in the main thread; a watchdog ends the process `grace_s` past the limit."
-    def __init__(self, seconds: float, grace_s: float = 60, what: str = 'the run', exit_code: int = 124):
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float('inf'):
+    """Wall-clock limit: SIGALRM raises `RunTimeout` in the main thread; a watchdog ends the process
+    `grace_s` past the limit."""
+
+    def __init__(
+        self, seconds: float, grace_s: float = 60, what: str = 'the run', exit_code: int = 124
+    ):
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not 0 < seconds < float('inf')
+        ):
             raise ValueError(f"Guard: seconds={seconds!r} must be a finite number > 0")
         self.seconds, self.what, self.exit_code = seconds, what, exit_code
         self.start, self.deadline = time.monotonic(), time.monotonic() + seconds
         self.current, self.expired, self.done = None, False, threading.Event()
-        signal.signal(signal.SIGALRM, self._fire); signal.setitimer(signal.ITIMER_REAL, seconds)
+        signal.signal(signal.SIGALRM, self._fire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
         threading.Thread(target=self._watch, args=(grace_s,), daemon=True).start()
 
     def _fire(self, *a):
         self.expired = True
-        raise RunTimeout(f"wall-clock guard: {self.what} exceeded {self.seconds} s during phase {self.current!r}")
+        raise RunTimeout(
+            f"wall-clock guard: {self.what} exceeded {self.seconds} s during phase {self.current!r}"
+        )
 
     def _watch(self, grace_s):
         if not self.done.wait(self.seconds + grace_s):
-            sys.stderr.write(f"wall-clock guard: {self.what} stuck {grace_s} s past its limit of {self.seconds} s "
-                             f"in phase {self.current!r}; ending\n")
-            sys.stderr.flush(); os._exit(self.exit_code)
+            sys.stderr.write(
+                f"wall-clock guard: {self.what} stuck {grace_s} s past its limit of "
+                f"{self.seconds} s "
+                f"in phase {self.current!r}; ending\n"
+            )
+            sys.stderr.flush()
+            os._exit(self.exit_code)
 
-    def left(self) -> float: return self.deadline - time.monotonic()
-    def elapsed(self) -> float: return time.monotonic() - self.start
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
 
     def disarm(self):
-        signal.setitimer(signal.ITIMER_REAL, 0); self.done.set()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        self.done.set()
 
 # %% ../nbs/13c_runcheck.ipynb #8e53a2e1
 class Gates:
-    "Named checks with their numbers, and phases timed under an optional `Guard`; `stop_on_failure`: a failed phase stops the later ones."
-    def __init__(self, guard: Guard | None = None, echo: bool = True, stop_on_failure: bool = False):
+    """Named checks with their numbers, and phases timed under an optional `Guard`;
+    `stop_on_failure`: a failed phase stops the later ones."""
+
+    def __init__(
+        self, guard: Guard | None = None, echo: bool = True, stop_on_failure: bool = False
+    ):
         self.guard, self.echo, self.rows, self.phases = guard, echo, [], {}
-        self.stop_on_failure, self.stopped = stop_on_failure, None     # stopped: the failed phase that stopped the run
+        self.stop_on_failure, self.stopped = (
+            stop_on_failure,
+            None,
+        )  # stopped: the failed phase that stopped the run
 
     def gate(self, name: str, passed, **numbers) -> bool:
         "Record a check; returns whether it passed."
         self.rows.append({'gate': name, 'result': 'PASS' if passed else 'FAIL', **numbers})
-        if self.echo: print(f"[{'PASS' if passed else 'FAIL'}] {name} {numbers}")
+        if self.echo:
+            print(f"[{'PASS' if passed else 'FAIL'}] {name} {numbers}")
         return bool(passed)
 
     @property
-    def failed(self) -> list[str]: return [g['gate'] for g in self.rows if g['result'] == 'FAIL']
+    def failed(self) -> list[str]:
+        return [g['gate'] for g in self.rows if g['result'] == 'FAIL']
 
     @property
-    def not_run(self) -> list[str]: return [g['gate'] for g in self.rows if g['result'] == 'NOT RUN']
+    def not_run(self) -> list[str]:
+        return [g['gate'] for g in self.rows if g['result'] == 'NOT RUN']
 
     @contextmanager
     def phase(self, name: str, always: bool = False, gate_ok: bool = False):
-        "Time a phase; an exception (or the guard firing) becomes a failed gate `name`. Yields whether to run the body."
+        """Time a phase; an exception (or the guard firing) becomes a failed gate `name`. Yields
+        whether to run the body."""
         g = self.guard
-        if self.stopped is not None and not always:        # stop_on_failure, after a failed phase: recorded, not run
+        if (
+            self.stopped is not None and not always
+        ):  # stop_on_failure, after a failed phase: recorded, not run
             self.phases[name] = None
-            self.rows.append({'gate': name, 'result': 'NOT RUN', 'reason': f"phase {self.stopped!r} failed"})
-            if self.echo: print(f"[NOT RUN] {name}: phase {self.stopped!r} failed")
-            yield False; return
+            self.rows.append(
+                {'gate': name, 'result': 'NOT RUN', 'reason': f"phase {self.stopped!r} failed"}
+            )
+            if self.echo:
+                print(f"[NOT RUN] {name}: phase {self.stopped!r} failed")
+            yield False
+            return
         if g is not None and g.expired and not always:
             self.phases[name] = None
-            self.gate(name, False, error='skipped: the wall-clock guard had already expired'); yield False; return
-        if g is not None: g.current = name
+            self.gate(name, False, error='skipped: the wall-clock guard had already expired')
+            yield False
+            return
+        if g is not None:
+            g.current = name
         t0, ok = time.perf_counter(), True
-        try: yield True
+        try:
+            yield True
         except (Exception, RunTimeout) as e:
             ok, msg = False, f"{type(e).__name__}: {e}"
-            if 'out of memory' in str(e).lower() or type(e).__name__ == 'OutOfMemoryError': msg = 'OOM: ' + msg
+            if 'out of memory' in str(e).lower() or type(e).__name__ == 'OutOfMemoryError':
+                msg = 'OOM: ' + msg
             traceback.print_exc()
             self.gate(name, False, error=msg[:500], seconds=round(time.perf_counter() - t0, 3))
-            if self.stop_on_failure and self.stopped is None: self.stopped = name
+            if self.stop_on_failure and self.stopped is None:
+                self.stopped = name
         finally:
             self.phases[name] = time.perf_counter() - t0
-            if g is not None: g.current = None
-        if ok and gate_ok: self.gate(name, True, seconds=round(self.phases[name], 3))
+            if g is not None:
+                g.current = None
+        if ok and gate_ok:
+            self.gate(name, True, seconds=round(self.phases[name], 3))
 
     def table(self) -> list[dict]:
         "The gates as report rows: gate, result (a failure in bold), numbers."
-        def num(v): return f'{v:.4g}' if isinstance(v, float) else str(v)
-        return [{'gate': g['gate'], 'result': f"**{g['result']}**" if g['result'] == 'FAIL' else g['result'],
-                 'numbers': ', '.join(f'{k}={num(v)}' for k, v in g.items() if k not in ('gate', 'result')).replace('|', '/')}
-                for g in self.rows]
+
+        def num(v):
+            return f'{v:.4g}' if isinstance(v, float) else str(v)
+
+        return [
+            {
+                'gate': g['gate'],
+                'result': f"**{g['result']}**" if g['result'] == 'FAIL' else g['result'],
+                'numbers': ', '.join(
+                    f'{k}={num(v)}' for k, v in g.items() if k not in ('gate', 'result')
+                ).replace('|', '/'),
+            }
+            for g in self.rows
+        ]
 
 # %% ../nbs/13c_runcheck.ipynb #306b3756
 def _hwm(p) -> int:
@@ -101,163 +157,303 @@ def _hwm(p) -> int:
     try:
         with open(f'/proc/{p.pid}/status') as f:
             for line in f:
-                if line.startswith('VmHWM:'): return int(line.split()[1]) * 1024
-    except OSError: pass
+                if line.startswith('VmHWM:'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 # %% ../nbs/13c_runcheck.ipynb #af41e4d2
 class ProcessMemory:
-    "Peak RSS of this process and its descendants, per process and summed, sampled every `every_s` seconds in a thread."
+    """Peak RSS of this process and its descendants, per process and summed, sampled every `every_s`
+    seconds in a thread."""
+
     def __init__(self, every_s: float = 0.5):
         import psutil
+
         self.every_s, self.root = every_s, psutil.Process()
         self.procs, self.peak_total, self.samples, self._stop = {}, 0, 0, threading.Event()
 
     def _label(self, p) -> str:
-        "A Ray process's title (`ray::Rank`), a Python process's script or module, else the executable's name."
-        if p.pid == self.root.pid: return 'driver'
-        try: cmd = p.cmdline() or [p.name()]
-        except Exception: return '?'
-        if cmd[0].startswith('ray::'): return cmd[0].split('.')[0].split()[0]     # ray::Rank.update -> ray::Rank
+        """A Ray process's title (`ray::Rank`), a Python process's script or module, else the
+        executable's name."""
+        if p.pid == self.root.pid:
+            return 'driver'
+        try:
+            cmd = p.cmdline() or [p.name()]
+        except Exception:
+            return '?'
+        if cmd[0].startswith('ray::'):
+            return cmd[0].split('.')[0].split()[0]  # ray::Rank.update -> ray::Rank
         exe = os.path.basename(cmd[0].split()[0])
         if exe.startswith('python'):
             for i, a in enumerate(cmd[1:], 1):
-                if a == '-m' and i + 1 < len(cmd): return cmd[i + 1]
-                if a.endswith('.py'): return os.path.basename(a)
+                if a == '-m' and i + 1 < len(cmd):
+                    return cmd[i + 1]
+                if a.endswith('.py'):
+                    return os.path.basename(a)
         return exe
 
     def sample(self):
-        "One sample: every live process of the tree, its RSS, and the sum. Labels are re-read until a Ray actor names itself."
+        """One sample: every live process of the tree, its RSS, and the sum. Labels are re-read
+        until a Ray actor names itself."""
         import psutil
-        try: tree = [self.root] + self.root.children(recursive=True)
-        except psutil.Error: return
+
+        try:
+            tree = [self.root] + self.root.children(recursive=True)
+        except psutil.Error:
+            return
         total = 0
         for p in tree:
-            try: rss = p.memory_info().rss
-            except psutil.Error: continue
-            rec = self.procs.setdefault(p.pid, {'pid': p.pid, 'name': '?', 'peak_rss': 0, 'proc': p})
+            try:
+                rss = p.memory_info().rss
+            except psutil.Error:
+                continue
+            rec = self.procs.setdefault(
+                p.pid, {'pid': p.pid, 'name': '?', 'peak_rss': 0, 'proc': p}
+            )
             if not rec['name'].startswith('ray::') or rec['name'] == 'ray::IDLE':
-                if (label := self._label(p)) != '?': rec['name'] = label    # an exited process (no cmdline) keeps its name
-            rec['peak_rss'] = max(rec['peak_rss'], rss); total += rss
+                if (label := self._label(p)) != '?':
+                    rec['name'] = label  # an exited process (no cmdline) keeps its name
+            rec['peak_rss'] = max(rec['peak_rss'], rss)
+            total += rss
         self.peak_total, self.samples = max(self.peak_total, total), self.samples + 1
 
     def _run(self):
-        while not self._stop.wait(self.every_s): self.sample()
+        while not self._stop.wait(self.every_s):
+            self.sample()
 
     def __enter__(self):
-        self.sample(); self._t = threading.Thread(target=self._run, daemon=True); self._t.start(); return self
+        self.sample()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
 
     def __exit__(self, *a):
-        self._stop.set(); self._t.join()
-        for rec in self.procs.values(): rec['peak_rss'] = max(rec['peak_rss'], _hwm(rec['proc']))
+        self._stop.set()
+        self._t.join()
+        for rec in self.procs.values():
+            rec['peak_rss'] = max(rec['peak_rss'], _hwm(rec['proc']))
 
     def report(self, min_bytes: int = 50 * 2**20) -> dict:
-        "Peaks per process (those above `min_bytes`, largest first), by process name, and the peak of the sum (bytes)."
-        rows = sorted(({k: v for k, v in r.items() if k != 'proc'} for r in self.procs.values() if r['peak_rss'] >= min_bytes),
-                      key=lambda r: -r['peak_rss'])
+        """Peaks per process (those above `min_bytes`, largest first), by process name, and the peak
+        of the sum (bytes)."""
+        rows = sorted(
+            (
+                {k: v for k, v in r.items() if k != 'proc'}
+                for r in self.procs.values()
+                if r['peak_rss'] >= min_bytes
+            ),
+            key=lambda r: -r['peak_rss'],
+        )
         by = {}
-        for r in rows: by.setdefault(r['name'], []).append(r['peak_rss'])
-        return {'processes': rows, 'by_name': {k: {'count': len(v), 'max': max(v), 'sum': sum(v)} for k, v in by.items()},
-                'peak_total': self.peak_total, 'samples': self.samples, 'every_s': self.every_s}
+        for r in rows:
+            by.setdefault(r['name'], []).append(r['peak_rss'])
+        return {
+            'processes': rows,
+            'by_name': {k: {'count': len(v), 'max': max(v), 'sum': sum(v)} for k, v in by.items()},
+            'peak_total': self.peak_total,
+            'samples': self.samples,
+            'every_s': self.every_s,
+        }
 
 # %% ../nbs/13c_runcheck.ipynb #949fa65d
 def dir_bytes(path) -> int:
     "Total size of the files under `path`."
     from pathlib import Path
+
     return sum(f.stat().st_size for f in Path(path).rglob('*') if f.is_file())
 
+# %% ../nbs/13c_runcheck.ipynb #3f6482c1
 def checkpoint_gates(G: Gates, trainer, steps: int):
-    "Gates `checkpoint_saved` and `checkpoint_loads` for `trainer`'s run after `steps` steps; returns the checkpoint path or None."
+    """Gates `checkpoint_saved` and `checkpoint_loads` for `trainer`'s run after `steps` steps;
+    returns the checkpoint path or None."""
     from memagent import checkpoint as ckpt
+
     ck = ckpt.latest_checkpoint(trainer.run_dir / 'checkpoints')
     want = f'step_{steps:06d}'
-    G.gate('checkpoint_saved', ck is not None and ck.name == want, path=str(ck) if ck else None, expected=want,
-           mbytes=round(dir_bytes(ck) / 2**20, 2) if ck else None)
-    if ck is None: return None
-    t0 = time.perf_counter(); c = ckpt.load_checkpoint(ck); dt = time.perf_counter() - t0
+    G.gate(
+        'checkpoint_saved',
+        ck is not None and ck.name == want,
+        path=str(ck) if ck else None,
+        expected=want,
+        mbytes=round(dir_bytes(ck) / 2**20, 2) if ck else None,
+    )
+    if ck is None:
+        return None
+    t0 = time.perf_counter()
+    c = ckpt.load_checkpoint(ck)
+    dt = time.perf_counter() - t0
     live = trainer.group.hf_state_dict()
     same = sorted(c['model']) == sorted(live)
-    diff = max((float((c['model'][k].float() - live[k].float().cpu()).abs().max()) for k in live), default=float('nan')) if same else float('nan')
-    G.gate('checkpoint_loads', same and diff == 0.0 and c['state']['step'] == steps, step=c['state']['step'],
-           tensors=len(c['model']), max_abs_diff=diff, load_s=round(dt, 3))
+    diff = (
+        max(
+            (float((c['model'][k].float() - live[k].float().cpu()).abs().max()) for k in live),
+            default=float('nan'),
+        )
+        if same
+        else float('nan')
+    )
+    G.gate(
+        'checkpoint_loads',
+        same and diff == 0.0 and c['state']['step'] == steps,
+        step=c['state']['step'],
+        tensors=len(c['model']),
+        max_abs_diff=diff,
+        load_s=round(dt, 3),
+    )
     return ck
 
+# %% ../nbs/13c_runcheck.ipynb #277a1e67
 def export_gates(G: Gates, trainer, out_dir, new_tokens: int = 4):
-    "Export `trainer`'s policy to `out_dir`, reload it with transformers, compare weights (after the cast to the export's dtype) and generate; gate `export_reloads`."
+    """Export `trainer`'s policy to `out_dir`, reload it with transformers, compare weights (after
+    the cast to the export's dtype) and generate; gate `export_reloads`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     hf = trainer.export(out_dir)
     m2, tok2 = AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
     live, sd = trainer.group.hf_state_dict(), m2.state_dict()
-    diff = max(float((sd[k].float() - live[k].cpu().to(sd[k].dtype).float()).abs().max()) for k in live if k in sd)
+    diff = max(
+        float((sd[k].float() - live[k].cpu().to(sd[k].dtype).float()).abs().max())
+        for k in live
+        if k in sd
+    )
     ids = tok2('The memory says', return_tensors='pt').input_ids
-    out = m2.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok2.pad_token_id)
+    out = m2.generate(
+        ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok2.pad_token_id
+    )
     n = out.shape[1] - ids.shape[1]
-    G.gate('export_reloads', n == new_tokens and diff == 0.0 and set(live) <= set(sd), path=str(hf), new_tokens=n,
-           max_abs_diff=diff, dtype=str(m2.dtype).replace('torch.', ''), mbytes=round(dir_bytes(hf) / 2**20, 2),
-           text=repr(tok2.decode(out[0, ids.shape[1]:])))
+    G.gate(
+        'export_reloads',
+        n == new_tokens and diff == 0.0 and set(live) <= set(sd),
+        path=str(hf),
+        new_tokens=n,
+        max_abs_diff=diff,
+        dtype=str(m2.dtype).replace('torch.', ''),
+        mbytes=round(dir_bytes(hf) / 2**20, 2),
+        text=repr(tok2.decode(out[0, ids.shape[1] :])),
+    )
     return hf
 
 # %% ../nbs/13c_runcheck.ipynb #212aeefe
 WEIGHT_PROMPT = 'The memory keeps what the question needs and forgets the rest of the document.'
-WEIGHT_TOL = {'cpu-fp32': 1e-5, 'gpu-bf16': 5e-2}     # max |engine - trainer| log-prob over the prompt, per server (see above)
-KL_TOL = {'cpu-fp32': 0.0, 'gpu-bf16': 1e-6}          # |first step's KL to the reference|
+WEIGHT_TOL = {
+    'cpu-fp32': 1e-5,
+    'gpu-bf16': 5e-2,
+}  # max |engine - trainer| log-prob over the prompt, per server (see above)
+KL_TOL = {'cpu-fp32': 0.0, 'gpu-bf16': 1e-6}  # |first step's KL to the reference|
+
 
 def precision_key(cuda: bool, dtype: str) -> str:
-    "The tolerance row of a run: 'cpu-fp32' (CPU, float32), 'gpu-bf16' (any run on a GPU); a CPU run in another dtype has none."
-    if cuda: return 'gpu-bf16'
-    if str(dtype).replace('torch.', '') in ('float32', 'fp32'): return 'cpu-fp32'
-    raise ValueError(f"no stated weight-check tolerance for dtype {dtype!r} on CPU (float32 only); see WEIGHT_TOL")
+    """The tolerance row of a run: 'cpu-fp32' (CPU, float32), 'gpu-bf16' (any run on a GPU); a CPU
+    run in another dtype has none."""
+    if cuda:
+        return 'gpu-bf16'
+    if str(dtype).replace('torch.', '') in ('float32', 'fp32'):
+        return 'cpu-fp32'
+    raise ValueError(
+        f"no stated weight-check tolerance for dtype {dtype!r} on CPU (float32 only); see "
+        "WEIGHT_TOL"
+    )
 
+# %% ../nbs/13c_runcheck.ipynb #0e0c0206
 def weight_prompt_ids(tokenizer, text: str = WEIGHT_PROMPT) -> list[int]:
     "The ids of the fixed prompt in the run's tokenizer (no special tokens)."
     ids = list(tokenizer(text, add_special_tokens=False)['input_ids'])
-    if len(ids) < 2: raise ValueError(f"the weight-check prompt {text!r} is {len(ids)} token(s): it needs at least 2")
+    if len(ids) < 2:
+        raise ValueError(
+            f"the weight-check prompt {text!r} is {len(ids)} token(s): it needs at least 2"
+        )
     return ids
 
+# %% ../nbs/13c_runcheck.ipynb #67aff698
 def _gap(a, b) -> float:
-    "max |a - b| over two equally long lists; inf when they differ in length or a difference is not finite."
-    if len(a) != len(b): return math.inf
+    """max |a - b| over two equally long lists; inf when they differ in length or a difference is
+    not finite."""
+    if len(a) != len(b):
+        return math.inf
     d = [abs(x - y) for x, y in zip(a, b)]
     return max(d, default=0.0) if all(math.isfinite(x) for x in d) else math.inf
 
-def weight_check(engine, trainer_side, prompt_ids, tol: float, previous: dict | None = None) -> dict:
-    "The engine's prompt log-probs (`prompt_logprobs_each`, every server) against the trainer's (`trainer_side`: the values, or a function of the ids); see above for when it passes."
+# %% ../nbs/13c_runcheck.ipynb #eec69b98
+def weight_check(
+    engine, trainer_side, prompt_ids, tol: float, previous: dict | None = None
+) -> dict:
+    """The engine's prompt log-probs (`prompt_logprobs_each`, every server) against the trainer's
+    (`trainer_side`: the values, or a function of the ids); see above for when it passes."""
     ids = [int(t) for t in prompt_ids]
     want = [float(x) for x in (trainer_side(ids) if callable(trainer_side) else trainer_side)]
     if len(want) != len(ids) - 1:
-        raise ValueError(f"weight_check: {len(want)} trainer log-probs for a prompt of {len(ids)} tokens (one per token after the first)")
+        raise ValueError(
+            f"weight_check: {len(want)} trainer log-probs for a prompt of {len(ids)} tokens (one "
+            "per token after the first)"
+        )
     got = [[float(x) for x in g] for g in engine.prompt_logprobs_each(ids)]
     diffs = [_gap(g, want) for g in got]
-    out = {'servers': len(got), 'prompt_tokens': len(ids), 'tol': tol, 'max_abs_dlogp': max(diffs, default=math.inf),
-           'per_server': diffs, 'stale_servers': [], 'trainer': want, 'engine': got}
+    out = {
+        'servers': len(got),
+        'prompt_tokens': len(ids),
+        'tol': tol,
+        'max_abs_dlogp': max(diffs, default=math.inf),
+        'per_server': diffs,
+        'stale_servers': [],
+        'trainer': want,
+        'engine': got,
+    }
     if previous is not None:
         out['trainer_moved'] = _gap(want, previous['trainer'])
         out['engine_moved'] = [_gap(g, p) for g, p in zip(got, previous['engine'])]
-        out['stale_servers'] = [i for i, m in enumerate(out['engine_moved']) if m == 0 and out['trainer_moved'] > 0]
+        out['stale_servers'] = [
+            i for i, m in enumerate(out['engine_moved']) if m == 0 and out['trainer_moved'] > 0
+        ]
     out['passed'] = bool(got) and all(d <= tol for d in diffs) and not out['stale_servers']
     return out
 
+# %% ../nbs/13c_runcheck.ipynb #6530481b
 def trainer_logprobs(trainer, ids) -> list[float]:
-    "Teacher-forced log-probs of `ids[1:]` from the policy itself, on its devices and in its layout (`trainer.group.prompt_logprobs`)."
+    """Teacher-forced log-probs of `ids[1:]` from the policy itself, on its devices and in its
+    layout (`trainer.group.prompt_logprobs`)."""
     return trainer.group.prompt_logprobs(ids)
 
-def weight_gate(G: Gates, step: int, trainer, prompt_ids, tol: float, previous: dict | None = None) -> dict | None:
-    "Gate `weights_synced[step N]` after step N's sync (N = 0: before training); returns the check for the next one (None when it raised)."
+# %% ../nbs/13c_runcheck.ipynb #fd68e32a
+def weight_gate(
+    G: Gates, step: int, trainer, prompt_ids, tol: float, previous: dict | None = None
+) -> dict | None:
+    """Gate `weights_synced[step N]` after step N's sync (N = 0: before training); returns the check
+    for the next one (None when it raised)."""
     name = f'weights_synced[step {step}]'
-    try: r = weight_check(trainer.engine, lambda ids: trainer_logprobs(trainer, ids), prompt_ids, tol, previous)
+    try:
+        r = weight_check(
+            trainer.engine, lambda ids: trainer_logprobs(trainer, ids), prompt_ids, tol, previous
+        )
     except Exception as e:
-        traceback.print_exc(); G.gate(name, False, error=f'{type(e).__name__}: {e}'[:500]); return None
-    nums = dict(max_abs_dlogp=r['max_abs_dlogp'], tol=tol, servers=r['servers'], prompt_tokens=r['prompt_tokens'])
-    if previous is not None: nums.update(trainer_moved=r['trainer_moved'], stale_servers=r['stale_servers'])
+        traceback.print_exc()
+        G.gate(name, False, error=f'{type(e).__name__}: {e}'[:500])
+        return None
+    nums = dict(
+        max_abs_dlogp=r['max_abs_dlogp'],
+        tol=tol,
+        servers=r['servers'],
+        prompt_tokens=r['prompt_tokens'],
+    )
+    if previous is not None:
+        nums.update(trainer_moved=r['trainer_moved'], stale_servers=r['stale_servers'])
     G.gate(name, r['passed'], **nums)
     return r
 
 # %% ../nbs/13c_runcheck.ipynb #9748dfb5
 def kl_gate(G: Gates, metrics: list[dict], cfg, key: str) -> bool | None:
-    "Gate `kl[step 1]`: the first step's `kl` metric within `KL_TOL[key]` (0.0 exactly on CPU fp32); None, printing why, when the gate does not apply."
-    if cfg.loss.kl_type == 'none' or not cfg.loss.kl_coef: print('kl[step 1]: not checked, the KL term is off'); return None
+    """Gate `kl[step 1]`: the first step's `kl` metric within `KL_TOL[key]` (0.0 exactly on CPU
+    fp32); None, printing why, when the gate does not apply."""
+    if cfg.loss.kl_type == 'none' or not cfg.loss.kl_coef:
+        print('kl[step 1]: not checked, the KL term is off')
+        return None
     if cfg.optim.mini_batches > 1:
-        print(f'kl[step 1]: not checked, optim.mini_batches={cfg.optim.mini_batches}: later mini-batches score an updated policy'); return None
+        print(
+            f'kl[step 1]: not checked, optim.mini_batches={cfg.optim.mini_batches}: later '
+            'mini-batches score an updated policy'
+        )
+        return None
     kl = next((m.get('kl') for m in metrics if m.get('step') == 1), None)
     ok = isinstance(kl, (int, float)) and math.isfinite(kl) and abs(kl) <= KL_TOL[key]
     return G.gate('kl[step 1]', ok, kl=kl, tol=KL_TOL[key], precision=key)

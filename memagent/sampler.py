@@ -12,14 +12,17 @@ __all__ = ['PromptSampler']
 # %% ../nbs/13e_sampler.ipynb #32affb87
 class PromptSampler:
     "A seeded, resumable stream of example indices, `batch_size` at a time, epoch after epoch."
+
     def __init__(self, n: int, batch_size: int, seed: int = 0, cursor: int = 0):
-        if n <= 0: raise ValueError("PromptSampler: no training examples")
+        if n <= 0:
+            raise ValueError("PromptSampler: no training examples")
         self.n, self.batch_size, self.seed, self.cursor = n, batch_size, seed, cursor
         self._perm_epoch, self._perm = None, None
 
     def _order(self, epoch: int) -> list[int]:
         if self._perm_epoch != epoch:
-            self._perm = list(range(self.n)); random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
+            self._perm = list(range(self.n))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
             self._perm_epoch = epoch
         return self._perm
 
@@ -28,11 +31,22 @@ class PromptSampler:
         out = []
         for _ in range(self.batch_size):
             e, i = divmod(self.cursor, self.n)
-            out.append(self._order(e)[i]); self.cursor += 1
+            out.append(self._order(e)[i])
+            self.cursor += 1
         return out
 
-    def state_dict(self) -> dict: return {'cursor': self.cursor, 'seed': self.seed, 'n': self.n, 'batch_size': self.batch_size}
+    def state_dict(self) -> dict:
+        return {
+            'cursor': self.cursor,
+            'seed': self.seed,
+            'n': self.n,
+            'batch_size': self.batch_size,
+        }
+
     def load_state_dict(self, s: dict):
         if (s['n'], s['batch_size'], s['seed']) != (self.n, self.batch_size, self.seed):
-            raise ValueError(f"sampler state {s} does not match this run (n={self.n}, batch_size={self.batch_size}, seed={self.seed})")
+            raise ValueError(
+                f"sampler state {s} does not match this run (n={self.n}, "
+                f"batch_size={self.batch_size}, seed={self.seed})"
+            )
         self.cursor = s['cursor']

@@ -17,177 +17,355 @@ __all__ = ['NOTE', 'SPLIT_FILES', 'MANIFEST', 'ScreeningError', 'classify_counts
 
 # %% ../nbs/19_screening.ipynb #92fe3a60
 class ScreeningError(ValueError):
-    "Screening cannot produce the requested splits (too few candidates qualify) or its inputs are inconsistent."
+    """Screening cannot produce the requested splits (too few candidates qualify) or its inputs are
+    inconsistent."""
 
+# %% ../nbs/19_screening.ipynb #f760f6ed
 def _check_params(n, min_success, max_success, prefer, n_train, n_heldout):
-    if not isinstance(n, int) or n < 1: raise ValueError(f"n must be a positive integer, got {n!r}")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
     if not (0 <= min_success <= max_success <= n):
-        raise ValueError(f"need 0 <= min_success <= max_success <= n, got {min_success}, {max_success}, n={n}")
+        raise ValueError(
+            f"need 0 <= min_success <= max_success <= n, got {min_success}, {max_success}, n={n}"
+        )
     if prefer is not None:
         lo, hi = prefer
         if not (min_success <= lo <= hi <= max_success):
-            raise ValueError(f"prefer {tuple(prefer)} must lie within min_success..max_success {min_success}..{max_success}")
+            raise ValueError(
+                f"prefer {tuple(prefer)} must lie within min_success..max_success "
+                f"{min_success}..{max_success}"
+            )
     for k, v in (('n_train', n_train), ('n_heldout', n_heldout)):
-        if not isinstance(v, int) or v < 0: raise ValueError(f"{k} must be an integer >= 0, got {v!r}")
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"{k} must be an integer >= 0, got {v!r}")
 
-def classify_counts(counts: dict, n: int, min_success: int = 1, max_success: int | None = None, prefer=None,
-                    errors: dict | None = None) -> dict:
-    "Map each id to `(tier, reason)`, tier in 'preferred' | 'qualified' | 'rejected', from its success count of `n`."
+# %% ../nbs/19_screening.ipynb #ff0439ad
+def classify_counts(
+    counts: dict,
+    n: int,
+    min_success: int = 1,
+    max_success: int | None = None,
+    prefer=None,
+    errors: dict | None = None,
+) -> dict:
+    """Map each id to `(tier, reason)`, tier in 'preferred' | 'qualified' | 'rejected', from its
+    success count of `n`."""
     max_success = n - 1 if max_success is None else max_success
     _check_params(n, min_success, max_success, prefer, 0, 0)
     errors = errors or {}
     out = {}
     for i, c in counts.items():
         if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c <= n:
-            raise ValueError(f"candidate {i!r}: success count must be an integer in 0..{n}, got {c!r}")
+            raise ValueError(
+                f"candidate {i!r}: success count must be an integer in 0..{n}, got {c!r}"
+            )
         e = errors.get(i, 0)
-        if e: out[i] = ('rejected', f"request_errors: {e} of {n} samples failed (count {c} is only a lower bound)")
-        elif c < min_success: out[i] = ('rejected', f"too_hard: {c} of {n} successes < min_success {min_success}")
-        elif c > max_success: out[i] = ('rejected', f"too_easy: {c} of {n} successes > max_success {max_success}")
-        elif prefer is not None and prefer[0] <= c <= prefer[1]: out[i] = ('preferred', f"preferred: {c} of {n} in {prefer[0]}..{prefer[1]}")
-        elif prefer is not None: out[i] = ('qualified', f"qualified: {c} of {n} in {min_success}..{max_success}, outside preferred {prefer[0]}..{prefer[1]}")
-        else: out[i] = ('qualified', f"qualified: {c} of {n} in {min_success}..{max_success}")
+        if e:
+            out[i] = (
+                'rejected',
+                f"request_errors: {e} of {n} samples failed (count {c} is only a lower bound)",
+            )
+        elif c < min_success:
+            out[i] = ('rejected', f"too_hard: {c} of {n} successes < min_success {min_success}")
+        elif c > max_success:
+            out[i] = ('rejected', f"too_easy: {c} of {n} successes > max_success {max_success}")
+        elif prefer is not None and prefer[0] <= c <= prefer[1]:
+            out[i] = ('preferred', f"preferred: {c} of {n} in {prefer[0]}..{prefer[1]}")
+        elif prefer is not None:
+            out[i] = (
+                'qualified',
+                f"qualified: {c} of {n} in {min_success}..{max_success}, outside preferred "
+                f"{prefer[0]}..{prefer[1]}",
+            )
+        else:
+            out[i] = ('qualified', f"qualified: {c} of {n} in {min_success}..{max_success}")
     return out
 
-def select_screened(counts: dict, n: int = 8, min_success: int = 1, max_success: int = 7, prefer=(2, 6),
-                    n_train: int = 8, n_heldout: int = 4, seed: int = 0, errors: dict | None = None) -> dict:
-    "Pick disjoint `train` and `heldout` id lists from success counts; preferred before qualified; raise `ScreeningError` if too few qualify."
+# %% ../nbs/19_screening.ipynb #49afbd2e
+def select_screened(
+    counts: dict,
+    n: int = 8,
+    min_success: int = 1,
+    max_success: int = 7,
+    prefer=(2, 6),
+    n_train: int = 8,
+    n_heldout: int = 4,
+    seed: int = 0,
+    errors: dict | None = None,
+) -> dict:
+    """Pick disjoint `train` and `heldout` id lists from success counts; preferred before qualified;
+    raise `ScreeningError` if too few qualify."""
     _check_params(n, min_success, max_success, prefer, n_train, n_heldout)
     cls = classify_counts(counts, n, min_success, max_success, prefer, errors)
     rng = random.Random(seed)
     tiers = {}
     for t in ('preferred', 'qualified'):
-        ids = sorted((i for i, (tt, _) in cls.items() if tt == t), key=str); rng.shuffle(ids); tiers[t] = ids
+        ids = sorted((i for i, (tt, _) in cls.items() if tt == t), key=str)
+        rng.shuffle(ids)
+        tiers[t] = ids
     pool = tiers['preferred'] + tiers['qualified']
     need = n_train + n_heldout
-    res = {'classes': cls, 'preferred': tiers['preferred'], 'qualified': tiers['qualified'],
-           'rejected': sorted((i for i, (t, _) in cls.items() if t == 'rejected'), key=str), 'needed': need}
+    res = {
+        'classes': cls,
+        'preferred': tiers['preferred'],
+        'qualified': tiers['qualified'],
+        'rejected': sorted((i for i, (t, _) in cls.items() if t == 'rejected'), key=str),
+        'needed': need,
+    }
     if len(pool) < need:
-        raise ScreeningError(f"only {len(pool)} of {len(counts)} candidates qualify ({len(tiers['preferred'])} preferred, "
-                             f"{len(tiers['qualified'])} outside the preferred range) but n_train + n_heldout = {n_train} + {n_heldout} = {need}")
-    chosen = pool[:need]; rng.shuffle(chosen)
+        raise ScreeningError(
+            f"only {len(pool)} of {len(counts)} candidates qualify ({len(tiers['preferred'])} "
+            "preferred, "
+            f"{len(tiers['qualified'])} outside the preferred range) but n_train + n_heldout = "
+            f"{n_train} + {n_heldout} = {need}"
+        )
+    chosen = pool[:need]
+    rng.shuffle(chosen)
     res.update(train=chosen[:n_train], heldout=chosen[n_train:], unused=pool[need:])
     assert not set(res['train']) & set(res['heldout'])
     return res
 
 # %% ../nbs/19_screening.ipynb #33520fa1
-NOTE = ("Pass@N-screened set: prompts were kept because the base model solves them only sometimes. "
-        "This gives GRPO reward variance; it is NOT an unbiased metric of accuracy on the task "
-        "(selection bias, regression to the mean). Evaluate on unscreened sets.")
+NOTE = (
+    "Pass@N-screened set: prompts were kept because the base model solves them only sometimes. "
+    "This gives GRPO reward variance; it is NOT an unbiased metric of accuracy on the task "
+    "(selection bias, regression to the mean). Evaluate on unscreened sets."
+)
 SPLIT_FILES = {'train': 'train.jsonl', 'heldout': 'heldout.jsonl'}
 MANIFEST = 'screening_manifest.json'
 
-def _content_key(ex) -> str: return sha256_text(ex['question'] + '\0' + ex['context'])
 
+def _content_key(ex) -> str:
+    return sha256_text(ex['question'] + '\0' + ex['context'])
+
+# %% ../nbs/19_screening.ipynb #6a3d4bfb
 def _cfg_dict(cfg):
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
 
+# %% ../nbs/19_screening.ipynb #5a7d2251
 def _check_candidates(candidates):
     seen, dup = {}, {}
     for k, ex in enumerate(candidates):
         bad = validate_example(ex)
-        if bad: raise ScreeningError(f"candidate {k} (id {ex.get('id') if isinstance(ex, dict) else None!r}): field {bad[0]!r}: {bad[1]}")
-        if ex['id'] in seen: raise ScreeningError(f"candidate {k}: duplicate id {ex['id']!r} (first at candidate {seen[ex['id']]})")
+        if bad:
+            raise ScreeningError(
+                f"candidate {k} (id {ex.get('id') if isinstance(ex, dict) else None!r}): field "
+                f"{bad[0]!r}: {bad[1]}"
+            )
+        if ex['id'] in seen:
+            raise ScreeningError(
+                f"candidate {k}: duplicate id {ex['id']!r} (first at candidate {seen[ex['id']]})"
+            )
         seen[ex['id']] = k
     first = {}
     for ex in candidates:
         key = _content_key(ex)
-        if key in first: dup[ex['id']] = first[key]
-        else: first[key] = ex['id']
+        if key in first:
+            dup[ex['id']] = first[key]
+        else:
+            first[key] = ex['id']
     return dup
 
+# %% ../nbs/19_screening.ipynb #4ac417d0
 def score_trajectories(trajs, reward_fn, ids, n: int, success_threshold: float = 1.0) -> dict:
-    "Per candidate id: successes, errors, rewards, chunk disclosure; every id must have exactly `n` trajectories."
+    """Per candidate id: successes, errors, rewards, chunk disclosure; every id must have exactly
+    `n` trajectories."""
     per = {i: [] for i in ids}
     for t in trajs:
-        if t.example_id not in per: raise ScreeningError(f"rollout returned a trajectory for unknown example {t.example_id!r}")
+        if t.example_id not in per:
+            raise ScreeningError(
+                f"rollout returned a trajectory for unknown example {t.example_id!r}"
+            )
         per[t.example_id].append(t)
     out = {}
     for i, ts in per.items():
-        if len(ts) != n: raise ScreeningError(f"candidate {i!r}: rollout returned {len(ts)} trajectories, expected n={n}")
+        if len(ts) != n:
+            raise ScreeningError(
+                f"candidate {i!r}: rollout returned {len(ts)} trajectories, expected n={n}"
+            )
         rewards, errs = [], []
         for t in sorted(ts, key=lambda t: t.sample_index):
-            if t.error is not None: rewards.append(None); errs.append(str(t.error)[:200]); continue
+            if t.error is not None:
+                rewards.append(None)
+                errs.append(str(t.error)[:200])
+                continue
             r = call_reward(reward_fn, t.final_text, t.answers, t.negatives)
-            if not math.isfinite(r): raise ScreeningError(f"candidate {i!r}: reward {r} is not finite (trajectory {t.traj_id})")
+            if not math.isfinite(r):
+                raise ScreeningError(
+                    f"candidate {i!r}: reward {r} is not finite (trajectory {t.traj_id})"
+                )
             rewards.append(r)
         ok = [t for t in ts if t.error is None]
-        out[i] = {'successes': sum(r is not None and r >= success_threshold for r in rewards), 'samples': n,
-                  'errors': len(errs), 'error_messages': errs[:3], 'rewards': rewards,
-                  'num_chunks': max((t.num_chunks for t in ok), default=None),
-                  'truncated': any(t.truncated for t in ok)}
+        out[i] = {
+            'successes': sum(r is not None and r >= success_threshold for r in rewards),
+            'samples': n,
+            'errors': len(errs),
+            'error_messages': errs[:3],
+            'rewards': rewards,
+            'num_chunks': max((t.num_chunks for t in ok), default=None),
+            'truncated': any(t.truncated for t in ok),
+        }
     return out
 
 # %% ../nbs/19_screening.ipynb #83e09718
-def screen(candidates, engine, tokenizer, cfg, n: int = 8, min_success: int = 1, max_success: int = 7, prefer=(2, 6),
-           n_train: int = 8, n_heldout: int = 4, seed: int = 0, out_dir=None, success_threshold: float = 1.0,
-           batch_size: int | None = None, rollout_fn=None) -> dict:
-    "Pass@N screening: sample each candidate `n` times, count successes, select disjoint train/held-out splits, write them with a manifest."
+def screen(
+    candidates,
+    engine,
+    tokenizer,
+    cfg,
+    n: int = 8,
+    min_success: int = 1,
+    max_success: int = 7,
+    prefer=(2, 6),
+    n_train: int = 8,
+    n_heldout: int = 4,
+    seed: int = 0,
+    out_dir=None,
+    success_threshold: float = 1.0,
+    batch_size: int | None = None,
+    rollout_fn=None,
+) -> dict:
+    """Pass@N screening: sample each candidate `n` times, count successes, select disjoint
+    train/held-out splits, write them with a manifest."""
     _check_params(n, min_success, max_success, prefer, n_train, n_heldout)
     candidates = list(candidates)
-    if not candidates: raise ScreeningError("no candidates to screen")
+    if not candidates:
+        raise ScreeningError("no candidates to screen")
     dup = _check_candidates(candidates)
     if rollout_fn is None:
         from memagent.rollout import rollout as rollout_fn
-    reward_name = cfg.grpo.reward; reward_fn = get_reward(reward_name)
+    reward_name = cfg.grpo.reward
+    reward_fn = get_reward(reward_name)
     todo = [ex for ex in candidates if ex['id'] not in dup]
-    bs = batch_size or len(todo); scored = {}
+    bs = batch_size or len(todo)
+    scored = {}
     for b in range(0, len(todo), bs):
-        part = todo[b:b + bs]
+        part = todo[b : b + bs]
         trajs = rollout_fn(part, engine, tokenizer, cfg, group_size=n, seed=seed, progress=False)
-        scored.update(score_trajectories(trajs, reward_fn, [ex['id'] for ex in part], n, success_threshold))
+        scored.update(
+            score_trajectories(trajs, reward_fn, [ex['id'] for ex in part], n, success_threshold)
+        )
     counts = {i: s['successes'] for i, s in scored.items()}
     errors = {i: s['errors'] for i, s in scored.items() if s['errors']}
     status, sel, failure = 'ok', None, None
-    try: sel = select_screened(counts, n, min_success, max_success, prefer, n_train, n_heldout, seed, errors)
-    except ScreeningError as e: status, failure = 'insufficient', str(e)
-    cls = sel['classes'] if sel else classify_counts(counts, n, min_success, max_success, prefer, errors)
+    try:
+        sel = select_screened(
+            counts, n, min_success, max_success, prefer, n_train, n_heldout, seed, errors
+        )
+    except ScreeningError as e:
+        status, failure = 'insufficient', str(e)
+    cls = (
+        sel['classes']
+        if sel
+        else classify_counts(counts, n, min_success, max_success, prefer, errors)
+    )
     where = {}
     if sel:
         for split in ('train', 'heldout'):
-            for i in sel[split]: where[i] = split
+            for i in sel[split]:
+                where[i] = split
     rows = []
     for ex in candidates:
         i = ex['id']
         if i in dup:
-            rows.append({'id': i, 'tier': 'rejected', 'split': None, 'reason': f"duplicate_content: same question and context as {dup[i]!r}",
-                         'successes': None, 'samples': 0, 'errors': 0}); continue
+            rows.append(
+                {
+                    'id': i,
+                    'tier': 'rejected',
+                    'split': None,
+                    'reason': f"duplicate_content: same question and context as {dup[i]!r}",
+                    'successes': None,
+                    'samples': 0,
+                    'errors': 0,
+                }
+            )
+            continue
         tier, reason = cls[i]
         split = where.get(i) or ('unused' if tier != 'rejected' else None)
         rows.append({'id': i, 'tier': tier, 'split': split, 'reason': reason, **scored[i]})
     tiers = Counter(r['tier'] for r in rows)
     manifest = {
-        'kind': 'pass_at_n_screening', 'status': status, 'failure': failure, 'note': NOTE,
-        'parameters': {'n': n, 'min_success': min_success, 'max_success': max_success,
-                       'prefer': list(prefer) if prefer is not None else None, 'n_train': n_train, 'n_heldout': n_heldout,
-                       'seed': seed, 'reward': reward_name, 'success_threshold': success_threshold, 'batch_size': batch_size,
-                       'selection': 'preferred tier before qualified, each in a seeded shuffle of sorted ids; the chosen '
-                                    'n_train + n_heldout shuffled again and cut into train, heldout'},
-        'totals': {'candidates': len(candidates), 'sampled': len(scored), 'duplicates_skipped': len(dup),
-                   'preferred': tiers['preferred'], 'qualified_outside_prefer': tiers['qualified'], 'rejected': tiers['rejected'],
-                   'rejected_by_reason': dict(Counter(r['reason'].split(':')[0] for r in rows if r['tier'] == 'rejected')),
-                   'trajectories': len(scored) * n, 'failed_requests': sum(s['errors'] for s in scored.values()),
-                   'candidates_with_errors': len(errors)},
+        'kind': 'pass_at_n_screening',
+        'status': status,
+        'failure': failure,
+        'note': NOTE,
+        'parameters': {
+            'n': n,
+            'min_success': min_success,
+            'max_success': max_success,
+            'prefer': list(prefer) if prefer is not None else None,
+            'n_train': n_train,
+            'n_heldout': n_heldout,
+            'seed': seed,
+            'reward': reward_name,
+            'success_threshold': success_threshold,
+            'batch_size': batch_size,
+            'selection': (
+                'preferred tier before qualified, each in a seeded shuffle of sorted ids; the '
+                'chosen '
+                'n_train + n_heldout shuffled again and cut into train, heldout'
+            ),
+        },
+        'totals': {
+            'candidates': len(candidates),
+            'sampled': len(scored),
+            'duplicates_skipped': len(dup),
+            'preferred': tiers['preferred'],
+            'qualified_outside_prefer': tiers['qualified'],
+            'rejected': tiers['rejected'],
+            'rejected_by_reason': dict(
+                Counter(r['reason'].split(':')[0] for r in rows if r['tier'] == 'rejected')
+            ),
+            'trajectories': len(scored) * n,
+            'failed_requests': sum(s['errors'] for s in scored.values()),
+            'candidates_with_errors': len(errors),
+        },
         'success_histogram': {str(k): v for k, v in sorted(Counter(counts.values()).items())},
-        'candidates': rows, 'splits': None,
+        'candidates': rows,
+        'splits': None,
         'config': _cfg_dict(cfg),
-        'provenance': provenance(tool='memagent.screening.screen', candidates_sha256=sha256_text(json.dumps(candidates, sort_keys=True)),
-                                 model={'name': cfg.model.name, 'revision': cfg.model.revision}),
+        'provenance': provenance(
+            tool='memagent.screening.screen',
+            candidates_sha256=sha256_text(json.dumps(candidates, sort_keys=True)),
+            model={'name': cfg.model.name, 'revision': cfg.model.revision},
+        ),
     }
     if sel:
         by_id = {ex['id']: ex for ex in candidates}
+
         def tagged(i):
-            ex = dict(by_id[i]); ex['meta'] = {**ex['meta'], 'screening': {'successes': counts[i], 'n': n, 'reward': reward_name}}
+            ex = dict(by_id[i])
+            ex['meta'] = {
+                **ex['meta'],
+                'screening': {'successes': counts[i], 'n': n, 'reward': reward_name},
+            }
             return ex
+
         splits = {k: [tagged(i) for i in sel[k]] for k in ('train', 'heldout')}
         keys = {k: {_content_key(ex) for ex in v} for k, v in splits.items()}
-        if keys['train'] & keys['heldout']: raise ScreeningError("train and heldout share a question+context (disjointness violated)")
-        manifest['splits'] = {k: {'file': SPLIT_FILES[k], 'size': len(v), 'ids': [ex['id'] for ex in v]} for k, v in splits.items()}
+        if keys['train'] & keys['heldout']:
+            raise ScreeningError(
+                "train and heldout share a question+context (disjointness violated)"
+            )
+        manifest['splits'] = {
+            k: {'file': SPLIT_FILES[k], 'size': len(v), 'ids': [ex['id'] for ex in v]}
+            for k, v in splits.items()
+        }
     if out_dir is not None:
-        out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
         if sel:
             for k, v in splits.items():
-                p = write_examples(v, out / SPLIT_FILES[k]); manifest['splits'][k]['sha256'] = sha256_file(p)
+                p = write_examples(v, out / SPLIT_FILES[k])
+                manifest['splits'][k]['sha256'] = sha256_file(p)
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + '\n')
-    if failure: raise ScreeningError(failure + (f" (manifest with every count written to {Path(out_dir) / MANIFEST})" if out_dir is not None else ''))
+    if failure:
+        raise ScreeningError(
+            failure
+            + (
+                f" (manifest with every count written to {Path(out_dir) / MANIFEST})"
+                if out_dir is not None
+                else ''
+            )
+        )
     return manifest

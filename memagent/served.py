@@ -11,63 +11,137 @@ __all__ = ['ModelMismatchError', 'check_served_model']
 
 # %% ../nbs/16a_served.ipynb #0fc6d840
 class ModelMismatchError(ValueError):
-    "The engine serves another model than the one a run is labelled with (or cannot show which); the message names both identities."
+    """The engine serves another model than the one a run is labelled with (or cannot show which);
+    the message names both identities."""
+
 
 def _want(model) -> dict:
     from memagent.models import model_dir
     from memagent.checkpoint import read_weights_record
-    try: d = model_dir(model).resolve()
-    except FileNotFoundError: return {'name': str(model), 'path': None, 'record': None}
+
+    try:
+        d = model_dir(model).resolve()
+    except FileNotFoundError:
+        return {'name': str(model), 'path': None, 'record': None}
     return {'name': str(model), 'path': str(d), 'record': read_weights_record(d)}
+
 
 def _want_hash(want) -> str:
     from memagent.checkpoint import tensors_sha256
+
     rec = want['record'] or {}
-    if not rec.get('tensors_sha256'): rec['tensors_sha256'] = tensors_sha256(want['path'])
+    if not rec.get('tensors_sha256'):
+        rec['tensors_sha256'] = tensors_sha256(want['path'])
     want['record'] = rec
     return rec['tensors_sha256']
 
+
 def _refuse(model, want, served, why):
-    exp = f"checkpoint {model!r} (path {want['path']}" + (f", tensors_sha256 {want['record']['tensors_sha256'][:16]}" if (want['record'] or {}).get('tensors_sha256') else '') + ')'
-    raise ModelMismatchError(f"the engine does not serve the checkpoint this run is labelled with: {why}. Served: {served}; expected: {exp}")
+    exp = (
+        f"checkpoint {model!r} (path {want['path']}"
+        + (
+            f", tensors_sha256 {want['record']['tensors_sha256'][:16]}"
+            if (want['record'] or {}).get('tensors_sha256')
+            else ''
+        )
+        + ')'
+    )
+    raise ModelMismatchError(
+        f"the engine does not serve the checkpoint this run is labelled with: {why}. Served: "
+        f"{served}; expected: {exp}"
+    )
 
 # %% ../nbs/16a_served.ipynb #38da2f30
 def check_served_model(engine, model, logprob_tol: float = 0.1) -> dict:
-    "Prove `engine` serves checkpoint `model` (see above), else `ModelMismatchError` naming both identities; returns the proof."
+    """Prove `engine` serves checkpoint `model` (see above), else `ModelMismatchError` naming both
+    identities; returns the proof."""
     if not hasattr(engine, 'identity'):
-        raise ModelMismatchError(f"{type(engine).__name__} cannot say which model it serves (no identity()); expected checkpoint {model!r}")
+        raise ModelMismatchError(
+            f"{type(engine).__name__} cannot say which model it serves (no identity()); expected "
+            f"checkpoint {model!r}"
+        )
     ident, want = engine.identity(), _want(model)
     if ident['kind'] == 'hf':
-        got = str(Path(ident['path']).resolve()) if ident['path'] and Path(ident['path']).exists() else ident['path']
+        got = (
+            str(Path(ident['path']).resolve())
+            if ident['path'] and Path(ident['path']).exists()
+            else ident['path']
+        )
         if got is None or got != (want['path'] or want['name']):
-            _refuse(model, want, f"HF engine model {ident['class']} loaded from {ident['path']}", 'the model object was loaded elsewhere')
-        return {'kind': 'hf', 'path': got, 'how': 'model object loaded from the checkpoint directory'}
+            _refuse(
+                model,
+                want,
+                f"HF engine model {ident['class']} loaded from {ident['path']}",
+                'the model object was loaded elsewhere',
+            )
+        return {
+            'kind': 'hf',
+            'path': got,
+            'how': 'model object loaded from the checkpoint directory',
+        }
     proofs, need_fp = [], []
     for srv in ident['servers']:
         sp = srv['model_path']
         if sp and Path(sp).is_dir():
             from memagent.checkpoint import tensors_sha256, CheckpointError
-            if want['path'] is None: _refuse(model, want, f"{srv['url']} model_path {sp}", 'a local directory is served for a hub id')
-            try: got = tensors_sha256(sp)
-            except CheckpointError as e: _refuse(model, want, f"{srv['url']} model_path {sp}", f"the served weights cannot be hashed ({e})")
+
+            if want['path'] is None:
+                _refuse(
+                    model,
+                    want,
+                    f"{srv['url']} model_path {sp}",
+                    'a local directory is served for a hub id',
+                )
+            try:
+                got = tensors_sha256(sp)
+            except CheckpointError as e:
+                _refuse(
+                    model,
+                    want,
+                    f"{srv['url']} model_path {sp}",
+                    f"the served weights cannot be hashed ({e})",
+                )
             if got != _want_hash(want):
-                _refuse(model, want, f"{srv['url']} model_path {sp} (tensors_sha256 {got[:16]})", 'the served weights differ')
+                _refuse(
+                    model,
+                    want,
+                    f"{srv['url']} model_path {sp} (tensors_sha256 {got[:16]})",
+                    'the served weights differ',
+                )
             proofs.append({**srv, 'tensors_sha256': got, 'how': 'served path visible: tensor hash'})
         elif want['path'] is None and sp == want['name']:
             proofs.append({**srv, 'how': 'hub id served under the same name'})
-        else: need_fp.append(srv)
+        else:
+            need_fp.append(srv)
     if need_fp:
         fp = (want['record'] or {}).get('fingerprint')
         if not fp:
-            _refuse(model, want, ', '.join(f"{s['url']} model_path {s['model_path']}" for s in need_fp),
-                    'the served path is not visible to this client and the checkpoint records no fingerprint')
-        res = dict(zip([s['url'] for s in ident['servers']], engine.greedy_each(fp['prompt_ids'], len(fp['output_ids']))))
+            _refuse(
+                model,
+                want,
+                ', '.join(f"{s['url']} model_path {s['model_path']}" for s in need_fp),
+                'the served path is not visible to this client and the checkpoint records no '
+                'fingerprint',
+            )
+        res = dict(
+            zip(
+                [s['url'] for s in ident['servers']],
+                engine.greedy_each(fp['prompt_ids'], len(fp['output_ids'])),
+            )
+        )
         for srv in need_fp:
             r = res[srv['url']]
             diff = max((abs(a - b) for a, b in zip(r.logprobs, fp['logprobs'])), default=0.0)
             if list(r.output_ids) != fp['output_ids'] or diff > logprob_tol:
-                _refuse(model, want, f"{srv['url']} model_path {srv['model_path']} (fingerprint ids {list(r.output_ids)}, log-probs "
-                        f"{[round(x, 4) for x in r.logprobs]})", f"the fingerprint differs from the one recorded at export "
-                        f"(ids {fp['output_ids']}, log-probs {[round(x, 4) for x in fp['logprobs']]}, tolerance {logprob_tol})")
+                _refuse(
+                    model,
+                    want,
+                    f"{srv['url']} model_path {srv['model_path']} (fingerprint ids "
+                    f"{list(r.output_ids)}, log-probs "
+                    f"{[round(x, 4) for x in r.logprobs]})",
+                    f"the fingerprint differs from the one recorded at export "
+                    f"(ids {fp['output_ids']}, log-probs {[round(x, 4) for x in fp['logprobs']]}, "
+                    f"tolerance {logprob_tol})",
+                )
             proofs.append({**srv, 'how': 'fingerprint', 'max_logprob_diff': diff})
     return {'kind': 'sglang', 'servers': proofs}

@@ -18,192 +18,378 @@ __all__ = ['MARK', 'LAUNCH_PRESET', 'LAUNCH_OVERRIDES', 'LAUNCH_SWITCH', 'write_
 _SHIM = '''"Simulated SGLang (memagent.simnode): `python -m sglang.launch_server` serves memagent's local schema server."
 from memagent.simnode import shim_main
 if __name__ == '__main__': shim_main()
-'''
+'''  # noqa: E501
+
 
 def write_sglang_shim(root) -> Path:
-    "`root` with a package `sglang` whose `launch_server` is the shim; put `root` first on `PYTHONPATH`."
+    """`root` with a package `sglang` whose `launch_server` is the shim; put `root` first on
+    `PYTHONPATH`."""
     d = Path(root) / 'sglang'
     d.mkdir(parents=True, exist_ok=True)
-    (d / '__init__.py').write_text('"Simulated SGLang for a simulated GPU node (memagent.simnode): only sglang.launch_server."\n')
+    (d / '__init__.py').write_text(
+        '"Simulated SGLang for a simulated GPU node (memagent.simnode): only '
+        'sglang.launch_server."\n'
+    )
     (d / 'launch_server.py').write_text(_SHIM)
     return Path(root)
 
+# %% ../nbs/20a_simnode.ipynb #8d5974a5
 def shim_parser() -> argparse.ArgumentParser:
-    "The launch arguments the project passes to SGLang (`sglang_server_cmd`, `engine_cmd`), under SGLang's names."
+    """The launch arguments the project passes to SGLang (`sglang_server_cmd`, `engine_cmd`), under
+    SGLang's names."""
     ap = argparse.ArgumentParser(prog='python -m sglang.launch_server (simulated)')
-    ap.add_argument('--model-path', required=True); ap.add_argument('--host', default='127.0.0.1')
-    ap.add_argument('--port', type=int, required=True); ap.add_argument('--tp-size', type=int, default=1)
-    ap.add_argument('--context-length', type=int, default=None); ap.add_argument('--mem-fraction-static', type=float, default=None)
-    ap.add_argument('--dtype', default='auto'); ap.add_argument('--enable-memory-saver', action='store_true')
+    ap.add_argument('--model-path', required=True)
+    ap.add_argument('--host', default='127.0.0.1')
+    ap.add_argument('--port', type=int, required=True)
+    ap.add_argument('--tp-size', type=int, default=1)
+    ap.add_argument('--context-length', type=int, default=None)
+    ap.add_argument('--mem-fraction-static', type=float, default=None)
+    ap.add_argument('--dtype', default='auto')
+    ap.add_argument('--enable-memory-saver', action='store_true')
     return ap
 
+# %% ../nbs/20a_simnode.ipynb #fe1b5e04
 def server_info(args: argparse.Namespace, environ=None) -> dict:
-    "What the shim answers on `GET /get_server_info`: SGLang's server-argument fields, and the process's own view under `simulated_node`."
+    """What the shim answers on `GET /get_server_info`: SGLang's server-argument fields, and the
+    process's own view under `simulated_node`."""
     environ = os.environ if environ is None else environ
-    return dict(vars(args), simulated_node={'cuda_visible_devices': environ.get('CUDA_VISIBLE_DEVICES'), 'pid': os.getpid()})
+    return dict(
+        vars(args),
+        simulated_node={
+            'cuda_visible_devices': environ.get('CUDA_VISIBLE_DEVICES'),
+            'pid': os.getpid(),
+        },
+    )
 
+# %% ../nbs/20a_simnode.ipynb #e83b4e39
 def shim_main(argv=None) -> None:
-    "The shim's entry: parse SGLang's arguments (unknown ones refused), serve the schema server until SIGTERM."
+    """The shim's entry: parse SGLang's arguments (unknown ones refused), serve the schema server
+    until SIGTERM."""
     from memagent.testing import FakeSGLangServer
+
     args = shim_parser().parse_args(argv)
-    srv = FakeSGLangServer(tp_size=args.tp_size, host=args.host, port=args.port, model_path=args.model_path)
+    srv = FakeSGLangServer(
+        tp_size=args.tp_size, host=args.host, port=args.port, model_path=args.model_path
+    )
     info = server_info(args)
-    def get_server_info(ex): ex.reply = info
+
+    def get_server_info(ex):
+        ex.reply = info
+
     srv.routes[('GET', '/get_server_info')] = get_server_info
-    print(f"simulated sglang serving {srv.url} (CUDA_VISIBLE_DEVICES={info['simulated_node']['cuda_visible_devices']})", flush=True)
+    print(
+        f"simulated sglang serving {srv.url} "
+        f"(CUDA_VISIBLE_DEVICES={info['simulated_node']['cuda_visible_devices']})",
+        flush=True,
+    )
     srv.serve()
 
 # %% ../nbs/20a_simnode.ipynb #df7e9fc2
 MARK = 'MEMAGENT_SIMULATED_NODE'
 
+
 def _ray_cli() -> list[str]:
     exe = Path(sys.executable).with_name('ray')
-    return [str(exe)] if exe.exists() else [sys.executable, '-c', 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()']
+    return (
+        [str(exe)]
+        if exe.exists()
+        else [
+            sys.executable,
+            '-c',
+            'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()',
+        ]
+    )
+
 
 def marked_pids(mark: str) -> list[int]:
     "Process ids (this one excluded) whose environment carries `MEMAGENT_SIMULATED_NODE=mark`."
     want, out = f'{MARK}={mark}'.encode(), []
     for p in Path('/proc').iterdir():
-        if not p.name.isdigit() or int(p.name) == os.getpid(): continue
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
         try:
-            if want in (p / 'environ').read_bytes().split(b'\0'): out.append(int(p.name))
-        except OSError: pass
+            if want in (p / 'environ').read_bytes().split(b'\0'):
+                out.append(int(p.name))
+        except OSError:
+            pass
     return sorted(out)
 
+
 def stop_group(pid: int) -> int:
-    "Where a process comes in `SimulatedNode.stop`'s order, by its command line: 0 anything not Ray's own (drivers, engines, Ray workers), 1 the raylet, 2 Ray's other processes, 3 the GCS server."
-    try: argv = Path(f'/proc/{pid}/cmdline').read_bytes().split(b'\0')
-    except OSError: return 0
-    exe, script = argv[0].decode(errors='replace'), ' '.join(a.decode(errors='replace') for a in argv[1:3])
-    if exe.endswith('/gcs_server'): return 3
-    if exe.endswith('/raylet'): return 1
-    if '/ray/' in script and 'default_worker.py' not in script or 'ray.util.client.server' in script: return 2
+    """Where a process comes in `SimulatedNode.stop`'s order, by its command line: 0 anything not
+    Ray's own (drivers, engines, Ray workers), 1 the raylet, 2 Ray's other processes, 3 the GCS
+    server."""
+    try:
+        argv = Path(f'/proc/{pid}/cmdline').read_bytes().split(b'\0')
+    except OSError:
+        return 0
+    exe, script = (
+        argv[0].decode(errors='replace'),
+        ' '.join(a.decode(errors='replace') for a in argv[1:3]),
+    )
+    if exe.endswith('/gcs_server'):
+        return 3
+    if exe.endswith('/raylet'):
+        return 1
+    if (
+        '/ray/' in script
+        and 'default_worker.py' not in script
+        or 'ray.util.client.server' in script
+    ):
+        return 2
     return 0
 
 # %% ../nbs/20a_simnode.ipynb #ddfac68a
 class SimulatedNode:
-    "A one-node Ray cluster on this host declaring `gpus` GPUs and `cpus` CPUs (`ray start --head`), the SGLang shim first on its `PYTHONPATH`; stopped by process id. A context manager."
+    """A one-node Ray cluster on this host declaring `gpus` GPUs and `cpus` CPUs (`ray start
+    --head`), the SGLang shim first on its `PYTHONPATH`; stopped by process id. A context
+    manager."""
+
     def __init__(self, gpus: int = 8, cpus: int = 16, startup_timeout_s: float = 180.0):
         self.gpus, self.cpus, self.startup_timeout_s = gpus, cpus, startup_timeout_s
         self.dir = self.address = None
         self.killed: list[int] = []
 
     def node_env(self) -> dict:
-        "The node's environment: this one without CUDA_VISIBLE_DEVICES, RAY_ADDRESS or NOSET; the shim and the package on PYTHONPATH; Ray's auth and usage stats off; the marker."
-        env = {k: v for k, v in os.environ.items() if k not in ('CUDA_VISIBLE_DEVICES', 'RAY_ADDRESS', NOSET_ENV)}
-        root = str(Path(__file__).resolve().parents[1]) if '__file__' in globals() else str(Path.cwd().parent)
-        env['PYTHONPATH'] = os.pathsep.join(p for p in (str(self.dir / 'shim'), root, os.environ.get('PYTHONPATH', '')) if p)
+        """The node's environment: this one without CUDA_VISIBLE_DEVICES, RAY_ADDRESS or NOSET; the
+        shim and the package on PYTHONPATH; Ray's auth and usage stats off; the marker."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ('CUDA_VISIBLE_DEVICES', 'RAY_ADDRESS', NOSET_ENV)
+        }
+        root = (
+            str(Path(__file__).resolve().parents[1])
+            if '__file__' in globals()
+            else str(Path.cwd().parent)
+        )
+        env['PYTHONPATH'] = os.pathsep.join(
+            p for p in (str(self.dir / 'shim'), root, os.environ.get('PYTHONPATH', '')) if p
+        )
         env.update(RAY_AUTH_MODE='disabled', RAY_USAGE_STATS_ENABLED='0', **{MARK: str(self.dir)})
         return env
 
     def child_env(self, join: bool = True) -> dict:
-        "The environment of a driver process: the node's, with `RAY_ADDRESS` when it joins the node."
+        """The environment of a driver process: the node's, with `RAY_ADDRESS` when it joins the
+        node."""
         return dict(self.node_env(), **({'RAY_ADDRESS': self.address} if join else {}))
 
     def start(self) -> 'SimulatedNode':
-        self.dir = Path(tempfile.mkdtemp(prefix='rsim-', dir='/tmp'))   # short: Ray's socket paths must stay under 108 bytes
+        self.dir = Path(
+            tempfile.mkdtemp(prefix='rsim-', dir='/tmp')
+        )  # short: Ray's socket paths must stay under 108 bytes
         write_sglang_shim(self.dir / 'shim')
         port = free_port()
-        cmd = _ray_cli() + ['start', '--head', f'--port={port}', f'--num-gpus={self.gpus}', f'--num-cpus={self.cpus}',
-                            f'--temp-dir={self.dir / "ray"}', '--node-ip-address=127.0.0.1', '--include-dashboard=false',
-                            '--disable-usage-stats']
-        try: r = subprocess.run(cmd, env=self.node_env(), capture_output=True, text=True, timeout=self.startup_timeout_s)
+        cmd = _ray_cli() + [
+            'start',
+            '--head',
+            f'--port={port}',
+            f'--num-gpus={self.gpus}',
+            f'--num-cpus={self.cpus}',
+            f'--temp-dir={self.dir / "ray"}',
+            '--node-ip-address=127.0.0.1',
+            '--include-dashboard=false',
+            '--disable-usage-stats',
+        ]
+        try:
+            r = subprocess.run(
+                cmd,
+                env=self.node_env(),
+                capture_output=True,
+                text=True,
+                timeout=self.startup_timeout_s,
+            )
         except subprocess.TimeoutExpired as e:
-            self.stop(); raise RuntimeError(f"ray start did not return within {self.startup_timeout_s}s") from e
+            self.stop()
+            raise RuntimeError(f"ray start did not return within {self.startup_timeout_s}s") from e
         if r.returncode != 0:
-            self.stop(); raise RuntimeError(f"ray start failed ({r.returncode}): {r.stderr[-2000:] or r.stdout[-2000:]}")
+            self.stop()
+            raise RuntimeError(
+                f"ray start failed ({r.returncode}): {r.stderr[-2000:] or r.stdout[-2000:]}"
+            )
         self.address = f'127.0.0.1:{port}'
         return self
 
     def pids(self) -> list[int]:
-        "Every live process of the node: Ray's, its workers', the engines' and the drivers' started with its environment."
+        """Every live process of the node: Ray's, its workers', the engines' and the drivers'
+        started with its environment."""
         return marked_pids(str(self.dir)) if self.dir else []
 
     def stop(self, grace_s: float = 20.0) -> list[int]:
-        """End every process of the node in `ray stop`'s order, remove its directory; the ids signalled. Each group in
-        turn gets SIGTERM and up to `grace_s` to exit: the drivers, engines and workers, then the raylet, then Ray's other
-        processes, the GCS last (an autoscaler monitor whose GCS is already gone hangs in its SIGTERM handler). What is
-        left after the last group gets SIGKILL; their ids are in `self.killed`."""
-        if self.dir is None: return []
+        """End every process of the node in `ray stop`'s order, remove its directory; the ids
+        signalled. Each group in
+                turn gets SIGTERM and up to `grace_s` to exit: the drivers, engines and workers,
+                then the
+                raylet, then Ray's other
+                processes, the GCS last (an autoscaler monitor whose GCS is already gone hangs in
+                its
+                SIGTERM handler). What is
+                left after the last group gets SIGKILL; their ids are in `self.killed`."""
+        if self.dir is None:
+            return []
         pids = self.pids()
         for group in range(4):
             mine = [p for p in self.pids() if stop_group(p) == group]
             for p in mine:
-                try: os.kill(p, signal.SIGTERM)
-                except ProcessLookupError: pass
+                try:
+                    os.kill(p, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
             end = time.monotonic() + grace_s
-            while set(mine) & set(self.pids()) and time.monotonic() < end: time.sleep(0.05)
+            while set(mine) & set(self.pids()) and time.monotonic() < end:
+                time.sleep(0.05)
         self.killed = self.pids()
         for p in self.killed:
-            try: os.kill(p, signal.SIGKILL)
-            except ProcessLookupError: pass
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         end = time.monotonic() + 10.0
-        while self.pids() and time.monotonic() < end: time.sleep(0.05)
+        while self.pids() and time.monotonic() < end:
+            time.sleep(0.05)
         left = self.pids()
         shutil.rmtree(self.dir, ignore_errors=True)
-        if left: raise RuntimeError(f"simulated node {self.dir}: processes {left} survived SIGKILL")
+        if left:
+            raise RuntimeError(f"simulated node {self.dir}: processes {left} survived SIGKILL")
         self.dir = self.address = None
         return pids
 
-    def __enter__(self): return self.start()
-    def __exit__(self, *a): self.stop()
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *a):
+        self.stop()
 
 # %% ../nbs/20a_simnode.ipynb #41a76ab4
 LAUNCH_PRESET = 'qwen3-4b-frozen'
-LAUNCH_OVERRIDES = {'model.name': 'tiny-qwen3', 'batch.sequence_parallel': False, 'batch.distributed_optimizer': False}
-LAUNCH_SWITCH = {'simulated_gpus': True}      # the doctor's GPU-hardware and CUDA-stack rows become warnings (recorded)
+LAUNCH_OVERRIDES = {
+    'model.name': 'tiny-qwen3',
+    'batch.sequence_parallel': False,
+    'batch.distributed_optimizer': False,
+}
+LAUNCH_SWITCH = {
+    'simulated_gpus': True
+}  # the doctor's GPU-hardware and CUDA-stack rows become warnings (recorded)
+
 
 def launch_config(mode: str, urls=()):
-    "The frozen preset with the named overrides only (separate servers: also `rollout.colocate=False` and their URLs); `(config, overrides)`."
+    """The frozen preset with the named overrides only (separate servers: also
+    `rollout.colocate=False` and their URLs); `(config, overrides)`."""
     from memagent.config import get_preset
-    if mode not in ('colocated', 'separate'): raise ValueError(f"mode must be 'colocated' or 'separate', got {mode!r}")
+
+    if mode not in ('colocated', 'separate'):
+        raise ValueError(f"mode must be 'colocated' or 'separate', got {mode!r}")
     over = dict(LAUNCH_OVERRIDES)
-    if mode == 'separate': over.update({'rollout.colocate': False, 'rollout.sglang_urls': list(urls)})
+    if mode == 'separate':
+        over.update({'rollout.colocate': False, 'rollout.sglang_urls': list(urls)})
     return get_preset(LAUNCH_PRESET, over), over
 
+# %% ../nbs/20a_simnode.ipynb #e773b13f
 def _server_info(url: str) -> dict:
     import requests
-    r = requests.get(url + '/get_server_info', timeout=30); r.raise_for_status()
+
+    r = requests.get(url + '/get_server_info', timeout=30)
+    r.raise_for_status()
     return r.json()
 
+# %% ../nbs/20a_simnode.ipynb #50e489eb
 def launch_child(mode: str, out, gpus: int = 8, cpus: int = 16, prompts_seed: int = 0) -> dict:
-    "Run in a driver process on the node: build the `Trainer`, take the first step's rollout, write and return the launch record."
+    """Run in a driver process on the node: build the `Trainer`, take the first step's rollout,
+    write and return the launch record."""
     from memagent.data import make_synthetic
     from memagent.engines import SGLangServer
     from memagent.models import model_dir
     from memagent.trainer import Trainer
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     t, t0, server = {}, time.perf_counter(), None
     if mode == 'separate':
-        server = SGLangServer(model_dir(LAUNCH_OVERRIDES['model.name']), tp=2, log_path=out / 'sglang-separate.log',
-                              startup_timeout_s=120, grace_s=10).start()
+        server = SGLangServer(
+            model_dir(LAUNCH_OVERRIDES['model.name']),
+            tp=2,
+            log_path=out / 'sglang-separate.log',
+            startup_timeout_s=120,
+            grace_s=10,
+        ).start()
     cfg, over = launch_config(mode, [server.url] if server else ())
     exs = make_synthetic(cfg.grpo.prompts_per_step, num_words=120, seed=prompts_seed)
     kw = dict(ray_cpus=cpus, ray_gpus=gpus) if mode == 'separate' else {}
     tr = None
     try:
-        tr = Trainer(cfg, out / f'run-{mode}', exs, world_size=cfg.batch.n_gpus, progress=False, tensorboard=False, **LAUNCH_SWITCH, **kw)
+        tr = Trainer(
+            cfg,
+            out / f'run-{mode}',
+            exs,
+            world_size=cfg.batch.n_gpus,
+            progress=False,
+            tensorboard=False,
+            **LAUNCH_SWITCH,
+            **kw,
+        )
         t['setup_s'] = time.perf_counter() - t0
         ranks = [dict(l) for l in tr.group.layouts]
         if mode == 'colocated':
             pl = tr.placement
-            engines = [dict(engine=e, ranks=pl.engine_ranks(e), rank_gpu_ids=[pl.gpu_ids[r][0] for r in pl.engine_ranks(e)],
-                            url=i['url'], actor_env=i['env'], cmd=i['cmd'], server=_server_info(i['url']))
-                       for e, i in enumerate(tr.engine.servers.info())]
-        else: engines = [dict(engine=0, ranks=[], rank_gpu_ids=[], url=server.url, actor_env={}, cmd=server.cmd, server=_server_info(server.url))]
+            engines = [
+                dict(
+                    engine=e,
+                    ranks=pl.engine_ranks(e),
+                    rank_gpu_ids=[pl.gpu_ids[r][0] for r in pl.engine_ranks(e)],
+                    url=i['url'],
+                    actor_env=i['env'],
+                    cmd=i['cmd'],
+                    server=_server_info(i['url']),
+                )
+                for e, i in enumerate(tr.engine.servers.info())
+            ]
+        else:
+            engines = [
+                dict(
+                    engine=0,
+                    ranks=[],
+                    rank_gpu_ids=[],
+                    url=server.url,
+                    actor_env={},
+                    cmd=server.cmd,
+                    server=_server_info(server.url),
+                )
+            ]
         t0 = time.perf_counter()
-        trajs = tr._rollout([tr.examples[i] for i in tr.sampler.next_batch()], 1)       # the first step's rollout, as `step()` runs it
+        trajs = tr._rollout(
+            [tr.examples[i] for i in tr.sampler.next_batch()], 1
+        )  # the first step's rollout, as `step()` runs it
         t['rollout_s'] = time.perf_counter() - t0
-        rollout = dict(trajectories=len(trajs), ok=sum(tr_.ok for tr_ in trajs), requests=tr.engine.stats['requests'],
-                       expected=cfg.grpo.prompts_per_step * cfg.grpo.group_size)
-        rec = dict(mode=mode, preset=LAUNCH_PRESET, overrides=over, switch=LAUNCH_SWITCH, world_size=cfg.batch.n_gpus,
-                   tp=cfg.batch.tp, dp=cfg.batch.n_gpus // cfg.batch.tp, gpus_per_engine=cfg.rollout.gpus_per_engine,
-                   mem_fraction=cfg.rollout.mem_fraction, node={'gpus': gpus, 'cpus': cpus},
-                   ray=tr.launch.get('ray_resources'), ray_address_joined=mode == 'colocated', doctor=tr.launch['doctor'],
-                   ranks=ranks, engines=engines, rollout=rollout, seconds=t)
+        rollout = dict(
+            trajectories=len(trajs),
+            ok=sum(tr_.ok for tr_ in trajs),
+            requests=tr.engine.stats['requests'],
+            expected=cfg.grpo.prompts_per_step * cfg.grpo.group_size,
+        )
+        rec = dict(
+            mode=mode,
+            preset=LAUNCH_PRESET,
+            overrides=over,
+            switch=LAUNCH_SWITCH,
+            world_size=cfg.batch.n_gpus,
+            tp=cfg.batch.tp,
+            dp=cfg.batch.n_gpus // cfg.batch.tp,
+            gpus_per_engine=cfg.rollout.gpus_per_engine,
+            mem_fraction=cfg.rollout.mem_fraction,
+            node={'gpus': gpus, 'cpus': cpus},
+            ray=tr.launch.get('ray_resources'),
+            ray_address_joined=mode == 'colocated',
+            doctor=tr.launch['doctor'],
+            ranks=ranks,
+            engines=engines,
+            rollout=rollout,
+            seconds=t,
+        )
     finally:
-        if tr is not None: tr.close()
-        if server is not None: server.stop()
+        if tr is not None:
+            tr.close()
+        if server is not None:
+            server.stop()
     (out / f'{mode}.json').write_text(json.dumps(rec, indent=1, default=str))
     return rec
 
@@ -212,79 +398,150 @@ def launch_checks(rec: dict) -> dict:
     "What a correct launch is, judged from its record: `{check: bool}`."
     ranks, w, g = rec['ranks'], rec['world_size'], rec['gpus_per_engine']
     ids = [(r['node'], tuple(r['ray_gpu_ids'])) for r in ranks]
-    c = {'one rank per GPU of the layout': len(ranks) == w and sorted(r['rank'] for r in ranks) == list(range(w)),
-         'every rank holds exactly one GPU id': all(len(r['ray_gpu_ids']) == 1 for r in ranks),
-         'no two ranks hold the same GPU': len(set(ids)) == len(ids),
-         "Ray narrowed each rank's CUDA_VISIBLE_DEVICES to its GPU": all(r['cuda_visible_devices'] == ','.join(r['ray_gpu_ids']) for r in ranks),
-         "each rank's torch device is its GPU's index": all(r['device_index'] == 0 for r in ranks if not r['noset']),
-         'every rank of the TP x DP layout is placed': sorted((r['dp_rank'], r['tp_rank']) for r in ranks)
-                                                       == [(d, k) for d in range(rec['dp']) for k in range(rec['tp'])]}
+    c = {
+        'one rank per GPU of the layout': len(ranks) == w
+        and sorted(r['rank'] for r in ranks) == list(range(w)),
+        'every rank holds exactly one GPU id': all(len(r['ray_gpu_ids']) == 1 for r in ranks),
+        'no two ranks hold the same GPU': len(set(ids)) == len(ids),
+        "Ray narrowed each rank's CUDA_VISIBLE_DEVICES to its GPU": all(
+            r['cuda_visible_devices'] == ','.join(r['ray_gpu_ids']) for r in ranks
+        ),
+        "each rank's torch device is its GPU's index": all(
+            r['device_index'] == 0 for r in ranks if not r['noset']
+        ),
+        'every rank of the TP x DP layout is placed': sorted(
+            (r['dp_rank'], r['tp_rank']) for r in ranks
+        )
+        == [(d, k) for d in range(rec['dp']) for k in range(rec['tp'])],
+    }
     if rec['mode'] == 'colocated':
         by = {r['rank']: r for r in ranks}
-        c['engine e sees exactly the GPUs of ranks e*g ... (e+1)*g-1'] = len(rec['engines']) == w // g and all(
-            e['server']['simulated_node']['cuda_visible_devices'] == ','.join(by[k]['ray_gpu_ids'][0] for k in range(e['engine'] * g, (e['engine'] + 1) * g))
-            for e in rec['engines'])
+        c['engine e sees exactly the GPUs of ranks e*g ... (e+1)*g-1'] = len(
+            rec['engines']
+        ) == w // g and all(
+            e['server']['simulated_node']['cuda_visible_devices']
+            == ','.join(
+                by[k]['ray_gpu_ids'][0] for k in range(e['engine'] * g, (e['engine'] + 1) * g)
+            )
+            for e in rec['engines']
+        )
         c['engine e serves TP group e'] = g == rec['tp'] and all(
-            len({by[k]['dp_rank'] for k in e['ranks']}) == 1 and sorted(by[k]['tp_rank'] for k in e['ranks']) == list(range(g)) for e in rec['engines'])
+            len({by[k]['dp_rank'] for k in e['ranks']}) == 1
+            and sorted(by[k]['tp_rank'] for k in e['ranks']) == list(range(g))
+            for e in rec['engines']
+        )
         c["each engine's TP size and memory fraction are the config's"] = all(
-            e['server']['tp_size'] == g and e['server']['mem_fraction_static'] == rec['mem_fraction'] and e['server']['enable_memory_saver']
-            for e in rec['engines'])
+            e['server']['tp_size'] == g
+            and e['server']['mem_fraction_static'] == rec['mem_fraction']
+            and e['server']['enable_memory_saver']
+            for e in rec['engines']
+        )
     ro = rec['rollout']
-    c['the first rollout reached the engines and every trajectory came back'] = ro['requests'] > 0 and ro['trajectories'] == ro['ok'] == ro['expected']
+    c['the first rollout reached the engines and every trajectory came back'] = (
+        ro['requests'] > 0 and ro['trajectories'] == ro['ok'] == ro['expected']
+    )
     return c
 
 # %% ../nbs/20a_simnode.ipynb #cc60f37a
 def _probe() -> dict:
-    return rank_device(cuda=False)    # the node is simulated on a CPU host: the index as a rank computes it, and no torch import
+    return rank_device(
+        cuda=False
+    )  # the node is simulated on a CPU host: the index as a rank computes it, and no torch import
+
 
 def noset_probe(n_gpus: int = 8, gpus_per_engine: int = 2) -> list[dict]:
-    "On the running Ray: one task per bundle of a `Placement(n_gpus)`, without and with NOSET; each task's `rank_device()` with its bundle and the mode."
+    """On the running Ray: one task per bundle of a `Placement(n_gpus)`, without and with NOSET;
+    each task's `rank_device()` with its bundle and the mode."""
     import ray
     from memagent.colocate import Placement
     from memagent.transfer import ensure_ray
+
     ensure_ray()
     pl, out = Placement(n_gpus, gpus_per_engine, timeout_s=120), []
     try:
         for noset in (False, True):
-            # without NOSET the tasks run in the node's own environment, on the workers the bundle probes left idle;
+            # without NOSET the tasks run in the node's own environment, on the workers the bundle
+            # probes left idle;
             # with it they need workers started with the variable
             env = dict(runtime_env={'env_vars': {NOSET_ENV: '1'}}) if noset else {}
-            refs = [ray.remote(_probe).options(**pl.train_options(r), **env).remote() for r in range(n_gpus)]
-            out += [dict(rank=r, noset_requested=noset, **d) for r, d in enumerate(ray.get(refs, timeout=300))]
-    finally: pl.remove()
+            refs = [
+                ray.remote(_probe).options(**pl.train_options(r), **env).remote()
+                for r in range(n_gpus)
+            ]
+            out += [
+                dict(rank=r, noset_requested=noset, **d)
+                for r, d in enumerate(ray.get(refs, timeout=300))
+            ]
+    finally:
+        pl.remove()
     return out
 
+
 def noset_checks(rows: list[dict]) -> dict:
-    "What the probes must show: the NOSET setting reached every task; without it each device is 0 of a narrowed view; with it each device is the GPU id itself; ids distinct either way."
+    """What the probes must show: the NOSET setting reached every task; without it each device is 0
+    of a narrowed view; with it each device is the GPU id itself; ids distinct either way."""
     by = {m: [r for r in rows if r['noset_requested'] == m] for m in (False, True)}
-    return {'NOSET reached every task as requested': all(r['noset'] == r['noset_requested'] for r in rows),
-            'without NOSET: narrowed to its GPU, device 0': all(r['cuda_visible_devices'] == r['ray_gpu_ids'][0] and r['device_index'] == 0 for r in by[False]),
-            'with NOSET: every GPU visible, device = its GPU id': all(not r['cuda_visible_devices'] and r['device_index'] == int(r['ray_gpu_ids'][0]) for r in by[True]),
-            'no two tasks of a mode share a GPU': all(len({r['ray_gpu_ids'][0] for r in by[m]}) == len(by[m]) > 0 for m in by)}
+    return {
+        'NOSET reached every task as requested': all(
+            r['noset'] == r['noset_requested'] for r in rows
+        ),
+        'without NOSET: narrowed to its GPU, device 0': all(
+            r['cuda_visible_devices'] == r['ray_gpu_ids'][0] and r['device_index'] == 0
+            for r in by[False]
+        ),
+        'with NOSET: every GPU visible, device = its GPU id': all(
+            not r['cuda_visible_devices'] and r['device_index'] == int(r['ray_gpu_ids'][0])
+            for r in by[True]
+        ),
+        'no two tasks of a mode share a GPU': all(
+            len({r['ray_gpu_ids'][0] for r in by[m]}) == len(by[m]) > 0 for m in by
+        ),
+    }
 
 # %% ../nbs/20a_simnode.ipynb #bfc7456e
-def run_child(args: list[str], node: SimulatedNode, join: bool, log_path, timeout_s: float = 900.0) -> None:
-    "Run `python -m memagent.simnode *args` in `node`'s environment (with `RAY_ADDRESS` when `join`); `RuntimeError` with the log's tail if it fails or passes `timeout_s`."
-    log_path = Path(log_path); log_path.parent.mkdir(parents=True, exist_ok=True)
+def run_child(
+    args: list[str], node: SimulatedNode, join: bool, log_path, timeout_s: float = 900.0
+) -> None:
+    """Run `python -m memagent.simnode *args` in `node`'s environment (with `RAY_ADDRESS` when
+    `join`); `RuntimeError` with the log's tail if it fails or passes `timeout_s`."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, 'w') as log:
-        try: rc = subprocess.run([sys.executable, '-m', 'memagent.simnode', *args], env=node.child_env(join), stdout=log,
-                                 stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired: rc = f'timeout after {timeout_s:g} s'
+        try:
+            rc = subprocess.run(
+                [sys.executable, '-m', 'memagent.simnode', *args],
+                env=node.child_env(join),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = f'timeout after {timeout_s:g} s'
     if rc != 0:
         tail = '\n'.join(log_path.read_text(errors='replace').splitlines()[-60:])
         raise RuntimeError(f"simnode child {args} failed ({rc}); log {log_path}:\n{tail}")
 
+
 def main(argv=None) -> None:
-    "`python -m memagent.simnode launch MODE --out DIR` | `probe --out FILE`: the driver-side jobs of a simulated node."
+    """`python -m memagent.simnode launch MODE --out DIR` | `probe --out FILE`: the driver-side jobs
+    of a simulated node."""
     ap = argparse.ArgumentParser(prog='python -m memagent.simnode')
     sub = ap.add_subparsers(dest='job', required=True)
-    a = sub.add_parser('launch'); a.add_argument('mode', choices=['colocated', 'separate']); a.add_argument('--out', required=True)
-    a.add_argument('--gpus', type=int, default=8); a.add_argument('--cpus', type=int, default=16)
-    p = sub.add_parser('probe'); p.add_argument('--out', required=True); p.add_argument('--gpus', type=int, default=8)
+    a = sub.add_parser('launch')
+    a.add_argument('mode', choices=['colocated', 'separate'])
+    a.add_argument('--out', required=True)
+    a.add_argument('--gpus', type=int, default=8)
+    a.add_argument('--cpus', type=int, default=16)
+    p = sub.add_parser('probe')
+    p.add_argument('--out', required=True)
+    p.add_argument('--gpus', type=int, default=8)
     x = ap.parse_args(argv)
-    if x.job == 'launch': launch_child(x.mode, x.out, x.gpus, x.cpus)
-    else: Path(x.out).write_text(json.dumps(noset_probe(x.gpus), indent=1))
+    if x.job == 'launch':
+        launch_child(x.mode, x.out, x.gpus, x.cpus)
+    else:
+        Path(x.out).write_text(json.dumps(noset_probe(x.gpus), indent=1))
 
 # %% ../nbs/20a_simnode.ipynb #e4682acd
 #| eval: false
-if __name__ == '__main__': main()
+if __name__ == '__main__':
+    main()

@@ -16,32 +16,42 @@ __all__ = ['LENGTHS', 'LatencyModel', 'LengthModel', 'ResponseLengths', 'SimServ
 # %% ../nbs/09b_simulate.ipynb #6e9af595
 @dataclass(frozen=True)
 class LatencyModel:
-    "Seconds per iteration of one continuously batching server: `base_s + seq_s*n + kv_s*ctx` per decode iteration, `prefill_s` per admitted prompt token."
+    """Seconds per iteration of one continuously batching server: `base_s + seq_s*n + kv_s*ctx` per
+    decode iteration, `prefill_s` per admitted prompt token."""
+
     base_s: float = 2.7e-3
     seq_s: float = 1.0e-5
     kv_s: float = 3.1e-8
     prefill_s: float = 1.0e-5
-    max_running: int = 256          # sequences a server runs at once (its KV pool); more wait
+    max_running: int = 256  # sequences a server runs at once (its KV pool); more wait
 
     def decode(self, n: int, ctx: int, i: int = 1) -> float:
-        "Time of `i` decode iterations of `n` sequences starting from `ctx` context tokens (context grows by `n` per iteration)."
-        return i * (self.base_s + self.seq_s * n + self.kv_s * ctx) + self.kv_s * n * i * (i - 1) / 2
+        """Time of `i` decode iterations of `n` sequences starting from `ctx` context tokens
+        (context grows by `n` per iteration)."""
+        return (
+            i * (self.base_s + self.seq_s * n + self.kv_s * ctx) + self.kv_s * n * i * (i - 1) / 2
+        )
 
 # %% ../nbs/09b_simulate.ipynb #ed5f4d0f
 @dataclass(frozen=True)
 class LengthModel:
-    "Response length: `max_new_tokens` with probability `p_cap`, else log-normal(median, sigma) cut to [1, max_new_tokens]."
+    """Response length: `max_new_tokens` with probability `p_cap`, else log-normal(median, sigma)
+    cut to [1, max_new_tokens]."""
+
     median: float
     sigma: float = 0.6
     p_cap: float = 0.0
 
     def draw(self, rng: random.Random, cap: int) -> int:
-        if rng.random() < self.p_cap: return cap
+        if rng.random() < self.p_cap:
+            return cap
         return max(1, min(cap, int(round(self.median * math.exp(self.sigma * rng.gauss(0, 1))))))
+
 
 @dataclass(frozen=True)
 class ResponseLengths:
     "Length models of memory turns and final answers; a request's length depends on its seed only."
+
     memory: LengthModel
     final: LengthModel
     final_tokens: int = 256
@@ -50,35 +60,49 @@ class ResponseLengths:
         m = self.final if sp.max_new_tokens <= self.final_tokens else self.memory
         return m.draw(random.Random(sp.seed), sp.max_new_tokens)
 
-LENGTHS = {   # the sweep of the report: memory updates that mostly stop early ... often run to the 1024 bound
-    'short':  ResponseLengths(LengthModel(150, 0.6, 0.05), LengthModel(30, 0.5, 0.0)),
-    'mixed':  ResponseLengths(LengthModel(300, 0.7, 0.20), LengthModel(60, 0.6, 0.05)),
-    'long':   ResponseLengths(LengthModel(600, 0.5, 0.40), LengthModel(150, 0.5, 0.30)),
+
+# the sweep of the report: memory updates that mostly stop early ... often run to the 1024 bound
+LENGTHS = {
+    'short': ResponseLengths(LengthModel(150, 0.6, 0.05), LengthModel(30, 0.5, 0.0)),
+    'mixed': ResponseLengths(LengthModel(300, 0.7, 0.20), LengthModel(60, 0.6, 0.05)),
+    'long': ResponseLengths(LengthModel(600, 0.5, 0.40), LengthModel(150, 0.5, 0.30)),
 }
 
 # %% ../nbs/09b_simulate.ipynb #d491f723
 class SimServer:
     "One continuously batching server on a virtual clock (see the model above)."
+
     def __init__(self, model: LatencyModel):
         self.m, self.clock = model, 0.0
-        self.waiting, self.running = [], {}       # waiting: [(arrival, rid, prompt_tokens, out_tokens)]; running: rid -> [left, ctx]
+        self.waiting, self.running = (
+            [],
+            {},
+        )  # waiting: [(arrival, rid, prompt_tokens, out_tokens)]; running: rid -> [left, ctx]
 
-    def add(self, t: float, rid, prompt_tokens: int, out_tokens: int): self.waiting.append((t, rid, prompt_tokens, out_tokens))
-    def busy(self) -> int: return len(self.waiting) + len(self.running)
+    def add(self, t: float, rid, prompt_tokens: int, out_tokens: int):
+        self.waiting.append((t, rid, prompt_tokens, out_tokens))
+
+    def busy(self) -> int:
+        return len(self.waiting) + len(self.running)
 
     def _admissible(self, at: float) -> list:
         room = self.m.max_running - len(self.running)
-        return [w for w in self.waiting if w[0] <= at][:max(0, room)]
+        return [w for w in self.waiting if w[0] <= at][: max(0, room)]
 
     def plan(self):
         "(end time, kind, argument) of the next step, or None when idle."
-        if not self.waiting and not self.running: return None
+        if not self.waiting and not self.running:
+            return None
         start = self.clock if self.running else max(self.clock, min(w[0] for w in self.waiting))
         adm = self._admissible(start)
         if adm:
             n = len(self.running) + len(adm)
             ctx = sum(c for _, c in self.running.values()) + sum(w[2] for w in adm)
-            return start + self.m.decode(n, ctx) + self.m.prefill_s * sum(w[2] for w in adm), 'admit', (start, adm)
+            return (
+                start + self.m.decode(n, ctx) + self.m.prefill_s * sum(w[2] for w in adm),
+                'admit',
+                (start, adm),
+            )
         n, ctx = len(self.running), sum(c for _, c in self.running.values())
         i = min(left for left, _ in self.running.values())
         later = [w[0] for w in self.waiting if w[0] > start]
@@ -88,10 +112,20 @@ class SimServer:
 
     def _iterations_until(self, n, ctx, dt) -> int:
         "The fewest whole iterations (>= 1) that take at least `dt`."
-        a, b = self.m.kv_s * n / 2, self.m.base_s + self.m.seq_s * n + self.m.kv_s * ctx - self.m.kv_s * n / 2
-        i = max(1, math.ceil((-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a)) if a > 0 else math.ceil(dt / b))
-        while i > 1 and self.m.decode(n, ctx, i - 1) >= dt: i -= 1
-        while self.m.decode(n, ctx, i) < dt: i += 1
+        a, b = (
+            self.m.kv_s * n / 2,
+            self.m.base_s + self.m.seq_s * n + self.m.kv_s * ctx - self.m.kv_s * n / 2,
+        )
+        i = max(
+            1,
+            math.ceil((-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a))
+            if a > 0
+            else math.ceil(dt / b),
+        )
+        while i > 1 and self.m.decode(n, ctx, i - 1) >= dt:
+            i -= 1
+        while self.m.decode(n, ctx, i) < dt:
+            i += 1
         return i
 
     def commit(self, plan) -> list:
@@ -99,133 +133,240 @@ class SimServer:
         end, kind, arg = plan
         if kind == 'admit':
             start, adm = arg
-            for w in adm: self.waiting.remove(w); self.running[w[1]] = [w[3], w[2]]
+            for w in adm:
+                self.waiting.remove(w)
+                self.running[w[1]] = [w[3], w[2]]
             i = 1
-        else: i = arg
-        for r in self.running.values(): r[0] -= i; r[1] += i
+        else:
+            i = arg
+        for r in self.running.values():
+            r[0] -= i
+            r[1] += i
         done = [rid for rid, (left, _) in self.running.items() if left <= 0]
-        for rid in done: del self.running[rid]
+        for rid in done:
+            del self.running[rid]
         self.clock = end
         return done
 
 # %% ../nbs/09b_simulate.ipynb #30869097
 class SimQueue:
     "A `RequestQueue` on the virtual clock of a `SimEngine`."
-    def __init__(self, engine, limit): self.e, self.limit, self.wait_limit_s = engine, limit, engine.wait_limit_s
-    def submit(self, prompt, params): return self.e._submit(prompt, params)
-    def wait_any(self, timeout: float) -> list: return self.e._wait_any(timeout)
-    def now(self) -> float: return self.e.clock
-    def cancel(self, handle) -> None: self.e._cancel(handle)
+
+    def __init__(self, engine, limit):
+        self.e, self.limit, self.wait_limit_s = engine, limit, engine.wait_limit_s
+
+    def submit(self, prompt, params):
+        return self.e._submit(prompt, params)
+
+    def wait_any(self, timeout: float) -> list:
+        return self.e._wait_any(timeout)
+
+    def now(self) -> float:
+        return self.e.clock
+
+    def cancel(self, handle) -> None:
+        self.e._cancel(handle)
 
 # %% ../nbs/09b_simulate.ipynb #3fad0f5a
 class SimEngine:
-    "Engine model: `servers` continuously batching servers on a virtual clock, at most `limit` requests of this client in flight on each."
-    def __init__(self, model: LatencyModel = LatencyModel(), servers: int = 1, limit: int = 64, length=None,
-                 token_pool=(100, 101, 102), stop_id: int = 0, wait_limit_s: float = 3600.0, fail=None, hang=()):
+    """Engine model: `servers` continuously batching servers on a virtual clock, at most `limit`
+    requests of this client in flight on each."""
+
+    def __init__(
+        self,
+        model: LatencyModel = LatencyModel(),
+        servers: int = 1,
+        limit: int = 64,
+        length=None,
+        token_pool=(100, 101, 102),
+        stop_id: int = 0,
+        wait_limit_s: float = 3600.0,
+        fail=None,
+        hang=(),
+    ):
         self.model, self.limit, self.length = model, limit, length or LENGTHS['mixed']
-        self.token_pool, self.stop_id, self.wait_limit_s, self.fail = list(token_pool), stop_id, wait_limit_s, fail
-        self.hang = frozenset(hang)     # request seeds that never complete
+        self.token_pool, self.stop_id, self.wait_limit_s, self.fail = (
+            list(token_pool),
+            stop_id,
+            wait_limit_s,
+            fail,
+        )
+        self.hang = frozenset(hang)  # request seeds that never complete
         self.servers = [SimServer(model) for _ in range(servers)]
         self.clock, self._next, self._turn, self._req = 0.0, 0, 0, {}
         self.in_flight = self.max_in_flight = 0
-        self.on_server = [0] * servers          # this client's requests in flight per server (at most `limit` each)
+        self.on_server = [
+            0
+        ] * servers  # this client's requests in flight per server (at most `limit` each)
         self.peak_on_server = [0] * servers
         self.stats = {'requests': 0, 'generated_tokens': 0}
 
-    def request_queue(self) -> SimQueue: return SimQueue(self, self.limit * len(self.servers))
+    def request_queue(self) -> SimQueue:
+        return SimQueue(self, self.limit * len(self.servers))
 
     def _submit(self, prompt, sp):
         S = len(self.servers)
         free = [k for k in range(S) if self.on_server[k] < self.limit]
-        if not free: raise RuntimeError(f"SimEngine: every server already has limit={self.limit} requests in flight")
-        rid = self._next; self._next += 1; self._turn += 1
+        if not free:
+            raise RuntimeError(
+                f"SimEngine: every server already has limit={self.limit} requests in flight"
+            )
+        rid = self._next
+        self._next += 1
+        self._turn += 1
         s = min(free, key=lambda k: (self.servers[k].busy(), (k - self._turn) % S))
-        self.on_server[s] += 1; self.peak_on_server[s] = max(self.peak_on_server[s], self.on_server[s])
+        self.on_server[s] += 1
+        self.peak_on_server[s] = max(self.peak_on_server[s], self.on_server[s])
         n = self.length(sp)
         self._req[rid] = (s, prompt, sp, n)
-        self.in_flight += 1; self.max_in_flight = max(self.max_in_flight, self.in_flight); self.stats['requests'] += 1
-        if getattr(sp, 'seed', None) not in self.hang: self.servers[s].add(self.clock, rid, len(prompt), n)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.stats['requests'] += 1
+        if getattr(sp, 'seed', None) not in self.hang:
+            self.servers[s].add(self.clock, rid, len(prompt), n)
         return rid
 
     def _result(self, rid):
         s, prompt, sp, n = self._req.pop(rid)
-        self.in_flight -= 1; self.on_server[s] -= 1
-        if self.fail is not None and (err := self.fail(prompt, sp)) is not None: return err
+        self.in_flight -= 1
+        self.on_server[s] -= 1
+        if self.fail is not None and (err := self.fail(prompt, sp)) is not None:
+            return err
         rng = random.Random(sp.seed ^ 0x5EED)
         ids = [rng.choice(self.token_pool) for _ in range(n)]
-        if n < sp.max_new_tokens: ids[-1] = self.stop_id
+        if n < sp.max_new_tokens:
+            ids[-1] = self.stop_id
         self.stats['generated_tokens'] += n
-        return GenerationResult(ids, [-1.0] * n, 'stop' if n < sp.max_new_tokens else 'length', len(prompt), 0.0)
+        return GenerationResult(
+            ids, [-1.0] * n, 'stop' if n < sp.max_new_tokens else 'length', len(prompt), 0.0
+        )
 
     def _wait_any(self, timeout: float) -> list:
         deadline = self.clock + timeout
         while True:
             plans = [(p, k) for k, sv in enumerate(self.servers) if (p := sv.plan()) is not None]
             if not plans or min(plans, key=lambda x: x[0][0])[0][0] > deadline:
-                self.clock = max(self.clock, deadline); return []
+                self.clock = max(self.clock, deadline)
+                return []
             p, k = min(plans, key=lambda x: (x[0][0], x[1]))
             done = self.servers[k].commit(p)
             self.clock = max(self.clock, p[0])
-            if done: return [(rid, self._result(rid)) for rid in sorted(done)]
+            if done:
+                return [(rid, self._result(rid)) for rid in sorted(done)]
 
     def _cancel(self, rid) -> None:
-        s, *_ = self._req.pop(rid); self.in_flight -= 1; self.on_server[s] -= 1
+        s, *_ = self._req.pop(rid)
+        self.in_flight -= 1
+        self.on_server[s] -= 1
         sv = self.servers[s]
-        sv.waiting = [w for w in sv.waiting if w[1] != rid]; sv.running.pop(rid, None)
+        sv.waiting = [w for w in sv.waiting if w[1] != rid]
+        sv.running.pop(rid, None)
 
     def generate(self, prompts, params, return_exceptions: bool = False) -> list:
-        "Every prompt through the queue, at most `limit` in flight per server; results in prompt order (the sync scheduler's view)."
+        """Every prompt through the queue, at most `limit` in flight per server; results in prompt
+        order (the sync scheduler's view)."""
         params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        q, out, todo, handles = self.request_queue(), [None] * len(prompts), list(range(len(prompts)))[::-1], {}
+        q, out, todo, handles = (
+            self.request_queue(),
+            [None] * len(prompts),
+            list(range(len(prompts)))[::-1],
+            {},
+        )
         while todo or handles:
             while todo and len(handles) < q.limit:
-                i = todo.pop(); handles[q.submit(prompts[i], params[i])] = i
+                i = todo.pop()
+                handles[q.submit(prompts[i], params[i])] = i
             done = q.wait_any(self.wait_limit_s)
-            if not done: raise EngineError(f"SimEngine.generate: no answer within {self.wait_limit_s}s")
-            for h, r in done: out[handles.pop(h)] = r
+            if not done:
+                raise EngineError(f"SimEngine.generate: no answer within {self.wait_limit_s}s")
+            for h, r in done:
+                out[handles.pop(h)] = r
         if not return_exceptions:
             for r in out:
-                if isinstance(r, EngineError): raise r
+                if isinstance(r, EngineError):
+                    raise r
         return out
 
 # %% ../nbs/09b_simulate.ipynb #e52259a2
 @dataclass
 class SimTrajectory:
-    "What the schedulers read of a trajectory: its chunk count, its turns (response lengths here), its error."
+    """What the schedulers read of a trajectory: its chunk count, its turns (response lengths here),
+    its error."""
+
     uid: int
     num_chunks: int
     chunk_sizes: list
     turns: list = field(default_factory=list)
     error: str | None = None
-    @property
-    def ok(self) -> bool: return self.error is None
 
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+# %% ../nbs/09b_simulate.ipynb #9a132c13
 class SyntheticWalk:
-    "MemAgent trajectories as token counts: the same `next_request`/`feed` interface as `MemAgentWalk`."
-    def __init__(self, trajs, group_size: int, memory_tokens: int = 1024, final_tokens: int = 256,
-                 template_tokens: int = 200, question_tokens: int = 30, first_memory: int = 3, seed: int = 0):
-        self.trajs, self.G, self.mem_cap, self.final_cap, self.seed = trajs, group_size, memory_tokens, final_tokens, seed
+    """MemAgent trajectories as token counts: the same `next_request`/`feed` interface as
+    `MemAgentWalk`."""
+
+    def __init__(
+        self,
+        trajs,
+        group_size: int,
+        memory_tokens: int = 1024,
+        final_tokens: int = 256,
+        template_tokens: int = 200,
+        question_tokens: int = 30,
+        first_memory: int = 3,
+        seed: int = 0,
+    ):
+        self.trajs, self.G, self.mem_cap, self.final_cap, self.seed = (
+            trajs,
+            group_size,
+            memory_tokens,
+            final_tokens,
+            seed,
+        )
         self.fixed, self.memory = template_tokens + question_tokens, [first_memory] * len(trajs)
 
-    def __len__(self): return len(self.trajs)
-    def group_of(self, j) -> int: return j // self.G
-    def turns_left(self, j) -> int: return self.trajs[j].num_chunks + 1 - len(self.trajs[j].turns)
+    def __len__(self):
+        return len(self.trajs)
+
+    def group_of(self, j) -> int:
+        return j // self.G
+
+    def turns_left(self, j) -> int:
+        return self.trajs[j].num_chunks + 1 - len(self.trajs[j].turns)
 
     def next_request(self, j):
-        tr = self.trajs[j]; k = len(tr.turns)
-        if not tr.ok or k > tr.num_chunks: return None
+        tr = self.trajs[j]
+        k = len(tr.turns)
+        if not tr.ok or k > tr.num_chunks:
+            return None
         seed = hash((self.seed, tr.uid, k)) & (2**62 - 1)
-        if k < tr.num_chunks: return k, range(self.fixed + self.memory[j] + tr.chunk_sizes[k]), SamplingParams(self.mem_cap, seed=seed)
+        if k < tr.num_chunks:
+            return (
+                k,
+                range(self.fixed + self.memory[j] + tr.chunk_sizes[k]),
+                SamplingParams(self.mem_cap, seed=seed),
+            )
         return FINAL, range(self.fixed + self.memory[j]), SamplingParams(self.final_cap, seed=seed)
 
     def feed(self, j, prompt, r) -> None:
         tr = self.trajs[j]
-        if isinstance(r, EngineError): tr.error = f"turn {len(tr.turns)}: {r}"; return
-        n = len(r.output_ids); tr.turns.append(n)
-        if len(tr.turns) <= tr.num_chunks: self.memory[j] = min(n, self.mem_cap)
+        if isinstance(r, EngineError):
+            tr.error = f"turn {len(tr.turns)}: {r}"
+            return
+        n = len(r.output_ids)
+        tr.turns.append(n)
+        if len(tr.turns) <= tr.num_chunks:
+            self.memory[j] = min(n, self.mem_cap)
 
-def synthetic_trajectories(groups: int, group_size: int, chunks: tuple, chunk_tokens: int = 2048, seed: int = 0) -> list:
-    "`groups` x `group_size` trajectories; each group's document has `randint(*chunks)` chunks, the last one partly filled."
+# %% ../nbs/09b_simulate.ipynb #967b992e
+def synthetic_trajectories(
+    groups: int, group_size: int, chunks: tuple, chunk_tokens: int = 2048, seed: int = 0
+) -> list:
+    """`groups` x `group_size` trajectories; each group's document has `randint(*chunks)` chunks,
+    the last one partly filled."""
     rng, out = random.Random(seed), []
     for g in range(groups):
         n = rng.randint(*chunks)
@@ -234,16 +375,35 @@ def synthetic_trajectories(groups: int, group_size: int, chunks: tuple, chunk_to
     return out
 
 # %% ../nbs/09b_simulate.ipynb #7b1fa1b1
-def makespan(scheduler: str, trajs_fn, engine_fn, group_size: int, batch_groups: int | None = None, **walk_kw) -> dict:
-    "Virtual seconds for the trajectories of `trajs_fn()` on `engine_fn()` under 'sync' or 'async'; `batch_groups`: sync in successive calls of that many groups (evaluation's `batch_size`)."
+def makespan(
+    scheduler: str, trajs_fn, engine_fn, group_size: int, batch_groups: int | None = None, **walk_kw
+) -> dict:
+    """Virtual seconds for the trajectories of `trajs_fn()` on `engine_fn()` under 'sync' or
+    'async'; `batch_groups`: sync in successive calls of that many groups (evaluation's
+    `batch_size`)."""
     eng, trajs = engine_fn(), trajs_fn()
-    if scheduler not in ('sync', 'async'): raise ValueError(f"scheduler must be 'sync' or 'async', got {scheduler!r}")
-    parts = [trajs] if batch_groups is None else [trajs[i:i + batch_groups * group_size] for i in range(0, len(trajs), batch_groups * group_size)]
+    if scheduler not in ('sync', 'async'):
+        raise ValueError(f"scheduler must be 'sync' or 'async', got {scheduler!r}")
+    parts = (
+        [trajs]
+        if batch_groups is None
+        else [
+            trajs[i : i + batch_groups * group_size]
+            for i in range(0, len(trajs), batch_groups * group_size)
+        ]
+    )
     st = {}
     for part in parts:
         walk = SyntheticWalk(part, group_size, **walk_kw)
-        if scheduler == 'sync': run_sync(walk, eng, st)
-        else: run_async(walk, eng.request_queue(), st)
-    return {'seconds': eng.clock, 'requests': eng.stats['requests'], 'generated_tokens': eng.stats['generated_tokens'],
-            'max_in_flight': eng.max_in_flight, 'max_in_flight_per_server': max(eng.peak_on_server),
-            'failed': sum(not t.ok for t in trajs)}
+        if scheduler == 'sync':
+            run_sync(walk, eng, st)
+        else:
+            run_async(walk, eng.request_queue(), st)
+    return {
+        'seconds': eng.clock,
+        'requests': eng.stats['requests'],
+        'generated_tokens': eng.stats['generated_tokens'],
+        'max_in_flight': eng.max_in_flight,
+        'max_in_flight_per_server': max(eng.peak_on_server),
+        'failed': sum(not t.ok for t in trajs),
+    }

@@ -13,61 +13,113 @@ __all__ = ['VERDICTS', 'bootstrap_ci', 'paired_bootstrap_ci', 'equivalence', 've
 
 # %% ../nbs/15a_stats.ipynb #74d75dc8
 def bootstrap_ci(values, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> list:
-    "Percentile bootstrap interval of the mean of `values` (one value per item), resampling items; `[nan, nan]` if empty."
+    """Percentile bootstrap interval of the mean of `values` (one value per item), resampling items;
+    `[nan, nan]` if empty."""
     x = np.asarray(values, dtype=float)
-    if x.size == 0: return [float('nan'), float('nan')]
+    if x.size == 0:
+        return [float('nan'), float('nan')]
     idx = np.random.default_rng(seed).integers(0, x.size, size=(n_boot, x.size))
     means = x[idx].mean(axis=1)
     lo, hi = np.percentile(means, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
     return [float(lo), float(hi)]
 
+
 def paired_bootstrap_ci(a, b, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> list:
-    "Interval of mean(a) - mean(b) when the same items are resampled for both (a[i], b[i] belong to item i)."
+    """Interval of mean(a) - mean(b) when the same items are resampled for both (a[i], b[i] belong
+    to item i)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    if a.shape != b.shape: raise ValueError(f"paired bootstrap needs one value per item in both runs: {a.shape} vs {b.shape}")
+    if a.shape != b.shape:
+        raise ValueError(
+            f"paired bootstrap needs one value per item in both runs: {a.shape} vs {b.shape}"
+        )
     return bootstrap_ci(a - b, n_boot=n_boot, seed=seed, level=level)
 
 # %% ../nbs/15a_stats.ipynb #69648c84
 VERDICTS = ('equivalent', 'different', 'undecided')
 
-def equivalence(a, b, tolerance: float, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
-                scale: float = 100.0) -> dict:
-    "Paired item-bootstrap verdict on `mean(a) - mean(b)` against `±tolerance`, in units of `scale` (100: points)."
+
+def equivalence(
+    a,
+    b,
+    tolerance: float,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    scale: float = 100.0,
+) -> dict:
+    """Paired item-bootstrap verdict on `mean(a) - mean(b)` against `±tolerance`, in units of
+    `scale` (100: points)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-        raise ValueError(f"equivalence needs one value per item in both runs, at least one item: {a.shape} vs {b.shape}")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(
+            f"equivalence needs one value per item in both runs, at least one item: {a.shape} vs "
+            f"{b.shape}"
+        )
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, (int, float))
+        or not (math.isfinite(tolerance) and tolerance >= 0)
+    ):
         raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
     diff = scale * float(np.mean(a - b))
     lo, hi = (scale * v for v in paired_bootstrap_ci(a, b, n_boot=n_boot, seed=seed, level=level))
     half, margin = (hi - lo) / 2, abs(abs(diff) - tolerance)
-    if -tolerance <= lo and hi <= tolerance: verdict = 'equivalent'
-    elif lo > tolerance or hi < -tolerance: verdict = 'different'
-    else: verdict = 'undecided'
+    if -tolerance <= lo and hi <= tolerance:
+        verdict = 'equivalent'
+    elif lo > tolerance or hi < -tolerance:
+        verdict = 'different'
+    else:
+        verdict = 'undecided'
     need = None
-    if verdict == 'undecided' and margin > 0: need = int(math.ceil(a.size * (half / margin) ** 2))
+    if verdict == 'undecided' and margin > 0:
+        need = int(math.ceil(a.size * (half / margin) ** 2))
     zero = bool(np.all(a - b == (a - b)[0]))
-    return {'verdict': verdict, 'items': int(a.size), 'diff': diff, 'ci': [lo, hi], 'half_width': half,
-            'tolerance': float(tolerance), 'margin': margin, 'items_to_decide': need, 'zero_width': zero,
-            'note': (('the two score alike on every item' if diff == 0 else 'the same difference on every item')
-                     + ': a zero-width interval') if zero else None,
-            'level': level, 'resamples': n_boot, 'seed': seed}
+    return {
+        'verdict': verdict,
+        'items': int(a.size),
+        'diff': diff,
+        'ci': [lo, hi],
+        'half_width': half,
+        'tolerance': float(tolerance),
+        'margin': margin,
+        'items_to_decide': need,
+        'zero_width': zero,
+        'note': (
+            (
+                'the two score alike on every item'
+                if diff == 0
+                else 'the same difference on every item'
+            )
+            + ': a zero-width interval'
+        )
+        if zero
+        else None,
+        'level': level,
+        'resamples': n_boot,
+        'seed': seed,
+    }
 
+# %% ../nbs/15a_stats.ipynb #52f855c5
 def verdict_text(e: dict) -> str:
     "One line for an `equivalence` result, e.g. 'undecided at 48 items (about 1210 would decide)'."
     v = e['verdict'] if e['verdict'] != 'undecided' else f"undecided at {e['items']} items"
     if e['verdict'] == 'undecided':
-        v += (f" (about {e['items_to_decide']} would decide)" if e['items_to_decide'] is not None
-              else ' (the difference sits at the tolerance: no item count decides)')
+        v += (
+            f" (about {e['items_to_decide']} would decide)"
+            if e['items_to_decide'] is not None
+            else ' (the difference sits at the tolerance: no item count decides)'
+        )
     return v + (f" ({e['note']})" if e['note'] else '')
-
 
 # %% ../nbs/15a_stats.ipynb #2a7ea6e4
 def pass_at_k(n: int, c: int, k: int) -> float:
     "Unbiased pass@k for one item with `n` samples, `c` correct: 1 - C(n-c, k) / C(n, k)."
-    if not 1 <= k <= n: raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
-    if not 0 <= c <= n: raise ValueError(f"correct count c={c} outside [0, n={n}]")
-    if n - c < k: return 1.0
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    if not 0 <= c <= n:
+        raise ValueError(f"correct count c={c} outside [0, n={n}]")
+    if n - c < k:
+        return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 # %% ../nbs/15a_stats.ipynb #c37cbb39
@@ -77,41 +129,66 @@ def linear_fit(x, y) -> dict:
     slope, intercept = np.polyfit(x, y, 1)
     pred = slope * x + intercept
     ss_res, ss_tot = float(np.sum((y - pred) ** 2)), float(np.sum((y - y.mean()) ** 2))
-    return {'slope': float(slope), 'intercept': float(intercept), 'r2': 1 - ss_res / ss_tot if ss_tot > 0 else 1.0,
-            'max_abs_residual': float(np.max(np.abs(y - pred)))}
+    return {
+        'slope': float(slope),
+        'intercept': float(intercept),
+        'r2': 1 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+        'max_abs_residual': float(np.max(np.abs(y - pred))),
+    }
 
 # %% ../nbs/15a_stats.ipynb #79cb37e8
 def _beta_fraction(a: float, b: float, x: float) -> float:
-    "The continued fraction of the incomplete beta function (modified Lentz), converging for x < (a + 1) / (a + b + 2)."
+    """The continued fraction of the incomplete beta function (modified Lentz), converging for x <
+    (a + 1) / (a + b + 2)."""
     tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1.0 / (d if abs(d) > tiny else tiny); h = d
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
     for m in range(1, 10_000):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)), -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d; d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c; c = c if abs(c) > tiny else tiny
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
             h *= d * c
-        if abs(d * c - 1.0) < 1e-15: return h
+        if abs(d * c - 1.0) < 1e-15:
+            return h
     raise ArithmeticError(f'incomplete beta fraction did not converge for a={a}, b={b}, x={x}')
+
 
 def incomplete_beta(a: float, b: float, x: float) -> float:
     "The regularised incomplete beta function I_x(a, b)."
-    if x <= 0: return 0.0
-    if x >= 1: return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1) / (a + b + 2): return front * _beta_fraction(a, b, x) / a
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    if x < (a + 1) / (a + b + 2):
+        return front * _beta_fraction(a, b, x) / a
     return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
 
+
 def t_cdf(t: float, df: float) -> float:
-    "P(T <= t) for Student's t with `df` degrees of freedom: 1 - I_{df/(df+t^2)}(df/2, 1/2) / 2 for t >= 0, by symmetry below."
+    """P(T <= t) for Student's t with `df` degrees of freedom: 1 - I_{df/(df+t^2)}(df/2, 1/2) / 2
+    for t >= 0, by symmetry below."""
     tail = 0.5 * incomplete_beta(df / 2, 0.5, df / (df + t * t))
     return 1.0 - tail if t >= 0 else tail
 
+
 def t_quantile(q: float, df: float) -> float:
-    "The `q` quantile of Student's t with `df` degrees of freedom, by bisection on `t_cdf` to 1e-12."
-    if not 0 < q < 1 or not df > 0: raise ValueError(f't_quantile needs 0 < q < 1 and df > 0, got q={q}, df={df}')
-    if q < 0.5: return -t_quantile(1 - q, df)
+    """The `q` quantile of Student's t with `df` degrees of freedom, by bisection on `t_cdf` to
+    1e-12."""
+    if not 0 < q < 1 or not df > 0:
+        raise ValueError(f't_quantile needs 0 < q < 1 and df > 0, got q={q}, df={df}')
+    if q < 0.5:
+        return -t_quantile(1 - q, df)
     lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < q: lo, hi = hi, hi * 2
+    while t_cdf(hi, df) < q:
+        lo, hi = hi, hi * 2
     while hi - lo > 1e-12 * max(1.0, hi):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if t_cdf(mid, df) < q else (lo, mid)
@@ -119,10 +196,19 @@ def t_quantile(q: float, df: float) -> float:
 
 # %% ../nbs/15a_stats.ipynb #7308a3dc
 def mean_interval(values, level: float = 0.95) -> dict | None:
-    "mean ± t((1 + level) / 2, n - 1) x s / sqrt(n) of `values`, with s the sample std; `None` with fewer than 3 values."
+    """mean ± t((1 + level) / 2, n - 1) x s / sqrt(n) of `values`, with s the sample std; `None`
+    with fewer than 3 values."""
     x = [float(v) for v in values]
-    if len(x) < 3: return None
+    if len(x) < 3:
+        return None
     n, m = len(x), sum(x) / len(x)
-    s = math.sqrt(sum((v - m) ** 2 for v in x) / (n - 1)); t = t_quantile((1 + level) / 2, n - 1)
-    return {'n': n, 'mean': m, 'sd': s, 't': t, 'low': m - t * s / math.sqrt(n), 'high': m + t * s / math.sqrt(n)}
-
+    s = math.sqrt(sum((v - m) ** 2 for v in x) / (n - 1))
+    t = t_quantile((1 + level) / 2, n - 1)
+    return {
+        'n': n,
+        'mean': m,
+        'sd': s,
+        't': t,
+        'low': m - t * s / math.sqrt(n),
+        'high': m + t * s / math.sqrt(n),
+    }

@@ -11,163 +11,325 @@ __all__ = ['STEP_PARTS', 'SPLIT_TOL', 'layer_part', 'part_ranges', 'split_events
            'split_verdict']
 
 # %% ../nbs/21a_stepsplit.ipynb #953c97fe
-STEP_PARTS = ('attention core', 'attention projections', 'MLP', 'norms', 'log-prob head', 'gradient reduction', 'optimizer', 'other')
+STEP_PARTS = (
+    'attention core',
+    'attention projections',
+    'MLP',
+    'norms',
+    'log-prob head',
+    'gradient reduction',
+    'optimizer',
+    'other',
+)
+
 
 def layer_part(module_name: str) -> str | None:
-    "The part of a megatron-core layer a module is (`STEP_PARTS`), from its dotted name; None for a module that is not a leaf part."
+    """The part of a megatron-core layer a module is (`STEP_PARTS`), from its dotted name; None for
+    a module that is not a leaf part."""
     leaf = module_name.rsplit('.', 1)[-1]
-    if leaf == 'core_attention': return 'attention core'
-    if leaf in ('linear_qkv', 'linear_proj'): return 'attention projections'
-    if leaf == 'mlp': return 'MLP'
-    if leaf.endswith('layernorm'): return 'norms'
+    if leaf == 'core_attention':
+        return 'attention core'
+    if leaf in ('linear_qkv', 'linear_proj'):
+        return 'attention projections'
+    if leaf == 'mlp':
+        return 'MLP'
+    if leaf.endswith('layernorm'):
+        return 'norms'
     return None
 
+# %% ../nbs/21a_stepsplit.ipynb #8069a30c
 @contextlib.contextmanager
 def part_ranges(model):
-    "Named profiler ranges around the forward of every leaf part of `model` (`layer_part`); removed on exit."
+    """Named profiler ranges around the forward of every leaf part of `model` (`layer_part`);
+    removed on exit."""
     from torch.profiler import record_function
+
     hooks = []
     for name, mod in model.named_modules():
         part = layer_part(name)
-        if part is None: continue
+        if part is None:
+            continue
+
         def pre(m, args, part=part):
-            m._part_range = record_function('phase::' + part); m._part_range.__enter__()
+            m._part_range = record_function('phase::' + part)
+            m._part_range.__enter__()
+
         def post(m, args, out):
             r = m.__dict__.pop('_part_range', None)
-            if r is not None: r.__exit__(None, None, None)
-        hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-    try: yield
-    finally:
-        for h in hooks: h.remove()
+            if r is not None:
+                r.__exit__(None, None, None)
 
+        hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+# %% ../nbs/21a_stepsplit.ipynb #2442e6ca
 def _named_part(name: str) -> str | None:
     for prefix in ('phase::', 'memagent::'):
-        if name.startswith(prefix) and name[len(prefix):] in STEP_PARTS: return name[len(prefix):]
+        if name.startswith(prefix) and name[len(prefix) :] in STEP_PARTS:
+            return name[len(prefix) :]
     return None
 
+# %% ../nbs/21a_stepsplit.ipynb #17a97f80
 def _is_runtime(e) -> bool:
-    "A host record of the CUDA runtime or driver (`cudaLaunchKernel`, `cuLaunchKernel`, ...): it carries its kernel's own correlation id."
+    """A host record of the CUDA runtime or driver (`cudaLaunchKernel`, `cuLaunchKernel`, ...): it
+    carries its kernel's own correlation id."""
     kind = str(getattr(e, 'activity_type', None) or '').lower()
-    if kind: return 'runtime' in kind or 'driver' in kind
+    if kind:
+        return 'runtime' in kind or 'driver' in kind
     return bool(re.match(r'cuda[A-Z]|cu[A-Z]', e.name))
 
-def _seconds(e) -> float: return (e.time_range.end - e.time_range.start) / 1e6
+# %% ../nbs/21a_stepsplit.ipynb #77de6c0c
+def _seconds(e) -> float:
+    return (e.time_range.end - e.time_range.start) / 1e6
 
 # %% ../nbs/21a_stepsplit.ipynb #2b346100
 def split_events(events, device: bool) -> dict:
-    "Seconds per `STEP_PARTS` entry from a profiler's `events()`: on a GPU each kernel recorded on the device once (by correlation id), credited through the runtime record that launched it; on the CPU each operator's own host time; either in the nearest named range, or the part of the forward operator that created the autograd node it runs under."
+    """Seconds per `STEP_PARTS` entry from a profiler's `events()`: on a GPU each kernel recorded on
+    the device once (by correlation id), credited through the runtime record that launched it; on
+    the CPU each operator's own host time; either in the nearest named range, or the part of the
+    forward operator that created the autograd node it runs under."""
     from torch.autograd import DeviceType
+
     evs = sorted(events, key=lambda e: e.time_range.start)
     EVAL = 'autograd::engine::evaluate_function'
+
     def marker(e):
-        "The nearest ancestor (or e) that decides e's part: ('part', name) for a named range, ('node', (thread, seq)) for a backward node."
+        """The nearest ancestor (or e) that decides e's part: ('part', name) for a named range,
+        ('node', (thread, seq)) for a backward node."""
         while e is not None:
             p = _named_part(e.name)
-            if p is not None: return ('part', p)
-            if e.name.startswith(EVAL): return ('node', (e.fwd_thread or e.thread, e.sequence_nr))
+            if p is not None:
+                return ('part', p)
+            if e.name.startswith(EVAL):
+                return ('node', (e.fwd_thread or e.thread, e.sequence_nr))
             e = e.cpu_parent
         return None
-    # sequence numbers count per thread: on a GPU autograd runs the backward (and a recomputed forward) on a thread of
-    # its own, whose numbers repeat the main thread's; a node names the thread that created it (fwd_thread)
-    created = {}                                     # (thread, sequence number) -> the part of the last forward operator that carried it
-    def part_of(m): return 'other' if m is None else m[1] if m[0] == 'part' else created.get(m[1], 'other')
-    for e in evs:                                    # in time order: a node's forward comes before its backward
+
+    # sequence numbers count per thread: on a GPU autograd runs the backward (and a recomputed
+    # forward) on a thread of
+    # its own, whose numbers repeat the main thread's; a node names the thread that created it
+    # (fwd_thread)
+    # (thread, sequence number) -> the part of the last forward operator that carried it
+    created = {}
+
+    def part_of(m):
+        return 'other' if m is None else m[1] if m[0] == 'part' else created.get(m[1], 'other')
+
+    for e in evs:  # in time order: a node's forward comes before its backward
         if e.sequence_nr is not None and e.sequence_nr >= 0 and not e.name.startswith(EVAL):
-            created[(e.thread, e.sequence_nr)] = part_of(marker(e))    # unclaimed ones too: the last one seen created the node
+            created[(e.thread, e.sequence_nr)] = part_of(
+                marker(e)
+            )  # unclaimed ones too: the last one seen created the node
     out = dict.fromkeys(STEP_PARTS, 0.0)
     host = [e for e in evs if e.device_type == DeviceType.CPU and not e.is_async]
     if not device:
-        for e in host: out[part_of(marker(e))] += max(e.self_cpu_time_total, 0) / 1e6
+        for e in host:
+            out[part_of(marker(e))] += max(e.self_cpu_time_total, 0) / 1e6
         return {'seconds': out, 'counted': 'host time of each operator, its children excluded'}
-    # the GPU's work: every kernel and copy recorded on the device, once per correlation id (not the device side of named ranges)
+    # the GPU's work: every kernel and copy recorded on the device, once per correlation id (not the
+    # device side of named ranges)
     once = {}
     for k in evs:
-        if k.device_type != DeviceType.CPU and not k.is_user_annotation: once.setdefault(k.id, k)
+        if k.device_type != DeviceType.CPU and not k.is_user_annotation:
+            once.setdefault(k.id, k)
     device_s = sum(_seconds(k) for k in once.values())
-    # what the profiler's own lists claim: each host event's kernels, found by its id; ids of two counters can meet, so a
-    # kernel can sit in two lists (an operator's and an unlinked runtime record's): a figure to show, never to split
+    # what the profiler's own lists claim: each host event's kernels, found by its id; ids of two
+    # counters can meet, so a
+    # kernel can sit in two lists (an operator's and an unlinked runtime record's): a figure to
+    # show, never to split
     claimed_s = sum(k.duration for e in host for k in e.kernels if k.name != e.name) / 1e6
-    if not once:                                     # no kernel records (the profiler's CUDA-event fallback): nothing to split
-        return {'seconds': out, 'counted': 'nothing: the profiler recorded no device kernels', 'device_s': 0.0,
-                'unattributed_s': 0.0, 'claimed_s': claimed_s}
+    if not once:  # no kernel records (the profiler's CUDA-event fallback): nothing to split
+        return {
+            'seconds': out,
+            'counted': 'nothing: the profiler recorded no device kernels',
+            'device_s': 0.0,
+            'unattributed_s': 0.0,
+            'claimed_s': claimed_s,
+        }
     runtime, ops = {}, {}
     for e in host:
-        if _is_runtime(e): runtime.setdefault(e.id, []).append(e)
-        elif not getattr(e, 'linked_correlation_id', 0): ops.setdefault(e.id, []).append(e)
+        if _is_runtime(e):
+            runtime.setdefault(e.id, []).append(e)
+        elif not getattr(e, 'linked_correlation_id', 0):
+            ops.setdefault(e.id, []).append(e)
     unattributed = 0.0
     for cid, k in once.items():
-        launcher = runtime.get(cid, [])              # the runtime call that launched it shares its correlation id
-        if len(launcher) != 1:                       # no runtime record: the one operator its linked id names
+        launcher = runtime.get(
+            cid, []
+        )  # the runtime call that launched it shares its correlation id
+        if len(launcher) != 1:  # no runtime record: the one operator its linked id names
             linked = getattr(k, 'linked_correlation_id', 0) or 0
             launcher = ops.get(linked, []) if linked > 0 else []
-        if len(launcher) == 1: out[part_of(marker(launcher[0]))] += _seconds(k)
-        else: unattributed += _seconds(k)            # no launcher, or two: in no part (never folded into 'other')
-    return {'seconds': out, 'counted': 'device kernels, each once (by correlation id), by the runtime call that launched it',
-            'device_s': device_s, 'unattributed_s': unattributed, 'claimed_s': claimed_s}
+        if len(launcher) == 1:
+            out[part_of(marker(launcher[0]))] += _seconds(k)
+        else:
+            unattributed += _seconds(
+                k
+            )  # no launcher, or two: in no part (never folded into 'other')
+    return {
+        'seconds': out,
+        'counted': (
+            'device kernels, each once (by correlation id), by the runtime call that launched it'
+        ),
+        'device_s': device_s,
+        'unattributed_s': unattributed,
+        'claimed_s': claimed_s,
+    }
 
 # %% ../nbs/21a_stepsplit.ipynb #b56af7a0
 def profile_step(model, step) -> dict:
-    "`step()` once under `torch.profiler` with `part_ranges(model)`: seconds per part (`split_events`), their total, the profiled step's wall time, and which clock (device or host)."
+    """`step()` once under `torch.profiler` with `part_ranges(model)`: seconds per part
+    (`split_events`), their total, the profiled step's wall time, and which clock (device or
+    host)."""
     import torch
     from torch.profiler import profile, ProfilerActivity
+
     device = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])
     with part_ranges(model), profile(activities=acts) as prof:
-        if device: torch.cuda.synchronize()
+        if device:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
-        if device: torch.cuda.synchronize()
+        if device:
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     sp = split_events(prof.events(), device)
     parts = sp.pop('seconds')
     total = sum(parts.values())
-    return {'clock': 'device (CUDA kernels)' if device else 'host (CPU operators)', 'seconds': parts, 'total_s': total,
-            'profiled_wall_s': wall, **sp, 'share': {k: (v / total if total else 0.0) for k, v in parts.items()}}
+    return {
+        'clock': 'device (CUDA kernels)' if device else 'host (CPU operators)',
+        'seconds': parts,
+        'total_s': total,
+        'profiled_wall_s': wall,
+        **sp,
+        'share': {k: (v / total if total else 0.0) for k, v in parts.items()},
+    }
 
 # %% ../nbs/21a_stepsplit.ipynb #5a3d1e04
-SPLIT_TOL = 0.10     # how far a split may be from a source it does not derive from before it is called not reliable
+# how far a split may be from a source it does not derive from before it is called not reliable
+SPLIT_TOL = 0.10
 
-def split_checks(split: dict, phases_s: dict | None = None, timed_step_s: float | None = None, tol: float = SPLIT_TOL) -> dict:
-    "The split's parts against sources they do not derive from: the device's kernels (each once), the profiled wall time, an unprofiled timed step, the synchronized phase timing. Reliable only when every check that applies was made and agrees."
+
+def split_checks(
+    split: dict,
+    phases_s: dict | None = None,
+    timed_step_s: float | None = None,
+    tol: float = SPLIT_TOL,
+) -> dict:
+    """The split's parts against sources they do not derive from: the device's kernels (each once),
+    the profiled wall time, an unprofiled timed step, the synchronized phase timing. Reliable only
+    when every check that applies was made and agrees."""
     total = split.get('total_s')
     c = {}
-    if split.get('clock', '').startswith('device'):        # parts = kernels, each once, where every kernel found its launcher
+    if split.get('clock', '').startswith(
+        'device'
+    ):  # parts = kernels, each once, where every kernel found its launcher
         k = split.get('device_s')
-        c['kernels'] = {'parts_s': total, 'kernels_s': k, 'unattributed_s': split.get('unattributed_s'), 'claimed_s': split.get('claimed_s'),
-                        'agrees': None if k is None or total is None else k > 0 and abs(total - k) <= tol * k}
-    w = split.get('profiled_wall_s')                        # one stream's kernels (or one thread's operators) fit in the wall time
-    c['profiled wall'] = {'parts_s': total, 'wall_s': w, 'agrees': None if w is None or total is None else total <= (1 + tol) * w}
-    c['timed step'] = {'parts_s': total, 'step_s': timed_step_s,
-                       'agrees': None if timed_step_s is None or total is None else total <= (1 + tol) * timed_step_s}
-    if phases_s and total:                                  # the optimizer's share, profiled against timed at a synchronization
+        c['kernels'] = {
+            'parts_s': total,
+            'kernels_s': k,
+            'unattributed_s': split.get('unattributed_s'),
+            'claimed_s': split.get('claimed_s'),
+            'agrees': None if k is None or total is None else k > 0 and abs(total - k) <= tol * k,
+        }
+    w = split.get(
+        'profiled_wall_s'
+    )  # one stream's kernels (or one thread's operators) fit in the wall time
+    c['profiled wall'] = {
+        'parts_s': total,
+        'wall_s': w,
+        'agrees': None if w is None or total is None else total <= (1 + tol) * w,
+    }
+    c['timed step'] = {
+        'parts_s': total,
+        'step_s': timed_step_s,
+        'agrees': None
+        if timed_step_s is None or total is None
+        else total <= (1 + tol) * timed_step_s,
+    }
+    if phases_s and total:  # the optimizer's share, profiled against timed at a synchronization
         timed = phases_s['optimizer step'] / sum(phases_s.values())
         share = split['seconds']['optimizer'] / total
-        c['phases'] = {'phases_s': phases_s, 'optimizer_share_split': share, 'optimizer_share_timed': timed,
-                       'agrees': abs(share - timed) <= tol}
-    else: c['phases'] = {'phases_s': phases_s, 'agrees': None}
-    return {'reliable': all(x['agrees'] is True for x in c.values()), 'tolerance': tol, 'checks': c,
-            'missing': [n for n, x in c.items() if x['agrees'] is None], 'disagree': [n for n, x in c.items() if x['agrees'] is False]}
+        c['phases'] = {
+            'phases_s': phases_s,
+            'optimizer_share_split': share,
+            'optimizer_share_timed': timed,
+            'agrees': abs(share - timed) <= tol,
+        }
+    else:
+        c['phases'] = {'phases_s': phases_s, 'agrees': None}
+    return {
+        'reliable': all(x['agrees'] is True for x in c.values()),
+        'tolerance': tol,
+        'checks': c,
+        'missing': [n for n, x in c.items() if x['agrees'] is None],
+        'disagree': [n for n, x in c.items() if x['agrees'] is False],
+    }
 
-def _g(x) -> str: return 'n/a' if x is None else f"{x:.3g}"
+# %% ../nbs/21a_stepsplit.ipynb #e23c5021
+def _g(x) -> str:
+    return 'n/a' if x is None else f"{x:.3g}"
 
+# %% ../nbs/21a_stepsplit.ipynb #c87103c9
 def split_verdict(v: dict) -> str:
-    "One sentence: why a split is reliable or not, with the figures of every check (`split_checks`)."
+    """One sentence: why a split is reliable or not, with the figures of every check
+    (`split_checks`)."""
     c = v['checks']
     said = []
     if 'kernels' in c and c['kernels']['kernels_s'] is not None:
         k = c['kernels']
-        said.append(f"its parts add up to {_g(k['parts_s'])} s against {_g(k['kernels_s'])} s of kernels recorded on the device"
-                    + (f", {_g(k['unattributed_s'])} s of them launched by nothing found" if k.get('unattributed_s') else '')
-                    + (f"; the profiler's operator lists claim {_g(k['claimed_s'])} s" if k.get('claimed_s') and abs(k['claimed_s'] - (k['kernels_s'] or 0)) > v['tolerance'] * (k['kernels_s'] or 0) else ''))
-    else: said.append(f"its parts add up to {_g(c['profiled wall']['parts_s'])} s" + ("; the kernels' total was not recorded" if 'kernels' in c else ''))
-    said.append(f"the profiled step took {_g(c['profiled wall']['wall_s'])} s wall" if c['profiled wall']['wall_s'] is not None
-                else 'the profiled wall time was not recorded')
-    said.append(f"a timed step {_g(c['timed step']['step_s'])} s" if c['timed step']['step_s'] is not None else 'no timed step was given')
+        said.append(
+            f"its parts add up to {_g(k['parts_s'])} s against {_g(k['kernels_s'])} s of kernels "
+            "recorded on the device"
+            + (
+                f", {_g(k['unattributed_s'])} s of them launched by nothing found"
+                if k.get('unattributed_s')
+                else ''
+            )
+            + (
+                f"; the profiler's operator lists claim {_g(k['claimed_s'])} s"
+                if k.get('claimed_s')
+                and abs(k['claimed_s'] - (k['kernels_s'] or 0))
+                > v['tolerance'] * (k['kernels_s'] or 0)
+                else ''
+            )
+        )
+    else:
+        said.append(
+            f"its parts add up to {_g(c['profiled wall']['parts_s'])} s"
+            + ("; the kernels' total was not recorded" if 'kernels' in c else '')
+        )
+    said.append(
+        f"the profiled step took {_g(c['profiled wall']['wall_s'])} s wall"
+        if c['profiled wall']['wall_s'] is not None
+        else 'the profiled wall time was not recorded'
+    )
+    said.append(
+        f"a timed step {_g(c['timed step']['step_s'])} s"
+        if c['timed step']['step_s'] is not None
+        else 'no timed step was given'
+    )
     p = c['phases']
-    said.append(f"the optimizer's share is {p['optimizer_share_split']:.0%} in the split and {p['optimizer_share_timed']:.0%} timed at a synchronization"
-                if p['agrees'] is not None else 'the phases were not timed')
+    said.append(
+        f"the optimizer's share is {p['optimizer_share_split']:.0%} in the split and "
+        f"{p['optimizer_share_timed']:.0%} timed at a synchronization"
+        if p['agrees'] is not None
+        else 'the phases were not timed'
+    )
     head = 'the split is reliable' if v['reliable'] else 'the split is NOT reliable'
-    why = '' if v['reliable'] else ' (' + '; '.join([f"disagrees: {', '.join(v['disagree'])}"] * bool(v['disagree'])
-                                                  + [f"not checked: {', '.join(v['missing'])}"] * bool(v['missing'])) + ')'
+    why = (
+        ''
+        if v['reliable']
+        else ' ('
+        + '; '.join(
+            [f"disagrees: {', '.join(v['disagree'])}"] * bool(v['disagree'])
+            + [f"not checked: {', '.join(v['missing'])}"] * bool(v['missing'])
+        )
+        + ')'
+    )
     return f"{head} (tolerance {v['tolerance']:.0%}){why}: " + '; '.join(said)
-

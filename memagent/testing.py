@@ -19,177 +19,369 @@ __all__ = ['SGLANG_SCHEMAS', 'fake_tokens', 'send_whole', 'Exchange', 'send_cut'
            'run_notebook_cells']
 
 # %% ../nbs/20_testing.ipynb #12e673d7
-def fake_tokens(prompt: list[int], sp: SamplingParams, vocab: int = 1000) -> tuple[list[int], list[float], str]:
-    "A deterministic stand-in for sampling: ids and log-probs from a hash of (prompt, seed, position); a stop token ends the ids and is kept."
+def fake_tokens(
+    prompt: list[int], sp: SamplingParams, vocab: int = 1000
+) -> tuple[list[int], list[float], str]:
+    """A deterministic stand-in for sampling: ids and log-probs from a hash of (prompt, seed,
+    position); a stop token ends the ids and is kept."""
     ids, lps = [], []
     for k in range(sp.max_new_tokens):
         h = hashlib.sha256(f"{prompt}|{sp.seed}|{k}".encode()).digest()
         t = int.from_bytes(h[:4], 'little') % vocab
-        ids.append(t); lps.append(-(1 + h[4] / 64))
-        if t in sp.stop_token_ids: return ids, lps, 'stop'
+        ids.append(t)
+        lps.append(-(1 + h[4] / 64))
+        if t in sp.stop_token_ids:
+            return ids, lps, 'stop'
     return ids, lps, 'length'
 
 # %% ../nbs/20_testing.ipynb #f241f9e3
 def send_whole(h, status: int, content_type: str, data: bytes) -> None:
     "Write the status line, the headers and the whole body at once."
-    h.send_response(status); h.send_header('Content-Type', content_type)
-    h.send_header('Content-Length', str(len(data))); h.end_headers()
+    h.send_response(status)
+    h.send_header('Content-Type', content_type)
+    h.send_header('Content-Length', str(len(data)))
+    h.end_headers()
     h.wfile.write(data)
 
+# %% ../nbs/20_testing.ipynb #ff732fd9
 @dataclass
 class Exchange:
-    "One request to the local server and the reply being built for it: handlers and faults fill in the reply."
+    """One request to the local server and the reply being built for it: handlers and faults fill in
+    the reply."""
+
     method: str
     path: str
     body: dict
     status: int = 200
-    reply: object = None            # JSON-serializable, or a str sent as plain text
-    delay_s: float = 0.0            # waited before the reply is written
-    write: Callable = send_whole    # puts (status, content type, bytes) on the wire
+    reply: object = None  # JSON-serializable, or a str sent as plain text
+    delay_s: float = 0.0  # waited before the reply is written
+    write: Callable = send_whole  # puts (status, content type, bytes) on the wire
 
+# %% ../nbs/20_testing.ipynb #81927df8
 def _raw(h, status: int, content_type: str, data: bytes) -> tuple[bytes, bytes]:
     "The reply as bytes: (status line and headers, body)."
-    head = (f"{h.protocol_version} {status} {h.responses.get(status, ('',))[0]}\r\n"
-            f"Content-Type: {content_type}\r\nContent-Length: {len(data)}\r\n\r\n")
+    head = (
+        f"{h.protocol_version} {status} {h.responses.get(status, ('',))[0]}\r\n"
+        f"Content-Type: {content_type}\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
     return head.encode('latin-1'), data
 
+# %% ../nbs/20_testing.ipynb #bb4b8015
 def send_cut(h, status: int, content_type: str, data: bytes) -> None:
-    "The headers (announcing the whole length) and the first half of the body; then the connection closes."
+    """The headers (announcing the whole length) and the first half of the body; then the connection
+    closes."""
     head, body = _raw(h, status, content_type, data)
-    h.wfile.write(head + body[:len(body) // 2]); h.close_connection = True
+    h.wfile.write(head + body[: len(body) // 2])
+    h.close_connection = True
 
+# %% ../nbs/20_testing.ipynb #a802e201
 def send_nothing(h, status: int, content_type: str, data: bytes) -> None:
     "No reply: the connection closes."
     h.close_connection = True
 
+# %% ../nbs/20_testing.ipynb #407ba4ea
 def send_garbage(h, status: int, content_type: str, data: bytes) -> None:
     "Bytes that are not an HTTP reply; then the connection closes."
-    h.wfile.write(b'this is not HTTP\r\n\r\n'); h.close_connection = True
+    h.wfile.write(b'this is not HTTP\r\n\r\n')
+    h.close_connection = True
 
+# %% ../nbs/20_testing.ipynb #5c83bc5e
 def send_trickle(per_byte_s: float, headers_too: bool = False) -> Callable:
-    "A writer sending the body (with `headers_too`, the status line and headers as well) one byte every `per_byte_s` seconds."
+    """A writer sending the body (with `headers_too`, the status line and headers as well) one byte
+    every `per_byte_s` seconds."""
+
     def write(h, status: int, content_type: str, data: bytes) -> None:
         head, body = _raw(h, status, content_type, data)
         slow = head + body if headers_too else body
-        if not headers_too: h.wfile.write(head)
-        for i in range(len(slow)): time.sleep(per_byte_s); h.wfile.write(slow[i:i + 1])
+        if not headers_too:
+            h.wfile.write(head)
+        for i in range(len(slow)):
+            time.sleep(per_byte_s)
+            h.wfile.write(slow[i : i + 1])
+
     return write
 
-def _slow(srv, ex, handle): ex.delay_s += srv.slow_s; handle(ex)
+# %% ../nbs/20_testing.ipynb #9fca65df
+def _slow(srv, ex, handle):
+    ex.delay_s += srv.slow_s
+    handle(ex)
+
+# %% ../nbs/20_testing.ipynb #c655710a
 def _abort(srv, ex, handle):
-    handle(ex); ex.reply['meta_info']['finish_reason'] = {'type': 'abort'}
+    handle(ex)
+    ex.reply['meta_info']['finish_reason'] = {'type': 'abort'}
+
+# %% ../nbs/20_testing.ipynb #f3a054fa
 def _invalid(srv, ex, handle):
-    handle(ex); ex.reply['output_ids'] = ex.reply['output_ids'] + [0]
+    handle(ex)
+    ex.reply['output_ids'] = ex.reply['output_ids'] + [0]
+
+# %% ../nbs/20_testing.ipynb #6afe6864
 def _invalid_prompt(srv, ex, handle):
-    handle(ex); m = ex.reply['meta_info']; m['input_token_logprobs'] = m.get('input_token_logprobs', [])[1:]
-def _cut(srv, ex, handle): handle(ex); ex.write = send_cut
-def _drop(srv, ex, handle): handle(ex); ex.write = send_nothing
-def _garbage(srv, ex, handle): handle(ex); ex.write = send_garbage
-def _trickle(srv, ex, handle): handle(ex); ex.write = send_trickle(srv.trickle_s)
-def _trickle_all(srv, ex, handle): handle(ex); ex.write = send_trickle(srv.trickle_s, headers_too=True)
+    handle(ex)
+    m = ex.reply['meta_info']
+    m['input_token_logprobs'] = m.get('input_token_logprobs', [])[1:]
+
+# %% ../nbs/20_testing.ipynb #a46a376b
+def _cut(srv, ex, handle):
+    handle(ex)
+    ex.write = send_cut
+
+# %% ../nbs/20_testing.ipynb #a93129f4
+def _drop(srv, ex, handle):
+    handle(ex)
+    ex.write = send_nothing
+
+# %% ../nbs/20_testing.ipynb #07dea36e
+def _garbage(srv, ex, handle):
+    handle(ex)
+    ex.write = send_garbage
+
+# %% ../nbs/20_testing.ipynb #0fef5384
+def _trickle(srv, ex, handle):
+    handle(ex)
+    ex.write = send_trickle(srv.trickle_s)
+
+# %% ../nbs/20_testing.ipynb #6db58d57
+def _trickle_all(srv, ex, handle):
+    handle(ex)
+    ex.write = send_trickle(srv.trickle_s, headers_too=True)
 
 # %% ../nbs/20_testing.ipynb #7788faee
 def _is(*types):
     return lambda v: isinstance(v, types) and (bool in types or not isinstance(v, bool))
-def _opt(f): return lambda v: v is None or f(v)
-def _list_of(f): return lambda v: isinstance(v, list) and all(f(x) for x in v)
-def _one_of(*xs): return lambda v: v in xs
+
+# %% ../nbs/20_testing.ipynb #b8365f25
+def _opt(f):
+    return lambda v: v is None or f(v)
+
+# %% ../nbs/20_testing.ipynb #2887e5d4
+def _list_of(f):
+    return lambda v: isinstance(v, list) and all(f(x) for x in v)
+
+# %% ../nbs/20_testing.ipynb #6e983138
+def _one_of(*xs):
+    return lambda v: v in xs
+
+# %% ../nbs/20_testing.ipynb #60c00b1b
 _str, _int, _bool = _is(str), _is(int), _is(bool)
 _selector = _one_of('target', 'draft', 'all')
 _tags = {'tags': (_opt(_list_of(_str)), False)}
-_update_flags = {'flush_cache': (_bool, False), 'abort_all_requests': (_bool, False), 'weight_version': (_opt(_str), False),
-                 'load_format': (_opt(_str), False), 'torch_empty_cache': (_bool, False)}
+_update_flags = {
+    'flush_cache': (_bool, False),
+    'abort_all_requests': (_bool, False),
+    'weight_version': (_opt(_str), False),
+    'load_format': (_opt(_str), False),
+    'torch_empty_cache': (_bool, False),
+}
 
-# SGLang 0.5.23's request classes (python/sglang/srt/managers/io_struct.py): field -> (check, required); every one also takes `rid`
+# SGLang 0.5.23's request classes (python/sglang/srt/managers/io_struct.py): field -> (check,
+# required); every one also takes `rid`
 SGLANG_SCHEMAS = {
-    '/release_memory_occupation': _tags, '/resume_memory_occupation': _tags,
-    '/update_weights_from_disk': {'model_path': (_str, True), **_update_flags, 'is_async': (_bool, False), 'keep_pause': (_bool, False),
-                                  'recapture_cuda_graph': (_bool, False), 'token_step': (_int, False), 'manifest': (_opt(_is(dict)), False)},
-    '/update_weights_from_tensor': {'serialized_named_tensors': (_list_of(_str), True), **_update_flags, 'selector': (_selector, False)},
-    '/begin_weight_update': {'selector': (_selector, False)}, '/end_weight_update': {},
-    '/init_weights_update_group': {'master_address': (_str, True), 'master_port': (_int, True), 'rank_offset': (_int, True),
-                                   'world_size': (_int, True), 'group_name': (_str, False), 'backend': (_str, False)},
-    '/update_weights_from_distributed': {'names': (_list_of(_str), True), 'dtypes': (_list_of(_str), True),
-                                         'shapes': (_list_of(_list_of(_int)), True), 'group_name': (_str, False), **_update_flags,
-                                         'selector': (_selector, False)},
+    '/release_memory_occupation': _tags,
+    '/resume_memory_occupation': _tags,
+    '/update_weights_from_disk': {
+        'model_path': (_str, True),
+        **_update_flags,
+        'is_async': (_bool, False),
+        'keep_pause': (_bool, False),
+        'recapture_cuda_graph': (_bool, False),
+        'token_step': (_int, False),
+        'manifest': (_opt(_is(dict)), False),
+    },
+    '/update_weights_from_tensor': {
+        'serialized_named_tensors': (_list_of(_str), True),
+        **_update_flags,
+        'selector': (_selector, False),
+    },
+    '/begin_weight_update': {'selector': (_selector, False)},
+    '/end_weight_update': {},
+    '/init_weights_update_group': {
+        'master_address': (_str, True),
+        'master_port': (_int, True),
+        'rank_offset': (_int, True),
+        'world_size': (_int, True),
+        'group_name': (_str, False),
+        'backend': (_str, False),
+    },
+    '/update_weights_from_distributed': {
+        'names': (_list_of(_str), True),
+        'dtypes': (_list_of(_str), True),
+        'shapes': (_list_of(_list_of(_int)), True),
+        'group_name': (_str, False),
+        **_update_flags,
+        'selector': (_selector, False),
+    },
     '/destroy_weights_update_group': {'group_name': (_str, False)},
 }
 
-# the log-prob fields of SGLang 0.5.23's /generate (sglang/api/v1/api_types.py, decode_GenerateRequest); this server takes one
+# the log-prob fields of SGLang 0.5.23's /generate (sglang/api/v1/api_types.py,
+# decode_GenerateRequest); this server takes one
 # prompt per request, so a list (one value per prompt of a batch) is refused
-_LOGPROB_FIELDS = {'return_logprob': _bool, 'logprob_start_len': _int, 'top_logprobs_num': _int, 'return_text_in_logprobs': _bool}
+_LOGPROB_FIELDS = {
+    'return_logprob': _bool,
+    'logprob_start_len': _int,
+    'top_logprobs_num': _int,
+    'return_text_in_logprobs': _bool,
+}
+
 
 def logprob_request_error(body: dict, prompt_len: int, engine=None) -> str | None:
-    "Why the log-prob fields of a `/generate` body break SGLang's contract or rules, or ask what this server cannot answer (None when fine)."
-    bad = [(k, body[k]) for k, ok in _LOGPROB_FIELDS.items() if body.get(k) is not None and not ok(body[k])]
-    if bad: return (f"/generate: log-prob fields of the wrong type {bad} (SGLang: return_logprob and return_text_in_logprobs are "
-                    "booleans, logprob_start_len and top_logprobs_num integers; this server takes one prompt per request, so no lists)")
+    """Why the log-prob fields of a `/generate` body break SGLang's contract or rules, or ask what
+    this server cannot answer (None when fine)."""
+    bad = [
+        (k, body[k])
+        for k, ok in _LOGPROB_FIELDS.items()
+        if body.get(k) is not None and not ok(body[k])
+    ]
+    if bad:
+        return (
+            f"/generate: log-prob fields of the wrong type {bad} (SGLang: return_logprob and "
+            "return_text_in_logprobs are "
+            "booleans, logprob_start_len and top_logprobs_num integers; this server takes one "
+            "prompt per request, so no lists)"
+        )
     want, start = bool(body.get('return_logprob')), body.get('logprob_start_len')
     start, top = -1 if start is None else start, body.get('top_logprobs_num') or 0
-    if body.get('token_ids_logprob') is not None: return "/generate: token_ids_logprob is not modelled by this server"
-    if top < 0: return f"/generate: top_logprobs_num={top} must be >= 0"
-    if top > 0: return f"/generate: top_logprobs_num={top} is not modelled by this server (0 only)"
+    if body.get('token_ids_logprob') is not None:
+        return "/generate: token_ids_logprob is not modelled by this server"
+    if top < 0:
+        return f"/generate: top_logprobs_num={top} must be >= 0"
+    if top > 0:
+        return f"/generate: top_logprobs_num={top} is not modelled by this server (0 only)"
     if not want and (start != -1 or body.get('return_text_in_logprobs')):
-        return (f"/generate: logprob_start_len={start} or return_text_in_logprobs without return_logprob: SGLang ignores them "
-                "silently (its scheduler resets logprob_start_len to -1) and returns no prompt log-probs")
-    if start > prompt_len:       # SGLang's own words (Scheduler._handle_generate_request), a 400
-        return (f"req.logprob_start_len={start} is higher than the number of input tokens len(req.origin_input_ids)={prompt_len}. "
-                "Please use a smaller logprob_start_len.")
-    if start < -1: return f"/generate: logprob_start_len={start}: -1 (output tokens only) or a prompt position"
-    if start > 0: return f"/generate: logprob_start_len={start} is not modelled by this server (-1 or 0)"
+        return (
+            f"/generate: logprob_start_len={start} or return_text_in_logprobs without "
+            "return_logprob: SGLang ignores them "
+            "silently (its scheduler resets logprob_start_len to -1) and returns no prompt "
+            "log-probs"
+        )
+    if start > prompt_len:  # SGLang's own words (Scheduler._handle_generate_request), a 400
+        return (
+            f"req.logprob_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={prompt_len}. "
+            "Please use a smaller logprob_start_len."
+        )
+    if start < -1:
+        return f"/generate: logprob_start_len={start}: -1 (output tokens only) or a prompt position"
+    if start > 0:
+        return f"/generate: logprob_start_len={start} is not modelled by this server (-1 or 0)"
     if start == 0 and engine is None:
-        return ("/generate: logprob_start_len=0 needs a backing engine: the prompt log-probs come from its teacher-forced "
-                "recompute, and fake_tokens has none to give")
+        return (
+            "/generate: logprob_start_len=0 needs a backing engine: the prompt log-probs come "
+            "from its teacher-forced "
+            "recompute, and fake_tokens has none to give"
+        )
     if body.get('return_text_in_logprobs') and getattr(engine, 'tokenizer', None) is None:
-        return "/generate: return_text_in_logprobs needs a backing engine with a tokenizer (SGLang asserts one)"
+        return (
+            "/generate: return_text_in_logprobs needs a backing engine with a tokenizer (SGLang "
+            "asserts one)"
+        )
     return None
 
 # %% ../nbs/20_testing.ipynb #36130f12
 def schema_error(path: str, body) -> str | None:
-    "Why `body` does not fit the request class of SGLang route `path` (None when it fits or the route has no schema here)."
+    """Why `body` does not fit the request class of SGLang route `path` (None when it fits or the
+    route has no schema here)."""
     schema = SGLANG_SCHEMAS.get(path)
-    if schema is None: return None
-    if not isinstance(body, dict): return f"{path}: the body must be a JSON object, got {type(body).__name__}"
+    if schema is None:
+        return None
+    if not isinstance(body, dict):
+        return f"{path}: the body must be a JSON object, got {type(body).__name__}"
     fields = {**schema, 'rid': (_opt(_str), False)}
     unknown = sorted(set(body) - set(fields))
-    if unknown: return f"{path}: unknown fields {unknown} (SGLang would ignore them silently); known: {sorted(fields)}"
+    if unknown:
+        return (
+            f"{path}: unknown fields {unknown} (SGLang would ignore them silently); known: "
+            f"{sorted(fields)}"
+        )
     missing = [k for k, (_, req) in fields.items() if req and k not in body]
-    if missing: return f"{path}: missing required fields {missing}"
+    if missing:
+        return f"{path}: missing required fields {missing}"
     bad = [k for k, v in body.items() if not fields[k][0](v)]
-    return f"{path}: fields of the wrong type or value {[(k, body[k]) for k in bad]}" if bad else None
+    return (
+        f"{path}: fields of the wrong type or value {[(k, body[k]) for k in bad]}" if bad else None
+    )
+
 
 class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *a): pass
-    def do_GET(self): self.server.app._serve(self, 'GET')
-    def do_POST(self): self.server.app._serve(self, 'POST')
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.server.app._serve(self, 'GET')
+
+    def do_POST(self):
+        self.server.app._serve(self, 'POST')
 
 # %% ../nbs/20_testing.ipynb #430e66bf
 class FakeSGLangServer:
-    "A local HTTP server in a thread speaking SGLang's native schema: a route table, injectable faults, a latency model."
-    def __init__(self, engine=None, vocab: int = 1000, slow_s: float = 2.0, latency: Callable | None = None,
-                 trickle_s: float = 0.05, tp_size: int = 1, eos_token_ids=(), host: str = '127.0.0.1', port: int = 0,
-                 model_path: str | None = None, tokenizer_path: str | None = None, weight_version: str = 'default'):
-        self.engine, self.vocab, self.slow_s, self.latency, self.trickle_s = engine, vocab, slow_s, latency, trickle_s
-        self.model_path, self.tokenizer_path, self.weight_version = model_path, tokenizer_path or model_path, weight_version
+    """A local HTTP server in a thread speaking SGLang's native schema: a route table, injectable
+    faults, a latency model."""
+
+    def __init__(
+        self,
+        engine=None,
+        vocab: int = 1000,
+        slow_s: float = 2.0,
+        latency: Callable | None = None,
+        trickle_s: float = 0.05,
+        tp_size: int = 1,
+        eos_token_ids=(),
+        host: str = '127.0.0.1',
+        port: int = 0,
+        model_path: str | None = None,
+        tokenizer_path: str | None = None,
+        weight_version: str = 'default',
+    ):
+        self.engine, self.vocab, self.slow_s, self.latency, self.trickle_s = (
+            engine,
+            vocab,
+            slow_s,
+            latency,
+            trickle_s,
+        )
+        self.model_path, self.tokenizer_path, self.weight_version = (
+            model_path,
+            tokenizer_path or model_path,
+            weight_version,
+        )
         self.tp_size, self.eos_token_ids = tp_size, tuple(int(t) for t in eos_token_ids)
         self.healthy, self.weight_paths, self.log = True, [], []
-        self.released, self.session, self.groups, self.tensor_updates, self.distributed_updates = set(), False, set(), [], []
-        self.routes = {('GET', '/health'): self.health, ('POST', '/generate'): self.generate,
-                       ('GET', '/get_model_info'): self.get_model_info,
-                       ('POST', '/flush_cache'): self.flush_cache,
-                       ('POST', '/update_weights_from_disk'): self.update_weights_from_disk,
-                       ('POST', '/update_weights_from_tensor'): self.update_weights_from_tensor,
-                       ('POST', '/begin_weight_update'): self.begin_weight_update,
-                       ('POST', '/end_weight_update'): self.end_weight_update,
-                       ('POST', '/init_weights_update_group'): self.init_weights_update_group,
-                       ('POST', '/update_weights_from_distributed'): self.update_weights_from_distributed,
-                       ('POST', '/destroy_weights_update_group'): self.destroy_weights_update_group}
+        self.released, self.session, self.groups, self.tensor_updates, self.distributed_updates = (
+            set(),
+            False,
+            set(),
+            [],
+            [],
+        )
+        self.routes = {
+            ('GET', '/health'): self.health,
+            ('POST', '/generate'): self.generate,
+            ('GET', '/get_model_info'): self.get_model_info,
+            ('POST', '/flush_cache'): self.flush_cache,
+            ('POST', '/update_weights_from_disk'): self.update_weights_from_disk,
+            ('POST', '/update_weights_from_tensor'): self.update_weights_from_tensor,
+            ('POST', '/begin_weight_update'): self.begin_weight_update,
+            ('POST', '/end_weight_update'): self.end_weight_update,
+            ('POST', '/init_weights_update_group'): self.init_weights_update_group,
+            ('POST', '/update_weights_from_distributed'): self.update_weights_from_distributed,
+            ('POST', '/destroy_weights_update_group'): self.destroy_weights_update_group,
+        }
         for m in ('GET', 'POST'):
             self.routes[(m, '/release_memory_occupation')] = self.release_memory_occupation
             self.routes[(m, '/resume_memory_occupation')] = self.resume_memory_occupation
-        self.fault_kinds = {'slow': _slow, 'abort': _abort, 'invalid': _invalid, 'invalid_prompt_logprobs': _invalid_prompt,
-                            'cut': _cut, 'drop': _drop,
-                            'garbage': _garbage, 'trickle': _trickle, 'trickle_all': _trickle_all}
+        self.fault_kinds = {
+            'slow': _slow,
+            'abort': _abort,
+            'invalid': _invalid,
+            'invalid_prompt_logprobs': _invalid_prompt,
+            'cut': _cut,
+            'drop': _drop,
+            'garbage': _garbage,
+            'trickle': _trickle,
+            'trickle_all': _trickle_all,
+        }
         self._faults, self._lock = {}, threading.Lock()
         self._httpd = ThreadingHTTPServer((host, port), _Handler)
         self._httpd.app, self._httpd.daemon_threads = self, True
@@ -201,102 +393,181 @@ class FakeSGLangServer:
     # faults
     def _check_fault(self, f):
         if isinstance(f, int) and not isinstance(f, bool):
-            if not 400 <= f <= 599: raise ValueError(f"an injected HTTP status must be in [400, 599], got {f}")
+            if not 400 <= f <= 599:
+                raise ValueError(f"an injected HTTP status must be in [400, 599], got {f}")
         elif f not in self.fault_kinds:
-            raise ValueError(f"unknown fault {f!r}: an HTTP status or one of {sorted(self.fault_kinds)}")
+            raise ValueError(
+                f"unknown fault {f!r}: an HTTP status or one of {sorted(self.fault_kinds)}"
+            )
         return f
 
     def inject(self, path: str, *faults) -> None:
-        "Queue `faults` for the next requests to `path`, one per request (an HTTP status or a name in `fault_kinds`)."
+        """Queue `faults` for the next requests to `path`, one per request (an HTTP status or a name
+        in `fault_kinds`)."""
         faults = [self._check_fault(f) for f in faults]
-        with self._lock: self._faults.setdefault(path, []).extend(faults)
+        with self._lock:
+            self._faults.setdefault(path, []).extend(faults)
 
     @property
     def faults(self) -> list:
         "The faults queued for `/generate`."
         return self._faults.setdefault('/generate', [])
+
     @faults.setter
     def faults(self, fs):
         fs = [self._check_fault(f) for f in fs]
-        with self._lock: self._faults['/generate'] = fs
+        with self._lock:
+            self._faults['/generate'] = fs
 
     @property
     def calls(self) -> list:
         "The bodies of every `/generate` request, in arrival order (faulted ones included)."
-        with self._lock: return [e['body'] for e in self.log if e['path'] == '/generate']
+        with self._lock:
+            return [e['body'] for e in self.log if e['path'] == '/generate']
 
     # endpoints
-    def health(self, ex): ex.status, ex.reply = (200 if self.healthy else 503), {}
+    def health(self, ex):
+        ex.status, ex.reply = (200 if self.healthy else 503), {}
+
     def get_model_info(self, ex):
-        "SGLang's reply: the path the server loaded (updated by `/update_weights_from_disk`), its tokenizer, the weight version."
-        ex.reply = {'model_path': self.model_path, 'tokenizer_path': self.tokenizer_path, 'is_generation': True,
-                    'preferred_sampling_params': None, 'weight_version': self.weight_version}
-    def flush_cache(self, ex): ex.reply = 'Cache flushed.'
+        """SGLang's reply: the path the server loaded (updated by `/update_weights_from_disk`), its
+        tokenizer, the weight version."""
+        ex.reply = {
+            'model_path': self.model_path,
+            'tokenizer_path': self.tokenizer_path,
+            'is_generation': True,
+            'preferred_sampling_params': None,
+            'weight_version': self.weight_version,
+        }
+
+    def flush_cache(self, ex):
+        ex.reply = 'Cache flushed.'
 
     @staticmethod
     def _fail(ex, message: str, status: int = 400):
         ex.status, ex.reply = status, {'success': False, 'message': message}
 
     def _weights_released(self, ex) -> bool:
-        if 'weights' in self.released: self._fail(ex, f"{ex.path}: the weights' memory is released; resume tag 'weights' first")
+        if 'weights' in self.released:
+            self._fail(
+                ex, f"{ex.path}: the weights' memory is released; resume tag 'weights' first"
+            )
         return 'weights' in self.released
 
     def update_weights_from_disk(self, ex):
-        if self._weights_released(ex): return
+        if self._weights_released(ex):
+            return
         p = ex.body.get('model_path')
-        if not p or not Path(p).exists(): self._fail(ex, f'cannot load {p}'); return
-        if self.engine is not None: self.engine.update_weights(path=p)
-        self.weight_paths.append(p); self.model_path = p                  # as SGLang's tokenizer manager does
-        if ex.body.get('weight_version') is not None: self.weight_version = ex.body['weight_version']
+        if not p or not Path(p).exists():
+            self._fail(ex, f'cannot load {p}')
+            return
+        if self.engine is not None:
+            self.engine.update_weights(path=p)
+        self.weight_paths.append(p)
+        self.model_path = p  # as SGLang's tokenizer manager does
+        if ex.body.get('weight_version') is not None:
+            self.weight_version = ex.body['weight_version']
         ex.reply = {'success': True, 'message': 'ok'}
 
     # memory occupation
     def _tags(self, ex) -> list | None:
         tags = ex.body.get('tags') or list(MEMORY_TAGS)
         bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad: ex.status, ex.reply = 400, {'error': {'message': f"unknown memory tags {bad}; SGLang's are {list(MEMORY_TAGS)}"}}
+        if bad:
+            ex.status, ex.reply = (
+                400,
+                {
+                    'error': {
+                        'message': f"unknown memory tags {bad}; SGLang's are {list(MEMORY_TAGS)}"
+                    }
+                },
+            )
         return None if bad else tags
 
     def release_memory_occupation(self, ex):
         tags = self._tags(ex)
-        if tags is not None: self.released.update(tags); ex.reply = None
+        if tags is not None:
+            self.released.update(tags)
+            ex.reply = None
 
     def resume_memory_occupation(self, ex):
         tags = self._tags(ex)
-        if tags is None: return
+        if tags is None:
+            return
         never = [t for t in tags if t not in self.released]
         if never:
-            ex.status, ex.reply = 400, {'error': {'message': f"resume of tags that are not released: {never} (SGLang's scheduler "
-                                                             "raises KeyError here and the server dies)"}}
+            ex.status, ex.reply = (
+                400,
+                {
+                    'error': {
+                        'message': (
+                            f"resume of tags that are not released: {never} (SGLang's scheduler "
+                            "raises KeyError here and the server dies)"
+                        )
+                    }
+                },
+            )
             return
-        self.released.difference_update(tags); ex.reply = None
+        self.released.difference_update(tags)
+        ex.reply = None
 
     # in-memory and distributed weight updates
     def begin_weight_update(self, ex):
-        if self.session: self._fail(ex, 'a weight-update session is already open; call end_weight_update() first'); return
+        if self.session:
+            self._fail(
+                ex, 'a weight-update session is already open; call end_weight_update() first'
+            )
+            return
         self.session, ex.reply = True, {'success': True, 'message': 'Success'}
 
     def end_weight_update(self, ex):
-        if not self.session: self._fail(ex, 'no weight-update session is open; call begin_weight_update() first'); return
+        if not self.session:
+            self._fail(ex, 'no weight-update session is open; call begin_weight_update() first')
+            return
         self.session, ex.reply = False, {'success': True, 'message': 'Success'}
 
     def _in_session(self, ex) -> bool:
         if not self.session:
-            self._fail(ex, f"{ex.path[1:]} must run between begin_weight_update() and end_weight_update()")
+            self._fail(
+                ex, f"{ex.path[1:]} must run between begin_weight_update() and end_weight_update()"
+            )
         return self.session
 
     def update_weights_from_tensor(self, ex):
-        if not self._in_session(ex) or self._weights_released(ex): return
+        if not self._in_session(ex) or self._weights_released(ex):
+            return
         payloads = ex.body['serialized_named_tensors']
         if len(payloads) != self.tp_size:
-            self._fail(ex, f"{len(payloads)} serialized_named_tensors for {self.tp_size} TP ranks (one per rank)"); return
-        try: ranks = [pickle.loads(base64.b64decode(x, validate=True)) for x in payloads]   # as each TP rank decodes its own
-        except Exception as e: self._fail(ex, f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}"); return
-        if not all(isinstance(r, list) and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in r) for r in ranks):
-            self._fail(ex, 'each payload must decode to a list of (name, tensor) pairs'); return
-        if self.engine is not None: self.engine.update_weights(state_dict=dict(ranks[0]))
-        self.tensor_updates.append({'names': [n for n, _ in ranks[0]], 'ranks': len(ranks),
-                                    'load_format': ex.body.get('load_format'), 'flush_cache': ex.body.get('flush_cache', True)})
+            self._fail(
+                ex,
+                f"{len(payloads)} serialized_named_tensors for {self.tp_size} TP ranks (one per "
+                "rank)",
+            )
+            return
+        try:
+            ranks = [
+                pickle.loads(base64.b64decode(x, validate=True)) for x in payloads
+            ]  # as each TP rank decodes its own
+        except Exception as e:
+            self._fail(ex, f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}")
+            return
+        if not all(
+            isinstance(r, list)
+            and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in r)
+            for r in ranks
+        ):
+            self._fail(ex, 'each payload must decode to a list of (name, tensor) pairs')
+            return
+        if self.engine is not None:
+            self.engine.update_weights(state_dict=dict(ranks[0]))
+        self.tensor_updates.append(
+            {
+                'names': [n for n, _ in ranks[0]],
+                'ranks': len(ranks),
+                'load_format': ex.body.get('load_format'),
+                'flush_cache': ex.body.get('flush_cache', True),
+            }
+        )
         ex.reply = {'success': True, 'message': 'Success'}
 
     def init_weights_update_group(self, ex):
@@ -305,44 +576,103 @@ class FakeSGLangServer:
 
     def destroy_weights_update_group(self, ex):
         g = ex.body.get('group_name', 'weight_update_group')
-        if g not in self.groups: self._fail(ex, f'no group {g!r}'); return
-        self.groups.discard(g); ex.reply = {'success': True, 'message': 'Succeeded to destroy custom process group.'}
+        if g not in self.groups:
+            self._fail(ex, f'no group {g!r}')
+            return
+        self.groups.discard(g)
+        ex.reply = {'success': True, 'message': 'Succeeded to destroy custom process group.'}
 
     def update_weights_from_distributed(self, ex):
-        if not self._in_session(ex) or self._weights_released(ex): return
+        if not self._in_session(ex) or self._weights_released(ex):
+            return
         g, b = ex.body.get('group_name', 'weight_update_group'), ex.body
-        if g not in self.groups: self._fail(ex, f'no weight-update group {g!r}: call /init_weights_update_group first'); return
+        if g not in self.groups:
+            self._fail(ex, f'no weight-update group {g!r}: call /init_weights_update_group first')
+            return
         if not len(b['names']) == len(b['dtypes']) == len(b['shapes']):
-            self._fail(ex, f"names, dtypes and shapes differ in length: {len(b['names'])}, {len(b['dtypes'])}, {len(b['shapes'])}"); return
+            self._fail(
+                ex,
+                f"names, dtypes and shapes differ in length: {len(b['names'])}, "
+                f"{len(b['dtypes'])}, {len(b['shapes'])}",
+            )
+            return
         self.distributed_updates.append({'names': b['names'], 'group_name': g})
         ex.reply = {'success': True, 'message': 'Succeeded to update parameter online.'}
 
     def generate(self, ex):
         if self.released:
-            ex.status, ex.reply = 400, {'error': {'message': f"generate while memory is released: {sorted(self.released)}"}}; return
+            ex.status, ex.reply = (
+                400,
+                {
+                    'error': {
+                        'message': f"generate while memory is released: {sorted(self.released)}"
+                    }
+                },
+            )
+            return
         if not isinstance(ex.body.get('input_ids'), list):
-            ex.status, ex.reply = 400, {'error': "generate needs 'input_ids' (one list of token ids)"}; return
+            ex.status, ex.reply = (
+                400,
+                {'error': "generate needs 'input_ids' (one list of token ids)"},
+            )
+            return
         sp = dict(ex.body.get('sampling_params') or {})
-        stops = () if sp.get('ignore_eos') else (*(sp.get('stop_token_ids') or ()), *self.eos_token_ids)
-        sp_ = SamplingParams(max_new_tokens=sp.get('max_new_tokens', 128), temperature=sp.get('temperature', 1.0),
-                             top_p=sp.get('top_p', 1.0), top_k=sp.get('top_k', -1), stop_token_ids=tuple(stops),
-                             seed=sp.get('sampling_seed'))
+        stops = (
+            () if sp.get('ignore_eos') else (*(sp.get('stop_token_ids') or ()), *self.eos_token_ids)
+        )
+        sp_ = SamplingParams(
+            max_new_tokens=sp.get('max_new_tokens', 128),
+            temperature=sp.get('temperature', 1.0),
+            top_p=sp.get('top_p', 1.0),
+            top_k=sp.get('top_k', -1),
+            stop_token_ids=tuple(stops),
+            seed=sp.get('sampling_seed'),
+        )
         prompt = ex.body['input_ids']
         bad = logprob_request_error(ex.body, len(prompt), self.engine)
-        if bad is not None: ex.status, ex.reply = 400, {'error': {'message': bad}}; return
+        if bad is not None:
+            ex.status, ex.reply = 400, {'error': {'message': bad}}
+            return
         if self.engine is not None:
-            r = self.engine.generate([prompt], sp_)[0]; ids, lps, fr = r.output_ids, r.logprobs, r.finish_reason
-        else: ids, lps, fr = fake_tokens(prompt, sp_, self.vocab)
-        reason = {'type': 'stop', 'matched': ids[-1]} if fr == 'stop' else {'type': 'length', 'length': sp_.max_new_tokens}
-        shown = ids if (fr != 'stop' or sp.get('no_stop_trim')) else ids[:-1]      # no_stop_trim: the text only
+            r = self.engine.generate([prompt], sp_)[0]
+            ids, lps, fr = r.output_ids, r.logprobs, r.finish_reason
+        else:
+            ids, lps, fr = fake_tokens(prompt, sp_, self.vocab)
+        reason = (
+            {'type': 'stop', 'matched': ids[-1]}
+            if fr == 'stop'
+            else {'type': 'length', 'length': sp_.max_new_tokens}
+        )
+        shown = (
+            ids if (fr != 'stop' or sp.get('no_stop_trim')) else ids[:-1]
+        )  # no_stop_trim: the text only
         tok = getattr(self.engine, 'tokenizer', None)
-        txt = (lambda t: tok.decode([t])) if ex.body.get('return_text_in_logprobs') else (lambda t: None)
-        meta = {'finish_reason': reason, 'prompt_tokens': len(prompt), 'completion_tokens': len(ids),
-                'output_token_logprobs': [[lp, t, txt(t)] for lp, t in zip(lps, ids)], 'e2e_latency': 0.0}
-        if ex.body.get('return_logprob'):       # as SGLang: [None, first id] then log p(ids[i] | ids[:i]); empty for -1
-            plp = [] if ex.body.get('logprob_start_len', -1) in (-1, None) else [None] + list(self.engine.prompt_logprobs(prompt))
+        txt = (
+            (lambda t: tok.decode([t]))
+            if ex.body.get('return_text_in_logprobs')
+            else (lambda t: None)
+        )
+        meta = {
+            'finish_reason': reason,
+            'prompt_tokens': len(prompt),
+            'completion_tokens': len(ids),
+            'output_token_logprobs': [[lp, t, txt(t)] for lp, t in zip(lps, ids)],
+            'e2e_latency': 0.0,
+        }
+        if ex.body.get(
+            'return_logprob'
+        ):  # as SGLang: [None, first id] then log p(ids[i] | ids[:i]); empty for -1
+            plp = (
+                []
+                if ex.body.get('logprob_start_len', -1) in (-1, None)
+                else [None] + list(self.engine.prompt_logprobs(prompt))
+            )
             meta['input_token_logprobs'] = [[lp, t, txt(t)] for lp, t in zip(plp, prompt)]
-        ex.reply = {'text': tok.decode(shown, skip_special_tokens=True) if tok is not None else '', 'output_ids': list(ids), 'meta_info': meta}
+        ex.reply = {
+            'text': tok.decode(shown, skip_special_tokens=True) if tok is not None else '',
+            'output_ids': list(ids),
+            'meta_info': meta,
+        }
 
     # one request: route, fault, latency, write
     def _serve(self, h, method: str) -> None:
@@ -350,116 +680,232 @@ class FakeSGLangServer:
         n = int(h.headers.get('Content-Length') or 0)
         raw = h.rfile.read(n) if n else b''
         ex = Exchange(method, path, {})
-        try: ex.body = json.loads(raw) if raw else {}
-        except json.JSONDecodeError as e: ex.status, ex.reply = 400, {'error': f'body is not JSON: {e}'}
+        try:
+            ex.body = json.loads(raw) if raw else {}
+        except json.JSONDecodeError as e:
+            ex.status, ex.reply = 400, {'error': f'body is not JSON: {e}'}
         with self._lock:
             fault = self._faults[path].pop(0) if self._faults.get(path) else None
         handle = self.routes.get((method, path))
         bad = schema_error(path, ex.body) if ex.status == 200 and handle is not None else None
-        if ex.status != 200: pass
-        elif handle is None: ex.status, ex.reply = 404, {'error': f'no route {method} {path}'}
-        elif isinstance(fault, int): ex.status, ex.reply = fault, {'error': f'injected {fault}'}
-        elif bad is not None: ex.status, ex.reply = 400, {'error': {'message': bad}}
+        if ex.status != 200:
+            pass
+        elif handle is None:
+            ex.status, ex.reply = 404, {'error': f'no route {method} {path}'}
+        elif isinstance(fault, int):
+            ex.status, ex.reply = fault, {'error': f'injected {fault}'}
+        elif bad is not None:
+            ex.status, ex.reply = 400, {'error': {'message': bad}}
         else:
             try:
-                if fault is None: handle(ex)
-                else: self.fault_kinds[fault](self, ex, handle)
-            except Exception as e: ex.status, ex.reply = 500, {'error': f'{type(e).__name__}: {e}'}
-        with self._lock: self.log.append({'method': method, 'path': path, 'body': ex.body, 'status': ex.status})
-        if self.latency is not None: ex.delay_s += float(self.latency(ex))
-        if ex.delay_s > 0: time.sleep(ex.delay_s)
+                if fault is None:
+                    handle(ex)
+                else:
+                    self.fault_kinds[fault](self, ex, handle)
+            except Exception as e:
+                ex.status, ex.reply = 500, {'error': f'{type(e).__name__}: {e}'}
+        with self._lock:
+            self.log.append({'method': method, 'path': path, 'body': ex.body, 'status': ex.status})
+        if self.latency is not None:
+            ex.delay_s += float(self.latency(ex))
+        if ex.delay_s > 0:
+            time.sleep(ex.delay_s)
         text = isinstance(ex.reply, str)
         data = (ex.reply if text else json.dumps(ex.reply)).encode()
-        try: ex.write(h, ex.status, 'text/plain' if text else 'application/json', data)
-        except (BrokenPipeError, ConnectionResetError): pass    # the client gave up (a timeout): nothing to answer
+        try:
+            ex.write(h, ex.status, 'text/plain' if text else 'application/json', data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (a timeout): nothing to answer
 
     def close(self):
-        self._httpd.shutdown(); self._httpd.server_close()
-    def __enter__(self): return self
-    def __exit__(self, *a): self.close()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()
+
     def serve(self) -> None:
         "Block until SIGTERM or Ctrl-C, then close (the process entry below)."
         import signal
+
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *a: stop.set())
         try:
-            while not stop.wait(0.5): pass
-        except KeyboardInterrupt: pass
-        finally: self.close()
+            while not stop.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.close()
 
 # %% ../nbs/20_testing.ipynb #aa68820f
 def main(argv=None) -> None:
     "Run a `FakeSGLangServer` in this process until SIGTERM."
-    ap = argparse.ArgumentParser(prog='python -m memagent.testing', description='A local server speaking SGLang\'s native schema.')
-    ap.add_argument('--host', default='127.0.0.1'); ap.add_argument('--port', type=int, required=True)
-    ap.add_argument('--tp-size', type=int, default=1); ap.add_argument('--vocab', type=int, default=1000)
+    ap = argparse.ArgumentParser(
+        prog='python -m memagent.testing',
+        description='A local server speaking SGLang\'s native schema.',
+    )
+    ap.add_argument('--host', default='127.0.0.1')
+    ap.add_argument('--port', type=int, required=True)
+    ap.add_argument('--tp-size', type=int, default=1)
+    ap.add_argument('--vocab', type=int, default=1000)
     ap.add_argument('--eos-token-ids', type=int, nargs='*', default=[])
     ap.add_argument('--model-path', default=None, help='what /get_model_info reports as served')
     a = ap.parse_args(argv)
-    srv = FakeSGLangServer(vocab=a.vocab, tp_size=a.tp_size, eos_token_ids=a.eos_token_ids, host=a.host, port=a.port,
-                           model_path=a.model_path)
+    srv = FakeSGLangServer(
+        vocab=a.vocab,
+        tp_size=a.tp_size,
+        eos_token_ids=a.eos_token_ids,
+        host=a.host,
+        port=a.port,
+        model_path=a.model_path,
+    )
     print(f"serving {srv.url}", flush=True)
     srv.serve()
 
 # %% ../nbs/20_testing.ipynb #c4edc7ff
 #| eval: false
-if __name__ == '__main__': main()
+if __name__ == '__main__':
+    main()
 
 # %% ../nbs/20_testing.ipynb #947482bb
-def synthetic_run(out_dir, solved: int, n_items: int = 1000, samples: int = 1, key=200, info: dict | None = None,
-                  errors: int = 0, drop: int = 0, seed: int = 0, n_boot: int = 200, parity: str = 'relax') -> Path:
-    "Write a hand-made run (records scored by `parity` + summary) with `solved` of `n_items` items answered right; returns the summary's path."
+def synthetic_run(
+    out_dir,
+    solved: int,
+    n_items: int = 1000,
+    samples: int = 1,
+    key=200,
+    info: dict | None = None,
+    errors: int = 0,
+    drop: int = 0,
+    seed: int = 0,
+    n_boot: int = 200,
+    parity: str = 'relax',
+) -> Path:
+    """Write a hand-made run (records scored by `parity` + summary) with `solved` of `n_items` items
+    answered right; returns the summary's path."""
     recs = []
     for i in range(n_items):
         for s in range(samples):
             ok = 1.0 if i < solved else 0.0
             err = 'synthetic request error' if i >= n_items - errors else None
             response = '' if err else '\\boxed{yes}' if ok else '\\boxed{no}'
-            recs.append(score_record({'id': f'q{i:05d}', 'sample': s, 'answers': ['yes'], 'response': response, 'num_chunks': 1,
-                                      'truncated': False, 'dropped_tokens': 0, 'memory_lengths': [1], 'error': err}, parity))
-    recs = recs[:len(recs) - drop]
-    base = {'mode': 'recurrent', 'parity': parity, 'key': key, 'thinking': 'off',
-            'data': {'sha256': 'd' * 64, 'item_ids_sha256': sha256_text(str(n_items))},
-            'prompts': {'variant': 'eval', 'template_sha256': {'memory': 'm' * 64, 'final': 'f' * 64}},
-            'tokenizer': {'class': 'Tok', 'size': 10, 'vocab_sha256': 'v' * 64, 'chat_template_sha256': 'c' * 64},
-            'sampling': {'temperature': 0.7, 'top_p': 0.95, 'top_k': -1}, 'seeds': {'eval': 1234},
-            'limits': {'chunk_tokens': 2048, 'memory_tokens': 1024, 'final_tokens': 256, 'max_chunks': 64},
-            'totals': {'items': n_items, 'samples_per_item': samples}, 'model': {'name': 'synthetic'}}
+            recs.append(
+                score_record(
+                    {
+                        'id': f'q{i:05d}',
+                        'sample': s,
+                        'answers': ['yes'],
+                        'response': response,
+                        'num_chunks': 1,
+                        'truncated': False,
+                        'dropped_tokens': 0,
+                        'memory_lengths': [1],
+                        'error': err,
+                    },
+                    parity,
+                )
+            )
+    recs = recs[: len(recs) - drop]
+    base = {
+        'mode': 'recurrent',
+        'parity': parity,
+        'key': key,
+        'thinking': 'off',
+        'data': {'sha256': 'd' * 64, 'item_ids_sha256': sha256_text(str(n_items))},
+        'prompts': {'variant': 'eval', 'template_sha256': {'memory': 'm' * 64, 'final': 'f' * 64}},
+        'tokenizer': {
+            'class': 'Tok',
+            'size': 10,
+            'vocab_sha256': 'v' * 64,
+            'chat_template_sha256': 'c' * 64,
+        },
+        'sampling': {'temperature': 0.7, 'top_p': 0.95, 'top_k': -1},
+        'seeds': {'eval': 1234},
+        'limits': {
+            'chunk_tokens': 2048,
+            'memory_tokens': 1024,
+            'final_tokens': 256,
+            'max_chunks': 64,
+        },
+        'totals': {'items': n_items, 'samples_per_item': samples},
+        'model': {'name': 'synthetic'},
+    }
     for k, v in flatten(info or {}).items():
-        d = base; parts = k.split('.')
-        for p in parts[:-1]: d = d.setdefault(p, {})
+        d = base
+        parts = k.split('.')
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
         d[parts[-1]] = v
     return write_run(out_dir, recs, summarize(recs, base, n_boot=n_boot, seed=seed))
 
 # %% ../nbs/20_testing.ipynb #62064bab
-def synthetic_trio(root, cand: int, ref: int, base: int, hot=(60, 50, 40), cinfo: dict | None = None, n_items: int = 1000,
-                   **kw) -> dict:
-    """Hand-made candidate, reference and base runs, three models with their own weights hash: {role: {200: summary path,
-    'hotpotqa': summary path}}. `cand`/`ref`/`base` items of `n_items` solved at length 200, `hot` HotpotQA percents;
-    `cinfo` and `**kw` (for `synthetic_run`) apply to the candidate's runs only."""
+def synthetic_trio(
+    root,
+    cand: int,
+    ref: int,
+    base: int,
+    hot=(60, 50, 40),
+    cinfo: dict | None = None,
+    n_items: int = 1000,
+    **kw,
+) -> dict:
+    """Hand-made candidate, reference and base runs, three models with their own weights hash:
+    {role: {200: summary path,
+        'hotpotqa': summary path}}. `cand`/`ref`/`base` items of `n_items` solved at length 200,
+        `hot`
+        HotpotQA percents;
+        `cinfo` and `**kw` (for `synthetic_run`) apply to the candidate's runs only."""
     root, out = Path(root), {}
-    for role, solved, h in (('candidate', cand, hot[0]), ('reference', ref, hot[1]), ('base', base, hot[2])):
+    for role, solved, h in (
+        ('candidate', cand, hot[0]),
+        ('reference', ref, hot[1]),
+        ('base', base, hot[2]),
+    ):
         c = role == 'candidate'
-        info = {'model': {'name': role, 'weights_sha256': sha256_text(role)}, **((cinfo or {}) if c else {})}
-        out[role] = {200: synthetic_run(root / role / '200', solved, n_items=n_items, info=info, **(kw if c else {})),
-                     'hotpotqa': synthetic_run(root / role / 'hotpotqa', h * n_items // 100, n_items=n_items, key='hotpotqa',
-                                               info=info)}
+        info = {
+            'model': {'name': role, 'weights_sha256': sha256_text(role)},
+            **((cinfo or {}) if c else {}),
+        }
+        out[role] = {
+            200: synthetic_run(
+                root / role / '200', solved, n_items=n_items, info=info, **(kw if c else {})
+            ),
+            'hotpotqa': synthetic_run(
+                root / role / 'hotpotqa',
+                h * n_items // 100,
+                n_items=n_items,
+                key='hotpotqa',
+                info=info,
+            ),
+        }
     return out
 
-
 # %% ../nbs/20_testing.ipynb #71dbdda6
-def run_notebook_cells(path, params: dict, cells: int | None = None) -> tuple[dict, BaseException | None]:
-    "Run the notebook at `path` from its `parameters` cell, with `params` set after it, in this process: (namespace, the exception or None)."
+def run_notebook_cells(
+    path, params: dict, cells: int | None = None
+) -> tuple[dict, BaseException | None]:
+    """Run the notebook at `path` from its `parameters` cell, with `params` set after it, in this
+    process: (namespace, the exception or None)."""
     import signal
+
     code = [c for c in json.loads(Path(path).read_text())['cells'] if c['cell_type'] == 'code']
     i = next(j for j, c in enumerate(code) if 'parameters' in c['metadata'].get('tags', []))
     ns, alarm = {}, signal.getsignal(signal.SIGALRM)
-    exec(''.join(code[i]['source']), ns); ns.update(params)
+    exec(''.join(code[i]['source']), ns)
+    ns.update(params)
     try:
-        for c in code[i + 1:] if cells is None else code[i + 1:i + 1 + cells]: exec(''.join(c['source']), ns)
-    except Exception as e: return ns, e
+        for c in code[i + 1 :] if cells is None else code[i + 1 : i + 1 + cells]:
+            exec(''.join(c['source']), ns)
+    except Exception as e:
+        return ns, e
     finally:
-        if 'guard' in ns: ns['guard'].disarm()                   # the wall-clock guard's timer and watchdog stop with the caller
-        if 'mem' in ns: ns['mem'].__exit__(None, None, None)      # the memory sampler's thread too
+        if 'guard' in ns:
+            ns['guard'].disarm()  # the wall-clock guard's timer and watchdog stop with the caller
+        if 'mem' in ns:
+            ns['mem'].__exit__(None, None, None)  # the memory sampler's thread too
         signal.signal(signal.SIGALRM, alarm)
     return ns, None

@@ -29,257 +29,472 @@ __all__ = ['patch', 'Trainer']
 
 # %% ../nbs/13_trainer.ipynb #526792b7
 def patch(f):
-    "Add `f` to the class its first parameter is annotated with (fastcore's `@patch`, without the dependency)."
-    cls = getattr(f, '__wrapped__', f).__globals__[next(iter(f.__annotations__.values()))]   # through a wrapper
-    f.__qualname__ = f'{cls.__name__}.{f.__name__}'; setattr(cls, f.__name__, f); return f
+    """Add `f` to the class its first parameter is annotated with (fastcore's `@patch`, without the
+    dependency)."""
+    cls = getattr(f, '__wrapped__', f).__globals__[
+        next(iter(f.__annotations__.values()))
+    ]  # through a wrapper
+    f.__qualname__ = f'{cls.__name__}.{f.__name__}'
+    setattr(cls, f.__name__, f)
+    return f
+
 
 class Trainer:
     "GRPO on MemAgent trajectories. `step()` runs one step; `train()` runs to `cfg.schedule.steps`."
+
     def __init__(
-        self,                                  # the trainer
-        cfg: Config,                           # the recipe, validated on construction
-        run_dir,                               # the run directory: lock, metrics, checkpoints, ...
-        examples: list[dict],                  # dicts with `id`, `question`, `context`, `answers`
-        tokenizer=None,                        # the policy's tokenizer; None: from `cfg.model`
-        engine=None,                           # the caller's; None: launch `cfg.rollout.engine`
-        world_size: int = 1,                   # training ranks; more than 1: Ray ranks
-        ray_address: str | None = None,        # a Ray cluster to join; None: found or started
-        dump_rollouts: bool = True,            # write each step's trajectories to rollouts/
-        replay_dir=None,                       # replay the rollouts dumped there (no engine)
-        resume: bool = True,                   # resume from the newest checkpoint that verifies
-        tensorboard: bool = True,              # also log every metric to tb/
-        progress: bool = True,                 # show a progress bar in `train`
+        self,  # the trainer
+        cfg: Config,  # the recipe, validated on construction
+        run_dir,  # the run directory: lock, metrics, checkpoints, ...
+        examples: list[dict],  # dicts with `id`, `question`, `context`, `answers`
+        tokenizer=None,  # the policy's tokenizer; None: from `cfg.model`
+        engine=None,  # the caller's; None: launch `cfg.rollout.engine`
+        world_size: int = 1,  # training ranks; more than 1: Ray ranks
+        ray_address: str | None = None,  # a Ray cluster to join; None: found or started
+        dump_rollouts: bool = True,  # write each step's trajectories to rollouts/
+        replay_dir=None,  # replay the rollouts dumped there (no engine)
+        resume: bool = True,  # resume from the newest checkpoint that verifies
+        tensorboard: bool = True,  # also log every metric to tb/
+        progress: bool = True,  # show a progress bar in `train`
         extra_provenance: dict | None = None,  # more keys for run.json, checkpoints, exports
-        ray_cpus: int | None = None,           # CPUs a new Ray cluster declares
-        ray_gpus: int | None = None,           # GPUs a new Ray cluster declares
-        simulated_gpus: bool = False,          # a simulated node: the GPU rows only warn
+        ray_cpus: int | None = None,  # CPUs a new Ray cluster declares
+        ray_gpus: int | None = None,  # GPUs a new Ray cluster declares
+        simulated_gpus: bool = False,  # a simulated node: the GPU rows only warn
     ):
         self.cfg, self.run_dir, self.examples = cfg.validate(), Path(run_dir), examples
         self.group = self.engine = self.placement = self.tb = self.lock = None
         self.own_engine = False
-        self.launch = self._preflight(engine, world_size, replay_dir, simulated_gpus)   # seconds, before Ray, a lock or a model
-        self.lock = ckpt.RunLock(self.run_dir)      # one writer per run directory, from here on
-        try: self._setup(tokenizer, engine, world_size, ray_address, dump_rollouts, replay_dir, resume, tensorboard, progress,
-                         extra_provenance, ray_cpus, ray_gpus)
-        except BaseException: self.close(); raise   # what was built so far (ranks, launched engines, placement) is released
+        self.launch = self._preflight(
+            engine, world_size, replay_dir, simulated_gpus
+        )  # seconds, before Ray, a lock or a model
+        self.lock = ckpt.RunLock(self.run_dir)  # one writer per run directory, from here on
+        try:
+            self._setup(
+                tokenizer,
+                engine,
+                world_size,
+                ray_address,
+                dump_rollouts,
+                replay_dir,
+                resume,
+                tensorboard,
+                progress,
+                extra_provenance,
+                ray_cpus,
+                ray_gpus,
+            )
+        except BaseException:
+            self.close()
+            raise  # what was built so far (ranks, launched engines, placement) is released
 
 # %% ../nbs/13_trainer.ipynb #d0359307
 @patch
-def _preflight(self:Trainer, engine, world_size, replay_dir, simulated_gpus) -> dict:
-    "The doctor's fast rows for what this trainer will launch; `DoctorError` naming each failing row and its fix."
+def _preflight(self: Trainer, engine, world_size, replay_dir, simulated_gpus) -> dict:
+    """The doctor's fast rows for what this trainer will launch; `DoctorError` naming each failing
+    row and its fix."""
     from memagent.doctor import doctor, require
+
     cfg = self.cfg
-    if not isinstance(world_size, int) or world_size < 1: raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     launches = engine is None and replay_dir is None
     if cfg.rollout.colocate and launches and world_size != cfg.batch.n_gpus:
-        raise ValueError(f"rollout.colocate=True places one rank per training GPU: world_size={world_size} must equal "
-                         f"batch.n_gpus={cfg.batch.n_gpus}")
-    # a caller's own engine (or a replay) means the trainer launches none: the engine's rows are not its to check;
-    # the trainer is given its examples, so the pinned-data row belongs to whoever prepared them (memagent-prepare)
-    checked = cfg if launches else apply_overrides(cfg, {'rollout.engine': 'hf', 'rollout.colocate': False})
-    rows = [r for r in doctor(checked, world_size, run_dir=self.run_dir, simulated_gpus=simulated_gpus, fast_only=True)
-            if r.name != 'pinned data']
-    require(rows, f"{'simulated ' if simulated_gpus else ''}launch of {cfg.name!r} ({cfg.model.name}) on {world_size} rank(s)")
+        raise ValueError(
+            f"rollout.colocate=True places one rank per training GPU: world_size={world_size} "
+            "must equal "
+            f"batch.n_gpus={cfg.batch.n_gpus}"
+        )
+    # a caller's own engine (or a replay) means the trainer launches none: the engine's rows are not
+    # its to check;
+    # the trainer is given its examples, so the pinned-data row belongs to whoever prepared them
+    # (memagent-prepare)
+    checked = (
+        cfg
+        if launches
+        else apply_overrides(cfg, {'rollout.engine': 'hf', 'rollout.colocate': False})
+    )
+    rows = [
+        r
+        for r in doctor(
+            checked, world_size, run_dir=self.run_dir, simulated_gpus=simulated_gpus, fast_only=True
+        )
+        if r.name != 'pinned data'
+    ]
+    require(
+        rows,
+        f"{'simulated ' if simulated_gpus else ''}launch of {cfg.name!r} ({cfg.model.name}) on "
+        f"{world_size} rank(s)",
+    )
     return {'simulated_gpus': simulated_gpus, 'doctor': [r.to_dict() for r in rows]}
 
 # %% ../nbs/13_trainer.ipynb #808235e8
 @patch
-def _setup(self:Trainer, tokenizer, engine, world_size, ray_address, dump_rollouts, replay_dir, resume, tensorboard, progress,
-           extra_provenance, ray_cpus, ray_gpus):
+def _setup(
+    self: Trainer,
+    tokenizer,
+    engine,
+    world_size,
+    ray_address,
+    dump_rollouts,
+    replay_dir,
+    resume,
+    tensorboard,
+    progress,
+    extra_provenance,
+    ray_cpus,
+    ray_gpus,
+):
     from memagent.models import load_tokenizer, model_identity, tokenizer_identity
     from memagent.prompts import template_sha256s
-    cfg, ck_root = self.cfg, self.run_dir/'checkpoints'
-    ck = ckpt.load_latest(ck_root, cfg.health.check_finite) if resume else None   # verified; falls back past a corrupt one
-    data_sha = examples_sha256(self.examples)        # what resume compares, then provenance
-    overrides, self._metrics_kept = check_resume(ck, cfg, data_sha, self.run_dir/'metrics.jsonl') if ck else ([], None)  # before any write
+
+    cfg, ck_root = self.cfg, self.run_dir / 'checkpoints'
+    ck = (
+        ckpt.load_latest(ck_root, cfg.health.check_finite) if resume else None
+    )  # verified; falls back past a corrupt one
+    data_sha = examples_sha256(self.examples)  # what resume compares, then provenance
+    overrides, self._metrics_kept = (
+        check_resume(ck, cfg, data_sha, self.run_dir / 'metrics.jsonl') if ck else ([], None)
+    )  # before any write
     self.tok = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     self.pad_id, self.reward_fn = self.tok.pad_token_id, get_reward(cfg.grpo.reward)
     self.world, self.progress = world_size, progress
     self.dump_rollouts, self.replay_dir = dump_rollouts, Path(replay_dir) if replay_dir else None
-    torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed % 2**32)
-    self.placement = None              # colocated: one Ray placement group holds the ranks and the engines on the same GPUs
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed % 2**32)
+    self.placement = (
+        None  # colocated: one Ray placement group holds the ranks and the engines on the same GPUs
+    )
     colocated = cfg.rollout.colocate and engine is None and self.replay_dir is None
-    if world_size > 1 or colocated:    # join RAY_ADDRESS / ray_address / a `ray start` here, else start with the node's resources
+    if (
+        world_size > 1 or colocated
+    ):  # join RAY_ADDRESS / ray_address / a `ray start` here, else start with the node's resources
         ray = ensure_ray(ray_address, ray_cpus, ray_gpus)
-        self.launch.update(ray_address=ray.get_runtime_context().gcs_address, ray_resources=ray.cluster_resources(),
-                           ray_cpus=ray_cpus, ray_gpus=ray_gpus)
-    if colocated: self.placement = Placement.from_config(cfg)   # refuses a cluster that cannot hold the bundles, naming the numbers
-    self.group = make_group(cfg, self.pad_id, world_size, ray_address, self.placement if world_size > 1 else None)
+        self.launch.update(
+            ray_address=ray.get_runtime_context().gcs_address,
+            ray_resources=ray.cluster_resources(),
+            ray_cpus=ray_cpus,
+            ray_gpus=ray_gpus,
+        )
+    if colocated:
+        self.placement = Placement.from_config(
+            cfg
+        )  # refuses a cluster that cannot hold the bundles, naming the numbers
+    self.group = make_group(
+        cfg, self.pad_id, world_size, ray_address, self.placement if world_size > 1 else None
+    )
     self.dp = self.group.dp_size
-    self.channel = (InProcessChannel(cfg.row_capacity + 1, 1) if world_size == 1
-                    else RayChannel(cfg.row_capacity + self.dp, self.dp))
+    self.channel = (
+        InProcessChannel(cfg.row_capacity + 1, 1)
+        if world_size == 1
+        else RayChannel(cfg.row_capacity + self.dp, self.dp)
+    )
     self.hf_model = self.group.export_model()
-    self.own_engine = engine is None and not self.replay_dir     # the trainer closes what it launched
-    self.engine = trainer_engine(cfg, tokenizer=self.tok, placement=self.placement) if self.own_engine else engine
+    self.own_engine = engine is None and not self.replay_dir  # the trainer closes what it launched
+    self.engine = (
+        trainer_engine(cfg, tokenizer=self.tok, placement=self.placement)
+        if self.own_engine
+        else engine
+    )
     self.sampler = PromptSampler(len(self.examples), cfg.grpo.prompts_per_step, seed=cfg.seed)
     self.step_no, self.health = 0, RunHealth(cfg.health.max_empty_steps, self.run_dir)
-    self.prov = provenance(data_sha256=data_sha, prompt_templates=template_sha256s(), model=model_identity(cfg.model.name),
-                           tokenizer=tokenizer_identity(self.tok), **(extra_provenance or {}))
-    if ck: self._restore(ck)           # refuses a checkpoint of another parallel layout or sampler; still nothing written
+    self.prov = provenance(
+        data_sha256=data_sha,
+        prompt_templates=template_sha256s(),
+        model=model_identity(cfg.model.name),
+        tokenizer=tokenizer_identity(self.tok),
+        **(extra_provenance or {}),
+    )
+    if ck:
+        self._restore(
+            ck
+        )  # refuses a checkpoint of another parallel layout or sampler; still nothing written
     ckpt.remove_stale_tmp(ck_root)
-    save_config(cfg, self.run_dir/'config.yaml')
-    (self.run_dir/'run.json').write_text(json.dumps({'steps': cfg.schedule.steps, 'config': cfg.to_dict(), 'derived': cfg.derived(),
-                                                     'world_size': world_size, 'resumed_from': ck['path'] if ck else None,
-                                                     'skipped_checkpoints': ck['skipped'] if ck else [],
-                                                     'resume_overrides': [{'key': k, 'checkpoint': o, 'now': n} for k, o, n in overrides],
-                                                     'launch': self.launch, 'provenance': self.prov}, indent=1, default=str))
+    save_config(cfg, self.run_dir / 'config.yaml')
+    (self.run_dir / 'run.json').write_text(
+        json.dumps(
+            {
+                'steps': cfg.schedule.steps,
+                'config': cfg.to_dict(),
+                'derived': cfg.derived(),
+                'world_size': world_size,
+                'resumed_from': ck['path'] if ck else None,
+                'skipped_checkpoints': ck['skipped'] if ck else [],
+                'resume_overrides': [
+                    {'key': k, 'checkpoint': o, 'now': n} for k, o, n in overrides
+                ],
+                'launch': self.launch,
+                'provenance': self.prov,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     if tensorboard:
         from torch.utils.tensorboard import SummaryWriter
-        self.tb = SummaryWriter(str(self.run_dir/'tb'))
+
+        self.tb = SummaryWriter(str(self.run_dir / 'tb'))
     if ck:
-        settle_resume(self.run_dir, ck, self._metrics_kept)   # latest names the checkpoint taken; the metrics end at its step
-        if self.engine is not None: self.push_weights(ck['model'])
+        settle_resume(
+            self.run_dir, ck, self._metrics_kept
+        )  # latest names the checkpoint taken; the metrics end at its step
+        if self.engine is not None:
+            self.push_weights(ck['model'])
     self.health.record('running', self.step_no)
 
 # %% ../nbs/13_trainer.ipynb #6d5d89bc
 @patch
-def push_weights(self:Trainer, weights: dict) -> float:
-    "The engine takes the policy's `weights` (HF names) its way (`memagent.checkpoint.push_weights`); returns seconds."
-    return ckpt.push_weights(self.engine, weights, self.hf_model, self.tok, self.run_dir/'sync')
+def push_weights(self: Trainer, weights: dict) -> float:
+    """The engine takes the policy's `weights` (HF names) its way
+    (`memagent.checkpoint.push_weights`); returns seconds."""
+    return ckpt.push_weights(self.engine, weights, self.hf_model, self.tok, self.run_dir / 'sync')
+
 
 @patch
-def save(self:Trainer, metrics: dict | None = None, weights: dict | None = None) -> Path:
-    "Checkpoint the current step (`weights`: the policy's, if already gathered); its state carries the step's metrics line."
+def save(self: Trainer, metrics: dict | None = None, weights: dict | None = None) -> Path:
+    """Checkpoint the current step (`weights`: the policy's, if already gathered); its state carries
+    the step's metrics line."""
     import yaml
+
     weights = weights if weights is not None else self.group.hf_state_dict()
-    return ckpt.save_checkpoint(self.run_dir/'checkpoints', self.step_no, weights, self.group.state_dict(),
-                                {'sampler': self.sampler.state_dict(), 'world_size': self.world, 'metrics': metrics,
-                                 'health': self.health.state_dict()},
-                                yaml.safe_dump(self.cfg.to_dict(), sort_keys=False), self.prov, keep_last=self.cfg.schedule.keep_last,
-                                check_finite=self.cfg.health.check_finite)
+    return ckpt.save_checkpoint(
+        self.run_dir / 'checkpoints',
+        self.step_no,
+        weights,
+        self.group.state_dict(),
+        {
+            'sampler': self.sampler.state_dict(),
+            'world_size': self.world,
+            'metrics': metrics,
+            'health': self.health.state_dict(),
+        },
+        yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
+        self.prov,
+        keep_last=self.cfg.schedule.keep_last,
+        check_finite=self.cfg.health.check_finite,
+    )
+
 
 @patch
-def _restore(self:Trainer, c: dict):
-    "Weights, optimizer, RNG, data cursor, step and health counts from a loaded checkpoint, in memory (`_setup` then writes)."
+def _restore(self: Trainer, c: dict):
+    """Weights, optimizer, RNG, data cursor, step and health counts from a loaded checkpoint, in
+    memory (`_setup` then writes)."""
     self.sampler.load_state_dict(c['state']['sampler'])
     self.group.load_state_dict(c['model'], c['optimizer'])
     self.step_no = c['state']['step']
-    self.health = RunHealth(self.cfg.health.max_empty_steps, self.run_dir, c['state'].get('health'), self._metrics_kept)
+    self.health = RunHealth(
+        self.cfg.health.max_empty_steps, self.run_dir, c['state'].get('health'), self._metrics_kept
+    )
     ckpt.set_rng_state(c['rng'])
 
+
 @patch
-def export(self:Trainer, out_dir) -> Path:
-    "The current policy as an HF directory (weights, config, tokenizer, generation config, provenance)."
-    return ckpt.export_hf(self.hf_model, self.tok, out_dir, provenance=dict(self.prov, step=self.step_no),
-                          state_dict=self.group.hf_state_dict())
+def export(self: Trainer, out_dir) -> Path:
+    """The current policy as an HF directory (weights, config, tokenizer, generation config,
+    provenance)."""
+    return ckpt.export_hf(
+        self.hf_model,
+        self.tok,
+        out_dir,
+        provenance=dict(self.prov, step=self.step_no),
+        state_dict=self.group.hf_state_dict(),
+    )
 
 # %% ../nbs/13_trainer.ipynb #54b24c6b
-def _step_seed(seed: int, step: int) -> int: return (seed * 1_000_003 + step * 7919) % (2**63)
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7919) % (2**63)
+
 
 @patch
-def _rollout(self:Trainer, exs: list[dict], step: int) -> list[Trajectory]:
-    self.rows = StepRows(self.cfg)          # the step's rows, built group by group as groups finish
+def _rollout(self: Trainer, exs: list[dict], step: int) -> list[Trajectory]:
+    self.rows = StepRows(self.cfg)  # the step's rows, built group by group as groups finish
     if self.replay_dir is not None:
-        p = self.replay_dir/f'step_{step:06d}.jsonl'
-        if not p.exists(): raise FileNotFoundError(f"replay: no rollout dump for step {step} at {p}")
-        trajs = load_jsonl(p); self.rows.add_all(trajs)     # rewards come from the dump
+        p = self.replay_dir / f'step_{step:06d}.jsonl'
+        if not p.exists():
+            raise FileNotFoundError(f"replay: no rollout dump for step {step} at {p}")
+        trajs = load_jsonl(p)
+        self.rows.add_all(trajs)  # rewards come from the dump
         return trajs
-    return rollout(exs, self.engine, self.tok, self.cfg, group_size=self.cfg.grpo.group_size,
-                   seed=_step_seed(self.cfg.seed, step), progress=False, on_group=self._score)
+    return rollout(
+        exs,
+        self.engine,
+        self.tok,
+        self.cfg,
+        group_size=self.cfg.grpo.group_size,
+        seed=_step_seed(self.cfg.seed, step),
+        progress=False,
+        on_group=self._score,
+    )
+
 
 @patch
-def _score(self:Trainer, group: list[Trajectory]) -> None:
-    "Reward every answered trajectory of a finished group and build its rows (the rollout calls it as each group completes)."
+def _score(self: Trainer, group: list[Trajectory]) -> None:
+    """Reward every answered trajectory of a finished group and build its rows (the rollout calls it
+    as each group completes)."""
     for tr in group:
-        if tr.ok: tr.reward = call_reward(self.reward_fn, tr.final_text, tr.answers, tr.negatives)
+        if tr.ok:
+            tr.reward = call_reward(self.reward_fn, tr.final_text, tr.answers, tr.negatives)
     self.rows.add(group)
 
 # %% ../nbs/13_trainer.ipynb #d1db493a
 @patch
 @contextmanager
-def _timed(self:Trainer, phase: str):
+def _timed(self: Trainer, phase: str):
     "Time the `with` block as this step's `phase`."
-    t0 = time.perf_counter(); yield
+    t0 = time.perf_counter()
+    yield
     self._times[phase] = time.perf_counter() - t0
 
 # %% ../nbs/13_trainer.ipynb #7941cc54
 @patch
-def step(self:Trainer) -> dict:
-    "One GRPO step; returns (and logs) its metrics. Whatever stops it is recorded in `health.json` before it propagates."
-    try: return self._step()
+def step(self: Trainer) -> dict:
+    """One GRPO step; returns (and logs) its metrics. Whatever stops it is recorded in `health.json`
+    before it propagates."""
+    try:
+        return self._step()
     except BaseException as e:
-        self.health.record('stopped', self.step_no + 1, f'{type(e).__name__}: {e}'); raise
+        self.health.record('stopped', self.step_no + 1, f'{type(e).__name__}: {e}')
+        raise
 
+# %% ../nbs/13_trainer.ipynb #beffe6d2
 @patch
-def _step(self:Trainer) -> dict:
-    "The seven steps of one GRPO step (numbered as at the top of this notebook); returns the step's metrics."
+def _step(self: Trainer) -> dict:
+    """The seven steps of one GRPO step (numbered as at the top of this notebook); returns the
+    step's metrics."""
     cfg, step = self.cfg, self.step_no + 1
     m, self._times = {'step': step}, {}
-    with self._timed('rollout'):       # 1-2. sample, roll out; 3-4 run for each group as it finishes (`_score`)
+    with self._timed(
+        'rollout'
+    ):  # 1-2. sample, roll out; 3-4 run for each group as it finishes (`_score`)
         trajs = self._rollout([self.examples[i] for i in self.sampler.next_batch()], step)
-    with self._timed('reward'):        # 3. a failed request drops its whole group
+    with self._timed('reward'):  # 3. a failed request drops its whole group
         bad_groups = {tr.group_index for tr in trajs if not tr.ok}
         kept = [tr for tr in trajs if tr.group_index not in bad_groups]
-        if self.dump_rollouts and self.replay_dir is None:     # dumped first: a step that stops the run can be inspected
-            save_jsonl(trajs, self.run_dir/'rollouts'/f'step_{step:06d}.jsonl')
-        self.health.observe(step, {'trajectories': len(trajs), 'failed_trajectories': sum(not tr.ok for tr in trajs),
-                                   'kept_trajectories': len(kept)}, next((tr.error for tr in trajs if not tr.ok), None))
-    with self._timed('credit'):        # 4. the rows' weights, which need the whole step
-        rows, cst = self.rows.finish(list(dict.fromkeys(tr.group_index for tr in kept))) if kept else ([], {})
-        m.update(rollout_metrics(trajs, kept, bad_groups), zero_variance_groups=cst.get('zero_variance_groups', 0),
-                 filtered_groups=cst.get('filtered_groups', 0), rows_generated=len(rows))
-        if kept: m['advantage_abs_max'] = cst.get('adv_abs_max', 0.0)
-        rows, m['rows_padding'] = layout_step(rows, self.dp, cfg.optim.mini_batches)  # per mini-batch: padded to the DP size (counted), token-balanced
-    weights = None                     # gathered at most once per step (a transfer from the ranks on Ray)
+        if (
+            self.dump_rollouts and self.replay_dir is None
+        ):  # dumped first: a step that stops the run can be inspected
+            save_jsonl(trajs, self.run_dir / 'rollouts' / f'step_{step:06d}.jsonl')
+        self.health.observe(
+            step,
+            {
+                'trajectories': len(trajs),
+                'failed_trajectories': sum(not tr.ok for tr in trajs),
+                'kept_trajectories': len(kept),
+            },
+            next((tr.error for tr in trajs if not tr.ok), None),
+        )
+    with self._timed('credit'):  # 4. the rows' weights, which need the whole step
+        rows, cst = (
+            self.rows.finish(list(dict.fromkeys(tr.group_index for tr in kept)))
+            if kept
+            else ([], {})
+        )
+        m.update(
+            rollout_metrics(trajs, kept, bad_groups),
+            zero_variance_groups=cst.get('zero_variance_groups', 0),
+            filtered_groups=cst.get('filtered_groups', 0),
+            rows_generated=len(rows),
+        )
+        if kept:
+            m['advantage_abs_max'] = cst.get('adv_abs_max', 0.0)
+        rows, m['rows_padding'] = layout_step(
+            rows, self.dp, cfg.optim.mini_batches
+        )  # per mini-batch: padded to the DP size (counted), token-balanced
+    weights = None  # gathered at most once per step (a transfer from the ranks on Ray)
     if rows:
         with self._timed('transfer'):  # 5. transfer
             m['rows_transferred'] = self.channel.put(step, rows)
-        with self._timed('update'):    # 6. update
-            if self.engine is not None: self.engine.release_memory()    # colocated engines give the GPUs to the update
+        with self._timed('update'):  # 6. update
+            if self.engine is not None:
+                self.engine.release_memory()  # colocated engines give the GPUs to the update
             upd = self.group.update(self.channel, step, cfg.rollout.request_timeout_s)
         m.update(update_metrics(upd, cfg.batch.max_tokens_per_micro))
-        if m['rows_consumed'] != m['rows_transferred'] or m['rows_transferred'] != m['rows_generated'] + m['rows_padding']:
-            raise RuntimeError(f"step {step}: row counts disagree: generated {m['rows_generated']} + padding {m['rows_padding']}, "
-                               f"transferred {m['rows_transferred']}, consumed {m['rows_consumed']}")
-        if self.engine is not None:    # 7. sync
+        if (
+            m['rows_consumed'] != m['rows_transferred']
+            or m['rows_transferred'] != m['rows_generated'] + m['rows_padding']
+        ):
+            raise RuntimeError(
+                f"step {step}: row counts disagree: generated {m['rows_generated']} + padding "
+                f"{m['rows_padding']}, "
+                f"transferred {m['rows_transferred']}, consumed {m['rows_consumed']}"
+            )
+        if self.engine is not None:  # 7. sync
             weights = self.group.hf_state_dict()
             self._times['sync'] = self.push_weights(weights)
     else:
-        m.update(rows_transferred=0, rows_consumed=0, skipped_update='no rows (every group dropped or filtered)')
+        m.update(
+            rows_transferred=0,
+            rows_consumed=0,
+            skipped_update='no rows (every group dropped or filtered)',
+        )
     self.step_no = step
     m.update({f'time_{k}': v for k, v in self._times.items()}, time_step=sum(self._times.values()))
-    self._log(m)                       # 7. log: the metrics line first, then the checkpoint that includes the step
-    self.health.step_done(step, m)     # counted (the checkpoint's health state includes the step); health.json: running at it
-    if cfg.schedule.save_every and (step % cfg.schedule.save_every == 0 or step == cfg.schedule.steps):
-        t0 = time.perf_counter(); self.save(json.loads(json_line(m)), weights)   # 7. checkpoint: the line as written
-        if self.tb is not None: self.tb.add_scalar('time_checkpoint', time.perf_counter() - t0, step)
+    self._log(m)  # 7. log: the metrics line first, then the checkpoint that includes the step
+    self.health.step_done(
+        step, m
+    )  # counted (the checkpoint's health state includes the step); health.json: running at it
+    if cfg.schedule.save_every and (
+        step % cfg.schedule.save_every == 0 or step == cfg.schedule.steps
+    ):
+        t0 = time.perf_counter()
+        self.save(json.loads(json_line(m)), weights)  # 7. checkpoint: the line as written
+        if self.tb is not None:
+            self.tb.add_scalar('time_checkpoint', time.perf_counter() - t0, step)
     return m
 
 # %% ../nbs/13_trainer.ipynb #5bd481d1
 @patch
-def _log(self:Trainer, m: dict):
-    "Append the step's metrics as one strict JSON line (`json_line`: a non-finite number is null, named in `null_reasons`) and to TensorBoard."
-    with open(self.run_dir/'metrics.jsonl', 'a') as f: f.write(json_line(m) + '\n')
+def _log(self: Trainer, m: dict):
+    """Append the step's metrics as one strict JSON line (`json_line`: a non-finite number is null,
+    named in `null_reasons`) and to TensorBoard."""
+    with open(self.run_dir / 'metrics.jsonl', 'a') as f:
+        f.write(json_line(m) + '\n')
     if self.tb is not None:
         for k, v in m.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v): self.tb.add_scalar(k, v, m['step'])
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                self.tb.add_scalar(k, v, m['step'])
         self.tb.flush()
 
 # %% ../nbs/13_trainer.ipynb #1520da1d
 @patch
-def train(self:Trainer, steps: int | None = None) -> list[dict]:
-    "Run until `steps` (default `cfg.schedule.steps`) steps are done; returns the metrics of the steps run."
+def train(self: Trainer, steps: int | None = None) -> list[dict]:
+    """Run until `steps` (default `cfg.schedule.steps`) steps are done; returns the metrics of the
+    steps run."""
     steps = self.cfg.schedule.steps if steps is None else steps
-    if not isinstance(steps, int) or steps < 1: raise ValueError(f"train: steps must be a positive int or None (the schedule's), got {steps!r}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            f"train: steps must be a positive int or None (the schedule's), got {steps!r}"
+        )
     out = []
     with tqdm(total=steps, initial=self.step_no, desc='grpo', disable=not self.progress) as bar:
         while self.step_no < steps:
-            m = self.step(); out.append(m)
-            bar.update(1); bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rows=m['rows_generated'])
-    self.health.finish(self.step_no, self.cfg.schedule.steps)   # RunHealthError when no step trained or the last step had no usable trajectory
+            m = self.step()
+            out.append(m)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rows=m['rows_generated'])
+    self.health.finish(
+        self.step_no, self.cfg.schedule.steps
+    )  # RunHealthError when no step trained or the last step had no usable trajectory
     return out
 
+
 @patch
-def close(self:Trainer):
-    "Release the policy group, the engine the trainer launched, the placement group and the run directory's lock."
+def close(self: Trainer):
+    """Release the policy group, the engine the trainer launched, the placement group and the run
+    directory's lock."""
     try:
-        if self.tb is not None: self.tb.close()
+        if self.tb is not None:
+            self.tb.close()
         try:
-            if self.group is not None: self.group.close()
+            if self.group is not None:
+                self.group.close()
         finally:
             try:
-                if self.own_engine and self.engine is not None: self.engine.close()
+                if self.own_engine and self.engine is not None:
+                    self.engine.close()
             finally:
-                if self.placement is not None: self.placement.remove()
+                if self.placement is not None:
+                    self.placement.remove()
     finally:
-        if self.lock is not None: self.lock.release()
+        if self.lock is not None:
+            self.lock.release()

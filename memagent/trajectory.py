@@ -16,121 +16,162 @@ __all__ = ['TURN_KINDS', 'FINISH_REASONS', 'Turn', 'Trajectory', 'save_jsonl', '
 TURN_KINDS = ('memory', 'final')
 FINISH_REASONS = ('stop', 'length', 'abort')
 
+
 @dataclass
 class Turn:
     "One request/response of a trajectory: a memory update (`kind='memory'`) or the final answer."
-    kind: str                      # 'memory' | 'final'
-    turn_index: int                # 0-based position in the trajectory
-    prompt_ids: list[int]          # the full chat-formatted prompt sent to the engine
-    response_ids: list[int]        # the sampled tokens
-    rollout_logprobs: list[float]  # behaviour-policy log-prob of each sampled token (at the sampling temperature)
-    loss_mask: list[int]           # 1 = token trains, 0 = ignored; one entry per response token
-    finish_reason: str = 'stop'    # 'stop' | 'length' | 'abort'
-    memory_tokens: int = 0         # memory turns: tokens of the new (bounded) memory; final: tokens of the memory read
+
+    kind: str  # 'memory' | 'final'
+    turn_index: int  # 0-based position in the trajectory
+    prompt_ids: list[int]  # the full chat-formatted prompt sent to the engine
+    response_ids: list[int]  # the sampled tokens
+    rollout_logprobs: list[
+        float
+    ]  # behaviour-policy log-prob of each sampled token (at the sampling temperature)
+    loss_mask: list[int]  # 1 = token trains, 0 = ignored; one entry per response token
+    finish_reason: str = 'stop'  # 'stop' | 'length' | 'abort'
+    memory_tokens: int = (
+        0  # memory turns: tokens of the new (bounded) memory; final: tokens of the memory read
+    )
 
     def validate(self) -> 'Turn':
         "Raise `ValueError` naming the field if the turn is not internally consistent."
         where = f"turn {self.turn_index} ({self.kind})"
-        if self.kind not in TURN_KINDS: raise ValueError(f"{where}: kind must be one of {TURN_KINDS}, got {self.kind!r}")
+        if self.kind not in TURN_KINDS:
+            raise ValueError(f"{where}: kind must be one of {TURN_KINDS}, got {self.kind!r}")
         if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"{where}: finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+            raise ValueError(
+                f"{where}: finish_reason must be one of {FINISH_REASONS}, got "
+                f"{self.finish_reason!r}"
+            )
         n = len(self.response_ids)
         for name in ('rollout_logprobs', 'loss_mask'):
             m = len(getattr(self, name))
-            if m != n: raise ValueError(f"{where}: len({name})={m} != len(response_ids)={n}")
-        if not self.prompt_ids: raise ValueError(f"{where}: prompt_ids is empty")
+            if m != n:
+                raise ValueError(f"{where}: len({name})={m} != len(response_ids)={n}")
+        if not self.prompt_ids:
+            raise ValueError(f"{where}: prompt_ids is empty")
         if any(not math.isfinite(x) or x > 1e-6 for x in self.rollout_logprobs):
             raise ValueError(f"{where}: rollout_logprobs must be finite and <= 0")
-        if any(v not in (0, 1) for v in self.loss_mask): raise ValueError(f"{where}: loss_mask must hold only 0/1")
+        if any(v not in (0, 1) for v in self.loss_mask):
+            raise ValueError(f"{where}: loss_mask must hold only 0/1")
         return self
 
 # %% ../nbs/07_trajectory.ipynb #3885e7fc
 @dataclass
 class Trajectory:
     "One attempt at one question: its turns, what the rollout disclosed, and the outcome."
-    traj_id: str                   # unique within a step, e.g. '<example_id>#<sample_index>'
+
+    traj_id: str  # unique within a step, e.g. '<example_id>#<sample_index>'
     example_id: str
-    group_index: int               # which prompt group of the step (GRPO normalizes within a group)
-    sample_index: int              # 0..group_size-1
+    group_index: int  # which prompt group of the step (GRPO normalizes within a group)
+    sample_index: int  # 0..group_size-1
     question: str = ''
     answers: list[str] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
-    num_chunks: int = 0            # chunks actually read
-    truncated: bool = False        # the document had more than max_chunks chunks
+    num_chunks: int = 0  # chunks actually read
+    truncated: bool = False  # the document had more than max_chunks chunks
     dropped_chunks: int = 0
     dropped_tokens: int = 0
     memory_lengths: list[int] = field(default_factory=list)  # memory tokens after each memory turn
-    memories: list[str] = field(default_factory=list)        # the memory text after each memory turn (what the next turn reads)
-    negatives: list[str] = field(default_factory=list)       # strings a correct answer must not contain (the example's meta['negatives'])
+    memories: list[str] = field(
+        default_factory=list
+    )  # the memory text after each memory turn (what the next turn reads)
+    negatives: list[str] = field(
+        default_factory=list
+    )  # strings a correct answer must not contain (the example's meta['negatives'])
     final_text: str = ''
     prediction: str = ''
-    error: str | None = None       # set when a request failed after retries: the trajectory is unusable
+    error: str | None = None  # set when a request failed after retries: the trajectory is unusable
     reward: float | None = None
     meta: dict = field(default_factory=dict)
 
     @property
-    def ok(self) -> bool: return self.error is None
+    def ok(self) -> bool:
+        return self.error is None
+
     @property
-    def num_turns(self) -> int: return len(self.turns)
+    def num_turns(self) -> int:
+        return len(self.turns)
 
     def validate(self) -> 'Trajectory':
         "Check the turn structure: `num_chunks` memory turns then one final turn, indices 0..T-1."
-        if not self.ok: return self
+        if not self.ok:
+            return self
         for i, t in enumerate(self.turns):
             t.validate()
-            if t.turn_index != i: raise ValueError(f"trajectory {self.traj_id}: turn {i} has turn_index {t.turn_index}")
+            if t.turn_index != i:
+                raise ValueError(
+                    f"trajectory {self.traj_id}: turn {i} has turn_index {t.turn_index}"
+                )
         kinds = [t.kind for t in self.turns]
         if kinds != ['memory'] * self.num_chunks + ['final']:
-            raise ValueError(f"trajectory {self.traj_id}: expected {self.num_chunks} memory turns then 1 final, got {kinds}")
+            raise ValueError(
+                f"trajectory {self.traj_id}: expected {self.num_chunks} memory turns then 1 "
+                f"final, got {kinds}"
+            )
         return self
 
-    def to_dict(self) -> dict: return asdict(self)
+    def to_dict(self) -> dict:
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> 'Trajectory':
         "Inverse of `to_dict`; unknown keys raise so a dump from another schema is not misread."
         known = {f.name for f in fields(cls)}
         extra = set(d) - known
-        if extra: raise ValueError(f"unknown trajectory fields: {sorted(extra)}")
-        d = dict(d); d['turns'] = [Turn(**t) for t in d.get('turns', [])]
+        if extra:
+            raise ValueError(f"unknown trajectory fields: {sorted(extra)}")
+        d = dict(d)
+        d['turns'] = [Turn(**t) for t in d.get('turns', [])]
         return cls(**d)
 
 # %% ../nbs/07_trajectory.ipynb #425f8e49
 def save_jsonl(trajs: list[Trajectory], path) -> int:
     "Write one trajectory per line; returns the number written."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, 'w', encoding='utf-8') as f:
-        for t in trajs: f.write(json.dumps(t.to_dict(), ensure_ascii=False) + '\n')
+        for t in trajs:
+            f.write(json.dumps(t.to_dict(), ensure_ascii=False) + '\n')
     return len(trajs)
+
 
 def load_jsonl(path) -> list[Trajectory]:
     "Read trajectories written by `save_jsonl`; a bad line raises naming the file and line."
     out = []
     with open(path, encoding='utf-8') as f:
         for i, line in enumerate(f, 1):
-            if not line.strip(): continue
-            try: out.append(Trajectory.from_dict(loads_json(line, path, i)).validate())
-            except Exception as e: raise ValueError(f"{path}:{i}: {e}") from e
+            if not line.strip():
+                continue
+            try:
+                out.append(Trajectory.from_dict(loads_json(line, path, i)).validate())
+            except Exception as e:
+                raise ValueError(f"{path}:{i}: {e}") from e
     return out
 
 # %% ../nbs/07_trajectory.ipynb #0c7fe427
 @dataclass
 class Row:
     "One training row: one turn of one trajectory, with its credit and loss weight."
+
     traj_id: str
     group_index: int
     turn_index: int
     num_turns: int
-    reward: float                  # the trajectory's raw reward (same for all its rows)
-    advantage: float               # the trajectory's normalized advantage A
-    credit: float                  # the advantage this row uses in the surrogate (A/T for split, A for share)
-    weight: float                  # loss weight of this row's token-mean loss (includes the step normalizer)
+    reward: float  # the trajectory's raw reward (same for all its rows)
+    advantage: float  # the trajectory's normalized advantage A
+    credit: float  # the advantage this row uses in the surrogate (A/T for split, A for share)
+    weight: float  # loss weight of this row's token-mean loss (includes the step normalizer)
     prompt_ids: list[int]
     response_ids: list[int]
     rollout_logprobs: list[float]
     loss_mask: list[int]
 
     @property
-    def num_tokens(self) -> int: return len(self.prompt_ids) + len(self.response_ids)
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
     @property
-    def num_response_tokens(self) -> int: return int(sum(self.loss_mask))
+    def num_response_tokens(self) -> int:
+        return int(sum(self.loss_mask))

@@ -17,26 +17,52 @@ __all__ = ['rows_to_arrays', 'num_array_rows', 'arrays_to_rows', 'take_arrays', 
            'mini_batch_slices', 'micro_batch_stats', 'collate']
 
 # %% ../nbs/12_transfer.ipynb #32103a1c
-_SCALARS = (('group_index', np.int64), ('turn_index', np.int64), ('num_turns', np.int64),
-            ('reward', np.float64), ('advantage', np.float64), ('credit', np.float64), ('weight', np.float64))
-_LISTS = (('prompt_ids', np.int32), ('response_ids', np.int32), ('rollout_logprobs', np.float64), ('loss_mask', np.int8))
+_SCALARS = (
+    ('group_index', np.int64),
+    ('turn_index', np.int64),
+    ('num_turns', np.int64),
+    ('reward', np.float64),
+    ('advantage', np.float64),
+    ('credit', np.float64),
+    ('weight', np.float64),
+)
+_LISTS = (
+    ('prompt_ids', np.int32),
+    ('response_ids', np.int32),
+    ('rollout_logprobs', np.float64),
+    ('loss_mask', np.int8),
+)
+
 
 def rows_to_arrays(rows: list[Row]) -> dict[str, np.ndarray]:
-    "Columnar form of `rows`: one array per scalar field, and `<field>` + `<field>_offsets` (n+1) per list field."
+    """Columnar form of `rows`: one array per scalar field, and `<field>` + `<field>_offsets` (n+1)
+    per list field."""
     out = {'traj_id': np.array([r.traj_id for r in rows], dtype=str)}
-    for k, dt in _SCALARS: out[k] = np.array([getattr(r, k) for r in rows], dtype=dt)
+    for k, dt in _SCALARS:
+        out[k] = np.array([getattr(r, k) for r in rows], dtype=dt)
     for k, dt in _LISTS:
         seqs = [getattr(r, k) for r in rows]
-        out[k + '_offsets'] = np.concatenate([[0], np.cumsum([len(s) for s in seqs], dtype=np.int64)]).astype(np.int64)
-        out[k] = np.concatenate([np.asarray(s, dtype=dt) for s in seqs]) if seqs else np.zeros(0, dtype=dt)
-    big = out['prompt_ids'].size and max(int(out['prompt_ids'].max()), int(out['response_ids'].max(initial=0)))
-    if big and big >= 2 ** 31 - 1: raise ValueError(f"token id {big} does not fit int32")
+        out[k + '_offsets'] = np.concatenate(
+            [[0], np.cumsum([len(s) for s in seqs], dtype=np.int64)]
+        ).astype(np.int64)
+        out[k] = (
+            np.concatenate([np.asarray(s, dtype=dt) for s in seqs])
+            if seqs
+            else np.zeros(0, dtype=dt)
+        )
+    big = out['prompt_ids'].size and max(
+        int(out['prompt_ids'].max()), int(out['response_ids'].max(initial=0))
+    )
+    if big and big >= 2**31 - 1:
+        raise ValueError(f"token id {big} does not fit int32")
     return out
 
+# %% ../nbs/12_transfer.ipynb #bfb5a504
 def num_array_rows(a: dict) -> int:
     "Number of rows held by a columnar dict."
     return int(a['traj_id'].shape[0])
 
+# %% ../nbs/12_transfer.ipynb #bb097dd2
 def arrays_to_rows(a: dict) -> list[Row]:
     "Inverse of `rows_to_arrays` (exact)."
     n = num_array_rows(a)
@@ -44,29 +70,38 @@ def arrays_to_rows(a: dict) -> list[Row]:
     lists = {}
     for k, _ in _LISTS:
         o, flat = a[k + '_offsets'], a[k].tolist()
-        lists[k] = [flat[o[i]:o[i + 1]] for i in range(n)]
+        lists[k] = [flat[o[i] : o[i + 1]] for i in range(n)]
     tid = a['traj_id'].tolist()
-    return [Row(tid[i], *(cols[k][i] for k, _ in _SCALARS), *(lists[k][i] for k, _ in _LISTS)) for i in range(n)]
+    return [
+        Row(tid[i], *(cols[k][i] for k, _ in _SCALARS), *(lists[k][i] for k, _ in _LISTS))
+        for i in range(n)
+    ]
 
+# %% ../nbs/12_transfer.ipynb #fe2b1363
 def take_arrays(a: dict, idx) -> dict:
     "The rows `idx` (increasing indices) of a columnar dict, still columnar."
     idx = np.asarray(idx, dtype=np.int64)
     out = {'traj_id': a['traj_id'][idx]}
-    for k, _ in _SCALARS: out[k] = a[k][idx]
+    for k, _ in _SCALARS:
+        out[k] = a[k][idx]
     for k, _ in _LISTS:
         o = a[k + '_offsets']
         lens = o[idx + 1] - o[idx]
         out[k + '_offsets'] = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        out[k] = np.concatenate([a[k][o[i]:o[i + 1]] for i in idx]) if len(idx) else a[k][:0]
+        out[k] = np.concatenate([a[k][o[i] : o[i + 1]] for i in idx]) if len(idx) else a[k][:0]
     return out
 
+# %% ../nbs/12_transfer.ipynb #ce0427fa
 def concat_arrays(parts: list[dict]) -> dict:
     "Concatenate columnar dicts in order."
     out = {'traj_id': np.concatenate([p['traj_id'] for p in parts])}
-    for k, _ in _SCALARS: out[k] = np.concatenate([p[k] for p in parts])
+    for k, _ in _SCALARS:
+        out[k] = np.concatenate([p[k] for p in parts])
     for k, _ in _LISTS:
         shifts = np.cumsum([0] + [p[k].size for p in parts[:-1]])
-        out[k + '_offsets'] = np.concatenate([[0]] + [p[k + '_offsets'][1:] + s for p, s in zip(parts, shifts)]).astype(np.int64)
+        out[k + '_offsets'] = np.concatenate(
+            [[0]] + [p[k + '_offsets'][1:] + s for p, s in zip(parts, shifts)]
+        ).astype(np.int64)
         out[k] = np.concatenate([p[k] for p in parts])
     return out
 
@@ -74,13 +109,16 @@ def concat_arrays(parts: list[dict]) -> dict:
 class ChannelError(RuntimeError):
     "A step failed or the channel was misused; the message names the rollout and the cause."
 
+
 _NOT_READY = object()
 
 # %% ../nbs/12_transfer.ipynb #d4b6e1f0
 class _Ledger:
     "Bookkeeping shared by the channels: steps in flight, failures, released counts."
+
     def __init__(self, capacity: int, world_size: int | None = None):
-        if capacity < 1: raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity, self.world_size = int(capacity), world_size
         self.steps, self.failed, self.released, self.order = {}, {}, {}, []
 
@@ -89,15 +127,21 @@ class _Ledger:
         raise ValueError(msg)
 
     def check_count(self, rid, n):
-        if n > self.capacity: self._refuse(rid, f"rollout {rid!r}: put {n} rows > capacity {self.capacity}")
+        if n > self.capacity:
+            self._refuse(rid, f"rollout {rid!r}: put {n} rows > capacity {self.capacity}")
 
     def put(self, rid, payload, n: int):
-        if rid in self.steps or rid in self.released: raise ValueError(f"rollout {rid!r}: rows were already put")
-        if rid in self.failed: raise ChannelError(f"rollout {rid!r} already failed: {self.failed[rid]}")
-        if n == 0: self._refuse(rid, f"rollout {rid!r}: put 0 rows; a step must produce at least one row")
+        if rid in self.steps or rid in self.released:
+            raise ValueError(f"rollout {rid!r}: rows were already put")
+        if rid in self.failed:
+            raise ChannelError(f"rollout {rid!r} already failed: {self.failed[rid]}")
+        if n == 0:
+            self._refuse(rid, f"rollout {rid!r}: put 0 rows; a step must produce at least one row")
         self.check_count(rid, n)
         if self.world_size and n % self.world_size:
-            self._refuse(rid, f"rollout {rid!r}: {n} rows do not divide by world_size {self.world_size}")
+            self._refuse(
+                rid, f"rollout {rid!r}: {n} rows do not divide by world_size {self.world_size}"
+            )
         self.steps[rid] = dict(payload=payload, n=n, world=None, ranks=set(), consumed=0)
         self.order.append(rid)
         return n
@@ -108,42 +152,72 @@ class _Ledger:
 
     def poll(self, rid, rank: int, world: int, take):
         "The rank's slice, `_NOT_READY`, or an exception."
-        if world < 1 or not 0 <= rank < world: raise ValueError(f"rank {rank} is not in 0..{world - 1} (world_size {world})")
-        if rid in self.failed: raise ChannelError(f"rollout {rid!r} failed: {self.failed[rid]}")
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in 0..{world - 1} (world_size {world})")
+        if rid in self.failed:
+            raise ChannelError(f"rollout {rid!r} failed: {self.failed[rid]}")
         if rid in self.released:
-            raise ChannelError(f"rollout {rid!r} was released after all ranks consumed it (rank {rank} asked again)")
+            raise ChannelError(
+                f"rollout {rid!r} was released after all ranks consumed it (rank {rank} asked "
+                "again)"
+            )
         s = self.steps.get(rid)
-        if s is None: return _NOT_READY
-        if s['world'] is None: s['world'] = world
-        elif s['world'] != world: raise ValueError(f"rollout {rid!r}: rank {rank} uses world_size {world}, others {s['world']}")
+        if s is None:
+            return _NOT_READY
+        if s['world'] is None:
+            s['world'] = world
+        elif s['world'] != world:
+            raise ValueError(
+                f"rollout {rid!r}: rank {rank} uses world_size {world}, others {s['world']}"
+            )
         n = s['n']
-        if n % world: raise ValueError(f"rollout {rid!r}: {n} rows do not divide by world_size {world}")
-        if rank in s['ranks']: raise ChannelError(f"rollout {rid!r}: rank {rank} already took its rows")
+        if n % world:
+            raise ValueError(f"rollout {rid!r}: {n} rows do not divide by world_size {world}")
+        if rank in s['ranks']:
+            raise ChannelError(f"rollout {rid!r}: rank {rank} already took its rows")
         k = n // world
         out = take(s['payload'], range(rank * k, (rank + 1) * k))
-        s['ranks'].add(rank); s['consumed'] += k
+        s['ranks'].add(rank)
+        s['consumed'] += k
         if len(s['ranks']) == world:
             self.released[rid] = dict(produced=n, consumed=s['consumed'])
             del self.steps[rid]
         return out
 
     def counts(self, rid) -> dict:
-        if rid in self.released: return dict(self.released[rid])
+        if rid in self.released:
+            return dict(self.released[rid])
         s = self.steps.get(rid)
         return dict(produced=s['n'], consumed=s['consumed']) if s else dict(produced=0, consumed=0)
 
     def timeout_message(self, rid, rank, world, timeout) -> str:
         last = self.order[-1] if self.order else None
-        state = 'put but not all ranks done' if rid in self.steps else f"not produced yet (latest produced: {last!r})"
-        return f"rollout {rid!r}: rank {rank} of {world} got no rows within {timeout:g} s; the step is {state}"
+        state = (
+            'put but not all ranks done'
+            if rid in self.steps
+            else f"not produced yet (latest produced: {last!r})"
+        )
+        return (
+            f"rollout {rid!r}: rank {rank} of {world} got no rows within {timeout:g} s; the step "
+            f"is {state}"
+        )
 
 # %% ../nbs/12_transfer.ipynb #e61b95ca
 class RowChannel:
-    "Interface: move the rows of each step (keyed by rollout id) from one producer to `world_size` consumer ranks."
-    def put(self, rollout_id, rows: list[Row]) -> int: raise NotImplementedError
-    def fail(self, rollout_id, exc: BaseException) -> None: raise NotImplementedError
-    def get(self, rollout_id, rank: int, world_size: int, timeout: float = 600.0) -> list[Row]: raise NotImplementedError
-    def counts(self, rollout_id) -> dict: raise NotImplementedError
+    """Interface: move the rows of each step (keyed by rollout id) from one producer to `world_size`
+    consumer ranks."""
+
+    def put(self, rollout_id, rows: list[Row]) -> int:
+        raise NotImplementedError
+
+    def fail(self, rollout_id, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def get(self, rollout_id, rank: int, world_size: int, timeout: float = 600.0) -> list[Row]:
+        raise NotImplementedError
+
+    def counts(self, rollout_id) -> dict:
+        raise NotImplementedError
 
     @classmethod
     def from_config(cls, cfg, **kw):
@@ -153,15 +227,19 @@ class RowChannel:
 # %% ../nbs/12_transfer.ipynb #a8e3644a
 class InProcessChannel(RowChannel):
     "A `RowChannel` for threads of one process (`threading.Condition`)."
+
     def __init__(self, capacity: int, world_size: int | None = None):
         self._l, self._cv, self._causes = _Ledger(capacity, world_size), threading.Condition(), {}
 
     def put(self, rollout_id, rows, batch_size=None) -> int:
-        "Write the step's rows; returns the count written. `batch_size` is accepted for interface parity and ignored."
+        """Write the step's rows; returns the count written. `batch_size` is accepted for interface
+        parity and ignored."""
         rows = list(rows)
         with self._cv:
-            try: return self._l.put(rollout_id, rows, len(rows))
-            finally: self._cv.notify_all()
+            try:
+                return self._l.put(rollout_id, rows, len(rows))
+            finally:
+                self._cv.notify_all()
 
     def fail(self, rollout_id, exc):
         "Fail the step: every waiter raises `ChannelError` with `exc` as its cause."
@@ -175,277 +253,449 @@ class InProcessChannel(RowChannel):
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
-                try: out = self._l.poll(rollout_id, rank, world_size, lambda rows, idx: [rows[i] for i in idx])
-                except ChannelError as e: raise e from self._causes.get(rollout_id)
-                if out is not _NOT_READY: return out
+                try:
+                    out = self._l.poll(
+                        rollout_id, rank, world_size, lambda rows, idx: [rows[i] for i in idx]
+                    )
+                except ChannelError as e:
+                    raise e from self._causes.get(rollout_id)
+                if out is not _NOT_READY:
+                    return out
                 left = deadline - time.monotonic()
-                if left <= 0: raise TimeoutError(self._l.timeout_message(rollout_id, rank, world_size, timeout))
+                if left <= 0:
+                    raise TimeoutError(
+                        self._l.timeout_message(rollout_id, rank, world_size, timeout)
+                    )
                 self._cv.wait(left)
 
     def counts(self, rollout_id):
         "`{'produced', 'consumed'}` rows of the step."
-        with self._cv: return self._l.counts(rollout_id)
+        with self._cv:
+            return self._l.counts(rollout_id)
 
 # %% ../nbs/12_transfer.ipynb #fe398900
 class ClusterError(RuntimeError):
-    "The Ray cluster cannot hold the layout (or cannot be reached); the message names the numbers and the fix."
+    """The Ray cluster cannot hold the layout (or cannot be reached); the message names the numbers
+    and the fix."""
 
+# %% ../nbs/12_transfer.ipynb #f3af9359
 def cluster_address(address: str | None = None) -> str | None:
-    "The cluster `ensure_ray` joins: `address`, else `RAY_ADDRESS`, else the one the last `ray start` on this node recorded (Ray's own lookup); None: start one."
-    if address: return address
-    try: from ray._private.services import canonicalize_bootstrap_address
+    """The cluster `ensure_ray` joins: `address`, else `RAY_ADDRESS`, else the one the last `ray
+    start` on this node recorded (Ray's own lookup); None: start one."""
+    if address:
+        return address
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
     except ImportError as e:
         import ray
-        raise ClusterError(f"Ray {ray.__version__} has no ray._private.services.canonicalize_bootstrap_address; "
-                           f"memagent supports the Ray range in settings.ini") from e
+
+        raise ClusterError(
+            f"Ray {ray.__version__} has no ray._private.services.canonicalize_bootstrap_address; "
+            f"memagent supports the Ray range in settings.ini"
+        ) from e
     return canonicalize_bootstrap_address(None)
 
+# %% ../nbs/12_transfer.ipynb #6ac27be2
 def short_resources(have: dict, need: dict) -> dict:
     "`{resource: (needed, present)}` for every resource of `need` the cluster `have` holds less of."
     return {k: (v, have.get(k, 0)) for k, v in need.items() if have.get(k, 0) + 1e-9 < v}
 
+# %% ../nbs/12_transfer.ipynb #a49732fc
 def require_resources(need: dict, what: str, have: dict | None = None) -> dict:
-    "Refuse (`ClusterError`, naming the numbers) a layout `what` that needs `need` of a cluster holding `have` (default: Ray's `cluster_resources()`)."
+    """Refuse (`ClusterError`, naming the numbers) a layout `what` that needs `need` of a cluster
+    holding `have` (default: Ray's `cluster_resources()`)."""
     if have is None:
         import ray
+
         have = ray.cluster_resources()
     short = short_resources(have, need)
     if short:
-        raise ClusterError(f"{what} needs {', '.join(f'{k} {v:g}' for k, v in need.items())}; the Ray cluster holds "
-                           f"{', '.join(f'{k} {have.get(k, 0):g}' for k in need)} (short: "
-                           f"{', '.join(f'{k} {n:g} > {h:g}' for k, (n, h) in short.items())}). Start Ray with the node's "
-                           f"resources (`ray start --head --num-gpus N --num-cpus M`, or the Trainer's ray_gpus= / ray_cpus=), "
-                           f"or join a cluster that has them (RAY_ADDRESS / ray_address=)")
+        raise ClusterError(
+            f"{what} needs {', '.join(f'{k} {v:g}' for k, v in need.items())}; the Ray cluster "
+            "holds "
+            f"{', '.join(f'{k} {have.get(k, 0):g}' for k in need)} (short: "
+            f"{', '.join(f'{k} {n:g} > {h:g}' for k, (n, h) in short.items())}). Start Ray with "
+            "the node's "
+            f"resources (`ray start --head --num-gpus N --num-cpus M`, or the Trainer's ray_gpus= "
+            "/ ray_cpus=), "
+            f"or join a cluster that has them (RAY_ADDRESS / ray_address=)"
+        )
     return have
 
+# %% ../nbs/12_transfer.ipynb #b52ea218
 def cluster_gpus(have: dict, cuda: bool | None = None) -> float:
-    "The GPUs a Ray cluster (`have`: its resources) declares; `ClusterError` where this process has CUDA but the cluster declares none."
+    """The GPUs a Ray cluster (`have`: its resources) declares; `ClusterError` where this process
+    has CUDA but the cluster declares none."""
     if cuda is None:
         import torch
+
         cuda = torch.cuda.is_available()
     gpus = have.get('GPU', 0)
     if not gpus and cuda:
-        raise ClusterError(f"this machine has CUDA but the Ray cluster declares no GPU ({dict(have)}): ranks and engines would "
-                           f"share cuda:0 or run on the CPU; start Ray with the node's GPUs")
+        raise ClusterError(
+            f"this machine has CUDA but the Ray cluster declares no GPU ({dict(have)}): ranks and "
+            "engines would "
+            f"share cuda:0 or run on the CPU; start Ray with the node's GPUs"
+        )
     return gpus
 
 # %% ../nbs/12_transfer.ipynb #06e538a6
-def ensure_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None,
-               object_store_memory: int | None = None, need: dict | None = None, what: str = 'the layout'):
-    """Start Ray once per process, or join a running cluster; refuse up front a layout (`need`: `{resource: amount}`) it cannot hold.
+def ensure_ray(
+    address: str | None = None,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    object_store_memory: int | None = None,
+    need: dict | None = None,
+    what: str = 'the layout',
+):
+    """Start Ray once per process, or join a running cluster; refuse up front a layout (`need`:
+    `{resource: amount}`) it cannot hold.
 
-    Joining (`address`, `RAY_ADDRESS`, or a `ray start` on this node) passes no resources: the cluster has its own.
-    Starting declares `num_cpus` / `num_gpus` (default: what Ray detects on the node), dashboard and usage stats off."""
+        Joining (`address`, `RAY_ADDRESS`, or a `ray start` on this node) passes no resources: the
+        cluster has its own.
+        Starting declares `num_cpus` / `num_gpus` (default: what Ray detects on the node), dashboard
+        and
+        usage stats off."""
     import ray
+
     if not ray.is_initialized():
-        os.environ.setdefault('RAY_AUTH_MODE', 'disabled'); os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0')
-        root = str(Path(__file__).resolve().parents[1]) if '__file__' in globals() else str(Path.cwd().parent)
+        os.environ.setdefault('RAY_AUTH_MODE', 'disabled')
+        os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0')
+        root = (
+            str(Path(__file__).resolve().parents[1])
+            if '__file__' in globals()
+            else str(Path.cwd().parent)
+        )
         pp = os.pathsep.join(p for p in (root, os.environ.get('PYTHONPATH', '')) if p)
         env = dict(env_vars={'PYTHONPATH': pp, 'RAY_USAGE_STATS_ENABLED': '0'})
         join = cluster_address(address)
         if join:
             if num_cpus is not None or num_gpus is not None:
-                raise ClusterError(f"ensure_ray: joining the running cluster at {join} (address=, RAY_ADDRESS or `ray start` "
-                                   f"on this node) takes no num_cpus/num_gpus (got {num_cpus}, {num_gpus}): the cluster's "
-                                   f"resources are its own")
+                raise ClusterError(
+                    f"ensure_ray: joining the running cluster at {join} (address=, RAY_ADDRESS or "
+                    "`ray start` "
+                    f"on this node) takes no num_cpus/num_gpus (got {num_cpus}, {num_gpus}): the "
+                    "cluster's "
+                    f"resources are its own"
+                )
             ray.init(address=join, runtime_env=env, log_to_driver=False)
         else:
-            ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, object_store_memory=object_store_memory,
-                     runtime_env=env, log_to_driver=False)
-    if need: require_resources(need, what)
+            ray.init(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                include_dashboard=False,
+                object_store_memory=object_store_memory,
+                runtime_env=env,
+                log_to_driver=False,
+            )
+    if need:
+        require_resources(need, what)
     return ray
 
 # %% ../nbs/12_transfer.ipynb #bcf8ed50
 class _RowStore:
     "The actor behind `RayChannel`: a `_Ledger` of columnar payloads, with async waits."
+
     def __init__(self, capacity, world_size=None):
         self.l, self.parts, self._cv = _Ledger(capacity, world_size), {}, None
 
     @property
     def cv(self):
         import asyncio
-        if self._cv is None: self._cv = asyncio.Condition()
+
+        if self._cv is None:
+            self._cv = asyncio.Condition()
         return self._cv
 
     def _wrap(self, fn):
-        try: return ('ok', fn())
-        except (ValueError, ChannelError) as e: return (type(e).__name__, str(e))
+        try:
+            return ('ok', fn())
+        except (ValueError, ChannelError) as e:
+            return (type(e).__name__, str(e))
 
     async def append(self, rid, part: int, arrays):
         def f():
-            if rid in self.l.failed: raise ChannelError(f"rollout {rid!r} already failed: {self.l.failed[rid]}")
+            if rid in self.l.failed:
+                raise ChannelError(f"rollout {rid!r} already failed: {self.l.failed[rid]}")
             self.parts.setdefault(rid, {})[part] = arrays
             self.l.check_count(rid, sum(num_array_rows(p) for p in self.parts[rid].values()))
             return num_array_rows(arrays)
+
         res = self._wrap(f)
         if res[0] != 'ok':
             self.parts.pop(rid, None)
-            async with self.cv: self.cv.notify_all()
+            async with self.cv:
+                self.cv.notify_all()
         return res
 
     async def seal(self, rid, n_reported: int):
         parts = self.parts.pop(rid, {})
+
         def f():
             arrays = concat_arrays([parts[k] for k in sorted(parts)]) if parts else None
             n = num_array_rows(arrays) if arrays is not None else 0
-            if n != n_reported: self.l._refuse(rid, f"rollout {rid!r}: producer reported {n_reported} rows but wrote {n}")
+            if n != n_reported:
+                self.l._refuse(
+                    rid, f"rollout {rid!r}: producer reported {n_reported} rows but wrote {n}"
+                )
             return self.l.put(rid, arrays, n)
+
         res = self._wrap(f)
-        async with self.cv: self.cv.notify_all()
+        async with self.cv:
+            self.cv.notify_all()
         return res
 
     async def fail(self, rid, msg):
-        self.parts.pop(rid, None); self.l.fail(rid, msg)
-        async with self.cv: self.cv.notify_all()
+        self.parts.pop(rid, None)
+        self.l.fail(rid, msg)
+        async with self.cv:
+            self.cv.notify_all()
 
     async def get(self, rid, rank, world, timeout):
         import asyncio
-        loop = asyncio.get_running_loop(); deadline = loop.time() + timeout
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         async with self.cv:
             while True:
                 res = self._wrap(lambda: self.l.poll(rid, rank, world, take_arrays))
-                if res[0] != 'ok' or res[1] is not _NOT_READY: return res
+                if res[0] != 'ok' or res[1] is not _NOT_READY:
+                    return res
                 left = deadline - loop.time()
-                if left <= 0: return ('TimeoutError', self.l.timeout_message(rid, rank, world, timeout))
-                try: await asyncio.wait_for(self.cv.wait(), left)
-                except asyncio.TimeoutError: pass
+                if left <= 0:
+                    return ('TimeoutError', self.l.timeout_message(rid, rank, world, timeout))
+                try:
+                    await asyncio.wait_for(self.cv.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
 
-    async def counts(self, rid): return self.l.counts(rid)
+    async def counts(self, rid):
+        return self.l.counts(rid)
+
 
 _ERRORS = {'ValueError': ValueError, 'ChannelError': ChannelError, 'TimeoutError': TimeoutError}
 
 # %% ../nbs/12_transfer.ipynb #0d8e0dbe
 def _unwrap(res):
-    if res[0] == 'ok': return res[1]
+    if res[0] == 'ok':
+        return res[1]
     raise _ERRORS[res[0]](res[1])
 
+# %% ../nbs/12_transfer.ipynb #0cb9b513
 class RayChannel(RowChannel):
-    "A `RowChannel` backed by one async Ray actor; rows travel as columnar numpy arrays. Picklable (ranks can hold it)."
+    """A `RowChannel` backed by one async Ray actor; rows travel as columnar numpy arrays. Picklable
+    (ranks can hold it)."""
+
     def __init__(self, capacity: int, world_size: int | None = None, name: str | None = None):
         ray = ensure_ray()
         opts = dict(num_cpus=0, max_concurrency=1000)
-        if name: opts.update(name=name, get_if_exists=True)
+        if name:
+            opts.update(name=name, get_if_exists=True)
         self.capacity = capacity
         self._actor = ray.remote(_RowStore).options(**opts).remote(capacity, world_size)
 
     def put(self, rollout_id, rows, batch_size: int | None = None) -> int:
-        "Write the step's rows in one call (or `batch_size`-row parts, then a sealing count); returns the count written."
+        """Write the step's rows in one call (or `batch_size`-row parts, then a sealing count);
+        returns the count written."""
         import ray
-        rows = list(rows); n = len(rows)
+
+        rows = list(rows)
+        n = len(rows)
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"put: batch_size must be a positive int or None (one part), got {batch_size!r}")
+            raise ValueError(
+                f"put: batch_size must be a positive int or None (one part), got {batch_size!r}"
+            )
         b = batch_size or max(n, 1)
-        refs = [self._actor.append.remote(rollout_id, i, rows_to_arrays(rows[s:s + b])) for i, s in enumerate(range(0, n, b))]
-        for r in ray.get(refs): _unwrap(r)
+        refs = [
+            self._actor.append.remote(rollout_id, i, rows_to_arrays(rows[s : s + b]))
+            for i, s in enumerate(range(0, n, b))
+        ]
+        for r in ray.get(refs):
+            _unwrap(r)
         return _unwrap(ray.get(self._actor.seal.remote(rollout_id, n)))
 
     def fail(self, rollout_id, exc):
         "Fail the step: every waiter raises `ChannelError` naming `exc`."
         import ray
+
         ray.get(self._actor.fail.remote(rollout_id, f"{type(exc).__name__}: {exc}"))
 
     def get(self, rollout_id, rank, world_size, timeout=600.0):
         "Block (in the actor) until the step is put; return this rank's rows."
         import ray
-        res = ray.get(self._actor.get.remote(rollout_id, rank, world_size, timeout), timeout=timeout + 60)
+
+        res = ray.get(
+            self._actor.get.remote(rollout_id, rank, world_size, timeout), timeout=timeout + 60
+        )
         return arrays_to_rows(_unwrap(res))
 
     def counts(self, rollout_id):
         "`{'produced', 'consumed'}` rows of the step."
         import ray
+
         return ray.get(self._actor.counts.remote(rollout_id))
 
     def close(self):
         "Kill the actor."
         import ray
+
         ray.kill(self._actor)
 
 # %% ../nbs/12_transfer.ipynb #7ea45d0b
 def pad_rows(rows: list[Row], multiple: int) -> tuple[list[Row], int]:
-    "`rows` plus zero-weight, zero-credit copies of the shortest row up to a multiple of `multiple`; returns `(rows, added)`."
-    if multiple < 1: raise ValueError(f"pad_rows: multiple must be >= 1, got {multiple}")
+    """`rows` plus zero-weight, zero-credit copies of the shortest row up to a multiple of
+    `multiple`; returns `(rows, added)`."""
+    if multiple < 1:
+        raise ValueError(f"pad_rows: multiple must be >= 1, got {multiple}")
     pad = (-len(rows)) % multiple if rows else 0
-    if not pad: return list(rows), 0
+    if not pad:
+        return list(rows), 0
     s = min(rows, key=lambda r: r.num_tokens)
-    filler = Row(s.traj_id, s.group_index, s.turn_index, s.num_turns, s.reward, 0.0, 0.0, 0.0,
-                 s.prompt_ids, s.response_ids, s.rollout_logprobs, s.loss_mask)
+    filler = Row(
+        s.traj_id,
+        s.group_index,
+        s.turn_index,
+        s.num_turns,
+        s.reward,
+        0.0,
+        0.0,
+        0.0,
+        s.prompt_ids,
+        s.response_ids,
+        s.rollout_logprobs,
+        s.loss_mask,
+    )
     return list(rows) + [filler] * pad, pad
 
-def _lengths(rows) -> list[int]: return [int(r.num_tokens) if hasattr(r, 'num_tokens') else int(r) for r in rows]
+# %% ../nbs/12_transfer.ipynb #dae00aa3
+def _lengths(rows) -> list[int]:
+    return [int(r.num_tokens) if hasattr(r, 'num_tokens') else int(r) for r in rows]
 
+# %% ../nbs/12_transfer.ipynb #7882824c
 def balance_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
-    "Row indices per rank: exactly `n / dp_size` each, longest first to the least-loaded rank (tokens) with room."
+    """Row indices per rank: exactly `n / dp_size` each, longest first to the least-loaded rank
+    (tokens) with room."""
     n = len(lengths)
-    if dp_size < 1: raise ValueError(f"balance_ranks: dp_size must be >= 1, got {dp_size}")
-    if n % dp_size: raise ValueError(f"balance_ranks: {n} rows do not divide by dp_size {dp_size} (pad them first: pad_rows)")
+    if dp_size < 1:
+        raise ValueError(f"balance_ranks: dp_size must be >= 1, got {dp_size}")
+    if n % dp_size:
+        raise ValueError(
+            f"balance_ranks: {n} rows do not divide by dp_size {dp_size} (pad them first: pad_rows)"
+        )
     per, ranks, load = n // dp_size, [[] for _ in range(dp_size)], [0] * dp_size
     for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
         k = min((k for k in range(dp_size) if len(ranks[k]) < per), key=lambda k: (load[k], k))
-        ranks[k].append(i); load[k] += lengths[i]
+        ranks[k].append(i)
+        load[k] += lengths[i]
     return [sorted(r) for r in ranks]
 
+# %% ../nbs/12_transfer.ipynb #bbadbeac
 def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    "Micro-batches of row indices whose right-padded size (rows x longest row) is at most `max_tokens`; first-fit decreasing."
-    if max_tokens < 1: raise ValueError(f"micro_batches: max_tokens must be >= 1, got {max_tokens}")
+    """Micro-batches of row indices whose right-padded size (rows x longest row) is at most
+    `max_tokens`; first-fit decreasing."""
+    if max_tokens < 1:
+        raise ValueError(f"micro_batches: max_tokens must be >= 1, got {max_tokens}")
     for i, l in enumerate(lengths):
-        if l > max_tokens: raise ValueError(f"row {i} has {l} tokens > the micro-batch budget max_tokens={max_tokens}")
-    bins, longest = [], []     # rows arrive longest first, so a bin's first row is its longest
+        if l > max_tokens:
+            raise ValueError(
+                f"row {i} has {l} tokens > the micro-batch budget max_tokens={max_tokens}"
+            )
+    bins, longest = [], []  # rows arrive longest first, so a bin's first row is its longest
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         for b in range(len(bins)):
-            if (len(bins[b]) + 1) * longest[b] <= max_tokens: bins[b].append(i); break
-        else: bins.append([i]); longest.append(lengths[i])
+            if (len(bins[b]) + 1) * longest[b] <= max_tokens:
+                bins[b].append(i)
+                break
+        else:
+            bins.append([i])
+            longest.append(lengths[i])
     return bins
 
+# %% ../nbs/12_transfer.ipynb #f7ace94b
 def layout_step(rows: list[Row], dp_size: int, mini_batches: int = 1) -> tuple[list[Row], int]:
-    "Per mini-batch (`mini_batch_of`): pad to `dp_size`, token-balance over the ranks; rows rank by rank, each rank's mini-batch by mini-batch. Returns `(rows to put, padding rows added)`."
-    if dp_size < 1 or mini_batches < 1: raise ValueError(f"layout_step: dp_size and mini_batches must be >= 1, got {dp_size}, {mini_batches}")
+    """Per mini-batch (`mini_batch_of`): pad to `dp_size`, token-balance over the ranks; rows rank
+    by rank, each rank's mini-batch by mini-batch. Returns `(rows to put, padding rows added)`."""
+    if dp_size < 1 or mini_batches < 1:
+        raise ValueError(
+            f"layout_step: dp_size and mini_batches must be >= 1, got {dp_size}, {mini_batches}"
+        )
     parts = [[] for _ in range(mini_batches)]
-    for r in rows: parts[mini_batch_of(r.group_index, mini_batches)].append(r)
+    for r in rows:
+        parts[mini_batch_of(r.group_index, mini_batches)].append(r)
     per_rank, pad = [[] for _ in range(dp_size)], 0
     for part in parts:
-        if not part: continue                 # every rank then has no row of it: all ranks skip it alike
-        part, p = pad_rows(part, dp_size)     # the fillers copy a row of this mini-batch, so they stay in it
+        if not part:
+            continue  # every rank then has no row of it: all ranks skip it alike
+        part, p = pad_rows(
+            part, dp_size
+        )  # the fillers copy a row of this mini-batch, so they stay in it
         pad += p
-        for k, idx in enumerate(balance_ranks(_lengths(part), dp_size)): per_rank[k] += [part[i] for i in idx]
+        for k, idx in enumerate(balance_ranks(_lengths(part), dp_size)):
+            per_rank[k] += [part[i] for i in idx]
     return [r for rank in per_rank for r in rank], pad
 
+# %% ../nbs/12_transfer.ipynb #0f21e100
 def mini_batch_slices(rows: list[Row], mini_batches: int) -> list[list[int]]:
-    "A rank's rows (laid out by `layout_step` with the same `mini_batches`) as index lists, one per non-empty mini-batch, in order."
+    """A rank's rows (laid out by `layout_step` with the same `mini_batches`) as index lists, one
+    per non-empty mini-batch, in order."""
     js = [mini_batch_of(r.group_index, mini_batches) for r in rows]
     if js != sorted(js):
-        raise ValueError(f"rows are not laid out mini-batch by mini-batch for mini_batches={mini_batches} (mini-batch of each row: "
-                         f"{js[:12]}); lay them out with layout_step(rows, dp_size, {mini_batches})")
+        raise ValueError(
+            f"rows are not laid out mini-batch by mini-batch for mini_batches={mini_batches} "
+            "(mini-batch of each row: "
+            f"{js[:12]}); lay them out with layout_step(rows, dp_size, {mini_batches})"
+        )
     out = {}
-    for i, j in enumerate(js): out.setdefault(j, []).append(i)
+    for i, j in enumerate(js):
+        out.setdefault(j, []).append(i)
     return list(out.values())
 
 # %% ../nbs/12_transfer.ipynb #f4e4c173
 def micro_batch_stats(per_rank: list[list[list[int]]], max_tokens: int) -> dict:
-    "Budget fill, padding, balance and the lower bound of micro-batches given as row lengths, per rank (what the ranks ran)."
+    """Budget fill, padding, balance and the lower bound of micro-batches given as row lengths, per
+    rank (what the ranks ran)."""
     import math
+
     flat = [b for r in per_rank for b in r]
     real = sum(sum(b) for b in flat)
     padded = [len(b) * max(b) for b in flat]
     tok = [sum(sum(b) for b in r) for r in per_rank]
-    return dict(rows=sum(len(b) for b in flat), real_tokens=real, micro_batches=len(flat),
-                micro_batches_per_rank=[len(r) for r in per_rank], tokens_per_rank=tok,
-                rank_imbalance=max(tok) / (sum(tok) / len(tok)) - 1 if real else 0.0,
-                fill=real / (len(flat) * max_tokens) if flat else 0.0, padded_tokens=sum(padded) - real,
-                max_padded=max(padded, default=0), lower_bound_micro_batches=math.ceil(real / max_tokens))
+    return dict(
+        rows=sum(len(b) for b in flat),
+        real_tokens=real,
+        micro_batches=len(flat),
+        micro_batches_per_rank=[len(r) for r in per_rank],
+        tokens_per_rank=tok,
+        rank_imbalance=max(tok) / (sum(tok) / len(tok)) - 1 if real else 0.0,
+        fill=real / (len(flat) * max_tokens) if flat else 0.0,
+        padded_tokens=sum(padded) - real,
+        max_padded=max(padded, default=0),
+        lower_bound_micro_batches=math.ceil(real / max_tokens),
+    )
+
 
 def collate(rows: list[Row], pad_id: int) -> dict:
-    "Right-padded tensors of a micro-batch: ids, attention and response masks, rollout log-probs, credit, weight."
+    """Right-padded tensors of a micro-batch: ids, attention and response masks, rollout log-probs,
+    credit, weight."""
     import torch
-    L = max(r.num_tokens for r in rows); B = len(rows)
+
+    L = max(r.num_tokens for r in rows)
+    B = len(rows)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
-    att = torch.zeros((B, L), dtype=torch.bool); resp = torch.zeros((B, L), dtype=torch.bool)
+    att = torch.zeros((B, L), dtype=torch.bool)
+    resp = torch.zeros((B, L), dtype=torch.bool)
     rlp = torch.zeros((B, L), dtype=torch.float32)
     for b, r in enumerate(rows):
         p, n = len(r.prompt_ids), len(r.response_ids)
-        ids[b, :p + n] = torch.tensor(r.prompt_ids + r.response_ids)
-        att[b, :p + n] = True
-        resp[b, p:p + n] = torch.tensor(r.loss_mask, dtype=torch.bool)
-        rlp[b, p:p + n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
-    return {'input_ids': ids, 'attention_mask': att, 'response_mask': resp, 'rollout_logp': rlp,
-            'credit': torch.tensor([r.credit for r in rows], dtype=torch.float32),
-            'weight': torch.tensor([r.weight for r in rows], dtype=torch.float32)}
+        ids[b, : p + n] = torch.tensor(r.prompt_ids + r.response_ids)
+        att[b, : p + n] = True
+        resp[b, p : p + n] = torch.tensor(r.loss_mask, dtype=torch.bool)
+        rlp[b, p : p + n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
+    return {
+        'input_ids': ids,
+        'attention_mask': att,
+        'response_mask': resp,
+        'rollout_logp': rlp,
+        'credit': torch.tensor([r.credit for r in rows], dtype=torch.float32),
+        'weight': torch.tensor([r.weight for r in rows], dtype=torch.float32),
+    }

@@ -1,12 +1,16 @@
-"""One model per engine, proven: an engine serving another checkpoint than the one a run is labelled with is refused,
-with both identities named, whether the served directory is visible (tensor hash) or not (fingerprint)."""
+"""One model per engine, proven: an engine serving another checkpoint than the one a run is labelled
+with is refused,
+with both identities named, whether the served directory is visible (tensor hash) or not
+(fingerprint)."""
+
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 from memagent.checkpoint import export_hf, read_weights_record, tensors_sha256
 from memagent.evaluate import ModelMismatchError, check_served_model, evaluate
@@ -16,9 +20,11 @@ from memagent.testing import FakeSGLangServer
 
 @pytest.fixture(scope='module')
 def two(tmp_path_factory):
-    "Two exported checkpoints of the tiny model with different weights: (dir a, dir b, model a, model b)."
+    """Two exported checkpoints of the tiny model with different weights: (dir a, dir b, model a,
+    model b)."""
     import torch
     from memagent.models import load_model, load_tokenizer
+
     d = tmp_path_factory.mktemp('ckpt')
     m, tok = load_model('tiny-qwen3'), load_tokenizer('tiny-qwen3')
     g = torch.Generator().manual_seed(0)
@@ -28,7 +34,8 @@ def two(tmp_path_factory):
     return a, b, load_model(str(a)), load_model(str(b))
 
 
-def _client(srv): return SGLangEngine([srv.url], timeout_s=30, max_retries=0, connect_timeout_s=5)
+def _client(srv):
+    return SGLangEngine([srv.url], timeout_s=30, max_retries=0, connect_timeout_s=5)
 
 
 def test_export_records_a_tensor_hash_that_ignores_sharding(two, tmp_path):
@@ -38,7 +45,9 @@ def test_export_records_a_tensor_hash_that_ignores_sharding(two, tmp_path):
     ma.save_pretrained(tmp_path / 'sharded', max_shard_size='10MB')
     assert len(list((tmp_path / 'sharded').glob('*.safetensors'))) > 1
     assert tensors_sha256(tmp_path / 'sharded') == ra['tensors_sha256']
-    assert ra['fingerprint']['output_ids'] and len(ra['fingerprint']['logprobs']) == len(ra['fingerprint']['output_ids'])
+    assert ra['fingerprint']['output_ids'] and len(ra['fingerprint']['logprobs']) == len(
+        ra['fingerprint']['output_ids']
+    )
 
 
 def test_server_serving_the_wrong_model_is_refused_with_both_identities(two):
@@ -49,7 +58,9 @@ def test_server_serving_the_wrong_model_is_refused_with_both_identities(two):
             check_served_model(eng, str(a))
         msg = str(e.value)
         assert f"model_path {b}" in msg and f"path {a.resolve()}" in msg, msg
-        assert tensors_sha256(b)[:16] in msg and read_weights_record(a)['tensors_sha256'][:16] in msg, msg
+        assert (
+            tensors_sha256(b)[:16] in msg and read_weights_record(a)['tensors_sha256'][:16] in msg
+        ), msg
         proof = check_served_model(eng, str(b))
         assert proof['servers'][0]['how'] == 'served path visible: tensor hash'
         assert proof['servers'][0]['tensors_sha256'] == read_weights_record(b)['tensors_sha256']
@@ -64,13 +75,24 @@ def test_evaluate_refuses_before_scoring(two):
     from memagent.config import get_preset
     from memagent.data import make_synthetic
     from memagent.models import load_tokenizer
-    cfg = get_preset('tiny', {'chunking.chunk_tokens': 32, 'chunking.memory_tokens': 4, 'chunking.final_tokens': 4})
+
+    cfg = get_preset(
+        'tiny',
+        {'chunking.chunk_tokens': 32, 'chunking.memory_tokens': 4, 'chunking.final_tokens': 4},
+    )
     with FakeSGLangServer(model_path=str(b)) as srv:
         eng = _client(srv)
         with pytest.raises(ModelMismatchError, match='the served weights differ'):
-            evaluate(make_synthetic(2, num_words=20, seed=0), eng, load_tokenizer('tiny-qwen3'), cfg, model_name=str(a),
-                     check_model=True, progress=False)
-        assert srv.calls == []                                   # nothing was generated, nothing scored
+            evaluate(
+                make_synthetic(2, num_words=20, seed=0),
+                eng,
+                load_tokenizer('tiny-qwen3'),
+                cfg,
+                model_name=str(a),
+                check_model=True,
+                progress=False,
+            )
+        assert srv.calls == []  # nothing was generated, nothing scored
         eng.close()
 
 
@@ -81,12 +103,19 @@ def test_invisible_path_is_checked_by_fingerprint(two):
         with pytest.raises(ModelMismatchError) as e:
             check_served_model(eng, str(a))
         msg = str(e.value)
-        assert 'fingerprint differs' in msg and 'model_path /on/another/host/b' in msg and f"path {a.resolve()}" in msg, msg
+        assert (
+            'fingerprint differs' in msg
+            and 'model_path /on/another/host/b' in msg
+            and f"path {a.resolve()}" in msg
+        ), msg
         eng.close()
     with FakeSGLangServer(engine=HFEngine(ma), model_path='/on/another/host/a') as srv:
         eng = _client(srv)
         proof = check_served_model(eng, str(a))
-        assert proof['servers'][0]['how'] == 'fingerprint' and proof['servers'][0]['max_logprob_diff'] < 1e-4
+        assert (
+            proof['servers'][0]['how'] == 'fingerprint'
+            and proof['servers'][0]['max_logprob_diff'] < 1e-4
+        )
         eng.close()
 
 
@@ -107,6 +136,8 @@ def test_hf_engine_identity_is_its_model_object(two):
     assert check_served_model(eng, str(a))['path'] == str(a.resolve())
     with pytest.raises(ModelMismatchError, match=f"loaded from {a}"):
         check_served_model(eng, str(b))
-    eng.update_weights(state_dict=mb.state_dict())              # weights pushed from memory: no longer the checkpoint
+    eng.update_weights(
+        state_dict=mb.state_dict()
+    )  # weights pushed from memory: no longer the checkpoint
     with pytest.raises(ModelMismatchError, match='loaded from None'):
         check_served_model(eng, str(a))

@@ -1,11 +1,17 @@
 """Export cells hold one idea each: no `#| export` cell is over 60 lines.
 
-A long export cell is split at its top-level statements into consecutive export cells. A cell that is one
-definition (one function or one class) longer than that cannot be split at a boundary; it is listed in
-`LONG_DEFINITIONS` with its reason. Classes keep their methods in the class body: laying them out with
-`@patch` would make fastcore, a development requirement only, a runtime one. `PENDING` lists the long
-cells of notebooks that are being edited and will be split. Both lists only shrink: an entry whose cell is
+A long export cell is split at its top-level statements into consecutive export cells. A cell that
+is one
+definition (one function or one class) longer than that cannot be split at a boundary; it is listed
+in
+`LONG_DEFINITIONS` with its reason. Classes keep their methods in the class body: laying them out
+with
+`@patch` would make fastcore, a development requirement only, a runtime one. `PENDING` lists the
+long
+cells of notebooks that are being edited and will be split. Both lists only shrink: an entry whose
+cell is
 gone or is now at most 60 lines fails the test until it is removed."""
+
 import json
 from pathlib import Path
 
@@ -13,15 +19,33 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 60
 
 LONG_DEFINITIONS = {
-    ('nbs/00_config.ipynb', '0770237e'): 'one class, Config (a dataclass of the sections and its checks), of 111 lines',
-    ('nbs/09_rollout.ipynb', 'c8060213'): 'one function, rollout (its docments take a line per parameter), of 68 lines',
-    ('nbs/16b_acceptance_1_gate.ipynb', 'd785d399'): 'one function, compare (every check of the rule in order, a docment per parameter), of 90 lines',
-    ('nbs/16_evaluate.ipynb', '8bf7fe2b'): 'one function, evaluate (a docment per parameter), of 73 lines',
+    (
+        'nbs/00_config.ipynb',
+        '0770237e',
+    ): 'one class, Config (a dataclass of the sections and its checks), of 111 lines',
+    (
+        'nbs/09_rollout.ipynb',
+        'c8060213',
+    ): 'one function, rollout (its docments take a line per parameter), of 68 lines',
+    (
+        'nbs/16b_acceptance_1_gate.ipynb',
+        'd785d399',
+    ): (
+        'one function, compare (every check of the rule in order, a docment per parameter), of 90 '
+        'lines'
+    ),
+    (
+        'nbs/16_evaluate.ipynb',
+        '8bf7fe2b',
+    ): 'one function, evaluate (a docment per parameter), of 73 lines',
     ('nbs/08_engines_2_hf.ipynb', '295d0159'): 'one class, HFEngine, of 158 lines',
     ('nbs/08_engines_4_sglang.ipynb', 'f72abd87'): 'one class, SGLangEngine, of 274 lines',
     ('nbs/08a_colocate.ipynb', 'e12b6896'): 'one class, Placement, of 71 lines',
     ('nbs/09b_simulate.ipynb', '3fad0f5a'): 'one class, SimEngine, of 69 lines',
-    ('nbs/11a_ondevice.ipynb', '8f545f66'): 'one class, VirtualDevice, of 98 lines (a TorchFunctionMode whose methods call super())',
+    (
+        'nbs/11a_ondevice.ipynb',
+        '8f545f66',
+    ): 'one class, VirtualDevice, of 98 lines (a TorchFunctionMode whose methods call super())',
     ('nbs/12a_torch_backend.ipynb', '334769f2'): 'one class, TorchBackend, of 69 lines',
     ('nbs/12c_ray_group.ipynb', '61cbe336'): 'one class, RayGroup, of 93 lines',
     ('nbs/14_megatron_4_optim.ipynb', '3a98b673'): 'one class, MegatronCoreOptimizer, of 72 lines',
@@ -38,7 +62,9 @@ LONG_DEFINITIONS = {
     ('nbs/22_gpucheck_6_cli.ipynb', '92df285f'): 'one function, cmd_compare, of 71 lines',
 }
 
-PENDING = {}   # (notebook, cell id) -> why a cell over 60 lines is not split yet; the list only shrinks
+# (notebook, cell id) -> why a cell over 60 lines is not split yet; the list only shrinks
+PENDING = {}
+
 
 def _export_cells():
     "`{(notebook, cell id): number of lines}` for every export code cell of nbs/*.ipynb."
@@ -55,8 +81,26 @@ def test_no_export_cell_is_over_60_lines():
     assert not set(LONG_DEFINITIONS) & set(PENDING), 'a cell is listed twice'
     cells = _export_cells()
     listed = {**LONG_DEFINITIONS, **PENDING}
-    long = [f'{nb} cell {cid}: {n} lines' for (nb, cid), n in cells.items() if n > MAX_LINES and (nb, cid) not in listed]
-    stale = [f'{nb} cell {cid}: ' + ('no such cell' if (nb, cid) not in cells else f'{cells[(nb, cid)]} lines, no longer over {MAX_LINES}')
-             for nb, cid in listed if cells.get((nb, cid), 0) <= MAX_LINES]
-    assert not long, f'export cells over {MAX_LINES} lines (split them at top-level statements):\n' + '\n'.join(long)
-    assert not stale, 'listed long cells that are gone or short now (remove them from the list):\n' + '\n'.join(stale)
+    long = [
+        f'{nb} cell {cid}: {n} lines'
+        for (nb, cid), n in cells.items()
+        if n > MAX_LINES and (nb, cid) not in listed
+    ]
+    stale = [
+        f'{nb} cell {cid}: '
+        + (
+            'no such cell'
+            if (nb, cid) not in cells
+            else f'{cells[(nb, cid)]} lines, no longer over {MAX_LINES}'
+        )
+        for nb, cid in listed
+        if cells.get((nb, cid), 0) <= MAX_LINES
+    ]
+    assert not long, (
+        f'export cells over {MAX_LINES} lines (split them at top-level statements):\n'
+        + '\n'.join(long)
+    )
+    assert not stale, (
+        'listed long cells that are gone or short now (remove them from the list):\n'
+        + '\n'.join(stale)
+    )

@@ -1,9 +1,13 @@
 """The pilot's precision: at its learning rate one optimizer step must change the weights it trains.
 
-At lr 1e-6 an Adam step moves a weight by about 1e-6. A bf16 weight of magnitude ~0.02 has a spacing of
-2**-13 ~ 1.2e-4, so rounding undoes that move for almost every weight: a bf16 pilot would train next to
-nothing. The pilot preset therefore trains fp32 weights; these tests hold both halves of that argument.
+At lr 1e-6 an Adam step moves a weight by about 1e-6. A bf16 weight of magnitude ~0.02 has a spacing
+of
+2**-13 ~ 1.2e-4, so rounding undoes that move for almost every weight: a bf16 pilot would train next
+to
+nothing. The pilot preset therefore trains fp32 weights; these tests hold both halves of that
+argument.
 """
+
 import torch
 from memagent.config import get_preset
 from memagent.models import load_model
@@ -22,7 +26,8 @@ def _changed_fraction(dtype: str) -> tuple[float, int]:
     be.step()
     changed = total = 0
     for k, v in model.named_parameters():
-        changed += int((v.detach() != before[k]).sum()); total += v.numel()
+        changed += int((v.detach() != before[k]).sum())
+        total += v.numel()
     return changed / total, total
 
 
@@ -35,4 +40,6 @@ def test_pilot_preset_trains_fp32_weights_at_its_learning_rate():
 
 def test_bf16_weights_barely_move_at_lr_1e6():
     frac, total = _changed_fraction('bfloat16')
-    assert frac < 0.05, f"bf16: one step at lr 1e-6 changed {frac:.4f} of {total} weights (expected almost none)"
+    assert frac < 0.05, (
+        f"bf16: one step at lr 1e-6 changed {frac:.4f} of {total} weights (expected almost none)"
+    )

@@ -16,69 +16,143 @@ __all__ = ['compare_cli']
 
 # %% ../../nbs/16b_acceptance_3_cli.ipynb #a4353362
 def _cli_path(p: Path) -> str:
-    "A path named on the command line, as a run: a run directory or a summary file, else `CompareError`."
-    if (p / SUMMARY_FILE).is_file() or (p.suffix == '.json' and p.is_file()): return str(p)
-    raise CompareError(f"{p}: no such run (neither a run directory with {SUMMARY_FILE} nor a summary file)")
+    """A path named on the command line, as a run: a run directory or a summary file, else
+    `CompareError`."""
+    if (p / SUMMARY_FILE).is_file() or (p.suffix == '.json' and p.is_file()):
+        return str(p)
+    raise CompareError(
+        f"{p}: no such run (neither a run directory with {SUMMARY_FILE} nor a summary file)"
+    )
 
+# %% ../../nbs/16b_acceptance_3_cli.ipynb #c427702c
 def _cli_runs(items) -> object:
     if len(items) == 1 and '=' not in items[0]:
         p = Path(items[0])
-        if (p / SUMMARY_FILE).is_file() or p.suffix == '.json': return _cli_path(p)
-        subs = {d.name: str(d) for d in sorted(p.iterdir()) if (d / SUMMARY_FILE).is_file()} if p.is_dir() else {}
-        if not subs: raise CompareError(f"{p}: neither a run directory nor a directory of run directories")
+        if (p / SUMMARY_FILE).is_file() or p.suffix == '.json':
+            return _cli_path(p)
+        subs = (
+            {d.name: str(d) for d in sorted(p.iterdir()) if (d / SUMMARY_FILE).is_file()}
+            if p.is_dir()
+            else {}
+        )
+        if not subs:
+            raise CompareError(f"{p}: neither a run directory nor a directory of run directories")
         return subs
     out = {}
     for it in items:
-        if '=' not in it: raise CompareError(f"expected key=path, got {it!r}")
-        k, v = it.split('=', 1); out[k] = _cli_path(Path(v))
+        if '=' not in it:
+            raise CompareError(f"expected key=path, got {it!r}")
+        k, v = it.split('=', 1)
+        out[k] = _cli_path(Path(v))
     return out
 
+# %% ../../nbs/16b_acceptance_3_cli.ipynb #27cbb630
 def _files(p) -> list[Path]:
-    "The files under `p` (a run directory or a directory of them), or `p` itself: what `compare` may read."
+    """The files under `p` (a run directory or a directory of them), or `p` itself: what `compare`
+    may read."""
     p = Path(p)
     return sorted(f for f in p.rglob('*') if f.is_file()) if p.is_dir() else [p]
 
+# %% ../../nbs/16b_acceptance_3_cli.ipynb #ed8a04b6
 def compare_cli(argv=None) -> int:
-    """Console script `memagent-compare`: writes the report JSON; exit 0 when it passes, 1 when not, 2 on bad input. `--verify DIR`
-    re-checks a rendered acceptance report folder instead (`memagent.acceptance.report.verify_acceptance`): 0 verified, 1 not, 2 unreadable."""
+    """Console script `memagent-compare`: writes the report JSON; exit 0 when it passes, 1 when not,
+    2 on bad input. `--verify DIR`
+        re-checks a rendered acceptance report folder instead
+        (`memagent.acceptance.report.verify_acceptance`): 0 verified, 1 not, 2 unreadable."""
     from memagent.config import cli_number
-    ap = argparse.ArgumentParser(prog='memagent-compare', description='Acceptance comparison of evaluation runs.')
-    for r in ('candidate', 'reference', 'base'): ap.add_argument(f'--{r}', nargs='+', help='runs: DIR or KEY=DIR (required without --verify)')
-    ap.add_argument('--verify', metavar='DIR', help='re-check a rendered acceptance report folder against its per-sample runs, without any model')
-    ap.add_argument('--out', help='where the report JSON goes (required without --verify)'); ap.add_argument('--tolerance-pp', type=cli_number('finite>=0'), default=3.0)
-    ap.add_argument('--lengths', type=cli_number('int>=1'), nargs='+', default=None); ap.add_argument('--seed', type=cli_number('int>=0'), default=0)
-    ap.add_argument('--no-hotpotqa', action='store_true', help='do not require the HotpotQA boxed-EM run')
-    ap.add_argument('--metric', default='sub_em', help="the metric both conditions judge at every length: a metric of the runs' "
-                    "parity mode (sub_em: the recipe's) or a registered reward computed with each item's negatives from the data "
-                    "file (answer_without_distractors: the key-code task's)")
+
+    ap = argparse.ArgumentParser(
+        prog='memagent-compare', description='Acceptance comparison of evaluation runs.'
+    )
+    for r in ('candidate', 'reference', 'base'):
+        ap.add_argument(
+            f'--{r}', nargs='+', help='runs: DIR or KEY=DIR (required without --verify)'
+        )
+    ap.add_argument(
+        '--verify',
+        metavar='DIR',
+        help=(
+            're-check a rendered acceptance report folder against its per-sample runs, without '
+            'any model'
+        ),
+    )
+    ap.add_argument('--out', help='where the report JSON goes (required without --verify)')
+    ap.add_argument('--tolerance-pp', type=cli_number('finite>=0'), default=3.0)
+    ap.add_argument('--lengths', type=cli_number('int>=1'), nargs='+', default=None)
+    ap.add_argument('--seed', type=cli_number('int>=0'), default=0)
+    ap.add_argument(
+        '--no-hotpotqa', action='store_true', help='do not require the HotpotQA boxed-EM run'
+    )
+    ap.add_argument(
+        '--metric',
+        default='sub_em',
+        help=(
+            "the metric both conditions judge at every length: a metric of the runs' "
+            "parity mode (sub_em: the recipe's) or a registered reward computed with each item's "
+            "negatives from the data "
+            "file (answer_without_distractors: the key-code task's)"
+        ),
+    )
     a = ap.parse_args(argv)
-    if a.verify: return _verify_cli(ap, a)
-    if missing := [f'--{r}' for r in ('candidate', 'reference', 'base', 'out') if not getattr(a, r)]:
-        ap.error(f"the following arguments are required: {', '.join(missing)} (or --verify DIR alone)")
+    if a.verify:
+        return _verify_cli(ap, a)
+    if missing := [
+        f'--{r}' for r in ('candidate', 'reference', 'base', 'out') if not getattr(a, r)
+    ]:
+        ap.error(
+            f"the following arguments are required: {', '.join(missing)} (or --verify DIR alone)"
+        )
     try:
-        read = {f'--{r} file': [f for p in getattr(a, r) for f in _files(p.split('=', 1)[-1])] for r in ('candidate', 'reference', 'base')}
-        st = Staged({'--out': a.out}, read)                 # checked before the comparison runs
-        rep = compare(_cli_runs(a.candidate), _cli_runs(a.reference), _cli_runs(a.base), tolerance_pp=a.tolerance_pp,
-                      lengths=a.lengths, seed=a.seed, require_hotpotqa=not a.no_hotpotqa, metric=a.metric)
+        read = {
+            f'--{r} file': [f for p in getattr(a, r) for f in _files(p.split('=', 1)[-1])]
+            for r in ('candidate', 'reference', 'base')
+        }
+        st = Staged({'--out': a.out}, read)  # checked before the comparison runs
+        rep = compare(
+            _cli_runs(a.candidate),
+            _cli_runs(a.reference),
+            _cli_runs(a.base),
+            tolerance_pp=a.tolerance_pp,
+            lengths=a.lengths,
+            seed=a.seed,
+            require_hotpotqa=not a.no_hotpotqa,
+            metric=a.metric,
+        )
     except (OSError, ValueError) as e:
-        print(f"memagent-compare: error: {e}", file=sys.stderr); return 2
-    if bad := [c['reason'] for c in rep['checks'] if c.get('malformed')]:      # bad input: refused, no report written
-        print("memagent-compare: refused: malformed per-sample records:\n" + '\n'.join(f'  {r}' for r in bad), file=sys.stderr); return 2
+        print(f"memagent-compare: error: {e}", file=sys.stderr)
+        return 2
+    if bad := [
+        c['reason'] for c in rep['checks'] if c.get('malformed')
+    ]:  # bad input: refused, no report written
+        print(
+            "memagent-compare: refused: malformed per-sample records:\n"
+            + '\n'.join(f'  {r}' for r in bad),
+            file=sys.stderr,
+        )
+        return 2
     try:
-        with st: st['--out'].write_text(json.dumps(rep, indent=1) + '\n')
+        with st:
+            st['--out'].write_text(json.dumps(rep, indent=1) + '\n')
     except OSError as e:
-        print(f"memagent-compare: error: the report could not be written: {e}", file=sys.stderr); return 2
-    print('PASSED' if rep['passed'] else 'NOT PASSED'); [print(' -', x) for x in rep['reasons']]
+        print(f"memagent-compare: error: the report could not be written: {e}", file=sys.stderr)
+        return 2
+    print('PASSED' if rep['passed'] else 'NOT PASSED')
+    [print(' -', x) for x in rep['reasons']]
     return 0 if rep['passed'] else 1
 
 # %% ../../nbs/16b_acceptance_3_cli.ipynb #a435b001
 def _verify_cli(ap, a) -> int:
-    "`memagent-compare --verify DIR`: the folder's report re-checked (`verify_acceptance`); 0 verified, 1 not, 2 unreadable."
+    """`memagent-compare --verify DIR`: the folder's report re-checked (`verify_acceptance`); 0
+    verified, 1 not, 2 unreadable."""
     if given := [f'--{r}' for r in ('candidate', 'reference', 'base', 'out') if getattr(a, r)]:
         ap.error(f"--verify DIR re-checks a rendered report alone; it takes no {', '.join(given)}")
-    try: res = verify_acceptance(a.verify)
-    except ReportMismatch as e: print(f'memagent-compare: VERIFY FAILED: {a.verify}: {e}', file=sys.stderr); return 1
-    except (OSError, ValueError) as e: print(f'memagent-compare: error: {e}', file=sys.stderr); return 2
+    try:
+        res = verify_acceptance(a.verify)
+    except ReportMismatch as e:
+        print(f'memagent-compare: VERIFY FAILED: {a.verify}: {e}', file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f'memagent-compare: error: {e}', file=sys.stderr)
+        return 2
     print(json.dumps(res, indent=1))
     return 0
-

@@ -8,8 +8,17 @@ import json, math, os
 from pathlib import Path
 import numpy as np
 from ..provenance import flatten, provenance, sha256_file
-from ..evaluate import (COMPARABLE, SCHEMA_VERSION, SUMMARY_FILE, item_scores, metric_names, read_records, records_parity,
-                               score_record, summarize)
+from memagent.evaluate import (
+    COMPARABLE,
+    SCHEMA_VERSION,
+    SUMMARY_FILE,
+    item_scores,
+    metric_names,
+    read_records,
+    records_parity,
+    score_record,
+    summarize,
+)
 from ..stats import bootstrap_ci, equivalence, paired_bootstrap_ci, verdict_text
 from ..files import FileError, read_json
 
@@ -20,11 +29,15 @@ __all__ = ['JUDGED', 'HOTPOTQA', 'SHOWN', 'CompareError', 'MalformedRecords', 'c
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #c02ccb13
 class CompareError(ValueError):
-    "A run that cannot be loaded for comparison (missing file, records that do not match the summary)."
+    """A run that cannot be loaded for comparison (missing file, records that do not match the
+    summary)."""
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #2a19836b
 class MalformedRecords(CompareError):
-    "A records file with a line that is not a well-formed per-sample record (`memagent.evaluate.record_problems`): bad input."
+    """A records file with a line that is not a well-formed per-sample record
+    (`memagent.evaluate.record_problems`): bad input."""
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #09aecffd
 def comparable_fields(summary: dict) -> dict:
     "The flattened `COMPARABLE` fields of a summary (absent fields are `None`)."
     flat, out = flatten(summary), {}
@@ -33,374 +46,873 @@ def comparable_fields(summary: dict) -> dict:
         out.update(sub or {f: None})
     return out
 
-JUDGED = ('parity', 'metrics', 'pass_at_k', 'pass_at_n', 'parity_extras', 'errors', 'successful', 'complete',
-          'truncated_samples', 'dropped_tokens', 'max_dropped_tokens', 'chunks_mean', 'chunks_max', 'totals.samples', 'totals.items_recorded',
-          'totals.samples_expected')
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #ae407ed6
+JUDGED = (
+    'parity',
+    'metrics',
+    'pass_at_k',
+    'pass_at_n',
+    'parity_extras',
+    'errors',
+    'successful',
+    'complete',
+    'truncated_samples',
+    'dropped_tokens',
+    'max_dropped_tokens',
+    'chunks_mean',
+    'chunks_max',
+    'totals.samples',
+    'totals.items_recorded',
+    'totals.samples_expected',
+)
+
 
 def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, bool) or isinstance(b, bool) or not all(isinstance(x, (int, float)) for x in (a, b)): return a == b
-    if math.isnan(a) or math.isnan(b): return math.isnan(a) and math.isnan(b)
+    if (
+        isinstance(a, bool)
+        or isinstance(b, bool)
+        or not all(isinstance(x, (int, float)) for x in (a, b))
+    ):
+        return a == b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #3c588156
 def _judged(flat: dict) -> dict:
     return {k: v for k, v in flat.items() if any(k == j or k.startswith(j + '.') for j in JUDGED)}
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #65d15ee9
 def recompute(summary: dict, records: list[dict], where: str = 'summary') -> dict:
-    "The summary again, from `records` scored with their own parity mode; `CompareError` naming `where`, the field and both values when a `JUDGED` number of `summary` disagrees."
-    try: parity = records_parity(records)
-    except ValueError as e: raise CompareError(f"{where}: {e}") from None
-    if parity is None: raise CompareError(f"{where}: the records name no parity mode (written before parity modes were recorded): evaluate again")
+    """The summary again, from `records` scored with their own parity mode; `CompareError` naming
+    `where`, the field and both values when a `JUDGED` number of `summary` disagrees."""
+    try:
+        parity = records_parity(records)
+    except ValueError as e:
+        raise CompareError(f"{where}: {e}") from None
+    if parity is None:
+        raise CompareError(
+            f"{where}: the records name no parity mode (written before parity modes were "
+            "recorded): evaluate again"
+        )
     t, b = summary.get('totals') or {}, summary.get('bootstrap') or {}
-    missing = [k for k, d in (('totals.items', t), ('totals.samples_per_item', t), ('bootstrap.resamples', b), ('bootstrap.seed', b))
-               if k.split('.')[1] not in d]
-    if missing: raise CompareError(f"{where}: the summary lacks {missing}, needed to recompute it")
+    missing = [
+        k
+        for k, d in (
+            ('totals.items', t),
+            ('totals.samples_per_item', t),
+            ('bootstrap.resamples', b),
+            ('bootstrap.seed', b),
+        )
+        if k.split('.')[1] not in d
+    ]
+    if missing:
+        raise CompareError(f"{where}: the summary lacks {missing}, needed to recompute it")
     keys = ('prediction', *metric_names(parity))
     rescored = [score_record(r, parity) for r in records]
-    bad = [f"records[{r['id']}/{r['sample']}].{k} = {r.get(k)!r} but {x[k]!r} recomputed" for r, x in zip(records, rescored)
-           for k in keys if not _same(r.get(k), x[k])]
-    again = summarize(rescored, {'totals': {'items': t['items'], 'samples_per_item': t['samples_per_item']}, 'parity': parity},
-                      n_boot=b['resamples'], seed=b['seed'])
+    bad = [
+        f"records[{r['id']}/{r['sample']}].{k} = {r.get(k)!r} but {x[k]!r} recomputed"
+        for r, x in zip(records, rescored)
+        for k in keys
+        if not _same(r.get(k), x[k])
+    ]
+    again = summarize(
+        rescored,
+        {
+            'totals': {'items': t['items'], 'samples_per_item': t['samples_per_item']},
+            'parity': parity,
+        },
+        n_boot=b['resamples'],
+        seed=b['seed'],
+    )
     have, want = _judged(flatten(summary)), _judged(flatten(again))
-    bad += [f"{k} = {have.get(k)!r} in the summary but {want.get(k)!r} recomputed from the records"
-            for k in list(want) + [k for k in have if k not in want] if not _same(have.get(k), want.get(k))]
+    bad += [
+        f"{k} = {have.get(k)!r} in the summary but {want.get(k)!r} recomputed from the records"
+        for k in list(want) + [k for k in have if k not in want]
+        if not _same(have.get(k), want.get(k))
+    ]
     if bad:
-        raise CompareError(f"{where}: the summary disagrees with its per-sample records (parity {parity!r}): " + '; '.join(bad[:5])
-                           + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ''))
+        raise CompareError(
+            f"{where}: the summary disagrees with its per-sample records (parity {parity!r}): "
+            + '; '.join(bad[:5])
+            + (f"; and {len(bad) - 5} more" if len(bad) > 5 else '')
+        )
     return again
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #f7e88011
 def record_items(records, where: str = 'records') -> dict:
-    "`{item id: answers}` named by per-sample `records`; `CompareError` naming `where` when two samples of one item name different answers."
+    """`{item id: answers}` named by per-sample `records`; `CompareError` naming `where` when two
+    samples of one item name different answers."""
     out = {}
     for r in records:
         i, a = str(r['id']), list(r['answers'])
-        if out.setdefault(i, a) != a: raise CompareError(f"{where}: the samples of item {i!r} name different answers ({out[i]!r} and {a!r})")
+        if out.setdefault(i, a) != a:
+            raise CompareError(
+                f"{where}: the samples of item {i!r} name different answers ({out[i]!r} and {a!r})"
+            )
     return out
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #cf607b8f
 def _diff_items(have: dict, want: dict) -> dict:
-    "Item ids of `have` not in `want` ('extra'), of `want` not in `have` ('missing'), in both with other answers ('answers')."
-    return {'extra': [i for i in have if i not in want], 'missing': [i for i in want if i not in have],
-            'answers': [i for i in have if i in want and have[i] != want[i]]}
+    """Item ids of `have` not in `want` ('extra'), of `want` not in `have` ('missing'), in both with
+    other answers ('answers')."""
+    return {
+        'extra': [i for i in have if i not in want],
+        'missing': [i for i in want if i not in have],
+        'answers': [i for i in have if i in want and have[i] != want[i]],
+    }
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #8e66e1b2
 def _say_diff(d: dict, kinds=('extra', 'missing', 'answers'), other: str = 'the other') -> str:
-    words = {'extra': f'not in {other}', 'missing': f'of {other} missing', 'answers': f'with other answers than in {other}'}
-    return '; '.join(f"{len(d[k])} items {words[k]} (e.g. {', '.join(map(repr, d[k][:3]))})" for k in kinds if d[k])
+    words = {
+        'extra': f'not in {other}',
+        'missing': f'of {other} missing',
+        'answers': f'with other answers than in {other}',
+    }
+    return '; '.join(
+        f"{len(d[k])} items {words[k]} (e.g. {', '.join(map(repr, d[k][:3]))})"
+        for k in kinds
+        if d[k]
+    )
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #d79cd936
 def data_identity(summary: dict, items: dict, where: str = 'summary') -> tuple[dict, dict | None]:
-    "The data a run read as the gate sees it, and `{id: example}` of its first `totals.items` rows (None when the file is not here): the recorded file's SHA-256 recomputed and the rows matched against the records' `items` (`CompareError` when either disagrees), else the summary's hash marked unverified."
+    """The data a run read as the gate sees it, and `{id: example}` of its first `totals.items` rows
+    (None when the file is not here): the recorded file's SHA-256 recomputed and the rows matched
+    against the records' `items` (`CompareError` when either disagrees), else the summary's hash
+    marked unverified."""
     d = summary.get('data') or {}
     p = d.get('path')
     if not p or not Path(p).is_file():
-        return {'sha256': d.get('sha256'), 'verified': False, 'path': p,
-                'why': 'the summary records no data file' if not p else f'data file {p} is not here'}, None
+        return {
+            'sha256': d.get('sha256'),
+            'verified': False,
+            'path': p,
+            'why': 'the summary records no data file' if not p else f'data file {p} is not here',
+        }, None
     got = sha256_file(p)
     if got != d.get('sha256'):
-        raise CompareError(f"{where}: data file {p} has SHA-256 {got} but the summary records data.sha256 {d.get('sha256')!r}")
+        raise CompareError(
+            f"{where}: data file {p} has SHA-256 {got} but the summary records data.sha256 "
+            f"{d.get('sha256')!r}"
+        )
     from memagent.data import read_examples
-    try: rows = read_examples(p, limit=(summary.get('totals') or {}).get('items'))
-    except ValueError as e: raise CompareError(f"{where}: {e}") from None
-    bad = _say_diff(_diff_items(items, {str(e['id']): list(e['answers']) for e in rows}), ('extra', 'answers'),  # items not recorded: the
-                    f"its first {len(rows)} rows")                                                              # 'complete' check says so
-    if bad: raise CompareError(f"{where}: the records are not the items of data file {p}: {bad}")
+
+    try:
+        rows = read_examples(p, limit=(summary.get('totals') or {}).get('items'))
+    except ValueError as e:
+        raise CompareError(f"{where}: {e}") from None
+    bad = _say_diff(
+        _diff_items(items, {str(e['id']): list(e['answers']) for e in rows}),
+        ('extra', 'answers'),  # items not recorded: the
+        f"its first {len(rows)} rows",
+    )  # 'complete' check says so
+    if bad:
+        raise CompareError(f"{where}: the records are not the items of data file {p}: {bad}")
     return {'sha256': got, 'verified': True, 'path': p}, {str(e['id']): e for e in rows}
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #5a17c5e0
 def unique_samples(records, samples_per_item, where: str = 'records'):
-    "`CompareError` naming `where` and the pairs when an (id, sample) pair occurs twice or a sample index is outside `0..samples_per_item-1`."
-    if isinstance(samples_per_item, bool) or not isinstance(samples_per_item, int) or samples_per_item < 1:
-        raise CompareError(f"{where}: totals.samples_per_item {samples_per_item!r} is not a whole number >= 1")
+    """`CompareError` naming `where` and the pairs when an (id, sample) pair occurs twice or a
+    sample index is outside `0..samples_per_item-1`."""
+    if (
+        isinstance(samples_per_item, bool)
+        or not isinstance(samples_per_item, int)
+        or samples_per_item < 1
+    ):
+        raise CompareError(
+            f"{where}: totals.samples_per_item {samples_per_item!r} is not a whole number >= 1"
+        )
     seen, dup, out = set(), [], []
     for r in records:
         k = (str(r['id']), int(r['sample']))
-        if k in seen: dup.append(k)
+        if k in seen:
+            dup.append(k)
         seen.add(k)
-        if not 0 <= k[1] < samples_per_item: out.append(k)
-    if dup: raise CompareError(f"{where}: {len(dup)} duplicate (id, sample) records, e.g. {dup[:3]}: a sample is recorded once")
-    if out: raise CompareError(f"{where}: sample indices outside 0..{samples_per_item - 1}, e.g. {out[:3]}")
+        if not 0 <= k[1] < samples_per_item:
+            out.append(k)
+    if dup:
+        raise CompareError(
+            f"{where}: {len(dup)} duplicate (id, sample) records, e.g. {dup[:3]}: a sample is "
+            "recorded once"
+        )
+    if out:
+        raise CompareError(
+            f"{where}: sample indices outside 0..{samples_per_item - 1}, e.g. {out[:3]}"
+        )
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #cf607b90
 _TOKENIZERS = {}
 
+
 def _tokenizer_here(p, want):
-    """The folder of the recorded tokenizer on this machine: its recorded path, else a built-in model whose tokenizer files
-    have the recorded SHA-256 (a tokenizer is its files; a trained checkpoint's folder need not travel with its report)."""
-    if p and Path(p).is_dir(): return p
-    if not want: return None
+    """The folder of the recorded tokenizer on this machine: its recorded path, else a built-in
+    model whose tokenizer files
+        have the recorded SHA-256 (a tokenizer is its files; a trained checkpoint's folder need not
+        travel with its report)."""
+    if p and Path(p).is_dir():
+        return p
+    if not want:
+        return None
     from memagent.models import BUILDERS, model_dir, tokenizer_files
+
     for name in BUILDERS:
-        try: d = model_dir(name)
-        except Exception: continue                         # a built-in this machine cannot build is not the one
-        if tokenizer_files(d) == want: return str(d)
+        try:
+            d = model_dir(name)
+        except Exception:
+            continue  # a built-in this machine cannot build is not the one
+        if tokenizer_files(d) == want:
+            return str(d)
     return None
 
+
 def recorded_tokenizer(summary: dict, where: str = 'summary'):
-    "The tokenizer a summary names (`tokenizer.path`, else a built-in with the same files), its files' SHA-256 checked against `tokenizer.files_sha256`; `CompareError` when it is not here or differs."
+    """The tokenizer a summary names (`tokenizer.path`, else a built-in with the same files), its
+    files' SHA-256 checked against `tokenizer.files_sha256`; `CompareError` when it is not here or
+    differs."""
     from memagent.models import load_tokenizer, tokenizer_files
+
     t = summary.get('tokenizer') or {}
     p, want = _tokenizer_here(t.get('path'), t.get('files_sha256')), t.get('files_sha256')
-    if not p: raise CompareError(f"{where}: the tokenizer the summary names ({t.get('path') or t.get('name_or_path')!r}) is not here, "
-                                 "and no built-in model has tokenizer files with its recorded SHA-256")
-    if not want: raise CompareError(f"{where}: the summary records no tokenizer.files_sha256 to check {p} against")
+    if not p:
+        raise CompareError(
+            f"{where}: the tokenizer the summary names "
+            f"({t.get('path') or t.get('name_or_path')!r}) is not here, "
+            "and no built-in model has tokenizer files with its recorded SHA-256"
+        )
+    if not want:
+        raise CompareError(
+            f"{where}: the summary records no tokenizer.files_sha256 to check {p} against"
+        )
     got = tokenizer_files(p)
     if got != want:
         diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
-        raise CompareError(f"{where}: tokenizer files in {p} differ from the recorded hashes: {diff[:4]}")
+        raise CompareError(
+            f"{where}: tokenizer files in {p} differ from the recorded hashes: {diff[:4]}"
+        )
     key = (str(Path(p).resolve()), json.dumps(got, sort_keys=True))
-    if key not in _TOKENIZERS: _TOKENIZERS[key] = load_tokenizer(p)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = load_tokenizer(p)
     return _TOKENIZERS[key]
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #e3999198
 def recount_chunks(summary: dict, records, examples: dict, where: str = 'summary') -> dict:
-    "Every record's `num_chunks`, `truncated` and `dropped_tokens` recomputed from its item's document with the recorded tokenizer and limits: `{'records', 'mismatches': [...]}`."
+    """Every record's `num_chunks`, `truncated` and `dropped_tokens` recomputed from its item's
+    document with the recorded tokenizer and limits: `{'records', 'mismatches': [...]}`."""
     from memagent.chunking import chunk_document
+
     tok, lim = recorded_tokenizer(summary, where), summary.get('limits') or {}
-    if not isinstance(lim.get('chunk_tokens'), int): raise CompareError(f"{where}: the summary records no limits.chunk_tokens to cut its documents with")
+    if not isinstance(lim.get('chunk_tokens'), int):
+        raise CompareError(
+            f"{where}: the summary records no limits.chunk_tokens to cut its documents with"
+        )
     trim = lim.get('max_context_tokens') if lim.get('context_trim') == 'centre' else None
     cut, bad = {}, []
     for r in records:
         i = str(r['id'])
         if i not in cut:
-            c = chunk_document(examples[i]['context'], tok, lim['chunk_tokens'], lim.get('max_chunks'), max_context_tokens=trim)
-            cut[i] = {'num_chunks': c.num_chunks, 'truncated': c.truncated, 'dropped_tokens': c.dropped_tokens}
-        if r.get('error'): continue                       # a failed request read nothing: its counts are not claims
+            c = chunk_document(
+                examples[i]['context'],
+                tok,
+                lim['chunk_tokens'],
+                lim.get('max_chunks'),
+                max_context_tokens=trim,
+            )
+            cut[i] = {
+                'num_chunks': c.num_chunks,
+                'truncated': c.truncated,
+                'dropped_tokens': c.dropped_tokens,
+            }
+        if r.get('error'):
+            continue  # a failed request read nothing: its counts are not claims
         wrong = {k: (r.get(k), v) for k, v in cut[i].items() if r.get(k) != v}
-        if wrong: bad.append(f"{i}/{r['sample']}: " + ', '.join(f"{k} {a!r} recorded, {b!r} recomputed" for k, (a, b) in wrong.items()))
+        if wrong:
+            bad.append(
+                f"{i}/{r['sample']}: "
+                + ', '.join(f"{k} {a!r} recorded, {b!r} recomputed" for k, (a, b) in wrong.items())
+            )
     return {'records': len(records), 'mismatches': bad}
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #64b83ed3
 def _summary_of(run) -> tuple[dict, Path | None]:
-    "The summary of a run (a dict, a `summary.json` path or a run directory) and the directory it is in (None for a dict)."
-    if isinstance(run, dict): return run, None
-    if not isinstance(run, (str, os.PathLike)): raise CompareError(f"a run must be a summary dict or a path, got {type(run).__name__}")
+    """The summary of a run (a dict, a `summary.json` path or a run directory) and the directory it
+    is in (None for a dict)."""
+    if isinstance(run, dict):
+        return run, None
+    if not isinstance(run, (str, os.PathLike)):
+        raise CompareError(f"a run must be a summary dict or a path, got {type(run).__name__}")
     p = Path(run)
-    if p.is_dir(): p = p / SUMMARY_FILE
-    if not p.is_file(): raise CompareError(f"{p}: no evaluation summary here")
-    try: return read_json(p, 'summary'), p.parent
-    except FileError as e: raise CompareError(str(e)) from None
+    if p.is_dir():
+        p = p / SUMMARY_FILE
+    if not p.is_file():
+        raise CompareError(f"{p}: no evaluation summary here")
+    try:
+        return read_json(p, 'summary'), p.parent
+    except FileError as e:
+        raise CompareError(str(e)) from None
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #b8da9d58
 def load_run(run) -> dict:
-    "`{'summary', 'records', 'source', 'recomputed', 'items', 'data', 'examples'}` for a summary dict, a `summary.json` path or a run directory; the records' hash is checked, duplicates refused, the summary recomputed from them and the data file checked against them (`data_identity`)."
+    """`{'summary', 'records', 'source', 'recomputed', 'items', 'data', 'examples'}` for a summary
+    dict, a `summary.json` path or a run directory; the records' hash is checked, duplicates
+    refused, the summary recomputed from them and the data file checked against them
+    (`data_identity`)."""
     summary, src = _summary_of(run)
     if summary.get('schema_version') != SCHEMA_VERSION:
-        raise CompareError(f"{src or 'summary'}: schema_version {summary.get('schema_version')!r} != {SCHEMA_VERSION!r}")
+        raise CompareError(
+            f"{src or 'summary'}: schema_version {summary.get('schema_version')!r} != "
+            f"{SCHEMA_VERSION!r}"
+        )
     rec = summary.get('records') or {}
-    rp = (Path(src) / rec['file']) if src is not None and rec.get('file') else (Path(rec['path']) if rec.get('path') else None)
-    if rp is None or not rp.is_file(): raise CompareError(f"{src or 'summary'}: per-sample records not found ({rp})")
-    if not rec.get('sha256'): raise CompareError(f"{src or 'summary'}: the summary records no records.sha256")
+    rp = (
+        (Path(src) / rec['file'])
+        if src is not None and rec.get('file')
+        else (Path(rec['path']) if rec.get('path') else None)
+    )
+    if rp is None or not rp.is_file():
+        raise CompareError(f"{src or 'summary'}: per-sample records not found ({rp})")
+    if not rec.get('sha256'):
+        raise CompareError(f"{src or 'summary'}: the summary records no records.sha256")
     if sha256_file(rp) != rec['sha256']:
-        raise CompareError(f"{rp}: SHA-256 does not match the summary's records.sha256 (records changed after the run)")
-    try: records = read_records(rp)                       # every record checked: file, line and field of a malformed one
-    except ValueError as e: raise MalformedRecords(str(e)) from None
+        raise CompareError(
+            f"{rp}: SHA-256 does not match the summary's records.sha256 (records changed after "
+            "the run)"
+        )
+    try:
+        records = read_records(rp)  # every record checked: file, line and field of a malformed one
+    except ValueError as e:
+        raise MalformedRecords(str(e)) from None
     where = str(src or 'summary')
     again = recompute(summary, records, where)
     unique_samples(records, summary['totals']['samples_per_item'], where)
     items = record_items(records, where)
     data, examples = data_identity(summary, items, where)
-    return {'summary': summary, 'records': records, 'source': str(src) if src else None, 'recomputed': again, 'items': items,
-            'data': data, 'examples': examples}
+    return {
+        'summary': summary,
+        'records': records,
+        'source': str(src) if src else None,
+        'recomputed': again,
+        'items': items,
+        'data': data,
+        'examples': examples,
+    }
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #f1138c68
 def _as_mapping(x) -> dict:
     "A run or `{key: run}` as `{key: run}` (int keys for lengths; 'hotpotqa' for the HotpotQA set)."
     if isinstance(x, dict) and 'schema_version' not in x:
         return {(int(k) if str(k).lstrip('-').isdigit() else str(k)): v for k, v in x.items()}
-    k = _summary_of(x)[0].get('key')     # only the key: the run is loaded, and may be refused, by `compare`
+    k = _summary_of(x)[0].get(
+        'key'
+    )  # only the key: the run is loaded, and may be refused, by `compare`
     return {(int(k) if str(k).lstrip('-').isdigit() else str(k)): x}
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #636c9632
 HOTPOTQA = 'hotpotqa'
 
+
 def _check(checks, name, key, passed, reason, **values):
     checks.append({'name': name, 'key': key, 'passed': bool(passed), 'reason': reason, **values})
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #0153623a
 def _paired(sa: dict, sb: dict, n_boot, seed) -> dict:
     "Paired statistics of two `{item: score}` maps over their common items."
     common = [i for i in sa if i in sb]
-    if not common: return {'items': 0}
+    if not common:
+        return {'items': 0}
     a, b = np.array([sa[i] for i in common]), np.array([sb[i] for i in common])
-    return {'items': len(common), 'agreement': float(np.mean(a == b)), 'diff_pp': 100 * float(np.mean(a - b)),
-            'diff_ci95_pp': [100 * v for v in paired_bootstrap_ci(a, b, n_boot=n_boot, seed=seed)],
-            'a_only': int(np.sum(a > b)), 'b_only': int(np.sum(b > a))}
+    return {
+        'items': len(common),
+        'agreement': float(np.mean(a == b)),
+        'diff_pp': 100 * float(np.mean(a - b)),
+        'diff_ci95_pp': [100 * v for v in paired_bootstrap_ci(a, b, n_boot=n_boot, seed=seed)],
+        'a_only': int(np.sum(a > b)),
+        'b_only': int(np.sum(b > a)),
+    }
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #6f7a62eb
 def metric_scores(run: dict, metric: str, n_boot: int, seed: int) -> dict:
-    "`{'value', 'ci95', 'items': {id: score}, 'source'}` of `metric` for a loaded run: a metric of its parity mode from its records, or a registered reward computed from each record's response with the item's answers and negatives read from the data file (never from the records); `CompareError` when neither can be."
+    """`{'value', 'ci95', 'items': {id: score}, 'source'}` of `metric` for a loaded run: a metric of
+    its parity mode from its records, or a registered reward computed from each record's response
+    with the item's answers and negatives read from the data file (never from the records);
+    `CompareError` when neither can be."""
     s, recs = run['recomputed'], run['records']
     if metric in s['metrics']:
-        return {**s['metrics'][metric], 'items': item_scores(recs, metric), 'source': f"the records ({s['parity']} scoring)"}
+        return {
+            **s['metrics'][metric],
+            'items': item_scores(recs, metric),
+            'source': f"the records ({s['parity']} scoring)",
+        }
     from memagent.reward import REWARDS, call_reward
+
     if metric not in REWARDS:
-        raise CompareError(f"metric {metric!r} is neither a metric of parity mode {s['parity']!r} ({sorted(s['metrics'])}) nor a registered reward")
+        raise CompareError(
+            f"metric {metric!r} is neither a metric of parity mode {s['parity']!r} "
+            f"({sorted(s['metrics'])}) nor a registered reward"
+        )
     if run['examples'] is None:
-        raise CompareError(f"the reward {metric!r} needs each item's answers and negatives from the data file, and {run['data']['why']}")
+        raise CompareError(
+            f"the reward {metric!r} needs each item's answers and negatives from the data file, "
+            f"and {run['data']['why']}"
+        )
     acc = {}
     for r in recs:
         ex = run['examples'][str(r['id'])]
-        v = 0.0 if r.get('error') else call_reward(REWARDS[metric], r.get('response') or '', ex['answers'],
-                                                   (ex.get('meta') or {}).get('negatives') or [])
+        v = (
+            0.0
+            if r.get('error')
+            else call_reward(
+                REWARDS[metric],
+                r.get('response') or '',
+                ex['answers'],
+                (ex.get('meta') or {}).get('negatives') or [],
+            )
+        )
         acc.setdefault(str(r['id']), []).append(v)
     items = {i: sum(v) / len(v) for i, v in acc.items()}
     vals = list(items.values())
-    return {'value': 100 * float(np.mean(vals)), 'ci95': [100 * v for v in bootstrap_ci(vals, n_boot=n_boot, seed=seed)],
-            'items': items, 'source': f"the reward {metric!r} on each response, answers and negatives from {run['data']['path']}"}
+    return {
+        'value': 100 * float(np.mean(vals)),
+        'ci95': [100 * v for v in bootstrap_ci(vals, n_boot=n_boot, seed=seed)],
+        'items': items,
+        'source': (
+            f"the reward {metric!r} on each response, answers and negatives from "
+            f"{run['data']['path']}"
+        ),
+    }
 
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #60589793
 def _h16(h) -> str:
     "The first 16 hex digits of a hash, 'none' for a missing one."
     return str(h)[:16] if h else 'none'
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #974d7964
 def identity_checks(checks: list, key, loaded: dict):
-    "Append to `checks` the identity checks of the runs `loaded` (role -> `load_run`) at `key`: same items, same data, different runs, different models."
+    """Append to `checks` the identity checks of the runs `loaded` (role -> `load_run`) at `key`:
+    same items, same data, different runs, different models."""
     ref = loaded['reference']
     for role in ('candidate', 'base'):
         d = _diff_items(loaded[role]['items'], ref['items'])
-        _check(checks, 'items', key, not any(d.values()), f"{role} vs reference: records name " + (
-               f"the same {len(ref['items'])} items (ids and answers)" if not any(d.values()) else _say_diff(d, other="the reference's records")),
-               role=role, **{k: len(v) for k, v in d.items()})
+        _check(
+            checks,
+            'items',
+            key,
+            not any(d.values()),
+            f"{role} vs reference: records name "
+            + (
+                f"the same {len(ref['items'])} items (ids and answers)"
+                if not any(d.values())
+                else _say_diff(d, other="the reference's records")
+            ),
+            role=role,
+            **{k: len(v) for k, v in d.items()},
+        )
     data = {r: run['data'] for r, run in loaded.items()}
-    how = lambda d: 'recomputed from ' + str(d['path']) if d['verified'] else f"recorded, unverified: {d['why']}"
-    same = len({d['sha256'] for d in data.values()}) == 1 and data['reference']['sha256'] is not None
+    how = lambda d: (
+        'recomputed from ' + str(d['path'])
+        if d['verified']
+        else f"recorded, unverified: {d['why']}"
+    )
+    same = (
+        len({d['sha256'] for d in data.values()}) == 1 and data['reference']['sha256'] is not None
+    )
     ver = sorted(r for r, d in data.items() if d['verified'])
-    mixed = 0 < len(ver) < len(data)       # one role's data here and another's not: that role's records cannot be checked
-    _check(checks, 'data', key, same and not mixed, ('one data SHA-256 ' + _h16(data['reference']['sha256']) + ': ' if same else 'data SHA-256 differs: ')
-           + '; '.join(f"{r} {'' if same else _h16(d['sha256']) + ' '}({how(d)})" for r, d in data.items())
-           + (f" (verified for {', '.join(ver)} only: every role's data file must be here to recompute its records)" if mixed else ''),
-           verified=ver)
-    ids = {r: (Path(run['source']).resolve() if run['source'] else None, run['summary']['records']['sha256']) for r, run in loaded.items()}
-    same_run = [f"{a} and {b} are " + (f"one run directory ({ids[a][0]})" if ids[a][0] and ids[a][0] == ids[b][0]
-                else f"runs with identical per-sample records (SHA-256 {_h16(ids[a][1])}): one run given twice")
-                for a, b in (('candidate', 'reference'), ('candidate', 'base'), ('reference', 'base'))
-                if (ids[a][0] and ids[a][0] == ids[b][0]) or ids[a][1] == ids[b][1]]
-    _check(checks, 'distinct_runs', key, not same_run, '; '.join(same_run) or
-           'three run directories with three different per-sample records')
+    mixed = (
+        0 < len(ver) < len(data)
+    )  # one role's data here and another's not: that role's records cannot be checked
+    _check(
+        checks,
+        'data',
+        key,
+        same and not mixed,
+        (
+            'one data SHA-256 ' + _h16(data['reference']['sha256']) + ': '
+            if same
+            else 'data SHA-256 differs: '
+        )
+        + '; '.join(
+            f"{r} {'' if same else _h16(d['sha256']) + ' '}({how(d)})" for r, d in data.items()
+        )
+        + (
+            f" (verified for {', '.join(ver)} only: every role's data file must be here to "
+            "recompute its records)"
+            if mixed
+            else ''
+        ),
+        verified=ver,
+    )
+    ids = {
+        r: (
+            Path(run['source']).resolve() if run['source'] else None,
+            run['summary']['records']['sha256'],
+        )
+        for r, run in loaded.items()
+    }
+    same_run = [
+        f"{a} and {b} are "
+        + (
+            f"one run directory ({ids[a][0]})"
+            if ids[a][0] and ids[a][0] == ids[b][0]
+            else (
+                f"runs with identical per-sample records (SHA-256 {_h16(ids[a][1])}): one run "
+                "given twice"
+            )
+        )
+        for a, b in (('candidate', 'reference'), ('candidate', 'base'), ('reference', 'base'))
+        if (ids[a][0] and ids[a][0] == ids[b][0]) or ids[a][1] == ids[b][1]
+    ]
+    _check(
+        checks,
+        'distinct_runs',
+        key,
+        not same_run,
+        '; '.join(same_run) or 'three run directories with three different per-sample records',
+    )
     m = {r: run['summary'].get('model') or {} for r, run in loaded.items()}
-    bad = [f"{r} records no model.weights_sha256" + (f" ({m[r]['error']})" if m[r].get('error') else '')
-           for r in ('candidate', 'reference') if not m[r].get('weights_sha256')]
+    bad = [
+        f"{r} records no model.weights_sha256"
+        + (f" ({m[r]['error']})" if m[r].get('error') else '')
+        for r in ('candidate', 'reference')
+        if not m[r].get('weights_sha256')
+    ]
     for a, b in (('candidate', 'reference'), ('candidate', 'base'), ('reference', 'base')):
         wa, wb = m[a].get('weights_sha256'), m[b].get('weights_sha256')
         if (wa and wa == wb) or (not (wa and wb) and m[a].get('name') == m[b].get('name')):
-            bad.append(f"{a} and {b} are one model ({'weights_sha256 ' + _h16(wa) if wa and wa == wb else 'name ' + repr(m[a].get('name'))})")
-    _check(checks, 'distinct_models', key, not bad, ('; '.join(bad) if bad else 'three different models: ' + ', '.join(
-           f"{r} {m[r].get('name')!r} ({'weights ' + _h16(m[r]['weights_sha256']) if m[r].get('weights_sha256') else 'no weights hash: by name'})"
-           for r in m)) + ' (model identities as recorded by each run: not recomputable from the records)')
+            bad.append(
+                f"{a} and {b} are one model "
+                f"({'weights_sha256 ' + _h16(wa) if wa and wa == wb else 'name ' + repr(m[a].get('name'))})"  # noqa: E501
+            )
+    _check(
+        checks,
+        'distinct_models',
+        key,
+        not bad,
+        (
+            '; '.join(bad)
+            if bad
+            else 'three different models: '
+            + ', '.join(
+                f"{r} {m[r].get('name')!r} "
+                f"({'weights ' + _h16(m[r]['weights_sha256']) if m[r].get('weights_sha256') else 'no weights hash: by name'})"  # noqa: E501
+                for r in m
+            )
+        )
+        + ' (model identities as recorded by each run: not recomputable from the records)',
+    )
 
-SHOWN = ('metrics', 'truncated_samples', 'dropped_tokens', 'max_dropped_tokens', 'chunks_mean', 'chunks_max',
-         'errors', 'complete', 'parity', 'parity_extras')
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #2f82994e
+SHOWN = (
+    'metrics',
+    'truncated_samples',
+    'dropped_tokens',
+    'max_dropped_tokens',
+    'chunks_mean',
+    'chunks_max',
+    'errors',
+    'complete',
+    'parity',
+    'parity_extras',
+)
+
 
 def _shown(run: dict) -> dict:
-    "What the report shows of a loaded run: `recomputed` (from its records), `data` (`data_identity`), and `recorded` (the summary's own fields the gate cannot recompute)."
+    """What the report shows of a loaded run: `recomputed` (from its records), `data`
+    (`data_identity`), and `recorded` (the summary's own fields the gate cannot recompute)."""
     s, again = run['summary'], run['recomputed']
     lim = s.get('limits') or {}
-    return {'source': run['source'], 'records_sha256': (s.get('records') or {}).get('sha256'), 'samples': len(run['records']),
-            'recomputed': {k: again.get(k) for k in SHOWN},
-            'data': run['data'],
-            'recorded': {'model': s.get('model'), 'served_model': s.get('served_model'), 'mode': s.get('mode'),
-                         'max_chunks': lim.get('max_chunks'), 'wall_s': (s.get('timing') or {}).get('wall_s'),
-                         'comparable': {k: v for k, v in comparable_fields(s).items() if not k.startswith('data.')}}}
+    return {
+        'source': run['source'],
+        'records_sha256': (s.get('records') or {}).get('sha256'),
+        'samples': len(run['records']),
+        'recomputed': {k: again.get(k) for k in SHOWN},
+        'data': run['data'],
+        'recorded': {
+            'model': s.get('model'),
+            'served_model': s.get('served_model'),
+            'mode': s.get('mode'),
+            'max_chunks': lim.get('max_chunks'),
+            'wall_s': (s.get('timing') or {}).get('wall_s'),
+            'comparable': {
+                k: v for k, v in comparable_fields(s).items() if not k.startswith('data.')
+            },
+        },
+    }
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #702d3d7d
 def chunk_check(checks: list, key, role: str, run: dict):
-    "Append the `chunks` check of one loaded run: every record's chunk count, truncation and dropped tokens recomputed from the data file with the recorded tokenizer (`recount_chunks`)."
+    """Append the `chunks` check of one loaded run: every record's chunk count, truncation and
+    dropped tokens recomputed from the data file with the recorded tokenizer (`recount_chunks`)."""
     s = run['summary']
     if s.get('mode') != 'recurrent':
-        return _check(checks, 'chunks', key, True, f"{role}: mode {s.get('mode')!r} reads no chunks: nothing to recount", role=role)
+        return _check(
+            checks,
+            'chunks',
+            key,
+            True,
+            f"{role}: mode {s.get('mode')!r} reads no chunks: nothing to recount",
+            role=role,
+        )
     if run['examples'] is None:
-        return _check(checks, 'chunks', key, True, f"{role}: chunk counts as recorded, UNVERIFIED ({run['data']['why']})",
-                      role=role, verified=False)
-    try: got = recount_chunks(s, run['records'], run['examples'], f"{role}")
+        return _check(
+            checks,
+            'chunks',
+            key,
+            True,
+            f"{role}: chunk counts as recorded, UNVERIFIED ({run['data']['why']})",
+            role=role,
+            verified=False,
+        )
+    try:
+        got = recount_chunks(s, run['records'], run['examples'], f"{role}")
     except CompareError as e:
-        return _check(checks, 'chunks', key, False, f"{e}: chunk counts cannot be recomputed", role=role, verified=False)
+        return _check(
+            checks,
+            'chunks',
+            key,
+            False,
+            f"{e}: chunk counts cannot be recomputed",
+            role=role,
+            verified=False,
+        )
     bad = got['mismatches']
-    _check(checks, 'chunks', key, not bad, f"{role}: " + (f"chunk counts of all {got['records']} records recomputed from the data "
-           "file with the recorded tokenizer" if not bad else f"{len(bad)} records disagree with their documents: "
-           + '; '.join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else '')), role=role, verified=True, mismatches=len(bad))
+    _check(
+        checks,
+        'chunks',
+        key,
+        not bad,
+        f"{role}: "
+        + (
+            f"chunk counts of all {got['records']} records recomputed from the data "
+            "file with the recorded tokenizer"
+            if not bad
+            else f"{len(bad)} records disagree with their documents: "
+            + '; '.join(bad[:3])
+            + (f"; and {len(bad) - 3} more" if len(bad) > 3 else '')
+        ),
+        role=role,
+        verified=True,
+        mismatches=len(bad),
+    )
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #d785d399
 def compare(
-    candidate,                          # trained model: `{key: run}` or a run (summary, path, dir)
-    reference,                          # the reference model's runs, in the same form
-    base,                               # the base model's runs, in the same form
-    tolerance_pp: float = 3.0,          # largest |candidate - reference| passing, in points (pp)
-    lengths=None,                       # RULER-HQA lengths compared; None: `candidate`'s int keys
-    seed: int = 0,                      # the bootstrap's seed
-    n_boot: int = 1000,                 # bootstrap resamples (intervals, paired, equivalence)
-    require_hotpotqa: bool = True,      # compare HotpotQA too; False: only if `candidate` has it
-    metric: str = 'sub_em',             # the metric compared at each length
+    candidate,  # trained model: `{key: run}` or a run (summary, path, dir)
+    reference,  # the reference model's runs, in the same form
+    base,  # the base model's runs, in the same form
+    tolerance_pp: float = 3.0,  # largest |candidate - reference| passing, in points (pp)
+    lengths=None,  # RULER-HQA lengths compared; None: `candidate`'s int keys
+    seed: int = 0,  # the bootstrap's seed
+    n_boot: int = 1000,  # bootstrap resamples (intervals, paired, equivalence)
+    require_hotpotqa: bool = True,  # compare HotpotQA too; False: only if `candidate` has it
+    metric: str = 'sub_em',  # the metric compared at each length
     hotpotqa_metric: str = 'boxed_em',  # the metric compared on HotpotQA
-) -> dict:                              # the report: `passed`, `reasons`, every check, the values
-    "The acceptance check of candidate vs reference (within `tolerance_pp`) and vs base (strictly better); every check listed."
-    if isinstance(tolerance_pp, bool) or not isinstance(tolerance_pp, (int, float)) or not (math.isfinite(tolerance_pp) and tolerance_pp >= 0):
-        raise ValueError(f"tolerance_pp must be a finite number >= 0 (percentage points), got {tolerance_pp!r}")
-    roles = {'candidate': _as_mapping(candidate), 'reference': _as_mapping(reference), 'base': _as_mapping(base)}
+) -> dict:  # the report: `passed`, `reasons`, every check, the values
+    """The acceptance check of candidate vs reference (within `tolerance_pp`) and vs base (strictly
+    better); every check listed."""
+    if (
+        isinstance(tolerance_pp, bool)
+        or not isinstance(tolerance_pp, (int, float))
+        or not (math.isfinite(tolerance_pp) and tolerance_pp >= 0)
+    ):
+        raise ValueError(
+            f"tolerance_pp must be a finite number >= 0 (percentage points), got {tolerance_pp!r}"
+        )
+    roles = {
+        'candidate': _as_mapping(candidate),
+        'reference': _as_mapping(reference),
+        'base': _as_mapping(base),
+    }
     avail = sorted(k for k in roles['candidate'] if isinstance(k, int))
     lengths = avail if lengths is None else [int(l) for l in lengths]
-    keys = list(lengths) + ([HOTPOTQA] if require_hotpotqa or HOTPOTQA in roles['candidate'] else [])
+    keys = list(lengths) + (
+        [HOTPOTQA] if require_hotpotqa or HOTPOTQA in roles['candidate'] else []
+    )
     checks, runs, values, paired, decided = [], {}, {}, {}, {}
-    if not lengths: _check(checks, 'lengths', None, False, 'no RULER-HQA length to compare')
+    if not lengths:
+        _check(checks, 'lengths', None, False, 'no RULER-HQA length to compare')
     for key in keys:
         loaded = {}
         for role, m in roles.items():
             if key not in m:
-                _check(checks, 'present', key, False, f"{role} has no run for {key!r}"); continue
-            try: loaded[role] = load_run(m[key])
-            except CompareError as e:
-                _check(checks, 'records', key, False, f"{role}: {e}", **({'malformed': True} if isinstance(e, MalformedRecords) else {}))
+                _check(checks, 'present', key, False, f"{role} has no run for {key!r}")
                 continue
-            _check(checks, 'records', key, True, f"{role}: records match the summary's SHA-256 and reproduce every judged number "
-                   f"(parity {loaded[role]['recomputed']['parity']!r})", role=role)
+            try:
+                loaded[role] = load_run(m[key])
+            except CompareError as e:
+                _check(
+                    checks,
+                    'records',
+                    key,
+                    False,
+                    f"{role}: {e}",
+                    **({'malformed': True} if isinstance(e, MalformedRecords) else {}),
+                )
+                continue
+            _check(
+                checks,
+                'records',
+                key,
+                True,
+                f"{role}: records match the summary's SHA-256 and reproduce every judged number "
+                f"(parity {loaded[role]['recomputed']['parity']!r})",
+                role=role,
+            )
             runs.setdefault(str(key), {})[role] = _shown(loaded[role])
-        if len(loaded) < 3: continue
+        if len(loaded) < 3:
+            continue
         for role, run in loaded.items():
             s, n = run['recomputed'], len(run['records'])
             exp = s['totals']['items'] * s['totals']['samples_per_item']
             complete = n == exp and s.get('complete', False) and n == s['totals'].get('samples')
-            _check(checks, 'complete', key, complete, f"{role}: {n} of {exp} samples recorded" + ('' if complete else ' (incomplete run)'),
-                   role=role, samples=n, expected=exp)
+            _check(
+                checks,
+                'complete',
+                key,
+                complete,
+                f"{role}: {n} of {exp} samples recorded"
+                + ('' if complete else ' (incomplete run)'),
+                role=role,
+                samples=n,
+                expected=exp,
+            )
             errs = sum(1 for r in run['records'] if r.get('error'))
-            _check(checks, 'no_errors', key, errs == 0 and s.get('errors', 0) == 0,
-                   f"{role}: {errs} request errors" + ('' if errs == 0 else ' (a run with errors cannot pass)'), role=role, errors=errs)
+            _check(
+                checks,
+                'no_errors',
+                key,
+                errs == 0 and s.get('errors', 0) == 0,
+                f"{role}: {errs} request errors"
+                + ('' if errs == 0 else ' (a run with errors cannot pass)'),
+                role=role,
+                errors=errs,
+            )
             chunk_check(checks, key, role, run)
             t, lim = s['truncated_samples'], (run['summary'].get('limits') or {}).get('max_chunks')
-            _check(checks, 'not_truncated', key, t == 0, f"{role}: " + ('no sample cut at max_chunks' if t == 0 else
-                   f"{t} of {n} samples cut at max_chunks={lim}: a run that did not read the whole context cannot pass"),
-                   role=role, truncated=t)
+            _check(
+                checks,
+                'not_truncated',
+                key,
+                t == 0,
+                f"{role}: "
+                + (
+                    'no sample cut at max_chunks'
+                    if t == 0
+                    else (
+                        f"{t} of {n} samples cut at max_chunks={lim}: a run that did not read the "
+                        "whole context cannot pass"
+                    )
+                ),
+                role=role,
+                truncated=t,
+            )
         ref_fields = comparable_fields(loaded['reference']['summary'])
         for role in ('candidate', 'base'):
             f = comparable_fields(loaded[role]['summary'])
             diff = sorted(k for k in set(f) | set(ref_fields) if f.get(k) != ref_fields.get(k))
-            reason = (f"{role} vs reference: " + '; '.join(f"{k} differs ({f.get(k)!r} vs {ref_fields.get(k)!r})" for k in diff[:6])
-                      if diff else f"{role} vs reference: all comparable fields agree")
+            reason = (
+                f"{role} vs reference: "
+                + '; '.join(
+                    f"{k} differs ({f.get(k)!r} vs {ref_fields.get(k)!r})" for k in diff[:6]
+                )
+                if diff
+                else f"{role} vs reference: all comparable fields agree"
+            )
             _check(checks, 'comparable', key, not diff, reason, role=role, fields=diff)
         identity_checks(checks, key, loaded)
         met = hotpotqa_metric if key == HOTPOTQA else metric
-        try: sc = {role: metric_scores(loaded[role], met, n_boot, seed) for role in loaded}    # never the summary's own numbers
+        try:
+            sc = {
+                role: metric_scores(loaded[role], met, n_boot, seed) for role in loaded
+            }  # never the summary's own numbers
         except CompareError as e:
-            _check(checks, 'metric', key, False, str(e)); continue
+            _check(checks, 'metric', key, False, str(e))
+            continue
         v, ci = {r: x['value'] for r, x in sc.items()}, {r: x['ci95'] for r, x in sc.items()}
-        values[str(key)] = {'metric': met, 'source': sc['reference']['source'], **{r: {'value': v[r], 'ci95': ci[r]} for r in v}}
+        values[str(key)] = {
+            'metric': met,
+            'source': sc['reference']['source'],
+            **{r: {'value': v[r], 'ci95': ci[r]} for r in v},
+        }
         if key != HOTPOTQA:
             gap = abs(v['candidate'] - v['reference'])
-            _check(checks, 'tolerance', key, gap <= tolerance_pp + 1e-9,
-                   f"|{met} candidate - reference| = |{v['candidate']:.2f} - {v['reference']:.2f}| = {gap:.2f} pp "
-                   f"{'<=' if gap <= tolerance_pp + 1e-9 else '>'} {tolerance_pp} pp", gap_pp=gap, tolerance_pp=tolerance_pp)
+            _check(
+                checks,
+                'tolerance',
+                key,
+                gap <= tolerance_pp + 1e-9,
+                f"|{met} candidate - reference| = |{v['candidate']:.2f} - {v['reference']:.2f}| = "
+                f"{gap:.2f} pp "
+                f"{'<=' if gap <= tolerance_pp + 1e-9 else '>'} {tolerance_pp} pp",
+                gap_pp=gap,
+                tolerance_pp=tolerance_pp,
+            )
         beat = v['candidate'] > v['base']
-        _check(checks, 'beats_base', key, beat, f"{met} candidate {v['candidate']:.2f} {'>' if beat else '<='} base {v['base']:.2f}"
-               + ('' if beat else ' (must be strictly better)'), candidate=v['candidate'], base=v['base'])
+        _check(
+            checks,
+            'beats_base',
+            key,
+            beat,
+            f"{met} candidate {v['candidate']:.2f} {'>' if beat else '<='} base {v['base']:.2f}"
+            + ('' if beat else ' (must be strictly better)'),
+            candidate=v['candidate'],
+            base=v['base'],
+        )
         it = {r: sc[r]['items'] for r in sc}
-        paired[str(key)] = {'metric': met,
-                            'candidate_vs_reference': _paired(it['candidate'], it['reference'], n_boot, seed),
-                            'candidate_vs_base': _paired(it['candidate'], it['base'], n_boot, seed)}
+        paired[str(key)] = {
+            'metric': met,
+            'candidate_vs_reference': _paired(it['candidate'], it['reference'], n_boot, seed),
+            'candidate_vs_base': _paired(it['candidate'], it['base'], n_boot, seed),
+        }
         common = [i for i in it['reference'] if i in it['candidate']]
         if key != HOTPOTQA and common:
-            eq = equivalence([it['candidate'][i] for i in common], [it['reference'][i] for i in common], tolerance_pp,
-                             n_boot=n_boot, seed=seed)
+            eq = equivalence(
+                [it['candidate'][i] for i in common],
+                [it['reference'][i] for i in common],
+                tolerance_pp,
+                n_boot=n_boot,
+                seed=seed,
+            )
             decided[str(key)] = {**eq, 'metric': met, 'text': verdict_text(eq)}
-    models = {r: {k: (rs[r]['recorded']['model'] or {}).get('weights_sha256') for k, rs in runs.items() if r in rs} for r in roles}
+    models = {
+        r: {
+            k: (rs[r]['recorded']['model'] or {}).get('weights_sha256')
+            for k, rs in runs.items()
+            if r in rs
+        }
+        for r in roles
+    }
     for r, w in models.items():
         one = len(set(w.values())) <= 1
-        _check(checks, 'one_model', None, one, f"{r}: " + ('one model' if one else 'the sets were evaluated by different models') +
-               f" (recorded weights_sha256: {', '.join(f'{k} {_h16(h)}' for k, h in w.items()) or 'no run loaded'})", role=r)
+        _check(
+            checks,
+            'one_model',
+            None,
+            one,
+            f"{r}: "
+            + ('one model' if one else 'the sets were evaluated by different models')
+            + (
+                " (recorded weights_sha256: "
+                f"{', '.join(f'{k} {_h16(h)}' for k, h in w.items()) or 'no run loaded'})"
+            ),
+            role=r,
+        )
     passed = bool(checks) and all(c['passed'] for c in checks)
-    return {'schema_version': SCHEMA_VERSION, 'passed': passed, 'tolerance_pp': tolerance_pp, 'lengths': lengths,
-            'metric': metric, 'hotpotqa_metric': hotpotqa_metric, 'require_hotpotqa': require_hotpotqa,
-            'reasons': [f"{c['name']}[{c['key']}]: {c['reason']}" for c in checks if not c['passed']],
-            'checks': checks, 'values': values, 'paired': paired, 'equivalence': decided, 'runs': runs,
-            'bootstrap': {'resamples': n_boot, 'seed': seed, 'unit': 'item'}, 'provenance': provenance()}
+    return {
+        'schema_version': SCHEMA_VERSION,
+        'passed': passed,
+        'tolerance_pp': tolerance_pp,
+        'lengths': lengths,
+        'metric': metric,
+        'hotpotqa_metric': hotpotqa_metric,
+        'require_hotpotqa': require_hotpotqa,
+        'reasons': [f"{c['name']}[{c['key']}]: {c['reason']}" for c in checks if not c['passed']],
+        'checks': checks,
+        'values': values,
+        'paired': paired,
+        'equivalence': decided,
+        'runs': runs,
+        'bootstrap': {'resamples': n_boot, 'seed': seed, 'unit': 'item'},
+        'provenance': provenance(),
+    }

@@ -9,7 +9,6 @@ from pathlib import Path
 from ..provenance import flatten
 from .gate import HOTPOTQA, JUDGED, _h16
 
-
 # %% auto #0
 __all__ = ['ROLES', 'RENDER_FILE', 'shown_runs', 'truncation_disclosure', 'plot_lengths', 'verification_md',
            'acceptance_sections', 'render_acceptance', 'ReportMismatch', 'verify_acceptance']
@@ -17,106 +16,196 @@ __all__ = ['ROLES', 'RENDER_FILE', 'shown_runs', 'truncation_disclosure', 'plot_
 # %% ../../nbs/16b_acceptance_2_report.ipynb #b95fbc29
 ROLES = ('base', 'reference', 'candidate')
 
+
 def shown_runs(report: dict) -> dict:
-    "`{role: {key: run}}` of the runs `compare` loaded (`report['runs']`, int keys for lengths): what a report may show of them."
+    """`{role: {key: run}}` of the runs `compare` loaded (`report['runs']`, int keys for lengths):
+    what a report may show of them."""
     out = {}
     for k, rs in report.get('runs', {}).items():
-        for role, run in rs.items(): out.setdefault(role, {})[int(k) if k.lstrip('-').isdigit() else k] = run
+        for role, run in rs.items():
+            out.setdefault(role, {})[int(k) if k.lstrip('-').isdigit() else k] = run
     return out
 
+# %% ../../nbs/16b_acceptance_2_report.ipynb #509bb4a9
 def truncation_disclosure(runs: dict) -> str:
-    "Markdown disclosure of truncation beyond max chunks for `{role: {key: run}}` (`shown_runs`): the counts recomputed from the records, mode and `max_chunks` as the run recorded them."
+    """Markdown disclosure of truncation beyond max chunks for `{role: {key: run}}` (`shown_runs`):
+    the counts recomputed from the records, mode and `max_chunks` as the run recorded them."""
     rows, any_trunc = [], False
     for role in ROLES:
         for key, run in sorted(runs.get(role, {}).items(), key=lambda kv: str(kv[0])):
             s, n = run['recomputed'], run['samples']
             t = s['truncated_samples']
             any_trunc |= t > 0
-            rows.append({'model': role, 'set': str(key), 'mode (recorded)': run['recorded']['mode'],
-                         'max_chunks (recorded)': run['recorded']['max_chunks'], 'samples': n, 'truncated samples': t,
-                         'dropped tokens': s['dropped_tokens'], 'max dropped / sample': s['max_dropped_tokens'],
-                         'chunks mean': s['chunks_mean'], 'read whole context': 'yes' if t == 0 else f'NO ({t}/{n} truncated)'})
+            rows.append(
+                {
+                    'model': role,
+                    'set': str(key),
+                    'mode (recorded)': run['recorded']['mode'],
+                    'max_chunks (recorded)': run['recorded']['max_chunks'],
+                    'samples': n,
+                    'truncated samples': t,
+                    'dropped tokens': s['dropped_tokens'],
+                    'max dropped / sample': s['max_dropped_tokens'],
+                    'chunks mean': s['chunks_mean'],
+                    'read whole context': 'yes' if t == 0 else f'NO ({t}/{n} truncated)',
+                }
+            )
     from memagent.report import md_table
-    lead = ("**Truncation occurred.** Samples whose document had more than `max_chunks` chunks were cut: only the first "
-            "`max_chunks x chunk_tokens` tokens were read and the rest was dropped. Those runs did NOT read the whole "
-            "context, and their scores must not be described as full-context results."
-            if any_trunc else "No sample exceeded `max_chunks`: every run read its whole context.")
+
+    lead = (
+        "**Truncation occurred.** Samples whose document had more than `max_chunks` chunks were "
+        "cut: only the first "
+        "`max_chunks x chunk_tokens` tokens were read and the rest was dropped. Those runs did "
+        "NOT read the whole "
+        "context, and their scores must not be described as full-context results."
+        if any_trunc
+        else "No sample exceeded `max_chunks`: every run read its whole context."
+    )
     return lead + '\n\n' + md_table(rows)
 
-def plot_lengths(summaries: dict, path, metric: str = 'sub_em', unit: str = 'documents per item (RULER-HQA)') -> Path:
-    "PNG: `metric` (%) per length with 95% intervals, one line per model; `summaries` is `{role: {length: {'metrics': {metric: {'value', 'ci95'}}}}}`."
-    import matplotlib; matplotlib.use('Agg')
+# %% ../../nbs/16b_acceptance_2_report.ipynb #a196b8f4
+def plot_lengths(
+    summaries: dict, path, metric: str = 'sub_em', unit: str = 'documents per item (RULER-HQA)'
+) -> Path:
+    """PNG: `metric` (%) per length with 95% intervals, one line per model; `summaries` is `{role:
+    {length: {'metrics': {metric: {'value', 'ci95'}}}}}`."""
+    import matplotlib
+
+    matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for j, role in enumerate(ROLES):
         runs = {k: s for k, s in summaries.get(role, {}).items() if isinstance(k, int)}
         ks = sorted(runs)
-        if not ks: continue
+        if not ks:
+            continue
         y = [runs[k]['metrics'][metric]['value'] for k in ks]
         lo = [y[i] - runs[k]['metrics'][metric]['ci95'][0] for i, k in enumerate(ks)]
         hi = [runs[k]['metrics'][metric]['ci95'][1] - y[i] for i, k in enumerate(ks)]
         xs = [i + (j - 1) * 0.06 for i in range(len(ks))]
         ax.errorbar(xs, y, yerr=[lo, hi], marker='o', capsize=4, label=role)
         ax.set_xticks(range(len(ks)), [str(k) for k in ks])
-    ax.set_xlabel(unit); ax.set_ylabel(f'{metric} (%)'); ax.set_ylim(-2, 102)
-    ax.grid(alpha=0.3); ax.legend(); ax.set_title(f'{metric} per length, 95% item-bootstrap intervals')
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
+    ax.set_xlabel(unit)
+    ax.set_ylabel(f'{metric} (%)')
+    ax.set_ylim(-2, 102)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f'{metric} per length, 95% item-bootstrap intervals')
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path
-
-
 
 # %% ../../nbs/16b_acceptance_2_report.ipynb #a7c1d010
 def _copied_summaries(out: Path, report: dict, summaries: dict) -> tuple[list, list]:
-    "Write `summaries[role][key]` to `out/summaries/` when it is the run `compare` loaded (same records SHA-256); the files written and the runs left out."
+    """Write `summaries[role][key]` to `out/summaries/` when it is the run `compare` loaded (same
+    records SHA-256); the files written and the runs left out."""
     runs, files, left = shown_runs(report), [], []
     for role, m in summaries.items():
         for key, s in m.items():
             run = runs.get(role, {}).get(int(key) if str(key).lstrip('-').isdigit() else key)
             if run is None or (s.get('records') or {}).get('sha256') != run['records_sha256']:
-                left.append(f"{role} {key}: " + ('not loaded by the gate' if run is None else 'not the run the gate compared')); continue
-            p = out / 'summaries' / f'{role}_{key}.json'; p.parent.mkdir(exist_ok=True)
-            p.write_text(json.dumps(s, indent=1) + '\n'); files.append(p.relative_to(out).as_posix())
+                left.append(
+                    f"{role} {key}: "
+                    + ('not loaded by the gate' if run is None else 'not the run the gate compared')
+                )
+                continue
+            p = out / 'summaries' / f'{role}_{key}.json'
+            p.parent.mkdir(exist_ok=True)
+            p.write_text(json.dumps(s, indent=1) + '\n')
+            files.append(p.relative_to(out).as_posix())
     return files, left
 
+
 def verification_md(report: dict, left=()) -> str:
-    "Markdown: what of the report the gate recomputed (from records, from data files) and what it shows as the runs recorded it."
+    """Markdown: what of the report the gate recomputed (from records, from data files) and what it
+    shows as the runs recorded it."""
     from memagent.report import md_table
-    rows = [{'set': k, 'model': r, 'run': run['source'], 'records sha256': _h16(run['records_sha256']),
-             'data sha256': _h16(run['data']['sha256']),
-             'data hash': 'recomputed from ' + str(run['data']['path']) if run['data']['verified'] else f"UNVERIFIED ({run['data']['why']})"}
-            for k, rs in report.get('runs', {}).items() for r, run in rs.items()]
-    return ("Recomputed from each run's per-sample records (the verdict and every number in Results, Truncation disclosure, "
-            f"Paired statistics and Figures of the parity mode): `{'`, `'.join(JUDGED)}`, and the item ids with their answers. "
-            "Recomputed from the data file where it is here: its SHA-256 and that the records are its items (table). "
-            "**Unverified** (shown as the runs recorded them; the gate checks only that they agree where a check says so): "
-            "model identities and served-model proofs (Models), `mode` and `max_chunks` (Truncation disclosure), the shared "
-            "configuration, and every other field of `summaries/` (e.g. `timing.wall_s`, `engine`, `provenance`)."
-            + ('\n\nNot copied to `summaries/`: ' + '; '.join(left) + '.' if left else '') + '\n\n' + md_table(rows))
 
-
+    rows = [
+        {
+            'set': k,
+            'model': r,
+            'run': run['source'],
+            'records sha256': _h16(run['records_sha256']),
+            'data sha256': _h16(run['data']['sha256']),
+            'data hash': 'recomputed from ' + str(run['data']['path'])
+            if run['data']['verified']
+            else f"UNVERIFIED ({run['data']['why']})",
+        }
+        for k, rs in report.get('runs', {}).items()
+        for r, run in rs.items()
+    ]
+    return (
+        "Recomputed from each run's per-sample records (the verdict and every number in Results, "
+        "Truncation disclosure, "
+        f"Paired statistics and Figures of the parity mode): `{'`, `'.join(JUDGED)}`, and the "
+        "item ids with their answers. "
+        "Recomputed from the data file where it is here: its SHA-256 and that the records are its "
+        "items (table). "
+        "**Unverified** (shown as the runs recorded them; the gate checks only that they agree "
+        "where a check says so): "
+        "model identities and served-model proofs (Models), `mode` and `max_chunks` (Truncation "
+        "disclosure), the shared "
+        "configuration, and every other field of `summaries/` (e.g. `timing.wall_s`, `engine`, "
+        "`provenance`)."
+        + ('\n\nNot copied to `summaries/`: ' + '; '.join(left) + '.' if left else '')
+        + '\n\n'
+        + md_table(rows)
+    )
 
 # %% ../../nbs/16b_acceptance_2_report.ipynb #a7c1d011
-RENDER_FILE = 'render.json'     # what a README shows that the gate cannot recompute: parameters, data note, extra sections, files
+# what a README shows that the gate cannot recompute: parameters, data note, extra sections, files
+RENDER_FILE = 'render.json'
+
 
 def _results_rows(report: dict, unit: str) -> list[dict]:
-    "One row per length (and the HotpotQA row): the three models' metric with intervals, the rule and the equivalence verdict."
+    """One row per length (and the HotpotQA row): the three models' metric with intervals, the rule
+    and the equivalence verdict."""
     vals, rows = report.get('values', {}), []
     fmt = lambda v: f"{v['value']:.2f} [{v['ci95'][0]:.1f}, {v['ci95'][1]:.1f}]"
     for key in report['lengths']:
-        if not all(r in vals.get(str(key), {}) for r in ROLES): continue
-        c = {ch['name']: ch for ch in report['checks'] if ch['key'] == key and ch['name'] in ('tolerance', 'beats_base')}
+        if not all(r in vals.get(str(key), {}) for r in ROLES):
+            continue
+        c = {
+            ch['name']: ch
+            for ch in report['checks']
+            if ch['key'] == key and ch['name'] in ('tolerance', 'beats_base')
+        }
         eq = report.get('equivalence', {}).get(str(key))
-        rows.append({unit: key, **{r: fmt(vals[str(key)][r]) for r in ROLES},
-                     '|cand - ref| pp': c.get('tolerance', {}).get('gap_pp'),
-                     'within tolerance': c.get('tolerance', {}).get('passed'), 'beats base': c.get('beats_base', {}).get('passed'),
-                     'cand - ref, paired 95% CI pp': f"{eq['diff']:+.2f} [{eq['ci'][0]:+.1f}, {eq['ci'][1]:+.1f}]" if eq else None,
-                     'could it decide?': eq['text'] if eq else None})
+        rows.append(
+            {
+                unit: key,
+                **{r: fmt(vals[str(key)][r]) for r in ROLES},
+                '|cand - ref| pp': c.get('tolerance', {}).get('gap_pp'),
+                'within tolerance': c.get('tolerance', {}).get('passed'),
+                'beats base': c.get('beats_base', {}).get('passed'),
+                'cand - ref, paired 95% CI pp': (
+                    f"{eq['diff']:+.2f} [{eq['ci'][0]:+.1f}, {eq['ci'][1]:+.1f}]"
+                )
+                if eq
+                else None,
+                'could it decide?': eq['text'] if eq else None,
+            }
+        )
     if all(r in vals.get(HOTPOTQA, {}) for r in ROLES):
-        c = next((ch for ch in report['checks'] if ch['key'] == HOTPOTQA and ch['name'] == 'beats_base'), {})
-        rows.append({unit: 'HotpotQA dev (boxed EM)', **{r: fmt(vals[HOTPOTQA][r]) for r in ROLES}, 'beats base': c.get('passed')})
+        c = next(
+            (ch for ch in report['checks'] if ch['key'] == HOTPOTQA and ch['name'] == 'beats_base'),
+            {},
+        )
+        rows.append(
+            {
+                unit: 'HotpotQA dev (boxed EM)',
+                **{r: fmt(vals[HOTPOTQA][r]) for r in ROLES},
+                'beats base': c.get('passed'),
+            }
+        )
     return rows
 
+# %% ../../nbs/16b_acceptance_2_report.ipynb #1ffacca4
 def _paired_rows(report: dict) -> list[dict]:
     "One row per set and pair of the paired per-item statistics."
     prow = []
@@ -124,155 +213,316 @@ def _paired_rows(report: dict) -> list[dict]:
         for pair in ('candidate_vs_reference', 'candidate_vs_base'):
             q = p[pair]
             if q.get('items'):
-                prow.append({'set': key, 'pair': pair.replace('_', ' '), 'metric': p['metric'], 'items': q['items'],
-                             'agreement': q['agreement'], 'diff pp': q['diff_pp'],
-                             'paired 95% CI pp': f"[{q['diff_ci95_pp'][0]:.2f}, {q['diff_ci95_pp'][1]:.2f}]"})
+                prow.append(
+                    {
+                        'set': key,
+                        'pair': pair.replace('_', ' '),
+                        'metric': p['metric'],
+                        'items': q['items'],
+                        'agreement': q['agreement'],
+                        'diff pp': q['diff_pp'],
+                        'paired 95% CI pp': (
+                            f"[{q['diff_ci95_pp'][0]:.2f}, {q['diff_ci95_pp'][1]:.2f}]"
+                        ),
+                    }
+                )
     return prow
 
+# %% ../../nbs/16b_acceptance_2_report.ipynb #5a32b3ca
 def _models_md(runs: dict) -> str:
-    "The models as each run recorded them (unverified), with how its server was proven to serve them."
+    """The models as each run recorded them (unverified), with how its server was proven to serve
+    them."""
     from memagent.report import md_table
-    served = lambda s: (s or {}).get('how') or '; '.join(sorted({x.get('how', '') for x in (s or {}).get('servers', [])})) or 'not checked'
-    return md_table([{'model': r, 'set': str(k), 'name (recorded)': (run['recorded']['model'] or {}).get('name'),
-                      'weights sha256 (recorded)': _h16((run['recorded']['model'] or {}).get('weights_sha256')),
-                      'served model proven by (recorded)': served(run['recorded']['served_model'])}
-                     for r in ROLES for k, run in runs.get(r, {}).items()])
 
+    served = lambda s: (
+        (s or {}).get('how')
+        or '; '.join(sorted({x.get('how', '') for x in (s or {}).get('servers', [])}))
+        or 'not checked'
+    )
+    return md_table(
+        [
+            {
+                'model': r,
+                'set': str(k),
+                'name (recorded)': (run['recorded']['model'] or {}).get('name'),
+                'weights sha256 (recorded)': _h16(
+                    (run['recorded']['model'] or {}).get('weights_sha256')
+                ),
+                'served model proven by (recorded)': served(run['recorded']['served_model']),
+            }
+            for r in ROLES
+            for k, run in runs.get(r, {}).items()
+        ]
+    )
 
 # %% ../../nbs/16b_acceptance_2_report.ipynb #a7c1d012
 def acceptance_sections(report: dict, render: dict) -> tuple[str, list, list]:
-    "`(title, sections, files)` of an acceptance README: every number from the gate's `report`, the rest from `render` (the contents of render.json)."
+    """`(title, sections, files)` of an acceptance README: every number from the gate's `report`,
+    the rest from `render` (the contents of render.json)."""
     from memagent.report import md_table, provenance_md
+
     unit, plot, runs = render['unit'], f"{report['metric']}.png", shown_runs(report)
     rows, prow = _results_rows(report, unit), _paired_rows(report)
-    verdict = ('**PASSED**: every check below holds.' if report['passed'] else
-               '**NOT PASSED**. Reasons:\n\n' + '\n'.join(f'- {x}' for x in report['reasons']))
-    checks = md_table([{'check': c['name'], 'set': c['key'], 'passed': c['passed'], 'reason': c['reason']} for c in report['checks']])
+    verdict = (
+        '**PASSED**: every check below holds.'
+        if report['passed']
+        else '**NOT PASSED**. Reasons:\n\n' + '\n'.join(f'- {x}' for x in report['reasons'])
+    )
+    checks = md_table(
+        [
+            {'check': c['name'], 'set': c['key'], 'passed': c['passed'], 'reason': c['reason']}
+            for c in report['checks']
+        ]
+    )
     first = next((run for r in ('reference', *ROLES) for run in runs.get(r, {}).values()), None)
-    shared = md_table([{'field': k, 'value': json.dumps(v) if not isinstance(v, str) else v}
-                       for k, v in first['recorded']['comparable'].items()]) if first else '_(no run loaded)_'
+    shared = (
+        md_table(
+            [
+                {'field': k, 'value': json.dumps(v) if not isinstance(v, str) else v}
+                for k, v in first['recorded']['comparable'].items()
+            ]
+        )
+        if first
+        else '_(no run loaded)_'
+    )
     parity = first['recomputed']['parity'] if first else None
-    source = next((v['source'] for v in report.get('values', {}).values() if v.get('source')), 'the records')
-    results = (f"Parity mode `{parity}`. Metric: `{report['metric']}` in %, 95% item-bootstrap interval in brackets, recomputed "
-               f"from {source}; tolerance {report['tolerance_pp']} pp. The rule judges the point difference. Beside it, the paired "
-               "item-bootstrap interval of candidate minus reference says whether these items could decide "
-               "(`memagent.stats.equivalence`): *equivalent* inside ±tolerance, *different* entirely beyond it, "
-               "else *undecided*, with about how many items would decide.\n\n"
-               + (md_table(rows, floatfmt='.2f') if rows else '_(no set with all three runs loaded)_')
-               + f"\n\n![{report['metric']} per length]({plot})")
+    source = next(
+        (v['source'] for v in report.get('values', {}).values() if v.get('source')), 'the records'
+    )
+    results = (
+        f"Parity mode `{parity}`. Metric: `{report['metric']}` in %, 95% item-bootstrap interval "
+        "in brackets, recomputed "
+        f"from {source}; tolerance {report['tolerance_pp']} pp. The rule judges the point "
+        "difference. Beside it, the paired "
+        "item-bootstrap interval of candidate minus reference says whether these items could "
+        "decide "
+        "(`memagent.stats.equivalence`): *equivalent* inside ±tolerance, *different* entirely "
+        "beyond it, "
+        "else *undecided*, with about how many items would decide.\n\n"
+        + (md_table(rows, floatfmt='.2f') if rows else '_(no set with all three runs loaded)_')
+        + f"\n\n![{report['metric']} per length]({plot})"
+    )
     sections = ([('Evaluation data', render['data_note'])] if render['data_note'] else []) + [
-        ('Verdict', verdict), ('Results', results), *map(tuple, render['extra_sections']),
-        ('Truncation disclosure', truncation_disclosure(runs)), ('Checks', checks),
+        ('Verdict', verdict),
+        ('Results', results),
+        *map(tuple, render['extra_sections']),
+        ('Truncation disclosure', truncation_disclosure(runs)),
+        ('Checks', checks),
         ('Paired per-item statistics', md_table(prow, floatfmt='.3f') if prow else '_(none)_'),
-        ('Models', 'As each run recorded them (**unverified**: not recomputable from the records; `distinct_models` '
-                   'compares them).\n\n' + _models_md(runs)),
-        ('Shared evaluation configuration', "As the reference's run recorded it (**unverified**; the `comparable` check "
-                                            "says whether the three runs agree).\n\n" + shared),
-        ('What the gate verified', verification_md(report, render['left']))]
-    extras = [{'model': r, 'set': str(k), **flatten(run['recomputed']['parity_extras'] or {})} for r in ROLES
-              for k, run in runs.get(r, {}).items() if run['recomputed'].get('parity_extras')]
-    if extras: sections.append(('Figures of the parity mode', "Computed from the same records by the parity mode's own rules "
-                                "(e.g. the official script's drop of empty outputs); the verdict uses the metrics above.\n\n"
-                                + md_table(extras, floatfmt='.2f')))
-    if render['params']: sections.append(('Parameters', '```json\n' + json.dumps(render['params'], indent=1) + '\n```'))
+        (
+            'Models',
+            'As each run recorded them (**unverified**: not recomputable from the records; '
+            '`distinct_models` '
+            'compares them).\n\n' + _models_md(runs),
+        ),
+        (
+            'Shared evaluation configuration',
+            "As the reference's run recorded it (**unverified**; the `comparable` check "
+            "says whether the three runs agree).\n\n" + shared,
+        ),
+        ('What the gate verified', verification_md(report, render['left'])),
+    ]
+    extras = [
+        {'model': r, 'set': str(k), **flatten(run['recomputed']['parity_extras'] or {})}
+        for r in ROLES
+        for k, run in runs.get(r, {}).items()
+        if run['recomputed'].get('parity_extras')
+    ]
+    if extras:
+        sections.append(
+            (
+                'Figures of the parity mode',
+                "Computed from the same records by the parity mode's own rules "
+                "(e.g. the official script's drop of empty outputs); the verdict uses the metrics "
+                "above.\n\n" + md_table(extras, floatfmt='.2f'),
+            )
+        )
+    if render['params']:
+        sections.append(
+            ('Parameters', '```json\n' + json.dumps(render['params'], indent=1) + '\n```')
+        )
     sections.append(('Provenance', provenance_md(report.get('provenance', {}))))
-    title = 'Acceptance: candidate vs reference vs base' + ('' if render['recipe_data'] else " (NOT the recipe's evaluation set)")
+    title = 'Acceptance: candidate vs reference vs base' + (
+        '' if render['recipe_data'] else " (NOT the recipe's evaluation set)"
+    )
     return title, sections, render['files']
-
 
 # %% ../../nbs/16b_acceptance_2_report.ipynb #a7c1d013
 def _inside(f, out: Path) -> str:
-    "A listed file as a path relative to `out`: `f` absolute or relative to the working directory (as `memory_report` returns them), else already relative to `out`."
+    """A listed file as a path relative to `out`: `f` absolute or relative to the working directory
+    (as `memory_report` returns them), else already relative to `out`."""
     p = Path(f)
-    if p.exists() and p.resolve().is_relative_to(out.resolve()): return p.resolve().relative_to(out.resolve()).as_posix()
+    if p.exists() and p.resolve().is_relative_to(out.resolve()):
+        return p.resolve().relative_to(out.resolve()).as_posix()
     return str(f)
 
+# %% ../../nbs/16b_acceptance_2_report.ipynb #0aaed6bb
 def render_acceptance(
-    out_dir,                       # the report folder (created)
-    report: dict,                  # `compare`'s report: every number shown comes from it
-    summaries: dict,               # `{role: {key: summary}}`, copied if they are the runs compared
-    params: dict | None = None,    # the run's parameters, shown in a section; None: no section
+    out_dir,  # the report folder (created)
+    report: dict,  # `compare`'s report: every number shown comes from it
+    summaries: dict,  # `{role: {key: summary}}`, copied if they are the runs compared
+    params: dict | None = None,  # the run's parameters, shown in a section; None: no section
     data_note: str | None = None,  # what the sets are; opens the report
-    recipe_data: bool = True,      # False: the title says these are not the recipe's sets
-    extra_sections=(),             # (heading, markdown) pairs shown after the results
-    extra_files=(),                # more files the README lists (in `out_dir`)
-    unit: str = 'documents',       # what a length counts: plot x label, table column
-) -> Path:                         # README.md's path
-    """Write README.md, `<metric>.png`, compare.json, render.json and summaries/ for an acceptance run; returns README.md's path.
-    Every number shown comes from `report` (recomputed by `compare`); `summaries` (`{role: {key: summary}}`) are copied to
-    summaries/ when they are the runs compared. `data_note` (what the sets are) opens the report; `recipe_data=False` says in
-    the title that they are not the recipe's evaluation set; `extra_sections` (heading, markdown) follow the results,
-    `extra_files` are listed. render.json keeps what the README shows beyond `report`, so `verify_acceptance` can render it again."""
+    recipe_data: bool = True,  # False: the title says these are not the recipe's sets
+    extra_sections=(),  # (heading, markdown) pairs shown after the results
+    extra_files=(),  # more files the README lists (in `out_dir`)
+    unit: str = 'documents',  # what a length counts: plot x label, table column
+) -> Path:  # README.md's path
+    """Write README.md, `<metric>.png`, compare.json, render.json and summaries/ for an acceptance
+    run; returns README.md's path.
+        Every number shown comes from `report` (recomputed by `compare`); `summaries` (`{role: {key:
+        summary}}`) are copied to
+        summaries/ when they are the runs compared. `data_note` (what the sets are) opens the
+        report;
+        `recipe_data=False` says in
+        the title that they are not the recipe's evaluation set; `extra_sections` (heading,
+        markdown)
+        follow the results,
+        `extra_files` are listed. render.json keeps what the README shows beyond `report`, so
+        `verify_acceptance` can render it again."""
     from memagent.report import write_report
-    out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     (out / 'compare.json').write_text(json.dumps(report, indent=1) + '\n')
     copied, left = _copied_summaries(out, report, summaries)
     vals = report.get('values', {})
-    by_len = {r: {k: {'metrics': {report['metric']: vals[str(k)][r]}} for k in report['lengths'] if r in vals.get(str(k), {})}
-              for r in ROLES}
+    by_len = {
+        r: {
+            k: {'metrics': {report['metric']: vals[str(k)][r]}}
+            for k in report['lengths']
+            if r in vals.get(str(k), {})
+        }
+        for r in ROLES
+    }
     plot = plot_lengths(by_len, out / f"{report['metric']}.png", report['metric'], unit).name
-    files = ['compare.json', RENDER_FILE, *copied, plot,
-             *(_inside(f, out) for f in extra_files)]
-    render = json.loads(json.dumps({'unit': unit, 'data_note': data_note, 'recipe_data': recipe_data,
-                                    'extra_sections': [list(s) for s in extra_sections], 'left': list(left),
-                                    'params': params or None, 'files': files}, default=str))
+    files = ['compare.json', RENDER_FILE, *copied, plot, *(_inside(f, out) for f in extra_files)]
+    render = json.loads(
+        json.dumps(
+            {
+                'unit': unit,
+                'data_note': data_note,
+                'recipe_data': recipe_data,
+                'extra_sections': [list(s) for s in extra_sections],
+                'left': list(left),
+                'params': params or None,
+                'files': files,
+            },
+            default=str,
+        )
+    )
     (out / RENDER_FILE).write_text(json.dumps(render, indent=1, ensure_ascii=False) + '\n')
     title, sections, files = acceptance_sections(report, render)
     return write_report(out, title, sections, files=files)
 
-
 # %% ../../nbs/16b_acceptance_2_report.ipynb #a7c1d015
 class ReportMismatch(ValueError):
-    "An acceptance report folder whose files are not what its per-sample runs and render.json give; `problems` lists each."
+    """An acceptance report folder whose files are not what its per-sample runs and render.json
+    give; `problems` lists each."""
+
     def __init__(self, problems):
         self.problems = list(problems)
-        super().__init__(f'{len(self.problems)} problem(s):\n' + '\n'.join(f'  - {p}' for p in self.problems))
+        super().__init__(
+            f'{len(self.problems)} problem(s):\n' + '\n'.join(f'  - {p}' for p in self.problems)
+        )
 
+# %% ../../nbs/16b_acceptance_2_report.ipynb #60b7eedf
 def _json_diff(want, got, where: str) -> list[str]:
-    "Paths at which the stored `got` differs from the recomputed `want` (JSON values; first difference per branch)."
+    """Paths at which the stored `got` differs from the recomputed `want` (JSON values; first
+    difference per branch)."""
     if isinstance(want, dict) and isinstance(got, dict):
-        return [p for k in dict.fromkeys([*want, *got]) for p in
-                (_json_diff(want[k], got[k], f'{where}.{k}') if k in want and k in got else
-                 [f"{where}.{k}: {'missing from the stored report' if k in want else 'not produced by the gate'}"])]
+        return [
+            p
+            for k in dict.fromkeys([*want, *got])
+            for p in (
+                _json_diff(want[k], got[k], f'{where}.{k}')
+                if k in want and k in got
+                else [
+                    f"{where}.{k}: "
+                    f"{'missing from the stored report' if k in want else 'not produced by the gate'}"  # noqa: E501
+                ]
+            )
+        ]
     if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
-        return [p for i, (w, g) in enumerate(zip(want, got)) for p in _json_diff(w, g, f'{where}[{i}]')]
+        return [
+            p for i, (w, g) in enumerate(zip(want, got)) for p in _json_diff(w, g, f'{where}[{i}]')
+        ]
     same = json.dumps(want, sort_keys=True) == json.dumps(got, sort_keys=True)
-    return [] if same else [f'{where}: stored {json.dumps(got)[:120]}, recomputed {json.dumps(want)[:120]}']
+    return (
+        []
+        if same
+        else [f'{where}: stored {json.dumps(got)[:120]}, recomputed {json.dumps(want)[:120]}']
+    )
 
+# %% ../../nbs/16b_acceptance_2_report.ipynb #aed909e9
 def verify_acceptance(
     report_dir,  # a report folder: compare.json, render.json, README.md, runs/
-) -> dict:       # `status`, `passed`, `metric`, each length's verdict
-    """Re-check an acceptance report folder: the gate run again on its per-sample runs (`runs/<role>/<key>`, their data files
-    read where the runs recorded them) gives compare.json (all but `provenance`), and README.md is, byte for byte, the
-    rendering of that report and render.json, with the SHA-256 of every file it lists (the plot included) taken from disk.
-    Returns the verdicts; raises `ReportMismatch` listing every problem, `FileError` for a file it cannot read."""
+) -> dict:  # `status`, `passed`, `metric`, each length's verdict
+    """Re-check an acceptance report folder: the gate run again on its per-sample runs
+    (`runs/<role>/<key>`, their data files
+        read where the runs recorded them) gives compare.json (all but `provenance`), and README.md
+        is,
+        byte for byte, the
+        rendering of that report and render.json, with the SHA-256 of every file it lists (the plot
+        included) taken from disk.
+        Returns the verdicts; raises `ReportMismatch` listing every problem, `FileError` for a file
+        it
+        cannot read."""
     from memagent.files import read_json
     from memagent.report import report_text
     from memagent.acceptance.gate import compare
+
     d = Path(report_dir)
-    report, render = read_json(d / 'compare.json', 'acceptance_report'), read_json(d / RENDER_FILE, 'acceptance_render')
+    report, render = (
+        read_json(d / 'compare.json', 'acceptance_report'),
+        read_json(d / RENDER_FILE, 'acceptance_render'),
+    )
     keys = [*report['lengths'], *([HOTPOTQA] if HOTPOTQA in report.get('values', {}) else [])]
     runs = {r: {k: d / 'runs' / r / str(k) for k in keys} for r in ROLES}
-    fresh = compare(runs['candidate'], runs['reference'], runs['base'], tolerance_pp=report['tolerance_pp'],
-                    lengths=report['lengths'], seed=report['bootstrap']['seed'], n_boot=report['bootstrap']['resamples'],
-                    require_hotpotqa=report['require_hotpotqa'], metric=report['metric'], hotpotqa_metric=report['hotpotqa_metric'])
+    fresh = compare(
+        runs['candidate'],
+        runs['reference'],
+        runs['base'],
+        tolerance_pp=report['tolerance_pp'],
+        lengths=report['lengths'],
+        seed=report['bootstrap']['seed'],
+        n_boot=report['bootstrap']['resamples'],
+        require_hotpotqa=report['require_hotpotqa'],
+        metric=report['metric'],
+        hotpotqa_metric=report['hotpotqa_metric'],
+    )
     strip = lambda rep: {k: v for k, v in rep.items() if k not in ('provenance', 'runs')}
     problems = _json_diff(strip(fresh), strip(report), 'compare.json')
-    for k, rs in fresh['runs'].items():          # the runs as loaded, less where they were read from
+    for k, rs in fresh['runs'].items():  # the runs as loaded, less where they were read from
         for r, run in rs.items():
             stored = report['runs'].get(k, {}).get(r, {})
-            problems += _json_diff({**run, 'source': None}, {**stored, 'source': None}, f'compare.json.runs.{k}.{r}')
+            problems += _json_diff(
+                {**run, 'source': None}, {**stored, 'source': None}, f'compare.json.runs.{k}.{r}'
+            )
     readme = d / 'README.md'
-    if not readme.is_file(): problems.append(f'{readme}: missing; render it with memagent.acceptance.report.render_acceptance')
+    if not readme.is_file():
+        problems.append(
+            f'{readme}: missing; render it with memagent.acceptance.report.render_acceptance'
+        )
     else:
         want, got = report_text(d, *acceptance_sections(report, render)), readme.read_text()
         if got != want:
-            line = next((i for i, (a, b) in enumerate(zip(got.splitlines(), want.splitlines())) if a != b),
-                        min(len(got.splitlines()), len(want.splitlines())))
-            problems.append(f"{readme}: not the rendering of compare.json, render.json and the files it lists (first difference at "
-                            f"line {line + 1}: {(got.splitlines()[line:line + 1] or [''])[0][:100]!r} where the rendering has "
-                            f"{(want.splitlines()[line:line + 1] or [''])[0][:100]!r})")
-    if problems: raise ReportMismatch(problems)
-    return {'status': 'verified', 'passed': report['passed'], 'metric': report['metric'],
-            'verdicts': {k: e['text'] for k, e in report.get('equivalence', {}).items()}}
-
+            line = next(
+                (i for i, (a, b) in enumerate(zip(got.splitlines(), want.splitlines())) if a != b),
+                min(len(got.splitlines()), len(want.splitlines())),
+            )
+            problems.append(
+                f"{readme}: not the rendering of compare.json, render.json and the files it lists "
+                "(first difference at "
+                f"line {line + 1}: {(got.splitlines()[line : line + 1] or [''])[0][:100]!r} where "
+                "the rendering has "
+                f"{(want.splitlines()[line : line + 1] or [''])[0][:100]!r})"
+            )
+    if problems:
+        raise ReportMismatch(problems)
+    return {
+        'status': 'verified',
+        'passed': report['passed'],
+        'metric': report['metric'],
+        'verdicts': {k: e['text'] for k, e in report.get('equivalence', {}).items()},
+    }

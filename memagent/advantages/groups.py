@@ -20,30 +20,46 @@ __all__ = ['GROUPS_SCHEMA', 'GROUPS_SHA256', 'PROTOCOL_SHA256', 'GROUP_NAMES', '
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #01501149
 GROUPS_SCHEMA = 'memagent.agemem_advantages.groups/1'
-GROUPS_SHA256 = '7660498b7010986da6e273cf17bfdd93f32b258c991825df15917b61051a3f3f'     # reports/agemem_advantages/groups.json
-PROTOCOL_SHA256 = '9c1574e5d7f0c47c44f37fe35d1f2e32d33d663037dd2787f210661e24856b30'   # reports/agemem_advantages/protocol.md
+# reports/agemem_advantages/groups.json
+GROUPS_SHA256 = '7660498b7010986da6e273cf17bfdd93f32b258c991825df15917b61051a3f3f'
+# reports/agemem_advantages/protocol.md
+PROTOCOL_SHA256 = '9c1574e5d7f0c47c44f37fe35d1f2e32d33d663037dd2787f210661e24856b30'
 GROUP_NAMES = ('C1', 'C2', 'C3', 'C4', 'C5', 'C6')
 VARIANTS, BACKGROUNDS = ('A', 'B'), ('b1', 'b2', 'b3', 'b4')
 SLOTS = ('stage1', 'distractor1', 'S3a', 'S3f')
-REWARDS, JUDGES, NORMALISATIONS = ('official', 'observed'), ('off', 'on'), ('per_experience', 'per_episode')
+REWARDS, JUDGES, NORMALISATIONS = (
+    ('official', 'observed'),
+    ('off', 'on'),
+    ('per_experience', 'per_episode'),
+)
+
 
 class GroupsError(ValueError):
-    "`groups.json`, or a dict standing for it, is not what the constructed groups need; the message names the file and the key."
+    """`groups.json`, or a dict standing for it, is not what the constructed groups need; the
+    message names the file and the key."""
+
 
 def default_groups_path(start=None) -> Path:
-    "`reports/agemem_advantages/groups.json` under the first folder at or above `start` (default: cwd) holding `settings.ini`."
+    """`reports/agemem_advantages/groups.json` under the first folder at or above `start` (default:
+    cwd) holding `settings.ini`."""
     return default_report_dir(start, 'agemem_advantages') / 'groups.json'
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #cb12bd4e
 def _changed(changes: dict, slot: str, text: str) -> str:
-    "A slot's reply after its variant's change: replaced by `reply`, or with `prefix` at its start; unchanged without one."
+    """A slot's reply after its variant's change: replaced by `reply`, or with `prefix` at its
+    start; unchanged without one."""
     c = changes.get(slot)
-    if c is None: return text
+    if c is None:
+        return text
     return c['reply'] if 'reply' in c else c['prefix'] + text
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #ee4bbb63
 def episode_replies(groups: dict, group: str, variant: str, background: str) -> list[dict]:
-    """One episode's replies in the order the walk asks for them: the Stage-1 rounds, each distractor's rounds, the Stage-3
-    rounds. Each is `{'stage', 'distractor', 'round', 'text'}`; distractors and rounds count from 0."""
+    """One episode's replies in the order the walk asks for them: the Stage-1 rounds, each
+    distractor's rounds, the Stage-3
+        rounds. Each is `{'stage', 'distractor', 'round', 'text'}`; distractors and rounds count
+        from
+        0."""
     R, base, bg = groups['replies'], groups['base'], groups['backgrounds'][background]
     ch = {c['slot']: c for c in groups['groups'][group]['variants'][variant]['changes']}
     stage1 = [R[n] for n in base['stage1']]
@@ -54,343 +70,799 @@ def episode_replies(groups: dict, group: str, variant: str, background: str) -> 
     s3[bg['S3f']] = _changed(ch, 'S3f', s3[bg['S3f']])
     if 'S3a' in ch:
         at = bg['S3a']['at']
-        if bg['S3a']['mode'] == 'insert': s3.insert(at, ch['S3a']['reply'])
-        else: s3[at] = ch['S3a']['reply']
+        if bg['S3a']['mode'] == 'insert':
+            s3.insert(at, ch['S3a']['reply'])
+        else:
+            s3[at] = ch['S3a']['reply']
     out = [{'stage': 1, 'distractor': None, 'round': r, 'text': t} for r, t in enumerate(stage1)]
-    for d, rounds in enumerate(dis): out += [{'stage': 2, 'distractor': d, 'round': r, 'text': t} for r, t in enumerate(rounds)]
+    for d, rounds in enumerate(dis):
+        out += [{'stage': 2, 'distractor': d, 'round': r, 'text': t} for r, t in enumerate(rounds)]
     return out + [{'stage': 3, 'distractor': None, 'round': r, 'text': t} for r, t in enumerate(s3)]
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #7f798a2d
 def episode_plans(groups: dict) -> dict:
-    """`{group: [8 episodes in the protocol's order]}`, each `{'episode', 'variant', 'background', 'task_id', 'experiences',
-    'replies'}`: built from the compact form alone, never from the file's stored `episodes`."""
-    return {g: [{'episode': i, 'variant': v, 'background': b, 'task_id': groups['task_id'].format(group=g),
-                 'experiences': spec['variants'][v]['experiences'], 'replies': episode_replies(groups, g, v, b)}
-                for i, (v, b) in enumerate(groups['order'])]
-            for g, spec in groups['groups'].items()}
+    """`{group: [8 episodes in the protocol's order]}`, each `{'episode', 'variant', 'background',
+    'task_id', 'experiences',
+        'replies'}`: built from the compact form alone, never from the file's stored `episodes`."""
+    return {
+        g: [
+            {
+                'episode': i,
+                'variant': v,
+                'background': b,
+                'task_id': groups['task_id'].format(group=g),
+                'experiences': spec['variants'][v]['experiences'],
+                'replies': episode_replies(groups, g, v, b),
+            }
+            for i, (v, b) in enumerate(groups['order'])
+        ]
+        for g, spec in groups['groups'].items()
+    }
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #35091b5a
 def episode_scripts(groups: dict) -> dict:
-    "`{group: [8 lists of reply texts]}`, each in the order the walk asks for replies (`episode_plans` without the labels)."
-    return {g: [[r['text'] for r in ep['replies']] for ep in eps] for g, eps in episode_plans(groups).items()}
+    """`{group: [8 lists of reply texts]}`, each in the order the walk asks for replies
+    (`episode_plans` without the labels)."""
+    return {
+        g: [[r['text'] for r in ep['replies']] for ep in eps]
+        for g, eps in episode_plans(groups).items()
+    }
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #d1159a2e
 def _need(ok, where: str, key: str, what: str):
-    if not ok: raise GroupsError(f'{where}: {key}: {what}')
+    if not ok:
+        raise GroupsError(f'{where}: {key}: {what}')
 
-def _is_text(x) -> bool: return isinstance(x, str) and bool(x)
+# %% ../../nbs/18e_advantages_3_groups.ipynb #4d9bbed5
+def _is_text(x) -> bool:
+    return isinstance(x, str) and bool(x)
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #e4e46c3a
 def _check_task(doc: dict, where: str):
     t = doc.get('task')
     _need(isinstance(t, dict), where, 'task', 'is not an object')
-    for k in ('question', 'answer'): _need(_is_text(t.get(k)), where, f'task.{k}', 'is not a non-empty string')
+    for k in ('question', 'answer'):
+        _need(_is_text(t.get(k)), where, f'task.{k}', 'is not a non-empty string')
     c = t.get('context')
-    _need(isinstance(c, dict) and isinstance(c.get('title'), list) and isinstance(c.get('sentences'), list)
-          and len(c['title']) == len(c['sentences']) > 0, where, 'task.context',
-          "is not {'title': [...], 'sentences': [[...], ...]} with one sentence list per title")
-    _need(all(_is_text(x) for x in c['title']), where, 'task.context.title', 'holds a title that is not a non-empty string')
-    _need(all(isinstance(s, list) and s and all(_is_text(x) for x in s) for s in c['sentences']), where,
-          'task.context.sentences', 'holds an entry that is not a list of non-empty strings')
-    _need('supporting_facts' in t and t['supporting_facts'] is None, where, 'task.supporting_facts', 'is not null (the protocol: none)')
+    _need(
+        isinstance(c, dict)
+        and isinstance(c.get('title'), list)
+        and isinstance(c.get('sentences'), list)
+        and len(c['title']) == len(c['sentences']) > 0,
+        where,
+        'task.context',
+        "is not {'title': [...], 'sentences': [[...], ...]} with one sentence list per title",
+    )
+    _need(
+        all(_is_text(x) for x in c['title']),
+        where,
+        'task.context.title',
+        'holds a title that is not a non-empty string',
+    )
+    _need(
+        all(isinstance(s, list) and s and all(_is_text(x) for x in s) for s in c['sentences']),
+        where,
+        'task.context.sentences',
+        'holds an entry that is not a list of non-empty strings',
+    )
+    _need(
+        'supporting_facts' in t and t['supporting_facts'] is None,
+        where,
+        'task.supporting_facts',
+        'is not null (the protocol: none)',
+    )
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #242a0dd5
 def _check_stages(doc: dict, where: str):
     R, base, bgs = doc.get('replies'), doc.get('base'), doc.get('backgrounds')
-    _need(isinstance(R, dict) and R and all(_is_text(v) for v in R.values()), where, 'replies', 'is not an object of non-empty texts')
-    _need(isinstance(base, dict) and isinstance(base.get('distractors'), int) and base['distractors'] >= 1, where,
-          'base.distractors', 'is not a whole number of at least 1')
+    _need(
+        isinstance(R, dict) and R and all(_is_text(v) for v in R.values()),
+        where,
+        'replies',
+        'is not an object of non-empty texts',
+    )
+    _need(
+        isinstance(base, dict)
+        and isinstance(base.get('distractors'), int)
+        and base['distractors'] >= 1,
+        where,
+        'base.distractors',
+        'is not a whole number of at least 1',
+    )
     for k in ('stage1', 'distractor'):
-        _need(isinstance(base.get(k), list) and len(base[k]) == 1 and base[k][0] in R, where, f'base.{k}', 'is not one known reply name')
-    _need(isinstance(bgs, dict) and tuple(bgs) == BACKGROUNDS, where, 'backgrounds', f'are not {list(BACKGROUNDS)} in order')
+        _need(
+            isinstance(base.get(k), list) and len(base[k]) == 1 and base[k][0] in R,
+            where,
+            f'base.{k}',
+            'is not one known reply name',
+        )
+    _need(
+        isinstance(bgs, dict) and tuple(bgs) == BACKGROUNDS,
+        where,
+        'backgrounds',
+        f'are not {list(BACKGROUNDS)} in order',
+    )
     for b, bg in bgs.items():
         s3 = bg.get('stage3')
-        _need(isinstance(s3, list) and s3 and all(n in R for n in s3), where, f'backgrounds.{b}.stage3', 'is not a list of known reply names')
+        _need(
+            isinstance(s3, list) and s3 and all(n in R for n in s3),
+            where,
+            f'backgrounds.{b}.stage3',
+            'is not a list of known reply names',
+        )
         a = bg.get('S3a')
-        _need(isinstance(a, dict) and a.get('mode') in ('insert', 'replace') and isinstance(a.get('at'), int)
-              and 0 <= a['at'] <= len(s3) - (a['mode'] == 'replace'), where, f'backgrounds.{b}.S3a',
-              "is not {'at': a place in stage3, 'mode': 'insert' or 'replace'}")
-        _need(isinstance(bg.get('S3f'), int) and 0 <= bg['S3f'] < len(s3), where, f'backgrounds.{b}.S3f', 'is not an index of stage3')
+        _need(
+            isinstance(a, dict)
+            and a.get('mode') in ('insert', 'replace')
+            and isinstance(a.get('at'), int)
+            and 0 <= a['at'] <= len(s3) - (a['mode'] == 'replace'),
+            where,
+            f'backgrounds.{b}.S3a',
+            "is not {'at': a place in stage3, 'mode': 'insert' or 'replace'}",
+        )
+        _need(
+            isinstance(bg.get('S3f'), int) and 0 <= bg['S3f'] < len(s3),
+            where,
+            f'backgrounds.{b}.S3f',
+            'is not an index of stage3',
+        )
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #8ee45fd1
 def _check_groups(doc: dict, where: str):
     G = doc.get('groups')
-    _need(isinstance(G, dict) and tuple(G) == GROUP_NAMES, where, 'groups', f'are not {list(GROUP_NAMES)} in order')
+    _need(
+        isinstance(G, dict) and tuple(G) == GROUP_NAMES,
+        where,
+        'groups',
+        f'are not {list(GROUP_NAMES)} in order',
+    )
     for g, spec in G.items():
-        _need(isinstance(spec, dict) and _is_text(spec.get('title')), where, f'groups.{g}.title', 'is not a non-empty string')
+        _need(
+            isinstance(spec, dict) and _is_text(spec.get('title')),
+            where,
+            f'groups.{g}.title',
+            'is not a non-empty string',
+        )
         V = spec.get('variants')
-        _need(isinstance(V, dict) and tuple(V) == VARIANTS, where, f'groups.{g}.variants', f'are not {list(VARIANTS)}')
+        _need(
+            isinstance(V, dict) and tuple(V) == VARIANTS,
+            where,
+            f'groups.{g}.variants',
+            f'are not {list(VARIANTS)}',
+        )
         for v, var in V.items():
             key = f'groups.{g}.variants.{v}'
-            _need(isinstance(var.get('experiences'), int) and var['experiences'] >= 1, where, f'{key}.experiences', 'is not a whole number >= 1')
+            _need(
+                isinstance(var.get('experiences'), int) and var['experiences'] >= 1,
+                where,
+                f'{key}.experiences',
+                'is not a whole number >= 1',
+            )
             ch = var.get('changes')
             _need(isinstance(ch, list) and ch, where, f'{key}.changes', 'is not a non-empty list')
             for i, c in enumerate(ch):
                 k = f'{key}.changes[{i}]'
-                _need(isinstance(c, dict) and c.get('slot') in SLOTS, where, k, f'names no slot of {list(SLOTS)}')
-                _need(len([x for x in ('reply', 'prefix') if x in c]) == 1 and set(c) <= {'slot', 'reply', 'prefix'}, where, k,
-                      "has not exactly one of 'reply' and 'prefix' beside 'slot'")
+                _need(
+                    isinstance(c, dict) and c.get('slot') in SLOTS,
+                    where,
+                    k,
+                    f'names no slot of {list(SLOTS)}',
+                )
+                _need(
+                    len([x for x in ('reply', 'prefix') if x in c]) == 1
+                    and set(c) <= {'slot', 'reply', 'prefix'},
+                    where,
+                    k,
+                    "has not exactly one of 'reply' and 'prefix' beside 'slot'",
+                )
                 _need(_is_text(c.get('reply', c.get('prefix'))), where, k, 'holds no text')
-                _need(not (c['slot'] == 'S3a' and 'prefix' in c), where, k, 'puts a prefix on S3a, a round with no base reply')
-            _need(len({c['slot'] for c in ch}) == len(ch), where, f'{key}.changes', 'changes one slot twice')
+                _need(
+                    not (c['slot'] == 'S3a' and 'prefix' in c),
+                    where,
+                    k,
+                    'puts a prefix on S3a, a round with no base reply',
+                )
+            _need(
+                len({c['slot'] for c in ch}) == len(ch),
+                where,
+                f'{key}.changes',
+                'changes one slot twice',
+            )
     order = doc.get('order')
-    _need(isinstance(order, list) and sorted(map(tuple, order)) == sorted((v, b) for v in VARIANTS for b in BACKGROUNDS),
-          where, 'order', 'is not each variant with each background once')
-    _need(isinstance(doc.get('task_id'), str) and '{group}' in doc['task_id'], where, 'task_id', "is not a pattern holding '{group}'")
+    _need(
+        isinstance(order, list)
+        and sorted(map(tuple, order)) == sorted((v, b) for v in VARIANTS for b in BACKGROUNDS),
+        where,
+        'order',
+        'is not each variant with each background once',
+    )
+    _need(
+        isinstance(doc.get('task_id'), str) and '{group}' in doc['task_id'],
+        where,
+        'task_id',
+        "is not a pattern holding '{group}'",
+    )
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #11233cba
 def _check_cell(c, where: str, key: str):
-    ok = isinstance(c, dict) and len(c) == 1 and (
-        ('interval' in c and isinstance(c['interval'], list) and len(c['interval']) == 2
-         and all(isinstance(x, (int, float)) for x in c['interval']) and c['interval'][0] <= c['interval'][1])
-        or c.get('tie') is True or ('exact' in c and isinstance(c['exact'], (int, float))))
-    _need(ok, where, key, "is not {'interval': [x, y]} with x <= y, {'tie': true} or {'exact': number}")
+    ok = (
+        isinstance(c, dict)
+        and len(c) == 1
+        and (
+            (
+                'interval' in c
+                and isinstance(c['interval'], list)
+                and len(c['interval']) == 2
+                and all(isinstance(x, (int, float)) for x in c['interval'])
+                and c['interval'][0] <= c['interval'][1]
+            )
+            or c.get('tie') is True
+            or ('exact' in c and isinstance(c['exact'], (int, float)))
+        )
+    )
+    _need(
+        ok,
+        where,
+        key,
+        "is not {'interval': [x, y]} with x <= y, {'tie': true} or {'exact': number}",
+    )
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #873bd397
 def _check_deltas(H: dict, where: str):
-    _need(isinstance(H.get('tie_below'), float) and H['tie_below'] > 0, where, 'hypotheses.tie_below', 'is not a number > 0')
-    _need(isinstance(H.get('deltas'), list) and H['deltas'], where, 'hypotheses.deltas', 'is not a non-empty list')
+    _need(
+        isinstance(H.get('tie_below'), float) and H['tie_below'] > 0,
+        where,
+        'hypotheses.tie_below',
+        'is not a number > 0',
+    )
+    _need(
+        isinstance(H.get('deltas'), list) and H['deltas'],
+        where,
+        'hypotheses.deltas',
+        'is not a non-empty list',
+    )
     for i, h in enumerate(H['deltas']):
         k = f'hypotheses.deltas[{i}]'
-        _need(isinstance(h, dict) and _is_text(h.get('id')) and h.get('group') in GROUP_NAMES, where, k, 'has no id or no known group')
-        _need(isinstance(h.get('judges'), list) and h['judges'] and set(h['judges']) <= set(JUDGES), where, f'{k}.judges',
-              f'is not a subset of {list(JUDGES)}')
+        _need(
+            isinstance(h, dict) and _is_text(h.get('id')) and h.get('group') in GROUP_NAMES,
+            where,
+            k,
+            'has no id or no known group',
+        )
+        _need(
+            isinstance(h.get('judges'), list) and h['judges'] and set(h['judges']) <= set(JUDGES),
+            where,
+            f'{k}.judges',
+            f'is not a subset of {list(JUDGES)}',
+        )
         for r in REWARDS:
-            _need(isinstance(h.get(r), dict) and tuple(h[r]) == BACKGROUNDS, where, f'{k}.{r}',
-                  f'has not one cell per background {list(BACKGROUNDS)}')
-            for b in BACKGROUNDS: _check_cell(h[r][b], where, f'{k}.{r}.{b}')
+            _need(
+                isinstance(h.get(r), dict) and tuple(h[r]) == BACKGROUNDS,
+                where,
+                f'{k}.{r}',
+                f'has not one cell per background {list(BACKGROUNDS)}',
+            )
+            for b in BACKGROUNDS:
+                _check_cell(h[r][b], where, f'{k}.{r}.{b}')
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #a9adce4d
 def _check_hypotheses(doc: dict, where: str):
     H = doc.get('hypotheses')
     _need(isinstance(H, dict), where, 'hypotheses', 'is not an object')
     _check_deltas(H, where)
     pairs = {(r, j) for r in REWARDS for j in JUDGES}
-    h7, h8, h9, h10 = (H.get(x) if isinstance(H.get(x), dict) else {} for x in ('H7', 'H8', 'H9', 'H10'))
-    _need(set(h7.get('groups', ())) <= set(GROUP_NAMES) and h7.get('groups') and all(tuple(x) in pairs for x in h7.get('rewards', ()))
-          and set(h7.get('positive', ())) | set(h7.get('negative', ())) <= set(BACKGROUNDS), where, 'hypotheses.H7',
-          'is not {groups, rewards: [[reward, judge], ...], positive, negative}')
-    _need(h8.get('background') in BACKGROUNDS and isinstance(h8.get('cells'), list) and h8['cells'] and all(
-        isinstance(c, list) and len(c) == 3 and c[0] in GROUP_NAMES and (c[1], c[2]) in pairs for c in h8['cells']),
-        where, 'hypotheses.H8', 'is not {background, cells: [[group, reward, judge], ...]}')
-    _need(isinstance(h9.get('cells'), list) and h9['cells'] and all(
-        isinstance(c, dict) and c.get('group') in GROUP_NAMES and c.get('judges') and set(c['judges']) <= set(JUDGES)
-        and len([x for x in ('exactly', 'at_most') if isinstance(c.get(x), int)]) == 1 and set(c.get('only', ())) <= set(BACKGROUNDS)
-        for c in h9['cells']), where, 'hypotheses.H9', "is not {cells: [{group, judges, 'exactly' or 'at_most', only}, ...]}")
-    _need(isinstance(h10.get('equal'), dict) and set(h10['equal']) <= set(GROUP_NAMES) and isinstance(h10.get('relative'), float)
-          and all(isinstance(n, int) and n >= 1 for n in h10['equal'].values()) and set(h10.get('same_sign', ())) <= set(GROUP_NAMES),
-          where, 'hypotheses.H10', 'is not {equal: {group: n}, relative, same_sign}')
+    h7, h8, h9, h10 = (
+        H.get(x) if isinstance(H.get(x), dict) else {} for x in ('H7', 'H8', 'H9', 'H10')
+    )
+    _need(
+        set(h7.get('groups', ())) <= set(GROUP_NAMES)
+        and h7.get('groups')
+        and all(tuple(x) in pairs for x in h7.get('rewards', ()))
+        and set(h7.get('positive', ())) | set(h7.get('negative', ())) <= set(BACKGROUNDS),
+        where,
+        'hypotheses.H7',
+        'is not {groups, rewards: [[reward, judge], ...], positive, negative}',
+    )
+    _need(
+        h8.get('background') in BACKGROUNDS
+        and isinstance(h8.get('cells'), list)
+        and h8['cells']
+        and all(
+            isinstance(c, list) and len(c) == 3 and c[0] in GROUP_NAMES and (c[1], c[2]) in pairs
+            for c in h8['cells']
+        ),
+        where,
+        'hypotheses.H8',
+        'is not {background, cells: [[group, reward, judge], ...]}',
+    )
+    _need(
+        isinstance(h9.get('cells'), list)
+        and h9['cells']
+        and all(
+            isinstance(c, dict)
+            and c.get('group') in GROUP_NAMES
+            and c.get('judges')
+            and set(c['judges']) <= set(JUDGES)
+            and len([x for x in ('exactly', 'at_most') if isinstance(c.get(x), int)]) == 1
+            and set(c.get('only', ())) <= set(BACKGROUNDS)
+            for c in h9['cells']
+        ),
+        where,
+        'hypotheses.H9',
+        "is not {cells: [{group, judges, 'exactly' or 'at_most', only}, ...]}",
+    )
+    _need(
+        isinstance(h10.get('equal'), dict)
+        and set(h10['equal']) <= set(GROUP_NAMES)
+        and isinstance(h10.get('relative'), float)
+        and all(isinstance(n, int) and n >= 1 for n in h10['equal'].values())
+        and set(h10.get('same_sign', ())) <= set(GROUP_NAMES),
+        where,
+        'hypotheses.H10',
+        'is not {equal: {group: n}, relative, same_sign}',
+    )
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #59200262
 def check_groups(doc, where: str = 'groups.json') -> dict:
-    "`doc` when it has every key the study reads, of the right shape, and its stored `episodes` equal `episode_plans(doc)`; else `GroupsError`."
+    """`doc` when it has every key the study reads, of the right shape, and its stored `episodes`
+    equal `episode_plans(doc)`; else `GroupsError`."""
     _need(isinstance(doc, dict), where, '(top level)', 'is not an object')
-    _need(doc.get('schema') == GROUPS_SCHEMA, where, 'schema', f'is {doc.get("schema")!r}, not {GROUPS_SCHEMA!r}')
-    _check_task(doc, where); _check_stages(doc, where); _check_groups(doc, where); _check_hypotheses(doc, where)
+    _need(
+        doc.get('schema') == GROUPS_SCHEMA,
+        where,
+        'schema',
+        f'is {doc.get("schema")!r}, not {GROUPS_SCHEMA!r}',
+    )
+    _check_task(doc, where)
+    _check_stages(doc, where)
+    _check_groups(doc, where)
+    _check_hypotheses(doc, where)
     eps, plans = doc.get('episodes'), episode_plans(doc)
-    _need(isinstance(eps, dict) and tuple(eps) == tuple(plans), where, 'episodes', f'are not one list per group {list(plans)}')
+    _need(
+        isinstance(eps, dict) and tuple(eps) == tuple(plans),
+        where,
+        'episodes',
+        f'are not one list per group {list(plans)}',
+    )
     for g in plans:
-        _need(isinstance(eps[g], list) and len(eps[g]) == len(plans[g]), where, f'episodes.{g}', f'is not {len(plans[g])} episodes')
+        _need(
+            isinstance(eps[g], list) and len(eps[g]) == len(plans[g]),
+            where,
+            f'episodes.{g}',
+            f'is not {len(plans[g])} episodes',
+        )
         for i, (got, want) in enumerate(zip(eps[g], plans[g])):
-            bad = [k for k in want if got.get(k) != want[k]] if isinstance(got, dict) else ['(the episode)']
-            _need(not bad and set(got) == set(want), where, f'episodes.{g}[{i}]',
-                  f'differs from what the compact form builds in {bad or sorted(set(got) ^ set(want))}')
+            bad = (
+                [k for k in want if got.get(k) != want[k]]
+                if isinstance(got, dict)
+                else ['(the episode)']
+            )
+            _need(
+                not bad and set(got) == set(want),
+                where,
+                f'episodes.{g}[{i}]',
+                'differs from what the compact form builds in '
+                f'{bad or sorted(set(got) ^ set(want))}',
+            )
     return doc
 
+
 def load_groups(path=None, pinned: bool = True) -> dict:
-    "The checked `groups.json` at `path` (default: the report folder's); with `pinned`, refused unless its SHA-256 is `GROUPS_SHA256`."
+    """The checked `groups.json` at `path` (default: the report folder's); with `pinned`, refused
+    unless its SHA-256 is `GROUPS_SHA256`."""
     p = Path(path) if path is not None else default_groups_path()
     if pinned:
-        if not p.is_file(): raise GroupsError(f'{p}: no such file')
+        if not p.is_file():
+            raise GroupsError(f'{p}: no such file')
         if (h := sha256_file(p)) != GROUPS_SHA256:
-            raise GroupsError(f'{p}: SHA-256 {h} is not the committed one pinned in memagent.advantages.groups ({GROUPS_SHA256})')
+            raise GroupsError(
+                f'{p}: SHA-256 {h} is not the committed one pinned in memagent.advantages.groups '
+                f'({GROUPS_SHA256})'
+            )
     return check_groups(read_json(p), where=str(p))
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #16094642
 def _episodes_of(by_group: dict, group: str) -> dict | None:
-    "`{(variant, background): episode}` of `group`; `None` when the group is lost (absent or `None`)."
+    """`{(variant, background): episode}` of `group`; `None` when the group is lost (absent or
+    `None`)."""
     eps = by_group.get(group)
-    if eps is None: return None
+    if eps is None:
+        return None
     out = {}
     for i, e in enumerate(eps):
         key = (e.get('variant'), e.get('background')) if isinstance(e, dict) else (None, None)
         if key[0] not in VARIANTS or key[1] not in BACKGROUNDS:
-            raise ValueError(f'episodes of {group}[{i}]: variant {key[0]!r}, background {key[1]!r}: not one of the protocol\'s')
-        if e.get('group', group) != group: raise ValueError(f'episodes of {group}[{i}]: says group {e["group"]!r}')
-        if key in out: raise ValueError(f'episodes of {group}: two episodes {key[0]}-{key[1]}')
+            raise ValueError(
+                f'episodes of {group}[{i}]: variant {key[0]!r}, background {key[1]!r}: not one of '
+                'the protocol\'s'
+            )
+        if e.get('group', group) != group:
+            raise ValueError(f'episodes of {group}[{i}]: says group {e["group"]!r}')
+        if key in out:
+            raise ValueError(f'episodes of {group}: two episodes {key[0]}-{key[1]}')
         out[key] = e
     if len(out) != len(VARIANTS) * len(BACKGROUNDS):
         missing = [f'{v}-{b}' for v in VARIANTS for b in BACKGROUNDS if (v, b) not in out]
         raise ValueError(f'episodes of {group}: {missing} missing (a lost group is passed as None)')
     return out
 
+
 def _num(e: dict, *keys) -> float:
-    "The number at `keys` in episode `e`; a `ValueError` naming the episode and the keys when it is missing or not a finite number."
+    """The number at `keys` in episode `e`; a `ValueError` naming the episode and the keys when it
+    is missing or not a finite number."""
     x = e
-    for k in keys: x = x.get(k) if isinstance(x, dict) else None
+    for k in keys:
+        x = x.get(k) if isinstance(x, dict) else None
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        raise ValueError(f"episode {e.get('group')} {e.get('variant')}-{e.get('background')}: {'.'.join(keys)} is {x!r}, not a finite number")
+        raise ValueError(
+            f"episode {e.get('group')} {e.get('variant')}-{e.get('background')}: {'.'.join(keys)} "
+            f"is {x!r}, not a finite number"
+        )
     return float(x)
+
 
 def sign(x: float) -> int:
     "-1, 0 or 1."
     return (x > 0) - (x < 0)
 
+
 def signs_differ(a: float, b: float) -> bool:
     "Whether two advantages differ in sign: their signs (-1, 0, 1) are not equal."
     return sign(a) != sign(b)
 
+
 def meets(value, expect: dict, tie_below: float) -> bool:
-    "Whether a Δ meets a cell: `interval` [x, y] when x <= Δ <= y; `tie` when |Δ| < `tie_below`; `exact` when equal. `None` never meets."
-    if value is None: return False
-    if 'interval' in expect: return expect['interval'][0] <= value <= expect['interval'][1]
-    if expect.get('tie'): return abs(value) < tie_below
+    """Whether a Δ meets a cell: `interval` [x, y] when x <= Δ <= y; `tie` when |Δ| < `tie_below`;
+    `exact` when equal. `None` never meets."""
+    if value is None:
+        return False
+    if 'interval' in expect:
+        return expect['interval'][0] <= value <= expect['interval'][1]
+    if expect.get('tie'):
+        return abs(value) < tie_below
     return value == expect['exact']
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #862c3d56
 def _delta_hypotheses(by_group: dict, H: dict) -> list[dict]:
-    "H1 to H6j: Δ = R(A) - R(B) per background, each stated cell against its interval, tie or exact value."
+    """H1 to H6j: Δ = R(A) - R(B) per background, each stated cell against its interval, tie or
+    exact value."""
     out = []
     for h in H['deltas']:
         eps, cells = _episodes_of(by_group, h['group']), []
         for j in h['judges']:
             for r in REWARDS:
                 for b in BACKGROUNDS:
-                    d = None if eps is None else _num(eps[('A', b)], 'rewards', r, j) - _num(eps[('B', b)], 'rewards', r, j)
-                    cells.append({'group': h['group'], 'judge': j, 'reward': r, 'background': b, 'value': d,
-                                  'expected': h[r][b], 'met': meets(d, h[r][b], H['tie_below'])})
+                    d = (
+                        None
+                        if eps is None
+                        else _num(eps[('A', b)], 'rewards', r, j)
+                        - _num(eps[('B', b)], 'rewards', r, j)
+                    )
+                    cells.append(
+                        {
+                            'group': h['group'],
+                            'judge': j,
+                            'reward': r,
+                            'background': b,
+                            'value': d,
+                            'expected': h[r][b],
+                            'met': meets(d, h[r][b], H['tie_below']),
+                        }
+                    )
         out.append({'id': h['id'], 'held': all(c['met'] for c in cells), 'cells': cells})
     return out
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #7f27d754
 def _h7(by_group: dict, H: dict) -> dict:
-    "H7: every episode of a positive background has an advantage > 0, every one of a negative background < 0."
+    """H7: every episode of a positive background has an advantage > 0, every one of a negative
+    background < 0."""
     spec, cells = H['H7'], []
     for g in spec['groups']:
         eps = _episodes_of(by_group, g)
         for r, j in spec['rewards']:
             for n in NORMALISATIONS:
-                vals = {f'{v}-{b}': None if eps is None else _num(eps[(v, b)], 'advantages', r, j, n)
-                        for b in spec['positive'] + spec['negative'] for v in VARIANTS}
-                met = all(x is not None and (x > 0 if k.split('-')[1] in spec['positive'] else x < 0) for k, x in vals.items())
-                cells.append({'group': g, 'reward': r, 'judge': j, 'normalisation': n, 'values': vals, 'met': met})
+                vals = {
+                    f'{v}-{b}': None if eps is None else _num(eps[(v, b)], 'advantages', r, j, n)
+                    for b in spec['positive'] + spec['negative']
+                    for v in VARIANTS
+                }
+                met = all(
+                    x is not None and (x > 0 if k.split('-')[1] in spec['positive'] else x < 0)
+                    for k, x in vals.items()
+                )
+                cells.append(
+                    {
+                        'group': g,
+                        'reward': r,
+                        'judge': j,
+                        'normalisation': n,
+                        'values': vals,
+                        'met': met,
+                    }
+                )
     return {'id': 'H7', 'held': all(c['met'] for c in cells), 'cells': cells}
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #d2e7aea8
 def _h8(by_group: dict, H: dict) -> dict:
-    """H8: in each listed cell the Δ is outside the tie band in every background, and the `b2` episode of the variant with the
-    higher reward has an advantage > 0, the other < 0, under both normalisations."""
+    """H8: in each listed cell the Δ is outside the tie band in every background, and the `b2`
+    episode of the variant with the
+        higher reward has an advantage > 0, the other < 0, under both normalisations."""
     b0, tie, cells = H['H8']['background'], H['tie_below'], []
     for g, r, j in H['H8']['cells']:
         eps = _episodes_of(by_group, g)
-        d = {b: None if eps is None else _num(eps[('A', b)], 'rewards', r, j) - _num(eps[('B', b)], 'rewards', r, j) for b in BACKGROUNDS}
+        d = {
+            b: None
+            if eps is None
+            else _num(eps[('A', b)], 'rewards', r, j) - _num(eps[('B', b)], 'rewards', r, j)
+            for b in BACKGROUNDS
+        }
         outside = all(x is not None and abs(x) >= tie for x in d.values())
         higher = None if d[b0] is None or d[b0] == 0 else ('A' if d[b0] > 0 else 'B')
-        adv = {n: {f'{v}-{b0}': None if eps is None else _num(eps[(v, b0)], 'advantages', r, j, n) for v in VARIANTS} for n in NORMALISATIONS}
+        adv = {
+            n: {
+                f'{v}-{b0}': None if eps is None else _num(eps[(v, b0)], 'advantages', r, j, n)
+                for v in VARIANTS
+            }
+            for n in NORMALISATIONS
+        }
         signs_ok = higher is not None and all(
-            (x > 0 if k.startswith(higher) else x < 0) for a in adv.values() for k, x in a.items())
-        cells.append({'group': g, 'reward': r, 'judge': j, 'deltas': d, 'outside_tie': outside, 'higher': higher,
-                      'advantages': adv, 'met': outside and signs_ok})
+            (x > 0 if k.startswith(higher) else x < 0) for a in adv.values() for k, x in a.items()
+        )
+        cells.append(
+            {
+                'group': g,
+                'reward': r,
+                'judge': j,
+                'deltas': d,
+                'outside_tie': outside,
+                'higher': higher,
+                'advantages': adv,
+                'met': outside and signs_ok,
+            }
+        )
     return {'id': 'H8', 'held': all(c['met'] for c in cells), 'cells': cells}
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #589a2c79
 def _h9(by_group: dict, H: dict) -> dict:
-    """H9: the episodes whose official and observed advantages differ in sign (same judge, same normalisation): their number
-    is `exactly` k, or `at_most` k, of the 8, and every one is of a background in `only`."""
+    """H9: the episodes whose official and observed advantages differ in sign (same judge, same
+    normalisation): their number
+        is `exactly` k, or `at_most` k, of the 8, and every one is of a background in `only`."""
     cells = []
     for c in H['H9']['cells']:
         eps = _episodes_of(by_group, c['group'])
         for j in c['judges']:
             for n in NORMALISATIONS:
-                differ = None if eps is None else [f'{v}-{b}' for v in VARIANTS for b in BACKGROUNDS
-                                                  if signs_differ(_num(eps[(v, b)], 'advantages', 'official', j, n),
-                                                                  _num(eps[(v, b)], 'advantages', 'observed', j, n))]
+                differ = (
+                    None
+                    if eps is None
+                    else [
+                        f'{v}-{b}'
+                        for v in VARIANTS
+                        for b in BACKGROUNDS
+                        if signs_differ(
+                            _num(eps[(v, b)], 'advantages', 'official', j, n),
+                            _num(eps[(v, b)], 'advantages', 'observed', j, n),
+                        )
+                    ]
+                )
                 expected = {k: c[k] for k in ('exactly', 'at_most', 'only') if k in c}
-                met = differ is not None and all(x.split('-')[1] in c['only'] for x in differ) and (
-                    len(differ) == c['exactly'] if 'exactly' in c else len(differ) <= c['at_most'])
-                cells.append({'group': c['group'], 'judge': j, 'normalisation': n, 'differ': differ,
-                              'fraction': None if differ is None else len(differ) / 8, 'expected': expected, 'met': met})
+                met = (
+                    differ is not None
+                    and all(x.split('-')[1] in c['only'] for x in differ)
+                    and (
+                        len(differ) == c['exactly']
+                        if 'exactly' in c
+                        else len(differ) <= c['at_most']
+                    )
+                )
+                cells.append(
+                    {
+                        'group': c['group'],
+                        'judge': j,
+                        'normalisation': n,
+                        'differ': differ,
+                        'fraction': None if differ is None else len(differ) / 8,
+                        'expected': expected,
+                        'met': met,
+                    }
+                )
     return {'id': 'H9', 'held': all(c['met'] for c in cells), 'cells': cells}
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #9ce42baa
 def _h10(by_group: dict, H: dict) -> dict:
-    """H10: where every episode collects n experiences, per experience = per episode x sqrt((8n - 1) / (7n)) within a relative
-    tolerance; in the `same_sign` groups, no episode's sign differs between the two normalisations."""
+    """H10: where every episode collects n experiences, per experience = per episode x sqrt((8n - 1)
+    / (7n)) within a relative
+        tolerance; in the `same_sign` groups, no episode's sign differs between the two
+        normalisations."""
     spec, cells = H['H10'], []
     for g, n in spec['equal'].items():
         eps, f = _episodes_of(by_group, g), math.sqrt((8 * n - 1) / (7 * n))
         for r in REWARDS:
             for j in JUDGES:
-                counts = None if eps is None else {f'{v}-{b}': e.get('experiences') for (v, b), e in eps.items()}
-                rel = None if eps is None else max(_relative(_num(e, 'advantages', r, j, 'per_experience'),
-                                                             f * _num(e, 'advantages', r, j, 'per_episode')) for e in eps.values())
-                met = eps is not None and all(k == n for k in counts.values()) and rel <= spec['relative']
-                cells.append({'group': g, 'reward': r, 'judge': j, 'n': n, 'factor': f, 'experiences': counts,
-                              'largest_relative': rel if rel is None or math.isfinite(rel) else None, 'met': met})   # None: against 0
+                counts = (
+                    None
+                    if eps is None
+                    else {f'{v}-{b}': e.get('experiences') for (v, b), e in eps.items()}
+                )
+                rel = (
+                    None
+                    if eps is None
+                    else max(
+                        _relative(
+                            _num(e, 'advantages', r, j, 'per_experience'),
+                            f * _num(e, 'advantages', r, j, 'per_episode'),
+                        )
+                        for e in eps.values()
+                    )
+                )
+                met = (
+                    eps is not None
+                    and all(k == n for k in counts.values())
+                    and rel <= spec['relative']
+                )
+                cells.append(
+                    {
+                        'group': g,
+                        'reward': r,
+                        'judge': j,
+                        'n': n,
+                        'factor': f,
+                        'experiences': counts,
+                        'largest_relative': rel if rel is None or math.isfinite(rel) else None,
+                        'met': met,
+                    }
+                )  # None: against 0
     for g in spec['same_sign']:
         eps = _episodes_of(by_group, g)
         for r in REWARDS:
             for j in JUDGES:
-                differ = None if eps is None else [f'{v}-{b}' for (v, b), e in eps.items() if signs_differ(
-                    _num(e, 'advantages', r, j, 'per_experience'), _num(e, 'advantages', r, j, 'per_episode'))]
-                cells.append({'group': g, 'reward': r, 'judge': j, 'differ': differ, 'met': differ == []})
+                differ = (
+                    None
+                    if eps is None
+                    else [
+                        f'{v}-{b}'
+                        for (v, b), e in eps.items()
+                        if signs_differ(
+                            _num(e, 'advantages', r, j, 'per_experience'),
+                            _num(e, 'advantages', r, j, 'per_episode'),
+                        )
+                    ]
+                )
+                cells.append(
+                    {'group': g, 'reward': r, 'judge': j, 'differ': differ, 'met': differ == []}
+                )
     return {'id': 'H10', 'held': all(c['met'] for c in cells), 'cells': cells}
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #aca0ca76
 def _relative(got: float, want: float) -> float:
     "|got - want| / |want|; 0 when both are 0, infinite when only `want` is."
-    if want == 0: return 0.0 if got == 0 else math.inf
+    if want == 0:
+        return 0.0 if got == 0 else math.inf
     return abs(got - want) / abs(want)
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #d71fc026
 def hypotheses(episodes_by_group: dict, groups: dict | None = None) -> list[dict]:
-    """H1 to H10 decided from per-episode results (the shape above), with the cells of `groups` (default: `load_groups()`).
-    Each is `{'id', 'held', 'cells'}`; a hypothesis is held when every cell is met."""
+    """H1 to H10 decided from per-episode results (the shape above), with the cells of `groups`
+    (default: `load_groups()`).
+        Each is `{'id', 'held', 'cells'}`; a hypothesis is held when every cell is met."""
     H = (groups if groups is not None else load_groups())['hypotheses']
-    return _delta_hypotheses(episodes_by_group, H) + [_h7(episodes_by_group, H), _h8(episodes_by_group, H),
-                                                      _h9(episodes_by_group, H), _h10(episodes_by_group, H)]
+    return _delta_hypotheses(episodes_by_group, H) + [
+        _h7(episodes_by_group, H),
+        _h8(episodes_by_group, H),
+        _h9(episodes_by_group, H),
+        _h10(episodes_by_group, H),
+    ]
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #26ce33b1
-PROBE_THRESHOLD = 0.20      # p >= 0.20: at least one reply in five calls a tool the workflow would run
-SAMPLED_BUDGET_S = 2700     # 45 minutes for the sampled groups
+PROBE_THRESHOLD = 0.20  # p >= 0.20: at least one reply in five calls a tool the workflow would run
+SAMPLED_BUDGET_S = 2700  # 45 minutes for the sampled groups
 MAX_GROUPS = 8
 GROUP_SIZE = 8
 
+
 def parsable_calls(reply: str, mods: dict, parse=None) -> list[dict]:
-    "The calls of `reply` the workflow would run: objects with a `TOOL_SCHEMA` name and, if present, object `arguments`."
+    """The calls of `reply` the workflow would run: objects with a `TOOL_SCHEMA` name and, if
+    present, object `arguments`."""
     parse = parse or mods['utils'].parse_tool_calls
     names = {t['name'] for t in mods['utils'].TOOL_SCHEMA}
-    return [c for c in parse(reply) if isinstance(c, dict) and c.get('name') in names
-            and (('arguments' not in c) or isinstance(c['arguments'], dict))]
+    return [
+        c
+        for c in parse(reply)
+        if isinstance(c, dict)
+        and c.get('name') in names
+        and (('arguments' not in c) or isinstance(c['arguments'], dict))
+    ]
+
 
 def parsable_fraction(replies, mods: dict, parse=None) -> float:
-    "The fraction of `replies` (texts, or dicts with a 'text') holding at least one parsable call; 0.0 when there are none."
+    """The fraction of `replies` (texts, or dicts with a 'text') holding at least one parsable call;
+    0.0 when there are none."""
     texts = [r['text'] if isinstance(r, dict) else r for r in replies]
     return sum(bool(parsable_calls(t, mods, parse)) for t in texts) / len(texts) if texts else 0.0
 
+
 def probe_decision(t_probe: float, p: float, replies: int | None = None) -> dict:
-    "The protocol's rule: N = min(8, floor(2700 / (8 t_probe))); the sampled groups run iff p >= 0.20 and N >= 2."
-    if isinstance(t_probe, bool) or not isinstance(t_probe, (int, float)) or not (math.isfinite(t_probe) and t_probe > 0):
+    """The protocol's rule: N = min(8, floor(2700 / (8 t_probe))); the sampled groups run iff p >=
+    0.20 and N >= 2."""
+    if (
+        isinstance(t_probe, bool)
+        or not isinstance(t_probe, (int, float))
+        or not (math.isfinite(t_probe) and t_probe > 0)
+    ):
         raise ValueError(f't_probe must be a finite number of seconds > 0, got {t_probe!r}')
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1: raise ValueError(f'p must be in [0, 1], got {p!r}')
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        raise ValueError(f'p must be in [0, 1], got {p!r}')
     n = min(MAX_GROUPS, math.floor(SAMPLED_BUDGET_S / (GROUP_SIZE * t_probe)))
-    why = ([f'p = {p:.3f} is below {PROBE_THRESHOLD:.2f}'] if p < PROBE_THRESHOLD else []) + ([f'N = {n} is below 2'] if n < 2 else [])
-    return {'t_probe': float(t_probe), 'replies': replies, 'p': float(p), 'threshold': PROBE_THRESHOLD, 'groups': n,
-            'run': not why, 'why': '; '.join(why) or f'p >= {PROBE_THRESHOLD:.2f} and N = {n} >= 2'}
+    why = ([f'p = {p:.3f} is below {PROBE_THRESHOLD:.2f}'] if p < PROBE_THRESHOLD else []) + (
+        [f'N = {n} is below 2'] if n < 2 else []
+    )
+    return {
+        't_probe': float(t_probe),
+        'replies': replies,
+        'p': float(p),
+        'threshold': PROBE_THRESHOLD,
+        'groups': n,
+        'run': not why,
+        'why': '; '.join(why) or f'p >= {PROBE_THRESHOLD:.2f} and N = {n} >= 2',
+    }
 
 # %% ../../nbs/18e_advantages_3_groups.ipynb #6b750ff9
 def _interval_hypothesis(hid: str, shows, episodes: list) -> dict:
     chosen, cells = [e for e in episodes if shows(e['behaviours'])], []
     for j in JUDGES:
         for n in NORMALISATIONS:
-            iv = mean_interval([_num(e, 'advantages', 'official', j, n) - _num(e, 'advantages', 'observed', j, n) for e in chosen])
-            v = 'not estimable' if iv is None else 'held' if iv['low'] > 0 else 'contradicted' if iv['high'] < 0 else 'undecided'
+            iv = mean_interval(
+                [
+                    _num(e, 'advantages', 'official', j, n)
+                    - _num(e, 'advantages', 'observed', j, n)
+                    for e in chosen
+                ]
+            )
+            v = (
+                'not estimable'
+                if iv is None
+                else 'held'
+                if iv['low'] > 0
+                else 'contradicted'
+                if iv['high'] < 0
+                else 'undecided'
+            )
             cells.append({'judge': j, 'normalisation': n, 'interval': iv, 'verdict': v})
     vs = {c['verdict'] for c in cells}
-    verdict = 'not estimable' if len(chosen) < 3 else vs.pop() if len(vs) == 1 and vs <= {'held', 'contradicted'} else 'undecided'
+    verdict = (
+        'not estimable'
+        if len(chosen) < 3
+        else vs.pop()
+        if len(vs) == 1 and vs <= {'held', 'contradicted'}
+        else 'undecided'
+    )
     return {'id': hid, 'episodes': len(chosen), 'verdict': verdict, 'cells': cells}
 
+
 def sampled_hypotheses(episodes: list) -> list[dict]:
-    """S1 to S3 over the finished sampled episodes, each `{'behaviours': [...], 'advantages': {...}}` (the shape `hypotheses`
-    reads). Each result is `{'id', 'episodes', 'verdict', 'cells'}`."""
+    """S1 to S3 over the finished sampled episodes, each `{'behaviours': [...], 'advantages':
+    {...}}` (the shape `hypotheses`
+        reads). Each result is `{'id', 'episodes', 'verdict', 'cells'}`."""
     for i, e in enumerate(episodes):
-        if not isinstance(e, dict) or not isinstance(e.get('behaviours'), list): raise ValueError(f'sampled episode {i}: no list of behaviours')
+        if not isinstance(e, dict) or not isinstance(e.get('behaviours'), list):
+            raise ValueError(f'sampled episode {i}: no list of behaviours')
     s1 = _interval_hypothesis('S1', lambda bs: any(b.startswith('prose:') for b in bs), episodes)
     s2 = _interval_hypothesis('S2', lambda bs: 'update_failed' in bs, episodes)
     cells = []
     for j in JUDGES:
         for n in NORMALISATIONS:
-            opp = [i for i, e in enumerate(episodes)
-                   if _num(e, 'advantages', 'official', j, n) * _num(e, 'advantages', 'observed', j, n) < 0]
+            opp = [
+                i
+                for i, e in enumerate(episodes)
+                if _num(e, 'advantages', 'official', j, n) * _num(e, 'advantages', 'observed', j, n)
+                < 0
+            ]
             cells.append({'judge': j, 'normalisation': n, 'opposite': opp})
-    s3 = 'not estimable' if len(episodes) < 3 else 'held' if any(c['opposite'] for c in cells) else 'not held'
+    s3 = (
+        'not estimable'
+        if len(episodes) < 3
+        else 'held'
+        if any(c['opposite'] for c in cells)
+        else 'not held'
+    )
     return [s1, s2, {'id': 'S3', 'episodes': len(episodes), 'verdict': s3, 'cells': cells}]

@@ -7,17 +7,59 @@ from __future__ import annotations
 import copy, json, statistics, time
 from pathlib import Path
 from ..provenance import sha256_file, sha256_text, provenance, provenance_problems
-from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, VerificationError, check_checkout, default_report_dir as audit_report_dir,
-                            origin_problems, audited_upstream, _environment, _differs, _MISSING, open_receipt, field_problems,
-                            environment_problems, wrong_shape)
+from memagent.audit import (
+    AUDITED_REPOSITORY,
+    AUDITED_REVISION,
+    AuditError,
+    VerificationError,
+    check_checkout,
+    default_report_dir as audit_report_dir,
+    origin_problems,
+    audited_upstream,
+    _environment,
+    _differs,
+    _MISSING,
+    open_receipt,
+    field_problems,
+    environment_problems,
+    wrong_shape,
+)
 from ..auditreport import study_cli, figure_report_problems
 from ..rollout import run_sync
-from .upstream import (ADVANTAGE_FILES, EXECUTED, load_study, episode_rewards, grpo_advantages, system_prompt,
-                                         distractor_messages)
-from .walk import AgeMemWalk, ScriptedEngine, behaviours, play, SAMPLING, MAX_NEW, WINDOW
-from .groups import (GROUPS_SHA256, PROTOCOL_SHA256, SAMPLED_BUDGET_S, MAX_GROUPS, GROUP_SIZE, REWARDS, JUDGES,
-                                        NORMALISATIONS as NORMS, load_groups, episode_scripts, hypotheses, parsable_fraction, probe_decision,
-                                        sampled_hypotheses)
+from memagent.advantages.upstream import (
+    ADVANTAGE_FILES,
+    EXECUTED,
+    load_study,
+    episode_rewards,
+    grpo_advantages,
+    system_prompt,
+    distractor_messages,
+)
+from memagent.advantages.walk import (
+    AgeMemWalk,
+    ScriptedEngine,
+    behaviours,
+    play,
+    SAMPLING,
+    MAX_NEW,
+    WINDOW,
+)
+from memagent.advantages.groups import (
+    GROUPS_SHA256,
+    PROTOCOL_SHA256,
+    SAMPLED_BUDGET_S,
+    MAX_GROUPS,
+    GROUP_SIZE,
+    REWARDS,
+    JUDGES,
+    NORMALISATIONS as NORMS,
+    load_groups,
+    episode_scripts,
+    hypotheses,
+    parsable_fraction,
+    probe_decision,
+    sampled_hypotheses,
+)
 from .report import behaviour_rows, render_report, render_files
 
 # %% auto #0
@@ -30,51 +72,130 @@ __all__ = ['RECEIPT_SCHEMA', 'POLICY', 'HOTPOTQA_DEV_SHA256', 'MEANING', 'LIMITS
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #39573354
 RECEIPT_SCHEMA = 'memagent.agemem_advantages.receipt/1'
 POLICY = 'smollm2-135m-instruct'
-HOTPOTQA_DEV_SHA256 = 'a3697dd5625448503165dd7ce3ad81688a8c436a73f4bd3f3879b8cde4cf4f3d'   # data/hotpotqa/dev_distractor.jsonl.gz
-MEANING = ('passed = every hypothesis H1-H10 held on the constructed groups, decided by the protocol\'s rules from the numbers '
-           'in this receipt, on the unchanged pinned checkout; a sign says which way one GRPO update would push, not where '
-           'training would end')
-LIMITS = ('No policy is trained. A sign says which way one update would push, not where training ends. The constructed '
-          'replies are scripted, one behaviour at a time; real episodes mix many. The summariser, the similarity model, the '
-          'task score, the judge and the embedder are local stand-ins; the hosted models may grade differently. '
-          'SmolLM2-135M is far smaller than the paper\'s policy, and its replies are capped at 256 tokens. Episodes of one '
-          'sampled group share its mean and standard deviation, so their intervals are approximate.')
-RECEIPT_FIELDS = ('schema', 'status', 'meaning', 'limits', 'audited', 'protocol', 'fixtures', 'settings', 'prompts', 'environment',
-                  'constructed', 'hypotheses', 'behaviours', 'probe', 'sampled', 'summary', 'provenance')
-AUDITED_FIELDS = ('repository', 'revision', 'obtained_from', 'files', 'executed', 'read', 'checkout_unchanged_after_run')
-RUN_SETTINGS = {'group_size': GROUP_SIZE, 'max_context_tokens': 8192, 'max_rounds': 5, 'distractors': 3,
-            'weights': {'task': 0.5, 'tool': 0.2, 'context': 0.15, 'memory': 0.15},
-            'advantage': 'GRPOGroupedAdvantage(**default_args()).process', 'rewards': list(REWARDS), 'judges': list(JUDGES),
-            'normalisations': list(NORMS), 'policy': POLICY, 'sampling': dict(SAMPLING), 'max_new_tokens': MAX_NEW, 'window': WINDOW,
-            'sampled_budget_s': SAMPLED_BUDGET_S, 'sampled_rows': 'data/hotpotqa/dev_distractor.jsonl.gz rows 1 to N, in file order'}
+# data/hotpotqa/dev_distractor.jsonl.gz
+HOTPOTQA_DEV_SHA256 = 'a3697dd5625448503165dd7ce3ad81688a8c436a73f4bd3f3879b8cde4cf4f3d'
+MEANING = (
+    'passed = every hypothesis H1-H10 held on the constructed groups, decided by the protocol\'s '
+    'rules from the numbers '
+    'in this receipt, on the unchanged pinned checkout; a sign says which way one GRPO update '
+    'would push, not where '
+    'training would end'
+)
+LIMITS = (
+    'No policy is trained. A sign says which way one update would push, not where training ends. '
+    'The constructed '
+    'replies are scripted, one behaviour at a time; real episodes mix many. The summariser, the '
+    'similarity model, the '
+    'task score, the judge and the embedder are local stand-ins; the hosted models may grade '
+    'differently. '
+    'SmolLM2-135M is far smaller than the paper\'s policy, and its replies are capped at 256 '
+    'tokens. Episodes of one '
+    'sampled group share its mean and standard deviation, so their intervals are approximate.'
+)
+RECEIPT_FIELDS = (
+    'schema',
+    'status',
+    'meaning',
+    'limits',
+    'audited',
+    'protocol',
+    'fixtures',
+    'settings',
+    'prompts',
+    'environment',
+    'constructed',
+    'hypotheses',
+    'behaviours',
+    'probe',
+    'sampled',
+    'summary',
+    'provenance',
+)
+AUDITED_FIELDS = (
+    'repository',
+    'revision',
+    'obtained_from',
+    'files',
+    'executed',
+    'read',
+    'checkout_unchanged_after_run',
+)
+RUN_SETTINGS = {
+    'group_size': GROUP_SIZE,
+    'max_context_tokens': 8192,
+    'max_rounds': 5,
+    'distractors': 3,
+    'weights': {'task': 0.5, 'tool': 0.2, 'context': 0.15, 'memory': 0.15},
+    'advantage': 'GRPOGroupedAdvantage(**default_args()).process',
+    'rewards': list(REWARDS),
+    'judges': list(JUDGES),
+    'normalisations': list(NORMS),
+    'policy': POLICY,
+    'sampling': dict(SAMPLING),
+    'max_new_tokens': MAX_NEW,
+    'window': WINDOW,
+    'sampled_budget_s': SAMPLED_BUDGET_S,
+    'sampled_rows': 'data/hotpotqa/dev_distractor.jsonl.gz rows 1 to N, in file order',
+}
 PINS = {rel: (AUDITED_REVISION, sha) for rel, sha in ADVANTAGE_FILES.items()}
 
+
 def default_report_dir(start=None) -> Path:
-    "`reports/agemem_advantages` under the first folder at or above `start` (default: cwd) that holds `settings.ini`."
+    """`reports/agemem_advantages` under the first folder at or above `start` (default: cwd) that
+    holds `settings.ini`."""
     return audit_report_dir(start, 'agemem_advantages')
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #b8a1c700
-RECORD_KEYS = ('task_id', 'episode', 'replies', 'context', 'log', 'experiences', 'finished_at_round', 'found_answer', 'final_answer',
-               'task_score', 'lost', 'window_break')
+RECORD_KEYS = (
+    'task_id',
+    'episode',
+    'replies',
+    'context',
+    'log',
+    'experiences',
+    'finished_at_round',
+    'found_answer',
+    'final_answer',
+    'task_score',
+    'lost',
+    'window_break',
+)
 
-def prompt_record(text: str) -> dict: return {'sha256': sha256_text(text), 'characters': len(text)}
 
+def prompt_record(text: str) -> dict:
+    return {'sha256': sha256_text(text), 'characters': len(text)}
+
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #7fc79235
 def elide_prompt(context: list, system: str, distractors=()) -> list:
-    "`context` with upstream's own texts, the system prompt and each distractor message, replaced by their SHA-256 and length."
+    """`context` with upstream's own texts, the system prompt and each distractor message, replaced
+    by their SHA-256 and length."""
     rec, dis = prompt_record(system), set(distractors)
-    return [{'role': 'system', 'system_prompt': rec} if m.get('role') == 'system' and m.get('content') == system else
-            {'role': 'user', 'distractor': prompt_record(m['content'])} if m.get('role') == 'user' and m.get('content') in dis else m
-            for m in context]
+    return [
+        {'role': 'system', 'system_prompt': rec}
+        if m.get('role') == 'system' and m.get('content') == system
+        else {'role': 'user', 'distractor': prompt_record(m['content'])}
+        if m.get('role') == 'user' and m.get('content') in dis
+        else m
+        for m in context
+    ]
 
-def score_group(mods: dict, recs: list[dict], task: dict, group_task_id: str, system: str, labels=None) -> dict:
-    "The rewards, the eight advantages and the behaviours of one group's episodes (`recs`, from `AgeMemWalk.records`)."
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #ed0637fb
+def score_group(
+    mods: dict, recs: list[dict], task: dict, group_task_id: str, system: str, labels=None
+) -> dict:
+    """The rewards, the eight advantages and the behaviours of one group's episodes (`recs`, from
+    `AgeMemWalk.records`)."""
     lost = next((r['lost'] for r in recs if r['lost']), None)
     eps = []
     for i, r in enumerate(recs):
         e = {**(labels[i] if labels else {}), **{k: copy.deepcopy(r[k]) for k in RECORD_KEYS}}
-        e['context'] = elide_prompt(e['context'], system, distractor_messages(mods, task['question']))
+        e['context'] = elide_prompt(
+            e['context'], system, distractor_messages(mods, task['question'])
+        )
         e['behaviours'] = behaviours(r, task['answer'], mods)
-        sides = None if lost else {j: episode_rewards(mods, r, task, judge=j == 'on') for j in JUDGES}
+        sides = (
+            None if lost else {j: episode_rewards(mods, r, task, judge=j == 'on') for j in JUDGES}
+        )
         e['rewards'] = None if lost else {w: {j: sides[j][w] for j in JUDGES} for w in REWARDS}
         e['advantages'] = None if lost else {w: {j: {} for j in JUDGES} for w in REWARDS}
         eps.append(e)
@@ -82,143 +203,302 @@ def score_group(mods: dict, recs: list[dict], task: dict, group_task_id: str, sy
         counts = [len(r['experiences']) for r in recs]
         for w in REWARDS:
             for j in JUDGES:
-                a = grpo_advantages(mods, [e['rewards'][w][j]['total'] for e in eps], counts, group_task_id)
-                for i, e in enumerate(eps): e['advantages'][w][j] = {n: a[n][i] for n in NORMS}
+                a = grpo_advantages(
+                    mods, [e['rewards'][w][j]['total'] for e in eps], counts, group_task_id
+                )
+                for i, e in enumerate(eps):
+                    e['advantages'][w][j] = {n: a[n][i] for n in NORMS}
     return {'task_id': group_task_id, 'lost': lost, 'episodes': eps}
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #03f0234f
 def hotpot_task(row: dict, number: int) -> dict:
-    "HotpotQA row `number` (1 = the file's first) as the workflow reads a task: `context` and `supporting_facts` as columns."
-    return {'task_id': f'0/row{number}', 'row': number, 'hotpot_id': row['_id'], 'question': row['question'], 'answer': row['answer'],
-            'context': {'title': [t for t, _ in row['context']], 'sentences': [list(s) for _, s in row['context']]},
-            'supporting_facts': {'title': [t for t, _ in row['supporting_facts']], 'sent_id': [i for _, i in row['supporting_facts']]}}
+    """HotpotQA row `number` (1 = the file's first) as the workflow reads a task: `context` and
+    `supporting_facts` as columns."""
+    return {
+        'task_id': f'0/row{number}',
+        'row': number,
+        'hotpot_id': row['_id'],
+        'question': row['question'],
+        'answer': row['answer'],
+        'context': {
+            'title': [t for t, _ in row['context']],
+            'sentences': [list(s) for _, s in row['context']],
+        },
+        'supporting_facts': {
+            'title': [t for t, _ in row['supporting_facts']],
+            'sent_id': [i for _, i in row['supporting_facts']],
+        },
+    }
+
 
 def sampled_tasks(n: int, path=None) -> list[dict]:
-    "Rows 1 to `n` of the shipped dev file (`path` for tests), refused unless the file has the protocol's SHA-256."
+    """Rows 1 to `n` of the shipped dev file (`path` for tests), refused unless the file has the
+    protocol's SHA-256."""
     from memagent.data import hotpotqa_path, load_hotpotqa
+
     path = Path(path) if path else hotpotqa_path('dev')
-    if (got := sha256_file(path)) != HOTPOTQA_DEV_SHA256: raise AuditError(f'{path}: SHA-256 {got} is not the protocol\'s {HOTPOTQA_DEV_SHA256}')
+    if (got := sha256_file(path)) != HOTPOTQA_DEV_SHA256:
+        raise AuditError(f'{path}: SHA-256 {got} is not the protocol\'s {HOTPOTQA_DEV_SHA256}')
     return [hotpot_task(r, i + 1) for i, r in enumerate(load_hotpotqa(path, limit=n))]
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #af7d9f19
 def policy_identity(tokenizer) -> dict:
-    "The policy's weights (`model_identity`, with the source SHA-256 its build records) and its tokenizer's files."
+    """The policy's weights (`model_identity`, with the source SHA-256 its build records) and its
+    tokenizer's files."""
     from memagent.models import model_identity, tokenizer_identity
+
     m = model_identity(POLICY)
     src = Path(m['path']) / 'SOURCE.json' if m.get('path') else None
     source = json.loads(src.read_text()) if src is not None and src.is_file() else None
     return {'model': m, 'source': source, 'tokenizer': tokenizer_identity(tokenizer)}
 
+
 def run_probe(mods: dict, task: dict, engine, tokenizer, clock=time.perf_counter) -> dict:
-    "Play and time one episode of the policy on `task`; its replies' parsable calls, `p`, and the protocol's decision."
+    """Play and time one episode of the policy on `task`; its replies' parsable calls, `p`, and the
+    protocol's decision."""
     t0 = clock()
     rec = play(mods, [task], 1, engine, tokenizer)[0]
     t_probe = clock() - t0
     parsable = [parsable_fraction([r], mods) == 1.0 for r in rec['replies']]
     p = parsable_fraction(rec['replies'], mods)
-    if rec['replies'] and abs(p - sum(parsable) / len(parsable)) > 1e-12: raise AuditError(f'probe: p {p} is not the share of parsable replies')
-    return {'task': task['task_id'], 'episode': 0, 't_probe': t_probe, 'replies': len(rec['replies']), 'parsable': parsable, 'p': p,
-            'decision': probe_decision(t_probe, p, len(rec['replies'])), 'record': rec}
+    if rec['replies'] and abs(p - sum(parsable) / len(parsable)) > 1e-12:
+        raise AuditError(f'probe: p {p} is not the share of parsable replies')
+    return {
+        'task': task['task_id'],
+        'episode': 0,
+        't_probe': t_probe,
+        'replies': len(rec['replies']),
+        'parsable': parsable,
+        'p': p,
+        'decision': probe_decision(t_probe, p, len(rec['replies'])),
+        'record': rec,
+    }
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #960d91cb
-class _Stopped(Exception): "The sampled groups' time ran out."
+class _Stopped(Exception):
+    "The sampled groups' time ran out."
 
-def run_sampled(mods: dict, tasks: list[dict], engine, tokenizer, system: str, budget_s: float = SAMPLED_BUDGET_S, clock=time.monotonic) -> list[dict]:
-    "One group of `GROUP_SIZE` episodes per task, in order, until `budget_s` seconds after the first group's start."
+
+def run_sampled(
+    mods: dict,
+    tasks: list[dict],
+    engine,
+    tokenizer,
+    system: str,
+    budget_s: float = SAMPLED_BUDGET_S,
+    clock=time.monotonic,
+) -> list[dict]:
+    """One group of `GROUP_SIZE` episodes per task, in order, until `budget_s` seconds after the
+    first group's start."""
     start, out = clock(), []
+
     def check():
-        if clock() - start > budget_s: raise _Stopped
+        if clock() - start > budget_s:
+            raise _Stopped
+
     for task in tasks:
         began = clock() - start
-        if began > budget_s: out.append({'task': task['task_id'], 'row': task['row'], 'state': 'not started', 'started_s': None, 'seconds': None}); continue
+        if began > budget_s:
+            out.append(
+                {
+                    'task': task['task_id'],
+                    'row': task['row'],
+                    'state': 'not started',
+                    'started_s': None,
+                    'seconds': None,
+                }
+            )
+            continue
         walk = AgeMemWalk(mods, [task], GROUP_SIZE, tokenizer)
-        try: run_sync(walk, engine, on_step=check); state = 'finished'
-        except _Stopped: state = 'unfinished'
-        g = {'task': task['task_id'], 'row': task['row'], 'state': state, 'started_s': began, 'seconds': clock() - start - began}
-        if state == 'finished': g.update(score_group(mods, walk.records(), task, task['task_id'], system))
+        try:
+            run_sync(walk, engine, on_step=check)
+            state = 'finished'
+        except _Stopped:
+            state = 'unfinished'
+        g = {
+            'task': task['task_id'],
+            'row': task['row'],
+            'state': state,
+            'started_s': began,
+            'seconds': clock() - start - began,
+        }
+        if state == 'finished':
+            g.update(score_group(mods, walk.records(), task, task['task_id'], system))
         out.append(g)
     return out
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #3005fdab
 def run_constructed(mods: dict, groups: dict, tokenizer, system: str) -> list[dict]:
-    "Every constructed group played with its scripts and scored: `[{group, task_id, lost, episodes}]` in the file's order."
+    """Every constructed group played with its scripts and scored: `[{group, task_id, lost,
+    episodes}]` in the file's order."""
     scripts, out = episode_scripts(groups), []
     for g, eps in scripts.items():
         tid = groups['task_id'].format(group=g)
         task = {**copy.deepcopy(groups['task']), 'task_id': tid}
         engine = ScriptedEngine({tid: eps}, tokenizer)
-        recs = play(mods, [task], GROUP_SIZE, engine, tokenizer, window=None)    # scripted replies: no model window
-        if engine.unused() and not any(r['lost'] for r in recs):    # the walk and the scripts disagree on the episodes' rounds
+        recs = play(
+            mods, [task], GROUP_SIZE, engine, tokenizer, window=None
+        )  # scripted replies: no model window
+        if engine.unused() and not any(
+            r['lost'] for r in recs
+        ):  # the walk and the scripts disagree on the episodes' rounds
             raise AuditError(f'group {g}: scripted replies never requested: {engine.unused()}')
         labels = [{'group': g, 'variant': v, 'background': b} for v, b in groups['order']]
         out.append({'group': g, **score_group(mods, recs, task, tid, system, labels)})
     return out
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #64cc40bf
-def _episodes(groups: list) -> list: return [e for g in groups for e in (g.get('episodes') or [])]
-def _analysed(groups: list) -> list: return [g for g in groups if g['state'] == 'finished' and g['lost'] is None]
+def _episodes(groups: list) -> list:
+    return [e for g in groups for e in (g.get('episodes') or [])]
 
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #58a03b7f
+def _analysed(groups: list) -> list:
+    return [g for g in groups if g['state'] == 'finished' and g['lost'] is None]
+
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #c6a467ef
 def sampled_state(probe: dict | None, groups: list, asked: bool) -> tuple[str, str]:
     "(state, why) of the sampled part, from the probe's decision and the groups that ran."
-    if probe is None: return 'not run', 'the probe was not run, so the rule could not decide'
+    if probe is None:
+        return 'not run', 'the probe was not run, so the rule could not decide'
     d = probe['decision']
-    if not d['run']: return 'not run', f"the probe's rule: {d['why']}"
-    if not asked: return 'not run', f"the rule allowed N = {d['groups']} groups, but the run was asked not to play them (a deviation)"
+    if not d['run']:
+        return 'not run', f"the probe's rule: {d['why']}"
+    if not asked:
+        return (
+            'not run',
+            f"the rule allowed N = {d['groups']} groups, but the run was asked not to play them "
+            "(a deviation)",
+        )
     done, minutes = len(_analysed(groups)), SAMPLED_BUDGET_S / 60
-    if done < 2: return 'not completed', f'{done} of {len(groups)} groups finished, not lost, within {minutes:.0f} minutes; at least 2 are needed'
-    return 'completed', f'{done} of {len(groups)} groups finished, not lost, within {minutes:.0f} minutes, and are analysed'
+    if done < 2:
+        return (
+            'not completed',
+            f'{done} of {len(groups)} groups finished, not lost, within {minutes:.0f} minutes; at '
+            'least 2 are needed',
+        )
+    return (
+        'completed',
+        f'{done} of {len(groups)} groups finished, not lost, within {minutes:.0f} minutes, and '
+        'are analysed',
+    )
 
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #3e08555e
 def hypothesis_view(e: dict) -> dict:
-    "An episode as `hypotheses` reads it: its labels, the four totals, the eight advantages, the number of experiences."
-    return {'group': e['group'], 'variant': e['variant'], 'background': e['background'], 'experiences': len(e['experiences']),
-            'rewards': {w: {j: e['rewards'][w][j]['total'] for j in JUDGES} for w in REWARDS}, 'advantages': e['advantages']}
+    """An episode as `hypotheses` reads it: its labels, the four totals, the eight advantages, the
+    number of experiences."""
+    return {
+        'group': e['group'],
+        'variant': e['variant'],
+        'background': e['background'],
+        'experiences': len(e['experiences']),
+        'rewards': {w: {j: e['rewards'][w][j]['total'] for j in JUDGES} for w in REWARDS},
+        'advantages': e['advantages'],
+    }
 
-def findings(groups: dict, constructed: list, probe: dict | None, sampled_groups: list, asked: bool = True) -> dict:
-    "The hypotheses, the behaviour tables, the sampled part and the summary, from the scored episodes alone (`groups`: groups.json)."
-    hyps = hypotheses({g['group']: None if g['lost'] else [hypothesis_view(e) for e in g['episodes']] for g in constructed}, groups)
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #d4d60597
+def findings(
+    groups: dict, constructed: list, probe: dict | None, sampled_groups: list, asked: bool = True
+) -> dict:
+    """The hypotheses, the behaviour tables, the sampled part and the summary, from the scored
+    episodes alone (`groups`: groups.json)."""
+    hyps = hypotheses(
+        {
+            g['group']: None if g['lost'] else [hypothesis_view(e) for e in g['episodes']]
+            for g in constructed
+        },
+        groups,
+    )
     state, why = sampled_state(probe, sampled_groups, asked)
     s_eps = _episodes(_analysed(sampled_groups)) if state == 'completed' else []
     cells = [c for h in hyps for c in h['cells']]
     met = sum(c['met'] is True for c in cells)
-    summary = {'cases': len(hyps), 'held': sum(h['held'] is True for h in hyps), 'checks': len(cells), 'matched': met,
-               'mismatched': len(cells) - met, 'mismatched_cases': [h['id'] for h in hyps if h['held'] is not True],
-               'episodes': len(_episodes(constructed)), 'lost_groups': [g['group'] for g in constructed if g['lost'] is not None]}
-    return {'hypotheses': hyps, 'behaviours': {'constructed': behaviour_rows(_episodes(constructed)), 'sampled': behaviour_rows(s_eps)},
-            'sampled': {'asked': asked, 'state': state, 'why': why, 'budget_s': SAMPLED_BUDGET_S, 'groups': sampled_groups,
-                        'hypotheses': sampled_hypotheses(s_eps) if s_eps else None},
-            'summary': summary}
+    summary = {
+        'cases': len(hyps),
+        'held': sum(h['held'] is True for h in hyps),
+        'checks': len(cells),
+        'matched': met,
+        'mismatched': len(cells) - met,
+        'mismatched_cases': [h['id'] for h in hyps if h['held'] is not True],
+        'episodes': len(_episodes(constructed)),
+        'lost_groups': [g['group'] for g in constructed if g['lost'] is not None],
+    }
+    return {
+        'hypotheses': hyps,
+        'behaviours': {
+            'constructed': behaviour_rows(_episodes(constructed)),
+            'sampled': behaviour_rows(s_eps),
+        },
+        'sampled': {
+            'asked': asked,
+            'state': state,
+            'why': why,
+            'budget_s': SAMPLED_BUDGET_S,
+            'groups': sampled_groups,
+            'hypotheses': sampled_hypotheses(s_eps) if s_eps else None,
+        },
+        'summary': summary,
+    }
 
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #464f195b
 def advantages_status(unchanged, origin: list, summary: dict) -> str:
-    "`passed`, or the first thing that failed: the checkout changed, an origin with problems, a lost group, a hypothesis not held."
-    return ('checkout_changed' if unchanged is not True else 'unexpected_source' if origin else 'group_lost' if summary['lost_groups']
-            else 'not_held' if summary['mismatched_cases'] else 'passed')
+    """`passed`, or the first thing that failed: the checkout changed, an origin with problems, a
+    lost group, a hypothesis not held."""
+    return (
+        'checkout_changed'
+        if unchanged is not True
+        else 'unexpected_source'
+        if origin
+        else 'group_lost'
+        if summary['lost_groups']
+        else 'not_held'
+        if summary['mismatched_cases']
+        else 'passed'
+    )
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #912037d4
 def _inputs(report_dir: Path) -> dict:
     "protocol.md and groups.json, refused unless each has its pinned SHA-256; the groups, loaded."
     for name, pinned in (('protocol.md', PROTOCOL_SHA256), ('groups.json', GROUPS_SHA256)):
         path = report_dir / name
-        if not path.is_file(): raise AuditError(f'{path}: missing; it is written before the run')
-        if (got := sha256_file(path)) != pinned: raise AuditError(f'{path}: SHA-256 {got} is not the one pinned in memagent.advantages.groups ({pinned})')
+        if not path.is_file():
+            raise AuditError(f'{path}: missing; it is written before the run')
+        if (got := sha256_file(path)) != pinned:
+            raise AuditError(
+                f'{path}: SHA-256 {got} is not the one pinned in memagent.advantages.groups '
+                f'({pinned})'
+            )
     return load_groups(report_dir / 'groups.json')
 
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #4eb89485
 def _probe_part(mods, tokenizer, system: str, sampled: bool) -> tuple:
-    "The probe on row 1 and, when the rule allows and `sampled`, groups on rows 1 to N: (probe record, sampled groups)."
+    """The probe on row 1 and, when the rule allows and `sampled`, groups on rows 1 to N: (probe
+    record, sampled groups)."""
     from memagent.models import load_model
     from memagent.engines.hf import HFEngine
+
     engine = HFEngine(load_model(POLICY), tokenizer)
     tasks = sampled_tasks(MAX_GROUPS)
     pr = run_probe(mods, tasks[0], engine, tokenizer)
     rec = pr.pop('record')
-    pr['episode_record'] = {k: copy.deepcopy(rec[k]) for k in RECORD_KEYS} | {'context': elide_prompt(rec['context'], system,
-                                                                                           distractor_messages(mods, tasks[0]['question']))}
+    pr['episode_record'] = {k: copy.deepcopy(rec[k]) for k in RECORD_KEYS} | {
+        'context': elide_prompt(
+            rec['context'], system, distractor_messages(mods, tasks[0]['question'])
+        )
+    }
     pr['policy'] = policy_identity(tokenizer)
-    groups = run_sampled(mods, tasks[:pr['decision']['groups']], engine, tokenizer, system) if sampled and pr['decision']['run'] else []
+    groups = (
+        run_sampled(mods, tasks[: pr['decision']['groups']], engine, tokenizer, system)
+        if sampled and pr['decision']['run']
+        else []
+    )
     return pr, groups
 
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #067fc396
 def run_advantages(source_repo, report_dir=None, probe: bool = True, sampled: bool = True) -> dict:
-    "Check the inputs and the checkout, play and score every group, probe the policy, and return the receipt."
+    """Check the inputs and the checkout, play and score every group, probe the policy, and return
+    the receipt."""
     from memagent.models import load_tokenizer, tokenizer_identity
+
     report_dir = Path(report_dir) if report_dir else default_report_dir()
     groups = _inputs(report_dir)
     before = check_checkout(source_repo, AUDITED_REVISION, ADVANTAGE_FILES)
@@ -227,42 +507,104 @@ def run_advantages(source_repo, report_dir=None, probe: bool = True, sampled: bo
     constructed = run_constructed(mods, groups, tok, system)
     pr, sgroups = _probe_part(mods, tok, system, sampled) if probe else (None, [])
     after = check_checkout(source_repo, AUDITED_REVISION, ADVANTAGE_FILES)
-    audited = {'repository': AUDITED_REPOSITORY, 'revision': before['revision'], 'obtained_from': before['origin'], 'files': before['files'],
-               'executed': list(EXECUTED), 'read': [f for f in ADVANTAGE_FILES if f not in EXECUTED], 'checkout_unchanged_after_run': after == before}
-    return assemble_receipt(groups, audited, prompt_record(system), tokenizer_identity(tok), constructed, pr, sgroups, sampled, report_dir)
+    audited = {
+        'repository': AUDITED_REPOSITORY,
+        'revision': before['revision'],
+        'obtained_from': before['origin'],
+        'files': before['files'],
+        'executed': list(EXECUTED),
+        'read': [f for f in ADVANTAGE_FILES if f not in EXECUTED],
+        'checkout_unchanged_after_run': after == before,
+    }
+    return assemble_receipt(
+        groups,
+        audited,
+        prompt_record(system),
+        tokenizer_identity(tok),
+        constructed,
+        pr,
+        sgroups,
+        sampled,
+        report_dir,
+    )
 
-def assemble_receipt(groups: dict, audited: dict, system: dict, tokenizer: dict, constructed: list, probe: dict | None,
-                     sampled_groups: list, asked: bool, report_dir) -> dict:
-    "The receipt: the run's records and everything `findings` derives from them, with the pins and the provenance."
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #9f3a3653
+def assemble_receipt(
+    groups: dict,
+    audited: dict,
+    system: dict,
+    tokenizer: dict,
+    constructed: list,
+    probe: dict | None,
+    sampled_groups: list,
+    asked: bool,
+    report_dir,
+) -> dict:
+    """The receipt: the run's records and everything `findings` derives from them, with the pins and
+    the provenance."""
     found = findings(groups, constructed, probe, sampled_groups, asked)
     origin = origin_problems(audited_upstream(audited), AUDITED_REPOSITORY, AUDITED_REVISION, PINS)
-    return {'schema': RECEIPT_SCHEMA, 'status': advantages_status(audited['checkout_unchanged_after_run'], origin, found['summary']),
-            'meaning': MEANING, 'limits': LIMITS, 'audited': audited, 'protocol': {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256},
-            'fixtures': {'path': 'groups.json', 'sha256': GROUPS_SHA256}, 'settings': copy.deepcopy(RUN_SETTINGS), 'prompts': {'system': system},
-            'environment': _environment(), 'constructed': {'tokenizer': tokenizer, 'groups': constructed},
-            'hypotheses': found['hypotheses'], 'behaviours': found['behaviours'], 'probe': probe, 'sampled': found['sampled'],
-            'summary': found['summary'], 'provenance': provenance(repo=report_dir)}
+    return {
+        'schema': RECEIPT_SCHEMA,
+        'status': advantages_status(
+            audited['checkout_unchanged_after_run'], origin, found['summary']
+        ),
+        'meaning': MEANING,
+        'limits': LIMITS,
+        'audited': audited,
+        'protocol': {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256},
+        'fixtures': {'path': 'groups.json', 'sha256': GROUPS_SHA256},
+        'settings': copy.deepcopy(RUN_SETTINGS),
+        'prompts': {'system': system},
+        'environment': _environment(),
+        'constructed': {'tokenizer': tokenizer, 'groups': constructed},
+        'hypotheses': found['hypotheses'],
+        'behaviours': found['behaviours'],
+        'probe': probe,
+        'sampled': found['sampled'],
+        'summary': found['summary'],
+        'provenance': provenance(repo=report_dir),
+    }
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #170fa571
 def grpo_reference(totals: list, counts: list) -> tuple[list, list]:
-    """Each episode's advantage as upstream's formula gives it (`grpo_advantage.py` lines 141-173: one experience -> the reward;
-    else (r - mean) / (unbiased std + 1e-6)), per experience and per episode, in float64; and the float32 tolerance of each."""
+    """Each episode's advantage as upstream's formula gives it (`grpo_advantage.py` lines 141-173:
+    one experience -> the reward;
+        else (r - mean) / (unbiased std + 1e-6)), per experience and per episode, in float64; and
+        the
+        float32 tolerance of each."""
+
     def one(rs, w):
         xs = [r for r, k in zip(rs, w) for _ in range(k)]
-        if len(xs) == 1: return [rs[i] for i in range(len(rs))], [1e-6] * len(rs)
-        m = statistics.fmean(xs); s = statistics.stdev(xs)
-        tol = 1e-6 + 1e-6 * (max(map(abs, xs)) + 1) / (s + 1e-6)         # float32 rounding of the mean, amplified by 1/std
+        if len(xs) == 1:
+            return [rs[i] for i in range(len(rs))], [1e-6] * len(rs)
+        m = statistics.fmean(xs)
+        s = statistics.stdev(xs)
+        tol = 1e-6 + 1e-6 * (max(map(abs, xs)) + 1) / (
+            s + 1e-6
+        )  # float32 rounding of the mean, amplified by 1/std
         return [(r - m) / (s + 1e-6) for r in rs], [tol] * len(rs)
+
     return one(totals, counts), one(totals, [1] * len(totals))
 
+
 def _group_problems(where: str, g: dict) -> list[str]:
-    "A scored group's advantages against its totals and counts; `finished_at_round` against its collected Stage-3 experiences."
+    """A scored group's advantages against its totals and counts; `finished_at_round` against its
+    collected Stage-3 experiences."""
     p, eps = [], g['episodes']
     for e in eps:
         n3 = sum(x['stage'] == 3 for x in e['experiences'])
-        if e['finished_at_round'] != n3: p.append(f"{where} episode {e['episode']}: finished_at_round {e['finished_at_round']!r}, {n3} Stage-3 experiences collected")
+        if e['finished_at_round'] != n3:
+            p.append(
+                f"{where} episode {e['episode']}: finished_at_round {e['finished_at_round']!r}, "
+                f"{n3} Stage-3 experiences collected"
+            )
     if g['lost'] is not None:
-        return p + [f'{where} episode {e["episode"]}: a lost group records rewards or advantages' for e in eps if e['rewards'] is not None or e['advantages'] is not None]
+        return p + [
+            f'{where} episode {e["episode"]}: a lost group records rewards or advantages'
+            for e in eps
+            if e['rewards'] is not None or e['advantages'] is not None
+        ]
     counts = [len(e['experiences']) for e in eps]
     for j in JUDGES:
         for w in REWARDS:
@@ -270,98 +612,227 @@ def _group_problems(where: str, g: dict) -> list[str]:
             for e, a, b, ta, tb in zip(eps, pe, pp, te, tp):
                 got = e['advantages'][w][j]
                 if abs(got['per_experience'] - a) > ta or abs(got['per_episode'] - b) > tb:
-                    p.append(f"{where} episode {e['episode']}: {w} advantage, judge {j}, recorded {got}, the group's totals give "
-                             f"{a:.6g} per experience and {b:.6g} per episode")
+                    p.append(
+                        f"{where} episode {e['episode']}: {w} advantage, judge {j}, recorded "
+                        f"{got}, the group's totals give "
+                        f"{a:.6g} per experience and {b:.6g} per episode"
+                    )
     return p
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #536b4488
 def _constructed_problems(rc: dict, groups: dict) -> list[str]:
-    "The constructed episodes against groups.json (group, variant, background, scripted replies) and their own numbers."
+    """The constructed episodes against groups.json (group, variant, background, scripted replies)
+    and their own numbers."""
     got, p = rc['constructed']['groups'], []
     scripts = episode_scripts(groups)
-    if [g.get('group') for g in got] != list(scripts): return [f"constructed groups {[g.get('group') for g in got]}, groups.json has {list(scripts)}"]
+    if [g.get('group') for g in got] != list(scripts):
+        return [
+            f"constructed groups {[g.get('group') for g in got]}, groups.json has {list(scripts)}"
+        ]
     for g, (name, eps) in zip(got, scripts.items()):
         where = f'group {name}'
         p += _differs(f'{where}: task_id', g['task_id'], groups['task_id'].format(group=name))
-        if len(g['episodes']) != len(eps): p.append(f"{where}: {len(g['episodes'])} episodes, groups.json has {len(eps)}"); continue
+        if len(g['episodes']) != len(eps):
+            p.append(f"{where}: {len(g['episodes'])} episodes, groups.json has {len(eps)}")
+            continue
         for i, (e, (v, b), script) in enumerate(zip(g['episodes'], groups['order'], eps)):
-            p += _differs(f'{where} episode {i}: labels', [e['group'], e['variant'], e['background'], e['episode']], [name, v, b, i])
-            texts = [r['text'] for r in e['replies']]          # a lost episode stops at the reply upstream could not dispatch
-            p += _differs(f'{where} episode {i}: replies', texts, list(script) if e['lost'] is None else list(script)[:len(texts)])
+            p += _differs(
+                f'{where} episode {i}: labels',
+                [e['group'], e['variant'], e['background'], e['episode']],
+                [name, v, b, i],
+            )
+            texts = [
+                r['text'] for r in e['replies']
+            ]  # a lost episode stops at the reply upstream could not dispatch
+            p += _differs(
+                f'{where} episode {i}: replies',
+                texts,
+                list(script) if e['lost'] is None else list(script)[: len(texts)],
+            )
         p += _group_problems(where, g)
     return p
 
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #146db391
 def _probe_problems(pr) -> list[str]:
-    if pr is None: return []
-    p = _differs('probe.p (the share of replies with a parsable call)', pr['p'], sum(pr['parsable']) / len(pr['parsable']) if pr['parsable'] else 0.0)
-    p += _differs('probe.replies', pr['replies'], len(pr['episode_record']['replies'])) + _differs('probe.parsable (one per reply)', len(pr['parsable']), pr['replies'])
-    return p + _differs('probe.decision (the protocol\'s rule)', pr['decision'], probe_decision(pr['t_probe'], pr['p'], pr['replies']))
+    if pr is None:
+        return []
+    p = _differs(
+        'probe.p (the share of replies with a parsable call)',
+        pr['p'],
+        sum(pr['parsable']) / len(pr['parsable']) if pr['parsable'] else 0.0,
+    )
+    p += _differs('probe.replies', pr['replies'], len(pr['episode_record']['replies'])) + _differs(
+        'probe.parsable (one per reply)', len(pr['parsable']), pr['replies']
+    )
+    return p + _differs(
+        'probe.decision (the protocol\'s rule)',
+        pr['decision'],
+        probe_decision(pr['t_probe'], pr['p'], pr['replies']),
+    )
 
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #5c02b971
 def _findings_problems(rc: dict, groups: dict) -> list[str]:
-    "Every verdict, table, state and count the report states, recomputed from the receipt's episodes."
+    """Every verdict, table, state and count the report states, recomputed from the receipt's
+    episodes."""
     sp = rc['sampled']
-    p = [q for g in sp['groups'] if g['state'] == 'finished' for q in _group_problems(f"sampled group {g['task']}", g)]
+    p = [
+        q
+        for g in sp['groups']
+        if g['state'] == 'finished'
+        for q in _group_problems(f"sampled group {g['task']}", g)
+    ]
     fresh = findings(groups, rc['constructed']['groups'], rc['probe'], sp['groups'], sp['asked'])
     stored = {h.get('id'): h for h in rc['hypotheses'] if isinstance(h, dict)}
     for h in fresh['hypotheses']:
         s = stored.get(h['id'], _MISSING)
-        if s is _MISSING: p.append(f"hypothesis {h['id']}: missing from the receipt"); continue
-        if s.get('held') != h['held']: p.append(f"hypothesis {h['id']}: the receipt says held={s.get('held')!r}, its numbers give held={h['held']!r}")
+        if s is _MISSING:
+            p.append(f"hypothesis {h['id']}: missing from the receipt")
+            continue
+        if s.get('held') != h['held']:
+            p.append(
+                f"hypothesis {h['id']}: the receipt says held={s.get('held')!r}, its numbers give "
+                f"held={h['held']!r}"
+            )
         p += _differs(f"hypothesis {h['id']}: cells", s.get('cells'), h['cells'])
-    p += [f'hypothesis {k!r}: not one the protocol states' for k in stored if k not in {h['id'] for h in fresh['hypotheses']}]
-    for k in ('constructed', 'sampled'): p += _differs(f'behaviours.{k} (from the episodes)', rc['behaviours'][k], fresh['behaviours'][k])
-    for k in ('asked', 'state', 'why', 'budget_s', 'hypotheses'): p += _differs(f'sampled.{k}', sp.get(k, _MISSING), fresh['sampled'][k])
+    p += [
+        f'hypothesis {k!r}: not one the protocol states'
+        for k in stored
+        if k not in {h['id'] for h in fresh['hypotheses']}
+    ]
+    for k in ('constructed', 'sampled'):
+        p += _differs(
+            f'behaviours.{k} (from the episodes)', rc['behaviours'][k], fresh['behaviours'][k]
+        )
+    for k in ('asked', 'state', 'why', 'budget_s', 'hypotheses'):
+        p += _differs(f'sampled.{k}', sp.get(k, _MISSING), fresh['sampled'][k])
     p += _differs('summary', rc['summary'], fresh['summary'])
     return p
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #76a29346
 def _report_problems(report_dir: Path, rc: dict, compare_readme: bool) -> list[str]:
-    "The report a reader sees: README.md and advantages.png present, README.md the rendering of `rc` with the png's SHA-256."
-    return figure_report_problems(report_dir, 'advantages.png', lambda **k: render_report(rc, **k), 'plot_advantages', 'memagent.advantages.render_report',
-                                  compare=compare_readme)
+    """The report a reader sees: README.md and advantages.png present, README.md the rendering of
+    `rc` with the png's SHA-256."""
+    return figure_report_problems(
+        report_dir,
+        'advantages.png',
+        lambda **k: render_report(rc, **k),
+        'plot_advantages',
+        'memagent.advantages.render_report',
+        compare=compare_readme,
+    )
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #a96bcc19
 def verify_advantages(report_dir=None, receipt_path=None) -> dict:
-    "Re-check the third study's receipt against the pinned protocol and groups, its own numbers, and its report; raise `VerificationError` on any problem."
+    """Re-check the third study's receipt against the pinned protocol and groups, its own numbers,
+    and its report; raise `VerificationError` on any problem."""
     report_dir = Path(report_dir) if report_dir else default_report_dir()
     receipt_path = Path(receipt_path) if receipt_path else report_dir / 'receipt.json'
-    try: return _verify(report_dir, receipt_path)
-    except (AttributeError, TypeError, KeyError, IndexError, ValueError, ZeroDivisionError, statistics.StatisticsError) as e:
-        if isinstance(e, VerificationError): raise
+    try:
+        return _verify(report_dir, receipt_path)
+    except (
+        AttributeError,
+        TypeError,
+        KeyError,
+        IndexError,
+        ValueError,
+        ZeroDivisionError,
+        statistics.StatisticsError,
+    ) as e:
+        if isinstance(e, VerificationError):
+            raise
         raise wrong_shape(receipt_path, VerificationError, e) from None
 
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #531e7f9e
 def _verify(report_dir: Path, receipt_path: Path) -> dict:
     proto_path, groups_path = report_dir / 'protocol.md', report_dir / 'groups.json'
-    rc, groups, problems = open_receipt(receipt_path, groups_path, load_groups, RECEIPT_SCHEMA, also=(proto_path,))
+    rc, groups, problems = open_receipt(
+        receipt_path, groups_path, load_groups, RECEIPT_SCHEMA, also=(proto_path,)
+    )
     problems += field_problems('receipt', rc, RECEIPT_FIELDS)
-    for name, path, pinned in (('groups.json', groups_path, GROUPS_SHA256), ('protocol.md', proto_path, PROTOCOL_SHA256)):
-        if (got := sha256_file(path)) != pinned: problems.append(f'{path}: SHA-256 {got} is not the committed one pinned in memagent.advantages ({pinned})')
-    problems += _differs('meaning', rc.get('meaning'), MEANING) + _differs('limits', rc.get('limits'), LIMITS)
-    problems += _differs('settings', rc.get('settings'), RUN_SETTINGS) + _differs('protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256})
-    problems += _differs('fixtures', rc.get('fixtures'), {'path': 'groups.json', 'sha256': GROUPS_SHA256})
+    for name, path, pinned in (
+        ('groups.json', groups_path, GROUPS_SHA256),
+        ('protocol.md', proto_path, PROTOCOL_SHA256),
+    ):
+        if (got := sha256_file(path)) != pinned:
+            problems.append(
+                f'{path}: SHA-256 {got} is not the committed one pinned in memagent.advantages '
+                f'({pinned})'
+            )
+    problems += _differs('meaning', rc.get('meaning'), MEANING) + _differs(
+        'limits', rc.get('limits'), LIMITS
+    )
+    problems += _differs('settings', rc.get('settings'), RUN_SETTINGS) + _differs(
+        'protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256}
+    )
+    problems += _differs(
+        'fixtures', rc.get('fixtures'), {'path': 'groups.json', 'sha256': GROUPS_SHA256}
+    )
     aud = rc.get('audited') if isinstance(rc.get('audited'), dict) else {}
     problems += field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
     origin = origin_problems(audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, PINS)
-    problems += [f'audited copy: {p}' for p in origin] + _differs('audited.executed', aud.get('executed'), list(EXECUTED))
-    problems += _differs('audited.read', aud.get('read'), [f for f in ADVANTAGE_FILES if f not in EXECUTED])
+    problems += [f'audited copy: {p}' for p in origin] + _differs(
+        'audited.executed', aud.get('executed'), list(EXECUTED)
+    )
+    problems += _differs(
+        'audited.read', aud.get('read'), [f for f in ADVANTAGE_FILES if f not in EXECUTED]
+    )
     if aud.get('checkout_unchanged_after_run') is not True:
-        problems.append(f'receipt records checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: the checkout was not left as found')
-    problems += environment_problems(rc.get('environment')) + provenance_problems(rc.get('provenance'))
-    if problems: raise VerificationError(problems)          # the numbers below are read only from a receipt of the right origin
-    numbers = _constructed_problems(rc, groups) + _probe_problems(rc['probe']) + _findings_problems(rc, groups)
+        problems.append(
+            'receipt records '
+            f'checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: the '
+            'checkout was not left as found'
+        )
+    problems += environment_problems(rc.get('environment')) + provenance_problems(
+        rc.get('provenance')
+    )
+    if problems:
+        raise VerificationError(
+            problems
+        )  # the numbers below are read only from a receipt of the right origin
+    numbers = (
+        _constructed_problems(rc, groups)
+        + _probe_problems(rc['probe'])
+        + _findings_problems(rc, groups)
+    )
     problems += [f'{receipt_path.name}: {p}' for p in numbers]
-    problems += _differs('status', rc['status'], advantages_status(aud['checkout_unchanged_after_run'], origin, rc['summary']))
+    problems += _differs(
+        'status',
+        rc['status'],
+        advantages_status(aud['checkout_unchanged_after_run'], origin, rc['summary']),
+    )
     problems += _report_problems(report_dir, rc, compare_readme=not problems)
-    if problems: raise VerificationError(problems)
+    if problems:
+        raise VerificationError(problems)
     s = rc['summary']
-    return {'status': 'verified', 'receipt_status': rc['status'], 'hypotheses': s['cases'], 'held': s['held'], 'cells': s['checks'],
-            'episodes': s['episodes'], 'sampled': rc['sampled']['state'], 'protocol_sha256': PROTOCOL_SHA256, 'groups_sha256': GROUPS_SHA256,
-            'audited': f"{aud['repository']}@{aud['revision']}"}
+    return {
+        'status': 'verified',
+        'receipt_status': rc['status'],
+        'hypotheses': s['cases'],
+        'held': s['held'],
+        'cells': s['checks'],
+        'episodes': s['episodes'],
+        'sampled': rc['sampled']['state'],
+        'protocol_sha256': PROTOCOL_SHA256,
+        'groups_sha256': GROUPS_SHA256,
+        'audited': f"{aud['repository']}@{aud['revision']}",
+    }
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #669f0745
 def advantages_cli(argv) -> int:
-    "`memagent-audit --study advantages`: run the third study against a checkout, or verify its receipt without one."
-    return study_cli(argv, prog='memagent-audit --study advantages', description='AgeMem third study: the GRPO advantages of the official '
-                     'and the observed reward on constructed and sampled groups, run against the pinned upstream checkout, or its '
-                     'receipt verified without one.', inputs=('groups.json', 'protocol.md'), default_dir=default_report_dir,
-                     run=run_advantages, verify=verify_advantages, render=render_files)
+    """`memagent-audit --study advantages`: run the third study against a checkout, or verify its
+    receipt without one."""
+    return study_cli(
+        argv,
+        prog='memagent-audit --study advantages',
+        description=(
+            'AgeMem third study: the GRPO advantages of the official '
+            'and the observed reward on constructed and sampled groups, run against the pinned '
+            'upstream checkout, or its '
+            'receipt verified without one.'
+        ),
+        inputs=('groups.json', 'protocol.md'),
+        default_dir=default_report_dir,
+        run=run_advantages,
+        verify=verify_advantages,
+        render=render_files,
+    )

@@ -16,271 +16,573 @@ __all__ = ['ZERO_BAND', 'SAMPLE_EPISODE', 'SAMPLE_CHARS', 'NEAR_ZERO', 'behaviou
            'ratio_gap_lines', 'render_report', 'plot_advantages', 'render_files']
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #e56b12ec
-ZERO_BAND = 1e-6       # a mean advantage this close to 0 is 0: upstream computes advantages in float32
+ZERO_BAND = 1e-6  # a mean advantage this close to 0 is 0: upstream computes advantages in float32
 
-def _word(m: float) -> str: return 'reinforces' if m >= ZERO_BAND else 'discourages' if m <= -ZERO_BAND else 'neither'
 
+def _word(m: float) -> str:
+    return 'reinforces' if m >= ZERO_BAND else 'discourages' if m <= -ZERO_BAND else 'neither'
+
+# %% ../../nbs/18e_advantages_5_report.ipynb #73d2452b
 def _behaviour_order(b: str) -> tuple:
     head = b.split(':')[0]
-    order = ('call', 'prose', 'update_ok', 'update_failed', 'add_content', 'add_empty', 'delete_ok', 'delete_failed', 'delete_cancelled',
-             'summary_executed', 'retrieval_used', 'retrieval_ignored', 'retrieval_empty', 'answered', 'correct', 'window_break')
+    order = (
+        'call',
+        'prose',
+        'update_ok',
+        'update_failed',
+        'add_content',
+        'add_empty',
+        'delete_ok',
+        'delete_failed',
+        'delete_cancelled',
+        'summary_executed',
+        'retrieval_used',
+        'retrieval_ignored',
+        'retrieval_empty',
+        'answered',
+        'correct',
+        'window_break',
+    )
     return (order.index(head) if head in order else len(order), b)
 
+# %% ../../nbs/18e_advantages_5_report.ipynb #2f961f62
 def behaviour_rows(episodes: list[dict]) -> list[dict]:
-    """One row per behaviour shown by an episode with advantages: `mean[reward][judge][norm]`, `disagree[judge][norm]` (the
-    fraction of its episodes whose official and observed advantages differ in sign, `signs_differ`) and `verdict[reward][judge][norm]`."""
+    """One row per behaviour shown by an episode with advantages: `mean[reward][judge][norm]`,
+    `disagree[judge][norm]` (the
+        fraction of its episodes whose official and observed advantages differ in sign,
+        `signs_differ`)
+        and `verdict[reward][judge][norm]`."""
     by: dict = {}
     for e in episodes:
-        if e.get('advantages') is None: continue
-        for b in e['behaviours']: by.setdefault(b, []).append(e['advantages'])
+        if e.get('advantages') is None:
+            continue
+        for b in e['behaviours']:
+            by.setdefault(b, []).append(e['advantages'])
     rows = []
     for b in sorted(by, key=_behaviour_order):
         ads = by[b]
-        mean = {w: {j: {n: statistics.fmean(a[w][j][n] for a in ads) for n in NORMS} for j in JUDGES} for w in REWARDS}
-        dis = {j: {n: sum(signs_differ(a['official'][j][n], a['observed'][j][n]) for a in ads) / len(ads) for n in NORMS} for j in JUDGES}
-        rows.append({'behaviour': b, 'episodes': len(ads), 'mean': mean, 'disagree': dis,
-                     'verdict': {w: {j: {n: _word(mean[w][j][n]) for n in NORMS} for j in JUDGES} for w in REWARDS}})
+        mean = {
+            w: {j: {n: statistics.fmean(a[w][j][n] for a in ads) for n in NORMS} for j in JUDGES}
+            for w in REWARDS
+        }
+        dis = {
+            j: {
+                n: sum(signs_differ(a['official'][j][n], a['observed'][j][n]) for a in ads)
+                / len(ads)
+                for n in NORMS
+            }
+            for j in JUDGES
+        }
+        rows.append(
+            {
+                'behaviour': b,
+                'episodes': len(ads),
+                'mean': mean,
+                'disagree': dis,
+                'verdict': {
+                    w: {j: {n: _word(mean[w][j][n]) for n in NORMS} for j in JUDGES}
+                    for w in REWARDS
+                },
+            }
+        )
     return rows
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #397103d8
-def _f(x, fmt='+.3f') -> str: return '–' if x is None else format(x, fmt)
+def _f(x, fmt='+.3f') -> str:
+    return '–' if x is None else format(x, fmt)
+
 
 def glance_rows(rows: list, norm: str = 'per_experience') -> list[dict]:
-    "Per behaviour: its episodes, each reward's mean advantage and the share of sign disagreements, judge off and on."
+    """Per behaviour: its episodes, each reward's mean advantage and the share of sign
+    disagreements, judge off and on."""
     out = []
     for r in rows:
         d = {'behaviour': f"`{r['behaviour']}`", 'episodes': r['episodes']}
         for j in JUDGES:
-            d |= {f'official, judge {j}': _f(r['mean']['official'][j][norm]), f'observed, judge {j}': _f(r['mean']['observed'][j][norm]),
-                  f'signs differ, judge {j}': f"{r['disagree'][j][norm]:.0%}"}
+            d |= {
+                f'official, judge {j}': _f(r['mean']['official'][j][norm]),
+                f'observed, judge {j}': _f(r['mean']['observed'][j][norm]),
+                f'signs differ, judge {j}': f"{r['disagree'][j][norm]:.0%}",
+            }
         out.append(d)
     return out
 
-_CLASSES = {('reinforces', 'reinforces'): 'Both rewards reinforce', ('reinforces', 'discourages'): 'Only the official reward reinforces',
-            ('discourages', 'reinforces'): 'Only the observed reward reinforces', ('discourages', 'discourages'): 'Both discourage'}
+
+_CLASSES = {
+    ('reinforces', 'reinforces'): 'Both rewards reinforce',
+    ('reinforces', 'discourages'): 'Only the official reward reinforces',
+    ('discourages', 'reinforces'): 'Only the observed reward reinforces',
+    ('discourages', 'discourages'): 'Both discourage',
+}
 _VERB = {'reinforces': 'reinforces', 'discourages': 'discourages', 'neither': 'does neither'}
 
+
 def answer_lines(rows: list, where: str) -> list[str]:
-    "The answer in sentences: per judge setting, the behaviours each reward reinforces (per experience), and where signs differ."
+    """The answer in sentences: per judge setting, the behaviours each reward reinforces (per
+    experience), and where signs differ."""
     out = []
     for j in JUDGES:
         pairs = {}
-        for r in rows: pairs.setdefault(tuple(r['verdict'][w][j]['per_experience'] for w in REWARDS), []).append(f"`{r['behaviour']}`")
-        for pair in sorted(pairs, key=lambda x: (x not in _CLASSES, list(_CLASSES).index(x) if x in _CLASSES else 0, x)):
-            label = _CLASSES.get(pair, 'The official reward {}, the observed one {}'.format(*(_VERB[v] for v in pair)))
+        for r in rows:
+            pairs.setdefault(
+                tuple(r['verdict'][w][j]['per_experience'] for w in REWARDS), []
+            ).append(f"`{r['behaviour']}`")
+        for pair in sorted(
+            pairs,
+            key=lambda x: (x not in _CLASSES, list(_CLASSES).index(x) if x in _CLASSES else 0, x),
+        ):
+            label = _CLASSES.get(
+                pair,
+                'The official reward {}, the observed one {}'.format(*(_VERB[v] for v in pair)),
+            )
             out.append(f"- {label}, judge {j}: {', '.join(pairs[pair])}.")
-        dis = [f"`{r['behaviour']}` ({r['disagree'][j]['per_experience']:.0%})" for r in rows if r['disagree'][j]['per_experience'] > 0]
-        out.append(f"- Signs differ, judge {j}: {', '.join(dis)}." if dis else f'- Signs never differ, judge {j}, in the {where}.')
+        dis = [
+            f"`{r['behaviour']}` ({r['disagree'][j]['per_experience']:.0%})"
+            for r in rows
+            if r['disagree'][j]['per_experience'] > 0
+        ]
+        out.append(
+            f"- Signs differ, judge {j}: {', '.join(dis)}."
+            if dis
+            else f'- Signs never differ, judge {j}, in the {where}.'
+        )
     return out
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #32167d0b
-def _figure_line(figure_sha256: str) -> str: return figure_line('advantages.png', figure_sha256, 'plot_advantages')
+def _figure_line(figure_sha256: str) -> str:
+    return figure_line('advantages.png', figure_sha256, 'plot_advantages')
+
 
 def _groups_rows(groups: list) -> list[dict]:
-    return [{'group': f"`{g.get('group') or g['task']}`", 'task id': f"`{g.get('task_id', '–')}`", 'state': g.get('state', 'finished'),
-             'episodes': len(g.get('episodes') or []), 'lost': g.get('lost') or 'no',
-             'experiences': ' '.join(str(len(e['experiences'])) for e in g.get('episodes') or []) or '–'} for g in groups]
+    return [
+        {
+            'group': f"`{g.get('group') or g['task']}`",
+            'task id': f"`{g.get('task_id', '–')}`",
+            'state': g.get('state', 'finished'),
+            'episodes': len(g.get('episodes') or []),
+            'lost': g.get('lost') or 'no',
+            'experiences': ' '.join(str(len(e['experiences'])) for e in g.get('episodes') or [])
+            or '–',
+        }
+        for g in groups
+    ]
+
 
 def source_lines(rc: dict) -> list[str]:
-    "Where the numbers come from: the checkout and its files, the pinned inputs, the policy, the commit."
+    """Where the numbers come from: the checkout and its files, the pinned inputs, the policy, the
+    commit."""
     a, g = rc['audited'], rc['provenance']['git']
     commit = f"`{g['commit'][:7]}`" if g.get('commit') else 'none (not a git work tree)'
-    files = md_table([{'file': f'`{rel}`', 'use': 'executed' if rel in a['executed'] else 'read', 'SHA-256': f'`{h}`'}
-                      for rel, h in a['files'].items()], align=False)
-    out = [f"Upstream copy: `{a['repository']}` at `{a['revision']}`, loaded by file path and hash-checked; the run left it "
-           f"unchanged: {a['checkout_unchanged_after_run']}. Receipt written at commit {commit}.\n", files + '\n',
-           f"Inputs written before the run: [protocol.md](protocol.md) (SHA-256 `{rc['protocol']['sha256']}`) and "
-           f"[groups.json](groups.json) (`{rc['fixtures']['sha256']}`). The system prompt was read from the checkout: "
-           f"{rc['prompts']['system']['characters']} characters, SHA-256 `{rc['prompts']['system']['sha256']}`.\n"]
+    files = md_table(
+        [
+            {
+                'file': f'`{rel}`',
+                'use': 'executed' if rel in a['executed'] else 'read',
+                'SHA-256': f'`{h}`',
+            }
+            for rel, h in a['files'].items()
+        ],
+        align=False,
+    )
+    out = [
+        f"Upstream copy: `{a['repository']}` at `{a['revision']}`, loaded by file path and "
+        "hash-checked; the run left it "
+        f"unchanged: {a['checkout_unchanged_after_run']}. Receipt written at commit {commit}.\n",
+        files + '\n',
+        "Inputs written before the run: [protocol.md](protocol.md) (SHA-256 "
+        f"`{rc['protocol']['sha256']}`) and "
+        f"[groups.json](groups.json) (`{rc['fixtures']['sha256']}`). The system prompt was read "
+        "from the checkout: "
+        f"{rc['prompts']['system']['characters']} characters, SHA-256 "
+        f"`{rc['prompts']['system']['sha256']}`.\n",
+    ]
     pol = (rc['probe'] or {}).get('policy')
     if pol:
         src = pol['source'] or {}
-        out.append(f"Policy: `{pol['model']['name']}`, weights SHA-256 `{pol['model']['weights_sha256']}`, built from "
-                   f"`{src.get('gguf', '–')}` (SHA-256 `{src.get('gguf_sha256', '–')}`); tokenizer files SHA-256 "
-                   f"`{pol['tokenizer']['all_files_sha256']}`.\n")
+        out.append(
+            f"Policy: `{pol['model']['name']}`, weights SHA-256 "
+            f"`{pol['model']['weights_sha256']}`, built from "
+            f"`{src.get('gguf', '–')}` (SHA-256 `{src.get('gguf_sha256', '–')}`); tokenizer files "
+            "SHA-256 "
+            f"`{pol['tokenizer']['all_files_sha256']}`.\n"
+        )
     return out
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #b69d1daa
 def sampled_lines(rc: dict) -> list[str]:
-    "The probe's figures and decision, then the sampled groups: run and analysed, stopped, or why they were not run."
+    """The probe's figures and decision, then the sampled groups: run and analysed, stopped, or why
+    they were not run."""
     pr, sp = rc['probe'], rc['sampled']
     out = ['## Sampled groups\n']
-    if pr is None: return out + [f"Not run: {sp['why']}.\n"]
+    if pr is None:
+        return out + [f"Not run: {sp['why']}.\n"]
     d = pr['decision']
-    out += ["The probe played one episode of the policy on row 1 and timed it (protocol, \"Sampled groups\").\n",
-            md_table([{'row': f"`{pr['task']}`", 'replies': pr['replies'], 'with a parsable call': sum(pr['parsable']), 'p': f"{pr['p']:.3f}",
-                       't_probe (s)': f"{pr['t_probe']:.1f}", 'N': d['groups'], 'rule': f"p >= {d['threshold']:.2f} and N >= 2",
-                       'decision': 'run' if d['run'] else 'not run'}], align=False) + '\n',
-            f"Sampled part: **{sp['state']}**. {sp['why'][0].upper()}{sp['why'][1:]}.\n"]
+    out += [
+        "The probe played one episode of the policy on row 1 and timed it (protocol, \"Sampled "
+        "groups\").\n",
+        md_table(
+            [
+                {
+                    'row': f"`{pr['task']}`",
+                    'replies': pr['replies'],
+                    'with a parsable call': sum(pr['parsable']),
+                    'p': f"{pr['p']:.3f}",
+                    't_probe (s)': f"{pr['t_probe']:.1f}",
+                    'N': d['groups'],
+                    'rule': f"p >= {d['threshold']:.2f} and N >= 2",
+                    'decision': 'run' if d['run'] else 'not run',
+                }
+            ],
+            align=False,
+        )
+        + '\n',
+        f"Sampled part: **{sp['state']}**. {sp['why'][0].upper()}{sp['why'][1:]}.\n",
+    ]
     if not sum(pr['parsable']):
-        out += [f"**The model could not use the tools**: none of its {pr['replies']} replies held a call that upstream's "
-                '`parse_tool_calls` returns with a known tool name (the probe\'s episode is in "Sample episodes" below).\n']
-    if sp['groups']: out += [md_table(_groups_rows(sp['groups']), align=False) + '\n']
+        out += [
+            f"**The model could not use the tools**: none of its {pr['replies']} replies held a "
+            "call that upstream's "
+            '`parse_tool_calls` returns with a known tool name (the probe\'s episode is in '
+            '"Sample episodes" below).\n'
+        ]
+    if sp['groups']:
+        out += [md_table(_groups_rows(sp['groups']), align=False) + '\n']
     if rc['behaviours']['sampled']:
-        out += ['Per behaviour, finished sampled groups, per-experience advantage:\n',
-                md_table(glance_rows(rc['behaviours']['sampled']), align=False) + '\n']
+        out += [
+            'Per behaviour, finished sampled groups, per-experience advantage:\n',
+            md_table(glance_rows(rc['behaviours']['sampled']), align=False) + '\n',
+        ]
     if sp['hypotheses']:
-        out += [md_table(sampled_rows(sp['hypotheses']), align=False) + '\n',
-                'Episodes of one group share its mean and standard deviation, so these intervals are approximate.\n']
+        out += [
+            md_table(sampled_rows(sp['hypotheses']), align=False) + '\n',
+            'Episodes of one group share its mean and standard deviation, so these intervals are '
+            'approximate.\n',
+        ]
     return out
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #8b8fdc80
-SAMPLE_EPISODE = ('C1', 'A', 'b1')     # the constructed episode shown whole: a retrieval called, then the right answer
-SAMPLE_CHARS = 160                     # a reply longer than this is cut in the sample tables
+SAMPLE_EPISODE = (
+    'C1',
+    'A',
+    'b1',
+)  # the constructed episode shown whole: a retrieval called, then the right answer
+SAMPLE_CHARS = 160  # a reply longer than this is cut in the sample tables
+
 
 def _clip(text: str) -> str:
     t = ' '.join(str(text).split())
-    return '`' + (t if len(t) <= SAMPLE_CHARS else t[:SAMPLE_CHARS - 3] + '...').replace('`', "'") + '`'
+    return (
+        '`'
+        + (t if len(t) <= SAMPLE_CHARS else t[: SAMPLE_CHARS - 3] + '...').replace('`', "'")
+        + '`'
+    )
 
+# %% ../../nbs/18e_advantages_5_report.ipynb #a8a42ed1
 def _reply_rows(replies: list, experiences: list) -> list[dict]:
     got = {(x['stage'], x['distractor'], x['round']) for x in experiences}
-    return [{'stage': r['stage'], 'distractor': '–' if r['distractor'] is None else r['distractor'] + 1, 'round': r['round'] + 1,
-             'calls': len(r['calls']), 'collected': 'yes' if (r['stage'], r['distractor'], r['round']) in got else 'no',
-             'reply': _clip(r['text'])} for r in replies]
+    return [
+        {
+            'stage': r['stage'],
+            'distractor': '–' if r['distractor'] is None else r['distractor'] + 1,
+            'round': r['round'] + 1,
+            'calls': len(r['calls']),
+            'collected': 'yes' if (r['stage'], r['distractor'], r['round']) in got else 'no',
+            'reply': _clip(r['text']),
+        }
+        for r in replies
+    ]
 
+# %% ../../nbs/18e_advantages_5_report.ipynb #a86a1a03
 def sample_lines(rc: dict) -> list[str]:
-    "One constructed episode and the probe's episode, reply by reply: the policy's own text only, never the workflow's prompts."
-    out = ['## Sample episodes\n', "Each row is one reply of the policy, as the walk received it. The workflow's own messages (its "
-           'system prompt and the distractors) are upstream text: the README does not show them, and the receipt holds them as '
-           'SHA-256 and length. The Stage-1 message is in no final context: the Stage-2 reset clears it.\n']
+    """One constructed episode and the probe's episode, reply by reply: the policy's own text only,
+    never the workflow's prompts."""
+    out = [
+        '## Sample episodes\n',
+        "Each row is one reply of the policy, as the walk received it. The workflow's own "
+        "messages (its "
+        'system prompt and the distractors) are upstream text: the README does not show them, and '
+        'the receipt holds them as '
+        'SHA-256 and length. The Stage-1 message is in no final context: the Stage-2 reset clears '
+        'it.\n',
+    ]
     g, v, b = SAMPLE_EPISODE
-    ep = next((e for grp in rc['constructed']['groups'] if grp['group'] == g for e in grp['episodes']
-               if (e['variant'], e['background']) == (v, b)), None)
+    ep = next(
+        (
+            e
+            for grp in rc['constructed']['groups']
+            if grp['group'] == g
+            for e in grp['episodes']
+            if (e['variant'], e['background']) == (v, b)
+        ),
+        None,
+    )
     if ep is not None:
-        out += [f"Constructed, `{g}` variant {v}, background `{b}` (scripted), final answer `{ep['final_answer']}`, "
-                f"{len(ep['experiences'])} experiences collected:\n", md_table(_reply_rows(ep['replies'], ep['experiences']), align=False) + '\n']
+        out += [
+            f"Constructed, `{g}` variant {v}, background `{b}` (scripted), final answer "
+            f"`{ep['final_answer']}`, "
+            f"{len(ep['experiences'])} experiences collected:\n",
+            md_table(_reply_rows(ep['replies'], ep['experiences']), align=False) + '\n',
+        ]
     pr = rc['probe']
     if pr is not None and pr.get('episode_record'):
         er = pr['episode_record']
-        out += [f"Sampled, the probe's episode of `{pr['policy']['model']['name']}` on `{pr['task']}` ({pr['replies']} replies, "
-                f"{sum(pr['parsable'])} with a parsable call):\n", md_table(_reply_rows(er['replies'], er['experiences']), align=False) + '\n']
+        out += [
+            f"Sampled, the probe's episode of `{pr['policy']['model']['name']}` on `{pr['task']}` "
+            f"({pr['replies']} replies, "
+            f"{sum(pr['parsable'])} with a parsable call):\n",
+            md_table(_reply_rows(er['replies'], er['experiences']), align=False) + '\n',
+        ]
     return out
-
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #2962a88b
 def _val(v) -> str:
-    if isinstance(v, bool) or v is None: return {True: 'yes', False: 'no', None: '–'}[v]
-    if isinstance(v, float): return f'{v:+.4f}' if v == 0 or abs(v) >= 1e-3 or not math.isfinite(v) else f'{v:+.2e}'
-    if isinstance(v, (list, tuple)): return '[' + ', '.join(_val(x) for x in v) + ']'
-    if isinstance(v, dict): return ', '.join(f'{k}: ({_val(x)})' if isinstance(x, dict) else f'{k}: {_val(x)}' for k, x in v.items())
+    if isinstance(v, bool) or v is None:
+        return {True: 'yes', False: 'no', None: '–'}[v]
+    if isinstance(v, float):
+        return f'{v:+.4f}' if v == 0 or abs(v) >= 1e-3 or not math.isfinite(v) else f'{v:+.2e}'
+    if isinstance(v, (list, tuple)):
+        return '[' + ', '.join(_val(x) for x in v) + ']'
+    if isinstance(v, dict):
+        return ', '.join(
+            f'{k}: ({_val(x)})' if isinstance(x, dict) else f'{k}: {_val(x)}' for k, x in v.items()
+        )
     return str(v)
 
+# %% ../../nbs/18e_advantages_5_report.ipynb #6edc7ed3
 def _filled(rows: list[dict]) -> list[dict]:
     "Rows with every column any of them has, '–' where one has none."
     cols = list(dict.fromkeys(k for r in rows for k in r))
     return [{k: r.get(k, '–') for k in cols} for r in rows]
 
+# %% ../../nbs/18e_advantages_5_report.ipynb #7e0be9e5
 def hypothesis_rows(hyps: list) -> list[dict]:
     "One row per hypothesis: its verdict and how many of its cells met the rule."
-    return [{'hypothesis': h['id'], 'verdict': 'held' if h['held'] else 'not held', 'cells met': f"{sum(c['met'] is True for c in h['cells'])} of {len(h['cells'])}"}
-            for h in hyps]
+    return [
+        {
+            'hypothesis': h['id'],
+            'verdict': 'held' if h['held'] else 'not held',
+            'cells met': f"{sum(c['met'] is True for c in h['cells'])} of {len(h['cells'])}",
+        }
+        for h in hyps
+    ]
 
+# %% ../../nbs/18e_advantages_5_report.ipynb #5be5913b
 def cell_rows(h: dict) -> list[dict]:
     "Every cell of hypothesis `h`, each field as the receipt records it."
     return _filled([{k: _val(v) for k, v in c.items()} for c in h['cells']])
 
+# %% ../../nbs/18e_advantages_5_report.ipynb #143341b4
 def _s_cell(c: dict) -> str:
     at = f"judge {c['judge']}, {c['normalisation'].replace('_', ' ')}"
-    if 'opposite' in c: return f"{at}: {len(c['opposite'])} of opposite signs"
+    if 'opposite' in c:
+        return f"{at}: {len(c['opposite'])} of opposite signs"
     iv = c['interval']
-    return f"{at}: {c['verdict']}" + ('' if iv is None else f" (mean {iv['mean']:+.3f}, [{iv['low']:+.3f}, {iv['high']:+.3f}], n {iv['n']})")
+    return f"{at}: {c['verdict']}" + (
+        ''
+        if iv is None
+        else f" (mean {iv['mean']:+.3f}, [{iv['low']:+.3f}, {iv['high']:+.3f}], n {iv['n']})"
+    )
 
+# %% ../../nbs/18e_advantages_5_report.ipynb #ad58d04f
 def sampled_rows(hyps: list) -> list[dict]:
-    "S1-S3: the verdict, the episodes it is decided on, and each cell (judge setting and normalisation)."
-    return [{'hypothesis': h['id'], 'episodes': h['episodes'], 'verdict': h['verdict'], 'cells': '; '.join(_s_cell(c) for c in h['cells'])}
-            for h in hyps]
+    """S1-S3: the verdict, the episodes it is decided on, and each cell (judge setting and
+    normalisation)."""
+    return [
+        {
+            'hypothesis': h['id'],
+            'episodes': h['episodes'],
+            'verdict': h['verdict'],
+            'cells': '; '.join(_s_cell(c) for c in h['cells']),
+        }
+        for h in hyps
+    ]
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #8a6552a9
-NEAR_ZERO = 0.01       # an advantage below this in size is "near 0" where H10's gaps are explained
+NEAR_ZERO = 0.01  # an advantage below this in size is "near 0" where H10's gaps are explained
+
 
 def ratio_gap_lines(rc: dict) -> list[str]:
-    "For each H10 cell not met: the relative gaps between the two normalisations on episodes whose advantage is near 0, and on the rest."
+    """For each H10 cell not met: the relative gaps between the two normalisations on episodes whose
+    advantage is near 0, and on the rest."""
     h10 = next((h for h in rc['hypotheses'] if h['id'] == 'H10'), None)
     groups = {g['group']: g for g in rc['constructed']['groups']}
     out = []
-    for c in (h10['cells'] if h10 else []):
-        if c['met'] or c.get('factor') is None or c['group'] not in groups: continue
+    for c in h10['cells'] if h10 else []:
+        if c['met'] or c.get('factor') is None or c['group'] not in groups:
+            continue
         near, far = [], []
         for e in groups[c['group']]['episodes']:
-            a = (e['advantages'] or {}).get(c['reward'], {}).get(c['judge'])        # none in a lost group
-            if not a or not a['per_episode']: continue
+            a = (e['advantages'] or {}).get(c['reward'], {}).get(c['judge'])  # none in a lost group
+            if not a or not a['per_episode']:
+                continue
             gap = abs(a['per_experience'] / (a['per_episode'] * c['factor']) - 1)
-            (near if abs(a['per_episode']) < NEAR_ZERO else far).append((f"{e['variant']}-{e['background']}", a['per_episode'], gap))
-        if not near: continue
-        out.append(f"- `{c['group']}` {c['reward']}, judge {c['judge']}: gaps {', '.join(f'{g:.1e}' for *_, g in near)} on "
-                   f"{', '.join(w for w, *_ in near)}, whose per-episode advantages are {', '.join(f'{a:+.1e}' for _, a, _ in near)}"
-                   + (f"; the other {len(far)} episodes agree within {max(g for *_, g in far):.1e}." if far else '.'))
-    if out: out = [f'Where H10 misses, the gap sits on advantages near 0 (below {NEAR_ZERO:g} in size). Upstream computes advantages '
-                   'in float32, about 7 significant digits of the rewards, so an advantage that small keeps a rounding error far '
-                   "above the protocol's tolerance:\n", *out, '']
+            (near if abs(a['per_episode']) < NEAR_ZERO else far).append(
+                (f"{e['variant']}-{e['background']}", a['per_episode'], gap)
+            )
+        if not near:
+            continue
+        out.append(
+            f"- `{c['group']}` {c['reward']}, judge {c['judge']}: gaps "
+            f"{', '.join(f'{g:.1e}' for *_, g in near)} on "
+            f"{', '.join(w for w, *_ in near)}, whose per-episode advantages are "
+            f"{', '.join(f'{a:+.1e}' for _, a, _ in near)}"
+            + (
+                f"; the other {len(far)} episodes agree within {max(g for *_, g in far):.1e}."
+                if far
+                else '.'
+            )
+        )
+    if out:
+        out = [
+            f'Where H10 misses, the gap sits on advantages near 0 (below {NEAR_ZERO:g} in size). '
+            'Upstream computes advantages '
+            'in float32, about 7 significant digits of the rewards, so an advantage that small '
+            'keeps a rounding error far '
+            "above the protocol's tolerance:\n",
+            *out,
+            '',
+        ]
     return out
-
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #622ccce2
 def render_report(receipt: dict, *, figure_sha256: str) -> str:
-    "The study's README.md, every figure read from `receipt`, stating `figure_sha256`, the SHA-256 of the `advantages.png` it shows."
+    """The study's README.md, every figure read from `receipt`, stating `figure_sha256`, the SHA-256
+    of the `advantages.png` it shows."""
     fig, rc, s = _figure_line(figure_sha256), receipt, receipt['summary']
     rows = rc['behaviours']['constructed']
     held = [h['id'] for h in rc['hypotheses'] if h['held']]
-    out = ["# AgeMem, the third study: which behaviours each reward's GRPO advantage reinforces\n",
-           f"**Status: {rc['status']}** ({s['held']} of {s['cases']} hypotheses held; {s['matched']} of {s['checks']} cells met; "
-           f"{s['episodes']} constructed episodes; sampled part: {rc['sampled']['state']}). {rc['meaning'][0].upper()}{rc['meaning'][1:]}.\n",
-           '## The question\n',
-           'GRPO learns from advantages, not rewards: each episode\'s reward set against the rest of its group of 8. A positive '
-           'advantage pushes the policy toward what the episode did; a negative one pushes it away.\n',
-           'On the same groups, which behaviours does each reward reinforce: the official AgeMem reward, or the observed one of the '
-           'second study? Where do their signs disagree? The protocol, written before any run, is [protocol.md](protocol.md).\n',
-           '## The answer\n',
-           'Constructed groups, upstream\'s per-experience advantage (its training path). A behaviour is reinforced when the mean '
-           'advantage of the episodes showing it is positive, discouraged when negative. A mean within '
-           f'{ZERO_BAND:g} of 0 does neither: upstream computes advantages in float32.\n',
-           *answer_lines(rows, 'constructed groups'), '',
-           f"Hypotheses held: {', '.join(held) or 'none'}. Not held: {', '.join(s['mismatched_cases']) or 'none'}."
-           + (f" Lost groups: {', '.join(s['lost_groups'])}." if s['lost_groups'] else '') + '\n',
-           '## Hypotheses\n', 'Each holds when every cell meets its rule (protocol, "Hypotheses for the constructed groups").\n',
-           md_table(hypothesis_rows(rc['hypotheses']), align=False) + '\n']
+    out = [
+        "# AgeMem, the third study: which behaviours each reward's GRPO advantage reinforces\n",
+        f"**Status: {rc['status']}** ({s['held']} of {s['cases']} hypotheses held; {s['matched']} "
+        f"of {s['checks']} cells met; "
+        f"{s['episodes']} constructed episodes; sampled part: {rc['sampled']['state']}). "
+        f"{rc['meaning'][0].upper()}{rc['meaning'][1:]}.\n",
+        '## The question\n',
+        'GRPO learns from advantages, not rewards: each episode\'s reward set against the rest of '
+        'its group of 8. A positive '
+        'advantage pushes the policy toward what the episode did; a negative one pushes it away.\n',
+        'On the same groups, which behaviours does each reward reinforce: the official AgeMem '
+        'reward, or the observed one of the '
+        'second study? Where do their signs disagree? The protocol, written before any run, is '
+        '[protocol.md](protocol.md).\n',
+        '## The answer\n',
+        'Constructed groups, upstream\'s per-experience advantage (its training path). A '
+        'behaviour is reinforced when the mean '
+        'advantage of the episodes showing it is positive, discouraged when negative. A mean '
+        'within '
+        f'{ZERO_BAND:g} of 0 does neither: upstream computes advantages in float32.\n',
+        *answer_lines(rows, 'constructed groups'),
+        '',
+        f"Hypotheses held: {', '.join(held) or 'none'}. Not held: "
+        f"{', '.join(s['mismatched_cases']) or 'none'}."
+        + (f" Lost groups: {', '.join(s['lost_groups'])}." if s['lost_groups'] else '')
+        + '\n',
+        '## Hypotheses\n',
+        'Each holds when every cell meets its rule (protocol, "Hypotheses for the constructed '
+        'groups").\n',
+        md_table(hypothesis_rows(rc['hypotheses']), align=False) + '\n',
+    ]
     for h in rc['hypotheses']:
-        out += [f"**{h['id']}**: {'held' if h['held'] else 'not held'}.\n", md_table(cell_rows(h), align=False) + '\n']
-        if h['id'] == 'H10': out += ratio_gap_lines(rc)
-    out += ['## Per behaviour\n',
-            'Mean advantage of the episodes showing each behaviour, and the share of them whose official and observed advantages '
-            'differ in sign. Per experience (upstream\'s path):\n', md_table(glance_rows(rows), align=False) + '\n',
-            'Per episode (the same function on the episodes\' rewards alone):\n', md_table(glance_rows(rows, 'per_episode'), align=False) + '\n',
-            '![mean advantage per behaviour](advantages.png)\n', fig,
-            '## The groups\n', md_table(_groups_rows(rc['constructed']['groups']), align=False) + '\n',
-            'Experiences: the collected rounds of each episode, in order A-b1 to B-b4. Every record is in [receipt.json](receipt.json).\n']
-    out += sampled_lines(rc) + sample_lines(rc) + ['## Source\n'] + source_lines(rc) + ['## What this does not show\n', rc['limits'] + '\n']
+        out += [
+            f"**{h['id']}**: {'held' if h['held'] else 'not held'}.\n",
+            md_table(cell_rows(h), align=False) + '\n',
+        ]
+        if h['id'] == 'H10':
+            out += ratio_gap_lines(rc)
+    out += [
+        '## Per behaviour\n',
+        'Mean advantage of the episodes showing each behaviour, and the share of them whose '
+        'official and observed advantages '
+        'differ in sign. Per experience (upstream\'s path):\n',
+        md_table(glance_rows(rows), align=False) + '\n',
+        'Per episode (the same function on the episodes\' rewards alone):\n',
+        md_table(glance_rows(rows, 'per_episode'), align=False) + '\n',
+        '![mean advantage per behaviour](advantages.png)\n',
+        fig,
+        '## The groups\n',
+        md_table(_groups_rows(rc['constructed']['groups']), align=False) + '\n',
+        'Experiences: the collected rounds of each episode, in order A-b1 to B-b4. Every record '
+        'is in [receipt.json](receipt.json).\n',
+    ]
+    out += (
+        sampled_lines(rc)
+        + sample_lines(rc)
+        + ['## Source\n']
+        + source_lines(rc)
+        + ['## What this does not show\n', rc['limits'] + '\n']
+    )
     return '\n'.join(out)
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #ae5650de
-_SERIES = (('off', 'official', 'tab:blue'), ('off', 'observed', 'tab:orange'), ('on', 'official', 'tab:cyan'), ('on', 'observed', 'tab:red'))
+_SERIES = (
+    ('off', 'official', 'tab:blue'),
+    ('off', 'observed', 'tab:orange'),
+    ('on', 'official', 'tab:cyan'),
+    ('on', 'observed', 'tab:red'),
+)
+
 
 def _panel(ax, rows: list, title: str):
     h = 0.8 / len(_SERIES)
     for k, (j, w, colour) in enumerate(_SERIES):
-        ax.barh([i + (k - 1.5) * h for i in range(len(rows))], [r['mean'][w][j]['per_experience'] for r in rows], height=h,
-                color=colour, label=f'{w}, judge {j}')
-    ax.set_yticks(range(len(rows)), [f"{r['behaviour']} ({r['episodes']})" for r in rows], fontsize=8)
-    ax.invert_yaxis(); ax.axvline(0, color='black', lw=0.8); ax.set_title(title, fontsize=9)
+        ax.barh(
+            [i + (k - 1.5) * h for i in range(len(rows))],
+            [r['mean'][w][j]['per_experience'] for r in rows],
+            height=h,
+            color=colour,
+            label=f'{w}, judge {j}',
+        )
+    ax.set_yticks(
+        range(len(rows)), [f"{r['behaviour']} ({r['episodes']})" for r in rows], fontsize=8
+    )
+    ax.invert_yaxis()
+    ax.axvline(0, color='black', lw=0.8)
+    ax.set_title(title, fontsize=9)
     ax.set_xlabel('mean advantage, per experience (upstream GRPO)')
 
+# %% ../../nbs/18e_advantages_5_report.ipynb #dd3f0e3e
 def plot_advantages(receipt: dict, path) -> Path:
-    "Per behaviour, the mean per-experience advantage under each reward, judge off and on: constructed groups, and sampled ones if analysed."
-    import matplotlib; matplotlib.use('Agg')
+    """Per behaviour, the mean per-experience advantage under each reward, judge off and on:
+    constructed groups, and sampled ones if analysed."""
+    import matplotlib
+
+    matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+
     panels = [(receipt['behaviours']['constructed'], 'constructed groups')]
-    if receipt['behaviours']['sampled']: panels.append((receipt['behaviours']['sampled'], 'sampled groups (SmolLM2-135M)'))
+    if receipt['behaviours']['sampled']:
+        panels.append((receipt['behaviours']['sampled'], 'sampled groups (SmolLM2-135M)'))
     heights = [0.42 * max(len(rows), 1) + 1.0 for rows, _ in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, sum(heights) + 0.6), gridspec_kw={'height_ratios': heights}, squeeze=False)
-    for ax, (rows, title) in zip(axes[:, 0], panels): _panel(ax, rows, title)
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(7.5, sum(heights) + 0.6),
+        gridspec_kw={'height_ratios': heights},
+        squeeze=False,
+    )
+    for ax, (rows, title) in zip(axes[:, 0], panels):
+        _panel(ax, rows, title)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc='lower center', ncol=4, fontsize=7, frameon=False)
     commit = receipt['provenance']['git'].get('commit')
-    fig.suptitle(f"AgeMem third study: mean advantage per behaviour (receipt at {commit[:7] if commit else 'no commit'})", fontsize=9)
-    fig.tight_layout(rect=(0, 0.04, 1, 1)); path = Path(path); fig.savefig(path, dpi=110); plt.close(fig)
+    fig.suptitle(
+        "AgeMem third study: mean advantage per behaviour (receipt at "
+        f"{commit[:7] if commit else 'no commit'})",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #34a29855
 def render_files(receipt: dict, report_dir) -> list[Path]:
-    "Write the report of `receipt` into `report_dir`: advantages.png first, then README.md, which states the figure's SHA-256."
-    return write_figure_report(report_dir, 'advantages.png', lambda path: plot_advantages(receipt, path), lambda **k: render_report(receipt, **k))
+    """Write the report of `receipt` into `report_dir`: advantages.png first, then README.md, which
+    states the figure's SHA-256."""
+    return write_figure_report(
+        report_dir,
+        'advantages.png',
+        lambda path: plot_advantages(receipt, path),
+        lambda **k: render_report(receipt, **k),
+    )

@@ -8,9 +8,24 @@ import ast, copy, json, types
 from pathlib import Path
 from ..files import read_yaml
 from ..provenance import sha256_file
-from ..audit import AUDITED_REVISION, CALL_SITE_WEIGHTS, REWARD_MODULE, AuditRefused, check_checkout, load_by_path
-from ..observed.store import (STORE_MODULE, UTILS_MODULE, WORKFLOW_FILE, load_upstream, observation_transcript,
-                                     observed_stats, reward_side, LocalJudge)
+from memagent.audit import (
+    AUDITED_REVISION,
+    CALL_SITE_WEIGHTS,
+    REWARD_MODULE,
+    AuditRefused,
+    check_checkout,
+    load_by_path,
+)
+from memagent.observed.store import (
+    STORE_MODULE,
+    UTILS_MODULE,
+    WORKFLOW_FILE,
+    load_upstream,
+    observation_transcript,
+    observed_stats,
+    reward_side,
+    LocalJudge,
+)
 
 # %% auto #0
 __all__ = ['PROMPT_MODULE', 'METRICS_MODULE', 'GRPO_MODULE', 'EXPERIENCE_MODULE', 'ADVANTAGE_FN_FILE', 'ALGORITHM_FILE',
@@ -29,7 +44,7 @@ ALGORITHM_FILE = 'trinity/algorithm/algorithm.py'
 CONFIG_FILE = 'trinity/common/config.py'
 RUNNER_FILE = 'trinity/explorer/workflow_runner.py'
 TRAIN_YAML = 'examples/agemem_hotpotqa/agemem_train.yaml'
-ADVANTAGE_FILES = {      # the protocol's table "Source", in its order
+ADVANTAGE_FILES = {  # the protocol's table "Source", in its order
     WORKFLOW_FILE: '7e42513896bd40fe9ee0856f1d9a44d0d7facf19c09778aa0fca1e55cb4a1789',
     PROMPT_MODULE: 'fe3ddc0ca98b9bc192d86c1e4c54fd4a62b7fd3b7b7edf0f26acd8939b278cd8',
     UTILS_MODULE: 'c1328d6e386c8c421ed09082c313f896ce9908bfd081433662d68acca9daf7b4',
@@ -44,188 +59,387 @@ ADVANTAGE_FILES = {      # the protocol's table "Source", in its order
     RUNNER_FILE: '11033b017669fb0a061a722fa569b9447aed84afd233b286b9081c9784d03600',
     TRAIN_YAML: '3cd2e5ee085f0157cf650675306bfb4a6f36e897e3547b99159775250e3dbe1e',
 }
-EXECUTED = (PROMPT_MODULE, UTILS_MODULE, STORE_MODULE, METRICS_MODULE, REWARD_MODULE, GRPO_MODULE, EXPERIENCE_MODULE)
+EXECUTED = (
+    PROMPT_MODULE,
+    UTILS_MODULE,
+    STORE_MODULE,
+    METRICS_MODULE,
+    REWARD_MODULE,
+    GRPO_MODULE,
+    EXPERIENCE_MODULE,
+)
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #ea32505b
-SETTINGS = {'group_size': 8, 'temperature': 0.6, 'max_context_tokens': 8192, 'auto_summary_threshold': 0.8, 'distractors': 3,
-            'max_rounds': 5}
-WEIGHTS = CALL_SITE_WEIGHTS            # task/tool/context/memory = 0.5/0.2/0.15/0.15
+SETTINGS = {
+    'group_size': 8,
+    'temperature': 0.6,
+    'max_context_tokens': 8192,
+    'auto_summary_threshold': 0.8,
+    'distractors': 3,
+    'max_rounds': 5,
+}
+WEIGHTS = CALL_SITE_WEIGHTS  # task/tool/context/memory = 0.5/0.2/0.15/0.15
 _ARGS = ('buffer', 'explorer_input', 'taskset', 'workflow_args')
-SETTINGS_IN_YAML = {                   # setting -> its keys in agemem_train.yaml (lines 5-6, 33, 35, 37-41)
-    'algorithm_type': ('algorithm', 'algorithm_type'), 'group_size': ('algorithm', 'repeat_times'),
+SETTINGS_IN_YAML = {  # setting -> its keys in agemem_train.yaml (lines 5-6, 33, 35, 37-41)
+    'algorithm_type': ('algorithm', 'algorithm_type'),
+    'group_size': ('algorithm', 'repeat_times'),
     'temperature': ('buffer', 'explorer_input', 'taskset', 'rollout_args', 'temperature'),
-    'auto_summary_threshold': _ARGS + ('auto_summary_threshold',), 'max_context_tokens': _ARGS + ('max_context_tokens',),
-    'distractors': _ARGS + ('stage2_distractor_messages',), 'max_rounds': _ARGS + ('stage3_max_rounds',),
-    'stage1_max_rounds': _ARGS + ('stage1_max_rounds',), 'stage2_max_rounds': _ARGS + ('stage2_max_rounds',)}
+    'auto_summary_threshold': _ARGS + ('auto_summary_threshold',),
+    'max_context_tokens': _ARGS + ('max_context_tokens',),
+    'distractors': _ARGS + ('stage2_distractor_messages',),
+    'max_rounds': _ARGS + ('stage3_max_rounds',),
+    'stage1_max_rounds': _ARGS + ('stage1_max_rounds',),
+    'stage2_max_rounds': _ARGS + ('stage2_max_rounds',),
+}
+
 
 def training_settings(src) -> dict:
-    "The settings `SETTINGS_IN_YAML` names, read from the checkout's training file; `AuditRefused` when one differs from the protocol's."
+    """The settings `SETTINGS_IN_YAML` names, read from the checkout's training file; `AuditRefused`
+    when one differs from the protocol's."""
     doc, out = read_yaml(Path(src) / TRAIN_YAML), {}
     for name, keys in SETTINGS_IN_YAML.items():
         v = doc
-        for k in keys: v = v.get(k) if isinstance(v, dict) else None
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
         out[name] = v
-    want = {**SETTINGS, 'algorithm_type': 'grpo', 'stage1_max_rounds': SETTINGS['max_rounds'], 'stage2_max_rounds': SETTINGS['max_rounds']}
-    wrong = [f'{k}: {out[k]!r}, the protocol says {want[k]!r}' for k in SETTINGS_IN_YAML if out[k] != want[k]]
-    if wrong: raise AuditRefused(f'{src}: {TRAIN_YAML}: ' + '; '.join(wrong))
+    want = {
+        **SETTINGS,
+        'algorithm_type': 'grpo',
+        'stage1_max_rounds': SETTINGS['max_rounds'],
+        'stage2_max_rounds': SETTINGS['max_rounds'],
+    }
+    wrong = [
+        f'{k}: {out[k]!r}, the protocol says {want[k]!r}'
+        for k in SETTINGS_IN_YAML
+        if out[k] != want[k]
+    ]
+    if wrong:
+        raise AuditRefused(f'{src}: {TRAIN_YAML}: ' + '; '.join(wrong))
     return out
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #3b3d7da9
 def _refuses(what: str):
-    def refuse(*args, **kwargs): raise RuntimeError(f'{what} is a stand-in for the load only: the advantages study never uses it')
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            f'{what} is a stand-in for the load only: the advantages study never uses it'
+        )
+
     return refuse
 
+
 def _module(name: str, **attrs) -> types.ModuleType:
-    m = types.ModuleType(name); m.__dict__.update(attrs); return m
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    return m
+
 
 class _Registry:
     "The advantage registry's stand-in: `register_module(name)` returns the class unchanged."
-    def register_module(self, name): return lambda cls: cls
+
+    def register_module(self, name):
+        return lambda cls: cls
+
 
 def experience_stand_ins() -> dict:
-    "What `experience.py` finds for its import that is not installed here: `datasets`, whose `Dataset` refuses use."
-    Dataset = type('Dataset', (), {'__init__': _refuses('datasets.Dataset'), 'from_list': staticmethod(_refuses('datasets.Dataset.from_list'))})
+    """What `experience.py` finds for its import that is not installed here: `datasets`, whose
+    `Dataset` refuses use."""
+    Dataset = type(
+        'Dataset',
+        (),
+        {
+            '__init__': _refuses('datasets.Dataset'),
+            'from_list': staticmethod(_refuses('datasets.Dataset.from_list')),
+        },
+    )
     return {'datasets': _module('datasets', Dataset=Dataset)}
 
+
 def grpo_stand_ins(experience_mod) -> dict:
-    "What `grpo_advantage.py` finds for its imports (lines 8-18): stand-ins, and the experience module loaded from the checkout."
+    """What `grpo_advantage.py` finds for its imports (lines 8-18): stand-ins, and the experience
+    module loaded from the checkout."""
     AdvantageFn = type('AdvantageFn', (), {})
     base = 'trinity.algorithm.advantage_fn.advantage_fn'
-    return {'verl': _module('verl', DataProto=type('DataProto', (), {'__init__': _refuses('verl.DataProto')})),
-            base: _module(base, ADVANTAGE_FN=_Registry(), AdvantageFn=AdvantageFn, GroupAdvantage=type('GroupAdvantage', (AdvantageFn,), {})),
-            'trinity.common.experience': experience_mod,
-            'trinity.utils.annotations': _module('trinity.utils.annotations', Deprecated=lambda cls: cls),
-            'trinity.utils.monitor': _module('trinity.utils.monitor', gather_metrics=lambda metric_list, prefix: {})}
+    return {
+        'verl': _module(
+            'verl', DataProto=type('DataProto', (), {'__init__': _refuses('verl.DataProto')})
+        ),
+        base: _module(
+            base,
+            ADVANTAGE_FN=_Registry(),
+            AdvantageFn=AdvantageFn,
+            GroupAdvantage=type('GroupAdvantage', (AdvantageFn,), {}),
+        ),
+        'trinity.common.experience': experience_mod,
+        'trinity.utils.annotations': _module(
+            'trinity.utils.annotations', Deprecated=lambda cls: cls
+        ),
+        'trinity.utils.monitor': _module(
+            'trinity.utils.monitor', gather_metrics=lambda metric_list, prefix: {}
+        ),
+    }
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #98a7ded5
 def stage1_lead(src) -> str:
-    "The constant lead of Stage 1's user message, parsed from the pinned workflow file (refused if its bytes are not the pinned ones)."
+    """The constant lead of Stage 1's user message, parsed from the pinned workflow file (refused if
+    its bytes are not the pinned ones)."""
     path = Path(src) / WORKFLOW_FILE
-    if sha256_file(path) != ADVANTAGE_FILES[WORKFLOW_FILE]: raise AuditRefused(f'{src}: {WORKFLOW_FILE}: not the pinned file')
-    fns = [n for n in ast.walk(ast.parse(path.read_text(encoding='utf-8'))) if isinstance(n, ast.AsyncFunctionDef) and n.name == '_run_stage1_casual_chat']
-    values = [a.value for f in fns for a in ast.walk(f)
-              if isinstance(a, ast.Assign) and [getattr(t, 'id', None) for t in a.targets] == ['casual_user_msg']]
+    if sha256_file(path) != ADVANTAGE_FILES[WORKFLOW_FILE]:
+        raise AuditRefused(f'{src}: {WORKFLOW_FILE}: not the pinned file')
+    fns = [
+        n
+        for n in ast.walk(ast.parse(path.read_text(encoding='utf-8')))
+        if isinstance(n, ast.AsyncFunctionDef) and n.name == '_run_stage1_casual_chat'
+    ]
+    values = [
+        a.value
+        for f in fns
+        for a in ast.walk(f)
+        if isinstance(a, ast.Assign)
+        and [getattr(t, 'id', None) for t in a.targets] == ['casual_user_msg']
+    ]
     parts = values[0].values if len(values) == 1 and isinstance(values[0], ast.JoinedStr) else []
-    if not (len(parts) == 2 and isinstance(parts[0], ast.Constant) and isinstance(parts[0].value, str)
-            and isinstance(parts[1], ast.FormattedValue) and getattr(parts[1].value, 'id', None) == 'merged_context_text'
-            and parts[1].conversion == -1 and parts[1].format_spec is None):
-        raise AuditRefused(f'{src}: {WORKFLOW_FILE}: casual_user_msg is not a constant lead followed by the merged context')
+    if not (
+        len(parts) == 2
+        and isinstance(parts[0], ast.Constant)
+        and isinstance(parts[0].value, str)
+        and isinstance(parts[1], ast.FormattedValue)
+        and getattr(parts[1].value, 'id', None) == 'merged_context_text'
+        and parts[1].conversion == -1
+        and parts[1].format_spec is None
+    ):
+        raise AuditRefused(
+            f'{src}: {WORKFLOW_FILE}: casual_user_msg is not a constant lead followed by the '
+            'merged context'
+        )
     return parts[0].value
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #3bb07fc7
 def load_study(src) -> dict:
-    """The checked checkout's executed modules: `load_upstream`'s (`reward`, `store`, `utils`) and `workflow_prompt`,
-    `workflow_metrics`, `experience`, `grpo`; with `checkout` (revision and the 13 hashes), `src`, `revision`, `settings` and
-    `stage1_lead`. No bytecode is written and `sys.modules` is left as it was."""
+    """The checked checkout's executed modules: `load_upstream`'s (`reward`, `store`, `utils`) and
+    `workflow_prompt`,
+        `workflow_metrics`, `experience`, `grpo`; with `checkout` (revision and the 13 hashes),
+        `src`,
+        `revision`, `settings` and
+        `stage1_lead`. No bytecode is written and `sys.modules` is left as it was."""
     checkout = check_checkout(src, AUDITED_REVISION, ADVANTAGE_FILES)
     mods = load_upstream(src)
-    experience = load_by_path(src, EXPERIENCE_MODULE, '_agemem_advantages_experience', experience_stand_ins())
-    mods.update(checkout=checkout, src=str(src), revision=checkout['revision'], experience=experience,
-                workflow_prompt=load_by_path(src, PROMPT_MODULE, '_agemem_advantages_prompt'),
-                workflow_metrics=load_by_path(src, METRICS_MODULE, '_agemem_advantages_metrics'),
-                grpo=load_by_path(src, GRPO_MODULE, '_agemem_advantages_grpo', grpo_stand_ins(experience)),
-                settings=training_settings(src), stage1_lead=stage1_lead(src))
-    needs = {'workflow_prompt': ('TOOL_CALL_SYS_PROMPT',), 'workflow_metrics': ('get_answer_llm_judge_score', 'calculate_answer_em'),
-             'experience': ('EID', 'Experience', 'group_by'), 'grpo': ('GRPOGroupedAdvantage',),
-             'utils': ('TOOL_SCHEMA', 'DEFAULT_DISTRACTOR_MESSAGES', 'DistractorGenerator')}
+    experience = load_by_path(
+        src, EXPERIENCE_MODULE, '_agemem_advantages_experience', experience_stand_ins()
+    )
+    mods.update(
+        checkout=checkout,
+        src=str(src),
+        revision=checkout['revision'],
+        experience=experience,
+        workflow_prompt=load_by_path(src, PROMPT_MODULE, '_agemem_advantages_prompt'),
+        workflow_metrics=load_by_path(src, METRICS_MODULE, '_agemem_advantages_metrics'),
+        grpo=load_by_path(src, GRPO_MODULE, '_agemem_advantages_grpo', grpo_stand_ins(experience)),
+        settings=training_settings(src),
+        stage1_lead=stage1_lead(src),
+    )
+    needs = {
+        'workflow_prompt': ('TOOL_CALL_SYS_PROMPT',),
+        'workflow_metrics': ('get_answer_llm_judge_score', 'calculate_answer_em'),
+        'experience': ('EID', 'Experience', 'group_by'),
+        'grpo': ('GRPOGroupedAdvantage',),
+        'utils': ('TOOL_SCHEMA', 'DEFAULT_DISTRACTOR_MESSAGES', 'DistractorGenerator'),
+    }
     for key, attrs in needs.items():
         for a in attrs:
-            if not hasattr(mods[key], a): raise AuditRefused(f'{key} module of {src}: has no {a}')
+            if not hasattr(mods[key], a):
+                raise AuditRefused(f'{key} module of {src}: has no {a}')
     return mods
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #3be8bfe0
 def system_prompt(mods: dict) -> str:
-    "The workflow's system prompt, read from the checkout: `TOOL_CALL_SYS_PROMPT` formatted with `json.dumps(TOOL_SCHEMA)` (line 94)."
-    return mods['workflow_prompt'].TOOL_CALL_SYS_PROMPT.format(tools=json.dumps(mods['utils'].TOOL_SCHEMA))
+    """The workflow's system prompt, read from the checkout: `TOOL_CALL_SYS_PROMPT` formatted with
+    `json.dumps(TOOL_SCHEMA)` (line 94)."""
+    return mods['workflow_prompt'].TOOL_CALL_SYS_PROMPT.format(
+        tools=json.dumps(mods['utils'].TOOL_SCHEMA)
+    )
+
 
 def stage1_message(mods: dict, context: dict) -> str | None:
-    "Stage 1's user message for a task's `context` (`{'title': [...], 'sentences': [[...], ...]}`); `None` where Stage 1 is skipped."
+    """Stage 1's user message for a task's `context` (`{'title': [...], 'sentences': [[...],
+    ...]}`); `None` where Stage 1 is skipped."""
     titles, sentences = context.get('title', []), context.get('sentences', [])
-    if not titles or not sentences: return None
-    lines = [f"{title}: {' '.join(sents[:10])}" for title, sents in zip(titles, sentences)]   # zip cuts to the shorter list
+    if not titles or not sentences:
+        return None
+    lines = [
+        f"{title}: {' '.join(sents[:10])}" for title, sents in zip(titles, sentences)
+    ]  # zip cuts to the shorter list
     return mods['stage1_lead'] + '\n'.join(lines)
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #94c30365
 def distractor_messages(mods: dict, question: str, n: int = SETTINGS['distractors']) -> list[str]:
-    "Stage 2's distractor messages: upstream's `DistractorGenerator` with no client, which falls back to its default messages."
-    return list(mods['utils'].DistractorGenerator(None).generate_distractor_messages(question, num_messages=n))
+    """Stage 2's distractor messages: upstream's `DistractorGenerator` with no client, which falls
+    back to its default messages."""
+    return list(
+        mods['utils']
+        .DistractorGenerator(None)
+        .generate_distractor_messages(question, num_messages=n)
+    )
+
 
 class RefusingClient:
-    "A chat client that records each call and refuses it: upstream's answer judge then falls back to exact match."
-    def __init__(self): self.calls = []
+    """A chat client that records each call and refuses it: upstream's answer judge then falls back
+    to exact match."""
+
+    def __init__(self):
+        self.calls = []
+
     def chat(self, messages, model_name=None, **kwargs):
         self.calls.append({'model_name': model_name, 'n_messages': len(messages)})
         raise RuntimeError('no hosted judge: the advantages study scores answers by exact match')
 
+
 def _finish(coro):
     "The value of a coroutine that ends without suspending."
-    try: coro.send(None)
-    except StopIteration as stop: return stop.value
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
     coro.close()
     raise RuntimeError('the coroutine suspended; it was expected to end at once')
 
+
 def task_score(mods: dict, final_answer: str | None, expected: str, question: str = '') -> float:
-    "The task score of a final answer (lines 454-460): 0.0 without one; else upstream's judge with a refusing client, i.e. exact match."
-    if not final_answer or not expected: return 0.0
+    """The task score of a final answer (lines 454-460): 0.0 without one; else upstream's judge with
+    a refusing client, i.e. exact match."""
+    if not final_answer or not expected:
+        return 0.0
     client = RefusingClient()
-    score = _finish(mods['workflow_metrics'].get_answer_llm_judge_score(question, final_answer, expected, client))
-    if len(client.calls) != 1: raise RuntimeError(f'the answer judge called its client {len(client.calls)} times, not once')
+    score = _finish(
+        mods['workflow_metrics'].get_answer_llm_judge_score(
+            question, final_answer, expected, client
+        )
+    )
+    if len(client.calls) != 1:
+        raise RuntimeError(
+            f'the answer judge called its client {len(client.calls)} times, not once'
+        )
     return float(score)
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #4f2754e2
 def summarise(messages) -> str:
-    "The local summariser: the counts of the chosen messages, by role (`Summary_context`, lines 179-185)."
+    """The local summariser: the counts of the chosen messages, by role (`Summary_context`, lines
+    179-185)."""
     roles = [m.get('role') for m in messages]
-    return (f"Summary of {len(roles)} earlier messages: {roles.count('user')} user, {roles.count('assistant')} assistant, "
-            f"{roles.count('tool')} tool.")
+    return (
+        f"Summary of {len(roles)} earlier messages: {roles.count('user')} user, "
+        f"{roles.count('assistant')} assistant, "
+        f"{roles.count('tool')} tool."
+    )
+
 
 def similarity(criteria, message) -> str:
-    "The local similarity model of `Clear_context` (lines 233-241): `'1.0'` when the criteria occur in the message's content, else `'0.0'`."
+    """The local similarity model of `Clear_context` (lines 233-241): `'1.0'` when the criteria
+    occur in the message's content, else `'0.0'`."""
     content = message.get('content', '') if isinstance(message, dict) else message
     return '1.0' if str(criteria).strip().lower() in str(content).lower() else '0.0'
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #9c389f81
 def reward_call(rec: dict, task: dict) -> dict:
-    "The calculator's arguments other than the statistics, for an episode record `rec` of the walk and its `task`."
-    return {'task_score': rec['task_score'], 'found_answer': rec['found_answer'], 'finished_at_round': rec['finished_at_round'],
-            'max_rounds': SETTINGS['max_rounds'], 'max_tokens': SETTINGS['max_context_tokens'], 'question': task['question'],
-            'supporting_facts': task.get('supporting_facts')}
+    """The calculator's arguments other than the statistics, for an episode record `rec` of the walk
+    and its `task`."""
+    return {
+        'task_score': rec['task_score'],
+        'found_answer': rec['found_answer'],
+        'finished_at_round': rec['finished_at_round'],
+        'max_rounds': SETTINGS['max_rounds'],
+        'max_tokens': SETTINGS['max_context_tokens'],
+        'question': task['question'],
+        'supporting_facts': task.get('supporting_facts'),
+    }
+
 
 def episode_rewards(mods: dict, rec: dict, task: dict, judge: bool) -> dict:
-    """`{'official': side, 'observed': side}` for one episode of the walk (its final `context`, `log`, `final_answer`, `found_answer`,
-    `finished_at_round`, `task_score`); a side holds `total`, `breakdown`, the three statistics, `judge_calls` and `judge_replies`."""
+    """`{'official': side, 'observed': side}` for one episode of the walk (its final `context`,
+    `log`, `final_answer`, `found_answer`,
+        `finished_at_round`, `task_score`); a side holds `total`, `breakdown`, the three statistics,
+        `judge_calls` and `judge_replies`."""
     reward, call = mods['reward'], reward_call(rec, task)
-    judges = {side: LocalJudge(task['answer']) if judge else None for side in ('official', 'observed')}
+    judges = {
+        side: LocalJudge(task['answer']) if judge else None for side in ('official', 'observed')
+    }
     msgs = copy.deepcopy(rec['context'])
-    official = reward_side(mods, call, WEIGHTS, msgs, reward.extract_tool_usage_stats(msgs), reward.extract_memory_stats(msgs, None), msgs,
-                           judges['official'])
-    observed = reward_side(mods, call, WEIGHTS, rec['context'], *observed_stats(rec['log'], rec['final_answer']),
-                           observation_transcript(rec['log']), judges['observed'])
-    return {side: {'total': out['breakdown']['total'], **out, 'judge_replies': judges[side].calls if judge else []}
-            for side, out in (('official', official), ('observed', observed))}
+    official = reward_side(
+        mods,
+        call,
+        WEIGHTS,
+        msgs,
+        reward.extract_tool_usage_stats(msgs),
+        reward.extract_memory_stats(msgs, None),
+        msgs,
+        judges['official'],
+    )
+    observed = reward_side(
+        mods,
+        call,
+        WEIGHTS,
+        rec['context'],
+        *observed_stats(rec['log'], rec['final_answer']),
+        observation_transcript(rec['log']),
+        judges['observed'],
+    )
+    return {
+        side: {
+            'total': out['breakdown']['total'],
+            **out,
+            'judge_replies': judges[side].calls if judge else [],
+        }
+        for side, out in (('official', official), ('observed', observed))
+    }
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #7e1d0a77
-def grpo_experiences(mods: dict, totals: list[float], counts: list[int], task_id: str) -> list[list]:
-    "Upstream `Experience`s of one task: `counts[i]` for episode i, each with reward `totals[i]` and task id `task_id` (`batch/task`)."
+def grpo_experiences(
+    mods: dict, totals: list[float], counts: list[int], task_id: str
+) -> list[list]:
+    """Upstream `Experience`s of one task: `counts[i]` for episode i, each with reward `totals[i]`
+    and task id `task_id` (`batch/task`)."""
     batch, sep, task = str(task_id).partition('/')
-    if not sep or len(totals) != len(counts): raise ValueError(f'task id {task_id!r} (batch/task), {len(totals)} totals, {len(counts)} counts')
+    if not sep or len(totals) != len(counts):
+        raise ValueError(
+            f'task id {task_id!r} (batch/task), {len(totals)} totals, {len(counts)} counts'
+        )
     E, EID = mods['experience'].Experience, mods['experience'].EID
-    return [[E(eid=EID(batch=batch, task=task, run=i, step=k), tokens=[0, 0], prompt_length=1, reward=float(t)) for k in range(n)]
-            for i, (t, n) in enumerate(zip(totals, counts))]
+    return [
+        [
+            E(
+                eid=EID(batch=batch, task=task, run=i, step=k),
+                tokens=[0, 0],
+                prompt_length=1,
+                reward=float(t),
+            )
+            for k in range(n)
+        ]
+        for i, (t, n) in enumerate(zip(totals, counts))
+    ]
+
 
 def _advantages(mods: dict, episodes: list[list]) -> list:
     G = mods['grpo'].GRPOGroupedAdvantage
     flat = [e for ep in episodes for e in ep]
     out, _ = G(**G.default_args()).process(flat)
-    if len(out) != len(flat) or len({e.eid.tid for e in flat}) > 1: raise RuntimeError('GRPO did not keep every experience in one group')
+    if len(out) != len(flat) or len({e.eid.tid for e in flat}) > 1:
+        raise RuntimeError('GRPO did not keep every experience in one group')
     values = []
     for i, ep in enumerate(episodes):
         seen = {float(x) for e in ep for x in e.advantages.tolist()}
-        if len(seen) > 1: raise RuntimeError(f'episode {i}: its experiences got different advantages {sorted(seen)}')
+        if len(seen) > 1:
+            raise RuntimeError(
+                f'episode {i}: its experiences got different advantages {sorted(seen)}'
+            )
         values.append(seen.pop() if seen else None)
     return values
 
+
 def grpo_advantages(mods: dict, totals: list[float], counts: list[int], task_id: str) -> dict:
-    "`{'per_experience': [...], 'per_episode': [...]}`: each episode's advantage under upstream's GRPO, both normalisations."
-    return {'per_experience': _advantages(mods, grpo_experiences(mods, totals, counts, task_id)),
-            'per_episode': _advantages(mods, grpo_experiences(mods, totals, [1 if n else 0 for n in counts], task_id))}
+    """`{'per_experience': [...], 'per_episode': [...]}`: each episode's advantage under upstream's
+    GRPO, both normalisations."""
+    return {
+        'per_experience': _advantages(mods, grpo_experiences(mods, totals, counts, task_id)),
+        'per_episode': _advantages(
+            mods, grpo_experiences(mods, totals, [1 if n else 0 for n in counts], task_id)
+        ),
+    }

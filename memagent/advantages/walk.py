@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from ..engines import SamplingParams, GenerationResult, EngineError, DeterministicEngineError
 from ..rollout import request_seed, stop_token_ids, run_sync, run_async
 from ..observed.store import TOOLS, EpisodeError, Recorder, overflows, collected_round
-from .upstream import system_prompt, stage1_message, distractor_messages, task_score, summarise, similarity
+from memagent.advantages.upstream import (
+    system_prompt,
+    stage1_message,
+    distractor_messages,
+    task_score,
+    summarise,
+    similarity,
+)
 
 # %% auto #0
 __all__ = ['MAX_ROUNDS', 'DISTRACTORS', 'CONTEXT_TOKENS', 'WINDOW', 'MAX_NEW', 'SAMPLING', 'BEHAVIOURS', 'decode_reply',
@@ -17,12 +24,14 @@ __all__ = ['MAX_ROUNDS', 'DISTRACTORS', 'CONTEXT_TOKENS', 'WINDOW', 'MAX_NEW', '
            'episode_record', 'play', 'ScriptedEngine', 'ScriptedQueue', 'behaviours']
 
 # %% ../../nbs/18e_advantages_2_walk.ipynb #86c09f93
-MAX_ROUNDS = 5              # rounds per stage and per distractor (agemem_train.yaml lines 39-41)
-DISTRACTORS = 3             # Stage-2 distractor messages (agemem_train.yaml line 38)
-CONTEXT_TOKENS = 8192       # the workflow's context budget (agemem_train.yaml lines 35, 37): the overflow check reads it
-WINDOW = 8192               # the sampled policy's window (SmolLM2-135M-Instruct)
-MAX_NEW = 256               # new tokens per sampled reply (upstream allows 2048, agemem_train.yaml line 9)
-SAMPLING = {'temperature': 0.6, 'top_p': 1.0, 'top_k': -1}     # agemem_train.yaml line 33; no top-k
+MAX_ROUNDS = 5  # rounds per stage and per distractor (agemem_train.yaml lines 39-41)
+DISTRACTORS = 3  # Stage-2 distractor messages (agemem_train.yaml line 38)
+# the workflow's context budget (agemem_train.yaml lines 35, 37): the overflow check reads it
+CONTEXT_TOKENS = 8192
+WINDOW = 8192  # the sampled policy's window (SmolLM2-135M-Instruct)
+MAX_NEW = 256  # new tokens per sampled reply (upstream allows 2048, agemem_train.yaml line 9)
+SAMPLING = {'temperature': 0.6, 'top_p': 1.0, 'top_k': -1}  # agemem_train.yaml line 33; no top-k
+
 
 def decode_reply(tokenizer, ids) -> str:
     "A reply's text, decoded as the rollout decodes it: without special tokens."
@@ -31,62 +40,99 @@ def decode_reply(tokenizer, ids) -> str:
 # %% ../../nbs/18e_advantages_2_walk.ipynb #7c2b017f
 @dataclass
 class Episode:
-    "One episode's state: its recorder, its loops in play order, the loop and round it is in, and what it produced so far."
-    task: dict                      # task_id, question, answer, context, supporting_facts
-    episode: int                    # its index in the task's group
+    """One episode's state: its recorder, its loops in play order, the loop and round it is in, and
+    what it produced so far."""
+
+    task: dict  # task_id, question, answer, context, supporting_facts
+    episode: int  # its index in the task's group
     rec: Recorder
-    loops: list                     # (stage, distractor index or None, the user message that opens the loop)
-    li: int = 0                     # the loop being played
-    r: int = 0                      # its round, 0-based
+    loops: list  # (stage, distractor index or None, the user message that opens the loop)
+    li: int = 0  # the loop being played
+    r: int = 0  # its round, 0-based
     replies: list = field(default_factory=list)
     experiences: list = field(default_factory=list)
     found_answer: bool = False
     final_answer: str | None = None
     task_score: float | None = None
-    lost: str | None = None         # why upstream would have lost the task (a call it cannot dispatch, an engine error)
+    lost: str | None = (
+        None  # why upstream would have lost the task (a call it cannot dispatch, an engine error)
+    )
     window_break: bool = False
     done: bool = False
-    prompt: list | None = None      # the next request's prompt ids, built once per context
+    prompt: list | None = None  # the next request's prompt ids, built once per context
 
     @property
-    def task_id(self) -> str: return str(self.task['task_id'])
-    @property
-    def turns(self) -> list: return self.replies
+    def task_id(self) -> str:
+        return str(self.task['task_id'])
 
+    @property
+    def turns(self) -> list:
+        return self.replies
+
+# %% ../../nbs/18e_advantages_2_walk.ipynb #cb62445a
 def episode_loops(mods: dict, task: dict, distractors: int = DISTRACTORS) -> list:
-    "The loops of one episode in play order: `(stage, distractor index or None, opening user message)`."
+    """The loops of one episode in play order: `(stage, distractor index or None, opening user
+    message)`."""
     first = stage1_message(mods, task['context'])
-    stage2 = [(2, i, m) for i, m in enumerate(distractor_messages(mods, task['question'], distractors))]
+    stage2 = [
+        (2, i, m) for i, m in enumerate(distractor_messages(mods, task['question'], distractors))
+    ]
     return ([(1, None, first)] if first else []) + stage2 + [(3, None, task['question'])]
 
+# %% ../../nbs/18e_advantages_2_walk.ipynb #f14099bc
 def open_loop(ep: Episode) -> None:
-    "Start loop `ep.li`: enter its stage when it opens one (entering Stage 2 is the reset), then its user message."
+    """Start loop `ep.li`: enter its stage when it opens one (entering Stage 2 is the reset), then
+    its user message."""
     stage, _, message = ep.loops[ep.li]
-    if stage != ep.rec.stage: ep.rec.enter(stage)
-    ep.rec.user(message); ep.r, ep.prompt = 0, None
+    if stage != ep.rec.stage:
+        ep.rec.enter(stage)
+    ep.rec.user(message)
+    ep.r, ep.prompt = 0, None
 
+# %% ../../nbs/18e_advantages_2_walk.ipynb #82cbab2d
 def end_loop(ep: Episode, mods: dict) -> None:
     "The open loop is over: open the next one, or finish the episode with its task score."
     ep.li, ep.prompt = ep.li + 1, None
-    if ep.li < len(ep.loops): return open_loop(ep)
-    ep.done, ep.task_score = True, task_score(mods, ep.final_answer, ep.task['answer'], ep.task['question'])
+    if ep.li < len(ep.loops):
+        return open_loop(ep)
+    ep.done, ep.task_score = (
+        True,
+        task_score(mods, ep.final_answer, ep.task['answer'], ep.task['question']),
+    )
 
 # %% ../../nbs/18e_advantages_2_walk.ipynb #cfaa091e
 def dispatch(rec: Recorder, text: str) -> list:
-    "Run one reply's calls through the recorder with the stand-ins; a call that is not an object raises before any call runs."
+    """Run one reply's calls through the recorder with the stand-ins; a call that is not an object
+    raises before any call runs."""
     calls = rec.utils.parse_tool_calls(text)
     bad = [c for c in calls if not isinstance(c, dict)]
     if bad:
-        rec.context.append({'role': 'assistant', 'content': text})          # appended before the calls are read (lines 537-541)
-        raise EpisodeError(f"{rec.where}: tool call {bad[0]!r} is not an object (the collection test's .get raises, lines 545, 641, 740)")
+        rec.context.append(
+            {'role': 'assistant', 'content': text}
+        )  # appended before the calls are read (lines 537-541)
+        raise EpisodeError(
+            f"{rec.where}: tool call {bad[0]!r} is not an object (the collection test's .get "
+            "raises, lines 545, 641, 740)"
+        )
     return rec.assistant(text, summarise, similarity)
 
-def play_round(ep: Episode, text: str, mods: dict, max_rounds: int = MAX_ROUNDS, context_tokens: int = CONTEXT_TOKENS) -> None:
-    "One round of the open loop for a recorded reply: its calls, its answer, the overflow check, the collection, the loop's end."
+
+def play_round(
+    ep: Episode,
+    text: str,
+    mods: dict,
+    max_rounds: int = MAX_ROUNDS,
+    context_tokens: int = CONTEXT_TOKENS,
+) -> None:
+    """One round of the open loop for a recorded reply: its calls, its answer, the overflow check,
+    the collection, the loop's end."""
     stage, distractor, _ = ep.loops[ep.li]
-    try: calls = dispatch(ep.rec, text)
-    except Exception as e:                           # the workflow re-raises it out of the whole task (lines 339-341)
-        ep.lost = f"reply {len(ep.replies) - 1} (stage {stage}, round {ep.r}): {type(e).__name__}: {e}"
+    try:
+        calls = dispatch(ep.rec, text)
+    except Exception as e:  # the workflow re-raises it out of the whole task (lines 339-341)
+        ep.lost = (
+            f"reply {len(ep.replies) - 1} (stage {stage}, round {ep.r}): {type(e).__name__}: {e}"
+        )
         ep.done, ep.prompt = True, None
         return
     ep.replies[-1]['calls'] = copy.deepcopy(calls)
@@ -94,30 +140,73 @@ def play_round(ep: Episode, text: str, mods: dict, max_rounds: int = MAX_ROUNDS,
     overflow = not answer and overflows(ep.rec.context, context_tokens)
     ends = bool(answer) or overflow or ep.r == max_rounds - 1
     why = collected_round(calls, answer, ep.r, max_rounds, overflow, ends, stage=stage)
-    if why: ep.experiences.append({'stage': stage, 'distractor': distractor, 'round': ep.r, 'why': why})
-    if stage == 3 and answer: ep.found_answer, ep.final_answer = True, answer
+    if why:
+        ep.experiences.append({'stage': stage, 'distractor': distractor, 'round': ep.r, 'why': why})
+    if stage == 3 and answer:
+        ep.found_answer, ep.final_answer = True, answer
     ep.prompt = None
-    if ends: end_loop(ep, mods)
-    else: ep.r += 1
+    if ends:
+        end_loop(ep, mods)
+    else:
+        ep.r += 1
 
 # %% ../../nbs/18e_advantages_2_walk.ipynb #93045671
 class AgeMemWalk:
-    "AgeMem episodes for `run_sync` / `run_async`: `group_size` episodes per task, each through Stage 1, the Stage-2 reset and distractors, Stage 3."
-    def __init__(self, mods: dict, tasks: list, group_size: int, tokenizer, sampling: dict | None = None, window: int | None = WINDOW,
-                 max_new: int = MAX_NEW, context_tokens: int = CONTEXT_TOKENS, max_rounds: int = MAX_ROUNDS,
-                 distractors: int = DISTRACTORS, seed: int = 0):
-        self.mods, self.tok, self.window, self.max_new, self.seed = mods, tokenizer, window, max_new, seed
-        self.context_tokens, self.max_rounds, self.sampling = context_tokens, max_rounds, {**SAMPLING, **(sampling or {})}
-        if set(self.sampling) - set(SAMPLING): raise ValueError(f'AgeMemWalk: unknown sampling keys {sorted(set(self.sampling) - set(SAMPLING))}')
-        self.stops, prompt, self.trajs, self.owner = stop_token_ids(tokenizer), system_prompt(mods), [], []
+    """AgeMem episodes for `run_sync` / `run_async`: `group_size` episodes per task, each through
+    Stage 1, the Stage-2 reset and distractors, Stage 3."""
+
+    def __init__(
+        self,
+        mods: dict,
+        tasks: list,
+        group_size: int,
+        tokenizer,
+        sampling: dict | None = None,
+        window: int | None = WINDOW,
+        max_new: int = MAX_NEW,
+        context_tokens: int = CONTEXT_TOKENS,
+        max_rounds: int = MAX_ROUNDS,
+        distractors: int = DISTRACTORS,
+        seed: int = 0,
+    ):
+        self.mods, self.tok, self.window, self.max_new, self.seed = (
+            mods,
+            tokenizer,
+            window,
+            max_new,
+            seed,
+        )
+        self.context_tokens, self.max_rounds, self.sampling = (
+            context_tokens,
+            max_rounds,
+            {**SAMPLING, **(sampling or {})},
+        )
+        if set(self.sampling) - set(SAMPLING):
+            raise ValueError(
+                f'AgeMemWalk: unknown sampling keys {sorted(set(self.sampling) - set(SAMPLING))}'
+            )
+        self.stops, prompt, self.trajs, self.owner = (
+            stop_token_ids(tokenizer),
+            system_prompt(mods),
+            [],
+            [],
+        )
         for g, task in enumerate(tasks):
             loops = episode_loops(mods, task, distractors)
             for e in range(group_size):
-                ep = Episode(task, e, Recorder(mods, prompt, where=f"episode {task['task_id']}#{e}"), loops)
-                open_loop(ep); self.trajs.append(ep); self.owner.append(g)
+                ep = Episode(
+                    task, e, Recorder(mods, prompt, where=f"episode {task['task_id']}#{e}"), loops
+                )
+                open_loop(ep)
+                self.trajs.append(ep)
+                self.owner.append(g)
 
-    def __len__(self): return len(self.trajs)
-    def group_of(self, j) -> int: return self.owner[j]
+    def __len__(self):
+        return len(self.trajs)
+
+    def group_of(self, j) -> int:
+        return self.owner[j]
+
     def turns_left(self, j) -> int:
         ep = self.trajs[j]
         return 0 if ep.done else self.max_rounds * (len(ep.loops) - ep.li) - ep.r
@@ -128,28 +217,60 @@ class AgeMemWalk:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def next_request(self, j):
-        "`(reply index, prompt ids, SamplingParams)` of episode `j`'s next reply, or None when it is finished."
+        """`(reply index, prompt ids, SamplingParams)` of episode `j`'s next reply, or None when it
+        is finished."""
         ep = self.trajs[j]
         while not ep.done:
-            if ep.prompt is None: ep.prompt = self.prompt_ids(ep.rec.context)
+            if ep.prompt is None:
+                ep.prompt = self.prompt_ids(ep.rec.context)
             if self.window is None or len(ep.prompt) <= self.window - self.max_new:
                 k = len(ep.replies)
-                return k, ep.prompt, SamplingParams(self.max_new, stop_token_ids=self.stops,
-                                                    seed=request_seed(self.seed, ep.task_id, ep.episode, k), **self.sampling)
-            ep.window_break = True; end_loop(ep, self.mods)       # the reply is not requested: the loop ends as an overflow ends it
+                return (
+                    k,
+                    ep.prompt,
+                    SamplingParams(
+                        self.max_new,
+                        stop_token_ids=self.stops,
+                        seed=request_seed(self.seed, ep.task_id, ep.episode, k),
+                        **self.sampling,
+                    ),
+                )
+            ep.window_break = True
+            end_loop(
+                ep, self.mods
+            )  # the reply is not requested: the loop ends as an overflow ends it
         return None
 
     def feed(self, j, prompt, r) -> None:
-        "Apply one result (a `GenerationResult` or an `EngineError`) to episode `j`: record the reply, then play its round."
-        ep = self.trajs[j]; stage, distractor, _ = ep.loops[ep.li]
+        """Apply one result (a `GenerationResult` or an `EngineError`) to episode `j`: record the
+        reply, then play its round."""
+        ep = self.trajs[j]
+        stage, distractor, _ = ep.loops[ep.li]
         if isinstance(r, EngineError):
-            ep.lost, ep.done, ep.prompt = f"reply {len(ep.replies)} (stage {stage}, round {ep.r}): {type(r).__name__}: {r}", True, None
+            ep.lost, ep.done, ep.prompt = (
+                f"reply {len(ep.replies)} (stage {stage}, round {ep.r}): {type(r).__name__}: {r}",
+                True,
+                None,
+            )
             return
         text = decode_reply(self.tok, r.output_ids)
         if r.text is not None and r.text != text:
-            raise AssertionError(f'{ep.rec.where}: reply {len(ep.replies)} decodes to {text!r}, the engine says {r.text!r}')
-        ep.replies.append({'stage': stage, 'distractor': distractor, 'round': ep.r, 'text': text, 'calls': [],
-                           'prompt_tokens': len(prompt), 'generated_tokens': len(r.output_ids), 'seconds': r.latency_s})
+            raise AssertionError(
+                f'{ep.rec.where}: reply {len(ep.replies)} decodes to {text!r}, the engine says '
+                f'{r.text!r}'
+            )
+        ep.replies.append(
+            {
+                'stage': stage,
+                'distractor': distractor,
+                'round': ep.r,
+                'text': text,
+                'calls': [],
+                'prompt_tokens': len(prompt),
+                'generated_tokens': len(r.output_ids),
+                'seconds': r.latency_s,
+            }
+        )
         play_round(ep, text, self.mods, self.max_rounds, self.context_tokens)
 
     def records(self) -> list[dict]:
@@ -158,42 +279,86 @@ class AgeMemWalk:
 
 # %% ../../nbs/18e_advantages_2_walk.ipynb #e5eabf85
 def episode_record(ep: Episode) -> dict:
-    "What a finished episode did: its replies, final context, log, collected experiences, Stage-3 outcome and flags."
-    if not ep.done: raise ValueError(f'{ep.rec.where} is not finished: {len(ep.replies)} replies, in loop {ep.li} of {len(ep.loops)}')
-    return {'task_id': ep.task_id, 'episode': ep.episode, 'replies': copy.deepcopy(ep.replies), 'context': copy.deepcopy(ep.rec.context),
-            'log': copy.deepcopy(ep.rec.log), 'experiences': copy.deepcopy(ep.experiences),
-            'finished_at_round': sum(x['stage'] == 3 for x in ep.experiences), 'found_answer': ep.found_answer,
-            'final_answer': ep.final_answer, 'task_score': ep.task_score, 'lost': ep.lost, 'window_break': ep.window_break}
+    """What a finished episode did: its replies, final context, log, collected experiences, Stage-3
+    outcome and flags."""
+    if not ep.done:
+        raise ValueError(
+            f'{ep.rec.where} is not finished: {len(ep.replies)} replies, in loop {ep.li} of '
+            f'{len(ep.loops)}'
+        )
+    return {
+        'task_id': ep.task_id,
+        'episode': ep.episode,
+        'replies': copy.deepcopy(ep.replies),
+        'context': copy.deepcopy(ep.rec.context),
+        'log': copy.deepcopy(ep.rec.log),
+        'experiences': copy.deepcopy(ep.experiences),
+        'finished_at_round': sum(x['stage'] == 3 for x in ep.experiences),
+        'found_answer': ep.found_answer,
+        'final_answer': ep.final_answer,
+        'task_score': ep.task_score,
+        'lost': ep.lost,
+        'window_break': ep.window_break,
+    }
 
 # %% ../../nbs/18e_advantages_2_walk.ipynb #ba1415e1
-def play(mods: dict, tasks: list, group_size: int, engine, tokenizer, sampling: dict | None = None, scheduler: str = 'sync',
-         stats: dict | None = None, **walk_kw) -> list[dict]:
-    "Play `group_size` episodes of every task on `engine` under `run_sync` ('sync') or `run_async` ('async'); their records."
+def play(
+    mods: dict,
+    tasks: list,
+    group_size: int,
+    engine,
+    tokenizer,
+    sampling: dict | None = None,
+    scheduler: str = 'sync',
+    stats: dict | None = None,
+    **walk_kw,
+) -> list[dict]:
+    """Play `group_size` episodes of every task on `engine` under `run_sync` ('sync') or `run_async`
+    ('async'); their records."""
     walk = AgeMemWalk(mods, tasks, group_size, tokenizer, sampling, **walk_kw)
-    if scheduler == 'sync': run_sync(walk, engine, stats)
-    elif scheduler == 'async': run_async(walk, engine.request_queue(), stats)
-    else: raise ValueError(f"play: scheduler must be 'sync' or 'async', got {scheduler!r}")
+    if scheduler == 'sync':
+        run_sync(walk, engine, stats)
+    elif scheduler == 'async':
+        run_async(walk, engine.request_queue(), stats)
+    else:
+        raise ValueError(f"play: scheduler must be 'sync' or 'async', got {scheduler!r}")
     return walk.records()
 
 # %% ../../nbs/18e_advantages_2_walk.ipynb #84ddc8b6
 class ScriptedEngine:
-    "An engine whose reply to a request is a scripted text: `scripts[task_id][e][k]` answers the request seeded `request_seed(seed, task_id, e, k)`."
+    """An engine whose reply to a request is a scripted text: `scripts[task_id][e][k]` answers the
+    request seeded `request_seed(seed, task_id, e, k)`."""
+
     def __init__(self, scripts: dict, tokenizer, seed: int = 0, limit: int = 4):
-        self.tok, self.limit, self.stats, self.by_seed, self.served = tokenizer, limit, {'requests': 0, 'generated_tokens': 0}, {}, set()
+        self.tok, self.limit, self.stats, self.by_seed, self.served = (
+            tokenizer,
+            limit,
+            {'requests': 0, 'generated_tokens': 0},
+            {},
+            set(),
+        )
         for t, episodes in scripts.items():
             for e, texts in enumerate(episodes):
                 for k, text in enumerate(texts):
                     ids = list(tokenizer.encode(text, add_special_tokens=False))
                     if decode_reply(tokenizer, ids) != text:
-                        raise ValueError(f'scripted reply {k} of episode {e} of task {t!r} does not decode back to itself: {text!r}')
+                        raise ValueError(
+                            f'scripted reply {k} of episode {e} of task {t!r} does not decode '
+                            f'back to itself: {text!r}'
+                        )
                     self.by_seed[request_seed(seed, t, e, k)] = (t, e, k, text, ids)
 
     def reply(self, prompt, params) -> GenerationResult | EngineError:
         "The scripted reply for one request, or an error when the script has none."
         hit = self.by_seed.get(params.seed)
-        if hit is None: return DeterministicEngineError(f'no scripted reply for the request seeded {params.seed}')
+        if hit is None:
+            return DeterministicEngineError(
+                f'no scripted reply for the request seeded {params.seed}'
+            )
         t, e, k, text, ids = hit
-        self.served.add(params.seed); self.stats['requests'] += 1; self.stats['generated_tokens'] += len(ids)
+        self.served.add(params.seed)
+        self.stats['requests'] += 1
+        self.stats['generated_tokens'] += len(ids)
         return GenerationResult(list(ids), [0.0] * len(ids), 'stop', len(prompt), 0.0, text)
 
     def generate(self, prompts, params, return_exceptions: bool = False) -> list:
@@ -201,48 +366,108 @@ class ScriptedEngine:
         out = [self.reply(p, sp) for p, sp in zip(prompts, params)]
         if not return_exceptions:
             for r in out:
-                if isinstance(r, EngineError): raise r
+                if isinstance(r, EngineError):
+                    raise r
         return out
 
     def unused(self) -> list:
         "`(task_id, episode, reply index)` of every scripted reply never requested."
-        return sorted((t, e, k) for s, (t, e, k, *_) in self.by_seed.items() if s not in self.served)
+        return sorted(
+            (t, e, k) for s, (t, e, k, *_) in self.by_seed.items() if s not in self.served
+        )
 
-    def request_queue(self) -> 'ScriptedQueue': return ScriptedQueue(self, self.limit)
+    def request_queue(self) -> 'ScriptedQueue':
+        return ScriptedQueue(self, self.limit)
 
+# %% ../../nbs/18e_advantages_2_walk.ipynb #5e56a86d
 class ScriptedQueue:
-    "A `RequestQueue` over a `ScriptedEngine` on a counting clock: each `wait_any` answers the newest request in flight."
+    """A `RequestQueue` over a `ScriptedEngine` on a counting clock: each `wait_any` answers the
+    newest request in flight."""
+
     def __init__(self, engine: ScriptedEngine, limit: int):
-        self.e, self.limit, self.wait_limit_s, self.pending, self.n, self.clock = engine, limit, 60.0, {}, 0, 0.0
+        self.e, self.limit, self.wait_limit_s, self.pending, self.n, self.clock = (
+            engine,
+            limit,
+            60.0,
+            {},
+            0,
+            0.0,
+        )
+
     def submit(self, prompt, params):
-        self.n += 1; self.pending[self.n] = (prompt, params); return self.n
+        self.n += 1
+        self.pending[self.n] = (prompt, params)
+        return self.n
+
     def wait_any(self, timeout: float) -> list:
-        if not self.pending: return []
-        h = max(self.pending); self.clock += 1.0
+        if not self.pending:
+            return []
+        h = max(self.pending)
+        self.clock += 1.0
         return [(h, self.e.reply(*self.pending.pop(h)))]
-    def now(self) -> float: return self.clock
-    def cancel(self, handle) -> None: self.pending.pop(handle, None)
+
+    def now(self) -> float:
+        return self.clock
+
+    def cancel(self, handle) -> None:
+        self.pending.pop(handle, None)
 
 # %% ../../nbs/18e_advantages_2_walk.ipynb #429c63c8
-BEHAVIOURS = (tuple(f'call:{t}' for t in TOOLS) + tuple(f'prose:{t}' for t in TOOLS) +
-              ('update_ok', 'update_failed', 'add_content', 'add_empty', 'delete_ok', 'delete_failed', 'delete_cancelled',
-               'summary_executed', 'retrieval_used', 'retrieval_ignored', 'retrieval_empty', 'answered', 'correct', 'window_break'))
+BEHAVIOURS = (
+    tuple(f'call:{t}' for t in TOOLS)
+    + tuple(f'prose:{t}' for t in TOOLS)
+    + (
+        'update_ok',
+        'update_failed',
+        'add_content',
+        'add_empty',
+        'delete_ok',
+        'delete_failed',
+        'delete_cancelled',
+        'summary_executed',
+        'retrieval_used',
+        'retrieval_ignored',
+        'retrieval_empty',
+        'answered',
+        'correct',
+        'window_break',
+    )
+)
+
 
 def _op_behaviours(op: dict, answer: str) -> set:
     "What one executed call of the log shows."
     t, res = op['tool'], op['result']
     out = {f'call:{t}'}
-    if t == 'Update_memory': out.add('update_ok' if res is True else 'update_failed')
-    elif t == 'Add_memory': out.add('add_content' if res['stored'] else 'add_empty')
-    elif t == 'Delete_memory': out.add('delete_cancelled' if res == 'cancelled' else 'delete_ok' if res is True else 'delete_failed')
-    elif t == 'Summary_context' and res['summarized'] >= 1: out.add('summary_executed')
+    if t == 'Update_memory':
+        out.add('update_ok' if res is True else 'update_failed')
+    elif t == 'Add_memory':
+        out.add('add_content' if res['stored'] else 'add_empty')
+    elif t == 'Delete_memory':
+        out.add(
+            'delete_cancelled'
+            if res == 'cancelled'
+            else 'delete_ok'
+            if res is True
+            else 'delete_failed'
+        )
+    elif t == 'Summary_context' and res['summarized'] >= 1:
+        out.add('summary_executed')
     elif t == 'Retrieve_memory':
-        if not res: out.add('retrieval_empty')
-        else: out.add('retrieval_used' if answer and any(answer in x['content'].lower() for x in res) else 'retrieval_ignored')
+        if not res:
+            out.add('retrieval_empty')
+        else:
+            out.add(
+                'retrieval_used'
+                if answer and any(answer in x['content'].lower() for x in res)
+                else 'retrieval_ignored'
+            )
     return out
 
+# %% ../../nbs/18e_advantages_2_walk.ipynb #1e67152f
 def behaviours(rec: dict, answer: str, mods: dict) -> list[str]:
-    "The behaviours an episode's record shows, in the order of `BEHAVIOURS`; `answer` is the task's expected answer."
+    """The behaviours an episode's record shows, in the order of `BEHAVIOURS`; `answer` is the
+    task's expected answer."""
     final = (rec['final_answer'] or '').strip().lower()
     shown = set().union(*(_op_behaviours(op, final) for op in rec['log'] if op['tool'] in TOOLS))
     for reply in rec['replies']:
@@ -251,6 +476,17 @@ def behaviours(rec: dict, answer: str, mods: dict) -> list[str]:
         shown |= {f'prose:{t}' for t in TOOLS if t in reply['text'] and t not in called}
     score = task_score(mods, rec['final_answer'], answer)
     if rec['task_score'] is not None and score != rec['task_score']:
-        raise ValueError(f"episode {rec['task_id']}#{rec['episode']}: task score {rec['task_score']} recorded, {score} recomputed")
-    shown |= {b for b, on in (('answered', rec['found_answer']), ('correct', score == 1.0), ('window_break', rec['window_break'])) if on}
+        raise ValueError(
+            f"episode {rec['task_id']}#{rec['episode']}: task score {rec['task_score']} recorded, "
+            f"{score} recomputed"
+        )
+    shown |= {
+        b
+        for b, on in (
+            ('answered', rec['found_answer']),
+            ('correct', score == 1.0),
+            ('window_break', rec['window_break']),
+        )
+        if on
+    }
     return [b for b in BEHAVIOURS if b in shown]

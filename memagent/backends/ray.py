@@ -9,7 +9,13 @@ import torch
 from ..config import Config
 from ..devices import rank_device
 from ..net import free_port
-from ..policy import build_policy, build_reference, update_on_rows, optimizer_shard, prompt_logprobs
+from memagent.policy import (
+    build_policy,
+    build_reference,
+    update_on_rows,
+    optimizer_shard,
+    prompt_logprobs,
+)
 from ..ondevice import to_host
 
 # %% auto #0
@@ -18,54 +24,97 @@ __all__ = ['StallError', 'describe_progress', 'poll_interval', 'stalled_ranks', 
 
 # %% ../../nbs/12c_ray_group.ipynb #aba84ed5
 class StallError(TimeoutError):
-    "A data-parallel update stopped because a rank made no progress within its limit; the message names the rank."
+    """A data-parallel update stopped because a rank made no progress within its limit; the message
+    names the rank."""
 
+# %% ../../nbs/12c_ray_group.ipynb #109d6962
 def describe_progress(ev: dict | None) -> str:
     "One rank's last progress event in words."
     e = (ev or {}).get('event')
-    mb = lambda: f"micro-batch {ev['micro_batch']}/{ev['micro_batches']} of mini-batch {ev['mini_batch']}/{ev['mini_batches']}"
-    if e is None: return 'no progress reported yet'
-    if e == 'rows': return 'waiting for its rows from the channel'
-    if e == 'start': return f"took its {ev['rows']} rows; no micro-batch finished yet"
-    if e == 'old_logp': return f"scored the behaviour log-probs of {mb()}"
-    if e == 'micro_batch': return f"finished {mb()}"
-    if e == 'optimizer_step': return f"in optimizer step {ev['mini_batch']}/{ev['mini_batches']} (waiting for every rank's gradients)"
-    if e == 'stepped': return f"finished optimizer step {ev['mini_batch']}/{ev['mini_batches']}"
-    if e == 'done': return 'finished its update'
+    mb = lambda: (
+        f"micro-batch {ev['micro_batch']}/{ev['micro_batches']} of mini-batch "
+        f"{ev['mini_batch']}/{ev['mini_batches']}"
+    )
+    if e is None:
+        return 'no progress reported yet'
+    if e == 'rows':
+        return 'waiting for its rows from the channel'
+    if e == 'start':
+        return f"took its {ev['rows']} rows; no micro-batch finished yet"
+    if e == 'old_logp':
+        return f"scored the behaviour log-probs of {mb()}"
+    if e == 'micro_batch':
+        return f"finished {mb()}"
+    if e == 'optimizer_step':
+        return (
+            f"in optimizer step {ev['mini_batch']}/{ev['mini_batches']} (waiting for every rank's "
+            "gradients)"
+        )
+    if e == 'stepped':
+        return f"finished optimizer step {ev['mini_batch']}/{ev['mini_batches']}"
+    if e == 'done':
+        return 'finished its update'
     return f"event {e!r}"
 
+# %% ../../nbs/12c_ray_group.ipynb #d87fadc3
 def poll_interval(stall_timeout: float) -> float:
     "Seconds between two looks at the ranks' progress: 1/20 of the stall timeout, within [0.05, 5]."
     return min(5.0, max(0.05, stall_timeout / 20))
 
-def stalled_ranks(events: list, changed: list[float], done: list[bool], now: float, stall_timeout: float,
-                  rows_timeout: float) -> list[tuple[int, float]]:
-    "`(rank, seconds without progress)` of every unfinished rank past its limit, computing ranks first."
+# %% ../../nbs/12c_ray_group.ipynb #53fea9ef
+def stalled_ranks(
+    events: list,
+    changed: list[float],
+    done: list[bool],
+    now: float,
+    stall_timeout: float,
+    rows_timeout: float,
+) -> list[tuple[int, float]]:
+    """`(rank, seconds without progress)` of every unfinished rank past its limit, computing ranks
+    first."""
     live = [i for i in range(len(events)) if not done[i]]
     newest = max((changed[i] for i in live), default=now)
     out = []
     for i in live:
         e = (events[i] or {}).get('event')
-        since, limit = ((changed[i], rows_timeout) if e == 'rows' else (newest, stall_timeout) if e == 'optimizer_step'
-                        else (changed[i], stall_timeout))
-        if now - since > limit: out.append((i, e == 'optimizer_step', now - since))
+        since, limit = (
+            (changed[i], rows_timeout)
+            if e == 'rows'
+            else (newest, stall_timeout)
+            if e == 'optimizer_step'
+            else (changed[i], stall_timeout)
+        )
+        if now - since > limit:
+            out.append((i, e == 'optimizer_step', now - since))
     return [(i, dt) for i, _, dt in sorted(out, key=lambda x: (x[1], -x[2]))]
 
 # %% ../../nbs/12c_ray_group.ipynb #9355b8d8
 def pack_numpy(sd: dict) -> dict:
-    "name -> (numpy array, dtype tag): bf16 tensors as their int16 bit patterns (numpy has no bfloat16)."
-    return {k: (v.detach().cpu().view(torch.int16).numpy(), 'bfloat16') if v.dtype == torch.bfloat16
-            else (v.detach().cpu().numpy(), None) for k, v in sd.items()}
+    """name -> (numpy array, dtype tag): bf16 tensors as their int16 bit patterns (numpy has no
+    bfloat16)."""
+    return {
+        k: (v.detach().cpu().view(torch.int16).numpy(), 'bfloat16')
+        if v.dtype == torch.bfloat16
+        else (v.detach().cpu().numpy(), None)
+        for k, v in sd.items()
+    }
+
 
 def unpack_numpy(packed: dict) -> dict:
     "The tensors `pack_numpy` packed, bit for bit (copied out of the read-only object store)."
-    return {k: torch.from_numpy(a.copy()).view(torch.bfloat16) if tag == 'bfloat16' else torch.from_numpy(a.copy())
-            for k, (a, tag) in packed.items()}
+    return {
+        k: torch.from_numpy(a.copy()).view(torch.bfloat16)
+        if tag == 'bfloat16'
+        else torch.from_numpy(a.copy())
+        for k, (a, tag) in packed.items()
+    }
 
 # %% ../../nbs/12c_ray_group.ipynb #cb69accb
 def rank_options(world: int, cluster: dict, cuda: bool | None = None) -> list[dict]:
-    "`ActorClass.options(...)` of `world` unplaced ranks: one GPU each on a cluster that has GPUs (refused if it has too few); none on a CPU cluster (refused where this process sees CUDA)."
+    """`ActorClass.options(...)` of `world` unplaced ranks: one GPU each on a cluster that has GPUs
+    (refused if it has too few); none on a CPU cluster (refused where this process sees CUDA)."""
     from memagent.transfer import cluster_gpus, require_resources
+
     if cluster_gpus(cluster, cuda):
         require_resources({'GPU': world}, f"{world} ranks of one GPU each", cluster)
         return [dict(num_gpus=1)] * world
@@ -73,62 +122,112 @@ def rank_options(world: int, cluster: dict, cuda: bool | None = None) -> list[di
 
 # %% ../../nbs/12c_ray_group.ipynb #fe96b81d
 class Rank:
-    "One trainer rank (a Ray actor made by `RayGroup`): a backend in a torch.distributed group; `progress()` is readable during `update`."
-    def __init__(self, rank: int, world: int, init_method: str, cfg: Config, pad_id: int, threads: int = 1):
+    """One trainer rank (a Ray actor made by `RayGroup`): a backend in a torch.distributed group;
+    `progress()` is readable during `update`."""
+
+    def __init__(
+        self, rank: int, world: int, init_method: str, cfg: Config, pad_id: int, threads: int = 1
+    ):
         torch.set_num_threads(threads)
-        self.rank, self.device = rank, rank_device()     # Ray's GPU for this rank: set before the process group starts
-        if torch.cuda.is_available(): torch.cuda.set_device(self.device['device_index'])
-        torch.distributed.init_process_group('nccl' if torch.cuda.is_available() else 'gloo', init_method=init_method,
-                                             rank=rank, world_size=world)
-        self.cfg, self.pad_id = cfg, pad_id     # the driver's validated config, as is (its reward registry is the driver's)
+        self.rank, self.device = (
+            rank,
+            rank_device(),
+        )  # Ray's GPU for this rank: set before the process group starts
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.device['device_index'])
+        torch.distributed.init_process_group(
+            'nccl' if torch.cuda.is_available() else 'gloo',
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+        )
+        self.cfg, self.pad_id = (
+            cfg,
+            pad_id,
+        )  # the driver's validated config, as is (its reward registry is the driver's)
         self.policy, self.reference = build_policy(self.cfg), build_reference(self.cfg)
         self._progress = dict(count=0)
 
     def layout(self) -> dict:
-        "This rank's place: rank, data- and tensor-parallel rank and size, whether it takes rows, its optimizer-state key, its Ray placement group (None if unplaced), its GPU (`rank_device`) and the device its weights are on."
+        """This rank's place: rank, data- and tensor-parallel rank and size, whether it takes rows,
+        its optimizer-state key, its Ray placement group (None if unplaced), its GPU (`rank_device`)
+        and the device its weights are on."""
         import ray
-        p = self.policy
-        w = next(iter(p.model.parameters())) if hasattr(getattr(p, 'model', None), 'parameters') else None
-        return dict(rank=self.rank, dp_rank=p.dp_rank, dp_size=p.dp_size, tp_rank=getattr(p, 'tp_rank', 0), tp_size=getattr(p, 'tp', 1),
-                    row_source=p.row_source, state_key=p.state_key, placement_group=ray.get_runtime_context().get_placement_group_id(),
-                    **self.device, weights_device=str(w.device) if w is not None else None)
 
-    def _tell(self, ev: dict): self._progress = dict(ev, count=self._progress['count'] + 1)   # one assignment: atomic for the reader
+        p = self.policy
+        w = (
+            next(iter(p.model.parameters()))
+            if hasattr(getattr(p, 'model', None), 'parameters')
+            else None
+        )
+        return dict(
+            rank=self.rank,
+            dp_rank=p.dp_rank,
+            dp_size=p.dp_size,
+            tp_rank=getattr(p, 'tp_rank', 0),
+            tp_size=getattr(p, 'tp', 1),
+            row_source=p.row_source,
+            state_key=p.state_key,
+            placement_group=ray.get_runtime_context().get_placement_group_id(),
+            **self.device,
+            weights_device=str(w.device) if w is not None else None,
+        )
+
+    def _tell(self, ev: dict):
+        self._progress = dict(
+            ev, count=self._progress['count'] + 1
+        )  # one assignment: atomic for the reader
 
     def progress(self) -> dict:
-        "The last progress event of the running (or last) update, with a counter that grows with every event."
+        """The last progress event of the running (or last) update, with a counter that grows with
+        every event."""
         return self._progress
 
     def update(self, channel, rollout_id, timeout: float) -> dict:
         p = self.policy
         self._tell(dict(event='rows'))
-        rows = p.share_rows(channel.get(rollout_id, p.dp_rank, p.dp_size, timeout=timeout) if p.row_source else None)
+        rows = p.share_rows(
+            channel.get(rollout_id, p.dp_rank, p.dp_size, timeout=timeout) if p.row_source else None
+        )
         self._tell(dict(event='start', rows=len(rows)))
         out = update_on_rows(p, self.reference, rows, self.cfg, self.pad_id, on_progress=self._tell)
         self._tell(dict(event='done'))
         return out
 
-    def prompt_logprobs(self, ids) -> list[float]: return prompt_logprobs(self.policy, ids)   # every rank: a collective under TP
+    def prompt_logprobs(self, ids) -> list[float]:
+        return prompt_logprobs(self.policy, ids)  # every rank: a collective under TP
 
     def hf_state_dict_numpy(self, send: bool) -> dict | None:
-        sd = self.policy.hf_state_dict(keep=send)     # every rank joins (a collective under TP); only the sender keeps a host copy
+        sd = self.policy.hf_state_dict(
+            keep=send
+        )  # every rank joins (a collective under TP); only the sender keeps a host copy
         return pack_numpy(sd) if send else None
 
-    def state_dict(self) -> dict: return to_host(self.policy.state_dict())   # host tensors cross Ray: never rebuilt on the driver's GPU
+    def state_dict(self) -> dict:
+        return to_host(
+            self.policy.state_dict()
+        )  # host tensors cross Ray: never rebuilt on the driver's GPU
 
     def load_state_dict(self, model_np: dict, state):
         self.policy.load_state_dict(unpack_numpy(model_np), state)
 
     def close(self):
-        if hasattr(self.policy, 'close'): self.policy.close()
-        if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
+        if hasattr(self.policy, 'close'):
+            self.policy.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 # %% ../../nbs/12c_ray_group.ipynb #61cbe336
 class RayGroup:
-    "`world` `Rank` actors in one torch.distributed group; the policy-group interface of `memagent.policy`."
-    def __init__(self, cfg: Config, pad_id: int, world: int, address: str | None = None, placement=None):
+    """`world` `Rank` actors in one torch.distributed group; the policy-group interface of
+    `memagent.policy`."""
+
+    def __init__(
+        self, cfg: Config, pad_id: int, world: int, address: str | None = None, placement=None
+    ):
         import ray
         from memagent.transfer import ensure_ray
+
         if cfg.backend == 'megatron' and world % cfg.batch.tp:
             raise ValueError(f"world_size={world} is not a multiple of batch.tp={cfg.batch.tp}")
         ensure_ray(address)
@@ -136,84 +235,134 @@ class RayGroup:
         Actor = ray.remote(num_cpus=0, concurrency_groups={'progress': 1})(Rank)
         threads = max(1, (os.cpu_count() or 2) // world)
         self.cfg, self.world, self.stopped = cfg, world, None
-        opts = [placement.train_options(r) for r in range(world)] if placement is not None else rank_options(world, ray.cluster_resources())
-        self.workers = [Actor.options(**o).remote(r, world, init, cfg, pad_id, threads) for r, o in enumerate(opts)]
+        opts = (
+            [placement.train_options(r) for r in range(world)]
+            if placement is not None
+            else rank_options(world, ray.cluster_resources())
+        )
+        self.workers = [
+            Actor.options(**o).remote(r, world, init, cfg, pad_id, threads)
+            for r, o in enumerate(opts)
+        ]
         self.layouts = ray.get([w.layout.remote() for w in self.workers])
         self.dp_size = self.layouts[0]['dp_size']
 
     def _check(self):
-        if self.stopped: raise RuntimeError(f"the policy group was stopped: {self.stopped}")
+        if self.stopped:
+            raise RuntimeError(f"the policy group was stopped: {self.stopped}")
 
     def update(self, channel, rollout_id, timeout: float) -> list[dict]:
-        "Every rank's update of step `rollout_id`; rows wait up to `timeout`, then a rank may go `health.stall_timeout_s` without progress."
+        """Every rank's update of step `rollout_id`; rows wait up to `timeout`, then a rank may go
+        `health.stall_timeout_s` without progress."""
         import ray
+
         self._check()
         stall, n = self.cfg.health.stall_timeout_s, len(self.workers)
-        poll, refs = poll_interval(stall), [w.update.remote(channel, rollout_id, timeout) for w in self.workers]
+        poll, refs = (
+            poll_interval(stall),
+            [w.update.remote(channel, rollout_id, timeout) for w in self.workers],
+        )
         out, events, changed, counts = [None] * n, [None] * n, [time.monotonic()] * n, [0] * n
         done = [False] * n
         while not all(done):
             live = [i for i in range(n) if not done[i]]
             ready, _ = ray.wait([refs[i] for i in live], num_returns=len(live), timeout=poll)
             for i in live:
-                if refs[i] in ready: out[i], done[i] = ray.get(refs[i]), True    # a rank's error stops the update here
+                if refs[i] in ready:
+                    out[i], done[i] = ray.get(refs[i]), True  # a rank's error stops the update here
             live = [i for i in live if not done[i]]
-            if not live: break
-            asks = {i: self.workers[i].progress.options(concurrency_group='progress').remote() for i in live}
+            if not live:
+                break
+            asks = {
+                i: self.workers[i].progress.options(concurrency_group='progress').remote()
+                for i in live
+            }
             answered, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=poll)
             for i, ref in asks.items():
-                if ref not in answered: continue
-                try: ev = ray.get(ref)
-                except ray.exceptions.RayActorError: continue      # the rank died: its update result says why, next slice
-                if ev['count'] != counts[i]: counts[i], events[i], changed[i] = ev['count'], ev, time.monotonic()
+                if ref not in answered:
+                    continue
+                try:
+                    ev = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    continue  # the rank died: its update result says why, next slice
+                if ev['count'] != counts[i]:
+                    counts[i], events[i], changed[i] = ev['count'], ev, time.monotonic()
             bad = stalled_ranks(events, changed, done, time.monotonic(), stall, timeout + 60)
-            if bad: self._stop(rollout_id, bad, events, done, stall)
+            if bad:
+                self._stop(rollout_id, bad, events, done, stall)
         return [m for m, l in zip(out, self.layouts) if l['row_source']]
 
     def _stop(self, rollout_id, bad, events, done, stall):
         import ray
+
         i, dt = bad[0]
-        state = '; '.join(f"rank {k}: {'finished' if done[k] else describe_progress(events[k])}" for k in range(len(events)))
-        msg = (f"step {rollout_id!r}: rank {i} made no progress for {dt:.1f} s (health.stall_timeout_s={stall:g}; "
-               f"{'waiting for rows: channel timeout + 60 s' if (events[i] or {}).get('event') == 'rows' else 'per micro-batch'}); "
-               f"its last progress: {describe_progress(events[i])}. Ranks past their limit: {[k for k, _ in bad]}. All ranks: {state}. "
-               f"The rank actors were stopped.")
+        state = '; '.join(
+            f"rank {k}: {'finished' if done[k] else describe_progress(events[k])}"
+            for k in range(len(events))
+        )
+        msg = (
+            f"step {rollout_id!r}: rank {i} made no progress for {dt:.1f} s "
+            f"(health.stall_timeout_s={stall:g}; "
+            f"{'waiting for rows: channel timeout + 60 s' if (events[i] or {}).get('event') == 'rows' else 'per micro-batch'}); "  # noqa: E501
+            f"its last progress: {describe_progress(events[i])}. Ranks past their limit: "
+            f"{[k for k, _ in bad]}. All ranks: {state}. "
+            f"The rank actors were stopped."
+        )
         self.stopped = msg
-        for w in self.workers: ray.kill(w)
+        for w in self.workers:
+            ray.kill(w)
         raise StallError(msg)
 
     def prompt_logprobs(self, ids) -> list[float]:
-        "The policy's own log-probs of `ids[1:]` on its ranks (every rank computes; rank 0's answer)."
+        """The policy's own log-probs of `ids[1:]` on its ranks (every rank computes; rank 0's
+        answer)."""
         import ray
+
         self._check()
         return ray.get([w.prompt_logprobs.remote(list(ids)) for w in self.workers])[0]
 
     def hf_state_dict(self) -> dict:
         import ray
+
         self._check()
         sds = ray.get([w.hf_state_dict_numpy.remote(i == 0) for i, w in enumerate(self.workers)])
         return unpack_numpy(sds[0])
 
     def state_dict(self) -> dict:
         import ray
+
         self._check()
         first = {}
-        for w, l in zip(self.workers, self.layouts): first.setdefault(l['state_key'], w)
-        return {'shards': dict(zip(first, ray.get([w.state_dict.remote() for w in first.values()])))}
+        for w, l in zip(self.workers, self.layouts):
+            first.setdefault(l['state_key'], w)
+        return {
+            'shards': dict(zip(first, ray.get([w.state_dict.remote() for w in first.values()])))
+        }
 
     def load_state_dict(self, model_sd: dict, state):
         import ray
+
         self._check()
         np_sd = pack_numpy(model_sd)
-        ray.get([w.load_state_dict.remote(np_sd, optimizer_shard(state, l['state_key'])) for w, l in zip(self.workers, self.layouts)])
+        ray.get(
+            [
+                w.load_state_dict.remote(np_sd, optimizer_shard(state, l['state_key']))
+                for w, l in zip(self.workers, self.layouts)
+            ]
+        )
 
     def export_model(self):
         from memagent.models import load_model
+
         return load_model(self.cfg.model.name, self.cfg.model.dtype)
 
     def close(self):
         import ray
-        if self.stopped: return                  # the actors were killed when the update stopped
-        try: ray.get([w.close.remote() for w in self.workers], timeout=60)
+
+        if self.stopped:
+            return  # the actors were killed when the update stopped
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=60)
         finally:
-            for w in self.workers: ray.kill(w)
+            for w in self.workers:
+                ray.kill(w)

@@ -13,113 +13,197 @@ __all__ = ['build_optimizer', 'finish_step', 'optimizer_state', 'load_optimizer_
 
 # %% ../../nbs/12a_torch_backend.ipynb #695034c5
 def build_optimizer(params, o, warmup_steps: int = 0):
-    "`(optimizer, scheduler)` from an `OptimCfg`: AdamW (`name='adam'`, decoupled weight decay) or SGD; linear warm-up or no scheduler."
+    """`(optimizer, scheduler)` from an `OptimCfg`: AdamW (`name='adam'`, decoupled weight decay) or
+    SGD; linear warm-up or no scheduler."""
     params = list(params)
-    if o.name == 'adam': opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    elif o.name == 'sgd': opt = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
-    else: raise ValueError(f"optim.name must be 'adam' or 'sgd', got {o.name!r}")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup_steps)) if warmup_steps > 0 else None
+    if o.name == 'adam':
+        opt = torch.optim.AdamW(
+            params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+        )
+    elif o.name == 'sgd':
+        opt = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
+    else:
+        raise ValueError(f"optim.name must be 'adam' or 'sgd', got {o.name!r}")
+    sched = (
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup_steps))
+        if warmup_steps > 0
+        else None
+    )
     return opt, sched
 
+# %% ../../nbs/12a_torch_backend.ipynb #ba15037e
 def finish_step(backend, norm: torch.Tensor) -> float:
-    "Shared end of every backend's `step`: refuse a non-finite norm (dropping the gradients), optimizer step, refuse non-finite weights (the scheduler is advanced per rollout step by the caller)."
+    """Shared end of every backend's `step`: refuse a non-finite norm (dropping the gradients),
+    optimizer step, refuse non-finite weights (the scheduler is advanced per rollout step by the
+    caller)."""
     if backend.check_finite and not torch.isfinite(norm):
         backend.optimizer.zero_grad(set_to_none=True)
         require_finite(norm, 'gradient norm before the optimizer step')
-    backend.optimizer.step(); backend.optimizer.zero_grad(set_to_none=True)
-    if backend.check_finite: require_finite_params(backend.model.named_parameters(), 'weights after the optimizer step')
+    backend.optimizer.step()
+    backend.optimizer.zero_grad(set_to_none=True)
+    if backend.check_finite:
+        require_finite_params(backend.model.named_parameters(), 'weights after the optimizer step')
     return float(norm)
 
+# %% ../../nbs/12a_torch_backend.ipynb #2cb91880
 def optimizer_state(backend) -> dict:
-    "The optimizer and scheduler state of a backend (None for a frozen one), on the host (`to_host`: it goes to a checkpoint or through Ray)."
-    return to_host({'optimizer': backend.optimizer.state_dict() if backend.optimizer else None,
-                    'scheduler': backend.scheduler.state_dict() if backend.scheduler else None})
+    """The optimizer and scheduler state of a backend (None for a frozen one), on the host
+    (`to_host`: it goes to a checkpoint or through Ray)."""
+    return to_host(
+        {
+            'optimizer': backend.optimizer.state_dict() if backend.optimizer else None,
+            'scheduler': backend.scheduler.state_dict() if backend.scheduler else None,
+        }
+    )
 
+# %% ../../nbs/12a_torch_backend.ipynb #a41eaaab
 def load_optimizer_state(backend, state: dict | None):
     "Restore what `optimizer_state` returned (nothing for None)."
-    if state and state.get('optimizer') is not None: backend.optimizer.load_state_dict(state['optimizer'])
-    if state and state.get('scheduler') is not None: backend.scheduler.load_state_dict(state['scheduler'])
+    if state and state.get('optimizer') is not None:
+        backend.optimizer.load_state_dict(state['optimizer'])
+    if state and state.get('scheduler') is not None:
+        backend.scheduler.load_state_dict(state['scheduler'])
 
+# %% ../../nbs/12a_torch_backend.ipynb #abcd44bf
 def _dist_world() -> tuple[int, int]:
     d = torch.distributed
     return (d.get_rank(), d.get_world_size()) if d.is_available() and d.is_initialized() else (0, 1)
 
+# %% ../../nbs/12a_torch_backend.ipynb #d9438dbb
 def _lp_chunk(h, w, tgt, temperature):
     z = torch.nn.functional.linear(h, w).float() / temperature
     return z.gather(-1, tgt[:, None])[:, 0] - torch.logsumexp(z, -1)
 
+# %% ../../nbs/12a_torch_backend.ipynb #d032a041
 def _lp_ent_chunk(h, w, tgt, temperature):
     z = (torch.nn.functional.linear(h, w).float() / temperature).log_softmax(-1)
-    with torch.no_grad(): ent = -(z.exp() * z).sum(-1)   # a metric: no gradient through the entropy
+    with torch.no_grad():
+        ent = -(z.exp() * z).sum(-1)  # a metric: no gradient through the entropy
     return z.gather(-1, tgt[:, None])[:, 0], ent
 
 # %% ../../nbs/12a_torch_backend.ipynb #334769f2
 class TorchBackend:
-    "A policy (with `optim`) or a frozen reference (without) on an HF causal LM; data-parallel over the default process group."
-    supports_entropy, row_source, state_key = True, True, 0    # data-parallel replicas hold identical optimizer states
-    def __init__(self, model, optim=None, grad_clip: float | None = 1.0, head_chunk: int = 1024, warmup_steps: int = 0,
-                 check_finite: bool = True):
-        self.model, self.hf_model, self.grad_clip, self.head_chunk = model, model, grad_clip, head_chunk
+    """A policy (with `optim`) or a frozen reference (without) on an HF causal LM; data-parallel
+    over the default process group."""
+
+    supports_entropy, row_source, state_key = (
+        True,
+        True,
+        0,
+    )  # data-parallel replicas hold identical optimizer states
+
+    def __init__(
+        self,
+        model,
+        optim=None,
+        grad_clip: float | None = 1.0,
+        head_chunk: int = 1024,
+        warmup_steps: int = 0,
+        check_finite: bool = True,
+    ):
+        self.model, self.hf_model, self.grad_clip, self.head_chunk = (
+            model,
+            model,
+            grad_clip,
+            head_chunk,
+        )
         self.check_finite = check_finite
         self.device = next(model.parameters()).device
         self.dp_rank, self.dp_size = _dist_world()
-        self.optimizer, self.scheduler = (build_optimizer([p for p in model.parameters() if p.requires_grad], optim, warmup_steps)
-                                          if optim is not None else (None, None))
+        self.optimizer, self.scheduler = (
+            build_optimizer([p for p in model.parameters() if p.requires_grad], optim, warmup_steps)
+            if optim is not None
+            else (None, None)
+        )
         if self.optimizer is None:
-            for p in model.parameters(): p.requires_grad_(False)
-        model.train(self.optimizer is not None)  # HF models here have no dropout by default; train() keeps it explicit
+            for p in model.parameters():
+                p.requires_grad_(False)
+        model.train(
+            self.optimizer is not None
+        )  # HF models here have no dropout by default; train() keeps it explicit
 
     @classmethod
     def from_config(cls, cfg, model):
         "The policy of `cfg` (its `optim` section) on `model`."
         o = cfg.optim
-        return cls(model, o, o.grad_clip, warmup_steps=o.warmup_steps, check_finite=cfg.health.check_finite)
+        return cls(
+            model, o, o.grad_clip, warmup_steps=o.warmup_steps, check_finite=cfg.health.check_finite
+        )
 
     @classmethod
     def reference_from_config(cls, cfg, model):
-        "The frozen reference of `cfg` on `model` (for the KL term): no optimizer, every parameter `requires_grad=False`, eval mode."
+        """The frozen reference of `cfg` on `model` (for the KL term): no optimizer, every parameter
+        `requires_grad=False`, eval mode."""
         return cls(model, optim=None, check_finite=cfg.health.check_finite)
 
-    def share_rows(self, rows): return rows
+    def share_rows(self, rows):
+        return rows
 
     def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
-        "`[B, L]` log-probs of each selected token given its prefix (0 elsewhere); with `with_entropy`, also the entropy there."
-        ids = batch['input_ids'].to(self.device); att = batch['attention_mask'].to(self.device)
+        """`[B, L]` log-probs of each selected token given its prefix (0 elsewhere); with
+        `with_entropy`, also the entropy there."""
+        ids = batch['input_ids'].to(self.device)
+        att = batch['attention_mask'].to(self.device)
         want = att.bool() & batch.get('response_mask', att).to(self.device).bool()
         want[:, 0] = False
         bi, ti = want.nonzero(as_tuple=True)
         out = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
-        ent = torch.zeros(ids.shape, dtype=torch.float32, device=self.device) if with_entropy else None
-        if bi.numel() == 0: return (out, ent) if with_entropy else out
-        h = self.model.base_model(input_ids=ids, attention_mask=att.long()).last_hidden_state[bi, ti - 1]
+        ent = (
+            torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
+            if with_entropy
+            else None
+        )
+        if bi.numel() == 0:
+            return (out, ent) if with_entropy else out
+        h = self.model.base_model(input_ids=ids, attention_mask=att.long()).last_hidden_state[
+            bi, ti - 1
+        ]
         w, tgt = self.model.get_output_embeddings().weight, ids[bi, ti]
         fn = _lp_ent_chunk if with_entropy else _lp_chunk
         parts = []
         for s in range(0, h.shape[0], self.head_chunk):
-            args = (h[s:s + self.head_chunk], w, tgt[s:s + self.head_chunk], temperature)
-            parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args))
-        if not with_entropy: return out.index_put((bi, ti), torch.cat(parts))
-        return out.index_put((bi, ti), torch.cat([p[0] for p in parts])), ent.index_put((bi, ti), torch.cat([p[1] for p in parts]))
+            args = (h[s : s + self.head_chunk], w, tgt[s : s + self.head_chunk], temperature)
+            parts.append(
+                torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+                if torch.is_grad_enabled()
+                else fn(*args)
+            )
+        if not with_entropy:
+            return out.index_put((bi, ti), torch.cat(parts))
+        return out.index_put((bi, ti), torch.cat([p[0] for p in parts])), ent.index_put(
+            (bi, ti), torch.cat([p[1] for p in parts])
+        )
 
-    def backward(self, loss: torch.Tensor): loss.backward()
+    def backward(self, loss: torch.Tensor):
+        loss.backward()
 
     def step(self) -> float:
-        "Sum gradients across data-parallel ranks, clip to `grad_clip`, step; returns the pre-clip gradient norm."
+        """Sum gradients across data-parallel ranks, clip to `grad_clip`, step; returns the pre-clip
+        gradient norm."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.dp_size > 1:
             for p in params:
-                if p.grad is None: p.grad = torch.zeros_like(p)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
                 torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
         grads = [p for p in params if p.grad is not None]
-        return finish_step(self, torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else float('inf')))
+        return finish_step(
+            self,
+            torch.nn.utils.clip_grad_norm_(
+                grads, self.grad_clip if self.grad_clip else float('inf')
+            ),
+        )
 
     def hf_state_dict(self, keep: bool = True) -> dict | None:
-        "Detached weights under HF names (shared with the model: copy before mutating); None when `keep=False` (a rank whose copy is not sent)."
+        """Detached weights under HF names (shared with the model: copy before mutating); None when
+        `keep=False` (a rank whose copy is not sent)."""
         return {k: v.detach() for k, v in self.model.state_dict().items()} if keep else None
 
-    def state_dict(self) -> dict: return optimizer_state(self)
+    def state_dict(self) -> dict:
+        return optimizer_state(self)
 
     def load_state_dict(self, model_sd: dict, state: dict | None):
-        "Load HF-named weights (every key, no more, no less) and, if given, the optimizer and scheduler state."
+        """Load HF-named weights (every key, no more, no less) and, if given, the optimizer and
+        scheduler state."""
         self.model.load_state_dict(model_sd, strict=True)
         load_optimizer_state(self, state)

@@ -11,6 +11,6 @@ from .readers import *
 from .haystack import *
 from .synthetic import *
 from .fetch import *
-from .readers import _repo_root   # private, but imported from `memagent.data` elsewhere
+from .readers import _repo_root  # private, but imported from `memagent.data` elsewhere
 
 __all__ = [*readers.__all__, *haystack.__all__, *synthetic.__all__, *fetch.__all__]

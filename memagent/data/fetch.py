@@ -17,227 +17,442 @@ __all__ = ['PINNED', 'PrepareError', 'data_root', 'converted_name', 'prepare_com
            'prepared_entry', 'prepare_cli']
 
 # %% ../../nbs/03_data_4_fetch.ipynb #c65f3e70
-PINNED = {'repo_id': 'BytedTsinghua-SIA/hotpotqa', 'repo_type': 'dataset',
-          'revision': '27275ff4fee67ac0acb6478e405e7ac07efbdc1a',
-          'files': {'hotpotqa_train_32k.parquet': 'parquet', 'hotpotqa_dev.parquet': 'parquet',   # name -> converter
-                    'eval_50.json': 'ruler', 'eval_200.json': 'ruler', 'eval_800.json': 'ruler'}}
+PINNED = {
+    'repo_id': 'BytedTsinghua-SIA/hotpotqa',
+    'repo_type': 'dataset',
+    'revision': '27275ff4fee67ac0acb6478e405e7ac07efbdc1a',
+    'files': {
+        'hotpotqa_train_32k.parquet': 'parquet',
+        'hotpotqa_dev.parquet': 'parquet',  # name -> converter
+        'eval_50.json': 'ruler',
+        'eval_200.json': 'ruler',
+        'eval_800.json': 'ruler',
+    },
+}
+
 
 class PrepareError(ValueError):
-    "A pinned file that cannot be taken: wrong revision, hash or size mismatch, no reference to verify against."
+    """A pinned file that cannot be taken: wrong revision, hash or size mismatch, no reference to
+    verify against."""
 
+# %% ../../nbs/03_data_4_fetch.ipynb #da8e0f55
 def data_root(root=None) -> Path:
-    "The prepared-data directory: `root`, else `$MEMAGENT_DATA_ROOT`, else `data/` under `memagent.models.cache_dir()`."
-    if root: return Path(root).expanduser()
+    """The prepared-data directory: `root`, else `$MEMAGENT_DATA_ROOT`, else `data/` under
+    `memagent.models.cache_dir()`."""
+    if root:
+        return Path(root).expanduser()
     env = os.environ.get('MEMAGENT_DATA_ROOT')
-    if env: return Path(env).expanduser()
+    if env:
+        return Path(env).expanduser()
     from memagent.models import cache_dir
+
     return cache_dir() / 'data'
 
+# %% ../../nbs/03_data_4_fetch.ipynb #c7b6b5a7
 def converted_name(name: str) -> str:
-    "File name of the schema JSONL converted from the pinned file `name` (`eval_200.json` -> `eval_200.jsonl`)."
-    if name not in PINNED['files']: raise KeyError(f"{name!r} is not a pinned file: expected one of {list(PINNED['files'])}")
+    """File name of the schema JSONL converted from the pinned file `name` (`eval_200.json` ->
+    `eval_200.jsonl`)."""
+    if name not in PINNED['files']:
+        raise KeyError(f"{name!r} is not a pinned file: expected one of {list(PINNED['files'])}")
     return name.rsplit('.', 1)[0] + '.jsonl'
 
+# %% ../../nbs/03_data_4_fetch.ipynb #385508c4
 def prepare_command(root=None, files=None) -> str:
     "The shell command that prepares `files` (default all) in `root`."
     import shlex
+
     cmd = f"memagent-prepare --root {shlex.quote(str(data_root(root)))}"
     return cmd + (f" --files {' '.join(shlex.quote(f) for f in files)}" if files else '')
 
+# %% ../../nbs/03_data_4_fetch.ipynb #359c0d80
 def _hashes(path) -> tuple:
     "(SHA-256, git blob SHA-1) of a file, in one pass."
     import hashlib
-    p = Path(path); s, g = hashlib.sha256(), hashlib.sha1(b'blob %d\0' % p.stat().st_size)
+
+    p = Path(path)
+    s, g = hashlib.sha256(), hashlib.sha1(b'blob %d\0' % p.stat().st_size)
     with open(p, 'rb') as f:
-        for b in iter(lambda: f.read(1 << 20), b''): s.update(b); g.update(b)
+        for b in iter(lambda: f.read(1 << 20), b''):
+            s.update(b)
+            g.update(b)
     return s.hexdigest(), g.hexdigest()
 
+# %% ../../nbs/03_data_4_fetch.ipynb #3533ef92
 def _hub_hash(etag) -> tuple:
-    "What the hub's ETag says about the content: ('hub-lfs-sha256', hex) or ('hub-git-blob-sha1', hex)."
+    """What the hub's ETag says about the content: ('hub-lfs-sha256', hex) or ('hub-git-blob-sha1',
+    hex)."""
     e = (etag or '').strip('"').removeprefix('W/').strip('"').lower()
-    if re.fullmatch(r'[0-9a-f]{64}', e): return 'hub-lfs-sha256', e
-    if re.fullmatch(r'[0-9a-f]{40}', e): return 'hub-git-blob-sha1', e
-    raise PrepareError(f"the hub's ETag {etag!r} is neither an LFS SHA-256 nor a git blob SHA-1: nothing to verify against")
+    if re.fullmatch(r'[0-9a-f]{64}', e):
+        return 'hub-lfs-sha256', e
+    if re.fullmatch(r'[0-9a-f]{40}', e):
+        return 'hub-git-blob-sha1', e
+    raise PrepareError(
+        f"the hub's ETag {etag!r} is neither an LFS SHA-256 nor a git blob SHA-1: nothing to "
+        "verify against"
+    )
 
+# %% ../../nbs/03_data_4_fetch.ipynb #497828ed
 def _refuse_corrupt(path, name, kind, expected, actual, why):
-    bad = path.with_name(path.name + '.corrupt'); os.replace(path, bad)
-    raise PrepareError(f"{name}: {kind} mismatch ({why}): expected {expected}, got {actual}; the file is kept as {bad.name} "
-                       "in the data root")
+    bad = path.with_name(path.name + '.corrupt')
+    os.replace(path, bad)
+    raise PrepareError(
+        f"{name}: {kind} mismatch ({why}): expected {expected}, got {actual}; the file is kept as "
+        f"{bad.name} "
+        "in the data root"
+    )
 
 # %% ../../nbs/03_data_4_fetch.ipynb #7a05b462
 def _fetch_verified(name, root: Path) -> dict:
-    "Download one pinned file into `root` at the pinned revision and check it against the hub's own hash."
+    """Download one pinned file into `root` at the pinned revision and check it against the hub's
+    own hash."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, constants
-    from huggingface_hub.errors import OfflineModeIsEnabled, RevisionNotFoundError, EntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        OfflineModeIsEnabled,
+        RevisionNotFoundError,
+        EntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
     repo, rtype, rev = PINNED['repo_id'], PINNED['repo_type'], PINNED['revision']
     url = hf_hub_url(repo, name, repo_type=rtype, revision=rev)
-    try: meta = get_hf_file_metadata(url)
+    try:
+        meta = get_hf_file_metadata(url)
     except OfflineModeIsEnabled:
-        raise PrepareError(f"{name}: HF_HUB_OFFLINE is set, so the hub cannot be asked; unset it, or copy the files "
-                           f"with --from DIR") from None
+        raise PrepareError(
+            f"{name}: HF_HUB_OFFLINE is set, so the hub cannot be asked; unset it, or copy the "
+            "files "
+            f"with --from DIR"
+        ) from None
     except RevisionNotFoundError:
-        raise PrepareError(f"{name}: revision {rev} of {rtype} {repo} not found at {constants.ENDPOINT}: refused") from None
+        raise PrepareError(
+            f"{name}: revision {rev} of {rtype} {repo} not found at {constants.ENDPOINT}: refused"
+        ) from None
     except (EntryNotFoundError, RepositoryNotFoundError) as e:
         raise PrepareError(f"{name}: not found at {url}: {type(e).__name__}") from None
-    except Exception as e:   # network and HTTP errors: name the file and the URL
-        raise PrepareError(f"{name}: cannot read the hub's metadata of {url}: {type(e).__name__}: {e}") from e
+    except Exception as e:  # network and HTTP errors: name the file and the URL
+        raise PrepareError(
+            f"{name}: cannot read the hub's metadata of {url}: {type(e).__name__}: {e}"
+        ) from e
     if meta.commit_hash != rev:
-        raise PrepareError(f"{name}: the hub resolved revision {rev} to commit {meta.commit_hash}: wrong revision refused")
+        raise PrepareError(
+            f"{name}: the hub resolved revision {rev} to commit {meta.commit_hash}: wrong "
+            "revision refused"
+        )
     kind, want = _hub_hash(meta.etag)
     path = root / name
+
     def matches():
-        if not path.is_file(): return None
+        if not path.is_file():
+            return None
         h = _hashes(path)
         return h if h[0 if kind == 'hub-lfs-sha256' else 1] == want else None
+
     h = matches()
     if h is None:
-        path.unlink(missing_ok=True)          # a stale copy (or a link to the data root's) is never written through
-        got = Path(hf_hub_download(repo, name, repo_type=rtype, revision=rev, local_dir=root, force_download=True))
-        if got.resolve() != path.resolve(): raise PrepareError(f"{name}: hf_hub_download wrote {got}, expected {path}")
+        path.unlink(
+            missing_ok=True
+        )  # a stale copy (or a link to the data root's) is never written through
+        got = Path(
+            hf_hub_download(
+                repo, name, repo_type=rtype, revision=rev, local_dir=root, force_download=True
+            )
+        )
+        if got.resolve() != path.resolve():
+            raise PrepareError(f"{name}: hf_hub_download wrote {got}, expected {path}")
         if meta.size is not None and path.stat().st_size != meta.size:
-            _refuse_corrupt(path, name, 'size', meta.size, path.stat().st_size, f"the hub's size of {url}")
+            _refuse_corrupt(
+                path, name, 'size', meta.size, path.stat().st_size, f"the hub's size of {url}"
+            )
         h = _hashes(path)
         actual = h[0 if kind == 'hub-lfs-sha256' else 1]
-        if actual != want: _refuse_corrupt(path, name, kind.removeprefix('hub-'), want, actual, f"the hub's hash of {url}")
-    return {'sha256': h[0], 'bytes': path.stat().st_size, 'revision': rev, 'url': url, 'source': url,
-            'verified': True, 'verification': kind, 'hub_hash': want}
+        if actual != want:
+            _refuse_corrupt(
+                path, name, kind.removeprefix('hub-'), want, actual, f"the hub's hash of {url}"
+            )
+    return {
+        'sha256': h[0],
+        'bytes': path.stat().st_size,
+        'revision': rev,
+        'url': url,
+        'source': url,
+        'verified': True,
+        'verification': kind,
+        'hub_hash': want,
+    }
 
+# %% ../../nbs/03_data_4_fetch.ipynb #c7290ba6
 def _reference(source: Path, root: Path) -> tuple:
-    "The reference manifest for an offline copy: `source/manifest.json`, else `root/manifest.json`; (path, files) or (None, {})."
+    """The reference manifest for an offline copy: `source/manifest.json`, else
+    `root/manifest.json`; (path, files) or (None, {})."""
     for p in (source / 'manifest.json', root / 'manifest.json'):
         if p.is_file():
             m = read_json(p, 'prepare_manifest')
             want = {k: PINNED[k] for k in ('repo_id', 'repo_type', 'revision')}
             got = {k: m.get(k) for k in want}
             if m.get('kind') != 'memagent.data.prepare' or got != want:
-                raise PrepareError(f"{p}: not a prepare manifest of the pinned data: {got} (kind {m.get('kind')!r}), expected {want}")
+                raise PrepareError(
+                    f"{p}: not a prepare manifest of the pinned data: {got} (kind "
+                    f"{m.get('kind')!r}), expected {want}"
+                )
             return p, {k: v for k, v in m.get('files', {}).items() if v.get('verified')}
     return None, {}
 
 # %% ../../nbs/03_data_4_fetch.ipynb #762dd579
 def _copy_verified(name, source: Path, root: Path, ref_path, ref: dict, unverified: bool) -> dict:
-    "Copy one pinned file from `source` into `root`, checked against the reference manifest (or taken unverified)."
+    """Copy one pinned file from `source` into `root`, checked against the reference manifest (or
+    taken unverified)."""
     import shutil
+
     src, path = source / name, root / name
-    if not src.is_file(): raise FileNotFoundError(f"{name}: not in {source} (expected {src})")
+    if not src.is_file():
+        raise FileNotFoundError(f"{name}: not in {source} (expected {src})")
     entry = ref.get(name)
     if entry is None and not unverified:
-        raise PrepareError(f"{name}: no verified entry for it in a manifest written by an online prepare "
-                           f"(looked for {source / 'manifest.json'} and {root / 'manifest.json'}); refused. "
-                           f"Pass --unverified to take the file as it is (recorded as unverified)")
+        raise PrepareError(
+            f"{name}: no verified entry for it in a manifest written by an online prepare "
+            f"(looked for {source / 'manifest.json'} and {root / 'manifest.json'}); refused. "
+            f"Pass --unverified to take the file as it is (recorded as unverified)"
+        )
     if not (path.exists() and path.samefile(src)):
-        tmp = path.with_name(path.name + '.tmp'); shutil.copyfile(src, tmp); os.replace(tmp, path)
+        tmp = path.with_name(path.name + '.tmp')
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, path)
     sha, size = sha256_file(path), path.stat().st_size
     from huggingface_hub import hf_hub_url
-    url = entry['url'] if entry else hf_hub_url(PINNED['repo_id'], name, repo_type=PINNED['repo_type'], revision=PINNED['revision'])
-    rec = {'sha256': sha, 'bytes': size, 'revision': PINNED['revision'], 'url': url, 'source': str(src.resolve())}
-    if entry is None: return {**rec, 'verified': False, 'verification': 'unverified'}
-    if size != entry['bytes']: _refuse_corrupt(path, name, 'size', entry['bytes'], size, f"the manifest {ref_path}")
-    if sha != entry['sha256']: _refuse_corrupt(path, name, 'sha256', entry['sha256'], sha, f"the manifest {ref_path}")
-    return {**rec, 'verified': True, 'verification': f"manifest:{ref_path.resolve()}",
-            **({'hub_hash': entry['hub_hash']} if 'hub_hash' in entry else {})}
+
+    url = (
+        entry['url']
+        if entry
+        else hf_hub_url(
+            PINNED['repo_id'], name, repo_type=PINNED['repo_type'], revision=PINNED['revision']
+        )
+    )
+    rec = {
+        'sha256': sha,
+        'bytes': size,
+        'revision': PINNED['revision'],
+        'url': url,
+        'source': str(src.resolve()),
+    }
+    if entry is None:
+        return {**rec, 'verified': False, 'verification': 'unverified'}
+    if size != entry['bytes']:
+        _refuse_corrupt(path, name, 'size', entry['bytes'], size, f"the manifest {ref_path}")
+    if sha != entry['sha256']:
+        _refuse_corrupt(path, name, 'sha256', entry['sha256'], sha, f"the manifest {ref_path}")
+    return {
+        **rec,
+        'verified': True,
+        'verification': f"manifest:{ref_path.resolve()}",
+        **({'hub_hash': entry['hub_hash']} if 'hub_hash' in entry else {}),
+    }
 
 # %% ../../nbs/03_data_4_fetch.ipynb #b63166da
-def prepare(root=None, source=None, unverified: bool = False, files=None, progress: bool = False) -> dict:
-    "Fetch (or copy from `source`) the pinned files into `root`, verify them, convert them to schema JSONL; writes and returns `root/manifest.json`."
+def prepare(
+    root=None, source=None, unverified: bool = False, files=None, progress: bool = False
+) -> dict:
+    """Fetch (or copy from `source`) the pinned files into `root`, verify them, convert them to
+    schema JSONL; writes and returns `root/manifest.json`."""
     names = list(PINNED['files']) if files is None else list(files)
     unknown = [n for n in names if n not in PINNED['files']]
-    if unknown or not names: raise ValueError(f"files {unknown or names}: expected names among {list(PINNED['files'])}")
-    if unverified and source is None: raise ValueError("unverified=True only applies to a copy from a local directory (source)")
-    root = data_root(root); root.mkdir(parents=True, exist_ok=True)
+    if unknown or not names:
+        raise ValueError(f"files {unknown or names}: expected names among {list(PINNED['files'])}")
+    if unverified and source is None:
+        raise ValueError("unverified=True only applies to a copy from a local directory (source)")
+    root = data_root(root)
+    root.mkdir(parents=True, exist_ok=True)
     mpath = root / 'manifest.json'
     old = read_json(mpath, 'prepare_manifest') if mpath.is_file() else {}
-    if old and {k: old.get(k) for k in ('repo_id', 'revision')} != {k: PINNED[k] for k in ('repo_id', 'revision')}:
-        raise PrepareError(f"{mpath}: prepared from {old.get('repo_id')}@{old.get('revision')}, not the pinned "
-                           f"{PINNED['repo_id']}@{PINNED['revision']}; use another root")
+    if old and {k: old.get(k) for k in ('repo_id', 'revision')} != {
+        k: PINNED[k] for k in ('repo_id', 'revision')
+    }:
+        raise PrepareError(
+            f"{mpath}: prepared from {old.get('repo_id')}@{old.get('revision')}, not the pinned "
+            f"{PINNED['repo_id']}@{PINNED['revision']}; use another root"
+        )
     if source is not None:
         source = Path(source)
-        if not source.is_dir(): raise FileNotFoundError(f"--from {source}: not a directory")
+        if not source.is_dir():
+            raise FileNotFoundError(f"--from {source}: not a directory")
         ref_path, ref = _reference(source, root)
     done = {}
-    def write():   # the files prepared so far are recorded even when a later one is refused
+
+    def write():  # the files prepared so far are recorded even when a later one is refused
         allf = {**old.get('files', {}), **done}
-        m = {'kind': 'memagent.data.prepare', **{k: PINNED[k] for k in ('repo_id', 'repo_type', 'revision')},
-             'files': {k: allf[k] for k in PINNED['files'] if k in allf},
-             'unverified': [k for k in PINNED['files'] if k in allf and not allf[k]['verified']],
-             'provenance': provenance(repo=_repo_root(), params={'source': str(source) if source else 'hub', 'files': names,
-                                                                 'unverified': unverified})}
+        m = {
+            'kind': 'memagent.data.prepare',
+            **{k: PINNED[k] for k in ('repo_id', 'repo_type', 'revision')},
+            'files': {k: allf[k] for k in PINNED['files'] if k in allf},
+            'unverified': [k for k in PINNED['files'] if k in allf and not allf[k]['verified']],
+            'provenance': provenance(
+                repo=_repo_root(),
+                params={
+                    'source': str(source) if source else 'hub',
+                    'files': names,
+                    'unverified': unverified,
+                },
+            ),
+        }
         _write_json(m, mpath)
         return m
-    # Each file is fetched (or copied), verified and converted in a staging folder inside the root; only a file that got
-    # through all three replaces the root's copy, its conversion and its manifest entry. A refused or interrupted file
+
+    # Each file is fetched (or copied), verified and converted in a staging folder inside the root;
+    # only a file that got
+    # through all three replaces the root's copy, its conversion and its manifest entry. A refused
+    # or interrupted file
     # leaves the root's earlier copy, conversion and entry byte for byte as they were.
     stage = root / f'.staging-{os.getpid()}'
     try:
         for name in names:
-            if stage.exists(): shutil.rmtree(stage)
+            if stage.exists():
+                shutil.rmtree(stage)
             stage.mkdir()
-            if (root / name).is_file(): os.link(root / name, stage / name)   # a copy already here is checked, not fetched again
-            rec = _fetch_verified(name, stage) if source is None else _copy_verified(name, source, stage, ref_path, ref, unverified)
+            if (root / name).is_file():
+                os.link(
+                    root / name, stage / name
+                )  # a copy already here is checked, not fetched again
+            rec = (
+                _fetch_verified(name, stage)
+                if source is None
+                else _copy_verified(name, source, stage, ref_path, ref, unverified)
+            )
             conv = converted_name(name)
             cm = convert(stage / name, stage / conv, fmt=PINNED['files'][name], progress=progress)
-            rec['converted'] = {'path': conv, 'sha256': cm['output']['sha256'], 'bytes': cm['output']['bytes'],
-                                'rows': cm['rows_written'], 'rows_read': cm['rows_read'], 'rows_skipped': cm['rows_skipped'],
-                                'skipped': cm['skipped']}
-            for f in (name, conv, conv + '.manifest.json'): os.replace(stage / f, root / f)
-            old.get('files', {}).pop(name, None); done[name] = rec
-            write()                                   # the manifest names exactly what the root holds, after every file
+            rec['converted'] = {
+                'path': conv,
+                'sha256': cm['output']['sha256'],
+                'bytes': cm['output']['bytes'],
+                'rows': cm['rows_written'],
+                'rows_read': cm['rows_read'],
+                'rows_skipped': cm['rows_skipped'],
+                'skipped': cm['skipped'],
+            }
+            for f in (name, conv, conv + '.manifest.json'):
+                os.replace(stage / f, root / f)
+            old.get('files', {}).pop(name, None)
+            done[name] = rec
+            write()  # the manifest names exactly what the root holds, after every file
     finally:
         if stage.exists():
-            for bad in stage.glob('*.corrupt'): os.replace(bad, root / bad.name)   # kept for inspection, as the refusal says
+            for bad in stage.glob('*.corrupt'):
+                os.replace(bad, root / bad.name)  # kept for inspection, as the refusal says
             shutil.rmtree(stage)
     return write()
 
 # %% ../../nbs/03_data_4_fetch.ipynb #8e4e4b32
 def prepared_file(name, root=None) -> Path:
-    "The schema JSONL prepared from the pinned file `name` in the data root; an existing path is returned as is. Missing: the error gives the prepare command."
+    """The schema JSONL prepared from the pinned file `name` in the data root; an existing path is
+    returned as is. Missing: the error gives the prepare command."""
     p = Path(name).expanduser()
-    if p.is_file(): return p
+    if p.is_file():
+        return p
     key = next((k for k in PINNED['files'] if str(name) in (k, converted_name(k))), None)
     if key is None:
-        raise FileNotFoundError(f"{name}: no such file, and not a pinned data file ({', '.join(PINNED['files'])})")
-    r = data_root(root); out = r / converted_name(key)
+        raise FileNotFoundError(
+            f"{name}: no such file, and not a pinned data file ({', '.join(PINNED['files'])})"
+        )
+    r = data_root(root)
+    out = r / converted_name(key)
     m = r / 'manifest.json'
     entry = read_json(m, 'prepare_manifest')['files'].get(key) if m.is_file() else None
-    why = f"no {m}" if not m.is_file() else f"no entry for it in {m}" if entry is None else f"no {out}" if not out.is_file() else None
-    if why: raise FileNotFoundError(f"{key}: not prepared in {r} ({why}); run:\n  {prepare_command(r, [key])}")
+    why = (
+        f"no {m}"
+        if not m.is_file()
+        else f"no entry for it in {m}"
+        if entry is None
+        else f"no {out}"
+        if not out.is_file()
+        else None
+    )
+    if why:
+        raise FileNotFoundError(
+            f"{key}: not prepared in {r} ({why}); run:\n  {prepare_command(r, [key])}"
+        )
     if out.stat().st_size != entry['converted']['bytes']:
-        raise PrepareError(f"{out}: {out.stat().st_size} bytes, the manifest {m} says {entry['converted']['bytes']}; "
-                           f"run again:\n  {prepare_command(r, [key])}")
+        raise PrepareError(
+            f"{out}: {out.stat().st_size} bytes, the manifest {m} says "
+            f"{entry['converted']['bytes']}; "
+            f"run again:\n  {prepare_command(r, [key])}"
+        )
     return out
 
+# %% ../../nbs/03_data_4_fetch.ipynb #e1707cd0
 def prepared_entry(path) -> dict | None:
-    "What the data root's manifest says about the prepared file at `path` (pinned name, revision, verification, hashes); None if it is not one."
-    p = Path(path); m = p.parent / 'manifest.json'
-    if not m.is_file(): return None
+    """What the data root's manifest says about the prepared file at `path` (pinned name, revision,
+    verification, hashes); None if it is not one."""
+    p = Path(path)
+    m = p.parent / 'manifest.json'
+    if not m.is_file():
+        return None
     man = read_json(m, 'prepare_manifest')
-    if man.get('kind') != 'memagent.data.prepare': return None
+    if man.get('kind') != 'memagent.data.prepare':
+        return None
     for name, f in man.get('files', {}).items():
         if f['converted']['path'] == p.name:
-            return {'pinned': name, 'repo_id': man['repo_id'], 'revision': f['revision'], 'verified': f['verified'],
-                    'verification': f['verification'], 'sha256': f['sha256'], 'converted_sha256': f['converted']['sha256']}
+            return {
+                'pinned': name,
+                'repo_id': man['repo_id'],
+                'revision': f['revision'],
+                'verified': f['verified'],
+                'verification': f['verification'],
+                'sha256': f['sha256'],
+                'converted_sha256': f['converted']['sha256'],
+            }
     return None
 
+# %% ../../nbs/03_data_4_fetch.ipynb #e7f473a4
 def prepare_cli(argv=None) -> int:
     "Entry point of `memagent-prepare`."
-    ap = argparse.ArgumentParser(prog='memagent-prepare', description=f"Fetch, verify and convert the pinned data files of "
-                                 f"{PINNED['repo_id']}@{PINNED['revision'][:8]} into a data root.")
-    ap.add_argument('--root', default=None, help='data root (default: $MEMAGENT_DATA_ROOT, else ~/.cache/memagent/data)')
-    ap.add_argument('--from', dest='source', default=None, metavar='DIR',
-                    help='copy the files from DIR instead of the hub, verified against DIR/manifest.json or ROOT/manifest.json')
-    ap.add_argument('--unverified', action='store_true', help='with --from: take files without a reference manifest (recorded)')
-    ap.add_argument('--files', nargs='+', default=None, choices=list(PINNED['files']), help='a subset of the pinned files')
+    ap = argparse.ArgumentParser(
+        prog='memagent-prepare',
+        description=f"Fetch, verify and convert the pinned data files of "
+        f"{PINNED['repo_id']}@{PINNED['revision'][:8]} into a data root.",
+    )
+    ap.add_argument(
+        '--root',
+        default=None,
+        help='data root (default: $MEMAGENT_DATA_ROOT, else ~/.cache/memagent/data)',
+    )
+    ap.add_argument(
+        '--from',
+        dest='source',
+        default=None,
+        metavar='DIR',
+        help=(
+            'copy the files from DIR instead of the hub, verified against DIR/manifest.json or '
+            'ROOT/manifest.json'
+        ),
+    )
+    ap.add_argument(
+        '--unverified',
+        action='store_true',
+        help='with --from: take files without a reference manifest (recorded)',
+    )
+    ap.add_argument(
+        '--files',
+        nargs='+',
+        default=None,
+        choices=list(PINNED['files']),
+        help='a subset of the pinned files',
+    )
     ap.add_argument('--quiet', action='store_true', help='no progress bar')
     a = ap.parse_args(argv)
     try:
-        m = prepare(a.root, source=a.source, unverified=a.unverified, files=a.files, progress=not a.quiet)
+        m = prepare(
+            a.root, source=a.source, unverified=a.unverified, files=a.files, progress=not a.quiet
+        )
     except (DataError, ValueError, FileNotFoundError, OSError) as e:
         return _cli_error(ap.prog, e)
     root = data_root(a.root)
     for name in a.files or PINNED['files']:
-        f = m['files'][name]; c = f['converted']
-        print(f"{name}: {f['bytes']} bytes sha256 {f['sha256'][:12]} {f['verification']} -> {c['path']} "
-              f"({c['rows']} rows, {c['rows_skipped']} skipped)")
-    if m['unverified']: print(f"UNVERIFIED: {', '.join(m['unverified'])}")
+        f = m['files'][name]
+        c = f['converted']
+        print(
+            f"{name}: {f['bytes']} bytes sha256 {f['sha256'][:12]} {f['verification']} -> "
+            f"{c['path']} "
+            f"({c['rows']} rows, {c['rows_skipped']} skipped)"
+        )
+    if m['unverified']:
+        print(f"UNVERIFIED: {', '.join(m['unverified'])}")
     print(f"manifest: {root / 'manifest.json'}")
     return 0

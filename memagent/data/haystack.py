@@ -9,9 +9,23 @@ from pathlib import Path
 
 from ..provenance import provenance
 from ..files import Staged
-from .readers import SCHEMA_FIELDS, BadRecord, DataError, RowError, format_documents, hotpotqa_path
+from memagent.data.readers import (
+    SCHEMA_FIELDS,
+    BadRecord,
+    DataError,
+    RowError,
+    format_documents,
+    hotpotqa_path,
+)
 from .readers import iter_records, location_unit, paragraph_text, write_examples
-from .readers import _answers, _check_limit, _cli_error, _file_record, _hotpot_paragraphs, _repo_root
+from memagent.data.readers import (
+    _answers,
+    _check_limit,
+    _cli_error,
+    _file_record,
+    _hotpot_paragraphs,
+    _repo_root,
+)
 from .readers import _supporting_titles, _write_json
 
 # %% auto #0
@@ -19,114 +33,226 @@ __all__ = ['SHUFFLES', 'load_hotpotqa', 'doc_pool', 'build_haystack', 'ruler_set
 
 # %% ../../nbs/03_data_2_haystack.ipynb #46429e58
 def load_hotpotqa(path=None, split: str = 'dev', limit: int | None = None) -> list[dict]:
-    "Raw HotpotQA rows from `path` (default: the shipped `split` file), at most `limit` (None: all, 0: none); raises `DataError` on a malformed line."
+    """Raw HotpotQA rows from `path` (default: the shipped `split` file), at most `limit` (None:
+    all, 0: none); raises `DataError` on a malformed line."""
     _check_limit(limit)
     path = Path(path) if path else hotpotqa_path(split)
     rows = []
     for line, rec in iter_records(path):
-        if limit == 0: break
-        if isinstance(rec, BadRecord): raise DataError(path, line, None, rec.error, location_unit(path))
-        if not isinstance(rec, dict): raise DataError(path, line, None, f"a HotpotQA row is an object, got {type(rec).__name__}", location_unit(path))
+        if limit == 0:
+            break
+        if isinstance(rec, BadRecord):
+            raise DataError(path, line, None, rec.error, location_unit(path))
+        if not isinstance(rec, dict):
+            raise DataError(
+                path,
+                line,
+                None,
+                f"a HotpotQA row is an object, got {type(rec).__name__}",
+                location_unit(path),
+            )
         rows.append(rec)
-        if limit is not None and len(rows) >= limit: break
+        if limit is not None and len(rows) >= limit:
+            break
     return rows
 
+
 def _paras(q):
-    try: return _hotpot_paragraphs(q)
-    except RowError as e: raise ValueError(f"question {q.get('_id')!r}: {e}") from None
+    try:
+        return _hotpot_paragraphs(q)
+    except RowError as e:
+        raise ValueError(f"question {q.get('_id')!r}: {e}") from None
+
 
 def doc_pool(questions) -> list[str]:
-    "Every paragraph of `questions` as `title\\n` + joined sentences, de-duplicated by text, in first-seen order."
+    """Every paragraph of `questions` as `title\\n` + joined sentences, de-duplicated by text, in
+    first-seen order."""
     return list(dict.fromkeys(paragraph_text(t, s) for q in questions for t, s in _paras(q)))
+
 
 SHUFFLES = ('per_question', 'official')
 
 # %% ../../nbs/03_data_2_haystack.ipynb #95b42284
-def build_haystack(questions, pool=None, num_docs: int = 50, seed: int = 0, shuffle: str = 'per_question',
-                   limit: int | None = None, progress: bool = False) -> list[dict]:
-    "RULER-HQA examples: each question's own paragraphs + `num_docs - own` random `pool` docs, shuffled, gold slots in meta."
-    if shuffle not in SHUFFLES: raise ValueError(f"shuffle must be one of {SHUFFLES}, got {shuffle!r}")
+def build_haystack(
+    questions,
+    pool=None,
+    num_docs: int = 50,
+    seed: int = 0,
+    shuffle: str = 'per_question',
+    limit: int | None = None,
+    progress: bool = False,
+) -> list[dict]:
+    """RULER-HQA examples: each question's own paragraphs + `num_docs - own` random `pool` docs,
+    shuffled, gold slots in meta."""
+    if shuffle not in SHUFFLES:
+        raise ValueError(f"shuffle must be one of {SHUFFLES}, got {shuffle!r}")
     _check_limit(limit)
-    if pool is None: pool = doc_pool(questions)
+    if pool is None:
+        pool = doc_pool(questions)
     pool = list(dict.fromkeys(pool))
     pool_titles = [d.split('\n', 1)[0] for d in pool]
     qs = list(questions)[:limit] if limit is not None else list(questions)
-    rng = random.Random(seed); out = []
+    rng = random.Random(seed)
+    out = []
     it = qs
     if progress:
         from tqdm import tqdm
+
         it = tqdm(qs, desc=f'haystack N={num_docs}', unit='q', file=sys.stderr)
     for q in it:
         paras = _paras(q)
         own = list(dict.fromkeys(paragraph_text(t, s) for t, s in paras))
-        if len(own) > num_docs: raise ValueError(f"question {q.get('_id')!r} has {len(own)} paragraphs > num_docs={num_docs}")
+        if len(own) > num_docs:
+            raise ValueError(
+                f"question {q.get('_id')!r} has {len(own)} paragraphs > num_docs={num_docs}"
+            )
         own_set, own_titles = set(own), {t for t, _ in paras}
         cand = [d for d, t in zip(pool, pool_titles) if d not in own_set and t not in own_titles]
         k = num_docs - len(own)
-        if k > len(cand): raise ValueError(f"pool too small: question {q.get('_id')!r} needs {k} distractors, pool offers {len(cand)}")
+        if k > len(cand):
+            raise ValueError(
+                f"pool too small: question {q.get('_id')!r} needs {k} distractors, pool offers "
+                f"{len(cand)}"
+            )
         docs = own + rng.sample(cand, k)
-        if shuffle == 'per_question': perm = list(range(num_docs)); rng.shuffle(perm)
-        else: perm = list(range(num_docs)); random.Random(seed).shuffle(perm)
+        if shuffle == 'per_question':
+            perm = list(range(num_docs))
+            rng.shuffle(perm)
+        else:
+            perm = list(range(num_docs))
+            random.Random(seed).shuffle(perm)
         docs = [docs[i] for i in perm]
         slot = {i: s for s, i in enumerate(perm, 1)}  # original list index -> 1-based slot
         _, gold_titles = _supporting_titles(q)
         own_idx = {d: i for i, d in enumerate(own)}
         title_of = {paragraph_text(t, s): t for t, s in paras}
         gold = sorted(slot[own_idx[d]] for d in own if title_of[d] in gold_titles)
-        ex = {'id': str(q['_id']), 'question': q['question'], 'context': format_documents(docs),
-              'answers': _answers(q['answer'], 'answer'), 'num_docs': num_docs, 'source': 'ruler_hqa',
-              'meta': {'gold_slots': gold, 'own_slots': sorted(slot[i] for i in range(len(own))),
-                       'type': q.get('type'), 'level': q.get('level'), 'supporting_facts': q.get('supporting_facts'),
-                       'seed': seed, 'shuffle': shuffle, 'pool_size': len(pool)}}
+        ex = {
+            'id': str(q['_id']),
+            'question': q['question'],
+            'context': format_documents(docs),
+            'answers': _answers(q['answer'], 'answer'),
+            'num_docs': num_docs,
+            'source': 'ruler_hqa',
+            'meta': {
+                'gold_slots': gold,
+                'own_slots': sorted(slot[i] for i in range(len(own))),
+                'type': q.get('type'),
+                'level': q.get('level'),
+                'supporting_facts': q.get('supporting_facts'),
+                'seed': seed,
+                'shuffle': shuffle,
+                'pool_size': len(pool),
+            },
+        }
         out.append(ex)
     return out
 
-def ruler_sets(lengths=(50, 200, 800), n_questions: int = 128, seed: int = 0, shuffle: str = 'per_question',
-               path=None, progress: bool = False) -> dict:
-    "RULER-HQA sets `{N: examples}` from the shipped dev sample: the first `n_questions` questions, pool = every dev paragraph."
+# %% ../../nbs/03_data_2_haystack.ipynb #9af5193a
+def ruler_sets(
+    lengths=(50, 200, 800),
+    n_questions: int = 128,
+    seed: int = 0,
+    shuffle: str = 'per_question',
+    path=None,
+    progress: bool = False,
+) -> dict:
+    """RULER-HQA sets `{N: examples}` from the shipped dev sample: the first `n_questions`
+    questions, pool = every dev paragraph."""
     _check_limit(n_questions, 'n_questions')
     rows = load_hotpotqa(path)
     pool = doc_pool(rows)
-    return {n: build_haystack(rows[:n_questions], pool, n, seed=seed, shuffle=shuffle, progress=progress) for n in lengths}
+    return {
+        n: build_haystack(
+            rows[:n_questions], pool, n, seed=seed, shuffle=shuffle, progress=progress
+        )
+        for n in lengths
+    }
 
+# %% ../../nbs/03_data_2_haystack.ipynb #3b8f5936
 def token_stats(examples, tokenizer, field: str = 'context') -> dict:
     "Token counts of `field` over `examples`: `{n, mean, min, max}` (no special tokens)."
     lens = [len(tokenizer(e[field], add_special_tokens=False)['input_ids']) for e in examples]
-    if not lens: return {'n': 0, 'mean': None, 'min': None, 'max': None}
+    if not lens:
+        return {'n': 0, 'mean': None, 'min': None, 'max': None}
     return {'n': len(lens), 'mean': sum(lens) / len(lens), 'min': min(lens), 'max': max(lens)}
 
 # %% ../../nbs/03_data_2_haystack.ipynb #5fe9b4b3
 def haystack_cli(argv=None) -> int:
     "Entry point of `memagent-haystack`."
     from memagent.config import cli_number
-    ap = argparse.ArgumentParser(prog='memagent-haystack', description='Build RULER-HQA haystacks from HotpotQA distractor rows.')
-    ap.add_argument('pool', help='HotpotQA distractor file: the document pool (and the questions unless --questions)')
+
+    ap = argparse.ArgumentParser(
+        prog='memagent-haystack',
+        description='Build RULER-HQA haystacks from HotpotQA distractor rows.',
+    )
+    ap.add_argument(
+        'pool',
+        help='HotpotQA distractor file: the document pool (and the questions unless --questions)',
+    )
     ap.add_argument('out', help='output JSONL (.jsonl or .jsonl.gz)')
     ap.add_argument('--num-docs', type=cli_number('int>=1'), required=True)
     ap.add_argument('--seed', type=cli_number('int>=0'), default=0)
     ap.add_argument('--shuffle', default='per_question', choices=SHUFFLES)
-    ap.add_argument('--limit', type=cli_number('int>=1'), default=None, help='number of questions (the first ones)')
-    ap.add_argument('--questions', default=None, help='HotpotQA file with the questions (default: the pool file)')
+    ap.add_argument(
+        '--limit',
+        type=cli_number('int>=1'),
+        default=None,
+        help='number of questions (the first ones)',
+    )
+    ap.add_argument(
+        '--questions',
+        default=None,
+        help='HotpotQA file with the questions (default: the pool file)',
+    )
     ap.add_argument('--manifest', default=None, help='manifest path (default OUT.manifest.json)')
     ap.add_argument('--quiet', action='store_true', help='no progress bar')
     a = ap.parse_args(argv)
     try:
         out = Path(a.out)
-        st = Staged({'output': out, 'manifest': a.manifest or out.with_name(out.name + '.manifest.json')},
-                    {'pool': a.pool, 'questions': a.questions})         # checked before anything is read or written
+        st = Staged(
+            {'output': out, 'manifest': a.manifest or out.with_name(out.name + '.manifest.json')},
+            {'pool': a.pool, 'questions': a.questions},
+        )  # checked before anything is read or written
         pool_rows = load_hotpotqa(a.pool)
         qrows = load_hotpotqa(a.questions) if a.questions else pool_rows
         for what, f, rows in (('pool', a.pool, pool_rows), ('--questions', a.questions, qrows)):
-            if not rows: raise DataError(f, None, None, f"the {what} file has no rows: an empty data set is never written")
-        exs = build_haystack(qrows, doc_pool(pool_rows), a.num_docs, seed=a.seed, shuffle=a.shuffle, limit=a.limit,
-                             progress=not a.quiet)
+            if not rows:
+                raise DataError(
+                    f,
+                    None,
+                    None,
+                    f"the {what} file has no rows: an empty data set is never written",
+                )
+        exs = build_haystack(
+            qrows,
+            doc_pool(pool_rows),
+            a.num_docs,
+            seed=a.seed,
+            shuffle=a.shuffle,
+            limit=a.limit,
+            progress=not a.quiet,
+        )
         srcs = [a.pool] + ([a.questions] if a.questions else [])
-        with st:                               # both outputs move into place together, or neither does
+        with st:  # both outputs move into place together, or neither does
             write_examples(exs, st['output'])
-            m = {'kind': 'memagent.data.haystack', 'schema': list(SCHEMA_FIELDS), 'sources': [_file_record(s) for s in srcs],
-                 'output': {**_file_record(st['output']), 'path': str(out.parent.resolve() / out.name), 'rows': len(exs)},
-                 'params': {'num_docs': a.num_docs, 'seed': a.seed, 'shuffle': a.shuffle, 'limit': a.limit},
-                 'provenance': provenance(repo=_repo_root())}
+            m = {
+                'kind': 'memagent.data.haystack',
+                'schema': list(SCHEMA_FIELDS),
+                'sources': [_file_record(s) for s in srcs],
+                'output': {
+                    **_file_record(st['output']),
+                    'path': str(out.parent.resolve() / out.name),
+                    'rows': len(exs),
+                },
+                'params': {
+                    'num_docs': a.num_docs,
+                    'seed': a.seed,
+                    'shuffle': a.shuffle,
+                    'limit': a.limit,
+                },
+                'provenance': provenance(repo=_repo_root()),
+            }
             _write_json(m, st['manifest'])
     except (DataError, ValueError, FileNotFoundError, OSError) as e:
         return _cli_error(ap.prog, e)

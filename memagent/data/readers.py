@@ -19,185 +19,320 @@ __all__ = ['SHIPPED', 'SCHEMA_FIELDS', 'SKIP_REASONS', 'CONVERTERS', 'shipped_da
 
 # %% ../../nbs/03_data_1_readers.ipynb #94e19ef6
 SHIPPED = {  # relative path -> (sha256 of the .gz, sha256 of the decompressed bytes, rows or None)
-    'hotpotqa/dev_distractor.jsonl.gz': ('a3697dd5625448503165dd7ce3ad81688a8c436a73f4bd3f3879b8cde4cf4f3d',
-                                         '1f1b36b6048d031389bcba09e7cc95da9d1cd28f7253c2f35e7afed84ca2eda8', 1578),
-    'hotpotqa/train_distractor.jsonl.gz': ('6be581ef1afb27dbee29059465c29addffeac338a327574b376a4fa320a15504',
-                                           'af6830fc9d5ce67b7d0c585619dd9d0739ca012c4c7816b4167fe6ed13664e43', 210),
-    'hotpotqa/dev_distractor.provenance.tsv.gz': ('f4bab678be43676ca599b6d4dcd86be0332421e68860596fbae98f94b005c4db',
-                                                  '05a3f6bc49d58d7bc01977db8f33dc8094dd5b653eb42c295eed91fc327a8d27', None),
+    'hotpotqa/dev_distractor.jsonl.gz': (
+        'a3697dd5625448503165dd7ce3ad81688a8c436a73f4bd3f3879b8cde4cf4f3d',
+        '1f1b36b6048d031389bcba09e7cc95da9d1cd28f7253c2f35e7afed84ca2eda8',
+        1578,
+    ),
+    'hotpotqa/train_distractor.jsonl.gz': (
+        '6be581ef1afb27dbee29059465c29addffeac338a327574b376a4fa320a15504',
+        'af6830fc9d5ce67b7d0c585619dd9d0739ca012c4c7816b4167fe6ed13664e43',
+        210,
+    ),
+    'hotpotqa/dev_distractor.provenance.tsv.gz': (
+        'f4bab678be43676ca599b6d4dcd86be0332421e68860596fbae98f94b005c4db',
+        '05a3f6bc49d58d7bc01977db8f33dc8094dd5b653eb42c295eed91fc327a8d27',
+        None,
+    ),
 }
 
+
 def _repo_root() -> Path:
-    "The directory holding the `memagent` package directory (the repository root in a source checkout)."
+    """The directory holding the `memagent` package directory (the repository root in a source
+    checkout)."""
     import memagent
+
     return Path(memagent.__file__).resolve().parent.parent
 
+# %% ../../nbs/03_data_1_readers.ipynb #e2cba9c2
 def shipped_data_dir() -> Path:
-    "The shipped `data/` directory: `$MEMAGENT_DATA` if set, else `data/` beside the package directory."
+    """The shipped `data/` directory: `$MEMAGENT_DATA` if set, else `data/` beside the package
+    directory."""
     env = os.environ.get('MEMAGENT_DATA')
     d = Path(env).expanduser() if env else _repo_root() / 'data'
     if not d.is_dir():
-        raise FileNotFoundError(f"shipped data directory not found: {d} "
-                                f"({'from MEMAGENT_DATA' if env else 'expected beside the package; set MEMAGENT_DATA'})")
+        raise FileNotFoundError(
+            f"shipped data directory not found: {d} "
+            f"({'from MEMAGENT_DATA' if env else 'expected beside the package; set MEMAGENT_DATA'})"
+        )
     return d
 
+# %% ../../nbs/03_data_1_readers.ipynb #eb7130a9
 def hotpotqa_path(split: str = 'dev') -> Path:
     "Path of the shipped HotpotQA distractor file for `split` ('dev' or 'train')."
-    if split not in ('dev', 'train'): raise ValueError(f"split must be 'dev' or 'train', got {split!r}")
+    if split not in ('dev', 'train'):
+        raise ValueError(f"split must be 'dev' or 'train', got {split!r}")
     return shipped_data_dir() / 'hotpotqa' / f'{split}_distractor.jsonl.gz'
 
+# %% ../../nbs/03_data_1_readers.ipynb #0738f5de
 def _sha256_gunzip(path) -> str:
     import hashlib
+
     h = hashlib.sha256()
     try:
         with gzip.open(path, 'rb') as f:
-            for b in iter(lambda: f.read(1 << 20), b''): h.update(b)
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e: raise ValueError(f"{path}: {_gzip_problem(e)}") from None
+            for b in iter(lambda: f.read(1 << 20), b''):
+                h.update(b)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise ValueError(f"{path}: {_gzip_problem(e)}") from None
     return h.hexdigest()
 
+# %% ../../nbs/03_data_1_readers.ipynb #3911393f
 def verify_shipped(root=None) -> dict:
-    "Check every shipped file's SHA-256 (compressed and decompressed) against `SHIPPED`; raises on a mismatch."
+    """Check every shipped file's SHA-256 (compressed and decompressed) against `SHIPPED`; raises on
+    a mismatch."""
     root = Path(root) if root else shipped_data_dir()
     out = {}
     for rel, (gz_sha, raw_sha, _) in SHIPPED.items():
         p = root / rel
-        if not p.is_file(): raise FileNotFoundError(f"shipped file missing: {p}")
+        if not p.is_file():
+            raise FileNotFoundError(f"shipped file missing: {p}")
         got = sha256_file(p)
-        if got != gz_sha: raise ValueError(f"{p}: SHA-256 mismatch: got {got}, expected {gz_sha}")
+        if got != gz_sha:
+            raise ValueError(f"{p}: SHA-256 mismatch: got {got}, expected {gz_sha}")
         got = (got, _sha256_gunzip(p))
-        if got != (gz_sha, raw_sha): raise ValueError(f"{p}: SHA-256 mismatch: got {got}, expected {(gz_sha, raw_sha)}")
+        if got != (gz_sha, raw_sha):
+            raise ValueError(f"{p}: SHA-256 mismatch: got {got}, expected {(gz_sha, raw_sha)}")
         out[rel] = {'sha256_gz': got[0], 'sha256': got[1], 'bytes': p.stat().st_size}
     return out
 
+# %% ../../nbs/03_data_1_readers.ipynb #b6d24964
 def write_gzip(data: bytes, path) -> Path:
-    "Write `data` gzip-compressed and deterministically (`mtime=0`, no file name in the header, level 9)."
+    """Write `data` gzip-compressed and deterministically (`mtime=0`, no file name in the header,
+    level 9)."""
     path = Path(path)
-    with open(path, 'wb') as f, gzip.GzipFile(filename='', mode='wb', fileobj=f, mtime=0, compresslevel=9) as g:
+    with (
+        open(path, 'wb') as f,
+        gzip.GzipFile(filename='', mode='wb', fileobj=f, mtime=0, compresslevel=9) as g,
+    ):
         g.write(data)
     return path
 
 # %% ../../nbs/03_data_1_readers.ipynb #045ab6ad
 from ..files import FileError, Staged, loads_json
 
-class DataError(FileError):
-    "A bad input row or file (`memagent.files.FileError`): names the file, the 1-based location (`unit` line/item/row), the field and the reason."
 
+class DataError(FileError):
+    """A bad input row or file (`memagent.files.FileError`): names the file, the 1-based location
+    (`unit` line/item/row), the field and the reason."""
+
+# %% ../../nbs/03_data_1_readers.ipynb #fdfa370c
 class BadRecord:
     "A record that could not be parsed (kept so it can be counted as `malformed_json`)."
-    def __init__(self, error: str): self.error = error
-    def __repr__(self): return f"BadRecord({self.error!r})"
 
+    def __init__(self, error: str):
+        self.error = error
+
+    def __repr__(self):
+        return f"BadRecord({self.error!r})"
+
+# %% ../../nbs/03_data_1_readers.ipynb #221e0035
 def _suffix(path) -> str:
     n = Path(path).name.lower()
     for s in ('.jsonl.gz', '.json.gz', '.jsonl', '.json', '.parquet'):
-        if n.endswith(s): return s
-    raise ValueError(f"{path}: unsupported file type (expected .jsonl, .jsonl.gz, .json or .parquet)")
+        if n.endswith(s):
+            return s
+    raise ValueError(
+        f"{path}: unsupported file type (expected .jsonl, .jsonl.gz, .json or .parquet)"
+    )
 
+# %% ../../nbs/03_data_1_readers.ipynb #aa3f2c14
 def location_unit(path) -> str:
-    "What a 1-based location counts in this file: 'line' (JSONL), 'item' (.json) or 'row' (parquet)."
+    """What a 1-based location counts in this file: 'line' (JSONL), 'item' (.json) or 'row'
+    (parquet)."""
     s = _suffix(path)
     return 'line' if s in ('.jsonl', '.jsonl.gz') else 'row' if s == '.parquet' else 'item'
 
+# %% ../../nbs/03_data_1_readers.ipynb #89d77122
 def _gzip_problem(e) -> str:
-    if isinstance(e, EOFError): return "truncated gzip data: the file ends before gzip's end-of-stream marker (an incomplete download or copy)"
+    if isinstance(e, EOFError):
+        return (
+            "truncated gzip data: the file ends before gzip's end-of-stream marker (an incomplete "
+            "download or copy)"
+        )
     return f"not valid gzip data ({e})"
 
+# %% ../../nbs/03_data_1_readers.ipynb #9cff2962
 def _decode(path, raw: bytes, line: int) -> str:
-    try: return raw.decode('utf-8')
+    try:
+        return raw.decode('utf-8')
     except UnicodeDecodeError as e:
-        raise DataError(path, line, None, f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}): "
-                                          "a binary file or another encoding") from None
+        raise DataError(
+            path,
+            line,
+            None,
+            f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}): "
+            "a binary file or another encoding",
+        ) from None
 
+# %% ../../nbs/03_data_1_readers.ipynb #68a41a54
 def _lines(path) -> Iterator[tuple]:
-    "Yield `(1-based line number, text)` of a text file, gunzipped if its name ends in .gz; bad bytes raise `DataError`."
+    """Yield `(1-based line number, text)` of a text file, gunzipped if its name ends in .gz; bad
+    bytes raise `DataError`."""
     gz, i = str(path).lower().endswith('.gz'), 0
     try:
-        with (gzip.open(path, 'rb') if gz else open(path, 'rb')) as f:
+        with gzip.open(path, 'rb') if gz else open(path, 'rb') as f:
             for i, raw in enumerate(f, 1):
                 if i == 1 and not gz and raw[:2] == b'\x1f\x8b':
                     raise DataError(path, 1, None, "gzip-compressed data in a file not named .gz")
                 yield i, _decode(path, raw, i)
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e: raise DataError(path, i + 1, None, _gzip_problem(e)) from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(path, i + 1, None, _gzip_problem(e)) from None
 
 # %% ../../nbs/03_data_1_readers.ipynb #1c03c31c
 def iter_records(path) -> Iterator[tuple]:
-    "Yield `(location, record)` from .jsonl/.jsonl.gz (streamed), .json (list, or dict of id -> row) or .parquet (batched)."
+    """Yield `(location, record)` from .jsonl/.jsonl.gz (streamed), .json (list, or dict of id ->
+    row) or .parquet (batched)."""
     path = Path(path)
-    if not path.is_file(): raise FileNotFoundError(f"{path}: no such file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
     s = _suffix(path)
     if s in ('.jsonl', '.jsonl.gz'):
         for i, line in _lines(path):
-            if not line.strip(): continue
-            try: rec = loads_json(line, path, i)
-            except FileError as e: rec = BadRecord(f"malformed JSON: {e.reason}")
+            if not line.strip():
+                continue
+            try:
+                rec = loads_json(line, path, i)
+            except FileError as e:
+                rec = BadRecord(f"malformed JSON: {e.reason}")
             yield i, rec
     elif s in ('.json', '.json.gz'):
         text = ''.join(line for _, line in _lines(path))
-        try: doc = loads_json(text, path)
-        except FileError as e: raise DataError(path, e.line, None, f"malformed JSON: {e.reason}", unit='line') from None
+        try:
+            doc = loads_json(text, path)
+        except FileError as e:
+            raise DataError(
+                path, e.line, None, f"malformed JSON: {e.reason}", unit='line'
+            ) from None
         if isinstance(doc, list):
             yield from enumerate(doc, 1)
         elif isinstance(doc, dict) and doc and all(isinstance(v, dict) for v in doc.values()):
             for i, (k, v) in enumerate(doc.items(), 1):
-                if '_id' not in v and 'id' not in v: v = {'_id': k, **v}
+                if '_id' not in v and 'id' not in v:
+                    v = {'_id': k, **v}
                 yield i, v
         else:
-            raise DataError(path, None, None, "a .json file must hold a list of rows or a non-empty dict mapping ids to rows")
+            raise DataError(
+                path,
+                None,
+                None,
+                "a .json file must hold a list of rows or a non-empty dict mapping ids to rows",
+            )
     else:
         import pyarrow as pa, pyarrow.parquet as pq
-        try: pf = pq.ParquetFile(path)
-        except (pa.ArrowException, OSError) as e: raise DataError(path, None, None, f"not a readable parquet file: {e}") from None
+
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(path, None, None, f"not a readable parquet file: {e}") from None
         i, batches = 0, pf.iter_batches(batch_size=256)
         while True:
-            try: batch = next(batches, None)
-            except (pa.ArrowException, OSError) as e: raise DataError(path, i + 1, None, f"corrupt parquet data: {e}", unit='row') from None
-            if batch is None: break
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(
+                    path, i + 1, None, f"corrupt parquet data: {e}", unit='row'
+                ) from None
+            if batch is None:
+                break
             for rec in batch.to_pylist():
-                i += 1; yield i, rec
+                i += 1
+                yield i, rec
 
 # %% ../../nbs/03_data_1_readers.ipynb #daab33be
 SCHEMA_FIELDS = ('id', 'question', 'context', 'answers', 'num_docs', 'source', 'meta')
-SKIP_REASONS = ('malformed_json', 'missing_field', 'bad_type', 'empty_context', 'bad_answers', 'duplicate_id', 'unencodable_text')
+SKIP_REASONS = (
+    'malformed_json',
+    'missing_field',
+    'bad_type',
+    'empty_context',
+    'bad_answers',
+    'duplicate_id',
+    'unencodable_text',
+)
+
 
 def _answers_problem(ans):
-    if not isinstance(ans, list): return f"must be a list of strings, got {type(ans).__name__}"
-    if not ans: return "empty answer list"
+    if not isinstance(ans, list):
+        return f"must be a list of strings, got {type(ans).__name__}"
+    if not ans:
+        return "empty answer list"
     for i, a in enumerate(ans):
-        if not isinstance(a, str): return f"answer {i} is {type(a).__name__}, not a string"
-        if not a.strip(): return f"answer {i} is an empty string"
+        if not isinstance(a, str):
+            return f"answer {i} is {type(a).__name__}, not a string"
+        if not a.strip():
+            return f"answer {i} is an empty string"
     return None
 
+# %% ../../nbs/03_data_1_readers.ipynb #d274c727
 def unencodable(value, field: str = '') -> tuple | None:
-    "The first string in `value` (a string, or lists and objects of them, keys included) that cannot be written as UTF-8, a lone surrogate that JSON's `\\ud800` escapes let through: `(field path, reason)`, or None."
+    """The first string in `value` (a string, or lists and objects of them, keys included) that
+    cannot be written as UTF-8, a lone surrogate that JSON's `\\ud800` escapes let through: `(field
+    path, reason)`, or None."""
     if isinstance(value, str):
-        if value.isascii(): return None
-        try: value.encode('utf-8'); return None
+        if value.isascii():
+            return None
+        try:
+            value.encode('utf-8')
+            return None
         except UnicodeEncodeError as e:
-            return (field or None, f"not encodable as UTF-8: a lone surrogate {value[e.start]!r} at character {e.start + 1}")
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+            return (
+                field or None,
+                f"not encodable as UTF-8: a lone surrogate {value[e.start]!r} at character "
+                f"{e.start + 1}",
+            )
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
     for k, v in items:
-        sub = f"{field}.{k}" if isinstance(value, dict) and field else str(k) if isinstance(value, dict) else f"{field}[{k}]"
+        sub = (
+            f"{field}.{k}"
+            if isinstance(value, dict) and field
+            else str(k)
+            if isinstance(value, dict)
+            else f"{field}[{k}]"
+        )
         bad = (unencodable(k, sub) if isinstance(k, str) else None) or unencodable(v, sub)
-        if bad: return bad
+        if bad:
+            return bad
     return None
 
+# %% ../../nbs/03_data_1_readers.ipynb #06315411
 def validate_example(ex) -> tuple | None:
     "`None` if `ex` is a valid schema example, else `(field, reason)`."
-    if not isinstance(ex, dict): return (None, f"row must be an object, got {type(ex).__name__}")
+    if not isinstance(ex, dict):
+        return (None, f"row must be an object, got {type(ex).__name__}")
     for k in SCHEMA_FIELDS:
-        if k not in ex: return (k, 'missing field')
-    if not isinstance(ex['id'], str) or not ex['id']: return ('id', 'must be a non-empty string')
-    if not isinstance(ex['question'], str) or not ex['question'].strip(): return ('question', 'must be a non-empty string')
-    if not isinstance(ex['context'], str): return ('context', 'must be a string')
-    if not ex['context'].strip(): return ('context', 'empty context')
+        if k not in ex:
+            return (k, 'missing field')
+    if not isinstance(ex['id'], str) or not ex['id']:
+        return ('id', 'must be a non-empty string')
+    if not isinstance(ex['question'], str) or not ex['question'].strip():
+        return ('question', 'must be a non-empty string')
+    if not isinstance(ex['context'], str):
+        return ('context', 'must be a string')
+    if not ex['context'].strip():
+        return ('context', 'empty context')
     p = _answers_problem(ex['answers'])
-    if p: return ('answers', p)
-    if not isinstance(ex['num_docs'], int) or isinstance(ex['num_docs'], bool) or ex['num_docs'] < 0:
+    if p:
+        return ('answers', p)
+    if (
+        not isinstance(ex['num_docs'], int)
+        or isinstance(ex['num_docs'], bool)
+        or ex['num_docs'] < 0
+    ):
         return ('num_docs', 'must be an integer >= 0')
-    if not isinstance(ex['source'], str) or not ex['source']: return ('source', 'must be a non-empty string')
-    if not isinstance(ex['meta'], dict): return ('meta', 'must be an object')
-    return unencodable(ex)                        # text a JSON file can hold but no UTF-8 writer can
+    if not isinstance(ex['source'], str) or not ex['source']:
+        return ('source', 'must be a non-empty string')
+    if not isinstance(ex['meta'], dict):
+        return ('meta', 'must be an object')
+    return unencodable(ex)  # text a JSON file can hold but no UTF-8 writer can
 
+# %% ../../nbs/03_data_1_readers.ipynb #e3d21694
 def _check_limit(limit, name='limit'):
     "A row cap is None (every row) or an int >= 0; 0 means no rows, never all of them."
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
@@ -205,76 +340,114 @@ def _check_limit(limit, name='limit'):
 
 # %% ../../nbs/03_data_1_readers.ipynb #9c680dcb
 def read_examples(path, limit: int | None = None) -> list[dict]:
-    "Read a schema JSONL (.jsonl or .jsonl.gz) file, validating every row read; at most `limit` rows (None: all, 0: none); raises `DataError` on the first bad row, and on a file with no row at all."
+    """Read a schema JSONL (.jsonl or .jsonl.gz) file, validating every row read; at most `limit`
+    rows (None: all, 0: none); raises `DataError` on the first bad row, and on a file with no row at
+    all."""
     _check_limit(limit)
     out, seen, rows = [], set(), 0
     for line, rec in iter_records(path):
         rows += 1
-        if limit == 0: break                      # the file is opened (so it must exist) and holds a row; none is kept
-        if isinstance(rec, BadRecord): raise DataError(path, line, None, rec.error, location_unit(path))
+        if limit == 0:
+            break  # the file is opened (so it must exist) and holds a row; none is kept
+        if isinstance(rec, BadRecord):
+            raise DataError(path, line, None, rec.error, location_unit(path))
         bad = validate_example(rec)
-        if bad: raise DataError(path, line, bad[0], bad[1], location_unit(path))
-        if rec['id'] in seen: raise DataError(path, line, 'id', f"duplicate id {rec['id']!r}", location_unit(path))
-        seen.add(rec['id']); out.append(rec)
-        if limit is not None and len(out) >= limit: break
-    if not rows: raise DataError(path, None, None, "no examples: the file is empty or holds only blank lines")
+        if bad:
+            raise DataError(path, line, bad[0], bad[1], location_unit(path))
+        if rec['id'] in seen:
+            raise DataError(path, line, 'id', f"duplicate id {rec['id']!r}", location_unit(path))
+        seen.add(rec['id'])
+        out.append(rec)
+        if limit is not None and len(out) >= limit:
+            break
+    if not rows:
+        raise DataError(
+            path, None, None, "no examples: the file is empty or holds only blank lines"
+        )
     return out
 
+
 def write_examples(examples, path) -> Path:
-    "Write schema examples as JSONL (gzip-compressed, deterministically, when `path` ends in .gz), atomically."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    """Write schema examples as JSONL (gzip-compressed, deterministically, when `path` ends in .gz),
+    atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     data = ''.join(json.dumps(e, ensure_ascii=False) + '\n' for e in examples).encode('utf-8')
     tmp = path.with_name(path.name + '.tmp')
-    if path.name.endswith('.gz'): write_gzip(data, tmp)
-    else: tmp.write_bytes(data)
+    if path.name.endswith('.gz'):
+        write_gzip(data, tmp)
+    else:
+        tmp.write_bytes(data)
     os.replace(tmp, path)
     return path
 
 # %% ../../nbs/03_data_1_readers.ipynb #6e72e66e
 class RowError(Exception):
-    "A row that cannot be converted: `reason` (one of `SKIP_REASONS`), `field` and a human-readable `detail`."
+    """A row that cannot be converted: `reason` (one of `SKIP_REASONS`), `field` and a
+    human-readable `detail`."""
+
     def __init__(self, reason, field, detail):
         assert reason in SKIP_REASONS, reason
         self.reason, self.field, self.detail = reason, field, detail
         super().__init__(f"{reason}: field {field!r}: {detail}")
 
+# %% ../../nbs/03_data_1_readers.ipynb #326334bb
 def _need(row, *keys):
-    if not isinstance(row, dict): raise RowError('bad_type', None, f"row must be an object, got {type(row).__name__}")
+    if not isinstance(row, dict):
+        raise RowError('bad_type', None, f"row must be an object, got {type(row).__name__}")
     for k in keys:
-        if k not in row or row[k] is None: raise RowError('missing_field', k, 'missing field')
+        if k not in row or row[k] is None:
+            raise RowError('missing_field', k, 'missing field')
 
+# %% ../../nbs/03_data_1_readers.ipynb #da156032
 def _id_of(row, *keys):
     for k in keys:
         v = row.get(k) if isinstance(row, dict) else None
-        if v is None: continue
-        if isinstance(v, bool) or not isinstance(v, (str, int)): raise RowError('bad_type', k, f"id must be a string or integer, got {type(v).__name__}")
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise RowError('bad_type', k, f"id must be a string or integer, got {type(v).__name__}")
         v = str(v)
-        if not v: raise RowError('bad_type', k, 'empty id')
+        if not v:
+            raise RowError('bad_type', k, 'empty id')
         return v
     raise RowError('missing_field', keys[0], 'missing field')
 
+# %% ../../nbs/03_data_1_readers.ipynb #debbcf41
 def _str_field(row, k, allow_empty=False):
     v = row[k]
-    if not isinstance(v, str): raise RowError('bad_type', k, f"must be a string, got {type(v).__name__}")
-    if not allow_empty and not v.strip(): raise RowError('bad_type', k, 'empty string')
+    if not isinstance(v, str):
+        raise RowError('bad_type', k, f"must be a string, got {type(v).__name__}")
+    if not allow_empty and not v.strip():
+        raise RowError('bad_type', k, 'empty string')
     return v
 
+# %% ../../nbs/03_data_1_readers.ipynb #17d91393
 def _answers(v, field):
-    if isinstance(v, str): v = [v]
-    elif isinstance(v, tuple): v = list(v)
+    if isinstance(v, str):
+        v = [v]
+    elif isinstance(v, tuple):
+        v = list(v)
     p = _answers_problem(v)
-    if p: raise RowError('bad_answers', field, p)
+    if p:
+        raise RowError('bad_answers', field, p)
     return v
 
+# %% ../../nbs/03_data_1_readers.ipynb #a5a4c24f
 def paragraph_text(title: str, sentences) -> str:
-    "One HotpotQA paragraph as text: `title + '\\n' + ''.join(sentences)` (sentences keep their leading spaces)."
+    """One HotpotQA paragraph as text: `title + '\\n' + ''.join(sentences)` (sentences keep their
+    leading spaces)."""
     return f"{title}\n{''.join(sentences)}"
 
+# %% ../../nbs/03_data_1_readers.ipynb #534a10a4
 def format_documents(docs) -> str:
     "Documents as `Document i:\\n<doc>` (1-based), joined by blank lines."
     return '\n\n'.join(f"Document {i}:\n{d}" for i, d in enumerate(docs, 1))
 
+# %% ../../nbs/03_data_1_readers.ipynb #1ae32d91
 _DOC_HEADER = re.compile(r'^Document \d+:$', re.M)
+
+
 def count_documents(context: str) -> int:
     "Number of `Document i:` header lines in a context (RULER-HQA layout)."
     return len(_DOC_HEADER.findall(context))
@@ -282,25 +455,40 @@ def count_documents(context: str) -> int:
 # %% ../../nbs/03_data_1_readers.ipynb #f16ff22d
 def _hotpot_paragraphs(row, field='context'):
     ctx = row[field]
-    if not isinstance(ctx, list): raise RowError('bad_type', field, f"must be a list of [title, [sentences]], got {type(ctx).__name__}")
-    if not ctx: raise RowError('empty_context', field, 'no paragraphs')
+    if not isinstance(ctx, list):
+        raise RowError(
+            'bad_type', field, f"must be a list of [title, [sentences]], got {type(ctx).__name__}"
+        )
+    if not ctx:
+        raise RowError('empty_context', field, 'no paragraphs')
     paras = []
     for j, p in enumerate(ctx):
-        if not (isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)
-                and all(isinstance(s, str) for s in p[1])):
+        if not (
+            isinstance(p, (list, tuple))
+            and len(p) == 2
+            and isinstance(p[0], str)
+            and isinstance(p[1], list)
+            and all(isinstance(s, str) for s in p[1])
+        ):
             raise RowError('bad_type', field, f"paragraph {j} is not [title, [sentences]]")
         paras.append((p[0], p[1]))
-    if not any(''.join(s).strip() for _, s in paras): raise RowError('empty_context', field, 'every paragraph is empty')
+    if not any(''.join(s).strip() for _, s in paras):
+        raise RowError('empty_context', field, 'every paragraph is empty')
     return paras
 
+# %% ../../nbs/03_data_1_readers.ipynb #10ef88d2
 def _supporting_titles(row):
     sf = row.get('supporting_facts') or []
-    if not isinstance(sf, list) or not all(isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str) for x in sf):
+    if not isinstance(sf, list) or not all(
+        isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str) for x in sf
+    ):
         raise RowError('bad_type', 'supporting_facts', 'must be a list of [title, sentence_index]')
     return [list(x) for x in sf], list(dict.fromkeys(x[0] for x in sf))
 
+# %% ../../nbs/03_data_1_readers.ipynb #c835dff1
 def from_hotpotqa(row: dict) -> dict:
-    "Convert one HotpotQA distractor row into the schema (context in `Document i:` layout, gold slots in meta)."
+    """Convert one HotpotQA distractor row into the schema (context in `Document i:` layout, gold
+    slots in meta)."""
     _need(row, 'question', 'answer', 'context', 'supporting_facts')
     ex_id = _id_of(row, '_id', 'id')
     q = _str_field(row, 'question')
@@ -310,148 +498,301 @@ def from_hotpotqa(row: dict) -> dict:
     titles = [t for t, _ in paras]
     gold_slots = sorted(i for i, t in enumerate(titles, 1) if t in gold_titles)
     ctx = format_documents(paragraph_text(t, s) for t, s in paras)
-    meta = {'type': row.get('type'), 'level': row.get('level'), 'supporting_facts': sf, 'titles': titles,
-            'gold_slots': gold_slots, 'own_slots': list(range(1, len(paras) + 1))}
-    return {'id': ex_id, 'question': q, 'context': ctx, 'answers': answers, 'num_docs': len(paras),
-            'source': 'hotpotqa', 'meta': meta}
+    meta = {
+        'type': row.get('type'),
+        'level': row.get('level'),
+        'supporting_facts': sf,
+        'titles': titles,
+        'gold_slots': gold_slots,
+        'own_slots': list(range(1, len(paras) + 1)),
+    }
+    return {
+        'id': ex_id,
+        'question': q,
+        'context': ctx,
+        'answers': answers,
+        'num_docs': len(paras),
+        'source': 'hotpotqa',
+        'meta': meta,
+    }
 
+# %% ../../nbs/03_data_1_readers.ipynb #23244dac
 def from_ruler(row: dict) -> dict:
-    "Convert one RULER-HQA evaluation row (`_id, input, context, answers, num_docs`) into the schema."
+    """Convert one RULER-HQA evaluation row (`_id, input, context, answers, num_docs`) into the
+    schema."""
     _need(row)
     q_key = 'input' if 'input' in row else 'question'
     _need(row, q_key, 'context', 'answers')
     ex_id = _id_of(row, '_id', 'id', 'index')
     q = _str_field(row, q_key)
     ctx = _str_field(row, 'context', allow_empty=True)
-    if not ctx.strip(): raise RowError('empty_context', 'context', 'empty context')
+    if not ctx.strip():
+        raise RowError('empty_context', 'context', 'empty context')
     answers = _answers(row['answers'], 'answers')
     nd = row.get('num_docs')
-    meta = {k: v for k, v in row.items() if k not in ('_id', 'id', 'index', q_key, 'context', 'answers', 'num_docs')}
-    if nd is None: nd = count_documents(ctx); meta['num_docs_inferred'] = True
-    elif isinstance(nd, bool) or not isinstance(nd, int) or nd < 0: raise RowError('bad_type', 'num_docs', 'must be an integer >= 0')
-    return {'id': ex_id, 'question': q, 'context': ctx, 'answers': answers, 'num_docs': nd, 'source': 'ruler_hqa', 'meta': meta}
+    meta = {
+        k: v
+        for k, v in row.items()
+        if k not in ('_id', 'id', 'index', q_key, 'context', 'answers', 'num_docs')
+    }
+    if nd is None:
+        nd = count_documents(ctx)
+        meta['num_docs_inferred'] = True
+    elif isinstance(nd, bool) or not isinstance(nd, int) or nd < 0:
+        raise RowError('bad_type', 'num_docs', 'must be an integer >= 0')
+    return {
+        'id': ex_id,
+        'question': q,
+        'context': ctx,
+        'answers': answers,
+        'num_docs': nd,
+        'source': 'ruler_hqa',
+        'meta': meta,
+    }
 
 # %% ../../nbs/03_data_1_readers.ipynb #1f691c3a
 def from_verl(row: dict) -> dict:
-    "Convert one verl/MemAgent training row (`prompt, context, reward_model.ground_truth, extra_info`) into the schema."
+    """Convert one verl/MemAgent training row (`prompt, context, reward_model.ground_truth,
+    extra_info`) into the schema."""
     _need(row, 'context', 'reward_model')
     extra = row.get('extra_info') or {}
-    if not isinstance(extra, dict): raise RowError('bad_type', 'extra_info', 'must be an object')
+    if not isinstance(extra, dict):
+        raise RowError('bad_type', 'extra_info', 'must be an object')
     ex_id = _id_of({**row, 'extra_info.index': extra.get('index')}, '_id', 'id', 'extra_info.index')
     q = extra.get('question')
     if q is None:
         prompt = row.get('prompt')
-        users = [m.get('content') for m in (prompt or []) if isinstance(m, dict) and m.get('role') == 'user']
-        if not users: raise RowError('missing_field', 'extra_info.question', 'no extra_info.question and no user message in prompt')
+        users = [
+            m.get('content')
+            for m in (prompt or [])
+            if isinstance(m, dict) and m.get('role') == 'user'
+        ]
+        if not users:
+            raise RowError(
+                'missing_field',
+                'extra_info.question',
+                'no extra_info.question and no user message in prompt',
+            )
         q = users[-1]
-    if not isinstance(q, str) or not q.strip(): raise RowError('bad_type', 'question', 'must be a non-empty string')
+    if not isinstance(q, str) or not q.strip():
+        raise RowError('bad_type', 'question', 'must be a non-empty string')
     ctx = _str_field(row, 'context', allow_empty=True)
-    if not ctx.strip(): raise RowError('empty_context', 'context', 'empty context')
+    if not ctx.strip():
+        raise RowError('empty_context', 'context', 'empty context')
     rm = row['reward_model']
-    if not isinstance(rm, dict): raise RowError('bad_type', 'reward_model', 'must be an object')
-    if rm.get('ground_truth') is None: raise RowError('missing_field', 'reward_model.ground_truth', 'missing field')
+    if not isinstance(rm, dict):
+        raise RowError('bad_type', 'reward_model', 'must be an object')
+    if rm.get('ground_truth') is None:
+        raise RowError('missing_field', 'reward_model.ground_truth', 'missing field')
     answers = _answers(rm['ground_truth'], 'reward_model.ground_truth')
     nd = extra.get('num_docs')
-    if nd is None: nd = count_documents(ctx)
-    if isinstance(nd, bool) or not isinstance(nd, int) or nd < 0: raise RowError('bad_type', 'extra_info.num_docs', 'must be an integer >= 0')
-    meta = {'data_source': row.get('data_source'), 'ability': row.get('ability'), 'reward_style': rm.get('style'),
-            'index': extra.get('index')}
-    return {'id': ex_id, 'question': q, 'context': ctx, 'answers': answers, 'num_docs': nd,
-            'source': row.get('data_source') or 'verl', 'meta': meta}
+    if nd is None:
+        nd = count_documents(ctx)
+    if isinstance(nd, bool) or not isinstance(nd, int) or nd < 0:
+        raise RowError('bad_type', 'extra_info.num_docs', 'must be an integer >= 0')
+    meta = {
+        'data_source': row.get('data_source'),
+        'ability': row.get('ability'),
+        'reward_style': rm.get('style'),
+        'index': extra.get('index'),
+    }
+    return {
+        'id': ex_id,
+        'question': q,
+        'context': ctx,
+        'answers': answers,
+        'num_docs': nd,
+        'source': row.get('data_source') or 'verl',
+        'meta': meta,
+    }
 
+# %% ../../nbs/03_data_1_readers.ipynb #17bea0a8
 CONVERTERS = {'hotpotqa': from_hotpotqa, 'ruler': from_ruler, 'parquet': from_verl}
+
 
 def sniff_format(rec) -> str | None:
     "Guess the upstream format of one raw record: 'hotpotqa', 'ruler', 'parquet' (verl) or None."
-    if not isinstance(rec, dict): return None
-    if 'reward_model' in rec or 'prompt' in rec or 'extra_info' in rec: return 'parquet'
-    if 'supporting_facts' in rec or ('answer' in rec and isinstance(rec.get('context'), list)): return 'hotpotqa'
-    if 'input' in rec or 'answers' in rec: return 'ruler'
+    if not isinstance(rec, dict):
+        return None
+    if 'reward_model' in rec or 'prompt' in rec or 'extra_info' in rec:
+        return 'parquet'
+    if 'supporting_facts' in rec or ('answer' in rec and isinstance(rec.get('context'), list)):
+        return 'hotpotqa'
+    if 'input' in rec or 'answers' in rec:
+        return 'ruler'
     return None
 
 # %% ../../nbs/03_data_1_readers.ipynb #6522efca
 _FMT_ALIASES = {'verl': 'parquet', 'ruler_hqa': 'ruler', 'hotpot': 'hotpotqa'}
 
+
 def _file_record(path) -> dict:
     p = Path(path)
     return {'path': str(p.resolve()), 'bytes': p.stat().st_size, 'sha256': sha256_file(p)}
 
+
 def _resolve_fmt(path, fmt):
     fmt = _FMT_ALIASES.get(fmt, fmt)
     if fmt != 'auto':
-        if fmt not in CONVERTERS: raise ValueError(f"unknown format {fmt!r}: expected auto, {', '.join(CONVERTERS)}")
+        if fmt not in CONVERTERS:
+            raise ValueError(f"unknown format {fmt!r}: expected auto, {', '.join(CONVERTERS)}")
         return fmt
-    if _suffix(path) == '.parquet': return 'parquet'
+    if _suffix(path) == '.parquet':
+        return 'parquet'
     for _, rec in iter_records(path):
-        if isinstance(rec, BadRecord): continue
+        if isinstance(rec, BadRecord):
+            continue
         f = sniff_format(rec)
-        if f: return f
+        if f:
+            return f
         break
-    raise ValueError(f"{path}: cannot tell the format from its first record; pass fmt='hotpotqa', 'ruler' or 'parquet'")
+    raise ValueError(
+        f"{path}: cannot tell the format from its first record; pass fmt='hotpotqa', 'ruler' or "
+        "'parquet'"
+    )
 
 # %% ../../nbs/03_data_1_readers.ipynb #8c223749
-def convert(src, out, fmt: str = 'auto', strict: bool = False, limit: int | None = None, manifest=None,
-            progress: bool = False, max_skip_examples: int = 20, allow_empty: bool = False) -> dict:
-    "Convert `src` (a path or list of paths) into schema JSONL at `out`; writes and returns the manifest (default `out` + '.manifest.json'). No row to write is an error unless `allow_empty`."
+def convert(
+    src,
+    out,
+    fmt: str = 'auto',
+    strict: bool = False,
+    limit: int | None = None,
+    manifest=None,
+    progress: bool = False,
+    max_skip_examples: int = 20,
+    allow_empty: bool = False,
+) -> dict:
+    """Convert `src` (a path or list of paths) into schema JSONL at `out`; writes and returns the
+    manifest (default `out` + '.manifest.json'). No row to write is an error unless
+    `allow_empty`."""
     srcs = [Path(s) for s in ([src] if isinstance(src, (str, os.PathLike)) else src)]
-    if not srcs: raise ValueError("no sources given")
+    if not srcs:
+        raise ValueError("no sources given")
     _check_limit(limit)
     out = Path(out)
     manifest_path = Path(manifest) if manifest else out.with_name(out.name + '.manifest.json')
-    st = Staged({'output': out, 'manifest': manifest_path}, {'input': srcs})    # checked before anything is read or written
+    st = Staged(
+        {'output': out, 'manifest': manifest_path}, {'input': srcs}
+    )  # checked before anything is read or written
     examples, seen, sources, examples_skipped = [], set(), [], []
-    skipped_total = Counter(); read_total = 0
+    skipped_total = Counter()
+    read_total = 0
     bar = None
     if progress:
         from tqdm import tqdm
+
         bar = tqdm(desc='convert', unit='row', file=sys.stderr)
     for path in srcs:
-        f = _resolve_fmt(path, fmt); conv = CONVERTERS[f]; unit = location_unit(path)
-        read = written = 0; skipped = Counter()
+        f = _resolve_fmt(path, fmt)
+        conv = CONVERTERS[f]
+        unit = location_unit(path)
+        read = written = 0
+        skipped = Counter()
+
         def skip(line, reason, field, detail):
-            if strict: raise DataError(path, line, field, f"{reason}: {detail}", unit)
+            if strict:
+                raise DataError(path, line, field, f"{reason}: {detail}", unit)
             skipped[reason] += 1
             if len(examples_skipped) < max_skip_examples:
-                examples_skipped.append({'file': str(path), unit: line, 'field': field, 'reason': reason, 'detail': detail})
+                examples_skipped.append(
+                    {
+                        'file': str(path),
+                        unit: line,
+                        'field': field,
+                        'reason': reason,
+                        'detail': detail,
+                    }
+                )
+
         for line, rec in iter_records(path):
-            if limit is not None and len(examples) >= limit: break
+            if limit is not None and len(examples) >= limit:
+                break
             read += 1
-            if bar is not None: bar.update(1)
-            if isinstance(rec, BadRecord): skip(line, 'malformed_json', None, rec.error.removeprefix('malformed JSON: ')); continue
-            try: ex = conv(rec)
-            except RowError as e: skip(line, e.reason, e.field, e.detail); continue
-            if ex['id'] in seen: skip(line, 'duplicate_id', 'id', f"duplicate id {ex['id']!r}"); continue
+            if bar is not None:
+                bar.update(1)
+            if isinstance(rec, BadRecord):
+                skip(line, 'malformed_json', None, rec.error.removeprefix('malformed JSON: '))
+                continue
+            try:
+                ex = conv(rec)
+            except RowError as e:
+                skip(line, e.reason, e.field, e.detail)
+                continue
+            if ex['id'] in seen:
+                skip(line, 'duplicate_id', 'id', f"duplicate id {ex['id']!r}")
+                continue
             bad = unencodable(ex)
-            if bad: skip(line, 'unencodable_text', bad[0], bad[1]); continue
+            if bad:
+                skip(line, 'unencodable_text', bad[0], bad[1])
+                continue
             assert validate_example(ex) is None, (validate_example(ex), line)
-            seen.add(ex['id']); examples.append(ex); written += 1
+            seen.add(ex['id'])
+            examples.append(ex)
+            written += 1
         assert written + sum(skipped.values()) == read, (path, written, skipped, read)
-        sources.append({**_file_record(path), 'format': f, 'rows_read': read, 'rows_written': written,
-                        'rows_skipped': sum(skipped.values()), 'skipped': dict(skipped)})
-        skipped_total.update(skipped); read_total += read
-    if bar is not None: bar.close()
-    if not examples and not allow_empty and limit != 0:      # limit=0 asks for none
-        raise DataError(', '.join(map(str, srcs)), None, None, f"no row to write (read {read_total}, skipped "
-                        f"{sum(skipped_total.values())}: {dict(skipped_total)}); nothing was written (--allow-empty if intended)")
-    with st:                                   # both outputs move into place together, or neither does
+        sources.append(
+            {
+                **_file_record(path),
+                'format': f,
+                'rows_read': read,
+                'rows_written': written,
+                'rows_skipped': sum(skipped.values()),
+                'skipped': dict(skipped),
+            }
+        )
+        skipped_total.update(skipped)
+        read_total += read
+    if bar is not None:
+        bar.close()
+    if not examples and not allow_empty and limit != 0:  # limit=0 asks for none
+        raise DataError(
+            ', '.join(map(str, srcs)),
+            None,
+            None,
+            f"no row to write (read {read_total}, skipped "
+            f"{sum(skipped_total.values())}: {dict(skipped_total)}); nothing was written "
+            "(--allow-empty if intended)",
+        )
+    with st:  # both outputs move into place together, or neither does
         write_examples(examples, st['output'])
-        m = _convert_manifest(sources, {**_file_record(st['output']), 'path': str(out.parent.resolve() / out.name), 'rows': len(examples)}, read_total,
-                              skipped_total, examples_skipped, dict(fmt=fmt, strict=strict, limit=limit))
+        m = _convert_manifest(
+            sources,
+            {
+                **_file_record(st['output']),
+                'path': str(out.parent.resolve() / out.name),
+                'rows': len(examples),
+            },
+            read_total,
+            skipped_total,
+            examples_skipped,
+            dict(fmt=fmt, strict=strict, limit=limit),
+        )
         _write_json(m, st['manifest'])
     return m
 
+# %% ../../nbs/03_data_1_readers.ipynb #741c5e6b
 def _convert_manifest(sources, output, read_total, skipped_total, examples_skipped, params) -> dict:
-    m = {'kind': 'memagent.data.convert', 'schema': list(SCHEMA_FIELDS), 'sources': sources, 'output': output,
-         'rows_read': read_total, 'rows_written': output['rows'], 'rows_skipped': sum(skipped_total.values()),
-         'skipped': {r: skipped_total[r] for r in SKIP_REASONS if skipped_total[r]},
-         'skipped_examples': examples_skipped,
-         'params': params, 'provenance': provenance(repo=_repo_root())}
+    m = {
+        'kind': 'memagent.data.convert',
+        'schema': list(SCHEMA_FIELDS),
+        'sources': sources,
+        'output': output,
+        'rows_read': read_total,
+        'rows_written': output['rows'],
+        'rows_skipped': sum(skipped_total.values()),
+        'skipped': {r: skipped_total[r] for r in SKIP_REASONS if skipped_total[r]},
+        'skipped_examples': examples_skipped,
+        'params': params,
+        'provenance': provenance(repo=_repo_root()),
+    }
     assert m['rows_written'] + m['rows_skipped'] == m['rows_read'], m
     return m
 
 # %% ../../nbs/03_data_1_readers.ipynb #63feafe8
 def _write_json(obj, path):
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + '.tmp')
     tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + '\n', encoding='utf-8')
     os.replace(tmp, path)
@@ -461,23 +802,47 @@ def _cli_error(prog, e) -> int:
     print(f"{prog}: error: {e}", file=sys.stderr)
     return 2
 
+
 def convert_cli(argv=None) -> int:
     "Entry point of `memagent-convert`."
     from memagent.config import cli_number
-    ap = argparse.ArgumentParser(prog='memagent-convert', description='Convert HotpotQA / RULER-HQA / verl parquet rows into memagent JSONL.')
+
+    ap = argparse.ArgumentParser(
+        prog='memagent-convert',
+        description='Convert HotpotQA / RULER-HQA / verl parquet rows into memagent JSONL.',
+    )
     ap.add_argument('src', nargs='+', help='input files (.jsonl, .jsonl.gz, .json, .parquet)')
     ap.add_argument('out', help='output JSONL (.jsonl or .jsonl.gz)')
     ap.add_argument('--format', default='auto', choices=['auto', *CONVERTERS, *_FMT_ALIASES])
-    ap.add_argument('--strict', action='store_true', help='fail on the first bad row instead of skipping it')
-    ap.add_argument('--limit', type=cli_number('int>=1'), default=None, help='write at most this many rows')
+    ap.add_argument(
+        '--strict', action='store_true', help='fail on the first bad row instead of skipping it'
+    )
+    ap.add_argument(
+        '--limit', type=cli_number('int>=1'), default=None, help='write at most this many rows'
+    )
     ap.add_argument('--manifest', default=None, help='manifest path (default OUT.manifest.json)')
     ap.add_argument('--quiet', action='store_true', help='no progress bar')
-    ap.add_argument('--allow-empty', action='store_true', help='write an empty output when no row converts (an error otherwise)')
+    ap.add_argument(
+        '--allow-empty',
+        action='store_true',
+        help='write an empty output when no row converts (an error otherwise)',
+    )
     a = ap.parse_args(argv)
     try:
-        m = convert(a.src, a.out, fmt=a.format, strict=a.strict, limit=a.limit, manifest=a.manifest, progress=not a.quiet,
-                    allow_empty=a.allow_empty)
+        m = convert(
+            a.src,
+            a.out,
+            fmt=a.format,
+            strict=a.strict,
+            limit=a.limit,
+            manifest=a.manifest,
+            progress=not a.quiet,
+            allow_empty=a.allow_empty,
+        )
     except (DataError, ValueError, FileNotFoundError, OSError) as e:
         return _cli_error(ap.prog, e)
-    print(f"read {m['rows_read']}, wrote {m['rows_written']}, skipped {m['rows_skipped']} {m['skipped']} -> {a.out}")
+    print(
+        f"read {m['rows_read']}, wrote {m['rows_written']}, skipped {m['rows_skipped']} "
+        f"{m['skipped']} -> {a.out}"
+    )
     return 0

@@ -10,42 +10,171 @@ import random
 __all__ = ['KEYCODE_SPLITS', 'filler_sentences', 'make_synthetic', 'make_keycodes', 'density_pairs', 'keycode_length_sets']
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #7a6353a6
-_FILLER = ('the', 'a', 'river', 'stone', 'morning', 'quiet', 'field', 'small', 'old', 'road', 'window', 'light',
-           'green', 'walked', 'slowly', 'across', 'under', 'over', 'garden', 'wind', 'soft', 'long', 'evening',
-           'market', 'village', 'painted', 'wooden', 'bridge', 'cloud', 'warm', 'near', 'along', 'bright', 'path',
-           'tree', 'house', 'song', 'simple', 'table', 'bread', 'lamp', 'winter', 'summer', 'hill', 'boat',
-           'letter', 'paper', 'busy', 'calm', 'sky', 'and', 'with', 'of', 'to', 'in', 'was', 'were', 'some')
+_FILLER = (
+    'the',
+    'a',
+    'river',
+    'stone',
+    'morning',
+    'quiet',
+    'field',
+    'small',
+    'old',
+    'road',
+    'window',
+    'light',
+    'green',
+    'walked',
+    'slowly',
+    'across',
+    'under',
+    'over',
+    'garden',
+    'wind',
+    'soft',
+    'long',
+    'evening',
+    'market',
+    'village',
+    'painted',
+    'wooden',
+    'bridge',
+    'cloud',
+    'warm',
+    'near',
+    'along',
+    'bright',
+    'path',
+    'tree',
+    'house',
+    'song',
+    'simple',
+    'table',
+    'bread',
+    'lamp',
+    'winter',
+    'summer',
+    'hill',
+    'boat',
+    'letter',
+    'paper',
+    'busy',
+    'calm',
+    'sky',
+    'and',
+    'with',
+    'of',
+    'to',
+    'in',
+    'was',
+    'were',
+    'some',
+)
 _COLORS = ('blue', 'red', 'green', 'white', 'black', 'silver', 'golden', 'orange', 'purple', 'grey')
-_PLACES = ('vault', 'locker', 'safe', 'gate', 'door', 'box', 'cabinet', 'archive', 'cellar', 'tower')
-_FIRST = ('Mara', 'Tomas', 'Lena', 'Oskar', 'Ines', 'Pavel', 'Nora', 'Hugo', 'Alma', 'Felix', 'Rosa', 'Ivan')
-_LAST = ('Lind', 'Berg', 'Costa', 'Novak', 'Reyes', 'Holm', 'Weber', 'Sato', 'Keller', 'Moreau', 'Dahl', 'Rossi')
-_COMPANIES = ('Orbex', 'Calder', 'Nuvia', 'Trelco', 'Zentrik', 'Maplow', 'Quorra', 'Bexley', 'Solvane', 'Kestrel')
-_CITIES = ('Lisbon', 'Oslo', 'Vienna', 'Prague', 'Dublin', 'Madrid', 'Warsaw', 'Athens', 'Berlin', 'Helsinki')
+_PLACES = (
+    'vault',
+    'locker',
+    'safe',
+    'gate',
+    'door',
+    'box',
+    'cabinet',
+    'archive',
+    'cellar',
+    'tower',
+)
+_FIRST = (
+    'Mara',
+    'Tomas',
+    'Lena',
+    'Oskar',
+    'Ines',
+    'Pavel',
+    'Nora',
+    'Hugo',
+    'Alma',
+    'Felix',
+    'Rosa',
+    'Ivan',
+)
+_LAST = (
+    'Lind',
+    'Berg',
+    'Costa',
+    'Novak',
+    'Reyes',
+    'Holm',
+    'Weber',
+    'Sato',
+    'Keller',
+    'Moreau',
+    'Dahl',
+    'Rossi',
+)
+_COMPANIES = (
+    'Orbex',
+    'Calder',
+    'Nuvia',
+    'Trelco',
+    'Zentrik',
+    'Maplow',
+    'Quorra',
+    'Bexley',
+    'Solvane',
+    'Kestrel',
+)
+_CITIES = (
+    'Lisbon',
+    'Oslo',
+    'Vienna',
+    'Prague',
+    'Dublin',
+    'Madrid',
+    'Warsaw',
+    'Athens',
+    'Berlin',
+    'Helsinki',
+)
+
 
 def filler_sentences(rng: random.Random, num_words: int, vocab=_FILLER) -> list[str]:
-    "Pseudo-sentences (6-12 words from `vocab`, a fixed list by default) totalling exactly `num_words` words."
+    """Pseudo-sentences (6-12 words from `vocab`, a fixed list by default) totalling exactly
+    `num_words` words."""
     out, left = [], num_words
     while left > 0:
-        n = min(left, rng.randint(6, 12)); left -= n
+        n = min(left, rng.randint(6, 12))
+        left -= n
         w = [rng.choice(vocab) for _ in range(n)]
         out.append(' '.join([w[0].capitalize()] + w[1:]) + '.')
     return out
 
+# %% ../../nbs/03_data_3_synthetic.ipynb #28100e21
 def _facts(rng, hops, distractors):
     if hops == 1:
         keys = rng.sample([(c, p) for c in _COLORS for p in _PLACES], 1 + distractors)
         codes = rng.sample(range(1000, 10000), 1 + distractors)
         facts = [f"The access code of the {c} {p} is {n}." for (c, p), n in zip(keys, codes)]
         (c, p), ans = keys[0], str(codes[0])
-        return facts[:1], facts[1:], f"What is the access code of the {c} {p}?", ans, {'key': f'{c} {p}'}
+        return (
+            facts[:1],
+            facts[1:],
+            f"What is the access code of the {c} {p}?",
+            ans,
+            {'key': f'{c} {p}'},
+        )
     if hops == 2:
         people = rng.sample([f'{f} {l}' for f in _FIRST for l in _LAST], 1 + distractors)
         comps = rng.sample(_COMPANIES, min(len(_COMPANIES), 1 + distractors))
         cities = rng.sample(_CITIES, len(comps))
         works = [f"{p} works at {comps[i % len(comps)]}." for i, p in enumerate(people)]
         located = [f"{c} is located in {t}." for c, t in zip(comps, cities)]
-        return ([works[0], located[0]], works[1:] + located[1:], f"In which city does {people[0]} work?", cities[0],
-                {'person': people[0], 'company': comps[0]})
+        return (
+            [works[0], located[0]],
+            works[1:] + located[1:],
+            f"In which city does {people[0]} work?",
+            cities[0],
+            {'person': people[0], 'company': comps[0]},
+        )
     raise ValueError(f"hops must be 1 or 2, got {hops}")
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #75af18a8
@@ -54,41 +183,80 @@ def _synthetic_one(rng, idx, num_words, hops, positions, distractors, seed):
     sents = filler_sentences(rng, num_words)
     facts = [(f, True) for f in gold] + [(f, False) for f in other]
     fr = list(positions) if positions is not None else [rng.random() for _ in gold]
-    if len(fr) != len(gold): raise ValueError(f"positions needs {len(gold)} fractions for hops={hops}, got {len(fr)}")
-    if not all(0.0 <= x <= 1.0 for x in fr): raise ValueError(f"positions must be fractions in [0, 1], got {fr}")
+    if len(fr) != len(gold):
+        raise ValueError(f"positions needs {len(gold)} fractions for hops={hops}, got {len(fr)}")
+    if not all(0.0 <= x <= 1.0 for x in fr):
+        raise ValueError(f"positions must be fractions in [0, 1], got {fr}")
     fr = fr + [rng.random() for _ in other]
-    # insert at the sentence boundary nearest to the fraction of the filler words (stable for equal fractions)
+    # insert at the sentence boundary nearest to the fraction of the filler words (stable for equal
+    # fractions)
     bounds = [0]
-    for snt in sents: bounds.append(bounds[-1] + len(snt.split()))
+    for snt in sents:
+        bounds.append(bounds[-1] + len(snt.split()))
     near = lambda x: min(range(len(bounds)), key=lambda b: (abs(bounds[b] - x * num_words), b))
     ins = sorted(((near(x), k) for k, x in enumerate(fr)))
     text, words_before, fact_words, cursor, k_pos = [], 0, {}, 0, {}
     for at, k in ins:
         while cursor < at:
-            text.append(sents[cursor]); words_before += len(sents[cursor].split()); cursor += 1
-        text.append(facts[k][0]); k_pos[k] = words_before; words_before += len(facts[k][0].split())
+            text.append(sents[cursor])
+            words_before += len(sents[cursor].split())
+            cursor += 1
+        text.append(facts[k][0])
+        k_pos[k] = words_before
+        words_before += len(facts[k][0].split())
     text += sents[cursor:]
     context = ' '.join(text)
-    meta = {'hops': hops, 'facts': gold, 'distractor_facts': other, 'fractions': fr[:len(gold)],
-            'positions': [k_pos[k] for k in range(len(gold))], 'num_words': len(context.split()),
-            'filler_words': num_words, 'seed': seed, **keys}
-    return {'id': f'synthetic-h{hops}-s{seed}-{idx}', 'question': question, 'context': context, 'answers': [answer],
-            'num_docs': 1, 'source': 'synthetic', 'meta': meta}
+    meta = {
+        'hops': hops,
+        'facts': gold,
+        'distractor_facts': other,
+        'fractions': fr[: len(gold)],
+        'positions': [k_pos[k] for k in range(len(gold))],
+        'num_words': len(context.split()),
+        'filler_words': num_words,
+        'seed': seed,
+        **keys,
+    }
+    return {
+        'id': f'synthetic-h{hops}-s{seed}-{idx}',
+        'question': question,
+        'context': context,
+        'answers': [answer],
+        'num_docs': 1,
+        'source': 'synthetic',
+        'meta': meta,
+    }
 
-def make_synthetic(n: int, num_words: int | None = None, num_tokens: int | None = None, hops: int = 1, seed: int = 0,
-                   tokenizer=None, positions=None, distractors: int = 0) -> list[dict]:
-    "`n` synthetic memory examples (schema rows, source 'synthetic'): `hops` linked facts hidden in ~`num_words` words or ~`num_tokens` tokens of filler."
-    if (num_words is None) == (num_tokens is None): raise ValueError("give exactly one of num_words, num_tokens")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0: raise ValueError(f"n must be an int >= 0, got {n!r}")
-    if hops not in (1, 2): raise ValueError(f"hops must be 1 or 2, got {hops}")
-    rng = random.Random(seed); out = []
+# %% ../../nbs/03_data_3_synthetic.ipynb #0595b014
+def make_synthetic(
+    n: int,
+    num_words: int | None = None,
+    num_tokens: int | None = None,
+    hops: int = 1,
+    seed: int = 0,
+    tokenizer=None,
+    positions=None,
+    distractors: int = 0,
+) -> list[dict]:
+    """`n` synthetic memory examples (schema rows, source 'synthetic'): `hops` linked facts hidden
+    in ~`num_words` words or ~`num_tokens` tokens of filler."""
+    if (num_words is None) == (num_tokens is None):
+        raise ValueError("give exactly one of num_words, num_tokens")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if hops not in (1, 2):
+        raise ValueError(f"hops must be 1 or 2, got {hops}")
+    rng = random.Random(seed)
+    out = []
     ntok = lambda s: len(tokenizer(s, add_special_tokens=False)['input_ids'])
     if num_tokens is not None:
         if tokenizer is not None:
             sample = ' '.join(filler_sentences(random.Random(seed), 2000))
             words = max(1, round(num_tokens * 2000 / ntok(sample)))
-        else: words = max(1, round(num_tokens / 1.3))
-    else: words = num_words
+        else:
+            words = max(1, round(num_tokens / 1.3))
+    else:
+        words = num_words
     for i in range(n):
         state = rng.getstate()
         ex = _synthetic_one(rng, i, words, hops, positions, distractors, seed)
@@ -104,98 +272,248 @@ def make_synthetic(n: int, num_words: int | None = None, num_tokens: int | None 
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #fdb30097
 _KEY_WORDS = {  # (adjectives, nouns) per split: no word of a held-out key occurs in a training key
-    'train': (('amber', 'brisk', 'cobalt', 'dusty', 'eager', 'frosty', 'gentle', 'hollow', 'ivory', 'jolly', 'keen', 'lunar'),
-              ('falcon', 'harbor', 'lantern', 'meadow', 'otter', 'pepper', 'quarry', 'saddle', 'tulip', 'walnut', 'anchor',
-               'beacon')),
-    'heldout': (('crimson', 'silent', 'rapid', 'velvet', 'narrow', 'polar', 'rustic', 'sunny'),
-                ('badger', 'canyon', 'dolphin', 'ember', 'glacier', 'hammer', 'island', 'jigsaw'))}
-_FILLER_HELDOUT = ('copper', 'lantern', 'drifted', 'beneath', 'orchard', 'gravel', 'harvest', 'pale', 'ferry', 'mill',
-                   'candle', 'shore', 'rain', 'chapel', 'loom', 'barrel', 'thatched', 'meadow', 'cart', 'wove', 'dusk',
-                   'kettle', 'porch', 'oak', 'hummed', 'tide', 'wool', 'ridge', 'yard', 'fence', 'glass', 'lane',
-                   'clock', 'spring', 'roof', 'smoke', 'pond', 'moss', 'an', 'by', 'at', 'on', 'had', 'its', 'from', 'past')
+    'train': (
+        (
+            'amber',
+            'brisk',
+            'cobalt',
+            'dusty',
+            'eager',
+            'frosty',
+            'gentle',
+            'hollow',
+            'ivory',
+            'jolly',
+            'keen',
+            'lunar',
+        ),
+        (
+            'falcon',
+            'harbor',
+            'lantern',
+            'meadow',
+            'otter',
+            'pepper',
+            'quarry',
+            'saddle',
+            'tulip',
+            'walnut',
+            'anchor',
+            'beacon',
+        ),
+    ),
+    'heldout': (
+        ('crimson', 'silent', 'rapid', 'velvet', 'narrow', 'polar', 'rustic', 'sunny'),
+        ('badger', 'canyon', 'dolphin', 'ember', 'glacier', 'hammer', 'island', 'jigsaw'),
+    ),
+}
+_FILLER_HELDOUT = (
+    'copper',
+    'lantern',
+    'drifted',
+    'beneath',
+    'orchard',
+    'gravel',
+    'harvest',
+    'pale',
+    'ferry',
+    'mill',
+    'candle',
+    'shore',
+    'rain',
+    'chapel',
+    'loom',
+    'barrel',
+    'thatched',
+    'meadow',
+    'cart',
+    'wove',
+    'dusk',
+    'kettle',
+    'porch',
+    'oak',
+    'hummed',
+    'tide',
+    'wool',
+    'ridge',
+    'yard',
+    'fence',
+    'glass',
+    'lane',
+    'clock',
+    'spring',
+    'roof',
+    'smoke',
+    'pond',
+    'moss',
+    'an',
+    'by',
+    'at',
+    'on',
+    'had',
+    'its',
+    'from',
+    'past',
+)
 KEYCODE_SPLITS = tuple(_KEY_WORDS)
 
+
 def _kc_segment(rng, facts, budget, ntok, vocab, lead=' '):
-    "One chunk's text: `facts` among filler sentences, exactly `budget` tokens as it stands after `lead`; None if none fits."
+    """One chunk's text: `facts` among filler sentences, exactly `budget` tokens as it stands after
+    `lead`; None if none fits."""
     sents, words = list(facts), rng.randint(6, 12)
     size = lambda ss: ntok(lead + ' '.join(ss))
-    while words >= 2:                      # sentences of 6-12 words, then shorter ones to fill the last tokens
+    while words >= 2:  # sentences of 6-12 words, then shorter ones to fill the last tokens
         s = filler_sentences(rng, words, vocab)[0]
         pos = rng.randint(0, len(sents))
         trial = sents[:pos] + [s] + sents[pos:]
-        if size(trial) > budget: words -= 1; continue
+        if size(trial) > budget:
+            words -= 1
+            continue
         sents, words = trial, max(words, rng.randint(6, 12)) if words >= 6 else words
     filler = [j for j, s in enumerate(sents) if s not in facts]
-    while size(sents) < budget:            # then one word at a time, before a filler sentence's full stop
-        if not filler: return None
+    while size(sents) < budget:  # then one word at a time, before a filler sentence's full stop
+        if not filler:
+            return None
         j = rng.choice(filler)
         for w in rng.sample(vocab, len(vocab)):
-            trial = sents[:j] + [sents[j][:-1] + ' ' + w + '.'] + sents[j + 1:]
-            if size(trial) <= budget: sents = trial; break
-        else: return None
+            trial = sents[:j] + [sents[j][:-1] + ' ' + w + '.'] + sents[j + 1 :]
+            if size(trial) <= budget:
+                sents = trial
+                break
+        else:
+            return None
     return ' '.join(sents)
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #2ab1462c
-def make_keycodes(n: int, tokenizer, chunk_tokens: int, chunks: int = 3, pairs: int = 3, split: str = 'train',
-                  seed: int = 0, max_redraws: int = 50) -> list[dict]:
-    "`n` key-code documents of exactly `chunks` chunks of exactly `chunk_tokens` tokens: `pairs` facts, the asked one's chunk balanced over the items."
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0: raise ValueError(f"n must be an int >= 0, got {n!r}")
-    if split not in _KEY_WORDS: raise ValueError(f"split must be one of {KEYCODE_SPLITS}, got {split!r}")
+def make_keycodes(
+    n: int,
+    tokenizer,
+    chunk_tokens: int,
+    chunks: int = 3,
+    pairs: int = 3,
+    split: str = 'train',
+    seed: int = 0,
+    max_redraws: int = 50,
+) -> list[dict]:
+    """`n` key-code documents of exactly `chunks` chunks of exactly `chunk_tokens` tokens: `pairs`
+    facts, the asked one's chunk balanced over the items."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if split not in _KEY_WORDS:
+        raise ValueError(f"split must be one of {KEYCODE_SPLITS}, got {split!r}")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
     if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1:
         raise ValueError(f"pairs must be an int >= 1, got {pairs!r}")
     adj, noun = _KEY_WORDS[split]
     keys_all = [f'{a} {b}' for a in adj for b in noun]
-    if pairs > len(keys_all): raise ValueError(f"pairs={pairs} exceeds the {len(keys_all)} keys of split {split!r}")
+    if pairs > len(keys_all):
+        raise ValueError(f"pairs={pairs} exceeds the {len(keys_all)} keys of split {split!r}")
     from memagent.chunking import chunk_document, encode_text
+
     ntok = lambda s: len(encode_text(tokenizer, s))
     fact_len = max(ntok(f' The code of the {k} is 8888.') for k in keys_all)
     if pairs * fact_len > chunks * (chunk_tokens - 4) or fact_len > chunk_tokens - 4:
-        raise ValueError(f"{pairs} facts of up to {fact_len} tokens do not fit in {chunks} chunks of {chunk_tokens} tokens")
+        raise ValueError(
+            f"{pairs} facts of up to {fact_len} tokens do not fit in {chunks} chunks of "
+            f"{chunk_tokens} tokens"
+        )
     vocab = _FILLER if split == 'train' else _FILLER_HELDOUT
     rng = random.Random(f'keycodes-{split}-{seed}')
-    targets = [i % chunks for i in range(n)]; rng.shuffle(targets)
+    targets = [i % chunks for i in range(n)]
+    rng.shuffle(targets)
     out = []
     for i, needle in enumerate(targets):
         for redraw in range(max_redraws + 1):
             keys = rng.sample(keys_all, pairs)
             codes = [str(c) for c in rng.sample(range(1000, 10000), pairs)]
             facts = [f'The code of the {k} is {c}.' for k, c in zip(keys, codes)]
-            others = [c for c in range(chunks) if c != needle]; rng.shuffle(others)
-            where = [needle] + [others[j] if j < len(others) else rng.randrange(chunks) for j in range(pairs - 1)]
+            others = [c for c in range(chunks) if c != needle]
+            rng.shuffle(others)
+            where = [needle] + [
+                others[j] if j < len(others) else rng.randrange(chunks) for j in range(pairs - 1)
+            ]
             per = [[facts[j] for j in range(pairs) if where[j] == c] for c in range(chunks)]
-            for p in per: rng.shuffle(p)
-            segs = [_kc_segment(rng, per[c], chunk_tokens, ntok, vocab, lead='' if c == 0 else ' ') for c in range(chunks)]
-            if None in segs: continue
+            for p in per:
+                rng.shuffle(p)
+            segs = [
+                _kc_segment(rng, per[c], chunk_tokens, ntok, vocab, lead='' if c == 0 else ' ')
+                for c in range(chunks)
+            ]
+            if None in segs:
+                continue
             context = ' '.join(segs)
             ch = chunk_document(context, tokenizer, chunk_tokens)
             found = [next((c for c, t in enumerate(ch.texts) if f in t), None) for f in facts]
-            if ch.token_counts == [chunk_tokens] * chunks and found == where: break
+            if ch.token_counts == [chunk_tokens] * chunks and found == where:
+                break
         else:
-            raise ValueError(f"make_keycodes: item {i} of split {split!r}: no draw in {max_redraws + 1} made {chunks} chunks of "
-                             f"exactly {chunk_tokens} tokens with every fact whole in its chunk; use longer chunks")
-        out.append({'id': f'keycode-{split}-s{seed}-{i}', 'question': f'What is the code of the {keys[0]}?',
-                    'context': context, 'answers': [codes[0]], 'num_docs': 1, 'source': 'keycode',
-                    'meta': {'key': keys[0], 'needle_chunk': needle, 'chunks': chunks, 'chunk_tokens': chunk_tokens,
-                             'fact_chunks': where, 'distractor_keys': keys[1:], 'negatives': codes[1:], 'split': split,
-                             'seed': seed, 'num_tokens': ntok(context), 'redraws': redraw}})
+            raise ValueError(
+                f"make_keycodes: item {i} of split {split!r}: no draw in {max_redraws + 1} made "
+                f"{chunks} chunks of "
+                f"exactly {chunk_tokens} tokens with every fact whole in its chunk; use longer "
+                "chunks"
+            )
+        out.append(
+            {
+                'id': f'keycode-{split}-s{seed}-{i}',
+                'question': f'What is the code of the {keys[0]}?',
+                'context': context,
+                'answers': [codes[0]],
+                'num_docs': 1,
+                'source': 'keycode',
+                'meta': {
+                    'key': keys[0],
+                    'needle_chunk': needle,
+                    'chunks': chunks,
+                    'chunk_tokens': chunk_tokens,
+                    'fact_chunks': where,
+                    'distractor_keys': keys[1:],
+                    'negatives': codes[1:],
+                    'split': split,
+                    'seed': seed,
+                    'num_tokens': ntok(context),
+                    'redraws': redraw,
+                },
+            }
+        )
     return out
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #c6aeae51
 def density_pairs(chunks: int, train_chunks: int, train_pairs: int) -> int:
-    "Facts in a document of `chunks` chunks at the training density: `floor(train_pairs * chunks / train_chunks + 1/2)`, at least 1."
+    """Facts in a document of `chunks` chunks at the training density: `floor(train_pairs * chunks /
+    train_chunks + 1/2)`, at least 1."""
     for k, v in (('chunks', chunks), ('train_chunks', train_chunks), ('train_pairs', train_pairs)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{k} must be an int >= 1, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} must be an int >= 1, got {v!r}")
     return max(1, (2 * train_pairs * chunks + train_chunks) // (2 * train_chunks))
 
-def keycode_length_sets(n: int, tokenizer, chunk_tokens: int, lengths, train_chunks: int, train_pairs: int,
-                        seed: int, split: str = 'heldout', progress: bool = False) -> dict:
-    "`{chunks: n examples}` for each length in `lengths`: `make_keycodes` with `density_pairs` facts, one seed for all."
+
+def keycode_length_sets(
+    n: int,
+    tokenizer,
+    chunk_tokens: int,
+    lengths,
+    train_chunks: int,
+    train_pairs: int,
+    seed: int,
+    split: str = 'heldout',
+    progress: bool = False,
+) -> dict:
+    """`{chunks: n examples}` for each length in `lengths`: `make_keycodes` with `density_pairs`
+    facts, one seed for all."""
     from tqdm.auto import tqdm
+
     out = {}
     for L in tqdm(list(lengths), desc='key-code sets', unit='length', disable=not progress):
-        out[L] = make_keycodes(n, tokenizer, chunk_tokens, chunks=L, pairs=density_pairs(L, train_chunks, train_pairs),
-                               split=split, seed=seed)
+        out[L] = make_keycodes(
+            n,
+            tokenizer,
+            chunk_tokens,
+            chunks=L,
+            pairs=density_pairs(L, train_chunks, train_pairs),
+            split=split,
+            seed=seed,
+        )
     return out
-

@@ -14,119 +14,343 @@ __all__ = ['ROW_NAMES', 'DoctorError', 'simulate', 'doctor', 'failing', 'require
 from .probe import *
 from .rows import *
 from .probe import Env, Row, probe_env
-from .rows import (
-    HARDWARE_ROWS, python_row, glibc_row, torch_row, driver_row, gpu_count_row, gpu_memory_row, nccl_row, megatron_row, te_row,
-    attention_row, nvcc_row, cudnn_row, sglang_row, kernels_row, world_row, ray_row, disk_row, ram_row, data_row, weights_row)
-from .rows import _in           # private, but imported from `memagent.doctor` elsewhere
+from memagent.doctor.rows import (
+    HARDWARE_ROWS,
+    python_row,
+    glibc_row,
+    torch_row,
+    driver_row,
+    gpu_count_row,
+    gpu_memory_row,
+    nccl_row,
+    megatron_row,
+    te_row,
+    attention_row,
+    nvcc_row,
+    cudnn_row,
+    sglang_row,
+    kernels_row,
+    world_row,
+    ray_row,
+    disk_row,
+    ram_row,
+    data_row,
+    weights_row,
+)
+from .rows import _in  # private, but imported from `memagent.doctor` elsewhere
 from . import probe, rows
 
-__all__ = [*probe.__all__, *rows.__all__, 'DoctorError', 'ROW_NAMES', 'simulate', 'doctor', 'failing', 'require', 'preflight',
-           'format_rows', 'summary_line', 'doctor_cli']
+__all__ = [
+    *probe.__all__,
+    *rows.__all__,
+    'DoctorError',
+    'ROW_NAMES',
+    'simulate',
+    'doctor',
+    'failing',
+    'require',
+    'preflight',
+    'format_rows',
+    'summary_line',
+    'doctor_cli',
+]
 
 # %% ../../nbs/13d_doctor.ipynb #31d43b4b
 class DoctorError(RuntimeError):
-    "The environment cannot run the layout; the message names every failing row, what was found, what is needed and the fix."
+    """The environment cannot run the layout; the message names every failing row, what was found,
+    what is needed and the fix."""
 
-ROW_NAMES = ('python', 'glibc', 'torch build', 'CUDA driver', 'GPU count', 'GPU memory', 'NCCL', 'megatron-core', 'Transformer Engine',
-             'attention', 'nvcc', 'cuDNN headers', 'sglang', 'flashinfer / flash-attn', 'world size', 'Ray resources', 'disk', 'folders', 'host RAM',
-             'pinned data', 'model weights')
+# %% ../../nbs/13d_doctor.ipynb #1fd2ea3e
+ROW_NAMES = (
+    'python',
+    'glibc',
+    'torch build',
+    'CUDA driver',
+    'GPU count',
+    'GPU memory',
+    'NCCL',
+    'megatron-core',
+    'Transformer Engine',
+    'attention',
+    'nvcc',
+    'cuDNN headers',
+    'sglang',
+    'flashinfer / flash-attn',
+    'world size',
+    'Ray resources',
+    'disk',
+    'folders',
+    'host RAM',
+    'pinned data',
+    'model weights',
+)
+
 
 def simulate(row: Row) -> Row:
-    "On a node that declares GPUs to Ray without having them: a failing hardware row becomes a warning saying so."
+    """On a node that declares GPUs to Ray without having them: a failing hardware row becomes a
+    warning saying so."""
     if row.name in HARDWARE_ROWS and row.verdict == 'fail':
         return dataclasses.replace(row, verdict='warn', found=f"simulated GPUs: {row.found}")
     return row
 
+# %% ../../nbs/13d_doctor.ipynb #f1bee6af
 def _safe(name, f, *args, **kw) -> Row:
     from memagent.files import FileError
-    try: return f(*args, **kw)
-    except FileError as e: return Row(name, str(e), 'files the kit can read', 'fail',
-                                      f'repair or remove {e.file}, then run the step that writes it again')
-    except Exception as e: return Row(name, f"the check raised {type(e).__name__}: {e}", 'a check that completes', 'fail',
-                                      'report this: memagent.doctor could not decide the row')
 
-def doctor(cfg, world_size: int, env: Env | None = None, run_dir=None, data_root=None, simulated_gpus: bool = False,
-           fast_only: bool = False, ray_address: str | None = None, only=None, ray_timeout_s: float = RAY_PROBE_TIMEOUT_S) -> list[Row]:
-    "Every row of `cfg` at `world_size` ranks on `env` (default: `probe_env(run_dir)`); `fast_only`: the rows without Ray, network or model load; `only`: these row names."
-    env = env if env is not None else probe_env(run_dir, ray_address=None if fast_only else ray_address, ray_timeout_s=ray_timeout_s)
-    fs = (python_row, glibc_row, torch_row, driver_row, gpu_count_row, gpu_memory_row, nccl_row, megatron_row, te_row, attention_row, nvcc_row,
-          cudnn_row, sglang_row,
-          kernels_row, world_row, lambda c, w, e: ray_row(c, w, e, simulated_gpus), disk_row, folders_row, ram_row,
-          lambda c, w, e: data_row(c, w, e, data_root), weights_row)
-    if only is not None and (bad := sorted(set(only) - set(ROW_NAMES))): raise ValueError(f"doctor: no rows {bad}; the rows are {list(ROW_NAMES)}")
-    rows = [_safe(n, f, cfg, world_size, env) for n, f in zip(ROW_NAMES, fs) if only is None or n in only]
-    if simulated_gpus: rows = [simulate(r) for r in rows]
+    try:
+        return f(*args, **kw)
+    except FileError as e:
+        return Row(
+            name,
+            str(e),
+            'files the kit can read',
+            'fail',
+            f'repair or remove {e.file}, then run the step that writes it again',
+        )
+    except Exception as e:
+        return Row(
+            name,
+            f"the check raised {type(e).__name__}: {e}",
+            'a check that completes',
+            'fail',
+            'report this: memagent.doctor could not decide the row',
+        )
+
+# %% ../../nbs/13d_doctor.ipynb #023fe80b
+def doctor(
+    cfg,
+    world_size: int,
+    env: Env | None = None,
+    run_dir=None,
+    data_root=None,
+    simulated_gpus: bool = False,
+    fast_only: bool = False,
+    ray_address: str | None = None,
+    only=None,
+    ray_timeout_s: float = RAY_PROBE_TIMEOUT_S,
+) -> list[Row]:
+    """Every row of `cfg` at `world_size` ranks on `env` (default: `probe_env(run_dir)`);
+    `fast_only`: the rows without Ray, network or model load; `only`: these row names."""
+    env = (
+        env
+        if env is not None
+        else probe_env(
+            run_dir, ray_address=None if fast_only else ray_address, ray_timeout_s=ray_timeout_s
+        )
+    )
+    fs = (
+        python_row,
+        glibc_row,
+        torch_row,
+        driver_row,
+        gpu_count_row,
+        gpu_memory_row,
+        nccl_row,
+        megatron_row,
+        te_row,
+        attention_row,
+        nvcc_row,
+        cudnn_row,
+        sglang_row,
+        kernels_row,
+        world_row,
+        lambda c, w, e: ray_row(c, w, e, simulated_gpus),
+        disk_row,
+        folders_row,
+        ram_row,
+        lambda c, w, e: data_row(c, w, e, data_root),
+        weights_row,
+    )
+    if only is not None and (bad := sorted(set(only) - set(ROW_NAMES))):
+        raise ValueError(f"doctor: no rows {bad}; the rows are {list(ROW_NAMES)}")
+    rows = [
+        _safe(n, f, cfg, world_size, env)
+        for n, f in zip(ROW_NAMES, fs)
+        if only is None or n in only
+    ]
+    if simulated_gpus:
+        rows = [simulate(r) for r in rows]
     return [r for r in rows if r.fast] if fast_only else rows
 
-def failing(rows) -> list[str]: return [r.name for r in rows if r.verdict == 'fail']
+# %% ../../nbs/13d_doctor.ipynb #582a3093
+def failing(rows) -> list[str]:
+    return [r.name for r in rows if r.verdict == 'fail']
 
+# %% ../../nbs/13d_doctor.ipynb #92ab8ef2
 def require(rows, what: str) -> list[Row]:
-    "`rows`, or `DoctorError` naming every failing row with what was found, what is needed and the fix."
+    """`rows`, or `DoctorError` naming every failing row with what was found, what is needed and the
+    fix."""
     bad = [r for r in rows if r.verdict == 'fail']
-    if not bad: return rows
-    raise DoctorError(f"{what}: this environment cannot run it; failing rows: {', '.join(r.name for r in bad)}\n" + '\n'.join(
-        f"  {r.name}: found {r.found}; needed {r.needed}" + (f"; fix: {r.fix}" if r.fix else '') for r in bad))
+    if not bad:
+        return rows
+    raise DoctorError(
+        f"{what}: this environment cannot run it; failing rows: {', '.join(r.name for r in bad)}\n"
+        + '\n'.join(
+            f"  {r.name}: found {r.found}; needed {r.needed}" + (f"; fix: {r.fix}" if r.fix else '')
+            for r in bad
+        )
+    )
 
+# %% ../../nbs/13d_doctor.ipynb #a8b1281c
 def preflight(cfg, world_size: int, what: str | None = None, **kw) -> list[Row]:
-    "The fast rows, required (what the trainer runs in the driver before Ray); `kw` go to `doctor` (`simulated_gpus`, `run_dir`, `data_root`)."
-    return require(doctor(cfg, world_size, fast_only=True, **kw), what or f"preset {cfg.name!r} at world size {world_size}")
+    """The fast rows, required (what the trainer runs in the driver before Ray); `kw` go to `doctor`
+    (`simulated_gpus`, `run_dir`, `data_root`)."""
+    return require(
+        doctor(cfg, world_size, fast_only=True, **kw),
+        what or f"preset {cfg.name!r} at world size {world_size}",
+    )
 
 # %% ../../nbs/13d_doctor.ipynb #db6c7619
 def format_rows(rows, found_width: int = 52, needed_width: int = 52) -> str:
-    "A fixed-width table of `rows` (row, verdict, found, needed), long cells wrapped, the fix under each failing or warning row."
+    """A fixed-width table of `rows` (row, verdict, found, needed), long cells wrapped, the fix
+    under each failing or warning row."""
     nw = max([len('row')] + [len(r.name) for r in rows])
     wrap = lambda s, w: textwrap.wrap(s, w, break_on_hyphens=False) or ['']
     line = lambda a, b, c, d: f"{a:<{nw}}  {b:<7}  {c:<{found_width}}  {d}".rstrip()
-    out = [line('row', 'verdict', 'found', 'needed'), line('-' * nw, '-' * 7, '-' * found_width, '-' * needed_width)]
+    out = [
+        line('row', 'verdict', 'found', 'needed'),
+        line('-' * nw, '-' * 7, '-' * found_width, '-' * needed_width),
+    ]
     for r in rows:
         f, n = wrap(r.found, found_width), wrap(r.needed, needed_width)
         for i in range(max(len(f), len(n))):
-            out.append(line(r.name if i == 0 else '', r.verdict.upper() if i == 0 else '', f[i] if i < len(f) else '', n[i] if i < len(n) else ''))
+            out.append(
+                line(
+                    r.name if i == 0 else '',
+                    r.verdict.upper() if i == 0 else '',
+                    f[i] if i < len(f) else '',
+                    n[i] if i < len(n) else '',
+                )
+            )
         if r.fix and r.verdict in ('fail', 'warn'):
-            out += textwrap.wrap(r.fix, nw + 11 + found_width + needed_width, break_on_hyphens=False,
-                                 initial_indent=' ' * (nw + 2) + 'fix: ', subsequent_indent=' ' * (nw + 7))
+            out += textwrap.wrap(
+                r.fix,
+                nw + 11 + found_width + needed_width,
+                break_on_hyphens=False,
+                initial_indent=' ' * (nw + 2) + 'fix: ',
+                subsequent_indent=' ' * (nw + 7),
+            )
     return '\n'.join(out)
 
+# %% ../../nbs/13d_doctor.ipynb #25e5d17f
 def summary_line(rows) -> str:
     "The last line of the report: every failing row, else that every row passes (and the warnings)."
     bad, warn = failing(rows), [r.name for r in rows if r.verdict == 'warn']
-    if bad: return f"FAILED: {len(bad)} of {len(rows)} rows fail: {', '.join(bad)}"
-    return f"OK: no row fails ({len(rows)} rows" + (f"; warnings: {', '.join(warn)})" if warn else ')')
+    if bad:
+        return f"FAILED: {len(bad)} of {len(rows)} rows fail: {', '.join(bad)}"
+    return f"OK: no row fails ({len(rows)} rows" + (
+        f"; warnings: {', '.join(warn)})" if warn else ')'
+    )
 
+# %% ../../nbs/13d_doctor.ipynb #4eec2550
 def doctor_cli(argv=None) -> int:
-    "Console script `memagent-doctor`: every row for a preset and a world size; exit 1 naming every failing row."
+    """Console script `memagent-doctor`: every row for a preset and a world size; exit 1 naming
+    every failing row."""
     from memagent.config import PRESETS, cli_number, get_preset
-    ap = argparse.ArgumentParser(prog='memagent-doctor', description='Preflight check of a launch: one row per requirement of the '
-                                 'layout, found vs needed, before Ray or any model. Exit 1 when any row fails.')
+
+    ap = argparse.ArgumentParser(
+        prog='memagent-doctor',
+        description='Preflight check of a launch: one row per requirement of the '
+        'layout, found vs needed, before Ray or any model. Exit 1 when any row fails.',
+    )
     ap.add_argument('--preset', required=True, help=f"one of {list(PRESETS)}")
-    ap.add_argument('--world-size', type=cli_number('int>=1'), required=True, help='training ranks (the trainer\'s world_size)')
-    ap.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', help='a config override (value read as YAML); repeatable')
-    ap.add_argument('--run-dir', default='runs', help='where the run writes its checkpoints (disk row)')
-    ap.add_argument('--data-root', default=None, help='the pinned data root (default: data.root, $MEMAGENT_DATA_ROOT, the cache)')
-    ap.add_argument('--simulated-gpus', action='store_true', help='a node that declares GPUs to Ray without having them: hardware rows warn')
-    ap.add_argument('--fast', action='store_true', help='only the fast rows (what the trainer runs before Ray)')
-    ap.add_argument('--ray-address', default=None, help="ask this Ray cluster for its resources (the row is then not fast)")
-    ap.add_argument('--ray-timeout', type=cli_number('finite>0'), default=RAY_PROBE_TIMEOUT_S, metavar='S',
-                    help=f"seconds to wait for that cluster before its row fails naming the limit (default {RAY_PROBE_TIMEOUT_S:g})")
+    ap.add_argument(
+        '--world-size',
+        type=cli_number('int>=1'),
+        required=True,
+        help='training ranks (the trainer\'s world_size)',
+    )
+    ap.add_argument(
+        '--set',
+        action='append',
+        default=[],
+        metavar='KEY=VALUE',
+        help='a config override (value read as YAML); repeatable',
+    )
+    ap.add_argument(
+        '--run-dir', default='runs', help='where the run writes its checkpoints (disk row)'
+    )
+    ap.add_argument(
+        '--data-root',
+        default=None,
+        help='the pinned data root (default: data.root, $MEMAGENT_DATA_ROOT, the cache)',
+    )
+    ap.add_argument(
+        '--simulated-gpus',
+        action='store_true',
+        help='a node that declares GPUs to Ray without having them: hardware rows warn',
+    )
+    ap.add_argument(
+        '--fast', action='store_true', help='only the fast rows (what the trainer runs before Ray)'
+    )
+    ap.add_argument(
+        '--ray-address',
+        default=None,
+        help="ask this Ray cluster for its resources (the row is then not fast)",
+    )
+    ap.add_argument(
+        '--ray-timeout',
+        type=cli_number('finite>0'),
+        default=RAY_PROBE_TIMEOUT_S,
+        metavar='S',
+        help=(
+            "seconds to wait for that cluster before its row fails naming the limit (default "
+            f"{RAY_PROBE_TIMEOUT_S:g})"
+        ),
+    )
     ap.add_argument('--json', action='store_true', help='print the rows as JSON')
-    ap.add_argument('--rows', default=None, help="only these rows, comma-separated names (e.g. 'python,glibc,CUDA driver')")
+    ap.add_argument(
+        '--rows',
+        default=None,
+        help="only these rows, comma-separated names (e.g. 'python,glibc,CUDA driver')",
+    )
     a = ap.parse_args(argv)
     try:
         sets = {}
-        if a.set:                                          # the project's override parser (it imports numpy): only when needed
+        if a.set:  # the project's override parser (it imports numpy): only when needed
             from memagent.config import parse_sets
+
             sets = parse_sets(a.set)
         cfg = get_preset(a.preset, sets)
     except (KeyError, ValueError) as e:
-        print(f"memagent-doctor: {e.args[0] if e.args else e}", file=sys.stderr); return 2
+        print(f"memagent-doctor: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
     want = [n.strip() for n in a.rows.split(',') if n.strip()] if a.rows else None
     if want and (bad := [n for n in want if n not in ROW_NAMES]):
-        print(f"memagent-doctor: --rows names no row {bad}; the rows are {list(ROW_NAMES)}", file=sys.stderr); return 2
-    rows = doctor(cfg, a.world_size, run_dir=a.run_dir, data_root=a.data_root, simulated_gpus=a.simulated_gpus, fast_only=a.fast,
-                  ray_address=a.ray_address, only=want, ray_timeout_s=a.ray_timeout)
-    if a.json: print(json.dumps({'preset': cfg.name, 'world_size': a.world_size, 'simulated_gpus': a.simulated_gpus,
-                                 'rows': [r.to_dict() for r in rows], 'failing': failing(rows)}, indent=1))
+        print(
+            f"memagent-doctor: --rows names no row {bad}; the rows are {list(ROW_NAMES)}",
+            file=sys.stderr,
+        )
+        return 2
+    rows = doctor(
+        cfg,
+        a.world_size,
+        run_dir=a.run_dir,
+        data_root=a.data_root,
+        simulated_gpus=a.simulated_gpus,
+        fast_only=a.fast,
+        ray_address=a.ray_address,
+        only=want,
+        ray_timeout_s=a.ray_timeout,
+    )
+    if a.json:
+        print(
+            json.dumps(
+                {
+                    'preset': cfg.name,
+                    'world_size': a.world_size,
+                    'simulated_gpus': a.simulated_gpus,
+                    'rows': [r.to_dict() for r in rows],
+                    'failing': failing(rows),
+                },
+                indent=1,
+            )
+        )
     else:
-        print(f"memagent-doctor: preset {cfg.name!r}, world size {a.world_size}" + (', simulated GPUs' if a.simulated_gpus else ''))
-        print(format_rows(rows)); print(summary_line(rows))
+        print(
+            f"memagent-doctor: preset {cfg.name!r}, world size {a.world_size}"
+            + (', simulated GPUs' if a.simulated_gpus else '')
+        )
+        print(format_rows(rows))
+        print(summary_line(rows))
     return 1 if failing(rows) else 0

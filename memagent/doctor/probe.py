@@ -17,22 +17,33 @@ __all__ = ['VERDICTS', 'GiB', 'NVIDIA_SMI_QUERY', 'PATH_VARIABLES', 'RAY_PROBE_T
 VERDICTS = ('ok', 'fail', 'warn', 'skip')
 GiB = 2**30
 
+
 @dataclass
 class Row:
-    "One requirement of a launch: what was found, what is needed, the verdict ('ok', 'fail', 'warn', 'skip') and the fix."
+    """One requirement of a launch: what was found, what is needed, the verdict ('ok', 'fail',
+    'warn', 'skip') and the fix."""
+
     name: str
     found: str
     needed: str
     verdict: str
     fix: str = ''
-    fast: bool = True               # needs neither Ray, nor the network, nor a model load
+    fast: bool = True  # needs neither Ray, nor the network, nor a model load
+
     def __post_init__(self):
-        if self.verdict not in VERDICTS: raise ValueError(f"Row {self.name!r}: verdict {self.verdict!r} is not one of {VERDICTS}")
-    def to_dict(self) -> dict: return dataclasses.asdict(self)
+        if self.verdict not in VERDICTS:
+            raise ValueError(
+                f"Row {self.name!r}: verdict {self.verdict!r} is not one of {VERDICTS}"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
 
 @dataclass
 class Gpu:
     "One visible GPU: its name, total and free bytes."
+
     name: str
     total: int
     free: int
@@ -41,191 +52,330 @@ class Gpu:
 @dataclass
 class Env:
     "Every fact the rows read (`probe_env` reads them; tests write them). None: absent or unknown."
+
     python_version: str = ''
     glibc_version: str | None = None
     torch_version: str | None = None
-    torch_cuda: str | None = None           # torch.version.cuda: the CUDA runtime torch was built for; None: a CPU build
-    cuda_available: bool = False            # torch.cuda.is_available()
-    driver_version: str | None = None       # the NVIDIA driver, from nvidia-smi
+    torch_cuda: str | None = (
+        None  # torch.version.cuda: the CUDA runtime torch was built for; None: a CPU build
+    )
+    cuda_available: bool = False  # torch.cuda.is_available()
+    driver_version: str | None = None  # the NVIDIA driver, from nvidia-smi
     gpus: list = field(default_factory=list)  # Gpu, in CUDA's order
-    gpu_source: str | None = None           # 'nvidia-smi' or 'torch'
+    gpu_source: str | None = None  # 'nvidia-smi' or 'torch'
     nccl_version: str | None = None
-    te_version: str | None = None           # transformer-engine's distribution
-    te_pytorch: bool = False                # transformer_engine.pytorch can be found
+    te_version: str | None = None  # transformer-engine's distribution
+    te_pytorch: bool = False  # transformer_engine.pytorch can be found
     megatron_version: str | None = None
-    megatron_te_range: str | None = None    # the TE versions megatron-core's Requires-Dist declares, e.g. '<2.12.0,>=2.9.0a0'
+    megatron_te_range: str | None = (
+        None  # the TE versions megatron-core's Requires-Dist declares, e.g. '<2.12.0,>=2.9.0a0'
+    )
     sglang_version: str | None = None
-    sglang_torch_pin: str | None = None     # sglang's Requires-Dist on torch, e.g. '==2.14.1'
+    sglang_torch_pin: str | None = None  # sglang's Requires-Dist on torch, e.g. '==2.14.1'
     sglang_flashinfer_pin: str | None = None
-    sglang_launch_server: bool = False      # sglang.launch_server can be found
+    sglang_launch_server: bool = False  # sglang.launch_server can be found
     flashinfer_version: str | None = None
     flash_attn_version: str | None = None
-    nvcc_path: str | None = None            # $CUDA_HOME/bin/nvcc, else nvcc on PATH
-    nvcc_version: str | None = None         # its release, e.g. '13.0'
-    cudnn_header: str | None = None         # the cudnn.h a Transformer Engine build would find
-    cpus: int = 1                           # CPUs this process may use
-    ram_total: int | None = None            # bytes (capped by a cgroup limit)
+    nvcc_path: str | None = None  # $CUDA_HOME/bin/nvcc, else nvcc on PATH
+    nvcc_version: str | None = None  # its release, e.g. '13.0'
+    cudnn_header: str | None = None  # the cudnn.h a Transformer Engine build would find
+    cpus: int = 1  # CPUs this process may use
+    ram_total: int | None = None  # bytes (capped by a cgroup limit)
     ram_available: int | None = None
     run_dir: str = 'runs'
-    disk_path: str | None = None            # the nearest existing parent of run_dir, where disk_free was measured
+    disk_path: str | None = (
+        None  # the nearest existing parent of run_dir, where disk_free was measured
+    )
     disk_free: int | None = None
-    model_cache: str = ''                   # memagent.models.cache_dir(): built-in models
-    hub_cache: str = ''                     # the Hugging Face hub cache
-    ray_resources: dict | None = None       # ray.cluster_resources() of a given cluster; None: no cluster given
-    ray_address: str | None = None          # the cluster asked for (--ray-address), whether or not it answered
-    nvcc_problem: str | None = None         # why the nvcc a build would use was not found (CUDA_HOME naming no nvcc)
-    unwritable: dict | None = None          # folder the run writes -> why no file can be created there; None: not probed
-    missing_paths: dict = field(default_factory=dict)   # path variable -> the value that names no existing path
+    model_cache: str = ''  # memagent.models.cache_dir(): built-in models
+    hub_cache: str = ''  # the Hugging Face hub cache
+    ray_resources: dict | None = (
+        None  # ray.cluster_resources() of a given cluster; None: no cluster given
+    )
+    ray_address: str | None = (
+        None  # the cluster asked for (--ray-address), whether or not it answered
+    )
+    nvcc_problem: str | None = (
+        None  # why the nvcc a build would use was not found (CUDA_HOME naming no nvcc)
+    )
+    unwritable: dict | None = (
+        None  # folder the run writes -> why no file can be created there; None: not probed
+    )
+    missing_paths: dict = field(
+        default_factory=dict
+    )  # path variable -> the value that names no existing path
     problems: dict = field(default_factory=dict)  # probe steps that failed: what -> why
-    def to_dict(self) -> dict: return dataclasses.asdict(self)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 # %% ../../nbs/13d_doctor_1_probe.ipynb #6d7a1950
 def dist_version(*names) -> str | None:
-    "The installed version of the first of the distributions `names` that is installed; None if none is."
+    """The installed version of the first of the distributions `names` that is installed; None if
+    none is."""
     import importlib.metadata as md
+
     for n in names:
-        try: return md.version(n)
-        except md.PackageNotFoundError: pass
+        try:
+            return md.version(n)
+        except md.PackageNotFoundError:
+            pass
     return None
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #2d90e836
 def requirement_spec(dist: str, on: str) -> str | None:
-    "The version specifier installed `dist` puts on `on` in its Requires-Dist: its unconditional ones, else those of its extras, combined; None if it names `on` nowhere."
+    """The version specifier installed `dist` puts on `on` in its Requires-Dist: its unconditional
+    ones, else those of its extras, combined; None if it names `on` nowhere."""
     import importlib.metadata as md
     from packaging.requirements import InvalidRequirement, Requirement
     from packaging.specifiers import SpecifierSet
     from packaging.utils import canonicalize_name
-    try: lines = md.requires(dist) or []
-    except md.PackageNotFoundError: return None
+
+    try:
+        lines = md.requires(dist) or []
+    except md.PackageNotFoundError:
+        return None
     reqs = []
     for line in lines:
-        try: r = Requirement(line)
-        except InvalidRequirement: continue
-        if canonicalize_name(r.name) == canonicalize_name(on): reqs.append(r)
+        try:
+            r = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if canonicalize_name(r.name) == canonicalize_name(on):
+            reqs.append(r)
     chosen = [r for r in reqs if r.marker is None or r.marker.evaluate({'extra': ''})] or reqs
-    if not chosen: return None
+    if not chosen:
+        return None
     spec = SpecifierSet()
-    for r in chosen: spec &= r.specifier
+    for r in chosen:
+        spec &= r.specifier
     return str(spec)
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #e30ed712
 def module_found(mod: str) -> bool:
-    "Whether the dotted module `mod` can be found, searching its parents' directories without importing them."
+    """Whether the dotted module `mod` can be found, searching its parents' directories without
+    importing them."""
     import importlib.machinery, importlib.util
+
     top, *rest = mod.split('.')
-    try: spec = importlib.util.find_spec(top)
-    except (ImportError, ValueError): return False
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
     for i in range(len(rest)):
         locs = list(spec.submodule_search_locations or []) if spec is not None else []
-        if not locs: return False
-        spec = importlib.machinery.PathFinder.find_spec('.'.join([top, *rest[:i + 1]]), locs)
+        if not locs:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec('.'.join([top, *rest[: i + 1]]), locs)
     return spec is not None
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #6cd7f4be
 def torch_cuda_of_files() -> str | None:
-    "`torch.version.cuda` read from torch's `version.py` (None: a CPU build, or no torch), without importing torch."
-    if 'torch' in sys.modules: return sys.modules['torch'].version.cuda
+    """`torch.version.cuda` read from torch's `version.py` (None: a CPU build, or no torch), without
+    importing torch."""
+    if 'torch' in sys.modules:
+        return sys.modules['torch'].version.cuda
     import importlib.util
+
     spec = importlib.util.find_spec('torch')
-    if spec is None or not spec.submodule_search_locations: return None
-    f = Path(list(spec.submodule_search_locations)[0])/'version.py'
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    f = Path(list(spec.submodule_search_locations)[0]) / 'version.py'
     for n in ast.parse(f.read_text()).body:
-        t = n.targets[0] if isinstance(n, ast.Assign) else n.target if isinstance(n, ast.AnnAssign) else None
-        if isinstance(t, ast.Name) and t.id == 'cuda' and isinstance(n.value, ast.Constant): return n.value.value
+        t = (
+            n.targets[0]
+            if isinstance(n, ast.Assign)
+            else n.target
+            if isinstance(n, ast.AnnAssign)
+            else None
+        )
+        if isinstance(t, ast.Name) and t.id == 'cuda' and isinstance(n.value, ast.Constant):
+            return n.value.value
     return None
 
 # %% ../../nbs/13d_doctor_1_probe.ipynb #405aa347
-NVIDIA_SMI_QUERY = ('--query-gpu=driver_version,memory.total,memory.free,name', '--format=csv,noheader,nounits')
+NVIDIA_SMI_QUERY = (
+    '--query-gpu=driver_version,memory.total,memory.free,name',
+    '--format=csv,noheader,nounits',
+)
+
 
 def parse_nvidia_smi(text: str) -> tuple[str | None, list]:
-    "(driver version, GPUs) from `nvidia-smi --query-gpu=driver_version,memory.total,memory.free,name --format=csv,noheader,nounits`."
+    """(driver version, GPUs) from `nvidia-smi
+    --query-gpu=driver_version,memory.total,memory.free,name --format=csv,noheader,nounits`."""
     driver, gpus = None, []
     for line in text.strip().splitlines():
         parts = [p.strip() for p in line.split(',', 3)]
-        if len(parts) < 4: continue
+        if len(parts) < 4:
+            continue
         driver = driver or parts[0]
-        try: gpus.append(Gpu(parts[3], int(float(parts[1]) * 2**20), int(float(parts[2]) * 2**20)))
-        except ValueError: gpus.append(Gpu(parts[3], 0, 0))          # '[N/A]': a MIG parent reports no memory
+        try:
+            gpus.append(Gpu(parts[3], int(float(parts[1]) * 2**20), int(float(parts[2]) * 2**20)))
+        except ValueError:
+            gpus.append(Gpu(parts[3], 0, 0))  # '[N/A]': a MIG parent reports no memory
     return driver, gpus
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #fa1efc74
 def visible_gpus(gpus: list, cuda_visible_devices: str | None) -> list:
-    "The GPUs CUDA sees under `CUDA_VISIBLE_DEVICES` (None: all); integer indices up to the first invalid one; other forms: all."
-    if cuda_visible_devices is None: return list(gpus)
+    """The GPUs CUDA sees under `CUDA_VISIBLE_DEVICES` (None: all); integer indices up to the first
+    invalid one; other forms: all."""
+    if cuda_visible_devices is None:
+        return list(gpus)
     ids = [x.strip() for x in cuda_visible_devices.split(',') if x.strip()]
-    try: idx = [int(x) for x in ids]
-    except ValueError: return list(gpus)
+    try:
+        idx = [int(x) for x in ids]
+    except ValueError:
+        return list(gpus)
     out = []
     for i in idx:
-        if not 0 <= i < len(gpus): break
+        if not 0 <= i < len(gpus):
+            break
         out.append(gpus[i])
     return out
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #f42ffbfe
 def _nvidia_smi(timeout_s: float) -> tuple:
-    "(driver, GPUs, None) from nvidia-smi, or (None, [], why) when it is absent, fails or does not answer within `timeout_s`."
+    """(driver, GPUs, None) from nvidia-smi, or (None, [], why) when it is absent, fails or does not
+    answer within `timeout_s`."""
     exe = shutil.which('nvidia-smi')
-    if exe is None: return None, [], 'nvidia-smi not found'
-    try: out = subprocess.run([exe, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired: return None, [], f'nvidia-smi did not answer within {timeout_s:g} s'
-    except OSError as e: return None, [], f'nvidia-smi: {e}'
-    if out.returncode: return None, [], f'nvidia-smi exited {out.returncode}: {(out.stderr or out.stdout).strip()[:200]}'
+    if exe is None:
+        return None, [], 'nvidia-smi not found'
+    try:
+        out = subprocess.run(
+            [exe, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return None, [], f'nvidia-smi did not answer within {timeout_s:g} s'
+    except OSError as e:
+        return None, [], f'nvidia-smi: {e}'
+    if out.returncode:
+        return (
+            None,
+            [],
+            f'nvidia-smi exited {out.returncode}: {(out.stderr or out.stdout).strip()[:200]}',
+        )
     return (*parse_nvidia_smi(out.stdout), None)
 
 # %% ../../nbs/13d_doctor_1_probe.ipynb #d48e3f0a
 def _nvcc(timeout_s: float = 10.0) -> tuple:
-    "`(path, release, problem)` of the nvcc a build would use: `$CUDA_HOME/bin/nvcc` (or `$CUDA_PATH`'s) when the variable is set, as torch's extension builder takes it, else nvcc on PATH; a variable naming no nvcc is the problem, never a reason to report another nvcc."
-    var = 'CUDA_HOME' if os.environ.get('CUDA_HOME') else 'CUDA_PATH' if os.environ.get('CUDA_PATH') else None
+    """`(path, release, problem)` of the nvcc a build would use: `$CUDA_HOME/bin/nvcc` (or
+    `$CUDA_PATH`'s) when the variable is set, as torch's extension builder takes it, else nvcc on
+    PATH; a variable naming no nvcc is the problem, never a reason to report another nvcc."""
+    var = (
+        'CUDA_HOME'
+        if os.environ.get('CUDA_HOME')
+        else 'CUDA_PATH'
+        if os.environ.get('CUDA_PATH')
+        else None
+    )
     if var:
         path = Path(os.environ[var]) / 'bin' / 'nvcc'
-        if not path.is_file(): return None, None, f"{var}={os.environ[var]} has no bin/nvcc (a build uses {var}, not the nvcc on PATH)"
+        if not path.is_file():
+            return (
+                None,
+                None,
+                f"{var}={os.environ[var]} has no bin/nvcc (a build uses {var}, not the nvcc on "
+                "PATH)",
+            )
         path = str(path)
-    else: path = shutil.which('nvcc')
-    if not path: return None, None, None
-    try: out = subprocess.run([path, '--version'], capture_output=True, text=True, timeout=timeout_s).stdout
-    except subprocess.TimeoutExpired: return path, None, f"{path} --version did not answer within {timeout_s:g} s"
-    except OSError as e: return path, None, f"{path}: {e}"
+    else:
+        path = shutil.which('nvcc')
+    if not path:
+        return None, None, None
+    try:
+        out = subprocess.run(
+            [path, '--version'], capture_output=True, text=True, timeout=timeout_s
+        ).stdout
+    except subprocess.TimeoutExpired:
+        return path, None, f"{path} --version did not answer within {timeout_s:g} s"
+    except OSError as e:
+        return path, None, f"{path}: {e}"
     m = re.search(r'release (\d+\.\d+)', out)
     return path, m.group(1) if m else None, None
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #42868602
 def cudnn_dirs(nvcc_path: str | None = None, environ=None) -> list[str]:
-    "Where a Transformer Engine build looks for `cudnn.h`, in order: CUDNN_PATH, CUDNN_HOME, the CUDA toolkit's include/, CPATH, the system's."
+    """Where a Transformer Engine build looks for `cudnn.h`, in order: CUDNN_PATH, CUDNN_HOME, the
+    CUDA toolkit's include/, CPATH, the system's."""
     e = os.environ if environ is None else environ
-    home = e.get('CUDA_HOME') or e.get('CUDA_PATH') or (str(Path(nvcc_path).resolve().parent.parent) if nvcc_path else None)
-    dirs = [f"{e[k]}/include" for k in ('CUDNN_PATH', 'CUDNN_HOME') if e.get(k)] + ([f"{home}/include"] if home else [])
-    return dirs + [d for d in e.get('CPATH', '').split(':') if d] + ['/usr/include', '/usr/include/x86_64-linux-gnu', '/usr/local/cuda/include']
+    home = (
+        e.get('CUDA_HOME')
+        or e.get('CUDA_PATH')
+        or (str(Path(nvcc_path).resolve().parent.parent) if nvcc_path else None)
+    )
+    dirs = [f"{e[k]}/include" for k in ('CUDNN_PATH', 'CUDNN_HOME') if e.get(k)] + (
+        [f"{home}/include"] if home else []
+    )
+    return (
+        dirs
+        + [d for d in e.get('CPATH', '').split(':') if d]
+        + ['/usr/include', '/usr/include/x86_64-linux-gnu', '/usr/local/cuda/include']
+    )
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #14bd4a3f
 def _glibc() -> str | None:
     "The C library's version when it is glibc ('2.36'), else None."
-    try: s = os.confstr('CS_GNU_LIBC_VERSION')
-    except (ValueError, OSError, AttributeError): s = None
+    try:
+        s = os.confstr('CS_GNU_LIBC_VERSION')
+    except (ValueError, OSError, AttributeError):
+        s = None
     return s.split()[-1] if s and s.startswith('glibc') else None
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #962f612e
 def _meminfo() -> tuple:
-    "(total, available) bytes from /proc/meminfo, each capped by a cgroup v2 `memory.max`; (None, None) where there is none."
-    try: info = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in Path('/proc/meminfo').read_text().splitlines() if l.split()[1:]}
-    except (OSError, ValueError, IndexError): return None, None
+    """(total, available) bytes from /proc/meminfo, each capped by a cgroup v2 `memory.max`; (None,
+    None) where there is none."""
+    try:
+        info = {
+            l.split(':')[0]: int(l.split()[1]) * 1024
+            for l in Path('/proc/meminfo').read_text().splitlines()
+            if l.split()[1:]
+        }
+    except (OSError, ValueError, IndexError):
+        return None, None
     total, avail = info.get('MemTotal'), info.get('MemAvailable', info.get('MemFree'))
-    try: cap = int(Path('/sys/fs/cgroup/memory.max').read_text().strip())
-    except (OSError, ValueError): cap = None                          # 'max', or no cgroup v2
-    if cap is not None and total is not None: total, avail = min(total, cap), min(avail, cap) if avail is not None else None
+    try:
+        cap = int(Path('/sys/fs/cgroup/memory.max').read_text().strip())
+    except (OSError, ValueError):
+        cap = None  # 'max', or no cgroup v2
+    if cap is not None and total is not None:
+        total, avail = min(total, cap), min(avail, cap) if avail is not None else None
     return total, avail
 
+# %% ../../nbs/13d_doctor_1_probe.ipynb #bd69711e
 def _disk(run_dir) -> tuple:
     "(the nearest existing parent of `run_dir`, its free bytes or None)."
     p = Path(run_dir).expanduser().absolute()
-    while not p.exists() and p != p.parent: p = p.parent
-    try: return str(p), shutil.disk_usage(p).free
-    except OSError: return str(p), None
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return str(p), shutil.disk_usage(p).free
+    except OSError:
+        return str(p), None
 
-# variables that must name an existing path (the caches, MEMAGENT_CACHE and HF_HOME / HF_HUB_CACHE, are made on first use: their
+# %% ../../nbs/13d_doctor_1_probe.ipynb #aa215d84
+# variables that must name an existing path (the caches, MEMAGENT_CACHE and HF_HOME / HF_HUB_CACHE,
+# are made on first use: their
 # nearest existing parent must take a file, which `unwritable` checks)
 PATH_VARIABLES = ('CUDA_HOME', 'CUDA_PATH', 'CUDNN_PATH', 'CUDNN_HOME', 'TMPDIR')
 RAY_PROBE_TIMEOUT_S = 30.0
 
+
 def unwritable(path) -> str | None:
-    "Why no file can be created in `path` (or, where it does not exist yet, in its nearest existing parent, where it would be made); None when a probe file was written and removed there."
+    """Why no file can be created in `path` (or, where it does not exist yet, in its nearest
+    existing parent, where it would be made); None when a probe file was written and removed
+    there."""
     p = Path(path).expanduser().absolute()
-    while not p.exists() and p != p.parent: p = p.parent
-    if not p.is_dir(): return f"{p} is not a folder"
-    try: fd, name = tempfile.mkstemp(prefix='.memagent-doctor-probe-', dir=p)
-    except OSError as e: return f"no file can be created in {p} ({e.strerror or e})"
-    os.close(fd); os.unlink(name)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a folder"
+    try:
+        fd, name = tempfile.mkstemp(prefix='.memagent-doctor-probe-', dir=p)
+    except OSError as e:
+        return f"no file can be created in {p} ({e.strerror or e})"
+    os.close(fd)
+    os.unlink(name)
     return None
 
 # %% ../../nbs/13d_doctor_1_probe.ipynb #2edb52ae
@@ -234,75 +384,151 @@ def missing_path_variables(environ=None) -> dict:
     e = os.environ if environ is None else environ
     return {k: e[k] for k in PATH_VARIABLES if e.get(k) and not Path(e[k]).expanduser().exists()}
 
+
 def ray_cluster_resources(address: str, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> tuple:
-    "`(resources, None)` of the Ray cluster at `address`, or `(None, why)`: its GCS port does not accept a connection, or joining does not finish within `timeout_s` (then the attempt is left behind in a daemon thread)."
+    """`(resources, None)` of the Ray cluster at `address`, or `(None, why)`: its GCS port does not
+    accept a connection, or joining does not finish within `timeout_s` (then the attempt is left
+    behind in a daemon thread)."""
     import socket, threading
+
     hostport = address.split('://', 1)[-1].rsplit('/', 1)[0]
     if address not in ('auto', 'local') and ':' in hostport:
         host, port = hostport.rsplit(':', 1)
         try:
-            with socket.create_connection((host.strip('[]'), int(port)), timeout=min(timeout_s, 10.0)): pass
+            with socket.create_connection(
+                (host.strip('[]'), int(port)), timeout=min(timeout_s, 10.0)
+            ):
+                pass
         except (OSError, ValueError) as e:
-            return None, f"Ray at {address}: no connection to {hostport} ({e.strerror if isinstance(e, OSError) and e.strerror else e})"
+            return (
+                None,
+                f"Ray at {address}: no connection to {hostport} "
+                f"({e.strerror if isinstance(e, OSError) and e.strerror else e})",
+            )
     box = {}
+
     def join():
         try:
             from memagent.transfer import ensure_ray
+
             box['resources'] = dict(ensure_ray(address).cluster_resources())
-        except Exception as e: box['error'] = f"Ray at {address}: {type(e).__name__}: {e}"
-    t = threading.Thread(target=join, daemon=True, name='memagent-doctor-ray'); t.start(); t.join(timeout_s)
-    if t.is_alive(): return None, f"Ray at {address} did not answer within {timeout_s:g} s (the doctor's limit for joining a cluster)"
+        except Exception as e:
+            box['error'] = f"Ray at {address}: {type(e).__name__}: {e}"
+
+    t = threading.Thread(target=join, daemon=True, name='memagent-doctor-ray')
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        return (
+            None,
+            f"Ray at {address} did not answer within {timeout_s:g} s (the doctor's limit for "
+            "joining a cluster)",
+        )
     return box.get('resources'), box.get('error')
 
 # %% ../../nbs/13d_doctor_1_probe.ipynb #548cf51e
-def probe_env(run_dir=None, ray_address: str | None = None, nvidia_smi_timeout_s: float = 5.0,
-              ray_timeout_s: float = RAY_PROBE_TIMEOUT_S) -> Env:
-    "This machine's facts, in seconds: metadata, files, nvidia-smi, /proc; torch is imported only when it is a CUDA build; Ray is asked only when `ray_address` is given."
+def probe_env(
+    run_dir=None,
+    ray_address: str | None = None,
+    nvidia_smi_timeout_s: float = 5.0,
+    ray_timeout_s: float = RAY_PROBE_TIMEOUT_S,
+) -> Env:
+    """This machine's facts, in seconds: metadata, files, nvidia-smi, /proc; torch is imported only
+    when it is a CUDA build; Ray is asked only when `ray_address` is given."""
     from memagent.models import _hub_cache, cache_dir
+
     problems = {}
     run_dir = str(run_dir if run_dir is not None else 'runs')
-    try: cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError): cpus = os.cpu_count() or 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
     total, avail = _meminfo()
     disk_path, disk_free = _disk(run_dir)
-    try: hub = str(_hub_cache())
-    except Exception as e: hub, problems['hub cache'] = '', f"{type(e).__name__}: {e}"
-    env = Env(python_version=platform.python_version(), glibc_version=_glibc(), torch_version=dist_version('torch'),
-              te_version=dist_version('transformer-engine', 'transformer_engine'), te_pytorch=module_found('transformer_engine.pytorch'),
-              megatron_version=dist_version('megatron-core'), megatron_te_range=requirement_spec('megatron-core', 'transformer-engine'),
-              sglang_version=dist_version('sglang'), sglang_torch_pin=requirement_spec('sglang', 'torch'),
-              sglang_flashinfer_pin=requirement_spec('sglang', 'flashinfer-python'), sglang_launch_server=module_found('sglang.launch_server'),
-              flashinfer_version=dist_version('flashinfer-python', 'flashinfer'), flash_attn_version=dist_version('flash-attn', 'flash_attn'),
-              cpus=cpus, ram_total=total, ram_available=avail, run_dir=run_dir, disk_path=disk_path, disk_free=disk_free,
-              model_cache=str(cache_dir()), hub_cache=hub, problems=problems)
-    try: env.torch_cuda = torch_cuda_of_files()
-    except Exception as e: problems['torch.version.cuda'] = f"{type(e).__name__}: {e}"
+    try:
+        hub = str(_hub_cache())
+    except Exception as e:
+        hub, problems['hub cache'] = '', f"{type(e).__name__}: {e}"
+    env = Env(
+        python_version=platform.python_version(),
+        glibc_version=_glibc(),
+        torch_version=dist_version('torch'),
+        te_version=dist_version('transformer-engine', 'transformer_engine'),
+        te_pytorch=module_found('transformer_engine.pytorch'),
+        megatron_version=dist_version('megatron-core'),
+        megatron_te_range=requirement_spec('megatron-core', 'transformer-engine'),
+        sglang_version=dist_version('sglang'),
+        sglang_torch_pin=requirement_spec('sglang', 'torch'),
+        sglang_flashinfer_pin=requirement_spec('sglang', 'flashinfer-python'),
+        sglang_launch_server=module_found('sglang.launch_server'),
+        flashinfer_version=dist_version('flashinfer-python', 'flashinfer'),
+        flash_attn_version=dist_version('flash-attn', 'flash_attn'),
+        cpus=cpus,
+        ram_total=total,
+        ram_available=avail,
+        run_dir=run_dir,
+        disk_path=disk_path,
+        disk_free=disk_free,
+        model_cache=str(cache_dir()),
+        hub_cache=hub,
+        problems=problems,
+    )
+    try:
+        env.torch_cuda = torch_cuda_of_files()
+    except Exception as e:
+        problems['torch.version.cuda'] = f"{type(e).__name__}: {e}"
     if env.torch_cuda is not None:
         try:
             import torch
+
             env.cuda_available = bool(torch.cuda.is_available())
             if env.cuda_available:
                 v = torch.cuda.nccl.version()
                 env.nccl_version = '.'.join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception as e: problems['torch'] = f"{type(e).__name__}: {e}"
+        except Exception as e:
+            problems['torch'] = f"{type(e).__name__}: {e}"
     env.nvcc_path, env.nvcc_version, env.nvcc_problem = _nvcc()
-    env.unwritable = {what: why for what, p in (('run directory', run_dir), ('checkpoints', Path(run_dir) / 'checkpoints'),
-                                                ('model cache', cache_dir()), ('hub cache', hub or None)) if p
-                      and (why := unwritable(p))}
+    env.unwritable = {
+        what: why
+        for what, p in (
+            ('run directory', run_dir),
+            ('checkpoints', Path(run_dir) / 'checkpoints'),
+            ('model cache', cache_dir()),
+            ('hub cache', hub or None),
+        )
+        if p and (why := unwritable(p))
+    }
     env.missing_paths = missing_path_variables()
-    env.cudnn_header = next((str(Path(d) / 'cudnn.h') for d in cudnn_dirs(env.nvcc_path) if (Path(d) / 'cudnn.h').is_file()), None)
+    env.cudnn_header = next(
+        (
+            str(Path(d) / 'cudnn.h')
+            for d in cudnn_dirs(env.nvcc_path)
+            if (Path(d) / 'cudnn.h').is_file()
+        ),
+        None,
+    )
     env.driver_version, gpus, why = _nvidia_smi(nvidia_smi_timeout_s)
-    if why is None: env.gpus, env.gpu_source = visible_gpus(gpus, os.environ.get('CUDA_VISIBLE_DEVICES')), 'nvidia-smi'
+    if why is None:
+        env.gpus, env.gpu_source = (
+            visible_gpus(gpus, os.environ.get('CUDA_VISIBLE_DEVICES')),
+            'nvidia-smi',
+        )
     else:
         problems['nvidia-smi'] = why
         if env.cuda_available:
             try:
                 import torch
-                env.gpus = [Gpu(torch.cuda.get_device_name(i), *reversed(torch.cuda.mem_get_info(i))) for i in range(torch.cuda.device_count())]
+
+                env.gpus = [
+                    Gpu(torch.cuda.get_device_name(i), *reversed(torch.cuda.mem_get_info(i)))
+                    for i in range(torch.cuda.device_count())
+                ]
                 env.gpu_source = 'torch'
-            except Exception as e: problems['torch.cuda.mem_get_info'] = f"{type(e).__name__}: {e}"
+            except Exception as e:
+                problems['torch.cuda.mem_get_info'] = f"{type(e).__name__}: {e}"
     if ray_address:
         env.ray_address = ray_address
         env.ray_resources, why = ray_cluster_resources(ray_address, ray_timeout_s)
-        if why: problems['ray'] = why
+        if why:
+            problems['ray'] = why
     return env

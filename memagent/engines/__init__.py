@@ -13,22 +13,51 @@ from .sglang import *
 from .server import *
 from ..net import free_port
 from . import types, hf, transport, sglang, server
-__all__ = [*types.__all__, *hf.__all__, *transport.__all__, *sglang.__all__, *server.__all__, 'free_port', 'engine_from_config']
+
+__all__ = [
+    *types.__all__,
+    *hf.__all__,
+    *transport.__all__,
+    *sglang.__all__,
+    *server.__all__,
+    'free_port',
+    'engine_from_config',
+]
 
 # %% ../../nbs/08_engines.ipynb #e2f1f32c
 def engine_from_config(cfg, model_name=None, tokenizer=None, model=None):
-    "The engine `cfg.rollout.engine` names: `HFEngine` on `model` (or `model_name`, default `cfg.model.name`), or an `SGLangEngine` client of `rollout.sglang_urls`."
+    """The engine `cfg.rollout.engine` names: `HFEngine` on `model` (or `model_name`, default
+    `cfg.model.name`), or an `SGLangEngine` client of `rollout.sglang_urls`."""
     r = cfg.rollout
     if r.colocate:
-        raise ValueError("rollout.colocate=True: colocated SGLang engines run on the training GPUs and are launched by "
-                         "memagent.colocate.trainer_engine (or launch_engines) on the training placement; set "
-                         "rollout.colocate=False to use the in-process engine or the servers in rollout.sglang_urls")
+        raise ValueError(
+            "rollout.colocate=True: colocated SGLang engines run on the training GPUs and are "
+            "launched by "
+            "memagent.colocate.trainer_engine (or launch_engines) on the training placement; set "
+            "rollout.colocate=False to use the in-process engine or the servers in "
+            "rollout.sglang_urls"
+        )
     if r.engine == 'hf':
         from memagent.models import load_model
         from memagent.ondevice import compute_device
-        return HFEngine(model if model is not None else load_model(model_name or cfg.model.name, cfg.model.dtype, compute_device()), tokenizer)
-    if r.engine != 'sglang': raise ValueError(f"rollout.engine must be 'hf' or 'sglang', got {r.engine!r}")
+
+        return HFEngine(
+            model
+            if model is not None
+            else load_model(model_name or cfg.model.name, cfg.model.dtype, compute_device()),
+            tokenizer,
+        )
+    if r.engine != 'sglang':
+        raise ValueError(f"rollout.engine must be 'hf' or 'sglang', got {r.engine!r}")
     if not r.sglang_urls:
-        raise ValueError("rollout.engine='sglang' needs rollout.sglang_urls (start the servers with SGLangServer)")
-    return SGLangEngine(r.sglang_urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
-                        concurrency=r.concurrency)
+        raise ValueError(
+            "rollout.engine='sglang' needs rollout.sglang_urls (start the servers with "
+            "SGLangServer)"
+        )
+    return SGLangEngine(
+        r.sglang_urls,
+        timeout_s=r.request_timeout_s,
+        max_retries=r.max_retries,
+        backoff_s=r.backoff_s,
+        concurrency=r.concurrency,
+    )

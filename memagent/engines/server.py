@@ -15,72 +15,155 @@ __all__ = ['ServerProcess', 'sglang_server_cmd', 'SGLangServer']
 
 # %% ../../nbs/08_engines_5_server.ipynb #9b98ea9e
 def _tail(path, n: int = 40) -> str:
-    try: return '\n'.join(Path(path).read_text(errors='replace').splitlines()[-n:])
-    except OSError: return '(no log)'
+    try:
+        return '\n'.join(Path(path).read_text(errors='replace').splitlines()[-n:])
+    except OSError:
+        return '(no log)'
 
+# %% ../../nbs/08_engines_5_server.ipynb #795621b9
 class ServerProcess:
-    "A server subprocess in its own process group: start it, wait for `GET {url}/health`, stop it cleanly. A context manager."
-    def __init__(self, cmd: Sequence[str], url: str, log_path, startup_timeout_s: float = 900.0, grace_s: float = 30.0,
-                 env: dict | None = None):
+    """A server subprocess in its own process group: start it, wait for `GET {url}/health`, stop it
+    cleanly. A context manager."""
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        url: str,
+        log_path,
+        startup_timeout_s: float = 900.0,
+        grace_s: float = 30.0,
+        env: dict | None = None,
+    ):
         self.cmd, self.url, self.log_path = list(cmd), url.rstrip('/'), Path(log_path)
         self.startup_timeout_s, self.grace_s, self.env = startup_timeout_s, grace_s, env
         self.proc, self._log = None, None
 
     def start(self) -> 'ServerProcess':
-        "Start the process and block until `/health` is 200; `ServerLaunchError` (with the log tail) otherwise."
+        """Start the process and block until `/health` is 200; `ServerLaunchError` (with the log
+        tail) otherwise."""
         import requests
+
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, 'ab')
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **(self.env or {})})
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(self.env or {})},
+        )
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             rc = self.proc.poll()
             if rc is not None:
                 self.stop()
-                raise ServerLaunchError(f"server exited with code {rc} before becoming healthy; log {self.log_path}:\n{_tail(self.log_path)}")
+                raise ServerLaunchError(
+                    f"server exited with code {rc} before becoming healthy; log "
+                    f"{self.log_path}:\n{_tail(self.log_path)}"
+                )
             try:
-                if requests.get(self.url + '/health', timeout=2).status_code == 200: return self
-            except requests.RequestException: pass
+                if requests.get(self.url + '/health', timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise ServerLaunchError(f"server not healthy after {self.startup_timeout_s}s; log {self.log_path}:\n{_tail(self.log_path)}")
+                raise ServerLaunchError(
+                    f"server not healthy after {self.startup_timeout_s}s; log "
+                    f"{self.log_path}:\n{_tail(self.log_path)}"
+                )
             time.sleep(0.5)
 
     def stop(self) -> None:
         "SIGTERM to the process group, SIGKILL after `grace_s`."
         p = self.proc
         if p is not None and p.poll() is None:
-            try: os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError: pass
-            try: p.wait(self.grace_s)
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(self.grace_s)
             except subprocess.TimeoutExpired:
-                try: os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError: pass
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 p.wait(10)
-        if self._log is not None: self._log.close(); self._log = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
-    def __enter__(self): return self.start()
-    def __exit__(self, *a): self.stop()
+    def __enter__(self):
+        return self.start()
 
-def sglang_server_cmd(model_path, port, host: str = '127.0.0.1', tp: int = 1, context_length: int = 8192,
-                      mem_fraction: float = 0.8, dtype: str | None = None, extra_args: Sequence[str] = (),
-                      python: str = sys.executable) -> list[str]:
+    def __exit__(self, *a):
+        self.stop()
+
+# %% ../../nbs/08_engines_5_server.ipynb #8ba1f278
+def sglang_server_cmd(
+    model_path,
+    port,
+    host: str = '127.0.0.1',
+    tp: int = 1,
+    context_length: int = 8192,
+    mem_fraction: float = 0.8,
+    dtype: str | None = None,
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+) -> list[str]:
     "The command line of one SGLang server (`python -m sglang.launch_server ...`)."
-    cmd = [python, '-m', 'sglang.launch_server', '--model-path', str(model_path), '--host', str(host), '--port', str(port),
-           '--context-length', str(context_length), '--tp-size', str(tp), '--mem-fraction-static', str(mem_fraction)]
-    if dtype is not None: cmd += ['--dtype', str(dtype)]
+    cmd = [
+        python,
+        '-m',
+        'sglang.launch_server',
+        '--model-path',
+        str(model_path),
+        '--host',
+        str(host),
+        '--port',
+        str(port),
+        '--context-length',
+        str(context_length),
+        '--tp-size',
+        str(tp),
+        '--mem-fraction-static',
+        str(mem_fraction),
+    ]
+    if dtype is not None:
+        cmd += ['--dtype', str(dtype)]
     return cmd + [str(a) for a in extra_args]
 
 # %% ../../nbs/08_engines_5_server.ipynb #3a2f1d2a
 class SGLangServer(ServerProcess):
-    "Launch an SGLang server (`python -m sglang.launch_server`) on a free port, wait for `/health`, stop it cleanly."
-    def __init__(self, model_path, port: int | None = None, tp: int = 1, context_length: int = 8192,
-                 mem_fraction: float = 0.8, extra_args: Sequence[str] = (), host: str = '127.0.0.1',
-                 log_path=None, startup_timeout_s: float = 900.0, grace_s: float = 30.0,
-                 env: dict | None = None, python: str = sys.executable, dtype: str | None = None):
+    """Launch an SGLang server (`python -m sglang.launch_server`) on a free port, wait for
+    `/health`, stop it cleanly."""
+
+    def __init__(
+        self,
+        model_path,
+        port: int | None = None,
+        tp: int = 1,
+        context_length: int = 8192,
+        mem_fraction: float = 0.8,
+        extra_args: Sequence[str] = (),
+        host: str = '127.0.0.1',
+        log_path=None,
+        startup_timeout_s: float = 900.0,
+        grace_s: float = 30.0,
+        env: dict | None = None,
+        python: str = sys.executable,
+        dtype: str | None = None,
+    ):
         self.port, self.host = port or free_port(), host
-        cmd = sglang_server_cmd(model_path, self.port, host, tp, context_length, mem_fraction, dtype, extra_args, python)
-        super().__init__(cmd, f"http://{host}:{self.port}",
-                         log_path or Path(os.environ.get('TMPDIR', '/tmp')) / f"sglang_{self.port}.log",
-                         startup_timeout_s, grace_s, env)
+        cmd = sglang_server_cmd(
+            model_path, self.port, host, tp, context_length, mem_fraction, dtype, extra_args, python
+        )
+        super().__init__(
+            cmd,
+            f"http://{host}:{self.port}",
+            log_path or Path(os.environ.get('TMPDIR', '/tmp')) / f"sglang_{self.port}.log",
+            startup_timeout_s,
+            grace_s,
+            env,
+        )

@@ -9,8 +9,16 @@ from concurrent.futures import ThreadPoolExecutor, FIRST_COMPLETED, wait as _wai
 import requests
 from urllib3.exceptions import MaxRetryError
 from urllib3.util import Retry
-from .types import (SamplingParams, GenerationResult, EngineError, TransientEngineError, DeterministicEngineError,
-                                    new_stats, per_request, check_prompt)
+from memagent.engines.types import (
+    SamplingParams,
+    GenerationResult,
+    EngineError,
+    TransientEngineError,
+    DeterministicEngineError,
+    new_stats,
+    per_request,
+    check_prompt,
+)
 from .transport import Deadline, WatchedAdapter, TRANSIENT_STATUS, _NOT_TRANSPORT
 
 # %% auto #0
@@ -19,363 +27,659 @@ __all__ = ['MEMORY_TAGS', 'check_stop_alignment', 'parse_sglang_response', 'prom
 
 # %% ../../nbs/08_engines_4_sglang.ipynb #ba8daff9
 def _jsonable_params(sp: SamplingParams) -> dict:
-    d = {'max_new_tokens': sp.max_new_tokens, 'temperature': sp.temperature, 'top_p': sp.top_p, 'top_k': sp.top_k,
-         'stop_token_ids': [int(t) for t in sp.stop_token_ids], 'no_stop_trim': True}
-    if sp.seed is not None: d['sampling_seed'] = int(sp.seed) % (2**63)
+    d = {
+        'max_new_tokens': sp.max_new_tokens,
+        'temperature': sp.temperature,
+        'top_p': sp.top_p,
+        'top_k': sp.top_k,
+        'stop_token_ids': [int(t) for t in sp.stop_token_ids],
+        'no_stop_trim': True,
+    }
+    if sp.seed is not None:
+        d['sampling_seed'] = int(sp.seed) % (2**63)
     return d
 
+# %% ../../nbs/08_engines_4_sglang.ipynb #d480f3ec
 def check_stop_alignment(ids: list[int], finish_reason, max_new_tokens: int) -> None:
-    "SGLang's rule (above): a `stop` finish matched a token id and ends `ids` with it; a `length` finish has at most `max_new_tokens` ids."
+    """SGLang's rule (above): a `stop` finish matched a token id and ends `ids` with it; a `length`
+    finish has at most `max_new_tokens` ids."""
     kind = finish_reason.get('type') if isinstance(finish_reason, dict) else finish_reason
-    if len(ids) > max_new_tokens: raise DeterministicEngineError(f"{len(ids)} tokens > max_new_tokens={max_new_tokens}")
-    if kind != 'stop': return
+    if len(ids) > max_new_tokens:
+        raise DeterministicEngineError(f"{len(ids)} tokens > max_new_tokens={max_new_tokens}")
+    if kind != 'stop':
+        return
     m = finish_reason.get('matched') if isinstance(finish_reason, dict) else None
     if isinstance(m, bool) or not isinstance(m, int):
-        raise DeterministicEngineError(f"finish_reason {finish_reason!r}: a stop must match a token id (requests carry no stop "
-                                       "strings; SGLang reports a NaN or out-of-vocabulary token as matched='NaN happened')")
+        raise DeterministicEngineError(
+            f"finish_reason {finish_reason!r}: a stop must match a token id (requests carry no "
+            "stop "
+            "strings; SGLang reports a NaN or out-of-vocabulary token as matched='NaN happened')"
+        )
     if not ids or ids[-1] != m:
-        raise DeterministicEngineError(f"finish_reason matched token {m} but output_ids end with {ids[-1:]}: SGLang keeps the "
-                                       "matched stop token as the last output id")
+        raise DeterministicEngineError(
+            f"finish_reason matched token {m} but output_ids end with {ids[-1:]}: SGLang keeps the "
+            "matched stop token as the last output id"
+        )
 
-def parse_sglang_response(body, prompt_len: int, sp: SamplingParams, latency_s: float = 0.0) -> GenerationResult:
-    "Turn one `/generate` response into a `GenerationResult`; abort -> transient, anything malformed -> deterministic."
+# %% ../../nbs/08_engines_4_sglang.ipynb #30990930
+def parse_sglang_response(
+    body, prompt_len: int, sp: SamplingParams, latency_s: float = 0.0
+) -> GenerationResult:
+    """Turn one `/generate` response into a `GenerationResult`; abort -> transient, anything
+    malformed -> deterministic."""
     if isinstance(body, list):
-        if len(body) != 1: raise DeterministicEngineError(f"expected one response, got a list of {len(body)}")
+        if len(body) != 1:
+            raise DeterministicEngineError(f"expected one response, got a list of {len(body)}")
         body = body[0]
     if not isinstance(body, dict) or not isinstance(body.get('meta_info'), dict):
         raise DeterministicEngineError(f"response has no meta_info: {str(body)[:200]}")
     meta = body['meta_info']
     fr = meta.get('finish_reason')
     kind = fr.get('type') if isinstance(fr, dict) else fr
-    if kind == 'abort': raise TransientEngineError(f"request aborted by the server: {fr}")
-    if kind not in ('stop', 'length'): raise DeterministicEngineError(f"unknown finish_reason {fr!r}")
+    if kind == 'abort':
+        raise TransientEngineError(f"request aborted by the server: {fr}")
+    if kind not in ('stop', 'length'):
+        raise DeterministicEngineError(f"unknown finish_reason {fr!r}")
     otl = meta.get('output_token_logprobs')
-    if not isinstance(otl, list): raise DeterministicEngineError("meta_info.output_token_logprobs missing (return_logprob not honoured?)")
+    if not isinstance(otl, list):
+        raise DeterministicEngineError(
+            "meta_info.output_token_logprobs missing (return_logprob not honoured?)"
+        )
     try:
-        lps = [float(e[0]) for e in otl]; lp_ids = [int(e[1]) for e in otl]
-    except (TypeError, ValueError, IndexError) as e: raise DeterministicEngineError(f"malformed output_token_logprobs: {e}") from e
+        lps = [float(e[0]) for e in otl]
+        lp_ids = [int(e[1]) for e in otl]
+    except (TypeError, ValueError, IndexError) as e:
+        raise DeterministicEngineError(f"malformed output_token_logprobs: {e}") from e
     ids = body.get('output_ids', lp_ids)
     if not isinstance(ids, list) or [int(t) for t in ids] != lp_ids:
-        raise DeterministicEngineError(f"output_ids ({len(ids) if isinstance(ids, list) else ids!r}) do not match the "
-                                       f"token ids of output_token_logprobs ({len(lp_ids)})")
+        raise DeterministicEngineError(
+            f"output_ids ({len(ids) if isinstance(ids, list) else ids!r}) do not match the "
+            f"token ids of output_token_logprobs ({len(lp_ids)})"
+        )
     if meta.get('prompt_tokens', prompt_len) != prompt_len:
-        raise DeterministicEngineError(f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {prompt_len}")
+        raise DeterministicEngineError(
+            f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {prompt_len}"
+        )
     check_stop_alignment(lp_ids, fr, sp.max_new_tokens)
-    if any(not math.isfinite(x) or x > 1e-3 for x in lps): raise DeterministicEngineError("log-probs must be finite and <= 0")
-    return GenerationResult(lp_ids, [min(x, 0.0) for x in lps], kind, prompt_len, latency_s, body.get('text'))
+    if any(not math.isfinite(x) or x > 1e-3 for x in lps):
+        raise DeterministicEngineError("log-probs must be finite and <= 0")
+    return GenerationResult(
+        lp_ids, [min(x, 0.0) for x in lps], kind, prompt_len, latency_s, body.get('text')
+    )
 
-_SCORE = SamplingParams(max_new_tokens=1, temperature=0.0)    # one greedy output token, ignored (see below)
+# %% ../../nbs/08_engines_4_sglang.ipynb #e6edcf39
+_SCORE = SamplingParams(
+    max_new_tokens=1, temperature=0.0
+)  # one greedy output token, ignored (see below)
+
 
 def prompt_logprob_request(ids) -> dict:
-    "The `/generate` body asking for the teacher-forced log-probs of every prompt token (`logprob_start_len=0`), no top-k, no texts."
-    return {'input_ids': check_prompt(ids), 'sampling_params': _jsonable_params(_SCORE), 'return_logprob': True,
-            'logprob_start_len': 0, 'top_logprobs_num': 0, 'return_text_in_logprobs': False, 'stream': False}
+    """The `/generate` body asking for the teacher-forced log-probs of every prompt token
+    (`logprob_start_len=0`), no top-k, no texts."""
+    return {
+        'input_ids': check_prompt(ids),
+        'sampling_params': _jsonable_params(_SCORE),
+        'return_logprob': True,
+        'logprob_start_len': 0,
+        'top_logprobs_num': 0,
+        'return_text_in_logprobs': False,
+        'stream': False,
+    }
 
 # %% ../../nbs/08_engines_4_sglang.ipynb #98798292
 def parse_prompt_logprobs(body, ids) -> list[float]:
-    "The log-probs of `ids[1:]` in one reply to `prompt_logprob_request(ids)`; abort -> transient, anything that does not line up -> deterministic."
+    """The log-probs of `ids[1:]` in one reply to `prompt_logprob_request(ids)`; abort -> transient,
+    anything that does not line up -> deterministic."""
     ids = check_prompt(ids)
-    parse_sglang_response(body, len(ids), _SCORE)                # the output side, checked as in any reply
-    if isinstance(body, list): body = body[0]
+    parse_sglang_response(body, len(ids), _SCORE)  # the output side, checked as in any reply
+    if isinstance(body, list):
+        body = body[0]
     itl = body['meta_info'].get('input_token_logprobs')
     if not isinstance(itl, list):
-        raise DeterministicEngineError("meta_info.input_token_logprobs missing (return_logprob with logprob_start_len=0 not honoured?)")
+        raise DeterministicEngineError(
+            "meta_info.input_token_logprobs missing (return_logprob with logprob_start_len=0 not "
+            "honoured?)"
+        )
     if len(itl) != len(ids):
-        raise DeterministicEngineError(f"input_token_logprobs holds {len(itl)} entries for a prompt of {len(ids)} tokens "
-                                       "(logprob_start_len=0: one per prompt token)")
+        raise DeterministicEngineError(
+            f"input_token_logprobs holds {len(itl)} entries for a prompt of {len(ids)} tokens "
+            "(logprob_start_len=0: one per prompt token)"
+        )
     if not all(isinstance(e, list) and len(e) == 3 for e in itl):
-        raise DeterministicEngineError("input_token_logprobs entries must be [logprob, token_id, text]")
-    bad = next((i for i, (e, t) in enumerate(zip(itl, ids)) if isinstance(e[1], bool) or e[1] != t), None)
+        raise DeterministicEngineError(
+            "input_token_logprobs entries must be [logprob, token_id, text]"
+        )
+    bad = next(
+        (i for i, (e, t) in enumerate(zip(itl, ids)) if isinstance(e[1], bool) or e[1] != t), None
+    )
     if bad is not None:
-        raise DeterministicEngineError(f"input_token_logprobs[{bad}] names token {itl[bad][1]!r}, the prompt holds {ids[bad]} there")
+        raise DeterministicEngineError(
+            f"input_token_logprobs[{bad}] names token {itl[bad][1]!r}, the prompt holds "
+            f"{ids[bad]} there"
+        )
     if itl[0][0] is not None:
-        raise DeterministicEngineError(f"input_token_logprobs[0] has log-prob {itl[0][0]!r}: the first prompt token has no prefix "
-                                       "(SGLang sends None)")
+        raise DeterministicEngineError(
+            f"input_token_logprobs[0] has log-prob {itl[0][0]!r}: the first prompt token has no "
+            "prefix "
+            "(SGLang sends None)"
+        )
     lps = [e[0] for e in itl[1:]]
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 1e-3 for x in lps):
+    if not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 1e-3
+        for x in lps
+    ):
         raise DeterministicEngineError("prompt log-probs must be finite numbers <= 0")
     return [float(x) for x in lps]
 
 # %% ../../nbs/08_engines_4_sglang.ipynb #5f0bd8d4
-MEMORY_TAGS = ('kv_cache', 'weights', 'cuda_graph')      # SGLang's GPU_MEMORY_ALL_TYPES (python/sglang/srt/constants.py)
+MEMORY_TAGS = (
+    'kv_cache',
+    'weights',
+    'cuda_graph',
+)  # SGLang's GPU_MEMORY_ALL_TYPES (python/sglang/srt/constants.py)
+
 
 def tensor_update_payload(state_dict: dict, tp_size: int, flush_cache: bool = False) -> dict:
-    "The body of SGLang's `POST /update_weights_from_tensor`: per TP rank its own copy of `[(name, tensor), ...]`, pickled by torch's `ForkingPickler`, base64."
+    """The body of SGLang's `POST /update_weights_from_tensor`: per TP rank its own copy of `[(name,
+    tensor), ...]`, pickled by torch's `ForkingPickler`, base64."""
     import base64, io
-    import torch.multiprocessing as tmp                   # registers torch's tensor reductions with ForkingPickler
+    import torch.multiprocessing as tmp  # registers torch's tensor reductions with ForkingPickler
     from multiprocessing.reduction import ForkingPickler
-    if not isinstance(tp_size, int) or tp_size < 1: raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-    named = [(str(k), v.detach().cpu()) for k, v in state_dict.items()]   # host copies: never a CUDA IPC handle in the sender's numbering
+
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    named = [
+        (str(k), v.detach().cpu()) for k, v in state_dict.items()
+    ]  # host copies: never a CUDA IPC handle in the sender's numbering
+
     def one() -> str:
-        buf = io.BytesIO(); ForkingPickler(buf).dump(named)
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(named)
         return base64.b64encode(buf.getvalue()).decode('ascii')
+
     prev = tmp.get_sharing_strategy()
-    tmp.set_sharing_strategy('file_system')              # CPU tensors by shared-memory file name (see the prose above)
-    try: ser = [one() for _ in range(tp_size)]
-    finally: tmp.set_sharing_strategy(prev)
+    tmp.set_sharing_strategy(
+        'file_system'
+    )  # CPU tensors by shared-memory file name (see the prose above)
+    try:
+        ser = [one() for _ in range(tp_size)]
+    finally:
+        tmp.set_sharing_strategy(prev)
     return {'serialized_named_tensors': ser, 'load_format': None, 'flush_cache': flush_cache}
 
+# %% ../../nbs/08_engines_4_sglang.ipynb #9a4a52c6
 class FutureQueue:
-    "Requests run by `call(prompt, params)` (a result or an `EngineError`, never raising) on a thread pool; `wait_any` returns those that finished."
+    """Requests run by `call(prompt, params)` (a result or an `EngineError`, never raising) on a
+    thread pool; `wait_any` returns those that finished."""
+
     def __init__(self, pool, call, limit: int, wait_limit_s: float, on_submit=None):
-        self.pool, self.call, self.limit, self.wait_limit_s, self.on_submit = pool, call, limit, wait_limit_s, on_submit
+        self.pool, self.call, self.limit, self.wait_limit_s, self.on_submit = (
+            pool,
+            call,
+            limit,
+            wait_limit_s,
+            on_submit,
+        )
         self._pending = set()
 
     def _safe(self, prompt, params):
-        try: return self.call(prompt, params)
-        except EngineError as e: return e
+        try:
+            return self.call(prompt, params)
+        except EngineError as e:
+            return e
         except Exception as e:
-            err = DeterministicEngineError(f"{type(e).__name__}: {e}"); err.__cause__ = e
+            err = DeterministicEngineError(f"{type(e).__name__}: {e}")
+            err.__cause__ = e
             return err
 
     def submit(self, prompt, params):
         if len(self._pending) >= self.limit:
-            raise RuntimeError(f"FutureQueue: {len(self._pending)} requests already in flight (limit {self.limit})")
-        if self.on_submit is not None: self.on_submit()
-        f = self.pool.submit(self._safe, prompt, params); self._pending.add(f)
+            raise RuntimeError(
+                f"FutureQueue: {len(self._pending)} requests already in flight (limit {self.limit})"
+            )
+        if self.on_submit is not None:
+            self.on_submit()
+        f = self.pool.submit(self._safe, prompt, params)
+        self._pending.add(f)
         return f
 
     def wait_any(self, timeout: float) -> list:
-        "[(handle, result)] of the requests finished within `timeout` seconds (at least one, unless the timeout passed)."
-        if not self._pending: return []
+        """[(handle, result)] of the requests finished within `timeout` seconds (at least one,
+        unless the timeout passed)."""
+        if not self._pending:
+            return []
         done, _ = _wait_futures(self._pending, timeout=timeout, return_when=FIRST_COMPLETED)
         self._pending -= done
         return [(f, f.result()) for f in done]
 
-    def now(self) -> float: return time.monotonic()
-    def cancel(self, handle) -> None: self._pending.discard(handle); handle.cancel()
+    def now(self) -> float:
+        return time.monotonic()
+
+    def cancel(self, handle) -> None:
+        self._pending.discard(handle)
+        handle.cancel()
 
 # %% ../../nbs/08_engines_4_sglang.ipynb #f72abd87
 class SGLangEngine:
-    "Client of SGLang's native HTTP API over several servers: least-in-flight balancing, concurrency limit, per-request deadlines, bounded retries."
-    def __init__(self, urls, timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 1.0, concurrency: int = 64,
-                 max_backoff_s: float = 30.0, update_timeout_s: float = 900.0, connect_timeout_s: float = 10.0,
-                 colocated: bool = False, tp_size: int = 1, weight_sync: str = 'disk', on_close=None):
+    """Client of SGLang's native HTTP API over several servers: least-in-flight balancing,
+    concurrency limit, per-request deadlines, bounded retries."""
+
+    def __init__(
+        self,
+        urls,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
+        concurrency: int = 64,
+        max_backoff_s: float = 30.0,
+        update_timeout_s: float = 900.0,
+        connect_timeout_s: float = 10.0,
+        colocated: bool = False,
+        tp_size: int = 1,
+        weight_sync: str = 'disk',
+        on_close=None,
+    ):
         urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls: raise ValueError("SGLangEngine needs at least one server url")
-        if weight_sync not in ('disk', 'tensor'): raise ValueError(f"weight_sync must be 'disk' or 'tensor', got {weight_sync!r}")
+        if not urls:
+            raise ValueError("SGLangEngine needs at least one server url")
+        if weight_sync not in ('disk', 'tensor'):
+            raise ValueError(f"weight_sync must be 'disk' or 'tensor', got {weight_sync!r}")
         if weight_sync == 'tensor' and not colocated:
-            raise ValueError("weight_sync='tensor' needs colocated=True: the servers read the tensors from this host's processes")
-        self.colocated, self.tp_size, self.weight_sync, self._on_close = colocated, tp_size, weight_sync, on_close
+            raise ValueError(
+                "weight_sync='tensor' needs colocated=True: the servers read the tensors from "
+                "this host's processes"
+            )
+        self.colocated, self.tp_size, self.weight_sync, self._on_close = (
+            colocated,
+            tp_size,
+            weight_sync,
+            on_close,
+        )
         self.urls = [u.rstrip('/') for u in urls]
-        self._released = {u: set() for u in self.urls}     # memory tags each server has released
-        self.timeout_s, self.max_retries, self.backoff_s, self.max_backoff_s = timeout_s, max_retries, backoff_s, max_backoff_s
+        self._released = {u: set() for u in self.urls}  # memory tags each server has released
+        self.timeout_s, self.max_retries, self.backoff_s, self.max_backoff_s = (
+            timeout_s,
+            max_retries,
+            backoff_s,
+            max_backoff_s,
+        )
         self.update_timeout_s, self.connect_timeout_s = update_timeout_s, connect_timeout_s
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be an int >= 1 (requests in flight per server), got {concurrency!r}")
-        self.concurrency = concurrency          # per server: the pool holds a thread for every slot of every server
-        self._pool = ThreadPoolExecutor(max_workers=concurrency * len(self.urls), thread_name_prefix='sglang')
+            raise ValueError(
+                "concurrency must be an int >= 1 (requests in flight per server), got "
+                f"{concurrency!r}"
+            )
+        self.concurrency = (
+            concurrency  # per server: the pool holds a thread for every slot of every server
+        )
+        self._pool = ThreadPoolExecutor(
+            max_workers=concurrency * len(self.urls), thread_name_prefix='sglang'
+        )
         self._inflight = {u: 0 for u in self.urls}
-        self.peak_inflight = {u: 0 for u in self.urls}    # the most generation requests each server had at once
+        self.peak_inflight = {
+            u: 0 for u in self.urls
+        }  # the most generation requests each server had at once
         self._turn = 0
         self._lock = threading.Lock()
-        self._slots = threading.Condition(self._lock)     # signalled when a request frees a server's slot
+        self._slots = threading.Condition(
+            self._lock
+        )  # signalled when a request frees a server's slot
         self._local = threading.local()
         self.stats = new_stats()
 
     def _session(self) -> requests.Session:
-        "This thread's session: its connections report to the thread's `Deadline`; proxies of the environment are ignored."
+        """This thread's session: its connections report to the thread's `Deadline`; proxies of the
+        environment are ignored."""
         s = getattr(self._local, 's', None)
         if s is None:
             s = self._local.s = requests.Session()
             s.trust_env = False
-            for prefix in ('http://', 'https://'): s.mount(prefix, WatchedAdapter())
+            for prefix in ('http://', 'https://'):
+                s.mount(prefix, WatchedAdapter())
         return s
 
     def _count(self, key, n=1):
-        with self._lock: self.stats[key] += n
+        with self._lock:
+            self.stats[key] += n
 
     def _acquire(self, avoid=(), only: str | None = None) -> str:
-        "A server for one request: `only` (a request to that server: not counted against the bound), else the least busy one with a free slot (at most `concurrency` in flight per server) among those not in `avoid` (all, if every one is), rotating among ties; waits for a slot."
+        """A server for one request: `only` (a request to that server: not counted against the
+        bound), else the least busy one with a free slot (at most `concurrency` in flight per
+        server) among those not in `avoid` (all, if every one is), rotating among ties; waits for a
+        slot."""
         with self._slots:
             if only is not None:
-                self._inflight[only] += 1; return only
-            cands = [u for u in self.urls if u not in avoid] or self.urls     # a retry waits for another server's slot
+                self._inflight[only] += 1
+                return only
+            cands = [
+                u for u in self.urls if u not in avoid
+            ] or self.urls  # a retry waits for another server's slot
             while True:
                 free = [u for u in cands if self._inflight[u] < self.concurrency]
-                if free: break
+                if free:
+                    break
                 if not self._slots.wait(timeout=self.timeout_s):
-                    raise TransientEngineError(f"no free request slot on any of {len(self.urls)} server(s) within {self.timeout_s:g}s "
-                                               f"({self.concurrency} in flight per server)")
+                    raise TransientEngineError(
+                        f"no free request slot on any of {len(self.urls)} server(s) within "
+                        f"{self.timeout_s:g}s "
+                        f"({self.concurrency} in flight per server)"
+                    )
             self._turn += 1
-            rot = free[self._turn % len(free):] + free[:self._turn % len(free)]
+            rot = free[self._turn % len(free) :] + free[: self._turn % len(free)]
             u = min(rot, key=lambda x: self._inflight[x])
             self._inflight[u] += 1
             self.peak_inflight[u] = max(self.peak_inflight[u], self._inflight[u])
             return u
 
     def _release(self, u):
-        with self._slots: self._inflight[u] -= 1; self._slots.notify()
+        with self._slots:
+            self._inflight[u] -= 1
+            self._slots.notify()
 
     def _http(self, method: str, url: str, path: str, payload, timeout_s: float):
-        "One attempt under a `Deadline` of `timeout_s`: the reply (JSON when the server says so, else text), or an `EngineError` of the right kind."
+        """One attempt under a `Deadline` of `timeout_s`: the reply (JSON when the server says so,
+        else text), or an `EngineError` of the right kind."""
         try:
             with Deadline(timeout_s) as d:
-                r = self._session().request(method, url + path, json=payload, timeout=(min(self.connect_timeout_s, timeout_s), timeout_s))
-        except _NOT_TRANSPORT as e: raise DeterministicEngineError(f"{url}{path}: {type(e).__name__}: {e}") from e
+                r = self._session().request(
+                    method,
+                    url + path,
+                    json=payload,
+                    timeout=(min(self.connect_timeout_s, timeout_s), timeout_s),
+                )
+        except _NOT_TRANSPORT as e:
+            raise DeterministicEngineError(f"{url}{path}: {type(e).__name__}: {e}") from e
         except (requests.RequestException, http.client.HTTPException, OSError) as e:
-            why = (f"timed out: no complete reply within the {timeout_s}s deadline" if d.expired
-                   else f"connection-level failure ({type(e).__name__}): {e}")
+            why = (
+                f"timed out: no complete reply within the {timeout_s}s deadline"
+                if d.expired
+                else f"connection-level failure ({type(e).__name__}): {e}"
+            )
             raise TransientEngineError(f"{url}{path}: {why}") from e
-        if r.status_code in TRANSIENT_STATUS: raise TransientEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
-        if r.status_code >= 400: raise DeterministicEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
-        if 'json' not in r.headers.get('content-type', ''): return r.text
-        try: return r.json()
-        except ValueError as e: raise DeterministicEngineError(f"{url}{path}: reply is not JSON: {r.text[:200]}") from e
+        if r.status_code in TRANSIENT_STATUS:
+            raise TransientEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
+        if r.status_code >= 400:
+            raise DeterministicEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
+        if 'json' not in r.headers.get('content-type', ''):
+            return r.text
+        try:
+            return r.json()
+        except ValueError as e:
+            raise DeterministicEngineError(f"{url}{path}: reply is not JSON: {r.text[:200]}") from e
 
     def _retrying(self, path: str, attempt, url: str | None = None, retries: int | None = None):
-        "`attempt(server)` until it returns; a `TransientEngineError` is retried under a urllib3 `Retry` (on another server unless `url` is given)."
-        retry = Retry(total=self.max_retries if retries is None else retries, backoff_factor=self.backoff_s, backoff_max=self.max_backoff_s,
-                      allowed_methods=None, respect_retry_after_header=False)
+        """`attempt(server)` until it returns; a `TransientEngineError` is retried under a urllib3
+        `Retry` (on another server unless `url` is given)."""
+        retry = Retry(
+            total=self.max_retries if retries is None else retries,
+            backoff_factor=self.backoff_s,
+            backoff_max=self.max_backoff_s,
+            allowed_methods=None,
+            respect_retry_after_header=False,
+        )
         avoid = set()
         while True:
             u = self._acquire(avoid, url)
-            try: return attempt(u)
-            except TransientEngineError as e: err = e
-            finally: self._release(u)
+            try:
+                return attempt(u)
+            except TransientEngineError as e:
+                err = e
+            finally:
+                self._release(u)
             self._count('transient_failures')
-            try: retry = retry.increment('POST', u + path, error=err)
-            except MaxRetryError: raise TransientEngineError(f"failed after {len(retry.history) + 1} attempts: {err}") from err
-            self._count('retries'); avoid = {u}
+            try:
+                retry = retry.increment('POST', u + path, error=err)
+            except MaxRetryError:
+                raise TransientEngineError(
+                    f"failed after {len(retry.history) + 1} attempts: {err}"
+                ) from err
+            self._count('retries')
+            avoid = {u}
             retry.sleep()
 
-    def post(self, path: str, payload=None, url: str | None = None, timeout_s: float | None = None, retries: int | None = None):
-        "POST `payload` (a dict, or a function making one per attempt) to `path` on server `url` (default: the least busy, with failover) under a deadline, with `retries` (default `max_retries`); the reply."
-        if url is not None and url.rstrip('/') not in self._inflight: raise ValueError(f"{url} is not one of this client's servers {self.urls}")
+    def post(
+        self,
+        path: str,
+        payload=None,
+        url: str | None = None,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+    ):
+        """POST `payload` (a dict, or a function making one per attempt) to `path` on server `url`
+        (default: the least busy, with failover) under a deadline, with `retries` (default
+        `max_retries`); the reply."""
+        if url is not None and url.rstrip('/') not in self._inflight:
+            raise ValueError(f"{url} is not one of this client's servers {self.urls}")
         make = payload if callable(payload) else (lambda: payload)
-        try: return self._retrying(path, lambda u: self._http('POST', u, path, make(), timeout_s or self.timeout_s),
-                                   url and url.rstrip('/'), retries)
-        except DeterministicEngineError: self._count('deterministic_failures'); raise
+        try:
+            return self._retrying(
+                path,
+                lambda u: self._http('POST', u, path, make(), timeout_s or self.timeout_s),
+                url and url.rstrip('/'),
+                retries,
+            )
+        except DeterministicEngineError:
+            self._count('deterministic_failures')
+            raise
 
-    def post_each(self, path: str, payload: dict | None = None, timeout_s: float | None = None) -> list:
-        "`post` to every server in turn (each must answer itself: no failover); the replies in server order."
+    def post_each(
+        self, path: str, payload: dict | None = None, timeout_s: float | None = None
+    ) -> list:
+        """`post` to every server in turn (each must answer itself: no failover); the replies in
+        server order."""
         return [self.post(path, payload, u, timeout_s) for u in self.urls]
 
     def _one(self, prompt, sp: SamplingParams) -> GenerationResult:
         "One generation request, through the transport path."
-        prompt = check_prompt(prompt); sp.validate()
-        payload = {'input_ids': prompt, 'sampling_params': _jsonable_params(sp), 'return_logprob': True,
-                   'logprob_start_len': -1, 'stream': False}
+        prompt = check_prompt(prompt)
+        sp.validate()
+        payload = {
+            'input_ids': prompt,
+            'sampling_params': _jsonable_params(sp),
+            'return_logprob': True,
+            'logprob_start_len': -1,
+            'stream': False,
+        }
+
         def attempt(u):
             t0 = time.perf_counter()
-            res = parse_sglang_response(self._http('POST', u, '/generate', payload, self.timeout_s), len(prompt), sp)
+            res = parse_sglang_response(
+                self._http('POST', u, '/generate', payload, self.timeout_s), len(prompt), sp
+            )
             res.latency_s = time.perf_counter() - t0
             return res
+
         res = self._retrying('/generate', attempt)
         self._count('generated_tokens', len(res.output_ids))
         return res
 
     def _settled(self, prompt, sp) -> GenerationResult | EngineError:
-        "One request's result or its `EngineError`: whatever goes wrong stays in that request's slot."
-        try: return self._one(prompt, sp)
-        except TransientEngineError as e: return e          # its failed attempts are already counted
-        except Exception as e:                              # a 4xx, a malformed reply, an invalid prompt, or anything unforeseen
+        """One request's result or its `EngineError`: whatever goes wrong stays in that request's
+        slot."""
+        try:
+            return self._one(prompt, sp)
+        except TransientEngineError as e:
+            return e  # its failed attempts are already counted
+        except (
+            Exception
+        ) as e:  # a 4xx, a malformed reply, an invalid prompt, or anything unforeseen
             self._count('deterministic_failures')
-            if isinstance(e, EngineError): return e
-            err = DeterministicEngineError(f"{type(e).__name__}: {e}"); err.__cause__ = e
+            if isinstance(e, EngineError):
+                return e
+            err = DeterministicEngineError(f"{type(e).__name__}: {e}")
+            err.__cause__ = e
             return err
 
     def generate(self, prompts, params, return_exceptions: bool = False) -> list:
-        "Send every prompt (at most `concurrency` in flight per server); results in prompt order. Refused, sending nothing, while memory is released."
+        """Send every prompt (at most `concurrency` in flight per server); results in prompt order.
+        Refused, sending nothing, while memory is released."""
         if self.released:
-            raise DeterministicEngineError(f"generate refused: the servers' memory is released ({', '.join(self.released)}); "
-                                           "sync_weights() or resume_memory() takes it back first")
+            raise DeterministicEngineError(
+                f"generate refused: the servers' memory is released ({', '.join(self.released)}); "
+                "sync_weights() or resume_memory() takes it back first"
+            )
         params = per_request(params, len(prompts))
         self._count('requests', len(prompts))
         out = list(self._pool.map(self._settled, prompts, params))
         if not return_exceptions:
             for r in out:
-                if isinstance(r, EngineError): raise r
+                if isinstance(r, EngineError):
+                    raise r
         return out
 
     def request_queue(self) -> 'FutureQueue':
-        "A `FutureQueue` over this client's pool, for the per-trajectory rollout scheduler: at most `concurrency` requests in flight per server."
+        """A `FutureQueue` over this client's pool, for the per-trajectory rollout scheduler: at
+        most `concurrency` requests in flight per server."""
         if self.released:
-            raise DeterministicEngineError(f"request_queue refused: the servers' memory is released ({', '.join(self.released)}); "
-                                           "sync_weights() or resume_memory() takes it back first")
+            raise DeterministicEngineError(
+                "request_queue refused: the servers' memory is released "
+                f"({', '.join(self.released)}); "
+                "sync_weights() or resume_memory() takes it back first"
+            )
         wait_limit = (self.max_retries + 1) * (self.timeout_s + self.max_backoff_s)
-        return FutureQueue(self._pool, self._settled, self.concurrency * len(self.urls), wait_limit, on_submit=lambda: self._count('requests'))
+        return FutureQueue(
+            self._pool,
+            self._settled,
+            self.concurrency * len(self.urls),
+            wait_limit,
+            on_submit=lambda: self._count('requests'),
+        )
 
     @staticmethod
     def _succeeded(u: str, path: str, body) -> None:
         if not (isinstance(body, dict) and body.get('success')):
-            raise DeterministicEngineError(f"{u}{path} failed: {body.get('message') if isinstance(body, dict) else body!r}")
+            raise DeterministicEngineError(
+                f"{u}{path} failed: {body.get('message') if isinstance(body, dict) else body!r}"
+            )
 
     def _load_disk(self, path, flush_cache: bool | None = None) -> None:
-        "Every server loads the HF directory `path` (`/update_weights_from_disk`, retried like generation: loading it again is safe)."
-        body = {'model_path': str(path)} if flush_cache is None else {'model_path': str(path), 'flush_cache': flush_cache}
+        """Every server loads the HF directory `path` (`/update_weights_from_disk`, retried like
+        generation: loading it again is safe)."""
+        body = (
+            {'model_path': str(path)}
+            if flush_cache is None
+            else {'model_path': str(path), 'flush_cache': flush_cache}
+        )
         for u in self.urls:
-            try: reply = self.post('/update_weights_from_disk', body, u, self.update_timeout_s)
-            except DeterministicEngineError as e: raise DeterministicEngineError(f"update_weights_from_disk failed: {e}") from e
+            try:
+                reply = self.post('/update_weights_from_disk', body, u, self.update_timeout_s)
+            except DeterministicEngineError as e:
+                raise DeterministicEngineError(f"update_weights_from_disk failed: {e}") from e
             self._succeeded(u, '/update_weights_from_disk', reply)
 
     def _load_tensors(self, state_dict: dict, flush_cache: bool = False) -> None:
-        "Every server loads `state_dict` from memory: `/begin_weight_update`, `/update_weights_from_tensor`, `/end_weight_update`, one attempt each."
+        """Every server loads `state_dict` from memory: `/begin_weight_update`,
+        `/update_weights_from_tensor`, `/end_weight_update`, one attempt each."""
         for u in self.urls:
-            self._succeeded(u, '/begin_weight_update', self.post('/begin_weight_update', {}, u, self.update_timeout_s, retries=0))
+            self._succeeded(
+                u,
+                '/begin_weight_update',
+                self.post('/begin_weight_update', {}, u, self.update_timeout_s, retries=0),
+            )
             try:
-                reply = self.post('/update_weights_from_tensor', lambda: tensor_update_payload(state_dict, self.tp_size, flush_cache),
-                                  u, self.update_timeout_s, retries=0)
+                reply = self.post(
+                    '/update_weights_from_tensor',
+                    lambda: tensor_update_payload(state_dict, self.tp_size, flush_cache),
+                    u,
+                    self.update_timeout_s,
+                    retries=0,
+                )
                 self._succeeded(u, '/update_weights_from_tensor', reply)
             finally:
-                self._succeeded(u, '/end_weight_update', self.post('/end_weight_update', {}, u, self.update_timeout_s, retries=0))
+                self._succeeded(
+                    u,
+                    '/end_weight_update',
+                    self.post('/end_weight_update', {}, u, self.update_timeout_s, retries=0),
+                )
 
     def update_weights(self, state_dict=None, path=None) -> None:
-        "Every server loads the HF directory `path`, or (colocated servers only) `state_dict` from memory; then flushes its cache."
-        if (state_dict is None) == (path is None): raise ValueError("pass exactly one of state_dict or path")
+        """Every server loads the HF directory `path`, or (colocated servers only) `state_dict` from
+        memory; then flushes its cache."""
+        if (state_dict is None) == (path is None):
+            raise ValueError("pass exactly one of state_dict or path")
         if state_dict is not None and not self.colocated:
-            raise DeterministicEngineError("SGLangEngine loads a state dict only from colocated servers (they read this host's "
-                                           "memory): save an HF directory and pass path=")
-        if path is not None: self._load_disk(path)
-        else: self._load_tensors(state_dict, flush_cache=False)
-        for u in self.urls: self.flush_cache(u)
+            raise DeterministicEngineError(
+                "SGLangEngine loads a state dict only from colocated servers (they read this "
+                "host's "
+                "memory): save an HF directory and pass path="
+            )
+        if path is not None:
+            self._load_disk(path)
+        else:
+            self._load_tensors(state_dict, flush_cache=False)
+        for u in self.urls:
+            self.flush_cache(u)
 
     @property
     def released(self) -> tuple:
-        "The memory tags released on any server, in SGLang's order; empty when every server holds its memory."
+        """The memory tags released on any server, in SGLang's order; empty when every server holds
+        its memory."""
         return tuple(t for t in MEMORY_TAGS if any(t in r for r in self._released.values()))
 
     def _occupation(self, path: str, tags, u: str) -> None:
-        "One memory-occupation request to server `u`, one attempt: repeating a release or a resume is not safe."
-        try: self.post(path, {'tags': list(tags)}, u, self.update_timeout_s, retries=0)
+        """One memory-occupation request to server `u`, one attempt: repeating a release or a resume
+        is not safe."""
+        try:
+            self.post(path, {'tags': list(tags)}, u, self.update_timeout_s, retries=0)
         except EngineError as e:
-            raise type(e)(f"{path} {list(tags)} failed on {u} (its memory state is now unknown; tags released before: "
-                          f"{sorted(self._released[u])}): {e}") from e
+            raise type(e)(
+                f"{path} {list(tags)} failed on {u} (its memory state is now unknown; tags "
+                "released before: "
+                f"{sorted(self._released[u])}): {e}"
+            ) from e
 
     def release_memory(self) -> None:
-        "Colocated: every server frees the GPU memory of its KV cache, weights and CUDA graphs (`/release_memory_occupation`); a no-op otherwise."
-        if not self.colocated: return
+        """Colocated: every server frees the GPU memory of its KV cache, weights and CUDA graphs
+        (`/release_memory_occupation`); a no-op otherwise."""
+        if not self.colocated:
+            return
         for u in self.urls:
             tags = [t for t in MEMORY_TAGS if t not in self._released[u]]
-            if not tags: continue
+            if not tags:
+                continue
             self._occupation('/release_memory_occupation', tags, u)
             self._released[u].update(tags)
 
     def resume_memory(self, tags=MEMORY_TAGS) -> None:
-        "Every server takes back the memory of those of `tags` it has released (`/resume_memory_occupation`)."
+        """Every server takes back the memory of those of `tags` it has released
+        (`/resume_memory_occupation`)."""
         bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad: raise ValueError(f"unknown memory tags {bad}; SGLang's are {list(MEMORY_TAGS)}")
+        if bad:
+            raise ValueError(f"unknown memory tags {bad}; SGLang's are {list(MEMORY_TAGS)}")
         for u in self.urls:
             todo = [t for t in tags if t in self._released[u]]
-            if not todo: continue
+            if not todo:
+                continue
             self._occupation('/resume_memory_occupation', todo, u)
             self._released[u].difference_update(todo)
 
     def sync_weights(self, state_dict: dict | None = None, path=None) -> float:
-        "Every server takes the new weights: the HF directory `path` (written by the trainer side) or, colocated with `weight_sync='tensor'`, `state_dict`; colocated servers resume their weights first and their KV cache after. Returns seconds."
-        if (state_dict is None) == (path is None): raise ValueError("pass exactly one of state_dict or path")
+        """Every server takes the new weights: the HF directory `path` (written by the trainer side)
+        or, colocated with `weight_sync='tensor'`, `state_dict`; colocated servers resume their
+        weights first and their KV cache after. Returns seconds."""
+        if (state_dict is None) == (path is None):
+            raise ValueError("pass exactly one of state_dict or path")
         if (path is None) != (self.weight_sync == 'tensor'):
-            raise ValueError(f"this client's weight_sync is {self.weight_sync!r}: pass " +
-                             ("state_dict=" if self.weight_sync == 'tensor' else "path= (an HF directory; memagent.checkpoint.push_weights writes it)"))
+            raise ValueError(
+                f"this client's weight_sync is {self.weight_sync!r}: pass "
+                + (
+                    "state_dict="
+                    if self.weight_sync == 'tensor'
+                    else "path= (an HF directory; memagent.checkpoint.push_weights writes it)"
+                )
+            )
         t0 = time.perf_counter()
         if not self.colocated:
             self.update_weights(path=str(path))
             return time.perf_counter() - t0
         self.resume_memory(('weights',))
-        if path is not None: self._load_disk(path, flush_cache=False)
-        else: self._load_tensors(state_dict, flush_cache=False)
+        if path is not None:
+            self._load_disk(path, flush_cache=False)
+        else:
+            self._load_tensors(state_dict, flush_cache=False)
         self.resume_memory(('kv_cache', 'cuda_graph'))
-        for u in self.urls: self.flush_cache(u)
+        for u in self.urls:
+            self.flush_cache(u)
         return time.perf_counter() - t0
 
     def flush_cache(self, url: str) -> None:
@@ -383,13 +687,24 @@ class SGLangEngine:
         self.post('/flush_cache', None, url, self.connect_timeout_s)
 
     def model_info(self) -> list[dict]:
-        "What each server says it serves (`GET /get_model_info`: model_path, tokenizer_path, is_generation, weight_version) with its url, in server order."
+        """What each server says it serves (`GET /get_model_info`: model_path, tokenizer_path,
+        is_generation, weight_version) with its url, in server order."""
         out = []
         for u in self.urls:
             r = self._http('GET', u, '/get_model_info', None, self.connect_timeout_s)
             if not isinstance(r, dict) or 'model_path' not in r:
-                raise DeterministicEngineError(f"{u}/get_model_info: no model_path in the reply {str(r)[:200]}")
-            out.append({'url': u, **{k: r.get(k) for k in ('model_path', 'tokenizer_path', 'is_generation', 'weight_version')}})
+                raise DeterministicEngineError(
+                    f"{u}/get_model_info: no model_path in the reply {str(r)[:200]}"
+                )
+            out.append(
+                {
+                    'url': u,
+                    **{
+                        k: r.get(k)
+                        for k in ('model_path', 'tokenizer_path', 'is_generation', 'weight_version')
+                    },
+                }
+            )
         return out
 
     def identity(self) -> dict:
@@ -397,26 +712,44 @@ class SGLangEngine:
         return {'kind': 'sglang', 'servers': self.model_info()}
 
     def greedy_each(self, prompt_ids, n_tokens: int) -> list:
-        "The greedy continuation of `prompt_ids` with its log-probs from every server (each must answer itself), in server order."
+        """The greedy continuation of `prompt_ids` with its log-probs from every server (each must
+        answer itself), in server order."""
         sp = SamplingParams(max_new_tokens=n_tokens, temperature=0.0)
-        payload = {'input_ids': check_prompt(prompt_ids), 'sampling_params': _jsonable_params(sp), 'return_logprob': True,
-                   'logprob_start_len': -1, 'stream': False}
-        return [parse_sglang_response(r, len(payload['input_ids']), sp) for r in self.post_each('/generate', payload)]
+        payload = {
+            'input_ids': check_prompt(prompt_ids),
+            'sampling_params': _jsonable_params(sp),
+            'return_logprob': True,
+            'logprob_start_len': -1,
+            'stream': False,
+        }
+        return [
+            parse_sglang_response(r, len(payload['input_ids']), sp)
+            for r in self.post_each('/generate', payload)
+        ]
 
     def prompt_logprobs_each(self, ids) -> list[list[float]]:
-        "The teacher-forced log-probs of `ids[1:]` from every server (each must answer itself), in server order (`prompt_logprob_request`)."
+        """The teacher-forced log-probs of `ids[1:]` from every server (each must answer itself), in
+        server order (`prompt_logprob_request`)."""
         payload = prompt_logprob_request(ids)
-        return [parse_prompt_logprobs(r, payload['input_ids']) for r in self.post_each('/generate', payload)]
+        return [
+            parse_prompt_logprobs(r, payload['input_ids'])
+            for r in self.post_each('/generate', payload)
+        ]
 
     def health(self) -> bool:
-        "True when every server answers `GET /health` with 200 within `connect_timeout_s` (one attempt each, no retry)."
+        """True when every server answers `GET /health` with 200 within `connect_timeout_s` (one
+        attempt each, no retry)."""
         for u in self.urls:
-            try: self._http('GET', u, '/health', None, self.connect_timeout_s)
-            except EngineError: return False
+            try:
+                self._http('GET', u, '/health', None, self.connect_timeout_s)
+            except EngineError:
+                return False
         return True
 
     def close(self) -> None:
-        "Stop the request threads; then `on_close()` (e.g. stopping the servers this client was launched with), once."
+        """Stop the request threads; then `on_close()` (e.g. stopping the servers this client was
+        launched with), once."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         f, self._on_close = self._on_close, None
-        if f is not None: f()
+        if f is not None:
+            f()

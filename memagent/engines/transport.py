@@ -16,53 +16,93 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 TRANSIENT_STATUS = frozenset({408, 429, *range(500, 600)})
-_NOT_TRANSPORT = (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema, requests.exceptions.InvalidSchema,
-                  requests.exceptions.InvalidHeader, requests.exceptions.InvalidJSONError, requests.exceptions.URLRequired)
-_sending = threading.local()      # .deadline: the Deadline of the request this thread is sending
+_NOT_TRANSPORT = (
+    requests.exceptions.InvalidURL,
+    requests.exceptions.MissingSchema,
+    requests.exceptions.InvalidSchema,
+    requests.exceptions.InvalidHeader,
+    requests.exceptions.InvalidJSONError,
+    requests.exceptions.URLRequired,
+)
+_sending = threading.local()  # .deadline: the Deadline of the request this thread is sending
+
 
 def _shut(sock) -> None:
-    try: sock.shutdown(socket.SHUT_RDWR)
-    except OSError: pass          # already closed
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
 
+# %% ../../nbs/08_engines_3_transport.ipynb #9df4f00e
 class Deadline:
-    "A deadline over one whole request: when `seconds` pass, the socket it watches is shut down, so no read outlives it."
+    """A deadline over one whole request: when `seconds` pass, the socket it watches is shut down,
+    so no read outlives it."""
+
     def __init__(self, seconds: float):
         self.seconds, self.expired, self._sock, self._lock = seconds, False, None, threading.Lock()
         self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True; self._timer.start()
+        self._timer.daemon = True
+        self._timer.start()
 
     def watch(self, sock) -> None:
         "Shut `sock` down when the deadline passes (at once if it has passed)."
         with self._lock:
             self._sock = sock
-            if self.expired: _shut(sock)
+            if self.expired:
+                _shut(sock)
 
     def _expire(self) -> None:
         with self._lock:
             self.expired = True
-            if self._sock is not None: _shut(self._sock)
+            if self._sock is not None:
+                _shut(self._sock)
 
     def cancel(self) -> None:
-        "The request is over: stop the timer and let go of the socket (it may carry the thread's next request)."
+        """The request is over: stop the timer and let go of the socket (it may carry the thread's
+        next request)."""
         self._timer.cancel()
-        with self._lock: self._sock = None
+        with self._lock:
+            self._sock = None
 
-    def __enter__(self): _sending.deadline = self; return self
-    def __exit__(self, *exc): _sending.deadline = None; self.cancel()
+    def __enter__(self):
+        _sending.deadline = self
+        return self
 
+    def __exit__(self, *exc):
+        _sending.deadline = None
+        self.cancel()
+
+# %% ../../nbs/08_engines_3_transport.ipynb #9d4b70c9
 class _Watched:
-    "Mixed into urllib3's connection classes: the socket carrying a request is handed to the sending thread's `Deadline`."
+    """Mixed into urllib3's connection classes: the socket carrying a request is handed to the
+    sending thread's `Deadline`."""
+
     def _watch(self):
         d = getattr(_sending, 'deadline', None)
-        if d is not None and self.sock is not None: d.watch(self.sock)
-    def connect(self): super().connect(); self._watch()
-    def request(self, *a, **kw): self._watch(); return super().request(*a, **kw)
+        if d is not None and self.sock is not None:
+            d.watch(self.sock)
 
-class _HTTPPool(HTTPConnectionPool): ConnectionCls = type('WatchedHTTPConnection', (_Watched, HTTPConnection), {})
-class _HTTPSPool(HTTPSConnectionPool): ConnectionCls = type('WatchedHTTPSConnection', (_Watched, HTTPSConnection), {})
+    def connect(self):
+        super().connect()
+        self._watch()
 
+    def request(self, *a, **kw):
+        self._watch()
+        return super().request(*a, **kw)
+
+# %% ../../nbs/08_engines_3_transport.ipynb #865ba751
+class _HTTPPool(HTTPConnectionPool):
+    ConnectionCls = type('WatchedHTTPConnection', (_Watched, HTTPConnection), {})
+
+# %% ../../nbs/08_engines_3_transport.ipynb #0357231c
+class _HTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = type('WatchedHTTPSConnection', (_Watched, HTTPSConnection), {})
+
+# %% ../../nbs/08_engines_3_transport.ipynb #fbdffd77
 class WatchedAdapter(HTTPAdapter):
-    "`requests`' adapter, its own retries off, whose connections hand their socket to the sending thread's `Deadline`."
+    """`requests`' adapter, its own retries off, whose connections hand their socket to the sending
+    thread's `Deadline`."""
+
     def init_poolmanager(self, *a, **kw):
         super().init_poolmanager(*a, **kw)
         self.poolmanager.pool_classes_by_scheme = {'http': _HTTPPool, 'https': _HTTPSPool}

@@ -16,12 +16,14 @@ __all__ = ['STAT_KEYS', 'SamplingParams', 'GenerationResult', 'EngineError', 'Tr
 @dataclass(frozen=True)
 class SamplingParams:
     "How to sample one request; names follow SGLang's `sampling_params`."
+
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1                 # -1: no top-k filter
-    stop_token_ids: tuple = ()      # sampling stops after emitting one of these (it is part of the output)
-    seed: int | None = None         # per-request seed (SGLang: `sampling_seed`)
+    top_k: int = -1  # -1: no top-k filter
+    # sampling stops after emitting one of these (it is part of the output)
+    stop_token_ids: tuple = ()
+    seed: int | None = None  # per-request seed (SGLang: `sampling_seed`)
 
     def validate(self) -> 'SamplingParams':
         "Raise `ValueError` naming the field when a value is out of range."
@@ -29,26 +31,39 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1): raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k == 0 or self.top_k < -1: raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k!r}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k!r}")
         return self
+
 
 @dataclass
 class GenerationResult:
     "What one request produced. `output_ids` include the stop token when `finish_reason == 'stop'`."
+
     output_ids: list[int]
-    logprobs: list[float]           # behaviour log-prob of each output token (see the convention below)
-    finish_reason: str              # 'stop' | 'length' | 'abort'
+    logprobs: list[float]  # behaviour log-prob of each output token (see the convention below)
+    finish_reason: str  # 'stop' | 'length' | 'abort'
     prompt_tokens: int
     latency_s: float
     text: str | None = None
 
+
 class EngineError(RuntimeError):
     "A request (or an engine operation) failed."
+
+
 class TransientEngineError(EngineError):
-    "A failure that may succeed if retried: connection refused, 5xx, timeout, aborted request, out of memory."
+    """A failure that may succeed if retried: connection refused, 5xx, timeout, aborted request, out
+    of memory."""
+
+
 class DeterministicEngineError(EngineError):
-    "A failure that will repeat: a 4xx, an invalid prompt or parameters, a malformed or misaligned response."
+    """A failure that will repeat: a 4xx, an invalid prompt or parameters, a malformed or misaligned
+    response."""
+
+
 class ServerLaunchError(EngineError):
     "An inference server did not become healthy (it exited, or the start-up timeout passed)."
 
@@ -56,34 +71,58 @@ class ServerLaunchError(EngineError):
 @runtime_checkable
 class Engine(Protocol):
     "What the rollout needs from a sampler."
+
     stats: dict
-    weight_sync: str                # 'tensor' (takes a state dict) or 'disk' (takes an HF directory)
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
-                 return_exceptions: bool = False) -> list: ...
+    weight_sync: str  # 'tensor' (takes a state dict) or 'disk' (takes an HF directory)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams] | SamplingParams,
+        return_exceptions: bool = False,
+    ) -> list: ...
     def update_weights(self, state_dict=None, path=None) -> None: ...
     def sync_weights(self, state_dict: dict | None = None, path=None) -> float: ...
     def release_memory(self) -> None: ...
     def health(self) -> bool: ...
     def close(self) -> None: ...
 
-STAT_KEYS = ('requests', 'retries', 'transient_failures', 'deterministic_failures', 'generated_tokens')
+
+STAT_KEYS = (
+    'requests',
+    'retries',
+    'transient_failures',
+    'deterministic_failures',
+    'generated_tokens',
+)
+
 
 def new_stats() -> dict:
     "Zeroed engine counters."
     return {k: 0 for k in STAT_KEYS}
 
+
 def per_request(params, n: int) -> list[SamplingParams]:
     "Broadcast one `SamplingParams` to `n` requests, or check a list has exactly `n`."
-    if isinstance(params, SamplingParams): return [params] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
     params = list(params)
-    if len(params) != n: raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
     return params
+
 
 def check_prompt(p, vocab_size: int | None = None) -> list[int]:
     "A prompt as a non-empty list of ints in `[0, vocab_size)`, else `DeterministicEngineError`."
-    try: ids = [int(t) for t in p]
-    except (TypeError, ValueError) as e: raise DeterministicEngineError(f"prompt is not a list of token ids: {e}") from e
-    if not ids: raise DeterministicEngineError("prompt is empty")
+    try:
+        ids = [int(t) for t in p]
+    except (TypeError, ValueError) as e:
+        raise DeterministicEngineError(f"prompt is not a list of token ids: {e}") from e
+    if not ids:
+        raise DeterministicEngineError("prompt is empty")
     bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
-    if bad: raise DeterministicEngineError(f"prompt holds token ids outside [0, {vocab_size}): {bad[:5]}")
+    if bad:
+        raise DeterministicEngineError(
+            f"prompt holds token ids outside [0, {vocab_size}): {bad[:5]}"
+        )
     return ids

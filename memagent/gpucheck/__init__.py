@@ -9,4 +9,13 @@ __all__ = []
 from .layout import subset_layout, cluster_layout, layout_lines, REDUCED_LAYOUTS
 from .parts import PARTS
 from .step4b import STEP4B, model_flops
-__all__ = ['subset_layout', 'cluster_layout', 'layout_lines', 'REDUCED_LAYOUTS', 'PARTS', 'STEP4B', 'model_flops']
+
+__all__ = [
+    'subset_layout',
+    'cluster_layout',
+    'layout_lines',
+    'REDUCED_LAYOUTS',
+    'PARTS',
+    'STEP4B',
+    'model_flops',
+]

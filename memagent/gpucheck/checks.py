@@ -15,10 +15,17 @@ __all__ = ['fixed_batch', 'one_step', 'checkpoint_before_first_step', 'weight_sy
 # %% ../../nbs/22_gpucheck_2_checks.ipynb #570265cc
 def fixed_batch(vocab: int, tokens: int, rows: int = 2, seed: int = 0) -> dict:
     import torch
+
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, vocab, (rows, tokens // rows), generator=g)
-    resp = torch.zeros_like(ids, dtype=torch.bool); resp[:, ids.shape[1] // 2:] = True
-    return {'input_ids': ids, 'attention_mask': torch.ones_like(ids, dtype=torch.bool), 'response_mask': resp}
+    resp = torch.zeros_like(ids, dtype=torch.bool)
+    resp[:, ids.shape[1] // 2 :] = True
+    return {
+        'input_ids': ids,
+        'attention_mask': torch.ones_like(ids, dtype=torch.bool),
+        'response_mask': resp,
+    }
+
 
 def one_step(be, batch) -> tuple[float, float]:
     lp = be.logprobs(batch)
@@ -27,51 +34,98 @@ def one_step(be, batch) -> tuple[float, float]:
     be.backward(loss)
     return float(loss.detach()), be.step()
 
+
 def checkpoint_before_first_step(be) -> dict:
-    "The backend's own save path (`state_dict()`) before any optimizer step, and loading what it returned back: what came back, recorded."
+    """The backend's own save path (`state_dict()`) before any optimizer step, and loading what it
+    returned back: what came back, recorded."""
     from memagent.checkpoint import no_optimizer_state_reason
+
     try:
         state = be.state_dict()
-        reason = no_optimizer_state_reason(state.get('optimizer') if isinstance(state, dict) else state)
+        reason = no_optimizer_state_reason(
+            state.get('optimizer') if isinstance(state, dict) else state
+        )
         be.load_state_dict(be.hf_state_dict(), state)
-        return {'saved': 'no_optimizer_state marker' if reason else 'optimizer state', 'reason': reason,
-                'keys': sorted(state) if isinstance(state, dict) else type(state).__name__,
-                'loaded_back': True, 'fresh_reason': getattr(be.optimizer, 'fresh_reason', None), 'pass': True}
-    except Exception as e:   # the save or the load before a step raised: that is the finding
-        return {'saved': None, 'error': f"{type(e).__name__}: {e}", 'loaded_back': False, 'pass': False}
+        return {
+            'saved': 'no_optimizer_state marker' if reason else 'optimizer state',
+            'reason': reason,
+            'keys': sorted(state) if isinstance(state, dict) else type(state).__name__,
+            'loaded_back': True,
+            'fresh_reason': getattr(be.optimizer, 'fresh_reason', None),
+            'pass': True,
+        }
+    except Exception as e:  # the save or the load before a step raised: that is the finding
+        return {
+            'saved': None,
+            'error': f"{type(e).__name__}: {e}",
+            'loaded_back': False,
+            'pass': False,
+        }
 
 # %% ../../nbs/22_gpucheck_2_checks.ipynb #95aced7f
 def _summary(r: dict) -> dict:
     "A weight check's numbers without its log-prob lists."
     return {k: v for k, v in r.items() if k not in ('trainer', 'engine')}
 
-def weight_sync_check(device: str = 'cuda', dtype: str = 'bfloat16', tokens: int | None = None) -> dict:
-    "The megatron policy's own log-probs of the fixed prompt against HF engines: before a step, after the step's sync (pass), and one that missed it (fail)."
+# %% ../../nbs/22_gpucheck_2_checks.ipynb #99024377
+def weight_sync_check(
+    device: str = 'cuda', dtype: str = 'bfloat16', tokens: int | None = None
+) -> dict:
+    """The megatron policy's own log-probs of the fixed prompt against HF engines: before a step,
+    after the step's sync (pass), and one that missed it (fail)."""
     from memagent.engines import HFEngine
     from memagent.models import load_model, load_tokenizer
     from memagent.backends.megatron import MegatronBackend
     from memagent.policy import prompt_logprobs
-    from memagent.runcheck import WEIGHT_PROMPT, WEIGHT_TOL, precision_key, weight_check, weight_prompt_ids
+    from memagent.runcheck import (
+        WEIGHT_PROMPT,
+        WEIGHT_TOL,
+        precision_key,
+        weight_check,
+        weight_prompt_ids,
+    )
+
     key = precision_key(device.startswith('cuda'), dtype)
     tol, cfg = WEIGHT_TOL[key], tiny_megatron('selective', dtype)
     ids = weight_prompt_ids(load_tokenizer('tiny-qwen3'))
     be = MegatronBackend.from_config(cfg, load_model('tiny-qwen3', dtype))
-    synced, missed = HFEngine(load_model('tiny-qwen3', dtype, device)), HFEngine(load_model('tiny-qwen3', dtype, device))
-    policy = lambda ids: prompt_logprobs(be, ids)     # the trainer's side of the weight check: the policy's own forward
+    synced, missed = (
+        HFEngine(load_model('tiny-qwen3', dtype, device)),
+        HFEngine(load_model('tiny-qwen3', dtype, device)),
+    )
+    policy = lambda ids: prompt_logprobs(
+        be, ids
+    )  # the trainer's side of the weight check: the policy's own forward
     try:
-        before, missed0 = weight_check(synced, policy, ids, tol), weight_check(missed, policy, ids, tol)
+        before, missed0 = (
+            weight_check(synced, policy, ids, tol),
+            weight_check(missed, policy, ids, tol),
+        )
         one_step(be, fixed_batch(synced.vocab_size, tokens or cfg.batch.max_tokens_per_micro))
         synced.sync_weights(be.hf_state_dict())
         after = weight_check(synced, policy, ids, tol, previous=before)
         stale = weight_check(missed, policy, ids, tol, previous=missed0)
-    finally: be.close()
-    return {'prompt': WEIGHT_PROMPT, 'prompt_ids': ids, 'precision': key, 'tol': tol, 'trainer_side': 'MegatronBackend.logprobs',
-            'before_step': _summary(before), 'after_sync': _summary(after), 'missed_sync': _summary(stale),
-            'pass': before['passed'] and after['passed'] and not stale['passed']}
+    finally:
+        be.close()
+    return {
+        'prompt': WEIGHT_PROMPT,
+        'prompt_ids': ids,
+        'precision': key,
+        'tol': tol,
+        'trainer_side': 'MegatronBackend.logprobs',
+        'before_step': _summary(before),
+        'after_sync': _summary(after),
+        'missed_sync': _summary(stale),
+        'pass': before['passed'] and after['passed'] and not stale['passed'],
+    }
 
+# %% ../../nbs/22_gpucheck_2_checks.ipynb #341e8fee
 def perturbed(sd: dict, rel: float = 0.5, seed: int = 0) -> dict:
-    "Every tensor plus seeded noise of `rel` times its own standard deviation: weights far enough from the served ones that the check must see them (tiny Qwen3: max |dlogp| 0.21 at 0.5, 0.03 at 0.05, measured on CPU)."
+    """Every tensor plus seeded noise of `rel` times its own standard deviation: weights far enough
+    from the served ones that the check must see them (tiny Qwen3: max |dlogp| 0.21 at 0.5, 0.03 at
+    0.05, measured on CPU)."""
     import torch
+
     g = torch.Generator().manual_seed(seed)
     out = {}
     for k, v in sd.items():
@@ -79,32 +133,55 @@ def perturbed(sd: dict, rel: float = 0.5, seed: int = 0) -> dict:
         out[k] = (v.float() + rel * (v.float().std() if v.numel() > 1 else 0.0) * noise).to(v.dtype)
     return out
 
+# %% ../../nbs/22_gpucheck_2_checks.ipynb #be7ac70d
 def sglang_sync_check(eng, ids, before: list, after: list, sync) -> dict:
-    "An SGLang server against HF teacher-forced values: its weights (`before`), then after `sync()` the new ones (`after`), and the old ones no longer."
+    """An SGLang server against HF teacher-forced values: its weights (`before`), then after
+    `sync()` the new ones (`after`), and the old ones no longer."""
     from memagent.runcheck import WEIGHT_TOL, weight_check
+
     tol = WEIGHT_TOL['gpu-bf16']
     first = weight_check(eng, before, ids, tol)
     sync()
     synced = weight_check(eng, after, ids, tol, previous=first)
     old = weight_check(eng, before, ids, tol)
-    return {'prompt_ids': ids, 'tol': tol, 'trainer_side': 'HFEngine.prompt_logprobs (transformers, same weights)',
-            'before_sync': _summary(first), 'after_sync': _summary(synced), 'old_weights_after_sync': _summary(old),
-            'pass': first['passed'] and synced['passed'] and not old['passed']}
+    return {
+        'prompt_ids': ids,
+        'tol': tol,
+        'trainer_side': 'HFEngine.prompt_logprobs (transformers, same weights)',
+        'before_sync': _summary(first),
+        'after_sync': _summary(synced),
+        'old_weights_after_sync': _summary(old),
+        'pass': first['passed'] and synced['passed'] and not old['passed'],
+    }
 
 # %% ../../nbs/22_gpucheck_2_checks.ipynb #f3151676
 def peak_vs_plan(p: dict, smoke_run: str | None, gpus: int) -> dict | None:
-    "The smoke run's largest per-rank GPU peak during its updates (`gpu_peak_gib`) against the plan's update-phase terms torch allocates."
+    """The smoke run's largest per-rank GPU peak during its updates (`gpu_peak_gib`) against the
+    plan's update-phase terms torch allocates."""
     from memagent.config import get_preset
     from memagent.backends.megatron import have_transformer_engine
     from memagent.plan import ALLOCATED_TERMS, Cluster, GiB, make_plan
-    if not smoke_run or not (Path(smoke_run) / 'metrics.jsonl').is_file(): return None
+
+    if not smoke_run or not (Path(smoke_run) / 'metrics.jsonl').is_file():
+        return None
     import torch
+
     peaks = [json.loads(l).get('gpu_peak_gib') for l in open(Path(smoke_run) / 'metrics.jsonl')]
     peaks = [x for x in peaks if x is not None]
-    if not peaks: return None
-    plan = make_plan(get_preset(p['preset'], p['overrides']),
-                     Cluster(gpus_per_node=gpus, gpu_gb=torch.cuda.get_device_properties(0).total_memory / GiB,
-                             transformer_engine=have_transformer_engine()))
+    if not peaks:
+        return None
+    plan = make_plan(
+        get_preset(p['preset'], p['overrides']),
+        Cluster(
+            gpus_per_node=gpus,
+            gpu_gb=torch.cuda.get_device_properties(0).total_memory / GiB,
+            transformer_engine=have_transformer_engine(),
+        ),
+    )
     planned = plan.allocated('update') / GiB
-    return {'measured_peak_gib': max(peaks), 'planned_gib': planned, 'measured_over_planned': max(peaks) / planned,
-            'terms': [t for t in ALLOCATED_TERMS if t in plan.update]}
+    return {
+        'measured_peak_gib': max(peaks),
+        'planned_gib': planned,
+        'measured_over_planned': max(peaks) / planned,
+        'terms': [t for t in ALLOCATED_TERMS if t in plan.update],
+    }

@@ -6,7 +6,13 @@
 from __future__ import annotations
 import argparse, json, sys, time
 from pathlib import Path
-from .layout import REDUCED_LAYOUTS, cluster_layout, config_for, layout_lines, subset_layout
+from memagent.gpucheck.layout import (
+    REDUCED_LAYOUTS,
+    cluster_layout,
+    config_for,
+    layout_lines,
+    subset_layout,
+)
 from .checks import peak_vs_plan, perturbed, sglang_sync_check
 from .parts import PARTS
 from .step4b import STEP4B, STEP4B_HEADROOM, STEP4B_MIN_GIB, step4b_plan
@@ -18,80 +24,122 @@ __all__ = ['cmd_preset', 'cmd_layout', 'cmd_plan', 'cmd_subset', 'cmd_part', 'cm
 # %% ../../nbs/22_gpucheck_6_cli.ipynb #b08225b8
 def cmd_preset(a):
     import yaml
+
     p, rec = cluster_layout(a.models, a.gpus, a.reduced)
     print('\n'.join(layout_lines(rec, '# ')))
     print(yaml.safe_dump(p, sort_keys=False).rstrip())
 
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #aa67e9a0
 def cmd_layout(a):
     "Print the part's layout and what it leaves unchecked; a refusal goes to stderr with exit 3."
-    rec = (subset_layout(a.cpu_simulation)[1] if a.part == 'subset' else cluster_layout(a.models, a.gpus, a.reduced)[1])
+    rec = (
+        subset_layout(a.cpu_simulation)[1]
+        if a.part == 'subset'
+        else cluster_layout(a.models, a.gpus, a.reduced)[1]
+    )
     print('\n'.join(layout_lines(rec, f"{a.part}: ")))
     if rec['refused']:
         print(f"gpu_check: refused, not downgraded: {rec['refused']}", file=sys.stderr)
         sys.exit(3)
 
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #095888fe
 def cmd_plan(a):
     from memagent.plan import Cluster, make_plan
+
     cfg = config_for(a.preset, json.loads(a.overrides) if a.overrides else None)
-    p = make_plan(cfg, Cluster(gpus_per_node=a.gpus_per_node, gpu_gb=a.gpu_gb, transformer_engine=a.transformer_engine != 'no'))
+    p = make_plan(
+        cfg,
+        Cluster(
+            gpus_per_node=a.gpus_per_node,
+            gpu_gb=a.gpu_gb,
+            transformer_engine=a.transformer_engine != 'no',
+        ),
+    )
     print(f"plan of {a.preset} ({cfg.model.name}) on {a.gpus_per_node} x {a.gpu_gb:g} GB:")
-    for row in p.table(): print('  ' + '  '.join(f"{k}={v}" for k, v in row.items()))
+    for row in p.table():
+        print('  ' + '  '.join(f"{k}={v}" for k, v in row.items()))
     print('  ' + p.verdict())
     return p
 
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #221a3dec
 def _need_cuda(what: str):
     import torch
-    if not torch.cuda.is_available(): sys.exit(f"gpu_check.py {what}: needs a CUDA device (this is the GPU-only part)")
 
+    if not torch.cuda.is_available():
+        sys.exit(f"gpu_check.py {what}: needs a CUDA device (this is the GPU-only part)")
+
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #b903b84b
 def _write(out: Path, name: str, body: dict):
     from memagent.provenance import provenance
+
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps({**body, 'provenance': provenance()}, indent=1, default=str))
     print(f"wrote {out / name}")
 
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #da0a7ae7
 def cmd_subset(a):
-    "One GPU: every part of `parts.PARTS` in its own process under its own cap, then the report; `--cpu-simulation`: the same parts on CPU at tiny shapes."
-    if not a.cpu_simulation: _need_cuda('subset')
+    """One GPU: every part of `parts.PARTS` in its own process under its own cap, then the report;
+    `--cpu-simulation`: the same parts on CPU at tiny shapes."""
+    if not a.cpu_simulation:
+        _need_cuda('subset')
     _, layout = subset_layout(a.cpu_simulation)
-    if layout['refused']: sys.exit(f"gpu_check.py subset: refused, not downgraded: {layout['refused']}")
+    if layout['refused']:
+        sys.exit(f"gpu_check.py subset: refused, not downgraded: {layout['refused']}")
     print('\n'.join(layout_lines(layout)))
-    if a.cpu_simulation:     # what the GPU run would run at Qwen3-4B shapes: the plan, on an H200-sized and an 80 GiB card
+    # what the GPU run would run at Qwen3-4B shapes: the plan, on an H200-sized and an 80 GiB card
+    if a.cpu_simulation:
         from memagent.plan import GiB
+
         for name, (att, rc, rows, L) in STEP4B.items():
             for gib in (139.8, 80.0):
                 _, p = step4b_plan(rc, rows, L, gib, attention=att)
-                print(f"  {name} on a GPU would run: Qwen3-4B, {rows} x {L} tokens, recompute {rc}, attention {p.details['attention']}: "
-                      f"the plan's update allocates {p.allocated('update') / GiB:.1f} GiB, peak {p.peak('update') / GiB:.1f} GiB of {gib:g} GiB: "
-                      f"{'skipped: a card under ' + str(STEP4B_MIN_GIB) + ' GiB' if gib < STEP4B_MIN_GIB else 'fits' if p.peak('update') <= STEP4B_HEADROOM * gib * GiB else f'over {STEP4B_HEADROOM:.0%} of the card: fewer rows or skipped'}")
+                print(
+                    f"  {name} on a GPU would run: Qwen3-4B, {rows} x {L} tokens, recompute {rc}, "
+                    f"attention {p.details['attention']}: "
+                    f"the plan's update allocates {p.allocated('update') / GiB:.1f} GiB, peak "
+                    f"{p.peak('update') / GiB:.1f} GiB of {gib:g} GiB: "
+                    f"{'skipped: a card under ' + str(STEP4B_MIN_GIB) + ' GiB' if gib < STEP4B_MIN_GIB else 'fits' if p.peak('update') <= STEP4B_HEADROOM * gib * GiB else f'over {STEP4B_HEADROOM:.0%} of the card: fewer rows or skipped'}"  # noqa: E501
+                )
     body = run_subset(Path(a.out), a.cpu_simulation, a.parts.split(',') if a.parts else None)
     print(f"wrote {Path(a.out) / 'subset.md'}")
-    if not body['pass']: sys.exit('gpu_check.py subset: a part failed, timed out or did not run (see subset.md)')
+    if not body['pass']:
+        sys.exit('gpu_check.py subset: a part failed, timed out or did not run (see subset.md)')
 
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #a619c059
 def cmd_part(a):
     "One part of the subset in this process (what `subset` runs under a cap): `report.part_main`."
     part_main([a.name, '--out', a.out] + (['--cpu-simulation'] if a.cpu_simulation else []))
 
 # %% ../../nbs/22_gpucheck_6_cli.ipynb #c230da0e
 def cmd_render(a):
-    "A subset's report rendered again from the part files it recorded, keeping the run's provenance (anywhere: no GPU needed)."
+    """A subset's report rendered again from the part files it recorded, keeping the run's
+    provenance (anywhere: no GPU needed)."""
     out = Path(a.out)
     if not (out / 'subset.json').is_file() or not (out / 'parts').is_dir():
-        print(f"gpu_check.py render: {out} holds no subset.json and parts/ of a subset run", file=sys.stderr); sys.exit(2)
+        print(
+            f"gpu_check.py render: {out} holds no subset.json and parts/ of a subset run",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     body = rerender(out)
     print(f"wrote {out / 'subset.md'}: {'PASS' if body['pass'] else 'FAIL'}")
 
 # %% ../../nbs/22_gpucheck_6_cli.ipynb #380f7dc9
 def _time(fn, repeats: int = 2) -> float:
     import torch
-    fn(); torch.cuda.synchronize()                      # warm-up
+
+    fn()
+    torch.cuda.synchronize()  # warm-up
     t0 = time.perf_counter()
-    for _ in range(repeats): fn()
+    for _ in range(repeats):
+        fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / repeats
 
 # %% ../../nbs/22_gpucheck_6_cli.ipynb #92df285f
 def cmd_compare(a):
-    "SGLang vs the HF engine on the same prompts (tokens/s), and the megatron vs torch update on the same rows (seconds)."
+    """SGLang vs the HF engine on the same prompts (tokens/s), and the megatron vs torch update on
+    the same rows (seconds)."""
     _need_cuda('compare')
     import torch, yaml
     from memagent.config import get_preset
@@ -104,86 +152,212 @@ def cmd_compare(a):
     from memagent.transfer import InProcessChannel, RayChannel, layout_step
     from memagent.colocate import make_group
     from memagent.runcheck import weight_prompt_ids
+
     p = yaml.safe_load(Path(a.params).read_text())
-    cfg = get_preset(p['preset'], {**p['overrides'], 'rollout.colocate': False, 'rollout.engine': 'hf'})
-    # every configuration and count this compares, checked before the server's log or the sync files are written
+    cfg = get_preset(
+        p['preset'], {**p['overrides'], 'rollout.colocate': False, 'rollout.engine': 'hf'}
+    )
+    # every configuration and count this compares, checked before the server's log or the sync files
+    # are written
     if a.gpus < 1 or a.gpus > torch.cuda.device_count():
-        sys.exit(f"gpu_check.py compare: --gpus {a.gpus}: this machine has {torch.cuda.device_count()} GPUs")
-    cfgs = {backend: get_preset(p['preset'], {**p['overrides'], 'rollout.colocate': False, 'rollout.engine': 'hf', 'backend': backend,
-                                              **({'batch.tp': 1, 'batch.sequence_parallel': False} if backend == 'torch' else {})})
-            for backend in ('torch', 'megatron')}
+        sys.exit(
+            f"gpu_check.py compare: --gpus {a.gpus}: this machine has {torch.cuda.device_count()} "
+            "GPUs"
+        )
+    cfgs = {
+        backend: get_preset(
+            p['preset'],
+            {
+                **p['overrides'],
+                'rollout.colocate': False,
+                'rollout.engine': 'hf',
+                'backend': backend,
+                **({'batch.tp': 1, 'batch.sequence_parallel': False} if backend == 'torch' else {}),
+            },
+        )
+        for backend in ('torch', 'megatron')
+    }
     tok, out = load_tokenizer(cfg.model.tokenizer or cfg.model.name), Path(a.out)
     prompts = [tok(f"Summarize item {i}: " + "memory " * 400)['input_ids'] for i in range(64)]
     sp = SamplingParams(max_new_tokens=128, temperature=1.0, top_p=1.0)
     res = {}
     hf = HFEngine(load_model(cfg.model.name, cfg.model.dtype, 'cuda'), tok)
-    t0 = time.perf_counter(); r = hf.generate(prompts, sp); dt = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    r = hf.generate(prompts, sp)
+    dt = time.perf_counter() - t0
     res['hf_tokens_per_s'] = sum(len(x.output_ids) for x in r) / dt
-    # the weight check's reference values: the served weights, then perturbed ones (what a sync sends next)
+    # the weight check's reference values: the served weights, then perturbed ones (what a sync
+    # sends next)
     wids = weight_prompt_ids(tok)
     lp_base = hf.prompt_logprobs(wids)
     new_sd = perturbed(hf.model.state_dict())
-    hf.update_weights(state_dict=new_sd); lp_new = hf.prompt_logprobs(wids)
-    hf.model.to('cpu'); new_sd = {k: v.cpu() for k, v in new_sd.items()}; torch.cuda.empty_cache()   # the GPU for SGLang
-    try: path = model_dir(cfg.model.name)
-    except FileNotFoundError: path = cfg.model.name
-    with SGLangServer(path, tp=1, context_length=cfg.rollout.context_length, mem_fraction=0.8, log_path=out / 'sglang.log') as srv:
+    hf.update_weights(state_dict=new_sd)
+    lp_new = hf.prompt_logprobs(wids)
+    hf.model.to('cpu')
+    new_sd = {k: v.cpu() for k, v in new_sd.items()}
+    torch.cuda.empty_cache()  # the GPU for SGLang
+    try:
+        path = model_dir(cfg.model.name)
+    except FileNotFoundError:
+        path = cfg.model.name
+    with SGLangServer(
+        path,
+        tp=1,
+        context_length=cfg.rollout.context_length,
+        mem_fraction=0.8,
+        log_path=out / 'sglang.log',
+    ) as srv:
         eng = SGLangEngine([srv.url])
-        t0 = time.perf_counter(); r = eng.generate(prompts, sp); dt = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        r = eng.generate(prompts, sp)
+        dt = time.perf_counter() - t0
         res['sglang_tokens_per_s'] = sum(len(x.output_ids) for x in r) / dt
-        res['weight_check'] = sglang_sync_check(eng, wids, lp_base, lp_new, lambda: push_weights(eng, new_sd, hf.model, tok, out / 'sync'))
+        res['weight_check'] = sglang_sync_check(
+            eng,
+            wids,
+            lp_base,
+            lp_new,
+            lambda: push_weights(eng, new_sd, hf.model, tok, out / 'sync'),
+        )
         print(json.dumps(res['weight_check']))
     del hf, new_sd
     res['sglang_over_hf'] = res['sglang_tokens_per_s'] / res['hf_tokens_per_s']
     # the same rows through each backend's policy group, laid out as the trainer lays them out
-    exs = make_synthetic(cfg.grpo.prompts_per_step, num_tokens=cfg.chunking.chunk_tokens * 2, seed=cfg.seed, tokenizer=tok)
+    exs = make_synthetic(
+        cfg.grpo.prompts_per_step,
+        num_tokens=cfg.chunking.chunk_tokens * 2,
+        seed=cfg.seed,
+        tokenizer=tok,
+    )
     hf = HFEngine(load_model(cfg.model.name, cfg.model.dtype, 'cuda'), tok)
     trajs = rollout(exs, hf, tok, cfg, seed=cfg.seed)
-    del hf; torch.cuda.empty_cache()
-    for tr in trajs: tr.reward = float(len(tr.final_text) % 2)   # any reward with variance: this times the update only
+    del hf
+    torch.cuda.empty_cache()
+    for tr in trajs:
+        tr.reward = float(
+            len(tr.final_text) % 2
+        )  # any reward with variance: this times the update only
     rows, _ = trajectories_to_rows(trajs, cfg)
     for backend, c in cfgs.items():
         group = make_group(c, tok.pad_token_id, a.gpus)
         try:
             put, k = layout_step(rows, group.dp_size, c.optim.mini_batches)[0], [0]
-            chan = InProcessChannel(len(put) + 1, 1) if a.gpus == 1 else RayChannel(len(put) + group.dp_size, group.dp_size)
+            chan = (
+                InProcessChannel(len(put) + 1, 1)
+                if a.gpus == 1
+                else RayChannel(len(put) + group.dp_size, group.dp_size)
+            )
+
             def once():
-                k[0] += 1; chan.put(k[0], put); group.update(chan, k[0], c.rollout.request_timeout_s)
+                k[0] += 1
+                chan.put(k[0], put)
+                group.update(chan, k[0], c.rollout.request_timeout_s)
+
             res[f'{backend}_update_s'] = _time(once)
         finally:
-            group.close(); del group                       # its policy, reference and optimizer leave the GPU before the next
-            import gc; gc.collect(); torch.cuda.empty_cache()
+            group.close()
+            del group  # its policy, reference and optimizer leave the GPU before the next
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
     res['megatron_over_torch_time'] = res['megatron_update_s'] / res['torch_update_s']
     res['rows'] = len(rows)
     res['peak_vs_plan'] = peak_vs_plan(p, a.smoke_run, a.gpus)
-    head = [l[2:] for l in Path(a.params).read_text().splitlines() if l.startswith('# ')]   # the layout lines `preset` wrote first
-    _write(out, 'compare.json', {'layout': next((l.split(': ', 1)[1] for l in head if l.startswith('layout: ')), 'unknown (no layout line in the params)'),
-                                 'not_checked': next((l.split(': ', 1)[1] for l in head if l.startswith('not checked: ')), 'unknown'),
-                                 'params': p, 'results': res})
-    if not res['weight_check']['pass']: sys.exit('gpu_check.py compare: the SGLang weight check failed (see compare.json)')
+    head = [
+        l[2:] for l in Path(a.params).read_text().splitlines() if l.startswith('# ')
+    ]  # the layout lines `preset` wrote first
+    _write(
+        out,
+        'compare.json',
+        {
+            'layout': next(
+                (l.split(': ', 1)[1] for l in head if l.startswith('layout: ')),
+                'unknown (no layout line in the params)',
+            ),
+            'not_checked': next(
+                (l.split(': ', 1)[1] for l in head if l.startswith('not checked: ')), 'unknown'
+            ),
+            'params': p,
+            'results': res,
+        },
+    )
+    if not res['weight_check']['pass']:
+        sys.exit('gpu_check.py compare: the SGLang weight check failed (see compare.json)')
 
 # %% ../../nbs/22_gpucheck_6_cli.ipynb #c3ae2ef0
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest='cmd', required=True)
-    s = sub.add_parser('preset'); s.add_argument('--models', default='none'); s.add_argument('--gpus', type=int, default=8)
-    s.add_argument('--reduced', action='store_true', help="Transformer Engine missing: the named reduced layout 'no-te'")
-    s = sub.add_parser('layout'); s.add_argument('--part', choices=('subset', 'cluster'), required=True)
-    s.add_argument('--models', default='none'); s.add_argument('--gpus', type=int, default=8)
-    s.add_argument('--reduced', action='store_true'); s.add_argument('--cpu-simulation', action='store_true')
-    s = sub.add_parser('plan'); s.add_argument('--preset', required=True); s.add_argument('--gpus-per-node', type=int, default=8)
-    s.add_argument('--gpu-gb', type=float, default=80.0); s.add_argument('--overrides', default=None, help='JSON dict of dotted keys')
-    s.add_argument('--transformer-engine', choices=('yes', 'no'), default='yes', help="whether the cluster's GPUs have Transformer Engine (the attention the plan resolves)")
-    s = sub.add_parser('subset'); s.add_argument('--out', required=True)
-    s.add_argument('--cpu-simulation', action='store_true', help="the subset's code path on CPU (tiny shapes, the CPU stand-in optimizer): recorded as such")
-    s.add_argument('--parts', default=None, help='comma-separated part names (default: every part of memagent.gpucheck.parts.PARTS)')
-    s = sub.add_parser('part'); s.add_argument('name'); s.add_argument('--out', required=True); s.add_argument('--cpu-simulation', action='store_true')
-    s = sub.add_parser('render'); s.add_argument('--out', required=True, help="a subset run's folder (its subset.json and parts/)")
-    s = sub.add_parser('compare'); s.add_argument('--params', required=True); s.add_argument('--gpus', type=int, required=True)
-    s.add_argument('--out', required=True); s.add_argument('--smoke-run', default=None, help="the smoke's run directory (its metrics.jsonl)")
+    s = sub.add_parser('preset')
+    s.add_argument('--models', default='none')
+    s.add_argument('--gpus', type=int, default=8)
+    s.add_argument(
+        '--reduced',
+        action='store_true',
+        help="Transformer Engine missing: the named reduced layout 'no-te'",
+    )
+    s = sub.add_parser('layout')
+    s.add_argument('--part', choices=('subset', 'cluster'), required=True)
+    s.add_argument('--models', default='none')
+    s.add_argument('--gpus', type=int, default=8)
+    s.add_argument('--reduced', action='store_true')
+    s.add_argument('--cpu-simulation', action='store_true')
+    s = sub.add_parser('plan')
+    s.add_argument('--preset', required=True)
+    s.add_argument('--gpus-per-node', type=int, default=8)
+    s.add_argument('--gpu-gb', type=float, default=80.0)
+    s.add_argument('--overrides', default=None, help='JSON dict of dotted keys')
+    s.add_argument(
+        '--transformer-engine',
+        choices=('yes', 'no'),
+        default='yes',
+        help="whether the cluster's GPUs have Transformer Engine (the attention the plan resolves)",
+    )
+    s = sub.add_parser('subset')
+    s.add_argument('--out', required=True)
+    s.add_argument(
+        '--cpu-simulation',
+        action='store_true',
+        help=(
+            "the subset's code path on CPU (tiny shapes, the CPU stand-in optimizer): recorded as "
+            "such"
+        ),
+    )
+    s.add_argument(
+        '--parts',
+        default=None,
+        help='comma-separated part names (default: every part of memagent.gpucheck.parts.PARTS)',
+    )
+    s = sub.add_parser('part')
+    s.add_argument('name')
+    s.add_argument('--out', required=True)
+    s.add_argument('--cpu-simulation', action='store_true')
+    s = sub.add_parser('render')
+    s.add_argument(
+        '--out', required=True, help="a subset run's folder (its subset.json and parts/)"
+    )
+    s = sub.add_parser('compare')
+    s.add_argument('--params', required=True)
+    s.add_argument('--gpus', type=int, required=True)
+    s.add_argument('--out', required=True)
+    s.add_argument(
+        '--smoke-run', default=None, help="the smoke's run directory (its metrics.jsonl)"
+    )
     a = ap.parse_args(argv)
-    {'preset': cmd_preset, 'layout': cmd_layout, 'plan': cmd_plan, 'subset': cmd_subset, 'part': cmd_part, 'render': cmd_render, 'compare': cmd_compare}[a.cmd](a)
+    {
+        'preset': cmd_preset,
+        'layout': cmd_layout,
+        'plan': cmd_plan,
+        'subset': cmd_subset,
+        'part': cmd_part,
+        'render': cmd_render,
+        'compare': cmd_compare,
+    }[a.cmd](a)
 
 # %% ../../nbs/22_gpucheck_6_cli.ipynb #32bb8d84
 #| eval: false
-if __name__ == '__main__': main()
+if __name__ == '__main__':
+    main()

@@ -14,110 +14,237 @@ __all__ = ['FROZEN_MODELS', 'REDUCED_LAYOUTS', 'SP_ONE_GPU', 'find_model', 'smok
 # %% ../../nbs/22_gpucheck_1_layout.ipynb #f8d6f73e
 FROZEN_MODELS = (('Qwen3-4B', 'qwen3-4b-frozen'), ('Qwen3-0.6B', 'qwen3-0.6b-pilot'))
 
+
 def find_model(models: str) -> tuple[str, str | None]:
-    "(preset, model path or hub id) for the largest recipe model present locally; ('tiny', None) when none is and no folder was named. A named folder (`--models`, MEMAGENT_MODELS) that is missing or holds neither recipe model is refused (exit 2), never read as 'none'."
+    """(preset, model path or hub id) for the largest recipe model present locally; ('tiny', None)
+    when none is and no folder was named. A named folder (`--models`, MEMAGENT_MODELS) that is
+    missing or holds neither recipe model is refused (exit 2), never read as 'none'."""
     from memagent.models import known_models
+
     if models != 'none':
         d = Path(models)
         expected = ', '.join(f"{d / name}/config.json" for name, _ in FROZEN_MODELS)
         if not d.is_dir():
-            print(f"gpu_check.py: --models {models}: no such folder (it should hold {expected}); "
-                  "leave --models out to use the hub cache or the tiny model", file=sys.stderr)
+            print(
+                f"gpu_check.py: --models {models}: no such folder (it should hold {expected}); "
+                "leave --models out to use the hub cache or the tiny model",
+                file=sys.stderr,
+            )
             sys.exit(2)
         if not any((d / name / 'config.json').is_file() for name, _ in FROZEN_MODELS):
-            print(f"gpu_check.py: --models {models}: holds neither recipe model (looked for {expected}); "
-                  "leave --models out to use the hub cache or the tiny model", file=sys.stderr)
+            print(
+                f"gpu_check.py: --models {models}: holds neither recipe model (looked for "
+                f"{expected}); "
+                "leave --models out to use the hub cache or the tiny model",
+                file=sys.stderr,
+            )
             sys.exit(2)
     hub = known_models()['hub cache']
     for name, preset in FROZEN_MODELS:
-        if models != 'none' and (Path(models) / name / 'config.json').is_file(): return preset, str(Path(models) / name)
-        if f'Qwen/{name}' in hub: return preset, f'Qwen/{name}'
+        if models != 'none' and (Path(models) / name / 'config.json').is_file():
+            return preset, str(Path(models) / name)
+        if f'Qwen/{name}' in hub:
+            return preset, f'Qwen/{name}'
     return 'tiny', None
 
+# %% ../../nbs/22_gpucheck_1_layout.ipynb #f4951024
 def smoke_params(models: str, gpus: int, reduced: str | None = None) -> dict:
-    "Parameters of nbs/smoke.ipynb for the colocated layout on `gpus` GPUs of one node: the preset's layout as configured, or the named reduced one."
+    """Parameters of nbs/smoke.ipynb for the colocated layout on `gpus` GPUs of one node: the
+    preset's layout as configured, or the named reduced one."""
     preset, path = find_model(models)
-    ov = {'batch.n_gpus': gpus, 'rollout.colocate': True, 'rollout.engine': 'sglang', 'rollout.gpus_per_engine': min(2, gpus)}
-    if preset == 'tiny':   # the frozen layout around a random tiny Qwen3: megatron, TP 2 when there are GPUs for it
-        ov.update({'backend': 'megatron', 'model.dtype': 'bfloat16', 'batch.tp': 2 if gpus % 2 == 0 else 1,
-                   'batch.distributed_optimizer': True, 'batch.recompute': 'selective', 'batch.sequence_parallel': gpus % 2 == 0})
-    if path is not None: ov['model.name'] = path
-    if reduced is not None: ov.update(REDUCED_LAYOUTS[reduced]['overrides'])
+    ov = {
+        'batch.n_gpus': gpus,
+        'rollout.colocate': True,
+        'rollout.engine': 'sglang',
+        'rollout.gpus_per_engine': min(2, gpus),
+    }
+    if (
+        preset == 'tiny'
+    ):  # the frozen layout around a random tiny Qwen3: megatron, TP 2 when there are GPUs for it
+        ov.update(
+            {
+                'backend': 'megatron',
+                'model.dtype': 'bfloat16',
+                'batch.tp': 2 if gpus % 2 == 0 else 1,
+                'batch.distributed_optimizer': True,
+                'batch.recompute': 'selective',
+                'batch.sequence_parallel': gpus % 2 == 0,
+            }
+        )
+    if path is not None:
+        ov['model.name'] = path
+    if reduced is not None:
+        ov.update(REDUCED_LAYOUTS[reduced]['overrides'])
     return {'preset': preset, 'overrides': ov, 'world_size': gpus}
 
 # %% ../../nbs/22_gpucheck_1_layout.ipynb #4d3acce4
-def tiny_megatron(recompute: str = 'selective', dtype: str = 'bfloat16', distributed_optimizer: bool | None = None):
-    "The tiny model in the frozen recipe's training precision on one GPU (its distributed optimizer with bf16 unless told)."
+def tiny_megatron(
+    recompute: str = 'selective', dtype: str = 'bfloat16', distributed_optimizer: bool | None = None
+):
+    """The tiny model in the frozen recipe's training precision on one GPU (its distributed
+    optimizer with bf16 unless told)."""
     from memagent.config import get_preset
+
     dopt = dtype == 'bfloat16' if distributed_optimizer is None else distributed_optimizer
-    return get_preset('tiny', {'backend': 'megatron', 'model.dtype': dtype, 'batch.n_gpus': 1, 'batch.tp': 1,
-                               'batch.distributed_optimizer': dopt, 'batch.recompute': recompute})
+    return get_preset(
+        'tiny',
+        {
+            'backend': 'megatron',
+            'model.dtype': dtype,
+            'batch.n_gpus': 1,
+            'batch.tp': 1,
+            'batch.distributed_optimizer': dopt,
+            'batch.recompute': recompute,
+        },
+    )
+
 
 def config_for(preset: str, overrides: dict | None = None):
     from memagent.config import get_preset
+
     return tiny_megatron() if preset == 'tiny-megatron' else get_preset(preset, overrides or {})
 
+
 def environment() -> dict:
-    "Driver, CUDA, GPUs and the versions that decide what the subset measured (from `memagent.doctor.probe_env`, no Ray)."
+    """Driver, CUDA, GPUs and the versions that decide what the subset measured (from
+    `memagent.doctor.probe_env`, no Ray)."""
     from memagent.doctor import dist_version, probe_env
+
     e = probe_env()
-    return {'python': e.python_version, 'driver': e.driver_version, 'cuda_runtime_of_torch': e.torch_cuda, 'cuda_available': e.cuda_available,
-            'gpus': [g.name for g in e.gpus], 'torch': e.torch_version, 'transformers': dist_version('transformers'),
-            'megatron_core': e.megatron_version, 'transformer_engine': e.te_version, 'transformer_engine_pytorch': e.te_pytorch,
-            'sglang': e.sglang_version, 'nccl': e.nccl_version, 'problems': e.problems}
+    return {
+        'python': e.python_version,
+        'driver': e.driver_version,
+        'cuda_runtime_of_torch': e.torch_cuda,
+        'cuda_available': e.cuda_available,
+        'gpus': [g.name for g in e.gpus],
+        'torch': e.torch_version,
+        'transformers': dist_version('transformers'),
+        'megatron_core': e.megatron_version,
+        'transformer_engine': e.te_version,
+        'transformer_engine_pytorch': e.te_pytorch,
+        'sglang': e.sglang_version,
+        'nccl': e.nccl_version,
+        'problems': e.problems,
+    }
 
 # %% ../../nbs/22_gpucheck_1_layout.ipynb #3a9f9162
-# The layouts `--reduced` (or `--cpu-simulation`) may run instead of the configured one: what they change and what they leave unchecked.
+# The layouts `--reduced` (or `--cpu-simulation`) may run instead of the configured one: what they
+# change and what they leave unchecked.
 REDUCED_LAYOUTS = {
-    'no-te': {'when': 'Transformer Engine is not installed (--reduced)',
-              'overrides': {'batch.sequence_parallel': False, 'batch.attention': 'sdpa'},
-              'not_checked': ["Transformer Engine attention (the reduced layout runs the local spec with the fused SDPA core attention)",
-                              'sequence parallel (the reduced layout turns it off; it needs Transformer Engine)']},
-    'cpu-simulation': {'when': 'explicit --cpu-simulation: the subset\'s code path on CPU, not a GPU check',
-                       'overrides': {'model.dtype': 'float32', 'batch.distributed_optimizer': False},
-                       'not_checked': ['bf16 with fp32 main grads (CPU runs fp32)',
-                                       "megatron-core's optimizer and its distributed optimizer (CPU runs the stand-in CpuMainParamOptimizer)",
-                                       'Transformer Engine attention (CPU runs the local spec)',
-                                       'peak GPU memory against the plan (no GPU)',
-                                       "the gpu-bf16 weight-check tolerance (CPU checks WEIGHT_TOL['cpu-fp32'])"]},
+    'no-te': {
+        'when': 'Transformer Engine is not installed (--reduced)',
+        'overrides': {'batch.sequence_parallel': False, 'batch.attention': 'sdpa'},
+        'not_checked': [
+            "Transformer Engine attention (the reduced layout runs the local spec with the fused "
+            "SDPA core attention)",
+            'sequence parallel (the reduced layout turns it off; it needs Transformer Engine)',
+        ],
+    },
+    'cpu-simulation': {
+        'when': 'explicit --cpu-simulation: the subset\'s code path on CPU, not a GPU check',
+        'overrides': {'model.dtype': 'float32', 'batch.distributed_optimizer': False},
+        'not_checked': [
+            'bf16 with fp32 main grads (CPU runs fp32)',
+            "megatron-core's optimizer and its distributed optimizer (CPU runs the stand-in "
+            "CpuMainParamOptimizer)",
+            'Transformer Engine attention (CPU runs the local spec)',
+            'peak GPU memory against the plan (no GPU)',
+            "the gpu-bf16 weight-check tolerance (CPU checks WEIGHT_TOL['cpu-fp32'])",
+        ],
+    },
 }
 
-SP_ONE_GPU = 'sequence parallel (needs TP >= 2, so at least 2 GPUs: not checked on one GPU; part cluster checks it)'
+SP_ONE_GPU = (
+    'sequence parallel (needs TP >= 2, so at least 2 GPUs: not checked on one GPU; part cluster '
+    'checks it)'
+)
 
-def layout_record(cfg, world_size: int, what: str, reduced: str | None = None, not_checked=()) -> dict:
-    "`layout: as_configured | reduced`, the parts not checked, the fast memagent-doctor rows of `cfg` and the refusal (`require`'s message) if any fails."
+
+def layout_record(
+    cfg, world_size: int, what: str, reduced: str | None = None, not_checked=()
+) -> dict:
+    """`layout: as_configured | reduced`, the parts not checked, the fast memagent-doctor rows of
+    `cfg` and the refusal (`require`'s message) if any fails."""
     from memagent.doctor import DoctorError, doctor, require
-    rows = doctor(cfg, world_size, fast_only=True)
-    try: require(rows, what); refused = None
-    except DoctorError as e: refused = str(e)
-    nc = list(REDUCED_LAYOUTS[reduced]['not_checked'] if reduced else []) + [x for x in not_checked if x]
-    return {'layout': 'reduced' if reduced else 'as_configured', 'reduced_layout': reduced,
-            'reduced_because': REDUCED_LAYOUTS[reduced]['when'] if reduced else None, 'not_checked': nc, 'refused': refused,
-            'failing_rows': [r.name for r in rows if r.verdict == 'fail'], 'rows': [r.to_dict() for r in rows]}
 
+    rows = doctor(cfg, world_size, fast_only=True)
+    try:
+        require(rows, what)
+        refused = None
+    except DoctorError as e:
+        refused = str(e)
+    nc = list(REDUCED_LAYOUTS[reduced]['not_checked'] if reduced else []) + [
+        x for x in not_checked if x
+    ]
+    return {
+        'layout': 'reduced' if reduced else 'as_configured',
+        'reduced_layout': reduced,
+        'reduced_because': REDUCED_LAYOUTS[reduced]['when'] if reduced else None,
+        'not_checked': nc,
+        'refused': refused,
+        'failing_rows': [r.name for r in rows if r.verdict == 'fail'],
+        'rows': [r.to_dict() for r in rows],
+    }
+
+# %% ../../nbs/22_gpucheck_1_layout.ipynb #8d5399ec
 def cluster_layout(models: str, gpus: int, reduced: bool = False) -> tuple[dict, dict]:
-    "(smoke parameters, layout record) of part cluster: as configured; with `reduced` and Transformer Engine missing, the named 'no-te' layout."
+    """(smoke parameters, layout record) of part cluster: as configured; with `reduced` and
+    Transformer Engine missing, the named 'no-te' layout."""
     from memagent.config import get_preset
+
     p = smoke_params(models, gpus)
     what = f"gpu_check part cluster: preset {p['preset']!r} in its colocated layout on {gpus} GPUs"
     rec = layout_record(get_preset(p['preset'], p['overrides']), gpus, what)
     if reduced and 'Transformer Engine' in rec['failing_rows']:
         p = smoke_params(models, gpus, 'no-te')
-        rec = layout_record(get_preset(p['preset'], p['overrides']), gpus, what + ", reduced layout 'no-te'", 'no-te')
-    elif reduced: rec['reduced_because'] = '--reduced given, not needed: the layout as configured passes the Transformer Engine row'
+        rec = layout_record(
+            get_preset(p['preset'], p['overrides']),
+            gpus,
+            what + ", reduced layout 'no-te'",
+            'no-te',
+        )
+    elif reduced:
+        rec['reduced_because'] = (
+            '--reduced given, not needed: the layout as configured passes the Transformer Engine '
+            'row'
+        )
     return p, rec
 
+# %% ../../nbs/22_gpucheck_1_layout.ipynb #7e935b3b
 def subset_layout(cpu_simulation: bool = False) -> tuple[object, dict]:
-    "(config, layout record) of part subset: the tiny model in the frozen recipe's precision on one GPU, or the named 'cpu-simulation' layout."
+    """(config, layout record) of part subset: the tiny model in the frozen recipe's precision on
+    one GPU, or the named 'cpu-simulation' layout."""
     from memagent.backends.megatron import have_transformer_engine
-    cfg = tiny_megatron('selective', 'float32') if cpu_simulation else tiny_megatron()
-    te = None if cpu_simulation or have_transformer_engine() else 'Transformer Engine attention (not installed: the local spec runs)'
-    return cfg, layout_record(cfg, 1, 'gpu_check part subset: tiny Qwen3, megatron-core' + (' on CPU (cpu-simulation)' if cpu_simulation
-                              else ' bf16 + distributed optimizer on one GPU'), 'cpu-simulation' if cpu_simulation else None, (te, SP_ONE_GPU))
 
+    cfg = tiny_megatron('selective', 'float32') if cpu_simulation else tiny_megatron()
+    te = (
+        None
+        if cpu_simulation or have_transformer_engine()
+        else 'Transformer Engine attention (not installed: the local spec runs)'
+    )
+    return cfg, layout_record(
+        cfg,
+        1,
+        'gpu_check part subset: tiny Qwen3, megatron-core'
+        + (
+            ' on CPU (cpu-simulation)'
+            if cpu_simulation
+            else ' bf16 + distributed optimizer on one GPU'
+        ),
+        'cpu-simulation' if cpu_simulation else None,
+        (te, SP_ONE_GPU),
+    )
+
+# %% ../../nbs/22_gpucheck_1_layout.ipynb #e27fa9c9
 def layout_lines(rec: dict, prefix: str = '') -> list[str]:
     "The first lines of every report: the layout, why it is reduced, the parts not checked."
-    lines = [f"{prefix}layout: {rec['layout']}" + (f" ({rec['reduced_layout']}: {rec['reduced_because']})" if rec['reduced_layout']
-                                                  else (f" ({rec['reduced_because']})" if rec.get('reduced_because') else ''))]
+    lines = [
+        f"{prefix}layout: {rec['layout']}"
+        + (
+            f" ({rec['reduced_layout']}: {rec['reduced_because']})"
+            if rec['reduced_layout']
+            else (f" ({rec['reduced_because']})" if rec.get('reduced_because') else '')
+        )
+    ]
     lines.append(f"{prefix}not checked: " + ('; '.join(rec['not_checked']) or 'nothing'))
     return lines

@@ -7,34 +7,96 @@ from __future__ import annotations
 import json, math, os, statistics, sys, time
 from pathlib import Path
 from .layout import tiny_megatron
-from .checks import fixed_batch, one_step, checkpoint_before_first_step, weight_sync_check
+from memagent.gpucheck.checks import (
+    fixed_batch,
+    one_step,
+    checkpoint_before_first_step,
+    weight_sync_check,
+)
 
-ENGINE_CAP_S = 90          # the engine comparison's repeats, at most (the part's process cap adds its start-up)
+ENGINE_CAP_S = (
+    90  # the engine comparison's repeats, at most (the part's process cap adds its start-up)
+)
 
-REPEATS = 5                # nbs/bench.ipynb decides a goal on 5 or more repeats (memagent.bench.MIN_REPEATS)
+REPEATS = 5  # nbs/bench.ipynb decides a goal on 5 or more repeats (memagent.bench.MIN_REPEATS)
 
-# name, cap (s), what: the caps add up to PART_CAPS_S; a run on one H100/H200-class GPU is meant to take SUBSET_BUDGET_S
+# name, cap (s), what: the caps add up to PART_CAPS_S; a run on one H100/H200-class GPU is meant to
+# take SUBSET_BUDGET_S
 PARTS = (
-    ('megatron', 60, 'megatron-core bf16 + its optimizer per recompute mode: the step against fp32 torch, the optimizer-state round trip, a checkpoint before step 1'),
-    ('weight_sync', 40, 'the weight check after a sync: the megatron policy against in-process engines'),
-    ('trainer', 90, 'the in-process Trainer, 2 steps, torch and megatron (bf16, distributed optimizer): health, KL, seconds per phase, peak GPU memory'),
-    ('engine', 110, 'the in-process engine against generate() on a GPU-sized workload (repeats capped at 90 s)'),
-    ('step4b-local-full', 60, "the megatron step at Qwen3-4B shapes, the local spec's unfused attention, full recompute, 2 rows of 4,608 tokens"),
-    ('step4b-sdpa-full', 45, 'the megatron step at Qwen3-4B shapes, the SDPA core attention, full recompute, 2 rows of 4,608 tokens'),
-    ('step4b-sdpa-selective', 45, 'the megatron step at Qwen3-4B shapes, the SDPA core attention, selective recompute, 2 rows of 4,608 tokens where the plan says they fit, else 1'),
-    ('step4b-te-full', 45, 'the megatron step at Qwen3-4B shapes, Transformer Engine, full recompute, 2 rows of 4,608 tokens (skipped where TE is not installed)'),
-    ('precision', 45, 'a bf16-vs-fp32 step on a model trained away from uniform, with a control that must fail'),
-    ('optimizer', 45, "megatron-core's optimizer step against torch's fused AdamW at Qwen3-0.6B's shapes: seconds and peak of each"),
-    ('train-notebook', 120, 'the train notebook with the tiny preset, its cells in process with TensorBoard off: seconds per section, tokens/s, peak memory'),
+    (
+        'megatron',
+        60,
+        'megatron-core bf16 + its optimizer per recompute mode: the step against fp32 torch, the '
+        'optimizer-state round trip, a checkpoint before step 1',
+    ),
+    (
+        'weight_sync',
+        40,
+        'the weight check after a sync: the megatron policy against in-process engines',
+    ),
+    (
+        'trainer',
+        90,
+        'the in-process Trainer, 2 steps, torch and megatron (bf16, distributed optimizer): '
+        'health, KL, seconds per phase, peak GPU memory',
+    ),
+    (
+        'engine',
+        110,
+        'the in-process engine against generate() on a GPU-sized workload (repeats capped at 90 s)',
+    ),
+    (
+        'step4b-local-full',
+        60,
+        "the megatron step at Qwen3-4B shapes, the local spec's unfused attention, full "
+        "recompute, 2 rows of 4,608 tokens",
+    ),
+    (
+        'step4b-sdpa-full',
+        45,
+        'the megatron step at Qwen3-4B shapes, the SDPA core attention, full recompute, 2 rows of '
+        '4,608 tokens',
+    ),
+    (
+        'step4b-sdpa-selective',
+        45,
+        'the megatron step at Qwen3-4B shapes, the SDPA core attention, selective recompute, 2 '
+        'rows of 4,608 tokens where the plan says they fit, else 1',
+    ),
+    (
+        'step4b-te-full',
+        45,
+        'the megatron step at Qwen3-4B shapes, Transformer Engine, full recompute, 2 rows of '
+        '4,608 tokens (skipped where TE is not installed)',
+    ),
+    (
+        'precision',
+        45,
+        'a bf16-vs-fp32 step on a model trained away from uniform, with a control that must fail',
+    ),
+    (
+        'optimizer',
+        45,
+        "megatron-core's optimizer step against torch's fused AdamW at Qwen3-0.6B's shapes: "
+        "seconds and peak of each",
+    ),
+    (
+        'train-notebook',
+        120,
+        'the train notebook with the tiny preset, its cells in process with TensorBoard off: '
+        'seconds per section, tokens/s, peak memory',
+    ),
 )
 
 SUBSET_BUDGET_S = 420
 
-CPU_CAP_FACTOR = 4         # --cpu-simulation: the same caps, times this (2 CPU cores run even tiny shapes slower than one GPU)
+# --cpu-simulation: the same caps, times this (2 CPU cores run even tiny shapes slower than one GPU)
+CPU_CAP_FACTOR = 4
 
 TOL = {'loss_rel': 2e-2, 'grad_norm_rel': 5e-2}
 
-CPU_TOKENS = 256           # --cpu-simulation: the tokens of a step's rows (a GPU runs the preset's micro-batch budget)
+# --cpu-simulation: the tokens of a step's rows (a GPU runs the preset's micro-batch budget)
+CPU_TOKENS = 256
 
 # %% auto #0
 __all__ = ['ENGINE_CAP_S', 'REPEATS', 'PARTS', 'SUBSET_BUDGET_S', 'CPU_CAP_FACTOR', 'TOL', 'CPU_TOKENS', 'OPTIM_PRESET',
@@ -45,29 +107,47 @@ __all__ = ['ENGINE_CAP_S', 'REPEATS', 'PARTS', 'SUBSET_BUDGET_S', 'CPU_CAP_FACTO
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #a889b0b7
 def _gc():
     import gc, torch
-    gc.collect()
-    if torch.cuda.is_available(): torch.cuda.empty_cache()
 
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #05d566c0
 def _sync():
     import torch
-    if torch.cuda.is_available(): torch.cuda.synchronize()
 
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #614d54ec
 def _cuda() -> bool:
     import torch
+
     return torch.cuda.is_available()
 
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #1c51c630
 def _peak_reset():
     import torch
-    if torch.cuda.is_available(): torch.cuda.reset_peak_memory_stats()
 
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #f0969220
 def _peak():
     import torch
+
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #dc4a44c3
 class Recorder:
-    "One part's result file (`parts/NAME.json`), rewritten after every measurement so what exists survives a later hang."
+    """One part's result file (`parts/NAME.json`), rewritten after every measurement so what exists
+    survives a later hang."""
+
     def __init__(self, out: Path, name: str):
-        self.path, self.body = out / 'parts' / f'{name}.json', {'part': name, 'status': 'running', 'results': {}}
+        self.path, self.body = (
+            out / 'parts' / f'{name}.json',
+            {'part': name, 'status': 'running', 'results': {}},
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.t0 = time.perf_counter()
         self.write()
@@ -80,26 +160,34 @@ class Recorder:
     def write(self):
         self.body['seconds'] = time.perf_counter() - self.t0
         tmp = self.path.with_suffix('.tmp')
-        tmp.write_text(json.dumps(self.body, indent=1, default=str)); tmp.replace(self.path)
+        tmp.write_text(json.dumps(self.body, indent=1, default=str))
+        tmp.replace(self.path)
 
     def done(self, passed: bool):
-        self.body.update(status='ok', passed=bool(passed)); self.write()
+        self.body.update(status='ok', passed=bool(passed))
+        self.write()
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #36abf743
 def part_megatron(rec: Recorder, cpu_sim: bool):
-    "Per recompute mode: one megatron step in the recipe's precision against the fp32 torch step on the same rows; state round trip."
+    """Per recompute mode: one megatron step in the recipe's precision against the fp32 torch step
+    on the same rows; state round trip."""
     import torch
     from memagent.models import load_model
     from memagent.backends.torch import TorchBackend
     from memagent.backends.megatron import MegatronBackend
     from memagent.ondevice import compute_device
+
     dev, dtype = compute_device(), ('float32' if cpu_sim else 'bfloat16')
     base = tiny_megatron('selective', dtype)
-    batch = fixed_batch(load_model('tiny-qwen3', 'float32').config.vocab_size, CPU_TOKENS if cpu_sim else base.batch.max_tokens_per_micro)
+    batch = fixed_batch(
+        load_model('tiny-qwen3', 'float32').config.vocab_size,
+        CPU_TOKENS if cpu_sim else base.batch.max_tokens_per_micro,
+    )
     ref = TorchBackend(load_model('tiny-qwen3', 'float32', dev), base.optim, base.optim.grad_clip)
     ref_loss, ref_norm = one_step(ref, batch)
     ref_w = {k: v.float().cpu() for k, v in ref.hf_state_dict().items()}
-    del ref; _gc()
+    del ref
+    _gc()
     ok = True
     for mode in ('none', 'selective', 'full'):
         cfg = tiny_megatron(mode, dtype)
@@ -110,28 +198,54 @@ def part_megatron(rec: Recorder, cpu_sim: bool):
             w = {k: v.float().cpu() for k, v in be.hf_state_dict().items()}
             state = be.state_dict()
             be.load_state_dict(be.hf_state_dict(), state)
-            same = json.dumps(state, default=str, sort_keys=True) == json.dumps(be.state_dict(), default=str, sort_keys=True)
-            r = {'recompute': mode, 'dtype': dtype, 'optimizer': type(be.optimizer).__name__, 'attention': be.attention,
-                 'parameter_dtypes': sorted({str(p.dtype) for p in be.model.parameters()}),
-                 'loss': loss, 'loss_fp32': ref_loss, 'loss_rel_diff': abs(loss - ref_loss) / abs(ref_loss), 'grad_norm': norm,
-                 'grad_norm_fp32': ref_norm, 'grad_norm_rel_diff': abs(norm - ref_norm) / ref_norm,
-                 'weights_max_abs_diff': max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w),
-                 'checkpoint_before_first_step': before, 'optimizer_state_round_trip': same}
-        finally: be.close(); del be; _gc()
-        r['pass'] = (r['loss_rel_diff'] < TOL['loss_rel'] and r['grad_norm_rel_diff'] < TOL['grad_norm_rel'] and same and before['pass']
-                     and r['parameter_dtypes'] == [f'torch.{dtype}'])
+            same = json.dumps(state, default=str, sort_keys=True) == json.dumps(
+                be.state_dict(), default=str, sort_keys=True
+            )
+            r = {
+                'recompute': mode,
+                'dtype': dtype,
+                'optimizer': type(be.optimizer).__name__,
+                'attention': be.attention,
+                'parameter_dtypes': sorted({str(p.dtype) for p in be.model.parameters()}),
+                'loss': loss,
+                'loss_fp32': ref_loss,
+                'loss_rel_diff': abs(loss - ref_loss) / abs(ref_loss),
+                'grad_norm': norm,
+                'grad_norm_fp32': ref_norm,
+                'grad_norm_rel_diff': abs(norm - ref_norm) / ref_norm,
+                'weights_max_abs_diff': max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w),
+                'checkpoint_before_first_step': before,
+                'optimizer_state_round_trip': same,
+            }
+        finally:
+            be.close()
+            del be
+            _gc()
+        r['pass'] = (
+            r['loss_rel_diff'] < TOL['loss_rel']
+            and r['grad_norm_rel_diff'] < TOL['grad_norm_rel']
+            and same
+            and before['pass']
+            and r['parameter_dtypes'] == [f'torch.{dtype}']
+        )
         ok &= r['pass']
         rec.put(mode, r)
     rec.done(ok)
 
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #e6f61941
 def part_weight_sync(rec: Recorder, cpu_sim: bool):
     from memagent.ondevice import compute_device
-    r = weight_sync_check(str(compute_device()), 'float32' if cpu_sim else 'bfloat16', CPU_TOKENS if cpu_sim else None)
+
+    r = weight_sync_check(
+        str(compute_device()), 'float32' if cpu_sim else 'bfloat16', CPU_TOKENS if cpu_sim else None
+    )
     rec.put('weight_sync', r)
     rec.done(r['pass'])
 
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #819537a2
 def _register_reward():
     from memagent.reward import REWARDS, register_reward
+
     if 'gpu_check_odd_length' not in REWARDS:
         register_reward('gpu_check_odd_length')(lambda text, answers: float(len(text) % 2))
 
@@ -142,33 +256,81 @@ def part_trainer(rec: Recorder, cpu_sim: bool):
     from memagent.config import get_preset
     from memagent.data import make_synthetic
     from memagent.trainer import Trainer
+
     _register_reward()
     ex = make_synthetic(4, num_words=40, hops=1, seed=0)
-    base = {'grpo.reward': 'gpu_check_odd_length', 'grpo.group_size': 4, 'schedule.steps': 2, 'schedule.save_every': 2}
-    layouts = {'torch': {'backend': 'torch'},
-               'megatron': {'backend': 'megatron', 'batch.recompute': 'selective',
-                            **({'model.dtype': 'float32', 'batch.distributed_optimizer': False} if cpu_sim else
-                               {'model.dtype': 'bfloat16', 'batch.distributed_optimizer': True})}}
+    base = {
+        'grpo.reward': 'gpu_check_odd_length',
+        'grpo.group_size': 4,
+        'schedule.steps': 2,
+        'schedule.save_every': 2,
+    }
+    layouts = {
+        'torch': {'backend': 'torch'},
+        'megatron': {
+            'backend': 'megatron',
+            'batch.recompute': 'selective',
+            **(
+                {'model.dtype': 'float32', 'batch.distributed_optimizer': False}
+                if cpu_sim
+                else {'model.dtype': 'bfloat16', 'batch.distributed_optimizer': True}
+            ),
+        },
+    }
     ok = True
     for name, ov in layouts.items():
         run = Path(rec.path.parent) / 'runs' / f'trainer-{name}'
         shutil.rmtree(run, ignore_errors=True)
-        t0 = time.perf_counter(); _peak_reset()
+        t0 = time.perf_counter()
+        _peak_reset()
         tr = Trainer(get_preset('tiny', {**base, **ov}), run, ex, progress=False, tensorboard=False)
         setup = time.perf_counter() - t0
         try:
             ms = tr.train()
             dev = str(tr.group.policy.device)
-        finally: tr.close(); del tr; _gc()
+        finally:
+            tr.close()
+            del tr
+            _gc()
         health = json.loads((run / 'health.json').read_text())
-        r = {'backend': name, 'overrides': ov, 'device': dev, 'health': health.get('status'), 'setup_s': setup,
-             'kl_step1': ms[0].get('kl'), 'steps': [{k: m.get(k) for k in ('step', 'reward_mean', 'loss', 'grad_norm', 'kl', 'rows_consumed',
-                                                                          'gpu_peak_gib', 'time_rollout', 'time_update', 'time_sync', 'time_step')}
-                                                  for m in ms],
-             'gpu_peak_gib': max((m.get('gpu_peak_gib') or 0 for m in ms), default=None) if _cuda() else None}
+        r = {
+            'backend': name,
+            'overrides': ov,
+            'device': dev,
+            'health': health.get('status'),
+            'setup_s': setup,
+            'kl_step1': ms[0].get('kl'),
+            'steps': [
+                {
+                    k: m.get(k)
+                    for k in (
+                        'step',
+                        'reward_mean',
+                        'loss',
+                        'grad_norm',
+                        'kl',
+                        'rows_consumed',
+                        'gpu_peak_gib',
+                        'time_rollout',
+                        'time_update',
+                        'time_sync',
+                        'time_step',
+                    )
+                }
+                for m in ms
+            ],
+            'gpu_peak_gib': max((m.get('gpu_peak_gib') or 0 for m in ms), default=None)
+            if _cuda()
+            else None,
+        }
         kl_tol = 0.0 if cpu_sim else 1e-6
-        r['pass'] = (r['health'] == 'completed' and len(ms) == 2 and all(math.isfinite(m['loss']) for m in ms)
-                     and isinstance(r['kl_step1'], float) and abs(r['kl_step1']) <= kl_tol)
+        r['pass'] = (
+            r['health'] == 'completed'
+            and len(ms) == 2
+            and all(math.isfinite(m['loss']) for m in ms)
+            and isinstance(r['kl_step1'], float)
+            and abs(r['kl_step1']) <= kl_tol
+        )
         ok &= r['pass']
         rec.put(name, r)
     rec.done(ok)
@@ -178,73 +340,149 @@ def _random_model(arch, dtype: str, device, seed: int = 0):
     "A random HF Qwen3 model of `arch`'s shape (memagent.plan.ARCHS), built on `device` in `dtype`."
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
-    c = Qwen3Config(hidden_size=arch.hidden, num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
-                    num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim, intermediate_size=arch.ffn, vocab_size=arch.vocab,
-                    tie_word_embeddings=arch.tied, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+
+    c = Qwen3Config(
+        hidden_size=arch.hidden,
+        num_hidden_layers=arch.layers,
+        num_attention_heads=arch.heads,
+        num_key_value_heads=arch.kv_heads,
+        head_dim=arch.head_dim,
+        intermediate_size=arch.ffn,
+        vocab_size=arch.vocab,
+        tie_word_embeddings=arch.tied,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    )
     torch.manual_seed(seed)
-    with torch.device(device): m = AutoModelForCausalLM.from_config(c, dtype=getattr(torch, dtype))
+    with torch.device(device):
+        m = AutoModelForCausalLM.from_config(c, dtype=getattr(torch, dtype))
     return m.eval()
 
+
 def engine_workload(cpu_sim: bool) -> dict:
-    "The comparison's workload: on a GPU the one the first H200 run tried; on CPU a tiny one through the same code."
-    if cpu_sim: return dict(model='tiny-qwen3', dtype='float32', requests=8, min_tokens=48, max_tokens=96, new_tokens=8)
-    return dict(model='Qwen/Qwen3-0.6B (shape, random weights)', dtype='bfloat16', requests=64, min_tokens=1024, max_tokens=2048,
-                new_tokens=256)
+    """The comparison's workload: on a GPU the one the first H200 run tried; on CPU a tiny one
+    through the same code."""
+    if cpu_sim:
+        return dict(
+            model='tiny-qwen3',
+            dtype='float32',
+            requests=8,
+            min_tokens=48,
+            max_tokens=96,
+            new_tokens=8,
+        )
+    return dict(
+        model='Qwen/Qwen3-0.6B (shape, random weights)',
+        dtype='bfloat16',
+        requests=64,
+        min_tokens=1024,
+        max_tokens=2048,
+        new_tokens=256,
+    )
+
 
 def shrink(w: dict, predicted_s: float, budget_s: float) -> tuple[dict, list[str]]:
-    "The stated rule: while a repeat is predicted to overrun its share of the budget, halve the requests (down to 8), then the new tokens (down to 32)."
+    """The stated rule: while a repeat is predicted to overrun its share of the budget, halve the
+    requests (down to 8), then the new tokens (down to 32)."""
     w, steps = dict(w), []
     while predicted_s > budget_s and (w['requests'] > 8 or w['new_tokens'] > 32):
         k = 'requests' if w['requests'] > 8 else 'new_tokens'
-        w[k] //= 2; predicted_s /= 2; steps.append(f"{k} halved to {w[k]}")
+        w[k] //= 2
+        predicted_s /= 2
+        steps.append(f"{k} halved to {w[k]}")
     return w, steps
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #38625e77
 def part_engine(rec: Recorder, cpu_sim: bool):
-    "HFEngine against generate() on the same prompts, interleaved repeats; the workload shrunk by `shrink` if a probe predicts an overrun."
+    """HFEngine against generate() on the same prompts, interleaved repeats; the workload shrunk by
+    `shrink` if a probe predicts an overrun."""
     from memagent.bench import bench_generate, bench_prompts, spread, verdict
     from memagent.engines import HFEngine
     from memagent.models import load_model, load_tokenizer
     from memagent.ondevice import compute_device
     from memagent.plan import ARCHS
+
     dev = compute_device()
     w0 = engine_workload(cpu_sim)
     tok = load_tokenizer('tiny-qwen3' if cpu_sim else 'qwen3')
-    model = load_model('tiny-qwen3', 'float32', dev) if cpu_sim else _random_model(ARCHS['Qwen/Qwen3-0.6B'], w0['dtype'], dev)
+    model = (
+        load_model('tiny-qwen3', 'float32', dev)
+        if cpu_sim
+        else _random_model(ARCHS['Qwen/Qwen3-0.6B'], w0['dtype'], dev)
+    )
     eng = HFEngine(model, tok)
-    # the probe: one small repeat of each side predicts a full repeat's seconds (time ~ requests x new tokens)
+    # the probe: one small repeat of each side predicts a full repeat's seconds (time ~ requests x
+    # new tokens)
     probe = dict(w0, requests=min(8, w0['requests']), new_tokens=min(32, w0['new_tokens']))
     prompts = bench_prompts(tok, probe['requests'], probe['max_tokens'], probe['min_tokens'])
-    t0 = time.perf_counter(); bench_generate(eng, prompts, probe['new_tokens']); probe_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    bench_generate(eng, prompts, probe['new_tokens'])
+    probe_s = time.perf_counter() - t0
     scale = (w0['requests'] / probe['requests']) * (w0['new_tokens'] / probe['new_tokens'])
     w, shrunk = shrink(w0, probe_s * scale, ENGINE_CAP_S / REPEATS)
-    rec.put('workload', {'asked': w0, 'run': w, 'probe_s': probe_s, 'predicted_repeat_s': probe_s * scale, 'shrunk': shrunk,
-                         'rule': f"a repeat (engine + generate()) may take {ENGINE_CAP_S}/{REPEATS} s: while the probe predicts more, "
-                                 "halve the requests (to 8), then the new tokens (to 32)"})
+    rec.put(
+        'workload',
+        {
+            'asked': w0,
+            'run': w,
+            'probe_s': probe_s,
+            'predicted_repeat_s': probe_s * scale,
+            'shrunk': shrunk,
+            'rule': (
+                f"a repeat (engine + generate()) may take {ENGINE_CAP_S}/{REPEATS} s: while the "
+                "probe predicts more, "
+                "halve the requests (to 8), then the new tokens (to 32)"
+            ),
+        },
+    )
     prompts = bench_prompts(tok, w['requests'], w['max_tokens'], w['min_tokens'])
     reps, t_start, stopped = [], time.perf_counter(), None
     for i in range(REPEATS):
-        if reps and time.perf_counter() - t_start + (time.perf_counter() - t_start) / len(reps) > ENGINE_CAP_S:
-            stopped = f"stopped after {len(reps)} repeats: the next would pass the {ENGINE_CAP_S} s cap"; break
+        if (
+            reps
+            and time.perf_counter() - t_start + (time.perf_counter() - t_start) / len(reps)
+            > ENGINE_CAP_S
+        ):
+            stopped = (
+                f"stopped after {len(reps)} repeats: the next would pass the {ENGINE_CAP_S} s cap"
+            )
+            break
         r = bench_generate(eng, prompts, w['new_tokens'], seed=i)
-        reps.append({'engine_tokens_per_s': r['engine']['tokens_per_s'], 'generate_tokens_per_s': r['generate']['tokens_per_s'],
-                     'ratio': r['ratio'], 'engine_s': r['engine']['wall_s'], 'generate_s': r['generate']['wall_s']})
+        reps.append(
+            {
+                'engine_tokens_per_s': r['engine']['tokens_per_s'],
+                'generate_tokens_per_s': r['generate']['tokens_per_s'],
+                'ratio': r['ratio'],
+                'engine_s': r['engine']['wall_s'],
+                'generate_s': r['generate']['wall_s'],
+            }
+        )
         rec.put(f'repeat_{i + 1}', reps[-1])
     ratios = [x['ratio'] for x in reps]
-    res = {'repeats': len(reps), 'stopped': stopped, 'ratio': spread(ratios), 'goal': 'engine tokens/s >= generate() tokens/s',
-           'verdict': verdict(ratios, '>=', 1.0), 'engine_tokens_per_s': spread([x['engine_tokens_per_s'] for x in reps]),
-           'generate_tokens_per_s': spread([x['generate_tokens_per_s'] for x in reps]), 'device': str(dev)}
+    res = {
+        'repeats': len(reps),
+        'stopped': stopped,
+        'ratio': spread(ratios),
+        'goal': 'engine tokens/s >= generate() tokens/s',
+        'verdict': verdict(ratios, '>=', 1.0),
+        'engine_tokens_per_s': spread([x['engine_tokens_per_s'] for x in reps]),
+        'generate_tokens_per_s': spread([x['generate_tokens_per_s'] for x in reps]),
+        'device': str(dev),
+    }
     rec.put('summary', res)
     rec.done(len(reps) >= 1)
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #9ef0a958
 def part_precision(rec: Recorder, cpu_sim: bool):
-    "bf16 against fp32 on a model whose log-probs are far from uniform; the untrained model must fail the same tolerance."
+    """bf16 against fp32 on a model whose log-probs are far from uniform; the untrained model must
+    fail the same tolerance."""
     import torch
     from memagent.models import load_model
     from memagent.backends.torch import TorchBackend
     from memagent.backends.megatron import MegatronBackend
     from memagent.ondevice import compute_device
+
     dev = compute_device()
     cfg32 = tiny_megatron('selective', 'float32')
     hf = load_model('tiny-qwen3', 'float32', dev)
@@ -252,154 +490,296 @@ def part_precision(rec: Recorder, cpu_sim: bool):
     batch = {k: v.to(dev) for k, v in fixed_batch(V, CPU_TOKENS // 2 if cpu_sim else 512).items()}
     untrained = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     from memagent.config import OptimCfg
+
     trainer = TorchBackend(hf, OptimCfg(name='adam', lr=1e-2), grad_clip=1.0)
     n = int(batch['response_mask'][:, 1:].sum())
-    for _ in range(40):                                        # a fixed sequence, learned: log-probs far from uniform
-        lp = trainer.logprobs(batch); loss = -(lp.sum() / n); trainer.backward(loss); trainer.step()
-    with torch.no_grad(): trained_loss = float(-(trainer.logprobs(batch).sum() / n))
-    rec.put('training', {'uniform_loss_ln_vocab': math.log(V), 'trained_loss': trained_loss, 'steps': 40})
+    for _ in range(40):  # a fixed sequence, learned: log-probs far from uniform
+        lp = trainer.logprobs(batch)
+        loss = -(lp.sum() / n)
+        trainer.backward(loss)
+        trainer.step()
+    with torch.no_grad():
+        trained_loss = float(-(trainer.logprobs(batch).sum() / n))
+    rec.put(
+        'training',
+        {'uniform_loss_ln_vocab': math.log(V), 'trained_loss': trained_loss, 'steps': 40},
+    )
     trained = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     del trainer
 
     def fp32_step(sd):
-        m = load_model('tiny-qwen3', 'float32', dev); m.load_state_dict(sd)
+        m = load_model('tiny-qwen3', 'float32', dev)
+        m.load_state_dict(sd)
         be = TorchBackend(m, cfg32.optim, cfg32.optim.grad_clip)
-        out = one_step(be, batch); del be, m; _gc(); return out
+        out = one_step(be, batch)
+        del be, m
+        _gc()
+        return out
 
     def bf16_step(sd):
-        "One megatron step in bf16 (fp32 main params; the distributed optimizer on a GPU, the CPU stand-in on CPU)."
+        """One megatron step in bf16 (fp32 main params; the distributed optimizer on a GPU, the CPU
+        stand-in on CPU)."""
         cfg = tiny_megatron('selective', 'bfloat16', distributed_optimizer=_cuda())
-        m = load_model('tiny-qwen3', 'float32'); m.load_state_dict({k: v.cpu() for k, v in sd.items()})
+        m = load_model('tiny-qwen3', 'float32')
+        m.load_state_dict({k: v.cpu() for k, v in sd.items()})
         be = MegatronBackend.from_config(cfg, m.to(torch.bfloat16))
-        try: return one_step(be, batch)
-        finally: be.close(); del be; _gc()
+        try:
+            return one_step(be, batch)
+        finally:
+            be.close()
+            del be
+            _gc()
 
     l32, n32 = fp32_step(trained)
     l16, n16 = bf16_step(trained)
     rel = lambda a, b: abs(a - b) / abs(b)
-    check = {'loss_fp32': l32, 'loss_bf16': l16, 'loss_rel_diff': rel(l16, l32), 'grad_norm_fp32': n32, 'grad_norm_bf16': n16,
-             'grad_norm_rel_diff': rel(n16, n32)}
-    check['pass'] = check['loss_rel_diff'] < TOL['loss_rel'] and check['grad_norm_rel_diff'] < TOL['grad_norm_rel']
+    check = {
+        'loss_fp32': l32,
+        'loss_bf16': l16,
+        'loss_rel_diff': rel(l16, l32),
+        'grad_norm_fp32': n32,
+        'grad_norm_bf16': n16,
+        'grad_norm_rel_diff': rel(n16, n32),
+    }
+    check['pass'] = (
+        check['loss_rel_diff'] < TOL['loss_rel']
+        and check['grad_norm_rel_diff'] < TOL['grad_norm_rel']
+    )
     rec.put('bf16_vs_fp32', check)
-    lu, nu = bf16_step(untrained)                              # the control: another model, same tolerance
-    control = {'loss_bf16_untrained': lu, 'loss_rel_diff': rel(lu, l32), 'grad_norm_rel_diff': rel(nu, n32)}
-    control['outside_tolerance'] = control['loss_rel_diff'] >= TOL['loss_rel'] or control['grad_norm_rel_diff'] >= TOL['grad_norm_rel']
+    lu, nu = bf16_step(untrained)  # the control: another model, same tolerance
+    control = {
+        'loss_bf16_untrained': lu,
+        'loss_rel_diff': rel(lu, l32),
+        'grad_norm_rel_diff': rel(nu, n32),
+    }
+    control['outside_tolerance'] = (
+        control['loss_rel_diff'] >= TOL['loss_rel']
+        or control['grad_norm_rel_diff'] >= TOL['grad_norm_rel']
+    )
     rec.put('control_untrained', control)
     far = trained_loss < 0.5 * math.log(V)
     rec.done(check['pass'] and control['outside_tolerance'] and far)
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #4af36469
-OPTIM_PRESET = 'qwen3-0.6b-pilot'      # the optimizer part's shapes on a GPU (its model with random weights)
+OPTIM_PRESET = (
+    'qwen3-0.6b-pilot'  # the optimizer part's shapes on a GPU (its model with random weights)
+)
+
 
 def optimizer_config(cpu_sim: bool):
-    "The pilot preset's step on one GPU with its distributed optimizer (CPU: the tiny model, fp32, the stand-in optimizer)."
+    """The pilot preset's step on one GPU with its distributed optimizer (CPU: the tiny model, fp32,
+    the stand-in optimizer)."""
     from memagent.config import get_preset
-    ov = {'batch.n_gpus': 1, 'batch.tp': 1, 'batch.sequence_parallel': False, 'rollout.colocate': False, 'rollout.gpus_per_engine': 1,
-          'loss.kl_type': 'none', 'backend': 'megatron', 'model.dtype': 'bfloat16', 'batch.distributed_optimizer': True}
-    if cpu_sim: ov.update({'model.name': 'tiny-qwen3', 'model.tokenizer': 'tiny-qwen3', 'model.dtype': 'float32', 'batch.distributed_optimizer': False})
+
+    ov = {
+        'batch.n_gpus': 1,
+        'batch.tp': 1,
+        'batch.sequence_parallel': False,
+        'rollout.colocate': False,
+        'rollout.gpus_per_engine': 1,
+        'loss.kl_type': 'none',
+        'backend': 'megatron',
+        'model.dtype': 'bfloat16',
+        'batch.distributed_optimizer': True,
+    }
+    if cpu_sim:
+        ov.update(
+            {
+                'model.name': 'tiny-qwen3',
+                'model.tokenizer': 'tiny-qwen3',
+                'model.dtype': 'float32',
+                'batch.distributed_optimizer': False,
+            }
+        )
     return get_preset(OPTIM_PRESET, ov)
 
+
 def adamw(params, lr: float = 1e-6) -> tuple[object, str]:
-    "torch's AdamW over `params`: the fused kernel where torch offers it for their device, else foreach, and which it is."
+    """torch's AdamW over `params`: the fused kernel where torch offers it for their device, else
+    foreach, and which it is."""
     import torch
-    try: return torch.optim.AdamW(params, lr=lr, fused=True), 'fused'
-    except (RuntimeError, ValueError, TypeError) as e: return torch.optim.AdamW(params, lr=lr, foreach=True), f"foreach (fused refused: {e})"
+
+    try:
+        return torch.optim.AdamW(params, lr=lr, fused=True), 'fused'
+    except (RuntimeError, ValueError, TypeError) as e:
+        return torch.optim.AdamW(params, lr=lr, foreach=True), f"foreach (fused refused: {e})"
+
 
 def _timed(fn, repeats: int) -> tuple[list[float], list[int | None]]:
-    "Seconds of each of `repeats` calls of `fn` at device synchronizations, and the allocator's peak during each (None on CPU)."
+    """Seconds of each of `repeats` calls of `fn` at device synchronizations, and the allocator's
+    peak during each (None on CPU)."""
     secs, peaks = [], []
     for _ in range(repeats):
-        _sync(); _peak_reset(); t = time.perf_counter(); fn(); _sync()
-        secs.append(time.perf_counter() - t); peaks.append(_peak())
+        _sync()
+        _peak_reset()
+        t = time.perf_counter()
+        fn()
+        _sync()
+        secs.append(time.perf_counter() - t)
+        peaks.append(_peak())
     return secs, peaks
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #6bb9869a
 def part_optimizer(rec: Recorder, cpu_sim: bool):
-    "megatron-core's optimizer step as the recipe builds it, then torch's AdamW (fused where offered) over parameters of the same shapes: seconds and peak of each."
+    """megatron-core's optimizer step as the recipe builds it, then torch's AdamW (fused where
+    offered) over parameters of the same shapes: seconds and peak of each."""
     import torch
     from memagent.backends.megatron import MegatronBackend
     from memagent.bench import spread
     from memagent.models import load_model
     from memagent.ondevice import compute_device
     from memagent.plan import ARCHS, GiB
+
     dev, cfg = compute_device(), optimizer_config(cpu_sim)
-    hf = load_model('tiny-qwen3', 'float32') if cpu_sim else _random_model(ARCHS[cfg.model.name], cfg.model.dtype, dev)
+    hf = (
+        load_model('tiny-qwen3', 'float32')
+        if cpu_sim
+        else _random_model(ARCHS[cfg.model.name], cfg.model.dtype, dev)
+    )
     vocab = hf.config.vocab_size
-    be = MegatronBackend.from_config(cfg, hf); del hf; _gc()
+    be = MegatronBackend.from_config(cfg, hf)
+    del hf
+    _gc()
     batch = {k: v.to(dev) for k, v in fixed_batch(vocab, CPU_TOKENS if cpu_sim else 2048).items()}
-    def grads():                                               # the gradients a step consumes (not timed)
-        lp = be.logprobs(batch); be.backward(-(lp.sum() / batch['response_mask'][:, 1:].sum()))
+
+    def grads():  # the gradients a step consumes (not timed)
+        lp = be.logprobs(batch)
+        be.backward(-(lp.sum() / batch['response_mask'][:, 1:].sum()))
+
     gib = lambda ps: max(ps) / GiB if ps and ps[0] is not None else None
     try:
-        grads(); be.step()                                     # warm-up: the optimizer's states exist
+        grads()
+        be.step()  # warm-up: the optimizer's states exist
         secs, peaks = [], []
         for _ in range(REPEATS):
-            grads(); s, p = _timed(be.step, 1); secs += s; peaks += p
+            grads()
+            s, p = _timed(be.step, 1)
+            secs += s
+            peaks += p
         shapes, name = [tuple(p.shape) for p in be.model.parameters()], type(be.optimizer).__name__
-    finally: be.close(); del be; _gc()
+    finally:
+        be.close()
+        del be
+        _gc()
     n = sum(math.prod(s) for s in shapes)
-    meg = {'optimizer': name, 'seconds': spread(secs), 'peak_gib': gib(peaks),
-           'what': "MegatronBackend.step(): gradient reduction, grad norm and clipping, the optimizer step, the bf16 copy of the fp32 main params"}
+    meg = {
+        'optimizer': name,
+        'seconds': spread(secs),
+        'peak_gib': gib(peaks),
+        'what': (
+            "MegatronBackend.step(): gradient reduction, grad norm and clipping, the optimizer "
+            "step, the bf16 copy of the fp32 main params"
+        ),
+    }
     rec.put('megatron_core', meg)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in shapes]
-    for p in params: p.grad = torch.randn_like(p) * 1e-3
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
     opt, impl = adamw(params)
-    opt.step()                                                 # warm-up: its states exist
+    opt.step()  # warm-up: its states exist
     secs, peaks = _timed(opt.step, REPEATS)
-    tor = {'optimizer': f'torch.optim.AdamW ({impl})', 'seconds': spread(secs), 'peak_gib': gib(peaks),
-           'what': 'the update alone, over fp32 parameters and gradients of the same shapes (no reduction, clipping or bf16 copy)'}
-    del opt, params; _gc()
+    tor = {
+        'optimizer': f'torch.optim.AdamW ({impl})',
+        'seconds': spread(secs),
+        'peak_gib': gib(peaks),
+        'what': (
+            'the update alone, over fp32 parameters and gradients of the same shapes (no '
+            'reduction, clipping or bf16 copy)'
+        ),
+    }
+    del opt, params
+    _gc()
     rec.put('torch_adamw', tor)
-    rec.put('summary', {'parameters': n, 'preset': OPTIM_PRESET if not cpu_sim else 'tiny-qwen3 (cpu-simulation)',
-                        'megatron_over_torch_seconds': meg['seconds']['median'] / tor['seconds']['median']})
+    rec.put(
+        'summary',
+        {
+            'parameters': n,
+            'preset': OPTIM_PRESET if not cpu_sim else 'tiny-qwen3 (cpu-simulation)',
+            'megatron_over_torch_seconds': meg['seconds']['median'] / tor['seconds']['median'],
+        },
+    )
     rec.done(all(math.isfinite(x) for x in (meg['seconds']['median'], tor['seconds']['median'])))
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #a202003c
 TRAIN_NB_PARAMS = {'preset': 'tiny', 'steps': 2, 'eval_items': 4, 'tensorboard': False}
-TRAIN_NB_NEEDS = ('matplotlib',)    # what the train notebook imports beyond what the subset needs
+TRAIN_NB_NEEDS = ('matplotlib',)  # what the train notebook imports beyond what the subset needs
+
 
 def notebook_phases(path, params: dict) -> tuple[dict, dict, BaseException | None]:
-    "Run the notebook at `path` from its `parameters` cell, `params` set after it, in this process, timing each code cell under the `## ` section it sits in: (namespace, seconds per section, the exception that stopped it or None)."
+    """Run the notebook at `path` from its `parameters` cell, `params` set after it, in this
+    process, timing each code cell under the `## ` section it sits in: (namespace, seconds per
+    section, the exception that stopped it or None)."""
     cells = json.loads(Path(path).read_text())['cells']
-    i = next(j for j, c in enumerate(cells) if c['cell_type'] == 'code' and 'parameters' in c['metadata'].get('tags', []))
+    i = next(
+        j
+        for j, c in enumerate(cells)
+        if c['cell_type'] == 'code' and 'parameters' in c['metadata'].get('tags', [])
+    )
     ns, secs, section = {}, {}, 'parameters'
-    exec(''.join(cells[i]['source']), ns); ns.update(params)
-    for c in cells[i + 1:]:
+    exec(''.join(cells[i]['source']), ns)
+    ns.update(params)
+    for c in cells[i + 1 :]:
         src = ''.join(c['source'])
-        if c['cell_type'] == 'markdown' and src.startswith('## '): section = src.splitlines()[0][3:].strip()
-        if c['cell_type'] != 'code': continue
+        if c['cell_type'] == 'markdown' and src.startswith('## '):
+            section = src.splitlines()[0][3:].strip()
+        if c['cell_type'] != 'code':
+            continue
         t = time.perf_counter()
-        try: exec(src, ns)
-        except Exception as e: return ns, {**secs, section: secs.get(section, 0.0) + time.perf_counter() - t}, e
-        finally: secs[section] = secs.get(section, 0.0) + time.perf_counter() - t
+        try:
+            exec(src, ns)
+        except Exception as e:
+            return ns, {**secs, section: secs.get(section, 0.0) + time.perf_counter() - t}, e
+        finally:
+            secs[section] = secs.get(section, 0.0) + time.perf_counter() - t
     return ns, secs, None
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #7ba47f79
 def part_train_notebook(rec: Recorder, cpu_sim: bool):
-    "The train notebook with the tiny preset, its cells in this process with TensorBoard off: seconds per section, tokens/s of the training steps, peak memory."
+    """The train notebook with the tiny preset, its cells in this process with TensorBoard off:
+    seconds per section, tokens/s of the training steps, peak memory."""
     import importlib.util, shutil
     from memagent.bench import _RSSPeak
     from memagent.parity.receipt import repo_root
     from memagent.plan import GiB
+
     missing = [m for m in TRAIN_NB_NEEDS if importlib.util.find_spec(m) is None]
     if missing:
-        rec.put('skipped', f"the train notebook needs {', '.join(missing)}, not installed here (scripts/gpu_wheels.sh does not carry it)")
-        rec.done(True); return
+        rec.put(
+            'skipped',
+            f"the train notebook needs {', '.join(missing)}, not installed here "
+            "(scripts/gpu_wheels.sh does not carry it)",
+        )
+        rec.done(True)
+        return
     base = rec.path.parent / 'train-notebook'
     shutil.rmtree(base, ignore_errors=True)
-    params = {**TRAIN_NB_PARAMS, 'run': 'gpucheck', 'out_dir': str(base / 'runs'), 'report_dir': str(base / 'reports')}
+    params = {
+        **TRAIN_NB_PARAMS,
+        'run': 'gpucheck',
+        'out_dir': str(base / 'runs'),
+        'report_dir': str(base / 'reports'),
+    }
     _peak_reset()
     with _RSSPeak() as host:
-        t0 = time.perf_counter(); _, secs, err = notebook_phases(repo_root() / 'nbs' / 'train.ipynb', params); wall = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _, secs, err = notebook_phases(repo_root() / 'nbs' / 'train.ipynb', params)
+        wall = time.perf_counter() - t0
     mf = base / 'runs' / 'gpucheck' / 'metrics.jsonl'
     ms = [json.loads(l) for l in mf.read_text().splitlines() if l.strip()] if mf.is_file() else []
     step_s = sum(m['time_step'] for m in ms)
-    r = {'params': params, 'how': "the notebook's cells in this process (notebook_phases), TensorBoard off", 'seconds_by_section': secs,
-         'wall_s': wall, 'steps': len(ms), 'trained_tokens': sum(m['n_tokens'] for m in ms),
-         'tokens_per_s': sum(m['n_tokens'] for m in ms) / step_s if step_s else None,
-         'gpu_peak_gib': _peak() / GiB if _cuda() else None, 'host_peak_rss_gib': host.peak / GiB,
-         'error': f"{type(err).__name__}: {err}" if err else None}
+    r = {
+        'params': params,
+        'how': "the notebook's cells in this process (notebook_phases), TensorBoard off",
+        'seconds_by_section': secs,
+        'wall_s': wall,
+        'steps': len(ms),
+        'trained_tokens': sum(m['n_tokens'] for m in ms),
+        'tokens_per_s': sum(m['n_tokens'] for m in ms) / step_s if step_s else None,
+        'gpu_peak_gib': _peak() / GiB if _cuda() else None,
+        'host_peak_rss_gib': host.peak / GiB,
+        'error': f"{type(err).__name__}: {err}" if err else None,
+    }
     r['pass'] = err is None and len(ms) == params['steps']
     rec.put('train_notebook', r)
     rec.done(r['pass'])

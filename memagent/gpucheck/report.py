@@ -8,10 +8,31 @@ import json, math, os, subprocess, sys, time
 from pathlib import Path
 from ..stepsplit import split_verdict
 from .layout import layout_lines, subset_layout, environment
-from .parts import (PARTS, SUBSET_BUDGET_S, CPU_CAP_FACTOR, TOL, _cuda, part_megatron, part_weight_sync,
-                                     part_trainer, part_engine, part_precision, part_optimizer, part_train_notebook, Recorder)
-from .step4b import (STEP4B, STEP4B_GOAL, memory_by_phase, model_flops, part_step4b, response_positions,
-                                      step4b_config, step4b_side_by_side)
+from memagent.gpucheck.parts import (
+    PARTS,
+    SUBSET_BUDGET_S,
+    CPU_CAP_FACTOR,
+    TOL,
+    _cuda,
+    part_megatron,
+    part_weight_sync,
+    part_trainer,
+    part_engine,
+    part_precision,
+    part_optimizer,
+    part_train_notebook,
+    Recorder,
+)
+from memagent.gpucheck.step4b import (
+    STEP4B,
+    STEP4B_GOAL,
+    memory_by_phase,
+    model_flops,
+    part_step4b,
+    response_positions,
+    step4b_config,
+    step4b_side_by_side,
+)
 
 # %% auto #0
 __all__ = ['REDERIVED_WHY', 'run_part', 'part_main', 'run_subset', 'part_view', 'report_header', 'render_md', 'derive_step4b',
@@ -19,47 +40,81 @@ __all__ = ['REDERIVED_WHY', 'run_part', 'part_main', 'run_subset', 'part_view', 
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #c9569e58
 def run_part(name: str, out: Path, cpu_sim: bool):
-    "One part in this process: its result file under `out/parts/`; an exception is recorded there before it propagates."
+    """One part in this process: its result file under `out/parts/`; an exception is recorded there
+    before it propagates."""
     rec = Recorder(out, name)
-    fn = {'megatron': part_megatron, 'weight_sync': part_weight_sync, 'trainer': part_trainer, 'engine': part_engine,
-          'precision': part_precision, 'optimizer': part_optimizer, 'train-notebook': part_train_notebook}.get(name)
+    fn = {
+        'megatron': part_megatron,
+        'weight_sync': part_weight_sync,
+        'trainer': part_trainer,
+        'engine': part_engine,
+        'precision': part_precision,
+        'optimizer': part_optimizer,
+        'train-notebook': part_train_notebook,
+    }.get(name)
     try:
-        if name in STEP4B: part_step4b(rec, name, cpu_sim)
-        elif fn is None: raise SystemExit(f"gpu_check.py part: unknown part {name!r}; the parts: {[p for p, _, _ in PARTS]}")
-        else: fn(rec, cpu_sim)
+        if name in STEP4B:
+            part_step4b(rec, name, cpu_sim)
+        elif fn is None:
+            raise SystemExit(
+                f"gpu_check.py part: unknown part {name!r}; the parts: {[p for p, _, _ in PARTS]}"
+            )
+        else:
+            fn(rec, cpu_sim)
     except BaseException as e:
         import traceback
-        rec.body.update(status='error', passed=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
-        rec.write(); raise
+
+        rec.body.update(
+            status='error',
+            passed=False,
+            error=f"{type(e).__name__}: {e}",
+            traceback=traceback.format_exc()[-4000:],
+        )
+        rec.write()
+        raise
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #b9348ba9
 def part_main(argv=None):
-    "One part of the subset in this process: `python -m memagent.gpucheck.report NAME --out DIR [--cpu-simulation]` (what `run_subset` starts under a cap)."
+    """One part of the subset in this process: `python -m memagent.gpucheck.report NAME --out DIR
+    [--cpu-simulation]` (what `run_subset` starts under a cap)."""
     import argparse
-    ap = argparse.ArgumentParser(prog='python -m memagent.gpucheck.report', description=part_main.__doc__)
-    ap.add_argument('name'); ap.add_argument('--out', required=True); ap.add_argument('--cpu-simulation', action='store_true')
+
+    ap = argparse.ArgumentParser(
+        prog='python -m memagent.gpucheck.report', description=part_main.__doc__
+    )
+    ap.add_argument('name')
+    ap.add_argument('--out', required=True)
+    ap.add_argument('--cpu-simulation', action='store_true')
     a = ap.parse_args(argv)
     if a.name not in (names := [n for n, _, _ in PARTS]):
-        print(f"gpu_check.py part: unknown part {a.name!r}; the parts: {names}", file=sys.stderr); sys.exit(2)
-    if not a.cpu_simulation and not _cuda(): sys.exit(f"gpu_check.py part {a.name}: needs a CUDA device (this is the GPU-only part)")
+        print(f"gpu_check.py part: unknown part {a.name!r}; the parts: {names}", file=sys.stderr)
+        sys.exit(2)
+    if not a.cpu_simulation and not _cuda():
+        sys.exit(f"gpu_check.py part {a.name}: needs a CUDA device (this is the GPU-only part)")
     run_part(a.name, Path(a.out), a.cpu_simulation)
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #14e079e2
 #| eval: false
-if __name__ == '__main__': part_main()
+if __name__ == '__main__':
+    part_main()
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #874fd8c5
 def run_subset(out: Path, cpu_sim: bool, parts: list[str] | None, py: str = sys.executable) -> dict:
-    "Every part in its own process under its cap, in order; after each, the report is rendered again from the part files."
+    """Every part in its own process under its cap, in order; after each, the report is rendered
+    again from the part files."""
     names = [p for p, _, _ in PARTS]
     todo = names if not parts else parts
     bad = [p for p in todo if p not in names]
-    if bad: raise SystemExit(f"gpu_check.py subset: unknown part(s) {bad}; the parts: {names}")
+    if bad:
+        raise SystemExit(f"gpu_check.py subset: unknown part(s) {bad}; the parts: {names}")
     status, t_all, fixed = {}, time.perf_counter(), report_header(cpu_sim)
     body = None
     for name, cap, _ in PARTS:
-        if name not in todo: continue
-        cmd = [py, '-m', 'memagent.gpucheck.report', name, '--out', str(out)] + (['--cpu-simulation'] if cpu_sim else [])
+        if name not in todo:
+            continue
+        cmd = [py, '-m', 'memagent.gpucheck.report', name, '--out', str(out)] + (
+            ['--cpu-simulation'] if cpu_sim else []
+        )
         cap = cap * (CPU_CAP_FACTOR if cpu_sim else 1)
         print(f"== part {name} (cap {cap} s): {' '.join(cmd)}", flush=True)
         t = time.perf_counter()
@@ -70,29 +125,51 @@ def run_subset(out: Path, cpu_sim: bool, parts: list[str] | None, py: str = sys.
             status[name] = {'rc': None, 'timed_out': True}
             print(f"== part {name}: stopped at its cap of {cap} s", flush=True)
         status[name].update(seconds=time.perf_counter() - t, cap_s=cap)
-        body = write_report(out, fixed, status, time.perf_counter() - t_all)   # after every part: what exists is reported
+        body = write_report(
+            out, fixed, status, time.perf_counter() - t_all
+        )  # after every part: what exists is reported
     return body
 
+# %% ../../nbs/22_gpucheck_5_report.ipynb #5a55bbe3
 def part_view(out: Path, name: str, st: dict | None) -> dict:
-    "A part's file, with how its process ended: 'passed', 'skipped' (named, e.g. a shape the plan says this card cannot hold), 'failed', 'error', 'timeout' (what it wrote before), 'not run'."
+    """A part's file, with how its process ended: 'passed', 'skipped' (named, e.g. a shape the plan
+    says this card cannot hold), 'failed', 'error', 'timeout' (what it wrote before), 'not run'."""
     f = out / 'parts' / f'{name}.json'
     body = json.loads(f.read_text()) if f.is_file() else {'part': name, 'results': {}}
-    if st is None: body['verdict'] = 'not run'
-    elif st['timed_out']: body['verdict'] = 'timeout'
+    if st is None:
+        body['verdict'] = 'not run'
+    elif st['timed_out']:
+        body['verdict'] = 'timeout'
     elif body.get('status') == 'ok':
-        body['verdict'] = ('failed' if not (body.get('passed') and st['rc'] == 0) else
-                           'skipped' if 'skipped' in body.get('results', {}) else 'passed')
-    else: body['verdict'] = 'error'
+        body['verdict'] = (
+            'failed'
+            if not (body.get('passed') and st['rc'] == 0)
+            else 'skipped'
+            if 'skipped' in body.get('results', {})
+            else 'passed'
+        )
+    else:
+        body['verdict'] = 'error'
     body['process'] = st
     return body
 
+# %% ../../nbs/22_gpucheck_5_report.ipynb #f960986e
 def report_header(cpu_sim: bool) -> dict:
-    "What the report says before any part runs, read once: the layout (the doctor's rows), the environment, the device."
+    """What the report says before any part runs, read once: the layout (the doctor's rows), the
+    environment, the device."""
     from memagent.backends.megatron import have_transformer_engine
     import torch
+
     _, layout = subset_layout(cpu_sim)
-    return {'layout': layout, 'cpu_simulation': cpu_sim, 'environment': environment(), 'transformer_engine': have_transformer_engine(),
-            'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() and not cpu_sim else 'cpu'}
+    return {
+        'layout': layout,
+        'cpu_simulation': cpu_sim,
+        'environment': environment(),
+        'transformer_engine': have_transformer_engine(),
+        'device': torch.cuda.get_device_name(0)
+        if torch.cuda.is_available() and not cpu_sim
+        else 'cpu',
+    }
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #8109ec2d
 def _f(x, nd=3):
@@ -100,189 +177,402 @@ def _f(x, nd=3):
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #ca97dc51
 def render_md(layout: dict, body: dict, layout_lines) -> str:
-    "The report to read: the layout and what was not checked first, then one section per part with its verdict and figures."
+    """The report to read: the layout and what was not checked first, then one section per part with
+    its verdict and figures."""
     e, P = body['environment'], body['parts']
-    L = layout_lines(layout) + ['', f"# gpu_check subset: {'PASS' if body['pass'] else 'FAIL'}"
-                                + (' (cpu-simulation: a code-path check at tiny shapes, not a GPU check)' if body['cpu_simulation'] else ''), '',
-         f"device {body['device']}; driver {_f(e['driver'])}; CUDA (torch) {_f(e['cuda_runtime_of_torch'])}; torch {_f(e['torch'])}; "
-         f"transformers {_f(e['transformers'])}; megatron-core {_f(e['megatron_core'])}; Transformer Engine {_f(e['transformer_engine'])}", '']
+    L = layout_lines(layout) + [
+        '',
+        f"# gpu_check subset: {'PASS' if body['pass'] else 'FAIL'}"
+        + (
+            ' (cpu-simulation: a code-path check at tiny shapes, not a GPU check)'
+            if body['cpu_simulation']
+            else ''
+        ),
+        '',
+        f"device {body['device']}; driver {_f(e['driver'])}; CUDA (torch) "
+        f"{_f(e['cuda_runtime_of_torch'])}; torch {_f(e['torch'])}; "
+        f"transformers {_f(e['transformers'])}; megatron-core {_f(e['megatron_core'])}; "
+        f"Transformer Engine {_f(e['transformer_engine'])}",
+        '',
+    ]
     ra = body.get('rendered_again')
     if ra:
         g0, g1 = body['provenance'].get('git', {}), ra['provenance'].get('git', {})
-        L += [f"Rendered again from {ra['from']} by the code at {str(g1.get('commit'))[:7]}{' (uncommitted changes)' if g1.get('dirty') else ''}; "
-              f"the run itself ran at {str(g0.get('commit'))[:7]}. What the code of now derives differently from the recorded figures is "
-              "said in each part: the split's checks, model FLOPs on the positions the head computes, every phase's peak against its plan.", '']
+        L += [
+            f"Rendered again from {ra['from']} by the code at "
+            f"{str(g1.get('commit'))[:7]}{' (uncommitted changes)' if g1.get('dirty') else ''}; "
+            f"the run itself ran at {str(g0.get('commit'))[:7]}. What the code of now derives "
+            "differently from the recorded figures is "
+            "said in each part: the split's checks, model FLOPs on the positions the head "
+            "computes, every phase's peak against its plan.",
+            '',
+        ]
     L += ['| part | verdict | seconds | cap (s) |', '|---|---|---|---|']
     for name, cap, what in PARTS:
-        p = P[name]; st = p.get('process') or {}
+        p = P[name]
+        st = p.get('process') or {}
         L.append(f"| {name} | {p['verdict']} | {_f(st.get('seconds'), 3)} | {cap} |")
-    L += ['', f"total {body['seconds']:.1f} s (budget {body['budget_s']} s: {'within' if body['within_budget'] else 'OVER'})", '']
+    L += [
+        '',
+        f"total {body['seconds']:.1f} s (budget {body['budget_s']} s: "
+        f"{'within' if body['within_budget'] else 'OVER'})",
+        '',
+    ]
     for name, cap, what in PARTS:
-        p = P[name]; r = p.get('results', {})
+        p = P[name]
+        r = p.get('results', {})
         L += [f"## {name}: {p['verdict']}", '', what + '.', '']
-        if p.get('error'): L += [f"error: `{p['error']}`", '']
-        if p.get('memory_failed'): L += [f"memory check FAILED: {p['memory_failed']}", '']
+        if p.get('error'):
+            L += [f"error: `{p['error']}`", '']
+        if p.get('memory_failed'):
+            L += [f"memory check FAILED: {p['memory_failed']}", '']
         if name == 'megatron' and r:
-            L += ['| recompute | dtype | optimizer | attention | parameters | loss rel diff | grad norm rel diff | state round trip | checkpoint before step 1 | pass |',
-                  '|---|---|---|---|---|---|---|---|---|---|']
+            L += [
+                '| recompute | dtype | optimizer | attention | parameters | loss rel diff | grad '
+                'norm rel diff | state round trip | checkpoint before step 1 | pass |',
+                '|---|---|---|---|---|---|---|---|---|---|',
+            ]
             for g in r.values():
                 c = g['checkpoint_before_first_step']
-                L.append(f"| {g['recompute']} | {g['dtype']} | {g['optimizer']} | {g['attention']} | {', '.join(g['parameter_dtypes'])} | "
-                         f"{_f(g['loss_rel_diff'])} | {_f(g['grad_norm_rel_diff'])} | {g['optimizer_state_round_trip']} | "
-                         f"{c.get('saved') or c.get('error')} | {g['pass']} |")
+                L.append(
+                    f"| {g['recompute']} | {g['dtype']} | {g['optimizer']} | {g['attention']} | "
+                    f"{', '.join(g['parameter_dtypes'])} | "
+                    f"{_f(g['loss_rel_diff'])} | {_f(g['grad_norm_rel_diff'])} | "
+                    f"{g['optimizer_state_round_trip']} | "
+                    f"{c.get('saved') or c.get('error')} | {g['pass']} |"
+                )
         elif name == 'weight_sync' and r:
             w = r['weight_sync']
-            L.append(f"{w['precision']}, tol {w['tol']:g}: before step {w['before_step'].get('passed')} (max |dlogp| "
-                     f"{_f(w['before_step'].get('max_abs_dlogp'))}), after sync {w['after_sync'].get('passed')} "
-                     f"({_f(w['after_sync'].get('max_abs_dlogp'))}), missed sync rejected {not w['missed_sync'].get('passed')}")
+            L.append(
+                f"{w['precision']}, tol {w['tol']:g}: before step "
+                f"{w['before_step'].get('passed')} (max |dlogp| "
+                f"{_f(w['before_step'].get('max_abs_dlogp'))}), after sync "
+                f"{w['after_sync'].get('passed')} "
+                f"({_f(w['after_sync'].get('max_abs_dlogp'))}), missed sync rejected "
+                f"{not w['missed_sync'].get('passed')}"
+            )
         elif name == 'trainer' and r:
-            L += ['| backend | health | KL step 1 | setup s | step 1 s (rollout / update / sync) | step 2 s | GPU peak GiB | pass |',
-                  '|---|---|---|---|---|---|---|---|']
+            L += [
+                '| backend | health | KL step 1 | setup s | step 1 s (rollout / update / sync) | '
+                'step 2 s | GPU peak GiB | pass |',
+                '|---|---|---|---|---|---|---|---|',
+            ]
             for g in r.values():
                 s = g['steps']
-                L.append(f"| {g['backend']} | {g['health']} | {_f(g['kl_step1'])} | {_f(g['setup_s'])} | {_f(s[0]['time_step'])} "
-                         f"({_f(s[0]['time_rollout'])} / {_f(s[0]['time_update'])} / {_f(s[0]['time_sync'])}) | "
-                         f"{_f(s[-1]['time_step'])} | {_f(g['gpu_peak_gib'])} | {g['pass']} |")
+                L.append(
+                    f"| {g['backend']} | {g['health']} | {_f(g['kl_step1'])} | {_f(g['setup_s'])} "
+                    f"| {_f(s[0]['time_step'])} "
+                    f"({_f(s[0]['time_rollout'])} / {_f(s[0]['time_update'])} / "
+                    f"{_f(s[0]['time_sync'])}) | "
+                    f"{_f(s[-1]['time_step'])} | {_f(g['gpu_peak_gib'])} | {g['pass']} |"
+                )
         elif name == 'engine' and r:
             w = r.get('workload', {})
-            L.append(f"workload run: {w.get('run')}; shrunk: {w.get('shrunk') or 'no'} (rule: {w.get('rule')})")
+            L.append(
+                f"workload run: {w.get('run')}; shrunk: {w.get('shrunk') or 'no'} (rule: "
+                f"{w.get('rule')})"
+            )
             s = r.get('summary')
-            if s: L.append(f"engine / generate() tokens/s: median {_f(s['ratio']['median'])} (range {_f(s['ratio']['min'])}..{_f(s['ratio']['max'])}, "
-                           f"{s['repeats']} repeats{'; ' + s['stopped'] if s['stopped'] else ''}); goal {s['goal']}: {s['verdict']}")
+            if s:
+                L.append(
+                    f"engine / generate() tokens/s: median {_f(s['ratio']['median'])} (range "
+                    f"{_f(s['ratio']['min'])}..{_f(s['ratio']['max'])}, "
+                    f"{s['repeats']} repeats{'; ' + s['stopped'] if s['stopped'] else ''}); goal "
+                    f"{s['goal']}: {s['verdict']}"
+                )
         elif name in STEP4B and r:
             q = r.get('plan_qwen3_4b')
-            if q: L.append(f"Qwen3-4B plan at {q['rows']} x {q['seq_len']} tokens ({q['attention']}): {q['update_allocated_gib']:.1f} GiB allocated in the "
-                           f"update, peak {q['update_peak_gib']:.1f} GiB on a {q['gpu_gib']:.1f} GiB card: "
-                           f"{'fits' if q['fits'] else 'does not fit'} (runs within {q['headroom']:.0%} of the card)")
-            if r.get('rows_reduced'): L.append(f"rows reduced: {r['rows_reduced']}")
-            if r.get('skipped'): L.append(f"skipped: {r['skipped']}")
+            if q:
+                L.append(
+                    f"Qwen3-4B plan at {q['rows']} x {q['seq_len']} tokens ({q['attention']}): "
+                    f"{q['update_allocated_gib']:.1f} GiB allocated in the "
+                    f"update, peak {q['update_peak_gib']:.1f} GiB on a {q['gpu_gib']:.1f} GiB "
+                    "card: "
+                    f"{'fits' if q['fits'] else 'does not fit'} (runs within {q['headroom']:.0%} "
+                    "of the card)"
+                )
+            if r.get('rows_reduced'):
+                L.append(f"rows reduced: {r['rows_reduced']}")
+            if r.get('skipped'):
+                L.append(f"skipped: {r['skipped']}")
             s = r.get('step')
-            if s: L.append(f"ran {s['rows']} x {s['seq_len']} tokens ({s['attention']}, {s['dtype']}): {_f(s['seconds_per_step']['median'])} s a step "
-                           f"(range {_f(s['seconds_per_step']['min'])}..{_f(s['seconds_per_step']['max'])}), {_f(s['tokens_per_s'])} tokens/s, "
-                           f"{_f(s['model_tflops'])} model TFLOP/s = {_f(s['fraction_of_matmul_rate'])} of the {_f(s['matmul_tflops'])} TFLOP/s "
-                           f"matmul rate measured here; peak {_f(s['peak_gib'])} GiB against the plan's {_f(s['plan_gib'])} GiB "
-                           f"(peak / plan {_f(s['peak_over_plan'])})")
+            if s:
+                L.append(
+                    f"ran {s['rows']} x {s['seq_len']} tokens ({s['attention']}, {s['dtype']}): "
+                    f"{_f(s['seconds_per_step']['median'])} s a step "
+                    "(range "
+                    f"{_f(s['seconds_per_step']['min'])}..{_f(s['seconds_per_step']['max'])}), "
+                    f"{_f(s['tokens_per_s'])} tokens/s, "
+                    f"{_f(s['model_tflops'])} model TFLOP/s = {_f(s['fraction_of_matmul_rate'])} "
+                    f"of the {_f(s['matmul_tflops'])} TFLOP/s "
+                    f"matmul rate measured here; peak {_f(s['peak_gib'])} GiB against the plan's "
+                    f"{_f(s['plan_gib'])} GiB "
+                    f"(peak / plan {_f(s['peak_over_plan'])})"
+                )
             if s and s.get('rederived'):
                 d = s['rederived']
-                L.append(f"re-derived at rendering: {d['why']} ({d['head_positions']} of {d['tokens']} positions); recorded: "
-                         + ', '.join(f"{k} {_f(v['recorded']) if not isinstance(v['recorded'], list) else '..'.join(_f(x) for x in v['recorded'])}"
-                                     for k, v in d['figures'].items()))
+                L.append(
+                    f"re-derived at rendering: {d['why']} ({d['head_positions']} of {d['tokens']} "
+                    "positions); recorded: "
+                    + ', '.join(
+                        f"{k} "
+                        f"{_f(v['recorded']) if not isinstance(v['recorded'], list) else '..'.join(_f(x) for x in v['recorded'])}"  # noqa: E501
+                        for k, v in d['figures'].items()
+                    )
+                )
             if s and s.get('phases_gib'):
                 ph, mb = s['phases_gib'], s.get('memory_by_phase', {})
-                L.append("peak by phase (GiB): " + ', '.join(f"{k} {_f(m['peak_gib'])} (plan {_f(m['plan_gib'])}{': OVER its plan' if m['over'] else ''})"
-                                                             for k, m in mb.items())
-                         + f"; held before the step {_f(ph['held before the step'])}, after the backward {_f(ph['held after the backward'])}")
+                L.append(
+                    "peak by phase (GiB): "
+                    + ', '.join(
+                        f"{k} {_f(m['peak_gib'])} (plan "
+                        f"{_f(m['plan_gib'])}{': OVER its plan' if m['over'] else ''})"
+                        for k, m in mb.items()
+                    )
+                    + (
+                        f"; held before the step {_f(ph['held before the step'])}, after the "
+                        f"backward {_f(ph['held after the backward'])}"
+                    )
+                )
             if s and s.get('phases_s'):
                 t = s['phases_s']
-                L.append("time by phase (one step; CUDA events on a GPU, the host clock on CPU): " + ', '.join(f"{k} {_f(v)} s" for k, v in t.items())
-                         + f" (optimizer step {t['optimizer step'] / sum(t.values()):.0%})")
+                L.append(
+                    "time by phase (one step; CUDA events on a GPU, the host clock on CPU): "
+                    + ', '.join(f"{k} {_f(v)} s" for k, v in t.items())
+                    + f" (optimizer step {t['optimizer step'] / sum(t.values()):.0%})"
+                )
             if s:
                 sp, v = s['split'], s['split_checks']
                 if v['reliable']:
-                    L.append(f"one profiled step, {sp['clock']}: " + ', '.join(f"{k} {x:.0%}" for k, x in sp['share'].items()) + f"; {split_verdict(v)}")
+                    L.append(
+                        f"one profiled step, {sp['clock']}: "
+                        + ', '.join(f"{k} {x:.0%}" for k, x in sp['share'].items())
+                        + f"; {split_verdict(v)}"
+                    )
                 else:
-                    L.append(f"one profiled step, {sp['clock']}: {split_verdict(v)}. Seconds it credited per part, not a split of the step: "
-                             + ', '.join(f"{k} {_f(x)}" for k, x in sp['seconds'].items()))
+                    L.append(
+                        f"one profiled step, {sp['clock']}: {split_verdict(v)}. Seconds it "
+                        "credited per part, not a split of the step: "
+                        + ', '.join(f"{k} {_f(x)}" for k, x in sp['seconds'].items())
+                    )
         elif name == 'optimizer' and r.get('summary'):
             for k in ('megatron_core', 'torch_adamw'):
                 o = r[k]
-                L.append(f"{o['optimizer']}: {_f(o['seconds']['median'])} s a step (range {_f(o['seconds']['min'])}..{_f(o['seconds']['max'])}, "
-                         f"{o['seconds']['n']} steps), peak {_f(o['peak_gib'])} GiB; it times {o['what']}")
-            L.append(f"{r['summary']['parameters']:,} parameters ({r['summary']['preset']}); megatron-core's step over torch's: "
-                     f"{_f(r['summary']['megatron_over_torch_seconds'])}x the seconds")
+                L.append(
+                    f"{o['optimizer']}: {_f(o['seconds']['median'])} s a step (range "
+                    f"{_f(o['seconds']['min'])}..{_f(o['seconds']['max'])}, "
+                    f"{o['seconds']['n']} steps), peak {_f(o['peak_gib'])} GiB; it times "
+                    f"{o['what']}"
+                )
+            L.append(
+                f"{r['summary']['parameters']:,} parameters ({r['summary']['preset']}); "
+                "megatron-core's step over torch's: "
+                f"{_f(r['summary']['megatron_over_torch_seconds'])}x the seconds"
+            )
         elif name == 'train-notebook' and r.get('train_notebook'):
             t = r['train_notebook']
-            L.append(f"{t['how']}; {t['steps']} steps of preset {t['params']['preset']}: {_f(t['tokens_per_s'])} trained tokens/s of the steps, "
-                     f"GPU peak {_f(t['gpu_peak_gib'])} GiB, host peak RSS {_f(t['host_peak_rss_gib'])} GiB, {_f(t['wall_s'])} s in all")
-            L.append('seconds by section: ' + ', '.join(f"{k} {_f(v)}" for k, v in t['seconds_by_section'].items()))
-            if t['error']: L.append(f"stopped: `{t['error']}`")
-        elif r.get('skipped'): L.append(f"skipped: {r['skipped']}")
+            L.append(
+                f"{t['how']}; {t['steps']} steps of preset {t['params']['preset']}: "
+                f"{_f(t['tokens_per_s'])} trained tokens/s of the steps, "
+                f"GPU peak {_f(t['gpu_peak_gib'])} GiB, host peak RSS "
+                f"{_f(t['host_peak_rss_gib'])} GiB, {_f(t['wall_s'])} s in all"
+            )
+            L.append(
+                'seconds by section: '
+                + ', '.join(f"{k} {_f(v)}" for k, v in t['seconds_by_section'].items())
+            )
+            if t['error']:
+                L.append(f"stopped: `{t['error']}`")
+        elif r.get('skipped'):
+            L.append(f"skipped: {r['skipped']}")
         elif name == 'precision' and r:
             t, c, k = r.get('training', {}), r.get('bf16_vs_fp32'), r.get('control_untrained')
-            L.append(f"trained loss {_f(t.get('trained_loss'))} against ln V = {_f(t.get('uniform_loss_ln_vocab'))} (uniform)")
-            if c: L.append(f"bf16 vs fp32: loss rel diff {_f(c['loss_rel_diff'])}, grad norm rel diff {_f(c['grad_norm_rel_diff'])} "
-                           f"(tol {TOL['loss_rel']:g} / {TOL['grad_norm_rel']:g}): {c['pass']}")
-            if k: L.append(f"control (untrained model, same tolerance): loss rel diff {_f(k['loss_rel_diff'])}, grad norm rel diff "
-                           f"{_f(k['grad_norm_rel_diff'])}: outside the tolerance {k['outside_tolerance']}")
+            L.append(
+                f"trained loss {_f(t.get('trained_loss'))} against ln V = "
+                f"{_f(t.get('uniform_loss_ln_vocab'))} (uniform)"
+            )
+            if c:
+                L.append(
+                    f"bf16 vs fp32: loss rel diff {_f(c['loss_rel_diff'])}, grad norm rel diff "
+                    f"{_f(c['grad_norm_rel_diff'])} "
+                    f"(tol {TOL['loss_rel']:g} / {TOL['grad_norm_rel']:g}): {c['pass']}"
+                )
+            if k:
+                L.append(
+                    "control (untrained model, same tolerance): loss rel diff "
+                    f"{_f(k['loss_rel_diff'])}, grad norm rel diff "
+                    f"{_f(k['grad_norm_rel_diff'])}: outside the tolerance {k['outside_tolerance']}"
+                )
         L.append('')
     sb = body.get('step4b_side_by_side')
     if sb:
-        L += ['## The Qwen3-4B step side by side', '',
-              '| part | attention | recompute | tokens | s/step | tokens/s | model TFLOP/s | of matmul rate | peak / plan GiB | largest parts of one profiled step |',
-              '|---|---|---|---|---|---|---|---|---|---|']
+        L += [
+            '## The Qwen3-4B step side by side',
+            '',
+            '| part | attention | recompute | tokens | s/step | tokens/s | model TFLOP/s | of '
+            'matmul rate | peak / plan GiB | largest parts of one profiled step |',
+            '|---|---|---|---|---|---|---|---|---|---|',
+        ]
         for x in sb['rows']:
             top = sorted(x['split'].items(), key=lambda kv: -kv[1])[:3]
-            over = f" (phase over plan: {', '.join(x['memory_over_plan'])})" if x.get('memory_over_plan') else ''
-            L.append(f"| {x['part']} | {x['attention']} | {x['recompute']} | {x['rows']} x {x['seq_len']} | {_f(x['seconds_per_step'])} | "
-                     f"{_f(x['tokens_per_s'])} | {_f(x['model_tflops'])} | {_f(x['fraction_of_matmul_rate'])} | {_f(x['peak_gib'])} / {_f(x['plan_gib'])}{over} | "
-                     + (', '.join(f"{k} {v:.0%}" for k, v in top) if x['split_reliable'] else 'not known: the split is not reliable (see the part)') + ' |')
+            over = (
+                f" (phase over plan: {', '.join(x['memory_over_plan'])})"
+                if x.get('memory_over_plan')
+                else ''
+            )
+            L.append(
+                f"| {x['part']} | {x['attention']} | {x['recompute']} | {x['rows']} x "
+                f"{x['seq_len']} | {_f(x['seconds_per_step'])} | "
+                f"{_f(x['tokens_per_s'])} | {_f(x['model_tflops'])} | "
+                f"{_f(x['fraction_of_matmul_rate'])} | {_f(x['peak_gib'])} / "
+                f"{_f(x['plan_gib'])}{over} | "
+                + (
+                    ', '.join(f"{k} {v:.0%}" for k, v in top)
+                    if x['split_reliable']
+                    else 'not known: the split is not reliable (see the part)'
+                )
+                + ' |'
+            )
         g = sb.get('sdpa_over_local')
         if g:
             f = sb['sdpa_fraction_of_matmul_rate']
-            L += ['', f"SDPA over the local spec, model TFLOP/s at full recompute: {_f(g['median'])} (range {_f(g['min'])}..{_f(g['max'])} from the "
-                      f"repeats' extremes); goal {g['goal']}: {g['verdict']}. SDPA reaches {_f(f['value'])} of the matmul rate (aim "
-                      f"{f['aim']:g}: {'reached' if f['reached'] else 'not reached'}); "
-                      + (f"its largest part of the step is {sb['sdpa_largest_part']['part']} ({sb['sdpa_largest_part']['share']:.0%})."
-                         if sb['sdpa_largest_part']['reliable'] else
-                         f"where its time goes is not known from this run: {sb['sdpa_largest_part']['verdict']}.")]
+            L += [
+                '',
+                f"SDPA over the local spec, model TFLOP/s at full recompute: {_f(g['median'])} "
+                f"(range {_f(g['min'])}..{_f(g['max'])} from the "
+                f"repeats' extremes); goal {g['goal']}: {g['verdict']}. SDPA reaches "
+                f"{_f(f['value'])} of the matmul rate (aim "
+                f"{f['aim']:g}: {'reached' if f['reached'] else 'not reached'}); "
+                + (
+                    f"its largest part of the step is {sb['sdpa_largest_part']['part']} "
+                    f"({sb['sdpa_largest_part']['share']:.0%})."
+                    if sb['sdpa_largest_part']['reliable']
+                    else (
+                        "where its time goes is not known from this run: "
+                        f"{sb['sdpa_largest_part']['verdict']}."
+                    )
+                ),
+            ]
         L.append('')
     return '\n'.join(L)
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #aa18b972
-REDERIVED_WHY = ("model_flops counts the tied log-prob head on the positions it computes (the response positions), not on every "
-                 "token; model TFLOP/s and the fraction of the matmul rate re-derived from the recorded seconds")
+REDERIVED_WHY = (
+    "model_flops counts the tied log-prob head on the positions it computes (the response "
+    "positions), not on every "
+    "token; model TFLOP/s and the fraction of the matmul rate re-derived from the recorded seconds"
+)
+
 
 def derive_step4b(view: dict, cpu_sim: bool) -> None:
-    "What a step4b part's report reads, derived from its recorded figures by the code of now: model FLOPs on the positions computed (the recorded values kept beside the new ones where they differ), every phase's peak against its plan (one above fails the part), the split's checks."
+    """What a step4b part's report reads, derived from its recorded figures by the code of now:
+    model FLOPs on the positions computed (the recorded values kept beside the new ones where they
+    differ), every phase's peak against its plan (one above fails the part), the split's checks."""
     from memagent.stepsplit import split_checks
     from memagent.plan import get_arch
+
     s = view.get('results', {}).get('step')
-    if not s: return
+    if not s:
+        return
     arch = get_arch(step4b_config(s['recompute'], cpu_sim).model.name)
-    s.setdefault('head_positions', response_positions(s['rows'], s['seq_len']))      # the batch rule of every step4b run
-    sec, flops = s['seconds_per_step'], model_flops(arch, s['tokens'], s['seq_len'], s['head_positions'])
-    now = {'model_tflops': flops / sec['median'] / 1e12, 'model_tflops_range': [flops / sec['max'] / 1e12, flops / sec['min'] / 1e12],
-           'fraction_of_matmul_rate': flops / sec['median'] / (s['matmul_tflops'] * 1e12)}
-    differs = lambda a, b: any(not math.isclose(x, y, rel_tol=1e-9) for x, y in zip(a, b)) if isinstance(b, list) else not math.isclose(a, b, rel_tol=1e-9)
+    s.setdefault(
+        'head_positions', response_positions(s['rows'], s['seq_len'])
+    )  # the batch rule of every step4b run
+    sec, flops = (
+        s['seconds_per_step'],
+        model_flops(arch, s['tokens'], s['seq_len'], s['head_positions']),
+    )
+    now = {
+        'model_tflops': flops / sec['median'] / 1e12,
+        'model_tflops_range': [flops / sec['max'] / 1e12, flops / sec['min'] / 1e12],
+        'fraction_of_matmul_rate': flops / sec['median'] / (s['matmul_tflops'] * 1e12),
+    }
+    differs = lambda a, b: (
+        any(not math.isclose(x, y, rel_tol=1e-9) for x, y in zip(a, b))
+        if isinstance(b, list)
+        else not math.isclose(a, b, rel_tol=1e-9)
+    )
     changed = {k: {'recorded': s[k], 'now': v} for k, v in now.items() if differs(s[k], v)}
-    if changed: s['rederived'] = {'why': REDERIVED_WHY, 'head_positions': s['head_positions'], 'tokens': s['tokens'], 'figures': changed}
+    if changed:
+        s['rederived'] = {
+            'why': REDERIVED_WHY,
+            'head_positions': s['head_positions'],
+            'tokens': s['tokens'],
+            'figures': changed,
+        }
     s.update(now)
     s['memory_by_phase'] = memory_by_phase(s.get('phases_gib'), s.get('plan_phases_gib'))
     over = [k for k, m in s['memory_by_phase'].items() if m['over']]
     if over:
         s['pass'] = False
-        if view['verdict'] == 'passed': view['verdict'] = 'failed'
-        view['memory_failed'] = ', '.join(f"{k} peak {s['memory_by_phase'][k]['peak_gib']:.1f} GiB above its planned {s['memory_by_phase'][k]['plan_gib']:.1f} GiB"
-                                          for k in over)
+        if view['verdict'] == 'passed':
+            view['verdict'] = 'failed'
+        view['memory_failed'] = ', '.join(
+            f"{k} peak {s['memory_by_phase'][k]['peak_gib']:.1f} GiB above its planned "
+            f"{s['memory_by_phase'][k]['plan_gib']:.1f} GiB"
+            for k in over
+        )
     s['split_checks'] = split_checks(s['split'], s.get('phases_s'), sec['median'])
 
-def write_report(out: Path, fixed: dict, status: dict, total_s: float, provenance: dict | None = None) -> dict:
-    "subset.json and subset.md from the part files and how their processes ended (`fixed`: `report_header`); `provenance`: the run's, when a report is rendered again from its part files (`rerender`)."
+# %% ../../nbs/22_gpucheck_5_report.ipynb #852ed8af
+def write_report(
+    out: Path, fixed: dict, status: dict, total_s: float, provenance: dict | None = None
+) -> dict:
+    """subset.json and subset.md from the part files and how their processes ended (`fixed`:
+    `report_header`); `provenance`: the run's, when a report is rendered again from its part files
+    (`rerender`)."""
     from memagent.provenance import provenance as now
+
     layout = fixed['layout']
     parts = {name: part_view(out, name, status.get(name)) for name, _, _ in PARTS}
-    for name in STEP4B: derive_step4b(parts[name], fixed['cpu_simulation'])
+    for name in STEP4B:
+        derive_step4b(parts[name], fixed['cpu_simulation'])
     run = [p for p in parts.values() if p['verdict'] != 'not run']
-    body = {**{k: layout[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'cpu_simulation': fixed['cpu_simulation'],
-            'pass': bool(run) and all(p['verdict'] in ('passed', 'skipped') for p in run), 'parts': parts,
-            'caps_s': {n: c for n, c, _ in PARTS}, 'seconds': total_s, 'budget_s': SUBSET_BUDGET_S,
-            'within_budget': total_s <= SUBSET_BUDGET_S, 'environment': fixed['environment'],
-            'transformer_engine': fixed['transformer_engine'], 'device': fixed['device'],
-            'tolerances': TOL, 'sequence_parallel': 'not checked: it needs TP >= 2, so at least 2 GPUs (part cluster)',
-            'doctor_rows': layout['rows'], 'step4b_side_by_side': step4b_side_by_side(parts)}
+    body = {
+        **{k: layout[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')},
+        'cpu_simulation': fixed['cpu_simulation'],
+        'pass': bool(run) and all(p['verdict'] in ('passed', 'skipped') for p in run),
+        'parts': parts,
+        'caps_s': {n: c for n, c, _ in PARTS},
+        'seconds': total_s,
+        'budget_s': SUBSET_BUDGET_S,
+        'within_budget': total_s <= SUBSET_BUDGET_S,
+        'environment': fixed['environment'],
+        'transformer_engine': fixed['transformer_engine'],
+        'device': fixed['device'],
+        'tolerances': TOL,
+        'sequence_parallel': 'not checked: it needs TP >= 2, so at least 2 GPUs (part cluster)',
+        'doctor_rows': layout['rows'],
+        'step4b_side_by_side': step4b_side_by_side(parts),
+    }
     body['provenance'] = provenance or now()
-    if provenance is not None: body['rendered_again'] = {'from': 'the part files the run recorded (unchanged)', 'provenance': now()}
+    if provenance is not None:
+        body['rendered_again'] = {
+            'from': 'the part files the run recorded (unchanged)',
+            'provenance': now(),
+        }
     out.mkdir(parents=True, exist_ok=True)
     (out / 'subset.json').write_text(json.dumps(body, indent=1, default=str))
     (out / 'subset.md').write_text(render_md(layout, body, layout_lines))
     print(f"wrote {out / 'subset.json'}")
     return body
 
+# %% ../../nbs/22_gpucheck_5_report.ipynb #8b41e5ab
 def rerender(out: Path) -> dict:
-    "subset.json and subset.md rendered again, by the code of now, from the part files a run recorded and the layout, environment and process records of its subset.json; the part files are read, never written, and the run's provenance is kept."
+    """subset.json and subset.md rendered again, by the code of now, from the part files a run
+    recorded and the layout, environment and process records of its subset.json; the part files are
+    read, never written, and the run's provenance is kept."""
     rep = json.loads((out / 'subset.json').read_text())
-    layout = {**{k: rep[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')}, 'rows': rep['doctor_rows']}
-    fixed = {'layout': layout, 'cpu_simulation': rep['cpu_simulation'], 'environment': rep['environment'],
-             'transformer_engine': rep['transformer_engine'], 'device': rep['device']}
+    layout = {
+        **{k: rep[k] for k in ('layout', 'reduced_layout', 'reduced_because', 'not_checked')},
+        'rows': rep['doctor_rows'],
+    }
+    fixed = {
+        'layout': layout,
+        'cpu_simulation': rep['cpu_simulation'],
+        'environment': rep['environment'],
+        'transformer_engine': rep['transformer_engine'],
+        'device': rep['device'],
+    }
     status = {n: p['process'] for n, p in rep['parts'].items() if p.get('process')}
     return write_report(out, fixed, status, rep['seconds'], provenance=rep['provenance'])

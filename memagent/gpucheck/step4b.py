@@ -9,15 +9,25 @@ from ..stepsplit import split_verdict
 from .checks import one_step
 from .parts import PARTS, Recorder, _cuda, _gc, _peak, _peak_reset, _sync
 
-STEP4B = {'step4b-local-full': ('local', 'full', 2, 4608), 'step4b-sdpa-full': ('sdpa', 'full', 2, 4608),   # attention, recompute,
-          'step4b-sdpa-selective': ('sdpa', 'selective', 2, 4608), 'step4b-te-full': ('te', 'full', 2, 4608)}  # rows (at most), tokens per row
+STEP4B = {
+    'step4b-local-full': ('local', 'full', 2, 4608),
+    'step4b-sdpa-full': ('sdpa', 'full', 2, 4608),  # attention, recompute,
+    'step4b-sdpa-selective': ('sdpa', 'selective', 2, 4608),
+    'step4b-te-full': ('te', 'full', 2, 4608),
+}  # rows (at most), tokens per row
 
-STEP4B_HEADROOM = 0.95     # a step4b shape runs when the plan's update peak is within this share of the card: the allocator's
-                           # fragmentation and the libraries' workspaces are not terms of the plan
+# a step4b shape runs when the plan's update peak is within this share of the card: the allocator's
+STEP4B_HEADROOM = 0.95
+# fragmentation and the libraries' workspaces are not terms of the plan
 
-STEP4B_GOAL = {'sdpa_over_local_model_tflops': 2.0, 'fraction_of_matmul_rate': 0.40}   # the fused path's goal and aim (full recompute)
+STEP4B_GOAL = {
+    'sdpa_over_local_model_tflops': 2.0,
+    'fraction_of_matmul_rate': 0.40,
+}  # the fused path's goal and aim (full recompute)
 
-STEP4B_MIN_GIB = 100      # the step4b parts run on an H200-class card: on a smaller one they are skipped and named
+STEP4B_MIN_GIB = (
+    100  # the step4b parts run on an H200-class card: on a smaller one they are skipped and named
+)
 
 # %% auto #0
 __all__ = ['STEP4B', 'STEP4B_HEADROOM', 'STEP4B_GOAL', 'STEP4B_MIN_GIB', 'PHASES', 'matmul_rate', 'model_flops',
@@ -26,193 +36,395 @@ __all__ = ['STEP4B', 'STEP4B_HEADROOM', 'STEP4B_GOAL', 'STEP4B_MIN_GIB', 'PHASES
 
 # %% ../../nbs/22_gpucheck_4_step4b.ipynb #62a35e88
 def matmul_rate(dtype: str, n: int = 8192, repeats: int = 5) -> float:
-    "FLOP/s of an n x n matmul in `dtype` on this process's device (the best of `repeats`, synchronized, after a warm-up)."
+    """FLOP/s of an n x n matmul in `dtype` on this process's device (the best of `repeats`,
+    synchronized, after a warm-up)."""
     import torch
     from memagent.ondevice import compute_device
+
     dev = compute_device()
-    a = torch.randn(n, n, device=dev, dtype=getattr(torch, dtype)); b = torch.randn(n, n, device=dev, dtype=getattr(torch, dtype))
-    a @ b; _sync(); ts = []
+    a = torch.randn(n, n, device=dev, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, device=dev, dtype=getattr(torch, dtype))
+    a @ b
+    _sync()
+    ts = []
     for _ in range(repeats):
-        t0 = time.perf_counter(); a @ b; _sync(); ts.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / min(ts)
+        t0 = time.perf_counter()
+        a @ b
+        _sync()
+        ts.append(time.perf_counter() - t0)
+    return 2 * n**3 / min(ts)
 
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #79e10c5b
 def model_flops(arch, tokens: int, seq_len: int, head_positions: int | None = None) -> float:
-    "Model FLOPs of one training step (forward + backward, recompute not counted): 6 N T for the N parameters outside the output head, 6 V h H for the head on the H positions the log-prob head computes (the response positions; all T if not given), plus causal attention, 6 T L (heads x head_dim) per layer."
-    head = arch.vocab * arch.hidden                    # the output head's matrix (tied: the embedding's, counted once in numel)
+    """Model FLOPs of one training step (forward + backward, recompute not counted): 6 N T for the N
+    parameters outside the output head, 6 V h H for the head on the H positions the log-prob head
+    computes (the response positions; all T if not given), plus causal attention, 6 T L (heads x
+    head_dim) per layer."""
+    head = (
+        arch.vocab * arch.hidden
+    )  # the output head's matrix (tied: the embedding's, counted once in numel)
     H = tokens if head_positions is None else head_positions
-    return 6 * (arch.numel() - head) * tokens + 6 * head * H + 6 * tokens * seq_len * arch.heads * arch.head_dim * arch.layers
+    return (
+        6 * (arch.numel() - head) * tokens
+        + 6 * head * H
+        + 6 * tokens * seq_len * arch.heads * arch.head_dim * arch.layers
+    )
 
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #67ac535b
 def response_positions(rows: int, seq_len: int) -> int:
-    "The positions the log-prob head computes in a step4b batch: the response half of each row (`step4b_batch`), whose first token is never position 0."
+    """The positions the log-prob head computes in a step4b batch: the response half of each row
+    (`step4b_batch`), whose first token is never position 0."""
     return rows * (seq_len - seq_len // 2)
 
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #11b85d05
 def step4b_batch(rows: int, seq_len: int, vocab: int, device) -> dict:
     "The step4b parts' fixed batch: seeded random tokens, the second half of each row the response."
     import torch
+
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, vocab, (rows, seq_len), generator=g)
-    resp = torch.zeros_like(ids, dtype=torch.bool); resp[:, seq_len // 2:] = True
-    return {'input_ids': ids.to(device), 'attention_mask': torch.ones_like(ids, dtype=torch.bool).to(device), 'response_mask': resp.to(device)}
+    resp = torch.zeros_like(ids, dtype=torch.bool)
+    resp[:, seq_len // 2 :] = True
+    return {
+        'input_ids': ids.to(device),
+        'attention_mask': torch.ones_like(ids, dtype=torch.bool).to(device),
+        'response_mask': resp.to(device),
+    }
 
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #8a3bbfa6
 def step4b_config(recompute: str, cpu_sim: bool, attention: str = 'auto'):
-    "The frozen recipe's step on one GPU: TP 1, no sequence parallel, its distributed optimizer (CPU: the stand-in, fp32), `batch.attention`."
+    """The frozen recipe's step on one GPU: TP 1, no sequence parallel, its distributed optimizer
+    (CPU: the stand-in, fp32), `batch.attention`."""
     from memagent.config import get_preset
-    ov = {'batch.n_gpus': 1, 'batch.tp': 1, 'batch.sequence_parallel': False, 'batch.recompute': recompute, 'rollout.colocate': False,
-          'rollout.gpus_per_engine': 1, 'loss.kl_type': 'none', 'batch.attention': attention}
-    if cpu_sim: ov.update({'model.name': 'tiny-qwen3', 'model.tokenizer': 'tiny-qwen3', 'model.dtype': 'float32', 'batch.distributed_optimizer': False})
+
+    ov = {
+        'batch.n_gpus': 1,
+        'batch.tp': 1,
+        'batch.sequence_parallel': False,
+        'batch.recompute': recompute,
+        'rollout.colocate': False,
+        'rollout.gpus_per_engine': 1,
+        'loss.kl_type': 'none',
+        'batch.attention': attention,
+    }
+    if cpu_sim:
+        ov.update(
+            {
+                'model.name': 'tiny-qwen3',
+                'model.tokenizer': 'tiny-qwen3',
+                'model.dtype': 'float32',
+                'batch.distributed_optimizer': False,
+            }
+        )
     return get_preset('qwen3-4b-frozen', ov)
 
-def step4b_plan(recompute: str, rows: int, seq_len: int, gpu_gib: float, cpu_sim: bool = False, attention: str = 'auto'):
-    "memagent.plan at the part's shape on this card (its Transformer Engine as installed; 'te' is planned as if it were): the config and the plan."
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #eeacff6c
+def step4b_plan(
+    recompute: str,
+    rows: int,
+    seq_len: int,
+    gpu_gib: float,
+    cpu_sim: bool = False,
+    attention: str = 'auto',
+):
+    """memagent.plan at the part's shape on this card (its Transformer Engine as installed; 'te' is
+    planned as if it were): the config and the plan."""
     from memagent.backends.megatron import have_transformer_engine
     from memagent.plan import Cluster, make_plan
+
     cfg = step4b_config(recompute, cpu_sim, attention)
     te = attention == 'te' or (have_transformer_engine() and not cpu_sim)
-    p = make_plan(cfg, Cluster(1, gpu_gib, transformer_engine=te), search=False, micro_batch=(rows, seq_len))
+    p = make_plan(
+        cfg, Cluster(1, gpu_gib, transformer_engine=te), search=False, micro_batch=(rows, seq_len)
+    )
     return cfg, p
 
 # %% ../../nbs/22_gpucheck_4_step4b.ipynb #9f00df9a
 PHASES = ('forward', 'backward (with recompute)', 'optimizer step')
 
+
 def _phase_step(be, batch) -> tuple[dict | None, dict]:
-    "One step taken apart per phase: the seconds of the forward, the backward with its recompute and the optimizer step (CUDA events on a GPU, the host clock on CPU), and on a GPU the allocator's peak (GiB: held before it, the forward and backward's peak, held after the backward, the optimizer step's peak)."
+    """One step taken apart per phase: the seconds of the forward, the backward with its recompute
+    and the optimizer step (CUDA events on a GPU, the host clock on CPU), and on a GPU the
+    allocator's peak (GiB: held before it, the forward and backward's peak, held after the backward,
+    the optimizer step's peak)."""
     import torch
     from memagent.plan import GiB
+
     cuda = _cuda()
     if cuda:
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); held = torch.cuda.memory_allocated()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
         mark = lambda i: marks[i].record()
     else:
         marks = [0.0] * 4
-        def mark(i): marks[i] = time.perf_counter()
+
+        def mark(i):
+            marks[i] = time.perf_counter()
+
     mark(0)
-    lp = be.logprobs(batch); loss = -(lp.sum() / batch['response_mask'][:, 1:].sum())
+    lp = be.logprobs(batch)
+    loss = -(lp.sum() / batch['response_mask'][:, 1:].sum())
     mark(1)
-    be.backward(loss); del lp, loss
+    be.backward(loss)
+    del lp, loss
     mark(2)
     if cuda:
-        torch.cuda.synchronize(); backward, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        torch.cuda.synchronize()
+        backward, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     be.step()
     mark(3)
     if cuda:
         torch.cuda.synchronize()
         secs = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)]
-        mem = {'held before the step': held / GiB, 'backward': backward / GiB, 'held after the backward': after / GiB,
-               'optimizer step': torch.cuda.max_memory_allocated() / GiB}
-    else: secs, mem = [marks[i + 1] - marks[i] for i in range(3)], None
+        mem = {
+            'held before the step': held / GiB,
+            'backward': backward / GiB,
+            'held after the backward': after / GiB,
+            'optimizer step': torch.cuda.max_memory_allocated() / GiB,
+        }
+    else:
+        secs, mem = [marks[i + 1] - marks[i] for i in range(3)], None
     return mem, dict(zip(PHASES, secs))
 
+
 def memory_by_phase(phases_gib: dict | None, plan_phases_gib: dict | None) -> dict:
-    "Every phase's measured peak against its planned phase (GiB): a phase above its plan is a failed memory check."
+    """Every phase's measured peak against its planned phase (GiB): a phase above its plan is a
+    failed memory check."""
     ph, pp = phases_gib or {}, plan_phases_gib or {}
     return {k: {'peak_gib': ph[k], 'plan_gib': pp[k], 'over': ph[k] > pp[k]} for k in pp if k in ph}
 
 # %% ../../nbs/22_gpucheck_4_step4b.ipynb #28dd55a0
 def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
-    "One attention path and recompute mode of the megatron step at Qwen3-4B shapes (CPU: the tiny model at small shapes), sized by the plan to the card, then one profiled step split by part of the layer."
+    """One attention path and recompute mode of the megatron step at Qwen3-4B shapes (CPU: the tiny
+    model at small shapes), sized by the plan to the card, then one profiled step split by part of
+    the layer."""
     import torch
     from memagent.backends.megatron import MegatronBackend, have_transformer_engine
     from memagent.stepsplit import profile_step, split_checks
     from memagent.ondevice import compute_device
     from memagent.plan import GiB, get_arch
+
     attention, recompute, most_rows, seq_len = STEP4B[name]
     if attention == 'te' and not (have_transformer_engine() and _cuda() and not cpu_sim):
-        rec.put('skipped', 'Transformer Engine is not installed here' if not have_transformer_engine() else 'Transformer Engine needs a GPU')
-        rec.done(True); return
+        rec.put(
+            'skipped',
+            'Transformer Engine is not installed here'
+            if not have_transformer_engine()
+            else 'Transformer Engine needs a GPU',
+        )
+        rec.done(True)
+        return
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if _cuda() else 139.8
     if gpu_gib < STEP4B_MIN_GIB:
-        rec.put('skipped', f"a {gpu_gib:.1f} GiB card: the Qwen3-4B step's planned peaks need an H200-class card "
-                           f"(at least {STEP4B_MIN_GIB} GiB)")
-        rec.done(True); return
+        rec.put(
+            'skipped',
+            f"a {gpu_gib:.1f} GiB card: the Qwen3-4B step's planned peaks need an H200-class card "
+            f"(at least {STEP4B_MIN_GIB} GiB)",
+        )
+        rec.done(True)
+        return
     tried = []
-    for rows in range(most_rows, 0, -1):                       # the most rows the plan says this card holds
+    for rows in range(most_rows, 0, -1):  # the most rows the plan says this card holds
         _, p4b = step4b_plan(recompute, rows, seq_len, gpu_gib, attention=attention)
-        plan4b = {'rows': rows, 'seq_len': seq_len, 'gpu_gib': gpu_gib, 'attention': p4b.details['attention'],
-                  'update_allocated_gib': p4b.allocated('update') / GiB, 'update_peak_gib': p4b.peak('update') / GiB,
-                  'headroom': STEP4B_HEADROOM, 'fits': p4b.peak('update') <= STEP4B_HEADROOM * gpu_gib * GiB,
-                  'terms_gib': {k: v / GiB for k, v in p4b.update.items()}}
+        plan4b = {
+            'rows': rows,
+            'seq_len': seq_len,
+            'gpu_gib': gpu_gib,
+            'attention': p4b.details['attention'],
+            'update_allocated_gib': p4b.allocated('update') / GiB,
+            'update_peak_gib': p4b.peak('update') / GiB,
+            'headroom': STEP4B_HEADROOM,
+            'fits': p4b.peak('update') <= STEP4B_HEADROOM * gpu_gib * GiB,
+            'terms_gib': {k: v / GiB for k, v in p4b.update.items()},
+        }
         tried.append(plan4b)
-        if plan4b['fits']: break
+        if plan4b['fits']:
+            break
     rec.put('plan_qwen3_4b', plan4b)
     if len(tried) > 1:
-        rec.put('rows_reduced', f"{most_rows} rows of {seq_len} tokens: the plan's update peak ({tried[0]['update_peak_gib']:.1f} GiB) is over "
-                                f"{STEP4B_HEADROOM:.0%} of this {gpu_gib:.1f} GiB card; ran {plan4b['rows']}" if plan4b['fits'] else 'no row count fits')
+        rec.put(
+            'rows_reduced',
+            f"{most_rows} rows of {seq_len} tokens: the plan's update peak "
+            f"({tried[0]['update_peak_gib']:.1f} GiB) is over "
+            f"{STEP4B_HEADROOM:.0%} of this {gpu_gib:.1f} GiB card; ran {plan4b['rows']}"
+            if plan4b['fits']
+            else 'no row count fits',
+        )
     rows = plan4b['rows']
-    if cpu_sim: seq_len = 128                                  # the same code at a tiny shape
+    if cpu_sim:
+        seq_len = 128  # the same code at a tiny shape
     elif not plan4b['fits']:
-        rec.put('skipped', f"the plan's update peak ({plan4b['update_peak_gib']:.1f} GiB for one row) is over {STEP4B_HEADROOM:.0%} of this {gpu_gib:.1f} GiB card")
-        rec.done(True); return
+        rec.put(
+            'skipped',
+            f"the plan's update peak ({plan4b['update_peak_gib']:.1f} GiB for one row) is over "
+            f"{STEP4B_HEADROOM:.0%} of this {gpu_gib:.1f} GiB card",
+        )
+        rec.done(True)
+        return
     cfg, p = step4b_plan(recompute, rows, seq_len, gpu_gib, cpu_sim, attention)
     arch = get_arch(cfg.model.name)
     dev = compute_device()
     mm_n = 8192 if _cuda() else 1024
-    rates = [matmul_rate(cfg.model.dtype, mm_n)]             # measured again after the timed steps: the higher one is the ceiling
+    rates = [
+        matmul_rate(cfg.model.dtype, mm_n)
+    ]  # measured again after the timed steps: the higher one is the ceiling
     t0 = time.perf_counter()
     from memagent.models import load_model
+
     hf = load_model('tiny-qwen3') if cpu_sim else _random_model(arch, cfg.model.dtype, dev)
     be = MegatronBackend.from_config(cfg, hf)
-    del hf; _gc()
+    del hf
+    _gc()
     build_s = time.perf_counter() - t0
     batch = step4b_batch(rows, seq_len, arch.vocab, dev)
     head_positions = int(batch['response_mask'][:, 1:].sum())
     _peak_reset()
     secs = []
     try:
-        for i in range(4):                                      # one warm-up, three timed
-            _sync(); t = time.perf_counter(); loss, norm = one_step(be, batch); _sync()
-            if i: secs.append(time.perf_counter() - t)
+        for i in range(4):  # one warm-up, three timed
+            _sync()
+            t = time.perf_counter()
+            loss, norm = one_step(be, batch)
+            _sync()
+            if i:
+                secs.append(time.perf_counter() - t)
         peak = _peak()
-        rates.append(matmul_rate(cfg.model.dtype, mm_n))      # (a slow spell of a shared host during one measurement lowers it)
+        rates.append(
+            matmul_rate(cfg.model.dtype, mm_n)
+        )  # (a slow spell of a shared host during one measurement lowers it)
         rate = max(rates)
-        rec.put('matmul_rate_tflops', {'before': rates[0] / 1e12, 'after': rates[1] / 1e12, 'used': rate / 1e12})
+        rec.put(
+            'matmul_rate_tflops',
+            {'before': rates[0] / 1e12, 'after': rates[1] / 1e12, 'used': rate / 1e12},
+        )
         built = be.attention
-        phases, phase_s = _phase_step(be, batch)               # one more step, taken apart per phase
-        split = profile_step(be.model, lambda: one_step(be, batch))   # after the peak: the profiler's buffers are not the step's
-    finally: be.close(); del be; _gc()
+        phases, phase_s = _phase_step(be, batch)  # one more step, taken apart per phase
+        split = profile_step(
+            be.model, lambda: one_step(be, batch)
+        )  # after the peak: the profiler's buffers are not the step's
+    finally:
+        be.close()
+        del be
+        _gc()
     tokens = rows * seq_len
     med = statistics.median(secs)
     split['checks'] = split_checks(split, phase_s, med)
     flops = model_flops(arch, tokens, seq_len, head_positions)
     planned = p.allocated('update')
-    r = {'recompute': recompute, 'rows': rows, 'seq_len': seq_len, 'tokens': tokens, 'attention': built, 'planned_attention': p.details['attention'],
-         'dtype': cfg.model.dtype, 'distributed_optimizer': cfg.batch.distributed_optimizer, 'build_s': build_s,
-         'seconds_per_step': {'median': med, 'min': min(secs), 'max': max(secs), 'n': len(secs)}, 'tokens_per_s': tokens / med,
-         'model_tflops': flops / med / 1e12, 'model_tflops_range': [flops / max(secs) / 1e12, flops / min(secs) / 1e12],
-         'head_positions': head_positions, 'matmul_tflops': rate / 1e12, 'fraction_of_matmul_rate': flops / med / rate,
-         'loss': loss, 'grad_norm': norm, 'peak_gib': peak / GiB if peak is not None else None, 'plan_gib': planned / GiB,
-         'peak_over_plan': peak / planned if peak is not None else None,
-         'plan_terms_gib': {k: v / GiB for k, v in p.update.items()}, 'split': split, 'phases_gib': phases, 'phases_s': phase_s,
-         'plan_phases_gib': {k: v / GiB for k, v in p.details['update_phases'].items()}}
+    r = {
+        'recompute': recompute,
+        'rows': rows,
+        'seq_len': seq_len,
+        'tokens': tokens,
+        'attention': built,
+        'planned_attention': p.details['attention'],
+        'dtype': cfg.model.dtype,
+        'distributed_optimizer': cfg.batch.distributed_optimizer,
+        'build_s': build_s,
+        'seconds_per_step': {'median': med, 'min': min(secs), 'max': max(secs), 'n': len(secs)},
+        'tokens_per_s': tokens / med,
+        'model_tflops': flops / med / 1e12,
+        'model_tflops_range': [flops / max(secs) / 1e12, flops / min(secs) / 1e12],
+        'head_positions': head_positions,
+        'matmul_tflops': rate / 1e12,
+        'fraction_of_matmul_rate': flops / med / rate,
+        'loss': loss,
+        'grad_norm': norm,
+        'peak_gib': peak / GiB if peak is not None else None,
+        'plan_gib': planned / GiB,
+        'peak_over_plan': peak / planned if peak is not None else None,
+        'plan_terms_gib': {k: v / GiB for k, v in p.update.items()},
+        'split': split,
+        'phases_gib': phases,
+        'phases_s': phase_s,
+        'plan_phases_gib': {k: v / GiB for k, v in p.details['update_phases'].items()},
+    }
     r['memory_by_phase'] = memory_by_phase(phases, r['plan_phases_gib'])
-    r['pass'] = (math.isfinite(loss) and math.isfinite(norm) and (peak is None or peak <= planned)
-                 and not any(m['over'] for m in r['memory_by_phase'].values()) and built == attention == r['planned_attention'])
+    r['pass'] = (
+        math.isfinite(loss)
+        and math.isfinite(norm)
+        and (peak is None or peak <= planned)
+        and not any(m['over'] for m in r['memory_by_phase'].values())
+        and built == attention == r['planned_attention']
+    )
     rec.put('step', r)
     rec.done(r['pass'])
 
 # %% ../../nbs/22_gpucheck_4_step4b.ipynb #baae5e5a
 def step4b_side_by_side(parts: dict) -> dict | None:
-    "The step4b parts that ran, side by side, and the fused path's goal: SDPA's model TFLOP/s over the local spec's (full recompute), its range from the repeats' extremes, and the fraction of the matmul rate."
-    steps = {n: parts[n]['results']['step'] for n in STEP4B if n in parts and 'step' in parts[n].get('results', {})}
-    if not steps: return None
-    rows = [{'part': n, **{k: s[k] for k in ('attention', 'recompute', 'rows', 'seq_len', 'tokens_per_s', 'model_tflops', 'fraction_of_matmul_rate',
-                                           'peak_gib', 'plan_gib')}, 'seconds_per_step': s['seconds_per_step']['median'],
-              'split': s['split']['share'], 'split_reliable': s['split_checks']['reliable'],
-              'memory_over_plan': [k for k, m in s.get('memory_by_phase', {}).items() if m['over']]} for n, s in steps.items()]
+    """The step4b parts that ran, side by side, and the fused path's goal: SDPA's model TFLOP/s over
+    the local spec's (full recompute), its range from the repeats' extremes, and the fraction of the
+    matmul rate."""
+    steps = {
+        n: parts[n]['results']['step']
+        for n in STEP4B
+        if n in parts and 'step' in parts[n].get('results', {})
+    }
+    if not steps:
+        return None
+    rows = [
+        {
+            'part': n,
+            **{
+                k: s[k]
+                for k in (
+                    'attention',
+                    'recompute',
+                    'rows',
+                    'seq_len',
+                    'tokens_per_s',
+                    'model_tflops',
+                    'fraction_of_matmul_rate',
+                    'peak_gib',
+                    'plan_gib',
+                )
+            },
+            'seconds_per_step': s['seconds_per_step']['median'],
+            'split': s['split']['share'],
+            'split_reliable': s['split_checks']['reliable'],
+            'memory_over_plan': [k for k, m in s.get('memory_by_phase', {}).items() if m['over']],
+        }
+        for n, s in steps.items()
+    ]
     out = {'rows': rows}
     lo, sd = steps.get('step4b-local-full'), steps.get('step4b-sdpa-full')
     if lo and sd and (lo['rows'], lo['seq_len']) == (sd['rows'], sd['seq_len']):
         ratio = sd['model_tflops'] / lo['model_tflops']
-        worst, best = sd['model_tflops_range'][0] / lo['model_tflops_range'][1], sd['model_tflops_range'][1] / lo['model_tflops_range'][0]
+        worst, best = (
+            sd['model_tflops_range'][0] / lo['model_tflops_range'][1],
+            sd['model_tflops_range'][1] / lo['model_tflops_range'][0],
+        )
         g = STEP4B_GOAL['sdpa_over_local_model_tflops']
-        out['sdpa_over_local'] = {'median': ratio, 'min': worst, 'max': best, 'goal': f'>= {g:g}',
-                                  'verdict': 'met' if worst >= g else 'not met' if best < g else 'undecided'}
+        out['sdpa_over_local'] = {
+            'median': ratio,
+            'min': worst,
+            'max': best,
+            'goal': f'>= {g:g}',
+            'verdict': 'met' if worst >= g else 'not met' if best < g else 'undecided',
+        }
         f = sd['fraction_of_matmul_rate']
-        out['sdpa_fraction_of_matmul_rate'] = {'value': f, 'aim': STEP4B_GOAL['fraction_of_matmul_rate'],
-                                               'reached': f >= STEP4B_GOAL['fraction_of_matmul_rate']}
+        out['sdpa_fraction_of_matmul_rate'] = {
+            'value': f,
+            'aim': STEP4B_GOAL['fraction_of_matmul_rate'],
+            'reached': f >= STEP4B_GOAL['fraction_of_matmul_rate'],
+        }
         chk = sd['split_checks']
-        top = max((k for k in sd['split']['share'] if k != 'other'), key=lambda k: sd['split']['share'][k]) if chk['reliable'] else None
-        out['sdpa_largest_part'] = {'part': top, 'share': sd['split']['share'][top] if top else None, 'reliable': chk['reliable'],
-                                    'verdict': split_verdict(chk)}
+        top = (
+            max(
+                (k for k in sd['split']['share'] if k != 'other'),
+                key=lambda k: sd['split']['share'][k],
+            )
+            if chk['reliable']
+            else None
+        )
+        out['sdpa_largest_part'] = {
+            'part': top,
+            'share': sd['split']['share'][top] if top else None,
+            'reliable': chk['reliable'],
+            'verdict': split_verdict(chk),
+        }
     return out

@@ -8,13 +8,52 @@ import argparse, copy, json, sys
 from pathlib import Path
 from ..provenance import flatten, sha256_file, provenance, provenance_problems
 from ..report import md_table
-from ..audit import (AUDITED_REPOSITORY, AUDITED_REVISION, AuditError, VerificationError, check_checkout, default_report_dir as audit_report_dir,
-                            compare, values_match, origin_problems, audited_upstream, _environment, _status, _summary, _differs, _short, _MISSING,
-                            open_receipt, field_problems, environment_problems, wrong_shape)
-from ..auditreport import study_cli, audit_cli as reward_audit_cli, figure_report_problems, write_figure_report, figure_line
-from .store import (LocalJudge, OBSERVED_FILES, EXECUTED, WORKFLOW_FILE, EMBEDDER, MANAGER, load_upstream, load_episodes,
-                                     observe_case, case_outputs, observed_stats, difference, held_ids,
-                                     reward_side, observation_transcript)
+from memagent.audit import (
+    AUDITED_REPOSITORY,
+    AUDITED_REVISION,
+    AuditError,
+    VerificationError,
+    check_checkout,
+    default_report_dir as audit_report_dir,
+    compare,
+    values_match,
+    origin_problems,
+    audited_upstream,
+    _environment,
+    _status,
+    _summary,
+    _differs,
+    _short,
+    _MISSING,
+    open_receipt,
+    field_problems,
+    environment_problems,
+    wrong_shape,
+)
+from memagent.auditreport import (
+    study_cli,
+    audit_cli as reward_audit_cli,
+    figure_report_problems,
+    write_figure_report,
+    figure_line,
+)
+from memagent.observed.store import (
+    LocalJudge,
+    OBSERVED_FILES,
+    EXECUTED,
+    WORKFLOW_FILE,
+    EMBEDDER,
+    MANAGER,
+    load_upstream,
+    load_episodes,
+    observe_case,
+    case_outputs,
+    observed_stats,
+    difference,
+    held_ids,
+    reward_side,
+    observation_transcript,
+)
 from ..files import read_json
 
 # %% auto #0
@@ -28,406 +67,890 @@ __all__ = ['RECEIPT_SCHEMA', 'N_CASES', 'EPISODES_SHA256', 'PROTOCOL_SHA256', 'M
 # %% ../../nbs/18a_observed_2_receipt.ipynb #61924ea7
 RECEIPT_SCHEMA = 'memagent.agemem_observed.receipt/1'
 N_CASES = 21
-EPISODES_SHA256 = 'eea3818a890e295e82f0e34bb4a338045f00a1c6fdba8bfe2ab3c8cc8c9ff060'   # reports/agemem_observed/episodes.json
-PROTOCOL_SHA256 = 'ce95b6eca0ec4fbc9ecdf464e8d3b19177f905e8031f105c1f4d19dd40321d0f'   # reports/agemem_observed/protocol.md
-MEANING = ('passed = both rewards, and the store operations of every episode, matched the expectations written before the run '
-           '(as corrections.json amends those that finished_at_round enters); '
-           'it says nothing about whether either reward is correct, or how a policy trained on either would behave')
-LIMITS = ('No policy was trained, so nothing here says that a policy trained on the observed reward behaves better, or differently. '
-          'The embedder is not the paper\'s. The episodes are scripted, and Stage 2\'s distractor injection and the task score\'s '
-          'judge are not run. Two episodes run the memory judge, as a stub; the training call site always passes a chat client '
-          '(train_hotpotQA.py lines 78, 356), so in training the judge replaces R_relevance and R_storage whenever it has input. '
-          'The other 19 are also scored with a local judge on, one that knows the episode\'s own answer; it is not the paper\'s judge model. '
-          '"Used the retrieved memory" is a string test: the final answer occurs in a retrieved memory.')
-RECEIPT_FIELDS = ('schema', 'status', 'meaning', 'limits', 'audited', 'store', 'call_site_weights', 'fixtures', 'protocol',
-                  'corrections', 'environment', 'summary', 'cases', 'provenance')
-AUDITED_FIELDS = ('repository', 'revision', 'obtained_from', 'files', 'executed', 'read', 'checkout_unchanged_after_run')
-CASE_FIELDS = ('id', 'group', 'role', 'first_study', 'note', 'judge', 'final_answer', 'found_answer', 'rounds', 'finished_at_round',
-               'store_held', 'log', 'context', 'official', 'observed', 'difference', 'checks', 'judge_on')
+# reports/agemem_observed/episodes.json
+EPISODES_SHA256 = 'eea3818a890e295e82f0e34bb4a338045f00a1c6fdba8bfe2ab3c8cc8c9ff060'
+# reports/agemem_observed/protocol.md
+PROTOCOL_SHA256 = 'ce95b6eca0ec4fbc9ecdf464e8d3b19177f905e8031f105c1f4d19dd40321d0f'
+MEANING = (
+    'passed = both rewards, and the store operations of every episode, matched the expectations '
+    'written before the run '
+    '(as corrections.json amends those that finished_at_round enters); '
+    'it says nothing about whether either reward is correct, or how a policy trained on either '
+    'would behave'
+)
+LIMITS = (
+    'No policy was trained, so nothing here says that a policy trained on the observed reward '
+    'behaves better, or differently. '
+    'The embedder is not the paper\'s. The episodes are scripted, and Stage 2\'s distractor '
+    'injection and the task score\'s '
+    'judge are not run. Two episodes run the memory judge, as a stub; the training call site '
+    'always passes a chat client '
+    '(train_hotpotQA.py lines 78, 356), so in training the judge replaces R_relevance and '
+    'R_storage whenever it has input. '
+    'The other 19 are also scored with a local judge on, one that knows the episode\'s own '
+    'answer; it is not the paper\'s judge model. '
+    '"Used the retrieved memory" is a string test: the final answer occurs in a retrieved memory.'
+)
+RECEIPT_FIELDS = (
+    'schema',
+    'status',
+    'meaning',
+    'limits',
+    'audited',
+    'store',
+    'call_site_weights',
+    'fixtures',
+    'protocol',
+    'corrections',
+    'environment',
+    'summary',
+    'cases',
+    'provenance',
+)
+AUDITED_FIELDS = (
+    'repository',
+    'revision',
+    'obtained_from',
+    'files',
+    'executed',
+    'read',
+    'checkout_unchanged_after_run',
+)
+CASE_FIELDS = (
+    'id',
+    'group',
+    'role',
+    'first_study',
+    'note',
+    'judge',
+    'final_answer',
+    'found_answer',
+    'rounds',
+    'finished_at_round',
+    'store_held',
+    'log',
+    'context',
+    'official',
+    'observed',
+    'difference',
+    'checks',
+    'judge_on',
+)
 STORE = {'embedder': EMBEDDER, 'manager': MANAGER}
 PINS = {rel: (AUDITED_REVISION, sha) for rel, sha in OBSERVED_FILES.items()}
 
+
 def default_report_dir(start=None) -> Path:
-    "`reports/agemem_observed` under the first folder at or above `start` (default: cwd) that holds `settings.ini`."
+    """`reports/agemem_observed` under the first folder at or above `start` (default: cwd) that
+    holds `settings.ini`."""
     return audit_report_dir(start, 'agemem_observed')
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #bd30e976
 CORRECTIONS_SCHEMA = 'memagent.agemem_observed.corrections/1'
-CORRECTIONS_SHA256 = 'd05ebf2c433b54d52a6fbe81e5228da00963b4ebfaac45eb5a1188679fb929a7' # reports/agemem_observed/corrections.json
-CORRECTIONS_RECORD_SHA256 = '3f96f10d4d33724bcef90122a8efacc6a2d68463723e2ee30dd122b492850a52' # reports/agemem_observed/corrections.md
+# reports/agemem_observed/corrections.json
+CORRECTIONS_SHA256 = 'd05ebf2c433b54d52a6fbe81e5228da00963b4ebfaac45eb5a1188679fb929a7'
+# reports/agemem_observed/corrections.md
+CORRECTIONS_RECORD_SHA256 = '3f96f10d4d33724bcef90122a8efacc6a2d68463723e2ee30dd122b492850a52'
 AMENDABLE = ('finished_at_round', 'difference.tool_efficiency', 'difference.total')
 
+
 def load_corrections(path, ep: dict) -> dict:
-    "Read corrections.json; raise `ValueError` naming the case and field when an amendment is not one `AMENDABLE` allows or its registered value is not the one in `ep`."
-    path = Path(path); co = read_json(path)
-    def bad(why): raise ValueError(f'{path}: {why}')
-    if not isinstance(co, dict) or co.get('schema') != CORRECTIONS_SCHEMA: bad(f'expected an object with schema {CORRECTIONS_SCHEMA!r}')
-    if co.get('record') != 'corrections.md' or not isinstance(co.get('amended'), dict): bad('expected "record": "corrections.md" and "amended" (an object)')
+    """Read corrections.json; raise `ValueError` naming the case and field when an amendment is not
+    one `AMENDABLE` allows or its registered value is not the one in `ep`."""
+    path = Path(path)
+    co = read_json(path)
+
+    def bad(why):
+        raise ValueError(f'{path}: {why}')
+
+    if not isinstance(co, dict) or co.get('schema') != CORRECTIONS_SCHEMA:
+        bad(f'expected an object with schema {CORRECTIONS_SCHEMA!r}')
+    if co.get('record') != 'corrections.md' or not isinstance(co.get('amended'), dict):
+        bad('expected "record": "corrections.md" and "amended" (an object)')
     cases = {c['id']: c for c in ep['cases']}
     for cid, fields in co['amended'].items():
-        if cid not in cases or not isinstance(fields, dict) or not fields: bad(f'amended[{cid!r}]: not an episode with amended fields')
+        if cid not in cases or not isinstance(fields, dict) or not fields:
+            bad(f'amended[{cid!r}]: not an episode with amended fields')
         registered = flatten(cases[cid]['expect'])
         for k, v in fields.items():
-            if k not in AMENDABLE: bad(f'amended[{cid!r}].{k}: not an amendable field ({", ".join(AMENDABLE)})')
-            if not isinstance(v, dict) or set(v) != {'registered', 'corrected'} or v['registered'] != registered.get(k):
-                bad(f'amended[{cid!r}].{k}: needs "registered" (the episodes.json value, {registered.get(k)!r}) and "corrected"')
+            if k not in AMENDABLE:
+                bad(f'amended[{cid!r}].{k}: not an amendable field ({", ".join(AMENDABLE)})')
+            if (
+                not isinstance(v, dict)
+                or set(v) != {'registered', 'corrected'}
+                or v['registered'] != registered.get(k)
+            ):
+                bad(
+                    f'amended[{cid!r}].{k}: needs "registered" (the episodes.json value, '
+                    f'{registered.get(k)!r}) and "corrected"'
+                )
     return co
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #7d25675d
 def expected(case: dict, corrections: dict) -> dict:
-    "The case's expectations: those of episodes.json, with the corrected value of each amendment in place."
+    """The case's expectations: those of episodes.json, with the corrected value of each amendment
+    in place."""
     exp = copy.deepcopy(case['expect'])
     for k, v in corrections['amended'].get(case['id'], {}).items():
-        *path, leaf = k.split('.'); d = exp
-        for p in path: d = d[p]
+        *path, leaf = k.split('.')
+        d = exp
+        for p in path:
+            d = d[p]
         d[leaf] = v['corrected']
     return exp
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #f24fc0db
 def amendments(ep: dict, outputs: dict) -> dict:
-    "For each case, the `AMENDABLE` fields whose output (`outputs[id]`, `case_outputs` of the run) differs from the registered value."
+    """For each case, the `AMENDABLE` fields whose output (`outputs[id]`, `case_outputs` of the run)
+    differs from the registered value."""
     out = {}
     for c in ep['cases']:
         e, o = flatten(c['expect']), flatten(outputs[c['id']])
-        d = {k: {'registered': e[k], 'corrected': o[k]} for k in AMENDABLE if not values_match(e[k], o[k], ep['tolerance'])}
-        if d: out[c['id']] = d
+        d = {
+            k: {'registered': e[k], 'corrected': o[k]}
+            for k in AMENDABLE
+            if not values_match(e[k], o[k], ep['tolerance'])
+        }
+        if d:
+            out[c['id']] = d
     return out
-
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #5d5a7fdc
 def _corrections_field(report_dir: Path, co: dict) -> dict:
-    return {'path': 'corrections.json', 'sha256': sha256_file(report_dir / 'corrections.json'), 'record': {'path': co['record'],
-            'sha256': sha256_file(report_dir / co['record'])}, 'amended': sum(map(len, co['amended'].values()))}
+    return {
+        'path': 'corrections.json',
+        'sha256': sha256_file(report_dir / 'corrections.json'),
+        'record': {'path': co['record'], 'sha256': sha256_file(report_dir / co['record'])},
+        'amended': sum(map(len, co['amended'].values())),
+    }
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #9126b43c
 def run_observed(source_repo, report_dir=None) -> dict:
-    "Check the checkout, play every episode on the upstream store, score it with both rewards and return the receipt."
+    """Check the checkout, play every episode on the upstream store, score it with both rewards and
+    return the receipt."""
     report_dir = Path(report_dir) if report_dir else default_report_dir()
     ep_path, proto_path = report_dir / 'episodes.json', report_dir / 'protocol.md'
-    if not proto_path.is_file(): raise AuditError(f'{proto_path}: protocol missing; write it before running')
+    if not proto_path.is_file():
+        raise AuditError(f'{proto_path}: protocol missing; write it before running')
     ep = load_episodes(ep_path)
     co = load_corrections(report_dir / 'corrections.json', ep)
     mods = load_upstream(source_repo)
     weights, cases = ep['call_site']['weights'], []
     for case in ep['cases']:
         rec = observe_case(mods, case, ep['system_prompt'], weights)
-        cases.append({'id': case['id'], 'group': case['group'], 'role': case['role'], 'first_study': case.get('first_study'),
-                      'note': case['note'], 'judge': case.get('judge'), 'final_answer': rec['final_answer'],
-                      'found_answer': rec['found_answer'], 'rounds': rec['rounds'], 'finished_at_round': rec['finished_at_round'], 'store_held': rec['store_held'],
-                      'log': rec['log'], 'context': rec['context'], 'official': rec['official'], 'observed': rec['observed'],
-                      'difference': rec['difference'], 'checks': compare(expected(case, co), case_outputs(rec), ep['tolerance'])})
-        cases[-1]['judge_on'] = None if case.get('judge') else judge_on(mods, case, cases[-1], weights)
+        cases.append(
+            {
+                'id': case['id'],
+                'group': case['group'],
+                'role': case['role'],
+                'first_study': case.get('first_study'),
+                'note': case['note'],
+                'judge': case.get('judge'),
+                'final_answer': rec['final_answer'],
+                'found_answer': rec['found_answer'],
+                'rounds': rec['rounds'],
+                'finished_at_round': rec['finished_at_round'],
+                'store_held': rec['store_held'],
+                'log': rec['log'],
+                'context': rec['context'],
+                'official': rec['official'],
+                'observed': rec['observed'],
+                'difference': rec['difference'],
+                'checks': compare(expected(case, co), case_outputs(rec), ep['tolerance']),
+            }
+        )
+        cases[-1]['judge_on'] = (
+            None if case.get('judge') else judge_on(mods, case, cases[-1], weights)
+        )
     after = check_checkout(source_repo, AUDITED_REVISION, OBSERVED_FILES)
     checkout = mods['checkout']
-    audited = {'repository': AUDITED_REPOSITORY, 'revision': checkout['revision'], 'obtained_from': checkout['origin'],
-               'files': checkout['files'], 'executed': list(EXECUTED), 'read': [WORKFLOW_FILE], 'checkout_unchanged_after_run': after == checkout}
+    audited = {
+        'repository': AUDITED_REPOSITORY,
+        'revision': checkout['revision'],
+        'obtained_from': checkout['origin'],
+        'files': checkout['files'],
+        'executed': list(EXECUTED),
+        'read': [WORKFLOW_FILE],
+        'checkout_unchanged_after_run': after == checkout,
+    }
     summary = _summary(cases)
     origin = origin_problems(audited_upstream(audited), AUDITED_REPOSITORY, AUDITED_REVISION, PINS)
-    return {'schema': RECEIPT_SCHEMA, 'status': _status(audited['checkout_unchanged_after_run'], origin, summary),
-            'meaning': MEANING, 'limits': LIMITS, 'audited': audited, 'store': copy.deepcopy(STORE), 'call_site_weights': weights,
-            'fixtures': {'path': 'episodes.json', 'sha256': sha256_file(ep_path)},
-            'protocol': {'path': 'protocol.md', 'sha256': sha256_file(proto_path)}, 'corrections': _corrections_field(report_dir, co),
-            'environment': _environment(), 'summary': summary, 'cases': cases, 'provenance': provenance(repo=report_dir)}
+    return {
+        'schema': RECEIPT_SCHEMA,
+        'status': _status(audited['checkout_unchanged_after_run'], origin, summary),
+        'meaning': MEANING,
+        'limits': LIMITS,
+        'audited': audited,
+        'store': copy.deepcopy(STORE),
+        'call_site_weights': weights,
+        'fixtures': {'path': 'episodes.json', 'sha256': sha256_file(ep_path)},
+        'protocol': {'path': 'protocol.md', 'sha256': sha256_file(proto_path)},
+        'corrections': _corrections_field(report_dir, co),
+        'environment': _environment(),
+        'summary': summary,
+        'cases': cases,
+        'provenance': provenance(repo=report_dir),
+    }
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #085cbf9f
-JUDGE_ON_RULE = ("the local judge (memagent.observed.store.LocalJudge, the third study's too) on both rewards; the answer it knows is the "
-                 "episode's final answer, which its call scores 1.0 (task_score); with no final answer it knows none and replies 0")
-JUDGE_FREE = ('task_completion', 'context_management', 'tool_efficiency')    # the components the memory judge does not enter
+JUDGE_ON_RULE = (
+    "the local judge (memagent.observed.store.LocalJudge, the third study's too) on both rewards; "
+    "the answer it knows is the "
+    "episode's final answer, which its call scores 1.0 (task_score); with no final answer it "
+    "knows none and replies 0"
+)
+JUDGE_FREE = (
+    'task_completion',
+    'context_management',
+    'tool_efficiency',
+)  # the components the memory judge does not enter
+
 
 def judge_answer(rec: dict) -> str:
     "The answer the local judge knows for a recorded case: its final answer, or none (`''`)."
     return rec.get('final_answer') or ''
 
-def judge_on(mods: dict, case: dict, rec: dict, weights: dict) -> dict:
-    """A judge-free recorded case `rec` scored again by both rewards, each with its own `LocalJudge` knowing `judge_answer(rec)`:
-    the same statistics and `context_messages` as the judge-off sides; `{answer, official, observed, difference}`."""
-    reward, answer = mods['reward'], judge_answer(rec)
-    call = dict(case['call'], finished_at_round=rec['finished_at_round'], found_answer=rec['found_answer'])
-    judges, msgs = {side: LocalJudge(answer) for side in ('official', 'observed')}, copy.deepcopy(rec['context'])
-    official = reward_side(mods, call, weights, msgs, reward.extract_tool_usage_stats(msgs), reward.extract_memory_stats(msgs, None),
-                           msgs, judges['official'])
-    observed = reward_side(mods, call, weights, rec['context'], *observed_stats(rec['log'], rec['final_answer']),
-                           observation_transcript(rec['log']), judges['observed'])
-    return {'answer': answer, 'official': {**official, 'judge_replies': judges['official'].calls},
-            'observed': {**observed, 'judge_replies': judges['observed'].calls}, 'difference': difference(official, observed)}
 
+def judge_on(mods: dict, case: dict, rec: dict, weights: dict) -> dict:
+    """A judge-free recorded case `rec` scored again by both rewards, each with its own `LocalJudge`
+    knowing `judge_answer(rec)`:
+        the same statistics and `context_messages` as the judge-off sides; `{answer, official,
+        observed,
+        difference}`."""
+    reward, answer = mods['reward'], judge_answer(rec)
+    call = dict(
+        case['call'], finished_at_round=rec['finished_at_round'], found_answer=rec['found_answer']
+    )
+    judges, msgs = (
+        {side: LocalJudge(answer) for side in ('official', 'observed')},
+        copy.deepcopy(rec['context']),
+    )
+    official = reward_side(
+        mods,
+        call,
+        weights,
+        msgs,
+        reward.extract_tool_usage_stats(msgs),
+        reward.extract_memory_stats(msgs, None),
+        msgs,
+        judges['official'],
+    )
+    observed = reward_side(
+        mods,
+        call,
+        weights,
+        rec['context'],
+        *observed_stats(rec['log'], rec['final_answer']),
+        observation_transcript(rec['log']),
+        judges['observed'],
+    )
+    return {
+        'answer': answer,
+        'official': {**official, 'judge_replies': judges['official'].calls},
+        'observed': {**observed, 'judge_replies': judges['observed'].calls},
+        'difference': difference(official, observed),
+    }
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #9dbc0e32
 def _counts(side: dict) -> str:
-    m = side['memory_stats']; return f"{m['updated_count']}/{m['deleted_count']}/{m['added_count']}/{m['retrieved_count']}"
+    m = side['memory_stats']
+    return f"{m['updated_count']}/{m['deleted_count']}/{m['added_count']}/{m['retrieved_count']}"
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #c0d8d146
 def _rs(side: dict) -> str:
-    b = side['breakdown']; return '/'.join(f'{b[k]:.3g}' for k in ('memory_r_storage', 'memory_r_maintenance', 'memory_r_relevance'))
+    b = side['breakdown']
+    return '/'.join(
+        f'{b[k]:.3g}' for k in ('memory_r_storage', 'memory_r_maintenance', 'memory_r_relevance')
+    )
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #2368dde4
 def side_by_side_rows(receipt: dict) -> list[dict]:
     "One row per case: both totals, their difference and where it comes from."
-    return [{'case': f"`{c['id']}`", 'group': c['group'], 'role': c['role'], 'official': c['official']['breakdown']['total'],
-             'observed': c['observed']['breakdown']['total'], 'difference': c['difference']['total'],
-             'of which tool': c['difference']['tool_efficiency'], 'context': c['difference']['context_management'],
-             'memory': c['difference']['memory_management']} for c in receipt['cases']]
+    return [
+        {
+            'case': f"`{c['id']}`",
+            'group': c['group'],
+            'role': c['role'],
+            'official': c['official']['breakdown']['total'],
+            'observed': c['observed']['breakdown']['total'],
+            'difference': c['difference']['total'],
+            'of which tool': c['difference']['tool_efficiency'],
+            'context': c['difference']['context_management'],
+            'memory': c['difference']['memory_management'],
+        }
+        for c in receipt['cases']
+    ]
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #3168bc56
 def statistics_rows(receipt: dict) -> list[dict]:
-    "One row per case: what each reward saw (tool uses, the memory counts, used, the memory components)."
+    """One row per case: what each reward saw (tool uses, the memory counts, used, the memory
+    components)."""
     rows = []
     for c in receipt['cases']:
         o, b = c['official'], c['observed']
-        rows.append({'case': f"`{c['id']}`", 'tool uses': f"{sum(o['tool_stats'].values())} / {sum(b['tool_stats'].values())}",
-                     'upd/del/add/ret official': _counts(o), 'observed': _counts(b),
-                     'used': f"{o['memory_stats']['used_retrieved_memory']} / {b['memory_stats']['used_retrieved_memory']}",
-                     'r storage/maint./relev. official': _rs(o), 'observed ': _rs(b), 'judge calls': f"{o['judge_calls']} / {b['judge_calls']}"})
+        rows.append(
+            {
+                'case': f"`{c['id']}`",
+                'tool uses': f"{sum(o['tool_stats'].values())} / {sum(b['tool_stats'].values())}",
+                'upd/del/add/ret official': _counts(o),
+                'observed': _counts(b),
+                'used': (
+                    f"{o['memory_stats']['used_retrieved_memory']} / "
+                    f"{b['memory_stats']['used_retrieved_memory']}"
+                ),
+                'r storage/maint./relev. official': _rs(o),
+                'observed ': _rs(b),
+                'judge calls': f"{o['judge_calls']} / {b['judge_calls']}",
+            }
+        )
     return rows
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #6c27ac8a
 def _log_line(op: dict) -> str:
     args = json.dumps(op['arguments'], ensure_ascii=False)
-    return f"{op['seq']}. stage {op['stage']}: `{op['tool']}` {args} -> `{json.dumps(op['result'], ensure_ascii=False)}` (embeddings: {op['embeddings']}; store after: {', '.join(op['store_after']) or 'empty'})"
+    return (
+        f"{op['seq']}. stage {op['stage']}: `{op['tool']}` {args} -> "
+        f"`{json.dumps(op['result'], ensure_ascii=False)}` (embeddings: {op['embeddings']}; store "
+        f"after: {', '.join(op['store_after']) or 'empty'})"
+    )
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #79688d3b
 def rounds_line(rounds: list) -> str:
-    "The Stage-3 rounds of a case: each one, collected (and why) or not; `finished_at_round` is the number collected."
-    return '; '.join(f"{x['round']} {'collected, ' + x['why'] if x['collected'] else 'not collected'}" for x in rounds) or 'none'
+    """The Stage-3 rounds of a case: each one, collected (and why) or not; `finished_at_round` is
+    the number collected."""
+    return (
+        '; '.join(
+            f"{x['round']} {'collected, ' + x['why'] if x['collected'] else 'not collected'}"
+            for x in rounds
+        )
+        or 'none'
+    )
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #28f34f07
 def findings(receipt: dict) -> list[str]:
     "The three contrasts the study is for, each read from the receipt's cases."
     c = {x['id']: x for x in receipt['cases']}
-    def r(cid, side, key): return c[cid][side]['breakdown'][key]
-    def m(cid, side, key): return c[cid][side]['memory_stats'][key]
-    def t(cid, side, key): return c[cid][side]['tool_stats'][key]
-    return [f"A failed update earns maintenance only officially: `update_failed` R_maintenance {r('update_failed', 'official', 'memory_r_maintenance'):g} "
-            f"official, {r('update_failed', 'observed', 'memory_r_maintenance'):g} observed; `delete_failed` {r('delete_failed', 'official', 'memory_r_maintenance'):g} "
-            f"and {r('delete_failed', 'observed', 'memory_r_maintenance'):g}.",
-            f"A Stage-1 add reset before Stage 2 is visible only when observed: `stage1_add_removed` added_count {m('stage1_add_removed', 'official', 'added_count')} "
-            f"official, {m('stage1_add_removed', 'observed', 'added_count')} observed (R_storage {r('stage1_add_removed', 'official', 'memory_r_storage'):g} and "
-            f"{r('stage1_add_removed', 'observed', 'memory_r_storage'):g}; total difference {c['stage1_add_removed']['difference']['total']:+.3f}).",
-            f"A tool named in prose counts only officially: `summary_prose_only` Summary_context {t('summary_prose_only', 'official', 'Summary_context')} "
-            f"official, {t('summary_prose_only', 'observed', 'Summary_context')} observed (total difference {c['summary_prose_only']['difference']['total']:+.3f}); "
-            f"an executed summary hides its own request from the official reward: `summary_called` {t('summary_called', 'official', 'Summary_context')} "
-            f"and {t('summary_called', 'observed', 'Summary_context')} ({c['summary_called']['difference']['total']:+.3f}).",
-            f"Without a judge, the used-retrieval proxy separates `retrieval_used` (R_relevance {r('retrieval_used', 'observed', 'memory_r_relevance'):g} observed) "
-            f"from `retrieval_ignored` ({r('retrieval_ignored', 'observed', 'memory_r_relevance'):g}; {r('retrieval_ignored', 'official', 'memory_r_relevance'):g} "
-            "officially). This holds only when no judge runs: the training call site always passes a chat client (`train_hotpotQA.py` lines 78, "
-            "356), and the calculator's judge then replaces R_relevance whenever a retrieval block reaches it and R_storage whenever held adds do "
-            "(`my_reward.py` lines 467-505, 512-541)."]
+
+    def r(cid, side, key):
+        return c[cid][side]['breakdown'][key]
+
+    def m(cid, side, key):
+        return c[cid][side]['memory_stats'][key]
+
+    def t(cid, side, key):
+        return c[cid][side]['tool_stats'][key]
+
+    return [
+        "A failed update earns maintenance only officially: `update_failed` R_maintenance "
+        f"{r('update_failed', 'official', 'memory_r_maintenance'):g} "
+        f"official, {r('update_failed', 'observed', 'memory_r_maintenance'):g} observed; "
+        f"`delete_failed` {r('delete_failed', 'official', 'memory_r_maintenance'):g} "
+        f"and {r('delete_failed', 'observed', 'memory_r_maintenance'):g}.",
+        "A Stage-1 add reset before Stage 2 is visible only when observed: `stage1_add_removed` "
+        f"added_count {m('stage1_add_removed', 'official', 'added_count')} "
+        f"official, {m('stage1_add_removed', 'observed', 'added_count')} observed (R_storage "
+        f"{r('stage1_add_removed', 'official', 'memory_r_storage'):g} and "
+        f"{r('stage1_add_removed', 'observed', 'memory_r_storage'):g}; total difference "
+        f"{c['stage1_add_removed']['difference']['total']:+.3f}).",
+        "A tool named in prose counts only officially: `summary_prose_only` Summary_context "
+        f"{t('summary_prose_only', 'official', 'Summary_context')} "
+        f"official, {t('summary_prose_only', 'observed', 'Summary_context')} observed (total "
+        f"difference {c['summary_prose_only']['difference']['total']:+.3f}); "
+        "an executed summary hides its own request from the official reward: `summary_called` "
+        f"{t('summary_called', 'official', 'Summary_context')} "
+        f"and {t('summary_called', 'observed', 'Summary_context')} "
+        f"({c['summary_called']['difference']['total']:+.3f}).",
+        "Without a judge, the used-retrieval proxy separates `retrieval_used` (R_relevance "
+        f"{r('retrieval_used', 'observed', 'memory_r_relevance'):g} observed) "
+        f"from `retrieval_ignored` ({r('retrieval_ignored', 'observed', 'memory_r_relevance'):g}; "
+        f"{r('retrieval_ignored', 'official', 'memory_r_relevance'):g} "
+        "officially). This holds only when no judge runs: the training call site always passes a "
+        "chat client (`train_hotpotQA.py` lines 78, "
+        "356), and the calculator's judge then replaces R_relevance whenever a retrieval block "
+        "reaches it and R_storage whenever held adds do "
+        "(`my_reward.py` lines 467-505, 512-541).",
+    ]
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #72c99bc9
-def _figure_line(figure_sha256: str) -> str: return figure_line('differences.png', figure_sha256, 'plot_differences')
+def _figure_line(figure_sha256: str) -> str:
+    return figure_line('differences.png', figure_sha256, 'plot_differences')
+
 
 def judge_on_rows(receipt: dict) -> list[dict]:
-    "One row per judge-free case: each total, and the difference (observed - official), with the judge off and on."
-    return [{'case': f"`{c['id']}`", 'official off': c['official']['breakdown']['total'], 'official on': c['judge_on']['official']['breakdown']['total'],
-             'observed off': c['observed']['breakdown']['total'], 'observed on': c['judge_on']['observed']['breakdown']['total'],
-             'difference off': c['difference']['total'], 'difference on': c['judge_on']['difference']['total'],
-             'judge calls': f"{c['judge_on']['official']['judge_calls']} / {c['judge_on']['observed']['judge_calls']}"}
-            for c in receipt['cases'] if c.get('judge_on')]
+    """One row per judge-free case: each total, and the difference (observed - official), with the
+    judge off and on."""
+    return [
+        {
+            'case': f"`{c['id']}`",
+            'official off': c['official']['breakdown']['total'],
+            'official on': c['judge_on']['official']['breakdown']['total'],
+            'observed off': c['observed']['breakdown']['total'],
+            'observed on': c['judge_on']['observed']['breakdown']['total'],
+            'difference off': c['difference']['total'],
+            'difference on': c['judge_on']['difference']['total'],
+            'judge calls': (
+                f"{c['judge_on']['official']['judge_calls']} / "
+                f"{c['judge_on']['observed']['judge_calls']}"
+            ),
+        }
+        for c in receipt['cases']
+        if c.get('judge_on')
+    ]
+
 
 def judge_on_section(receipt: dict) -> list[str]:
     "The README's section on the judge-free cases scored again with the local judge on."
     rows = judge_on_rows(receipt)
-    return ["## The judge on\n",
-            f"The {len(rows)} episodes run without a memory judge, scored again with {JUDGE_ON_RULE}. The training call site "
-            "always passes a chat client (`train_hotpotQA.py` lines 78, 356; [corrections.md](corrections.md), section 2). Only the memory "
-            "component can move (`my_reward.py` lines 467-541); the statistics are the judge-off ones. Totals and difference "
-            "(observed - official), judge off and on; judge calls with it on (official / observed).\n",
-            md_table(rows, floatfmt='.4f', align=False) + '\n']
-
+    return [
+        "## The judge on\n",
+        f"The {len(rows)} episodes run without a memory judge, scored again with {JUDGE_ON_RULE}. "
+        "The training call site "
+        "always passes a chat client (`train_hotpotQA.py` lines 78, 356; "
+        "[corrections.md](corrections.md), section 2). Only the memory "
+        "component can move (`my_reward.py` lines 467-541); the statistics are the judge-off "
+        "ones. Totals and difference "
+        "(observed - official), judge off and on; judge calls with it on (official / observed).\n",
+        md_table(rows, floatfmt='.4f', align=False) + '\n',
+    ]
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #5d484483
 def render_report(receipt: dict, *, figure_sha256: str) -> str:
-    "The study's README.md, every figure read from `receipt`, stating `figure_sha256`, the SHA-256 of the `differences.png` it shows."
+    """The study's README.md, every figure read from `receipt`, stating `figure_sha256`, the SHA-256
+    of the `differences.png` it shows."""
     fig = _figure_line(figure_sha256)
     s, a, g = receipt['summary'], receipt['audited'], receipt['provenance']['git']
     commit = f"`{g['commit'][:7]}`" if g.get('commit') else 'none (not a git work tree)'
-    files = md_table([{'file': f'`{rel}`', 'use': 'executed' if rel in a['executed'] else 'read', 'SHA-256': f'`{h}`'}
-                      for rel, h in a['files'].items()], align=False)
-    out = ["# AgeMem, the second study: the reward from what the store did, beside the official one\n",
-           f"**Status: {receipt['status']}** ({s['matched']} of {s['checks']} checks over {s['cases']} episodes). {receipt['meaning'][0].upper()}{receipt['meaning'][1:]}.\n",
-           f"Audited copy: `{a['repository']}` at `{a['revision']}` (the same pinned public copy as `reports/agemem_audit/`), loaded by file path "
-           f"and hash-checked; the run left it unchanged: {a['checkout_unchanged_after_run']}. Receipt written at commit {commit}.\n",
-           files + '\n',
-           f"The store: `{receipt['store']['manager']['class']}`, its `__init__` {receipt['store']['manager']['init']}; `embed` "
-           f"{receipt['store']['manager']['embed']}; `import openai`: {receipt['store']['manager']['openai_import']}; ids: "
-           f"{receipt['store']['manager']['memory_ids']}.\n",
-           f"The embedder ({receipt['store']['embedder']['name']}, {receipt['store']['embedder']['dim']} dimensions): "
-           f"{receipt['store']['embedder']['rule']}; {receipt['store']['embedder']['consequence']}.\n",
-           "Records: [protocol.md](protocol.md) (the question, the recorder, the two rewards, the hypotheses), [episodes.json](episodes.json) "
-           "(the episodes and every expected output, written before the run), [corrections.md](corrections.md) (what was corrected after the run, "
-           f"with the {receipt['corrections']['amended']} expectations [corrections.json](corrections.json) amends), [receipt.json](receipt.json) "
-           "(every output, log, context and check).\n",
-           "## Findings\n", *[f'- {x}' for x in findings(receipt)], '',
-           "## Side by side\n",
-           "Totals of the official reward (statistics from the final context) and the observed one (tool and memory statistics from the "
-           "store's log), their difference (observed - official), and the components it comes from.\n",
-           md_table(side_by_side_rows(receipt), floatfmt='.4f', align=False) + '\n',
-           "![total difference per case](differences.png)\n", fig,
-           "What each reward saw (official / observed): tool uses; updates, deletes, adds, retrievals; whether the retrieval was used; "
-           "the three memory components; judge calls.\n",
-           md_table(statistics_rows(receipt), align=False) + '\n', *judge_on_section(receipt),
-           "## The logs\n", "Every operation the store executed, per episode: stage, tool, arguments, what the store returned.\n"]
+    files = md_table(
+        [
+            {
+                'file': f'`{rel}`',
+                'use': 'executed' if rel in a['executed'] else 'read',
+                'SHA-256': f'`{h}`',
+            }
+            for rel, h in a['files'].items()
+        ],
+        align=False,
+    )
+    out = [
+        "# AgeMem, the second study: the reward from what the store did, beside the official one\n",
+        f"**Status: {receipt['status']}** ({s['matched']} of {s['checks']} checks over "
+        f"{s['cases']} episodes). {receipt['meaning'][0].upper()}{receipt['meaning'][1:]}.\n",
+        f"Audited copy: `{a['repository']}` at `{a['revision']}` (the same pinned public copy as "
+        "`reports/agemem_audit/`), loaded by file path "
+        f"and hash-checked; the run left it unchanged: {a['checkout_unchanged_after_run']}. "
+        f"Receipt written at commit {commit}.\n",
+        files + '\n',
+        f"The store: `{receipt['store']['manager']['class']}`, its `__init__` "
+        f"{receipt['store']['manager']['init']}; `embed` "
+        f"{receipt['store']['manager']['embed']}; `import openai`: "
+        f"{receipt['store']['manager']['openai_import']}; ids: "
+        f"{receipt['store']['manager']['memory_ids']}.\n",
+        f"The embedder ({receipt['store']['embedder']['name']}, "
+        f"{receipt['store']['embedder']['dim']} dimensions): "
+        f"{receipt['store']['embedder']['rule']}; {receipt['store']['embedder']['consequence']}.\n",
+        "Records: [protocol.md](protocol.md) (the question, the recorder, the two rewards, the "
+        "hypotheses), [episodes.json](episodes.json) "
+        "(the episodes and every expected output, written before the run), "
+        "[corrections.md](corrections.md) (what was corrected after the run, "
+        f"with the {receipt['corrections']['amended']} expectations "
+        "[corrections.json](corrections.json) amends), [receipt.json](receipt.json) "
+        "(every output, log, context and check).\n",
+        "## Findings\n",
+        *[f'- {x}' for x in findings(receipt)],
+        '',
+        "## Side by side\n",
+        "Totals of the official reward (statistics from the final context) and the observed one "
+        "(tool and memory statistics from the "
+        "store's log), their difference (observed - official), and the components it comes from.\n",
+        md_table(side_by_side_rows(receipt), floatfmt='.4f', align=False) + '\n',
+        "![total difference per case](differences.png)\n",
+        fig,
+        "What each reward saw (official / observed): tool uses; updates, deletes, adds, "
+        "retrievals; whether the retrieval was used; "
+        "the three memory components; judge calls.\n",
+        md_table(statistics_rows(receipt), align=False) + '\n',
+        *judge_on_section(receipt),
+        "## The logs\n",
+        "Every operation the store executed, per episode: stage, tool, arguments, what the store "
+        "returned.\n",
+    ]
     for c in receipt['cases']:
-        out += [f"**`{c['id']}`** ({c['group']}, {c['role']}): {c['note']}.\n", f"Stage-3 rounds: {rounds_line(c['rounds'])}.\n"]
+        out += [
+            f"**`{c['id']}`** ({c['group']}, {c['role']}): {c['note']}.\n",
+            f"Stage-3 rounds: {rounds_line(c['rounds'])}.\n",
+        ]
         out += [_log_line(op) for op in c['log']] or ['(no operation)']
         out += ['']
     out += ['## What this does not show\n', receipt['limits'] + '\n']
     return '\n'.join(out)
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #018a318a
 def plot_differences(receipt: dict, path) -> Path:
     "Bar chart of the per-case total difference (observed - official), written to `path`."
-    import matplotlib; matplotlib.use('Agg')
+    import matplotlib
+
+    matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+
     cases = receipt['cases']
     fig, ax = plt.subplots(figsize=(7, 0.32 * len(cases) + 1.2))
     vals = [c['difference']['total'] for c in cases]
-    ax.barh(range(len(cases)), vals, color=['tab:blue' if v > 0 else 'tab:red' if v < 0 else 'tab:gray' for v in vals])
+    ax.barh(
+        range(len(cases)),
+        vals,
+        color=['tab:blue' if v > 0 else 'tab:red' if v < 0 else 'tab:gray' for v in vals],
+    )
     ax.set_yticks(range(len(cases)), [f"{c['id']} ({c['group']})" for c in cases], fontsize=8)
-    ax.invert_yaxis(); ax.axvline(0, color='black', lw=0.8)
+    ax.invert_yaxis()
+    ax.axvline(0, color='black', lw=0.8)
     ax.set_xlabel('total reward: observed - official')
-    ax.set_title(f"AgeMem second study, {len(cases)} episodes (receipt at {(receipt['provenance']['git'].get('commit') or 'no commit ')[:7].strip()})", fontsize=9)
-    fig.tight_layout(); path = Path(path); fig.savefig(path, dpi=110); plt.close(fig)
+    ax.set_title(
+        f"AgeMem second study, {len(cases)} episodes (receipt at "
+        f"{(receipt['provenance']['git'].get('commit') or 'no commit ')[:7].strip()})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #a0d1f002
 def render_files(receipt: dict, report_dir) -> list[Path]:
-    "Write the report of `receipt` into `report_dir`: differences.png first, then README.md, which states the figure's SHA-256."
-    return write_figure_report(report_dir, 'differences.png', lambda path: plot_differences(receipt, path), lambda **k: render_report(receipt, **k))
-
+    """Write the report of `receipt` into `report_dir`: differences.png first, then README.md, which
+    states the figure's SHA-256."""
+    return write_figure_report(
+        report_dir,
+        'differences.png',
+        lambda path: plot_differences(receipt, path),
+        lambda **k: render_report(receipt, **k),
+    )
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #c9655f68
 def _judge_on_problems(case: dict, rec: dict) -> list[str]:
-    """What a case's `judge_on` claims that the case does not give back: present exactly for a judge-free case, the answer of
-    `judge_answer`, each side's statistics and judge-free components those of the judge-off side, its judge calls the replies it
-    records (each by the judge's rule: 0 or 1 for relevance, a count of at most the items for storage, 0 with no answer), and the difference."""
+    """What a case's `judge_on` claims that the case does not give back: present exactly for a
+    judge-free case, the answer of
+        `judge_answer`, each side's statistics and judge-free components those of the judge-off
+        side,
+        its judge calls the replies it
+        records (each by the judge's rule: 0 or 1 for relevance, a count of at most the items for
+        storage, 0 with no answer), and the difference."""
     cid, jo = case['id'], rec.get('judge_on')
     if case.get('judge') is not None or jo is None:
-        return [] if (case.get('judge') is None) == (jo is not None) else [f"case {cid!r}: judge_on must be recorded exactly when the episode runs no judge"]
-    if not (isinstance(jo, dict) and set(jo) == {'answer', 'official', 'observed', 'difference'} and all(isinstance(jo[s], dict) for s in ('official', 'observed'))):
+        return (
+            []
+            if (case.get('judge') is None) == (jo is not None)
+            else [f"case {cid!r}: judge_on must be recorded exactly when the episode runs no judge"]
+        )
+    if not (
+        isinstance(jo, dict)
+        and set(jo) == {'answer', 'official', 'observed', 'difference'}
+        and all(isinstance(jo[s], dict) for s in ('official', 'observed'))
+    ):
         return [f"case {cid!r}: judge_on must be {{answer, official, observed, difference}}"]
     p = _differs(f'case {cid!r}: judge_on.answer', jo['answer'], judge_answer(rec))
     for side in ('official', 'observed'):
         on, off, where = jo[side], rec[side], f'case {cid!r}: judge_on.{side}'
-        for k in ('tool_stats', 'context_stats', 'memory_stats'): p += _differs(f'{where}.{k} (judge off)', on.get(k), off.get(k))
-        for k in JUDGE_FREE: p += _differs(f'{where}.breakdown.{k} (judge off)', (on.get('breakdown') or {}).get(k), off['breakdown'].get(k))
+        for k in ('tool_stats', 'context_stats', 'memory_stats'):
+            p += _differs(f'{where}.{k} (judge off)', on.get(k), off.get(k))
+        for k in JUDGE_FREE:
+            p += _differs(
+                f'{where}.breakdown.{k} (judge off)',
+                (on.get('breakdown') or {}).get(k),
+                off['breakdown'].get(k),
+            )
         replies = on.get('judge_replies')
         if not isinstance(replies, list) or on.get('judge_calls') != len(replies):
-            p.append(f'{where}: judge_calls {on.get("judge_calls")!r} is not the number of judge_replies'); continue
+            p.append(
+                f'{where}: judge_calls {on.get("judge_calls")!r} is not the number of judge_replies'
+            )
+            continue
         for r in replies:
-            ok = isinstance(r, dict) and isinstance(r.get('items'), int) and (
-                (r.get('kind') == 'relevance' and r.get('reply') in ('0', '1')) or
-                (r.get('kind') == 'storage' and isinstance(r.get('reply'), str) and r['reply'].isdigit() and int(r['reply']) <= r['items']))
-            if not ok or (not jo['answer'] and r.get('reply') != '0'): p.append(f'{where}: judge reply {_short(r)} breaks the judge\'s rule')
-    return p + _differs(f'case {cid!r}: judge_on.difference', jo['difference'], difference(jo['official'], jo['observed']))
-
+            ok = (
+                isinstance(r, dict)
+                and isinstance(r.get('items'), int)
+                and (
+                    (r.get('kind') == 'relevance' and r.get('reply') in ('0', '1'))
+                    or (
+                        r.get('kind') == 'storage'
+                        and isinstance(r.get('reply'), str)
+                        and r['reply'].isdigit()
+                        and int(r['reply']) <= r['items']
+                    )
+                )
+            )
+            if not ok or (not jo['answer'] and r.get('reply') != '0'):
+                p.append(f'{where}: judge reply {_short(r)} breaks the judge\'s rule')
+    return p + _differs(
+        f'case {cid!r}: judge_on.difference',
+        jo['difference'],
+        difference(jo['official'], jo['observed']),
+    )
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #2a1c674d
 def _stage3_replies(case: dict) -> int:
     "The number of assistant replies after the episode enters Stage 3."
     stage, n = 0, 0
     for s in case['steps']:
-        stage = s.get('stage', stage); n += stage == 3 and 'assistant' in s
+        stage = s.get('stage', stage)
+        n += stage == 3 and 'assistant' in s
     return n
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #8a550623
 def _case_problems(case: dict, rec: dict, tol, co: dict) -> list[str]:
-    "What a recorded case claims that its episode, its expectations, or its own log and context do not give back."
+    """What a recorded case claims that its episode, its expectations, or its own log and context do
+    not give back."""
     cid, p = case['id'], []
     p += field_problems(f'case {cid!r}', rec, CASE_FIELDS)
-    for k in ('group', 'role', 'first_study', 'note', 'judge'): p += _differs(f'case {cid!r}: {k}', rec.get(k), case.get(k))
-    log, ctx, off, obs = rec.get('log'), rec.get('context'), rec.get('official'), rec.get('observed')
-    if not (isinstance(log, list) and isinstance(ctx, list) and isinstance(off, dict) and isinstance(obs, dict)):
-        return p + [f'case {cid!r}: log, context, official and observed must be two lists and two objects']
-    fresh = compare(expected(case, co), case_outputs(rec), tol)            # every expectation against what the case records
-    p += [f"case {cid!r}: {c['field']}: recorded {c['observed']!r}, expected {c['expected']!r}" for c in fresh if not c['match']]
-    if _differs('', rec.get('checks'), fresh): p.append(f'case {cid!r}: recorded checks disagree with a fresh comparison')
-    tools, memory = observed_stats(log, rec.get('final_answer'))   # the observed statistics, recomputed from the recorded log
+    for k in ('group', 'role', 'first_study', 'note', 'judge'):
+        p += _differs(f'case {cid!r}: {k}', rec.get(k), case.get(k))
+    log, ctx, off, obs = (
+        rec.get('log'),
+        rec.get('context'),
+        rec.get('official'),
+        rec.get('observed'),
+    )
+    if not (
+        isinstance(log, list)
+        and isinstance(ctx, list)
+        and isinstance(off, dict)
+        and isinstance(obs, dict)
+    ):
+        return p + [
+            f'case {cid!r}: log, context, official and observed must be two lists and two objects'
+        ]
+    fresh = compare(
+        expected(case, co), case_outputs(rec), tol
+    )  # every expectation against what the case records
+    p += [
+        f"case {cid!r}: {c['field']}: recorded {c['observed']!r}, expected {c['expected']!r}"
+        for c in fresh
+        if not c['match']
+    ]
+    if _differs('', rec.get('checks'), fresh):
+        p.append(f'case {cid!r}: recorded checks disagree with a fresh comparison')
+    tools, memory = observed_stats(
+        log, rec.get('final_answer')
+    )  # the observed statistics, recomputed from the recorded log
     p += _differs(f'case {cid!r}: observed.tool_stats (from the log)', obs.get('tool_stats'), tools)
-    p += _differs(f'case {cid!r}: observed.memory_stats (from the log)', obs.get('memory_stats'), memory)
-    p += _differs(f'case {cid!r}: store_held (from the log)', rec.get('store_held'), sorted(held_ids(log)))
-    p += _differs(f'case {cid!r}: difference', rec.get('difference'), difference(off, obs)) + _judge_on_problems(case, rec)
-    p += _differs(f'case {cid!r}: observed.context_stats (the official extractor on the same context)', obs.get('context_stats'), off.get('context_stats'))
+    p += _differs(
+        f'case {cid!r}: observed.memory_stats (from the log)', obs.get('memory_stats'), memory
+    )
+    p += _differs(
+        f'case {cid!r}: store_held (from the log)', rec.get('store_held'), sorted(held_ids(log))
+    )
+    p += _differs(
+        f'case {cid!r}: difference', rec.get('difference'), difference(off, obs)
+    ) + _judge_on_problems(case, rec)
+    p += _differs(
+        f'case {cid!r}: observed.context_stats (the official extractor on the same context)',
+        obs.get('context_stats'),
+        off.get('context_stats'),
+    )
     cs = off.get('context_stats') or {}
     chars = sum(len(m.get('content', '')) for m in ctx if isinstance(m, dict))
-    if cs.get('total_messages') != len(ctx): p.append(f"case {cid!r}: context has {len(ctx)} messages, its statistics say {cs.get('total_messages')!r}")
+    if cs.get('total_messages') != len(ctx):
+        p.append(
+            f"case {cid!r}: context has {len(ctx)} messages, its statistics say "
+            f"{cs.get('total_messages')!r}"
+        )
     if cs.get('token_usage_ratio') != chars / 4 / case['call']['max_tokens']:
-        p.append(f"case {cid!r}: context of {chars} characters does not give token_usage_ratio {cs.get('token_usage_ratio')!r}")
+        p.append(
+            f"case {cid!r}: context of {chars} characters does not give token_usage_ratio "
+            f"{cs.get('token_usage_ratio')!r}"
+        )
     rounds, stage3 = rec.get('rounds'), _stage3_replies(case)
-    if not (isinstance(rounds, list) and all(isinstance(x, dict) and x.get('collected') is (x.get('why') is not None) for x in rounds)):
-        p.append(f'case {cid!r}: rounds must be a list of {{round, collected, why}}, collected exactly when a reason is given')
-    elif [x.get('round') for x in rounds] != list(range(stage3)) or rec.get('finished_at_round') != sum(x['collected'] for x in rounds):
-        p.append(f"case {cid!r}: {stage3} Stage-3 replies and finished_at_round {rec.get('finished_at_round')!r}, the recorded rounds say otherwise")
+    if not (
+        isinstance(rounds, list)
+        and all(
+            isinstance(x, dict) and x.get('collected') is (x.get('why') is not None) for x in rounds
+        )
+    ):
+        p.append(
+            f'case {cid!r}: rounds must be a list of {{round, collected, why}}, collected exactly '
+            'when a reason is given'
+        )
+    elif [x.get('round') for x in rounds] != list(range(stage3)) or rec.get(
+        'finished_at_round'
+    ) != sum(x['collected'] for x in rounds):
+        p.append(
+            f"case {cid!r}: {stage3} Stage-3 replies and finished_at_round "
+            f"{rec.get('finished_at_round')!r}, the recorded rounds say otherwise"
+        )
     answers = [s['assistant'] for s in case['steps'] if 'assistant' in s]
     fa = rec.get('final_answer')
     if fa is not None and not (answers and '<answer>' in answers[-1] and fa in answers[-1]):
         p.append(f'case {cid!r}: final answer {fa!r} is not in the episode\'s last reply')
     issued = {s['assistant'] for s in case['steps'] if 'assistant' in s}
-    p += [f"case {cid!r}: log entry {i + 1} was issued by a reply that is not in the episode" for i, op in enumerate(log)
-          if not isinstance(op, dict) or op.get('issued_by') not in issued]
+    p += [
+        f"case {cid!r}: log entry {i + 1} was issued by a reply that is not in the episode"
+        for i, op in enumerate(log)
+        if not isinstance(op, dict) or op.get('issued_by') not in issued
+    ]
     return p
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #dbadf0f0
 def _report_problems(report_dir: Path, rc: dict, compare_readme: bool) -> list[str]:
-    "The report a reader sees: README.md and differences.png present, README.md the rendering of `rc` with the png's SHA-256."
-    return figure_report_problems(report_dir, 'differences.png', lambda **k: render_report(rc, **k), 'plot_differences', 'memagent.observed.render_report',
-                                  compare=compare_readme)
+    """The report a reader sees: README.md and differences.png present, README.md the rendering of
+    `rc` with the png's SHA-256."""
+    return figure_report_problems(
+        report_dir,
+        'differences.png',
+        lambda **k: render_report(rc, **k),
+        'plot_differences',
+        'memagent.observed.render_report',
+        compare=compare_readme,
+    )
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #3c69c402
 def verify_observed(report_dir=None, receipt_path=None) -> dict:
-    "Re-check the second study's receipt against the committed episodes and protocol, and its report (README.md, differences.png); raise `VerificationError` on any problem."
+    """Re-check the second study's receipt against the committed episodes and protocol, and its
+    report (README.md, differences.png); raise `VerificationError` on any problem."""
     report_dir = Path(report_dir) if report_dir else default_report_dir()
     receipt_path = Path(receipt_path) if receipt_path else report_dir / 'receipt.json'
-    try: return _verify(report_dir, receipt_path)
+    try:
+        return _verify(report_dir, receipt_path)
     except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
-        if isinstance(e, VerificationError): raise
+        if isinstance(e, VerificationError):
+            raise
         raise wrong_shape(receipt_path, VerificationError, e) from None
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #93fded3b
 def _verify(report_dir: Path, receipt_path: Path) -> dict:
     ep_path, proto_path = report_dir / 'episodes.json', report_dir / 'protocol.md'
     co_path = report_dir / 'corrections.json'
-    rc, ep, problems = open_receipt(receipt_path, ep_path, load_episodes, RECEIPT_SCHEMA, also=(proto_path, co_path, report_dir / 'corrections.md'))
+    rc, ep, problems = open_receipt(
+        receipt_path,
+        ep_path,
+        load_episodes,
+        RECEIPT_SCHEMA,
+        also=(proto_path, co_path, report_dir / 'corrections.md'),
+    )
     problems += field_problems('receipt', rc, RECEIPT_FIELDS)
-    problems += _differs('meaning', rc.get('meaning'), MEANING) + _differs('limits', rc.get('limits'), LIMITS)
-    co = load_corrections(co_path, ep)        # ValueError naming the amendment at fault
-    for name, path, pinned in (('episodes.json', ep_path, EPISODES_SHA256), ('protocol.md', proto_path, PROTOCOL_SHA256),
-                               ('corrections.json', co_path, CORRECTIONS_SHA256), (co['record'], report_dir / co['record'], CORRECTIONS_RECORD_SHA256)):
+    problems += _differs('meaning', rc.get('meaning'), MEANING) + _differs(
+        'limits', rc.get('limits'), LIMITS
+    )
+    co = load_corrections(co_path, ep)  # ValueError naming the amendment at fault
+    for name, path, pinned in (
+        ('episodes.json', ep_path, EPISODES_SHA256),
+        ('protocol.md', proto_path, PROTOCOL_SHA256),
+        ('corrections.json', co_path, CORRECTIONS_SHA256),
+        (co['record'], report_dir / co['record'], CORRECTIONS_RECORD_SHA256),
+    ):
         if (got := sha256_file(path)) != pinned:
-            problems.append(f'{name} SHA-256 {got} is not the committed one pinned in memagent.observed ({pinned})')
-    problems += _differs('fixtures', rc.get('fixtures'), {'path': 'episodes.json', 'sha256': EPISODES_SHA256})
-    problems += _differs('protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256})
-    problems += _differs('store', rc.get('store'), STORE) + _differs('corrections', rc.get('corrections'), _corrections_field(report_dir, co))
+            problems.append(
+                f'{name} SHA-256 {got} is not the committed one pinned in memagent.observed '
+                f'({pinned})'
+            )
+    problems += _differs(
+        'fixtures', rc.get('fixtures'), {'path': 'episodes.json', 'sha256': EPISODES_SHA256}
+    )
+    problems += _differs(
+        'protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256}
+    )
+    problems += _differs('store', rc.get('store'), STORE) + _differs(
+        'corrections', rc.get('corrections'), _corrections_field(report_dir, co)
+    )
     aud = rc.get('audited') if isinstance(rc.get('audited'), dict) else {}
     problems += field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
     origin = origin_problems(audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, PINS)
     problems += [f'audited copy: {p}' for p in origin]
-    problems += _differs('audited.executed', aud.get('executed'), list(EXECUTED)) + _differs('audited.read', aud.get('read'), [WORKFLOW_FILE])
+    problems += _differs('audited.executed', aud.get('executed'), list(EXECUTED)) + _differs(
+        'audited.read', aud.get('read'), [WORKFLOW_FILE]
+    )
     if aud.get('checkout_unchanged_after_run') is not True:
-        problems.append(f'receipt records checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: the checkout was not left as found')
-    problems += _differs('call_site_weights', rc.get('call_site_weights'), ep['call_site']['weights'])
-    problems += environment_problems(rc.get('environment')) + provenance_problems(rc.get('provenance'))
+        problems.append(
+            'receipt records '
+            f'checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: the '
+            'checkout was not left as found'
+        )
+    problems += _differs(
+        'call_site_weights', rc.get('call_site_weights'), ep['call_site']['weights']
+    )
+    problems += environment_problems(rc.get('environment')) + provenance_problems(
+        rc.get('provenance')
+    )
     want = [c['id'] for c in ep['cases']]
-    if len(want) != N_CASES: problems.append(f'{len(want)} episodes, expected {N_CASES}')
-    if not isinstance(rc.get('cases'), list): problems.append(f"cases: {_short(rc.get('cases'))}, not a list")
-    cases = [c if isinstance(c, dict) else {} for c in rc.get('cases')] if isinstance(rc.get('cases'), list) else []
+    if len(want) != N_CASES:
+        problems.append(f'{len(want)} episodes, expected {N_CASES}')
+    if not isinstance(rc.get('cases'), list):
+        problems.append(f"cases: {_short(rc.get('cases'))}, not a list")
+    cases = (
+        [c if isinstance(c, dict) else {} for c in rc.get('cases')]
+        if isinstance(rc.get('cases'), list)
+        else []
+    )
     got = [c.get('id') for c in cases]
-    problems += [f'case {cid!r}: present {got.count(cid)} times in the receipt (expected once)' for cid in want if got.count(cid) != 1]
-    problems += [f'case {cid!r}: in the receipt but not in episodes.json' for cid in got if cid not in want]
+    problems += [
+        f'case {cid!r}: present {got.count(cid)} times in the receipt (expected once)'
+        for cid in want
+        if got.count(cid) != 1
+    ]
+    problems += [
+        f'case {cid!r}: in the receipt but not in episodes.json' for cid in got if cid not in want
+    ]
     by_id = {c.get('id'): c for c in cases}
     for case in ep['cases']:
-        if case['id'] in by_id: problems += _case_problems(case, by_id[case['id']], ep['tolerance'], co)
+        if case['id'] in by_id:
+            problems += _case_problems(case, by_id[case['id']], ep['tolerance'], co)
     summary, stored = _summary(cases), rc.get('summary')
-    if not isinstance(stored, dict): problems.append(f'summary: {_short(stored)}, not an object'); stored = {}
-    for k in dict.fromkeys([*summary, *stored]): problems += _differs(f'summary.{k}', stored.get(k, _MISSING), summary.get(k, _MISSING))
-    problems += _differs('status', rc.get('status'), _status(aud.get('checkout_unchanged_after_run'), origin, summary))
-    if rc.get('status') != 'passed': problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
+    if not isinstance(stored, dict):
+        problems.append(f'summary: {_short(stored)}, not an object')
+        stored = {}
+    for k in dict.fromkeys([*summary, *stored]):
+        problems += _differs(f'summary.{k}', stored.get(k, _MISSING), summary.get(k, _MISSING))
+    problems += _differs(
+        'status',
+        rc.get('status'),
+        _status(aud.get('checkout_unchanged_after_run'), origin, summary),
+    )
+    if rc.get('status') != 'passed':
+        problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
     problems += _report_problems(report_dir, rc, compare_readme=not problems)
-    if problems: raise VerificationError(problems)
-    return {'status': 'verified', 'cases': summary['cases'], 'checks': summary['checks'], 'matched': summary['matched'],
-            'episodes_sha256': EPISODES_SHA256, 'protocol_sha256': PROTOCOL_SHA256, 'audited': f"{aud['repository']}@{aud['revision']}"}
+    if problems:
+        raise VerificationError(problems)
+    return {
+        'status': 'verified',
+        'cases': summary['cases'],
+        'checks': summary['checks'],
+        'matched': summary['matched'],
+        'episodes_sha256': EPISODES_SHA256,
+        'protocol_sha256': PROTOCOL_SHA256,
+        'audited': f"{aud['repository']}@{aud['revision']}",
+    }
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #281bcb09
 def audit_cli(argv=None) -> int:
-    "Console entry point `memagent-audit`: `--study reward` (default) is the first study's command; `--study observed` runs or verifies the second, `--study advantages` the third."
+    """Console entry point `memagent-audit`: `--study reward` (default) is the first study's
+    command; `--study observed` runs or verifies the second, `--study advantages` the third."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False); pre.add_argument('--study', choices=('reward', 'observed', 'advantages'), default='reward')
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument('--study', choices=('reward', 'observed', 'advantages'), default='reward')
     known, rest = pre.parse_known_args(argv)
-    if known.study == 'reward': return reward_audit_cli(rest, epilog='--study observed: the second study (reports/agemem_observed); '
-                                                        '--study advantages: the third (reports/agemem_advantages); each with the same '
-                                                        'options; --study reward (the default): this one.')
+    if known.study == 'reward':
+        return reward_audit_cli(
+            rest,
+            epilog='--study observed: the second study (reports/agemem_observed); '
+            '--study advantages: the third (reports/agemem_advantages); each with the same '
+            'options; --study reward (the default): this one.',
+        )
     if known.study == 'advantages':
-        from memagent.advantages.receipt import advantages_cli      # the third study builds on this one's store
+        from memagent.advantages.receipt import (
+            advantages_cli,
+        )  # the third study builds on this one's store
+
         return advantages_cli(rest)
-    return study_cli(rest, prog='memagent-audit --study observed', description='AgeMem second study: the observed reward beside the '
-                     'official one, run against the pinned upstream checkout, or its receipt verified without one.',
-                     inputs=('episodes.json', 'protocol.md', 'corrections.json', 'corrections.md'), default_dir=default_report_dir, run=run_observed, verify=verify_observed,
-                     render=render_files)
+    return study_cli(
+        rest,
+        prog='memagent-audit --study observed',
+        description=(
+            'AgeMem second study: the observed reward beside the '
+            'official one, run against the pinned upstream checkout, or its receipt verified '
+            'without one.'
+        ),
+        inputs=('episodes.json', 'protocol.md', 'corrections.json', 'corrections.md'),
+        default_dir=default_report_dir,
+        run=run_observed,
+        verify=verify_observed,
+        render=render_files,
+    )

@@ -7,7 +7,15 @@ from __future__ import annotations
 import copy, hashlib, json, math, re, types
 from pathlib import Path
 from ..files import read_json
-from ..audit import AUDITED_REVISION, REWARD_MODULE, AUDITED_FILES, AuditRefused, check_checkout, load_by_path, load_reward_module
+from memagent.audit import (
+    AUDITED_REVISION,
+    REWARD_MODULE,
+    AUDITED_FILES,
+    AuditRefused,
+    check_checkout,
+    load_by_path,
+    load_reward_module,
+)
 
 # %% auto #0
 __all__ = ['STORE_MODULE', 'UTILS_MODULE', 'WORKFLOW_FILE', 'OBSERVED_FILES', 'EXECUTED', 'TOOLS', 'EMBED_DIM',
@@ -28,43 +36,87 @@ OBSERVED_FILES = {
     UTILS_MODULE: 'c1328d6e386c8c421ed09082c313f896ce9908bfd081433662d68acca9daf7b4',
     WORKFLOW_FILE: AUDITED_FILES[WORKFLOW_FILE],
 }
-EXECUTED = (REWARD_MODULE, STORE_MODULE, UTILS_MODULE)     # WORKFLOW_FILE is read: its tool dispatch is re-implemented below
-TOOLS = ('Summary_context', 'Clear_context', 'Retrieve_memory', 'Add_memory', 'Update_memory', 'Delete_memory')
+EXECUTED = (
+    REWARD_MODULE,
+    STORE_MODULE,
+    UTILS_MODULE,
+)  # WORKFLOW_FILE is read: its tool dispatch is re-implemented below
+TOOLS = (
+    'Summary_context',
+    'Clear_context',
+    'Retrieve_memory',
+    'Add_memory',
+    'Update_memory',
+    'Delete_memory',
+)
 
 # %% ../../nbs/18a_observed_1_store.ipynb #9be244f6
 class OpenAIStandIn(types.ModuleType):
-    "What `import openai` finds while the store module loads: an `OpenAI` that refuses to be built (nothing here calls a hosted service)."
+    """What `import openai` finds while the store module loads: an `OpenAI` that refuses to be built
+    (nothing here calls a hosted service)."""
+
     def __init__(self):
         super().__init__('openai')
-        def OpenAI(*a, **k): raise RuntimeError('the openai stand-in cannot build a client: the observed study calls no hosted service')
+
+        def OpenAI(*a, **k):
+            raise RuntimeError(
+                'the openai stand-in cannot build a client: the observed study calls no hosted '
+                'service'
+            )
+
         self.OpenAI = OpenAI
 
+
 def load_upstream(src) -> dict:
-    "The checked checkout's three executed modules: the reward (as the first study loads it), the store (openai stood in), the workflow utils."
+    """The checked checkout's three executed modules: the reward (as the first study loads it), the
+    store (openai stood in), the workflow utils."""
     checkout = check_checkout(src, AUDITED_REVISION, OBSERVED_FILES)
-    mods = {'reward': load_reward_module(src), 'checkout': checkout,
-            'store': load_by_path(src, STORE_MODULE, '_agemem_observed_store', {'openai': OpenAIStandIn()}),
-            'utils': load_by_path(src, UTILS_MODULE, '_agemem_observed_utils')}
-    for key, attrs in (('store', ('MemoryManager', 'InMemoryVectorStore', 'MemoryItem')), ('utils', ('parse_tool_calls', 'parse_answer', 'extract_score'))):
+    mods = {
+        'reward': load_reward_module(src),
+        'checkout': checkout,
+        'store': load_by_path(
+            src, STORE_MODULE, '_agemem_observed_store', {'openai': OpenAIStandIn()}
+        ),
+        'utils': load_by_path(src, UTILS_MODULE, '_agemem_observed_utils'),
+    }
+    for key, attrs in (
+        ('store', ('MemoryManager', 'InMemoryVectorStore', 'MemoryItem')),
+        ('utils', ('parse_tool_calls', 'parse_answer', 'extract_score')),
+    ):
         for a in attrs:
-            if not hasattr(mods[key], a): raise AuditRefused(f'{key} module of {src}: has no {a}')
+            if not hasattr(mods[key], a):
+                raise AuditRefused(f'{key} module of {src}: has no {a}')
     return mods
 
 # %% ../../nbs/18a_observed_1_store.ipynb #7c7787a5
 EMBED_DIM = 256
 EMBED_MIN_LETTERS = 4
-EMBEDDER = {'name': 'memagent hashed bag of words', 'dim': EMBED_DIM,
-            'rule': (f'lower-cased runs of letters and digits of at least {EMBED_MIN_LETTERS} characters; each adds 1.0 at index '
-                     f'(first 4 bytes of its SHA-256, big-endian) mod {EMBED_DIM}'),
-            'consequence': ('every component is >= 0, so a cosine is > 0 exactly when two texts share such a word (or two of their '
-                            'words share an index); the store drops scores <= 0, so a text with no shared word is never retrieved')}
+EMBEDDER = {
+    'name': 'memagent hashed bag of words',
+    'dim': EMBED_DIM,
+    'rule': (
+        f'lower-cased runs of letters and digits of at least {EMBED_MIN_LETTERS} characters; each '
+        'adds 1.0 at index '
+        f'(first 4 bytes of its SHA-256, big-endian) mod {EMBED_DIM}'
+    ),
+    'consequence': (
+        'every component is >= 0, so a cosine is > 0 exactly when two texts share such a word (or '
+        'two of their '
+        'words share an index); the store drops scores <= 0, so a text with no shared word is '
+        'never retrieved'
+    ),
+}
+
 
 def embed(text: str, dim=EMBED_DIM) -> list[float]:
-    "The local embedder standing in for the hosted one (`EMBEDDER` says how it works): deterministic, no network."
+    """The local embedder standing in for the hosted one (`EMBEDDER` says how it works):
+    deterministic, no network."""
     v = [0.0] * dim
     for w in re.findall(r'[a-z0-9]+', str(text).lower()):
-        if len(w) >= EMBED_MIN_LETTERS: v[int.from_bytes(hashlib.sha256(w.encode()).digest()[:4], 'big') % dim] += 1.0
+        if len(w) >= EMBED_MIN_LETTERS:
+            v[int.from_bytes(hashlib.sha256(w.encode()).digest()[:4], 'big') % dim] += 1.0
     return v
+
 
 def cosine(a, b) -> float:
     "Cosine of two vectors (0.0 when either is all zeros), as the store's scorer defines it."
@@ -73,133 +125,214 @@ def cosine(a, b) -> float:
 
 # %% ../../nbs/18a_observed_1_store.ipynb #8956aae6
 def make_manager(store_mod, counter: list):
-    """The upstream `MemoryManager` with its own methods and `InMemoryVectorStore`, its `__init__` bypassed (it builds a hosted
-    client and refuses without an API key) and `embed` replaced by the local embedder; each embedding appends to `counter`."""
+    """The upstream `MemoryManager` with its own methods and `InMemoryVectorStore`, its `__init__`
+    bypassed (it builds a hosted
+        client and refuses without an API key) and `embed` replaced by the local embedder; each
+        embedding appends to `counter`."""
     mgr = object.__new__(store_mod.MemoryManager)
     mgr._store = store_mod.InMemoryVectorStore()
     mgr.client, mgr.embedding_model, mgr.embedding_dim = None, EMBEDDER['name'], EMBED_DIM
+
     def counted(content):
-        counter.append(content); return embed(content)
-    mgr.embed = counted           # an instance attribute: the manager's methods call self.embed and find this one
+        counter.append(content)
+        return embed(content)
+
+    mgr.embed = (
+        counted  # an instance attribute: the manager's methods call self.embed and find this one
+    )
     return mgr
 
-MANAGER = {'class': 'MemoryManager', 'init': 'bypassed (object.__new__); _store = InMemoryVectorStore(), client = None',
-           'embed': 'replaced on the instance by the local embedder', 'openai_import': 'stand-in module (OpenAI refuses to build a client)',
-           'memory_ids': 'mem-01, mem-02, ... in the order of Add_memory calls (the workflow uses uuid4)'}
+
+MANAGER = {
+    'class': 'MemoryManager',
+    'init': 'bypassed (object.__new__); _store = InMemoryVectorStore(), client = None',
+    'embed': 'replaced on the instance by the local embedder',
+    'openai_import': 'stand-in module (OpenAI refuses to build a client)',
+    'memory_ids': 'mem-01, mem-02, ... in the order of Add_memory calls (the workflow uses uuid4)',
+}
 
 # %% ../../nbs/18a_observed_1_store.ipynb #709746da
 class EpisodeError(ValueError):
-    "An episode that the workflow could not have produced, or one the recorder cannot execute (names the case and step)."
+    """An episode that the workflow could not have produced, or one the recorder cannot execute
+    (names the case and step)."""
 
 # %% ../../nbs/18a_observed_1_store.ipynb #c48c4729
 class Recorder:
-    """Drives the upstream store the way the training workflow's `_apply_tools` does (`train_hotpotQA.py` lines 118-302) and keeps
-    two views of one episode: `context`, the chat messages the workflow would hold (what the official extractors read), and `log`,
-    every operation the store executed, with its stage, arguments and what the store returned."""
+    """Drives the upstream store the way the training workflow's `_apply_tools` does
+    (`train_hotpotQA.py` lines 118-302) and keeps
+        two views of one episode: `context`, the chat messages the workflow would hold (what the
+        official extractors read), and `log`,
+        every operation the store executed, with its stage, arguments and what the store
+        returned."""
+
     def __init__(self, mods: dict, system_prompt: str, where='episode'):
         self.utils, self.where, self.system_prompt = mods['utils'], where, system_prompt
         self.embeds: list = []
         self.manager = make_manager(mods['store'], self.embeds)
         self.context, self.log, self.stage, self.n_added = [], [], 0, 0
 
-    def _append(self, role, content): self.context.append({'role': role, 'content': content})   # _append_context, line 108
+    def _append(self, role, content):
+        self.context.append({'role': role, 'content': content})  # _append_context, line 108
 
     def enter(self, stage: int):
-        "Start `stage`: the first stage opens with the system prompt; entering Stage 2 clears the context and re-opens it (lines 381-382)."
-        if stage <= self.stage: raise EpisodeError(f'{self.where}: stage {stage} after stage {self.stage}')
+        """Start `stage`: the first stage opens with the system prompt; entering Stage 2 clears the
+        context and re-opens it (lines 381-382)."""
+        if stage <= self.stage:
+            raise EpisodeError(f'{self.where}: stage {stage} after stage {self.stage}')
         if self.stage == 0 or stage == 2:
-            self.context.clear(); self._append('system', self.system_prompt)
+            self.context.clear()
+            self._append('system', self.system_prompt)
         self.stage = stage
 
-    def user(self, text: str): self._append('user', text)
+    def user(self, text: str):
+        self._append('user', text)
 
     def assistant(self, text: str, summary=None, similarity=None):
-        "Append the reply, then run the tool calls `parse_tool_calls` finds in it, in order (lines 536-554, 731-749)."
+        """Append the reply, then run the tool calls `parse_tool_calls` finds in it, in order (lines
+        536-554, 731-749)."""
         self._append('assistant', text)
         calls = self.utils.parse_tool_calls(text)
-        for call in calls: self._dispatch(call, text, summary, similarity)
+        for call in calls:
+            self._dispatch(call, text, summary, similarity)
         return calls
 
     def _record(self, tool, args, result, note, text, n_embeds):
-        self.log.append({'seq': len(self.log) + 1, 'stage': self.stage, 'tool': tool, 'arguments': copy.deepcopy(args),
-                         'result': result, 'context_note': note, 'embeddings': n_embeds,
-                         'store_after': sorted(self.manager._store._items), 'issued_by': text})
+        self.log.append(
+            {
+                'seq': len(self.log) + 1,
+                'stage': self.stage,
+                'tool': tool,
+                'arguments': copy.deepcopy(args),
+                'result': result,
+                'context_note': note,
+                'embeddings': n_embeds,
+                'store_after': sorted(self.manager._store._items),
+                'issued_by': text,
+            }
+        )
 
     def _dispatch(self, call, text, summary, similarity):
-        # the workflow reads every call with .get (lines 124-125, then args.get in each branch): anything else would raise there
+        # the workflow reads every call with .get (lines 124-125, then args.get in each branch):
+        # anything else would raise there
         if not isinstance(call, dict) or not isinstance(call.get('arguments', {}), dict):
-            raise EpisodeError(f'{self.where}: tool call {call!r} is not an object with an object of arguments (the workflow would raise)')
+            raise EpisodeError(
+                f'{self.where}: tool call {call!r} is not an object with an object of arguments '
+                '(the workflow would raise)'
+            )
         name, args = call.get('name'), call.get('arguments', {})
         e0 = len(self.embeds)
-        if name == 'Summary_context':                                      # lines 129-209
+        if name == 'Summary_context':  # lines 129-209
             note, result = self._summary(args, summary)
-        elif name == 'Clear_context':                                      # lines 211-253
+        elif name == 'Clear_context':  # lines 211-253
             note, result = self._clear(args, similarity)
-        elif name == 'Retrieve_memory':                                    # lines 255-265
-            items = self.manager.retrieve(args.get('query', ''), int(args.get('top_k', 3)), args.get('metadata_filter', {}))
+        elif name == 'Retrieve_memory':  # lines 255-265
+            items = self.manager.retrieve(
+                args.get('query', ''), int(args.get('top_k', 3)), args.get('metadata_filter', {})
+            )
             block = '\n'.join(f'- {it.content} (Memory ID: {it.memory_id})' for it in items)
             note = f'[retrieved memories]\n{block}' if block else '[no related memories found]'
             self._append('tool', note)
             result = [{'memory_id': it.memory_id, 'content': it.content} for it in items]
-        elif name == 'Add_memory':                                         # lines 267-280; sequential ids instead of uuid4 (line 277)
+        elif name == 'Add_memory':  # lines 267-280; sequential ids instead of uuid4 (line 277)
             metadata = dict(args.get('metadata', {}) or {})
             memory_type = args.get('memory_type', 'general')
-            if memory_type: metadata['type'] = memory_type
+            if memory_type:
+                metadata['type'] = memory_type
             metadata['stage'] = str(self.stage)
             self.n_added += 1
             mem_id = f'mem-{self.n_added:02d}'
             self.manager.add_memory(mem_id, args.get('content', ''), metadata)
-            note = f'[memory tool result]\nmemory_added:{mem_id}'; self._append('tool', note)
+            note = f'[memory tool result]\nmemory_added:{mem_id}'
+            self._append('tool', note)
             result = {'memory_id': mem_id, 'stored': self.manager._store.get(mem_id) is not None}
-        elif name == 'Update_memory':                                      # lines 282-289
-            ok = self.manager.update_memory(args.get('memory_id', ''), args.get('content'), args.get('metadata', {}))
-            note = f'[memory tool result]\nmemory_updated:{ok}'; self._append('tool', note)
+        elif name == 'Update_memory':  # lines 282-289
+            ok = self.manager.update_memory(
+                args.get('memory_id', ''), args.get('content'), args.get('metadata', {})
+            )
+            note = f'[memory tool result]\nmemory_updated:{ok}'
+            self._append('tool', note)
             result = ok
-        elif name == 'Delete_memory':                                      # lines 291-300
+        elif name == 'Delete_memory':  # lines 291-300
             if args.get('confirmation', False):
                 result = self.manager.delete_memory(args.get('memory_id', ''))
                 note = f'[memory tool result]\nmemory_deleted:{result}'
-            else: result, note = 'cancelled', '[memory tool result]\nmemory_deletion_cancelled:confirmation_required'
+            else:
+                result, note = (
+                    'cancelled',
+                    '[memory tool result]\nmemory_deletion_cancelled:confirmation_required',
+                )
             self._append('tool', note)
-        else: note, result = None, 'unknown tool: no effect'            # no branch of the dispatch matches
+        else:
+            note, result = None, 'unknown tool: no effect'  # no branch of the dispatch matches
         self._record(name, args, result, note, text, len(self.embeds) - e0)
 
     def _summary(self, args, summary):
-        "Summary_context: the summarizer's reply is the episode's `summary`, a text or a function of the chosen messages (it stands in for the chat model, line 182)."
+        """Summary_context: the summarizer's reply is the episode's `summary`, a text or a function
+        of the chosen messages (it stands in for the chat model, line 182)."""
         span, keep_user = args.get('span', 'all'), args.get('preserve_user_query', False)
         rest = [(i, m) for i, m in enumerate(self.context) if m.get('role') != 'system']
         chosen = rest
         if span != 'all':
-            if not isinstance(span, str): raise EpisodeError(f'{self.where}: Summary_context span {span!r} is not a string (line 150 would raise)')
+            if not isinstance(span, str):
+                raise EpisodeError(
+                    f'{self.where}: Summary_context span {span!r} is not a string (line 150 would '
+                    'raise)'
+                )
             try:
-                if '-' in span: start, end = map(int, span.split('-')); chosen = rest[start - 2: end - 1]   # line 154, as written
-                else: chosen = rest[-int(span):]
-            except Exception: chosen = rest                                                 # lines 156-159, 166-169
-        if keep_user: chosen = [(i, m) for i, m in chosen if m.get('role') != 'user']
+                if '-' in span:
+                    start, end = map(int, span.split('-'))
+                    chosen = rest[start - 2 : end - 1]  # line 154, as written
+                else:
+                    chosen = rest[-int(span) :]
+            except Exception:
+                chosen = rest  # lines 156-159, 166-169
+        if keep_user:
+            chosen = [(i, m) for i, m in chosen if m.get('role') != 'user']
         if not chosen:
-            note = '[context tool result]\nsummary_context_applied:no_messages_to_summarize'; self._append('tool', note)
+            note = '[context tool result]\nsummary_context_applied:no_messages_to_summarize'
+            self._append('tool', note)
             return note, {'summarized': 0}
-        if callable(summary): summary = summary([m for i, m in chosen])
-        if not isinstance(summary, str): raise EpisodeError(f'{self.where}: Summary_context runs, but the step gives no "summary" text')
+        if callable(summary):
+            summary = summary([m for i, m in chosen])
+        if not isinstance(summary, str):
+            raise EpisodeError(
+                f'{self.where}: Summary_context runs, but the step gives no "summary" text'
+            )
         idx = sorted((i for i, m in chosen), reverse=True)
-        for i in idx: self.context.pop(i)
-        self.context.insert(min(idx), {'role': 'tool', 'content': f'[summary of {len(chosen)} messages]\n{summary}'})
-        note = '[context tool result]\nsummary_context_applied:success'; self._append('tool', note)
+        for i in idx:
+            self.context.pop(i)
+        self.context.insert(
+            min(idx), {'role': 'tool', 'content': f'[summary of {len(chosen)} messages]\n{summary}'}
+        )
+        note = '[context tool result]\nsummary_context_applied:success'
+        self._append('tool', note)
         return note, {'summarized': len(chosen)}
 
     def _clear(self, args, similarity):
-        "Clear_context: with criteria, each non-system message goes when the judged similarity (the episode's replies in order, or a function of criteria and content) is >= 0.6."
+        """Clear_context: with criteria, each non-system message goes when the judged similarity
+        (the episode's replies in order, or a function of criteria and content) is >= 0.6."""
         criteria, kept, removed = args.get('criteria', ''), [], 0
         replies = similarity if callable(similarity) else list(similarity or [])
         for m in self.context:
-            if m.get('role') == 'system': kept.append(m); continue
+            if m.get('role') == 'system':
+                kept.append(m)
+                continue
             if criteria:
-                if not (callable(replies) or replies): raise EpisodeError(f'{self.where}: Clear_context has criteria, but the step gives no similarity reply for every message')
-                reply = replies(criteria, m.get('content', '')) if callable(replies) else replies.pop(0)
-                if self.utils.extract_score(reply, default=0.0) >= 0.6: removed += 1; continue
+                if not (callable(replies) or replies):
+                    raise EpisodeError(
+                        f'{self.where}: Clear_context has criteria, but the step gives no '
+                        'similarity reply for every message'
+                    )
+                reply = (
+                    replies(criteria, m.get('content', '')) if callable(replies) else replies.pop(0)
+                )
+                if self.utils.extract_score(reply, default=0.0) >= 0.6:
+                    removed += 1
+                    continue
             kept.append(m)
         self.context[:] = kept
-        note = f'[context tool result]\nclear_context_applied:success:removed_{removed}_messages'; self._append('tool', note)
+        note = f'[context tool result]\nclear_context_applied:success:removed_{removed}_messages'
+        self._append('tool', note)
         return note, {'removed': removed}
 
 # %% ../../nbs/18a_observed_1_store.ipynb #5675c437
@@ -207,239 +340,501 @@ EPISODES_SCHEMA = 'memagent.agemem_observed.episodes/1'
 _STEP_KEYS = {'stage': int, 'user': str, 'assistant': str}
 _CALL_KEYS = ('task_score', 'max_rounds', 'max_tokens', 'question', 'supporting_facts')
 
+
 def validate_episodes(ep: dict, source='episodes.json') -> dict:
-    "Check an episodes file's structure; raise `ValueError` naming the case, step and field at fault. Returns `ep`."
-    def bad(where, why): raise ValueError(f'{source}: {where}: {why}')
-    if not isinstance(ep, dict): bad('top level', 'expected a JSON object')
-    if ep.get('schema') != EPISODES_SCHEMA: bad('schema', f'expected {EPISODES_SCHEMA!r}, got {ep.get("schema")!r}')
-    if not isinstance(ep.get('system_prompt'), str): bad('system_prompt', 'expected a string')
+    """Check an episodes file's structure; raise `ValueError` naming the case, step and field at
+    fault. Returns `ep`."""
+
+    def bad(where, why):
+        raise ValueError(f'{source}: {where}: {why}')
+
+    if not isinstance(ep, dict):
+        bad('top level', 'expected a JSON object')
+    if ep.get('schema') != EPISODES_SCHEMA:
+        bad('schema', f'expected {EPISODES_SCHEMA!r}, got {ep.get("schema")!r}')
+    if not isinstance(ep.get('system_prompt'), str):
+        bad('system_prompt', 'expected a string')
     tol = ep.get('tolerance')
-    if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not 0 <= tol < 1e-3: bad('tolerance', f'expected a small non-negative number, got {tol!r}')
-    if not isinstance(ep.get('cases'), list) or not ep['cases']: bad('cases', 'expected a non-empty list')
+    if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not 0 <= tol < 1e-3:
+        bad('tolerance', f'expected a small non-negative number, got {tol!r}')
+    if not isinstance(ep.get('cases'), list) or not ep['cases']:
+        bad('cases', 'expected a non-empty list')
     seen = set()
     for i, c in enumerate(ep['cases']):
         cid = c.get('id') if isinstance(c, dict) else None
         where = f'cases[{i}] (id={cid!r})'
-        if not isinstance(cid, str) or not cid or cid in seen: bad(where, 'needs a unique string "id"')
+        if not isinstance(cid, str) or not cid or cid in seen:
+            bad(where, 'needs a unique string "id"')
         seen.add(cid)
         for k in ('group', 'role'):
-            if not isinstance(c.get(k), str): bad(where, f'field {k!r} must be a string')
-        if c.get('first_study') is not None and not isinstance(c.get('first_study'), str): bad(where, '"first_study" must be null or a case id')
-        if not isinstance(c.get('call'), dict) or any(k not in c['call'] for k in _CALL_KEYS): bad(where, f'"call" must be an object with {", ".join(_CALL_KEYS)}')
+            if not isinstance(c.get(k), str):
+                bad(where, f'field {k!r} must be a string')
+        if c.get('first_study') is not None and not isinstance(c.get('first_study'), str):
+            bad(where, '"first_study" must be null or a case id')
+        if not isinstance(c.get('call'), dict) or any(k not in c['call'] for k in _CALL_KEYS):
+            bad(where, f'"call" must be an object with {", ".join(_CALL_KEYS)}')
         judge = c.get('judge')
-        if judge is not None and not (isinstance(judge, dict) and isinstance(judge.get('reply'), str)): bad(where, '"judge" must be null or {"reply": <string>}')
+        if judge is not None and not (
+            isinstance(judge, dict) and isinstance(judge.get('reply'), str)
+        ):
+            bad(where, '"judge" must be null or {"reply": <string>}')
         steps = c.get('steps')
-        if not isinstance(steps, list) or not steps: bad(where, '"steps" must be a non-empty list')
+        if not isinstance(steps, list) or not steps:
+            bad(where, '"steps" must be a non-empty list')
         for j, s in enumerate(steps):
             kinds = [k for k in _STEP_KEYS if isinstance(s, dict) and k in s]
-            if len(kinds) != 1 or not isinstance(s[kinds[0]], _STEP_KEYS[kinds[0]]) or isinstance(s[kinds[0]], bool):
-                bad(f'{where}.steps[{j}]', 'each step is exactly one of {"stage": <1-3>}, {"user": <text>}, {"assistant": <text>}')
+            if (
+                len(kinds) != 1
+                or not isinstance(s[kinds[0]], _STEP_KEYS[kinds[0]])
+                or isinstance(s[kinds[0]], bool)
+            ):
+                bad(
+                    f'{where}.steps[{j}]',
+                    'each step is exactly one of {"stage": <1-3>}, {"user": <text>}, '
+                    '{"assistant": <text>}',
+                )
             extra = set(s) - {kinds[0], 'summary', 'similarity'}
-            if extra or (kinds[0] != 'assistant' and len(s) > 1): bad(f'{where}.steps[{j}]', f'unexpected field(s) {sorted(set(s) - {kinds[0]})}')
-        if steps[0].get('stage') not in (1, 2, 3): bad(f'{where}.steps[0]', 'an episode opens with {"stage": 1, 2 or 3}')
-        if not isinstance(c.get('expect'), dict): bad(where, '"expect" must be an object')
-        if not isinstance(c.get('note'), str): bad(where, 'field "note" must be a string')
+            if extra or (kinds[0] != 'assistant' and len(s) > 1):
+                bad(f'{where}.steps[{j}]', f'unexpected field(s) {sorted(set(s) - {kinds[0]})}')
+        if steps[0].get('stage') not in (1, 2, 3):
+            bad(f'{where}.steps[0]', 'an episode opens with {"stage": 1, 2 or 3}')
+        if not isinstance(c.get('expect'), dict):
+            bad(where, '"expect" must be an object')
+        if not isinstance(c.get('note'), str):
+            bad(where, 'field "note" must be a string')
         for k in ('ops', 'finished_at_round', 'found_answer', 'official', 'observed', 'difference'):
-            if k not in c['expect']: bad(f'{where}.expect', f'missing field {k!r}')
+            if k not in c['expect']:
+                bad(f'{where}.expect', f'missing field {k!r}')
     return ep
 
+# %% ../../nbs/18a_observed_1_store.ipynb #988bc292
 def load_episodes(path) -> dict:
     "Read and validate an episodes file."
     path = Path(path)
-    ep = read_json(path)                  # FileError (a ValueError) naming the file, line and reason
+    ep = read_json(path)  # FileError (a ValueError) naming the file, line and reason
     return validate_episodes(ep, source=str(path))
 
 # %% ../../nbs/18a_observed_1_store.ipynb #6c386905
-AUTO_SUMMARY_THRESHOLD = 0.8                                          # train_hotpotQA.py line 67 (workflow_args default)
-COLLECTING_TOOLS = ('Summary_context', 'Clear_context', 'Retrieve_memory')   # line 740
-COLLECTION_RULES = {   # stage -> (the tools that collect a round in advance, and why a round is collected: in advance, answer, overflow, last round)
-    1: (('Add_memory', 'Retrieve_memory', 'Update_memory'), 'memory tool before the last round (lines 544-551)',      # line 545
-        'answer (lines 557-562)', 'automatic summary (lines 565-569)', 'last round, no answer (lines 571-574)'),
-    2: (('Clear_context', 'Summary_context'), 'context tool before the last round (lines 640-647)',                    # line 641
-        'answer (lines 653-658)', 'automatic summary (lines 661-665)', 'last round, no answer (lines 667-670)'),
-    3: (COLLECTING_TOOLS, 'context tool before the last round (lines 739-746)',
-        'answer (lines 752-758)', 'automatic summary (lines 761-765)', 'last round, no answer (lines 767-771)'),
+AUTO_SUMMARY_THRESHOLD = 0.8  # train_hotpotQA.py line 67 (workflow_args default)
+COLLECTING_TOOLS = ('Summary_context', 'Clear_context', 'Retrieve_memory')  # line 740
+# stage -> (the tools that collect a round in advance, and why a round is collected: in advance,
+# answer, overflow, last round)
+COLLECTION_RULES = {
+    1: (
+        ('Add_memory', 'Retrieve_memory', 'Update_memory'),
+        'memory tool before the last round (lines 544-551)',  # line 545
+        'answer (lines 557-562)',
+        'automatic summary (lines 565-569)',
+        'last round, no answer (lines 571-574)',
+    ),
+    2: (
+        ('Clear_context', 'Summary_context'),
+        'context tool before the last round (lines 640-647)',  # line 641
+        'answer (lines 653-658)',
+        'automatic summary (lines 661-665)',
+        'last round, no answer (lines 667-670)',
+    ),
+    3: (
+        COLLECTING_TOOLS,
+        'context tool before the last round (lines 739-746)',
+        'answer (lines 752-758)',
+        'automatic summary (lines 761-765)',
+        'last round, no answer (lines 767-771)',
+    ),
 }
 
+
 def overflows(context, max_tokens: int) -> bool:
-    "`_should_autosummarize` (lines 112-116): the context's characters / 4 exceed `AUTO_SUMMARY_THRESHOLD` of `max_tokens`."
+    """`_should_autosummarize` (lines 112-116): the context's characters / 4 exceed
+    `AUTO_SUMMARY_THRESHOLD` of `max_tokens`."""
     return sum(len(m.get('content', '')) for m in context) / 4 > max_tokens * AUTO_SUMMARY_THRESHOLD
 
-def collected_round(tool_calls, final_answer, r: int, max_rounds: int, overflow: bool, last: bool, stage: int = 3):
-    """Why the workflow collects round `r` (0-based) of a loop of `stage` into the stage's experiences; `None` when it does not. Stage 1:
-    `_run_stage1_casual_chat` (`train_hotpotQA.py` lines 544-574); Stage 2: one distractor's loop of `_run_stage2_distractor_injection`
-    (lines 640-670); Stage 3: `_run_stage3_formal_qa` (lines 735-771), whose experiences' count the call site passes as
-    `finished_at_round` (lines 393, 413). `tool_calls` is what `parse_tool_calls` found in the reply, `final_answer` what `parse_answer`
-    returned, `overflow` whether `_should_autosummarize` held after the tools ran, `last` whether the loop ended with this round."""
-    if stage not in COLLECTION_RULES: raise ValueError(f'collected_round: stage must be 1, 2 or 3, got {stage!r}')
+# %% ../../nbs/18a_observed_1_store.ipynb #6349ea42
+def collected_round(
+    tool_calls, final_answer, r: int, max_rounds: int, overflow: bool, last: bool, stage: int = 3
+):
+    """Why the workflow collects round `r` (0-based) of a loop of `stage` into the stage's
+    experiences; `None` when it does not. Stage 1:
+        `_run_stage1_casual_chat` (`train_hotpotQA.py` lines 544-574); Stage 2: one distractor's
+        loop of
+        `_run_stage2_distractor_injection`
+        (lines 640-670); Stage 3: `_run_stage3_formal_qa` (lines 735-771), whose experiences' count
+        the
+        call site passes as
+        `finished_at_round` (lines 393, 413). `tool_calls` is what `parse_tool_calls` found in the
+        reply, `final_answer` what `parse_answer`
+        returned, `overflow` whether `_should_autosummarize` held after the tools ran, `last`
+        whether
+        the loop ended with this round."""
+    if stage not in COLLECTION_RULES:
+        raise ValueError(f'collected_round: stage must be 1, 2 or 3, got {stage!r}')
     tools, early, answered, overflowed, ran_out = COLLECTION_RULES[stage]
-    if r < max_rounds - 1 and any(isinstance(c, dict) and c.get('name') in tools for c in tool_calls): return early
-    if final_answer: return answered
-    if overflow: return overflowed
-    if last: return ran_out
+    if r < max_rounds - 1 and any(
+        isinstance(c, dict) and c.get('name') in tools for c in tool_calls
+    ):
+        return early
+    if final_answer:
+        return answered
+    if overflow:
+        return overflowed
+    if last:
+        return ran_out
     return None
-
 
 # %% ../../nbs/18a_observed_1_store.ipynb #40acbf08
 def play(mods: dict, case: dict, system_prompt: str) -> dict:
-    """Execute one episode on a fresh store: the final `context`, the `log`, the Stage-3 `rounds` (each reply, whether upstream
-    collects its experience and why, by `collected_round`), `finished_at_round` (the collected rounds, as `len(stage3_exps)`), and the
-    final answer (`parse_answer` of the last Stage-3 reply; `found_answer` when there is one)."""
+    """Execute one episode on a fresh store: the final `context`, the `log`, the Stage-3 `rounds`
+    (each reply, whether upstream
+        collects its experience and why, by `collected_round`), `finished_at_round` (the collected
+        rounds, as `len(stage3_exps)`), and the
+        final answer (`parse_answer` of the last Stage-3 reply; `found_answer` when there is
+        one)."""
     rec, where = Recorder(mods, system_prompt, where=f"case {case['id']!r}"), f"case {case['id']!r}"
     rounds, answer, overflow, max_rounds = [], None, False, case['call']['max_rounds']
     for j, s in enumerate(case['steps']):
-        if 'stage' in s: rec.enter(s['stage']); continue
-        if rec.stage == 0: raise EpisodeError(f"{where}: step {j} before the first stage")
-        if 'user' in s: rec.user(s['user']); continue
+        if 'stage' in s:
+            rec.enter(s['stage'])
+            continue
+        if rec.stage == 0:
+            raise EpisodeError(f"{where}: step {j} before the first stage")
+        if 'user' in s:
+            rec.user(s['user'])
+            continue
         if rec.stage == 3 and (answer is not None or overflow or len(rounds) == max_rounds):
-            raise EpisodeError(f"{where}: step {j}: a Stage-3 reply after the loop ended (answer, automatic summary or max_rounds, lines 702-765)")
+            raise EpisodeError(
+                f"{where}: step {j}: a Stage-3 reply after the loop ended (answer, automatic "
+                "summary or max_rounds, lines 702-765)"
+            )
         calls = rec.assistant(s['assistant'], s.get('summary'), s.get('similarity'))
-        if rec.stage != 3: continue
-        answer, overflow = rec.utils.parse_answer(s['assistant']), overflows(rec.context, case['call']['max_tokens'])
-        rounds.append({'round': len(rounds), 'collected': False, 'why': collected_round(calls, answer, len(rounds), max_rounds, overflow, False)})
+        if rec.stage != 3:
+            continue
+        answer, overflow = (
+            rec.utils.parse_answer(s['assistant']),
+            overflows(rec.context, case['call']['max_tokens']),
+        )
+        rounds.append(
+            {
+                'round': len(rounds),
+                'collected': False,
+                'why': collected_round(calls, answer, len(rounds), max_rounds, overflow, False),
+            }
+        )
     if rounds and not rounds[-1]['why']:
-        rounds[-1]['why'] = collected_round([], answer, rounds[-1]['round'], max_rounds, overflow, True)
-    for x in rounds: x['collected'] = x['why'] is not None
-    return {'context': rec.context, 'log': rec.log, 'rounds': rounds, 'finished_at_round': sum(x['collected'] for x in rounds),
-            'final_answer': answer, 'found_answer': answer is not None, 'embeddings': len(rec.embeds), 'manager': rec.manager}
+        rounds[-1]['why'] = collected_round(
+            [], answer, rounds[-1]['round'], max_rounds, overflow, True
+        )
+    for x in rounds:
+        x['collected'] = x['why'] is not None
+    return {
+        'context': rec.context,
+        'log': rec.log,
+        'rounds': rounds,
+        'finished_at_round': sum(x['collected'] for x in rounds),
+        'final_answer': answer,
+        'found_answer': answer is not None,
+        'embeddings': len(rec.embeds),
+        'manager': rec.manager,
+    }
 
+# %% ../../nbs/18a_observed_1_store.ipynb #d61241cb
 def op_line(op: dict) -> str:
     "One log entry as the protocol writes its expected effect: `Tool -> outcome`."
     r = op['result']
-    if op['tool'] == 'Add_memory': out = f"{r['memory_id']} {'stored' if r['stored'] else 'not stored'}"
-    elif op['tool'] == 'Retrieve_memory': out = '[' + ', '.join(x['memory_id'] for x in r) + ']'
-    elif isinstance(r, dict): out = ' '.join(f'{k} {v}' for k, v in r.items())
-    else: out = str(r)
+    if op['tool'] == 'Add_memory':
+        out = f"{r['memory_id']} {'stored' if r['stored'] else 'not stored'}"
+    elif op['tool'] == 'Retrieve_memory':
+        out = '[' + ', '.join(x['memory_id'] for x in r) + ']'
+    elif isinstance(r, dict):
+        out = ' '.join(f'{k} {v}' for k, v in r.items())
+    else:
+        out = str(r)
     return f"{op['tool']} -> {out}"
 
 # %% ../../nbs/18a_observed_1_store.ipynb #dbf9bf95
-HQ_WORDS = ('important', 'key', 'remember', 'note')      # the official heuristic's words and length (my_reward.py lines 299-303)
+HQ_WORDS = (
+    'important',
+    'key',
+    'remember',
+    'note',
+)  # the official heuristic's words and length (my_reward.py lines 299-303)
+
 
 def held_ids(log) -> set:
     "The ids the store holds after the episode's last operation (empty when nothing ran)."
     return set(log[-1]['store_after']) if log else set()
 
+# %% ../../nbs/18a_observed_1_store.ipynb #d53aa85f
 def used_retrieval(log, final_answer) -> bool:
-    "The proxy for \"used the retrieved memory\": the final answer is non-empty and occurs (case-insensitively) in a memory some retrieval returned."
+    """The proxy for \"used the retrieved memory\": the final answer is non-empty and occurs
+    (case-insensitively) in a memory some retrieval returned."""
     ans = (final_answer or '').strip().lower()
-    return bool(ans) and any(ans in x['content'].lower() for op in log if op['tool'] == 'Retrieve_memory' for x in op['result'])
+    return bool(ans) and any(
+        ans in x['content'].lower()
+        for op in log
+        if op['tool'] == 'Retrieve_memory'
+        for x in op['result']
+    )
 
+# %% ../../nbs/18a_observed_1_store.ipynb #155bd8b9
 def observed_stats(log, final_answer) -> tuple[dict, dict]:
-    """`(tool_stats, memory_stats)` from the operation log alone, in the extractors' shapes: every executed call counts once; storage
-    counts the adds the store still holds at the end, maintenance only updates and deletes the store confirmed (`True`), retrievals
-    only those that returned something (as the official count does), and a retrieval is used by the `used_retrieval` proxy."""
+    """`(tool_stats, memory_stats)` from the operation log alone, in the extractors' shapes: every
+    executed call counts once; storage
+        counts the adds the store still holds at the end, maintenance only updates and deletes the
+        store
+        confirmed (`True`), retrievals
+        only those that returned something (as the official count does), and a retrieval is used by
+        the
+        `used_retrieval` proxy."""
     tool_stats = {t: sum(op['tool'] == t for op in log) for t in TOOLS}
     held = held_ids(log)
     adds = [op for op in log if op['tool'] == 'Add_memory' and op['result']['memory_id'] in held]
-    hq = sum(len(op['issued_by']) > 50 and any(w in op['issued_by'].lower() for w in HQ_WORDS) for op in adds)
-    memory_stats = {'retrieved_count': sum(op['tool'] == 'Retrieve_memory' and bool(op['result']) for op in log),
-                    'added_count': len(adds),
-                    'updated_count': sum(op['tool'] == 'Update_memory' and op['result'] is True for op in log),
-                    'deleted_count': sum(op['tool'] == 'Delete_memory' and op['result'] is True for op in log),
-                    'used_retrieved_memory': used_retrieval(log, final_answer),
-                    'high_quality_additions': hq, 'redundant_storage': False}
+    hq = sum(
+        len(op['issued_by']) > 50 and any(w in op['issued_by'].lower() for w in HQ_WORDS)
+        for op in adds
+    )
+    memory_stats = {
+        'retrieved_count': sum(
+            op['tool'] == 'Retrieve_memory' and bool(op['result']) for op in log
+        ),
+        'added_count': len(adds),
+        'updated_count': sum(op['tool'] == 'Update_memory' and op['result'] is True for op in log),
+        'deleted_count': sum(op['tool'] == 'Delete_memory' and op['result'] is True for op in log),
+        'used_retrieved_memory': used_retrieval(log, final_answer),
+        'high_quality_additions': hq,
+        'redundant_storage': False,
+    }
     return tool_stats, memory_stats
 
+# %% ../../nbs/18a_observed_1_store.ipynb #527a0fe3
 def observation_transcript(log) -> list[dict]:
-    """The log in the only form the upstream calculator reads besides its statistics: one assistant `<tool_call>` message per executed
-    Summary_context / Clear_context call (its R_preventive test) and per held add (the judge's stored entries), and each retrieval that
-    returned something with its `[retrieved memories]` block (the judge's retrieved items)."""
+    """The log in the only form the upstream calculator reads besides its statistics: one assistant
+    `<tool_call>` message per executed
+        Summary_context / Clear_context call (its R_preventive test) and per held add (the judge's
+        stored entries), and each retrieval that
+        returned something with its `[retrieved memories]` block (the judge's retrieved items)."""
     held, out = held_ids(log), []
     for op in log:
         t = op['tool']
-        if t in ('Summary_context', 'Clear_context') or (t == 'Add_memory' and op['result']['memory_id'] in held):
-            out.append({'role': 'assistant', 'content': '<tool_call>' + json.dumps([{'name': t, 'arguments': op['arguments']}]) + '</tool_call>'})
+        if t in ('Summary_context', 'Clear_context') or (
+            t == 'Add_memory' and op['result']['memory_id'] in held
+        ):
+            out.append(
+                {
+                    'role': 'assistant',
+                    'content': '<tool_call>'
+                    + json.dumps([{'name': t, 'arguments': op['arguments']}])
+                    + '</tool_call>',
+                }
+            )
         elif t == 'Retrieve_memory' and op['result']:
-            out.append({'role': 'tool', 'content': '[retrieved memories]\n' + '\n'.join(
-                f"- {x['content']} (Memory ID: {x['memory_id']})" for x in op['result'])})
+            out.append(
+                {
+                    'role': 'tool',
+                    'content': '[retrieved memories]\n'
+                    + '\n'.join(
+                        f"- {x['content']} (Memory ID: {x['memory_id']})" for x in op['result']
+                    ),
+                }
+            )
     return out
 
 # %% ../../nbs/18a_observed_1_store.ipynb #b3a5ac46
-def reward_side(mods: dict, call: dict, weights: dict, context, tool_stats: dict, memory_stats: dict, context_messages, judge=None) -> dict:
-    """`calculate_total_reward` of the pinned calculator with `weights` and `judge` as its chat client: the statistics given, the
-    context statistics of the official extractor on `context`, `context_messages` as the messages it reads; the rest from `call`."""
+def reward_side(
+    mods: dict,
+    call: dict,
+    weights: dict,
+    context,
+    tool_stats: dict,
+    memory_stats: dict,
+    context_messages,
+    judge=None,
+) -> dict:
+    """`calculate_total_reward` of the pinned calculator with `weights` and `judge` as its chat
+    client: the statistics given, the
+        context statistics of the official extractor on `context`, `context_messages` as the
+        messages it
+        reads; the rest from `call`."""
     context_stats = mods['reward'].extract_context_stats(copy.deepcopy(context), call['max_tokens'])
     calc = mods['reward'].ThreeStageRewardCalculator(**weights, chat_client=judge)
     total, breakdown = calc.calculate_total_reward(
-        task_score=call['task_score'], tool_usage_stats=tool_stats, context_stats=context_stats, memory_stats=memory_stats,
-        finished_at_round=call['finished_at_round'], max_rounds=call['max_rounds'], found_answer=call['found_answer'],
-        question=call['question'], supporting_facts=call.get('supporting_facts'), context_messages=context_messages)
-    return {'tool_stats': tool_stats, 'context_stats': dict(context_stats), 'memory_stats': memory_stats,
-            'breakdown': dict(breakdown), 'judge_calls': len(judge.calls) if judge else 0}
-
+        task_score=call['task_score'],
+        tool_usage_stats=tool_stats,
+        context_stats=context_stats,
+        memory_stats=memory_stats,
+        finished_at_round=call['finished_at_round'],
+        max_rounds=call['max_rounds'],
+        found_answer=call['found_answer'],
+        question=call['question'],
+        supporting_facts=call.get('supporting_facts'),
+        context_messages=context_messages,
+    )
+    return {
+        'tool_stats': tool_stats,
+        'context_stats': dict(context_stats),
+        'memory_stats': memory_stats,
+        'breakdown': dict(breakdown),
+        'judge_calls': len(judge.calls) if judge else 0,
+    }
 
 # %% ../../nbs/18a_observed_1_store.ipynb #56512dd7
-COMPONENTS = ('task_completion', 'context_management', 'memory_management', 'tool_efficiency', 'total')
+COMPONENTS = (
+    'task_completion',
+    'context_management',
+    'memory_management',
+    'tool_efficiency',
+    'total',
+)
+
 
 def side_view(out: dict) -> dict:
-    "The part of one reward's outputs the expectations name: statistics, memory components, judge calls."
+    """The part of one reward's outputs the expectations name: statistics, memory components, judge
+    calls."""
     bd = out['breakdown']
-    return {'tool_stats': out['tool_stats'], 'memory_stats': out['memory_stats'], 'judge_calls': out['judge_calls'],
-            'memory_r': {'storage': bd['memory_r_storage'], 'maintenance': bd['memory_r_maintenance'], 'relevance': bd['memory_r_relevance']}}
+    return {
+        'tool_stats': out['tool_stats'],
+        'memory_stats': out['memory_stats'],
+        'judge_calls': out['judge_calls'],
+        'memory_r': {
+            'storage': bd['memory_r_storage'],
+            'maintenance': bd['memory_r_maintenance'],
+            'relevance': bd['memory_r_relevance'],
+        },
+    }
 
+# %% ../../nbs/18a_observed_1_store.ipynb #274bc30d
 def difference(official: dict, observed: dict) -> dict:
     "Observed minus official, per breakdown component and for the total."
     return {k: observed['breakdown'][k] - official['breakdown'][k] for k in COMPONENTS}
 
+# %% ../../nbs/18a_observed_1_store.ipynb #005a5303
 def observe_case(mods: dict, case: dict, system_prompt: str, weights: dict) -> dict:
-    """Play one episode, then call the upstream calculator twice with the call site's weights: officially (the three extractors on
-    the final context, as the first study does) and observed (tool and memory statistics from the log, the context statistics from
-    the same extractor on the same context, the log's transcript as `context_messages`)."""
+    """Play one episode, then call the upstream calculator twice with the call site's weights:
+    officially (the three extractors on
+        the final context, as the first study does) and observed (tool and memory statistics from
+        the
+        log, the context statistics from
+        the same extractor on the same context, the log's transcript as `context_messages`)."""
     from memagent.audit import run_case, StubJudge
-    ep = play(mods, case, system_prompt)
-    call = dict(case['call'], finished_at_round=ep['finished_at_round'], found_answer=ep['found_answer'])
-    official = run_case(mods['reward'], {'id': case['id'], 'messages': ep['context'], 'call': call, 'judge': case.get('judge')}, weights)
-    judge = StubJudge(case['judge']['reply']) if case.get('judge') else None
-    observed = reward_side(mods, call, weights, ep['context'], *observed_stats(ep['log'], ep['final_answer']),
-                           observation_transcript(ep['log']), judge)
-    return {'context': ep['context'], 'log': ep['log'], 'final_answer': ep['final_answer'], 'found_answer': ep['found_answer'],
-            'rounds': ep['rounds'], 'finished_at_round': ep['finished_at_round'], 'store_held': sorted(held_ids(ep['log'])),
-            'official': official, 'observed': observed, 'difference': difference(official, observed)}
 
+    ep = play(mods, case, system_prompt)
+    call = dict(
+        case['call'], finished_at_round=ep['finished_at_round'], found_answer=ep['found_answer']
+    )
+    official = run_case(
+        mods['reward'],
+        {'id': case['id'], 'messages': ep['context'], 'call': call, 'judge': case.get('judge')},
+        weights,
+    )
+    judge = StubJudge(case['judge']['reply']) if case.get('judge') else None
+    observed = reward_side(
+        mods,
+        call,
+        weights,
+        ep['context'],
+        *observed_stats(ep['log'], ep['final_answer']),
+        observation_transcript(ep['log']),
+        judge,
+    )
+    return {
+        'context': ep['context'],
+        'log': ep['log'],
+        'final_answer': ep['final_answer'],
+        'found_answer': ep['found_answer'],
+        'rounds': ep['rounds'],
+        'finished_at_round': ep['finished_at_round'],
+        'store_held': sorted(held_ids(ep['log'])),
+        'official': official,
+        'observed': observed,
+        'difference': difference(official, observed),
+    }
+
+# %% ../../nbs/18a_observed_1_store.ipynb #a7011598
 def case_outputs(rec: dict) -> dict:
     "A recorded case in the shape of its expectations (`expect` of the episodes file)."
-    return {'ops': [op_line(op) for op in rec['log']], 'finished_at_round': rec['finished_at_round'], 'found_answer': rec['found_answer'],
-            'official': side_view(rec['official']), 'observed': side_view(rec['observed']), 'difference': rec['difference']}
+    return {
+        'ops': [op_line(op) for op in rec['log']],
+        'finished_at_round': rec['finished_at_round'],
+        'found_answer': rec['found_answer'],
+        'official': side_view(rec['official']),
+        'observed': side_view(rec['observed']),
+        'difference': rec['difference'],
+    }
 
 # %% ../../nbs/18a_observed_1_store.ipynb #098899ac
 def contains_answer(text, answer) -> bool:
-    "Whether `answer` occurs in `text` as a whole phrase, ignoring case (an empty answer occurs nowhere)."
+    """Whether `answer` occurs in `text` as a whole phrase, ignoring case (an empty answer occurs
+    nowhere)."""
     answer = str(answer or '')
-    return bool(answer) and re.search(r'(?<!\w)' + re.escape(answer) + r'(?!\w)', str(text), re.IGNORECASE) is not None
+    return (
+        bool(answer)
+        and re.search(r'(?<!\w)' + re.escape(answer) + r'(?!\w)', str(text), re.IGNORECASE)
+        is not None
+    )
 
-_ENTRIES = re.compile(r'\((\d+) total\):\n')      # the storage prompt's header line ends with the entries' count (line 527)
+# %% ../../nbs/18a_observed_1_store.ipynb #1d1c3d57
+_ENTRIES = re.compile(
+    r'\((\d+) total\):\n'
+)  # the storage prompt's header line ends with the entries' count (line 527)
+
 
 def _entries(body: str) -> list[str] | None:
-    "The storage prompt's numbered entries (`{i + 1}. {text[:300]}` a line, line 528) under its last header; `None` if there are none."
+    """The storage prompt's numbered entries (`{i + 1}. {text[:300]}` a line, line 528) under its
+    last header; `None` if there are none."""
     heads = list(_ENTRIES.finditer(body))
-    if not heads: return None
-    n, block, starts = int(heads[-1].group(1)), body[heads[-1].end():], [0]
-    if n < 1 or not block.startswith('1. '): return None
+    if not heads:
+        return None
+    n, block, starts = int(heads[-1].group(1)), body[heads[-1].end() :], [0]
+    if n < 1 or not block.startswith('1. '):
+        return None
     for k in range(2, n + 1):
         starts.append(block.find(f'\n{k}. ', starts[-1]) + 1)
-        if starts[-1] == 0: return None
+        if starts[-1] == 0:
+            return None
     ends = [s - 1 for s in starts[1:]] + [len(block)]
-    return [block[s + len(f'{k}. '):e] for k, (s, e) in enumerate(zip(starts, ends), 1)]
+    return [block[s + len(f'{k}. ') : e] for k, (s, e) in enumerate(zip(starts, ends), 1)]
 
+# %% ../../nbs/18a_observed_1_store.ipynb #51855a10
 def judge_items(prompt: str) -> tuple[str, list[str]]:
-    "`('storage', entries)` or `('relevance', items)`: what one of the calculator's two prompts lists; `ValueError` for another text."
-    body = prompt.rpartition('\n\n')[0]           # the closing instruction follows the last blank line
+    """`('storage', entries)` or `('relevance', items)`: what one of the calculator's two prompts
+    lists; `ValueError` for another text."""
+    body = prompt.rpartition('\n\n')[0]  # the closing instruction follows the last blank line
     entries = _entries(body)
-    if entries is not None: return 'storage', entries
+    if entries is not None:
+        return 'storage', entries
     lines, items = body.split('\n'), []
-    while lines and lines[-1].startswith('- '): items.insert(0, lines.pop()[2:])   # `- {item}` a line (line 494)
-    if not items: raise ValueError('neither of the two prompts the calculator sends: no numbered entries, no listed items')
+    while lines and lines[-1].startswith('- '):
+        items.insert(0, lines.pop()[2:])  # `- {item}` a line (line 494)
+    if not items:
+        raise ValueError(
+            'neither of the two prompts the calculator sends: no numbered entries, no listed items'
+        )
     return 'relevance', items
 
+# %% ../../nbs/18a_observed_1_store.ipynb #175bad7d
 class LocalJudge:
-    "The local memory judge: it knows the task's expected `answer` and replies to the calculator's two prompts by the protocol's rule."
-    def __init__(self, answer: str): self.answer, self.calls = answer, []
+    """The local memory judge: it knows the task's expected `answer` and replies to the calculator's
+    two prompts by the protocol's rule."""
+
+    def __init__(self, answer: str):
+        self.answer, self.calls = answer, []
 
     def chat(self, messages, model_name=None, **kwargs):
-        try: kind, items = judge_items(messages[-1]['content'])
+        try:
+            kind, items = judge_items(messages[-1]['content'])
         except ValueError as e:
-            self.calls.append({'model_name': model_name, 'kind': 'unreadable', 'items': 0, 'reply': None, 'error': str(e)}); raise
+            self.calls.append(
+                {
+                    'model_name': model_name,
+                    'kind': 'unreadable',
+                    'items': 0,
+                    'reply': None,
+                    'error': str(e),
+                }
+            )
+            raise
         hits = sum(contains_answer(x, self.answer) for x in items)
         reply = str(hits) if kind == 'storage' else ('1' if hits else '0')
-        self.calls.append({'model_name': model_name, 'kind': kind, 'items': len(items), 'reply': reply})
+        self.calls.append(
+            {'model_name': model_name, 'kind': kind, 'items': len(items), 'reply': reply}
+        )
         return reply

@@ -9,6 +9,7 @@ __all__ = []
 from .modes import *
 from .upstream import *
 from .receipt import *
-from .receipt import _cell   # private, but imported from `memagent.parity` elsewhere
+from .receipt import _cell  # private, but imported from `memagent.parity` elsewhere
 from . import modes, upstream, receipt
+
 __all__ = [*modes.__all__, *upstream.__all__, *receipt.__all__]

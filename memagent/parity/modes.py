@@ -7,8 +7,16 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
-from ..reward import (REWARDS, score_prediction, normalize_answer, strict_sub_em, official_boxed_only,
-                             official_unbox, official_hotpotqa, _aliases)
+from memagent.reward import (
+    REWARDS,
+    score_prediction,
+    normalize_answer,
+    strict_sub_em,
+    official_boxed_only,
+    official_unbox,
+    official_hotpotqa,
+    _aliases,
+)
 
 # %% auto #0
 __all__ = ['SCORE_KEYS', 'MODES', 'RELAX', 'OFFICIAL', 'ParityMode', 'register_parity', 'get_parity', 'OfficialAbort',
@@ -18,95 +26,166 @@ __all__ = ['SCORE_KEYS', 'MODES', 'RELAX', 'OFFICIAL', 'ParityMode', 'register_p
 # %% ../../nbs/18b_parity_1_modes.ipynb #16c876bc
 @dataclass(frozen=True)
 class ParityMode:
-    "One named scoring semantics: its training reward (a `REWARDS` name), per-item `score`, aggregate `summary_extras`."
+    """One named scoring semantics: its training reward (a `REWARDS` name), per-item `score`,
+    aggregate `summary_extras`."""
+
     name: str
     train_reward: str
     score: Callable[[str, list], dict]
     summary_extras: Callable[[list], dict]
     description: str
 
+
 SCORE_KEYS = ('prediction', 'em', 'sub_em', 'strict_sub_em', 'f1', 'boxed_em')
 MODES: dict = {}
 
+
 def register_parity(mode: ParityMode) -> ParityMode:
     "Add `mode` to `MODES`; its training reward must be registered and its name new."
-    if mode.name in MODES: raise ValueError(f'parity mode {mode.name!r} is already registered')
+    if mode.name in MODES:
+        raise ValueError(f'parity mode {mode.name!r} is already registered')
     if mode.train_reward not in REWARDS:
-        raise ValueError(f'parity mode {mode.name!r}: training reward {mode.train_reward!r} is not in memagent.reward.REWARDS')
+        raise ValueError(
+            f'parity mode {mode.name!r}: training reward {mode.train_reward!r} is not in '
+            'memagent.reward.REWARDS'
+        )
     MODES[mode.name] = mode
     return mode
 
+
 def get_parity(name: str) -> ParityMode:
     "The registered parity mode `name`; an unknown name raises, listing the known ones."
-    if name not in MODES: raise KeyError(f'unknown parity mode {name!r}; known parity modes: {sorted(MODES)}')
+    if name not in MODES:
+        raise KeyError(f'unknown parity mode {name!r}; known parity modes: {sorted(MODES)}')
     return MODES[name]
 
 # %% ../../nbs/18b_parity_1_modes.ipynb #e5cd0660
-def _no_extras(records) -> dict: return {}
+def _no_extras(records) -> dict:
+    return {}
 
-RELAX = register_parity(ParityMode(
-    name='relax', train_reward='boxed_em', score=score_prediction, summary_extras=_no_extras,
-    description='frozen recipe (Relax): last box within the last 300 chars, HotpotQA normalization, first gold answer; '
-                'boxed_em over all aliases; request errors and empty outputs count 0'))
+
+RELAX = register_parity(
+    ParityMode(
+        name='relax',
+        train_reward='boxed_em',
+        score=score_prediction,
+        summary_extras=_no_extras,
+        description=(
+            'frozen recipe (Relax): last box within the last 300 chars, HotpotQA normalization, '
+            'first gold answer; '
+            'boxed_em over all aliases; request errors and empty outputs count 0'
+        ),
+    )
+)
 
 # %% ../../nbs/18b_parity_1_modes.ipynb #1f298d18
 class OfficialAbort(ValueError):
     "The official evaluator would stop here (its box assertion fails on a `\\fbox` span)."
 
+# %% ../../nbs/18b_parity_1_modes.ipynb #def4dd95
 def official_candidate(response: str) -> str:
-    "The official evaluator's reading of a (stripped) response: text after the last `</think>`, else all; empty -> all."
+    """The official evaluator's reading of a (stripped) response: text after the last `</think>`,
+    else all; empty -> all."""
     pred = response.split('</think>')[-1].strip() if '</think>' in response else response
     return pred if pred else response
 
+# %% ../../nbs/18b_parity_1_modes.ipynb #9f03572f
 def official_prediction(response: str):
-    "The official `recurrent-boxed` prediction of a response (None when no box); `OfficialAbort` where its script stops."
+    """The official `recurrent-boxed` prediction of a response (None when no box); `OfficialAbort`
+    where its script stops."""
     span = official_boxed_only(official_candidate(response.strip()))
-    if span is None: return None
-    try: return official_unbox(span)
-    except ValueError as e: raise OfficialAbort(str(e)) from None
+    if span is None:
+        return None
+    try:
+        return official_unbox(span)
+    except ValueError as e:
+        raise OfficialAbort(str(e)) from None
 
+# %% ../../nbs/18b_parity_1_modes.ipynb #b0fd3f5a
 _YES_NO = ('yes', 'no', 'noanswer')
 
+
 def official_f1(prediction: str, gold: str) -> float:
-    "Token F1 of HotpotQA-normalized strings, 0 when either is yes/no/noanswer and they differ (no rounding)."
+    """Token F1 of HotpotQA-normalized strings, 0 when either is yes/no/noanswer and they differ (no
+    rounding)."""
     p, g = normalize_answer(prediction), normalize_answer(gold)
-    if (p in _YES_NO or g in _YES_NO) and p != g: return 0.0
+    if (p in _YES_NO or g in _YES_NO) and p != g:
+        return 0.0
     same = sum((Counter(p.split()) & Counter(g.split())).values())
-    if same == 0: return 0.0
+    if same == 0:
+        return 0.0
     prec, rec = same / len(p.split()), same / len(g.split())
     return 2 * prec * rec / (prec + rec)
 
+# %% ../../nbs/18b_parity_1_modes.ipynb #fc8800a2
 def official_item_metrics(pred, gold: str) -> dict:
-    "Official per-item em/sub_em/f1 of `pred` vs `gold`: rounded to 2 decimals, all 0 when `pred` is empty or None."
-    if not pred: return {'em': 0.0, 'sub_em': 0.0, 'f1': 0.0}
+    """Official per-item em/sub_em/f1 of `pred` vs `gold`: rounded to 2 decimals, all 0 when `pred`
+    is empty or None."""
+    if not pred:
+        return {'em': 0.0, 'sub_em': 0.0, 'f1': 0.0}
     p, g = normalize_answer(pred), normalize_answer(gold)
-    return {'em': round(float(p == g), 2), 'sub_em': round(float(g in p or p in g), 2), 'f1': round(official_f1(pred, gold), 2)}
+    return {
+        'em': round(float(p == g), 2),
+        'sub_em': round(float(g in p or p in g), 2),
+        'f1': round(official_f1(pred, gold), 2),
+    }
 
+# %% ../../nbs/18b_parity_1_modes.ipynb #0089f093
 def official_score(response_text: str, answers) -> dict:
     "Per-item record fields under the official mode (see the rules above)."
     answers = _aliases(answers)
-    try: pred = official_prediction(response_text) if response_text else None
-    except OfficialAbort: pred = None
+    try:
+        pred = official_prediction(response_text) if response_text else None
+    except OfficialAbort:
+        pred = None
     m = official_item_metrics(pred, answers[0])
-    return dict(prediction=pred or '', **m, strict_sub_em=strict_sub_em(pred, answers[0]) if pred else 0.0,
-                boxed_em=official_hotpotqa(response_text, answers))
+    return dict(
+        prediction=pred or '',
+        **m,
+        strict_sub_em=strict_sub_em(pred, answers[0]) if pred else 0.0,
+        boxed_em=official_hotpotqa(response_text, answers),
+    )
 
 # %% ../../nbs/18b_parity_1_modes.ipynb #cd5b987c
 def official_summary_extras(records) -> dict:
-    "The official script's figures: drop empty responses, percent means of the official per-item metrics, rounded to 2."
+    """The official script's figures: drop empty responses, percent means of the official per-item
+    metrics, rounded to 2."""
     kept = [r for r in records if r['response'] != '']
     aborts = 0
     scores = []
     for r in kept:
-        try: official_prediction(r['response'])
-        except OfficialAbort: aborts += 1
+        try:
+            official_prediction(r['response'])
+        except OfficialAbort:
+            aborts += 1
         scores.append(official_score(r['response'], r['answers']))
-    fig = {f'{m}_pct': round(sum(s[m] for s in scores) * 100 / len(scores), 2) if scores else None for m in ('em', 'sub_em', 'f1')}
-    return {'official_drop_empty': {'rule': 'empty responses dropped from the denominator; percent, rounded to 2 decimals',
-                                    'n_records': len(records), 'n_scored': len(kept), 'n_dropped_empty': len(records) - len(kept),
-                                    'n_official_abort': aborts, **fig}}
+    fig = {
+        f'{m}_pct': round(sum(s[m] for s in scores) * 100 / len(scores), 2) if scores else None
+        for m in ('em', 'sub_em', 'f1')
+    }
+    return {
+        'official_drop_empty': {
+            'rule': 'empty responses dropped from the denominator; percent, rounded to 2 decimals',
+            'n_records': len(records),
+            'n_scored': len(kept),
+            'n_dropped_empty': len(records) - len(kept),
+            'n_official_abort': aborts,
+            **fig,
+        }
+    }
 
-OFFICIAL = register_parity(ParityMode(
-    name='official', train_reward='official_hotpotqa', score=official_score, summary_extras=official_summary_extras,
-    description='official MemAgent: training reward verl/utils/reward_score/hotpotqa.py; RULER-HQA evaluator '
-                'recurrent-boxed path (after </think>, whole response, first gold answer, per-item rounding to 2 decimals)'))
+
+OFFICIAL = register_parity(
+    ParityMode(
+        name='official',
+        train_reward='official_hotpotqa',
+        score=official_score,
+        summary_extras=official_summary_extras,
+        description=(
+            'official MemAgent: training reward verl/utils/reward_score/hotpotqa.py; RULER-HQA '
+            'evaluator '
+            'recurrent-boxed path (after </think>, whole response, first gold answer, per-item '
+            'rounding to 2 decimals)'
+        ),
+    )
+)

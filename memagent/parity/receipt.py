@@ -8,11 +8,35 @@ import json, math
 from pathlib import Path
 from ..provenance import sha256_file, provenance_problems
 from ..files import decode, loads_json
-from ..audit import open_receipt, origin_problems, field_problems, wrong_shape, environment_problems, _environment, _short
+from memagent.audit import (
+    open_receipt,
+    origin_problems,
+    field_problems,
+    wrong_shape,
+    environment_problems,
+    _environment,
+    _short,
+)
 from ..reward import REWARDS, score_prediction, official_hotpotqa
-from .modes import OfficialAbort, official_prediction, official_item_metrics, official_summary_extras
-from .upstream import (OFFICIAL_REPOSITORY, OFFICIAL_REVISION, OFFICIAL_FILES, RELAX_REPOSITORY, RELAX_FILES,
-                                      STUBS, ParityError, check_official, check_relax, run_official, run_relax)
+from memagent.parity.modes import (
+    OfficialAbort,
+    official_prediction,
+    official_item_metrics,
+    official_summary_extras,
+)
+from memagent.parity.upstream import (
+    OFFICIAL_REPOSITORY,
+    OFFICIAL_REVISION,
+    OFFICIAL_FILES,
+    RELAX_REPOSITORY,
+    RELAX_FILES,
+    STUBS,
+    ParityError,
+    check_official,
+    check_relax,
+    run_official,
+    run_relax,
+)
 
 # %% auto #0
 __all__ = ['FIXTURES_PATH', 'RECEIPT_SCHEMA', 'MIN_FIXTURES', 'COMPARED', 'MEANING', 'FIXTURES_SHA256', 'RECEIPT_FIELDS',
@@ -24,127 +48,234 @@ __all__ = ['FIXTURES_PATH', 'RECEIPT_SCHEMA', 'MIN_FIXTURES', 'COMPARED', 'MEANI
 FIXTURES_PATH = 'data/parity/fixtures.jsonl'
 RECEIPT_SCHEMA = 'memagent.parity.receipt/1'
 MIN_FIXTURES = 80
-COMPARED = ('prediction', 'em', 'sub_em', 'f1', 'boxed_em')   # the per-item fields every mode is compared on
+COMPARED = (
+    'prediction',
+    'em',
+    'sub_em',
+    'f1',
+    'boxed_em',
+)  # the per-item fields every mode is compared on
 # what no recomputation gives back is pinned here: the receipt's prose and the committed fixtures
-MEANING = ('passed = on every fixture (and every fuzz draw, where the receipt has a fuzz section) the upstream functions and '
-           "this project's parity mode gave the same outputs (and the same aggregates); failed = some did not, each listed; it "
-           'says nothing about which semantics is better')
-FIXTURES_SHA256 = 'f1fddb477b53a46dcfe099e1b20ed9d4f137fb22117695cdae3f3b7000d5c988'   # data/parity/fixtures.jsonl
-RECEIPT_FIELDS = ('schema', 'status', 'meaning', 'fixtures', 'stubs', 'environment', 'modes', 'mode_differences', 'provenance')
-MODE_FIELDS, CASE_FIELDS = ('upstream', 'cases', 'aggregate', 'summary'), ('id', 'upstream', 'ours', 'checks')
+MEANING = (
+    'passed = on every fixture (and every fuzz draw, where the receipt has a fuzz section) the '
+    'upstream functions and '
+    "this project's parity mode gave the same outputs (and the same aggregates); failed = some "
+    "did not, each listed; it "
+    'says nothing about which semantics is better'
+)
+FIXTURES_SHA256 = (
+    'f1fddb477b53a46dcfe099e1b20ed9d4f137fb22117695cdae3f3b7000d5c988'  # data/parity/fixtures.jsonl
+)
+RECEIPT_FIELDS = (
+    'schema',
+    'status',
+    'meaning',
+    'fixtures',
+    'stubs',
+    'environment',
+    'modes',
+    'mode_differences',
+    'provenance',
+)
+MODE_FIELDS, CASE_FIELDS = (
+    ('upstream', 'cases', 'aggregate', 'summary'),
+    ('id', 'upstream', 'ours', 'checks'),
+)
+
 
 class VerificationError(ParityError):
     "A receipt does not match the fixtures or our functions; `.problems` lists every reason."
+
     def __init__(self, problems):
         self.problems = list(problems)
-        super().__init__(f'{len(self.problems)} problem(s) found while verifying the receipt:\n' +
-                         '\n'.join(f'  - {p}' for p in self.problems[:50]))
+        super().__init__(
+            f'{len(self.problems)} problem(s) found while verifying the receipt:\n'
+            + '\n'.join(f'  - {p}' for p in self.problems[:50])
+        )
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #da2fdd00
 def repo_root(start=None) -> Path:
     "The first folder at or above `start` (default: cwd) that holds `settings.ini`."
     here = Path(start or Path.cwd()).resolve()
     for d in (here, *here.parents):
-        if (d / 'settings.ini').exists(): return d
+        if (d / 'settings.ini').exists():
+            return d
     raise ParityError(f'no settings.ini at or above {here}: pass the paths explicitly')
+
 
 def load_fixtures(path=None, min_count=MIN_FIXTURES) -> list[dict]:
     "Read and validate the fixture JSONL; raise `ValueError` naming the line and field at fault."
     path = Path(path) if path else repo_root() / FIXTURES_PATH
     out, seen = [], set()
     for ln, line in enumerate(decode(path.read_bytes(), path).splitlines(), 1):
-        if not line.strip(): continue
+        if not line.strip():
+            continue
         where = f'{path}:{ln}'
-        f = loads_json(line, path, ln)      # FileError (a ValueError) naming the file, line and reason
-        if not isinstance(f, dict): raise ValueError(f'{where}: expected an object')
+        f = loads_json(line, path, ln)  # FileError (a ValueError) naming the file, line and reason
+        if not isinstance(f, dict):
+            raise ValueError(f'{where}: expected an object')
         for k, t in (('id', str), ('group', str), ('response', str), ('answers', list)):
-            if not isinstance(f.get(k), t): raise ValueError(f'{where}: field {k!r} must be a {t.__name__}')
+            if not isinstance(f.get(k), t):
+                raise ValueError(f'{where}: field {k!r} must be a {t.__name__}')
         if not f['answers'] or not all(isinstance(a, str) for a in f['answers']):
-            raise ValueError(f'{where} (id={f["id"]!r}): answers must be a non-empty list of strings')
-        if f['id'] in seen: raise ValueError(f'{where}: duplicate id {f["id"]!r}')
-        if f.get('error') and f['response']: raise ValueError(f'{where} (id={f["id"]!r}): an error fixture has an empty response')
-        seen.add(f['id']); out.append(f)
-    if len(out) < min_count: raise ValueError(f'{path}: {len(out)} fixtures, at least {min_count} expected')
+            raise ValueError(
+                f'{where} (id={f["id"]!r}): answers must be a non-empty list of strings'
+            )
+        if f['id'] in seen:
+            raise ValueError(f'{where}: duplicate id {f["id"]!r}')
+        if f.get('error') and f['response']:
+            raise ValueError(f'{where} (id={f["id"]!r}): an error fixture has an empty response')
+        seen.add(f['id'])
+        out.append(f)
+    if len(out) < min_count:
+        raise ValueError(f'{path}: {len(out)} fixtures, at least {min_count} expected')
     return out
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #c5fa92f1
 def _ours_official(f) -> dict:
     r = f['response']
     reward = official_hotpotqa(r, f['answers'])
-    if r == '': ev = {'kept': False}
+    if r == '':
+        ev = {'kept': False}
     else:
-        try: pred = official_prediction(r)
-        except OfficialAbort: ev = {'kept': True, 'abort': True}
-        else: ev = {'kept': True, 'abort': False, 'prediction': pred, **official_item_metrics(pred, f['answers'][0])}
+        try:
+            pred = official_prediction(r)
+        except OfficialAbort:
+            ev = {'kept': True, 'abort': True}
+        else:
+            ev = {
+                'kept': True,
+                'abort': False,
+                'prediction': pred,
+                **official_item_metrics(pred, f['answers'][0]),
+            }
     return {'train_reward': reward, 'eval': ev}
+
 
 def _ours_relax(f) -> dict:
     r = f['response']
-    sc = ({'prediction': '', 'em': 0.0, 'sub_em': 0.0, 'strict_sub_em': 0.0, 'f1': 0.0, 'boxed_em': 0.0} if f.get('error')
-          else score_prediction(r, f['answers']))
+    sc = (
+        {
+            'prediction': '',
+            'em': 0.0,
+            'sub_em': 0.0,
+            'strict_sub_em': 0.0,
+            'f1': 0.0,
+            'boxed_em': 0.0,
+        }
+        if f.get('error')
+        else score_prediction(r, f['answers'])
+    )
     ev = {k: sc[k].strip() if k == 'prediction' else sc[k] for k in COMPARED}
-    return {'train_reward': {'score': REWARDS['boxed_em'](r, f['answers']), 'prediction': ev['prediction'] if not f.get('error') else ''},
-            'eval': ev}
+    return {
+        'train_reward': {
+            'score': REWARDS['boxed_em'](r, f['answers']),
+            'prediction': ev['prediction'] if not f.get('error') else '',
+        },
+        'eval': ev,
+    }
+
 
 def ours(mode: str, fixture: dict) -> dict:
-    "This project's outputs for one fixture under parity mode `mode`, shaped like the recorded upstream outputs."
+    """This project's outputs for one fixture under parity mode `mode`, shaped like the recorded
+    upstream outputs."""
     return {'official': _ours_official, 'relax': _ours_relax}[mode](fixture)
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #e1630de0
 _MISSING = '<missing>'
 
+
 def _flat(d, prefix='') -> dict:
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict): out.update(_flat(v, f'{prefix}{k}.'))
-        else: out[f'{prefix}{k}'] = v
+        if isinstance(v, dict):
+            out.update(_flat(v, f'{prefix}{k}.'))
+        else:
+            out[f'{prefix}{k}'] = v
     return out
 
+
 def same(a, b, tol=1e-12) -> bool:
-    "Protocol rule for one value: None/str/bool exactly, numbers within `tol` (int and float alike)."
-    if isinstance(a, bool) or isinstance(b, bool): return type(a) is type(b) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)): return math.isfinite(b) and abs(a - b) <= tol
+    """Protocol rule for one value: None/str/bool exactly, numbers within `tol` (int and float
+    alike)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isfinite(b) and abs(a - b) <= tol
     return a == b and type(a) is type(b)
+
 
 def compare(upstream: dict, mine: dict) -> list[dict]:
     "One check per leaf field of either side: {'field', 'upstream', 'ours', 'agree'}."
     u, o = _flat(upstream), _flat(mine)
-    return [{'field': k, 'upstream': u.get(k, _MISSING), 'ours': o.get(k, _MISSING),
-             'agree': k in u and k in o and same(u[k], o[k])} for k in [*u, *(k for k in o if k not in u)]]
+    return [
+        {
+            'field': k,
+            'upstream': u.get(k, _MISSING),
+            'ours': o.get(k, _MISSING),
+            'agree': k in u and k in o and same(u[k], o[k]),
+        }
+        for k in [*u, *(k for k in o if k not in u)]
+    ]
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #503d8d01
-def _record(f) -> dict: return {'response': '' if f.get('error') else f['response'], 'answers': f['answers']}
+def _record(f) -> dict:
+    return {'response': '' if f.get('error') else f['response'], 'answers': f['answers']}
+
 
 def ours_aggregate(mode: str, fixtures) -> dict:
     "Our aggregate over `fixtures` in the shape the upstream aggregate is recorded in."
     if mode == 'official':
         x = official_summary_extras([_record(f) for f in fixtures])['official_drop_empty']
-        return {'fixtures': [f['id'] for f in fixtures], 'em_pct': x['em_pct'], 'sub_em_pct': x['sub_em_pct'],
-                'f1_pct': x['f1_pct'], 'n_items': x['n_records']}
+        return {
+            'fixtures': [f['id'] for f in fixtures],
+            'em_pct': x['em_pct'],
+            'sub_em_pct': x['sub_em_pct'],
+            'f1_pct': x['f1_pct'],
+            'n_items': x['n_records'],
+        }
     evs = [ours('relax', f)['eval'] for f in fixtures]
     n = len(evs)
-    return {'fixtures': [f['id'] for f in fixtures], **{m: sum(e[m] for e in evs) / n for m in ('em', 'sub_em', 'f1', 'boxed_em')},
-            'total': n, 'errors': sum(bool(f.get('error')) for f in fixtures)}
+    return {
+        'fixtures': [f['id'] for f in fixtures],
+        **{m: sum(e[m] for e in evs) / n for m in ('em', 'sub_em', 'f1', 'boxed_em')},
+        'total': n,
+        'errors': sum(bool(f.get('error')) for f in fixtures),
+    }
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #60daf30b
 def _mode_view(f) -> dict:
     rel, off = ours('relax', f), ours('official', f)
     oe = off['eval']
-    o = {'train_reward': off['train_reward'], 'kept': 'aborts' if oe.get('abort') else oe['kept'],
-         'prediction': oe.get('prediction'), **{m: oe.get(m, 0.0) for m in ('em', 'sub_em', 'f1')}}
-    r = {'train_reward': rel['train_reward']['score'], 'kept': True, 'prediction': rel['eval']['prediction'] or None,
-         **{m: rel['eval'][m] for m in ('em', 'sub_em', 'f1')}}
+    o = {
+        'train_reward': off['train_reward'],
+        'kept': 'aborts' if oe.get('abort') else oe['kept'],
+        'prediction': oe.get('prediction'),
+        **{m: oe.get(m, 0.0) for m in ('em', 'sub_em', 'f1')},
+    }
+    r = {
+        'train_reward': rel['train_reward']['score'],
+        'kept': True,
+        'prediction': rel['eval']['prediction'] or None,
+        **{m: rel['eval'][m] for m in ('em', 'sub_em', 'f1')},
+    }
     return {'relax': r, 'official': o}
 
+
 def mode_differences(fixtures) -> list[dict]:
-    "Rows {'id', 'group', 'field', 'relax', 'official'} wherever the two modes disagree on a fixture."
+    """Rows {'id', 'group', 'field', 'relax', 'official'} wherever the two modes disagree on a
+    fixture."""
     rows = []
     for f in fixtures:
         v = _mode_view(f)
         for k in v['relax']:
             a, b = v['relax'][k], v['official'][k]
-            if k == 'prediction': a, b = (a or '').strip() or None, (b or '').strip() or None
-            if not same(a, b): rows.append({'id': f['id'], 'group': f['group'], 'field': k, 'relax': a, 'official': b})
+            if k == 'prediction':
+                a, b = (a or '').strip() or None, (b or '').strip() or None
+            if not same(a, b):
+                rows.append(
+                    {'id': f['id'], 'group': f['group'], 'field': k, 'relax': a, 'official': b}
+                )
     return rows
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #93c0392e
@@ -154,179 +285,350 @@ def _mode_block(source, upstream, fixtures, mode) -> dict:
         up = upstream['cases'][f['id']]
         mine = ours(mode, f)
         checks = compare({k: up[k] for k in ('train_reward', 'eval')}, mine)
-        if not all(c['agree'] for c in checks): bad.append(f['id'])
+        if not all(c['agree'] for c in checks):
+            bad.append(f['id'])
         cases.append({'id': f['id'], 'upstream': up, 'ours': mine, 'checks': checks})
     agg_f = [f for f in fixtures if f['id'] in set(upstream['aggregate']['fixtures'])]
     agg_checks = compare(upstream['aggregate'], ours_aggregate(mode, agg_f))
     every = [c for cs in cases for c in cs['checks']] + agg_checks
-    return {'upstream': source, 'cases': cases,
-            'aggregate': {'upstream': upstream['aggregate'], 'checks': agg_checks},
-            'summary': {'cases': len(cases), 'checks': len(every), 'agreed': sum(c['agree'] for c in every),
-                        'disagreeing_cases': bad, 'aggregate_agrees': all(c['agree'] for c in agg_checks)}}
+    return {
+        'upstream': source,
+        'cases': cases,
+        'aggregate': {'upstream': upstream['aggregate'], 'checks': agg_checks},
+        'summary': {
+            'cases': len(cases),
+            'checks': len(every),
+            'agreed': sum(c['agree'] for c in every),
+            'disagreeing_cases': bad,
+            'aggregate_agrees': all(c['agree'] for c in agg_checks),
+        },
+    }
 
+# %% ../../nbs/18b_parity_3_receipt.ipynb #4ad2f4a1
 def run_parity(official_dir, relax_dir, fixtures_path=None) -> dict:
-    "Check both upstream sources, run all fixtures through them and through our modes, return the receipt."
+    """Check both upstream sources, run all fixtures through them and through our modes, return the
+    receipt."""
     root = repo_root()
     fx_path = Path(fixtures_path) if fixtures_path else root / FIXTURES_PATH
     fixtures = load_fixtures(fx_path)
     off_src, rel_src = check_official(official_dir), check_relax(relax_dir)
-    modes = {'official': _mode_block(off_src, run_official(official_dir, fixtures), fixtures, 'official'),
-             'relax': _mode_block(rel_src, run_relax(relax_dir, fixtures), fixtures, 'relax')}
+    modes = {
+        'official': _mode_block(
+            off_src, run_official(official_dir, fixtures), fixtures, 'official'
+        ),
+        'relax': _mode_block(rel_src, run_relax(relax_dir, fixtures), fixtures, 'relax'),
+    }
     unchanged = check_official(official_dir) == off_src and check_relax(relax_dir) == rel_src
-    for m in modes.values(): m['upstream']['unchanged_after_run'] = unchanged
-    rc = {'schema': RECEIPT_SCHEMA, 'status': None,
-          'meaning': MEANING,
-          'fixtures': {'path': FIXTURES_PATH, 'sha256': sha256_file(fx_path), 'count': len(fixtures)},
-          'stubs': STUBS, 'environment': _environment(), 'modes': modes,
-          'mode_differences': mode_differences(fixtures)}
+    for m in modes.values():
+        m['upstream']['unchanged_after_run'] = unchanged
+    rc = {
+        'schema': RECEIPT_SCHEMA,
+        'status': None,
+        'meaning': MEANING,
+        'fixtures': {'path': FIXTURES_PATH, 'sha256': sha256_file(fx_path), 'count': len(fixtures)},
+        'stubs': STUBS,
+        'environment': _environment(),
+        'modes': modes,
+        'mode_differences': mode_differences(fixtures),
+    }
     rc['status'] = receipt_status(rc)
     return rc
 
+# %% ../../nbs/18b_parity_3_receipt.ipynb #bbbd948d
 def receipt_status(receipt: dict) -> str:
-    "`source_changed` if a source changed during the run; else `passed` when no check of a mode and no fuzz draw disagrees; else `failed`."
+    """`source_changed` if a source changed during the run; else `passed` when no check of a mode
+    and no fuzz draw disagrees; else `failed`."""
     modes, fz = receipt['modes'].values(), receipt.get('fuzz')
-    if not all(m['upstream'].get('unchanged_after_run') is True for m in modes) or (fz and fz.get('unchanged_after_run') is not True):
+    if not all(m['upstream'].get('unchanged_after_run') is True for m in modes) or (
+        fz and fz.get('unchanged_after_run') is not True
+    ):
         return 'source_changed'
-    ok = all(not m['summary']['disagreeing_cases'] and m['summary']['aggregate_agrees'] for m in modes)
+    ok = all(
+        not m['summary']['disagreeing_cases'] and m['summary']['aggregate_agrees'] for m in modes
+    )
     return 'passed' if ok and not (fz and fz.get('disagreements') != []) else 'failed'
 
+# %% ../../nbs/18b_parity_3_receipt.ipynb #f25b77f3
 def write_receipt(receipt: dict, path) -> Path:
     "Write `receipt` as indented JSON."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(receipt, indent=1, ensure_ascii=False) + '\n')
     return path
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #bfc2672f
-_PINS = {'official': (OFFICIAL_REPOSITORY, OFFICIAL_REVISION, OFFICIAL_FILES), 'relax': (RELAX_REPOSITORY, None, RELAX_FILES)}
+_PINS = {
+    'official': (OFFICIAL_REPOSITORY, OFFICIAL_REVISION, OFFICIAL_FILES),
+    'relax': (RELAX_REPOSITORY, None, RELAX_FILES),
+}
 
-def _json(x): return json.loads(json.dumps(x, ensure_ascii=False))
 
+def _json(x):
+    return json.loads(json.dumps(x, ensure_ascii=False))
+
+# %% ../../nbs/18b_parity_3_receipt.ipynb #9a25bbbc
 def _diff(want, got, where) -> list[str]:
     "Every path at which the recorded `got` differs from the recomputed `want` (`same` on leaves)."
     if isinstance(want, dict) and isinstance(got, dict):
-        return [p for k in [*want, *(k for k in got if k not in want)]
-                for p in (_diff(want[k], got[k], f'{where}.{k}') if k in want and k in got else
-                          [f'{where}.{k}: {"missing from the receipt" if k in want else "not produced by the code"}'])]
-    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got) and any(isinstance(w, (dict, list)) for w in want):
+        return [
+            p
+            for k in [*want, *(k for k in got if k not in want)]
+            for p in (
+                _diff(want[k], got[k], f'{where}.{k}')
+                if k in want and k in got
+                else [
+                    f'{where}.{k}: '
+                    f'{"missing from the receipt" if k in want else "not produced by the code"}'
+                ]
+            )
+        ]
+    if (
+        isinstance(want, list)
+        and isinstance(got, list)
+        and len(want) == len(got)
+        and any(isinstance(w, (dict, list)) for w in want)
+    ):
         return [p for j, (w, g) in enumerate(zip(want, got)) for p in _diff(w, g, f'{where}[{j}]')]
-    if isinstance(want, list) or isinstance(got, list): ok = want == got
-    else: ok = same(want, got)
-    return [] if ok else [f'{where}: the receipt records {_short(got)}, its own data give {_short(want)}']
+    if isinstance(want, list) or isinstance(got, list):
+        ok = want == got
+    else:
+        ok = same(want, got)
+    return (
+        []
+        if ok
+        else [f'{where}: the receipt records {_short(got)}, its own data give {_short(want)}']
+    )
 
-
+# %% ../../nbs/18b_parity_3_receipt.ipynb #f85246a1
 def _hidden(fresh, recorded) -> list:
-    "(fresh check, recorded check) where a fresh check disagrees and the receipt's check of that field does not say so."
-    rec = {c.get('field'): c for c in recorded if isinstance(c, dict)} if isinstance(recorded, list) else {}
-    return [(c, rec.get(c['field'])) for c in fresh if not c['agree'] and (rec.get(c['field']) or {}).get('agree') is not False]
+    """(fresh check, recorded check) where a fresh check disagrees and the receipt's check of that
+    field does not say so."""
+    rec = (
+        {c.get('field'): c for c in recorded if isinstance(c, dict)}
+        if isinstance(recorded, list)
+        else {}
+    )
+    return [
+        (c, rec.get(c['field']))
+        for c in fresh
+        if not c['agree'] and (rec.get(c['field']) or {}).get('agree') is not False
+    ]
 
+# %% ../../nbs/18b_parity_3_receipt.ipynb #5f3aa276
 def _verify_mode(mode, block, fixtures, problems) -> dict:
-    "Problems of one mode's block; returns the block recomputed from its recorded upstream outputs and our current code."
+    """Problems of one mode's block; returns the block recomputed from its recorded upstream outputs
+    and our current code."""
     up = block.get('upstream', {})
     problems += [f'{mode}: upstream: {p}' for p in origin_problems(up, *_PINS[mode])]
     if up.get('unchanged_after_run') is not True:
-        problems.append(f'{mode}: receipt records unchanged_after_run={up.get("unchanged_after_run")!r}')
+        problems.append(
+            f'{mode}: receipt records unchanged_after_run={up.get("unchanged_after_run")!r}'
+        )
     want = [f['id'] for f in fixtures]
     got = [c.get('id') for c in block.get('cases', [])]
     for cid in want:
-        if (n := got.count(cid)) != 1: problems.append(f'{mode}: case {cid!r} present {n} times in the receipt (expected once)')
-    for cid in sorted(set(got) - set(want)): problems.append(f'{mode}: case {cid!r} is in the receipt but not in the fixtures')
+        if (n := got.count(cid)) != 1:
+            problems.append(
+                f'{mode}: case {cid!r} present {n} times in the receipt (expected once)'
+            )
+    for cid in sorted(set(got) - set(want)):
+        problems.append(f'{mode}: case {cid!r} is in the receipt but not in the fixtures')
     by_id = {c.get('id'): c for c in block.get('cases', [])}
     present = [f for f in fixtures if f['id'] in by_id]
     for f in present:
         for c in compare(by_id[f['id']].get('ours', {}), ours(mode, f)):
-            if not c['agree']: problems.append(f"{mode}: case {f['id']!r}: {c['field']}: our output is now {c['ours']!r}, the receipt records {c['upstream']!r}")
+            if not c['agree']:
+                problems.append(
+                    f"{mode}: case {f['id']!r}: {c['field']}: our output is now {c['ours']!r}, "
+                    f"the receipt records {c['upstream']!r}"
+                )
     agg = block.get('aggregate', {}).get('upstream', {})
-    expect_ids = [f['id'] for f in present if not (mode == 'official' and by_id[f['id']].get('upstream', {}).get('eval', {}).get('abort'))]
+    expect_ids = [
+        f['id']
+        for f in present
+        if not (
+            mode == 'official' and by_id[f['id']].get('upstream', {}).get('eval', {}).get('abort')
+        )
+    ]
     if agg.get('fixtures') != expect_ids:
-        problems.append(f'{mode}: the aggregate covers {len(agg.get("fixtures", []))} fixtures, expected {len(expect_ids)}')
-    recorded = {'cases': {f['id']: by_id[f['id']].get('upstream', {}) for f in present}, 'aggregate': {'fixtures': [], **agg}}
+        problems.append(
+            f'{mode}: the aggregate covers {len(agg.get("fixtures", []))} fixtures, expected '
+            f'{len(expect_ids)}'
+        )
+    recorded = {
+        'cases': {f['id']: by_id[f['id']].get('upstream', {}) for f in present},
+        'aggregate': {'fixtures': [], **agg},
+    }
     fresh = _json(_mode_block(up, recorded, present, mode))
     for new, old in zip(fresh['cases'], (by_id[f['id']] for f in present)):
-        problems += [f"{mode}: case {new['id']!r}: {c['field']}: upstream recorded {_short(c['upstream'])}, ours {_short(c['ours'])}, "
-                     f"the receipt's check says {_short(r)}" for c, r in _hidden(new['checks'], old.get('checks'))]
-        problems += [f'{mode}: case {new["id"]!r}: {p}' for p in _diff(new['checks'], old.get('checks'), 'checks')]
+        problems += [
+            f"{mode}: case {new['id']!r}: {c['field']}: upstream recorded "
+            f"{_short(c['upstream'])}, ours {_short(c['ours'])}, "
+            f"the receipt's check says {_short(r)}"
+            for c, r in _hidden(new['checks'], old.get('checks'))
+        ]
+        problems += [
+            f'{mode}: case {new["id"]!r}: {p}'
+            for p in _diff(new['checks'], old.get('checks'), 'checks')
+        ]
     rec_agg = block.get('aggregate', {}).get('checks')
-    problems += [f"{mode}: aggregate {c['field']}: upstream recorded {_short(c['upstream'])}, ours {_short(c['ours'])}, "
-                 f"the receipt's check says {_short(r)}" for c, r in _hidden(fresh['aggregate']['checks'], rec_agg)]
-    problems += [f'{mode}: {p}' for p in _diff(fresh['aggregate']['checks'], rec_agg, 'aggregate.checks')]
+    problems += [
+        f"{mode}: aggregate {c['field']}: upstream recorded {_short(c['upstream'])}, ours "
+        f"{_short(c['ours'])}, "
+        f"the receipt's check says {_short(r)}"
+        for c, r in _hidden(fresh['aggregate']['checks'], rec_agg)
+    ]
+    problems += [
+        f'{mode}: {p}' for p in _diff(fresh['aggregate']['checks'], rec_agg, 'aggregate.checks')
+    ]
     problems += [f'{mode}: {p}' for p in _diff(fresh['summary'], block.get('summary'), 'summary')]
     return fresh
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #e8cfd92d
 def verify_receipt(receipt_path=None, fixtures_path=None) -> dict:
-    "Re-check `reports/parity/receipt.json` against the fixtures and our current functions; raise `VerificationError`."
+    """Re-check `reports/parity/receipt.json` against the fixtures and our current functions; raise
+    `VerificationError`."""
     root = repo_root()
     receipt_path = Path(receipt_path) if receipt_path else root / 'reports/parity/receipt.json'
     fx_path = Path(fixtures_path) if fixtures_path else root / FIXTURES_PATH
-    try: return _verify(receipt_path, fx_path)
-    except (AttributeError, TypeError, KeyError, IndexError) as e: raise wrong_shape(receipt_path, VerificationError, e) from None
+    try:
+        return _verify(receipt_path, fx_path)
+    except (AttributeError, TypeError, KeyError, IndexError) as e:
+        raise wrong_shape(receipt_path, VerificationError, e) from None
 
+# %% ../../nbs/18b_parity_3_receipt.ipynb #353033ec
 def _verify(receipt_path: Path, fx_path: Path) -> dict:
-    rc, fixtures, problems = open_receipt(receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, error=VerificationError)
-    # what cannot be recomputed: pinned (prose, the committed fixtures) or held to the shape the runner writes
+    rc, fixtures, problems = open_receipt(
+        receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, error=VerificationError
+    )
+    # what cannot be recomputed: pinned (prose, the committed fixtures) or held to the shape the
+    # runner writes
     problems += field_problems('receipt', rc, RECEIPT_FIELDS, optional=('fuzz',))
-    if rc.get('meaning') != MEANING: problems.append(f"meaning: the receipt says {_short(rc.get('meaning'))}, the code writes {_short(MEANING)}")
+    if rc.get('meaning') != MEANING:
+        problems.append(
+            f"meaning: the receipt says {_short(rc.get('meaning'))}, the code writes "
+            f"{_short(MEANING)}"
+        )
     if (got := sha256_file(fx_path)) != FIXTURES_SHA256:
-        problems.append(f'{fx_path.name} SHA-256 {got} is not the committed one pinned in memagent.parity ({FIXTURES_SHA256})')
+        problems.append(
+            f'{fx_path.name} SHA-256 {got} is not the committed one pinned in memagent.parity '
+            f'({FIXTURES_SHA256})'
+        )
     problems += field_problems('fixtures', rc.get('fixtures'), ('path', 'sha256', 'count'))
     fxb = rc.get('fixtures') if isinstance(rc.get('fixtures'), dict) else {}
-    if fxb.get('count') != len(fixtures): problems.append(f'receipt counts {fxb.get("count")} fixtures, the file has {len(fixtures)}')
-    if fxb.get('path') != FIXTURES_PATH: problems.append(f'receipt names fixtures {fxb.get("path")!r}, not {FIXTURES_PATH!r}')
-    if rc.get('stubs') != STUBS: problems.append('the recorded stubs differ from STUBS')
+    if fxb.get('count') != len(fixtures):
+        problems.append(f'receipt counts {fxb.get("count")} fixtures, the file has {len(fixtures)}')
+    if fxb.get('path') != FIXTURES_PATH:
+        problems.append(f'receipt names fixtures {fxb.get("path")!r}, not {FIXTURES_PATH!r}')
+    if rc.get('stubs') != STUBS:
+        problems.append('the recorded stubs differ from STUBS')
     problems += environment_problems(rc.get('environment'))
-    if 'provenance' in rc: problems += provenance_problems(rc['provenance'])
+    if 'provenance' in rc:
+        problems += provenance_problems(rc['provenance'])
     modes = rc.get('modes') if isinstance(rc.get('modes'), dict) else {}
     problems += field_problems('modes', rc.get('modes'), ('official', 'relax'))
     fresh = {}
     for mode in ('official', 'relax'):
-        if mode not in modes: continue
+        if mode not in modes:
+            continue
         block = modes[mode]
-        if (bad := field_problems(f'modes.{mode}', block, MODE_FIELDS)) and not isinstance(block, dict): problems += bad; continue
+        if (bad := field_problems(f'modes.{mode}', block, MODE_FIELDS)) and not isinstance(
+            block, dict
+        ):
+            problems += bad
+            continue
         problems += bad
-        if not isinstance(block.get('cases'), list) or not all(isinstance(c, dict) for c in block['cases']):
-            problems.append(f"modes.{mode}.cases: {_short(block.get('cases'))}, not a list of objects"); continue
-        problems += [p for c in block['cases'] for p in field_problems(f"modes.{mode}: case {c.get('id')!r}", c, CASE_FIELDS)]
+        if not isinstance(block.get('cases'), list) or not all(
+            isinstance(c, dict) for c in block['cases']
+        ):
+            problems.append(
+                f"modes.{mode}.cases: {_short(block.get('cases'))}, not a list of objects"
+            )
+            continue
+        problems += [
+            p
+            for c in block['cases']
+            for p in field_problems(f"modes.{mode}: case {c.get('id')!r}", c, CASE_FIELDS)
+        ]
         fresh[mode] = _verify_mode(mode, block, fixtures, problems)
     if rc.get('mode_differences') != _json(mode_differences(fixtures)):
         problems.append('the recorded table of mode differences is not what the current code gives')
     status = receipt_status({'modes': fresh, 'fuzz': rc.get('fuzz')}) if len(fresh) == 2 else None
-    if rc.get('status') != status: problems.append(f'receipt status is {rc.get("status")!r}, the recorded data give {status!r}')
-    if problems: raise VerificationError(problems)
-    return {'status': 'verified', 'receipt_status': status, 'fixtures': len(fixtures),
-            'checks': {m: b['summary']['checks'] for m, b in fresh.items()}, 'fixtures_sha256': rc['fixtures']['sha256'],
-            'official': f'{OFFICIAL_REPOSITORY}@{OFFICIAL_REVISION}', 'relax': RELAX_REPOSITORY,
-            'mode_differences': len(rc['mode_differences']),
-            'fuzz': 'section present: memagent.fuzz.verify_fuzz checks it' if 'fuzz' in rc else 'no fuzz section'}
+    if rc.get('status') != status:
+        problems.append(
+            f'receipt status is {rc.get("status")!r}, the recorded data give {status!r}'
+        )
+    if problems:
+        raise VerificationError(problems)
+    return {
+        'status': 'verified',
+        'receipt_status': status,
+        'fixtures': len(fixtures),
+        'checks': {m: b['summary']['checks'] for m, b in fresh.items()},
+        'fixtures_sha256': rc['fixtures']['sha256'],
+        'official': f'{OFFICIAL_REPOSITORY}@{OFFICIAL_REVISION}',
+        'relax': RELAX_REPOSITORY,
+        'mode_differences': len(rc['mode_differences']),
+        'fuzz': 'section present: memagent.fuzz.verify_fuzz checks it'
+        if 'fuzz' in rc
+        else 'no fuzz section',
+    }
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #537f4407
 def _cell(v, width=48) -> str:
-    if v is None: return '-'
-    if isinstance(v, bool) or not isinstance(v, str): return str(v) if not isinstance(v, float) else f'{v:.4g}'
+    if v is None:
+        return '-'
+    if isinstance(v, bool) or not isinstance(v, str):
+        return str(v) if not isinstance(v, float) else f'{v:.4g}'
     s = json.dumps(v, ensure_ascii=False)
-    if len(s) > width: s = s[:width - 3] + '...'
+    if len(s) > width:
+        s = s[: width - 3] + '...'
     return '`' + s.replace('`', "'").replace('|', '\\|') + '`'
+
 
 def differences_table(receipt: dict) -> str:
     "Markdown table of the receipt's mode differences: fixture, group, field, relax, official."
     from memagent.report import md_table
-    rows = [{'fixture': f"`{r['id']}`", 'group': r['group'], 'field': r['field'], 'relax': _cell(r['relax']),
-             'official': _cell(r['official'])} for r in receipt['mode_differences']]
+
+    rows = [
+        {
+            'fixture': f"`{r['id']}`",
+            'group': r['group'],
+            'field': r['field'],
+            'relax': _cell(r['relax']),
+            'official': _cell(r['official']),
+        }
+        for r in receipt['mode_differences']
+    ]
     return md_table(rows, align=False)
+
 
 def differences_count(receipt: dict) -> str:
     "Markdown table: per field, how many fixtures the two modes disagree on."
     from memagent.report import md_table
     from collections import Counter as _C
+
     n = _C(r['field'] for r in receipt['mode_differences'])
     fields = ('train_reward', 'kept', 'prediction', 'em', 'sub_em', 'f1')
-    return md_table([{'field': f, 'fixtures that differ': n.get(f, 0)} for f in fields], align=False)
+    return md_table(
+        [{'field': f, 'fixtures that differ': n.get(f, 0)} for f in fields], align=False
+    )
+
 
 def source_table(receipt: dict) -> str:
     "Markdown table of every upstream file: mode, repository, path, commit, SHA-256."
     from memagent.report import md_table
+
     rows = []
     for mode, b in receipt['modes'].items():
         for rel, f in b['upstream']['files'].items():
-            rows.append({'mode': mode, 'repository': b['upstream']['repository'], 'file': f'`{rel}`',
-                         'commit': f"`{f['commit']}`", 'SHA-256': f"`{f['sha256']}`"})
+            rows.append(
+                {
+                    'mode': mode,
+                    'repository': b['upstream']['repository'],
+                    'file': f'`{rel}`',
+                    'commit': f"`{f['commit']}`",
+                    'SHA-256': f"`{f['sha256']}`",
+                }
+            )
     return md_table(rows, align=False)

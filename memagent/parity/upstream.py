@@ -22,21 +22,48 @@ OFFICIAL_EVAL_FILE = 'taskutils/memory_eval/ruler_hqa.py'
 OFFICIAL_UTILS_FILE = 'taskutils/memory_eval/utils/__init__.py'
 OFFICIAL_ENVS_FILE = 'taskutils/memory_eval/utils/envs.py'
 OFFICIAL_FILES = {  # path -> (commit that last changed it, SHA-256)
-    OFFICIAL_REWARD_FILE: ('3dd21f684095be1a6b2533c90f9e9c1121577238', '8c5d84e0444dfc8dc5b85d461398bba91bc371906e0b9919b77c51605c5e61d7'),
-    OFFICIAL_EVAL_FILE: ('3dd21f684095be1a6b2533c90f9e9c1121577238', 'fd97b8fad7dcba376ebd9d278223d745c2022ee4c227cc41e337aa7c79a045a5'),
-    OFFICIAL_UTILS_FILE: ('3dd21f684095be1a6b2533c90f9e9c1121577238', 'a1418419352d10417dfd89b7a4b2d023385dd0f3f89e3bc62f6f65ccb50e414b'),
-    OFFICIAL_ENVS_FILE: ('3dd21f684095be1a6b2533c90f9e9c1121577238', '889870a5676da3abf13dd5f4d4f74f924f2a0994e670eb3a6c9c86b3b2c5a482'),
+    OFFICIAL_REWARD_FILE: (
+        '3dd21f684095be1a6b2533c90f9e9c1121577238',
+        '8c5d84e0444dfc8dc5b85d461398bba91bc371906e0b9919b77c51605c5e61d7',
+    ),
+    OFFICIAL_EVAL_FILE: (
+        '3dd21f684095be1a6b2533c90f9e9c1121577238',
+        'fd97b8fad7dcba376ebd9d278223d745c2022ee4c227cc41e337aa7c79a045a5',
+    ),
+    OFFICIAL_UTILS_FILE: (
+        '3dd21f684095be1a6b2533c90f9e9c1121577238',
+        'a1418419352d10417dfd89b7a4b2d023385dd0f3f89e3bc62f6f65ccb50e414b',
+    ),
+    OFFICIAL_ENVS_FILE: (
+        '3dd21f684095be1a6b2533c90f9e9c1121577238',
+        '889870a5676da3abf13dd5f4d4f74f924f2a0994e670eb3a6c9c86b3b2c5a482',
+    ),
 }
 RELAX_REPOSITORY = 'redai-infra/Relax'
 RELAX_DIR = 'examples/mem_agent'
 RELAX_FILES = {  # path -> (commit of the stored text, SHA-256 of the rebuilt file)
-    f'{RELAX_DIR}/reward.py': ('36f28d27daa9b0216c61901345a4e85fcef1c180', 'ba289051d3165359238f77f64b933e84a39733153a2a48ed046ff89af1c8a9af'),
-    f'{RELAX_DIR}/metrics.py': ('9ae0b68115d64fba2741da54a83e902f9d06f6da', 'ff1ca0b89d06950b5f301072f191de38b348261855c71df15892b0961fd38d54'),
-    f'{RELAX_DIR}/eval_ruler_hqa.py': ('1d74271e101be47fbc8d311dc5b283240ececa32', '2d56ea4289dad920cb88790fcf50e2ff2e36b71288aed6d9e5bbc829fc1de564'),
-    f'{RELAX_DIR}/prompts.py': ('1d74271e101be47fbc8d311dc5b283240ececa32', 'ce331066c92d0f53893db421a2bd930ef6968a651ffbf58409dd01bf1cfae21a'),
+    f'{RELAX_DIR}/reward.py': (
+        '36f28d27daa9b0216c61901345a4e85fcef1c180',
+        'ba289051d3165359238f77f64b933e84a39733153a2a48ed046ff89af1c8a9af',
+    ),
+    f'{RELAX_DIR}/metrics.py': (
+        '9ae0b68115d64fba2741da54a83e902f9d06f6da',
+        'ff1ca0b89d06950b5f301072f191de38b348261855c71df15892b0961fd38d54',
+    ),
+    f'{RELAX_DIR}/eval_ruler_hqa.py': (
+        '1d74271e101be47fbc8d311dc5b283240ececa32',
+        '2d56ea4289dad920cb88790fcf50e2ff2e36b71288aed6d9e5bbc829fc1de564',
+    ),
+    f'{RELAX_DIR}/prompts.py': (
+        '1d74271e101be47fbc8d311dc5b283240ececa32',
+        'ce331066c92d0f53893db421a2bd930ef6968a651ffbf58409dd01bf1cfae21a',
+    ),
 }
+
+
 class ParityError(Exception):
     "Base error of the parity audit."
+
 
 class ParityRefused(ParityError):
     "An upstream source is not the pinned one (revision, tracked files or hashes differ)."
@@ -45,157 +72,296 @@ class ParityRefused(ParityError):
 STUBS = {
     'datasets': 'import-only stub (official evaluator; loads data files, unused when scoring)',
     'tiktoken': 'import-only stub (official evaluator; tokenizer for API models, unused)',
-    'transformers': 'import-only stub (official evaluator; AutoTokenizer.from_pretrained returns None, the replayed inference needs no tokenizer)',
+    'transformers': (
+        'import-only stub (official evaluator; AutoTokenizer.from_pretrained returns None, the '
+        'replayed inference needs no tokenizer)'
+    ),
     'torch, torch.multiprocessing': 'import-only stub (official evaluator; unused)',
-    'utils.recurrent_boxed': 'replay replacement (official): async_query_llm returns the fixture response ("" for a request error)',
+    'utils.recurrent_boxed': (
+        'replay replacement (official): async_query_llm returns the fixture response ("" for a '
+        'request error)'
+    ),
     'utils.aio': 'replay replacement (official): async_main gathers the coroutines with asyncio',
     'uvloop': 'replay replacement (official): run = asyncio.run',
-    'aiohttp': 'replay replacement (Relax evaluator): ClientTimeout / ClientSession that open no connection',
-    'recurrent_infer': "replay replacement (Relax evaluator's module attribute): returns the fixture response, raises for a request error",
+    'aiohttp': (
+        'replay replacement (Relax evaluator): ClientTimeout / ClientSession that open no '
+        'connection'
+    ),
+    'recurrent_infer': (
+        "replay replacement (Relax evaluator's module attribute): returns the fixture response, "
+        "raises for a request error"
+    ),
     'utils, utils.envs': 'package alias: the official evaluator helpers loaded by path',
     'examples.mem_agent.{reward,metrics,prompts}': 'package alias: the Relax files loaded by path',
 }
 
+
 def _load(name: str, path: Path):
-    "Execute the file at `path` as module `name` (no bytecode written); the caller owns `sys.modules[name]`."
+    """Execute the file at `path` as module `name` (no bytecode written); the caller owns
+    `sys.modules[name]`."""
     spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None: raise ParityRefused(f'{path}: cannot be loaded as a module')
+    if spec is None or spec.loader is None:
+        raise ParityRefused(f'{path}: cannot be loaded as a module')
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
-    old = sys.dont_write_bytecode; sys.dont_write_bytecode = True
+    old = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True
     try:
-        with contextlib.redirect_stdout(_Sink()): spec.loader.exec_module(mod)
-    finally: sys.dont_write_bytecode = old
+        with contextlib.redirect_stdout(_Sink()):
+            spec.loader.exec_module(mod)
+    finally:
+        sys.dont_write_bytecode = old
     return mod
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #5c6e0016
 class _Sink:
     "A stdout that keeps what upstream code prints (its prints are diagnostics, not results)."
-    def __init__(self): self.parts = []
-    def write(self, s): self.parts.append(s); return len(s)
-    def flush(self): pass
-    @property
-    def text(self): return ''.join(self.parts)
 
+    def __init__(self):
+        self.parts = []
+
+    def write(self, s):
+        self.parts.append(s)
+        return len(s)
+
+    def flush(self):
+        pass
+
+    @property
+    def text(self):
+        return ''.join(self.parts)
+
+# %% ../../nbs/18b_parity_2_upstream.ipynb #872ecbec
 @contextlib.contextmanager
 def _modules(names):
     "Restore every `sys.modules` entry in `names` (and any new one under them) on exit."
     saved = {n: sys.modules.get(n) for n in names}
-    try: yield
+    try:
+        yield
     finally:
         for n, m in saved.items():
-            if m is None: sys.modules.pop(n, None)
-            else: sys.modules[n] = m
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #69195baa
 def _stub(name, **attrs):
-    m = types.ModuleType(name); m.__dict__.update(attrs); m.__path__ = []   # a package, so submodules resolve
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    m.__path__ = []  # a package, so submodules resolve
     return m
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #3d2242f3
 def _in_thread(fn, *args):
-    "Run `fn(*args)` in a fresh thread (no running event loop there) and return its result or raise its error."
+    """Run `fn(*args)` in a fresh thread (no running event loop there) and return its result or
+    raise its error."""
     import concurrent.futures as cf
-    with cf.ThreadPoolExecutor(1) as ex: return ex.submit(fn, *args).result()
+
+    with cf.ThreadPoolExecutor(1) as ex:
+        return ex.submit(fn, *args).result()
 
 # %% ../../nbs/18b_parity_2_upstream.ipynb #18f84e6f
 def _git(src, *args) -> str:
     r = subprocess.run(['git', '-C', str(src), *args], capture_output=True, text=True)
-    if r.returncode != 0: raise ParityRefused(f'{src}: git {" ".join(args)} failed: {r.stderr.strip() or r.stdout.strip()}')
+    if r.returncode != 0:
+        raise ParityRefused(
+            f'{src}: git {" ".join(args)} failed: {r.stderr.strip() or r.stdout.strip()}'
+        )
     return r.stdout.strip()
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #0f4dc648
 def _hash_files(root: Path, pins: dict) -> tuple[dict, list]:
     hashes, problems = {}, []
     for rel, (_, want) in pins.items():
         p = root / rel
-        if not p.is_file(): problems.append(f'{rel}: missing'); continue
+        if not p.is_file():
+            problems.append(f'{rel}: missing')
+            continue
         hashes[rel] = got = sha256_file(p)
-        if got != want: problems.append(f'{rel}: SHA-256 {got} != pinned {want}')
+        if got != want:
+            problems.append(f'{rel}: SHA-256 {got} != pinned {want}')
     return hashes, problems
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #63d9c5c7
 def check_official(src) -> dict:
-    "Verify the official checkout at `src`; raise `ParityRefused` otherwise. Returns revision, files, origin."
+    """Verify the official checkout at `src`; raise `ParityRefused` otherwise. Returns revision,
+    files, origin."""
     src = Path(src)
-    if not src.is_dir(): raise ParityRefused(f'{src}: not a directory')
+    if not src.is_dir():
+        raise ParityRefused(f'{src}: not a directory')
     head = _git(src, 'rev-parse', 'HEAD')
-    if head != OFFICIAL_REVISION: raise ParityRefused(f'{src}: HEAD is {head}, pinned revision is {OFFICIAL_REVISION}')
+    if head != OFFICIAL_REVISION:
+        raise ParityRefused(f'{src}: HEAD is {head}, pinned revision is {OFFICIAL_REVISION}')
     hashes, problems = _hash_files(src, OFFICIAL_FILES)
     tracked = set(_git(src, 'ls-files', '--', *OFFICIAL_FILES).splitlines())
     problems += [f'{rel}: not tracked by git' for rel in OFFICIAL_FILES if rel not in tracked]
-    if dirty := _git(src, 'status', '--porcelain', '--', *OFFICIAL_FILES): problems.append(f'modified according to git: {dirty}')
+    if dirty := _git(src, 'status', '--porcelain', '--', *OFFICIAL_FILES):
+        problems.append(f'modified according to git: {dirty}')
     files = {}
     for rel, (commit, _) in OFFICIAL_FILES.items():
         last = _git(src, 'log', '-1', '--format=%H', '--', rel)
-        if last != commit: problems.append(f'{rel}: last changed at {last or "(no commit)"}, pinned {commit}')
+        if last != commit:
+            problems.append(f'{rel}: last changed at {last or "(no commit)"}, pinned {commit}')
         files[rel] = {'commit': last, 'sha256': hashes.get(rel)}
-    if problems: raise ParityRefused(f'{src}: official checkout refused: ' + '; '.join(problems))
-    try: origin = _git(src, 'config', '--get', 'remote.origin.url')
-    except ParityRefused: origin = None
+    if problems:
+        raise ParityRefused(f'{src}: official checkout refused: ' + '; '.join(problems))
+    try:
+        origin = _git(src, 'config', '--get', 'remote.origin.url')
+    except ParityRefused:
+        origin = None
     return {'repository': OFFICIAL_REPOSITORY, 'revision': head, 'origin': origin, 'files': files}
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #0e098aa4
 def check_relax(src) -> dict:
-    "Verify the rebuilt Relax files under `src` (the folder holding `examples/`); raise `ParityRefused` otherwise."
+    """Verify the rebuilt Relax files under `src` (the folder holding `examples/`); raise
+    `ParityRefused` otherwise."""
     src = Path(src)
-    if not src.is_dir(): raise ParityRefused(f'{src}: not a directory')
+    if not src.is_dir():
+        raise ParityRefused(f'{src}: not a directory')
     hashes, problems = _hash_files(src, RELAX_FILES)
-    if problems: raise ParityRefused(f'{src}: Relax files refused: ' + '; '.join(problems))
-    return {'repository': RELAX_REPOSITORY, 'revision': None, 'origin': REBUILD_ORIGIN,
-            'files': {rel: {'commit': c, 'sha256': hashes[rel]} for rel, (c, _) in RELAX_FILES.items()}}
+    if problems:
+        raise ParityRefused(f'{src}: Relax files refused: ' + '; '.join(problems))
+    return {
+        'repository': RELAX_REPOSITORY,
+        'revision': None,
+        'origin': REBUILD_ORIGIN,
+        'files': {rel: {'commit': c, 'sha256': hashes[rel]} for rel, (c, _) in RELAX_FILES.items()},
+    }
 
 # %% ../../nbs/18b_parity_2_upstream.ipynb #152216ce
 def _official_modules(src: Path):
-    "Load the official utils package and evaluator under stubs; returns (reward module, evaluator module)."
+    """Load the official utils package and evaluator under stubs; returns (reward module, evaluator
+    module)."""
     base = src / 'taskutils/memory_eval'
-    sys.modules.update({'datasets': _stub('datasets', load_dataset=None, concatenate_datasets=None),
-                        'tiktoken': _stub('tiktoken'),
-                        'transformers': _stub('transformers', AutoTokenizer=types.SimpleNamespace(from_pretrained=lambda *a, **k: None)),
-                        'torch': _stub('torch'), 'torch.multiprocessing': _stub('torch.multiprocessing')})
+    sys.modules.update(
+        {
+            'datasets': _stub('datasets', load_dataset=None, concatenate_datasets=None),
+            'tiktoken': _stub('tiktoken'),
+            'transformers': _stub(
+                'transformers',
+                AutoTokenizer=types.SimpleNamespace(from_pretrained=lambda *a, **k: None),
+            ),
+            'torch': _stub('torch'),
+            'torch.multiprocessing': _stub('torch.multiprocessing'),
+        }
+    )
     sys.modules['torch'].multiprocessing = sys.modules['torch.multiprocessing']
-    utils = _load('utils', base / 'utils/__init__.py'); utils.__path__ = []
+    utils = _load('utils', base / 'utils/__init__.py')
+    utils.__path__ = []
     utils.envs = _load('utils.envs', base / 'utils/envs.py')
 
-    async def async_query_llm(item, *args, **kwargs): return item['_replay']
-    async def async_main(coros, *args, **kwargs): return await asyncio.gather(*coros)
-    async def close_async_client(): return None
-    utils.recurrent_boxed = sys.modules['utils.recurrent_boxed'] = _stub('utils.recurrent_boxed', async_query_llm=async_query_llm)
-    utils.aio = sys.modules['utils.aio'] = _stub('utils.aio', async_main=async_main, close_async_client=close_async_client)
-    sys.modules['uvloop'] = _stub('uvloop', run=asyncio.run)
-    return _load('_official_reward', src / OFFICIAL_REWARD_FILE), _load('_official_ruler_hqa', base / 'ruler_hqa.py')
+    async def async_query_llm(item, *args, **kwargs):
+        return item['_replay']
 
-_OFFICIAL_NAMES = ['datasets', 'tiktoken', 'transformers', 'torch', 'torch.multiprocessing', 'utils', 'utils.envs',
-                   'utils.recurrent_boxed', 'utils.aio', 'uvloop', '_official_reward', '_official_ruler_hqa']
+    async def async_main(coros, *args, **kwargs):
+        return await asyncio.gather(*coros)
+
+    async def close_async_client():
+        return None
+
+    utils.recurrent_boxed = sys.modules['utils.recurrent_boxed'] = _stub(
+        'utils.recurrent_boxed', async_query_llm=async_query_llm
+    )
+    utils.aio = sys.modules['utils.aio'] = _stub(
+        'utils.aio', async_main=async_main, close_async_client=close_async_client
+    )
+    sys.modules['uvloop'] = _stub('uvloop', run=asyncio.run)
+    return _load('_official_reward', src / OFFICIAL_REWARD_FILE), _load(
+        '_official_ruler_hqa', base / 'ruler_hqa.py'
+    )
+
+# %% ../../nbs/18b_parity_2_upstream.ipynb #bd5f101a
+_OFFICIAL_NAMES = [
+    'datasets',
+    'tiktoken',
+    'transformers',
+    'torch',
+    'torch.multiprocessing',
+    'utils',
+    'utils.envs',
+    'utils.recurrent_boxed',
+    'utils.aio',
+    'uvloop',
+    '_official_reward',
+    '_official_ruler_hqa',
+]
+
 
 def _get_pred(ev, fixtures, workdir: Path):
     "Run the official `get_pred` on `fixtures`; returns (written items by id, printed text)."
-    data = [{'_id': i, 'context': '', 'input': '', 'answers': list(f['answers']), '_replay': '' if f.get('error') else f['response']}
-            for i, f in enumerate(fixtures)]
+    data = [
+        {
+            '_id': i,
+            'context': '',
+            'input': '',
+            'answers': list(f['answers']),
+            '_replay': '' if f.get('error') else f['response'],
+        }
+        for i, f in enumerate(fixtures)
+    ]
     out = workdir / 'pred.jsonl'
-    args = types.SimpleNamespace(model='fixture-replay', tokenizer='none', api='recurrent-boxed', n_proc=1, force=True, length=50)
+    args = types.SimpleNamespace(
+        model='fixture-replay',
+        tokenizer='none',
+        api='recurrent-boxed',
+        n_proc=1,
+        force=True,
+        length=50,
+    )
     sink = _Sink()
-    with contextlib.redirect_stdout(sink): _in_thread(ev.get_pred, data, args, str(out))
-    written = [json.loads(l) for l in out.read_text().splitlines() if l.strip()] if out.exists() else []
+    with contextlib.redirect_stdout(sink):
+        _in_thread(ev.get_pred, data, args, str(out))
+    written = (
+        [json.loads(l) for l in out.read_text().splitlines() if l.strip()] if out.exists() else []
+    )
     return {fixtures[w['_id']]['id']: w for w in written}, sink.text
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #96a2162b
 def _official_case(rew, ev, f, workdir) -> dict:
     sink = _Sink()
-    with contextlib.redirect_stdout(sink): reward = rew.compute_score('' if f.get('error') else f['response'], list(f['answers']))
-    try: written, _ = _get_pred(ev, [f], workdir)
-    except Exception as e: return {'train_reward': reward, 'eval': {'kept': True, 'abort': True}, 'abort_error': type(e).__name__}
-    if f['id'] not in written: return {'train_reward': reward, 'eval': {'kept': False}}
+    with contextlib.redirect_stdout(sink):
+        reward = rew.compute_score('' if f.get('error') else f['response'], list(f['answers']))
+    try:
+        written, _ = _get_pred(ev, [f], workdir)
+    except Exception as e:
+        return {
+            'train_reward': reward,
+            'eval': {'kept': True, 'abort': True},
+            'abort_error': type(e).__name__,
+        }
+    if f['id'] not in written:
+        return {'train_reward': reward, 'eval': {'kept': False}}
     w = written[f['id']]
-    return {'train_reward': reward, 'eval': {'kept': True, 'abort': False, 'prediction': w['pred'],
-                                             'em': w['judge_em'], 'sub_em': w['judge_sub_em'], 'f1': w['judge_f1']}}
+    return {
+        'train_reward': reward,
+        'eval': {
+            'kept': True,
+            'abort': False,
+            'prediction': w['pred'],
+            'em': w['judge_em'],
+            'sub_em': w['judge_sub_em'],
+            'f1': w['judge_f1'],
+        },
+    }
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #0160d6ac
 def _printed_figures(text: str) -> dict:
     "The `name: value` lines the official evaluator prints after its `ruler_hqa [...]` header."
     tail = text.split('ruler_hqa [', 1)[-1].splitlines()[1:]
     out = {}
     for line in tail:
         k, _, v = line.partition(': ')
-        if k in ('em', 'sub_em', 'f1'): out[f'{k}_pct'] = float(v)
-        elif k == 'Total': out['n_items'] = int(v)
+        if k in ('em', 'sub_em', 'f1'):
+            out[f'{k}_pct'] = float(v)
+        elif k == 'Total':
+            out['n_items'] = int(v)
     return out
 
 # %% ../../nbs/18b_parity_2_upstream.ipynb #ba6c0adc
 def run_official(src, fixtures) -> dict:
-    "Outputs of the official reward and evaluator on every fixture, plus the evaluator's printed aggregate."
+    """Outputs of the official reward and evaluator on every fixture, plus the evaluator's printed
+    aggregate."""
     src = Path(src)
     env_force = os.environ.pop('FORCE_THINK', None)
     try:
@@ -205,29 +371,56 @@ def run_official(src, fixtures) -> dict:
             ok = [f for f in fixtures if not cases[f['id']]['eval'].get('abort')]
             _, printed = _get_pred(ev, ok, Path(d))
     finally:
-        if env_force is not None: os.environ['FORCE_THINK'] = env_force
-    return {'cases': cases, 'aggregate': {'fixtures': [f['id'] for f in ok], **_printed_figures(printed)}}
+        if env_force is not None:
+            os.environ['FORCE_THINK'] = env_force
+    return {
+        'cases': cases,
+        'aggregate': {'fixtures': [f['id'] for f in ok], **_printed_figures(printed)},
+    }
 
 # %% ../../nbs/18b_parity_2_upstream.ipynb #757a108c
-_RELAX_NAMES = ['examples', 'examples.mem_agent', 'examples.mem_agent.reward', 'examples.mem_agent.metrics',
-                'examples.mem_agent.prompts', 'examples.mem_agent.eval_ruler_hqa', 'aiohttp']
+_RELAX_NAMES = [
+    'examples',
+    'examples.mem_agent',
+    'examples.mem_agent.reward',
+    'examples.mem_agent.metrics',
+    'examples.mem_agent.prompts',
+    'examples.mem_agent.eval_ruler_hqa',
+    'aiohttp',
+]
+
 
 class _NoSession:
     "Stands in for `aiohttp.ClientSession`: usable as `async with`, opens nothing."
-    def __init__(self, *a, **k): pass
-    async def __aenter__(self): return self
-    async def __aexit__(self, *exc): return False
 
+    def __init__(self, *a, **k):
+        pass
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+# %% ../../nbs/18b_parity_2_upstream.ipynb #54aef78e
 def _relax_modules(src: Path):
-    sys.modules['examples'] = _stub('examples'); sys.modules['examples.mem_agent'] = _stub('examples.mem_agent')
+    sys.modules['examples'] = _stub('examples')
+    sys.modules['examples.mem_agent'] = _stub('examples.mem_agent')
     sys.modules['aiohttp'] = _stub('aiohttp', ClientSession=_NoSession, ClientTimeout=lambda **k: k)
-    mods = {n: _load(f'examples.mem_agent.{n}', src / RELAX_DIR / f'{n}.py') for n in ('reward', 'metrics', 'prompts', 'eval_ruler_hqa')}
+    mods = {
+        n: _load(f'examples.mem_agent.{n}', src / RELAX_DIR / f'{n}.py')
+        for n in ('reward', 'metrics', 'prompts', 'eval_ruler_hqa')
+    }
+
     async def replay(item, args, tokenizer, session):
-        if item['_error']: raise RuntimeError('HTTP 500: replayed request error')
+        if item['_error']:
+            raise RuntimeError('HTTP 500: replayed request error')
         return item['_replay'], {}
+
     mods['eval_ruler_hqa'].recurrent_infer = replay
     return mods
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #b45ea6e4
 def run_relax(src, fixtures) -> dict:
     "Outputs of Relax's reward and evaluator on every fixture, plus the evaluator's summary."
     src = Path(src)
@@ -236,20 +429,58 @@ def run_relax(src, fixtures) -> dict:
         cases = {}
         for f in fixtures:
             resp = '' if f.get('error') else f['response']
-            sample = types.SimpleNamespace(metadata={'final_output': resp, 'ground_truth': list(f['answers'])}, response=resp, label=None)
+            sample = types.SimpleNamespace(
+                metadata={'final_output': resp, 'ground_truth': list(f['answers'])},
+                response=resp,
+                label=None,
+            )
             r = _in_thread(lambda: asyncio.run(m['reward'].reward_func(None, sample)))
             cases[f['id']] = {'train_reward': {'score': r['score'], 'prediction': r['pred']}}
         data_file = Path(d) / 'data.jsonl'
-        data_file.write_text(''.join(json.dumps({'_id': i, 'answers': f['answers']}) + '\n' for i, f in enumerate(fixtures)))
-        data = [{'_id': i, 'input': 'q', 'context': 'c', 'answers': list(f['answers']), '_replay': f['response'], '_error': bool(f.get('error'))}
-                for i, f in enumerate(fixtures)]
-        args = types.SimpleNamespace(data_file=data_file, concurrency=4, timeout=60, mode='recurrent', model='fixture-replay',
-                                     tokenizer='none', temperature=0.7, top_p=0.95, chunk_tokens=2048, max_memory_tokens=1024,
-                                     max_final_tokens=256, max_chunks=64, max_input_tokens=7936, server_max_model_len=8192)
-        records, summary = _in_thread(lambda: asyncio.run(m['eval_ruler_hqa'].run_evaluation(data, args, None)))
+        data_file.write_text(
+            ''.join(
+                json.dumps({'_id': i, 'answers': f['answers']}) + '\n'
+                for i, f in enumerate(fixtures)
+            )
+        )
+        data = [
+            {
+                '_id': i,
+                'input': 'q',
+                'context': 'c',
+                'answers': list(f['answers']),
+                '_replay': f['response'],
+                '_error': bool(f.get('error')),
+            }
+            for i, f in enumerate(fixtures)
+        ]
+        args = types.SimpleNamespace(
+            data_file=data_file,
+            concurrency=4,
+            timeout=60,
+            mode='recurrent',
+            model='fixture-replay',
+            tokenizer='none',
+            temperature=0.7,
+            top_p=0.95,
+            chunk_tokens=2048,
+            max_memory_tokens=1024,
+            max_final_tokens=256,
+            max_chunks=64,
+            max_input_tokens=7936,
+            server_max_model_len=8192,
+        )
+        records, summary = _in_thread(
+            lambda: asyncio.run(m['eval_ruler_hqa'].run_evaluation(data, args, None))
+        )
     for rec in records:
         f = fixtures[rec['_id']]
-        cases[f['id']]['eval'] = {'prediction': rec['pred'], 'em': rec['judge_em'], 'sub_em': rec['judge_sub_em'],
-                                  'f1': rec['judge_f1'], 'boxed_em': rec['judge_boxed_em']}
+        cases[f['id']]['eval'] = {
+            'prediction': rec['pred'],
+            'em': rec['judge_em'],
+            'sub_em': rec['judge_sub_em'],
+            'f1': rec['judge_f1'],
+            'boxed_em': rec['judge_boxed_em'],
+        }
     agg = {k: summary[k] for k in ('em', 'sub_em', 'f1', 'boxed_em', 'total', 'errors')}
     return {'cases': cases, 'aggregate': {'fixtures': [f['id'] for f in fixtures], **agg}}

@@ -9,4 +9,5 @@ __all__ = []
 from .memory import *
 from .fit import *
 from . import memory, fit
+
 __all__ = [*memory.__all__, *fit.__all__]

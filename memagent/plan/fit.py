@@ -6,10 +6,26 @@
 from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
-from .memory import (
-    GiB, DTYPE_BYTES, RECOMPUTE, CUDA_CONTEXT_GIB, ENGINE_RUNTIME_GIB, ENGINE_RESIDUE_GIB, HEAD_FP32_COPIES,
-    get_arch, megatron_params, ddp_layout, optimizer_parts, activation_bytes, sglang_kv_pool, gather_peak_bytes,
-    hf_tensors, optimizer_step_temporaries, CUBLAS_WORKSPACE_BYTES, CUBLAS_THREADS)
+from memagent.plan.memory import (
+    GiB,
+    DTYPE_BYTES,
+    RECOMPUTE,
+    CUDA_CONTEXT_GIB,
+    ENGINE_RUNTIME_GIB,
+    ENGINE_RESIDUE_GIB,
+    HEAD_FP32_COPIES,
+    get_arch,
+    megatron_params,
+    ddp_layout,
+    optimizer_parts,
+    activation_bytes,
+    sglang_kv_pool,
+    gather_peak_bytes,
+    hf_tensors,
+    optimizer_step_temporaries,
+    CUBLAS_WORKSPACE_BYTES,
+    CUBLAS_THREADS,
+)
 
 # %% auto #0
 __all__ = ['PHASES', 'ALLOCATED_TERMS', 'Cluster', 'PlanDoesNotFit', 'plan_attention', 'tokens_per_step', 'step_counts', 'Plan',
@@ -18,76 +34,147 @@ __all__ = ['PHASES', 'ALLOCATED_TERMS', 'Cluster', 'PlanDoesNotFit', 'plan_atten
 # %% ../../nbs/14b_plan_2_fit.ipynb #06a506a8
 @dataclass(frozen=True)
 class Cluster:
-    "GPUs per node, GPU memory and host RAM per node (GiB), and whether its GPUs have Transformer Engine (what the layer spec resolves to there)."
+    """GPUs per node, GPU memory and host RAM per node (GiB), and whether its GPUs have Transformer
+    Engine (what the layer spec resolves to there)."""
+
     gpus_per_node: int = 8
     gpu_gb: float = 80.0
     host_gb: float = 1024.0
     transformer_engine: bool = True
 
+# %% ../../nbs/14b_plan_2_fit.ipynb #4679dbfc
 class PlanDoesNotFit(ValueError):
-    "A configuration whose per-GPU or host memory exceeds the cluster; the message names the largest term and a fix."
+    """A configuration whose per-GPU or host memory exceeds the cluster; the message names the
+    largest term and a fix."""
 
+# %% ../../nbs/14b_plan_2_fit.ipynb #8df704f7
 def plan_attention(cfg, cluster: Cluster) -> str:
-    "The attention the layout runs on `cluster`: 'sdpa' for the torch backend; for megatron the layer spec ('te', 'sdpa' or 'local') `choose_layer_spec` builds on a CUDA machine with or without Transformer Engine (refusing what cannot be built), the function the backend itself calls."
-    if cfg.backend == 'torch': return 'sdpa'
+    """The attention the layout runs on `cluster`: 'sdpa' for the torch backend; for megatron the
+    layer spec ('te', 'sdpa' or 'local') `choose_layer_spec` builds on a CUDA machine with or
+    without Transformer Engine (refusing what cannot be built), the function the backend itself
+    calls."""
+    if cfg.backend == 'torch':
+        return 'sdpa'
     from memagent.backends.megatron.model import choose_layer_spec
-    b = cfg.batch
-    return choose_layer_spec(b.attention, b.sequence_parallel, b.tp, cuda=True, te=cluster.transformer_engine)
 
+    b = cfg.batch
+    return choose_layer_spec(
+        b.attention, b.sequence_parallel, b.tp, cuda=True, te=cluster.transformer_engine
+    )
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #dee9bcf9
 def tokens_per_step(cfg, doc_tokens: int | None = None) -> dict:
-    "Rollout prefill and decode tokens, training tokens and generate requests of one step (upper bounds: every turn at its limits)."
+    """Rollout prefill and decode tokens, training tokens and generate requests of one step (upper
+    bounds: every turn at its limits)."""
     c = cfg.chunking
-    chunks = c.max_chunks if doc_tokens is None else min(c.max_chunks, max(1, -(-doc_tokens // c.chunk_tokens)))
+    chunks = (
+        c.max_chunks
+        if doc_tokens is None
+        else min(c.max_chunks, max(1, -(-doc_tokens // c.chunk_tokens)))
+    )
     traj = cfg.trajectories_per_step
     tmpl = cfg.template_allowance
     mem_prompt, final_prompt = c.chunk_tokens + c.memory_tokens + tmpl, c.memory_tokens + tmpl
     prefill = traj * (chunks * mem_prompt + final_prompt)
     decode = traj * (chunks * c.memory_tokens + c.final_tokens)
-    engines = cfg.batch.n_gpus // cfg.rollout.gpus_per_engine if cfg.rollout.engine == 'sglang' else 1
+    engines = (
+        cfg.batch.n_gpus // cfg.rollout.gpus_per_engine if cfg.rollout.engine == 'sglang' else 1
+    )
     train = prefill + decode
-    return dict(chunks=chunks, trajectories=traj, rows=traj * (chunks + 1), rollout_prefill=prefill, rollout_decode=decode,
-                training=train, training_per_dp_rank=-(-train // cfg.dp_size),
-                micro_batches_per_rank_at_least=-(-(-(-train // cfg.dp_size)) // cfg.batch.max_tokens_per_micro),
-                requests_per_chunk_step=traj, engines=engines, requests_per_engine=-(-traj // engines),
-                forward_passes_per_row=(1 + (cfg.loss.kl_type != 'none' and cfg.loss.kl_coef > 0)
-                                        + (cfg.optim.mini_batches > 1)), backward_passes_per_row=1)
+    return dict(
+        chunks=chunks,
+        trajectories=traj,
+        rows=traj * (chunks + 1),
+        rollout_prefill=prefill,
+        rollout_decode=decode,
+        training=train,
+        training_per_dp_rank=-(-train // cfg.dp_size),
+        micro_batches_per_rank_at_least=-(
+            -(-(-train // cfg.dp_size)) // cfg.batch.max_tokens_per_micro
+        ),
+        requests_per_chunk_step=traj,
+        engines=engines,
+        requests_per_engine=-(-traj // engines),
+        forward_passes_per_row=(
+            1 + (cfg.loss.kl_type != 'none' and cfg.loss.kl_coef > 0) + (cfg.optim.mini_batches > 1)
+        ),
+        backward_passes_per_row=1,
+    )
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #c152190c
 def step_counts(cfg, row_tokens, groups=None) -> dict:
-    "Rows, padding, tokens, per-DP-rank rows/tokens/micro-batches, packing fill and its lower bound for rows of `row_tokens` tokens (prompt groups `groups`)."
+    """Rows, padding, tokens, per-DP-rank rows/tokens/micro-batches, packing fill and its lower
+    bound for rows of `row_tokens` tokens (prompt groups `groups`)."""
     from memagent.trajectory import Row
     from memagent.transfer import layout_step, mini_batch_slices, micro_batches, micro_batch_stats
+
     row_tokens = [int(n) for n in row_tokens]
     groups = [0] * len(row_tokens) if groups is None else [int(g) for g in groups]
-    if len(groups) != len(row_tokens): raise ValueError(f"step_counts: {len(groups)} group indices for {len(row_tokens)} rows")
-    if any(n < 2 for n in row_tokens): raise ValueError("step_counts: a row has a prompt and a response: at least 2 tokens")
-    rows = [Row(f't{i}', g, 0, 1, 0.0, 0.0, 0.0, 1.0, [0] * (n - 1), [0], [0.0], [1]) for i, (n, g) in enumerate(zip(row_tokens, groups))]
+    if len(groups) != len(row_tokens):
+        raise ValueError(f"step_counts: {len(groups)} group indices for {len(row_tokens)} rows")
+    if any(n < 2 for n in row_tokens):
+        raise ValueError("step_counts: a row has a prompt and a response: at least 2 tokens")
+    rows = [
+        Row(f't{i}', g, 0, 1, 0.0, 0.0, 0.0, 1.0, [0] * (n - 1), [0], [0.0], [1])
+        for i, (n, g) in enumerate(zip(row_tokens, groups))
+    ]
     dp, M, budget = cfg.dp_size, cfg.optim.mini_batches, cfg.batch.max_tokens_per_micro
     laid, pad = layout_step(rows, dp, M)
     per = len(laid) // dp
-    ranks = [laid[k * per:(k + 1) * per] for k in range(dp)]
-    lengths = [[[r[i].num_tokens for i in mb_rows] for mb in mini_batch_slices(r, M)
-                for mb_rows in ([mb[i] for i in b] for b in micro_batches([r[i].num_tokens for i in mb], budget))]
-               for r in ranks]
+    ranks = [laid[k * per : (k + 1) * per] for k in range(dp)]
+    lengths = [
+        [
+            [r[i].num_tokens for i in mb_rows]
+            for mb in mini_batch_slices(r, M)
+            for mb_rows in (
+                [mb[i] for i in b] for b in micro_batches([r[i].num_tokens for i in mb], budget)
+            )
+        ]
+        for r in ranks
+    ]
     st = micro_batch_stats(lengths, budget)
-    return dict(rows_generated=len(rows), rows_padding=pad, rows_transferred=len(laid), rows_per_rank=[len(r) for r in ranks],
-                tokens=sum(row_tokens), tokens_per_rank=st['tokens_per_rank'], micro_batches=st['micro_batches'],
-                micro_batches_per_rank=st['micro_batches_per_rank'], packing_fill=st['fill'],
-                lower_bound_micro_batches=st['lower_bound_micro_batches'], max_padded_tokens=st['max_padded'],
-                row_capacity=cfg.row_capacity)
+    return dict(
+        rows_generated=len(rows),
+        rows_padding=pad,
+        rows_transferred=len(laid),
+        rows_per_rank=[len(r) for r in ranks],
+        tokens=sum(row_tokens),
+        tokens_per_rank=st['tokens_per_rank'],
+        micro_batches=st['micro_batches'],
+        micro_batches_per_rank=st['micro_batches_per_rank'],
+        packing_fill=st['fill'],
+        lower_bound_micro_batches=st['lower_bound_micro_batches'],
+        max_padded_tokens=st['max_padded'],
+        row_capacity=cfg.row_capacity,
+    )
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #33f76c6e
 PHASES = ('rollout', 'update', 'sync')
-# the terms torch's caching allocator holds in the trainer's process (what `torch.cuda.max_memory_allocated` measures):
-# every trainer term but the CUDA context (the driver's, not the allocator's) and the engine's terms (another process)
-ALLOCATED_TERMS = ('weights', 'gradients', 'optimizer states', 'reference model', 'activations (saved)',
-                   'activations (backward working set)', 'attention backward transients', 'log-prob head chunk',
-                   'optimizer step temporaries', 'cuBLAS workspaces', 'attention score buffer', 'weight gather bucket (peak)')
+# the terms torch's caching allocator holds in the trainer's process (what
+# `torch.cuda.max_memory_allocated` measures):
+# every trainer term but the CUDA context (the driver's, not the allocator's) and the engine's terms
+# (another process)
+ALLOCATED_TERMS = (
+    'weights',
+    'gradients',
+    'optimizer states',
+    'reference model',
+    'activations (saved)',
+    'activations (backward working set)',
+    'attention backward transients',
+    'log-prob head chunk',
+    'optimizer step temporaries',
+    'cuBLAS workspaces',
+    'attention score buffer',
+    'weight gather bucket (peak)',
+)
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #684f7f23
 @dataclass
 class Plan:
-    "Per-GPU bytes by term for the rollout, update and sync phases, host RAM per node, tokens per step, and the verdict."
+    """Per-GPU bytes by term for the rollout, update and sync phases, host RAM per node, tokens per
+    step, and the verdict."""
+
     name: str
     cluster: Cluster
     settings: dict
@@ -100,308 +187,676 @@ class Plan:
     sync: dict = field(default_factory=dict)
 
     @property
-    def capacity(self) -> int: return int(self.cluster.gpu_gb * GiB)
+    def capacity(self) -> int:
+        return int(self.cluster.gpu_gb * GiB)
+
     @property
-    def host_capacity(self) -> int: return int(self.cluster.host_gb * GiB)
-    def peak(self, phase: str) -> int: return sum(getattr(self, phase).values())
+    def host_capacity(self) -> int:
+        return int(self.cluster.host_gb * GiB)
+
+    def peak(self, phase: str) -> int:
+        return sum(getattr(self, phase).values())
+
     def allocated(self, phase: str = 'update') -> int:
-        "The bytes of `phase` that torch's allocator holds in the trainer's process (`ALLOCATED_TERMS`): what a measured peak is compared with."
+        """The bytes of `phase` that torch's allocator holds in the trainer's process
+        (`ALLOCATED_TERMS`): what a measured peak is compared with."""
         return sum(v for k, v in getattr(self, phase).items() if k in ALLOCATED_TERMS)
+
     def largest(self, phase: str) -> tuple[str, int]:
         terms = self.host if phase == 'host' else getattr(self, phase)
         return max(terms.items(), key=lambda kv: kv[1])
+
     def engine_problem(self) -> str | None:
-        "Why the colocated engine cannot serve a chunk step, or None: no KV cache left (SGLang refuses to start), or too little for one request."
+        """Why the colocated engine cannot serve a chunk step, or None: no KV cache left (SGLang
+        refuses to start), or too little for one request."""
         e = self.details.get('engine')
-        if not e: return None
+        if not e:
+            return None
         g = lambda b: f"{b / GiB:.2f} GiB"
-        how = (f"{self.settings['mem_fraction']} x {g(e['free_at_start'])} free at the engine's start - {g(e['weights'])} engine weights; "
-               f"largest trainer term held at the start: {e['largest_at_start'][0]!r}, {g(e['largest_at_start'][1])}")
+        how = (
+            f"{self.settings['mem_fraction']} x {g(e['free_at_start'])} free at the engine's "
+            f"start - {g(e['weights'])} engine weights; "
+            f"largest trainer term held at the start: {e['largest_at_start'][0]!r}, "
+            f"{g(e['largest_at_start'][1])}"
+        )
         if e['kv_cache'] <= 0:
-            return f"engine KV cache does not fit: {g(e['kv_cache'])} left = {how} (SGLang raises 'Not enough memory')"
+            return (
+                f"engine KV cache does not fit: {g(e['kv_cache'])} left = {how} (SGLang raises "
+                "'Not enough memory')"
+            )
         if e['kv_tokens'] < e['tokens_per_request']:
-            return (f"engine KV cache does not fit: {e['kv_tokens']:,} tokens left, fewer than one request's {e['tokens_per_request']:,} "
-                    f"({g(e['kv_cache'])} = {how})")
+            return (
+                f"engine KV cache does not fit: {e['kv_tokens']:,} tokens left, fewer than one "
+                f"request's {e['tokens_per_request']:,} "
+                f"({g(e['kv_cache'])} = {how})"
+            )
         return None
 
     def over(self) -> list[str]:
-        "The phases that exceed their memory, and 'rollout engine' when its KV cache cannot hold one request."
+        """The phases that exceed their memory, and 'rollout engine' when its KV cache cannot hold
+        one request."""
         out = [p for p in PHASES if self.peak(p) > self.capacity]
-        if self.engine_problem(): out.append('rollout engine')
-        if sum(self.host.values()) > self.host_capacity: out.append('host')
+        if self.engine_problem():
+            out.append('rollout engine')
+        if sum(self.host.values()) > self.host_capacity:
+            out.append('host')
         return out
+
     @property
-    def fits(self) -> bool: return not self.over()
+    def fits(self) -> bool:
+        return not self.over()
 
     def verdict(self) -> str:
-        "'fits' with the peaks, or what does not fit: the phase, its largest term and the setting that would make it fit."
+        """'fits' with the peaks, or what does not fit: the phase, its largest term and the setting
+        that would make it fit."""
         g = lambda b: f"{b / GiB:.1f} GiB"
-        peaks = (f"rollout {g(self.peak('rollout'))}, update {g(self.peak('update'))}, sync {g(self.peak('sync'))} of {g(self.capacity)} per GPU; "
-                 f"host {g(sum(self.host.values()))} of {g(self.host_capacity)} per node")
+        peaks = (
+            f"rollout {g(self.peak('rollout'))}, update {g(self.peak('update'))}, sync "
+            f"{g(self.peak('sync'))} of {g(self.capacity)} per GPU; "
+            f"host {g(sum(self.host.values()))} of {g(self.host_capacity)} per node"
+        )
         e = self.details.get('engine')
-        if e: peaks += (f"; KV cache {e['kv_tokens']:,} tokens per engine for {e['tokens_per_chunk_step']:,} a chunk step needs"
-                        + (f" ({e['waves']} waves)" if e['waves'] and e['waves'] > 1 else ''))
-        whatif = ('; WHAT-IF: offload=True models moving the trainer state to host RAM during rollout, which the project '
-                  'does not implement') if self.settings.get('offload') else ''
-        if self.fits: return f"fits: {peaks}{whatif}"
+        if e:
+            peaks += (
+                f"; KV cache {e['kv_tokens']:,} tokens per engine for "
+                f"{e['tokens_per_chunk_step']:,} a chunk step needs"
+                + (f" ({e['waves']} waves)" if e['waves'] and e['waves'] > 1 else '')
+            )
+        whatif = (
+            (
+                '; WHAT-IF: offload=True models moving the trainer state to host RAM during '
+                'rollout, which the project '
+                'does not implement'
+            )
+            if self.settings.get('offload')
+            else ''
+        )
+        if self.fits:
+            return f"fits: {peaks}{whatif}"
         msgs = []
         for p in self.over():
-            if p == 'rollout engine': msgs.append(self.engine_problem()); continue
+            if p == 'rollout engine':
+                msgs.append(self.engine_problem())
+                continue
             term, b = self.largest(p)
             msgs.append(f"{p} does not fit (largest term: {term!r}, {g(b)})")
-        fix = '' if 'fix' not in self.settings else f"; would fit with: {self.settings['fix'] or 'no single setting the plan tries'}"
+        fix = (
+            ''
+            if 'fix' not in self.settings
+            else f"; would fit with: {self.settings['fix'] or 'no single setting the plan tries'}"
+        )
         return f"does NOT fit: {'; '.join(msgs)}; {peaks}{fix}{whatif}"
 
     def require_fit(self) -> 'Plan':
         "Return self if it fits, else raise `PlanDoesNotFit` with the verdict."
-        if not self.fits: raise PlanDoesNotFit(f"plan {self.name!r}: {self.verdict()}")
+        if not self.fits:
+            raise PlanDoesNotFit(f"plan {self.name!r}: {self.verdict()}")
         return self
 
     def table(self) -> list[dict]:
         "Rows of (phase, term, GiB) for reports."
-        rows = [dict(phase=p, term=t, GiB=round(b / GiB, 3)) for p in PHASES for t, b in getattr(self, p).items()]
-        rows += [dict(phase='host (per node)', term=t, GiB=round(b / GiB, 3)) for t, b in self.host.items()]
+        rows = [
+            dict(phase=p, term=t, GiB=round(b / GiB, 3))
+            for p in PHASES
+            for t, b in getattr(self, p).items()
+        ]
+        rows += [
+            dict(phase='host (per node)', term=t, GiB=round(b / GiB, 3))
+            for t, b in self.host.items()
+        ]
         return rows
 
     def to_dict(self) -> dict:
-        return dict(name=self.name, cluster=dataclasses.asdict(self.cluster), settings=self.settings, fits=self.fits,
-                    verdict=self.verdict(), capacity_bytes=self.capacity, peak_bytes={p: self.peak(p) for p in PHASES},
-                    rollout=self.rollout, update=self.update, sync=self.sync, host=self.host, tokens=self.tokens, details=self.details,
-                    counterfactuals=self.counterfactuals)
+        return dict(
+            name=self.name,
+            cluster=dataclasses.asdict(self.cluster),
+            settings=self.settings,
+            fits=self.fits,
+            verdict=self.verdict(),
+            capacity_bytes=self.capacity,
+            peak_bytes={p: self.peak(p) for p in PHASES},
+            rollout=self.rollout,
+            update=self.update,
+            sync=self.sync,
+            host=self.host,
+            tokens=self.tokens,
+            details=self.details,
+            counterfactuals=self.counterfactuals,
+        )
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #5a1af127
-def _terms(cfg, cluster: Cluster, offload: bool, head_chunk: int, doc_tokens, bucket_size,
-           sync_bucket_bytes=None, micro_batch=None) -> tuple[dict, dict, dict, dict, dict]:
+def _terms(
+    cfg,
+    cluster: Cluster,
+    offload: bool,
+    head_chunk: int,
+    doc_tokens,
+    bucket_size,
+    sync_bucket_bytes=None,
+    micro_batch=None,
+) -> tuple[dict, dict, dict, dict, dict]:
     b, r, arch = cfg.batch, cfg.rollout, get_arch(cfg.model.name)
     dt, E = cfg.model.dtype, DTYPE_BYTES[cfg.model.dtype]
-    if b.pp != 1: raise ValueError(f"memagent.plan: config key 'batch.pp'={b.pp}: the plan models pipeline parallel size 1 only")
+    if b.pp != 1:
+        raise ValueError(
+            f"memagent.plan: config key 'batch.pp'={b.pp}: the plan models pipeline parallel size "
+            "1 only"
+        )
     tp, dp = (b.tp, cfg.dp_size) if cfg.backend == 'megatron' else (1, b.n_gpus)
     attention = plan_attention(cfg, cluster)
     ref_on = cfg.loss.kl_type != 'none' and cfg.loss.kl_coef > 0
-    det = dict(arch=dataclasses.asdict(arch), tp=tp, dp=dp, attention=attention, reference_model=ref_on)
+    det = dict(
+        arch=dataclasses.asdict(arch), tp=tp, dp=dp, attention=attention, reference_model=ref_on
+    )
     if cfg.backend == 'megatron':
         params = megatron_params(arch, tp, dt, attention)
-        lay = ddp_layout(params, dp, b.distributed_optimizer, grad_fp32=True, bucket_size=bucket_size)
-        if b.distributed_optimizer: weights = sum(x['numel'] * DTYPE_BYTES[x['param_dtype']] for x in lay)
-        else: weights = sum(p.numel * DTYPE_BYTES[p.dtype] for p in params)
+        lay = ddp_layout(
+            params, dp, b.distributed_optimizer, grad_fp32=True, bucket_size=bucket_size
+        )
+        if b.distributed_optimizer:
+            weights = sum(x['numel'] * DTYPE_BYTES[x['param_dtype']] for x in lay)
+        else:
+            weights = sum(p.numel * DTYPE_BYTES[p.dtype] for p in params)
         grads = sum(x['numel'] * DTYPE_BYTES[x['grad_dtype']] for x in lay)
-        parts = max(optimizer_parts(lay, dp, b.distributed_optimizer), key=lambda x: x['main'] + x['moments'])
-        optim, optim_at_start = parts['main'] + parts['moments'], parts['main']   # m and v appear at the first step
-        grads_between_steps = grads                                   # DDP's grad buffers live as long as the model
+        parts = max(
+            optimizer_parts(lay, dp, b.distributed_optimizer),
+            key=lambda x: x['main'] + x['moments'],
+        )
+        optim, optim_at_start = (
+            parts['main'] + parts['moments'],
+            parts['main'],
+        )  # m and v appear at the first step
+        grads_between_steps = grads  # DDP's grad buffers live as long as the model
         recompute = b.recompute
         det['ddp_buffers'] = [{k: v for k, v in x.items() if k != 'index'} for x in lay]
-        # megatron-core puts 1-D parameters (norms) and biases in a group without weight decay; the rest is one group.
-        # With TE it steps them with TE's FusedAdam (in place), else with torch's foreach AdamW on the fp32 main copy
-        decayed = [p for p in params if not (p.name.endswith('.bias') or 'layernorm' in p.name or p.name.endswith('layer_norm_weight'))]
-        step_tmp = optimizer_step_temporaries(parts['moments'] // 2, len(decayed), cfg.optim.name, cfg.optim.weight_decay,
-                                              fused=cluster.transformer_engine)
+        # megatron-core puts 1-D parameters (norms) and biases in a group without weight decay; the
+        # rest is one group.
+        # With TE it steps them with TE's FusedAdam (in place), else with torch's foreach AdamW on
+        # the fp32 main copy
+        decayed = [
+            p
+            for p in params
+            if not (
+                p.name.endswith('.bias')
+                or 'layernorm' in p.name
+                or p.name.endswith('layer_norm_weight')
+            )
+        ]
+        step_tmp = optimizer_step_temporaries(
+            parts['moments'] // 2,
+            len(decayed),
+            cfg.optim.name,
+            cfg.optim.weight_decay,
+            fused=cluster.transformer_engine,
+        )
         ref = sum(p.numel * DTYPE_BYTES[p.dtype] for p in params) if ref_on else 0
     else:
         n = arch.numel()
-        weights, grads, optim = n * E, n * E, 2 * n * E                # torch: grads in dtype, Adam m and v in the parameters' dtype
-        optim_at_start, grads_between_steps = 0, 0                     # m and v lazy; grads set to None after each step
+        weights, grads, optim = (
+            n * E,
+            n * E,
+            2 * n * E,
+        )  # torch: grads in dtype, Adam m and v in the parameters' dtype
+        optim_at_start, grads_between_steps = (
+            0,
+            0,
+        )  # m and v lazy; grads set to None after each step
         recompute = 'none'
         ref = n * E if ref_on else 0
-        step_tmp = optimizer_step_temporaries(n * E, hf_tensors(arch), cfg.optim.name, cfg.optim.weight_decay)   # one group
-    det['params_per_rank'] = int(weights // E) if cfg.backend == 'torch' else sum(p.numel for p in params)
+        step_tmp = optimizer_step_temporaries(
+            n * E, hf_tensors(arch), cfg.optim.name, cfg.optim.weight_decay
+        )  # one group
+    det['params_per_rank'] = (
+        int(weights // E) if cfg.backend == 'torch' else sum(p.numel for p in params)
+    )
     if micro_batch is None:
         L = min(cfg.max_row_tokens, b.max_tokens_per_micro)
         rows = max(1, b.max_tokens_per_micro // L)
-    else: rows, L = (int(x) for x in micro_batch)
-    act = activation_bytes(arch, rows, L, tp, dt, attention, recompute, b.sequence_parallel and cfg.backend == 'megatron', backend=cfg.backend)
+    else:
+        rows, L = (int(x) for x in micro_batch)
+    act = activation_bytes(
+        arch,
+        rows,
+        L,
+        tp,
+        dt,
+        attention,
+        recompute,
+        b.sequence_parallel and cfg.backend == 'megatron',
+        backend=cfg.backend,
+    )
     vshard = -(-arch.vocab // tp)
-    head = min(head_chunk, rows * L) * vshard * (2 * E + 4 * HEAD_FP32_COPIES) + vshard * arch.hidden * E
-    det.update(micro_batch=dict(rows=rows, seq_len=L, tokens=rows * L, recompute=recompute), activations=act)
+    head = (
+        min(head_chunk, rows * L) * vshard * (2 * E + 4 * HEAD_FP32_COPIES)
+        + vshard * arch.hidden * E
+    )
+    det.update(
+        micro_batch=dict(rows=rows, seq_len=L, tokens=rows * L, recompute=recompute),
+        activations=act,
+    )
     ctx = int(CUDA_CONTEXT_GIB * GiB)
-    blas = CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS               # held from the first step on
+    blas = CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS  # held from the first step on
     colocated = r.engine == 'sglang' and r.colocate
-    # the update holds the backward's terms, then (activations released) the optimizer step's temporaries beside what
-    # outlives the backward (the local spec's score buffer, which megatron's global memory buffer keeps): the phase holds
+    # the update holds the backward's terms, then (activations released) the optimizer step's
+    # temporaries beside what
+    # outlives the backward (the local spec's score buffer, which megatron's global memory buffer
+    # keeps): the phase holds
     # the larger, so the step's term is what it needs beyond the backward's
     backward = act['saved_total'] + act['working'] + act['transient'] + head
     scores = act['persistent']
-    update = {'weights': weights, 'gradients': grads, 'optimizer states': optim, 'reference model': ref,
-              'activations (saved)': act['saved_total'], 'activations (backward working set)': act['working'],
-              'attention backward transients': act['transient'], 'log-prob head chunk': head,
-              'optimizer step temporaries': max(0, scores + step_tmp - backward), 'cuBLAS workspaces': blas, 'trainer CUDA context': ctx}
+    update = {
+        'weights': weights,
+        'gradients': grads,
+        'optimizer states': optim,
+        'reference model': ref,
+        'activations (saved)': act['saved_total'],
+        'activations (backward working set)': act['working'],
+        'attention backward transients': act['transient'],
+        'log-prob head chunk': head,
+        'optimizer step temporaries': max(0, scores + step_tmp - backward),
+        'cuBLAS workspaces': blas,
+        'trainer CUDA context': ctx,
+    }
     static = weights + grads + optim + ref + blas
-    det['update_phases'] = {'backward': static + backward, 'optimizer step': static + scores + step_tmp}
-    det['optimizer_step'] = dict(temporaries=step_tmp, optimizer=cfg.optim.name,
-                                 fused=cfg.backend == 'megatron' and cluster.transformer_engine,
-                                 rule="torch's foreach AdamW allocates sqrt(v) for a whole parameter group (SGD with weight decay: "
-                                      "its gradients), up to 1 MiB of allocator slack per tensor; a fused optimizer (TE's) none")
-    # the trainer's state on the GPU while the engine runs (steps >= 2) and when the engine starts (before step 1)
-    resident = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim, 'reference model': ref}
-    at_start = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim_at_start, 'reference model': ref}
+    det['update_phases'] = {
+        'backward': static + backward,
+        'optimizer step': static + scores + step_tmp,
+    }
+    det['optimizer_step'] = dict(
+        temporaries=step_tmp,
+        optimizer=cfg.optim.name,
+        fused=cfg.backend == 'megatron' and cluster.transformer_engine,
+        rule=(
+            "torch's foreach AdamW allocates sqrt(v) for a whole parameter group (SGD with weight "
+            "decay: "
+            "its gradients), up to 1 MiB of allocator slack per tensor; a fused optimizer (TE's) "
+            "none"
+        ),
+    )
+    # the trainer's state on the GPU while the engine runs (steps >= 2) and when the engine starts
+    # (before step 1)
+    resident = {
+        'weights': weights,
+        'gradients': grads_between_steps,
+        'optimizer states': optim,
+        'reference model': ref,
+    }
+    at_start = {
+        'weights': weights,
+        'gradients': grads_between_steps,
+        'optimizer states': optim_at_start,
+        'reference model': ref,
+    }
     held = sum(resident.values())
-    if offload: resident = at_start = {t: 0 for t in resident}
+    if offload:
+        resident = at_start = {t: 0 for t in resident}
     label = lambda t: f'trainer {t}' + (' (offloaded, what-if)' if offload else '')
     rollout = {label(t): v for t, v in resident.items()}
     rollout['trainer cuBLAS workspaces'] = blas
-    if scores: rollout['trainer attention score buffer'] = scores   # from the first update on
+    if scores:
+        rollout['trainer attention score buffer'] = scores  # from the first update on
     rollout['trainer CUDA context'] = ctx
     if colocated:
         cap = int(cluster.gpu_gb * GiB)
         etp = r.gpus_per_engine
         eng_w = sum(p.numel for p in megatron_params(arch, etp, dt, 'te', pad_vocab=False)) * E
         kv_per_token = arch.layers * 2 * max(1, arch.kv_heads // etp) * arch.head_dim * E
-        free0 = cap - sum(at_start.values()) - 2 * ctx                 # free when the engine measures: both CUDA contexts exist
+        free0 = (
+            cap - sum(at_start.values()) - 2 * ctx
+        )  # free when the engine measures: both CUDA contexts exist
         pool = sglang_kv_pool(free0, eng_w, r.mem_fraction, kv_per_token)
         kv, kv_tokens = pool['kv_bytes'], pool['kv_tokens']
-        per_req, rpe = cfg.engine_context_tokens, tokens_per_step(cfg, doc_tokens)['requests_per_engine']
+        per_req, rpe = (
+            cfg.engine_context_tokens,
+            tokens_per_step(cfg, doc_tokens)['requests_per_engine'],
+        )
         concurrent = kv_tokens // per_req
-        det['engine'] = dict(gpus_per_engine=etp, mem_fraction=r.mem_fraction, trainer_at_start=at_start,
-                             largest_at_start=max(at_start.items(), key=lambda kv: kv[1]), free_at_start=free0,
-                             headroom=pool['headroom'], weights=eng_w, kv_cache=kv, kv_bytes_per_token=kv_per_token,
-                             kv_tokens=kv_tokens, tokens_per_request=per_req, requests_per_engine=rpe,
-                             tokens_per_chunk_step=rpe * per_req, concurrent_requests=concurrent,
-                             waves=-(-rpe // concurrent) if concurrent else None,
-                             rule='sglang_kv_pool: f x free-at-start - engine weights (SGLang profile_max_num_token)')
-        rollout.update({'engine CUDA context': ctx, 'engine weights': eng_w, 'engine KV cache': max(0, kv),
-                        'engine runtime': int(ENGINE_RUNTIME_GIB * GiB)})
+        det['engine'] = dict(
+            gpus_per_engine=etp,
+            mem_fraction=r.mem_fraction,
+            trainer_at_start=at_start,
+            largest_at_start=max(at_start.items(), key=lambda kv: kv[1]),
+            free_at_start=free0,
+            headroom=pool['headroom'],
+            weights=eng_w,
+            kv_cache=kv,
+            kv_bytes_per_token=kv_per_token,
+            kv_tokens=kv_tokens,
+            tokens_per_request=per_req,
+            requests_per_engine=rpe,
+            tokens_per_chunk_step=rpe * per_req,
+            concurrent_requests=concurrent,
+            waves=-(-rpe // concurrent) if concurrent else None,
+            rule=(
+                'sglang_kv_pool: f x free-at-start - engine weights (SGLang profile_max_num_token)'
+            ),
+        )
+        rollout.update(
+            {
+                'engine CUDA context': ctx,
+                'engine weights': eng_w,
+                'engine KV cache': max(0, kv),
+                'engine runtime': int(ENGINE_RUNTIME_GIB * GiB),
+            }
+        )
         update['released engine residue'] = int(ENGINE_RESIDUE_GIB * GiB)
         update['engine CUDA context'] = ctx
-    # the weight sync after a step: the trainer's state then (m and v exist), the largest bucket of gathered weights,
-    # and colocated, the engine's context, residue and weights resumed (its KV cache comes back after the gather is freed)
+    # the weight sync after a step: the trainer's state then (m and v exist), the largest bucket of
+    # gathered weights,
+    # and colocated, the engine's context, residue and weights resumed (its KV cache comes back
+    # after the gather is freed)
     if cfg.backend == 'megatron':
         ga = gather_peak_bytes(arch, tp, dt, attention, sync_bucket_bytes)
-        det['sync'] = dict(ga, rule='gather_tp_shards: one bucket of gathered (unsharded) tensors at once on the device, '
-                                    'copied to host and freed before the next; the cache emptied before the engine resumes')
+        det['sync'] = dict(
+            ga,
+            rule=(
+                'gather_tp_shards: one bucket of gathered (unsharded) tensors at once on the '
+                'device, '
+                'copied to host and freed before the next; the cache emptied before the engine '
+                'resumes'
+            ),
+        )
     else:
         ga = dict(peak=0)
-        det['sync'] = dict(ga, rule="the torch backend's hf_state_dict is its own weights: nothing gathered")
-    sync = {'weights': weights, 'gradients': grads_between_steps, 'optimizer states': optim, 'reference model': ref,
-            'weight gather bucket (peak)': ga['peak'], 'cuBLAS workspaces': blas, 'attention score buffer': scores, 'trainer CUDA context': ctx}
+        det['sync'] = dict(
+            ga, rule="the torch backend's hf_state_dict is its own weights: nothing gathered"
+        )
+    sync = {
+        'weights': weights,
+        'gradients': grads_between_steps,
+        'optimizer states': optim,
+        'reference model': ref,
+        'weight gather bucket (peak)': ga['peak'],
+        'cuBLAS workspaces': blas,
+        'attention score buffer': scores,
+        'trainer CUDA context': ctx,
+    }
     if colocated:
-        sync.update({'engine CUDA context': ctx, 'released engine residue': int(ENGINE_RESIDUE_GIB * GiB), 'engine weights': eng_w})
-    # host RAM per node: offloaded trainer state of this node's GPUs, and on the driver's node the export model
-    # (an HF copy in the model dtype) plus the state dicts in flight while weights sync (a gathered copy and its HF form);
+        sync.update(
+            {
+                'engine CUDA context': ctx,
+                'released engine residue': int(ENGINE_RESIDUE_GIB * GiB),
+                'engine weights': eng_w,
+            }
+        )
+    # host RAM per node: offloaded trainer state of this node's GPUs, and on the driver's node the
+    # export model
+    # (an HF copy in the model dtype) plus the state dicts in flight while weights sync (a gathered
+    # copy and its HF form);
     # (the other ranks join the gather and keep no copy: hf_state_dict(keep=False))
     n_full = arch.numel() * E
     ranks = min(cluster.gpus_per_node, b.n_gpus)
-    host = {'offloaded trainer state': held * ranks if offload else 0,
-            'driver export model': n_full, 'state dicts in flight': 2 * n_full}
+    host = {
+        'offloaded trainer state': held * ranks if offload else 0,
+        'driver export model': n_full,
+        'state dicts in flight': 2 * n_full,
+    }
     return rollout, update, sync, host, det
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #3c3dccdc
-def make_plan(cfg, cluster: Cluster | None = None, offload: bool = False, head_chunk: int = 1024,
-              doc_tokens: int | None = None, bucket_size: int | None = None, search: bool = True,
-              sync_bucket_bytes: int | None = None, micro_batch: tuple[int, int] | None = None) -> Plan:
-    "The plan of `cfg` on `cluster`: terms per phase (rollout, update, sync), host RAM, tokens per step, the verdict; with `search`, a fix when it does not fit and the counterfactuals. `offload=True` is a what-if (not implemented)."
+def make_plan(
+    cfg,
+    cluster: Cluster | None = None,
+    offload: bool = False,
+    head_chunk: int = 1024,
+    doc_tokens: int | None = None,
+    bucket_size: int | None = None,
+    search: bool = True,
+    sync_bucket_bytes: int | None = None,
+    micro_batch: tuple[int, int] | None = None,
+) -> Plan:
+    """The plan of `cfg` on `cluster`: terms per phase (rollout, update, sync), host RAM, tokens per
+    step, the verdict; with `search`, a fix when it does not fit and the counterfactuals.
+    `offload=True` is a what-if (not implemented)."""
     cluster = cluster or Cluster()
     if not isinstance(offload, bool):
-        raise ValueError(f"memagent.plan: offload must be True or False (the project does not offload; True is a what-if), got {offload!r}")
+        raise ValueError(
+            "memagent.plan: offload must be True or False (the project does not offload; True is "
+            f"a what-if), got {offload!r}"
+        )
     if cfg.batch.n_gpus > cluster.gpus_per_node and cfg.batch.n_gpus % cluster.gpus_per_node:
-        raise ValueError(f"memagent.plan: batch.n_gpus={cfg.batch.n_gpus} is not a whole number of nodes of {cluster.gpus_per_node} GPUs")
+        raise ValueError(
+            f"memagent.plan: batch.n_gpus={cfg.batch.n_gpus} is not a whole number of nodes of "
+            f"{cluster.gpus_per_node} GPUs"
+        )
     colocated = cfg.rollout.engine == 'sglang' and cfg.rollout.colocate
     off = offload
-    ro, up, sy, host, det = _terms(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes, micro_batch)
-    settings = dict(backend=cfg.backend, dtype=cfg.model.dtype, tp=det['tp'], dp=det['dp'], recompute=det['micro_batch']['recompute'],
-                    sequence_parallel=cfg.batch.sequence_parallel, distributed_optimizer=cfg.batch.distributed_optimizer,
-                    attention=det['attention'], colocate=colocated, mem_fraction=cfg.rollout.mem_fraction,
-                    gpus_per_engine=cfg.rollout.gpus_per_engine, offload=off, head_chunk=head_chunk,
-                    max_tokens_per_micro=cfg.batch.max_tokens_per_micro, bucket_size=bucket_size, doc_tokens=doc_tokens,
-                    sync_bucket_bytes=det['sync'].get('bucket_bytes'))
-    p = Plan(cfg.name, cluster, settings, ro, up, host, tokens_per_step(cfg, doc_tokens), det, sync=sy)
+    ro, up, sy, host, det = _terms(
+        cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes, micro_batch
+    )
+    settings = dict(
+        backend=cfg.backend,
+        dtype=cfg.model.dtype,
+        tp=det['tp'],
+        dp=det['dp'],
+        recompute=det['micro_batch']['recompute'],
+        sequence_parallel=cfg.batch.sequence_parallel,
+        distributed_optimizer=cfg.batch.distributed_optimizer,
+        attention=det['attention'],
+        colocate=colocated,
+        mem_fraction=cfg.rollout.mem_fraction,
+        gpus_per_engine=cfg.rollout.gpus_per_engine,
+        offload=off,
+        head_chunk=head_chunk,
+        max_tokens_per_micro=cfg.batch.max_tokens_per_micro,
+        bucket_size=bucket_size,
+        doc_tokens=doc_tokens,
+        sync_bucket_bytes=det['sync'].get('bucket_bytes'),
+    )
+    p = Plan(
+        cfg.name, cluster, settings, ro, up, host, tokens_per_step(cfg, doc_tokens), det, sync=sy
+    )
     args = (cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes)
-    if search and not p.fits: p.settings['fix'] = _find_fix(cfg, *args, p)
-    if search: p.counterfactuals = _counterfactuals(cfg, *args)
+    if search and not p.fits:
+        p.settings['fix'] = _find_fix(cfg, *args, p)
+    if search:
+        p.counterfactuals = _counterfactuals(cfg, *args)
     return p
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #043ddb78
 def _variant(cfg, **over):
     from memagent.config import apply_overrides
+
     return apply_overrides(cfg, over)
 
+# %% ../../nbs/14b_plan_2_fit.ipynb #60d41f02
 def _fits(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes=None) -> bool:
-    try: return make_plan(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, search=False, sync_bucket_bytes=sync_bucket_bytes).fits
-    except ValueError: return False
+    try:
+        return make_plan(
+            cfg,
+            cluster,
+            off,
+            head_chunk,
+            doc_tokens,
+            bucket_size,
+            search=False,
+            sync_bucket_bytes=sync_bucket_bytes,
+        ).fits
+    except ValueError:
+        return False
 
+# %% ../../nbs/14b_plan_2_fit.ipynb #26235125
 def _largest_fitting(lo, hi, ok, step):
-    "The largest value v in [lo, hi] (multiples of `step`) with ok(v), assuming ok is monotone decreasing; None if none."
-    if not ok(lo): return None
+    """The largest value v in [lo, hi] (multiples of `step`) with ok(v), assuming ok is monotone
+    decreasing; None if none."""
+    if not ok(lo):
+        return None
     lo_i, hi_i = 0, int((hi - lo) // step)
     while lo_i < hi_i:
         mid = (lo_i + hi_i + 1) // 2
-        if ok(lo + mid * step): lo_i = mid
-        else: hi_i = mid - 1
+        if ok(lo + mid * step):
+            lo_i = mid
+        else:
+            hi_i = mid - 1
     return lo + lo_i * step
 
-def _find_fix(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes, plan) -> str | None:
+# %% ../../nbs/14b_plan_2_fit.ipynb #5d14f444
+def _find_fix(
+    cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes, plan
+) -> str | None:
     args = (cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes)
     b = cfg.batch
     if cfg.backend == 'megatron':
-        for rc in RECOMPUTE[RECOMPUTE.index(b.recompute) + 1:]:
-            if _fits(_variant(cfg, **{'batch.recompute': rc}), *args): return f"batch.recompute='{rc}'"
-        if not b.distributed_optimizer and _fits(_variant(cfg, **{'batch.distributed_optimizer': True}), *args):
+        for rc in RECOMPUTE[RECOMPUTE.index(b.recompute) + 1 :]:
+            if _fits(_variant(cfg, **{'batch.recompute': rc}), *args):
+                return f"batch.recompute='{rc}'"
+        if not b.distributed_optimizer and _fits(
+            _variant(cfg, **{'batch.distributed_optimizer': True}), *args
+        ):
             return 'batch.distributed_optimizer=True'
     colocated = cfg.rollout.engine == 'sglang' and cfg.rollout.colocate
-    if colocated:   # not monotone (too low: no KV cache; too high: the rollout peak), so every hundredth, the closest first
+    # not monotone (too low: no KV cache; too high: the rollout peak), so every hundredth, the
+    # closest first
+    if colocated:
         now = round(cfg.rollout.mem_fraction, 2)
-        for m in sorted((i / 100 for i in range(5, 96) if i / 100 != now), key=lambda m: (abs(m - now), m)):
-            if _fits(_variant(cfg, **{'rollout.mem_fraction': m}), *args): return f"rollout.mem_fraction={m:.2f}"
+        for m in sorted(
+            (i / 100 for i in range(5, 96) if i / 100 != now), key=lambda m: (abs(m - now), m)
+        ):
+            if _fits(_variant(cfg, **{'rollout.mem_fraction': m}), *args):
+                return f"rollout.mem_fraction={m:.2f}"
     lo = cfg.max_row_tokens
     if lo < b.max_tokens_per_micro:
-        mt = _largest_fitting(lo, b.max_tokens_per_micro, lambda t: _fits(_variant(cfg, **{'batch.max_tokens_per_micro': int(t)}), *args), 256)
-        if mt is not None: return f"batch.max_tokens_per_micro={int(mt)}"
+        mt = _largest_fitting(
+            lo,
+            b.max_tokens_per_micro,
+            lambda t: _fits(_variant(cfg, **{'batch.max_tokens_per_micro': int(t)}), *args),
+            256,
+        )
+        if mt is not None:
+            return f"batch.max_tokens_per_micro={int(mt)}"
     if cfg.backend == 'megatron':
         for tp in (2, 4, 8):
             if tp > b.tp and b.n_gpus % tp == 0:
                 try:
                     v = _variant(cfg, **{'batch.tp': tp})
-                    if _fits(v, *args): return f"batch.tp={tp}"
-                except ValueError: pass
+                    if _fits(v, *args):
+                        return f"batch.tp={tp}"
+                except ValueError:
+                    pass
     return None
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #2c384f9d
-def _counterfactuals(cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes=None) -> dict:
+def _counterfactuals(
+    cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes=None
+) -> dict:
     out = {}
+
     def add(label, c, o):
         try:
-            p = make_plan(c, cluster, o, head_chunk, doc_tokens, bucket_size, search=False, sync_bucket_bytes=sync_bucket_bytes)
-            out[label] = dict(fits=p.fits, verdict=p.verdict(), peak_gib={ph: round(p.peak(ph) / GiB, 2) for ph in PHASES},
-                              largest={ph: p.largest(ph)[0] for ph in PHASES})
-            if 'engine' in p.details: out[label]['kv_tokens_per_engine'] = p.details['engine']['kv_tokens']
-        except ValueError as e: out[label] = dict(fits=False, verdict=f"invalid: {e}")
+            p = make_plan(
+                c,
+                cluster,
+                o,
+                head_chunk,
+                doc_tokens,
+                bucket_size,
+                search=False,
+                sync_bucket_bytes=sync_bucket_bytes,
+            )
+            out[label] = dict(
+                fits=p.fits,
+                verdict=p.verdict(),
+                peak_gib={ph: round(p.peak(ph) / GiB, 2) for ph in PHASES},
+                largest={ph: p.largest(ph)[0] for ph in PHASES},
+            )
+            if 'engine' in p.details:
+                out[label]['kv_tokens_per_engine'] = p.details['engine']['kv_tokens']
+        except ValueError as e:
+            out[label] = dict(fits=False, verdict=f"invalid: {e}")
+
     if cfg.backend == 'megatron':
         for rc in RECOMPUTE:
-            if rc != cfg.batch.recompute: add(f"recompute={rc}", _variant(cfg, **{'batch.recompute': rc}), off)
+            if rc != cfg.batch.recompute:
+                add(f"recompute={rc}", _variant(cfg, **{'batch.recompute': rc}), off)
         att = plan_attention(cfg, cluster)
-        if att == 'te':     # the local and sdpa specs build no sequence-parallel norms: they run without SP
+        if (
+            att == 'te'
+        ):  # the local and sdpa specs build no sequence-parallel norms: they run without SP
             local = {'batch.attention': 'local', 'batch.sequence_parallel': False}
             add("attention=local (the CPU fallback spec on the GPUs)", _variant(cfg, **local), off)
             if cfg.batch.recompute != 'none':
-                add("attention=local+recompute=none", _variant(cfg, **local, **{'batch.recompute': 'none'}), off)
-            add("attention=sdpa", _variant(cfg, **{'batch.attention': 'sdpa', 'batch.sequence_parallel': False}), off)   # without SP
-        elif att == 'local': add("attention=sdpa", _variant(cfg, **{'batch.attention': 'sdpa'}), off)
-        else: add("attention=local", _variant(cfg, **{'batch.attention': 'local'}), off)
-        add('distributed_optimizer=' + str(not cfg.batch.distributed_optimizer),
-            _variant(cfg, **{'batch.distributed_optimizer': not cfg.batch.distributed_optimizer}), off)
+                add(
+                    "attention=local+recompute=none",
+                    _variant(cfg, **local, **{'batch.recompute': 'none'}),
+                    off,
+                )
+            add(
+                "attention=sdpa",
+                _variant(cfg, **{'batch.attention': 'sdpa', 'batch.sequence_parallel': False}),
+                off,
+            )  # without SP
+        elif att == 'local':
+            add("attention=sdpa", _variant(cfg, **{'batch.attention': 'sdpa'}), off)
+        else:
+            add("attention=local", _variant(cfg, **{'batch.attention': 'local'}), off)
+        add(
+            'distributed_optimizer=' + str(not cfg.batch.distributed_optimizer),
+            _variant(cfg, **{'batch.distributed_optimizer': not cfg.batch.distributed_optimizer}),
+            off,
+        )
     if cfg.rollout.engine == 'sglang' and cfg.rollout.colocate:
-        add('offload=False (what the project does)' if off else 'offload=True (what-if: not implemented)', cfg, not off)
+        add(
+            'offload=False (what the project does)'
+            if off
+            else 'offload=True (what-if: not implemented)',
+            cfg,
+            not off,
+        )
     return out
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #c4e1b7a1
 def checkpoint_bytes(cfg, cpu_stand_in: bool = False, attention: str | None = None) -> dict:
-    "Bytes of one checkpoint of `cfg` (`model`: the HF weights; `optimizer`: every shard's Adam moments and main params), `per_checkpoint` (their sum) and `kept` (`keep_last` + 1: an atomic save writes the new one before it removes the oldest)."
+    """Bytes of one checkpoint of `cfg` (`model`: the HF weights; `optimizer`: every shard's Adam
+    moments and main params), `per_checkpoint` (their sum) and `kept` (`keep_last` + 1: an atomic
+    save writes the new one before it removes the oldest)."""
     arch, dt, E = get_arch(cfg.model.name), cfg.model.dtype, DTYPE_BYTES[cfg.model.dtype]
-    lm_head = arch.vocab * arch.hidden * E if arch.tied else 0      # tied: written as its own tensor
+    lm_head = arch.vocab * arch.hidden * E if arch.tied else 0  # tied: written as its own tensor
     det = dict(backend=cfg.backend, lm_head_copy=lm_head)
     if cfg.backend == 'megatron':
-        b, attention = cfg.batch, attention or 'local'      # every parameter in the model dtype: both specs hold the same bytes
-        model = sum(p.numel * DTYPE_BYTES[p.dtype] for p in megatron_params(arch, 1, dt, attention, pad_vocab=False)) + lm_head
-        rank = megatron_params(arch, b.tp, dt, attention)              # one TP rank (padded vocabulary): what its shards cover
-        main = sum(p.numel * 4 for p in rank if cpu_stand_in or b.distributed_optimizer or DTYPE_BYTES[p.dtype] < 4)
+        b, attention = (
+            cfg.batch,
+            attention or 'local',
+        )  # every parameter in the model dtype: both specs hold the same bytes
+        model = (
+            sum(
+                p.numel * DTYPE_BYTES[p.dtype]
+                for p in megatron_params(arch, 1, dt, attention, pad_vocab=False)
+            )
+            + lm_head
+        )
+        rank = megatron_params(
+            arch, b.tp, dt, attention
+        )  # one TP rank (padded vocabulary): what its shards cover
+        main = sum(
+            p.numel * 4
+            for p in rank
+            if cpu_stand_in or b.distributed_optimizer or DTYPE_BYTES[p.dtype] < 4
+        )
         moments = sum(p.numel * 8 for p in rank)
         optimizer = b.tp * (main + moments)
-        det.update(tp=b.tp, attention=attention, shards=b.tp * (cfg.dp_size if b.distributed_optimizer else 1),
-                   main_params=b.tp * main, moments=b.tp * moments,
-                   optimizer_impl='cpu stand-in' if cpu_stand_in else 'megatron-core ' + ('distributed' if b.distributed_optimizer else 'mixed precision'))
+        det.update(
+            tp=b.tp,
+            attention=attention,
+            shards=b.tp * (cfg.dp_size if b.distributed_optimizer else 1),
+            main_params=b.tp * main,
+            moments=b.tp * moments,
+            optimizer_impl='cpu stand-in'
+            if cpu_stand_in
+            else 'megatron-core '
+            + ('distributed' if b.distributed_optimizer else 'mixed precision'),
+        )
     else:
         n = arch.numel()
-        model, optimizer = n * E + lm_head, 2 * n * E                   # AdamW m and v in the parameters' dtype
+        model, optimizer = n * E + lm_head, 2 * n * E  # AdamW m and v in the parameters' dtype
         det.update(shards=1, main_params=0, moments=optimizer, optimizer_impl='torch AdamW')
     per = model + optimizer
     keep = cfg.schedule.keep_last
-    return dict(model=model, optimizer=optimizer, per_checkpoint=per, kept=(keep + 1) * per, checkpoints_at_peak=keep + 1,
-                kept_between_saves=keep * per, details=det)
+    return dict(
+        model=model,
+        optimizer=optimizer,
+        per_checkpoint=per,
+        kept=(keep + 1) * per,
+        checkpoints_at_peak=keep + 1,
+        kept_between_saves=keep * per,
+        details=det,
+    )

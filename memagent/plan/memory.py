@@ -18,9 +18,11 @@ __all__ = ['GiB', 'DTYPE_BYTES', 'ARCHS', 'ALLOCATOR_SLACK', 'RECOMPUTE', 'ATTEN
 GiB = 2**30
 DTYPE_BYTES = {'float32': 4, 'bfloat16': 2, 'float16': 2}
 
+
 @dataclass(frozen=True)
 class Arch:
     "The shape facts of a decoder-only model that memory depends on."
+
     name: str
     hidden: int
     layers: int
@@ -29,116 +31,235 @@ class Arch:
     head_dim: int
     ffn: int
     vocab: int
-    tied: bool                      # output layer shares the embedding
-    qk_norm: bool = True            # Qwen3: RMSNorm on each query and key head
-    qkv_bias: bool = False          # Qwen2.5: biases on q, k, v
+    tied: bool  # output layer shares the embedding
+    qk_norm: bool = True  # Qwen3: RMSNorm on each query and key head
+    qkv_bias: bool = False  # Qwen2.5: biases on q, k, v
     source: str = ''
 
     def numel(self) -> int:
         "Parameters of the whole model (unpadded vocabulary)."
         return sum(p.numel for p in megatron_params(self, tp=1, dtype='float32', pad_vocab=False))
 
+# %% ../../nbs/14b_plan_1_memory.ipynb #780cd277
 ARCHS = {
-    'Qwen/Qwen3-4B': Arch('Qwen/Qwen3-4B', hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=9728,
-                          vocab=151936, tied=True,
-                          source='huggingface.co/Qwen/Qwen3-4B/blob/1cfa9a7208912126459214e8b04321603b3df60c/config.json'),
-    'Qwen/Qwen3-0.6B': Arch('Qwen/Qwen3-0.6B', hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072,
-                            vocab=151936, tied=True,
-                            source='huggingface.co/Qwen/Qwen3-0.6B/blob/c1899de289a04d12100db370d81485cdf75e47ca/config.json'),
-    'Qwen/Qwen2.5-7B-Instruct': Arch('Qwen/Qwen2.5-7B-Instruct', hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128,
-                                     ffn=18944, vocab=152064, tied=False, qk_norm=False, qkv_bias=True,
-                                     source='huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/config.json'),
+    'Qwen/Qwen3-4B': Arch(
+        'Qwen/Qwen3-4B',
+        hidden=2560,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        ffn=9728,
+        vocab=151936,
+        tied=True,
+        source=(
+            'huggingface.co/Qwen/Qwen3-4B/blob/1cfa9a7208912126459214e8b04321603b3df60c/config.json'
+        ),
+    ),
+    'Qwen/Qwen3-0.6B': Arch(
+        'Qwen/Qwen3-0.6B',
+        hidden=1024,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        ffn=3072,
+        vocab=151936,
+        tied=True,
+        source=(
+            'huggingface.co/Qwen/Qwen3-0.6B/blob/c1899de289a04d12100db370d81485cdf75e47ca/config.json'
+        ),
+    ),
+    'Qwen/Qwen2.5-7B-Instruct': Arch(
+        'Qwen/Qwen2.5-7B-Instruct',
+        hidden=3584,
+        layers=28,
+        heads=28,
+        kv_heads=4,
+        head_dim=128,
+        ffn=18944,
+        vocab=152064,
+        tied=False,
+        qk_norm=False,
+        qkv_bias=True,
+        source='huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/config.json',
+    ),
 }
+
 
 def arch_from_hf(hf_config, name: str | None = None) -> Arch:
     "An `Arch` from an HF Qwen3/Qwen2/Llama config object."
     c = hf_config
     heads = c.num_attention_heads
-    return Arch(name or getattr(c, '_name_or_path', '') or c.model_type, hidden=c.hidden_size, layers=c.num_hidden_layers,
-                heads=heads, kv_heads=getattr(c, 'num_key_value_heads', None) or heads,
-                head_dim=getattr(c, 'head_dim', None) or c.hidden_size // heads, ffn=c.intermediate_size, vocab=c.vocab_size,
-                tied=bool(getattr(c, 'tie_word_embeddings', False)), qk_norm=c.model_type == 'qwen3',
-                qkv_bias=c.model_type == 'qwen2' or bool(getattr(c, 'attention_bias', False)), source=f'HF config ({c.model_type})')
+    return Arch(
+        name or getattr(c, '_name_or_path', '') or c.model_type,
+        hidden=c.hidden_size,
+        layers=c.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(c, 'num_key_value_heads', None) or heads,
+        head_dim=getattr(c, 'head_dim', None) or c.hidden_size // heads,
+        ffn=c.intermediate_size,
+        vocab=c.vocab_size,
+        tied=bool(getattr(c, 'tie_word_embeddings', False)),
+        qk_norm=c.model_type == 'qwen3',
+        qkv_bias=c.model_type == 'qwen2' or bool(getattr(c, 'attention_bias', False)),
+        source=f'HF config ({c.model_type})',
+    )
 
+# %% ../../nbs/14b_plan_1_memory.ipynb #d82bcc00
 def get_arch(name: str) -> Arch:
-    "The architecture of a model name: the table above, else the HF config of a name `memagent.models` resolves offline."
-    if name in ARCHS: return ARCHS[name]
+    """The architecture of a model name: the table above, else the HF config of a name
+    `memagent.models` resolves offline."""
+    if name in ARCHS:
+        return ARCHS[name]
     from transformers import AutoConfig
     from memagent.models import model_dir
-    try: d = model_dir(name)
+
+    try:
+        d = model_dir(name)
     except FileNotFoundError as e:
-        raise KeyError(f"memagent.plan: no architecture for model {name!r}: not in ARCHS {sorted(ARCHS)} and {e}") from e
+        raise KeyError(
+            f"memagent.plan: no architecture for model {name!r}: not in ARCHS {sorted(ARCHS)} and "
+            f"{e}"
+        ) from e
     return arch_from_hf(AutoConfig.from_pretrained(d, local_files_only=True), name=name)
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #416affc4
 @dataclass(frozen=True)
 class ParamSpec:
     "One parameter of one TP rank: its megatron name, elements and dtype."
+
     name: str
     numel: int
     dtype: str
 
-def megatron_params(arch: Arch, tp: int = 1, dtype: str = 'bfloat16', attention: str = 'local',
-                    pad_vocab: bool = True) -> list[ParamSpec]:
-    "One TP rank's parameters in `GPTModel.named_parameters()` order (local or Transformer Engine layer spec; sdpa has the local spec's)."
+# %% ../../nbs/14b_plan_1_memory.ipynb #64c11e9c
+def megatron_params(
+    arch: Arch,
+    tp: int = 1,
+    dtype: str = 'bfloat16',
+    attention: str = 'local',
+    pad_vocab: bool = True,
+) -> list[ParamSpec]:
+    """One TP rank's parameters in `GPTModel.named_parameters()` order (local or Transformer Engine
+    layer spec; sdpa has the local spec's)."""
     a = arch
     for what, n in (('heads', a.heads), ('kv_heads', a.kv_heads), ('ffn', a.ffn)):
-        if n % tp: raise ValueError(f"memagent.plan: {a.name}: {what}={n} is not divisible by tensor parallel size {tp}")
-    if attention not in ('local', 'sdpa', 'te'): raise ValueError(f"memagent.plan: attention must be 'local', 'sdpa' or 'te', got {attention!r}")
+        if n % tp:
+            raise ValueError(
+                f"memagent.plan: {a.name}: {what}={n} is not divisible by tensor parallel size {tp}"
+            )
+    if attention not in ('local', 'sdpa', 'te'):
+        raise ValueError(
+            f"memagent.plan: attention must be 'local', 'sdpa' or 'te', got {attention!r}"
+        )
     if pad_vocab:
         from memagent.backends.megatron import padded_vocab
+
         v = padded_vocab(a.vocab, tp) // tp
-    else: v = a.vocab / tp
+    else:
+        v = a.vocab / tp
     h, q, k, f = a.hidden, a.heads * a.head_dim // tp, a.kv_heads * a.head_dim // tp, a.ffn // tp
     out = [ParamSpec('embedding.word_embeddings.weight', int(v * h), dtype)]
     for i in range(a.layers):
         p = f'decoder.layers.{i}.'
         qkv = [ParamSpec(p + 'self_attention.linear_qkv.weight', (q + 2 * k) * h, dtype)]
-        if a.qkv_bias: qkv.append(ParamSpec(p + 'self_attention.linear_qkv.bias', q + 2 * k, dtype))
-        qkn = [ParamSpec(p + 'self_attention.q_layernorm.weight', a.head_dim, dtype),
-               ParamSpec(p + 'self_attention.k_layernorm.weight', a.head_dim, dtype)] if a.qk_norm else []
-        fc1, fc2 = ParamSpec(p + 'mlp.linear_fc1.weight', 2 * f * h, dtype), ParamSpec(p + 'mlp.linear_fc2.weight', h * f, dtype)
+        if a.qkv_bias:
+            qkv.append(ParamSpec(p + 'self_attention.linear_qkv.bias', q + 2 * k, dtype))
+        qkn = (
+            [
+                ParamSpec(p + 'self_attention.q_layernorm.weight', a.head_dim, dtype),
+                ParamSpec(p + 'self_attention.k_layernorm.weight', a.head_dim, dtype),
+            ]
+            if a.qk_norm
+            else []
+        )
+        fc1, fc2 = (
+            ParamSpec(p + 'mlp.linear_fc1.weight', 2 * f * h, dtype),
+            ParamSpec(p + 'mlp.linear_fc2.weight', h * f, dtype),
+        )
         proj = ParamSpec(p + 'self_attention.linear_proj.weight', h * q, dtype)
         if attention != 'te':
-            out += [ParamSpec(p + 'input_layernorm.weight', h, dtype), proj, *qkv, *qkn,
-                    ParamSpec(p + 'pre_mlp_layernorm.weight', h, dtype), fc1, fc2]
+            out += [
+                ParamSpec(p + 'input_layernorm.weight', h, dtype),
+                proj,
+                *qkv,
+                *qkn,
+                ParamSpec(p + 'pre_mlp_layernorm.weight', h, dtype),
+                fc1,
+                fc2,
+            ]
         else:
-            out += [proj, ParamSpec(p + 'self_attention.linear_qkv.layer_norm_weight', h, dtype), *qkv, *qkn,
-                    ParamSpec(p + 'mlp.linear_fc1.layer_norm_weight', h, dtype), fc1, fc2]
+            out += [
+                proj,
+                ParamSpec(p + 'self_attention.linear_qkv.layer_norm_weight', h, dtype),
+                *qkv,
+                *qkn,
+                ParamSpec(p + 'mlp.linear_fc1.layer_norm_weight', h, dtype),
+                fc1,
+                fc2,
+            ]
     out.append(ParamSpec('decoder.final_layernorm.weight', h, dtype))
-    if not a.tied: out.append(ParamSpec('output_layer.weight', int(v * h), dtype))
+    if not a.tied:
+        out.append(ParamSpec('output_layer.weight', int(v * h), dtype))
     return out
 
-def _pad(n: int, d: int) -> int: return -(-n // d) * d
+# %% ../../nbs/14b_plan_1_memory.ipynb #52c592e3
+def _pad(n: int, d: int) -> int:
+    return -(-n // d) * d
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #f2510735
-def ddp_layout(params: list[ParamSpec], dp: int = 1, distributed_optimizer: bool = False, grad_fp32: bool = True,
-               bucket_size: int | None = None) -> list[dict]:
-    "Megatron DDP's buffers: per (param dtype, grad dtype), `numel` (padded), `numel_unpadded`, bucket ranges and each parameter's range."
+def ddp_layout(
+    params: list[ParamSpec],
+    dp: int = 1,
+    distributed_optimizer: bool = False,
+    grad_fp32: bool = True,
+    bucket_size: int | None = None,
+) -> list[dict]:
+    """Megatron DDP's buffers: per (param dtype, grad dtype), `numel` (padded), `numel_unpadded`,
+    bucket ranges and each parameter's range."""
     groups = {}
-    for p in params: groups.setdefault((p.dtype, 'float32' if grad_fp32 else p.dtype), []).append(p)
+    for p in params:
+        groups.setdefault((p.dtype, 'float32' if grad_fp32 else p.dtype), []).append(p)
     bucket_div = math.lcm(dp, 128)
     out = []
     for (pdt, gdt), ps in groups.items():
         start, bstart, index, buckets, unpadded, in_bucket = 0, 0, {}, [], 0, 0
         for p in reversed(ps):
-            if distributed_optimizer: start = _pad(start, 64)
+            if distributed_optimizer:
+                start = _pad(start, 64)
             end = start + p.numel
-            index[p.name] = (start, end, len(buckets)); in_bucket += 1
+            index[p.name] = (start, end, len(buckets))
+            in_bucket += 1
             if bucket_size is not None and end - bstart >= bucket_size:
                 unpadded += end - bstart
                 bend = _pad(end, bucket_div) if distributed_optimizer else end
-                buckets.append((bstart, bend)); bstart = start = bend; in_bucket = 0
-            else: start = end
+                buckets.append((bstart, bend))
+                bstart = start = bend
+                in_bucket = 0
+            else:
+                start = end
         if in_bucket:
             unpadded += end - bstart
             buckets.append((bstart, _pad(end, bucket_div) if distributed_optimizer else end))
-        out.append(dict(param_dtype=pdt, grad_dtype=gdt, numel=buckets[-1][1], numel_unpadded=unpadded,
-                        buckets=buckets, index=index, params=len(ps), param_numel=sum(p.numel for p in ps)))
+        out.append(
+            dict(
+                param_dtype=pdt,
+                grad_dtype=gdt,
+                numel=buckets[-1][1],
+                numel_unpadded=unpadded,
+                buckets=buckets,
+                index=index,
+                params=len(ps),
+                param_numel=sum(p.numel for p in ps),
+            )
+        )
     return out
 
+# %% ../../nbs/14b_plan_1_memory.ipynb #e7924ec7
 def optimizer_shards(layout: list[dict], dp: int) -> list[list[int]]:
-    "Per buffer, per DP rank: the parameter elements that rank's optimizer owns (megatron's gbuf range map)."
+    """Per buffer, per DP rank: the parameter elements that rank's optimizer owns (megatron's gbuf
+    range map)."""
     res = []
     for buf in layout:
         owned = [0] * dp
@@ -146,14 +267,22 @@ def optimizer_shards(layout: list[dict], dp: int) -> list[list[int]]:
             size = (b1 - b0) // dp
             for r in range(dp):
                 lo, hi = b0 + r * size, b0 + (r + 1) * size
-                owned[r] += sum(max(0, min(hi, e) - max(lo, s)) for s, e, _ in buf['index'].values())
+                owned[r] += sum(
+                    max(0, min(hi, e) - max(lo, s)) for s, e, _ in buf['index'].values()
+                )
         res.append(owned)
     return res
 
+# %% ../../nbs/14b_plan_1_memory.ipynb #594194e1
 def optimizer_parts(layout: list[dict], dp: int, distributed_optimizer: bool) -> list[dict]:
-    "Per DP rank: bytes of the fp32 main copy of 16-bit parameters (`main`, built with the optimizer) and of Adam's m and v (`moments`, fp32, built at the first step)."
+    """Per DP rank: bytes of the fp32 main copy of 16-bit parameters (`main`, built with the
+    optimizer) and of Adam's m and v (`moments`, fp32, built at the first step)."""
     per = [dict(main=0, moments=0) for _ in range(dp)]
-    shards = optimizer_shards(layout, dp) if distributed_optimizer else [[buf['param_numel']] * dp for buf in layout]
+    shards = (
+        optimizer_shards(layout, dp)
+        if distributed_optimizer
+        else [[buf['param_numel']] * dp for buf in layout]
+    )
     for buf, owned in zip(layout, shards):
         main = 4 if DTYPE_BYTES[buf['param_dtype']] < 4 else 0
         for r in range(dp):
@@ -161,137 +290,292 @@ def optimizer_parts(layout: list[dict], dp: int, distributed_optimizer: bool) ->
             per[r]['moments'] += owned[r] * 8
     return per
 
+# %% ../../nbs/14b_plan_1_memory.ipynb #beccf2f1
 def optimizer_bytes(layout: list[dict], dp: int, distributed_optimizer: bool) -> list[int]:
-    "Optimizer-state bytes per DP rank: fp32 main copy of 16-bit parameters + Adam m and v (fp32), sharded or whole."
+    """Optimizer-state bytes per DP rank: fp32 main copy of 16-bit parameters + Adam m and v (fp32),
+    sharded or whole."""
     return [p['main'] + p['moments'] for p in optimizer_parts(layout, dp, distributed_optimizer)]
 
-ALLOCATOR_SLACK = 1 << 20   # torch's CUDA caching allocator hands a cached block out whole when the rest would be 1 MiB or less
+# %% ../../nbs/14b_plan_1_memory.ipynb #b72c5c65
+ALLOCATOR_SLACK = (
+    1 << 20
+    # torch's CUDA caching allocator hands a cached block out whole when the rest would be 1 MiB or
+    # less
+)
+
 
 def hf_tensors(arch: Arch) -> int:
-    "Parameter tensors of the transformers model (`named_parameters()`, a tied head once): what a torch optimizer steps."
-    per_layer = 4 + 2 + 3 + 2 + (2 if arch.qk_norm else 0) + (3 if arch.qkv_bias else 0)   # q k v o, 2 norms, gate up down, q/k norms, biases
+    """Parameter tensors of the transformers model (`named_parameters()`, a tied head once): what a
+    torch optimizer steps."""
+    per_layer = (
+        4 + 2 + 3 + 2 + (2 if arch.qk_norm else 0) + (3 if arch.qkv_bias else 0)
+    )  # q k v o, 2 norms, gate up down, q/k norms, biases
     return 1 + arch.layers * per_layer + 1 + (0 if arch.tied else 1)
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #fec696b5
-def optimizer_step_temporaries(state_bytes: int, tensors: int, optimizer: str = 'adam', weight_decay: float = 0.0,
-                               fused: bool = False) -> int:
-    "Bytes torch's multi-tensor (foreach) optimizer step allocates at once for one parameter group of `tensors` tensors whose gradients (and Adam's v) take `state_bytes`: Adam's sqrt(v), SGD's gradients plus weight decay; none for a fused optimizer."
-    if fused or (optimizer == 'sgd' and not weight_decay): return 0
-    if optimizer not in ('adam', 'sgd'): raise ValueError(f"memagent.plan: optimizer must be 'adam' or 'sgd', got {optimizer!r}")
+def optimizer_step_temporaries(
+    state_bytes: int,
+    tensors: int,
+    optimizer: str = 'adam',
+    weight_decay: float = 0.0,
+    fused: bool = False,
+) -> int:
+    """Bytes torch's multi-tensor (foreach) optimizer step allocates at once for one parameter group
+    of `tensors` tensors whose gradients (and Adam's v) take `state_bytes`: Adam's sqrt(v), SGD's
+    gradients plus weight decay; none for a fused optimizer."""
+    if fused or (optimizer == 'sgd' and not weight_decay):
+        return 0
+    if optimizer not in ('adam', 'sgd'):
+        raise ValueError(f"memagent.plan: optimizer must be 'adam' or 'sgd', got {optimizer!r}")
     return state_bytes + tensors * ALLOCATOR_SLACK
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #f622d143
 RECOMPUTE = ('none', 'selective', 'full')
 
-def _norm_local(s, w, n): return 2 * s * w * 4 + 4 * s * n          # fp32 input, normalized, 1/rms per row
 
-def _norm_hf(s, w, n, E): return s * w * 4 + 4 * s * n + 2 * s * w * E
+def _norm_local(s, w, n):
+    return 2 * s * w * 4 + 4 * s * n  # fp32 input, normalized, 1/rms per row
+
+
+def _norm_hf(s, w, n, E):
+    return s * w * 4 + 4 * s * n + 2 * s * w * E
+
 
 ATTENTION_KINDS = {'megatron': ('local', 'sdpa', 'te'), 'torch': ('eager', 'sdpa')}
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #d61f44d0
-def activation_bytes(arch: Arch, rows: int, seq_len: int, tp: int = 1, dtype: str = 'bfloat16', attention: str = 'local',
-                     recompute: str = 'none', sequence_parallel: bool = False, backend: str = 'megatron') -> dict:
-    "Bytes autograd saves in one micro-batch's forward (`saved`, by term) and backward's extra working set (`working`), per TP rank."
-    if recompute not in RECOMPUTE: raise ValueError(f"memagent.plan: recompute must be one of {RECOMPUTE}, got {recompute!r}")
+def activation_bytes(
+    arch: Arch,
+    rows: int,
+    seq_len: int,
+    tp: int = 1,
+    dtype: str = 'bfloat16',
+    attention: str = 'local',
+    recompute: str = 'none',
+    sequence_parallel: bool = False,
+    backend: str = 'megatron',
+) -> dict:
+    """Bytes autograd saves in one micro-batch's forward (`saved`, by term) and backward's extra
+    working set (`working`), per TP rank."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"memagent.plan: recompute must be one of {RECOMPUTE}, got {recompute!r}")
     if attention not in ATTENTION_KINDS.get(backend, ()):
-        raise ValueError(f"memagent.plan: backend {backend!r} runs attention {ATTENTION_KINDS.get(backend)}, got {attention!r}")
-    if backend == 'torch': attention = 'hf-' + attention
+        raise ValueError(
+            f"memagent.plan: backend {backend!r} runs attention {ATTENTION_KINDS.get(backend)}, "
+            f"got {attention!r}"
+        )
+    if backend == 'torch':
+        attention = 'hf-' + attention
     a, E, L = arch, DTYPE_BYTES[dtype], seq_len
     s = rows * seq_len
     h, d = a.hidden, a.head_dim
-    q, k, f, A, G = a.heads * d // tp, a.kv_heads * d // tp, a.ffn // tp, a.heads // tp, a.kv_heads // tp
+    q, k, f, A, G = (
+        a.heads * d // tp,
+        a.kv_heads * d // tp,
+        a.ffn // tp,
+        a.heads // tp,
+        a.kv_heads // tp,
+    )
     up = E < 4
     qk = a.qk_norm
     if attention in ('local', 'sdpa'):
-        # the q|k|v output's storage: kept by the fp32 q/k norms (their inputs are views of it), else by the value view
+        # the q|k|v output's storage: kept by the fp32 q/k norms (their inputs are views of it),
+        # else by the value view
         qkv_out = s * (q + 2 * k) * E if (up or not qk) else 0
-        core = 3 * s * q * E + rows * A * L * L * (4 + (E if up else 0)) if attention == 'local' else \
-               s * q * E + s * k * E + 4 * s * A + qkv_out                # SDPA: output, roped key, log-sum-exp, the value's storage
-        layer = {'norms': 2 * _norm_local(s, h, 1) + (qk and (2 * s * q * 4 + 4 * s * A + (s * k * 4 if up else s * (q + 2 * k) * 4)
-                                                              + s * k * 4 + 4 * s * G)),
-                 'linear inputs': 2 * s * h * E + s * q * E + s * f * E, 'rope': 4 * L * d * E,
-                 'attention': core, 'mlp': 4 * s * f * E}
-        sel = s * q * E + s * k * E + qkv_out + 4                          # the checkpointed core's inputs: q, k, the value's storage
-        model = {'token ids': 8 * s, 'mask': L * L if attention == 'local' else 0, 'final norm': _norm_local(s, h, 1)}
-        full_extra = L * d * 4                                             # the rotary table, kept once
+        core = (
+            3 * s * q * E + rows * A * L * L * (4 + (E if up else 0))
+            if attention == 'local'
+            else s * q * E + s * k * E + 4 * s * A + qkv_out
+        )  # SDPA: output, roped key, log-sum-exp, the value's storage
+        layer = {
+            'norms': 2 * _norm_local(s, h, 1)
+            + (
+                qk
+                and (
+                    2 * s * q * 4
+                    + 4 * s * A
+                    + (s * k * 4 if up else s * (q + 2 * k) * 4)
+                    + s * k * 4
+                    + 4 * s * G
+                )
+            ),
+            'linear inputs': 2 * s * h * E + s * q * E + s * f * E,
+            'rope': 4 * L * d * E,
+            'attention': core,
+            'mlp': 4 * s * f * E,
+        }
+        sel = (
+            s * q * E + s * k * E + qkv_out + 4
+        )  # the checkpointed core's inputs: q, k, the value's storage
+        model = {
+            'token ids': 8 * s,
+            'mask': L * L if attention == 'local' else 0,
+            'final norm': _norm_local(s, h, 1),
+        }
+        full_extra = L * d * 4  # the rotary table, kept once
     elif attention == 'te':
         sh = s // tp if sequence_parallel else s
-        lnlin = lambda: 2 * sh * h * E + 4 * sh                            # fused norm+linear: input, normed output, 1/rms
-        core = s * q * E + 2 * s * k * E + 4 * s * A                       # flash: q, k, v, log-sum-exp (output = proj input)
-        layer = {'norms': 2 * lnlin() + (qk and (s * q * E + 4 * s * A + s * k * E + 4 * s * G)),
-                 'linear inputs': s * q * E + s * f * E, 'rope': 0, 'attention': core, 'mlp': 2 * s * f * E}
+        lnlin = lambda: 2 * sh * h * E + 4 * sh  # fused norm+linear: input, normed output, 1/rms
+        core = (
+            s * q * E + 2 * s * k * E + 4 * s * A
+        )  # flash: q, k, v, log-sum-exp (output = proj input)
+        layer = {
+            'norms': 2 * lnlin() + (qk and (s * q * E + 4 * s * A + s * k * E + 4 * s * G)),
+            'linear inputs': s * q * E + s * f * E,
+            'rope': 0,
+            'attention': core,
+            'mlp': 2 * s * f * E,
+        }
         sel = s * q * E + 2 * s * k * E
         model = {'token ids': 8 * s, 'mask': 0, 'final norm': lnlin()}
         full_extra = L * d * 4
         h_in = sh * h * E
     else:
-        if recompute != 'none': raise ValueError("memagent.plan: the torch (HF) backend does not recompute; use recompute='none'")
-        core = (2 * s * q * E + 2 * s * k * E + 4 * s * A) if attention == 'hf-sdpa' else \
-               (3 * s * q * E + rows * A * L * L * (4 + (E if up else 0)))
-        layer = {'norms': 2 * _norm_hf(s, h, 1, E) + (qk and (s * q * 4 + 4 * s * A + s * q * E + s * k * 4 + 4 * s * G + s * k * E)),
-                 'linear inputs': s * q * E if attention == 'hf-eager' else 0, 'rope': 0, 'attention': core, 'mlp': 4 * s * f * E}
-        model = {'token ids': 8 * s, 'mask': 0, 'final norm': s * h * 4 + 4 * s + s * h * E, 'rope': 2 * L * d * E}
+        if recompute != 'none':
+            raise ValueError(
+                "memagent.plan: the torch (HF) backend does not recompute; use recompute='none'"
+            )
+        core = (
+            (2 * s * q * E + 2 * s * k * E + 4 * s * A)
+            if attention == 'hf-sdpa'
+            else (3 * s * q * E + rows * A * L * L * (4 + (E if up else 0)))
+        )
+        layer = {
+            'norms': 2 * _norm_hf(s, h, 1, E)
+            + (qk and (s * q * 4 + 4 * s * A + s * q * E + s * k * 4 + 4 * s * G + s * k * E)),
+            'linear inputs': s * q * E if attention == 'hf-eager' else 0,
+            'rope': 0,
+            'attention': core,
+            'mlp': 4 * s * f * E,
+        }
+        model = {
+            'token ids': 8 * s,
+            'mask': 0,
+            'final norm': s * h * 4 + 4 * s + s * h * E,
+            'rope': 2 * L * d * E,
+        }
     per_layer = sum(layer.values())
-    # backward's L x L transients beyond what is saved (one layer at a time): the local spec's persistent score buffer
-    # (megatron's global memory buffer, E per element) and the softmax backward's fp32 gradient in and out (4 + 4);
+    # backward's L x L transients beyond what is saved (one layer at a time): the local spec's
+    # persistent score buffer
+    # (megatron's global memory buffer, E per element) and the softmax backward's fp32 gradient in
+    # and out (4 + 4);
     # HF eager the two fp32 gradients; flash / SDPA / TE none
-    transient = rows * A * L * L * ((E + 8) if attention == 'local' else 8 if attention == 'hf-eager' else 0)
-    if recompute == 'none': layers, working = a.layers * per_layer, 0
+    transient = (
+        rows
+        * A
+        * L
+        * L
+        * ((E + 8) if attention == 'local' else 8 if attention == 'hf-eager' else 0)
+    )
+    if recompute == 'none':
+        layers, working = a.layers * per_layer, 0
     elif recompute == 'selective':
         layers, working = a.layers * (per_layer - core + sel), core
     else:
         layers = a.layers * (h_in if attention == 'te' else s * h * E) + full_extra
         working = per_layer
     saved = {'decoder layers': layers, **model}
-    persistent = rows * A * L * L * E if attention == 'local' else 0    # of the transients, what outlives the step: the score buffer
-    return dict(saved=saved, saved_total=sum(saved.values()), working=working, per_layer=per_layer, transient=transient,
-                persistent=persistent)
+    persistent = (
+        rows * A * L * L * E if attention == 'local' else 0
+    )  # of the transients, what outlives the step: the score buffer
+    return dict(
+        saved=saved,
+        saved_total=sum(saved.values()),
+        working=working,
+        per_layer=per_layer,
+        transient=transient,
+        persistent=persistent,
+    )
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #4428b352
 CUDA_CONTEXT_GIB = 0.5
-"Every process that uses a GPU holds a CUDA context there (its kernels, NCCL's buffers): ~0.3-0.6 GiB with torch on H100/A100, outside torch's allocator."
+"""Every process that uses a GPU holds a CUDA context there (its kernels, NCCL's buffers): ~0.3-0.6
+GiB with torch on H100/A100, outside torch's allocator."""
 
 CUBLAS_WORKSPACE_BYTES, CUBLAS_THREADS = 32 << 20, 2
-"""torch gives each cuBLAS handle a workspace per stream from its caching allocator, so it counts in what the allocator holds:
-32 MiB by default on Hopper and Blackwell (about 8 MiB before), shared with cuBLASLt (`aten/src/ATen/cuda/CublasHandlePool.cpp`:
-`parseChosenWorkspaceSize`, the unified cuBLASLt workspace). Handles are per thread, and a training step runs matmuls on two:
-the main thread (forward, optimizer) and autograd's backward thread. The plan takes the larger size for both."""
+"""torch gives each cuBLAS handle a workspace per stream from its caching allocator, so it counts in
+what the allocator holds:
+32 MiB by default on Hopper and Blackwell (about 8 MiB before), shared with cuBLASLt
+(`aten/src/ATen/cuda/CublasHandlePool.cpp`:
+`parseChosenWorkspaceSize`, the unified cuBLASLt workspace). Handles are per thread, and a training
+step runs matmuls on two:
+the main thread (forward, optimizer) and autograd's backward thread. The plan takes the larger size
+for both."""
 
 ENGINE_RUNTIME_GIB = 2.0
-"""SGLang's memory outside the static pool while serving: CUDA graphs for the decode batch sizes and the
-activations of one chunked-prefill step (8192 tokens x ~40K hidden-sized values x 2 bytes ~ 0.7 GiB for a 4B
-model). They live in the headroom SGLang leaves outside its pool ((1 - mem_fraction_static) x the memory free
+"""SGLang's memory outside the static pool while serving: CUDA graphs for the decode batch sizes and
+the
+activations of one chunked-prefill step (8192 tokens x ~40K hidden-sized values x 2 bytes ~ 0.7 GiB
+for a 4B
+model). They live in the headroom SGLang leaves outside its pool ((1 - mem_fraction_static) x the
+memory free
 when the engine started, see `sglang_kv_pool`); 2 GiB is the share assumed here."""
 
 ENGINE_RESIDUE_GIB = 1.0
-"""What a released engine (`--enable-memory-saver`, release_memory_occupation) keeps besides its CUDA context:
-the saver frees the weights and KV cache (and CUDA graphs where tagged), not the allocator's cached blocks
+"""What a released engine (`--enable-memory-saver`, release_memory_occupation) keeps besides its
+CUDA context:
+the saver frees the weights and KV cache (and CUDA graphs where tagged), not the allocator's cached
+blocks
 outside its regions nor NCCL buffers. Assumed 1 GiB."""
 
 HEAD_FP32_COPIES = 3
-"""The log-prob head (checkpointed per chunk) rebuilds one chunk's logits in backward: the logits in the model dtype, their
-fp32 copy, the softmax and the logits' gradient (fp32), and that gradient in the model dtype for the matmul's backward:
-2E + 3 x 4 bytes per logit. Beside it the output layer's weight gradient in the model dtype (vocab x hidden per TP rank),
-held until the embedding's own gradient joins it (tied) or megatron's DDP hook folds it into the fp32 buffer."""
+"""The log-prob head (checkpointed per chunk) rebuilds one chunk's logits in backward: the logits in
+the model dtype, their
+fp32 copy, the softmax and the logits' gradient (fp32), and that gradient in the model dtype for the
+matmul's backward:
+2E + 3 x 4 bytes per logit. Beside it the output layer's weight gradient in the model dtype (vocab x
+hidden per TP rank),
+held until the embedding's own gradient joins it (tied) or megatron's DDP hook folds it into the
+fp32 buffer."""
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #4cf2c5f0
-def sglang_kv_pool(free_before_load: int, engine_weights: int, mem_fraction: float, kv_bytes_per_token: int) -> dict:
-    "SGLang's KV pool on one GPU: `rest = free after loading - free before loading x (1 - mem_fraction_static)`, in bytes and tokens."
+def sglang_kv_pool(
+    free_before_load: int, engine_weights: int, mem_fraction: float, kv_bytes_per_token: int
+) -> dict:
+    """SGLang's KV pool on one GPU: `rest = free after loading - free before loading x (1 -
+    mem_fraction_static)`, in bytes and tokens."""
     rest = (free_before_load - engine_weights) - free_before_load * (1 - mem_fraction)
     b = int(rest)
-    return dict(kv_bytes=b, kv_tokens=max(0, b) // kv_bytes_per_token, headroom=int(free_before_load * (1 - mem_fraction)))
+    return dict(
+        kv_bytes=b,
+        kv_tokens=max(0, b) // kv_bytes_per_token,
+        headroom=int(free_before_load * (1 - mem_fraction)),
+    )
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #3287b50a
-def gather_peak_bytes(arch: Arch, tp: int, dtype: str = 'bfloat16', attention: str = 'local', bucket_bytes: int | None = None) -> dict:
-    "The weight sync's gather on one TP rank: `peak` = the largest bucket of gathered bytes (`gather_buckets` over the TP-split tensors, full size), `unsharded` = the whole state dict's bytes."
-    from memagent.backends.megatron import SYNC_BUCKET_BYTES, gather_buckets, local_param_name, tp_split_dim
+def gather_peak_bytes(
+    arch: Arch,
+    tp: int,
+    dtype: str = 'bfloat16',
+    attention: str = 'local',
+    bucket_bytes: int | None = None,
+) -> dict:
+    """The weight sync's gather on one TP rank: `peak` = the largest bucket of gathered bytes
+    (`gather_buckets` over the TP-split tensors, full size), `unsharded` = the whole state dict's
+    bytes."""
+    from memagent.backends.megatron import (
+        SYNC_BUCKET_BYTES,
+        gather_buckets,
+        local_param_name,
+        tp_split_dim,
+    )
+
     bucket_bytes = bucket_bytes or SYNC_BUCKET_BYTES
     params = megatron_params(arch, tp, dtype, attention)
     full = lambda p: p.numel * DTYPE_BYTES[p.dtype] * tp
-    split = [(p.name, full(p)) for p in params if tp > 1 and tp_split_dim(local_param_name(p.name)) is not None]
+    split = [
+        (p.name, full(p))
+        for p in params
+        if tp > 1 and tp_split_dim(local_param_name(p.name)) is not None
+    ]
     size = dict(split)
     buckets = gather_buckets(split, bucket_bytes) if split else []
     peaks = [sum(size[k] for k in b) for b in buckets]
-    return dict(peak=max(peaks, default=0), buckets=len(buckets), bucket_bytes=bucket_bytes, largest_tensor=max(size.values(), default=0),
-                unsharded=sum(size.values()) + sum(p.numel * DTYPE_BYTES[p.dtype] for p in params if p.name not in size))
+    return dict(
+        peak=max(peaks, default=0),
+        buckets=len(buckets),
+        bucket_bytes=bucket_bytes,
+        largest_tensor=max(size.values(), default=0),
+        unsharded=sum(size.values())
+        + sum(p.numel * DTYPE_BYTES[p.dtype] for p in params if p.name not in size),
+    )

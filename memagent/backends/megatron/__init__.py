@@ -13,4 +13,5 @@ from .optim import *
 from .backend import *
 from .mapping import _fuse_qkv, _split_qkv
 from . import parallel, model, mapping, optim, backend
+
 __all__ = [*parallel.__all__, *model.__all__, *mapping.__all__, *optim.__all__, *backend.__all__]

@@ -11,9 +11,26 @@ from ...config import OptimCfg
 from ..torch import finish_step, optimizer_state, load_optimizer_state
 from ...checkpoint import no_optimizer_state_reason
 from ...ondevice import compute_device
-from .parallel import require_megatron, cpu_shims, init_parallel, destroy_parallel
-from .model import hf_arch, check_tp, padded_vocab, recompute_config, choose_layer_spec, build_gpt_model
-from .mapping import SYNC_BUCKET_BYTES, load_hf_into_megatron, gather_hf_state_dict, export_megatron_to_hf
+from memagent.backends.megatron.parallel import (
+    require_megatron,
+    cpu_shims,
+    init_parallel,
+    destroy_parallel,
+)
+from memagent.backends.megatron.model import (
+    hf_arch,
+    check_tp,
+    padded_vocab,
+    recompute_config,
+    choose_layer_spec,
+    build_gpt_model,
+)
+from memagent.backends.megatron.mapping import (
+    SYNC_BUCKET_BYTES,
+    load_hf_into_megatron,
+    gather_hf_state_dict,
+    export_megatron_to_hf,
+)
 from .optim import build_megatron_optimizer
 
 # %% auto #0
@@ -21,114 +38,228 @@ __all__ = ['wrap_ddp', 'distributed_optimizer_shard_numels', 'right_pad', 'causa
 
 # %% ../../../nbs/14_megatron_5_backend.ipynb #db108368
 def wrap_ddp(model, use_distributed_optimizer: bool = False):
-    "megatron-core's `DistributedDataParallel` around a `GPTModel`: fp32 main-grad buffers, gradients SUMMED over DP."
+    """megatron-core's `DistributedDataParallel` around a `GPTModel`: fp32 main-grad buffers,
+    gradients SUMMED over DP."""
     require_megatron()
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     if not model.config.calculate_per_token_loss:
-        raise ValueError("wrap_ddp: the model's TransformerConfig must have calculate_per_token_loss=True, "
-                         "else megatron-core's DDP averages gradients over DP instead of summing them")
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
-                                            overlap_grad_reduce=False, overlap_param_gather=False, average_in_collective=False)
-    with cpu_shims(), torch.enable_grad():   # DDP hooks each parameter's grad accumulator, which needs autograd on
+        raise ValueError(
+            "wrap_ddp: the model's TransformerConfig must have calculate_per_token_loss=True, "
+            "else megatron-core's DDP averages gradients over DP instead of summing them"
+        )
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        average_in_collective=False,
+    )
+    with (
+        cpu_shims(),
+        torch.enable_grad(),
+    ):  # DDP hooks each parameter's grad accumulator, which needs autograd on
         return DistributedDataParallel(model.config, ddp_cfg, model)
 
+# %% ../../../nbs/14_megatron_5_backend.ipynb #cf387e60
 class _DPRankView:
     "A stand-in DP group for megatron's range-map builder: it only asks `rank()` and `size()`."
-    def __init__(self, rank, size): self._rank, self._size = rank, size
-    def rank(self): return self._rank
-    def size(self): return self._size
 
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #afd35008
 def distributed_optimizer_shard_numels(ddp) -> dict:
-    "Per-DP-rank element counts of the distributed optimizer's shards, from megatron-core's own range maps over `ddp`'s real buffers."
+    """Per-DP-rank element counts of the distributed optimizer's shards, from megatron-core's own
+    range maps over `ddp`'s real buffers."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
     if not ddp.ddp_config.use_distributed_optimizer:
-        raise ValueError("distributed_optimizer_shard_numels: build the DDP with use_distributed_optimizer=True (its buffers are padded for sharding)")
+        raise ValueError(
+            "distributed_optimizer_shard_numels: build the DDP with "
+            "use_distributed_optimizer=True (its buffers are padded for sharding)"
+        )
     bufs = ddp.buffers + ddp.expert_parallel_buffers
     dp = bufs[0].data_parallel_world_size
     shard = [0] * dp
     for buf in bufs:
-        for r in range(dp):   # megatron's builder reads only these attributes; the group answers as DP rank r would
-            view = types.SimpleNamespace(data_parallel_group=_DPRankView(r, dp), buckets=buf.buckets, param_index_map=buf.param_index_map,
-                                         param_dtype=buf.param_dtype, grad_dtype=buf.grad_dtype)
+        for r in range(
+            dp
+        ):  # megatron's builder reads only these attributes; the group answers as DP rank r would
+            view = types.SimpleNamespace(
+                data_parallel_group=_DPRankView(r, dp),
+                buckets=buf.buckets,
+                param_index_map=buf.param_index_map,
+                param_dtype=buf.param_dtype,
+                grad_dtype=buf.grad_dtype,
+            )
             for bucket_maps in DistributedOptimizer._build_gbuf_range_map(view).values():
-                shard[r] += sum(len(rg['param']) for bm in bucket_maps for rg in bm['param_map'].values())
+                shard[r] += sum(
+                    len(rg['param']) for bm in bucket_maps for rg in bm['param_map'].values()
+                )
     numel = sum(b.numel for b in bufs)
-    return dict(dp=dp, param_numel=sum(p.numel() for b in bufs for p in b.params), grad_buffer_numel=numel,
-                grad_buffer_bytes=sum(b.numel * b.grad_dtype.itemsize for b in bufs), shard_slot_numel=numel // dp,
-                shard_numel=shard, buckets=sum(len(b.buckets) for b in bufs))
+    return dict(
+        dp=dp,
+        param_numel=sum(p.numel() for b in bufs for p in b.params),
+        grad_buffer_numel=numel,
+        grad_buffer_bytes=sum(b.numel * b.grad_dtype.itemsize for b in bufs),
+        shard_slot_numel=numel // dp,
+        shard_numel=shard,
+        buckets=sum(len(b.buckets) for b in bufs),
+    )
 
 # %% ../../../nbs/14_megatron_5_backend.ipynb #2c79e1e9
 def right_pad(seqs: list[list[int]], pad_id: int = 0, masks: list[list[int]] | None = None) -> dict:
-    "Right-pad token lists into a backend batch: `input_ids`, `attention_mask`, `position_ids` [, `response_mask`]."
+    """Right-pad token lists into a backend batch: `input_ids`, `attention_mask`, `position_ids` [,
+    `response_mask`]."""
     L = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
     att = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, s in enumerate(seqs): ids[i, :len(s)] = torch.tensor(s, dtype=torch.long); att[i, :len(s)] = 1
-    batch = dict(input_ids=ids, attention_mask=att, position_ids=torch.arange(L).expand(len(seqs), L) * att)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        att[i, : len(s)] = 1
+    batch = dict(
+        input_ids=ids, attention_mask=att, position_ids=torch.arange(L).expand(len(seqs), L) * att
+    )
     if masks is not None:
         rm = torch.zeros_like(att)
         for i, (s, m) in enumerate(zip(seqs, masks)):
-            if len(m) != len(s): raise ValueError(f"right_pad: row {i}: len(mask)={len(m)} != len(tokens)={len(s)}")
-            rm[i, :len(m)] = torch.tensor(m, dtype=torch.long)
+            if len(m) != len(s):
+                raise ValueError(f"right_pad: row {i}: len(mask)={len(m)} != len(tokens)={len(s)}")
+            rm[i, : len(m)] = torch.tensor(m, dtype=torch.long)
         batch['response_mask'] = rm
     return batch
 
+# %% ../../../nbs/14_megatron_5_backend.ipynb #dba6b154
 def _chunk_logp(h, w, tgt, temperature):
     logits = torch.nn.functional.linear(h, w).float()
-    if temperature != 1.0: logits = logits / temperature
+    if temperature != 1.0:
+        logits = logits / temperature
     return logits.gather(-1, tgt[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
+# %% ../../../nbs/14_megatron_5_backend.ipynb #914c4cdf
 def _chunk_logp_tp(h, w, tgt, temperature, vocab_start, vocab, sequence_parallel=False):
-    "Vocab-parallel `_chunk_logp`: this rank holds output rows `vocab_start..`; max and sum-exp are all-reduced over TP, the target logit comes from its owner."
+    """Vocab-parallel `_chunk_logp`: this rank holds output rows `vocab_start..`; max and sum-exp
+    are all-reduced over TP, the target logit comes from its owner."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+
     group = ps.get_tensor_model_parallel_group()
-    if not sequence_parallel:   # under SP the hidden states' all-gather already reduce-scatters dlogp/dh in backward
-        h = copy_to_tensor_model_parallel_region(h)         # identity forward; backward all-reduces the partial dlogp/dh
+    if (
+        not sequence_parallel
+    ):  # under SP the hidden states' all-gather already reduce-scatters dlogp/dh in backward
+        h = copy_to_tensor_model_parallel_region(
+            h
+        )  # identity forward; backward all-reduces the partial dlogp/dh
     logits = torch.nn.functional.linear(h, w).float()
-    if temperature != 1.0: logits = logits / temperature
+    if temperature != 1.0:
+        logits = logits / temperature
     n = logits.shape[-1]
     cols = torch.arange(vocab_start, vocab_start + n, device=logits.device)
-    if vocab_start + n > vocab: logits = logits.masked_fill(cols >= vocab, float('-inf'))   # vocab padding
+    if vocab_start + n > vocab:
+        logits = logits.masked_fill(cols >= vocab, float('-inf'))  # vocab padding
     m = logits.detach().max(-1).values
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # a constant shift: no gradient through it
+    dist.all_reduce(
+        m, op=dist.ReduceOp.MAX, group=group
+    )  # a constant shift: no gradient through it
     sumexp = reduce_from_tensor_model_parallel_region((logits - m[:, None]).exp().sum(-1))
     local = tgt - vocab_start
     mine = (local >= 0) & (local < n)
-    tl = torch.where(mine, logits.gather(-1, local.clamp(0, n - 1)[:, None]).squeeze(-1), torch.zeros_like(m))
+    tl = torch.where(
+        mine, logits.gather(-1, local.clamp(0, n - 1)[:, None]).squeeze(-1), torch.zeros_like(m)
+    )
     return reduce_from_tensor_model_parallel_region(tl) - m - sumexp.log()
 
+# %% ../../../nbs/14_megatron_5_backend.ipynb #15a58735
 def causal_mask(L: int, device=None) -> torch.Tensor:
-    "Megatron's attention mask for causal self-attention: bool `[1, 1, L, L]`, True = masked (future keys)."
+    """Megatron's attention mask for causal self-attention: bool `[1, 1, L, L]`, True = masked
+    (future keys)."""
     return torch.triu(torch.ones(L, L, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 # %% ../../../nbs/14_megatron_5_backend.ipynb #cc2cca0f
 class MegatronBackend:
-    "Policy backend (or, with `frozen=True`, the frozen reference) on megatron-core, with the interface of `memagent.backends.torch.TorchBackend`; also `save_hf(dir)`."
-    supports_entropy, hf_model = False, None      # log-probs only; the driver keeps its own HF skeleton for export
-    reads_checkpoint = True                       # build_policy hands it the checkpoint's files, not a built HF model
-    def __init__(self, hf_model, optimizer: str = 'adamw', lr: float = 1e-6, weight_decay: float = 0.0,
-                 betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0, head_chunk: int = 1024,
-                 dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1, seed: int = 0, warmup_steps: int = 0,
-                 check_finite: bool = True, recompute: str = 'none', sequence_parallel: bool = False,
-                 distributed_optimizer: bool = False, attention: str = 'auto', frozen: bool = False, pack_rows: bool = True):
-        if pp != 1: raise NotImplementedError(f"MegatronBackend: pipeline parallelism is not implemented (pp={pp}); use pp=1")
+    """Policy backend (or, with `frozen=True`, the frozen reference) on megatron-core, with the
+    interface of `memagent.backends.torch.TorchBackend`; also `save_hf(dir)`."""
+
+    supports_entropy, hf_model = (
+        False,
+        None,
+    )  # log-probs only; the driver keeps its own HF skeleton for export
+    reads_checkpoint = True  # build_policy hands it the checkpoint's files, not a built HF model
+
+    def __init__(
+        self,
+        hf_model,
+        optimizer: str = 'adamw',
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        grad_clip: float | None = 1.0,
+        head_chunk: int = 1024,
+        dtype: torch.dtype = torch.float32,
+        tp: int = 1,
+        pp: int = 1,
+        seed: int = 0,
+        warmup_steps: int = 0,
+        check_finite: bool = True,
+        recompute: str = 'none',
+        sequence_parallel: bool = False,
+        distributed_optimizer: bool = False,
+        attention: str = 'auto',
+        frozen: bool = False,
+        pack_rows: bool = True,
+    ):
+        if pp != 1:
+            raise NotImplementedError(
+                f"MegatronBackend: pipeline parallelism is not implemented (pp={pp}); use pp=1"
+            )
         check_tp(hf_arch(hf_model.config), tp)
-        choose_layer_spec(attention, sequence_parallel, tp)            # refuse before any process group or model exists
+        choose_layer_spec(
+            attention, sequence_parallel, tp
+        )  # refuse before any process group or model exists
         recompute_config(recompute)
         if distributed_optimizer and not frozen and not torch.cuda.is_available():
-            raise ValueError("cfg.batch.distributed_optimizer=True needs megatron-core's distributed optimizer, which needs CUDA; "
-                             "on CPU set cfg.batch.distributed_optimizer=False (the CPU stand-in keeps full fp32 main params per rank)")
-        if optimizer not in ('adam', 'adamw', 'sgd'): raise ValueError(f"MegatronBackend: optimizer must be 'adamw', 'adam' or 'sgd', got {optimizer!r}")
+            raise ValueError(
+                "cfg.batch.distributed_optimizer=True needs megatron-core's distributed "
+                "optimizer, which needs CUDA; "
+                "on CPU set cfg.batch.distributed_optimizer=False (the CPU stand-in keeps full "
+                "fp32 main params per rank)"
+            )
+        if optimizer not in ('adam', 'adamw', 'sgd'):
+            raise ValueError(
+                f"MegatronBackend: optimizer must be 'adamw', 'adam' or 'sgd', got {optimizer!r}"
+            )
         self.parallel = init_parallel(tp, pp, seed=seed)
-        self.hf_config, self.frozen, self.sequence_parallel = hf_model.config, frozen, sequence_parallel
+        self.hf_config, self.frozen, self.sequence_parallel = (
+            hf_model.config,
+            frozen,
+            sequence_parallel,
+        )
         self.device = compute_device()
-        self.model = build_gpt_model(self.hf_config, dtype=dtype, init_weights=False, attention=attention,
-                                     sequence_parallel=sequence_parallel, recompute=recompute).to(self.device)
+        self.model = build_gpt_model(
+            self.hf_config,
+            dtype=dtype,
+            init_weights=False,
+            attention=attention,
+            sequence_parallel=sequence_parallel,
+            recompute=recompute,
+        ).to(self.device)
         self.attention = self.model.layer_spec_kind
-        self.pack_rows = pack_rows and self.attention == 'sdpa'     # only SDPACoreAttention runs megatron's packed (thd) rows here
-        self.packed_calls = 0                                        # forwards that ran packed (a count the tests read)
+        self.pack_rows = (
+            pack_rows and self.attention == 'sdpa'
+        )  # only SDPACoreAttention runs megatron's packed (thd) rows here
+        self.packed_calls = 0  # forwards that ran packed (a count the tests read)
         self.load_stats = {}
         load_hf_into_megatron(self.model, hf_model, stats=self.load_stats)
         self.grad_clip, self.head_chunk, self.check_finite = grad_clip, head_chunk, check_finite
@@ -136,193 +267,355 @@ class MegatronBackend:
         self.tp_rank = 0
         if tp > 1:
             from megatron.core import parallel_state as ps
+
             self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.vocab_start = self.tp_rank * padded_vocab(self.vocab, tp) // tp
         self.dp_rank, self.dp_size = self.parallel.dp_rank, self.parallel.dp
         self.optimizer_sharded = distributed_optimizer and not frozen and self.dp_size > 1
         # without sharding, DP replicas hold identical optimizer states: one shard per TP rank
         self.row_source = self.tp_rank == 0
-        self.state_key = f'tp{self.tp_rank}-dp{self.dp_rank}' if self.optimizer_sharded else self.tp_rank
+        self.state_key = (
+            f'tp{self.tp_rank}-dp{self.dp_rank}' if self.optimizer_sharded else self.tp_rank
+        )
         if frozen:
-            self.model.requires_grad_(False); self.model.eval()
+            self.model.requires_grad_(False)
+            self.model.eval()
             self.ddp, self.optimizer, self.scheduler = None, None, None
             return
         self.ddp = wrap_ddp(self.model, use_distributed_optimizer=distributed_optimizer)
         # 'adam' means decoupled weight decay (AdamW), as in the project config (cfg.optim.name)
-        o = OptimCfg(name='sgd' if optimizer == 'sgd' else 'adam', lr=lr, weight_decay=weight_decay, betas=list(betas), eps=eps)
-        self.optimizer, self.scheduler = build_megatron_optimizer(self.model, self.ddp, o, grad_clip, warmup_steps)
+        o = OptimCfg(
+            name='sgd' if optimizer == 'sgd' else 'adam',
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=list(betas),
+            eps=eps,
+        )
+        self.optimizer, self.scheduler = build_megatron_optimizer(
+            self.model, self.ddp, o, grad_clip, warmup_steps
+        )
 
     @staticmethod
     def _dtype(cfg) -> torch.dtype:
         d = getattr(torch, cfg.model.dtype, None)
-        if not isinstance(d, torch.dtype): raise ValueError(f"cfg.model.dtype={cfg.model.dtype!r} is not a torch dtype name")
+        if not isinstance(d, torch.dtype):
+            raise ValueError(f"cfg.model.dtype={cfg.model.dtype!r} is not a torch dtype name")
         return d
 
     @classmethod
     def from_config(cls, cfg, hf_model):
-        "The policy of a `memagent.config.Config` (`optim`, `model.dtype`, `batch.tp/pp/recompute/sequence_parallel/distributed_optimizer/attention`, `seed`) on an HF model or a `memagent.models.Checkpoint`."
+        """The policy of a `memagent.config.Config` (`optim`, `model.dtype`,
+        `batch.tp/pp/recompute/sequence_parallel/distributed_optimizer/attention`, `seed`) on an HF
+        model or a `memagent.models.Checkpoint`."""
         o, b = cfg.optim, cfg.batch
-        return cls(hf_model, optimizer=o.name.lower(), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
-                   grad_clip=o.grad_clip, dtype=cls._dtype(cfg), tp=b.tp, pp=b.pp, seed=cfg.seed, warmup_steps=o.warmup_steps,
-                   check_finite=cfg.health.check_finite, recompute=b.recompute, sequence_parallel=b.sequence_parallel,
-                   distributed_optimizer=b.distributed_optimizer, attention=b.attention)
+        return cls(
+            hf_model,
+            optimizer=o.name.lower(),
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            grad_clip=o.grad_clip,
+            dtype=cls._dtype(cfg),
+            tp=b.tp,
+            pp=b.pp,
+            seed=cfg.seed,
+            warmup_steps=o.warmup_steps,
+            check_finite=cfg.health.check_finite,
+            recompute=b.recompute,
+            sequence_parallel=b.sequence_parallel,
+            distributed_optimizer=b.distributed_optimizer,
+            attention=b.attention,
+        )
 
     @classmethod
     def reference_from_config(cls, cfg, hf_model):
-        "The frozen reference of `cfg` on an HF model or a `memagent.models.Checkpoint`: same TP sharding, dtype and layer spec as the policy; no DDP, no optimizer, eval."
+        """The frozen reference of `cfg` on an HF model or a `memagent.models.Checkpoint`: same TP
+        sharding, dtype and layer spec as the policy; no DDP, no optimizer, eval."""
         b = cfg.batch
-        return cls(hf_model, dtype=cls._dtype(cfg), tp=b.tp, pp=b.pp, seed=cfg.seed, check_finite=cfg.health.check_finite,
-                   sequence_parallel=b.sequence_parallel, attention=b.attention, frozen=True)
+        return cls(
+            hf_model,
+            dtype=cls._dtype(cfg),
+            tp=b.tp,
+            pp=b.pp,
+            seed=cfg.seed,
+            check_finite=cfg.health.check_finite,
+            sequence_parallel=b.sequence_parallel,
+            attention=b.attention,
+            frozen=True,
+        )
 
     def share_rows(self, rows):
-        "The TP group's first rank took this replica's rows from the channel; every TP rank runs the same rows."
-        if self.parallel.tp == 1: return rows
+        """The TP group's first rank took this replica's rows from the channel; every TP rank runs
+        the same rows."""
+        if self.parallel.tp == 1:
+            return rows
         from megatron.core import parallel_state as ps
+
         box = [rows]
-        torch.distributed.broadcast_object_list(box, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
+        torch.distributed.broadcast_object_list(
+            box,
+            src=ps.get_tensor_model_parallel_src_rank(),
+            group=ps.get_tensor_model_parallel_group(),
+        )
         return box[0]
 
     def _output_weight(self):
         m = self.model
-        return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
+        return (
+            m.shared_embedding_or_output_weight()
+            if m.share_embeddings_and_output_weights
+            else m.output_layer.weight
+        )
 
-    def hidden_states(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        "Final (normed) hidden states `[B, L, hidden]` for right-padded `input_ids [B, L]`; with the rows' `lengths` and `pack_rows`, padded rows run packed (0 at padding)."
+    def hidden_states(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final (normed) hidden states `[B, L, hidden]` for right-padded `input_ids [B, L]`; with
+        the rows' `lengths` and `pack_rows`, padded rows run packed (0 at padding)."""
         ids = input_ids.to(self.device)
         B, L = ids.shape
         if self.pack_rows and lengths is not None and B > 1:
-            lengths = lengths.cpu()                                          # one copy to the host per micro-batch
-            if int(lengths.min()) < L: return self._packed_hidden_states(ids, lengths)
+            lengths = lengths.cpu()  # one copy to the host per micro-batch
+            if int(lengths.min()) < L:
+                return self._packed_hidden_states(ids, lengths)
         tp = self.parallel.tp
-        Lp = -(-L // tp) * tp if self.sequence_parallel else L      # SP splits the sequence over TP ranks
-        if Lp != L: ids = torch.cat([ids, ids.new_zeros(B, Lp - L)], 1)   # right padding: causal attention leaves real positions unchanged
+        Lp = (
+            -(-L // tp) * tp if self.sequence_parallel else L
+        )  # SP splits the sequence over TP ranks
+        if Lp != L:
+            ids = torch.cat(
+                [ids, ids.new_zeros(B, Lp - L)], 1
+            )  # right padding: causal attention leaves real positions unchanged
         pos = torch.arange(Lp, device=self.device).expand(B, Lp)
-        mask = causal_mask(Lp, self.device) if self.attention == 'local' else None   # TE's and SDPA's attention are causal by kernel
+        mask = (
+            causal_mask(Lp, self.device) if self.attention == 'local' else None
+        )  # TE's and SDPA's attention are causal by kernel
         m = self.model
         with cpu_shims():
-            m.post_process = False          # return decoder hidden states; the output layer runs in chunks below
-            try: h = m(ids, pos, mask)
-            finally: m.post_process = True
+            m.post_process = (
+                False  # return decoder hidden states; the output layer runs in chunks below
+            )
+            try:
+                h = m(ids, pos, mask)
+            finally:
+                m.post_process = True
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
         return h[:L].transpose(0, 1)
 
     def _packed_hidden_states(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        "The real tokens of every row concatenated into one sequence (megatron's `thd` packing): no compute on padding."
+        """The real tokens of every row concatenated into one sequence (megatron's `thd` packing):
+        no compute on padding."""
         from megatron.core.packed_seq_params import PackedSeqParams
+
         B, L = ids.shape
-        real = torch.arange(L)[None] < lengths[:, None]                       # host: index math stays off the device
+        real = torch.arange(L)[None] < lengths[:, None]  # host: index math stays off the device
         cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
         n = int(lengths.max())
-        packed = PackedSeqParams(qkv_format='thd', cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+        packed = PackedSeqParams(
+            qkv_format='thd', cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n
+        )
         bi, ti = real.nonzero(as_tuple=True)
         m = self.model
         self.packed_calls += 1
         with cpu_shims():
             m.post_process = False
-            try: h = m(ids[bi, ti][None], None, None, packed_seq_params=packed)     # [t, 1, hidden]; rope restarts per row
-            finally: m.post_process = True
+            try:
+                h = m(
+                    ids[bi, ti][None], None, None, packed_seq_params=packed
+                )  # [t, 1, hidden]; rope restarts per row
+            finally:
+                m.post_process = True
         return h.new_zeros(B, L, h.shape[-1]).index_put((bi.to(h.device), ti.to(h.device)), h[:, 0])
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        "Full logits `[B, L, vocab]` (small inputs only: tests and debugging); at TP > 1 gathered from all TP ranks (collective)."
-        local = torch.nn.functional.linear(self.hidden_states(input_ids), self._output_weight()).float()
-        if self.parallel.tp == 1: return local
+        """Full logits `[B, L, vocab]` (small inputs only: tests and debugging); at TP > 1 gathered
+        from all TP ranks (collective)."""
+        local = torch.nn.functional.linear(
+            self.hidden_states(input_ids), self._output_weight()
+        ).float()
+        if self.parallel.tp == 1:
+            return local
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        parts = [torch.empty_like(local) for _ in range(self.parallel.tp)]
-        dist.all_gather(parts, local.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
-        return torch.cat(parts, -1)[..., :self.vocab]
 
-    def token_logprobs(self, input_ids, attention_mask=None, response_mask=None, position_ids=None,
-                       temperature: float = 1.0) -> torch.Tensor:
-        "`out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])` at `temperature`; 0 at t=0, padding and outside `response_mask`."
+        parts = [torch.empty_like(local) for _ in range(self.parallel.tp)]
+        dist.all_gather(
+            parts, local.detach().contiguous(), group=ps.get_tensor_model_parallel_group()
+        )
+        return torch.cat(parts, -1)[..., : self.vocab]
+
+    def token_logprobs(
+        self,
+        input_ids,
+        attention_mask=None,
+        response_mask=None,
+        position_ids=None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """`out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])` at `temperature`; 0 at t=0,
+        padding and outside `response_mask`."""
         ids = input_ids.to(self.device)
         B, L = ids.shape
-        att = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(self.device).bool()
-        if att.shape != ids.shape: raise ValueError(f"token_logprobs: attention_mask {tuple(att.shape)} != input_ids {tuple(ids.shape)}")
+        att = (
+            torch.ones_like(ids, dtype=torch.bool)
+            if attention_mask is None
+            else attention_mask.to(self.device).bool()
+        )
+        if att.shape != ids.shape:
+            raise ValueError(
+                f"token_logprobs: attention_mask {tuple(att.shape)} != input_ids {tuple(ids.shape)}"
+            )
         lens = att.sum(1)
         if not torch.equal(att, torch.arange(L, device=self.device)[None] < lens[:, None]):
-            raise ValueError("token_logprobs: attention_mask must be right-padded (ones, then zeros, per row)")
+            raise ValueError(
+                "token_logprobs: attention_mask must be right-padded (ones, then zeros, per row)"
+            )
         if position_ids is not None:
             exp = torch.arange(L, device=self.device).expand(B, L)
             if not torch.equal(position_ids.to(self.device)[att], exp[att]):
-                raise ValueError("token_logprobs: position_ids must be 0..len-1 on real tokens (right padding)")
+                raise ValueError(
+                    "token_logprobs: position_ids must be 0..len-1 on real tokens (right padding)"
+                )
         want = att.clone()
-        if response_mask is not None: want &= response_mask.to(self.device).bool()
-        want[:, 0] = False                                          # no log-prob for the first token
-        bi, ti = want.nonzero(as_tuple=True)                        # positions t whose token is scored from h[t-1]
+        if response_mask is not None:
+            want &= response_mask.to(self.device).bool()
+        want[:, 0] = False  # no log-prob for the first token
+        bi, ti = want.nonzero(as_tuple=True)  # positions t whose token is scored from h[t-1]
         out = torch.zeros(B, L, dtype=torch.float32, device=self.device)
-        if bi.numel() == 0: return out
-        h = self.hidden_states(ids, lens)[bi, ti - 1]               # [n, hidden]
+        if bi.numel() == 0:
+            return out
+        h = self.hidden_states(ids, lens)[bi, ti - 1]  # [n, hidden]
         tgt, w = ids[bi, ti], self._output_weight()
-        fn, extra = (_chunk_logp, ()) if self.parallel.tp == 1 else (_chunk_logp_tp, (self.vocab_start, self.vocab, self.sequence_parallel))
+        fn, extra = (
+            (_chunk_logp, ())
+            if self.parallel.tp == 1
+            else (_chunk_logp_tp, (self.vocab_start, self.vocab, self.sequence_parallel))
+        )
         parts = []
-        with torch.profiler.record_function('memagent::log-prob head'):      # a named range for the profiler's split of a step
+        with torch.profiler.record_function(
+            'memagent::log-prob head'
+        ):  # a named range for the profiler's split of a step
             for s in range(0, h.shape[0], self.head_chunk):
-                args = (h[s:s + self.head_chunk], w, tgt[s:s + self.head_chunk], temperature, *extra)
+                args = (
+                    h[s : s + self.head_chunk],
+                    w,
+                    tgt[s : s + self.head_chunk],
+                    temperature,
+                    *extra,
+                )
                 if torch.is_grad_enabled():
                     parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False))
-                else: parts.append(fn(*args))
+                else:
+                    parts.append(fn(*args))
             return out.index_put((bi, ti), torch.cat(parts))
 
-    def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False) -> torch.Tensor:
-        "`token_logprobs` on a batch dict (`input_ids`, `attention_mask`, optional `response_mask`, `position_ids`)."
-        if with_entropy: raise NotImplementedError("MegatronBackend: entropy is not computed (supports_entropy is False)")
-        return self.token_logprobs(batch['input_ids'], batch.get('attention_mask'), batch.get('response_mask'),
-                                   batch.get('position_ids'), temperature=temperature)
+    def logprobs(
+        self, batch: dict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> torch.Tensor:
+        """`token_logprobs` on a batch dict (`input_ids`, `attention_mask`, optional
+        `response_mask`, `position_ids`)."""
+        if with_entropy:
+            raise NotImplementedError(
+                "MegatronBackend: entropy is not computed (supports_entropy is False)"
+            )
+        return self.token_logprobs(
+            batch['input_ids'],
+            batch.get('attention_mask'),
+            batch.get('response_mask'),
+            batch.get('position_ids'),
+            temperature=temperature,
+        )
 
     def _trainable(self, what: str):
-        if self.frozen: raise RuntimeError(f"MegatronBackend.{what}: this is a frozen reference (reference_from_config); it has no optimizer")
+        if self.frozen:
+            raise RuntimeError(
+                f"MegatronBackend.{what}: this is a frozen reference (reference_from_config); it "
+                "has no optimizer"
+            )
 
     def backward(self, loss: torch.Tensor):
         "Accumulate gradients of `loss` (one micro-batch) into the fp32 main-grad buffers."
         self._trainable('backward')
         self.model.train()
-        with cpu_shims(): loss.backward()     # recompute re-runs forward pieces (and saves/restores RNG state) in backward
+        with cpu_shims():
+            # recompute re-runs forward pieces (and saves/restores RNG state) in backward
+            loss.backward()
 
     def step(self, loss: torch.Tensor | None = None) -> float:
-        "Backward `loss` if given, reduce grads (sum over DP), clip to `grad_clip`, optimizer step, zero grads; returns the pre-clip grad norm."
+        """Backward `loss` if given, reduce grads (sum over DP), clip to `grad_clip`, optimizer
+        step, zero grads; returns the pre-clip grad norm."""
         self._trainable('step')
-        if loss is not None: self.backward(loss)
+        if loss is not None:
+            self.backward(loss)
         from megatron.core.distributed import finalize_model_grads
-        with cpu_shims(), torch.profiler.record_function('memagent::gradient reduction'): finalize_model_grads([self.ddp])
+
+        with cpu_shims(), torch.profiler.record_function('memagent::gradient reduction'):
+            finalize_model_grads([self.ddp])
         with torch.profiler.record_function('memagent::optimizer'):
             return finish_step(self, self.optimizer.grad_norm_and_clip(self.grad_clip))
 
     def train_step(self, loss_fn) -> tuple[float, float]:
-        "One full step: `loss = loss_fn(self)` (which calls `self.logprobs`), then `step(loss)`; returns `(loss, grad_norm)`."
+        """One full step: `loss = loss_fn(self)` (which calls `self.logprobs`), then `step(loss)`;
+        returns `(loss, grad_norm)`."""
         loss = loss_fn(self)
         return float(loss.detach()), self.step(loss)
 
-    def hf_state_dict(self, clone: bool = True, bucket_bytes: int | None = None, keep: bool = True) -> dict | None:
-        "Current weights under HF names (tied `lm_head` included) in host memory, gathered a bucket at a time (`gather_hf_state_dict`, collective at TP > 1; stats in `last_gather`); own storage per tensor unless `clone=False`; `keep=False` joins and returns None."
+    def hf_state_dict(
+        self, clone: bool = True, bucket_bytes: int | None = None, keep: bool = True
+    ) -> dict | None:
+        """Current weights under HF names (tied `lm_head` included) in host memory, gathered a
+        bucket at a time (`gather_hf_state_dict`, collective at TP > 1; stats in `last_gather`); own
+        storage per tensor unless `clone=False`; `keep=False` joins and returns None."""
         self.last_gather = {}
-        sd = gather_hf_state_dict(self.model, self.hf_config, bucket_bytes or SYNC_BUCKET_BYTES, include_tied=True, keep=keep,
-                                  stats=self.last_gather)
-        if sd is None: return None
+        sd = gather_hf_state_dict(
+            self.model,
+            self.hf_config,
+            bucket_bytes or SYNC_BUCKET_BYTES,
+            include_tied=True,
+            keep=keep,
+            stats=self.last_gather,
+        )
+        if sd is None:
+            return None
         return {k: v.clone() for k, v in sd.items()} if clone else sd
 
     def close(self):
-        "Tear down megatron's parallel groups (and the process group `init_parallel` made, if it made one); a frozen reference leaves them to the policy."
-        if not self.frozen: destroy_parallel()
+        """Tear down megatron's parallel groups (and the process group `init_parallel` made, if it
+        made one); a frozen reference leaves them to the policy."""
+        if not self.frozen:
+            destroy_parallel()
 
     def state_dict(self) -> dict:
-        "This rank's optimizer and scheduler state (a TP shard; also a DP shard with the distributed optimizer, see `state_key`); before the first step the optimizer's is the `no_optimizer_state` marker."
+        """This rank's optimizer and scheduler state (a TP shard; also a DP shard with the
+        distributed optimizer, see `state_key`); before the first step the optimizer's is the
+        `no_optimizer_state` marker."""
         return optimizer_state(self)
 
     def load_state_dict(self, model_sd: dict, state: dict | None):
-        "Load HF-named weights (sharded here for this TP rank) into the model and the main params and, if given, this rank's optimizer state (a `no_optimizer_state` marker: a fresh optimizer, refused when the scheduler counted updates)."
+        """Load HF-named weights (sharded here for this TP rank) into the model and the main params
+        and, if given, this rank's optimizer state (a `no_optimizer_state` marker: a fresh
+        optimizer, refused when the scheduler counted updates)."""
         reason = no_optimizer_state_reason((state or {}).get('optimizer'))
         done = ((state or {}).get('scheduler') or {}).get('last_step', 0)
         if reason is not None and done:
-            raise ValueError(f"MegatronBackend.load_state_dict: the optimizer state is a no_optimizer_state marker ({reason}) but the "
-                             f"scheduler's state counts {done} updates: optimizer steps were taken, so their state is missing")
+            raise ValueError(
+                "MegatronBackend.load_state_dict: the optimizer state is a no_optimizer_state "
+                f"marker ({reason}) but the "
+                f"scheduler's state counts {done} updates: optimizer steps were taken, so their "
+                "state is missing"
+            )
         load_hf_into_megatron(self.model, model_sd, self.hf_config)
-        if self.optimizer is not None: self.optimizer.reload_model_params()
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
         load_optimizer_state(self, state)
 
     def save_hf(self, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
-        "Write the current weights as an HF directory (see `export_megatron_to_hf`; at TP > 1 all TP ranks call it)."
-        return export_megatron_to_hf(self.model, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype)
+        """Write the current weights as an HF directory (see `export_megatron_to_hf`; at TP > 1 all
+        TP ranks call it)."""
+        return export_megatron_to_hf(
+            self.model, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype
+        )

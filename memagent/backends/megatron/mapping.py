@@ -18,91 +18,165 @@ __all__ = ['SYNC_BUCKET_BYTES', 'local_param_name', 'megatron_state_dict', 'hf_t
            'gather_buckets', 'gather_tp_shards', 'gather_hf_state_dict', 'export_megatron_to_hf']
 
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #7e52e421
-_TE_NAMES = (('self_attention.linear_qkv.layer_norm_weight', 'input_layernorm.weight'),
-             ('mlp.linear_fc1.layer_norm_weight', 'pre_mlp_layernorm.weight'))
+_TE_NAMES = (
+    ('self_attention.linear_qkv.layer_norm_weight', 'input_layernorm.weight'),
+    ('mlp.linear_fc1.layer_norm_weight', 'pre_mlp_layernorm.weight'),
+)
+
 
 def local_param_name(key: str) -> str:
-    "The local-spec name of a GPTModel state-dict key: the TE spec fuses the pre-attention and pre-MLP norms into the next linear layer."
+    """The local-spec name of a GPTModel state-dict key: the TE spec fuses the pre-attention and
+    pre-MLP norms into the next linear layer."""
     for te, local in _TE_NAMES:
-        if key.endswith('.' + te): return key[:-len(te)] + local
+        if key.endswith('.' + te):
+            return key[: -len(te)] + local
     return key
 
+
 def megatron_state_dict(model) -> dict:
-    "The model's state dict under local-spec names, without megatron's `_extra_state` entries (checkpoint metadata, not weights)."
-    return {local_param_name(k): v for k, v in model.state_dict().items() if not k.endswith('_extra_state')}
+    """The model's state dict under local-spec names, without megatron's `_extra_state` entries
+    (checkpoint metadata, not weights)."""
+    return {
+        local_param_name(k): v
+        for k, v in model.state_dict().items()
+        if not k.endswith('_extra_state')
+    }
 
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #7abafd2c
 def _fuse_qkv(q, k, v, a):
-    g, d = a['groups'], a['head_dim']; qpg = a['heads'] // g
+    g, d = a['groups'], a['head_dim']
+    qpg = a['heads'] // g
     H = q.shape[-1]
-    return torch.cat([q.reshape(g, qpg, d, H), k.reshape(g, 1, d, H), v.reshape(g, 1, d, H)], dim=1).reshape(-1, H)
+    return torch.cat(
+        [q.reshape(g, qpg, d, H), k.reshape(g, 1, d, H), v.reshape(g, 1, d, H)], dim=1
+    ).reshape(-1, H)
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #9a8c0a07
 def _split_qkv(w, a):
-    g, d = a['groups'], a['head_dim']; qpg = a['heads'] // g
+    g, d = a['groups'], a['head_dim']
+    qpg = a['heads'] // g
     H = w.shape[-1]
     q, k, v = w.reshape(g, qpg + 2, d, H).split([qpg, 1, 1], dim=1)
     return q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #e638f95c
 def _layer_pairs(a) -> list[tuple[str, str]]:
     "(HF suffix, Megatron suffix) for the one-to-one per-layer tensors."
-    p = [('input_layernorm.weight', 'input_layernorm.weight'),
-         ('post_attention_layernorm.weight', 'pre_mlp_layernorm.weight'),
-         ('self_attn.o_proj.weight', 'self_attention.linear_proj.weight'),
-         ('mlp.down_proj.weight', 'mlp.linear_fc2.weight')]
-    if a['qk_norm']: p += [('self_attn.q_norm.weight', 'self_attention.q_layernorm.weight'),
-                           ('self_attn.k_norm.weight', 'self_attention.k_layernorm.weight')]
+    p = [
+        ('input_layernorm.weight', 'input_layernorm.weight'),
+        ('post_attention_layernorm.weight', 'pre_mlp_layernorm.weight'),
+        ('self_attn.o_proj.weight', 'self_attention.linear_proj.weight'),
+        ('mlp.down_proj.weight', 'mlp.linear_fc2.weight'),
+    ]
+    if a['qk_norm']:
+        p += [
+            ('self_attn.q_norm.weight', 'self_attention.q_layernorm.weight'),
+            ('self_attn.k_norm.weight', 'self_attention.k_layernorm.weight'),
+        ]
     return p
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #e01e9bf3
 def _megatron_sources(a) -> list[tuple[str, tuple[str, ...]]]:
     "(Megatron key, the HF keys it is made from), in the order the mapping builds them."
-    out = [('embedding.word_embeddings.weight', ('model.embed_tokens.weight',)),
-           ('decoder.final_layernorm.weight', ('model.norm.weight',))]
-    if not a['tied']: out.append(('output_layer.weight', ('lm_head.weight',)))
+    out = [
+        ('embedding.word_embeddings.weight', ('model.embed_tokens.weight',)),
+        ('decoder.final_layernorm.weight', ('model.norm.weight',)),
+    ]
+    if not a['tied']:
+        out.append(('output_layer.weight', ('lm_head.weight',)))
     for i in range(a['layers']):
         h, m = f'model.layers.{i}.', f'decoder.layers.{i}.'
         out += [(m + mk, (h + hk,)) for hk, mk in _layer_pairs(a)]
-        out.append((m + 'self_attention.linear_qkv.weight', tuple(h + f'self_attn.{x}_proj.weight' for x in 'qkv')))
-        out.append((m + 'mlp.linear_fc1.weight', (h + 'mlp.gate_proj.weight', h + 'mlp.up_proj.weight')))
+        out.append(
+            (
+                m + 'self_attention.linear_qkv.weight',
+                tuple(h + f'self_attn.{x}_proj.weight' for x in 'qkv'),
+            )
+        )
+        out.append(
+            (m + 'mlp.linear_fc1.weight', (h + 'mlp.gate_proj.weight', h + 'mlp.up_proj.weight'))
+        )
     return out
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #ff51186e
 def hf_to_megatron_items(hf_state_dict, hf_config, tp_rank: int = 0, tp_size: int = 1, track=None):
-    """Rank `tp_rank`'s Megatron tensors one at a time, as `(key, tensor)`, from any mapping of HF tensors (a state dict, or
-    `memagent.models.CheckpointTensors`, which reads each tensor from disk when asked): a key's HF tensors are read, fused
-    and sharded, and let go when the consumer asks for the next. `track(t)` sees every tensor read or made."""
+    """Rank `tp_rank`'s Megatron tensors one at a time, as `(key, tensor)`, from any mapping of HF
+    tensors (a state dict, or
+        `memagent.models.CheckpointTensors`, which reads each tensor from disk when asked): a key's
+        HF
+        tensors are read, fused
+        and sharded, and let go when the consumer asks for the next. `track(t)` sees every tensor
+        read
+        or made."""
     a, sd = hf_arch(hf_config), hf_state_dict
     check_tp(a, tp_size)
-    if not 0 <= tp_rank < tp_size: raise ValueError(f"hf_to_megatron: tp_rank={tp_rank} outside 0..{tp_size - 1}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"hf_to_megatron: tp_rank={tp_rank} outside 0..{tp_size - 1}")
     sources = _megatron_sources(a)
     missing = [k for _, hks in sources for k in hks if k not in sd]
-    if missing: raise KeyError(f"hf_to_megatron: {getattr(sd, 'source', 'HF state dict')} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    if missing:
+        raise KeyError(
+            f"hf_to_megatron: {getattr(sd, 'source', 'HF state dict')} lacks {len(missing)} "
+            f"tensors, e.g. {missing[:3]}"
+        )
     track = track or (lambda t: t)
     for mk, hks in sources:
         ts = [track(sd[k]) for k in hks]
-        full = ts[0] if len(ts) == 1 else track(_fuse_qkv(*ts, a) if len(ts) == 3 else torch.cat(ts, 0))
+        full = (
+            ts[0]
+            if len(ts) == 1
+            else track(_fuse_qkv(*ts, a) if len(ts) == 3 else torch.cat(ts, 0))
+        )
         del ts
         part = shard_megatron({mk: full}, tp_rank, tp_size)[mk]
-        if part.untyped_storage().data_ptr() != full.untyped_storage().data_ptr(): track(part)   # the vocabulary padded
+        if part.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
+            track(part)  # the vocabulary padded
         yield mk, part
-        del part, full                  # a view keeps `full`'s storage: both go only once the consumer is done with it
+        del (
+            part,
+            full,
+        )  # a view keeps `full`'s storage: both go only once the consumer is done with it
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #ca8464a6
 def hf_to_megatron(hf_state_dict: dict, hf_config, tp_rank: int = 0, tp_size: int = 1) -> dict:
-    "Map an HF Qwen3/Llama (`*ForCausalLM`) state dict to the GPTModel state dict of tensor-parallel rank `tp_rank` of `tp_size` (PP = 1)."
+    """Map an HF Qwen3/Llama (`*ForCausalLM`) state dict to the GPTModel state dict of
+    tensor-parallel rank `tp_rank` of `tp_size` (PP = 1)."""
     return dict(hf_to_megatron_items(hf_state_dict, hf_config, tp_rank, tp_size))
 
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #a3339c65
-def megatron_to_hf(megatron_state_dict: dict | list[dict], hf_config, include_tied: bool = True) -> dict:
-    "Inverse of `hf_to_megatron`: one state dict (TP = 1) or the list of all TP ranks' state dicts, in rank order. Tied models get `lm_head.weight` (= the embedding) only if `include_tied`."
+def megatron_to_hf(
+    megatron_state_dict: dict | list[dict], hf_config, include_tied: bool = True
+) -> dict:
+    """Inverse of `hf_to_megatron`: one state dict (TP = 1) or the list of all TP ranks' state
+    dicts, in rank order. Tied models get `lm_head.weight` (= the embedding) only if
+    `include_tied`."""
     a = hf_arch(hf_config)
-    sd = unshard_megatron(list(megatron_state_dict), a['vocab']) if isinstance(megatron_state_dict, (list, tuple)) else megatron_state_dict
-    emb = sd['embedding.word_embeddings.weight'][:a['vocab']]
-    out = {'model.embed_tokens.weight': emb, 'model.norm.weight': sd['decoder.final_layernorm.weight']}
-    if not a['tied']: out['lm_head.weight'] = sd['output_layer.weight'][:a['vocab']]
-    elif include_tied: out['lm_head.weight'] = emb
+    sd = (
+        unshard_megatron(list(megatron_state_dict), a['vocab'])
+        if isinstance(megatron_state_dict, (list, tuple))
+        else megatron_state_dict
+    )
+    emb = sd['embedding.word_embeddings.weight'][: a['vocab']]
+    out = {
+        'model.embed_tokens.weight': emb,
+        'model.norm.weight': sd['decoder.final_layernorm.weight'],
+    }
+    if not a['tied']:
+        out['lm_head.weight'] = sd['output_layer.weight'][: a['vocab']]
+    elif include_tied:
+        out['lm_head.weight'] = emb
     for i in range(a['layers']):
         h, m = f'model.layers.{i}.', f'decoder.layers.{i}.'
-        for hk, mk in _layer_pairs(a): out[h + hk] = sd[m + mk]
+        for hk, mk in _layer_pairs(a):
+            out[h + hk] = sd[m + mk]
         q, k, v = _split_qkv(sd[m + 'self_attention.linear_qkv.weight'], a)
-        out.update({h + 'self_attn.q_proj.weight': q, h + 'self_attn.k_proj.weight': k, h + 'self_attn.v_proj.weight': v})
+        out.update(
+            {
+                h + 'self_attn.q_proj.weight': q,
+                h + 'self_attn.k_proj.weight': k,
+                h + 'self_attn.v_proj.weight': v,
+            }
+        )
         gate, up = sd[m + 'mlp.linear_fc1.weight'].chunk(2, dim=0)
         out.update({h + 'mlp.gate_proj.weight': gate, h + 'mlp.up_proj.weight': up})
     return out
@@ -110,180 +184,305 @@ def megatron_to_hf(megatron_state_dict: dict | list[dict], hf_config, include_ti
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #b5531e17
 _VOCAB_KEYS = ('embedding.word_embeddings.weight', 'output_layer.weight')
 
+
 def tp_split_dim(key: str) -> int | None:
-    "The dimension a Megatron weight is split along under tensor parallelism (0: column/vocab, 1: row), `None` if replicated."
-    if key in _VOCAB_KEYS or key.endswith(('linear_qkv.weight', 'linear_fc1.weight')): return 0
-    if key.endswith(('linear_proj.weight', 'linear_fc2.weight')): return 1
+    """The dimension a Megatron weight is split along under tensor parallelism (0: column/vocab, 1:
+    row), `None` if replicated."""
+    if key in _VOCAB_KEYS or key.endswith(('linear_qkv.weight', 'linear_fc1.weight')):
+        return 0
+    if key.endswith(('linear_proj.weight', 'linear_fc2.weight')):
+        return 1
     return None
+
 
 def shard_megatron(full: dict, tp_rank: int, tp_size: int) -> dict:
     "Rank `tp_rank`'s shard of a full (TP = 1) Megatron state dict; the identity for `tp_size=1`."
-    if tp_size == 1: return dict(full)
+    if tp_size == 1:
+        return dict(full)
     out = {}
     for k, t in full.items():
         d = tp_split_dim(k)
-        if d is None: out[k] = t
+        if d is None:
+            out[k] = t
         elif k.endswith('linear_fc1.weight'):
             gate, up = t.chunk(2, dim=0)
             out[k] = torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], 0)
         else:
             if k in _VOCAB_KEYS and t.shape[0] % tp_size:
-                t = torch.cat([t, t.new_zeros(padded_vocab(t.shape[0], tp_size) - t.shape[0], *t.shape[1:])], 0)
-            if t.shape[d] % tp_size: raise ValueError(f"shard_megatron: {k} dim {d} of size {t.shape[d]} is not divisible by tp={tp_size}")
+                t = torch.cat(
+                    [t, t.new_zeros(padded_vocab(t.shape[0], tp_size) - t.shape[0], *t.shape[1:])],
+                    0,
+                )
+            if t.shape[d] % tp_size:
+                raise ValueError(
+                    f"shard_megatron: {k} dim {d} of size {t.shape[d]} is not divisible by "
+                    f"tp={tp_size}"
+                )
             out[k] = t.chunk(tp_size, dim=d)[tp_rank]
     return out
 
+
 def unshard_megatron(shards: list[dict], vocab: int | None = None) -> dict:
-    "Inverse of `shard_megatron`: the full state dict from all ranks' shards (rank order); vocab padding is cut to `vocab`."
-    if len(shards) == 1: return dict(shards[0])
+    """Inverse of `shard_megatron`: the full state dict from all ranks' shards (rank order); vocab
+    padding is cut to `vocab`."""
+    if len(shards) == 1:
+        return dict(shards[0])
     out = {}
     for k, t in shards[0].items():
         d = tp_split_dim(k)
-        if d is None: out[k] = t
+        if d is None:
+            out[k] = t
         elif k.endswith('linear_fc1.weight'):
             gates, ups = zip(*(s[k].chunk(2, dim=0) for s in shards))
             out[k] = torch.cat([*gates, *ups], 0)
         else:
             out[k] = torch.cat([s[k] for s in shards], dim=d)
-            if k in _VOCAB_KEYS and vocab is not None: out[k] = out[k][:vocab]
+            if k in _VOCAB_KEYS and vocab is not None:
+                out[k] = out[k][:vocab]
     return out
 
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #5ea6836a
 def load_hf_into_megatron(model, hf_model, hf_config=None, stats: dict | None = None):
-    """Copy HF weights into a megatron GPTModel one tensor at a time, from an HF model, a `memagent.models.Checkpoint`
-    (read from disk as it is copied), or a mapping of HF tensors plus `hf_config`; returns `model`. `stats` gets
-    `tensors`, and for a checkpoint `peak_read_bytes`: the most bytes of read and made tensors alive at once."""
+    """Copy HF weights into a megatron GPTModel one tensor at a time, from an HF model, a
+    `memagent.models.Checkpoint`
+        (read from disk as it is copied), or a mapping of HF tensors plus `hf_config`; returns
+        `model`.
+        `stats` gets
+        `tensors`, and for a checkpoint `peak_read_bytes`: the most bytes of read and made tensors
+        alive
+        at once."""
     if isinstance(hf_model, Mapping):
-        if hf_config is None: raise ValueError("load_hf_into_megatron: pass hf_config with a bare state dict")
+        if hf_config is None:
+            raise ValueError("load_hf_into_megatron: pass hf_config with a bare state dict")
         sd = hf_model
-    elif isinstance(hf_model, Checkpoint): sd, hf_config = hf_model.tensors, hf_config or hf_model.config
-    else: sd, hf_config = hf_model.state_dict(), hf_config or hf_model.config
+    elif isinstance(hf_model, Checkpoint):
+        sd, hf_config = hf_model.tensors, hf_config or hf_model.config
+    else:
+        sd, hf_config = hf_model.state_dict(), hf_config or hf_model.config
     from megatron.core import parallel_state as ps
+
     own = megatron_state_dict(model)
     keys = [k for k, _ in _megatron_sources(hf_arch(hf_config))]
     missing, extra = sorted(set(own) - set(keys)), sorted(set(keys) - set(own))
     if missing or extra:
-        raise KeyError(f"load_hf_into_megatron: model/mapping mismatch: missing {missing[:3]}, unexpected {extra[:3]}")
-    live = _LiveBytes() if isinstance(sd, CheckpointTensors) else None    # a model's own tensors stay alive: nothing to track
-    items = hf_to_megatron_items(sd, hf_config, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-                                 track=live.add if live else None)
+        raise KeyError(
+            f"load_hf_into_megatron: model/mapping mismatch: missing {missing[:3]}, unexpected "
+            f"{extra[:3]}"
+        )
+    live = (
+        _LiveBytes() if isinstance(sd, CheckpointTensors) else None
+    )  # a model's own tensors stay alive: nothing to track
+    items = hf_to_megatron_items(
+        sd,
+        hf_config,
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        track=live.add if live else None,
+    )
     with torch.no_grad():
         for k, t in items:
             if own[k].shape != t.shape:
-                raise ValueError(f"load_hf_into_megatron: {k} has shape {tuple(own[k].shape)}, HF gives {tuple(t.shape)}")
+                raise ValueError(
+                    f"load_hf_into_megatron: {k} has shape {tuple(own[k].shape)}, HF gives "
+                    f"{tuple(t.shape)}"
+                )
             own[k].copy_(t)
-            del t                       # before the next tensor is read
+            del t  # before the next tensor is read
     if stats is not None:
         stats['tensors'] = len(keys)
-        if live: stats.update(peak_read_bytes=live.peak, read_bytes_left=live.now)
+        if live:
+            stats.update(peak_read_bytes=live.peak, read_bytes_left=live.now)
     return model
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #aee83657
 SYNC_BUCKET_BYTES = 512 * 2**20
-"""Gathered bytes per bucket of the weight sync: `gather_tp_shards` gathers the TP-sharded tensors of one bucket on the
-device, copies them to host memory and frees them before the next bucket, so a rank holds at most one bucket (or one
-tensor larger than a bucket: Qwen3-4B's embedding, 0.72 GiB at TP 2) of gathered weights at once, not the whole 8 GB."""
+"""Gathered bytes per bucket of the weight sync: `gather_tp_shards` gathers the TP-sharded tensors
+of one bucket on the
+device, copies them to host memory and frees them before the next bucket, so a rank holds at most
+one bucket (or one
+tensor larger than a bucket: Qwen3-4B's embedding, 0.72 GiB at TP 2) of gathered weights at once,
+not the whole 8 GB."""
+
 
 def gather_buckets(sizes, bucket_bytes: int = SYNC_BUCKET_BYTES) -> list[list[str]]:
-    "Greedy buckets of `(name, gathered bytes)` pairs, in order: a bucket closes before the tensor that would take it past `bucket_bytes`; a larger tensor is a bucket alone."
-    if bucket_bytes < 1: raise ValueError(f"gather_buckets: bucket_bytes must be >= 1, got {bucket_bytes}")
+    """Greedy buckets of `(name, gathered bytes)` pairs, in order: a bucket closes before the tensor
+    that would take it past `bucket_bytes`; a larger tensor is a bucket alone."""
+    if bucket_bytes < 1:
+        raise ValueError(f"gather_buckets: bucket_bytes must be >= 1, got {bucket_bytes}")
     out, cur, n = [], [], 0
     for k, b in sizes:
-        if cur and n + b > bucket_bytes: out.append(cur); cur, n = [], 0
-        cur.append(k); n += b
-    if cur: out.append(cur)
+        if cur and n + b > bucket_bytes:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(k)
+        n += b
+    if cur:
+        out.append(cur)
     return out
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #17347e0d
 class _LiveBytes:
-    "Bytes of the registered tensors still alive (CPython frees a tensor with its last reference) and the largest sum seen."
-    def __init__(self): self.now = self.peak = 0
+    """Bytes of the registered tensors still alive (CPython frees a tensor with its last reference)
+    and the largest sum seen."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
     def add(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel() * t.element_size()
-        self.now += n; self.peak = max(self.peak, self.now)
+        self.now += n
+        self.peak = max(self.peak, self.now)
         weakref.finalize(t, self._free, n)
         return t
-    def _free(self, n: int): self.now -= n
+
+    def _free(self, n: int):
+        self.now -= n
+
     def drain(self, timeout: float = 1.0):
-        "Wait (up to `timeout` s) until every registered tensor is freed: a collective's worker thread (gloo) may drop its reference just after the call returns."
+        """Wait (up to `timeout` s) until every registered tensor is freed: a collective's worker
+        thread (gloo) may drop its reference just after the call returns."""
         end = time.monotonic() + timeout
-        while self.now and time.monotonic() < end: time.sleep(1e-4)
+        while self.now and time.monotonic() < end:
+            time.sleep(1e-4)
 
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #6a4c5707
 def _tp_layout():
     "(size, group) of this rank's TP group; (1, None) without megatron's parallel state."
-    if not HAVE_MEGATRON: return 1, None
+    if not HAVE_MEGATRON:
+        return 1, None
     from megatron.core import parallel_state as ps
-    if not ps.model_parallel_is_initialized(): return 1, None
+
+    if not ps.model_parallel_is_initialized():
+        return 1, None
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #17912834
 def _all_gather_flat(out: torch.Tensor, t: torch.Tensor, group):
-    "Every TP rank's `t` into the flat `out`, in rank order, with no temporary of the gathered size (NCCL and gloo)."
+    """Every TP rank's `t` into the flat `out`, in rank order, with no temporary of the gathered
+    size (NCCL and gloo)."""
     import torch.distributed as dist
+
     with warnings.catch_warnings():
-        warnings.simplefilter('ignore', FutureWarning)          # torch 2.13 deprecates the name, not the call
+        warnings.simplefilter(
+            'ignore', FutureWarning
+        )  # torch 2.13 deprecates the name, not the call
         dist.all_gather_into_tensor(out, t.reshape(-1), group=group)
 
-def gather_tp_shards(model, bucket_bytes: int = SYNC_BUCKET_BYTES, keep: bool = True, stats: dict | None = None) -> list[dict] | None:
-    "Every TP rank's Megatron state dict in host memory, rank order (collective over the TP group): sharded tensors gathered on the device a bucket at a time, copied to host, freed; `stats` gets `peak_gather_bytes`. `keep=False`: join, keep nothing (None)."
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #2611bf99
+def gather_tp_shards(
+    model, bucket_bytes: int = SYNC_BUCKET_BYTES, keep: bool = True, stats: dict | None = None
+) -> list[dict] | None:
+    """Every TP rank's Megatron state dict in host memory, rank order (collective over the TP
+    group): sharded tensors gathered on the device a bucket at a time, copied to host, freed;
+    `stats` gets `peak_gather_bytes`. `keep=False`: join, keep nothing (None)."""
     own = megatron_state_dict(model)
     tp, group = _tp_layout()
-    split = [(k, t.numel() * t.element_size() * tp) for k, t in own.items() if tp > 1 and tp_split_dim(k) is not None]
+    split = [
+        (k, t.numel() * t.element_size() * tp)
+        for k, t in own.items()
+        if tp > 1 and tp_split_dim(k) is not None
+    ]
     buckets = gather_buckets(split, bucket_bytes) if split else []
     cuda = any(t.is_cuda for t in own.values())
     base, alloc = (torch.cuda.memory_allocated(), 0) if cuda else (0, 0)
     out, live = [dict.fromkeys(own) for _ in range(tp)], _LiveBytes()
-    for k, t in own.items():                          # replicated tensors (all of them at TP 1) go to host directly
+    for k, t in own.items():  # replicated tensors (all of them at TP 1) go to host directly
         if keep and (tp == 1 or tp_split_dim(k) is None):
-            h = t.detach().to('cpu', copy=True)       # a copy even on CPU: never the model's own storage
-            for r in range(tp): out[r][k] = h
+            h = t.detach().to('cpu', copy=True)  # a copy even on CPU: never the model's own storage
+            for r in range(tp):
+                out[r][k] = h
     for names in buckets:
         flat = {}
-        for k in names:                               # the bucket's gathered tensors, on the device
+        for k in names:  # the bucket's gathered tensors, on the device
             t = own[k].detach()
             flat[k] = live.add(torch.empty(tp * t.numel(), dtype=t.dtype, device=t.device))
             _all_gather_flat(flat[k], t, group)
-        if cuda: alloc = max(alloc, torch.cuda.memory_allocated() - base)   # the allocator at the bucket's fullest
-        for k in names:                               # to host memory; each device copy is freed as it leaves `flat`
+        if cuda:
+            alloc = max(
+                alloc, torch.cuda.memory_allocated() - base
+            )  # the allocator at the bucket's fullest
+        for k in names:  # to host memory; each device copy is freed as it leaves `flat`
             if keep:
                 parts = flat.pop(k).to('cpu', copy=True).view(tp, *own[k].shape)
-                for r in range(tp): out[r][k] = parts[r]
-            else: flat.pop(k)
+                for r in range(tp):
+                    out[r][k] = parts[r]
+            else:
+                flat.pop(k)
         del flat
-        live.drain()                                  # the next bucket starts with none of this one alive
+        live.drain()  # the next bucket starts with none of this one alive
     if stats is not None:
-        stats.update(tp=tp, bucket_bytes=bucket_bytes, buckets=len(buckets), gathered_tensors=len(split),
-                     peak_gather_bytes=live.peak, gathered_bytes_left=live.now,
-                     unsharded_bytes=sum(b for _, b in split) + sum(t.numel() * t.element_size() for k, t in own.items()
-                                                                    if tp == 1 or tp_split_dim(k) is None))
-        if cuda: stats['peak_allocated_bytes'] = alloc
-    if cuda: torch.cuda.empty_cache()                 # the cached blocks go back before the engine resumes its KV cache
+        stats.update(
+            tp=tp,
+            bucket_bytes=bucket_bytes,
+            buckets=len(buckets),
+            gathered_tensors=len(split),
+            peak_gather_bytes=live.peak,
+            gathered_bytes_left=live.now,
+            unsharded_bytes=sum(b for _, b in split)
+            + sum(
+                t.numel() * t.element_size()
+                for k, t in own.items()
+                if tp == 1 or tp_split_dim(k) is None
+            ),
+        )
+        if cuda:
+            stats['peak_allocated_bytes'] = alloc
+    if cuda:
+        torch.cuda.empty_cache()  # the cached blocks go back before the engine resumes its KV cache
     return out if keep else None
 
-def gather_hf_state_dict(model, hf_config, bucket_bytes: int = SYNC_BUCKET_BYTES, include_tied: bool = True,
-                         keep: bool = True, stats: dict | None = None) -> dict | None:
-    "The full HF state dict in host memory from a (TP-sharded) GPTModel, gathered bucket by bucket with `gather_tp_shards` (collective at TP > 1); None where `keep=False`."
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #bdadfcd5
+def gather_hf_state_dict(
+    model,
+    hf_config,
+    bucket_bytes: int = SYNC_BUCKET_BYTES,
+    include_tied: bool = True,
+    keep: bool = True,
+    stats: dict | None = None,
+) -> dict | None:
+    """The full HF state dict in host memory from a (TP-sharded) GPTModel, gathered bucket by bucket
+    with `gather_tp_shards` (collective at TP > 1); None where `keep=False`."""
     shards = gather_tp_shards(model, bucket_bytes, keep, stats)
-    if shards is None: return None
-    return megatron_to_hf(shards if len(shards) > 1 else shards[0], hf_config, include_tied=include_tied)
+    if shards is None:
+        return None
+    return megatron_to_hf(
+        shards if len(shards) > 1 else shards[0], hf_config, include_tied=include_tied
+    )
 
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #330634c0
-def export_megatron_to_hf(model, hf_config, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
-    "Write an HF directory (safetensors + config + generation config [+ tokenizer]) from a megatron GPTModel; at TP > 1 every TP rank must call it, TP rank 0 writes."
+def export_megatron_to_hf(
+    model, hf_config, out_dir, tokenizer=None, dtype: torch.dtype | None = None
+) -> Path:
+    """Write an HF directory (safetensors + config + generation config [+ tokenizer]) from a
+    megatron GPTModel; at TP > 1 every TP rank must call it, TP rank 0 writes."""
     from huggingface_hub import save_torch_state_dict
     from transformers import GenerationConfig
+
     out = Path(out_dir)
     tp, group = _tp_layout()
     writer = tp == 1 or torch.distributed.get_rank(group) == 0
-    sd = gather_hf_state_dict(model, hf_config, include_tied=False, keep=writer)   # every TP rank joins the gather
+    sd = gather_hf_state_dict(
+        model, hf_config, include_tied=False, keep=writer
+    )  # every TP rank joins the gather
     if not writer:
-        torch.distributed.barrier(group=group); return out
+        torch.distributed.barrier(group=group)
+        return out
     out.mkdir(parents=True, exist_ok=True)
     # own storage per tensor: q/k/v and gate/up are views into the fused Megatron weights
-    sd = {k: v.detach().to(device='cpu', dtype=dtype or v.dtype).clone(memory_format=torch.contiguous_format) for k, v in sd.items()}
+    sd = {
+        k: v.detach()
+        .to(device='cpu', dtype=dtype or v.dtype)
+        .clone(memory_format=torch.contiguous_format)
+        for k, v in sd.items()
+    }
     save_torch_state_dict(sd, out, max_shard_size='5GB', metadata={'format': 'pt'})
     cfg = hf_config.__class__.from_dict(hf_config.to_dict())
-    if dtype is not None: cfg.dtype = dtype
+    if dtype is not None:
+        cfg.dtype = dtype
     cfg.save_pretrained(out)
     GenerationConfig.from_model_config(cfg).save_pretrained(out)
-    if tokenizer is not None: tokenizer.save_pretrained(out)
-    if tp > 1: torch.distributed.barrier(group=group)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    if tp > 1:
+        torch.distributed.barrier(group=group)
     return out

@@ -15,174 +15,357 @@ __all__ = ['SUPPORTED_MODEL_TYPES', 'RECOMPUTE_MODES', 'ATTENTION_CHOICES', 'hf_
 # %% ../../../nbs/14_megatron_2_model.ipynb #66663106
 SUPPORTED_MODEL_TYPES = ('qwen3', 'llama')
 
+
 def _rope_theta(c) -> float:
     rp = getattr(c, 'rope_parameters', None) or {}
     rs = getattr(c, 'rope_scaling', None) or {}
     kind = rp.get('rope_type', rp.get('type')) or rs.get('rope_type', rs.get('type')) or 'default'
     if kind != 'default':
-        raise ValueError(f"HF config field rope_parameters.rope_type={kind!r}: only plain RoPE ('default') is mapped")
+        raise ValueError(
+            f"HF config field rope_parameters.rope_type={kind!r}: only plain RoPE ('default') is "
+            "mapped"
+        )
     theta = rp.get('rope_theta', getattr(c, 'rope_theta', None))
-    if theta is None: raise ValueError("HF config has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
+    if theta is None:
+        raise ValueError(
+            "HF config has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)"
+        )
     return float(theta)
 
+# %% ../../../nbs/14_megatron_2_model.ipynb #30f99028
 def hf_arch(hf_config) -> dict:
     "The architecture facts the mapping needs, read (and checked) from an HF Qwen3/Llama config."
     c = hf_config
     if c.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"HF config field model_type={c.model_type!r}: supported are {SUPPORTED_MODEL_TYPES}")
+        raise ValueError(
+            f"HF config field model_type={c.model_type!r}: supported are {SUPPORTED_MODEL_TYPES}"
+        )
     if getattr(c, 'hidden_act', 'silu') != 'silu':
-        raise ValueError(f"HF config field hidden_act={c.hidden_act!r}: only 'silu' (SwiGLU) is mapped")
+        raise ValueError(
+            f"HF config field hidden_act={c.hidden_act!r}: only 'silu' (SwiGLU) is mapped"
+        )
     for f in ('attention_bias', 'mlp_bias'):
-        if getattr(c, f, False): raise ValueError(f"HF config field {f}=True: biases are not mapped")
+        if getattr(c, f, False):
+            raise ValueError(f"HF config field {f}=True: biases are not mapped")
     if getattr(c, 'use_sliding_window', False):
         raise ValueError("HF config field use_sliding_window=True: only full attention is mapped")
-    heads, groups = c.num_attention_heads, getattr(c, 'num_key_value_heads', None) or c.num_attention_heads
-    if heads % groups: raise ValueError(f"HF config: num_attention_heads={heads} not divisible by num_key_value_heads={groups}")
+    heads, groups = (
+        c.num_attention_heads,
+        getattr(c, 'num_key_value_heads', None) or c.num_attention_heads,
+    )
+    if heads % groups:
+        raise ValueError(
+            f"HF config: num_attention_heads={heads} not divisible by num_key_value_heads={groups}"
+        )
     head_dim = getattr(c, 'head_dim', None) or c.hidden_size // heads
-    return dict(model_type=c.model_type, hidden=c.hidden_size, layers=c.num_hidden_layers, heads=heads, groups=groups,
-                head_dim=head_dim, ffn=c.intermediate_size, vocab=c.vocab_size, eps=float(c.rms_norm_eps),
-                rope_theta=_rope_theta(c), qk_norm=c.model_type == 'qwen3', tied=bool(getattr(c, 'tie_word_embeddings', False)),
-                max_positions=getattr(c, 'max_position_embeddings', 4096))
+    return dict(
+        model_type=c.model_type,
+        hidden=c.hidden_size,
+        layers=c.num_hidden_layers,
+        heads=heads,
+        groups=groups,
+        head_dim=head_dim,
+        ffn=c.intermediate_size,
+        vocab=c.vocab_size,
+        eps=float(c.rms_norm_eps),
+        rope_theta=_rope_theta(c),
+        qk_norm=c.model_type == 'qwen3',
+        tied=bool(getattr(c, 'tie_word_embeddings', False)),
+        max_positions=getattr(c, 'max_position_embeddings', 4096),
+    )
 
+# %% ../../../nbs/14_megatron_2_model.ipynb #7a7e4e50
 def padded_vocab(vocab: int, tp: int) -> int:
-    "The vocabulary size rounded up to a multiple of `tp` (megatron's vocab-parallel layers need equal shards)."
+    """The vocabulary size rounded up to a multiple of `tp` (megatron's vocab-parallel layers need
+    equal shards)."""
     return -(-vocab // tp) * tp
 
+# %% ../../../nbs/14_megatron_2_model.ipynb #ae254966
 def check_tp(a: dict, tp: int):
-    "Raise a clear `ValueError` if the architecture `a` (from `hf_arch`) cannot be split over `tp` ranks."
-    for name, n in (('num_attention_heads', a['heads']), ('num_key_value_heads', a['groups']), ('intermediate_size', a['ffn'])):
-        if n % tp: raise ValueError(f"tensor parallelism tp={tp}: HF config field {name}={n} is not divisible by tp")
+    """Raise a clear `ValueError` if the architecture `a` (from `hf_arch`) cannot be split over `tp`
+    ranks."""
+    for name, n in (
+        ('num_attention_heads', a['heads']),
+        ('num_key_value_heads', a['groups']),
+        ('intermediate_size', a['ffn']),
+    ):
+        if n % tp:
+            raise ValueError(
+                f"tensor parallelism tp={tp}: HF config field {name}={n} is not divisible by tp"
+            )
 
 # %% ../../../nbs/14_megatron_2_model.ipynb #e53c1bc6
-def megatron_config_from_hf(hf_config, dtype: torch.dtype = torch.float32, tp: int = 1, **overrides):
-    "`(TransformerConfig, gpt_kwargs)` for a GPTModel equivalent to an HF Qwen3/Llama config split over `tp` ranks; `overrides` go to TransformerConfig."
+def megatron_config_from_hf(
+    hf_config, dtype: torch.dtype = torch.float32, tp: int = 1, **overrides
+):
+    """`(TransformerConfig, gpt_kwargs)` for a GPTModel equivalent to an HF Qwen3/Llama config split
+    over `tp` ranks; `overrides` go to TransformerConfig."""
     require_megatron()
     from megatron.core.transformer import TransformerConfig
+
     a = hf_arch(hf_config)
     check_tp(a, tp)
-    kw = dict(num_layers=a['layers'], hidden_size=a['hidden'], num_attention_heads=a['heads'],
-              num_query_groups=a['groups'], kv_channels=a['head_dim'], ffn_hidden_size=a['ffn'],
-              normalization='RMSNorm', layernorm_epsilon=a['eps'], gated_linear_unit=True,
-              activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
-              qk_layernorm=a['qk_norm'], hidden_dropout=0.0, attention_dropout=0.0,
-              params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-              use_cpu_initialization=not torch.cuda.is_available(),
-              bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-              apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-              tensor_model_parallel_size=tp,
-              calculate_per_token_loss=True)   # DDP sums gradients over DP (no 1/DP factor): see wrap_ddp
+    kw = dict(
+        num_layers=a['layers'],
+        hidden_size=a['hidden'],
+        num_attention_heads=a['heads'],
+        num_query_groups=a['groups'],
+        kv_channels=a['head_dim'],
+        ffn_hidden_size=a['ffn'],
+        normalization='RMSNorm',
+        layernorm_epsilon=a['eps'],
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=a['qk_norm'],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        calculate_per_token_loss=True,
+    )  # DDP sums gradients over DP (no 1/DP factor): see wrap_ddp
     kw.update(overrides)
-    gpt_kwargs = dict(vocab_size=padded_vocab(a['vocab'], tp), max_sequence_length=a['max_positions'], position_embedding_type='rope',
-                      rotary_base=a['rope_theta'], rotary_percent=1.0,
-                      share_embeddings_and_output_weights=a['tied'], parallel_output=False)
+    gpt_kwargs = dict(
+        vocab_size=padded_vocab(a['vocab'], tp),
+        max_sequence_length=a['max_positions'],
+        position_embedding_type='rope',
+        rotary_base=a['rope_theta'],
+        rotary_percent=1.0,
+        share_embeddings_and_output_weights=a['tied'],
+        parallel_output=False,
+    )
     return TransformerConfig(**kw), gpt_kwargs
 
 # %% ../../../nbs/14_megatron_2_model.ipynb #c33d7ff7
 RECOMPUTE_MODES = ('none', 'selective', 'full')
 ATTENTION_CHOICES = ('auto', 'te', 'sdpa', 'local')
 
+
 def recompute_config(mode: str) -> dict:
-    "TransformerConfig fields for `cfg.batch.recompute`: 'none', 'selective' (core attention) or 'full' (every layer, one per checkpoint)."
-    if mode == 'none': return {}
-    if mode == 'selective': return dict(recompute_granularity='selective', recompute_modules=['core_attn'])
-    if mode == 'full': return dict(recompute_granularity='full', recompute_method='uniform', recompute_num_layers=1)
+    """TransformerConfig fields for `cfg.batch.recompute`: 'none', 'selective' (core attention) or
+    'full' (every layer, one per checkpoint)."""
+    if mode == 'none':
+        return {}
+    if mode == 'selective':
+        return dict(recompute_granularity='selective', recompute_modules=['core_attn'])
+    if mode == 'full':
+        return dict(
+            recompute_granularity='full', recompute_method='uniform', recompute_num_layers=1
+        )
     raise ValueError(f"cfg.batch.recompute={mode!r}: expected one of {RECOMPUTE_MODES}")
 
-def choose_layer_spec(attention: str = 'auto', sequence_parallel: bool = False, tp: int = 1,
-                      cuda: bool | None = None, te: bool | None = None) -> str:
-    "'te', 'sdpa' or 'local': the layer spec for `cfg.batch.attention` on this machine (`cuda`, `te` default to what is present); refuses what cannot be built."
+# %% ../../../nbs/14_megatron_2_model.ipynb #3f266cb6
+def choose_layer_spec(
+    attention: str = 'auto',
+    sequence_parallel: bool = False,
+    tp: int = 1,
+    cuda: bool | None = None,
+    te: bool | None = None,
+) -> str:
+    """'te', 'sdpa' or 'local': the layer spec for `cfg.batch.attention` on this machine (`cuda`,
+    `te` default to what is present); refuses what cannot be built."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     te = have_transformer_engine() if te is None else te
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"cfg.batch.attention={attention!r}: expected one of {ATTENTION_CHOICES}")
     if attention == 'te' and not te:
-        raise ImportError("cfg.batch.attention='te' needs Transformer Engine (the transformer_engine package), which is not "
-                          "installed; install it on the GPU machine or set cfg.batch.attention to 'auto' or 'sdpa'")
+        raise ImportError(
+            "cfg.batch.attention='te' needs Transformer Engine (the transformer_engine package), "
+            "which is not "
+            "installed; install it on the GPU machine or set cfg.batch.attention to 'auto' or "
+            "'sdpa'"
+        )
     if attention == 'te' and not cuda:
-        raise ValueError("cfg.batch.attention='te': Transformer Engine layers need a CUDA device; use 'auto', 'sdpa' or 'local' on CPU")
-    if attention == 'auto': kind = ('te' if te else 'sdpa') if cuda else 'local'    # sdpa: measured faster on a GPU (see above)
-    else: kind = attention
+        raise ValueError(
+            "cfg.batch.attention='te': Transformer Engine layers need a CUDA device; use 'auto', "
+            "'sdpa' or 'local' on CPU"
+        )
+    if attention == 'auto':
+        kind = (
+            ('te' if te else 'sdpa') if cuda else 'local'
+        )  # sdpa: measured faster on a GPU (see above)
+    else:
+        kind = attention
     if sequence_parallel and kind != 'te':
-        raise ValueError("cfg.batch.sequence_parallel=True needs the Transformer Engine layer spec: megatron-core's local spec "
-                         "cannot build sequence-parallel norms without Transformer Engine or Apex; set cfg.batch.sequence_parallel=False, "
-                         f"or use a CUDA machine with transformer_engine and cfg.batch.attention='auto' or 'te' (got attention={attention!r})")
+        raise ValueError(
+            "cfg.batch.sequence_parallel=True needs the Transformer Engine layer spec: "
+            "megatron-core's local spec "
+            "cannot build sequence-parallel norms without Transformer Engine or Apex; set "
+            "cfg.batch.sequence_parallel=False, "
+            "or use a CUDA machine with transformer_engine and cfg.batch.attention='auto' or "
+            f"'te' (got attention={attention!r})"
+        )
     if sequence_parallel and tp < 2:
-        raise ValueError(f"cfg.batch.sequence_parallel=True splits activations over tensor-parallel ranks and needs cfg.batch.tp > 1 (tp={tp})")
+        raise ValueError(
+            "cfg.batch.sequence_parallel=True splits activations over tensor-parallel ranks and "
+            f"needs cfg.batch.tp > 1 (tp={tp})"
+        )
     return kind
 
+# %% ../../../nbs/14_megatron_2_model.ipynb #6227c16a
 def layer_spec(kind: str, qk_layernorm: bool):
-    "megatron-core's layer spec for `kind` ('te', 'sdpa' or 'local', from `choose_layer_spec`); 'sdpa' is the local spec with `SDPACoreAttention`."
+    """megatron-core's layer spec for `kind` ('te', 'sdpa' or 'local', from `choose_layer_spec`);
+    'sdpa' is the local spec with `SDPACoreAttention`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
-    if kind == 'te': return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    if kind not in ('local', 'sdpa'): raise ValueError(f"layer_spec: kind must be 'te', 'sdpa' or 'local', got {kind!r}")
+
+    if kind == 'te':
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    if kind not in ('local', 'sdpa'):
+        raise ValueError(f"layer_spec: kind must be 'te', 'sdpa' or 'local', got {kind!r}")
     spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization='RMSNorm')
-    if kind == 'sdpa':           # a fresh spec per call: swap only the self-attention's core
+    if kind == 'sdpa':  # a fresh spec per call: swap only the self-attention's core
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
-def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32, init_weights: bool = True, attention: str = 'auto',
-                    sequence_parallel: bool = False, recompute: str = 'none', **overrides):
-    "A megatron-core `GPTModel` shaped like `hf_config` with the layer spec `choose_layer_spec` picks (call `init_parallel` first)."
+# %% ../../../nbs/14_megatron_2_model.ipynb #b0ca1fe9
+def build_gpt_model(
+    hf_config,
+    dtype: torch.dtype = torch.float32,
+    init_weights: bool = True,
+    attention: str = 'auto',
+    sequence_parallel: bool = False,
+    recompute: str = 'none',
+    **overrides,
+):
+    """A megatron-core `GPTModel` shaped like `hf_config` with the layer spec `choose_layer_spec`
+    picks (call `init_parallel` first)."""
     require_megatron()
     from megatron.core.models.gpt import GPTModel
     from megatron.core import parallel_state as ps
+
     tp = ps.get_tensor_model_parallel_world_size()
     kind = choose_layer_spec(attention, sequence_parallel, tp)
-    tc, gk = megatron_config_from_hf(hf_config, dtype=dtype, tp=tp, perform_initialization=init_weights,
-                                     sequence_parallel=sequence_parallel, **recompute_config(recompute), **overrides)
+    tc, gk = megatron_config_from_hf(
+        hf_config,
+        dtype=dtype,
+        tp=tp,
+        perform_initialization=init_weights,
+        sequence_parallel=sequence_parallel,
+        **recompute_config(recompute),
+        **overrides,
+    )
     with cpu_shims():
         model = GPTModel(config=tc, transformer_layer_spec=layer_spec(kind, tc.qk_layernorm), **gk)
-    with torch.no_grad():          # the local spec's torch norms are built in fp32: every parameter in the model's dtype
+    with (
+        torch.no_grad()
+    ):  # the local spec's torch norms are built in fp32: every parameter in the model's dtype
         for p in model.parameters():
-            if p.is_floating_point() and p.dtype != dtype: p.data = p.data.to(dtype)
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
     model.layer_spec_kind = kind
     return model
 
 # %% ../../../nbs/14_megatron_2_model.ipynb #bf6a2626
 class SDPACoreAttention(torch.nn.Module):
-    "Causal core attention for megatron-core's local spec through `torch.nn.functional.scaled_dot_product_attention` (no `L x L` scores); padded `[sq, b, ...]` or packed `thd` rows."
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout: float | None = None,
-                 softmax_scale: float | None = None, cp_comm_type: str | None = None, pg_collection=None):
+    "Causal core attention for megatron-core's local spec through `torch.nn.functional.scaled_dot_product_attention` (no `L x L` scores); padded `[sq, b, ...]` or packed `thd` rows."  # noqa: E501
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
         super().__init__()
         from megatron.core.transformer.enums import AttnMaskType
-        bad = [(k, v) for k, v in (('context_parallel_size', config.context_parallel_size),
-                                   ('attention_dropout', config.attention_dropout if attention_dropout is None else attention_dropout),
-                                   ('softmax_type', config.softmax_type), ('window_size', config.window_size),
-                                   ('attn_mask_type', attn_mask_type.name))
-               if v != {'context_parallel_size': 1, 'attention_dropout': 0.0, 'softmax_type': 'vanilla', 'window_size': None,
-                        'attn_mask_type': AttnMaskType.causal.name}[k]]
-        if bad: raise ValueError(f"SDPACoreAttention (cfg.batch.attention='sdpa') supports causal self-attention only; unsupported: "
-                                 + ', '.join(f'{k}={v!r}' for k, v in bad))
+
+        bad = [
+            (k, v)
+            for k, v in (
+                ('context_parallel_size', config.context_parallel_size),
+                (
+                    'attention_dropout',
+                    config.attention_dropout if attention_dropout is None else attention_dropout,
+                ),
+                ('softmax_type', config.softmax_type),
+                ('window_size', config.window_size),
+                ('attn_mask_type', attn_mask_type.name),
+            )
+            if v
+            != {
+                'context_parallel_size': 1,
+                'attention_dropout': 0.0,
+                'softmax_type': 'vanilla',
+                'window_size': None,
+                'attn_mask_type': AttnMaskType.causal.name,
+            }[k]
+        ]
+        if bad:
+            raise ValueError(
+                f"SDPACoreAttention (cfg.batch.attention='sdpa') supports causal self-attention only; unsupported: "  # noqa: E501
+                + ', '.join(f'{k}={v!r}' for k, v in bad)
+            )
         if pg_collection is None:
             from megatron.core import parallel_state as ps
+
             tp = ps.get_tensor_model_parallel_world_size()
-        else: tp = pg_collection.tp.size()
+        else:
+            tp = pg_collection.tp.size()
         self.config, self.layer_number = config, layer_number
         self.heads, self.groups = config.num_attention_heads // tp, config.num_query_groups // tp
-        # megatron's default scale; its query-key layer scaling divides the scores by layer_number and the softmax
+        # megatron's default scale; its query-key layer scaling divides the scores by layer_number and the softmax  # noqa: E501
         # multiplies them back, so the product is this same scale
-        self.softmax_scale = config.kv_channels ** -0.5 if softmax_scale is None else softmax_scale
+        self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
 
     def _sdpa(self, q, k, v):
         "q `[..., heads, s, d]`, k and v `[..., groups, s, d]` -> `[..., heads, s, d]`, causal."
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                                enable_gqa=self.groups != self.heads)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=self.groups != self.heads
+        )
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         if attention_mask is not None:
-            raise ValueError("SDPACoreAttention is causal by its kernel and takes no attention_mask (the backend passes None)")
-        if attention_bias is not None: raise ValueError("SDPACoreAttention: attention_bias is not supported")
-        if packed_seq_params is None:                            # [s, b, n, d] -> [b, n, s, d] views, no copies
+            raise ValueError(
+                "SDPACoreAttention is causal by its kernel and takes no attention_mask (the backend passes None)"  # noqa: E501
+            )
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention: attention_bias is not supported")
+        if packed_seq_params is None:  # [s, b, n, d] -> [b, n, s, d] views, no copies
             s, b = query.shape[:2]
             out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         p = packed_seq_params
-        if p.qkv_format != 'thd' or p.cu_seqlens_q.device.type != 'cpu' or not torch.equal(p.cu_seqlens_q, p.cu_seqlens_kv):
-            raise ValueError("SDPACoreAttention: packed rows need qkv_format='thd' and equal cu_seqlens_q / cu_seqlens_kv on the host")
+        if (
+            p.qkv_format != 'thd'
+            or p.cu_seqlens_q.device.type != 'cpu'
+            or not torch.equal(p.cu_seqlens_q, p.cu_seqlens_kv)
+        ):
+            raise ValueError(
+                "SDPACoreAttention: packed rows need qkv_format='thd' and equal cu_seqlens_q / cu_seqlens_kv on the host"  # noqa: E501
+            )
         bounds = p.cu_seqlens_q.tolist()
         if bounds[0] != 0 or bounds[-1] != query.shape[0]:
-            raise ValueError(f"SDPACoreAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
-        # one row at a time, as a batch of one [1, n, l, d]: torch's fused CUDA kernels take 4-D inputs only (3-D falls back to math)
-        outs = [self._sdpa(*(x[a:e].transpose(0, 1)[None] for x in (query, key, value)))[0].transpose(0, 1)
-                for a, e in zip(bounds[:-1], bounds[1:])]
-        return torch.cat(outs).flatten(1)[:, None]               # [t, 1, n * d], the thd layout megatron expects
+            raise ValueError(
+                f"SDPACoreAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens"  # noqa: E501
+            )
+        # one row at a time, as a batch of one [1, n, l, d]: torch's fused CUDA kernels take 4-D inputs only (3-D falls back to math)  # noqa: E501
+        outs = [
+            self._sdpa(*(x[a:e].transpose(0, 1)[None] for x in (query, key, value)))[0].transpose(
+                0, 1
+            )
+            for a, e in zip(bounds[:-1], bounds[1:])
+        ]
+        return torch.cat(outs).flatten(1)[:, None]  # [t, 1, n * d], the thd layout megatron expects

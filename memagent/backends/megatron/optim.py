@@ -17,176 +17,308 @@ __all__ = ['NO_STEP_REASON', 'LinearWarmup', 'CpuMainParamOptimizer', 'MegatronC
 
 # %% ../../../nbs/14_megatron_4_optim.ipynb #ad3f8a39
 class LinearWarmup:
-    "Linear warm-up on any optimizer with `param_groups`: lr = base lr x min(1, (s + 1) / warmup_steps) at step s, as `build_optimizer`'s LambdaLR."
+    """Linear warm-up on any optimizer with `param_groups`: lr = base lr x min(1, (s + 1) /
+    warmup_steps) at step s, as `build_optimizer`'s LambdaLR."""
+
     def __init__(self, optimizer, warmup_steps: int):
-        if warmup_steps < 1: raise ValueError(f"LinearWarmup: warmup_steps must be >= 1, got {warmup_steps}")
+        if warmup_steps < 1:
+            raise ValueError(f"LinearWarmup: warmup_steps must be >= 1, got {warmup_steps}")
         self.optimizer, self.warmup_steps, self.last_step = optimizer, warmup_steps, 0
         self.base_lrs = [g['lr'] for g in optimizer.param_groups]
         self._apply()
+
     def _apply(self):
         f = min(1.0, (self.last_step + 1) / self.warmup_steps)
-        for g, lr in zip(self.optimizer.param_groups, self.base_lrs): g['lr'] = lr * f
-    def step(self): self.last_step += 1; self._apply()
-    def state_dict(self) -> dict: return {'last_step': self.last_step, 'base_lrs': list(self.base_lrs)}
-    def load_state_dict(self, sd: dict): self.last_step, self.base_lrs = sd['last_step'], list(sd['base_lrs']); self._apply()
+        for g, lr in zip(self.optimizer.param_groups, self.base_lrs):
+            g['lr'] = lr * f
 
+    def step(self):
+        self.last_step += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {'last_step': self.last_step, 'base_lrs': list(self.base_lrs)}
+
+    def load_state_dict(self, sd: dict):
+        self.last_step, self.base_lrs = sd['last_step'], list(sd['base_lrs'])
+        self._apply()
+
+# %% ../../../nbs/14_megatron_4_optim.ipynb #fbc6b5cc
 def _tp_group():
     from megatron.core import parallel_state as ps
-    return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
-NO_STEP_REASON = ("no optimizer step taken yet: megatron-core 0.16.1's DistributedOptimizer.state_dict() asserts one step "
-                  "count over its Adam states (`assert len(steps) == 1` without TE/Apex), and before the first step there are none; "
-                  "a fresh optimizer on the saved weights is that state")
+    return (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+    )
+
+# %% ../../../nbs/14_megatron_4_optim.ipynb #71728462
+NO_STEP_REASON = (
+    "no optimizer step taken yet: megatron-core 0.16.1's DistributedOptimizer.state_dict() "
+    "asserts one step "
+    "count over its Adam states (`assert len(steps) == 1` without TE/Apex), and before the first "
+    "step there are none; "
+    "a fresh optimizer on the saved weights is that state"
+)
+
 
 def _marker_or(opt, state_fn) -> dict:
-    "The optimizer's state (`state_fn()`, with its step count), or the `no_optimizer_state` marker when no step was taken."
-    if opt.steps_taken == 0: return no_optimizer_state(NO_STEP_REASON)
+    """The optimizer's state (`state_fn()`, with its step count), or the `no_optimizer_state` marker
+    when no step was taken."""
+    if opt.steps_taken == 0:
+        return no_optimizer_state(NO_STEP_REASON)
     return dict(state_fn(), steps_taken=opt.steps_taken)
 
+# %% ../../../nbs/14_megatron_4_optim.ipynb #c64ca087
 def _load_marker(opt, sd: dict) -> bool:
-    "Handle a `no_optimizer_state` marker: a fresh optimizer, the reason kept in `fresh_reason` and warned; refused after steps. False for a real state."
+    """Handle a `no_optimizer_state` marker: a fresh optimizer, the reason kept in `fresh_reason`
+    and warned; refused after steps. False for a real state."""
     reason = no_optimizer_state_reason(sd)
-    if reason is None: return False
+    if reason is None:
+        return False
     if opt.steps_taken:
-        raise ValueError(f"{type(opt).__name__}.load_state_dict: the checkpoint holds no optimizer state ({reason}), but this optimizer "
-                         f"has taken {opt.steps_taken} steps: loading it would drop their Adam moments; load a checkpoint with optimizer state")
-    opt.reload_model_params(); opt.fresh_reason = reason
+        raise ValueError(
+            f"{type(opt).__name__}.load_state_dict: the checkpoint holds no optimizer state "
+            f"({reason}), but this optimizer "
+            f"has taken {opt.steps_taken} steps: loading it would drop their Adam moments; load a "
+            "checkpoint with optimizer state"
+        )
+    opt.reload_model_params()
+    opt.fresh_reason = reason
     warnings.warn(f"optimizer state not restored, starting a fresh optimizer: {reason}")
     return True
 
 # %% ../../../nbs/14_megatron_4_optim.ipynb #dcf500e2
 class CpuMainParamOptimizer:
-    "CPU STAND-IN for megatron-core's mixed-precision optimizer (CUDA-only in 0.16.1): fp32 main params, torch AdamW/SGD on DDP's fp32 main grads, TP-aware clipping, copy back."
+    """CPU STAND-IN for megatron-core's mixed-precision optimizer (CUDA-only in 0.16.1): fp32 main
+    params, torch AdamW/SGD on DDP's fp32 main grads, TP-aware clipping, copy back."""
+
     def __init__(self, model, ddp, o: OptimCfg):
         if torch.cuda.is_available():
-            raise RuntimeError("CpuMainParamOptimizer is the CPU stand-in; with CUDA the backend must use megatron-core's optimizer (MegatronCoreOptimizer)")
+            raise RuntimeError(
+                "CpuMainParamOptimizer is the CPU stand-in; with CUDA the backend must use "
+                "megatron-core's optimizer (MegatronCoreOptimizer)"
+            )
         self.model, self.ddp = model, ddp
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.main = [p.detach().float().clone() for _, p in self.named]            # fp32 main parameters
+        self.main = [p.detach().float().clone() for _, p in self.named]  # fp32 main parameters
         self.optimizer, _ = build_optimizer(self.main, o)
         self.tp_group, self.tp, self.tp_rank = _tp_group()
-        self.counted = [tp_split_dim(local_param_name(n)) is not None or self.tp_rank == 0 for n, _ in self.named]
+        self.counted = [
+            tp_split_dim(local_param_name(n)) is not None or self.tp_rank == 0
+            for n, _ in self.named
+        ]
         self.steps_taken, self.fresh_reason = 0, None
 
     @property
-    def param_groups(self): return self.optimizer.param_groups
+    def param_groups(self):
+        return self.optimizer.param_groups
 
     @torch.no_grad()
     def grad_norm_and_clip(self, clip: float | None) -> torch.Tensor:
-        "Give the main params their fp32 main grads (already reduced by `finalize_model_grads`), clip to `clip`; returns the pre-clip norm."
-        for (_, p), m in zip(self.named, self.main): m.grad = p.main_grad.detach().float().view_as(m)
-        sq = torch.stack([m.grad.pow(2).sum() for m, c in zip(self.main, self.counted) if c] or [torch.zeros(())]).sum()
-        if self.tp > 1: torch.distributed.all_reduce(sq, group=self.tp_group)   # sharded: every rank's part; replicated: counted once
+        """Give the main params their fp32 main grads (already reduced by `finalize_model_grads`),
+        clip to `clip`; returns the pre-clip norm."""
+        for (_, p), m in zip(self.named, self.main):
+            m.grad = p.main_grad.detach().float().view_as(m)
+        sq = torch.stack(
+            [m.grad.pow(2).sum() for m, c in zip(self.main, self.counted) if c] or [torch.zeros(())]
+        ).sum()
+        if self.tp > 1:
+            torch.distributed.all_reduce(
+                sq, group=self.tp_group
+            )  # sharded: every rank's part; replicated: counted once
         norm = sq.sqrt()
         if clip:
             coef = (clip / (norm + 1e-6)).clamp(max=1.0)
-            for m in self.main: m.grad.mul_(coef)
+            for m in self.main:
+                m.grad.mul_(coef)
         return norm
 
     @torch.no_grad()
     def step(self):
-        "The update on prepared, clipped gradients: torch optimizer step on the fp32 main params, then copy them into the model."
-        self.optimizer.step(); self.steps_taken += 1
-        for (_, p), m in zip(self.named, self.main): p.copy_(m)
+        """The update on prepared, clipped gradients: torch optimizer step on the fp32 main params,
+        then copy them into the model."""
+        self.optimizer.step()
+        self.steps_taken += 1
+        for (_, p), m in zip(self.named, self.main):
+            p.copy_(m)
 
     def zero_grad(self, set_to_none: bool = True):
-        for m in self.main: m.grad = None
+        for m in self.main:
+            m.grad = None
         self.ddp.zero_grad_buffer()
 
     @torch.no_grad()
     def reload_model_params(self):
         "Main params <- model params (after weights were loaded into the model)."
-        for (_, p), m in zip(self.named, self.main): m.copy_(p)
+        for (_, p), m in zip(self.named, self.main):
+            m.copy_(p)
 
     def state_dict(self) -> dict:
-        "The torch optimizer's state and the fp32 main params; the `no_optimizer_state` marker before the first step (as `MegatronCoreOptimizer`)."
-        return _marker_or(self, lambda: {'optimizer': self.optimizer.state_dict(), 'main_params': [m.detach().clone() for m in self.main]})
+        """The torch optimizer's state and the fp32 main params; the `no_optimizer_state` marker
+        before the first step (as `MegatronCoreOptimizer`)."""
+        return _marker_or(
+            self,
+            lambda: {
+                'optimizer': self.optimizer.state_dict(),
+                'main_params': [m.detach().clone() for m in self.main],
+            },
+        )
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict):
-        if _load_marker(self, sd): return
+        if _load_marker(self, sd):
+            return
         self.optimizer.load_state_dict(sd['optimizer'])
         self.steps_taken = sd.get('steps_taken', int(bool(sd['optimizer']['state'])))
         for (n, p), m, v in zip(self.named, self.main, sd['main_params']):
-            if v.shape != m.shape: raise ValueError(f"CpuMainParamOptimizer.load_state_dict: {n} main param {tuple(v.shape)} != {tuple(m.shape)}")
-            m.copy_(v); p.copy_(m)
+            if v.shape != m.shape:
+                raise ValueError(
+                    f"CpuMainParamOptimizer.load_state_dict: {n} main param {tuple(v.shape)} != "
+                    f"{tuple(m.shape)}"
+                )
+            m.copy_(v)
+            p.copy_(m)
 
 # %% ../../../nbs/14_megatron_4_optim.ipynb #3a98b673
 class MegatronCoreOptimizer:
-    "megatron-core's optimizer (`get_megatron_optimizer`, GPU only) behind the stand-in's interface; state save/load per rank (untested on CPU)."
+    """megatron-core's optimizer (`get_megatron_optimizer`, GPU only) behind the stand-in's
+    interface; state save/load per rank (untested on CPU)."""
+
     def __init__(self, model, ddp, o: OptimCfg, grad_clip: float | None):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        if o.name not in ('adam', 'sgd'): raise ValueError(f"optim.name must be 'adam' or 'sgd', got {o.name!r}")
+
+        if o.name not in ('adam', 'sgd'):
+            raise ValueError(f"optim.name must be 'adam' or 'sgd', got {o.name!r}")
         tc = model.config
-        oc = OptimizerConfig(optimizer=o.name, lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
-                             adam_beta2=o.betas[1], adam_eps=o.eps, sgd_momentum=0.0, decoupled_weight_decay=True,
-                             clip_grad=grad_clip or 0.0, bf16=tc.bf16, fp16=tc.fp16, params_dtype=tc.params_dtype,
-                             use_distributed_optimizer=ddp.ddp_config.use_distributed_optimizer)
+        oc = OptimizerConfig(
+            optimizer=o.name,
+            lr=o.lr,
+            min_lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            sgd_momentum=0.0,
+            decoupled_weight_decay=True,
+            clip_grad=grad_clip or 0.0,
+            bf16=tc.bf16,
+            fp16=tc.fp16,
+            params_dtype=tc.params_dtype,
+            use_distributed_optimizer=ddp.ddp_config.use_distributed_optimizer,
+        )
         self.ddp, self.inner = ddp, get_megatron_optimizer(oc, [ddp], config_overrides={})
         self.parts = list(getattr(self.inner, 'chained_optimizers', [self.inner]))
         self.steps_taken, self.fresh_reason = 0, None
 
     @property
-    def param_groups(self): return self.inner.param_groups
+    def param_groups(self):
+        return self.inner.param_groups
 
     @torch.no_grad()
     def grad_norm_and_clip(self, clip: float | None) -> torch.Tensor:
-        "megatron's own steps: main grads from the DDP buffers, global norm over its grad-stats group, clip by that norm."
+        """megatron's own steps: main grads from the DDP buffers, global norm over its grad-stats
+        group, clip by that norm."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-        if self.inner.prepare_grads(): return torch.tensor(float('inf'))   # only with fp16 loss scaling
+
+        if self.inner.prepare_grads():
+            return torch.tensor(float('inf'))  # only with fp16 loss scaling
         norm = self.inner.get_grad_norm()
         if clip:
             for o in self.parts:
                 if o.get_parameters():
-                    clip_grad_by_total_norm_fp32(o.get_parameters(), clip, norm, o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+                    clip_grad_by_total_norm_fp32(
+                        o.get_parameters(),
+                        clip,
+                        norm,
+                        o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                    )
         return torch.tensor(float(norm))
 
     def step(self):
         ok = self.inner.step_with_ready_grads()
-        if ok: self.steps_taken += 1
+        if ok:
+            self.steps_taken += 1
         return ok
+
     def zero_grad(self, set_to_none: bool = True):
-        self.inner.zero_grad(set_to_none=set_to_none); self.ddp.zero_grad_buffer()
-    def reload_model_params(self): self.inner.reload_model_params()
+        self.inner.zero_grad(set_to_none=set_to_none)
+        self.ddp.zero_grad_buffer()
+
+    def reload_model_params(self):
+        self.inner.reload_model_params()
 
     @staticmethod
     def _range_params(o):
-        "Model params of a DistributedOptimizer in the order of its grad-buffer range maps (this rank's shards)."
-        return [p for maps in o.gbuf_ranges for buckets in maps.values() for bm in buckets for p in bm['param_map']]
+        """Model params of a DistributedOptimizer in the order of its grad-buffer range maps (this
+        rank's shards)."""
+        return [
+            p
+            for maps in o.gbuf_ranges
+            for buckets in maps.values()
+            for bm in buckets
+            for p in bm['param_map']
+        ]
 
     def state_dict(self) -> dict:
-        "megatron-core's state per part (+ this rank's parameter-state slices); before the first step the `no_optimizer_state` marker, without calling megatron-core (it asserts then)."
+        """megatron-core's state per part (+ this rank's parameter-state slices); before the first
+        step the `no_optimizer_state` marker, without calling megatron-core (it asserts then)."""
         return _marker_or(self, self._core_state_dict)
 
     def _core_state_dict(self) -> dict:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
         out = []
         for o in self.parts:
             d = {'common': o.state_dict()}
             if isinstance(o, DistributedOptimizer):
-                d['param_state'] = [{k: v.detach().cpu().clone() for k, v in o._get_main_param_and_optimizer_states(p).items()}
-                                    for p in self._range_params(o)]
+                d['param_state'] = [
+                    {
+                        k: v.detach().cpu().clone()
+                        for k, v in o._get_main_param_and_optimizer_states(p).items()
+                    }
+                    for p in self._range_params(o)
+                ]
             out.append(d)
         return {'megatron_core': out}
 
-    @torch.no_grad()       # megatron copies into main params in place, and an fp32 parameter's main shard is a view of it
+    # megatron copies into main params in place, and an fp32 parameter's main shard is a view of it
+    @torch.no_grad()
     def load_state_dict(self, sd: dict):
-        if _load_marker(self, sd): return
+        if _load_marker(self, sd):
+            return
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
         parts = sd['megatron_core']
-        if len(parts) != len(self.parts): raise ValueError(f"MegatronCoreOptimizer.load_state_dict: {len(parts)} optimizer parts saved, {len(self.parts)} here")
+        if len(parts) != len(self.parts):
+            raise ValueError(
+                f"MegatronCoreOptimizer.load_state_dict: {len(parts)} optimizer parts saved, "
+                f"{len(self.parts)} here"
+            )
         for o, d in zip(self.parts, parts):
             o.load_state_dict(d['common'])
             if isinstance(o, DistributedOptimizer):
                 params = self._range_params(o)
                 if len(params) != len(d['param_state']):
-                    raise ValueError(f"MegatronCoreOptimizer.load_state_dict: {len(d['param_state'])} parameter shards saved, {len(params)} here (other layout?)")
+                    raise ValueError(
+                        f"MegatronCoreOptimizer.load_state_dict: {len(d['param_state'])} "
+                        f"parameter shards saved, {len(params)} here (other layout?)"
+                    )
                 dev = compute_device()
-                for p, t in zip(params, d['param_state']): o._set_main_param_and_optimizer_states(p, {k: v.to(dev) for k, v in t.items()})
+                for p, t in zip(params, d['param_state']):
+                    o._set_main_param_and_optimizer_states(p, {k: v.to(dev) for k, v in t.items()})
         self.steps_taken = sd.get('steps_taken', 1)
 
 # %% ../../../nbs/14_megatron_4_optim.ipynb #5dd4b7d1
-def build_megatron_optimizer(model, ddp, o: OptimCfg, grad_clip: float | None, warmup_steps: int = 0):
-    "`(optimizer, scheduler)`: megatron-core's optimizer on CUDA, the CPU stand-in otherwise; `LinearWarmup` if `warmup_steps`."
-    opt = MegatronCoreOptimizer(model, ddp, o, grad_clip) if torch.cuda.is_available() else CpuMainParamOptimizer(model, ddp, o)
+def build_megatron_optimizer(
+    model, ddp, o: OptimCfg, grad_clip: float | None, warmup_steps: int = 0
+):
+    """`(optimizer, scheduler)`: megatron-core's optimizer on CUDA, the CPU stand-in otherwise;
+    `LinearWarmup` if `warmup_steps`."""
+    opt = (
+        MegatronCoreOptimizer(model, ddp, o, grad_clip)
+        if torch.cuda.is_available()
+        else CpuMainParamOptimizer(model, ddp, o)
+    )
     return opt, (LinearWarmup(opt, warmup_steps) if warmup_steps > 0 else None)

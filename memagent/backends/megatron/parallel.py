@@ -16,54 +16,80 @@ __all__ = ['HAVE_MEGATRON', 'require_megatron', 'have_transformer_engine', 'cpu_
 
 # %% ../../../nbs/14_megatron_1_parallel.ipynb #efc2f8c2
 def _have_megatron() -> bool:
-    try: return importlib.util.find_spec('megatron.core') is not None
-    except (ImportError, ValueError, AttributeError): return False
+    try:
+        return importlib.util.find_spec('megatron.core') is not None
+    except (ImportError, ValueError, AttributeError):
+        return False
 
-HAVE_MEGATRON = _have_megatron()   # checked without importing megatron-core (its import is slow and noisy)
+
+HAVE_MEGATRON = (
+    _have_megatron()
+)  # checked without importing megatron-core (its import is slow and noisy)
+
 
 def require_megatron():
     "Raise a clear `ImportError` if megatron-core is not installed."
     if not HAVE_MEGATRON:
-        raise ImportError("memagent.backends.megatron needs megatron-core (pip install 'megatron-core==0.16.1'); "
-                          "the torch backend (cfg.backend='torch') does not.")
+        raise ImportError(
+            "memagent.backends.megatron needs megatron-core (pip install 'megatron-core==0.16.1'); "
+            "the torch backend (cfg.backend='torch') does not."
+        )
 
 # %% ../../../nbs/14_megatron_1_parallel.ipynb #b4998429
 def have_transformer_engine() -> bool:
     "Whether Transformer Engine is importable (checked without importing it)."
-    try: return importlib.util.find_spec('transformer_engine') is not None
-    except (ImportError, ValueError, AttributeError): return False
+    try:
+        return importlib.util.find_spec('transformer_engine') is not None
+    except (ImportError, ValueError, AttributeError):
+        return False
 
 # %% ../../../nbs/14_megatron_1_parallel.ipynb #cfd7a428
 def _cpu_current_device():
-    "Stand-in for `torch.cuda.current_device` on CPU-only hosts: the device this process computes on (`memagent.ondevice.compute_device`: the CPU, or the virtual device of a `VirtualDevice` guard)."
+    """Stand-in for `torch.cuda.current_device` on CPU-only hosts: the device this process computes
+    on (`memagent.ondevice.compute_device`: the CPU, or the virtual device of a `VirtualDevice`
+    guard)."""
     return str(compute_device())
 
+
 def _cpu_get_rng_state(*args, **kwargs) -> torch.Tensor:
-    "Stand-in for megatron's `_get_cuda_rng_state` on CPU-only hosts: there is no CUDA RNG state (an empty byte tensor)."
+    """Stand-in for megatron's `_get_cuda_rng_state` on CPU-only hosts: there is no CUDA RNG state
+    (an empty byte tensor)."""
     return torch.empty(0, dtype=torch.uint8)
+
 
 def _cpu_set_rng_state(*args, **kwargs):
     "Stand-in for megatron's `_set_cuda_rng_state` on CPU-only hosts: nothing to restore."
 
+
 @contextlib.contextmanager
 def cpu_shims():
-    "Make megatron-core's CUDA-only paths safe on a CPU-only host (a no-op when CUDA is available). Yields True if active."
+    """Make megatron-core's CUDA-only paths safe on a CPU-only host (a no-op when CUDA is
+    available). Yields True if active."""
     if torch.cuda.is_available():
         yield False
         return
     require_megatron()
     from megatron.core.tensor_parallel import random as mrandom
-    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # shim 2: no-op RNG fork
+
+    mrandom.initialize_rng_tracker(
+        inference_rng_tracker=True, force_reset=True
+    )  # shim 2: no-op RNG fork
     orig = torch.cuda.current_device, mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state
-    torch.cuda.current_device = _cpu_current_device                      # shim 1: device queries -> the compute device
-    mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = _cpu_get_rng_state, _cpu_set_rng_state  # shim 3
-    try: yield True
-    finally: torch.cuda.current_device, mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = orig
+    torch.cuda.current_device = _cpu_current_device  # shim 1: device queries -> the compute device
+    mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = (
+        _cpu_get_rng_state,
+        _cpu_set_rng_state,
+    )  # shim 3
+    try:
+        yield True
+    finally:
+        torch.cuda.current_device, mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = orig
 
 # %% ../../../nbs/14_megatron_1_parallel.ipynb #903f3e85
 @dataclass
 class ParallelInfo:
     "Sizes and this process's rank in each parallel dimension."
+
     world_size: int
     rank: int
     tp: int
@@ -72,31 +98,47 @@ class ParallelInfo:
     dp_rank: int
     backend: str
 
-_OWN_PG = False   # True when init_parallel created the default process group (destroy_parallel then removes it)
+# %% ../../../nbs/14_megatron_1_parallel.ipynb #15265343
+# True when init_parallel created the default process group (destroy_parallel then removes it)
+_OWN_PG = False
 
 
 def _parallel_info() -> ParallelInfo:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    return ParallelInfo(world_size=dist.get_world_size(), rank=dist.get_rank(),
-                        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-                        dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
-                        backend=str(dist.get_backend()))
 
+    return ParallelInfo(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        backend=str(dist.get_backend()),
+    )
+
+# %% ../../../nbs/14_megatron_1_parallel.ipynb #cfb6674b
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> ParallelInfo:
-    "Initialize torch.distributed (if needed) and megatron's TP x PP x DP groups; idempotent for the same sizes."
+    """Initialize torch.distributed (if needed) and megatron's TP x PP x DP groups; idempotent for
+    the same sizes."""
     global _OWN_PG
     require_megatron()
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+
     if not dist.is_initialized():
         cuda = torch.cuda.is_available()
         if 'WORLD_SIZE' not in os.environ or int(os.environ['WORLD_SIZE']) == 1:
             os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
-            if 'MASTER_PORT' not in os.environ or 'WORLD_SIZE' not in os.environ: os.environ['MASTER_PORT'] = str(free_port())
+            if 'MASTER_PORT' not in os.environ or 'WORLD_SIZE' not in os.environ:
+                os.environ['MASTER_PORT'] = str(free_port())
         rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
-        if cuda and 'LOCAL_RANK' in os.environ: torch.cuda.set_device(int(os.environ['LOCAL_RANK']))   # else the device set already
-        if cuda: torch.cuda.set_device(torch.cuda.current_device())   # set explicitly: NCCL's object collectives need it
+        if cuda and 'LOCAL_RANK' in os.environ:
+            torch.cuda.set_device(int(os.environ['LOCAL_RANK']))  # else the device set already
+        if cuda:
+            torch.cuda.set_device(
+                torch.cuda.current_device()
+            )  # set explicitly: NCCL's object collectives need it
         dist.init_process_group('nccl' if cuda else 'gloo', rank=rank, world_size=world)
         _OWN_PG = True
     world = dist.get_world_size()
@@ -105,12 +147,15 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> ParallelInfo:
     if ps.model_parallel_is_initialized():
         info = _parallel_info()
         if (info.tp, info.pp) != (tp, pp):
-            raise ValueError(f"init_parallel: already initialized with tp={info.tp}, pp={info.pp}; "
-                             f"call destroy_parallel() before asking for tp={tp}, pp={pp}")
+            raise ValueError(
+                f"init_parallel: already initialized with tp={info.tp}, pp={info.pp}; "
+                f"call destroy_parallel() before asking for tp={tp}, pp={pp}"
+            )
         return info
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
         model_parallel_cuda_manual_seed(seed)
     return _parallel_info()
 
@@ -118,9 +163,13 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> ParallelInfo:
 def destroy_parallel():
     "Tear down megatron's groups, and the default process group if `init_parallel` created it."
     global _OWN_PG
-    if not HAVE_MEGATRON: return
+    if not HAVE_MEGATRON:
+        return
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    if ps.model_parallel_is_initialized(): ps.destroy_model_parallel()
-    if _OWN_PG and dist.is_initialized(): dist.destroy_process_group()
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if _OWN_PG and dist.is_initialized():
+        dist.destroy_process_group()
     _OWN_PG = False
