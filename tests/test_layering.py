@@ -31,6 +31,7 @@ LAYERS = (
         'devices',
         'ondevice',
         'sampler',
+        'patch',
     ),  # pure leaves
     ('data', 'prompts', 'models', 'credit', 'loss', 'report', 'memreport'),  # pure or file-level
     ('engines',),  # leaves: know nothing of the trainer
