@@ -1,4 +1,4 @@
-"""The Python half of scripts/gpu_check.sh: `memagent.gpucheck.cli` (nbs/22_gpucheck_5_cli.ipynb),
+"""The Python half of scripts/gpu_check.sh: `memagent.gpucheck.cli` (nbs/22_gpucheck_6_cli.ipynb),
 whose commands are
 
     python scripts/gpu_check.py preset | layout | plan | subset | part NAME | render | compare ...
