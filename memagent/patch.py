@@ -9,10 +9,14 @@ from __future__ import annotations
 __all__ = ['patch_to']
 
 # %% ../nbs/01c_patch.ipynb #1a9f1d74
+import builtins
+
+
 def patch_to(cls):
     """Decorator: add the function to `cls` under its own name, and leave the module's binding of
-    that name as it was. A `property`, `staticmethod` or `classmethod` is added as one. A name the
-    class itself already defines is refused: a method is added once."""
+    that name as it was (a builtin stays the builtin). A `property`, `staticmethod` or
+    `classmethod` is added as one. A name the class itself already defines is refused: a method is
+    added once."""
 
     def add(f):
         fn = f.fget if isinstance(f, property) else getattr(f, '__func__', f)
@@ -21,6 +25,6 @@ def patch_to(cls):
             raise TypeError(f"patch_to: {cls.__qualname__} already defines {name!r}")
         fn.__qualname__ = f"{cls.__qualname__}.{name}"
         setattr(cls, name, f)
-        return fn.__globals__.get(name)
+        return fn.__globals__.get(name, getattr(builtins, name, None))
 
     return add

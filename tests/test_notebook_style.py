@@ -1,16 +1,10 @@
-"""Export cells hold one idea each: no `#| export` cell is over 60 lines.
+"""Export cells hold one idea each: no `#| export` cell is over 60 lines, as ruff formats it.
 
-A long export cell is split at its top-level statements into consecutive export cells. A cell that
-is one
-definition (one function or one class) longer than that cannot be split at a boundary; it is listed
-in
-`LONG_DEFINITIONS` with its reason. Classes keep their methods in the class body: laying them out
-with
-`@patch` would make fastcore, a development requirement only, a runtime one. `PENDING` lists the
-long
-cells of notebooks that are being edited and will be split. Both lists only shrink: an entry whose
-cell is
-gone or is now at most 60 lines fails the test until it is removed."""
+A long cell is split at its top-level statements into consecutive export cells. A long class is laid
+out one method per cell with `memagent.patch.patch_to`; a long function is split into helpers. A
+definition that cannot be split without harm is listed in `LONG_DEFINITIONS` with its reason, and
+`PENDING` lists the long cells not split yet. Both lists only shrink: an entry whose cell is gone or
+is now at most 60 lines fails the test until it is removed."""
 
 import json
 from pathlib import Path
