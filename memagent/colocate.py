@@ -11,6 +11,7 @@ from .net import free_port
 from .transfer import cluster_gpus, require_resources
 from .config import Config
 from .devices import bundle_info
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placement', 'EngineServer', 'EngineServers',
@@ -22,6 +23,51 @@ TRAIN_SHARE, SERVER_SHARE, PROBE_SHARE = (
     0.2,
     0.1,
 )  # of a bundle's GPU (and CPU): trainer rank, server actor, start-up probe
+
+# %% ../nbs/08a_colocate.ipynb #13e5ed92
+def _check_layout(n_gpus, gpus_per_engine) -> None:
+    "Refuse a layout whose GPU count is not a positive multiple of the GPUs per engine."
+    if not (
+        isinstance(n_gpus, int)
+        and isinstance(gpus_per_engine, int)
+        and n_gpus >= 1
+        and gpus_per_engine >= 1
+        and n_gpus % gpus_per_engine == 0
+    ):
+        raise ValueError(
+            f"n_gpus={n_gpus!r} must be a positive multiple of gpus_per_engine={gpus_per_engine!r}"
+        )
+
+# %% ../nbs/08a_colocate.ipynb #03a65784
+def _bundle_order(pl, timeout_s: float) -> tuple[list, list, list]:
+    "A probe on each bundle of `pl`: the bundles in (node, GPU) order, their nodes, their GPU ids."
+    import ray
+
+    n_gpus = pl.n_gpus
+    probe = ray.remote(
+        bundle_info
+    )  # memagent.devices imports no torch: each probe costs a worker start only
+    info = ray.get(
+        [probe.options(**pl._on(b, PROBE_SHARE)).remote() for b in range(n_gpus)],
+        timeout=timeout_s,
+    )
+    order = sorted(
+        range(n_gpus),
+        key=lambda b: (info[b][0], [int(g) if g.isdigit() else g for g in info[b][1]], b),
+    )
+    return order, [info[b][0] for b in order], [info[b][1] for b in order]
+
+# %% ../nbs/08a_colocate.ipynb #8329c4a6
+def _refuse_split_engines(pl) -> None:
+    "Remove `pl` and refuse it when an engine's GPUs would span nodes."
+    split = [e for e in range(pl.n_engines) if len({pl.nodes[r] for r in pl.engine_ranks(e)}) > 1]
+    if split:
+        pl.remove()
+        raise RuntimeError(
+            f"engines {split} would span nodes "
+            f"({[sorted({pl.nodes[r] for r in pl.engine_ranks(e)}) for e in split]}); "
+            f"gpus_per_engine={pl.gpus_per_engine} must fit on one node"
+        )
 
 # %% ../nbs/08a_colocate.ipynb #e12b6896
 class Placement:
@@ -38,17 +84,7 @@ class Placement:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        if not (
-            isinstance(n_gpus, int)
-            and isinstance(gpus_per_engine, int)
-            and n_gpus >= 1
-            and gpus_per_engine >= 1
-            and n_gpus % gpus_per_engine == 0
-        ):
-            raise ValueError(
-                f"n_gpus={n_gpus!r} must be a positive multiple of "
-                f"gpus_per_engine={gpus_per_engine!r}"
-            )
+        _check_layout(n_gpus, gpus_per_engine)
         if not ray.is_initialized():
             raise RuntimeError(
                 "Placement needs a running Ray (ray.init, or memagent.transfer.ensure_ray)"
@@ -69,31 +105,8 @@ class Placement:
                 f"placement group of {n_gpus} bundles {self.bundle} not ready after {timeout_s}s; "
                 f"the cluster has {ray.cluster_resources()}"
             )
-        probe = ray.remote(
-            bundle_info
-        )  # memagent.devices imports no torch: each probe costs a worker start only
-        info = ray.get(
-            [probe.options(**self._on(b, PROBE_SHARE)).remote() for b in range(n_gpus)],
-            timeout=timeout_s,
-        )
-        self.order = sorted(
-            range(n_gpus),
-            key=lambda b: (info[b][0], [int(g) if g.isdigit() else g for g in info[b][1]], b),
-        )
-        self.nodes = [info[b][0] for b in self.order]
-        self.gpu_ids = [info[b][1] for b in self.order]
-        split = [
-            e
-            for e in range(self.n_engines)
-            if len({self.nodes[r] for r in self.engine_ranks(e)}) > 1
-        ]
-        if split:
-            self.remove()
-            raise RuntimeError(
-                f"engines {split} would span nodes "
-                f"({[sorted({self.nodes[r] for r in self.engine_ranks(e)}) for e in split]}); "
-                f"gpus_per_engine={gpus_per_engine} must fit on one node"
-            )
+        self.order, self.nodes, self.gpu_ids = _bundle_order(self, timeout_s)
+        _refuse_split_engines(self)
 
     @classmethod
     def from_config(cls, cfg, use_gpu: bool | None = None, timeout_s: float = 300.0) -> 'Placement':
@@ -104,54 +117,68 @@ class Placement:
     def n_engines(self) -> int:
         return self.n_gpus // self.gpus_per_engine
 
-    def _on(self, bundle: int, share: float) -> dict:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+# %% ../nbs/08a_colocate.ipynb #e8f60595
+# a trainer rank's bundle and share
+@patch_to(Placement)
+def _on(self, bundle: int, share: float) -> dict:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return {
-            'scheduling_strategy': PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=bundle
-            ),
-            'num_cpus': share,
-            'num_gpus': share if self.use_gpu else 0,
-        }
+    return {
+        'scheduling_strategy': PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=bundle
+        ),
+        'num_cpus': share,
+        'num_gpus': share if self.use_gpu else 0,
+    }
 
-    def train_options(self, rank: int) -> dict:
-        """Keyword arguments of `ActorClass.options(...)` for trainer rank `rank`: its bundle and
-        its share of that GPU."""
-        if not 0 <= rank < self.n_gpus:
-            raise ValueError(f"rank {rank} outside [0, {self.n_gpus})")
-        return self._on(self.order[rank], TRAIN_SHARE)
 
-    def engine_ranks(self, engine: int) -> list[int]:
-        "The trainer ranks whose GPUs engine `engine` uses."
-        if not 0 <= engine < self.n_engines:
-            raise ValueError(f"engine {engine} outside [0, {self.n_engines})")
-        g = self.gpus_per_engine
-        return list(range(engine * g, (engine + 1) * g))
+@patch_to(Placement)
+def train_options(self, rank: int) -> dict:
+    """Keyword arguments of `ActorClass.options(...)` for trainer rank `rank`: its bundle and
+    its share of that GPU."""
+    if not 0 <= rank < self.n_gpus:
+        raise ValueError(f"rank {rank} outside [0, {self.n_gpus})")
+    return self._on(self.order[rank], TRAIN_SHARE)
 
-    def engine_bundles(self, engine: int) -> list[int]:
-        "The placement-group bundle indices of engine `engine` (the bundles of its ranks)."
-        return [self.order[r] for r in self.engine_ranks(engine)]
+# %% ../nbs/08a_colocate.ipynb #3e7df5dd
+# an engine's ranks, bundles, actor options and GPUs
+@patch_to(Placement)
+def engine_ranks(self, engine: int) -> list[int]:
+    "The trainer ranks whose GPUs engine `engine` uses."
+    if not 0 <= engine < self.n_engines:
+        raise ValueError(f"engine {engine} outside [0, {self.n_engines})")
+    g = self.gpus_per_engine
+    return list(range(engine * g, (engine + 1) * g))
 
-    def engine_options(self, engine: int) -> dict:
-        """Keyword arguments of `ActorClass.options(...)` for the actor running engine `engine`'s
-        server: its first bundle."""
-        return self._on(self.engine_bundles(engine)[0], SERVER_SHARE)
 
-    def engine_env(self, engine: int) -> dict:
-        """The server's environment: `CUDA_VISIBLE_DEVICES` naming every GPU of the engine (nothing
-        on a CPU cluster)."""
-        if not self.use_gpu:
-            return {}
-        return {
-            'CUDA_VISIBLE_DEVICES': ','.join(self.gpu_ids[r][0] for r in self.engine_ranks(engine))
-        }
+@patch_to(Placement)
+def engine_bundles(self, engine: int) -> list[int]:
+    "The placement-group bundle indices of engine `engine` (the bundles of its ranks)."
+    return [self.order[r] for r in self.engine_ranks(engine)]
 
-    def remove(self) -> None:
-        "Give the bundles back to the cluster."
-        from ray.util.placement_group import remove_placement_group
 
-        remove_placement_group(self.pg)
+@patch_to(Placement)
+def engine_options(self, engine: int) -> dict:
+    """Keyword arguments of `ActorClass.options(...)` for the actor running engine `engine`'s
+    server: its first bundle."""
+    return self._on(self.engine_bundles(engine)[0], SERVER_SHARE)
+
+
+@patch_to(Placement)
+def engine_env(self, engine: int) -> dict:
+    """The server's environment: `CUDA_VISIBLE_DEVICES` naming every GPU of the engine (nothing
+    on a CPU cluster)."""
+    if not self.use_gpu:
+        return {}
+    return {'CUDA_VISIBLE_DEVICES': ','.join(self.gpu_ids[r][0] for r in self.engine_ranks(engine))}
+
+# %% ../nbs/08a_colocate.ipynb #e22ffbff
+@patch_to(Placement)
+def remove(self) -> None:
+    "Give the bundles back to the cluster."
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(self.pg)
 
 # %% ../nbs/08a_colocate.ipynb #9e5bdcab
 HOST, PORT = (

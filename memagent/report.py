@@ -242,6 +242,18 @@ def read_run(run_dir) -> dict:
         raise ValueError(f"{p}: field 'steps' must be a positive integer, got {s!r}")
     return run
 
+# %% ../nbs/17_report.ipynb #da1db176
+def _refuse_unhealthy(run_dir: Path) -> None:
+    "Refuse a run whose `health.json` says it stopped unhealthy: its rewards are not a result."
+    from memagent.health import read_health
+
+    if (h := read_health(run_dir)) is not None and h['status'] == 'stopped':
+        raise ValueError(
+            f"{run_dir / 'health.json'}: the run stopped unhealthy at step {h['step']} "
+            f"({h['reason']}); "
+            "its rewards are not a result"
+        )
+
 # %% ../nbs/17_report.ipynb #3008815e
 def reward_summary(
     run_dir, window: int = 5, expected_steps: int | None = None, out_dir=None
@@ -260,14 +272,7 @@ def reward_summary(
         {k: run_dir / k for k in ('metrics.jsonl', 'run.json', 'health.json', 'run.lock')},
     )
     run = read_run(run_dir)
-    from memagent.health import read_health
-
-    if (h := read_health(run_dir)) is not None and h['status'] == 'stopped':
-        raise ValueError(
-            f"{run_dir / 'health.json'}: the run stopped unhealthy at step {h['step']} "
-            f"({h['reason']}); "
-            "its rewards are not a result"
-        )
+    _refuse_unhealthy(run_dir)
     mpath = run_dir / 'metrics.jsonl'
     rows, blank = read_metrics(mpath)
     if expected_steps is None:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import math, os, signal, sys, threading, time, traceback
 from contextlib import contextmanager
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['WEIGHT_PROMPT', 'WEIGHT_TOL', 'KL_TOL', 'RunTimeout', 'Guard', 'Gates', 'ProcessMemory', 'dir_bytes',
@@ -93,63 +94,68 @@ class Gates:
     def not_run(self) -> list[str]:
         return [g['gate'] for g in self.rows if g['result'] == 'NOT RUN']
 
-    @contextmanager
-    def phase(self, name: str, always: bool = False, gate_ok: bool = False):
-        """Time a phase; an exception (or the guard firing) becomes a failed gate `name`. Yields
-        whether to run the body."""
-        g = self.guard
-        if (
-            self.stopped is not None and not always
-        ):  # stop_on_failure, after a failed phase: recorded, not run
-            self.phases[name] = None
-            self.rows.append(
-                {'gate': name, 'result': 'NOT RUN', 'reason': f"phase {self.stopped!r} failed"}
-            )
-            if self.echo:
-                print(f"[NOT RUN] {name}: phase {self.stopped!r} failed")
-            yield False
-            return
-        if g is not None and g.expired and not always:
-            self.phases[name] = None
-            self.gate(name, False, error='skipped: the wall-clock guard had already expired')
-            yield False
-            return
+# %% ../nbs/13c_runcheck.ipynb #15280df9
+# a phase: timed, its exception a failed gate
+@patch_to(Gates)
+@contextmanager
+def phase(self, name: str, always: bool = False, gate_ok: bool = False):
+    """Time a phase; an exception (or the guard firing) becomes a failed gate `name`. Yields
+    whether to run the body."""
+    g = self.guard
+    if (
+        self.stopped is not None and not always
+    ):  # stop_on_failure, after a failed phase: recorded, not run
+        self.phases[name] = None
+        self.rows.append(
+            {'gate': name, 'result': 'NOT RUN', 'reason': f"phase {self.stopped!r} failed"}
+        )
+        if self.echo:
+            print(f"[NOT RUN] {name}: phase {self.stopped!r} failed")
+        yield False
+        return
+    if g is not None and g.expired and not always:
+        self.phases[name] = None
+        self.gate(name, False, error='skipped: the wall-clock guard had already expired')
+        yield False
+        return
+    if g is not None:
+        g.current = name
+    t0, ok = time.perf_counter(), True
+    try:
+        yield True
+    except (Exception, RunTimeout) as e:
+        ok, msg = False, f"{type(e).__name__}: {e}"
+        if 'out of memory' in str(e).lower() or type(e).__name__ == 'OutOfMemoryError':
+            msg = 'OOM: ' + msg
+        traceback.print_exc()
+        self.gate(name, False, error=msg[:500], seconds=round(time.perf_counter() - t0, 3))
+        if self.stop_on_failure and self.stopped is None:
+            self.stopped = name
+    finally:
+        self.phases[name] = time.perf_counter() - t0
         if g is not None:
-            g.current = name
-        t0, ok = time.perf_counter(), True
-        try:
-            yield True
-        except (Exception, RunTimeout) as e:
-            ok, msg = False, f"{type(e).__name__}: {e}"
-            if 'out of memory' in str(e).lower() or type(e).__name__ == 'OutOfMemoryError':
-                msg = 'OOM: ' + msg
-            traceback.print_exc()
-            self.gate(name, False, error=msg[:500], seconds=round(time.perf_counter() - t0, 3))
-            if self.stop_on_failure and self.stopped is None:
-                self.stopped = name
-        finally:
-            self.phases[name] = time.perf_counter() - t0
-            if g is not None:
-                g.current = None
-        if ok and gate_ok:
-            self.gate(name, True, seconds=round(self.phases[name], 3))
+            g.current = None
+    if ok and gate_ok:
+        self.gate(name, True, seconds=round(self.phases[name], 3))
 
-    def table(self) -> list[dict]:
-        "The gates as report rows: gate, result (a failure in bold), numbers."
+# %% ../nbs/13c_runcheck.ipynb #a2ea0eee
+@patch_to(Gates)
+def table(self) -> list[dict]:
+    "The gates as report rows: gate, result (a failure in bold), numbers."
 
-        def num(v):
-            return f'{v:.4g}' if isinstance(v, float) else str(v)
+    def num(v):
+        return f'{v:.4g}' if isinstance(v, float) else str(v)
 
-        return [
-            {
-                'gate': g['gate'],
-                'result': f"**{g['result']}**" if g['result'] == 'FAIL' else g['result'],
-                'numbers': ', '.join(
-                    f'{k}={num(v)}' for k, v in g.items() if k not in ('gate', 'result')
-                ).replace('|', '/'),
-            }
-            for g in self.rows
-        ]
+    return [
+        {
+            'gate': g['gate'],
+            'result': f"**{g['result']}**" if g['result'] == 'FAIL' else g['result'],
+            'numbers': ', '.join(
+                f'{k}={num(v)}' for k, v in g.items() if k not in ('gate', 'result')
+            ).replace('|', '/'),
+        }
+        for g in self.rows
+    ]
 
 # %% ../nbs/13c_runcheck.ipynb #306b3756
 def _hwm(p) -> int:
@@ -194,68 +200,78 @@ class ProcessMemory:
                     return os.path.basename(a)
         return exe
 
-    def sample(self):
-        """One sample: every live process of the tree, its RSS, and the sum. Labels are re-read
-        until a Ray actor names itself."""
-        import psutil
+# %% ../nbs/13c_runcheck.ipynb #5976ca00
+# sampling: one sample, and the thread that takes one every every_s
+@patch_to(ProcessMemory)
+def sample(self):
+    """One sample: every live process of the tree, its RSS, and the sum. Labels are re-read
+    until a Ray actor names itself."""
+    import psutil
 
+    try:
+        tree = [self.root] + self.root.children(recursive=True)
+    except psutil.Error:
+        return
+    total = 0
+    for p in tree:
         try:
-            tree = [self.root] + self.root.children(recursive=True)
+            rss = p.memory_info().rss
         except psutil.Error:
-            return
-        total = 0
-        for p in tree:
-            try:
-                rss = p.memory_info().rss
-            except psutil.Error:
-                continue
-            rec = self.procs.setdefault(
-                p.pid, {'pid': p.pid, 'name': '?', 'peak_rss': 0, 'proc': p}
-            )
-            if not rec['name'].startswith('ray::') or rec['name'] == 'ray::IDLE':
-                if (label := self._label(p)) != '?':
-                    rec['name'] = label  # an exited process (no cmdline) keeps its name
-            rec['peak_rss'] = max(rec['peak_rss'], rss)
-            total += rss
-        self.peak_total, self.samples = max(self.peak_total, total), self.samples + 1
+            continue
+        rec = self.procs.setdefault(p.pid, {'pid': p.pid, 'name': '?', 'peak_rss': 0, 'proc': p})
+        if not rec['name'].startswith('ray::') or rec['name'] == 'ray::IDLE':
+            if (label := self._label(p)) != '?':
+                rec['name'] = label  # an exited process (no cmdline) keeps its name
+        rec['peak_rss'] = max(rec['peak_rss'], rss)
+        total += rss
+    self.peak_total, self.samples = max(self.peak_total, total), self.samples + 1
 
-    def _run(self):
-        while not self._stop.wait(self.every_s):
-            self.sample()
 
-    def __enter__(self):
+@patch_to(ProcessMemory)
+def _run(self):
+    while not self._stop.wait(self.every_s):
         self.sample()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
 
-    def __exit__(self, *a):
-        self._stop.set()
-        self._t.join()
-        for rec in self.procs.values():
-            rec['peak_rss'] = max(rec['peak_rss'], _hwm(rec['proc']))
+# %% ../nbs/13c_runcheck.ipynb #98f9383d
+# a context manager: sampling while the block runs; then the report
+@patch_to(ProcessMemory)
+def __enter__(self):
+    self.sample()
+    self._t = threading.Thread(target=self._run, daemon=True)
+    self._t.start()
+    return self
 
-    def report(self, min_bytes: int = 50 * 2**20) -> dict:
-        """Peaks per process (those above `min_bytes`, largest first), by process name, and the peak
-        of the sum (bytes)."""
-        rows = sorted(
-            (
-                {k: v for k, v in r.items() if k != 'proc'}
-                for r in self.procs.values()
-                if r['peak_rss'] >= min_bytes
-            ),
-            key=lambda r: -r['peak_rss'],
-        )
-        by = {}
-        for r in rows:
-            by.setdefault(r['name'], []).append(r['peak_rss'])
-        return {
-            'processes': rows,
-            'by_name': {k: {'count': len(v), 'max': max(v), 'sum': sum(v)} for k, v in by.items()},
-            'peak_total': self.peak_total,
-            'samples': self.samples,
-            'every_s': self.every_s,
-        }
+
+@patch_to(ProcessMemory)
+def __exit__(self, *a):
+    self._stop.set()
+    self._t.join()
+    for rec in self.procs.values():
+        rec['peak_rss'] = max(rec['peak_rss'], _hwm(rec['proc']))
+
+
+@patch_to(ProcessMemory)
+def report(self, min_bytes: int = 50 * 2**20) -> dict:
+    """Peaks per process (those above `min_bytes`, largest first), by process name, and the peak
+    of the sum (bytes)."""
+    rows = sorted(
+        (
+            {k: v for k, v in r.items() if k != 'proc'}
+            for r in self.procs.values()
+            if r['peak_rss'] >= min_bytes
+        ),
+        key=lambda r: -r['peak_rss'],
+    )
+    by = {}
+    for r in rows:
+        by.setdefault(r['name'], []).append(r['peak_rss'])
+    return {
+        'processes': rows,
+        'by_name': {k: {'count': len(v), 'max': max(v), 'sum': sum(v)} for k, v in by.items()},
+        'peak_total': self.peak_total,
+        'samples': self.samples,
+        'every_s': self.every_s,
+    }
 
 # %% ../nbs/13c_runcheck.ipynb #949fa65d
 def dir_bytes(path) -> int:

@@ -8,6 +8,7 @@ import argparse, json, os, shutil, signal, subprocess, sys, tempfile, time
 from pathlib import Path
 from .net import free_port
 from .devices import NOSET_ENV, rank_device
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['MARK', 'LAUNCH_PRESET', 'LAUNCH_OVERRIDES', 'LAUNCH_SWITCH', 'write_sglang_shim', 'shim_parser', 'server_info',
@@ -174,91 +175,104 @@ class SimulatedNode:
         node."""
         return dict(self.node_env(), **({'RAY_ADDRESS': self.address} if join else {}))
 
-    def start(self) -> 'SimulatedNode':
-        self.dir = Path(
-            tempfile.mkdtemp(prefix='rsim-', dir='/tmp')
-        )  # short: Ray's socket paths must stay under 108 bytes
-        write_sglang_shim(self.dir / 'shim')
-        port = free_port()
-        cmd = _ray_cli() + [
-            'start',
-            '--head',
-            f'--port={port}',
-            f'--num-gpus={self.gpus}',
-            f'--num-cpus={self.cpus}',
-            f'--temp-dir={self.dir / "ray"}',
-            '--node-ip-address=127.0.0.1',
-            '--include-dashboard=false',
-            '--disable-usage-stats',
-        ]
-        try:
-            r = subprocess.run(
-                cmd,
-                env=self.node_env(),
-                capture_output=True,
-                text=True,
-                timeout=self.startup_timeout_s,
-            )
-        except subprocess.TimeoutExpired as e:
-            self.stop()
-            raise RuntimeError(f"ray start did not return within {self.startup_timeout_s}s") from e
-        if r.returncode != 0:
-            self.stop()
-            raise RuntimeError(
-                f"ray start failed ({r.returncode}): {r.stderr[-2000:] or r.stdout[-2000:]}"
-            )
-        self.address = f'127.0.0.1:{port}'
-        return self
+# %% ../nbs/20a_simnode.ipynb #a032cf56
+# starting the node: ray start --head with the declared resources
+@patch_to(SimulatedNode)
+def start(self) -> 'SimulatedNode':
+    self.dir = Path(
+        tempfile.mkdtemp(prefix='rsim-', dir='/tmp')
+    )  # short: Ray's socket paths must stay under 108 bytes
+    write_sglang_shim(self.dir / 'shim')
+    port = free_port()
+    cmd = _ray_cli() + [
+        'start',
+        '--head',
+        f'--port={port}',
+        f'--num-gpus={self.gpus}',
+        f'--num-cpus={self.cpus}',
+        f'--temp-dir={self.dir / "ray"}',
+        '--node-ip-address=127.0.0.1',
+        '--include-dashboard=false',
+        '--disable-usage-stats',
+    ]
+    try:
+        r = subprocess.run(
+            cmd,
+            env=self.node_env(),
+            capture_output=True,
+            text=True,
+            timeout=self.startup_timeout_s,
+        )
+    except subprocess.TimeoutExpired as e:
+        self.stop()
+        raise RuntimeError(f"ray start did not return within {self.startup_timeout_s}s") from e
+    if r.returncode != 0:
+        self.stop()
+        raise RuntimeError(
+            f"ray start failed ({r.returncode}): {r.stderr[-2000:] or r.stdout[-2000:]}"
+        )
+    self.address = f'127.0.0.1:{port}'
+    return self
 
-    def pids(self) -> list[int]:
-        """Every live process of the node: Ray's, its workers', the engines' and the drivers'
-        started with its environment."""
-        return marked_pids(str(self.dir)) if self.dir else []
+# %% ../nbs/20a_simnode.ipynb #d75e9289
+# stopping the node by process id, in ray stop's order
+@patch_to(SimulatedNode)
+def pids(self) -> list[int]:
+    """Every live process of the node: Ray's, its workers', the engines' and the drivers'
+    started with its environment."""
+    return marked_pids(str(self.dir)) if self.dir else []
 
-    def stop(self, grace_s: float = 20.0) -> list[int]:
-        """End every process of the node in `ray stop`'s order, remove its directory; the ids
-        signalled. Each group in
-                turn gets SIGTERM and up to `grace_s` to exit: the drivers, engines and workers,
-                then the
-                raylet, then Ray's other
-                processes, the GCS last (an autoscaler monitor whose GCS is already gone hangs in
-                its
-                SIGTERM handler). What is
-                left after the last group gets SIGKILL; their ids are in `self.killed`."""
-        if self.dir is None:
-            return []
-        pids = self.pids()
-        for group in range(4):
-            mine = [p for p in self.pids() if stop_group(p) == group]
-            for p in mine:
-                try:
-                    os.kill(p, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            end = time.monotonic() + grace_s
-            while set(mine) & set(self.pids()) and time.monotonic() < end:
-                time.sleep(0.05)
-        self.killed = self.pids()
-        for p in self.killed:
+
+@patch_to(SimulatedNode)
+def stop(self, grace_s: float = 20.0) -> list[int]:
+    """End every process of the node in `ray stop`'s order, remove its directory; the ids
+    signalled. Each group in
+            turn gets SIGTERM and up to `grace_s` to exit: the drivers, engines and workers,
+            then the
+            raylet, then Ray's other
+            processes, the GCS last (an autoscaler monitor whose GCS is already gone hangs in
+            its
+            SIGTERM handler). What is
+            left after the last group gets SIGKILL; their ids are in `self.killed`."""
+    if self.dir is None:
+        return []
+    pids = self.pids()
+    for group in range(4):
+        mine = [p for p in self.pids() if stop_group(p) == group]
+        for p in mine:
             try:
-                os.kill(p, signal.SIGKILL)
+                os.kill(p, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        end = time.monotonic() + 10.0
-        while self.pids() and time.monotonic() < end:
+        end = time.monotonic() + grace_s
+        while set(mine) & set(self.pids()) and time.monotonic() < end:
             time.sleep(0.05)
-        left = self.pids()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        if left:
-            raise RuntimeError(f"simulated node {self.dir}: processes {left} survived SIGKILL")
-        self.dir = self.address = None
-        return pids
+    self.killed = self.pids()
+    for p in self.killed:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + 10.0
+    while self.pids() and time.monotonic() < end:
+        time.sleep(0.05)
+    left = self.pids()
+    shutil.rmtree(self.dir, ignore_errors=True)
+    if left:
+        raise RuntimeError(f"simulated node {self.dir}: processes {left} survived SIGKILL")
+    self.dir = self.address = None
+    return pids
 
-    def __enter__(self):
-        return self.start()
+# %% ../nbs/20a_simnode.ipynb #9ebcf142
+# a context manager
+@patch_to(SimulatedNode)
+def __enter__(self):
+    return self.start()
 
-    def __exit__(self, *a):
-        self.stop()
+
+@patch_to(SimulatedNode)
+def __exit__(self, *a):
+    self.stop()
 
 # %% ../nbs/20a_simnode.ipynb #41a76ab4
 LAUNCH_PRESET = 'qwen3-4b-frozen'
@@ -291,6 +305,80 @@ def _server_info(url: str) -> dict:
     r = requests.get(url + '/get_server_info', timeout=30)
     r.raise_for_status()
     return r.json()
+
+# %% ../nbs/20a_simnode.ipynb #37b80cf0
+def _launch_engines(mode: str, tr, server) -> list[dict]:
+    "Each engine of the launch: its ranks and their GPU ids, its URL, command, and server's view."
+    if mode == 'colocated':
+        pl = tr.placement
+        engines = [
+            dict(
+                engine=e,
+                ranks=pl.engine_ranks(e),
+                rank_gpu_ids=[pl.gpu_ids[r][0] for r in pl.engine_ranks(e)],
+                url=i['url'],
+                actor_env=i['env'],
+                cmd=i['cmd'],
+                server=_server_info(i['url']),
+            )
+            for e, i in enumerate(tr.engine.servers.info())
+        ]
+    else:
+        engines = [
+            dict(
+                engine=0,
+                ranks=[],
+                rank_gpu_ids=[],
+                url=server.url,
+                actor_env={},
+                cmd=server.cmd,
+                server=_server_info(server.url),
+            )
+        ]
+    return engines
+
+# %% ../nbs/20a_simnode.ipynb #c2774c97
+def _first_rollout(tr, cfg, t: dict) -> dict:
+    "The first step's rollout, as `step()` runs it: trajectories, requests; its time into `t`."
+    t0 = time.perf_counter()
+    trajs = tr._rollout(
+        [tr.examples[i] for i in tr.sampler.next_batch()], 1
+    )  # the first step's rollout, as `step()` runs it
+    t['rollout_s'] = time.perf_counter() - t0
+    rollout = dict(
+        trajectories=len(trajs),
+        ok=sum(tr_.ok for tr_ in trajs),
+        requests=tr.engine.stats['requests'],
+        expected=cfg.grpo.prompts_per_step * cfg.grpo.group_size,
+    )
+    return rollout
+
+# %% ../nbs/20a_simnode.ipynb #24f5e35e
+def _launch_record(mode: str, cfg, over: dict, node: dict, tr, server, t: dict) -> dict:
+    "The launch record of a built trainer: the config, the ranks, the engines, the first rollout."
+    ranks = [dict(l) for l in tr.group.layouts]
+    engines = _launch_engines(mode, tr, server)
+    rollout = _first_rollout(tr, cfg, t)
+    rec = dict(
+        mode=mode,
+        preset=LAUNCH_PRESET,
+        overrides=over,
+        switch=LAUNCH_SWITCH,
+        world_size=cfg.batch.n_gpus,
+        tp=cfg.batch.tp,
+        dp=cfg.batch.n_gpus // cfg.batch.tp,
+        gpus_per_engine=cfg.rollout.gpus_per_engine,
+        mem_fraction=cfg.rollout.mem_fraction,
+        node=node,
+        ray=tr.launch.get('ray_resources'),
+        ray_address_joined=mode == 'colocated',
+        doctor=tr.launch['doctor'],
+        ranks=ranks,
+        engines=engines,
+        rollout=rollout,
+        seconds=t,
+    )
+    return rec
 
 # %% ../nbs/20a_simnode.ipynb #50e489eb
 def launch_child(mode: str, out, gpus: int = 8, cpus: int = 16, prompts_seed: int = 0) -> dict:
@@ -328,63 +416,7 @@ def launch_child(mode: str, out, gpus: int = 8, cpus: int = 16, prompts_seed: in
             **kw,
         )
         t['setup_s'] = time.perf_counter() - t0
-        ranks = [dict(l) for l in tr.group.layouts]
-        if mode == 'colocated':
-            pl = tr.placement
-            engines = [
-                dict(
-                    engine=e,
-                    ranks=pl.engine_ranks(e),
-                    rank_gpu_ids=[pl.gpu_ids[r][0] for r in pl.engine_ranks(e)],
-                    url=i['url'],
-                    actor_env=i['env'],
-                    cmd=i['cmd'],
-                    server=_server_info(i['url']),
-                )
-                for e, i in enumerate(tr.engine.servers.info())
-            ]
-        else:
-            engines = [
-                dict(
-                    engine=0,
-                    ranks=[],
-                    rank_gpu_ids=[],
-                    url=server.url,
-                    actor_env={},
-                    cmd=server.cmd,
-                    server=_server_info(server.url),
-                )
-            ]
-        t0 = time.perf_counter()
-        trajs = tr._rollout(
-            [tr.examples[i] for i in tr.sampler.next_batch()], 1
-        )  # the first step's rollout, as `step()` runs it
-        t['rollout_s'] = time.perf_counter() - t0
-        rollout = dict(
-            trajectories=len(trajs),
-            ok=sum(tr_.ok for tr_ in trajs),
-            requests=tr.engine.stats['requests'],
-            expected=cfg.grpo.prompts_per_step * cfg.grpo.group_size,
-        )
-        rec = dict(
-            mode=mode,
-            preset=LAUNCH_PRESET,
-            overrides=over,
-            switch=LAUNCH_SWITCH,
-            world_size=cfg.batch.n_gpus,
-            tp=cfg.batch.tp,
-            dp=cfg.batch.n_gpus // cfg.batch.tp,
-            gpus_per_engine=cfg.rollout.gpus_per_engine,
-            mem_fraction=cfg.rollout.mem_fraction,
-            node={'gpus': gpus, 'cpus': cpus},
-            ray=tr.launch.get('ray_resources'),
-            ray_address_joined=mode == 'colocated',
-            doctor=tr.launch['doctor'],
-            ranks=ranks,
-            engines=engines,
-            rollout=rollout,
-            seconds=t,
-        )
+        rec = _launch_record(mode, cfg, over, {'gpus': gpus, 'cpus': cpus}, tr, server, t)
     finally:
         if tr is not None:
             tr.close()

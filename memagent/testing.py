@@ -12,6 +12,7 @@ from typing import Callable
 from .engines import MEMORY_TAGS, SamplingParams
 from .evaluate import score_record, summarize, write_run
 from .provenance import flatten, sha256_text
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['SGLANG_SCHEMAS', 'fake_tokens', 'send_whole', 'Exchange', 'send_cut', 'send_nothing', 'send_garbage', 'send_trickle',
@@ -147,6 +148,19 @@ def _trickle_all(srv, ex, handle):
     handle(ex)
     ex.write = send_trickle(srv.trickle_s, headers_too=True)
 
+# %% ../nbs/20_testing.ipynb #7ae6c20b
+_FAULT_KINDS = {  # a server starts with a copy: `fault_kinds`
+    'slow': _slow,
+    'abort': _abort,
+    'invalid': _invalid,
+    'invalid_prompt_logprobs': _invalid_prompt,
+    'cut': _cut,
+    'drop': _drop,
+    'garbage': _garbage,
+    'trickle': _trickle,
+    'trickle_all': _trickle_all,
+}
+
 # %% ../nbs/20_testing.ipynb #7788faee
 def _is(*types):
     return lambda v: isinstance(v, types) and (bool in types or not isinstance(v, bool))
@@ -175,6 +189,7 @@ _update_flags = {
     'torch_empty_cache': (_bool, False),
 }
 
+# %% ../nbs/20_testing.ipynb #32391c67
 # SGLang 0.5.23's request classes (python/sglang/srt/managers/io_struct.py): field -> (check,
 # required); every one also takes `rid`
 SGLANG_SCHEMAS = {
@@ -215,6 +230,7 @@ SGLANG_SCHEMAS = {
     '/destroy_weights_update_group': {'group_name': (_str, False)},
 }
 
+# %% ../nbs/20_testing.ipynb #8fc30b88
 # the log-prob fields of SGLang 0.5.23's /generate (sglang/api/v1/api_types.py,
 # decode_GenerateRequest); this server takes one
 # prompt per request, so a list (one value per prompt of a batch) is refused
@@ -225,7 +241,7 @@ _LOGPROB_FIELDS = {
     'return_text_in_logprobs': _bool,
 }
 
-
+# %% ../nbs/20_testing.ipynb #268bcbf1
 def logprob_request_error(body: dict, prompt_len: int, engine=None) -> str | None:
     """Why the log-prob fields of a `/generate` body break SGLang's contract or rules, or ask what
     this server cannot answer (None when fine)."""
@@ -314,6 +330,27 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         self.server.app._serve(self, 'POST')
 
+# %% ../nbs/20_testing.ipynb #b3e3ec8c
+def _server_routes(srv) -> dict:
+    "The route table of a `FakeSGLangServer`: `(method, path)` to its handler of the same name."
+    routes = {
+        ('GET', '/health'): srv.health,
+        ('POST', '/generate'): srv.generate,
+        ('GET', '/get_model_info'): srv.get_model_info,
+        ('POST', '/flush_cache'): srv.flush_cache,
+        ('POST', '/update_weights_from_disk'): srv.update_weights_from_disk,
+        ('POST', '/update_weights_from_tensor'): srv.update_weights_from_tensor,
+        ('POST', '/begin_weight_update'): srv.begin_weight_update,
+        ('POST', '/end_weight_update'): srv.end_weight_update,
+        ('POST', '/init_weights_update_group'): srv.init_weights_update_group,
+        ('POST', '/update_weights_from_distributed'): srv.update_weights_from_distributed,
+        ('POST', '/destroy_weights_update_group'): srv.destroy_weights_update_group,
+    }
+    for m in ('GET', 'POST'):
+        routes[(m, '/release_memory_occupation')] = srv.release_memory_occupation
+        routes[(m, '/resume_memory_occupation')] = srv.resume_memory_occupation
+    return routes
+
 # %% ../nbs/20_testing.ipynb #430e66bf
 class FakeSGLangServer:
     """A local HTTP server in a thread speaking SGLang's native schema: a route table, injectable
@@ -334,54 +371,16 @@ class FakeSGLangServer:
         tokenizer_path: str | None = None,
         weight_version: str = 'default',
     ):
-        self.engine, self.vocab, self.slow_s, self.latency, self.trickle_s = (
-            engine,
-            vocab,
-            slow_s,
-            latency,
-            trickle_s,
-        )
-        self.model_path, self.tokenizer_path, self.weight_version = (
-            model_path,
-            tokenizer_path or model_path,
-            weight_version,
-        )
+        self.engine, self.vocab, self.slow_s = engine, vocab, slow_s
+        self.latency, self.trickle_s = latency, trickle_s
+        self.model_path, self.tokenizer_path = model_path, tokenizer_path or model_path
+        self.weight_version = weight_version
         self.tp_size, self.eos_token_ids = tp_size, tuple(int(t) for t in eos_token_ids)
         self.healthy, self.weight_paths, self.log = True, [], []
-        self.released, self.session, self.groups, self.tensor_updates, self.distributed_updates = (
-            set(),
-            False,
-            set(),
-            [],
-            [],
-        )
-        self.routes = {
-            ('GET', '/health'): self.health,
-            ('POST', '/generate'): self.generate,
-            ('GET', '/get_model_info'): self.get_model_info,
-            ('POST', '/flush_cache'): self.flush_cache,
-            ('POST', '/update_weights_from_disk'): self.update_weights_from_disk,
-            ('POST', '/update_weights_from_tensor'): self.update_weights_from_tensor,
-            ('POST', '/begin_weight_update'): self.begin_weight_update,
-            ('POST', '/end_weight_update'): self.end_weight_update,
-            ('POST', '/init_weights_update_group'): self.init_weights_update_group,
-            ('POST', '/update_weights_from_distributed'): self.update_weights_from_distributed,
-            ('POST', '/destroy_weights_update_group'): self.destroy_weights_update_group,
-        }
-        for m in ('GET', 'POST'):
-            self.routes[(m, '/release_memory_occupation')] = self.release_memory_occupation
-            self.routes[(m, '/resume_memory_occupation')] = self.resume_memory_occupation
-        self.fault_kinds = {
-            'slow': _slow,
-            'abort': _abort,
-            'invalid': _invalid,
-            'invalid_prompt_logprobs': _invalid_prompt,
-            'cut': _cut,
-            'drop': _drop,
-            'garbage': _garbage,
-            'trickle': _trickle,
-            'trickle_all': _trickle_all,
-        }
+        self.released, self.session, self.groups = set(), False, set()
+        self.tensor_updates, self.distributed_updates = [], []
+        self.routes = _server_routes(self)
+        self.fault_kinds = dict(_FAULT_KINDS)
         self._faults, self._lock = {}, threading.Lock()
         self._httpd = ThreadingHTTPServer((host, port), _Handler)
         self._httpd.app, self._httpd.daemon_threads = self, True
@@ -389,24 +388,6 @@ class FakeSGLangServer:
         self.url = f"http://{host}:{self.port}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()
-
-    # faults
-    def _check_fault(self, f):
-        if isinstance(f, int) and not isinstance(f, bool):
-            if not 400 <= f <= 599:
-                raise ValueError(f"an injected HTTP status must be in [400, 599], got {f}")
-        elif f not in self.fault_kinds:
-            raise ValueError(
-                f"unknown fault {f!r}: an HTTP status or one of {sorted(self.fault_kinds)}"
-            )
-        return f
-
-    def inject(self, path: str, *faults) -> None:
-        """Queue `faults` for the next requests to `path`, one per request (an HTTP status or a name
-        in `fault_kinds`)."""
-        faults = [self._check_fault(f) for f in faults]
-        with self._lock:
-            self._faults.setdefault(path, []).extend(faults)
 
     @property
     def faults(self) -> list:
@@ -419,327 +400,388 @@ class FakeSGLangServer:
         with self._lock:
             self._faults['/generate'] = fs
 
-    @property
-    def calls(self) -> list:
-        "The bodies of every `/generate` request, in arrival order (faulted ones included)."
-        with self._lock:
-            return [e['body'] for e in self.log if e['path'] == '/generate']
+# %% ../nbs/20_testing.ipynb #f3709e23
+# faults: checked when queued
+@patch_to(FakeSGLangServer)
+def _check_fault(self, f):
+    if isinstance(f, int) and not isinstance(f, bool):
+        if not 400 <= f <= 599:
+            raise ValueError(f"an injected HTTP status must be in [400, 599], got {f}")
+    elif f not in self.fault_kinds:
+        raise ValueError(
+            f"unknown fault {f!r}: an HTTP status or one of {sorted(self.fault_kinds)}"
+        )
+    return f
 
-    # endpoints
-    def health(self, ex):
-        ex.status, ex.reply = (200 if self.healthy else 503), {}
 
-    def get_model_info(self, ex):
-        """SGLang's reply: the path the server loaded (updated by `/update_weights_from_disk`), its
-        tokenizer, the weight version."""
-        ex.reply = {
-            'model_path': self.model_path,
-            'tokenizer_path': self.tokenizer_path,
-            'is_generation': True,
-            'preferred_sampling_params': None,
-            'weight_version': self.weight_version,
-        }
+@patch_to(FakeSGLangServer)
+def inject(self, path: str, *faults) -> None:
+    """Queue `faults` for the next requests to `path`, one per request (an HTTP status or a name
+    in `fault_kinds`)."""
+    faults = [self._check_fault(f) for f in faults]
+    with self._lock:
+        self._faults.setdefault(path, []).extend(faults)
 
-    def flush_cache(self, ex):
-        ex.reply = 'Cache flushed.'
 
-    @staticmethod
-    def _fail(ex, message: str, status: int = 400):
-        ex.status, ex.reply = status, {'success': False, 'message': message}
+@patch_to(FakeSGLangServer)
+@property
+def calls(self) -> list:
+    "The bodies of every `/generate` request, in arrival order (faulted ones included)."
+    with self._lock:
+        return [e['body'] for e in self.log if e['path'] == '/generate']
 
-    def _weights_released(self, ex) -> bool:
-        if 'weights' in self.released:
-            self._fail(
-                ex, f"{ex.path}: the weights' memory is released; resume tag 'weights' first"
-            )
-        return 'weights' in self.released
+# %% ../nbs/20_testing.ipynb #4daf59da
+# endpoints: health, model info, cache, weights from disk
+@patch_to(FakeSGLangServer)
+def health(self, ex):
+    ex.status, ex.reply = (200 if self.healthy else 503), {}
 
-    def update_weights_from_disk(self, ex):
-        if self._weights_released(ex):
-            return
-        p = ex.body.get('model_path')
-        if not p or not Path(p).exists():
-            self._fail(ex, f'cannot load {p}')
-            return
-        if self.engine is not None:
-            self.engine.update_weights(path=p)
-        self.weight_paths.append(p)
-        self.model_path = p  # as SGLang's tokenizer manager does
-        if ex.body.get('weight_version') is not None:
-            self.weight_version = ex.body['weight_version']
-        ex.reply = {'success': True, 'message': 'ok'}
 
-    # memory occupation
-    def _tags(self, ex) -> list | None:
-        tags = ex.body.get('tags') or list(MEMORY_TAGS)
-        bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad:
-            ex.status, ex.reply = (
-                400,
-                {
-                    'error': {
-                        'message': f"unknown memory tags {bad}; SGLang's are {list(MEMORY_TAGS)}"
-                    }
-                },
-            )
-        return None if bad else tags
+@patch_to(FakeSGLangServer)
+def get_model_info(self, ex):
+    """SGLang's reply: the path the server loaded (updated by `/update_weights_from_disk`), its
+    tokenizer, the weight version."""
+    ex.reply = {
+        'model_path': self.model_path,
+        'tokenizer_path': self.tokenizer_path,
+        'is_generation': True,
+        'preferred_sampling_params': None,
+        'weight_version': self.weight_version,
+    }
 
-    def release_memory_occupation(self, ex):
-        tags = self._tags(ex)
-        if tags is not None:
-            self.released.update(tags)
-            ex.reply = None
 
-    def resume_memory_occupation(self, ex):
-        tags = self._tags(ex)
-        if tags is None:
-            return
-        never = [t for t in tags if t not in self.released]
-        if never:
-            ex.status, ex.reply = (
-                400,
-                {
-                    'error': {
-                        'message': (
-                            f"resume of tags that are not released: {never} (SGLang's scheduler "
-                            "raises KeyError here and the server dies)"
-                        )
-                    }
-                },
-            )
-            return
-        self.released.difference_update(tags)
+@patch_to(FakeSGLangServer)
+def flush_cache(self, ex):
+    ex.reply = 'Cache flushed.'
+
+
+@patch_to(FakeSGLangServer)
+@staticmethod
+def _fail(ex, message: str, status: int = 400):
+    ex.status, ex.reply = status, {'success': False, 'message': message}
+
+
+@patch_to(FakeSGLangServer)
+def _weights_released(self, ex) -> bool:
+    if 'weights' in self.released:
+        self._fail(ex, f"{ex.path}: the weights' memory is released; resume tag 'weights' first")
+    return 'weights' in self.released
+
+
+@patch_to(FakeSGLangServer)
+def update_weights_from_disk(self, ex):
+    if self._weights_released(ex):
+        return
+    p = ex.body.get('model_path')
+    if not p or not Path(p).exists():
+        self._fail(ex, f'cannot load {p}')
+        return
+    if self.engine is not None:
+        self.engine.update_weights(path=p)
+    self.weight_paths.append(p)
+    self.model_path = p  # as SGLang's tokenizer manager does
+    if ex.body.get('weight_version') is not None:
+        self.weight_version = ex.body['weight_version']
+    ex.reply = {'success': True, 'message': 'ok'}
+
+# %% ../nbs/20_testing.ipynb #18a39008
+# memory occupation
+@patch_to(FakeSGLangServer)
+def _tags(self, ex) -> list | None:
+    tags = ex.body.get('tags') or list(MEMORY_TAGS)
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        ex.status, ex.reply = (
+            400,
+            {'error': {'message': f"unknown memory tags {bad}; SGLang's are {list(MEMORY_TAGS)}"}},
+        )
+    return None if bad else tags
+
+
+@patch_to(FakeSGLangServer)
+def release_memory_occupation(self, ex):
+    tags = self._tags(ex)
+    if tags is not None:
+        self.released.update(tags)
         ex.reply = None
 
-    # in-memory and distributed weight updates
-    def begin_weight_update(self, ex):
-        if self.session:
-            self._fail(
-                ex, 'a weight-update session is already open; call end_weight_update() first'
-            )
-            return
-        self.session, ex.reply = True, {'success': True, 'message': 'Success'}
 
-    def end_weight_update(self, ex):
-        if not self.session:
-            self._fail(ex, 'no weight-update session is open; call begin_weight_update() first')
-            return
-        self.session, ex.reply = False, {'success': True, 'message': 'Success'}
-
-    def _in_session(self, ex) -> bool:
-        if not self.session:
-            self._fail(
-                ex, f"{ex.path[1:]} must run between begin_weight_update() and end_weight_update()"
-            )
-        return self.session
-
-    def update_weights_from_tensor(self, ex):
-        if not self._in_session(ex) or self._weights_released(ex):
-            return
-        payloads = ex.body['serialized_named_tensors']
-        if len(payloads) != self.tp_size:
-            self._fail(
-                ex,
-                f"{len(payloads)} serialized_named_tensors for {self.tp_size} TP ranks (one per "
-                "rank)",
-            )
-            return
-        try:
-            ranks = [
-                pickle.loads(base64.b64decode(x, validate=True)) for x in payloads
-            ]  # as each TP rank decodes its own
-        except Exception as e:
-            self._fail(ex, f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}")
-            return
-        if not all(
-            isinstance(r, list)
-            and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in r)
-            for r in ranks
-        ):
-            self._fail(ex, 'each payload must decode to a list of (name, tensor) pairs')
-            return
-        if self.engine is not None:
-            self.engine.update_weights(state_dict=dict(ranks[0]))
-        self.tensor_updates.append(
+@patch_to(FakeSGLangServer)
+def resume_memory_occupation(self, ex):
+    tags = self._tags(ex)
+    if tags is None:
+        return
+    never = [t for t in tags if t not in self.released]
+    if never:
+        ex.status, ex.reply = (
+            400,
             {
-                'names': [n for n, _ in ranks[0]],
-                'ranks': len(ranks),
-                'load_format': ex.body.get('load_format'),
-                'flush_cache': ex.body.get('flush_cache', True),
-            }
+                'error': {
+                    'message': (
+                        f"resume of tags that are not released: {never} (SGLang's scheduler "
+                        "raises KeyError here and the server dies)"
+                    )
+                }
+            },
         )
-        ex.reply = {'success': True, 'message': 'Success'}
+        return
+    self.released.difference_update(tags)
+    ex.reply = None
 
-    def init_weights_update_group(self, ex):
-        self.groups.add(ex.body.get('group_name', 'weight_update_group'))
-        ex.reply = {'success': True, 'message': 'Succeeded to initialize custom process group.'}
+# %% ../nbs/20_testing.ipynb #003abfe8
+# weight-update sessions
+@patch_to(FakeSGLangServer)
+def begin_weight_update(self, ex):
+    if self.session:
+        self._fail(ex, 'a weight-update session is already open; call end_weight_update() first')
+        return
+    self.session, ex.reply = True, {'success': True, 'message': 'Success'}
 
-    def destroy_weights_update_group(self, ex):
-        g = ex.body.get('group_name', 'weight_update_group')
-        if g not in self.groups:
-            self._fail(ex, f'no group {g!r}')
-            return
-        self.groups.discard(g)
-        ex.reply = {'success': True, 'message': 'Succeeded to destroy custom process group.'}
 
-    def update_weights_from_distributed(self, ex):
-        if not self._in_session(ex) or self._weights_released(ex):
-            return
-        g, b = ex.body.get('group_name', 'weight_update_group'), ex.body
-        if g not in self.groups:
-            self._fail(ex, f'no weight-update group {g!r}: call /init_weights_update_group first')
-            return
-        if not len(b['names']) == len(b['dtypes']) == len(b['shapes']):
-            self._fail(
-                ex,
-                f"names, dtypes and shapes differ in length: {len(b['names'])}, "
-                f"{len(b['dtypes'])}, {len(b['shapes'])}",
-            )
-            return
-        self.distributed_updates.append({'names': b['names'], 'group_name': g})
-        ex.reply = {'success': True, 'message': 'Succeeded to update parameter online.'}
+@patch_to(FakeSGLangServer)
+def end_weight_update(self, ex):
+    if not self.session:
+        self._fail(ex, 'no weight-update session is open; call begin_weight_update() first')
+        return
+    self.session, ex.reply = False, {'success': True, 'message': 'Success'}
 
-    def generate(self, ex):
-        if self.released:
-            ex.status, ex.reply = (
-                400,
-                {
-                    'error': {
-                        'message': f"generate while memory is released: {sorted(self.released)}"
-                    }
-                },
-            )
-            return
-        if not isinstance(ex.body.get('input_ids'), list):
-            ex.status, ex.reply = (
-                400,
-                {'error': "generate needs 'input_ids' (one list of token ids)"},
-            )
-            return
-        sp = dict(ex.body.get('sampling_params') or {})
-        stops = (
-            () if sp.get('ignore_eos') else (*(sp.get('stop_token_ids') or ()), *self.eos_token_ids)
+
+@patch_to(FakeSGLangServer)
+def _in_session(self, ex) -> bool:
+    if not self.session:
+        self._fail(
+            ex, f"{ex.path[1:]} must run between begin_weight_update() and end_weight_update()"
         )
-        sp_ = SamplingParams(
-            max_new_tokens=sp.get('max_new_tokens', 128),
-            temperature=sp.get('temperature', 1.0),
-            top_p=sp.get('top_p', 1.0),
-            top_k=sp.get('top_k', -1),
-            stop_token_ids=tuple(stops),
-            seed=sp.get('sampling_seed'),
+    return self.session
+
+# %% ../nbs/20_testing.ipynb #205b61b7
+# in-memory weight updates
+@patch_to(FakeSGLangServer)
+def update_weights_from_tensor(self, ex):
+    if not self._in_session(ex) or self._weights_released(ex):
+        return
+    payloads = ex.body['serialized_named_tensors']
+    if len(payloads) != self.tp_size:
+        self._fail(
+            ex,
+            f"{len(payloads)} serialized_named_tensors for {self.tp_size} TP ranks (one per rank)",
         )
-        prompt = ex.body['input_ids']
-        bad = logprob_request_error(ex.body, len(prompt), self.engine)
-        if bad is not None:
-            ex.status, ex.reply = 400, {'error': {'message': bad}}
-            return
-        if self.engine is not None:
-            r = self.engine.generate([prompt], sp_)[0]
-            ids, lps, fr = r.output_ids, r.logprobs, r.finish_reason
-        else:
-            ids, lps, fr = fake_tokens(prompt, sp_, self.vocab)
-        reason = (
-            {'type': 'stop', 'matched': ids[-1]}
-            if fr == 'stop'
-            else {'type': 'length', 'length': sp_.max_new_tokens}
-        )
-        shown = (
-            ids if (fr != 'stop' or sp.get('no_stop_trim')) else ids[:-1]
-        )  # no_stop_trim: the text only
-        tok = getattr(self.engine, 'tokenizer', None)
-        txt = (
-            (lambda t: tok.decode([t]))
-            if ex.body.get('return_text_in_logprobs')
-            else (lambda t: None)
-        )
-        meta = {
-            'finish_reason': reason,
-            'prompt_tokens': len(prompt),
-            'completion_tokens': len(ids),
-            'output_token_logprobs': [[lp, t, txt(t)] for lp, t in zip(lps, ids)],
-            'e2e_latency': 0.0,
+        return
+    try:
+        ranks = [
+            pickle.loads(base64.b64decode(x, validate=True)) for x in payloads
+        ]  # as each TP rank decodes its own
+    except Exception as e:
+        self._fail(ex, f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}")
+        return
+    if not all(
+        isinstance(r, list)
+        and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in r)
+        for r in ranks
+    ):
+        self._fail(ex, 'each payload must decode to a list of (name, tensor) pairs')
+        return
+    if self.engine is not None:
+        self.engine.update_weights(state_dict=dict(ranks[0]))
+    self.tensor_updates.append(
+        {
+            'names': [n for n, _ in ranks[0]],
+            'ranks': len(ranks),
+            'load_format': ex.body.get('load_format'),
+            'flush_cache': ex.body.get('flush_cache', True),
         }
-        if ex.body.get(
-            'return_logprob'
-        ):  # as SGLang: [None, first id] then log p(ids[i] | ids[:i]); empty for -1
-            plp = (
-                []
-                if ex.body.get('logprob_start_len', -1) in (-1, None)
-                else [None] + list(self.engine.prompt_logprobs(prompt))
-            )
-            meta['input_token_logprobs'] = [[lp, t, txt(t)] for lp, t in zip(plp, prompt)]
-        ex.reply = {
-            'text': tok.decode(shown, skip_special_tokens=True) if tok is not None else '',
-            'output_ids': list(ids),
-            'meta_info': meta,
-        }
+    )
+    ex.reply = {'success': True, 'message': 'Success'}
 
-    # one request: route, fault, latency, write
-    def _serve(self, h, method: str) -> None:
-        path = h.path.split('?', 1)[0]
-        n = int(h.headers.get('Content-Length') or 0)
-        raw = h.rfile.read(n) if n else b''
-        ex = Exchange(method, path, {})
+# %% ../nbs/20_testing.ipynb #31434e65
+# distributed weight updates: checked and recorded only
+@patch_to(FakeSGLangServer)
+def init_weights_update_group(self, ex):
+    self.groups.add(ex.body.get('group_name', 'weight_update_group'))
+    ex.reply = {'success': True, 'message': 'Succeeded to initialize custom process group.'}
+
+
+@patch_to(FakeSGLangServer)
+def destroy_weights_update_group(self, ex):
+    g = ex.body.get('group_name', 'weight_update_group')
+    if g not in self.groups:
+        self._fail(ex, f'no group {g!r}')
+        return
+    self.groups.discard(g)
+    ex.reply = {'success': True, 'message': 'Succeeded to destroy custom process group.'}
+
+
+@patch_to(FakeSGLangServer)
+def update_weights_from_distributed(self, ex):
+    if not self._in_session(ex) or self._weights_released(ex):
+        return
+    g, b = ex.body.get('group_name', 'weight_update_group'), ex.body
+    if g not in self.groups:
+        self._fail(ex, f'no weight-update group {g!r}: call /init_weights_update_group first')
+        return
+    if not len(b['names']) == len(b['dtypes']) == len(b['shapes']):
+        self._fail(
+            ex,
+            f"names, dtypes and shapes differ in length: {len(b['names'])}, "
+            f"{len(b['dtypes'])}, {len(b['shapes'])}",
+        )
+        return
+    self.distributed_updates.append({'names': b['names'], 'group_name': g})
+    ex.reply = {'success': True, 'message': 'Succeeded to update parameter online.'}
+
+# %% ../nbs/20_testing.ipynb #d014a89b
+def _sampling_params(sp: dict, eos_token_ids: tuple) -> SamplingParams:
+    "A `/generate` request's `sampling_params` as `SamplingParams`; the EOS ids stop it too."
+    stops = () if sp.get('ignore_eos') else (*(sp.get('stop_token_ids') or ()), *eos_token_ids)
+    return SamplingParams(
+        max_new_tokens=sp.get('max_new_tokens', 128),
+        temperature=sp.get('temperature', 1.0),
+        top_p=sp.get('top_p', 1.0),
+        top_k=sp.get('top_k', -1),
+        stop_token_ids=tuple(stops),
+        seed=sp.get('sampling_seed'),
+    )
+
+# %% ../nbs/20_testing.ipynb #fc3cf438
+def _generate_reply(engine, body: dict, sp: dict, max_new: int, prompt, ids, lps, fr) -> dict:
+    "The `/generate` reply in SGLang's layout for sampled `ids`, log-probs `lps`, finish `fr`."
+    reason = (
+        {'type': 'stop', 'matched': ids[-1]}
+        if fr == 'stop'
+        else {'type': 'length', 'length': max_new}
+    )
+    shown = (
+        ids if (fr != 'stop' or sp.get('no_stop_trim')) else ids[:-1]
+    )  # no_stop_trim: the text only
+    tok = getattr(engine, 'tokenizer', None)
+    txt = (lambda t: tok.decode([t])) if body.get('return_text_in_logprobs') else (lambda t: None)
+    meta = {
+        'finish_reason': reason,
+        'prompt_tokens': len(prompt),
+        'completion_tokens': len(ids),
+        'output_token_logprobs': [[lp, t, txt(t)] for lp, t in zip(lps, ids)],
+        'e2e_latency': 0.0,
+    }
+    if body.get('return_logprob'):
+        # as SGLang: [None, first id] then log p(ids[i] | ids[:i]); empty for -1
+        plp = (
+            []
+            if body.get('logprob_start_len', -1) in (-1, None)
+            else [None] + list(engine.prompt_logprobs(prompt))
+        )
+        meta['input_token_logprobs'] = [[lp, t, txt(t)] for lp, t in zip(plp, prompt)]
+    return {
+        'text': tok.decode(shown, skip_special_tokens=True) if tok is not None else '',
+        'output_ids': list(ids),
+        'meta_info': meta,
+    }
+
+# %% ../nbs/20_testing.ipynb #778450e7
+@patch_to(FakeSGLangServer)
+def generate(self, ex):
+    if self.released:
+        ex.status, ex.reply = (
+            400,
+            {'error': {'message': f"generate while memory is released: {sorted(self.released)}"}},
+        )
+        return
+    if not isinstance(ex.body.get('input_ids'), list):
+        ex.status, ex.reply = (
+            400,
+            {'error': "generate needs 'input_ids' (one list of token ids)"},
+        )
+        return
+    sp = dict(ex.body.get('sampling_params') or {})
+    sp_ = _sampling_params(sp, self.eos_token_ids)
+    prompt = ex.body['input_ids']
+    bad = logprob_request_error(ex.body, len(prompt), self.engine)
+    if bad is not None:
+        ex.status, ex.reply = 400, {'error': {'message': bad}}
+        return
+    if self.engine is not None:
+        r = self.engine.generate([prompt], sp_)[0]
+        ids, lps, fr = r.output_ids, r.logprobs, r.finish_reason
+    else:
+        ids, lps, fr = fake_tokens(prompt, sp_, self.vocab)
+    ex.reply = _generate_reply(self.engine, ex.body, sp, sp_.max_new_tokens, prompt, ids, lps, fr)
+
+# %% ../nbs/20_testing.ipynb #6df1e701
+# one request: route, fault, latency, write
+@patch_to(FakeSGLangServer)
+def _serve(self, h, method: str) -> None:
+    path = h.path.split('?', 1)[0]
+    n = int(h.headers.get('Content-Length') or 0)
+    raw = h.rfile.read(n) if n else b''
+    ex = Exchange(method, path, {})
+    try:
+        ex.body = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as e:
+        ex.status, ex.reply = 400, {'error': f'body is not JSON: {e}'}
+    with self._lock:
+        fault = self._faults[path].pop(0) if self._faults.get(path) else None
+    handle = self.routes.get((method, path))
+    bad = schema_error(path, ex.body) if ex.status == 200 and handle is not None else None
+    if ex.status != 200:
+        pass
+    elif handle is None:
+        ex.status, ex.reply = 404, {'error': f'no route {method} {path}'}
+    elif isinstance(fault, int):
+        ex.status, ex.reply = fault, {'error': f'injected {fault}'}
+    elif bad is not None:
+        ex.status, ex.reply = 400, {'error': {'message': bad}}
+    else:
         try:
-            ex.body = json.loads(raw) if raw else {}
-        except json.JSONDecodeError as e:
-            ex.status, ex.reply = 400, {'error': f'body is not JSON: {e}'}
-        with self._lock:
-            fault = self._faults[path].pop(0) if self._faults.get(path) else None
-        handle = self.routes.get((method, path))
-        bad = schema_error(path, ex.body) if ex.status == 200 and handle is not None else None
-        if ex.status != 200:
+            if fault is None:
+                handle(ex)
+            else:
+                self.fault_kinds[fault](self, ex, handle)
+        except Exception as e:
+            ex.status, ex.reply = 500, {'error': f'{type(e).__name__}: {e}'}
+    with self._lock:
+        self.log.append({'method': method, 'path': path, 'body': ex.body, 'status': ex.status})
+    if self.latency is not None:
+        ex.delay_s += float(self.latency(ex))
+    if ex.delay_s > 0:
+        time.sleep(ex.delay_s)
+    text = isinstance(ex.reply, str)
+    data = (ex.reply if text else json.dumps(ex.reply)).encode()
+    try:
+        ex.write(h, ex.status, 'text/plain' if text else 'application/json', data)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the client gave up (a timeout): nothing to answer
+
+# %% ../nbs/20_testing.ipynb #875faba3
+# closing and serving
+@patch_to(FakeSGLangServer)
+def close(self):
+    self._httpd.shutdown()
+    self._httpd.server_close()
+
+
+@patch_to(FakeSGLangServer)
+def __enter__(self):
+    return self
+
+
+@patch_to(FakeSGLangServer)
+def __exit__(self, *a):
+    self.close()
+
+
+@patch_to(FakeSGLangServer)
+def serve(self) -> None:
+    "Block until SIGTERM or Ctrl-C, then close (the process entry below)."
+    import signal
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    try:
+        while not stop.wait(0.5):
             pass
-        elif handle is None:
-            ex.status, ex.reply = 404, {'error': f'no route {method} {path}'}
-        elif isinstance(fault, int):
-            ex.status, ex.reply = fault, {'error': f'injected {fault}'}
-        elif bad is not None:
-            ex.status, ex.reply = 400, {'error': {'message': bad}}
-        else:
-            try:
-                if fault is None:
-                    handle(ex)
-                else:
-                    self.fault_kinds[fault](self, ex, handle)
-            except Exception as e:
-                ex.status, ex.reply = 500, {'error': f'{type(e).__name__}: {e}'}
-        with self._lock:
-            self.log.append({'method': method, 'path': path, 'body': ex.body, 'status': ex.status})
-        if self.latency is not None:
-            ex.delay_s += float(self.latency(ex))
-        if ex.delay_s > 0:
-            time.sleep(ex.delay_s)
-        text = isinstance(ex.reply, str)
-        data = (ex.reply if text else json.dumps(ex.reply)).encode()
-        try:
-            ex.write(h, ex.status, 'text/plain' if text else 'application/json', data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client gave up (a timeout): nothing to answer
-
-    def close(self):
-        self._httpd.shutdown()
-        self._httpd.server_close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
+    except KeyboardInterrupt:
+        pass
+    finally:
         self.close()
-
-    def serve(self) -> None:
-        "Block until SIGTERM or Ctrl-C, then close (the process entry below)."
-        import signal
-
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *a: stop.set())
-        try:
-            while not stop.wait(0.5):
-                pass
-        except KeyboardInterrupt:
-            pass
-        finally:
-            self.close()
 
 # %% ../nbs/20_testing.ipynb #aa68820f
 def main(argv=None) -> None:
@@ -771,22 +813,9 @@ def main(argv=None) -> None:
 if __name__ == '__main__':
     main()
 
-# %% ../nbs/20_testing.ipynb #947482bb
-def synthetic_run(
-    out_dir,
-    solved: int,
-    n_items: int = 1000,
-    samples: int = 1,
-    key=200,
-    info: dict | None = None,
-    errors: int = 0,
-    drop: int = 0,
-    seed: int = 0,
-    n_boot: int = 200,
-    parity: str = 'relax',
-) -> Path:
-    """Write a hand-made run (records scored by `parity` + summary) with `solved` of `n_items` items
-    answered right; returns the summary's path."""
+# %% ../nbs/20_testing.ipynb #5e7a1c20
+def _synthetic_records(n_items: int, solved: int, samples: int, errors: int, parity: str) -> list:
+    "A hand-made run's scored records: the first `solved` items right, the last `errors` errored."
     recs = []
     for i in range(n_items):
         for s in range(samples):
@@ -809,6 +838,25 @@ def synthetic_run(
                     parity,
                 )
             )
+    return recs
+
+# %% ../nbs/20_testing.ipynb #947482bb
+def synthetic_run(
+    out_dir,
+    solved: int,
+    n_items: int = 1000,
+    samples: int = 1,
+    key=200,
+    info: dict | None = None,
+    errors: int = 0,
+    drop: int = 0,
+    seed: int = 0,
+    n_boot: int = 200,
+    parity: str = 'relax',
+) -> Path:
+    """Write a hand-made run (records scored by `parity` + summary) with `solved` of `n_items` items
+    answered right; returns the summary's path."""
+    recs = _synthetic_records(n_items, solved, samples, errors, parity)
     recs = recs[: len(recs) - drop]
     base = {
         'mode': 'recurrent',

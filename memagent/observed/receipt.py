@@ -91,6 +91,8 @@ LIMITS = (
     'answer; it is not the paper\'s judge model. '
     '"Used the retrieved memory" is a string test: the final answer occurs in a retrieved memory.'
 )
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #115564c9
 RECEIPT_FIELDS = (
     'schema',
     'status',
@@ -139,7 +141,7 @@ CASE_FIELDS = (
 STORE = {'embedder': EMBEDDER, 'manager': MANAGER}
 PINS = {rel: (AUDITED_REVISION, sha) for rel, sha in OBSERVED_FILES.items()}
 
-
+# %% ../../nbs/18a_observed_2_receipt.ipynb #d37d75e6
 def default_report_dir(start=None) -> Path:
     """`reports/agemem_observed` under the first folder at or above `start` (default: cwd) that
     holds `settings.ini`."""
@@ -224,6 +226,29 @@ def _corrections_field(report_dir: Path, co: dict) -> dict:
         'amended': sum(map(len, co['amended'].values())),
     }
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #b27fb7ec
+def _case_record(case: dict, rec: dict, co: dict, tol) -> dict:
+    "One case of the receipt: the episode's fields, what `observe_case` recorded, and its checks."
+    return {
+        'id': case['id'],
+        'group': case['group'],
+        'role': case['role'],
+        'first_study': case.get('first_study'),
+        'note': case['note'],
+        'judge': case.get('judge'),
+        'final_answer': rec['final_answer'],
+        'found_answer': rec['found_answer'],
+        'rounds': rec['rounds'],
+        'finished_at_round': rec['finished_at_round'],
+        'store_held': rec['store_held'],
+        'log': rec['log'],
+        'context': rec['context'],
+        'official': rec['official'],
+        'observed': rec['observed'],
+        'difference': rec['difference'],
+        'checks': compare(expected(case, co), case_outputs(rec), tol),
+    }
+
 # %% ../../nbs/18a_observed_2_receipt.ipynb #9126b43c
 def run_observed(source_repo, report_dir=None) -> dict:
     """Check the checkout, play every episode on the upstream store, score it with both rewards and
@@ -238,27 +263,7 @@ def run_observed(source_repo, report_dir=None) -> dict:
     weights, cases = ep['call_site']['weights'], []
     for case in ep['cases']:
         rec = observe_case(mods, case, ep['system_prompt'], weights)
-        cases.append(
-            {
-                'id': case['id'],
-                'group': case['group'],
-                'role': case['role'],
-                'first_study': case.get('first_study'),
-                'note': case['note'],
-                'judge': case.get('judge'),
-                'final_answer': rec['final_answer'],
-                'found_answer': rec['found_answer'],
-                'rounds': rec['rounds'],
-                'finished_at_round': rec['finished_at_round'],
-                'store_held': rec['store_held'],
-                'log': rec['log'],
-                'context': rec['context'],
-                'official': rec['official'],
-                'observed': rec['observed'],
-                'difference': rec['difference'],
-                'checks': compare(expected(case, co), case_outputs(rec), ep['tolerance']),
-            }
-        )
+        cases.append(_case_record(case, rec, co, ep['tolerance']))
         cases[-1]['judge_on'] = (
             None if case.get('judge') else judge_on(mods, case, cases[-1], weights)
         )
@@ -513,11 +518,9 @@ def judge_on_section(receipt: dict) -> list[str]:
         md_table(rows, floatfmt='.4f', align=False) + '\n',
     ]
 
-# %% ../../nbs/18a_observed_2_receipt.ipynb #5d484483
-def render_report(receipt: dict, *, figure_sha256: str) -> str:
-    """The study's README.md, every figure read from `receipt`, stating `figure_sha256`, the SHA-256
-    of the `differences.png` it shows."""
-    fig = _figure_line(figure_sha256)
+# %% ../../nbs/18a_observed_2_receipt.ipynb #71f5c4ec
+def _report_intro(receipt: dict) -> list[str]:
+    "The README's opening: title, status, the audited copy and its files, the store, the records."
     s, a, g = receipt['summary'], receipt['audited'], receipt['provenance']['git']
     commit = f"`{g['commit'][:7]}`" if g.get('commit') else 'none (not a git work tree)'
     files = md_table(
@@ -531,7 +534,7 @@ def render_report(receipt: dict, *, figure_sha256: str) -> str:
         ],
         align=False,
     )
-    out = [
+    return [
         "# AgeMem, the second study: the reward from what the store did, beside the official one\n",
         f"**Status: {receipt['status']}** ({s['matched']} of {s['checks']} checks over "
         f"{s['cases']} episodes). {receipt['meaning'][0].upper()}{receipt['meaning'][1:]}.\n",
@@ -555,6 +558,28 @@ def render_report(receipt: dict, *, figure_sha256: str) -> str:
         f"with the {receipt['corrections']['amended']} expectations "
         "[corrections.json](corrections.json) amends), [receipt.json](receipt.json) "
         "(every output, log, context and check).\n",
+    ]
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #b0fd0588
+def _report_logs(receipt: dict) -> list[str]:
+    "The README's logs: every case's note, its Stage-3 rounds, each operation the store executed."
+    out = []
+    for c in receipt['cases']:
+        out += [
+            f"**`{c['id']}`** ({c['group']}, {c['role']}): {c['note']}.\n",
+            f"Stage-3 rounds: {rounds_line(c['rounds'])}.\n",
+        ]
+        out += [_log_line(op) for op in c['log']] or ['(no operation)']
+        out += ['']
+    return out
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #5d484483
+def render_report(receipt: dict, *, figure_sha256: str) -> str:
+    """The study's README.md, every figure read from `receipt`, stating `figure_sha256`, the SHA-256
+    of the `differences.png` it shows."""
+    fig = _figure_line(figure_sha256)
+    out = [
+        *_report_intro(receipt),
         "## Findings\n",
         *[f'- {x}' for x in findings(receipt)],
         '',
@@ -574,13 +599,7 @@ def render_report(receipt: dict, *, figure_sha256: str) -> str:
         "Every operation the store executed, per episode: stage, tool, arguments, what the store "
         "returned.\n",
     ]
-    for c in receipt['cases']:
-        out += [
-            f"**`{c['id']}`** ({c['group']}, {c['role']}): {c['note']}.\n",
-            f"Stage-3 rounds: {rounds_line(c['rounds'])}.\n",
-        ]
-        out += [_log_line(op) for op in c['log']] or ['(no operation)']
-        out += ['']
+    out += _report_logs(receipt)
     out += ['## What this does not show\n', receipt['limits'] + '\n']
     return '\n'.join(out)
 
@@ -696,6 +715,60 @@ def _stage3_replies(case: dict) -> int:
         n += stage == 3 and 'assistant' in s
     return n
 
+# %% ../../nbs/18a_observed_2_receipt.ipynb #1b20faaa
+def _context_problems(cid: str, ctx: list, off: dict, case: dict) -> list[str]:
+    "The official context statistics against the recorded context: message count and token ratio."
+    p, cs = [], off.get('context_stats') or {}
+    chars = sum(len(m.get('content', '')) for m in ctx if isinstance(m, dict))
+    if cs.get('total_messages') != len(ctx):
+        p.append(
+            f"case {cid!r}: context has {len(ctx)} messages, its statistics say "
+            f"{cs.get('total_messages')!r}"
+        )
+    if cs.get('token_usage_ratio') != chars / 4 / case['call']['max_tokens']:
+        p.append(
+            f"case {cid!r}: context of {chars} characters does not give token_usage_ratio "
+            f"{cs.get('token_usage_ratio')!r}"
+        )
+    return p
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #11239116
+def _rounds_problems(cid: str, rec: dict, case: dict) -> list[str]:
+    "The recorded Stage-3 rounds against the episode's Stage-3 replies and `finished_at_round`."
+    rounds, stage3 = rec.get('rounds'), _stage3_replies(case)
+    if not (
+        isinstance(rounds, list)
+        and all(
+            isinstance(x, dict) and x.get('collected') is (x.get('why') is not None) for x in rounds
+        )
+    ):
+        return [
+            f'case {cid!r}: rounds must be a list of {{round, collected, why}}, collected exactly '
+            'when a reason is given'
+        ]
+    if [x.get('round') for x in rounds] != list(range(stage3)) or rec.get(
+        'finished_at_round'
+    ) != sum(x['collected'] for x in rounds):
+        return [
+            f"case {cid!r}: {stage3} Stage-3 replies and finished_at_round "
+            f"{rec.get('finished_at_round')!r}, the recorded rounds say otherwise"
+        ]
+    return []
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #92137dbc
+def _reply_problems(cid: str, rec: dict, case: dict, log: list) -> list[str]:
+    "The final answer and each log entry's issuing reply, against the episode's replies."
+    p, answers = [], [s['assistant'] for s in case['steps'] if 'assistant' in s]
+    fa = rec.get('final_answer')
+    if fa is not None and not (answers and '<answer>' in answers[-1] and fa in answers[-1]):
+        p.append(f'case {cid!r}: final answer {fa!r} is not in the episode\'s last reply')
+    issued = {s['assistant'] for s in case['steps'] if 'assistant' in s}
+    return p + [
+        f"case {cid!r}: log entry {i + 1} was issued by a reply that is not in the episode"
+        for i, op in enumerate(log)
+        if not isinstance(op, dict) or op.get('issued_by') not in issued
+    ]
+
 # %% ../../nbs/18a_observed_2_receipt.ipynb #8a550623
 def _case_problems(case: dict, rec: dict, tol, co: dict) -> list[str]:
     """What a recorded case claims that its episode, its expectations, or its own log and context do
@@ -747,47 +820,9 @@ def _case_problems(case: dict, rec: dict, tol, co: dict) -> list[str]:
         obs.get('context_stats'),
         off.get('context_stats'),
     )
-    cs = off.get('context_stats') or {}
-    chars = sum(len(m.get('content', '')) for m in ctx if isinstance(m, dict))
-    if cs.get('total_messages') != len(ctx):
-        p.append(
-            f"case {cid!r}: context has {len(ctx)} messages, its statistics say "
-            f"{cs.get('total_messages')!r}"
-        )
-    if cs.get('token_usage_ratio') != chars / 4 / case['call']['max_tokens']:
-        p.append(
-            f"case {cid!r}: context of {chars} characters does not give token_usage_ratio "
-            f"{cs.get('token_usage_ratio')!r}"
-        )
-    rounds, stage3 = rec.get('rounds'), _stage3_replies(case)
-    if not (
-        isinstance(rounds, list)
-        and all(
-            isinstance(x, dict) and x.get('collected') is (x.get('why') is not None) for x in rounds
-        )
-    ):
-        p.append(
-            f'case {cid!r}: rounds must be a list of {{round, collected, why}}, collected exactly '
-            'when a reason is given'
-        )
-    elif [x.get('round') for x in rounds] != list(range(stage3)) or rec.get(
-        'finished_at_round'
-    ) != sum(x['collected'] for x in rounds):
-        p.append(
-            f"case {cid!r}: {stage3} Stage-3 replies and finished_at_round "
-            f"{rec.get('finished_at_round')!r}, the recorded rounds say otherwise"
-        )
-    answers = [s['assistant'] for s in case['steps'] if 'assistant' in s]
-    fa = rec.get('final_answer')
-    if fa is not None and not (answers and '<answer>' in answers[-1] and fa in answers[-1]):
-        p.append(f'case {cid!r}: final answer {fa!r} is not in the episode\'s last reply')
-    issued = {s['assistant'] for s in case['steps'] if 'assistant' in s}
-    p += [
-        f"case {cid!r}: log entry {i + 1} was issued by a reply that is not in the episode"
-        for i, op in enumerate(log)
-        if not isinstance(op, dict) or op.get('issued_by') not in issued
-    ]
-    return p
+    p += _context_problems(cid, ctx, off, case)
+    p += _rounds_problems(cid, rec, case)
+    return p + _reply_problems(cid, rec, case, log)
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #dbadf0f0
 def _report_problems(report_dir: Path, rc: dict, compare_readme: bool) -> list[str]:
@@ -815,22 +850,11 @@ def verify_observed(report_dir=None, receipt_path=None) -> dict:
             raise
         raise wrong_shape(receipt_path, VerificationError, e) from None
 
-# %% ../../nbs/18a_observed_2_receipt.ipynb #93fded3b
-def _verify(report_dir: Path, receipt_path: Path) -> dict:
+# %% ../../nbs/18a_observed_2_receipt.ipynb #66490723
+def _pin_problems(rc: dict, report_dir: Path, co: dict) -> list[str]:
+    "The committed inputs against their pinned SHA-256, and the receipt's record of them."
     ep_path, proto_path = report_dir / 'episodes.json', report_dir / 'protocol.md'
-    co_path = report_dir / 'corrections.json'
-    rc, ep, problems = open_receipt(
-        receipt_path,
-        ep_path,
-        load_episodes,
-        RECEIPT_SCHEMA,
-        also=(proto_path, co_path, report_dir / 'corrections.md'),
-    )
-    problems += field_problems('receipt', rc, RECEIPT_FIELDS)
-    problems += _differs('meaning', rc.get('meaning'), MEANING) + _differs(
-        'limits', rc.get('limits'), LIMITS
-    )
-    co = load_corrections(co_path, ep)  # ValueError naming the amendment at fault
+    co_path, problems = report_dir / 'corrections.json', []
     for name, path, pinned in (
         ('episodes.json', ep_path, EPISODES_SHA256),
         ('protocol.md', proto_path, PROTOCOL_SHA256),
@@ -851,8 +875,13 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     problems += _differs('store', rc.get('store'), STORE) + _differs(
         'corrections', rc.get('corrections'), _corrections_field(report_dir, co)
     )
+    return problems
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #3e551956
+def _audited_problems(rc: dict) -> tuple[dict, list[str], list[str]]:
+    "The receipt's audited copy: (its fields, the origin's problems, all its problems)."
     aud = rc.get('audited') if isinstance(rc.get('audited'), dict) else {}
-    problems += field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
+    problems = field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
     origin = origin_problems(audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, PINS)
     problems += [f'audited copy: {p}' for p in origin]
     problems += _differs('audited.executed', aud.get('executed'), list(EXECUTED)) + _differs(
@@ -864,13 +893,12 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
             f'checkout_unchanged_after_run={aud.get("checkout_unchanged_after_run")!r}: the '
             'checkout was not left as found'
         )
-    problems += _differs(
-        'call_site_weights', rc.get('call_site_weights'), ep['call_site']['weights']
-    )
-    problems += environment_problems(rc.get('environment')) + provenance_problems(
-        rc.get('provenance')
-    )
-    want = [c['id'] for c in ep['cases']]
+    return aud, origin, problems
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #681c572b
+def _cases_problems(rc: dict, ep: dict, co: dict) -> tuple[list[dict], list[str]]:
+    "The receipt's cases, each episode's exactly once: (the cases, their problems)."
+    want, problems = [c['id'] for c in ep['cases']], []
     if len(want) != N_CASES:
         problems.append(f'{len(want)} episodes, expected {N_CASES}')
     if not isinstance(rc.get('cases'), list):
@@ -893,7 +921,12 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     for case in ep['cases']:
         if case['id'] in by_id:
             problems += _case_problems(case, by_id[case['id']], ep['tolerance'], co)
-    summary, stored = _summary(cases), rc.get('summary')
+    return cases, problems
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #87da5aa9
+def _summary_problems(rc: dict, cases: list, aud: dict, origin: list) -> tuple[dict, list[str]]:
+    "The summary and status, recomputed from the cases: (the summary, their problems)."
+    summary, stored, problems = _summary(cases), rc.get('summary'), []
     if not isinstance(stored, dict):
         problems.append(f'summary: {_short(stored)}, not an object')
         stored = {}
@@ -906,6 +939,37 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     )
     if rc.get('status') != 'passed':
         problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
+    return summary, problems
+
+# %% ../../nbs/18a_observed_2_receipt.ipynb #93fded3b
+def _verify(report_dir: Path, receipt_path: Path) -> dict:
+    ep_path, proto_path = report_dir / 'episodes.json', report_dir / 'protocol.md'
+    co_path = report_dir / 'corrections.json'
+    rc, ep, problems = open_receipt(
+        receipt_path,
+        ep_path,
+        load_episodes,
+        RECEIPT_SCHEMA,
+        also=(proto_path, co_path, report_dir / 'corrections.md'),
+    )
+    problems += field_problems('receipt', rc, RECEIPT_FIELDS)
+    problems += _differs('meaning', rc.get('meaning'), MEANING) + _differs(
+        'limits', rc.get('limits'), LIMITS
+    )
+    co = load_corrections(co_path, ep)  # ValueError naming the amendment at fault
+    problems += _pin_problems(rc, report_dir, co)
+    aud, origin, audited = _audited_problems(rc)
+    problems += audited
+    problems += _differs(
+        'call_site_weights', rc.get('call_site_weights'), ep['call_site']['weights']
+    )
+    problems += environment_problems(rc.get('environment')) + provenance_problems(
+        rc.get('provenance')
+    )
+    cases, found = _cases_problems(rc, ep, co)
+    problems += found
+    summary, found = _summary_problems(rc, cases, aud, origin)
+    problems += found
     problems += _report_problems(report_dir, rc, compare_readme=not problems)
     if problems:
         raise VerificationError(problems)

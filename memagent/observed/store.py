@@ -6,6 +6,7 @@
 from __future__ import annotations
 import copy, hashlib, json, math, re, types
 from pathlib import Path
+from ..patch import patch_to
 from ..files import read_json
 from memagent.audit import (
     AUDITED_REVISION,
@@ -187,157 +188,215 @@ class Recorder:
     def user(self, text: str):
         self._append('user', text)
 
-    def assistant(self, text: str, summary=None, similarity=None):
-        """Append the reply, then run the tool calls `parse_tool_calls` finds in it, in order (lines
-        536-554, 731-749)."""
-        self._append('assistant', text)
-        calls = self.utils.parse_tool_calls(text)
-        for call in calls:
-            self._dispatch(call, text, summary, similarity)
-        return calls
+# %% ../../nbs/18a_observed_1_store.ipynb #8024f4ee
+# a reply and its record
+@patch_to(Recorder)
+def assistant(self, text: str, summary=None, similarity=None):
+    """Append the reply, then run the tool calls `parse_tool_calls` finds in it, in order (lines
+    536-554, 731-749)."""
+    self._append('assistant', text)
+    calls = self.utils.parse_tool_calls(text)
+    for call in calls:
+        self._dispatch(call, text, summary, similarity)
+    return calls
 
-    def _record(self, tool, args, result, note, text, n_embeds):
-        self.log.append(
-            {
-                'seq': len(self.log) + 1,
-                'stage': self.stage,
-                'tool': tool,
-                'arguments': copy.deepcopy(args),
-                'result': result,
-                'context_note': note,
-                'embeddings': n_embeds,
-                'store_after': sorted(self.manager._store._items),
-                'issued_by': text,
-            }
-        )
 
-    def _dispatch(self, call, text, summary, similarity):
-        # the workflow reads every call with .get (lines 124-125, then args.get in each branch):
-        # anything else would raise there
-        if not isinstance(call, dict) or not isinstance(call.get('arguments', {}), dict):
+@patch_to(Recorder)
+def _record(self, tool, args, result, note, text, n_embeds):
+    self.log.append(
+        {
+            'seq': len(self.log) + 1,
+            'stage': self.stage,
+            'tool': tool,
+            'arguments': copy.deepcopy(args),
+            'result': result,
+            'context_note': note,
+            'embeddings': n_embeds,
+            'store_after': sorted(self.manager._store._items),
+            'issued_by': text,
+        }
+    )
+
+# %% ../../nbs/18a_observed_1_store.ipynb #68008afc
+@patch_to(Recorder)
+def _summary(self, args, summary):
+    """Summary_context: the summarizer's reply is the episode's `summary`, a text or a function
+    of the chosen messages (it stands in for the chat model, line 182)."""
+    span, keep_user = args.get('span', 'all'), args.get('preserve_user_query', False)
+    rest = [(i, m) for i, m in enumerate(self.context) if m.get('role') != 'system']
+    chosen = rest
+    if span != 'all':
+        if not isinstance(span, str):
             raise EpisodeError(
-                f'{self.where}: tool call {call!r} is not an object with an object of arguments '
-                '(the workflow would raise)'
+                f'{self.where}: Summary_context span {span!r} is not a string (line 150 would '
+                'raise)'
             )
-        name, args = call.get('name'), call.get('arguments', {})
-        e0 = len(self.embeds)
-        if name == 'Summary_context':  # lines 129-209
-            note, result = self._summary(args, summary)
-        elif name == 'Clear_context':  # lines 211-253
-            note, result = self._clear(args, similarity)
-        elif name == 'Retrieve_memory':  # lines 255-265
-            items = self.manager.retrieve(
-                args.get('query', ''), int(args.get('top_k', 3)), args.get('metadata_filter', {})
-            )
-            block = '\n'.join(f'- {it.content} (Memory ID: {it.memory_id})' for it in items)
-            note = f'[retrieved memories]\n{block}' if block else '[no related memories found]'
-            self._append('tool', note)
-            result = [{'memory_id': it.memory_id, 'content': it.content} for it in items]
-        elif name == 'Add_memory':  # lines 267-280; sequential ids instead of uuid4 (line 277)
-            metadata = dict(args.get('metadata', {}) or {})
-            memory_type = args.get('memory_type', 'general')
-            if memory_type:
-                metadata['type'] = memory_type
-            metadata['stage'] = str(self.stage)
-            self.n_added += 1
-            mem_id = f'mem-{self.n_added:02d}'
-            self.manager.add_memory(mem_id, args.get('content', ''), metadata)
-            note = f'[memory tool result]\nmemory_added:{mem_id}'
-            self._append('tool', note)
-            result = {'memory_id': mem_id, 'stored': self.manager._store.get(mem_id) is not None}
-        elif name == 'Update_memory':  # lines 282-289
-            ok = self.manager.update_memory(
-                args.get('memory_id', ''), args.get('content'), args.get('metadata', {})
-            )
-            note = f'[memory tool result]\nmemory_updated:{ok}'
-            self._append('tool', note)
-            result = ok
-        elif name == 'Delete_memory':  # lines 291-300
-            if args.get('confirmation', False):
-                result = self.manager.delete_memory(args.get('memory_id', ''))
-                note = f'[memory tool result]\nmemory_deleted:{result}'
+        try:
+            if '-' in span:
+                start, end = map(int, span.split('-'))
+                chosen = rest[start - 2 : end - 1]  # line 154, as written
             else:
-                result, note = (
-                    'cancelled',
-                    '[memory tool result]\nmemory_deletion_cancelled:confirmation_required',
-                )
-            self._append('tool', note)
-        else:
-            note, result = None, 'unknown tool: no effect'  # no branch of the dispatch matches
-        self._record(name, args, result, note, text, len(self.embeds) - e0)
-
-    def _summary(self, args, summary):
-        """Summary_context: the summarizer's reply is the episode's `summary`, a text or a function
-        of the chosen messages (it stands in for the chat model, line 182)."""
-        span, keep_user = args.get('span', 'all'), args.get('preserve_user_query', False)
-        rest = [(i, m) for i, m in enumerate(self.context) if m.get('role') != 'system']
-        chosen = rest
-        if span != 'all':
-            if not isinstance(span, str):
-                raise EpisodeError(
-                    f'{self.where}: Summary_context span {span!r} is not a string (line 150 would '
-                    'raise)'
-                )
-            try:
-                if '-' in span:
-                    start, end = map(int, span.split('-'))
-                    chosen = rest[start - 2 : end - 1]  # line 154, as written
-                else:
-                    chosen = rest[-int(span) :]
-            except Exception:
-                chosen = rest  # lines 156-159, 166-169
-        if keep_user:
-            chosen = [(i, m) for i, m in chosen if m.get('role') != 'user']
-        if not chosen:
-            note = '[context tool result]\nsummary_context_applied:no_messages_to_summarize'
-            self._append('tool', note)
-            return note, {'summarized': 0}
-        if callable(summary):
-            summary = summary([m for i, m in chosen])
-        if not isinstance(summary, str):
-            raise EpisodeError(
-                f'{self.where}: Summary_context runs, but the step gives no "summary" text'
-            )
-        idx = sorted((i for i, m in chosen), reverse=True)
-        for i in idx:
-            self.context.pop(i)
-        self.context.insert(
-            min(idx), {'role': 'tool', 'content': f'[summary of {len(chosen)} messages]\n{summary}'}
+                chosen = rest[-int(span) :]
+        except Exception:
+            chosen = rest  # lines 156-159, 166-169
+    if keep_user:
+        chosen = [(i, m) for i, m in chosen if m.get('role') != 'user']
+    if not chosen:
+        note = '[context tool result]\nsummary_context_applied:no_messages_to_summarize'
+        self._append('tool', note)
+        return note, {'summarized': 0}
+    if callable(summary):
+        summary = summary([m for i, m in chosen])
+    if not isinstance(summary, str):
+        raise EpisodeError(
+            f'{self.where}: Summary_context runs, but the step gives no "summary" text'
         )
-        note = '[context tool result]\nsummary_context_applied:success'
-        self._append('tool', note)
-        return note, {'summarized': len(chosen)}
+    idx = sorted((i for i, m in chosen), reverse=True)
+    for i in idx:
+        self.context.pop(i)
+    self.context.insert(
+        min(idx), {'role': 'tool', 'content': f'[summary of {len(chosen)} messages]\n{summary}'}
+    )
+    note = '[context tool result]\nsummary_context_applied:success'
+    self._append('tool', note)
+    return note, {'summarized': len(chosen)}
 
-    def _clear(self, args, similarity):
-        """Clear_context: with criteria, each non-system message goes when the judged similarity
-        (the episode's replies in order, or a function of criteria and content) is >= 0.6."""
-        criteria, kept, removed = args.get('criteria', ''), [], 0
-        replies = similarity if callable(similarity) else list(similarity or [])
-        for m in self.context:
-            if m.get('role') == 'system':
-                kept.append(m)
-                continue
-            if criteria:
-                if not (callable(replies) or replies):
-                    raise EpisodeError(
-                        f'{self.where}: Clear_context has criteria, but the step gives no '
-                        'similarity reply for every message'
-                    )
-                reply = (
-                    replies(criteria, m.get('content', '')) if callable(replies) else replies.pop(0)
-                )
-                if self.utils.extract_score(reply, default=0.0) >= 0.6:
-                    removed += 1
-                    continue
+# %% ../../nbs/18a_observed_1_store.ipynb #a8b060ef
+@patch_to(Recorder)
+def _clear(self, args, similarity):
+    """Clear_context: with criteria, each non-system message goes when the judged similarity
+    (the episode's replies in order, or a function of criteria and content) is >= 0.6."""
+    criteria, kept, removed = args.get('criteria', ''), [], 0
+    replies = similarity if callable(similarity) else list(similarity or [])
+    for m in self.context:
+        if m.get('role') == 'system':
             kept.append(m)
-        self.context[:] = kept
-        note = f'[context tool result]\nclear_context_applied:success:removed_{removed}_messages'
-        self._append('tool', note)
-        return note, {'removed': removed}
+            continue
+        if criteria:
+            if not (callable(replies) or replies):
+                raise EpisodeError(
+                    f'{self.where}: Clear_context has criteria, but the step gives no '
+                    'similarity reply for every message'
+                )
+            reply = replies(criteria, m.get('content', '')) if callable(replies) else replies.pop(0)
+            if self.utils.extract_score(reply, default=0.0) >= 0.6:
+                removed += 1
+                continue
+        kept.append(m)
+    self.context[:] = kept
+    note = f'[context tool result]\nclear_context_applied:success:removed_{removed}_messages'
+    self._append('tool', note)
+    return note, {'removed': removed}
 
-# %% ../../nbs/18a_observed_1_store.ipynb #5675c437
+# %% ../../nbs/18a_observed_1_store.ipynb #6b0e2c51
+# the memory tools: each returns (context note, result) and appends its note to the context
+@patch_to(Recorder)
+def _retrieve(self, args):
+    "Retrieve_memory (lines 255-265)."
+    items = self.manager.retrieve(
+        args.get('query', ''), int(args.get('top_k', 3)), args.get('metadata_filter', {})
+    )
+    block = '\n'.join(f'- {it.content} (Memory ID: {it.memory_id})' for it in items)
+    note = f'[retrieved memories]\n{block}' if block else '[no related memories found]'
+    self._append('tool', note)
+    return note, [{'memory_id': it.memory_id, 'content': it.content} for it in items]
+
+
+@patch_to(Recorder)
+def _add(self, args):
+    "Add_memory (lines 267-280); sequential ids instead of uuid4 (line 277)."
+    metadata = dict(args.get('metadata', {}) or {})
+    memory_type = args.get('memory_type', 'general')
+    if memory_type:
+        metadata['type'] = memory_type
+    metadata['stage'] = str(self.stage)
+    self.n_added += 1
+    mem_id = f'mem-{self.n_added:02d}'
+    self.manager.add_memory(mem_id, args.get('content', ''), metadata)
+    note = f'[memory tool result]\nmemory_added:{mem_id}'
+    self._append('tool', note)
+    return note, {'memory_id': mem_id, 'stored': self.manager._store.get(mem_id) is not None}
+
+
+@patch_to(Recorder)
+def _update(self, args):
+    "Update_memory (lines 282-289)."
+    ok = self.manager.update_memory(
+        args.get('memory_id', ''), args.get('content'), args.get('metadata', {})
+    )
+    note = f'[memory tool result]\nmemory_updated:{ok}'
+    self._append('tool', note)
+    return note, ok
+
+
+@patch_to(Recorder)
+def _delete(self, args):
+    "Delete_memory (lines 291-300)."
+    if args.get('confirmation', False):
+        result = self.manager.delete_memory(args.get('memory_id', ''))
+        note = f'[memory tool result]\nmemory_deleted:{result}'
+    else:
+        result, note = (
+            'cancelled',
+            '[memory tool result]\nmemory_deletion_cancelled:confirmation_required',
+        )
+    self._append('tool', note)
+    return note, result
+
+# %% ../../nbs/18a_observed_1_store.ipynb #f7e6d1d7
+@patch_to(Recorder)
+def _dispatch(self, call, text, summary, similarity):
+    # the workflow reads every call with .get (lines 124-125, then args.get in each branch):
+    # anything else would raise there
+    if not isinstance(call, dict) or not isinstance(call.get('arguments', {}), dict):
+        raise EpisodeError(
+            f'{self.where}: tool call {call!r} is not an object with an object of arguments '
+            '(the workflow would raise)'
+        )
+    name, args = call.get('name'), call.get('arguments', {})
+    e0 = len(self.embeds)
+    if name == 'Summary_context':  # lines 129-209
+        note, result = self._summary(args, summary)
+    elif name == 'Clear_context':  # lines 211-253
+        note, result = self._clear(args, similarity)
+    elif name == 'Retrieve_memory':  # lines 255-265
+        note, result = self._retrieve(args)
+    elif name == 'Add_memory':  # lines 267-280
+        note, result = self._add(args)
+    elif name == 'Update_memory':  # lines 282-289
+        note, result = self._update(args)
+    elif name == 'Delete_memory':  # lines 291-300
+        note, result = self._delete(args)
+    else:
+        note, result = None, 'unknown tool: no effect'  # no branch of the dispatch matches
+    self._record(name, args, result, note, text, len(self.embeds) - e0)
+
+# %% ../../nbs/18a_observed_1_store.ipynb #3c9d81e4
 EPISODES_SCHEMA = 'memagent.agemem_observed.episodes/1'
 _STEP_KEYS = {'stage': int, 'user': str, 'assistant': str}
+
+
+def _validate_steps(steps: list, where: str, bad) -> None:
+    "Check one case's steps: each exactly one of stage, user or assistant; `bad` raises."
+    for j, s in enumerate(steps):
+        kinds = [k for k in _STEP_KEYS if isinstance(s, dict) and k in s]
+        if (
+            len(kinds) != 1
+            or not isinstance(s[kinds[0]], _STEP_KEYS[kinds[0]])
+            or isinstance(s[kinds[0]], bool)
+        ):
+            bad(
+                f'{where}.steps[{j}]',
+                'each step is exactly one of {"stage": <1-3>}, {"user": <text>}, '
+                '{"assistant": <text>}',
+            )
+        extra = set(s) - {kinds[0], 'summary', 'similarity'}
+        if extra or (kinds[0] != 'assistant' and len(s) > 1):
+            bad(f'{where}.steps[{j}]', f'unexpected field(s) {sorted(set(s) - {kinds[0]})}')
+    if steps[0].get('stage') not in (1, 2, 3):
+        bad(f'{where}.steps[0]', 'an episode opens with {"stage": 1, 2 or 3}')
+
+# %% ../../nbs/18a_observed_1_store.ipynb #5675c437
 _CALL_KEYS = ('task_score', 'max_rounds', 'max_tokens', 'question', 'supporting_facts')
 
 
@@ -381,23 +440,7 @@ def validate_episodes(ep: dict, source='episodes.json') -> dict:
         steps = c.get('steps')
         if not isinstance(steps, list) or not steps:
             bad(where, '"steps" must be a non-empty list')
-        for j, s in enumerate(steps):
-            kinds = [k for k in _STEP_KEYS if isinstance(s, dict) and k in s]
-            if (
-                len(kinds) != 1
-                or not isinstance(s[kinds[0]], _STEP_KEYS[kinds[0]])
-                or isinstance(s[kinds[0]], bool)
-            ):
-                bad(
-                    f'{where}.steps[{j}]',
-                    'each step is exactly one of {"stage": <1-3>}, {"user": <text>}, '
-                    '{"assistant": <text>}',
-                )
-            extra = set(s) - {kinds[0], 'summary', 'similarity'}
-            if extra or (kinds[0] != 'assistant' and len(s) > 1):
-                bad(f'{where}.steps[{j}]', f'unexpected field(s) {sorted(set(s) - {kinds[0]})}')
-        if steps[0].get('stage') not in (1, 2, 3):
-            bad(f'{where}.steps[0]', 'an episode opens with {"stage": 1, 2 or 3}')
+        _validate_steps(steps, where, bad)
         if not isinstance(c.get('expect'), dict):
             bad(where, '"expect" must be an object')
         if not isinstance(c.get('note'), str):
