@@ -439,8 +439,8 @@ def rollout(
     variant: str | None = None,  # the prompt variant; None: `cfg.prompt.variant`
     progress: bool = True,  # show a progress bar over trajectories
     group_offset: int = 0,  # added to each example's index to give its `group_index`
-    sampling: dict
-    | None = None,  # overrides of `temperature`, `top_p`, `top_k` (evaluation's sampling)
+    # overrides of `temperature`, `top_p`, `top_k` (evaluation's sampling)
+    sampling: dict | None = None,
     thinking: str | None = None,  # the thinking policy; None: `cfg.prompt.thinking`
     stats: dict | None = None,  # filled with the rollout's statistics (see *Statistics* above)
     on_group=None,  # called with a group's trajectories as soon as the group finishes
