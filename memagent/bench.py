@@ -11,6 +11,7 @@ from .evaluate import evaluate
 from .stats import linear_fit
 from .transfer import RowChannel, RayChannel, InProcessChannel
 from .trajectory import Row
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['GOAL_OPS', 'MIN_REPEATS', 'DRIFT', 'interleave', 'spread', 'drift', 'verdict', 'bench_examples', 'bench_rollout',
@@ -210,61 +211,73 @@ class PhaseTimer:
         self.prefill_calls = self.decode_calls = self.prefill_tokens = self.decode_rows = 0
         self._phase, self._t = 'decode', 0.0
 
-    def _pre(self, mod, args, kwargs):
-        ids = kwargs.get('input_ids', args[0] if args else None)
-        if ids is None:
-            ids = kwargs['inputs_embeds']
-        self._phase = 'prefill' if ids.shape[1] > 1 else 'decode'
-        if self._phase == 'prefill':
-            self.prefill_calls += 1
-            self.prefill_tokens += ids.shape[0] * ids.shape[1]
-        else:
-            self.decode_calls += 1
-        self._sync()
-        self._t = time.perf_counter()
+# %% ../nbs/21_bench.ipynb #4176f006
+@patch_to(PhaseTimer)
+def _pre(self, mod, args, kwargs):
+    ids = kwargs.get('input_ids', args[0] if args else None)
+    if ids is None:
+        ids = kwargs['inputs_embeds']
+    self._phase = 'prefill' if ids.shape[1] > 1 else 'decode'
+    if self._phase == 'prefill':
+        self.prefill_calls += 1
+        self.prefill_tokens += ids.shape[0] * ids.shape[1]
+    else:
+        self.decode_calls += 1
+    self._sync()
+    self._t = time.perf_counter()
 
-    def _head_pre(self, mod, args):
-        if self._phase == 'decode':
-            self.decode_rows += int(np.prod(args[0].shape[:-1]))
-        self._sync()
-        self._t = time.perf_counter()
 
-    def _post(self, mod, args, out):
-        self._sync()
-        dt = time.perf_counter() - self._t
-        if self._phase == 'prefill':
-            self.prefill_s += dt
-        else:
-            self.decode_s += dt
+@patch_to(PhaseTimer)
+def _head_pre(self, mod, args):
+    if self._phase == 'decode':
+        self.decode_rows += int(np.prod(args[0].shape[:-1]))
+    self._sync()
+    self._t = time.perf_counter()
 
-    def __enter__(self):
-        dec, head = self.model.get_decoder(), self.model.get_output_embeddings()
-        self._hooks = [
-            dec.register_forward_pre_hook(self._pre, with_kwargs=True),
-            dec.register_forward_hook(self._post),
-            head.register_forward_pre_hook(self._head_pre),
-            head.register_forward_hook(self._post),
-        ]
-        return self
 
-    def __exit__(self, *a):
-        for h in self._hooks:
-            h.remove()
+@patch_to(PhaseTimer)
+def _post(self, mod, args, out):
+    self._sync()
+    dt = time.perf_counter() - self._t
+    if self._phase == 'prefill':
+        self.prefill_s += dt
+    else:
+        self.decode_s += dt
 
-    def result(self, wall_s: float | None = None) -> dict:
-        """The counts and seconds; with the call's `wall_s`, also `other_s`, the time outside the
-        model's forwards."""
-        r = dict(
-            prefill_s=self.prefill_s,
-            decode_s=self.decode_s,
-            prefill_calls=self.prefill_calls,
-            decode_calls=self.decode_calls,
-            prefill_tokens=self.prefill_tokens,
-            decode_rows=self.decode_rows,
-        )
-        if wall_s is not None:
-            r.update(wall_s=wall_s, other_s=wall_s - self.prefill_s - self.decode_s)
-        return r
+# %% ../nbs/21_bench.ipynb #ff9adc9b
+@patch_to(PhaseTimer)
+def __enter__(self):
+    dec, head = self.model.get_decoder(), self.model.get_output_embeddings()
+    self._hooks = [
+        dec.register_forward_pre_hook(self._pre, with_kwargs=True),
+        dec.register_forward_hook(self._post),
+        head.register_forward_pre_hook(self._head_pre),
+        head.register_forward_hook(self._post),
+    ]
+    return self
+
+
+@patch_to(PhaseTimer)
+def __exit__(self, *a):
+    for h in self._hooks:
+        h.remove()
+
+
+@patch_to(PhaseTimer)
+def result(self, wall_s: float | None = None) -> dict:
+    """The counts and seconds; with the call's `wall_s`, also `other_s`, the time outside the
+    model's forwards."""
+    r = dict(
+        prefill_s=self.prefill_s,
+        decode_s=self.decode_s,
+        prefill_calls=self.prefill_calls,
+        decode_calls=self.decode_calls,
+        prefill_tokens=self.prefill_tokens,
+        decode_rows=self.decode_rows,
+    )
+    if wall_s is not None:
+        r.update(wall_s=wall_s, other_s=wall_s - self.prefill_s - self.decode_s)
+    return r
 
 # %% ../nbs/21_bench.ipynb #28a083fc
 def phase_split(r: dict) -> dict:
@@ -640,20 +653,9 @@ def _kv_bytes(engine, tokens):
     return int(tokens * 2 * cfg.num_hidden_layers * kvh * hd * size)
 
 # %% ../nbs/21_bench.ipynb #3780f8eb
-def bench_linear_cost(
-    engine,
-    tokenizer,
-    cfg,
-    doc_counts=(50, 200, 800),
-    n_items: int = 2,
-    samples: int = 1,
-    fit_max_chunks: bool = True,
-    batch_size: int | None = None,
-    seed: int = 0,
-    warmup: bool = True,
-) -> dict:
-    """Seconds per sample and peak per-request tokens vs documents (recurrent eval on RULER-HQA
-    items); linear fit, flatness."""
+def _bench_sets(tokenizer, cfg, doc_counts, n_items, seed, fit_max_chunks):
+    """`({documents: RULER-HQA items}, cfg)`; with `fit_max_chunks`, `cfg`'s max_chunks raised to
+    hold the longest context."""
     from memagent.data import load_hotpotqa, doc_pool, build_haystack
     from memagent.config import apply_overrides
 
@@ -670,6 +672,70 @@ def bench_linear_cost(
         cfg = apply_overrides(
             cfg, {'chunking.max_chunks': max(c.max_chunks, -(-longest // c.chunk_tokens))}
         )
+    return sets, cfg
+
+# %% ../nbs/21_bench.ipynb #5e1bb04c
+def _bench_row(n, items, s, dt, tokenizer, engine, eng, mem) -> dict:
+    """One row of the benchmark: the run over `n` documents, its summary `s`, wall `dt` and
+    memory."""
+    recs = s['totals']['samples']
+    return {
+        'documents': n,
+        'samples': recs,
+        'seconds_per_sample': s['timing']['wall_s'] / recs,
+        'seconds_per_sample_with_overhead': dt / recs,
+        'context_tokens_mean': float(
+            np.mean([len(tokenizer.encode(e['context'], add_special_tokens=False)) for e in items])
+        ),
+        'chunks_mean': s['chunks_mean'],
+        'truncated_samples': s['truncated_samples'],
+        'errors': s['errors'],
+        'peak_request_tokens': eng.peak_tokens,
+        'kv_bytes_per_request': _kv_bytes(engine, eng.peak_tokens),
+        'peak_rss_delta_mb': (mem.peak - mem.base) / 2**20,
+    }
+
+# %% ../nbs/21_bench.ipynb #099e947f
+def _bench_result(out, doc_counts, c, cfg, n_items, samples) -> dict:
+    """The rows with the linear fit of seconds per sample, the flatness of peak request tokens,
+    and the settings."""
+    pk = [r['peak_request_tokens'] for r in out]
+    return {
+        'rows': out,
+        'fit_seconds_per_sample': linear_fit(doc_counts, [r['seconds_per_sample'] for r in out]),
+        'flat_growth': (max(pk) - min(pk)) / min(pk) if min(pk) else None,
+        'flat': (max(pk) - min(pk)) / min(pk) < 0.10 if min(pk) else False,
+        'settings': {
+            'chunk_tokens': c.chunk_tokens,
+            'memory_tokens': c.memory_tokens,
+            'final_tokens': c.final_tokens,
+            'max_chunks': cfg.chunking.max_chunks,
+            'n_items': n_items,
+            'samples': samples,
+            'memory_measure': (
+                'peak_request_tokens = max over requests of prompt + generated tokens; '
+                'peak_rss_delta_mb = sampled RSS peak minus RSS before the run'
+            ),
+        },
+    }
+
+# %% ../nbs/21_bench.ipynb #05735585
+def bench_linear_cost(
+    engine,
+    tokenizer,
+    cfg,
+    doc_counts=(50, 200, 800),
+    n_items: int = 2,
+    samples: int = 1,
+    fit_max_chunks: bool = True,
+    batch_size: int | None = None,
+    seed: int = 0,
+    warmup: bool = True,
+) -> dict:
+    """Seconds per sample and peak per-request tokens vs documents (recurrent eval on RULER-HQA
+    items); linear fit, flatness."""
+    c = cfg.chunking
+    sets, cfg = _bench_sets(tokenizer, cfg, doc_counts, n_items, seed, fit_max_chunks)
     eng = _CountingEngine(engine)
     if warmup:
         evaluate(
@@ -699,45 +765,5 @@ def bench_linear_cost(
                 n_boot=10,
             )
             dt = time.perf_counter() - t0
-        recs = s['totals']['samples']
-        out.append(
-            {
-                'documents': n,
-                'samples': recs,
-                'seconds_per_sample': s['timing']['wall_s'] / recs,
-                'seconds_per_sample_with_overhead': dt / recs,
-                'context_tokens_mean': float(
-                    np.mean(
-                        [
-                            len(tokenizer.encode(e['context'], add_special_tokens=False))
-                            for e in sets[n]
-                        ]
-                    )
-                ),
-                'chunks_mean': s['chunks_mean'],
-                'truncated_samples': s['truncated_samples'],
-                'errors': s['errors'],
-                'peak_request_tokens': eng.peak_tokens,
-                'kv_bytes_per_request': _kv_bytes(engine, eng.peak_tokens),
-                'peak_rss_delta_mb': (mem.peak - mem.base) / 2**20,
-            }
-        )
-    pk = [r['peak_request_tokens'] for r in out]
-    return {
-        'rows': out,
-        'fit_seconds_per_sample': linear_fit(doc_counts, [r['seconds_per_sample'] for r in out]),
-        'flat_growth': (max(pk) - min(pk)) / min(pk) if min(pk) else None,
-        'flat': (max(pk) - min(pk)) / min(pk) < 0.10 if min(pk) else False,
-        'settings': {
-            'chunk_tokens': c.chunk_tokens,
-            'memory_tokens': c.memory_tokens,
-            'final_tokens': c.final_tokens,
-            'max_chunks': cfg.chunking.max_chunks,
-            'n_items': n_items,
-            'samples': samples,
-            'memory_measure': (
-                'peak_request_tokens = max over requests of prompt + generated tokens; '
-                'peak_rss_delta_mb = sampled RSS peak minus RSS before the run'
-            ),
-        },
-    }
+        out.append(_bench_row(n, sets[n], s, dt, tokenizer, engine, eng, mem))
+    return _bench_result(out, doc_counts, c, cfg, n_items, samples)

@@ -195,25 +195,8 @@ def _ks(n):
     return ks + [n]
 
 # %% ../nbs/16_evaluate.ipynb #8b2e6af2
-def summarize(
-    records: list[dict], run_info: dict | None = None, n_boot: int = 1000, seed: int = 0
-) -> dict:
-    """Summary of per-sample `records`: totals, errors, truncation, each metric in % with a 95% item
-    bootstrap CI, pass@k."""
-    run_info = dict(run_info or {})
-    parity = run_info.get('parity') or records_parity(records)
-    names = metric_names(parity)
-    items = _item_order(records)
-    per_item = {}
-    for r in records:
-        per_item.setdefault(str(r['id']), []).append(r)
-    counts = sorted({len(v) for v in per_item.values()})
-    spi = run_info.get('totals', {}).get('samples_per_item', counts[-1] if counts else 0)
-    n_items = run_info.get('totals', {}).get(
-        'items', len(items)
-    )  # items asked for, not items that came back
-    expected = n_items * spi
-    errors = sum(1 for r in records if r.get('error'))
+def _metric_block(records, items, names, n_boot, seed) -> dict:
+    "Each metric in % over items, with its 95% item-bootstrap interval."
     metrics = {}
     for m in names:
         s = item_scores(records, m)
@@ -222,8 +205,12 @@ def summarize(
             'value': 100 * float(np.mean(vals)) if vals else float('nan'),
             'ci95': [100 * v for v in bootstrap_ci(vals, n_boot=n_boot, seed=seed)],
         }
+    return metrics
+
+# %% ../nbs/16_evaluate.ipynb #533b63b8
+def _pass_at(per_item, items, names, n_min) -> dict:
+    "pass@k in % on the binary metrics, for k = 1, 2, 4, ... and k = `n_min`."
     pass_at = {}
-    n_min = counts[0] if counts else 0
     for m in (m for m in names if m in BINARY_METRICS):
         if n_min == 0:
             break
@@ -242,14 +229,13 @@ def summarize(
                 )
             )
         pass_at[m] = row
-    totals = {
-        'items': n_items,
-        'items_recorded': len(items),
-        'samples_per_item': spi,
-        'samples_expected': expected,
-        'samples': len(records),
-    }
-    honesty = {
+    return pass_at
+
+# %% ../nbs/16_evaluate.ipynb #1f35490d
+def _honesty(records, items, n_items, spi, counts, expected) -> dict:
+    "The counts that make a result honest: errors, completeness, truncation, chunks."
+    errors = sum(1 for r in records if r.get('error'))
+    return {
         'successful': len(records) - errors,
         'errors': errors,
         'complete': len(records) == expected
@@ -265,9 +251,39 @@ def summarize(
         else 0.0,
         'chunks_max': int(max([r.get('num_chunks', 0) for r in records], default=0)),
     }
+
+# %% ../nbs/16_evaluate.ipynb #99186fce
+def summarize(
+    records: list[dict], run_info: dict | None = None, n_boot: int = 1000, seed: int = 0
+) -> dict:
+    """Summary of per-sample `records`: totals, errors, truncation, each metric in % with a 95% item
+    bootstrap CI, pass@k."""
+    run_info = dict(run_info or {})
+    parity = run_info.get('parity') or records_parity(records)
+    names = metric_names(parity)
+    items = _item_order(records)
+    per_item = {}
+    for r in records:
+        per_item.setdefault(str(r['id']), []).append(r)
+    counts = sorted({len(v) for v in per_item.values()})
+    spi = run_info.get('totals', {}).get('samples_per_item', counts[-1] if counts else 0)
+    n_items = run_info.get('totals', {}).get(
+        'items', len(items)
+    )  # items asked for, not items that came back
+    expected = n_items * spi
+    metrics = _metric_block(records, items, names, n_boot, seed)
+    n_min = counts[0] if counts else 0
+    pass_at = _pass_at(per_item, items, names, n_min)
+    totals = {
+        'items': n_items,
+        'items_recorded': len(items),
+        'samples_per_item': spi,
+        'samples_expected': expected,
+        'samples': len(records),
+    }
     out = {'schema_version': SCHEMA_VERSION, **run_info, 'parity': parity}
     out['totals'] = {**run_info.get('totals', {}), **totals}
-    out.update(honesty)
+    out.update(_honesty(records, items, n_items, spi, counts, expected))
     out.update(
         {
             'metrics': metrics,
@@ -475,12 +491,11 @@ def default_base_max_tokens(cfg) -> int:
     return cfg.rollout.context_length - cfg.chunking.final_tokens - cfg.template_allowance
 
 # %% ../nbs/16_evaluate.ipynb #71741408
-def _base_batch(batch, engine, tokenizer, ecfg, samples, seed, max_tokens):
+def _base_requests(batch, tokenizer, ecfg, samples, max_tokens):
+    """The base prompt's token ids once per sample, and `(example, sample, dropped tokens)` for
+    each."""
     from memagent import prompts as P
-    from memagent.engines import SamplingParams, EngineError
-    from memagent.rollout import request_seed, stop_token_ids
 
-    stops = tuple(stop_token_ids(tokenizer))
     reqs, meta = [], []
     enc = lambda t: P.encode_text(
         tokenizer, t
@@ -495,6 +510,15 @@ def _base_batch(batch, engine, tokenizer, ecfg, samples, seed, max_tokens):
         for s in range(samples):
             reqs.append(ids)
             meta.append((ex, s, dropped))
+    return reqs, meta
+
+# %% ../nbs/16_evaluate.ipynb #73afa0b2
+def _base_batch(batch, engine, tokenizer, ecfg, samples, seed, max_tokens):
+    from memagent.engines import SamplingParams, EngineError
+    from memagent.rollout import request_seed, stop_token_ids
+
+    stops = tuple(stop_token_ids(tokenizer))
+    reqs, meta = _base_requests(batch, tokenizer, ecfg, samples, max_tokens)
     params = [
         SamplingParams(
             max_new_tokens=_capped(ecfg.chunking.final_tokens, ecfg),
@@ -563,6 +587,19 @@ def _capped(bound: int, cfg) -> int:
     return bound if cap is None else min(bound, cap)
 
 # %% ../nbs/16_evaluate.ipynb #4f5b889c
+def _limits(c, mode: str, base_max_tokens) -> dict:
+    "The run's chunking limits from config section `c` (the base budget only in base mode)."
+    return {
+        'chunk_tokens': c.chunk_tokens,
+        'memory_tokens': c.memory_tokens,
+        'final_tokens': c.final_tokens,
+        'max_chunks': c.max_chunks,
+        'context_trim': c.context_trim,
+        'max_context_tokens': c.max_context_tokens,
+        'base_max_tokens': base_max_tokens if mode == 'base' else None,
+    }
+
+# %% ../nbs/16_evaluate.ipynb #7d8b7615
 def run_info(
     cfg,
     tokenizer,
@@ -582,15 +619,7 @@ def run_info(
     from memagent.prompts import prompt_record
 
     c = cfg.chunking
-    limits = {
-        'chunk_tokens': c.chunk_tokens,
-        'memory_tokens': c.memory_tokens,
-        'final_tokens': c.final_tokens,
-        'max_chunks': c.max_chunks,
-        'context_trim': c.context_trim,
-        'max_context_tokens': c.max_context_tokens,
-        'base_max_tokens': base_max_tokens if mode == 'base' else None,
-    }
+    limits = _limits(c, mode, base_max_tokens)
     if model_info is None:
         try:
             model_info = model_identity(model_name) if model_name else {'name': None}
@@ -625,6 +654,153 @@ def run_info(
     }
 
 # %% ../nbs/16_evaluate.ipynb #8bf7fe2b
+def _eval_examples(examples, data_path, cfg, mode, samples, max_items, batch_size):
+    """The checked inputs of `evaluate`: `(examples, data_path, samples)`, the examples read and
+    capped."""
+    if mode not in ('recurrent', 'base'):
+        raise ValueError(f"mode must be 'recurrent' or 'base', got {mode!r}")
+    if isinstance(examples, (str, os.PathLike)):
+        from memagent.data import read_examples
+
+        data_path = data_path or examples
+        examples = read_examples(examples)
+    examples = list(examples)
+    samples = cfg.eval.samples if samples is None else samples
+    max_items = item_limit(max_items, cfg)
+    if max_items is not None:
+        examples = examples[:max_items]
+    if not examples:
+        raise ValueError(f"evaluate: no examples to evaluate (max_items={max_items!r})")
+    if samples < 1 or batch_size < 1:
+        raise ValueError(f"samples and batch_size must be >= 1, got {samples}, {batch_size}")
+    return examples, data_path, samples
+
+# %% ../nbs/16_evaluate.ipynb #6587a4ee
+def _eval_info(
+    ecfg,
+    tokenizer,
+    mode,
+    examples,
+    data_path,
+    model_name,
+    samples,
+    variant,
+    base_max_tokens,
+    engine,
+    model_info,
+    key,
+    check_model,
+):
+    """The run's `run_info` with its key and the served model (proved first when `check_model`),
+    and the base budget."""
+    if check_model and model_name is None:
+        raise ValueError(
+            "check_model=True needs model_name (the checkpoint the run is labelled with)"
+        )
+    served = check_served_model(engine, model_name) if check_model else None
+    if mode == 'base' and base_max_tokens is None:
+        base_max_tokens = default_base_max_tokens(ecfg)
+    info = run_info(
+        ecfg,
+        tokenizer,
+        mode,
+        examples,
+        data_path,
+        model_name,
+        samples,
+        variant,
+        base_max_tokens,
+        engine,
+        model_info,
+    )
+    info['key'] = key if key is not None else info['data']['num_docs']
+    info['served_model'] = served or {'checked': False}
+    return info, base_max_tokens
+
+# %% ../nbs/16_evaluate.ipynb #76dc96f0
+def _batch_runner(mode, engine, tokenizer, ecfg, samples, seed, variant, base_max_tokens):
+    """`run(batch, on_item) -> records` of one batch, recurrent or base; `on_item(records)` as each
+    item finishes."""
+
+    def run(batch, on_item):
+        if mode == 'recurrent':
+            return _recurrent_batch(batch, engine, tokenizer, ecfg, samples, seed, variant, on_item)
+        recs = _base_batch(batch, engine, tokenizer, ecfg, samples, seed, base_max_tokens)
+        for i in range(0, len(recs), samples):
+            on_item(recs[i : i + samples])
+        return recs
+
+    return run
+
+# %% ../nbs/16_evaluate.ipynb #ebab95e5
+class _ItemLog:
+    """Called with each finished item's records: appends them to the live records file (when
+    open), counts errors, advances the bar."""
+
+    def __init__(self, bar):
+        self.bar, self.live, self.errors = bar, None, 0
+
+    def __call__(self, recs):
+        if self.live is not None:
+            for r in recs:
+                self.live.write(json.dumps(r, ensure_ascii=False) + '\n')
+            self.live.flush()
+        self.errors += sum(1 for r in recs if r['error'])
+        self.bar.update(1)
+        self.bar.set_postfix(errors=self.errors)
+
+# %% ../nbs/16_evaluate.ipynb #171dbbfd
+def _run_evaluation(
+    examples, run, engine, ecfg, info, out_dir, data_path, batch_size, n_boot, progress, seed
+) -> dict:
+    """Run the batches, each item's records written as it finishes; the summary, and the run's
+    files in `out_dir`."""
+    from tqdm.auto import tqdm
+
+    mode = info['mode']
+    bar = tqdm(
+        total=len(examples),
+        desc=f'evaluate {mode}',
+        unit='item',
+        disable=not progress,
+        file=sys.stderr,
+    )
+    records, t0 = [], time.perf_counter()
+    from memagent.rollout import choose_scheduler
+
+    scheduler = choose_scheduler(engine, ecfg) if mode == 'recurrent' else 'sync'
+    step = (
+        len(examples) if scheduler == 'async' else batch_size
+    )  # async: every item at once, the queue bounds what is in flight
+    log = _ItemLog(bar)
+    from contextlib import nullcontext
+
+    # a working folder beside out_dir, which replaces it when the run completes
+    # (memagent.files.StagedDir)
+    with StagedDir(out_dir, {'data': data_path}) if out_dir is not None else nullcontext() as work:
+        if work is not None:
+            log.live = open(
+                work / RECORDS_FILE, 'w', encoding='utf-8'
+            )  # each item's records as it finishes
+        try:
+            for s in range(0, len(examples), step):
+                records += run(examples[s : s + step], log)
+        finally:
+            if log.live is not None:
+                log.live.close()
+        bar.close()
+        info['timing'] = {
+            'wall_s': time.perf_counter() - t0,
+            'batch_size': step,
+            'scheduler': scheduler,
+        }
+        summary = summarize(records, info, n_boot=n_boot, seed=seed)
+        summary['provenance'] = provenance()
+        if work is not None:
+            write_run(work, records, summary)  # rewritten in item order
+    return summary
+
+# %% ../nbs/16_evaluate.ipynb #9d05e42f
 def evaluate(
     examples,  # example dicts or a schema JSONL path
     engine,  # serves the requests; `identity()` for `check_model`
@@ -648,31 +824,11 @@ def evaluate(
     """Evaluate `examples` (list or schema JSONL path) recurrently or with the base prompt; write
     records + summary to `out_dir`. With `check_model`, first prove the engine serves
     `model_name`."""
-    if mode not in ('recurrent', 'base'):
-        raise ValueError(f"mode must be 'recurrent' or 'base', got {mode!r}")
-    if isinstance(examples, (str, os.PathLike)):
-        from memagent.data import read_examples
-
-        data_path = data_path or examples
-        examples = read_examples(examples)
-    examples = list(examples)
-    samples = cfg.eval.samples if samples is None else samples
-    max_items = item_limit(max_items, cfg)
-    if max_items is not None:
-        examples = examples[:max_items]
-    if not examples:
-        raise ValueError(f"evaluate: no examples to evaluate (max_items={max_items!r})")
-    if samples < 1 or batch_size < 1:
-        raise ValueError(f"samples and batch_size must be >= 1, got {samples}, {batch_size}")
+    examples, data_path, samples = _eval_examples(
+        examples, data_path, cfg, mode, samples, max_items, batch_size
+    )
     ecfg = eval_config(cfg, variant)
-    if check_model and model_name is None:
-        raise ValueError(
-            "check_model=True needs model_name (the checkpoint the run is labelled with)"
-        )
-    served = check_served_model(engine, model_name) if check_model else None
-    if mode == 'base' and base_max_tokens is None:
-        base_max_tokens = default_base_max_tokens(ecfg)
-    info = run_info(
+    info, base_max_tokens = _eval_info(
         ecfg,
         tokenizer,
         mode,
@@ -684,74 +840,25 @@ def evaluate(
         base_max_tokens,
         engine,
         model_info,
+        key,
+        check_model,
     )
-    info['key'] = key if key is not None else info['data']['num_docs']
-    info['served_model'] = served or {'checked': False}
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
-        total=len(examples),
-        desc=f'evaluate {mode}',
-        unit='item',
-        disable=not progress,
-        file=sys.stderr,
+    run = _batch_runner(
+        mode, engine, tokenizer, ecfg, samples, cfg.eval.seed, variant, base_max_tokens
     )
-    records, t0 = [], time.perf_counter()
-    from memagent.rollout import choose_scheduler
-
-    scheduler = choose_scheduler(engine, ecfg) if mode == 'recurrent' else 'sync'
-    step = (
-        len(examples) if scheduler == 'async' else batch_size
-    )  # async: every item at once, the queue bounds what is in flight
-    live, errors = None, 0
-
-    def on_item(recs):
-        nonlocal errors
-        if live is not None:
-            for r in recs:
-                live.write(json.dumps(r, ensure_ascii=False) + '\n')
-            live.flush()
-        errors += sum(1 for r in recs if r['error'])
-        bar.update(1)
-        bar.set_postfix(errors=errors)
-
-    from contextlib import nullcontext
-
-    # a working folder beside out_dir, which replaces it when the run completes
-    # (memagent.files.StagedDir)
-    with StagedDir(out_dir, {'data': data_path}) if out_dir is not None else nullcontext() as work:
-        if work is not None:
-            live = open(
-                work / RECORDS_FILE, 'w', encoding='utf-8'
-            )  # each item's records as it finishes
-        try:
-            for s in range(0, len(examples), step):
-                batch = examples[s : s + step]
-                if mode == 'recurrent':
-                    records += _recurrent_batch(
-                        batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, variant, on_item
-                    )
-                else:
-                    recs = _base_batch(
-                        batch, engine, tokenizer, ecfg, samples, cfg.eval.seed, base_max_tokens
-                    )
-                    records += recs
-                    for i in range(0, len(recs), samples):
-                        on_item(recs[i : i + samples])
-        finally:
-            if live is not None:
-                live.close()
-        bar.close()
-        info['timing'] = {
-            'wall_s': time.perf_counter() - t0,
-            'batch_size': step,
-            'scheduler': scheduler,
-        }
-        summary = summarize(records, info, n_boot=n_boot, seed=cfg.eval.seed)
-        summary['provenance'] = provenance()
-        if work is not None:
-            write_run(work, records, summary)  # rewritten in item order
-    return summary
+    return _run_evaluation(
+        examples,
+        run,
+        engine,
+        ecfg,
+        info,
+        out_dir,
+        data_path,
+        batch_size,
+        n_boot,
+        progress,
+        cfg.eval.seed,
+    )
 
 # %% ../nbs/16_evaluate.ipynb #7f2b36a5
 def write_run(out_dir, records, summary) -> Path:
@@ -805,10 +912,9 @@ def write_memory_report(data, out_dir, tokenizer, cfg, name: str = 'model') -> P
     return p
 
 # %% ../nbs/16_evaluate.ipynb #dcacfc4f
-def evaluate_cli(argv=None) -> int:
-    "Console script `memagent-evaluate`."
-    from memagent.config import get_preset, load_config, apply_overrides, parse_sets, cli_number
-    from memagent.models import load_tokenizer
+def _evaluate_parser() -> argparse.ArgumentParser:
+    "The argument parser of `memagent-evaluate`."
+    from memagent.config import cli_number
 
     ap = argparse.ArgumentParser(
         prog='memagent-evaluate', description='Evaluate a model on a schema JSONL file.'
@@ -852,7 +958,33 @@ def evaluate_cli(argv=None) -> int:
             "memagent.memreport.memory_report) to OUT/memory.md"
         ),
     )
-    a = ap.parse_args(argv)
+    return ap
+
+# %% ../nbs/16_evaluate.ipynb #f196e2b3
+def _print_result(out, s: dict) -> None:
+    "The run's one-line JSON result on stdout: where, counts, each metric rounded."
+    m = s['metrics']
+    print(
+        json.dumps(
+            {
+                'out': str(out),
+                'items': s['totals']['items'],
+                'samples': s['totals']['samples'],
+                'errors': s['errors'],
+                'truncated_samples': s['truncated_samples'],
+                'dropped_tokens': s['dropped_tokens'],
+                **{k: round(v['value'], 2) for k, v in m.items()},
+            }
+        )
+    )
+
+# %% ../nbs/16_evaluate.ipynb #01cff40d
+def evaluate_cli(argv=None) -> int:
+    "Console script `memagent-evaluate`."
+    from memagent.config import get_preset, load_config, apply_overrides, parse_sets
+    from memagent.models import load_tokenizer
+
+    a = _evaluate_parser().parse_args(argv)
     try:
         StagedDir(
             a.out, {'--data': a.data, '--config': a.config}
@@ -890,20 +1022,7 @@ def evaluate_cli(argv=None) -> int:
     ) as e:  # an engine error here came before any request: no engine to evaluate
         print(f"memagent-evaluate: error: {e}", file=sys.stderr)
         return 2
-    m = s['metrics']
-    print(
-        json.dumps(
-            {
-                'out': str(a.out),
-                'items': s['totals']['items'],
-                'samples': s['totals']['samples'],
-                'errors': s['errors'],
-                'truncated_samples': s['truncated_samples'],
-                'dropped_tokens': s['dropped_tokens'],
-                **{k: round(v['value'], 2) for k, v in m.items()},
-            }
-        )
-    )
+    _print_result(a.out, s)
     code, why = evaluate_exit_code(s, a.allow_errors)
     if why:
         print(f"memagent-evaluate: {why}; records and summary written to {a.out}", file=sys.stderr)

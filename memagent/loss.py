@@ -208,19 +208,8 @@ def row_loss(
     return row_means(tok, mask), parts
 
 # %% ../nbs/11_loss.ipynb #6ed672c5
-def policy_loss(
-    logp,  # `[rows, tokens]` the policy's log-probs of the tokens, with gradient
-    old_logp,  # `[rows, tokens]` the behaviour log-probs: the PPO ratio is `exp(logp - old_logp)`
-    credit,  # `[rows]` (or `[rows, tokens]`) each row's credit (`Row.credit`)
-    mask,  # `[rows, tokens]` 1 on trained response tokens; 0 on prompt and padding
-    weights,  # `[rows]` each row's weight (`Row.weight`: it holds the step normalizer)
-    ref_logp=None,  # `[rows, tokens]` the reference's log-probs, for the KL term
-    cfg=None,  # a `LossCfg`, a config with `.loss`, or None: the frozen recipe's defaults
-    rollout_logp=None,  # `[rows, tokens]` the engine's sampling log-probs, for the TIS weights
-    entropy=None,  # `[rows, tokens]` per-token entropy, for the entropy term
-) -> tuple:  # `(loss, metrics)`: a 0-dim tensor and a dict of floats
-    """Step (or micro-batch) loss `sum_i weights_i * rowmean_i(token_loss)`; `credit` and `weights`
-    are per row. Returns `(loss, metrics)`."""
+def _check_loss_shapes(logp, old_logp, mask, weights, ref_logp, rollout_logp, entropy) -> None:
+    "Refuse tensors whose shapes do not match `logp`'s `[rows, tokens]` (weights: `[rows]`)."
     if logp.dim() != 2:
         raise ValueError(f"logp must be [rows, tokens], got shape {tuple(logp.shape)}")
     for name, t in (
@@ -234,40 +223,62 @@ def policy_loss(
             raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
     if weights.shape != logp.shape[:1]:
         raise ValueError(f"weights shape {tuple(weights.shape)} != ({logp.shape[0]},)")
+
+# %% ../nbs/11_loss.ipynb #be98beed
+def _loss_metrics(loss, logp, parts, m, w, p) -> dict:
+    "The loss's metrics (floats) from its per-token `parts` over mask `m` and row weights `w`."
+
+    def tm(x):
+        return float(masked_mean(x.float(), m)) if m.any() else 0.0
+
+    def wsum(x):
+        return float((w * row_means(x.float(), m)).sum())
+
+    ratio = parts['ratio'][m]
+    met = dict(
+        loss=float(loss),
+        n_tokens=int(m.sum()),
+        n_rows=int(logp.shape[0]),
+        pg_loss=wsum(parts['pg']),
+        clip_frac=tm(parts['clipped']),
+        clip_frac_low=tm(parts['clipped_low']),
+        clip_frac_high=tm(parts['clipped_high']),
+        dual_clip_frac=tm(parts['dual_clipped']),
+        ratio_bound_frac=tm(parts['bounded']),
+        ratio_mean=float(ratio.mean()) if ratio.numel() else 1.0,
+        ratio_min=float(ratio.min()) if ratio.numel() else 1.0,
+        ratio_max=float(ratio.max()) if ratio.numel() else 1.0,
+    )
+    if 'kl' in parts:
+        met.update(kl=tm(parts['kl']), kl_loss=p.kl_coef * wsum(parts['kl']))
+    if 'entropy' in parts:
+        met.update(
+            entropy=tm(parts['entropy']), entropy_loss=-p.entropy_coef * wsum(parts['entropy'])
+        )
+    if 'tis_capped' in parts:
+        met.update(tis_capped_frac=tm(parts['tis_capped']))
+    return met
+
+# %% ../nbs/11_loss.ipynb #b7ce2f7c
+def policy_loss(
+    logp,  # `[rows, tokens]` the policy's log-probs of the tokens, with gradient
+    old_logp,  # `[rows, tokens]` the behaviour log-probs: the PPO ratio is `exp(logp - old_logp)`
+    credit,  # `[rows]` (or `[rows, tokens]`) each row's credit (`Row.credit`)
+    mask,  # `[rows, tokens]` 1 on trained response tokens; 0 on prompt and padding
+    weights,  # `[rows]` each row's weight (`Row.weight`: it holds the step normalizer)
+    ref_logp=None,  # `[rows, tokens]` the reference's log-probs, for the KL term
+    cfg=None,  # a `LossCfg`, a config with `.loss`, or None: the frozen recipe's defaults
+    rollout_logp=None,  # `[rows, tokens]` the engine's sampling log-probs, for the TIS weights
+    entropy=None,  # `[rows, tokens]` per-token entropy, for the entropy term
+) -> tuple:  # `(loss, metrics)`: a 0-dim tensor and a dict of floats
+    """Step (or micro-batch) loss `sum_i weights_i * rowmean_i(token_loss)`; `credit` and `weights`
+    are per row. Returns `(loss, metrics)`."""
+    _check_loss_shapes(logp, old_logp, mask, weights, ref_logp, rollout_logp, entropy)
     p = loss_params(cfg)
     rl, parts = row_loss(logp, old_logp, credit, mask, ref_logp, p, rollout_logp, entropy)
     w = weights.to(rl.dtype)
     loss = (w * rl).sum()
     m = mask.bool()
     with torch.no_grad():
-
-        def tm(x):
-            return float(masked_mean(x.float(), m)) if m.any() else 0.0
-
-        def wsum(x):
-            return float((w * row_means(x.float(), m)).sum())
-
-        ratio = parts['ratio'][m]
-        met = dict(
-            loss=float(loss),
-            n_tokens=int(m.sum()),
-            n_rows=int(logp.shape[0]),
-            pg_loss=wsum(parts['pg']),
-            clip_frac=tm(parts['clipped']),
-            clip_frac_low=tm(parts['clipped_low']),
-            clip_frac_high=tm(parts['clipped_high']),
-            dual_clip_frac=tm(parts['dual_clipped']),
-            ratio_bound_frac=tm(parts['bounded']),
-            ratio_mean=float(ratio.mean()) if ratio.numel() else 1.0,
-            ratio_min=float(ratio.min()) if ratio.numel() else 1.0,
-            ratio_max=float(ratio.max()) if ratio.numel() else 1.0,
-        )
-        if 'kl' in parts:
-            met.update(kl=tm(parts['kl']), kl_loss=p.kl_coef * wsum(parts['kl']))
-        if 'entropy' in parts:
-            met.update(
-                entropy=tm(parts['entropy']), entropy_loss=-p.entropy_coef * wsum(parts['entropy'])
-            )
-        if 'tis_capped' in parts:
-            met.update(tis_capped_frac=tm(parts['tis_capped']))
+        met = _loss_metrics(loss, logp, parts, m, w, p)
     return loss, met

@@ -19,6 +19,7 @@ from .trajectory import Turn, Trajectory
 from . import prompts as P
 from .chunking import chunk_document
 from .reward import extract_boxed
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['FINAL', 'request_seed', 'stop_token_ids', 'MemAgentWalk', 'run_sync', 'RequestQueue', 'RolloutTimeoutError',
@@ -134,44 +135,44 @@ class MemAgentWalk:
             self.params(tr, k, self.ck.final_tokens),
         )
 
-    def feed(self, j, prompt, r) -> None:
-        """Apply one result (a `GenerationResult` or an `EngineError`) to trajectory `j`'s pending
-        turn."""
-        tr, tok = self.trajs[j], self.tok
-        k = len(tr.turns)
-        kind = 'memory' if k < tr.num_chunks else 'final'
-        if isinstance(r, EngineError):
-            return _fail(tr, k, kind, r)
-        if kind == 'memory':
-            text, n = P.memory_from_response(
-                _decode(tok, r.output_ids), tok, self.ck.memory_tokens, self.thinking
-            )
-            n_check = len(P.encode_memory(tok, text))
-            if n_check > self.ck.memory_tokens or n_check != n:
-                raise AssertionError(
-                    f"{tr.traj_id} turn {k}: memory re-encodes to {n_check} tokens (bound "
-                    f"{self.ck.memory_tokens}, reported {n})"
-                )
-            try:
-                tr.turns.append(_make_turn('memory', k, prompt, r, n))
-            except ValueError as e:
-                return _fail(tr, k, 'memory', EngineError(f"invalid engine output: {e}"))
-            self.memory[j] = text
-            tr.memory_lengths.append(n)
-            tr.memories.append(text)
-            tr.meta['generated_tokens'] += len(r.output_ids)
-            return
-        read = (
-            tr.memory_lengths[-1] if tr.memory_lengths else len(P.encode_memory(tok, P.NO_MEMORY))
+# %% ../nbs/09_rollout.ipynb #9bae1b3a
+@patch_to(MemAgentWalk)
+def feed(self, j, prompt, r) -> None:
+    """Apply one result (a `GenerationResult` or an `EngineError`) to trajectory `j`'s pending
+    turn."""
+    tr, tok = self.trajs[j], self.tok
+    k = len(tr.turns)
+    kind = 'memory' if k < tr.num_chunks else 'final'
+    if isinstance(r, EngineError):
+        return _fail(tr, k, kind, r)
+    if kind == 'memory':
+        text, n = P.memory_from_response(
+            _decode(tok, r.output_ids), tok, self.ck.memory_tokens, self.thinking
         )
+        n_check = len(P.encode_memory(tok, text))
+        if n_check > self.ck.memory_tokens or n_check != n:
+            raise AssertionError(
+                f"{tr.traj_id} turn {k}: memory re-encodes to {n_check} tokens (bound "
+                f"{self.ck.memory_tokens}, reported {n})"
+            )
         try:
-            tr.turns.append(_make_turn('final', k, prompt, r, read))
+            tr.turns.append(_make_turn('memory', k, prompt, r, n))
         except ValueError as e:
-            return _fail(tr, k, 'final', EngineError(f"invalid engine output: {e}"))
-        tr.final_text = _decode(tok, r.output_ids)
-        tr.prediction = extract_boxed(tr.final_text)
+            return _fail(tr, k, 'memory', EngineError(f"invalid engine output: {e}"))
+        self.memory[j] = text
+        tr.memory_lengths.append(n)
+        tr.memories.append(text)
         tr.meta['generated_tokens'] += len(r.output_ids)
-        tr.validate()
+        return
+    read = tr.memory_lengths[-1] if tr.memory_lengths else len(P.encode_memory(tok, P.NO_MEMORY))
+    try:
+        tr.turns.append(_make_turn('final', k, prompt, r, read))
+    except ValueError as e:
+        return _fail(tr, k, 'final', EngineError(f"invalid engine output: {e}"))
+    tr.final_text = _decode(tok, r.output_ids)
+    tr.prediction = extract_boxed(tr.final_text)
+    tr.meta['generated_tokens'] += len(r.output_ids)
+    tr.validate()
 
 # %% ../nbs/09_rollout.ipynb #1b25a7d9
 def _account(st, phase, prompt, r):
@@ -250,6 +251,23 @@ class RolloutTimeoutError(TransientEngineError):
     "A request got no answer within the rollout's wait limit."
 
 # %% ../nbs/09_rollout.ipynb #c306d60e
+def _fail_overdue(walk, queue, st, inflight, advance) -> None:
+    """Fail the trajectories of the requests in flight past the queue's wait limit, and forget
+    their handles."""
+    now = queue.now()
+    for h in [h for h, (*_, t) in inflight.items() if now - t >= queue.wait_limit_s]:
+        j, phase, p, t = inflight.pop(h)
+        queue.cancel(h)
+        done_err = RolloutTimeoutError(
+            f"no answer within {queue.wait_limit_s:g}s of submission "
+            f"(the wait limit of {type(queue).__name__}; rollout.request_timeout_s sets it)"
+        )
+        _count_phase(st, phase)
+        _account(st, phase, p, done_err)
+        walk.feed(j, p, done_err)
+        advance(j)
+
+# %% ../nbs/09_rollout.ipynb #4cf9a9b3
 def run_async(walk, queue, stats: dict | None = None, on_group=None, on_step=None) -> None:
     """Per-trajectory: up to `queue.limit` requests in flight; each completion is fed back and its
     trajectory's next request sent at once."""
@@ -287,21 +305,8 @@ def run_async(walk, queue, stats: dict | None = None, on_group=None, on_step=Non
         st['max_in_flight'] = max(st['max_in_flight'], len(inflight))
         oldest = min(t for *_, t in inflight.values())
         done = queue.wait_any(max(0.0, oldest + queue.wait_limit_s - queue.now()))
-        if (
-            not done
-        ):  # no answer in time: fail the overdue requests' trajectories, forget their handles
-            now = queue.now()
-            for h in [h for h, (*_, t) in inflight.items() if now - t >= queue.wait_limit_s]:
-                j, phase, p, t = inflight.pop(h)
-                queue.cancel(h)
-                done_err = RolloutTimeoutError(
-                    f"no answer within {queue.wait_limit_s:g}s of submission "
-                    f"(the wait limit of {type(queue).__name__}; rollout.request_timeout_s sets it)"
-                )
-                _count_phase(st, phase)
-                _account(st, phase, p, done_err)
-                walk.feed(j, p, done_err)
-                advance(j)
+        if not done:  # no answer in time
+            _fail_overdue(walk, queue, st, inflight, advance)
             continue
         for h, r in done:
             j, phase, p, _ = inflight.pop(h)
@@ -331,28 +336,9 @@ def choose_scheduler(engine, cfg) -> str:
     return s
 
 # %% ../nbs/09_rollout.ipynb #c8060213
-def rollout(
-    examples,  # dicts with `id`, `question`, `context`; optional `answers`, `meta.negatives`
-    # has `generate(prompts, params, return_exceptions=True)`; `request_queue()` allows async
-    engine,
-    tokenizer,  # the policy's tokenizer: chunks, prompts, stop tokens and memory lengths
-    cfg,  # a `Config`: its `chunking`, `prompt`, `rollout` and `grpo` sections are read
-    group_size: int | None = None,  # samples per example (G); None: `cfg.grpo.group_size`
-    seed: int = 0,  # the base of every request's seed (`request_seed`)
-    variant: str | None = None,  # the prompt variant; None: `cfg.prompt.variant`
-    progress: bool = True,  # show a progress bar over trajectories
-    group_offset: int = 0,  # added to each example's index to give its `group_index`
-    sampling: dict
-    | None = None,  # overrides of `temperature`, `top_p`, `top_k` (evaluation's sampling)
-    thinking: str | None = None,  # the thinking policy; None: `cfg.prompt.thinking`
-    stats: dict | None = None,  # filled with the rollout's statistics (see *Statistics* above)
-    on_group=None,  # called with a group's trajectories as soon as the group finishes
-) -> list[Trajectory]:  # `len(examples) * G` trajectories: example by example, `G` samples each
-    """Run `group_size` recurrent MemAgent trajectories per example under the scheduler
-    `cfg.rollout.scheduler` names; `on_group(trajs)` as each group finishes."""
-    G = group_size or cfg.grpo.group_size
-    variant, thinking = variant or cfg.prompt.variant, thinking or cfg.prompt.thinking
-    ck = cfg.chunking
+def _rollout_sampling(cfg, sampling) -> dict:
+    """The rollout's `temperature`, `top_p`, `top_k` with `sampling`'s overrides; an unknown key is
+    refused."""
     samp = dict(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k
     )
@@ -360,11 +346,11 @@ def rollout(
     unknown = set(samp) - {'temperature', 'top_p', 'top_k'}
     if unknown:
         raise ValueError(f"rollout: unknown sampling keys {sorted(unknown)}")
-    scheduler = choose_scheduler(engine, cfg)
-    stops = stop_token_ids(tokenizer)
-    st = stats if stats is not None else {}
-    st.update(failed=0, seconds={'chunking': 0.0, 'requests': 0.0})
-    t0 = time.perf_counter()
+    return samp
+
+# %% ../nbs/09_rollout.ipynb #fdffa755
+def _trajectories(examples, tokenizer, ck, G, seed, samp, variant, thinking, group_offset):
+    """Each example's chunks, and its `G` fresh trajectories (example by example)."""
     trim = ck.max_context_tokens if ck.context_trim == 'centre' else None
     chunks, trajs = [], []
     for ei, ex in enumerate(examples):
@@ -400,9 +386,12 @@ def rollout(
                     },
                 )
             )
-    owner = [ei for ei in range(len(examples)) for _ in range(G)]
-    st['seconds']['chunking'] = time.perf_counter() - t0
+    return chunks, trajs
 
+# %% ../nbs/09_rollout.ipynb #48f4f7ea
+def _request_params(cfg, stops, seed, samp):
+    """`params(traj, turn, bound)`: the `SamplingParams` of a trajectory's turn, with its own
+    seed."""
     cap = cfg.rollout.response_cap
 
     def params(
@@ -415,13 +404,18 @@ def rollout(
             **samp,
         )
 
-    walk = MemAgentWalk(trajs, chunks, owner, tokenizer, cfg, params, variant, thinking)
+    return params
+
+# %% ../nbs/09_rollout.ipynb #7bc05650
+def _rollout_progress(progress, total, scheduler, on_group):
+    """`(bar, group_done)`: a tqdm bar over trajectories (None without `progress` or tqdm), and the
+    callback that advances it and calls `on_group`."""
     bar = None
     if progress:
         try:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(trajs), desc=f'rollout ({scheduler})', unit='traj', leave=False)
+            bar = tqdm(total=total, desc=f'rollout ({scheduler})', unit='traj', leave=False)
         except ImportError:
             pass
 
@@ -431,6 +425,44 @@ def rollout(
         if on_group is not None:
             on_group(ts)
 
+    return bar, group_done
+
+# %% ../nbs/09_rollout.ipynb #84e766ec
+def rollout(
+    examples,  # dicts with `id`, `question`, `context`; optional `answers`, `meta.negatives`
+    # has `generate(prompts, params, return_exceptions=True)`; `request_queue()` allows async
+    engine,
+    tokenizer,  # the policy's tokenizer: chunks, prompts, stop tokens and memory lengths
+    cfg,  # a `Config`: its `chunking`, `prompt`, `rollout` and `grpo` sections are read
+    group_size: int | None = None,  # samples per example (G); None: `cfg.grpo.group_size`
+    seed: int = 0,  # the base of every request's seed (`request_seed`)
+    variant: str | None = None,  # the prompt variant; None: `cfg.prompt.variant`
+    progress: bool = True,  # show a progress bar over trajectories
+    group_offset: int = 0,  # added to each example's index to give its `group_index`
+    # overrides of `temperature`, `top_p`, `top_k` (evaluation's sampling)
+    sampling: dict | None = None,
+    thinking: str | None = None,  # the thinking policy; None: `cfg.prompt.thinking`
+    stats: dict | None = None,  # filled with the rollout's statistics (see *Statistics* above)
+    on_group=None,  # called with a group's trajectories as soon as the group finishes
+) -> list[Trajectory]:  # `len(examples) * G` trajectories: example by example, `G` samples each
+    """Run `group_size` recurrent MemAgent trajectories per example under the scheduler
+    `cfg.rollout.scheduler` names; `on_group(trajs)` as each group finishes."""
+    G = group_size or cfg.grpo.group_size
+    variant, thinking = variant or cfg.prompt.variant, thinking or cfg.prompt.thinking
+    samp = _rollout_sampling(cfg, sampling)
+    scheduler = choose_scheduler(engine, cfg)
+    stops = stop_token_ids(tokenizer)
+    st = stats if stats is not None else {}
+    st.update(failed=0, seconds={'chunking': 0.0, 'requests': 0.0})
+    t0 = time.perf_counter()
+    chunks, trajs = _trajectories(
+        examples, tokenizer, cfg.chunking, G, seed, samp, variant, thinking, group_offset
+    )
+    owner = [ei for ei in range(len(examples)) for _ in range(G)]
+    st['seconds']['chunking'] = time.perf_counter() - t0
+    params = _request_params(cfg, stops, seed, samp)
+    walk = MemAgentWalk(trajs, chunks, owner, tokenizer, cfg, params, variant, thinking)
+    bar, group_done = _rollout_progress(progress, len(trajs), scheduler, on_group)
     t1 = time.perf_counter()
     if scheduler == 'sync':
         run_sync(walk, engine, st, group_done)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from ..health import require_finite, require_finite_params
 from ..ondevice import to_host
+from ..patch import patch_to
 
 # %% auto #0
 __all__ = ['build_optimizer', 'finish_step', 'optimizer_state', 'load_optimizer_state', 'TorchBackend']
@@ -139,71 +140,77 @@ class TorchBackend:
     def share_rows(self, rows):
         return rows
 
-    def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
-        """`[B, L]` log-probs of each selected token given its prefix (0 elsewhere); with
-        `with_entropy`, also the entropy there."""
-        ids = batch['input_ids'].to(self.device)
-        att = batch['attention_mask'].to(self.device)
-        want = att.bool() & batch.get('response_mask', att).to(self.device).bool()
-        want[:, 0] = False
-        bi, ti = want.nonzero(as_tuple=True)
-        out = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
-        ent = (
-            torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
-            if with_entropy
-            else None
+# %% ../../nbs/12a_torch_backend.ipynb #9a06d5bd
+@patch_to(TorchBackend)
+def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
+    """`[B, L]` log-probs of each selected token given its prefix (0 elsewhere); with
+    `with_entropy`, also the entropy there."""
+    ids = batch['input_ids'].to(self.device)
+    att = batch['attention_mask'].to(self.device)
+    want = att.bool() & batch.get('response_mask', att).to(self.device).bool()
+    want[:, 0] = False
+    bi, ti = want.nonzero(as_tuple=True)
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
+    ent = torch.zeros(ids.shape, dtype=torch.float32, device=self.device) if with_entropy else None
+    if bi.numel() == 0:
+        return (out, ent) if with_entropy else out
+    h = self.model.base_model(input_ids=ids, attention_mask=att.long()).last_hidden_state[
+        bi, ti - 1
+    ]
+    w, tgt = self.model.get_output_embeddings().weight, ids[bi, ti]
+    fn = _lp_ent_chunk if with_entropy else _lp_chunk
+    parts = []
+    for s in range(0, h.shape[0], self.head_chunk):
+        args = (h[s : s + self.head_chunk], w, tgt[s : s + self.head_chunk], temperature)
+        parts.append(
+            torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+            if torch.is_grad_enabled()
+            else fn(*args)
         )
-        if bi.numel() == 0:
-            return (out, ent) if with_entropy else out
-        h = self.model.base_model(input_ids=ids, attention_mask=att.long()).last_hidden_state[
-            bi, ti - 1
-        ]
-        w, tgt = self.model.get_output_embeddings().weight, ids[bi, ti]
-        fn = _lp_ent_chunk if with_entropy else _lp_chunk
-        parts = []
-        for s in range(0, h.shape[0], self.head_chunk):
-            args = (h[s : s + self.head_chunk], w, tgt[s : s + self.head_chunk], temperature)
-            parts.append(
-                torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-                if torch.is_grad_enabled()
-                else fn(*args)
-            )
-        if not with_entropy:
-            return out.index_put((bi, ti), torch.cat(parts))
-        return out.index_put((bi, ti), torch.cat([p[0] for p in parts])), ent.index_put(
-            (bi, ti), torch.cat([p[1] for p in parts])
-        )
+    if not with_entropy:
+        return out.index_put((bi, ti), torch.cat(parts))
+    return out.index_put((bi, ti), torch.cat([p[0] for p in parts])), ent.index_put(
+        (bi, ti), torch.cat([p[1] for p in parts])
+    )
 
-    def backward(self, loss: torch.Tensor):
-        loss.backward()
+# %% ../../nbs/12a_torch_backend.ipynb #81317880
+@patch_to(TorchBackend)
+def backward(self, loss: torch.Tensor):
+    loss.backward()
 
-    def step(self) -> float:
-        """Sum gradients across data-parallel ranks, clip to `grad_clip`, step; returns the pre-clip
-        gradient norm."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.dp_size > 1:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
-        grads = [p for p in params if p.grad is not None]
-        return finish_step(
-            self,
-            torch.nn.utils.clip_grad_norm_(
-                grads, self.grad_clip if self.grad_clip else float('inf')
-            ),
-        )
 
-    def hf_state_dict(self, keep: bool = True) -> dict | None:
-        """Detached weights under HF names (shared with the model: copy before mutating); None when
-        `keep=False` (a rank whose copy is not sent)."""
-        return {k: v.detach() for k, v in self.model.state_dict().items()} if keep else None
+@patch_to(TorchBackend)
+def step(self) -> float:
+    """Sum gradients across data-parallel ranks, clip to `grad_clip`, step; returns the pre-clip
+    gradient norm."""
+    params = [p for p in self.model.parameters() if p.requires_grad]
+    if self.dp_size > 1:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+    grads = [p for p in params if p.grad is not None]
+    return finish_step(
+        self,
+        torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else float('inf')),
+    )
 
-    def state_dict(self) -> dict:
-        return optimizer_state(self)
+# %% ../../nbs/12a_torch_backend.ipynb #567a8607
+@patch_to(TorchBackend)
+def hf_state_dict(self, keep: bool = True) -> dict | None:
+    """Detached weights under HF names (shared with the model: copy before mutating); None when
+    `keep=False` (a rank whose copy is not sent)."""
+    return {k: v.detach() for k, v in self.model.state_dict().items()} if keep else None
 
-    def load_state_dict(self, model_sd: dict, state: dict | None):
-        """Load HF-named weights (every key, no more, no less) and, if given, the optimizer and
-        scheduler state."""
-        self.model.load_state_dict(model_sd, strict=True)
-        load_optimizer_state(self, state)
+
+@patch_to(TorchBackend)
+def state_dict(self) -> dict:
+    return optimizer_state(self)
+
+
+@patch_to(TorchBackend)
+def load_state_dict(self, model_sd: dict, state: dict | None):
+    """Load HF-named weights (every key, no more, no less) and, if given, the optimizer and
+    scheduler state."""
+    self.model.load_state_dict(model_sd, strict=True)
+    load_optimizer_state(self, state)

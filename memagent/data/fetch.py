@@ -102,10 +102,10 @@ def _refuse_corrupt(path, name, kind, expected, actual, why):
     )
 
 # %% ../../nbs/03_data_4_fetch.ipynb #7a05b462
-def _fetch_verified(name, root: Path) -> dict:
-    """Download one pinned file into `root` at the pinned revision and check it against the hub's
-    own hash."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, constants
+def _hub_metadata(name, url):
+    """The hub's metadata of pinned file `name` at `url`; a failure, or another commit than the pin,
+    is refused naming the file."""
+    from huggingface_hub import get_hf_file_metadata, constants
     from huggingface_hub.errors import (
         OfflineModeIsEnabled,
         RevisionNotFoundError,
@@ -114,7 +114,6 @@ def _fetch_verified(name, root: Path) -> dict:
     )
 
     repo, rtype, rev = PINNED['repo_id'], PINNED['repo_type'], PINNED['revision']
-    url = hf_hub_url(repo, name, repo_type=rtype, revision=rev)
     try:
         meta = get_hf_file_metadata(url)
     except OfflineModeIsEnabled:
@@ -138,6 +137,47 @@ def _fetch_verified(name, root: Path) -> dict:
             f"{name}: the hub resolved revision {rev} to commit {meta.commit_hash}: wrong "
             "revision refused"
         )
+    return meta
+
+# %% ../../nbs/03_data_4_fetch.ipynb #e56972ac
+def _download_checked(name, root: Path, url, meta, kind, want):
+    """Download `name` afresh into `root` and check its size and hash against the hub's; its
+    hashes."""
+    from huggingface_hub import hf_hub_download
+
+    repo, rtype, rev = PINNED['repo_id'], PINNED['repo_type'], PINNED['revision']
+    path = root / name
+    path.unlink(
+        missing_ok=True
+    )  # a stale copy (or a link to the data root's) is never written through
+    got = Path(
+        hf_hub_download(
+            repo, name, repo_type=rtype, revision=rev, local_dir=root, force_download=True
+        )
+    )
+    if got.resolve() != path.resolve():
+        raise PrepareError(f"{name}: hf_hub_download wrote {got}, expected {path}")
+    if meta.size is not None and path.stat().st_size != meta.size:
+        _refuse_corrupt(
+            path, name, 'size', meta.size, path.stat().st_size, f"the hub's size of {url}"
+        )
+    h = _hashes(path)
+    actual = h[0 if kind == 'hub-lfs-sha256' else 1]
+    if actual != want:
+        _refuse_corrupt(
+            path, name, kind.removeprefix('hub-'), want, actual, f"the hub's hash of {url}"
+        )
+    return h
+
+# %% ../../nbs/03_data_4_fetch.ipynb #b0abd7f9
+def _fetch_verified(name, root: Path) -> dict:
+    """Download one pinned file into `root` at the pinned revision and check it against the hub's
+    own hash."""
+    from huggingface_hub import hf_hub_url
+
+    repo, rtype, rev = PINNED['repo_id'], PINNED['repo_type'], PINNED['revision']
+    url = hf_hub_url(repo, name, repo_type=rtype, revision=rev)
+    meta = _hub_metadata(name, url)
     kind, want = _hub_hash(meta.etag)
     path = root / name
 
@@ -149,26 +189,7 @@ def _fetch_verified(name, root: Path) -> dict:
 
     h = matches()
     if h is None:
-        path.unlink(
-            missing_ok=True
-        )  # a stale copy (or a link to the data root's) is never written through
-        got = Path(
-            hf_hub_download(
-                repo, name, repo_type=rtype, revision=rev, local_dir=root, force_download=True
-            )
-        )
-        if got.resolve() != path.resolve():
-            raise PrepareError(f"{name}: hf_hub_download wrote {got}, expected {path}")
-        if meta.size is not None and path.stat().st_size != meta.size:
-            _refuse_corrupt(
-                path, name, 'size', meta.size, path.stat().st_size, f"the hub's size of {url}"
-            )
-        h = _hashes(path)
-        actual = h[0 if kind == 'hub-lfs-sha256' else 1]
-        if actual != want:
-            _refuse_corrupt(
-                path, name, kind.removeprefix('hub-'), want, actual, f"the hub's hash of {url}"
-            )
+        h = _download_checked(name, root, url, meta, kind, want)
     return {
         'sha256': h[0],
         'bytes': path.stat().st_size,
@@ -248,6 +269,61 @@ def _copy_verified(name, source: Path, root: Path, ref_path, ref: dict, unverifi
     }
 
 # %% ../../nbs/03_data_4_fetch.ipynb #b63166da
+def _manifest_writer(mpath, old, done, names, source, unverified):
+    """`write()`: the root's manifest of the files prepared so far (`done` over `old`'s entries),
+    written and returned."""
+
+    def write():  # the files prepared so far are recorded even when a later one is refused
+        allf = {**old.get('files', {}), **done}
+        m = {
+            'kind': 'memagent.data.prepare',
+            **{k: PINNED[k] for k in ('repo_id', 'repo_type', 'revision')},
+            'files': {k: allf[k] for k in PINNED['files'] if k in allf},
+            'unverified': [k for k in PINNED['files'] if k in allf and not allf[k]['verified']],
+            'provenance': provenance(
+                repo=_repo_root(),
+                params={
+                    'source': str(source) if source else 'hub',
+                    'files': names,
+                    'unverified': unverified,
+                },
+            ),
+        }
+        _write_json(m, mpath)
+        return m
+
+    return write
+
+# %% ../../nbs/03_data_4_fetch.ipynb #a04a2a0f
+def _prepare_one(name, root, stage, source, ref_path, ref, unverified, progress) -> dict:
+    """Fetch (or copy), verify and convert one pinned file in `stage`, then move it into `root`;
+    its manifest entry."""
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir()
+    if (root / name).is_file():
+        os.link(root / name, stage / name)  # a copy already here is checked, not fetched again
+    rec = (
+        _fetch_verified(name, stage)
+        if source is None
+        else _copy_verified(name, source, stage, ref_path, ref, unverified)
+    )
+    conv = converted_name(name)
+    cm = convert(stage / name, stage / conv, fmt=PINNED['files'][name], progress=progress)
+    rec['converted'] = {
+        'path': conv,
+        'sha256': cm['output']['sha256'],
+        'bytes': cm['output']['bytes'],
+        'rows': cm['rows_written'],
+        'rows_read': cm['rows_read'],
+        'rows_skipped': cm['rows_skipped'],
+        'skipped': cm['skipped'],
+    }
+    for f in (name, conv, conv + '.manifest.json'):
+        os.replace(stage / f, root / f)
+    return rec
+
+# %% ../../nbs/03_data_4_fetch.ipynb #73047afd
 def prepare(
     root=None, source=None, unverified: bool = False, files=None, progress: bool = False
 ) -> dict:
@@ -270,32 +346,14 @@ def prepare(
             f"{mpath}: prepared from {old.get('repo_id')}@{old.get('revision')}, not the pinned "
             f"{PINNED['repo_id']}@{PINNED['revision']}; use another root"
         )
+    ref_path = ref = None  # the reference hashes of a copy from `source`
     if source is not None:
         source = Path(source)
         if not source.is_dir():
             raise FileNotFoundError(f"--from {source}: not a directory")
         ref_path, ref = _reference(source, root)
     done = {}
-
-    def write():  # the files prepared so far are recorded even when a later one is refused
-        allf = {**old.get('files', {}), **done}
-        m = {
-            'kind': 'memagent.data.prepare',
-            **{k: PINNED[k] for k in ('repo_id', 'repo_type', 'revision')},
-            'files': {k: allf[k] for k in PINNED['files'] if k in allf},
-            'unverified': [k for k in PINNED['files'] if k in allf and not allf[k]['verified']],
-            'provenance': provenance(
-                repo=_repo_root(),
-                params={
-                    'source': str(source) if source else 'hub',
-                    'files': names,
-                    'unverified': unverified,
-                },
-            ),
-        }
-        _write_json(m, mpath)
-        return m
-
+    write = _manifest_writer(mpath, old, done, names, source, unverified)
     # Each file is fetched (or copied), verified and converted in a staging folder inside the root;
     # only a file that got
     # through all three replaces the root's copy, its conversion and its manifest entry. A refused
@@ -304,31 +362,7 @@ def prepare(
     stage = root / f'.staging-{os.getpid()}'
     try:
         for name in names:
-            if stage.exists():
-                shutil.rmtree(stage)
-            stage.mkdir()
-            if (root / name).is_file():
-                os.link(
-                    root / name, stage / name
-                )  # a copy already here is checked, not fetched again
-            rec = (
-                _fetch_verified(name, stage)
-                if source is None
-                else _copy_verified(name, source, stage, ref_path, ref, unverified)
-            )
-            conv = converted_name(name)
-            cm = convert(stage / name, stage / conv, fmt=PINNED['files'][name], progress=progress)
-            rec['converted'] = {
-                'path': conv,
-                'sha256': cm['output']['sha256'],
-                'bytes': cm['output']['bytes'],
-                'rows': cm['rows_written'],
-                'rows_read': cm['rows_read'],
-                'rows_skipped': cm['rows_skipped'],
-                'skipped': cm['skipped'],
-            }
-            for f in (name, conv, conv + '.manifest.json'):
-                os.replace(stage / f, root / f)
+            rec = _prepare_one(name, root, stage, source, ref_path, ref, unverified, progress)
             old.get('files', {}).pop(name, None)
             done[name] = rec
             write()  # the manifest names exactly what the root holds, after every file

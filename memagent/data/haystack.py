@@ -73,6 +73,54 @@ def doc_pool(questions) -> list[str]:
 SHUFFLES = ('per_question', 'official')
 
 # %% ../../nbs/03_data_2_haystack.ipynb #95b42284
+def _haystack_draw(q, pool, pool_titles, num_docs, rng):
+    """`(paragraphs, own documents, documents)` of question `q`: its own paragraphs, then random
+    distractors of other titles."""
+    paras = _paras(q)
+    own = list(dict.fromkeys(paragraph_text(t, s) for t, s in paras))
+    if len(own) > num_docs:
+        raise ValueError(
+            f"question {q.get('_id')!r} has {len(own)} paragraphs > num_docs={num_docs}"
+        )
+    own_set, own_titles = set(own), {t for t, _ in paras}
+    cand = [d for d, t in zip(pool, pool_titles) if d not in own_set and t not in own_titles]
+    k = num_docs - len(own)
+    if k > len(cand):
+        raise ValueError(
+            f"pool too small: question {q.get('_id')!r} needs {k} distractors, pool offers "
+            f"{len(cand)}"
+        )
+    return paras, own, own + rng.sample(cand, k)
+
+# %% ../../nbs/03_data_2_haystack.ipynb #6b32c191
+def _haystack_example(q, paras, own, docs, perm, num_docs, seed, shuffle, pool_size) -> dict:
+    "The schema example of question `q` with its documents in the order `perm`, gold slots in meta."
+    docs = [docs[i] for i in perm]
+    slot = {i: s for s, i in enumerate(perm, 1)}  # original list index -> 1-based slot
+    _, gold_titles = _supporting_titles(q)
+    own_idx = {d: i for i, d in enumerate(own)}
+    title_of = {paragraph_text(t, s): t for t, s in paras}
+    gold = sorted(slot[own_idx[d]] for d in own if title_of[d] in gold_titles)
+    return {
+        'id': str(q['_id']),
+        'question': q['question'],
+        'context': format_documents(docs),
+        'answers': _answers(q['answer'], 'answer'),
+        'num_docs': num_docs,
+        'source': 'ruler_hqa',
+        'meta': {
+            'gold_slots': gold,
+            'own_slots': sorted(slot[i] for i in range(len(own))),
+            'type': q.get('type'),
+            'level': q.get('level'),
+            'supporting_facts': q.get('supporting_facts'),
+            'seed': seed,
+            'shuffle': shuffle,
+            'pool_size': pool_size,
+        },
+    }
+
+# %% ../../nbs/03_data_2_haystack.ipynb #3381e0c4
 def build_haystack(
     questions,
     pool=None,
@@ -100,51 +148,14 @@ def build_haystack(
 
         it = tqdm(qs, desc=f'haystack N={num_docs}', unit='q', file=sys.stderr)
     for q in it:
-        paras = _paras(q)
-        own = list(dict.fromkeys(paragraph_text(t, s) for t, s in paras))
-        if len(own) > num_docs:
-            raise ValueError(
-                f"question {q.get('_id')!r} has {len(own)} paragraphs > num_docs={num_docs}"
-            )
-        own_set, own_titles = set(own), {t for t, _ in paras}
-        cand = [d for d, t in zip(pool, pool_titles) if d not in own_set and t not in own_titles]
-        k = num_docs - len(own)
-        if k > len(cand):
-            raise ValueError(
-                f"pool too small: question {q.get('_id')!r} needs {k} distractors, pool offers "
-                f"{len(cand)}"
-            )
-        docs = own + rng.sample(cand, k)
+        paras, own, docs = _haystack_draw(q, pool, pool_titles, num_docs, rng)
         if shuffle == 'per_question':
             perm = list(range(num_docs))
             rng.shuffle(perm)
         else:
             perm = list(range(num_docs))
             random.Random(seed).shuffle(perm)
-        docs = [docs[i] for i in perm]
-        slot = {i: s for s, i in enumerate(perm, 1)}  # original list index -> 1-based slot
-        _, gold_titles = _supporting_titles(q)
-        own_idx = {d: i for i, d in enumerate(own)}
-        title_of = {paragraph_text(t, s): t for t, s in paras}
-        gold = sorted(slot[own_idx[d]] for d in own if title_of[d] in gold_titles)
-        ex = {
-            'id': str(q['_id']),
-            'question': q['question'],
-            'context': format_documents(docs),
-            'answers': _answers(q['answer'], 'answer'),
-            'num_docs': num_docs,
-            'source': 'ruler_hqa',
-            'meta': {
-                'gold_slots': gold,
-                'own_slots': sorted(slot[i] for i in range(len(own))),
-                'type': q.get('type'),
-                'level': q.get('level'),
-                'supporting_facts': q.get('supporting_facts'),
-                'seed': seed,
-                'shuffle': shuffle,
-                'pool_size': len(pool),
-            },
-        }
+        ex = _haystack_example(q, paras, own, docs, perm, num_docs, seed, shuffle, len(pool))
         out.append(ex)
     return out
 
@@ -178,8 +189,8 @@ def token_stats(examples, tokenizer, field: str = 'context') -> dict:
     return {'n': len(lens), 'mean': sum(lens) / len(lens), 'min': min(lens), 'max': max(lens)}
 
 # %% ../../nbs/03_data_2_haystack.ipynb #5fe9b4b3
-def haystack_cli(argv=None) -> int:
-    "Entry point of `memagent-haystack`."
+def _haystack_parser() -> argparse.ArgumentParser:
+    "The argument parser of `memagent-haystack`."
     from memagent.config import cli_number
 
     ap = argparse.ArgumentParser(
@@ -207,6 +218,34 @@ def haystack_cli(argv=None) -> int:
     )
     ap.add_argument('--manifest', default=None, help='manifest path (default OUT.manifest.json)')
     ap.add_argument('--quiet', action='store_true', help='no progress bar')
+    return ap
+
+# %% ../../nbs/03_data_2_haystack.ipynb #0f5e4344
+def _haystack_manifest(a, out, written, exs) -> dict:
+    "The manifest of a haystack run: its sources, the `written` output, the parameters."
+    srcs = [a.pool] + ([a.questions] if a.questions else [])
+    return {
+        'kind': 'memagent.data.haystack',
+        'schema': list(SCHEMA_FIELDS),
+        'sources': [_file_record(s) for s in srcs],
+        'output': {
+            **_file_record(written),
+            'path': str(out.parent.resolve() / out.name),
+            'rows': len(exs),
+        },
+        'params': {
+            'num_docs': a.num_docs,
+            'seed': a.seed,
+            'shuffle': a.shuffle,
+            'limit': a.limit,
+        },
+        'provenance': provenance(repo=_repo_root()),
+    }
+
+# %% ../../nbs/03_data_2_haystack.ipynb #46f367aa
+def haystack_cli(argv=None) -> int:
+    "Entry point of `memagent-haystack`."
+    ap = _haystack_parser()
     a = ap.parse_args(argv)
     try:
         out = Path(a.out)
@@ -233,27 +272,9 @@ def haystack_cli(argv=None) -> int:
             limit=a.limit,
             progress=not a.quiet,
         )
-        srcs = [a.pool] + ([a.questions] if a.questions else [])
         with st:  # both outputs move into place together, or neither does
             write_examples(exs, st['output'])
-            m = {
-                'kind': 'memagent.data.haystack',
-                'schema': list(SCHEMA_FIELDS),
-                'sources': [_file_record(s) for s in srcs],
-                'output': {
-                    **_file_record(st['output']),
-                    'path': str(out.parent.resolve() / out.name),
-                    'rows': len(exs),
-                },
-                'params': {
-                    'num_docs': a.num_docs,
-                    'seed': a.seed,
-                    'shuffle': a.shuffle,
-                    'limit': a.limit,
-                },
-                'provenance': provenance(repo=_repo_root()),
-            }
-            _write_json(m, st['manifest'])
+            _write_json(_haystack_manifest(a, out, st['output'], exs), st['manifest'])
     except (DataError, ValueError, FileNotFoundError, OSError) as e:
         return _cli_error(ap.prog, e)
     print(f"wrote {len(exs)} examples with {a.num_docs} documents -> {a.out}")

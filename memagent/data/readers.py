@@ -652,6 +652,98 @@ def _resolve_fmt(path, fmt):
     )
 
 # %% ../../nbs/03_data_1_readers.ipynb #8c223749
+def _skipper(path, unit, strict, skipped, examples_skipped, max_skip_examples):
+    """`skip(line, reason, field, detail)`: count a skipped row and keep its first examples; under
+    `strict`, raise instead."""
+
+    def skip(line, reason, field, detail):
+        if strict:
+            raise DataError(path, line, field, f"{reason}: {detail}", unit)
+        skipped[reason] += 1
+        if len(examples_skipped) < max_skip_examples:
+            examples_skipped.append(
+                {
+                    'file': str(path),
+                    unit: line,
+                    'field': field,
+                    'reason': reason,
+                    'detail': detail,
+                }
+            )
+
+    return skip
+
+# %% ../../nbs/03_data_1_readers.ipynb #4f41d5f0
+def _convert_source(
+    path, fmt, strict, limit, examples, seen, examples_skipped, max_skip_examples, bar
+) -> dict:
+    """Append the schema examples of one source file to `examples`; its manifest record (rows read,
+    written, skipped)."""
+    f = _resolve_fmt(path, fmt)
+    conv = CONVERTERS[f]
+    unit = location_unit(path)
+    read = written = 0
+    skipped = Counter()
+    skip = _skipper(path, unit, strict, skipped, examples_skipped, max_skip_examples)
+    for line, rec in iter_records(path):
+        if limit is not None and len(examples) >= limit:
+            break
+        read += 1
+        if bar is not None:
+            bar.update(1)
+        if isinstance(rec, BadRecord):
+            skip(line, 'malformed_json', None, rec.error.removeprefix('malformed JSON: '))
+            continue
+        try:
+            ex = conv(rec)
+        except RowError as e:
+            skip(line, e.reason, e.field, e.detail)
+            continue
+        if ex['id'] in seen:
+            skip(line, 'duplicate_id', 'id', f"duplicate id {ex['id']!r}")
+            continue
+        bad = unencodable(ex)
+        if bad:
+            skip(line, 'unencodable_text', bad[0], bad[1])
+            continue
+        assert validate_example(ex) is None, (validate_example(ex), line)
+        seen.add(ex['id'])
+        examples.append(ex)
+        written += 1
+    assert written + sum(skipped.values()) == read, (path, written, skipped, read)
+    return {
+        **_file_record(path),
+        'format': f,
+        'rows_read': read,
+        'rows_written': written,
+        'rows_skipped': sum(skipped.values()),
+        'skipped': dict(skipped),
+    }
+
+# %% ../../nbs/03_data_1_readers.ipynb #54648e91
+def _convert_all(srcs, fmt, strict, limit, max_skip_examples, progress):
+    """Every source's examples in order: `(examples, source records, rows read, skipped counts,
+    skipped examples)`."""
+    examples, seen, sources, examples_skipped = [], set(), [], []
+    skipped_total = Counter()
+    read_total = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc='convert', unit='row', file=sys.stderr)
+    for path in srcs:
+        rec = _convert_source(
+            path, fmt, strict, limit, examples, seen, examples_skipped, max_skip_examples, bar
+        )
+        sources.append(rec)
+        skipped_total.update(rec['skipped'])
+        read_total += rec['rows_read']
+    if bar is not None:
+        bar.close()
+    return examples, sources, read_total, skipped_total, examples_skipped
+
+# %% ../../nbs/03_data_1_readers.ipynb #d0872b85
 def convert(
     src,
     out,
@@ -675,76 +767,9 @@ def convert(
     st = Staged(
         {'output': out, 'manifest': manifest_path}, {'input': srcs}
     )  # checked before anything is read or written
-    examples, seen, sources, examples_skipped = [], set(), [], []
-    skipped_total = Counter()
-    read_total = 0
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(desc='convert', unit='row', file=sys.stderr)
-    for path in srcs:
-        f = _resolve_fmt(path, fmt)
-        conv = CONVERTERS[f]
-        unit = location_unit(path)
-        read = written = 0
-        skipped = Counter()
-
-        def skip(line, reason, field, detail):
-            if strict:
-                raise DataError(path, line, field, f"{reason}: {detail}", unit)
-            skipped[reason] += 1
-            if len(examples_skipped) < max_skip_examples:
-                examples_skipped.append(
-                    {
-                        'file': str(path),
-                        unit: line,
-                        'field': field,
-                        'reason': reason,
-                        'detail': detail,
-                    }
-                )
-
-        for line, rec in iter_records(path):
-            if limit is not None and len(examples) >= limit:
-                break
-            read += 1
-            if bar is not None:
-                bar.update(1)
-            if isinstance(rec, BadRecord):
-                skip(line, 'malformed_json', None, rec.error.removeprefix('malformed JSON: '))
-                continue
-            try:
-                ex = conv(rec)
-            except RowError as e:
-                skip(line, e.reason, e.field, e.detail)
-                continue
-            if ex['id'] in seen:
-                skip(line, 'duplicate_id', 'id', f"duplicate id {ex['id']!r}")
-                continue
-            bad = unencodable(ex)
-            if bad:
-                skip(line, 'unencodable_text', bad[0], bad[1])
-                continue
-            assert validate_example(ex) is None, (validate_example(ex), line)
-            seen.add(ex['id'])
-            examples.append(ex)
-            written += 1
-        assert written + sum(skipped.values()) == read, (path, written, skipped, read)
-        sources.append(
-            {
-                **_file_record(path),
-                'format': f,
-                'rows_read': read,
-                'rows_written': written,
-                'rows_skipped': sum(skipped.values()),
-                'skipped': dict(skipped),
-            }
-        )
-        skipped_total.update(skipped)
-        read_total += read
-    if bar is not None:
-        bar.close()
+    examples, sources, read_total, skipped_total, examples_skipped = _convert_all(
+        srcs, fmt, strict, limit, max_skip_examples, progress
+    )
     if not examples and not allow_empty and limit != 0:  # limit=0 asks for none
         raise DataError(
             ', '.join(map(str, srcs)),

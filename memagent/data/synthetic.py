@@ -10,66 +10,28 @@ import random
 __all__ = ['KEYCODE_SPLITS', 'filler_sentences', 'make_synthetic', 'make_keycodes', 'density_pairs', 'keycode_length_sets']
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #7a6353a6
-_FILLER = (
-    'the',
-    'a',
-    'river',
-    'stone',
-    'morning',
-    'quiet',
-    'field',
-    'small',
-    'old',
-    'road',
-    'window',
-    'light',
-    'green',
-    'walked',
-    'slowly',
-    'across',
-    'under',
-    'over',
-    'garden',
-    'wind',
-    'soft',
-    'long',
-    'evening',
-    'market',
-    'village',
-    'painted',
-    'wooden',
-    'bridge',
-    'cloud',
-    'warm',
-    'near',
-    'along',
-    'bright',
-    'path',
-    'tree',
-    'house',
-    'song',
-    'simple',
-    'table',
-    'bread',
-    'lamp',
-    'winter',
-    'summer',
-    'hill',
-    'boat',
-    'letter',
-    'paper',
-    'busy',
-    'calm',
-    'sky',
-    'and',
-    'with',
-    'of',
-    'to',
-    'in',
-    'was',
-    'were',
-    'some',
+_FILLER = tuple(
+    (
+        'the a river stone morning quiet field small old road window light green walked '
+        'slowly across under over garden wind soft long evening market village painted wooden '
+        'bridge cloud warm near along bright path tree house song simple table bread lamp '
+        'winter summer hill boat letter paper busy calm sky and with of to in was were some'
+    ).split()
 )
+
+
+def filler_sentences(rng: random.Random, num_words: int, vocab=_FILLER) -> list[str]:
+    """Pseudo-sentences (6-12 words from `vocab`, a fixed list by default) totalling exactly
+    `num_words` words."""
+    out, left = [], num_words
+    while left > 0:
+        n = min(left, rng.randint(6, 12))
+        left -= n
+        w = [rng.choice(vocab) for _ in range(n)]
+        out.append(' '.join([w[0].capitalize()] + w[1:]) + '.')
+    return out
+
+# %% ../../nbs/03_data_3_synthetic.ipynb #cb850bdb
 _COLORS = ('blue', 'red', 'green', 'white', 'black', 'silver', 'golden', 'orange', 'purple', 'grey')
 _PLACES = (
     'vault',
@@ -111,6 +73,8 @@ _LAST = (
     'Dahl',
     'Rossi',
 )
+
+# %% ../../nbs/03_data_3_synthetic.ipynb #7bdfcc35
 _COMPANIES = (
     'Orbex',
     'Calder',
@@ -135,18 +99,6 @@ _CITIES = (
     'Berlin',
     'Helsinki',
 )
-
-
-def filler_sentences(rng: random.Random, num_words: int, vocab=_FILLER) -> list[str]:
-    """Pseudo-sentences (6-12 words from `vocab`, a fixed list by default) totalling exactly
-    `num_words` words."""
-    out, left = [], num_words
-    while left > 0:
-        n = min(left, rng.randint(6, 12))
-        left -= n
-        w = [rng.choice(vocab) for _ in range(n)]
-        out.append(' '.join([w[0].capitalize()] + w[1:]) + '.')
-    return out
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #28100e21
 def _facts(rng, hops, distractors):
@@ -307,55 +259,17 @@ _KEY_WORDS = {  # (adjectives, nouns) per split: no word of a held-out key occur
         ('badger', 'canyon', 'dolphin', 'ember', 'glacier', 'hammer', 'island', 'jigsaw'),
     ),
 }
-_FILLER_HELDOUT = (
-    'copper',
-    'lantern',
-    'drifted',
-    'beneath',
-    'orchard',
-    'gravel',
-    'harvest',
-    'pale',
-    'ferry',
-    'mill',
-    'candle',
-    'shore',
-    'rain',
-    'chapel',
-    'loom',
-    'barrel',
-    'thatched',
-    'meadow',
-    'cart',
-    'wove',
-    'dusk',
-    'kettle',
-    'porch',
-    'oak',
-    'hummed',
-    'tide',
-    'wool',
-    'ridge',
-    'yard',
-    'fence',
-    'glass',
-    'lane',
-    'clock',
-    'spring',
-    'roof',
-    'smoke',
-    'pond',
-    'moss',
-    'an',
-    'by',
-    'at',
-    'on',
-    'had',
-    'its',
-    'from',
-    'past',
-)
 KEYCODE_SPLITS = tuple(_KEY_WORDS)
+
+# %% ../../nbs/03_data_3_synthetic.ipynb #7f30c2d0
+_FILLER_HELDOUT = tuple(
+    (
+        'copper lantern drifted beneath orchard gravel harvest pale ferry mill candle shore '
+        'rain chapel loom barrel thatched meadow cart wove dusk kettle porch oak hummed tide '
+        'wool ridge yard fence glass lane clock spring roof smoke pond moss an by at on had '
+        'its from past'
+    ).split()
+)
 
 
 def _kc_segment(rng, facts, budget, ntok, vocab, lead=' '):
@@ -386,6 +300,74 @@ def _kc_segment(rng, facts, budget, ntok, vocab, lead=' '):
     return ' '.join(sents)
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #2ab1462c
+def _check_keycode_args(n, split, chunks, pairs) -> None:
+    "Refuse a count, split, chunk count or pair count `make_keycodes` cannot use."
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if split not in _KEY_WORDS:
+        raise ValueError(f"split must be one of {KEYCODE_SPLITS}, got {split!r}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1:
+        raise ValueError(f"pairs must be an int >= 1, got {pairs!r}")
+
+# %% ../../nbs/03_data_3_synthetic.ipynb #4c6eda95
+def _kc_draw(rng, keys_all, pairs, chunks, needle, chunk_tokens, tokenizer, ntok, vocab):
+    """One random draw of an item: `(keys, codes, fact chunks, context)`, or None when its chunks
+    are not exact."""
+    from memagent.chunking import chunk_document
+
+    keys = rng.sample(keys_all, pairs)
+    codes = [str(c) for c in rng.sample(range(1000, 10000), pairs)]
+    facts = [f'The code of the {k} is {c}.' for k, c in zip(keys, codes)]
+    others = [c for c in range(chunks) if c != needle]
+    rng.shuffle(others)
+    where = [needle] + [
+        others[j] if j < len(others) else rng.randrange(chunks) for j in range(pairs - 1)
+    ]
+    per = [[facts[j] for j in range(pairs) if where[j] == c] for c in range(chunks)]
+    for p in per:
+        rng.shuffle(p)
+    segs = [
+        _kc_segment(rng, per[c], chunk_tokens, ntok, vocab, lead='' if c == 0 else ' ')
+        for c in range(chunks)
+    ]
+    if None in segs:
+        return None
+    context = ' '.join(segs)
+    ch = chunk_document(context, tokenizer, chunk_tokens)
+    found = [next((c for c, t in enumerate(ch.texts) if f in t), None) for f in facts]
+    if ch.token_counts == [chunk_tokens] * chunks and found == where:
+        return keys, codes, where, context
+    return None
+
+# %% ../../nbs/03_data_3_synthetic.ipynb #d3ac9944
+def _kc_item(i, split, seed, needle, chunks, chunk_tokens, draw, ntok, redraw) -> dict:
+    "The schema example of key-code item `i` from its accepted `draw`."
+    keys, codes, where, context = draw
+    return {
+        'id': f'keycode-{split}-s{seed}-{i}',
+        'question': f'What is the code of the {keys[0]}?',
+        'context': context,
+        'answers': [codes[0]],
+        'num_docs': 1,
+        'source': 'keycode',
+        'meta': {
+            'key': keys[0],
+            'needle_chunk': needle,
+            'chunks': chunks,
+            'chunk_tokens': chunk_tokens,
+            'fact_chunks': where,
+            'distractor_keys': keys[1:],
+            'negatives': codes[1:],
+            'split': split,
+            'seed': seed,
+            'num_tokens': ntok(context),
+            'redraws': redraw,
+        },
+    }
+
+# %% ../../nbs/03_data_3_synthetic.ipynb #0b856460
 def make_keycodes(
     n: int,
     tokenizer,
@@ -398,19 +380,12 @@ def make_keycodes(
 ) -> list[dict]:
     """`n` key-code documents of exactly `chunks` chunks of exactly `chunk_tokens` tokens: `pairs`
     facts, the asked one's chunk balanced over the items."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0, got {n!r}")
-    if split not in _KEY_WORDS:
-        raise ValueError(f"split must be one of {KEYCODE_SPLITS}, got {split!r}")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
-    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1:
-        raise ValueError(f"pairs must be an int >= 1, got {pairs!r}")
+    _check_keycode_args(n, split, chunks, pairs)
     adj, noun = _KEY_WORDS[split]
     keys_all = [f'{a} {b}' for a in adj for b in noun]
     if pairs > len(keys_all):
         raise ValueError(f"pairs={pairs} exceeds the {len(keys_all)} keys of split {split!r}")
-    from memagent.chunking import chunk_document, encode_text
+    from memagent.chunking import encode_text
 
     ntok = lambda s: len(encode_text(tokenizer, s))
     fact_len = max(ntok(f' The code of the {k} is 8888.') for k in keys_all)
@@ -426,27 +401,10 @@ def make_keycodes(
     out = []
     for i, needle in enumerate(targets):
         for redraw in range(max_redraws + 1):
-            keys = rng.sample(keys_all, pairs)
-            codes = [str(c) for c in rng.sample(range(1000, 10000), pairs)]
-            facts = [f'The code of the {k} is {c}.' for k, c in zip(keys, codes)]
-            others = [c for c in range(chunks) if c != needle]
-            rng.shuffle(others)
-            where = [needle] + [
-                others[j] if j < len(others) else rng.randrange(chunks) for j in range(pairs - 1)
-            ]
-            per = [[facts[j] for j in range(pairs) if where[j] == c] for c in range(chunks)]
-            for p in per:
-                rng.shuffle(p)
-            segs = [
-                _kc_segment(rng, per[c], chunk_tokens, ntok, vocab, lead='' if c == 0 else ' ')
-                for c in range(chunks)
-            ]
-            if None in segs:
-                continue
-            context = ' '.join(segs)
-            ch = chunk_document(context, tokenizer, chunk_tokens)
-            found = [next((c for c, t in enumerate(ch.texts) if f in t), None) for f in facts]
-            if ch.token_counts == [chunk_tokens] * chunks and found == where:
+            draw = _kc_draw(
+                rng, keys_all, pairs, chunks, needle, chunk_tokens, tokenizer, ntok, vocab
+            )
+            if draw is not None:
                 break
         else:
             raise ValueError(
@@ -455,29 +413,7 @@ def make_keycodes(
                 f"exactly {chunk_tokens} tokens with every fact whole in its chunk; use longer "
                 "chunks"
             )
-        out.append(
-            {
-                'id': f'keycode-{split}-s{seed}-{i}',
-                'question': f'What is the code of the {keys[0]}?',
-                'context': context,
-                'answers': [codes[0]],
-                'num_docs': 1,
-                'source': 'keycode',
-                'meta': {
-                    'key': keys[0],
-                    'needle_chunk': needle,
-                    'chunks': chunks,
-                    'chunk_tokens': chunk_tokens,
-                    'fact_chunks': where,
-                    'distractor_keys': keys[1:],
-                    'negatives': codes[1:],
-                    'split': split,
-                    'seed': seed,
-                    'num_tokens': ntok(context),
-                    'redraws': redraw,
-                },
-            }
-        )
+        out.append(_kc_item(i, split, seed, needle, chunks, chunk_tokens, draw, ntok, redraw))
     return out
 
 # %% ../../nbs/03_data_3_synthetic.ipynb #c6aeae51
