@@ -13,10 +13,10 @@ import builtins
 
 
 def patch_to(cls):
-    """Decorator: add the function to `cls` under its own name, and leave the module's binding of
-    that name as it was (a builtin stays the builtin). A `property`, `staticmethod` or
-    `classmethod` is added as one. A name the class itself already defines is refused: a method is
-    added once."""
+    """Decorator: add the function to `cls` under its own name. The module's name stays bound to
+    what it was: a global or a builtin as before, `None` if it was unbound. A `property`,
+    `staticmethod` or `classmethod` is added as one. A name the class itself already defines is
+    refused: a method is added once."""
 
     def add(f):
         fn = f.fget if isinstance(f, property) else getattr(f, '__func__', f)
