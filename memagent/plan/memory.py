@@ -86,7 +86,7 @@ ARCHS = {
     ),
 }
 
-
+# %% ../../nbs/14b_plan_1_memory.ipynb #4a42bedc
 def arch_from_hf(hf_config, name: str | None = None) -> Arch:
     "An `Arch` from an HF Qwen3/Qwen2/Llama config object."
     c = hf_config
