@@ -5,6 +5,7 @@
 # %% ../nbs/18_audit_1_report.ipynb #18a10003
 from __future__ import annotations
 import argparse, json, re, sys
+from functools import partial
 from pathlib import Path
 from .provenance import flatten, provenance_problems, refuse_overwrite, sha256_file
 from .report import md_table
@@ -137,8 +138,8 @@ All {cases} cases with their direct outputs (from the receipt):
 
 # %% ../nbs/18_audit_1_report.ipynb #9df528b1
 # pair / control, what it shows, what it does not show: the prose columns of the pairs table
-# ({fields} from the receipt)
-_PAIR_PROSE = (
+# ({fields} from the receipt); first the pairs about memory operations
+_PAIRS_MEMORY_OPERATIONS = (
     (
         'update succeeded / failed',
         "The count comes from the `memory_updated:` prefix of the tool result; `True` and `False` "
@@ -174,6 +175,11 @@ _PAIR_PROSE = (
         'Anything about the live-judge path, which replaces this fallback whenever a retrieval '
         'block exists.',
     ),
+)
+
+# %% ../nbs/18_audit_1_report.ipynb #ccb63dc7
+# then the pairs and controls about the context and the judge
+_PAIRS_CONTEXT_AND_JUDGE = (
     (
         'original / unrelated question',
         'Preservation is checked against the first user message found in the final context, not '
@@ -203,7 +209,9 @@ _PAIR_PROSE = (
         'How a real judge grades real retrievals.',
     ),
 )
+_PAIR_PROSE = _PAIRS_MEMORY_OPERATIONS + _PAIRS_CONTEXT_AND_JUDGE
 
+# %% ../nbs/18_audit_1_report.ipynb #fe63f5d8
 _OUTPUT_LABELS = {
     'total': 'total',
     'judge_calls': 'judge calls',
@@ -212,38 +220,44 @@ _OUTPUT_LABELS = {
 }
 
 
-def _pair_outputs(receipt: dict) -> tuple[list[str], dict]:
-    """The pairs table's 'direct outputs' column (one entry per row of `_PAIR_PROSE`) and the
-    figures its prose names, read from the cases by id."""
-    obs = {c['id']: flatten(c['observed']) for c in receipt['cases']}
-    judge = {c['id']: (c.get('judge') or {}).get('reply') for c in receipt['cases']}
+def _output_value(obs: dict, cid: str, key: str) -> str:
+    """Case `cid`'s output `key` as the pairs table writes it: flags in lower case, the total to
+    six decimals, weighted terms to three digits."""
+    x, name = obs[cid][key], key.split('.')[-1]
+    if isinstance(x, bool):
+        return str(x).lower()
+    if name == 'total':
+        return f'{x:.6f}'
+    return (
+        f'{x:.3g}' if name in ('tool_efficiency', 'context_management') else f'{x:g}'
+    )  # weighted terms: 3 digits
 
-    def v(cid, key):
-        x, name = obs[cid][key], key.split('.')[-1]
-        if isinstance(x, bool):
-            return str(x).lower()
-        if name == 'total':
-            return f'{x:.6f}'
-        return (
-            f'{x:.3g}' if name in ('tool_efficiency', 'context_management') else f'{x:g}'
-        )  # weighted terms: 3 digits
 
-    def label(key):
-        name = key.split('.')[-1].removeprefix('memory_')
-        return (
-            f'`{name}` uses'
-            if key.startswith('tool_stats.')
-            else _OUTPUT_LABELS.get(name, f'`{name}`')
-        )
+def _output_label(key: str) -> str:
+    """The pairs table's name of output `key`."""
+    name = key.split('.')[-1].removeprefix('memory_')
+    return (
+        f'`{name}` uses' if key.startswith('tool_stats.') else _OUTPUT_LABELS.get(name, f'`{name}`')
+    )
 
-    def pair(a, b, *keys):
-        return '; '.join(f'{label(k)} {v(a, k)} / {v(b, k)}' for k in keys)
+# %% ../nbs/18_audit_1_report.ipynb #0fedf15e
+def _pair(obs: dict, a: str, b: str, *keys) -> str:
+    """Outputs `keys` of cases `a` and `b`, side by side."""
+    return '; '.join(
+        f'{_output_label(k)} {_output_value(obs, a, k)} / {_output_value(obs, b, k)}' for k in keys
+    )
 
-    def one(cid, *keys):
-        return '; '.join(f'{label(k)} {v(cid, k)}' for k in keys)
 
+def _one(obs: dict, cid: str, *keys) -> str:
+    """Outputs `keys` of case `cid`."""
+    return '; '.join(f'{_output_label(k)} {_output_value(obs, cid, k)}' for k in keys)
+
+# %% ../nbs/18_audit_1_report.ipynb #d7a7b96d
+def _direct_outputs(obs: dict, judge: dict) -> list[str]:
+    """The pairs table's 'direct outputs' column, one entry per row of `_PAIR_PROSE`."""
+    pair, one, v = partial(_pair, obs), partial(_one, obs), partial(_output_value, obs)
     m, r, cs, total = 'memory_stats.', 'breakdown.memory_r_', 'context_stats.', 'breakdown.total'
-    outputs = [
+    return [
         pair('update_succeeded', 'update_failed', m + 'updated_count', r + 'maintenance', total),
         pair('delete_succeeded', 'delete_failed', m + 'deleted_count', r + 'maintenance', total),
         pair(
@@ -282,11 +296,19 @@ def _pair_outputs(receipt: dict) -> tuple[list[str], dict]:
         ),
         pair('judge_zero', 'judge_one', r + 'relevance', r + 'maintenance', 'judge_calls', total),
     ]
+
+# %% ../nbs/18_audit_1_report.ipynb #b0956a41
+def _pair_outputs(receipt: dict) -> tuple[list[str], dict]:
+    """The pairs table's 'direct outputs' column (one entry per row of `_PAIR_PROSE`) and the
+    figures its prose names, read from the cases by id."""
+    obs = {c['id']: flatten(c['observed']) for c in receipt['cases']}
+    judge = {c['id']: (c.get('judge') or {}).get('reply') for c in receipt['cases']}
+    outputs, total = _direct_outputs(obs, judge), 'breakdown.total'
     gap = obs['summary_prose_only'][total] - obs['original_question'][total]
     return outputs, {
         'prose_gap': f'{gap:+.2f}',
         'judges': f"{judge['judge_zero']} / {judge['judge_one']}",
-        'judge_maintenance': v('judge_zero', r + 'maintenance'),
+        'judge_maintenance': _output_value(obs, 'judge_zero', 'breakdown.memory_r_maintenance'),
     }
 
 # %% ../nbs/18_audit_1_report.ipynb #c49c6de2
@@ -404,7 +426,33 @@ _NUMBER_WORDS = (
     'Twenty',
 )
 
+# %% ../nbs/18_audit_1_report.ipynb #9e870f25
+def _pairs_rows(outputs: list[str], pair_fields: dict) -> list[dict]:
+    """The pairs table: `_PAIR_PROSE` with its {fields} filled and the direct `outputs`."""
+    return [
+        {
+            'pair / control': label.format(**pair_fields),
+            'direct outputs': out,
+            'what it shows': shows.format(**pair_fields),
+            'what it does not show': not_shown,
+        }
+        for (label, shows, not_shown), out in zip(_PAIR_PROSE, outputs, strict=True)
+    ]
 
+# %% ../nbs/18_audit_1_report.ipynb #18e3657b
+def _weights_text(w: dict) -> str:
+    """The call site's weights, task/tool/context/memory."""
+    return '/'.join(
+        f'{w[k]:g}'
+        for k in (
+            'task_completion_weight',
+            'tool_efficiency_weight',
+            'context_management_weight',
+            'memory_management_weight',
+        )
+    )
+
+# %% ../nbs/18_audit_1_report.ipynb #322503ee
 def render_report(receipt: dict) -> str:
     """The first study's README.md: the prose above with every figure read from `receipt` (the run
     notebook writes it; `verify_receipt` compares it)."""
@@ -421,24 +469,8 @@ def render_report(receipt: dict) -> str:
         {'file': f"`{rel}` ({'executed' if rel == a['executed'] else 'read'})", 'SHA-256': f'`{h}`'}
         for rel, h in a['files'].items()
     ]
-    pairs = [
-        {
-            'pair / control': label.format(**pair_fields),
-            'direct outputs': out,
-            'what it shows': shows.format(**pair_fields),
-            'what it does not show': not_shown,
-        }
-        for (label, shows, not_shown), out in zip(_PAIR_PROSE, outputs, strict=True)
-    ]
-    weights = '/'.join(
-        f'{w[k]:g}'
-        for k in (
-            'task_completion_weight',
-            'tool_efficiency_weight',
-            'context_management_weight',
-            'memory_management_weight',
-        )
-    )
+    pairs = _pairs_rows(outputs, pair_fields)
+    weights = _weights_text(w)
     fields = dict(
         status=receipt['status'],
         matched=s['matched'],
@@ -512,14 +544,10 @@ def verify_receipt(report_dir=None, receipt_path=None) -> dict:
     except (AttributeError, TypeError, KeyError, IndexError) as e:
         raise wrong_shape(receipt_path, VerificationError, e) from None
 
-# %% ../nbs/18_audit_1_report.ipynb #485e044f
-def _verify(report_dir: Path, receipt_path: Path) -> dict:
-    fx_path, proto_path = report_dir / 'fixtures.json', report_dir / 'protocol.md'
-    # identity of inputs and of the audited copy
-    rc, fx, problems = open_receipt(
-        receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, also=(proto_path,)
-    )
-    problems += field_problems('receipt', rc, RECEIPT_FIELDS)
+# %% ../nbs/18_audit_1_report.ipynb #fe8e7640
+def _input_problems(rc: dict, fx_path: Path, proto_path: Path) -> list[str]:
+    """The receipt's fields and meaning, and the fixtures' and protocol's pinned hashes."""
+    problems = field_problems('receipt', rc, RECEIPT_FIELDS)
     problems += _differs('meaning', rc.get('meaning'), MEANING)
     for name, path, pinned in (
         ('fixtures.json', fx_path, FIXTURES_SHA256),
@@ -535,8 +563,14 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     problems += _differs(
         'protocol', rc.get('protocol'), {'path': 'protocol.md', 'sha256': PROTOCOL_SHA256}
     )
+    return problems
+
+# %% ../nbs/18_audit_1_report.ipynb #57dc9891
+def _audited_problems(rc: dict, fx: dict) -> tuple[list[str], dict, list[str]]:
+    """Problems of the audited copy and the run's environment, the `audited` block, and the
+    copy's origin problems."""
     aud = rc.get('audited') if isinstance(rc.get('audited'), dict) else {}
-    problems += field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
+    problems = field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
     origin = origin_problems(
         audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, AUDITED_PINS
     )
@@ -555,7 +589,12 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     problems += _differs('call_site_weights', rc.get('call_site_weights'), _weights(fx))
     problems += environment_problems(rc.get('environment'))
     problems += provenance_problems(rc.get('provenance'))
-    # completeness
+    return problems, aud, origin
+
+# %% ../nbs/18_audit_1_report.ipynb #d4eb883f
+def _completeness_problems(rc: dict, fx: dict) -> tuple[list[str], list[dict]]:
+    """Problems of the receipt's set of cases, and its cases (a non-object case as `{}`)."""
+    problems = []
     want = [c['id'] for c in fx['cases']]
     if not isinstance(rc.get('cases'), list):
         problems.append(f"cases: {_short(rc.get('cases'))}, not a list")
@@ -574,8 +613,12 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
             problems.append(f'case {cid!r}: in the receipt but not in fixtures.json')
     if len(want) != N_CASES:
         problems.append(f'{len(want)} fixture cases, expected {N_CASES}')
-    # every recorded output against its expectation, every recorded check against a fresh one
-    tol, by_id = fx['tolerance'], {c.get('id'): c for c in cases}
+    return problems, cases
+
+# %% ../nbs/18_audit_1_report.ipynb #198620d8
+def _case_problems(fx: dict, cases: list[dict]) -> list[str]:
+    """Every recorded output against its expectation, every recorded check against a fresh one."""
+    problems, tol, by_id = [], fx['tolerance'], {c.get('id'): c for c in cases}
     for case in fx['cases']:
         rec = by_id.get(case['id'])
         if rec is None:
@@ -601,8 +644,12 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
             problems.append(
                 f"case {case['id']!r}: recorded checks disagree with a fresh comparison"
             )
-    # every figure the reports show, recounted from the cases
-    summary, stored = _summary(cases), rc.get('summary')
+    return problems
+
+# %% ../nbs/18_audit_1_report.ipynb #d5fec302
+def _summary_problems(rc: dict, cases: list[dict], aud: dict, origin: list) -> tuple[list, dict]:
+    """The stored summary and status against those recounted from `cases`, and the recount."""
+    problems, summary, stored = [], _summary(cases), rc.get('summary')
     if not isinstance(stored, dict):
         problems.append(f'summary: {_short(stored)}, not an object')
         stored = {}
@@ -615,6 +662,26 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     )
     if rc.get('status') != 'passed':
         problems.append(f'receipt status is {rc.get("status")!r}, not "passed"')
+    return problems, summary
+
+# %% ../nbs/18_audit_1_report.ipynb #485e044f
+def _verify(report_dir: Path, receipt_path: Path) -> dict:
+    fx_path, proto_path = report_dir / 'fixtures.json', report_dir / 'protocol.md'
+    # identity of inputs and of the audited copy
+    rc, fx, problems = open_receipt(
+        receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, also=(proto_path,)
+    )
+    problems += _input_problems(rc, fx_path, proto_path)
+    audited, aud, origin = _audited_problems(rc, fx)
+    problems += audited
+    # completeness
+    complete, cases = _completeness_problems(rc, fx)
+    problems += complete
+    # every recorded output against its expectation, every recorded check against a fresh one
+    problems += _case_problems(fx, cases)
+    # every figure the reports show, recounted from the cases
+    recount, summary = _summary_problems(rc, cases, aud, origin)
+    problems += recount
     problems += _readme_problems(
         report_dir / 'README.md', None if problems else rc
     )  # last: the rendering of a receipt that verified
@@ -629,6 +696,74 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
         'protocol_sha256': rc['protocol']['sha256'],
         'audited': f"{aud['repository']}@{aud['revision']}",
     }
+
+# %% ../nbs/18_audit_1_report.ipynb #b3b58c0e
+def _study_parser(prog: str, description: str, inputs: tuple, epilog) -> argparse.ArgumentParser:
+    """The arguments of a study's command."""
+    ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
+    ap.add_argument(
+        '--source-repo',
+        help='path of the upstream checkout (pinned revision; outside this repository)',
+    )
+    ap.add_argument('--out', help='where to write the receipt (default: <report-dir>/receipt.json)')
+    ap.add_argument(
+        '--verify',
+        action='store_true',
+        help='verify the committed receipt; needs no upstream checkout',
+    )
+    ap.add_argument('--receipt', help='receipt to verify (default: <report-dir>/receipt.json)')
+    ap.add_argument(
+        '--report-dir',
+        help=f"folder with {' and '.join(inputs)} (default: the study's folder in reports/ of the "
+        "checkout this command runs in; outside a checkout, give it)",
+    )
+    return ap
+
+# %% ../nbs/18_audit_1_report.ipynb #4957c548
+def _verify_study(verify, report_dir: Path, receipt) -> int:
+    """`--verify`: print the verification, or why it failed; the exit status."""
+    try:
+        res = verify(report_dir, receipt)
+    except VerificationError as e:
+        if getattr(e, 'bad_input', False):
+            print(f'REFUSED: {e}', file=sys.stderr)
+            return 2  # not a receipt it can read
+        print(f'VERIFY FAILED: {e}', file=sys.stderr)
+        return 1
+    print(json.dumps(res, indent=1))
+    return 0
+
+# %% ../nbs/18_audit_1_report.ipynb #4f8cf1e5
+def _run_study(run, render, source_repo, out: Path, report_dir: Path, inputs: tuple) -> int:
+    """`--source-repo`: run the study, write the receipt and its report; the exit status."""
+    try:
+        refuse_overwrite(
+            {name: report_dir / name for name in inputs},
+            {'out': out, 'README.md': report_dir / 'README.md'},
+        )  # nor the report
+        receipt = run(source_repo, report_dir)
+    except (AuditError, ValueError) as e:
+        print(f'REFUSED: {e}', file=sys.stderr)
+        return 2
+    write_receipt(receipt, out)
+    if (
+        out.resolve() == (report_dir / 'receipt.json').resolve()
+    ):  # the report folder's receipt: its report follows it
+        print('rendered', ', '.join(str(p) for p in render(receipt, report_dir)))
+    else:
+        print(
+            f'{report_dir} not rendered: the receipt went to {out}, not to '
+            f'{report_dir / "receipt.json"}',
+            file=sys.stderr,
+        )
+    s = receipt['summary']
+    print(
+        f"{receipt['status']}: {s['matched']}/{s['checks']} checks matched over {s['cases']} "
+        f"cases -> {out}"
+    )
+    for cid in s['mismatched_cases']:
+        print(f'  mismatch in case {cid}', file=sys.stderr)
+    return 0 if receipt['status'] == 'passed' else 1
 
 # %% ../nbs/18_audit_1_report.ipynb #8ef9cca1
 def study_cli(
@@ -652,23 +787,7 @@ def study_cli(
         `--verify` checks a receipt with
         `verify(report_dir, receipt)` (exit 0 verified, 1 not, 2 a receipt or input it cannot
         read)."""
-    ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
-    ap.add_argument(
-        '--source-repo',
-        help='path of the upstream checkout (pinned revision; outside this repository)',
-    )
-    ap.add_argument('--out', help='where to write the receipt (default: <report-dir>/receipt.json)')
-    ap.add_argument(
-        '--verify',
-        action='store_true',
-        help='verify the committed receipt; needs no upstream checkout',
-    )
-    ap.add_argument('--receipt', help='receipt to verify (default: <report-dir>/receipt.json)')
-    ap.add_argument(
-        '--report-dir',
-        help=f"folder with {' and '.join(inputs)} (default: the study's folder in reports/ of the "
-        "checkout this command runs in; outside a checkout, give it)",
-    )
+    ap = _study_parser(prog, description, inputs, epilog)
     a = ap.parse_args(argv)
     if a.verify == bool(a.source_repo):
         ap.error('give exactly one of --source-repo PATH or --verify')
@@ -677,45 +796,9 @@ def study_cli(
     except AuditError as e:
         ap.error(f"{e} (--report-dir)")
     if a.verify:
-        try:
-            res = verify(report_dir, a.receipt)
-        except VerificationError as e:
-            if getattr(e, 'bad_input', False):
-                print(f'REFUSED: {e}', file=sys.stderr)
-                return 2  # not a receipt it can read
-            print(f'VERIFY FAILED: {e}', file=sys.stderr)
-            return 1
-        print(json.dumps(res, indent=1))
-        return 0
+        return _verify_study(verify, report_dir, a.receipt)
     out = Path(a.out) if a.out else report_dir / 'receipt.json'
-    try:
-        refuse_overwrite(
-            {name: report_dir / name for name in inputs},
-            {'out': out, 'README.md': report_dir / 'README.md'},
-        )  # nor the report
-        receipt = run(a.source_repo, report_dir)
-    except (AuditError, ValueError) as e:
-        print(f'REFUSED: {e}', file=sys.stderr)
-        return 2
-    write_receipt(receipt, out)
-    if (
-        out.resolve() == (report_dir / 'receipt.json').resolve()
-    ):  # the report folder's receipt: its report follows it
-        print('rendered', ', '.join(str(p) for p in render(receipt, report_dir)))
-    else:
-        print(
-            f'{report_dir} not rendered: the receipt went to {out}, not to '
-            f'{report_dir / "receipt.json"}',
-            file=sys.stderr,
-        )
-    s = receipt['summary']
-    print(
-        f"{receipt['status']}: {s['matched']}/{s['checks']} checks matched over {s['cases']} "
-        f"cases -> {out}"
-    )
-    for cid in s['mismatched_cases']:
-        print(f'  mismatch in case {cid}', file=sys.stderr)
-    return 0 if receipt['status'] == 'passed' else 1
+    return _run_study(run, render, a.source_repo, out, report_dir, inputs)
 
 # %% ../nbs/18_audit_1_report.ipynb #b5dbc9ad
 def audit_cli(argv=None, epilog=None) -> int:

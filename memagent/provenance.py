@@ -212,7 +212,55 @@ def provenance(repo='.', **extra) -> dict:
     )  # everything in it must be JSON-serializable; fail here, not when the output is written
     return rec
 
-# %% ../nbs/01_provenance.ipynb #fc0eaa5f
+# %% ../nbs/01_provenance.ipynb #df5b1a43
+def _git_problems(g, where: str) -> list[str]:
+    """Each way the `git` block `g` departs from what `git_state()` writes."""
+    import re
+
+    out = []
+    if not isinstance(g, dict):
+        out.append(f'{where}.git: {g!r} is not an object')
+    else:
+        out += [
+            f'{where}.git.{k}: not a field git_state() writes'
+            for k in g
+            if k not in ('commit', 'dirty', 'changed', 'reason')
+        ]
+        c, d = g.get('commit'), g.get('dirty')
+        if c is None:
+            if d is not None or not isinstance(g.get('reason'), str):
+                out.append(f'{where}.git: no commit, so dirty must be null and a reason given')
+        elif not (isinstance(c, str) and re.fullmatch(r'[0-9a-f]{40}', c)):
+            out.append(f'{where}.git.commit: {c!r} is not a 40-hex commit')
+        elif not isinstance(d, bool):
+            out.append(f'{where}.git.dirty: {d!r} is not true or false')
+        elif d != bool(g.get('changed')) or (
+            'changed' in g
+            and not (
+                isinstance(g['changed'], list) and all(isinstance(x, str) for x in g['changed'])
+            )
+        ):
+            out.append(
+                f"{where}.git: dirty={d!r} disagrees with the changed files it lists "
+                f"({g.get('changed')!r})"
+            )
+    return out
+
+# %% ../nbs/01_provenance.ipynb #f9b65b34
+def _packages_problems(p, where: str) -> list[str]:
+    """Each way the `packages` block `p` departs from the versions of `KEY_PACKAGES`."""
+    if not isinstance(p, dict) or list(p) != list(KEY_PACKAGES):
+        return [
+            f'{where}.packages: {sorted(p) if isinstance(p, dict) else p!r} are not the '
+            f'packages {list(KEY_PACKAGES)}'
+        ]
+    return [
+        f'{where}.packages.{k}: {v!r} is not a version or null'
+        for k, v in p.items()
+        if not (v is None or (isinstance(v, str) and v))
+    ]
+
+# %% ../nbs/01_provenance.ipynb #bc2c5b99
 _HOST_TYPES = {
     'python': str,
     'platform': str,
@@ -225,6 +273,25 @@ _HOST_TYPES = {
 }
 
 
+def _host_problems(h, where: str) -> list[str]:
+    """Each way the `host` block `h` departs from what `host_info()` writes."""
+    if not isinstance(h, dict):
+        return [f'{where}.host: {h!r} is not an object']
+    out = [
+        f'{where}.host.{k}: missing'
+        for k in ('python', 'platform', 'machine', 'cpu_count', 'hostname', 'cuda')
+        if k not in h
+    ]
+    out += [
+        f'{where}.host.{k}: not a field host_info() writes'
+        if k not in _HOST_TYPES
+        else f'{where}.host.{k}: {v!r} has the wrong type'
+        for k, v in h.items()
+        if k not in _HOST_TYPES or not _typed(v, _HOST_TYPES[k])
+    ]
+    return out
+
+# %% ../nbs/01_provenance.ipynb #fc0eaa5f
 def provenance_problems(rec, where: str = 'provenance', extra=()) -> list[str]:
     """Each way `rec` departs from the shape `provenance()` writes (with the caller's `extra` keys):
     `[]` when it has that shape."""
@@ -242,64 +309,12 @@ def provenance_problems(rec, where: str = 'provenance', extra=()) -> list[str]:
         isinstance(t, str) and re.fullmatch(r'\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ', t)
     ):
         out.append(f'{where}.created_utc: {t!r} is not a UTC time as YYYY-MM-DDTHH:MM:SSZ')
-    g = rec.get('git')
     if 'git' in rec:
-        if not isinstance(g, dict):
-            out.append(f'{where}.git: {g!r} is not an object')
-        else:
-            out += [
-                f'{where}.git.{k}: not a field git_state() writes'
-                for k in g
-                if k not in ('commit', 'dirty', 'changed', 'reason')
-            ]
-            c, d = g.get('commit'), g.get('dirty')
-            if c is None:
-                if d is not None or not isinstance(g.get('reason'), str):
-                    out.append(f'{where}.git: no commit, so dirty must be null and a reason given')
-            elif not (isinstance(c, str) and re.fullmatch(r'[0-9a-f]{40}', c)):
-                out.append(f'{where}.git.commit: {c!r} is not a 40-hex commit')
-            elif not isinstance(d, bool):
-                out.append(f'{where}.git.dirty: {d!r} is not true or false')
-            elif d != bool(g.get('changed')) or (
-                'changed' in g
-                and not (
-                    isinstance(g['changed'], list) and all(isinstance(x, str) for x in g['changed'])
-                )
-            ):
-                out.append(
-                    f"{where}.git: dirty={d!r} disagrees with the changed files it lists "
-                    f"({g.get('changed')!r})"
-                )
-    p = rec.get('packages')
+        out += _git_problems(rec.get('git'), where)
     if 'packages' in rec:
-        if not isinstance(p, dict) or list(p) != list(KEY_PACKAGES):
-            out.append(
-                f'{where}.packages: {sorted(p) if isinstance(p, dict) else p!r} are not the '
-                f'packages {list(KEY_PACKAGES)}'
-            )
-        else:
-            out += [
-                f'{where}.packages.{k}: {v!r} is not a version or null'
-                for k, v in p.items()
-                if not (v is None or (isinstance(v, str) and v))
-            ]
-    h = rec.get('host')
+        out += _packages_problems(rec.get('packages'), where)
     if 'host' in rec:
-        if not isinstance(h, dict):
-            out.append(f'{where}.host: {h!r} is not an object')
-        else:
-            out += [
-                f'{where}.host.{k}: missing'
-                for k in ('python', 'platform', 'machine', 'cpu_count', 'hostname', 'cuda')
-                if k not in h
-            ]
-            out += [
-                f'{where}.host.{k}: not a field host_info() writes'
-                if k not in _HOST_TYPES
-                else f'{where}.host.{k}: {v!r} has the wrong type'
-                for k, v in h.items()
-                if k not in _HOST_TYPES or not _typed(v, _HOST_TYPES[k])
-            ]
+        out += _host_problems(rec.get('host'), where)
     return out
 
 # %% ../nbs/01_provenance.ipynb #368fb82f

@@ -51,6 +51,94 @@ def _refuse(model, want, served, why):
         f"{served}; expected: {exp}"
     )
 
+# %% ../nbs/16a_served.ipynb #070544fa
+def _hf_proof(ident: dict, model, want: dict) -> dict:
+    """Proof that an HF engine's model object was loaded from the checkpoint's directory."""
+    got = (
+        str(Path(ident['path']).resolve())
+        if ident['path'] and Path(ident['path']).exists()
+        else ident['path']
+    )
+    if got is None or got != (want['path'] or want['name']):
+        _refuse(
+            model,
+            want,
+            f"HF engine model {ident['class']} loaded from {ident['path']}",
+            'the model object was loaded elsewhere',
+        )
+    return {
+        'kind': 'hf',
+        'path': got,
+        'how': 'model object loaded from the checkpoint directory',
+    }
+
+# %% ../nbs/16a_served.ipynb #454abc74
+def _hash_proof(srv: dict, model, want: dict) -> dict:
+    """Proof that a server whose model path is visible here serves the checkpoint's tensors."""
+    from memagent.checkpoint import tensors_sha256, CheckpointError
+
+    sp = srv['model_path']
+    if want['path'] is None:
+        _refuse(
+            model,
+            want,
+            f"{srv['url']} model_path {sp}",
+            'a local directory is served for a hub id',
+        )
+    try:
+        got = tensors_sha256(sp)
+    except CheckpointError as e:
+        _refuse(
+            model,
+            want,
+            f"{srv['url']} model_path {sp}",
+            f"the served weights cannot be hashed ({e})",
+        )
+    if got != _want_hash(want):
+        _refuse(
+            model,
+            want,
+            f"{srv['url']} model_path {sp} (tensors_sha256 {got[:16]})",
+            'the served weights differ',
+        )
+    return {**srv, 'tensors_sha256': got, 'how': 'served path visible: tensor hash'}
+
+# %% ../nbs/16a_served.ipynb #ce563db5
+def _fingerprint_proofs(engine, ident: dict, need_fp: list, model, want: dict, logprob_tol) -> list:
+    """Proofs that servers whose path is not visible here reproduce the recorded fingerprint."""
+    fp = (want['record'] or {}).get('fingerprint')
+    if not fp:
+        _refuse(
+            model,
+            want,
+            ', '.join(f"{s['url']} model_path {s['model_path']}" for s in need_fp),
+            'the served path is not visible to this client and the checkpoint records no '
+            'fingerprint',
+        )
+    res = dict(
+        zip(
+            [s['url'] for s in ident['servers']],
+            engine.greedy_each(fp['prompt_ids'], len(fp['output_ids'])),
+        )
+    )
+    proofs = []
+    for srv in need_fp:
+        r = res[srv['url']]
+        diff = max((abs(a - b) for a, b in zip(r.logprobs, fp['logprobs'])), default=0.0)
+        if list(r.output_ids) != fp['output_ids'] or diff > logprob_tol:
+            _refuse(
+                model,
+                want,
+                f"{srv['url']} model_path {srv['model_path']} (fingerprint ids "
+                f"{list(r.output_ids)}, log-probs "
+                f"{[round(x, 4) for x in r.logprobs]})",
+                f"the fingerprint differs from the one recorded at export "
+                f"(ids {fp['output_ids']}, log-probs {[round(x, 4) for x in fp['logprobs']]}, "
+                f"tolerance {logprob_tol})",
+            )
+        proofs.append({**srv, 'how': 'fingerprint', 'max_logprob_diff': diff})
+    return proofs
+
 # %% ../nbs/16a_served.ipynb #38da2f30
 def check_served_model(engine, model, logprob_tol: float = 0.1) -> dict:
     """Prove `engine` serves checkpoint `model` (see above), else `ModelMismatchError` naming both
@@ -62,86 +150,16 @@ def check_served_model(engine, model, logprob_tol: float = 0.1) -> dict:
         )
     ident, want = engine.identity(), _want(model)
     if ident['kind'] == 'hf':
-        got = (
-            str(Path(ident['path']).resolve())
-            if ident['path'] and Path(ident['path']).exists()
-            else ident['path']
-        )
-        if got is None or got != (want['path'] or want['name']):
-            _refuse(
-                model,
-                want,
-                f"HF engine model {ident['class']} loaded from {ident['path']}",
-                'the model object was loaded elsewhere',
-            )
-        return {
-            'kind': 'hf',
-            'path': got,
-            'how': 'model object loaded from the checkpoint directory',
-        }
+        return _hf_proof(ident, model, want)
     proofs, need_fp = [], []
     for srv in ident['servers']:
         sp = srv['model_path']
         if sp and Path(sp).is_dir():
-            from memagent.checkpoint import tensors_sha256, CheckpointError
-
-            if want['path'] is None:
-                _refuse(
-                    model,
-                    want,
-                    f"{srv['url']} model_path {sp}",
-                    'a local directory is served for a hub id',
-                )
-            try:
-                got = tensors_sha256(sp)
-            except CheckpointError as e:
-                _refuse(
-                    model,
-                    want,
-                    f"{srv['url']} model_path {sp}",
-                    f"the served weights cannot be hashed ({e})",
-                )
-            if got != _want_hash(want):
-                _refuse(
-                    model,
-                    want,
-                    f"{srv['url']} model_path {sp} (tensors_sha256 {got[:16]})",
-                    'the served weights differ',
-                )
-            proofs.append({**srv, 'tensors_sha256': got, 'how': 'served path visible: tensor hash'})
+            proofs.append(_hash_proof(srv, model, want))
         elif want['path'] is None and sp == want['name']:
             proofs.append({**srv, 'how': 'hub id served under the same name'})
         else:
             need_fp.append(srv)
     if need_fp:
-        fp = (want['record'] or {}).get('fingerprint')
-        if not fp:
-            _refuse(
-                model,
-                want,
-                ', '.join(f"{s['url']} model_path {s['model_path']}" for s in need_fp),
-                'the served path is not visible to this client and the checkpoint records no '
-                'fingerprint',
-            )
-        res = dict(
-            zip(
-                [s['url'] for s in ident['servers']],
-                engine.greedy_each(fp['prompt_ids'], len(fp['output_ids'])),
-            )
-        )
-        for srv in need_fp:
-            r = res[srv['url']]
-            diff = max((abs(a - b) for a, b in zip(r.logprobs, fp['logprobs'])), default=0.0)
-            if list(r.output_ids) != fp['output_ids'] or diff > logprob_tol:
-                _refuse(
-                    model,
-                    want,
-                    f"{srv['url']} model_path {srv['model_path']} (fingerprint ids "
-                    f"{list(r.output_ids)}, log-probs "
-                    f"{[round(x, 4) for x in r.logprobs]})",
-                    f"the fingerprint differs from the one recorded at export "
-                    f"(ids {fp['output_ids']}, log-probs {[round(x, 4) for x in fp['logprobs']]}, "
-                    f"tolerance {logprob_tol})",
-                )
-            proofs.append({**srv, 'how': 'fingerprint', 'max_logprob_diff': diff})
+        proofs += _fingerprint_proofs(engine, ident, need_fp, model, want, logprob_tol)
     return {'kind': 'sglang', 'servers': proofs}

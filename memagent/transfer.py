@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 from .trajectory import Row
 from .credit import mini_batch_of
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['rows_to_arrays', 'num_array_rows', 'arrays_to_rows', 'take_arrays', 'concat_arrays', 'ChannelError', 'RowChannel',
@@ -150,57 +151,62 @@ class _Ledger:
         self.failed.setdefault(rid, msg)
         self.steps.pop(rid, None)
 
-    def poll(self, rid, rank: int, world: int, take):
-        "The rank's slice, `_NOT_READY`, or an exception."
-        if world < 1 or not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is not in 0..{world - 1} (world_size {world})")
-        if rid in self.failed:
-            raise ChannelError(f"rollout {rid!r} failed: {self.failed[rid]}")
-        if rid in self.released:
-            raise ChannelError(
-                f"rollout {rid!r} was released after all ranks consumed it (rank {rank} asked "
-                "again)"
-            )
-        s = self.steps.get(rid)
-        if s is None:
-            return _NOT_READY
-        if s['world'] is None:
-            s['world'] = world
-        elif s['world'] != world:
-            raise ValueError(
-                f"rollout {rid!r}: rank {rank} uses world_size {world}, others {s['world']}"
-            )
-        n = s['n']
-        if n % world:
-            raise ValueError(f"rollout {rid!r}: {n} rows do not divide by world_size {world}")
-        if rank in s['ranks']:
-            raise ChannelError(f"rollout {rid!r}: rank {rank} already took its rows")
-        k = n // world
-        out = take(s['payload'], range(rank * k, (rank + 1) * k))
-        s['ranks'].add(rank)
-        s['consumed'] += k
-        if len(s['ranks']) == world:
-            self.released[rid] = dict(produced=n, consumed=s['consumed'])
-            del self.steps[rid]
-        return out
-
-    def counts(self, rid) -> dict:
-        if rid in self.released:
-            return dict(self.released[rid])
-        s = self.steps.get(rid)
-        return dict(produced=s['n'], consumed=s['consumed']) if s else dict(produced=0, consumed=0)
-
-    def timeout_message(self, rid, rank, world, timeout) -> str:
-        last = self.order[-1] if self.order else None
-        state = (
-            'put but not all ranks done'
-            if rid in self.steps
-            else f"not produced yet (latest produced: {last!r})"
+# %% ../nbs/12_transfer.ipynb #d826dbdc
+@patch_to(_Ledger)
+def poll(self, rid, rank: int, world: int, take):
+    "The rank's slice, `_NOT_READY`, or an exception."
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in 0..{world - 1} (world_size {world})")
+    if rid in self.failed:
+        raise ChannelError(f"rollout {rid!r} failed: {self.failed[rid]}")
+    if rid in self.released:
+        raise ChannelError(
+            f"rollout {rid!r} was released after all ranks consumed it (rank {rank} asked again)"
         )
-        return (
-            f"rollout {rid!r}: rank {rank} of {world} got no rows within {timeout:g} s; the step "
-            f"is {state}"
+    s = self.steps.get(rid)
+    if s is None:
+        return _NOT_READY
+    if s['world'] is None:
+        s['world'] = world
+    elif s['world'] != world:
+        raise ValueError(
+            f"rollout {rid!r}: rank {rank} uses world_size {world}, others {s['world']}"
         )
+    n = s['n']
+    if n % world:
+        raise ValueError(f"rollout {rid!r}: {n} rows do not divide by world_size {world}")
+    if rank in s['ranks']:
+        raise ChannelError(f"rollout {rid!r}: rank {rank} already took its rows")
+    k = n // world
+    out = take(s['payload'], range(rank * k, (rank + 1) * k))
+    s['ranks'].add(rank)
+    s['consumed'] += k
+    if len(s['ranks']) == world:
+        self.released[rid] = dict(produced=n, consumed=s['consumed'])
+        del self.steps[rid]
+    return out
+
+# %% ../nbs/12_transfer.ipynb #2e1cbc10
+@patch_to(_Ledger)
+def counts(self, rid) -> dict:
+    if rid in self.released:
+        return dict(self.released[rid])
+    s = self.steps.get(rid)
+    return dict(produced=s['n'], consumed=s['consumed']) if s else dict(produced=0, consumed=0)
+
+
+@patch_to(_Ledger)
+def timeout_message(self, rid, rank, world, timeout) -> str:
+    last = self.order[-1] if self.order else None
+    state = (
+        'put but not all ranks done'
+        if rid in self.steps
+        else f"not produced yet (latest produced: {last!r})"
+    )
+    return (
+        f"rollout {rid!r}: rank {rank} of {world} got no rows within {timeout:g} s; the step "
+        f"is {state}"
+    )
 
 # %% ../nbs/12_transfer.ipynb #e61b95ca
 class RowChannel:
@@ -413,69 +419,79 @@ class _RowStore:
         except (ValueError, ChannelError) as e:
             return (type(e).__name__, str(e))
 
-    async def append(self, rid, part: int, arrays):
-        def f():
-            if rid in self.l.failed:
-                raise ChannelError(f"rollout {rid!r} already failed: {self.l.failed[rid]}")
-            self.parts.setdefault(rid, {})[part] = arrays
-            self.l.check_count(rid, sum(num_array_rows(p) for p in self.parts[rid].values()))
-            return num_array_rows(arrays)
+# %% ../nbs/12_transfer.ipynb #7a631be0
+@patch_to(_RowStore)
+async def append(self, rid, part: int, arrays):
+    def f():
+        if rid in self.l.failed:
+            raise ChannelError(f"rollout {rid!r} already failed: {self.l.failed[rid]}")
+        self.parts.setdefault(rid, {})[part] = arrays
+        self.l.check_count(rid, sum(num_array_rows(p) for p in self.parts[rid].values()))
+        return num_array_rows(arrays)
 
-        res = self._wrap(f)
-        if res[0] != 'ok':
-            self.parts.pop(rid, None)
-            async with self.cv:
-                self.cv.notify_all()
-        return res
-
-    async def seal(self, rid, n_reported: int):
-        parts = self.parts.pop(rid, {})
-
-        def f():
-            arrays = concat_arrays([parts[k] for k in sorted(parts)]) if parts else None
-            n = num_array_rows(arrays) if arrays is not None else 0
-            if n != n_reported:
-                self.l._refuse(
-                    rid, f"rollout {rid!r}: producer reported {n_reported} rows but wrote {n}"
-                )
-            return self.l.put(rid, arrays, n)
-
-        res = self._wrap(f)
-        async with self.cv:
-            self.cv.notify_all()
-        return res
-
-    async def fail(self, rid, msg):
+    res = self._wrap(f)
+    if res[0] != 'ok':
         self.parts.pop(rid, None)
-        self.l.fail(rid, msg)
         async with self.cv:
             self.cv.notify_all()
-
-    async def get(self, rid, rank, world, timeout):
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        async with self.cv:
-            while True:
-                res = self._wrap(lambda: self.l.poll(rid, rank, world, take_arrays))
-                if res[0] != 'ok' or res[1] is not _NOT_READY:
-                    return res
-                left = deadline - loop.time()
-                if left <= 0:
-                    return ('TimeoutError', self.l.timeout_message(rid, rank, world, timeout))
-                try:
-                    await asyncio.wait_for(self.cv.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
-
-    async def counts(self, rid):
-        return self.l.counts(rid)
+    return res
 
 
-_ERRORS = {'ValueError': ValueError, 'ChannelError': ChannelError, 'TimeoutError': TimeoutError}
+@patch_to(_RowStore)
+async def seal(self, rid, n_reported: int):
+    parts = self.parts.pop(rid, {})
+
+    def f():
+        arrays = concat_arrays([parts[k] for k in sorted(parts)]) if parts else None
+        n = num_array_rows(arrays) if arrays is not None else 0
+        if n != n_reported:
+            self.l._refuse(
+                rid, f"rollout {rid!r}: producer reported {n_reported} rows but wrote {n}"
+            )
+        return self.l.put(rid, arrays, n)
+
+    res = self._wrap(f)
+    async with self.cv:
+        self.cv.notify_all()
+    return res
+
+# %% ../nbs/12_transfer.ipynb #72c5e640
+@patch_to(_RowStore)
+async def fail(self, rid, msg):
+    self.parts.pop(rid, None)
+    self.l.fail(rid, msg)
+    async with self.cv:
+        self.cv.notify_all()
+
+
+@patch_to(_RowStore)
+async def get(self, rid, rank, world, timeout):
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with self.cv:
+        while True:
+            res = self._wrap(lambda: self.l.poll(rid, rank, world, take_arrays))
+            if res[0] != 'ok' or res[1] is not _NOT_READY:
+                return res
+            left = deadline - loop.time()
+            if left <= 0:
+                return ('TimeoutError', self.l.timeout_message(rid, rank, world, timeout))
+            try:
+                await asyncio.wait_for(self.cv.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+
+@patch_to(_RowStore)
+async def counts(self, rid):
+    return self.l.counts(rid)
 
 # %% ../nbs/12_transfer.ipynb #0d8e0dbe
+_ERRORS = {'ValueError': ValueError, 'ChannelError': ChannelError, 'TimeoutError': TimeoutError}
+
+
 def _unwrap(res):
     if res[0] == 'ok':
         return res[1]

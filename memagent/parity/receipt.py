@@ -414,10 +414,10 @@ def _hidden(fresh, recorded) -> list:
         if not c['agree'] and (rec.get(c['field']) or {}).get('agree') is not False
     ]
 
-# %% ../../nbs/18b_parity_3_receipt.ipynb #5f3aa276
-def _verify_mode(mode, block, fixtures, problems) -> dict:
-    """Problems of one mode's block; returns the block recomputed from its recorded upstream outputs
-    and our current code."""
+# %% ../../nbs/18b_parity_3_receipt.ipynb #f92ef0c7
+def _mode_case_problems(mode, block, fixtures, problems) -> tuple[dict, list]:
+    """Problems of one mode's upstream block, its set of cases and our outputs recomputed now;
+    returns the cases by id and the fixtures present."""
     up = block.get('upstream', {})
     problems += [f'{mode}: upstream: {p}' for p in origin_problems(up, *_PINS[mode])]
     if up.get('unchanged_after_run') is not True:
@@ -442,25 +442,12 @@ def _verify_mode(mode, block, fixtures, problems) -> dict:
                     f"{mode}: case {f['id']!r}: {c['field']}: our output is now {c['ours']!r}, "
                     f"the receipt records {c['upstream']!r}"
                 )
-    agg = block.get('aggregate', {}).get('upstream', {})
-    expect_ids = [
-        f['id']
-        for f in present
-        if not (
-            mode == 'official' and by_id[f['id']].get('upstream', {}).get('eval', {}).get('abort')
-        )
-    ]
-    if agg.get('fixtures') != expect_ids:
-        problems.append(
-            f'{mode}: the aggregate covers {len(agg.get("fixtures", []))} fixtures, expected '
-            f'{len(expect_ids)}'
-        )
-    recorded = {
-        'cases': {f['id']: by_id[f['id']].get('upstream', {}) for f in present},
-        'aggregate': {'fixtures': [], **agg},
-    }
-    fresh = _json(_mode_block(up, recorded, present, mode))
-    for new, old in zip(fresh['cases'], (by_id[f['id']] for f in present)):
+    return by_id, present
+
+# %% ../../nbs/18b_parity_3_receipt.ipynb #ab8ad786
+def _check_problems(mode, block, fresh, old_cases, problems) -> None:
+    """Problems of the recorded checks, aggregate checks and summary against the rebuilt `fresh`."""
+    for new, old in zip(fresh['cases'], old_cases):
         problems += [
             f"{mode}: case {new['id']!r}: {c['field']}: upstream recorded "
             f"{_short(c['upstream'])}, ours {_short(c['ours'])}, "
@@ -482,6 +469,32 @@ def _verify_mode(mode, block, fixtures, problems) -> dict:
         f'{mode}: {p}' for p in _diff(fresh['aggregate']['checks'], rec_agg, 'aggregate.checks')
     ]
     problems += [f'{mode}: {p}' for p in _diff(fresh['summary'], block.get('summary'), 'summary')]
+
+# %% ../../nbs/18b_parity_3_receipt.ipynb #5f3aa276
+def _verify_mode(mode, block, fixtures, problems) -> dict:
+    """Problems of one mode's block; returns the block recomputed from its recorded upstream outputs
+    and our current code."""
+    by_id, present = _mode_case_problems(mode, block, fixtures, problems)
+    up = block.get('upstream', {})
+    agg = block.get('aggregate', {}).get('upstream', {})
+    expect_ids = [
+        f['id']
+        for f in present
+        if not (
+            mode == 'official' and by_id[f['id']].get('upstream', {}).get('eval', {}).get('abort')
+        )
+    ]
+    if agg.get('fixtures') != expect_ids:
+        problems.append(
+            f'{mode}: the aggregate covers {len(agg.get("fixtures", []))} fixtures, expected '
+            f'{len(expect_ids)}'
+        )
+    recorded = {
+        'cases': {f['id']: by_id[f['id']].get('upstream', {}) for f in present},
+        'aggregate': {'fixtures': [], **agg},
+    }
+    fresh = _json(_mode_block(up, recorded, present, mode))
+    _check_problems(mode, block, fresh, (by_id[f['id']] for f in present), problems)
     return fresh
 
 # %% ../../nbs/18b_parity_3_receipt.ipynb #e8cfd92d
@@ -496,14 +509,11 @@ def verify_receipt(receipt_path=None, fixtures_path=None) -> dict:
     except (AttributeError, TypeError, KeyError, IndexError) as e:
         raise wrong_shape(receipt_path, VerificationError, e) from None
 
-# %% ../../nbs/18b_parity_3_receipt.ipynb #353033ec
-def _verify(receipt_path: Path, fx_path: Path) -> dict:
-    rc, fixtures, problems = open_receipt(
-        receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, error=VerificationError
-    )
-    # what cannot be recomputed: pinned (prose, the committed fixtures) or held to the shape the
-    # runner writes
-    problems += field_problems('receipt', rc, RECEIPT_FIELDS, optional=('fuzz',))
+# %% ../../nbs/18b_parity_3_receipt.ipynb #3d383554
+def _pinned_problems(rc: dict, fixtures: list, fx_path: Path) -> list[str]:
+    """What cannot be recomputed: pinned (prose, the committed fixtures) or held to the shape the
+    runner writes."""
+    problems = field_problems('receipt', rc, RECEIPT_FIELDS, optional=('fuzz',))
     if rc.get('meaning') != MEANING:
         problems.append(
             f"meaning: the receipt says {_short(rc.get('meaning'))}, the code writes "
@@ -525,6 +535,11 @@ def _verify(receipt_path: Path, fx_path: Path) -> dict:
     problems += environment_problems(rc.get('environment'))
     if 'provenance' in rc:
         problems += provenance_problems(rc['provenance'])
+    return problems
+
+# %% ../../nbs/18b_parity_3_receipt.ipynb #7b0e145f
+def _verify_modes(rc: dict, fixtures: list, problems: list) -> dict:
+    """Each mode's block checked (`_verify_mode`) and rebuilt; adds to `problems`."""
     modes = rc.get('modes') if isinstance(rc.get('modes'), dict) else {}
     problems += field_problems('modes', rc.get('modes'), ('official', 'relax'))
     fresh = {}
@@ -551,6 +566,15 @@ def _verify(receipt_path: Path, fx_path: Path) -> dict:
             for p in field_problems(f"modes.{mode}: case {c.get('id')!r}", c, CASE_FIELDS)
         ]
         fresh[mode] = _verify_mode(mode, block, fixtures, problems)
+    return fresh
+
+# %% ../../nbs/18b_parity_3_receipt.ipynb #353033ec
+def _verify(receipt_path: Path, fx_path: Path) -> dict:
+    rc, fixtures, problems = open_receipt(
+        receipt_path, fx_path, load_fixtures, RECEIPT_SCHEMA, error=VerificationError
+    )
+    problems += _pinned_problems(rc, fixtures, fx_path)
+    fresh = _verify_modes(rc, fixtures, problems)
     if rc.get('mode_differences') != _json(mode_differences(fixtures)):
         problems.append('the recorded table of mode differences is not what the current code gives')
     status = receipt_status({'modes': fresh, 'fuzz': rc.get('fuzz')}) if len(fresh) == 2 else None

@@ -420,56 +420,66 @@ def _relax_modules(src: Path):
     mods['eval_ruler_hqa'].recurrent_infer = replay
     return mods
 
+# %% ../../nbs/18b_parity_2_upstream.ipynb #791b50f9
+def _relax_rewards(m: dict, fixtures) -> dict:
+    """Relax's training reward (score and prediction) on every fixture, by id."""
+    cases = {}
+    for f in fixtures:
+        resp = '' if f.get('error') else f['response']
+        sample = types.SimpleNamespace(
+            metadata={'final_output': resp, 'ground_truth': list(f['answers'])},
+            response=resp,
+            label=None,
+        )
+        r = _in_thread(lambda: asyncio.run(m['reward'].reward_func(None, sample)))
+        cases[f['id']] = {'train_reward': {'score': r['score'], 'prediction': r['pred']}}
+    return cases
+
+# %% ../../nbs/18b_parity_2_upstream.ipynb #4b32f0cf
+def _relax_eval_inputs(fixtures, data_file: Path) -> tuple[list, types.SimpleNamespace]:
+    """Write the evaluator's data file; return the replayed data and the evaluator's arguments."""
+    data_file.write_text(
+        ''.join(
+            json.dumps({'_id': i, 'answers': f['answers']}) + '\n' for i, f in enumerate(fixtures)
+        )
+    )
+    data = [
+        {
+            '_id': i,
+            'input': 'q',
+            'context': 'c',
+            'answers': list(f['answers']),
+            '_replay': f['response'],
+            '_error': bool(f.get('error')),
+        }
+        for i, f in enumerate(fixtures)
+    ]
+    args = types.SimpleNamespace(
+        data_file=data_file,
+        concurrency=4,
+        timeout=60,
+        mode='recurrent',
+        model='fixture-replay',
+        tokenizer='none',
+        temperature=0.7,
+        top_p=0.95,
+        chunk_tokens=2048,
+        max_memory_tokens=1024,
+        max_final_tokens=256,
+        max_chunks=64,
+        max_input_tokens=7936,
+        server_max_model_len=8192,
+    )
+    return data, args
+
 # %% ../../nbs/18b_parity_2_upstream.ipynb #b45ea6e4
 def run_relax(src, fixtures) -> dict:
     "Outputs of Relax's reward and evaluator on every fixture, plus the evaluator's summary."
     src = Path(src)
     with _modules(_RELAX_NAMES), tempfile.TemporaryDirectory() as d:
         m = _relax_modules(src)
-        cases = {}
-        for f in fixtures:
-            resp = '' if f.get('error') else f['response']
-            sample = types.SimpleNamespace(
-                metadata={'final_output': resp, 'ground_truth': list(f['answers'])},
-                response=resp,
-                label=None,
-            )
-            r = _in_thread(lambda: asyncio.run(m['reward'].reward_func(None, sample)))
-            cases[f['id']] = {'train_reward': {'score': r['score'], 'prediction': r['pred']}}
-        data_file = Path(d) / 'data.jsonl'
-        data_file.write_text(
-            ''.join(
-                json.dumps({'_id': i, 'answers': f['answers']}) + '\n'
-                for i, f in enumerate(fixtures)
-            )
-        )
-        data = [
-            {
-                '_id': i,
-                'input': 'q',
-                'context': 'c',
-                'answers': list(f['answers']),
-                '_replay': f['response'],
-                '_error': bool(f.get('error')),
-            }
-            for i, f in enumerate(fixtures)
-        ]
-        args = types.SimpleNamespace(
-            data_file=data_file,
-            concurrency=4,
-            timeout=60,
-            mode='recurrent',
-            model='fixture-replay',
-            tokenizer='none',
-            temperature=0.7,
-            top_p=0.95,
-            chunk_tokens=2048,
-            max_memory_tokens=1024,
-            max_final_tokens=256,
-            max_chunks=64,
-            max_input_tokens=7936,
-            server_max_model_len=8192,
-        )
+        cases = _relax_rewards(m, fixtures)
+        data, args = _relax_eval_inputs(fixtures, Path(d) / 'data.jsonl')
         records, summary = _in_thread(
             lambda: asyncio.run(m['eval_ruler_hqa'].run_evaluation(data, args, None))
         )

@@ -26,6 +26,7 @@ from memagent.plan.memory import (
     CUBLAS_WORKSPACE_BYTES,
     CUBLAS_THREADS,
 )
+from ..patch import patch_to
 
 # %% auto #0
 __all__ = ['PHASES', 'ALLOCATED_TERMS', 'Cluster', 'PlanDoesNotFit', 'plan_attention', 'tokens_per_step', 'step_counts', 'Plan',
@@ -206,209 +207,209 @@ class Plan:
         terms = self.host if phase == 'host' else getattr(self, phase)
         return max(terms.items(), key=lambda kv: kv[1])
 
-    def engine_problem(self) -> str | None:
-        """Why the colocated engine cannot serve a chunk step, or None: no KV cache left (SGLang
-        refuses to start), or too little for one request."""
-        e = self.details.get('engine')
-        if not e:
-            return None
-        g = lambda b: f"{b / GiB:.2f} GiB"
-        how = (
-            f"{self.settings['mem_fraction']} x {g(e['free_at_start'])} free at the engine's "
-            f"start - {g(e['weights'])} engine weights; "
-            f"largest trainer term held at the start: {e['largest_at_start'][0]!r}, "
-            f"{g(e['largest_at_start'][1])}"
-        )
-        if e['kv_cache'] <= 0:
-            return (
-                f"engine KV cache does not fit: {g(e['kv_cache'])} left = {how} (SGLang raises "
-                "'Not enough memory')"
-            )
-        if e['kv_tokens'] < e['tokens_per_request']:
-            return (
-                f"engine KV cache does not fit: {e['kv_tokens']:,} tokens left, fewer than one "
-                f"request's {e['tokens_per_request']:,} "
-                f"({g(e['kv_cache'])} = {how})"
-            )
+# %% ../../nbs/14b_plan_2_fit.ipynb #1558b4b7
+@patch_to(Plan)
+def engine_problem(self) -> str | None:
+    """Why the colocated engine cannot serve a chunk step, or None: no KV cache left (SGLang
+    refuses to start), or too little for one request."""
+    e = self.details.get('engine')
+    if not e:
         return None
-
-    def over(self) -> list[str]:
-        """The phases that exceed their memory, and 'rollout engine' when its KV cache cannot hold
-        one request."""
-        out = [p for p in PHASES if self.peak(p) > self.capacity]
-        if self.engine_problem():
-            out.append('rollout engine')
-        if sum(self.host.values()) > self.host_capacity:
-            out.append('host')
-        return out
-
-    @property
-    def fits(self) -> bool:
-        return not self.over()
-
-    def verdict(self) -> str:
-        """'fits' with the peaks, or what does not fit: the phase, its largest term and the setting
-        that would make it fit."""
-        g = lambda b: f"{b / GiB:.1f} GiB"
-        peaks = (
-            f"rollout {g(self.peak('rollout'))}, update {g(self.peak('update'))}, sync "
-            f"{g(self.peak('sync'))} of {g(self.capacity)} per GPU; "
-            f"host {g(sum(self.host.values()))} of {g(self.host_capacity)} per node"
-        )
-        e = self.details.get('engine')
-        if e:
-            peaks += (
-                f"; KV cache {e['kv_tokens']:,} tokens per engine for "
-                f"{e['tokens_per_chunk_step']:,} a chunk step needs"
-                + (f" ({e['waves']} waves)" if e['waves'] and e['waves'] > 1 else '')
-            )
-        whatif = (
-            (
-                '; WHAT-IF: offload=True models moving the trainer state to host RAM during '
-                'rollout, which the project '
-                'does not implement'
-            )
-            if self.settings.get('offload')
-            else ''
-        )
-        if self.fits:
-            return f"fits: {peaks}{whatif}"
-        msgs = []
-        for p in self.over():
-            if p == 'rollout engine':
-                msgs.append(self.engine_problem())
-                continue
-            term, b = self.largest(p)
-            msgs.append(f"{p} does not fit (largest term: {term!r}, {g(b)})")
-        fix = (
-            ''
-            if 'fix' not in self.settings
-            else f"; would fit with: {self.settings['fix'] or 'no single setting the plan tries'}"
-        )
-        return f"does NOT fit: {'; '.join(msgs)}; {peaks}{fix}{whatif}"
-
-    def require_fit(self) -> 'Plan':
-        "Return self if it fits, else raise `PlanDoesNotFit` with the verdict."
-        if not self.fits:
-            raise PlanDoesNotFit(f"plan {self.name!r}: {self.verdict()}")
-        return self
-
-    def table(self) -> list[dict]:
-        "Rows of (phase, term, GiB) for reports."
-        rows = [
-            dict(phase=p, term=t, GiB=round(b / GiB, 3))
-            for p in PHASES
-            for t, b in getattr(self, p).items()
-        ]
-        rows += [
-            dict(phase='host (per node)', term=t, GiB=round(b / GiB, 3))
-            for t, b in self.host.items()
-        ]
-        return rows
-
-    def to_dict(self) -> dict:
-        return dict(
-            name=self.name,
-            cluster=dataclasses.asdict(self.cluster),
-            settings=self.settings,
-            fits=self.fits,
-            verdict=self.verdict(),
-            capacity_bytes=self.capacity,
-            peak_bytes={p: self.peak(p) for p in PHASES},
-            rollout=self.rollout,
-            update=self.update,
-            sync=self.sync,
-            host=self.host,
-            tokens=self.tokens,
-            details=self.details,
-            counterfactuals=self.counterfactuals,
-        )
-
-# %% ../../nbs/14b_plan_2_fit.ipynb #5a1af127
-def _terms(
-    cfg,
-    cluster: Cluster,
-    offload: bool,
-    head_chunk: int,
-    doc_tokens,
-    bucket_size,
-    sync_bucket_bytes=None,
-    micro_batch=None,
-) -> tuple[dict, dict, dict, dict, dict]:
-    b, r, arch = cfg.batch, cfg.rollout, get_arch(cfg.model.name)
-    dt, E = cfg.model.dtype, DTYPE_BYTES[cfg.model.dtype]
-    if b.pp != 1:
-        raise ValueError(
-            f"memagent.plan: config key 'batch.pp'={b.pp}: the plan models pipeline parallel size "
-            "1 only"
-        )
-    tp, dp = (b.tp, cfg.dp_size) if cfg.backend == 'megatron' else (1, b.n_gpus)
-    attention = plan_attention(cfg, cluster)
-    ref_on = cfg.loss.kl_type != 'none' and cfg.loss.kl_coef > 0
-    det = dict(
-        arch=dataclasses.asdict(arch), tp=tp, dp=dp, attention=attention, reference_model=ref_on
+    g = lambda b: f"{b / GiB:.2f} GiB"
+    how = (
+        f"{self.settings['mem_fraction']} x {g(e['free_at_start'])} free at the engine's "
+        f"start - {g(e['weights'])} engine weights; "
+        f"largest trainer term held at the start: {e['largest_at_start'][0]!r}, "
+        f"{g(e['largest_at_start'][1])}"
     )
-    if cfg.backend == 'megatron':
-        params = megatron_params(arch, tp, dt, attention)
-        lay = ddp_layout(
-            params, dp, b.distributed_optimizer, grad_fp32=True, bucket_size=bucket_size
+    if e['kv_cache'] <= 0:
+        return (
+            f"engine KV cache does not fit: {g(e['kv_cache'])} left = {how} (SGLang raises "
+            "'Not enough memory')"
         )
-        if b.distributed_optimizer:
-            weights = sum(x['numel'] * DTYPE_BYTES[x['param_dtype']] for x in lay)
-        else:
-            weights = sum(p.numel * DTYPE_BYTES[p.dtype] for p in params)
-        grads = sum(x['numel'] * DTYPE_BYTES[x['grad_dtype']] for x in lay)
-        parts = max(
-            optimizer_parts(lay, dp, b.distributed_optimizer),
-            key=lambda x: x['main'] + x['moments'],
+    if e['kv_tokens'] < e['tokens_per_request']:
+        return (
+            f"engine KV cache does not fit: {e['kv_tokens']:,} tokens left, fewer than one "
+            f"request's {e['tokens_per_request']:,} "
+            f"({g(e['kv_cache'])} = {how})"
         )
-        optim, optim_at_start = (
-            parts['main'] + parts['moments'],
-            parts['main'],
-        )  # m and v appear at the first step
-        grads_between_steps = grads  # DDP's grad buffers live as long as the model
-        recompute = b.recompute
-        det['ddp_buffers'] = [{k: v for k, v in x.items() if k != 'index'} for x in lay]
-        # megatron-core puts 1-D parameters (norms) and biases in a group without weight decay; the
-        # rest is one group.
-        # With TE it steps them with TE's FusedAdam (in place), else with torch's foreach AdamW on
-        # the fp32 main copy
-        decayed = [
-            p
-            for p in params
-            if not (
-                p.name.endswith('.bias')
-                or 'layernorm' in p.name
-                or p.name.endswith('layer_norm_weight')
-            )
-        ]
-        step_tmp = optimizer_step_temporaries(
-            parts['moments'] // 2,
-            len(decayed),
-            cfg.optim.name,
-            cfg.optim.weight_decay,
-            fused=cluster.transformer_engine,
+    return None
+
+
+@patch_to(Plan)
+def over(self) -> list[str]:
+    """The phases that exceed their memory, and 'rollout engine' when its KV cache cannot hold
+    one request."""
+    out = [p for p in PHASES if self.peak(p) > self.capacity]
+    if self.engine_problem():
+        out.append('rollout engine')
+    if sum(self.host.values()) > self.host_capacity:
+        out.append('host')
+    return out
+
+
+@patch_to(Plan)
+@property
+def fits(self) -> bool:
+    return not self.over()
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #96a392fa
+@patch_to(Plan)
+def verdict(self) -> str:
+    """'fits' with the peaks, or what does not fit: the phase, its largest term and the setting
+    that would make it fit."""
+    g = lambda b: f"{b / GiB:.1f} GiB"
+    peaks = (
+        f"rollout {g(self.peak('rollout'))}, update {g(self.peak('update'))}, sync "
+        f"{g(self.peak('sync'))} of {g(self.capacity)} per GPU; "
+        f"host {g(sum(self.host.values()))} of {g(self.host_capacity)} per node"
+    )
+    e = self.details.get('engine')
+    if e:
+        peaks += (
+            f"; KV cache {e['kv_tokens']:,} tokens per engine for "
+            f"{e['tokens_per_chunk_step']:,} a chunk step needs"
+            + (f" ({e['waves']} waves)" if e['waves'] and e['waves'] > 1 else '')
         )
-        ref = sum(p.numel * DTYPE_BYTES[p.dtype] for p in params) if ref_on else 0
+    whatif = (
+        (
+            '; WHAT-IF: offload=True models moving the trainer state to host RAM during '
+            'rollout, which the project '
+            'does not implement'
+        )
+        if self.settings.get('offload')
+        else ''
+    )
+    if self.fits:
+        return f"fits: {peaks}{whatif}"
+    msgs = []
+    for p in self.over():
+        if p == 'rollout engine':
+            msgs.append(self.engine_problem())
+            continue
+        term, b = self.largest(p)
+        msgs.append(f"{p} does not fit (largest term: {term!r}, {g(b)})")
+    fix = (
+        ''
+        if 'fix' not in self.settings
+        else f"; would fit with: {self.settings['fix'] or 'no single setting the plan tries'}"
+    )
+    return f"does NOT fit: {'; '.join(msgs)}; {peaks}{fix}{whatif}"
+
+
+@patch_to(Plan)
+def require_fit(self) -> 'Plan':
+    "Return self if it fits, else raise `PlanDoesNotFit` with the verdict."
+    if not self.fits:
+        raise PlanDoesNotFit(f"plan {self.name!r}: {self.verdict()}")
+    return self
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #9fa7cb53
+@patch_to(Plan)
+def table(self) -> list[dict]:
+    "Rows of (phase, term, GiB) for reports."
+    rows = [
+        dict(phase=p, term=t, GiB=round(b / GiB, 3))
+        for p in PHASES
+        for t, b in getattr(self, p).items()
+    ]
+    rows += [
+        dict(phase='host (per node)', term=t, GiB=round(b / GiB, 3)) for t, b in self.host.items()
+    ]
+    return rows
+
+
+@patch_to(Plan)
+def to_dict(self) -> dict:
+    return dict(
+        name=self.name,
+        cluster=dataclasses.asdict(self.cluster),
+        settings=self.settings,
+        fits=self.fits,
+        verdict=self.verdict(),
+        capacity_bytes=self.capacity,
+        peak_bytes={p: self.peak(p) for p in PHASES},
+        rollout=self.rollout,
+        update=self.update,
+        sync=self.sync,
+        host=self.host,
+        tokens=self.tokens,
+        details=self.details,
+        counterfactuals=self.counterfactuals,
+    )
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #14339007
+def _megatron_state(
+    cfg, cluster: Cluster, arch, tp, dp, attention, ref_on, bucket_size, det
+) -> dict:
+    """The megatron trainer's state per GPU: weights, gradients, optimizer, step temporaries."""
+    b, dt = cfg.batch, cfg.model.dtype
+    params = megatron_params(arch, tp, dt, attention)
+    lay = ddp_layout(params, dp, b.distributed_optimizer, grad_fp32=True, bucket_size=bucket_size)
+    if b.distributed_optimizer:
+        weights = sum(x['numel'] * DTYPE_BYTES[x['param_dtype']] for x in lay)
     else:
-        n = arch.numel()
-        weights, grads, optim = (
-            n * E,
-            n * E,
-            2 * n * E,
-        )  # torch: grads in dtype, Adam m and v in the parameters' dtype
-        optim_at_start, grads_between_steps = (
-            0,
-            0,
-        )  # m and v lazy; grads set to None after each step
-        recompute = 'none'
-        ref = n * E if ref_on else 0
-        step_tmp = optimizer_step_temporaries(
-            n * E, hf_tensors(arch), cfg.optim.name, cfg.optim.weight_decay
-        )  # one group
-    det['params_per_rank'] = (
-        int(weights // E) if cfg.backend == 'torch' else sum(p.numel for p in params)
+        weights = sum(p.numel * DTYPE_BYTES[p.dtype] for p in params)
+    grads = sum(x['numel'] * DTYPE_BYTES[x['grad_dtype']] for x in lay)
+    parts = max(
+        optimizer_parts(lay, dp, b.distributed_optimizer),
+        key=lambda x: x['main'] + x['moments'],
     )
+    det['ddp_buffers'] = [{k: v for k, v in x.items() if k != 'index'} for x in lay]
+    # megatron-core puts 1-D parameters (norms) and biases in a group without weight decay; the
+    # rest is one group.
+    # With TE it steps them with TE's FusedAdam (in place), else with torch's foreach AdamW on
+    # the fp32 main copy
+    decayed = [
+        p
+        for p in params
+        if not (
+            p.name.endswith('.bias')
+            or 'layernorm' in p.name
+            or p.name.endswith('layer_norm_weight')
+        )
+    ]
+    step_tmp = optimizer_step_temporaries(
+        parts['moments'] // 2,
+        len(decayed),
+        cfg.optim.name,
+        cfg.optim.weight_decay,
+        fused=cluster.transformer_engine,
+    )
+    return dict(
+        weights=weights,
+        grads=grads,
+        optim=parts['main'] + parts['moments'],
+        optim_at_start=parts['main'],  # m and v appear at the first step
+        grads_between_steps=grads,  # DDP's grad buffers live as long as the model
+        recompute=b.recompute,
+        step_tmp=step_tmp,
+        ref=sum(p.numel * DTYPE_BYTES[p.dtype] for p in params) if ref_on else 0,
+        params_per_rank=sum(p.numel for p in params),
+    )
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #b4470cdc
+def _torch_state(cfg, arch, ref_on) -> dict:
+    """The torch trainer's state per GPU: grads in dtype, Adam m and v in the parameters' dtype."""
+    n, E = arch.numel(), DTYPE_BYTES[cfg.model.dtype]
+    return dict(
+        weights=n * E,
+        grads=n * E,
+        optim=2 * n * E,
+        optim_at_start=0,  # m and v lazy
+        grads_between_steps=0,  # grads set to None after each step
+        recompute='none',
+        step_tmp=optimizer_step_temporaries(
+            n * E, hf_tensors(arch), cfg.optim.name, cfg.optim.weight_decay
+        ),  # one group
+        ref=n * E if ref_on else 0,
+        params_per_rank=n,
+    )
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #f61754a0
+def _activations(cfg, arch, tp, attention, recompute, head_chunk, micro_batch, det) -> tuple:
+    """The micro-batch's activation terms and the log-prob head chunk's bytes."""
+    b, dt, E = cfg.batch, cfg.model.dtype, DTYPE_BYTES[cfg.model.dtype]
     if micro_batch is None:
         L = min(cfg.max_row_tokens, b.max_tokens_per_micro)
         rows = max(1, b.max_tokens_per_micro // L)
@@ -434,30 +435,32 @@ def _terms(
         micro_batch=dict(rows=rows, seq_len=L, tokens=rows * L, recompute=recompute),
         activations=act,
     )
-    ctx = int(CUDA_CONTEXT_GIB * GiB)
-    blas = CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS  # held from the first step on
-    colocated = r.engine == 'sglang' and r.colocate
+    return act, head
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #58e21be4
+def _update_terms(cfg, cluster: Cluster, s: dict, act: dict, head: int, det) -> dict:
+    """The update phase's terms; its backward and optimizer-step peaks go to `det`."""
     # the update holds the backward's terms, then (activations released) the optimizer step's
     # temporaries beside what
     # outlives the backward (the local spec's score buffer, which megatron's global memory buffer
     # keeps): the phase holds
     # the larger, so the step's term is what it needs beyond the backward's
     backward = act['saved_total'] + act['working'] + act['transient'] + head
-    scores = act['persistent']
+    scores, step_tmp = s['scores'], s['step_tmp']
     update = {
-        'weights': weights,
-        'gradients': grads,
-        'optimizer states': optim,
-        'reference model': ref,
+        'weights': s['weights'],
+        'gradients': s['grads'],
+        'optimizer states': s['optim'],
+        'reference model': s['ref'],
         'activations (saved)': act['saved_total'],
         'activations (backward working set)': act['working'],
         'attention backward transients': act['transient'],
         'log-prob head chunk': head,
         'optimizer step temporaries': max(0, scores + step_tmp - backward),
-        'cuBLAS workspaces': blas,
-        'trainer CUDA context': ctx,
+        'cuBLAS workspaces': s['blas'],
+        'trainer CUDA context': s['ctx'],
     }
-    static = weights + grads + optim + ref + blas
+    static = s['weights'] + s['grads'] + s['optim'] + s['ref'] + s['blas']
     det['update_phases'] = {
         'backward': static + backward,
         'optimizer step': static + scores + step_tmp,
@@ -473,80 +476,99 @@ def _terms(
             "none"
         ),
     )
+    return update
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #2297b464
+def _rollout_terms(s: dict, offload: bool) -> tuple[dict, dict, int]:
+    """The trainer's rollout terms, its state when the engine starts, the bytes offload moves."""
     # the trainer's state on the GPU while the engine runs (steps >= 2) and when the engine starts
     # (before step 1)
     resident = {
-        'weights': weights,
-        'gradients': grads_between_steps,
-        'optimizer states': optim,
-        'reference model': ref,
+        'weights': s['weights'],
+        'gradients': s['grads_between_steps'],
+        'optimizer states': s['optim'],
+        'reference model': s['ref'],
     }
     at_start = {
-        'weights': weights,
-        'gradients': grads_between_steps,
-        'optimizer states': optim_at_start,
-        'reference model': ref,
+        'weights': s['weights'],
+        'gradients': s['grads_between_steps'],
+        'optimizer states': s['optim_at_start'],
+        'reference model': s['ref'],
     }
     held = sum(resident.values())
     if offload:
         resident = at_start = {t: 0 for t in resident}
     label = lambda t: f'trainer {t}' + (' (offloaded, what-if)' if offload else '')
     rollout = {label(t): v for t, v in resident.items()}
-    rollout['trainer cuBLAS workspaces'] = blas
-    if scores:
-        rollout['trainer attention score buffer'] = scores  # from the first update on
-    rollout['trainer CUDA context'] = ctx
-    if colocated:
-        cap = int(cluster.gpu_gb * GiB)
-        etp = r.gpus_per_engine
-        eng_w = sum(p.numel for p in megatron_params(arch, etp, dt, 'te', pad_vocab=False)) * E
-        kv_per_token = arch.layers * 2 * max(1, arch.kv_heads // etp) * arch.head_dim * E
-        free0 = (
-            cap - sum(at_start.values()) - 2 * ctx
-        )  # free when the engine measures: both CUDA contexts exist
-        pool = sglang_kv_pool(free0, eng_w, r.mem_fraction, kv_per_token)
-        kv, kv_tokens = pool['kv_bytes'], pool['kv_tokens']
-        per_req, rpe = (
-            cfg.engine_context_tokens,
-            tokens_per_step(cfg, doc_tokens)['requests_per_engine'],
-        )
-        concurrent = kv_tokens // per_req
-        det['engine'] = dict(
-            gpus_per_engine=etp,
-            mem_fraction=r.mem_fraction,
-            trainer_at_start=at_start,
-            largest_at_start=max(at_start.items(), key=lambda kv: kv[1]),
-            free_at_start=free0,
-            headroom=pool['headroom'],
-            weights=eng_w,
-            kv_cache=kv,
-            kv_bytes_per_token=kv_per_token,
-            kv_tokens=kv_tokens,
-            tokens_per_request=per_req,
-            requests_per_engine=rpe,
-            tokens_per_chunk_step=rpe * per_req,
-            concurrent_requests=concurrent,
-            waves=-(-rpe // concurrent) if concurrent else None,
-            rule=(
-                'sglang_kv_pool: f x free-at-start - engine weights (SGLang profile_max_num_token)'
-            ),
-        )
-        rollout.update(
-            {
-                'engine CUDA context': ctx,
-                'engine weights': eng_w,
-                'engine KV cache': max(0, kv),
-                'engine runtime': int(ENGINE_RUNTIME_GIB * GiB),
-            }
-        )
-        update['released engine residue'] = int(ENGINE_RESIDUE_GIB * GiB)
-        update['engine CUDA context'] = ctx
+    rollout['trainer cuBLAS workspaces'] = s['blas']
+    if s['scores']:
+        rollout['trainer attention score buffer'] = s['scores']  # from the first update on
+    rollout['trainer CUDA context'] = s['ctx']
+    return rollout, at_start, held
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #65607c47
+def _engine(cfg, cluster: Cluster, arch, at_start: dict, ctx: int, doc_tokens) -> dict:
+    """The colocated engine's weights, KV cache and the requests it holds at once."""
+    r, E = cfg.rollout, DTYPE_BYTES[cfg.model.dtype]
+    cap = int(cluster.gpu_gb * GiB)
+    etp = r.gpus_per_engine
+    eng_w = (
+        sum(p.numel for p in megatron_params(arch, etp, cfg.model.dtype, 'te', pad_vocab=False)) * E
+    )
+    kv_per_token = arch.layers * 2 * max(1, arch.kv_heads // etp) * arch.head_dim * E
+    free0 = (
+        cap - sum(at_start.values()) - 2 * ctx
+    )  # free when the engine measures: both CUDA contexts exist
+    pool = sglang_kv_pool(free0, eng_w, r.mem_fraction, kv_per_token)
+    kv, kv_tokens = pool['kv_bytes'], pool['kv_tokens']
+    per_req, rpe = (
+        cfg.engine_context_tokens,
+        tokens_per_step(cfg, doc_tokens)['requests_per_engine'],
+    )
+    concurrent = kv_tokens // per_req
+    return dict(
+        gpus_per_engine=etp,
+        mem_fraction=r.mem_fraction,
+        trainer_at_start=at_start,
+        largest_at_start=max(at_start.items(), key=lambda kv: kv[1]),
+        free_at_start=free0,
+        headroom=pool['headroom'],
+        weights=eng_w,
+        kv_cache=kv,
+        kv_bytes_per_token=kv_per_token,
+        kv_tokens=kv_tokens,
+        tokens_per_request=per_req,
+        requests_per_engine=rpe,
+        tokens_per_chunk_step=rpe * per_req,
+        concurrent_requests=concurrent,
+        waves=-(-rpe // concurrent) if concurrent else None,
+        rule=('sglang_kv_pool: f x free-at-start - engine weights (SGLang profile_max_num_token)'),
+    )
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #c7839ec6
+def _add_engine_terms(e: dict, ctx: int, rollout: dict, update: dict) -> None:
+    """Add the colocated engine `e`'s terms to the rollout's and the update's."""
+    rollout.update(
+        {
+            'engine CUDA context': ctx,
+            'engine weights': e['weights'],
+            'engine KV cache': max(0, e['kv_cache']),
+            'engine runtime': int(ENGINE_RUNTIME_GIB * GiB),
+        }
+    )
+    update['released engine residue'] = int(ENGINE_RESIDUE_GIB * GiB)
+    update['engine CUDA context'] = ctx
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #bff64b0b
+def _sync_terms(cfg, arch, tp, attention, sync_bucket_bytes, s: dict, engine_weights, det) -> dict:
+    """The terms during the weight sync (`engine_weights` None: no colocated engine); the gather's
+    details go to `det`."""
     # the weight sync after a step: the trainer's state then (m and v exist), the largest bucket of
     # gathered weights,
     # and colocated, the engine's context, residue and weights resumed (its KV cache comes back
     # after the gather is freed)
     if cfg.backend == 'megatron':
-        ga = gather_peak_bytes(arch, tp, dt, attention, sync_bucket_bytes)
+        ga = gather_peak_bytes(arch, tp, cfg.model.dtype, attention, sync_bucket_bytes)
         det['sync'] = dict(
             ga,
             rule=(
@@ -562,35 +584,82 @@ def _terms(
             ga, rule="the torch backend's hf_state_dict is its own weights: nothing gathered"
         )
     sync = {
-        'weights': weights,
-        'gradients': grads_between_steps,
-        'optimizer states': optim,
-        'reference model': ref,
+        'weights': s['weights'],
+        'gradients': s['grads_between_steps'],
+        'optimizer states': s['optim'],
+        'reference model': s['ref'],
         'weight gather bucket (peak)': ga['peak'],
-        'cuBLAS workspaces': blas,
-        'attention score buffer': scores,
-        'trainer CUDA context': ctx,
+        'cuBLAS workspaces': s['blas'],
+        'attention score buffer': s['scores'],
+        'trainer CUDA context': s['ctx'],
     }
-    if colocated:
+    if engine_weights is not None:
         sync.update(
             {
-                'engine CUDA context': ctx,
+                'engine CUDA context': s['ctx'],
                 'released engine residue': int(ENGINE_RESIDUE_GIB * GiB),
-                'engine weights': eng_w,
+                'engine weights': engine_weights,
             }
         )
+    return sync
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #40c8b2f4
+def _host_terms(cfg, cluster: Cluster, arch, held: int, offload: bool) -> dict:
+    """Host RAM per node."""
     # host RAM per node: offloaded trainer state of this node's GPUs, and on the driver's node the
     # export model
     # (an HF copy in the model dtype) plus the state dicts in flight while weights sync (a gathered
     # copy and its HF form);
     # (the other ranks join the gather and keep no copy: hf_state_dict(keep=False))
-    n_full = arch.numel() * E
-    ranks = min(cluster.gpus_per_node, b.n_gpus)
-    host = {
+    n_full = arch.numel() * DTYPE_BYTES[cfg.model.dtype]
+    ranks = min(cluster.gpus_per_node, cfg.batch.n_gpus)
+    return {
         'offloaded trainer state': held * ranks if offload else 0,
         'driver export model': n_full,
         'state dicts in flight': 2 * n_full,
     }
+
+# %% ../../nbs/14b_plan_2_fit.ipynb #5a1af127
+def _terms(
+    cfg,
+    cluster: Cluster,
+    offload: bool,
+    head_chunk: int,
+    doc_tokens,
+    bucket_size,
+    sync_bucket_bytes=None,
+    micro_batch=None,
+) -> tuple[dict, dict, dict, dict, dict]:
+    b, r, arch = cfg.batch, cfg.rollout, get_arch(cfg.model.name)
+    if b.pp != 1:
+        raise ValueError(
+            f"memagent.plan: config key 'batch.pp'={b.pp}: the plan models pipeline parallel size "
+            "1 only"
+        )
+    tp, dp = (b.tp, cfg.dp_size) if cfg.backend == 'megatron' else (1, b.n_gpus)
+    attention = plan_attention(cfg, cluster)
+    ref_on = cfg.loss.kl_type != 'none' and cfg.loss.kl_coef > 0
+    det = dict(
+        arch=dataclasses.asdict(arch), tp=tp, dp=dp, attention=attention, reference_model=ref_on
+    )
+    if cfg.backend == 'megatron':
+        s = _megatron_state(cfg, cluster, arch, tp, dp, attention, ref_on, bucket_size, det)
+    else:
+        s = _torch_state(cfg, arch, ref_on)
+    det['params_per_rank'] = s['params_per_rank']
+    act, head = _activations(cfg, arch, tp, attention, s['recompute'], head_chunk, micro_batch, det)
+    ctx = int(CUDA_CONTEXT_GIB * GiB)
+    # the cuBLAS workspaces are held from the first step on
+    s.update(ctx=ctx, blas=CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS, scores=act['persistent'])
+    update = _update_terms(cfg, cluster, s, act, head, det)
+    rollout, at_start, held = _rollout_terms(s, offload)
+    engine_weights = None
+    if r.engine == 'sglang' and r.colocate:
+        e = det['engine'] = _engine(cfg, cluster, arch, at_start, ctx, doc_tokens)
+        _add_engine_terms(e, ctx, rollout, update)
+        engine_weights = e['weights']
+    sync = _sync_terms(cfg, arch, tp, attention, sync_bucket_bytes, s, engine_weights, det)
+    host = _host_terms(cfg, cluster, arch, held, offload)
     return rollout, update, sync, host, det
 
 # %% ../../nbs/14b_plan_2_fit.ipynb #3c3dccdc
@@ -735,6 +804,32 @@ def _find_fix(
                     pass
     return None
 
+# %% ../../nbs/14b_plan_2_fit.ipynb #b8b32c5b
+def _counterfactual(c, o, cluster, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes) -> dict:
+    """The plan of `c` with offload `o`, in short: fits, verdict, peaks and largest terms."""
+    try:
+        p = make_plan(
+            c,
+            cluster,
+            o,
+            head_chunk,
+            doc_tokens,
+            bucket_size,
+            search=False,
+            sync_bucket_bytes=sync_bucket_bytes,
+        )
+        cf = dict(
+            fits=p.fits,
+            verdict=p.verdict(),
+            peak_gib={ph: round(p.peak(ph) / GiB, 2) for ph in PHASES},
+            largest={ph: p.largest(ph)[0] for ph in PHASES},
+        )
+        if 'engine' in p.details:
+            cf['kv_tokens_per_engine'] = p.details['engine']['kv_tokens']
+    except ValueError as e:
+        return dict(fits=False, verdict=f"invalid: {e}")
+    return cf
+
 # %% ../../nbs/14b_plan_2_fit.ipynb #2c384f9d
 def _counterfactuals(
     cfg, cluster, off, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes=None
@@ -742,27 +837,9 @@ def _counterfactuals(
     out = {}
 
     def add(label, c, o):
-        try:
-            p = make_plan(
-                c,
-                cluster,
-                o,
-                head_chunk,
-                doc_tokens,
-                bucket_size,
-                search=False,
-                sync_bucket_bytes=sync_bucket_bytes,
-            )
-            out[label] = dict(
-                fits=p.fits,
-                verdict=p.verdict(),
-                peak_gib={ph: round(p.peak(ph) / GiB, 2) for ph in PHASES},
-                largest={ph: p.largest(ph)[0] for ph in PHASES},
-            )
-            if 'engine' in p.details:
-                out[label]['kv_tokens_per_engine'] = p.details['engine']['kv_tokens']
-        except ValueError as e:
-            out[label] = dict(fits=False, verdict=f"invalid: {e}")
+        out[label] = _counterfactual(
+            c, o, cluster, head_chunk, doc_tokens, bucket_size, sync_bucket_bytes
+        )
 
     if cfg.backend == 'megatron':
         for rc in RECOMPUTE:

@@ -86,7 +86,7 @@ ARCHS = {
     ),
 }
 
-
+# %% ../../nbs/14b_plan_1_memory.ipynb #4a42bedc
 def arch_from_hf(hf_config, name: str | None = None) -> Arch:
     "An `Arch` from an HF Qwen3/Qwen2/Llama config object."
     c = hf_config
@@ -133,6 +133,46 @@ class ParamSpec:
     numel: int
     dtype: str
 
+# %% ../../nbs/14b_plan_1_memory.ipynb #9037349e
+def _layer_params(a: Arch, i: int, h: int, q: int, k: int, f: int, dtype: str, attention: str):
+    """Layer `i`'s parameters on one TP rank (widths `h`, `q`, `k`, `f`), in their order."""
+    p = f'decoder.layers.{i}.'
+    qkv = [ParamSpec(p + 'self_attention.linear_qkv.weight', (q + 2 * k) * h, dtype)]
+    if a.qkv_bias:
+        qkv.append(ParamSpec(p + 'self_attention.linear_qkv.bias', q + 2 * k, dtype))
+    qkn = (
+        [
+            ParamSpec(p + 'self_attention.q_layernorm.weight', a.head_dim, dtype),
+            ParamSpec(p + 'self_attention.k_layernorm.weight', a.head_dim, dtype),
+        ]
+        if a.qk_norm
+        else []
+    )
+    fc1, fc2 = (
+        ParamSpec(p + 'mlp.linear_fc1.weight', 2 * f * h, dtype),
+        ParamSpec(p + 'mlp.linear_fc2.weight', h * f, dtype),
+    )
+    proj = ParamSpec(p + 'self_attention.linear_proj.weight', h * q, dtype)
+    if attention != 'te':
+        return [
+            ParamSpec(p + 'input_layernorm.weight', h, dtype),
+            proj,
+            *qkv,
+            *qkn,
+            ParamSpec(p + 'pre_mlp_layernorm.weight', h, dtype),
+            fc1,
+            fc2,
+        ]
+    return [
+        proj,
+        ParamSpec(p + 'self_attention.linear_qkv.layer_norm_weight', h, dtype),
+        *qkv,
+        *qkn,
+        ParamSpec(p + 'mlp.linear_fc1.layer_norm_weight', h, dtype),
+        fc1,
+        fc2,
+    ]
+
 # %% ../../nbs/14b_plan_1_memory.ipynb #64c11e9c
 def megatron_params(
     arch: Arch,
@@ -162,43 +202,7 @@ def megatron_params(
     h, q, k, f = a.hidden, a.heads * a.head_dim // tp, a.kv_heads * a.head_dim // tp, a.ffn // tp
     out = [ParamSpec('embedding.word_embeddings.weight', int(v * h), dtype)]
     for i in range(a.layers):
-        p = f'decoder.layers.{i}.'
-        qkv = [ParamSpec(p + 'self_attention.linear_qkv.weight', (q + 2 * k) * h, dtype)]
-        if a.qkv_bias:
-            qkv.append(ParamSpec(p + 'self_attention.linear_qkv.bias', q + 2 * k, dtype))
-        qkn = (
-            [
-                ParamSpec(p + 'self_attention.q_layernorm.weight', a.head_dim, dtype),
-                ParamSpec(p + 'self_attention.k_layernorm.weight', a.head_dim, dtype),
-            ]
-            if a.qk_norm
-            else []
-        )
-        fc1, fc2 = (
-            ParamSpec(p + 'mlp.linear_fc1.weight', 2 * f * h, dtype),
-            ParamSpec(p + 'mlp.linear_fc2.weight', h * f, dtype),
-        )
-        proj = ParamSpec(p + 'self_attention.linear_proj.weight', h * q, dtype)
-        if attention != 'te':
-            out += [
-                ParamSpec(p + 'input_layernorm.weight', h, dtype),
-                proj,
-                *qkv,
-                *qkn,
-                ParamSpec(p + 'pre_mlp_layernorm.weight', h, dtype),
-                fc1,
-                fc2,
-            ]
-        else:
-            out += [
-                proj,
-                ParamSpec(p + 'self_attention.linear_qkv.layer_norm_weight', h, dtype),
-                *qkv,
-                *qkn,
-                ParamSpec(p + 'mlp.linear_fc1.layer_norm_weight', h, dtype),
-                fc1,
-                fc2,
-            ]
+        out += _layer_params(a, i, h, q, k, f, dtype, attention)
     out.append(ParamSpec('decoder.final_layernorm.weight', h, dtype))
     if not a.tied:
         out.append(ParamSpec('output_layer.weight', int(v * h), dtype))
@@ -343,6 +347,120 @@ def _norm_hf(s, w, n, E):
 
 ATTENTION_KINDS = {'megatron': ('local', 'sdpa', 'te'), 'torch': ('eager', 'sdpa')}
 
+# %% ../../nbs/14b_plan_1_memory.ipynb #91cf4920
+def _widths(a: Arch, tp: int) -> tuple:
+    """Per-rank widths: query q, key/value k, MLP f, query heads A, key/value heads G."""
+    d = a.head_dim
+    return a.heads * d // tp, a.kv_heads * d // tp, a.ffn // tp, a.heads // tp, a.kv_heads // tp
+
+# %% ../../nbs/14b_plan_1_memory.ipynb #06e6ce8d
+def _local_acts(a: Arch, rows: int, L: int, tp: int, E: int, attention: str) -> dict:
+    """The local and sdpa specs' saved terms per layer and per model, and what recompute keeps."""
+    s, h, d, up, qk = rows * L, a.hidden, a.head_dim, E < 4, a.qk_norm
+    q, k, f, A, G = _widths(a, tp)
+    # the q|k|v output's storage: kept by the fp32 q/k norms (their inputs are views of it),
+    # else by the value view
+    qkv_out = s * (q + 2 * k) * E if (up or not qk) else 0
+    core = (
+        3 * s * q * E + rows * A * L * L * (4 + (E if up else 0))
+        if attention == 'local'
+        else s * q * E + s * k * E + 4 * s * A + qkv_out
+    )  # SDPA: output, roped key, log-sum-exp, the value's storage
+    layer = {
+        'norms': 2 * _norm_local(s, h, 1)
+        + (
+            qk
+            and (
+                2 * s * q * 4
+                + 4 * s * A
+                + (s * k * 4 if up else s * (q + 2 * k) * 4)
+                + s * k * 4
+                + 4 * s * G
+            )
+        ),
+        'linear inputs': 2 * s * h * E + s * q * E + s * f * E,
+        'rope': 4 * L * d * E,
+        'attention': core,
+        'mlp': 4 * s * f * E,
+    }
+    sel = (
+        s * q * E + s * k * E + qkv_out + 4
+    )  # the checkpointed core's inputs: q, k, the value's storage
+    model = {
+        'token ids': 8 * s,
+        'mask': L * L if attention == 'local' else 0,
+        'final norm': _norm_local(s, h, 1),
+    }
+    full_extra = L * d * 4  # the rotary table, kept once
+    return dict(core=core, layer=layer, sel=sel, model=model, full_extra=full_extra)
+
+# %% ../../nbs/14b_plan_1_memory.ipynb #77d26e9b
+def _te_acts(a: Arch, rows: int, L: int, tp: int, E: int, sequence_parallel: bool) -> dict:
+    """Transformer Engine's saved terms per layer and per model, and what recompute keeps."""
+    s, h, d, qk = rows * L, a.hidden, a.head_dim, a.qk_norm
+    q, k, f, A, G = _widths(a, tp)
+    sh = s // tp if sequence_parallel else s
+    lnlin = lambda: 2 * sh * h * E + 4 * sh  # fused norm+linear: input, normed output, 1/rms
+    core = (
+        s * q * E + 2 * s * k * E + 4 * s * A
+    )  # flash: q, k, v, log-sum-exp (output = proj input)
+    layer = {
+        'norms': 2 * lnlin() + (qk and (s * q * E + 4 * s * A + s * k * E + 4 * s * G)),
+        'linear inputs': s * q * E + s * f * E,
+        'rope': 0,
+        'attention': core,
+        'mlp': 2 * s * f * E,
+    }
+    sel = s * q * E + 2 * s * k * E
+    model = {'token ids': 8 * s, 'mask': 0, 'final norm': lnlin()}
+    return dict(core=core, layer=layer, sel=sel, model=model, full_extra=L * d * 4, h_in=sh * h * E)
+
+# %% ../../nbs/14b_plan_1_memory.ipynb #fb1f8425
+def _hf_acts(a: Arch, rows: int, L: int, tp: int, E: int, attention: str) -> dict:
+    """An HF model's saved terms per layer and per model (`attention` 'hf-sdpa' or 'hf-eager')."""
+    s, h, d, up, qk = rows * L, a.hidden, a.head_dim, E < 4, a.qk_norm
+    q, k, f, A, G = _widths(a, tp)
+    core = (
+        (2 * s * q * E + 2 * s * k * E + 4 * s * A)
+        if attention == 'hf-sdpa'
+        else (3 * s * q * E + rows * A * L * L * (4 + (E if up else 0)))
+    )
+    layer = {
+        'norms': 2 * _norm_hf(s, h, 1, E)
+        + (qk and (s * q * 4 + 4 * s * A + s * q * E + s * k * 4 + 4 * s * G + s * k * E)),
+        'linear inputs': s * q * E if attention == 'hf-eager' else 0,
+        'rope': 0,
+        'attention': core,
+        'mlp': 4 * s * f * E,
+    }
+    model = {
+        'token ids': 8 * s,
+        'mask': 0,
+        'final norm': s * h * 4 + 4 * s + s * h * E,
+        'rope': 2 * L * d * E,
+    }
+    return dict(core=core, layer=layer, model=model)
+
+# %% ../../nbs/14b_plan_1_memory.ipynb #c8ca7cf0
+def _attention_transients(attention: str, rows: int, A: int, L: int, E: int) -> tuple[int, int]:
+    """Backward's L x L transients beyond what is saved, and what of them outlives the step."""
+    # backward's L x L transients beyond what is saved (one layer at a time): the local spec's
+    # persistent score buffer
+    # (megatron's global memory buffer, E per element) and the softmax backward's fp32 gradient in
+    # and out (4 + 4);
+    # HF eager the two fp32 gradients; flash / SDPA / TE none
+    transient = (
+        rows
+        * A
+        * L
+        * L
+        * ((E + 8) if attention == 'local' else 8 if attention == 'hf-eager' else 0)
+    )
+    persistent = (
+        rows * A * L * L * E if attention == 'local' else 0
+    )  # of the transients, what outlives the step: the score buffer
+    return transient, persistent
+
 # %% ../../nbs/14b_plan_1_memory.ipynb #d61f44d0
 def activation_bytes(
     arch: Arch,
@@ -367,117 +485,27 @@ def activation_bytes(
     if backend == 'torch':
         attention = 'hf-' + attention
     a, E, L = arch, DTYPE_BYTES[dtype], seq_len
-    s = rows * seq_len
-    h, d = a.hidden, a.head_dim
-    q, k, f, A, G = (
-        a.heads * d // tp,
-        a.kv_heads * d // tp,
-        a.ffn // tp,
-        a.heads // tp,
-        a.kv_heads // tp,
-    )
-    up = E < 4
-    qk = a.qk_norm
+    s, h, A = rows * seq_len, a.hidden, a.heads // tp
     if attention in ('local', 'sdpa'):
-        # the q|k|v output's storage: kept by the fp32 q/k norms (their inputs are views of it),
-        # else by the value view
-        qkv_out = s * (q + 2 * k) * E if (up or not qk) else 0
-        core = (
-            3 * s * q * E + rows * A * L * L * (4 + (E if up else 0))
-            if attention == 'local'
-            else s * q * E + s * k * E + 4 * s * A + qkv_out
-        )  # SDPA: output, roped key, log-sum-exp, the value's storage
-        layer = {
-            'norms': 2 * _norm_local(s, h, 1)
-            + (
-                qk
-                and (
-                    2 * s * q * 4
-                    + 4 * s * A
-                    + (s * k * 4 if up else s * (q + 2 * k) * 4)
-                    + s * k * 4
-                    + 4 * s * G
-                )
-            ),
-            'linear inputs': 2 * s * h * E + s * q * E + s * f * E,
-            'rope': 4 * L * d * E,
-            'attention': core,
-            'mlp': 4 * s * f * E,
-        }
-        sel = (
-            s * q * E + s * k * E + qkv_out + 4
-        )  # the checkpointed core's inputs: q, k, the value's storage
-        model = {
-            'token ids': 8 * s,
-            'mask': L * L if attention == 'local' else 0,
-            'final norm': _norm_local(s, h, 1),
-        }
-        full_extra = L * d * 4  # the rotary table, kept once
+        t = _local_acts(a, rows, L, tp, E, attention)
     elif attention == 'te':
-        sh = s // tp if sequence_parallel else s
-        lnlin = lambda: 2 * sh * h * E + 4 * sh  # fused norm+linear: input, normed output, 1/rms
-        core = (
-            s * q * E + 2 * s * k * E + 4 * s * A
-        )  # flash: q, k, v, log-sum-exp (output = proj input)
-        layer = {
-            'norms': 2 * lnlin() + (qk and (s * q * E + 4 * s * A + s * k * E + 4 * s * G)),
-            'linear inputs': s * q * E + s * f * E,
-            'rope': 0,
-            'attention': core,
-            'mlp': 2 * s * f * E,
-        }
-        sel = s * q * E + 2 * s * k * E
-        model = {'token ids': 8 * s, 'mask': 0, 'final norm': lnlin()}
-        full_extra = L * d * 4
-        h_in = sh * h * E
+        t = _te_acts(a, rows, L, tp, E, sequence_parallel)
     else:
         if recompute != 'none':
             raise ValueError(
                 "memagent.plan: the torch (HF) backend does not recompute; use recompute='none'"
             )
-        core = (
-            (2 * s * q * E + 2 * s * k * E + 4 * s * A)
-            if attention == 'hf-sdpa'
-            else (3 * s * q * E + rows * A * L * L * (4 + (E if up else 0)))
-        )
-        layer = {
-            'norms': 2 * _norm_hf(s, h, 1, E)
-            + (qk and (s * q * 4 + 4 * s * A + s * q * E + s * k * 4 + 4 * s * G + s * k * E)),
-            'linear inputs': s * q * E if attention == 'hf-eager' else 0,
-            'rope': 0,
-            'attention': core,
-            'mlp': 4 * s * f * E,
-        }
-        model = {
-            'token ids': 8 * s,
-            'mask': 0,
-            'final norm': s * h * 4 + 4 * s + s * h * E,
-            'rope': 2 * L * d * E,
-        }
-    per_layer = sum(layer.values())
-    # backward's L x L transients beyond what is saved (one layer at a time): the local spec's
-    # persistent score buffer
-    # (megatron's global memory buffer, E per element) and the softmax backward's fp32 gradient in
-    # and out (4 + 4);
-    # HF eager the two fp32 gradients; flash / SDPA / TE none
-    transient = (
-        rows
-        * A
-        * L
-        * L
-        * ((E + 8) if attention == 'local' else 8 if attention == 'hf-eager' else 0)
-    )
+        t = _hf_acts(a, rows, L, tp, E, attention)
+    core, per_layer = t['core'], sum(t['layer'].values())
+    transient, persistent = _attention_transients(attention, rows, A, L, E)
     if recompute == 'none':
         layers, working = a.layers * per_layer, 0
     elif recompute == 'selective':
-        layers, working = a.layers * (per_layer - core + sel), core
+        layers, working = a.layers * (per_layer - core + t['sel']), core
     else:
-        layers = a.layers * (h_in if attention == 'te' else s * h * E) + full_extra
+        layers = a.layers * (t['h_in'] if attention == 'te' else s * h * E) + t['full_extra']
         working = per_layer
-    saved = {'decoder layers': layers, **model}
-    persistent = (
-        rows * A * L * L * E if attention == 'local' else 0
-    )  # of the transients, what outlives the step: the score buffer
+    saved = {'decoder layers': layers, **t['model']}
     return dict(
         saved=saved,
         saved_total=sum(saved.values()),
