@@ -362,7 +362,7 @@ def derived(self) -> dict:
     }
 
 # %% ../nbs/00_config.ipynb #20771ead
-def _check_values(cfg) -> None:
+def _check_fields(cfg) -> None:
     "Raise at the first field whose type, range, allowed value or emptiness is wrong."
     _check_types(cfg, '')
     for key, spec in RANGES.items():
@@ -506,7 +506,7 @@ def _check_sizes(cfg) -> None:
 def validate(self) -> 'Config':
     """Check every field's type, range or allowed values, and the cross-field constraints; raise
     naming the key."""
-    _check_values(self)
+    _check_fields(self)
     _check_names(self)
     _check_parallel(self)
     _check_rollout(self)
