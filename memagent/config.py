@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from urllib.parse import urlsplit
 import yaml
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['CHOICES', 'NONEMPTY', 'RANGES', 'PARAM_KINDS', 'PRESETS', 'ModelCfg', 'DataCfg', 'ChunkingCfg', 'PromptCfg',
@@ -283,188 +284,234 @@ class Config:
     schedule: ScheduleCfg = field(default_factory=ScheduleCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     health: HealthCfg = field(default_factory=HealthCfg)
-    resume_overrides: list[str] = field(
-        default_factory=list
-    )  # dotted keys that may differ between a checkpoint's config and the resumed run's
-
-    @property
-    def dp_size(self) -> int:
-        "Data-parallel ranks = GPUs / (tensor parallel x pipeline parallel)."
-        return self.batch.n_gpus // (self.batch.tp * self.batch.pp)
-
-    @property
-    def rows_per_trajectory(self) -> int:
-        "At most max_chunks memory turns plus the final turn."
-        return self.chunking.max_chunks + 1
-
-    @property
-    def trajectories_per_step(self) -> int:
-        return self.grpo.prompts_per_step * self.grpo.group_size
-
-    @property
-    def row_capacity(self) -> int:
-        "The most rows one step can produce: the row channel's capacity."
-        return self.trajectories_per_step * self.rows_per_trajectory
-
-    @property
-    def template_allowance(self) -> int:
-        """Tokens reserved for the prompt template and chat markup (measured on the Qwen3 chat
-        template: ~150)."""
-        return 256
-
-    @property
-    def engine_context_tokens(self) -> int:
-        "Context a memory turn needs: chunk + memory + template + new memory."
-        c = self.chunking
-        return (
-            c.chunk_tokens
-            + c.memory_tokens
-            + self.template_allowance
-            + max(c.memory_tokens, c.final_tokens)
-        )
-
-    @property
-    def max_row_tokens(self) -> int:
-        "The longest row a step can produce (a memory turn at its bounds)."
-        return self.engine_context_tokens
-
-    def validate(self) -> 'Config':
-        """Check every field's type, range or allowed values, and the cross-field constraints; raise
-        naming the key."""
-        _check_types(self, '')
-        for key, spec in RANGES.items():
-            _check_range(key, get_key(self, key), spec)
-        for key, allowed in CHOICES.items():
-            v = get_key(self, key)
-            if v not in allowed:
-                raise ValueError(f"config key {key!r}: {v!r} is not one of {list(allowed)}")
-        for key in NONEMPTY:
-            v = get_key(self, key)
-            for i, x in enumerate(v if isinstance(v, list) else [v]):
-                if x is not None and not x.strip():
-                    raise ValueError(
-                        f"config key {key + (f'[{i}]' if isinstance(v, list) else '')!r}: must "
-                        "not be an empty string"
-                    )
-        from memagent.reward import REWARDS
-
-        if self.grpo.reward not in REWARDS:
-            raise ValueError(
-                f"config key 'grpo.reward': {self.grpo.reward!r} is not a registered reward; "
-                f"known: {sorted(REWARDS)}"
-            )
-        known = config_keys(self)
-        for i, k in enumerate(self.resume_overrides):
-            if k not in known:
-                near = difflib.get_close_matches(k, known, n=3)
-                raise ValueError(
-                    f"config key 'resume_overrides[{i}]': {k!r} is not a config key"
-                    + (
-                        f"; did you mean {near}?"
-                        if near
-                        else f"; keys look like 'schedule.steps' or 'optim.lr'"
-                    )
-                )
-        b = self.batch
-        if b.n_gpus % (b.tp * b.pp):
-            raise ValueError(
-                f"config keys 'batch.n_gpus'={b.n_gpus} must be divisible by 'batch.tp' x "
-                f"'batch.pp' = {b.tp * b.pp}"
-            )
-        if b.sequence_parallel and b.tp == 1:
-            raise ValueError(
-                "config key 'batch.sequence_parallel': needs 'batch.tp' > 1 (it shards "
-                "activations over tensor-parallel ranks)"
-            )
-        r = self.rollout
-        if r.colocate and r.engine != 'sglang':
-            raise ValueError(
-                "config key 'rollout.colocate': needs rollout.engine='sglang' (got "
-                f"{r.engine!r}); the hf engine runs in the driver"
-            )
-        if r.colocate and b.n_gpus % r.gpus_per_engine:
-            raise ValueError(
-                f"config key 'rollout.gpus_per_engine'={r.gpus_per_engine} must divide "
-                f"'batch.n_gpus'={b.n_gpus} when colocated"
-            )
-        for i, u in enumerate(r.sglang_urls):
-            p = urlsplit(u) if isinstance(u, str) else None
-            try:
-                ok = (
-                    p is not None
-                    and p.scheme in ('http', 'https')
-                    and bool(p.hostname)
-                    and (p.port or 0) >= 0
-                )
-            except ValueError:
-                ok = False  # a port that is not a number
-            if not ok:
-                raise ValueError(
-                    f"config key 'rollout.sglang_urls[{i}]': {u!r} is not an http(s) URL with a "
-                    "host "
-                    "(SGLang's HTTP server, e.g. http://10.0.0.2:30000)"
-                )
-        if r.sglang_urls and (
-            r.engine != 'sglang' or r.colocate
-        ):  # a server list nothing would read
-            raise ValueError(
-                f"config key 'rollout.sglang_urls': {len(r.sglang_urls)} server URL(s) set, but "
-                + (
-                    f"rollout.engine={r.engine!r} runs in the driver and reads no server"
-                    if r.engine != 'sglang'
-                    else "rollout.colocate=True launches its own engines on the training GPUs"
-                )
-                + (
-                    "; remove the URLs, or set rollout.engine='sglang' and rollout.colocate=False "
-                    "to use them"
-                )
-            )
-        if r.weight_sync == 'tensor' and not r.colocate:
-            raise ValueError(
-                "config key 'rollout.weight_sync': 'tensor' needs rollout.colocate=True (the "
-                "engine reads tensors from its GPUs' processes)"
-            )
-        if self.grpo.prompts_per_step % self.optim.mini_batches:
-            raise ValueError(
-                f"config key 'optim.mini_batches'={self.optim.mini_batches} must divide "
-                "'grpo.prompts_per_step'="
-                f"{self.grpo.prompts_per_step} (each mini-batch holds whole prompt groups)"
-            )
-        if self.chunking.context_trim == 'centre' and self.chunking.max_context_tokens is None:
-            raise ValueError(
-                "config key 'chunking.max_context_tokens': required when "
-                "chunking.context_trim='centre'"
-            )
-        if self.engine_context_tokens > self.rollout.context_length:
-            raise ValueError(
-                f"config key 'rollout.context_length'={self.rollout.context_length} is smaller "
-                "than a memory "
-                f"turn needs ({self.engine_context_tokens} = chunk + memory + template + response)"
-            )
-        if self.max_row_tokens > b.max_tokens_per_micro:
-            raise ValueError(
-                f"config key 'batch.max_tokens_per_micro'={b.max_tokens_per_micro} cannot hold "
-                "one row "
-                f"of up to {self.max_row_tokens} tokens"
-            )
-        return self
+    # dotted keys that may differ between a checkpoint's config and the resumed run's
+    resume_overrides: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def derived(self) -> dict:
-        "The derived values, for logs and reports."
-        return {
-            k: getattr(self, k)
-            for k in (
-                'dp_size',
-                'rows_per_trajectory',
-                'trajectories_per_step',
-                'row_capacity',
-                'engine_context_tokens',
-                'max_row_tokens',
+# %% ../nbs/00_config.ipynb #496d368a
+@patch_to(Config)
+@property
+def dp_size(self) -> int:
+    "Data-parallel ranks = GPUs / (tensor parallel x pipeline parallel)."
+    return self.batch.n_gpus // (self.batch.tp * self.batch.pp)
+
+
+@patch_to(Config)
+@property
+def rows_per_trajectory(self) -> int:
+    "At most max_chunks memory turns plus the final turn."
+    return self.chunking.max_chunks + 1
+
+
+@patch_to(Config)
+@property
+def trajectories_per_step(self) -> int:
+    return self.grpo.prompts_per_step * self.grpo.group_size
+
+
+@patch_to(Config)
+@property
+def row_capacity(self) -> int:
+    "The most rows one step can produce: the row channel's capacity."
+    return self.trajectories_per_step * self.rows_per_trajectory
+
+# %% ../nbs/00_config.ipynb #d70fbbd9
+@patch_to(Config)
+@property
+def template_allowance(self) -> int:
+    """Tokens reserved for the prompt template and chat markup (measured on the Qwen3 chat
+    template: ~150)."""
+    return 256
+
+
+@patch_to(Config)
+@property
+def engine_context_tokens(self) -> int:
+    "Context a memory turn needs: chunk + memory + template + new memory."
+    c = self.chunking
+    return (
+        c.chunk_tokens
+        + c.memory_tokens
+        + self.template_allowance
+        + max(c.memory_tokens, c.final_tokens)
+    )
+
+
+@patch_to(Config)
+@property
+def max_row_tokens(self) -> int:
+    "The longest row a step can produce (a memory turn at its bounds)."
+    return self.engine_context_tokens
+
+
+@patch_to(Config)
+def derived(self) -> dict:
+    "The derived values, for logs and reports."
+    return {
+        k: getattr(self, k)
+        for k in (
+            'dp_size',
+            'rows_per_trajectory',
+            'trajectories_per_step',
+            'row_capacity',
+            'engine_context_tokens',
+            'max_row_tokens',
+        )
+    }
+
+# %% ../nbs/00_config.ipynb #20771ead
+def _check_fields(cfg) -> None:
+    "Raise at the first field whose type, range, allowed value or emptiness is wrong."
+    _check_types(cfg, '')
+    for key, spec in RANGES.items():
+        _check_range(key, get_key(cfg, key), spec)
+    for key, allowed in CHOICES.items():
+        v = get_key(cfg, key)
+        if v not in allowed:
+            raise ValueError(f"config key {key!r}: {v!r} is not one of {list(allowed)}")
+    for key in NONEMPTY:
+        v = get_key(cfg, key)
+        for i, x in enumerate(v if isinstance(v, list) else [v]):
+            if x is not None and not x.strip():
+                raise ValueError(
+                    f"config key {key + (f'[{i}]' if isinstance(v, list) else '')!r}: must "
+                    "not be an empty string"
+                )
+
+# %% ../nbs/00_config.ipynb #c3ae1155
+def _check_names(cfg) -> None:
+    "Raise unless the reward is registered and every `resume_overrides` entry is a config key."
+    from memagent.reward import REWARDS
+
+    if cfg.grpo.reward not in REWARDS:
+        raise ValueError(
+            f"config key 'grpo.reward': {cfg.grpo.reward!r} is not a registered reward; "
+            f"known: {sorted(REWARDS)}"
+        )
+    known = config_keys(cfg)
+    for i, k in enumerate(cfg.resume_overrides):
+        if k not in known:
+            near = difflib.get_close_matches(k, known, n=3)
+            raise ValueError(
+                f"config key 'resume_overrides[{i}]': {k!r} is not a config key"
+                + (
+                    f"; did you mean {near}?"
+                    if near
+                    else f"; keys look like 'schedule.steps' or 'optim.lr'"
+                )
             )
-        }
+
+# %% ../nbs/00_config.ipynb #f3261214
+def _check_parallel(cfg) -> None:
+    "Raise unless the GPUs divide into tp x pp groups, and sequence parallelism has tp > 1."
+    b = cfg.batch
+    if b.n_gpus % (b.tp * b.pp):
+        raise ValueError(
+            f"config keys 'batch.n_gpus'={b.n_gpus} must be divisible by 'batch.tp' x "
+            f"'batch.pp' = {b.tp * b.pp}"
+        )
+    if b.sequence_parallel and b.tp == 1:
+        raise ValueError(
+            "config key 'batch.sequence_parallel': needs 'batch.tp' > 1 (it shards "
+            "activations over tensor-parallel ranks)"
+        )
+
+# %% ../nbs/00_config.ipynb #08643999
+def _check_sglang_urls(r) -> None:
+    "Raise unless every `rollout.sglang_urls` entry is an http(s) URL the engine setting reads."
+    for i, u in enumerate(r.sglang_urls):
+        p = urlsplit(u) if isinstance(u, str) else None
+        try:
+            ok = (
+                p is not None
+                and p.scheme in ('http', 'https')
+                and bool(p.hostname)
+                and (p.port or 0) >= 0
+            )
+        except ValueError:
+            ok = False  # a port that is not a number
+        if not ok:
+            raise ValueError(
+                f"config key 'rollout.sglang_urls[{i}]': {u!r} is not an http(s) URL with a "
+                "host "
+                "(SGLang's HTTP server, e.g. http://10.0.0.2:30000)"
+            )
+    # a server list nothing would read
+    if r.sglang_urls and (r.engine != 'sglang' or r.colocate):
+        raise ValueError(
+            f"config key 'rollout.sglang_urls': {len(r.sglang_urls)} server URL(s) set, but "
+            + (
+                f"rollout.engine={r.engine!r} runs in the driver and reads no server"
+                if r.engine != 'sglang'
+                else "rollout.colocate=True launches its own engines on the training GPUs"
+            )
+            + (
+                "; remove the URLs, or set rollout.engine='sglang' and rollout.colocate=False "
+                "to use them"
+            )
+        )
+
+# %% ../nbs/00_config.ipynb #f8c138d3
+def _check_rollout(cfg) -> None:
+    "Raise unless the rollout's colocation, server URLs and weight sync fit together."
+    r, b = cfg.rollout, cfg.batch
+    if r.colocate and r.engine != 'sglang':
+        raise ValueError(
+            "config key 'rollout.colocate': needs rollout.engine='sglang' (got "
+            f"{r.engine!r}); the hf engine runs in the driver"
+        )
+    if r.colocate and b.n_gpus % r.gpus_per_engine:
+        raise ValueError(
+            f"config key 'rollout.gpus_per_engine'={r.gpus_per_engine} must divide "
+            f"'batch.n_gpus'={b.n_gpus} when colocated"
+        )
+    _check_sglang_urls(r)
+    if r.weight_sync == 'tensor' and not r.colocate:
+        raise ValueError(
+            "config key 'rollout.weight_sync': 'tensor' needs rollout.colocate=True (the "
+            "engine reads tensors from its GPUs' processes)"
+        )
+
+# %% ../nbs/00_config.ipynb #f6c3217f
+def _check_sizes(cfg) -> None:
+    "Raise unless the mini-batches, context bound, engine context and micro-batch fit a row."
+    b = cfg.batch
+    if cfg.grpo.prompts_per_step % cfg.optim.mini_batches:
+        raise ValueError(
+            f"config key 'optim.mini_batches'={cfg.optim.mini_batches} must divide "
+            "'grpo.prompts_per_step'="
+            f"{cfg.grpo.prompts_per_step} (each mini-batch holds whole prompt groups)"
+        )
+    if cfg.chunking.context_trim == 'centre' and cfg.chunking.max_context_tokens is None:
+        raise ValueError(
+            "config key 'chunking.max_context_tokens': required when chunking.context_trim='centre'"
+        )
+    if cfg.engine_context_tokens > cfg.rollout.context_length:
+        raise ValueError(
+            f"config key 'rollout.context_length'={cfg.rollout.context_length} is smaller "
+            "than a memory "
+            f"turn needs ({cfg.engine_context_tokens} = chunk + memory + template + response)"
+        )
+    if cfg.max_row_tokens > b.max_tokens_per_micro:
+        raise ValueError(
+            f"config key 'batch.max_tokens_per_micro'={b.max_tokens_per_micro} cannot hold "
+            "one row "
+            f"of up to {cfg.max_row_tokens} tokens"
+        )
+
+# %% ../nbs/00_config.ipynb #16c4dd2a
+@patch_to(Config)
+def validate(self) -> 'Config':
+    """Check every field's type, range or allowed values, and the cross-field constraints; raise
+    naming the key."""
+    _check_fields(self)
+    _check_names(self)
+    _check_parallel(self)
+    _check_rollout(self)
+    _check_sizes(self)
+    return self
 
 # %% ../nbs/00_config.ipynb #a766b53a
 def _check_value(v, tp, key):
@@ -620,6 +667,10 @@ RANGES = {
     'loss.tis_cap': Range(
         1, why='null: off; a cap below 1 would shrink every weight, not truncate the large ones'
     ),
+}
+
+# %% ../nbs/00_config.ipynb #2dc26d3b
+RANGES |= {
     'optim.lr': Range(0, why='0 leaves the weights unchanged'),
     'optim.weight_decay': Range(0),
     'optim.betas': Range(0, 1, hi_open=True, size=(2, 2), why="Adam's two decay rates"),
@@ -978,6 +1029,22 @@ class cli_number:
         return hash((cli_number, self.kind))
 
 # %% ../nbs/00_config.ipynb #3a2f7c0f
+def _qwen3_4b_batch() -> BatchCfg:
+    "The frozen contract's batch: 8 GPUs as TP 2 x DP 4, 9216 tokens per micro-batch."
+    # bf16 weights, fp32 main grads, Adam states sharded over DP. Selective recompute costs nothing
+    # with Transformer Engine's fused attention and keeps the local spec's L x L scores, which would
+    # not fit, out of memory without it: see reports/plan/
+    return BatchCfg(
+        max_tokens_per_micro=9216,
+        n_gpus=8,
+        tp=2,
+        pp=1,
+        recompute='selective',
+        sequence_parallel=True,
+        distributed_optimizer=True,
+    )
+
+# %% ../nbs/00_config.ipynb #45bae762
 def qwen3_4b_frozen() -> Config:
     "The frozen reproduction contract: every value of the Qwen3-4B recipe."
     return Config(
@@ -1025,20 +1092,7 @@ def qwen3_4b_frozen() -> Config:
             agg='trajectory',
         ),
         optim=OptimCfg(name='adam', lr=1e-6, weight_decay=0.1, betas=[0.9, 0.98], grad_clip=1.0),
-        # bf16 weights, fp32 main grads, Adam states sharded over DP. Selective recompute costs
-        # nothing with Transformer
-        # Engine's fused attention and keeps the local spec's L x L scores, which would not fit, out
-        # of memory without it:
-        # see reports/plan/
-        batch=BatchCfg(
-            max_tokens_per_micro=9216,
-            n_gpus=8,
-            tp=2,
-            pp=1,
-            recompute='selective',
-            sequence_parallel=True,
-            distributed_optimizer=True,
-        ),
+        batch=_qwen3_4b_batch(),
         schedule=ScheduleCfg(steps=100, save_every=50, keep_last=2),
         eval=EvalCfg(lengths=[50, 200, 800], temperature=0.7, top_p=0.95, samples=1, max_items=128),
     )

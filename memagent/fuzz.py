@@ -35,6 +35,7 @@ FUZZ_FILE = 'fuzz.jsonl.gz'
 MODE_NAMES = ('official', 'relax')  # each mode scored against its own upstream
 WINDOW = 300  # the characters both upstream rewards search for a box
 
+# %% ../nbs/18c_fuzz.ipynb #4b712cee
 ATOMS = (
     'Paris',
     'Nottingham Forest',
@@ -92,6 +93,8 @@ ATOMS = (
     'Ελλάδα',
     'ΣΊΣΥΦΟΣ',
 )
+
+# %% ../nbs/18c_fuzz.ipynb #e14e7094
 SPACES = ('', ' ', '  ', '\t', '\n', ' \n ', '\u00a0', '\u2003')
 PUNCT = ('.', ',', '!', '?', ';', ':', '-', '"', "'", '(', ')', '*')
 ARTICLES = ('a', 'an', 'the', 'A', 'An', 'The', 'THE')
@@ -113,7 +116,7 @@ FILLER = (
     '...',
 )
 
-
+# %% ../nbs/18c_fuzz.ipynb #7023ed6a
 def _case(rng, s):
     return rng.choice((s, s, s.lower(), s.upper(), s.title(), s.swapcase()))
 
@@ -409,12 +412,8 @@ def replay_indices(count: int, sample: int | None) -> list[int]:
     return sorted({min(count - 1, int(j * step)) for j in range(sample)} | {count - 1})
 
 # %% ../nbs/18c_fuzz.ipynb #89ae1972
-def verify_fuzz(receipt: dict, report_dir, sample: int | None = 500) -> dict:
-    """Check the receipt's fuzz section against its file, regenerate and re-score a sample of draws;
-    raise `VerificationError`."""
-    fz = receipt.get('fuzz')
-    if not isinstance(fz, dict):
-        raise VerificationError(['the receipt has no fuzz section'])
+def _recorded_problems(receipt: dict, fz: dict, report_dir) -> tuple[list[dict], list[str]]:
+    "The stored lines, and where the fuzz section disagrees with its file or the receipt."
     problems = []
     if fz.get('grammar') != GRAMMAR_VERSION:
         problems.append(
@@ -448,9 +447,12 @@ def verify_fuzz(receipt: dict, report_dir, sample: int | None = 500) -> dict:
             f'fuzz: the recorded disagreements ({len(fz.get("disagreements") or [])}) are not '
             f'those of the stored draws ({len(disagreements(lines))})'
         )
-    idx = replay_indices(len(lines), sample) if isinstance(fz.get('seed'), int) else []
-    if not idx:
-        problems.append(f'fuzz: seed {fz.get("seed")!r} is not an integer: nothing can be replayed')
+    return lines, problems
+
+# %% ../nbs/18c_fuzz.ipynb #3b027b88
+def _replay_problems(fz: dict, lines: list[dict], idx) -> list[str]:
+    "Where the draws `idx`, regenerated from the seed and re-scored, differ from the stored lines."
+    problems = []
     for i in idx:
         ln, d = lines[i], draw(fz['seed'], i)
         if draw_sha256(d) != draw_sha256(ln['draw']):
@@ -463,6 +465,20 @@ def verify_fuzz(receipt: dict, report_dir, sample: int | None = 500) -> dict:
                         f"fuzz: draw {i} ({d['id']}): {m}: {c['field']}: our output is now "
                         f"{c['ours']!r}, the receipt records {c['upstream']!r}"
                     )
+    return problems
+
+# %% ../nbs/18c_fuzz.ipynb #85b45eb8
+def verify_fuzz(receipt: dict, report_dir, sample: int | None = 500) -> dict:
+    """Check the receipt's fuzz section against its file, regenerate and re-score a sample of draws;
+    raise `VerificationError`."""
+    fz = receipt.get('fuzz')
+    if not isinstance(fz, dict):
+        raise VerificationError(['the receipt has no fuzz section'])
+    lines, problems = _recorded_problems(receipt, fz, report_dir)
+    idx = replay_indices(len(lines), sample) if isinstance(fz.get('seed'), int) else []
+    if not idx:
+        problems.append(f'fuzz: seed {fz.get("seed")!r} is not an integer: nothing can be replayed')
+    problems += _replay_problems(fz, lines, idx)
     if problems:
         raise VerificationError(problems)
     return {
@@ -574,7 +590,7 @@ boxes straddling the 300-character window, `<think>` blocks, case and Unicode, y
 Each draw is scored by the upstream code (loaded as for the fixtures) and by each mode; every per-draw field is
 compared (the aggregates are compared on the fixtures). Every draw is kept."""  # noqa: E501
 
-
+# %% ../nbs/18c_fuzz.ipynb #6eb68638
 def readme_sections(receipt: dict) -> list[tuple[str, str]]:
     """The README's `(heading, markdown)` sections, from the receipt alone (and the modes' train
     rewards, `memagent.parity.MODES`)."""

@@ -8,6 +8,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['VIRTUAL', 'compute_device', 'to_device', 'to_host', 'VirtualDeviceError', 'VirtualDevice']
@@ -131,113 +132,114 @@ class VirtualDevice(TorchFunctionMode):
     def _fail(self, func, why: str):
         raise VirtualDeviceError(f"{_name(func)}: {why}")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        d, op = getattr(func, '__self__', None), getattr(func, '__name__', None)
-        if op in ('__get__', '__set__') and isinstance(d, type(_T.data)):
-            return self._attribute(func, d, op, args)
-        if func is _T.to:
-            return self._to(func, args, kwargs)
-        if func in _HOST_COPY:
-            out = func(*args, **kwargs)
-            return out.clone() if self.on(args[0]) and out is args[0] else out
-        leaves = tree_flatten((args, kwargs))[0]
-        if _is_virtual(kwargs.get('device')):  # a factory on the device
-            g = kwargs.get('generator')
-            if isinstance(g, torch.Generator) and g.device.type == 'cpu':
-                self._fail(func, 'a CPU torch.Generator draws a tensor on the device')
-            return self._tag_all(func(*args, **dict(kwargs, device='cpu')))
-        ts = [x for x in leaves if isinstance(x, torch.Tensor)]
-        on = [t for t in ts if self.on(t)]
-        if not on:
-            return func(*args, **kwargs)
-        self.checked += 1
-        if func in _TO_NUMPY:
-            self._fail(func, 'a device tensor converted to numpy (move it to the host first)')
-        if any(isinstance(x, torch.Generator) and x.device.type == 'cpu' for x in leaves):
-            self._fail(func, 'a CPU torch.Generator meets a tensor on the device')
-        if func in _META:
-            return func(*args, **kwargs)
-        if func is _T.copy_ or func in _SHAPE_OF_OTHER:
-            host = []
-        elif func in _INDEXING:
-            host = self._indexing(func, args, kwargs)
-        else:
-            host = [t for t in ts if not self.on(t) and t.dim() > 0]
-        if host:
-            self._fail(
-                func,
-                f"{len(host)} host tensor(s) of shape "
-                f"{', '.join(str(tuple(t.shape)) for t in host[:3])} meet "
-                f"{len(on)} on the device (on CUDA: 'Expected all tensors to be on the same "
-                "device')",
-            )
+# %% ../nbs/11a_ondevice.ipynb #acd581db
+@patch_to(VirtualDevice)
+def __torch_function__(self, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    d, op = getattr(func, '__self__', None), getattr(func, '__name__', None)
+    if op in ('__get__', '__set__') and isinstance(d, type(_T.data)):
+        return self._attribute(func, d, op, args)
+    if func is _T.to:
+        return self._to(func, args, kwargs)
+    if func in _HOST_COPY:
         out = func(*args, **kwargs)
-        if func is _T.__setitem__ or func is _T.copy_:
-            return out  # in place: the target keeps its side
-        if args and isinstance(args[0], torch.Tensor) and not self.on(args[0]):
-            if out is args[0] or func in _SHAPE_OF_OTHER:
-                return out  # in place on a host tensor; its own shape op
-        return self._tag_all(out)
+        return out.clone() if self.on(args[0]) and out is args[0] else out
+    leaves = tree_flatten((args, kwargs))[0]
+    if _is_virtual(kwargs.get('device')):  # a factory on the device
+        g = kwargs.get('generator')
+        if isinstance(g, torch.Generator) and g.device.type == 'cpu':
+            self._fail(func, 'a CPU torch.Generator draws a tensor on the device')
+        return self._tag_all(func(*args, **dict(kwargs, device='cpu')))
+    ts = [x for x in leaves if isinstance(x, torch.Tensor)]
+    on = [t for t in ts if self.on(t)]
+    if not on:
+        return func(*args, **kwargs)
+    self.checked += 1
+    if func in _TO_NUMPY:
+        self._fail(func, 'a device tensor converted to numpy (move it to the host first)')
+    if any(isinstance(x, torch.Generator) and x.device.type == 'cpu' for x in leaves):
+        self._fail(func, 'a CPU torch.Generator meets a tensor on the device')
+    if func in _META:
+        return func(*args, **kwargs)
+    if func is _T.copy_ or func in _SHAPE_OF_OTHER:
+        host = []
+    elif func in _INDEXING:
+        host = self._indexing(func, args, kwargs)
+    else:
+        host = [t for t in ts if not self.on(t) and t.dim() > 0]
+    if host:
+        self._fail(
+            func,
+            f"{len(host)} host tensor(s) of shape "
+            f"{', '.join(str(tuple(t.shape)) for t in host[:3])} meet "
+            f"{len(on)} on the device (on CUDA: 'Expected all tensors to be on the same "
+            "device')",
+        )
+    out = func(*args, **kwargs)
+    if func is _T.__setitem__ or func is _T.copy_:
+        return out  # in place: the target keeps its side
+    if args and isinstance(args[0], torch.Tensor) and not self.on(args[0]):
+        if out is args[0] or func in _SHAPE_OF_OTHER:
+            return out  # in place on a host tensor; its own shape op
+    return self._tag_all(out)
 
-    def _indexing(self, func, args, kwargs) -> list:
-        """Index tensors may stay on the host; the indexed tensor and any values must be on one side
-        (a basic assignment copies)."""
-        x, idx = args[0], (args[1] if len(args) > 1 else kwargs.get('indices', ()))
-        idx = [t for t in tree_flatten(idx)[0] if isinstance(t, torch.Tensor)]
-        vals = [
-            t
-            for t in tree_flatten((args[2:], kwargs.get('values')))[0]
-            if isinstance(t, torch.Tensor)
-        ]
-        if not self.on(x):
-            if any(self.on(t) for t in idx):
-                return [x]  # a host tensor indexed by a device tensor
-            return (
-                [x] if idx and any(self.on(v) for v in vals) else []
-            )  # device values put at host indices
-        copies = func is _T.__setitem__ and not idx  # basic assignment: a copy_
-        return [] if copies else [v for v in vals if not self.on(v) and v.dim() > 0]
+# %% ../nbs/11a_ondevice.ipynb #3fd7b7fe
+@patch_to(VirtualDevice)
+def _indexing(self, func, args, kwargs) -> list:
+    """Index tensors may stay on the host; the indexed tensor and any values must be on one side
+    (a basic assignment copies)."""
+    x, idx = args[0], (args[1] if len(args) > 1 else kwargs.get('indices', ()))
+    idx = [t for t in tree_flatten(idx)[0] if isinstance(t, torch.Tensor)]
+    vals = [
+        t for t in tree_flatten((args[2:], kwargs.get('values')))[0] if isinstance(t, torch.Tensor)
+    ]
+    if not self.on(x):
+        if any(self.on(t) for t in idx):
+            return [x]  # a host tensor indexed by a device tensor
+        return (
+            [x] if idx and any(self.on(v) for v in vals) else []
+        )  # device values put at host indices
+    copies = func is _T.__setitem__ and not idx  # basic assignment: a copy_
+    return [] if copies else [v for v in vals if not self.on(v) and v.dim() > 0]
 
-    def _attribute(self, func, d, op, args):
-        """`.device` answers the virtual device for a tagged tensor; `.data =` moves the tensor's
-        side; `.grad =` across the boundary raises."""
-        t = args[0]
-        if op == '__get__':
-            if d is _T.device:
-                return VIRTUAL if self.on(t) else func(*args)
-            out = func(*args)
-            return self._tag(out) if isinstance(out, torch.Tensor) and self.on(t) else out
-        v = args[1]
-        if d is _T.data:
-            func(*args)
-            if self.on(v):
-                self._tag(t)
-            else:
-                self._on.pop(id(t), None)
-            return None
-        if (
-            d is _T.grad
-            and isinstance(v, torch.Tensor)
-            and v.dim() > 0
-            and self.on(t) != self.on(v)
-        ):
-            self._fail(func, 'a gradient on the other side of the device boundary from its tensor')
-        return func(*args)
 
-    def _to(self, func, args, kwargs):
-        """`.to(virtual device)`: a tagged copy; `.to('cpu')` of a device tensor: an untagged copy;
-        a dtype change keeps the side."""
-        t, kwargs = args[0], dict(kwargs)
-        copy = kwargs.pop('copy', False)
-        dev, dtype, _, fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
-        kw = {k: v for k, v in (('dtype', dtype), ('memory_format', fmt)) if v is not None}
-        if dev is None:
-            out = func(t, copy=copy, **kw)
-            return self._tag(out) if self.on(t) else out
-        if dev == VIRTUAL:
-            return self._tag(func(t, copy=copy or not self.on(t), **kw))
-        if dev.type == 'cpu':
-            out = func(t, copy=copy, **kw)
-            return out.clone() if self.on(t) and out is t else out
-        return func(*args, copy=copy, **kwargs)
+@patch_to(VirtualDevice)
+def _attribute(self, func, d, op, args):
+    """`.device` answers the virtual device for a tagged tensor; `.data =` moves the tensor's
+    side; `.grad =` across the boundary raises."""
+    t = args[0]
+    if op == '__get__':
+        if d is _T.device:
+            return VIRTUAL if self.on(t) else func(*args)
+        out = func(*args)
+        return self._tag(out) if isinstance(out, torch.Tensor) and self.on(t) else out
+    v = args[1]
+    if d is _T.data:
+        func(*args)
+        if self.on(v):
+            self._tag(t)
+        else:
+            self._on.pop(id(t), None)
+        return None
+    if d is _T.grad and isinstance(v, torch.Tensor) and v.dim() > 0 and self.on(t) != self.on(v):
+        self._fail(func, 'a gradient on the other side of the device boundary from its tensor')
+    return func(*args)
+
+# %% ../nbs/11a_ondevice.ipynb #c60e9207
+@patch_to(VirtualDevice)
+def _to(self, func, args, kwargs):
+    """`.to(virtual device)`: a tagged copy; `.to('cpu')` of a device tensor: an untagged copy;
+    a dtype change keeps the side."""
+    t, kwargs = args[0], dict(kwargs)
+    copy = kwargs.pop('copy', False)
+    dev, dtype, _, fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
+    kw = {k: v for k, v in (('dtype', dtype), ('memory_format', fmt)) if v is not None}
+    if dev is None:
+        out = func(t, copy=copy, **kw)
+        return self._tag(out) if self.on(t) else out
+    if dev == VIRTUAL:
+        return self._tag(func(t, copy=copy or not self.on(t), **kw))
+    if dev.type == 'cpu':
+        out = func(t, copy=copy, **kw)
+        return out.clone() if self.on(t) and out is t else out
+    return func(*args, copy=copy, **kwargs)

@@ -8,6 +8,7 @@ import math, random
 from dataclasses import dataclass, field
 from .engines import SamplingParams, GenerationResult, EngineError
 from .rollout import FINAL, run_sync, run_async
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['LENGTHS', 'LatencyModel', 'LengthModel', 'ResponseLengths', 'SimServer', 'SimQueue', 'SimEngine', 'SimTrajectory',
@@ -74,10 +75,8 @@ class SimServer:
 
     def __init__(self, model: LatencyModel):
         self.m, self.clock = model, 0.0
-        self.waiting, self.running = (
-            [],
-            {},
-        )  # waiting: [(arrival, rid, prompt_tokens, out_tokens)]; running: rid -> [left, ctx]
+        # waiting: [(arrival, rid, prompt_tokens, out_tokens)]; running: rid -> [left, ctx]
+        self.waiting, self.running = [], {}
 
     def add(self, t: float, rid, prompt_tokens: int, out_tokens: int):
         self.waiting.append((t, rid, prompt_tokens, out_tokens))
@@ -89,64 +88,68 @@ class SimServer:
         room = self.m.max_running - len(self.running)
         return [w for w in self.waiting if w[0] <= at][: max(0, room)]
 
-    def plan(self):
-        "(end time, kind, argument) of the next step, or None when idle."
-        if not self.waiting and not self.running:
-            return None
-        start = self.clock if self.running else max(self.clock, min(w[0] for w in self.waiting))
-        adm = self._admissible(start)
-        if adm:
-            n = len(self.running) + len(adm)
-            ctx = sum(c for _, c in self.running.values()) + sum(w[2] for w in adm)
-            return (
-                start + self.m.decode(n, ctx) + self.m.prefill_s * sum(w[2] for w in adm),
-                'admit',
-                (start, adm),
-            )
-        n, ctx = len(self.running), sum(c for _, c in self.running.values())
-        i = min(left for left, _ in self.running.values())
-        later = [w[0] for w in self.waiting if w[0] > start]
-        if later and len(self.running) < self.m.max_running:
-            i = min(i, self._iterations_until(n, ctx, min(later) - start))
-        return start + self.m.decode(n, ctx, i), 'decode', i
-
-    def _iterations_until(self, n, ctx, dt) -> int:
-        "The fewest whole iterations (>= 1) that take at least `dt`."
-        a, b = (
-            self.m.kv_s * n / 2,
-            self.m.base_s + self.m.seq_s * n + self.m.kv_s * ctx - self.m.kv_s * n / 2,
+# %% ../nbs/09b_simulate.ipynb #17ecbd65
+@patch_to(SimServer)
+def plan(self):
+    "(end time, kind, argument) of the next step, or None when idle."
+    if not self.waiting and not self.running:
+        return None
+    start = self.clock if self.running else max(self.clock, min(w[0] for w in self.waiting))
+    adm = self._admissible(start)
+    if adm:
+        n = len(self.running) + len(adm)
+        ctx = sum(c for _, c in self.running.values()) + sum(w[2] for w in adm)
+        return (
+            start + self.m.decode(n, ctx) + self.m.prefill_s * sum(w[2] for w in adm),
+            'admit',
+            (start, adm),
         )
-        i = max(
-            1,
-            math.ceil((-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a))
-            if a > 0
-            else math.ceil(dt / b),
-        )
-        while i > 1 and self.m.decode(n, ctx, i - 1) >= dt:
-            i -= 1
-        while self.m.decode(n, ctx, i) < dt:
-            i += 1
-        return i
+    n, ctx = len(self.running), sum(c for _, c in self.running.values())
+    i = min(left for left, _ in self.running.values())
+    later = [w[0] for w in self.waiting if w[0] > start]
+    if later and len(self.running) < self.m.max_running:
+        i = min(i, self._iterations_until(n, ctx, min(later) - start))
+    return start + self.m.decode(n, ctx, i), 'decode', i
 
-    def commit(self, plan) -> list:
-        "Apply `plan`; the ids of the requests that completed."
-        end, kind, arg = plan
-        if kind == 'admit':
-            start, adm = arg
-            for w in adm:
-                self.waiting.remove(w)
-                self.running[w[1]] = [w[3], w[2]]
-            i = 1
-        else:
-            i = arg
-        for r in self.running.values():
-            r[0] -= i
-            r[1] += i
-        done = [rid for rid, (left, _) in self.running.items() if left <= 0]
-        for rid in done:
-            del self.running[rid]
-        self.clock = end
-        return done
+
+@patch_to(SimServer)
+def _iterations_until(self, n, ctx, dt) -> int:
+    "The fewest whole iterations (>= 1) that take at least `dt`."
+    a, b = (
+        self.m.kv_s * n / 2,
+        self.m.base_s + self.m.seq_s * n + self.m.kv_s * ctx - self.m.kv_s * n / 2,
+    )
+    i = max(
+        1,
+        math.ceil((-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a)) if a > 0 else math.ceil(dt / b),
+    )
+    while i > 1 and self.m.decode(n, ctx, i - 1) >= dt:
+        i -= 1
+    while self.m.decode(n, ctx, i) < dt:
+        i += 1
+    return i
+
+# %% ../nbs/09b_simulate.ipynb #65a77384
+@patch_to(SimServer)
+def commit(self, plan) -> list:
+    "Apply `plan`; the ids of the requests that completed."
+    end, kind, arg = plan
+    if kind == 'admit':
+        start, adm = arg
+        for w in adm:
+            self.waiting.remove(w)
+            self.running[w[1]] = [w[3], w[2]]
+        i = 1
+    else:
+        i = arg
+    for r in self.running.values():
+        r[0] -= i
+        r[1] += i
+    done = [rid for rid, (left, _) in self.running.items() if left <= 0]
+    for rid in done:
+        del self.running[rid]
+    self.clock = end
+    return done
 
 # %% ../nbs/09b_simulate.ipynb #30869097
 class SimQueue:
@@ -185,107 +188,112 @@ class SimEngine:
         hang=(),
     ):
         self.model, self.limit, self.length = model, limit, length or LENGTHS['mixed']
-        self.token_pool, self.stop_id, self.wait_limit_s, self.fail = (
-            list(token_pool),
-            stop_id,
-            wait_limit_s,
-            fail,
-        )
+        self.token_pool, self.stop_id = list(token_pool), stop_id
+        self.wait_limit_s, self.fail = wait_limit_s, fail
         self.hang = frozenset(hang)  # request seeds that never complete
         self.servers = [SimServer(model) for _ in range(servers)]
         self.clock, self._next, self._turn, self._req = 0.0, 0, 0, {}
         self.in_flight = self.max_in_flight = 0
-        self.on_server = [
-            0
-        ] * servers  # this client's requests in flight per server (at most `limit` each)
+        # this client's requests in flight per server (at most `limit` each)
+        self.on_server = [0] * servers
         self.peak_on_server = [0] * servers
         self.stats = {'requests': 0, 'generated_tokens': 0}
 
     def request_queue(self) -> SimQueue:
         return SimQueue(self, self.limit * len(self.servers))
 
-    def _submit(self, prompt, sp):
-        S = len(self.servers)
-        free = [k for k in range(S) if self.on_server[k] < self.limit]
-        if not free:
-            raise RuntimeError(
-                f"SimEngine: every server already has limit={self.limit} requests in flight"
-            )
-        rid = self._next
-        self._next += 1
-        self._turn += 1
-        s = min(free, key=lambda k: (self.servers[k].busy(), (k - self._turn) % S))
-        self.on_server[s] += 1
-        self.peak_on_server[s] = max(self.peak_on_server[s], self.on_server[s])
-        n = self.length(sp)
-        self._req[rid] = (s, prompt, sp, n)
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        self.stats['requests'] += 1
-        if getattr(sp, 'seed', None) not in self.hang:
-            self.servers[s].add(self.clock, rid, len(prompt), n)
-        return rid
-
-    def _result(self, rid):
-        s, prompt, sp, n = self._req.pop(rid)
-        self.in_flight -= 1
-        self.on_server[s] -= 1
-        if self.fail is not None and (err := self.fail(prompt, sp)) is not None:
-            return err
-        rng = random.Random(sp.seed ^ 0x5EED)
-        ids = [rng.choice(self.token_pool) for _ in range(n)]
-        if n < sp.max_new_tokens:
-            ids[-1] = self.stop_id
-        self.stats['generated_tokens'] += n
-        return GenerationResult(
-            ids, [-1.0] * n, 'stop' if n < sp.max_new_tokens else 'length', len(prompt), 0.0
+# %% ../nbs/09b_simulate.ipynb #e8e02fc9
+@patch_to(SimEngine)
+def _submit(self, prompt, sp):
+    S = len(self.servers)
+    free = [k for k in range(S) if self.on_server[k] < self.limit]
+    if not free:
+        raise RuntimeError(
+            f"SimEngine: every server already has limit={self.limit} requests in flight"
         )
+    rid = self._next
+    self._next += 1
+    self._turn += 1
+    s = min(free, key=lambda k: (self.servers[k].busy(), (k - self._turn) % S))
+    self.on_server[s] += 1
+    self.peak_on_server[s] = max(self.peak_on_server[s], self.on_server[s])
+    n = self.length(sp)
+    self._req[rid] = (s, prompt, sp, n)
+    self.in_flight += 1
+    self.max_in_flight = max(self.max_in_flight, self.in_flight)
+    self.stats['requests'] += 1
+    if getattr(sp, 'seed', None) not in self.hang:
+        self.servers[s].add(self.clock, rid, len(prompt), n)
+    return rid
 
-    def _wait_any(self, timeout: float) -> list:
-        deadline = self.clock + timeout
-        while True:
-            plans = [(p, k) for k, sv in enumerate(self.servers) if (p := sv.plan()) is not None]
-            if not plans or min(plans, key=lambda x: x[0][0])[0][0] > deadline:
-                self.clock = max(self.clock, deadline)
-                return []
-            p, k = min(plans, key=lambda x: (x[0][0], x[1]))
-            done = self.servers[k].commit(p)
-            self.clock = max(self.clock, p[0])
-            if done:
-                return [(rid, self._result(rid)) for rid in sorted(done)]
 
-    def _cancel(self, rid) -> None:
-        s, *_ = self._req.pop(rid)
-        self.in_flight -= 1
-        self.on_server[s] -= 1
-        sv = self.servers[s]
-        sv.waiting = [w for w in sv.waiting if w[1] != rid]
-        sv.running.pop(rid, None)
+@patch_to(SimEngine)
+def _result(self, rid):
+    s, prompt, sp, n = self._req.pop(rid)
+    self.in_flight -= 1
+    self.on_server[s] -= 1
+    if self.fail is not None and (err := self.fail(prompt, sp)) is not None:
+        return err
+    rng = random.Random(sp.seed ^ 0x5EED)
+    ids = [rng.choice(self.token_pool) for _ in range(n)]
+    if n < sp.max_new_tokens:
+        ids[-1] = self.stop_id
+    self.stats['generated_tokens'] += n
+    return GenerationResult(
+        ids, [-1.0] * n, 'stop' if n < sp.max_new_tokens else 'length', len(prompt), 0.0
+    )
 
-    def generate(self, prompts, params, return_exceptions: bool = False) -> list:
-        """Every prompt through the queue, at most `limit` in flight per server; results in prompt
-        order (the sync scheduler's view)."""
-        params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        q, out, todo, handles = (
-            self.request_queue(),
-            [None] * len(prompts),
-            list(range(len(prompts)))[::-1],
-            {},
-        )
-        while todo or handles:
-            while todo and len(handles) < q.limit:
-                i = todo.pop()
-                handles[q.submit(prompts[i], params[i])] = i
-            done = q.wait_any(self.wait_limit_s)
-            if not done:
-                raise EngineError(f"SimEngine.generate: no answer within {self.wait_limit_s}s")
-            for h, r in done:
-                out[handles.pop(h)] = r
-        if not return_exceptions:
-            for r in out:
-                if isinstance(r, EngineError):
-                    raise r
-        return out
+# %% ../nbs/09b_simulate.ipynb #1ca39fa0
+@patch_to(SimEngine)
+def _wait_any(self, timeout: float) -> list:
+    deadline = self.clock + timeout
+    while True:
+        plans = [(p, k) for k, sv in enumerate(self.servers) if (p := sv.plan()) is not None]
+        if not plans or min(plans, key=lambda x: x[0][0])[0][0] > deadline:
+            self.clock = max(self.clock, deadline)
+            return []
+        p, k = min(plans, key=lambda x: (x[0][0], x[1]))
+        done = self.servers[k].commit(p)
+        self.clock = max(self.clock, p[0])
+        if done:
+            return [(rid, self._result(rid)) for rid in sorted(done)]
+
+
+@patch_to(SimEngine)
+def _cancel(self, rid) -> None:
+    s, *_ = self._req.pop(rid)
+    self.in_flight -= 1
+    self.on_server[s] -= 1
+    sv = self.servers[s]
+    sv.waiting = [w for w in sv.waiting if w[1] != rid]
+    sv.running.pop(rid, None)
+
+# %% ../nbs/09b_simulate.ipynb #a11e0401
+@patch_to(SimEngine)
+def generate(self, prompts, params, return_exceptions: bool = False) -> list:
+    """Every prompt through the queue, at most `limit` in flight per server; results in prompt
+    order (the sync scheduler's view)."""
+    params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    q, out, todo, handles = (
+        self.request_queue(),
+        [None] * len(prompts),
+        list(range(len(prompts)))[::-1],
+        {},
+    )
+    while todo or handles:
+        while todo and len(handles) < q.limit:
+            i = todo.pop()
+            handles[q.submit(prompts[i], params[i])] = i
+        done = q.wait_any(self.wait_limit_s)
+        if not done:
+            raise EngineError(f"SimEngine.generate: no answer within {self.wait_limit_s}s")
+        for h, r in done:
+            out[handles.pop(h)] = r
+    if not return_exceptions:
+        for r in out:
+            if isinstance(r, EngineError):
+                raise r
+    return out
 
 # %% ../nbs/09b_simulate.ipynb #e52259a2
 @dataclass

@@ -16,6 +16,7 @@ from memagent.engines.types import (
     per_request,
     check_prompt,
 )
+from ..patch import patch_to
 
 # %% auto #0
 __all__ = ['teacher_forced_logprobs', 'race_blocks', 'sample_tokens', 'HFEngine', 'load_safetensors_dir']
@@ -72,6 +73,40 @@ def race_blocks(V: int) -> tuple[int, int]:
     return -(-V // S), S
 
 # %% ../../nbs/08_engines_2_hf.ipynb #e50e88b2
+def _block_mass(x, full: int, nb: int, S: int):
+    "The sum of each row of `x` over each of the `nb` race blocks of `S` columns."
+    import torch
+
+    mass = x[:, : full * S].reshape(len(x), full, S).sum(-1)
+    return torch.cat([mass, x[:, full * S :].sum(-1, keepdim=True)], 1) if full < nb else mass
+
+# %% ../../nbs/08_engines_2_hf.ipynb #4da389ec
+def _filter_rows(z, e, mass, greedy, top_k, top_p, full: int, nb: int, S: int) -> None:
+    "Zero in `e` (and its `mass`) the entries that top-k or top-p filter out, in those rows only."
+    import torch
+
+    V, dev = z.shape[1], z.device
+    kr = [r for r in range(len(z)) if not greedy[r] and 0 < top_k[r] < V]
+    pr = [r for r in range(len(z)) if not greedy[r] and top_p[r] < 1.0]
+    fr = sorted(set(kr) | set(pr))
+    if fr:  # zero the filtered-out entries of those rows only
+        idx = torch.tensor(fr, device=dev)
+        zf = z[idx]
+        if kr:
+            ks = torch.tensor([top_k[r] if 0 < top_k[r] < V else V for r in fr], device=dev)
+            vals = torch.topk(zf, int(ks.max())).values
+            zf = zf.masked_fill(zf < vals.gather(1, (ks - 1)[:, None]), float('-inf'))
+        if pr:
+            pp = torch.tensor([top_p[r] for r in fr], device=dev)[:, None]
+            sz, order = torch.sort(zf, -1, descending=True)
+            p = sz.softmax(-1)
+            drop = (p.cumsum(-1) - p) >= pp  # the mass before the token already reaches top_p
+            drop[:, 0] = False
+            zf = zf.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float('-inf'))
+        e[idx] = e[idx].masked_fill(torch.isinf(zf), 0.0)
+        mass[idx] = _block_mass(e[idx], full, nb, S)
+
+# %% ../../nbs/08_engines_2_hf.ipynb #3e32e26c
 def sample_tokens(logits, gens, temperature, top_k=None, top_p=None):
     """One token per row of `logits` [B, V], drawn with row r's generator `gens[r]` with probability
     `e_i / sum e`, `e = exp(logits / T)` after top-k/top-p. Returns (tokens [B], `log_softmax(logits
@@ -96,32 +131,9 @@ def sample_tokens(logits, gens, temperature, top_k=None, top_p=None):
     full = V // S  # blocks without padding; a last partial block is summed apart
     m = z.amax(-1, keepdim=True)
     e = (z - m).exp_()
-
-    def block_mass(x):
-        mass = x[:, : full * S].reshape(len(x), full, S).sum(-1)
-        return torch.cat([mass, x[:, full * S :].sum(-1, keepdim=True)], 1) if full < nb else mass
-
-    mass = block_mass(e)
+    mass = _block_mass(e, full, nb, S)
     lse = m[:, 0] + mass.sum(-1).log()
-    kr = [r for r in range(B) if not greedy[r] and 0 < top_k[r] < V]
-    pr = [r for r in range(B) if not greedy[r] and top_p[r] < 1.0]
-    fr = sorted(set(kr) | set(pr))
-    if fr:  # zero the filtered-out entries of those rows only
-        idx = torch.tensor(fr, device=dev)
-        zf = z[idx]
-        if kr:
-            ks = torch.tensor([top_k[r] if 0 < top_k[r] < V else V for r in fr], device=dev)
-            vals = torch.topk(zf, int(ks.max())).values
-            zf = zf.masked_fill(zf < vals.gather(1, (ks - 1)[:, None]), float('-inf'))
-        if pr:
-            pp = torch.tensor([top_p[r] for r in fr], device=dev)[:, None]
-            sz, order = torch.sort(zf, -1, descending=True)
-            p = sz.softmax(-1)
-            drop = (p.cumsum(-1) - p) >= pp  # the mass before the token already reaches top_p
-            drop[:, 0] = False
-            zf = zf.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float('-inf'))
-        e[idx] = e[idx].masked_fill(torch.isinf(zf), 0.0)
-        mass[idx] = block_mass(e[idx])
+    _filter_rows(z, e, mass, greedy, top_k, top_p, full, nb, S)
     E = -torch.log1p(
         -torch.stack([torch.rand(nb + S, generator=g) for g in gens]).to(dev)
     )  # Exp(1)
@@ -139,6 +151,8 @@ class HFEngine:
     """An in-process transformers engine with a batched decode loop, per-request seeds and sampling
     parameters."""
 
+    weight_sync = 'tensor'  # the trainer hands this engine a state dict
+
     def __init__(
         self,
         model,
@@ -151,12 +165,8 @@ class HFEngine:
     ):
         import torch
 
-        self.model, self.tokenizer, self.logprob_chunk, self.max_batch = (
-            model.eval(),
-            tokenizer,
-            logprob_chunk,
-            max_batch,
-        )
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.logprob_chunk, self.max_batch = logprob_chunk, max_batch
         if not 0 <= compact_frac <= 1:
             raise ValueError(f"compact_frac must be in [0, 1], got {compact_frac!r}")
         self.compact_frac = compact_frac
@@ -173,238 +183,268 @@ class HFEngine:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.stats = new_stats()
-        self.source = (
-            str(getattr(self.model, 'name_or_path', '') or '') or None
-        )  # where the weights came from; None: from memory
+        # where the weights came from; None: from memory
+        self.source = str(getattr(self.model, 'name_or_path', '') or '') or None
 
-    def identity(self) -> dict:
-        """What this engine samples with: the model object (class and `id`) and the directory its
-        weights were loaded from (`source`)."""
-        return {
-            'kind': 'hf',
-            'path': self.source,
-            'class': type(self.model).__name__,
-            'object_id': id(self.model),
-        }
+# %% ../../nbs/08_engines_2_hf.ipynb #98df4e0c
+@patch_to(HFEngine)
+def identity(self) -> dict:
+    """What this engine samples with: the model object (class and `id`) and the directory its
+    weights were loaded from (`source`)."""
+    return {
+        'kind': 'hf',
+        'path': self.source,
+        'class': type(self.model).__name__,
+        'object_id': id(self.model),
+    }
 
-    def greedy_each(self, prompt_ids, n_tokens: int) -> list:
-        """The greedy continuation of `prompt_ids` with its log-probs (one result: this engine has
-        one model)."""
-        return [
-            self.generate(
-                [list(prompt_ids)], SamplingParams(max_new_tokens=n_tokens, temperature=0.0)
-            )[0]
-        ]
 
-    def health(self) -> bool:
-        return True
+@patch_to(HFEngine)
+def health(self) -> bool:
+    return True
 
-    def close(self) -> None:
-        pass
 
-    def release_memory(self) -> None:
-        """Nothing to release: the in-process engine's weights are the ones it samples with, and it
-        holds no cache between calls."""
+@patch_to(HFEngine)
+def close(self) -> None:
+    pass
 
-    def generate(self, prompts, params, return_exceptions: bool = False) -> list:
-        """Sample every prompt; one `GenerationResult` (or, with `return_exceptions`, an
-        `EngineError`) per prompt."""
-        params = per_request(params, len(prompts))
-        out: list = [None] * len(prompts)
-        todo = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+
+@patch_to(HFEngine)
+def release_memory(self) -> None:
+    """Nothing to release: the in-process engine's weights are the ones it samples with, and it
+    holds no cache between calls."""
+
+# %% ../../nbs/08_engines_2_hf.ipynb #0c881465
+@patch_to(HFEngine)
+def generate(self, prompts, params, return_exceptions: bool = False) -> list:
+    """Sample every prompt; one `GenerationResult` (or, with `return_exceptions`, an
+    `EngineError`) per prompt."""
+    params = per_request(params, len(prompts))
+    out: list = [None] * len(prompts)
+    todo = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        try:
+            todo.append((i, check_prompt(p, self.vocab_size), sp.validate()))
+        except (DeterministicEngineError, ValueError) as e:
+            out[i] = e if isinstance(e, EngineError) else DeterministicEngineError(str(e))
+    step = self.max_batch or max(len(todo), 1)
+    with self._lock:
+        self.stats['requests'] += len(prompts)
+        for s in range(0, len(todo), step):
+            part = todo[s : s + step]
             try:
-                todo.append((i, check_prompt(p, self.vocab_size), sp.validate()))
-            except (DeterministicEngineError, ValueError) as e:
-                out[i] = e if isinstance(e, EngineError) else DeterministicEngineError(str(e))
-        step = self.max_batch or max(len(todo), 1)
-        with self._lock:
-            self.stats['requests'] += len(prompts)
-            for s in range(0, len(todo), step):
-                part = todo[s : s + step]
-                try:
-                    res = self._generate_batch([p for _, p, _ in part], [sp for _, _, sp in part])
-                except Exception as e:
-                    err = self._classify(e)
-                    res = [err] * len(part)
-                for (i, _, _), r in zip(part, res):
-                    out[i] = r
-            for r in out:
-                if isinstance(r, TransientEngineError):
-                    self.stats['transient_failures'] += 1
-                elif isinstance(r, EngineError):
-                    self.stats['deterministic_failures'] += 1
-                else:
-                    self.stats['generated_tokens'] += len(r.output_ids)
-        if not return_exceptions:
-            for r in out:
-                if isinstance(r, EngineError):
-                    raise r
-        return out
+                res = self._generate_batch([p for _, p, _ in part], [sp for _, _, sp in part])
+            except Exception as e:
+                err = self._classify(e)
+                res = [err] * len(part)
+            for (i, _, _), r in zip(part, res):
+                out[i] = r
+        for r in out:
+            if isinstance(r, TransientEngineError):
+                self.stats['transient_failures'] += 1
+            elif isinstance(r, EngineError):
+                self.stats['deterministic_failures'] += 1
+            else:
+                self.stats['generated_tokens'] += len(r.output_ids)
+    if not return_exceptions:
+        for r in out:
+            if isinstance(r, EngineError):
+                raise r
+    return out
 
-    @staticmethod
-    def _classify(e: Exception) -> EngineError:
-        import torch
 
-        if isinstance(e, EngineError):
-            return e
-        if isinstance(e, torch.cuda.OutOfMemoryError):
-            return TransientEngineError(f"out of memory: {e}")
-        return DeterministicEngineError(f"{type(e).__name__}: {e}")
+@patch_to(HFEngine)
+@staticmethod
+def _classify(e: Exception) -> EngineError:
+    import torch
 
-    def _forward(self, ids, am, pos, cache, rows=None):
-        """Logits [len(rows), V] at the last position of every cache row in `rows` (all rows when
-        None)."""
-        kw = dict(
-            input_ids=ids,
-            attention_mask=am,
-            position_ids=pos,
-            use_cache=True,
-            **{self._cache_kw: cache},
+    if isinstance(e, EngineError):
+        return e
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return TransientEngineError(f"out of memory: {e}")
+    return DeterministicEngineError(f"{type(e).__name__}: {e}")
+
+# %% ../../nbs/08_engines_2_hf.ipynb #bd2f84d2
+@patch_to(HFEngine)
+def _forward(self, ids, am, pos, cache, rows=None):
+    """Logits [len(rows), V] at the last position of every cache row in `rows` (all rows when
+    None)."""
+    kw = dict(
+        input_ids=ids,
+        attention_mask=am,
+        position_ids=pos,
+        use_cache=True,
+        **{self._cache_kw: cache},
+    )
+    if not self._split:
+        logits = self.model(logits_to_keep=1, **kw).logits[:, -1, :]
+        return logits if rows is None else logits[rows]
+    h = self.model.get_decoder()(**kw).last_hidden_state[:, -1, :]
+    return self.model.get_output_embeddings()(h if rows is None else h[rows])
+
+# %% ../../nbs/08_engines_2_hf.ipynb #69fb2904
+@patch_to(HFEngine)
+def _decode(self, logits, am, last, rows, cache, gens, params, stops, outs, lps, finish) -> None:
+    "Sample from `logits` until every request of `rows` finishes, filling `outs`, `lps`, `finish`."
+    import torch
+
+    dev, live = self.device, rows
+    while True:
+        tok, lp = sample_tokens(
+            logits,
+            [gens[i] for i in live],
+            [params[i].temperature for i in live],
+            [params[i].top_k for i in live],
+            [params[i].top_p for i in live],
         )
-        if not self._split:
-            logits = self.model(logits_to_keep=1, **kw).logits[:, -1, :]
-            return logits if rows is None else logits[rows]
-        h = self.model.get_decoder()(**kw).last_hidden_state[:, -1, :]
-        return self.model.get_output_embeddings()(h if rows is None else h[rows])
+        for i, t, l in zip(live, tok.tolist(), lp.tolist()):
+            outs[i].append(t)
+            lps[i].append(l)
+            if t in stops[i]:
+                finish[i] = 'stop'
+            elif len(outs[i]) >= params[i].max_new_tokens:
+                finish[i] = 'length'
+        live = [i for i in rows if finish[i] is None]
+        if not live:
+            break
+        # drop finished rows from the cache
+        if len(rows) - len(live) > self.compact_frac * len(rows):
+            sel = torch.tensor([r for r, i in enumerate(rows) if finish[i] is None], device=dev)
+            cache.batch_select_indices(sel)
+            am, last = am[sel], last[sel]
+            rows = live
+        nxt = torch.tensor(
+            [[outs[i][-1] if finish[i] is None else self.pad_id] for i in rows],
+            device=dev,
+        )
+        am = torch.cat([am, am.new_ones(len(rows), 1)], 1)
+        last = last + 1
+        sel = (
+            None
+            if len(live) == len(rows)
+            else torch.tensor([r for r, i in enumerate(rows) if finish[i] is None], device=dev)
+        )
+        logits = self._forward(nxt, am, last[:, None], cache, sel)
 
-    def _generate_batch(
-        self, prompts: list[list[int]], params: list[SamplingParams]
-    ) -> list[GenerationResult]:
-        import torch
-        from transformers import DynamicCache
+# %% ../../nbs/08_engines_2_hf.ipynb #dcdce713
+@patch_to(HFEngine)
+def _generate_batch(
+    self, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[GenerationResult]:
+    import torch
+    from transformers import DynamicCache
 
-        t0, B, dev = time.perf_counter(), len(prompts), self.device
-        outs, lps = [[] for _ in range(B)], [[] for _ in range(B)]
-        finish = [None if sp.max_new_tokens > 0 else 'length' for sp in params]
-        gens = [
-            torch.Generator().manual_seed(
-                sp.seed % 2**64 if sp.seed is not None else self._rng.getrandbits(63)
+    t0, B, dev = time.perf_counter(), len(prompts), self.device
+    outs, lps = [[] for _ in range(B)], [[] for _ in range(B)]
+    finish = [None if sp.max_new_tokens > 0 else 'length' for sp in params]
+    gens = [
+        torch.Generator().manual_seed(
+            sp.seed % 2**64 if sp.seed is not None else self._rng.getrandbits(63)
+        )
+        for sp in params
+    ]
+    stops = [frozenset(int(t) for t in sp.stop_token_ids) for sp in params]
+    rows = [i for i in range(B) if finish[i] is None]  # the request held by each cache row
+    if rows:
+        L = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), L), self.pad_id, dtype=torch.long)
+        am = torch.zeros((len(rows), L), dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, L - len(prompts[i]) :] = torch.tensor(prompts[i])
+            am[r, L - len(prompts[i]) :] = 1
+        ids, am = ids.to(dev), am.to(dev)
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            logits = self._forward(ids, am, pos, cache)
+            self._decode(
+                logits, am, pos[:, -1], rows, cache, gens, params, stops, outs, lps, finish
             )
-            for sp in params
+    dt = time.perf_counter() - t0
+    dec = (
+        (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        if self.tokenizer is not None
+        else (lambda ids: None)
+    )
+    return [
+        GenerationResult(outs[i], lps[i], finish[i], len(prompts[i]), dt, dec(outs[i]))
+        for i in range(B)
+    ]
+
+# %% ../../nbs/08_engines_2_hf.ipynb #530a06c8
+@patch_to(HFEngine)
+def logprobs(self, prompt_ids, response_ids, temperature: float = 1.0) -> list[float]:
+    "Teacher-forced log-probs of `response_ids` after `prompt_ids` under the current weights."
+    import torch
+
+    with torch.no_grad():
+        return teacher_forced_logprobs(
+            self.model, prompt_ids, response_ids, temperature, self.logprob_chunk
+        ).tolist()
+
+
+@patch_to(HFEngine)
+def prompt_logprobs(self, ids) -> list[float]:
+    """Teacher-forced log-probs of `ids[1:]`, each given the ids before it (log-softmax in fp32,
+    temperature 1): SGLang's `input_token_logprobs` after its leading None."""
+    import torch
+
+    ids = check_prompt(ids, self.vocab_size)
+    if len(ids) == 1:
+        return []
+    with self._lock, torch.no_grad():  # not while update_weights loads new weights
+        return teacher_forced_logprobs(
+            self.model, ids[:1], ids[1:], 1.0, self.logprob_chunk
+        ).tolist()
+
+
+@patch_to(HFEngine)
+def prompt_logprobs_each(self, ids) -> list[list[float]]:
+    "`prompt_logprobs(ids)` as a list of one (this engine has one model), like `greedy_each`."
+    return [self.prompt_logprobs(ids)]
+
+
+@patch_to(HFEngine)
+def greedy_each(self, prompt_ids, n_tokens: int) -> list:
+    """The greedy continuation of `prompt_ids` with its log-probs (one result: this engine has
+    one model)."""
+    return [
+        self.generate([list(prompt_ids)], SamplingParams(max_new_tokens=n_tokens, temperature=0.0))[
+            0
         ]
-        stops = [frozenset(int(t) for t in sp.stop_token_ids) for sp in params]
-        rows = [i for i in range(B) if finish[i] is None]  # the request held by each cache row
-        if rows:
-            L = max(len(prompts[i]) for i in rows)
-            ids = torch.full((len(rows), L), self.pad_id, dtype=torch.long)
-            am = torch.zeros((len(rows), L), dtype=torch.long)
-            for r, i in enumerate(rows):
-                ids[r, L - len(prompts[i]) :] = torch.tensor(prompts[i])
-                am[r, L - len(prompts[i]) :] = 1
-            ids, am = ids.to(dev), am.to(dev)
-            pos = (am.cumsum(-1) - 1).clamp(min=0)
-            cache = DynamicCache(config=self.model.config)
-            with torch.inference_mode():
-                logits = self._forward(ids, am, pos, cache)
-                last, live = pos[:, -1], rows
-                while True:
-                    tok, lp = sample_tokens(
-                        logits,
-                        [gens[i] for i in live],
-                        [params[i].temperature for i in live],
-                        [params[i].top_k for i in live],
-                        [params[i].top_p for i in live],
-                    )
-                    for i, t, l in zip(live, tok.tolist(), lp.tolist()):
-                        outs[i].append(t)
-                        lps[i].append(l)
-                        if t in stops[i]:
-                            finish[i] = 'stop'
-                        elif len(outs[i]) >= params[i].max_new_tokens:
-                            finish[i] = 'length'
-                    live = [i for i in rows if finish[i] is None]
-                    if not live:
-                        break
-                    if len(rows) - len(live) > self.compact_frac * len(
-                        rows
-                    ):  # drop finished rows from the cache
-                        sel = torch.tensor(
-                            [r for r, i in enumerate(rows) if finish[i] is None], device=dev
-                        )
-                        cache.batch_select_indices(sel)
-                        am, last = am[sel], last[sel]
-                        rows = live
-                    nxt = torch.tensor(
-                        [[outs[i][-1] if finish[i] is None else self.pad_id] for i in rows],
-                        device=dev,
-                    )
-                    am = torch.cat([am, am.new_ones(len(rows), 1)], 1)
-                    last = last + 1
-                    sel = (
-                        None
-                        if len(live) == len(rows)
-                        else torch.tensor(
-                            [r for r, i in enumerate(rows) if finish[i] is None], device=dev
-                        )
-                    )
-                    logits = self._forward(nxt, am, last[:, None], cache, sel)
-        dt = time.perf_counter() - t0
-        dec = (
-            (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
-            if self.tokenizer is not None
-            else (lambda ids: None)
-        )
-        return [
-            GenerationResult(outs[i], lps[i], finish[i], len(prompts[i]), dt, dec(outs[i]))
-            for i in range(B)
-        ]
+    ]
 
-    def logprobs(self, prompt_ids, response_ids, temperature: float = 1.0) -> list[float]:
-        "Teacher-forced log-probs of `response_ids` after `prompt_ids` under the current weights."
-        import torch
+# %% ../../nbs/08_engines_2_hf.ipynb #0d274022
+@patch_to(HFEngine)
+def update_weights(self, state_dict=None, path=None) -> None:
+    "Load new weights from a state dict, or from the `*.safetensors` files of an HF directory."
+    if (state_dict is None) == (path is None):
+        raise ValueError("pass exactly one of state_dict or path")
+    if path is not None:
+        state_dict = load_safetensors_dir(path)
+    with self._lock:
+        res = self.model.load_state_dict(state_dict, strict=False)
+        tied = _tied_names(self.model)
+        missing = [k for k in res.missing_keys if k not in tied]
+        if res.unexpected_keys or missing:
+            raise DeterministicEngineError(
+                f"update_weights: missing {missing[:5]}, unexpected {res.unexpected_keys[:5]}"
+            )
+        self.source = str(path) if path is not None else None
 
-        with torch.no_grad():
-            return teacher_forced_logprobs(
-                self.model, prompt_ids, response_ids, temperature, self.logprob_chunk
-            ).tolist()
 
-    def prompt_logprobs(self, ids) -> list[float]:
-        """Teacher-forced log-probs of `ids[1:]`, each given the ids before it (log-softmax in fp32,
-        temperature 1): SGLang's `input_token_logprobs` after its leading None."""
-        import torch
-
-        ids = check_prompt(ids, self.vocab_size)
-        if len(ids) == 1:
-            return []
-        with self._lock, torch.no_grad():  # not while update_weights loads new weights
-            return teacher_forced_logprobs(
-                self.model, ids[:1], ids[1:], 1.0, self.logprob_chunk
-            ).tolist()
-
-    def prompt_logprobs_each(self, ids) -> list[list[float]]:
-        "`prompt_logprobs(ids)` as a list of one (this engine has one model), like `greedy_each`."
-        return [self.prompt_logprobs(ids)]
-
-    def update_weights(self, state_dict=None, path=None) -> None:
-        "Load new weights from a state dict, or from the `*.safetensors` files of an HF directory."
-        if (state_dict is None) == (path is None):
-            raise ValueError("pass exactly one of state_dict or path")
-        if path is not None:
-            state_dict = load_safetensors_dir(path)
-        with self._lock:
-            res = self.model.load_state_dict(state_dict, strict=False)
-            tied = _tied_names(self.model)
-            missing = [k for k in res.missing_keys if k not in tied]
-            if res.unexpected_keys or missing:
-                raise DeterministicEngineError(
-                    f"update_weights: missing {missing[:5]}, unexpected {res.unexpected_keys[:5]}"
-                )
-            self.source = str(path) if path is not None else None
-
-    weight_sync = 'tensor'  # the trainer hands this engine a state dict
-
-    def sync_weights(self, state_dict: dict | None = None, path=None) -> float:
-        """Load a copy of the policy's `state_dict` in memory (or the HF directory `path`); returns
-        seconds."""
-        if (state_dict is None) == (path is None):
-            raise ValueError("pass exactly one of state_dict or path")
-        t0 = time.perf_counter()
-        if path is not None:
-            self.update_weights(path=path)
-        else:
-            self.update_weights(state_dict={k: v.clone() for k, v in state_dict.items()})
-        return time.perf_counter() - t0
+@patch_to(HFEngine)
+def sync_weights(self, state_dict: dict | None = None, path=None) -> float:
+    """Load a copy of the policy's `state_dict` in memory (or the HF directory `path`); returns
+    seconds."""
+    if (state_dict is None) == (path is None):
+        raise ValueError("pass exactly one of state_dict or path")
+    t0 = time.perf_counter()
+    if path is not None:
+        self.update_weights(path=path)
+    else:
+        self.update_weights(state_dict={k: v.clone() for k, v in state_dict.items()})
+    return time.perf_counter() - t0
 
 # %% ../../nbs/08_engines_2_hf.ipynb #f03722c1
 def _tied_names(model) -> set:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 from ..net import free_port
 from .types import ServerLaunchError
+from ..patch import patch_to
 
 # %% auto #0
 __all__ = ['ServerProcess', 'sglang_server_cmd', 'SGLangServer']
@@ -38,67 +39,71 @@ class ServerProcess:
         self.startup_timeout_s, self.grace_s, self.env = startup_timeout_s, grace_s, env
         self.proc, self._log = None, None
 
-    def start(self) -> 'ServerProcess':
-        """Start the process and block until `/health` is 200; `ServerLaunchError` (with the log
-        tail) otherwise."""
-        import requests
-
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, 'ab')
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(self.env or {})},
-        )
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            rc = self.proc.poll()
-            if rc is not None:
-                self.stop()
-                raise ServerLaunchError(
-                    f"server exited with code {rc} before becoming healthy; log "
-                    f"{self.log_path}:\n{_tail(self.log_path)}"
-                )
-            try:
-                if requests.get(self.url + '/health', timeout=2).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerLaunchError(
-                    f"server not healthy after {self.startup_timeout_s}s; log "
-                    f"{self.log_path}:\n{_tail(self.log_path)}"
-                )
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        "SIGTERM to the process group, SIGKILL after `grace_s`."
-        p = self.proc
-        if p is not None and p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                p.wait(self.grace_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
     def __enter__(self):
         return self.start()
 
     def __exit__(self, *a):
         self.stop()
+
+# %% ../../nbs/08_engines_5_server.ipynb #fd7e28ff
+@patch_to(ServerProcess)
+def start(self) -> 'ServerProcess':
+    """Start the process and block until `/health` is 200; `ServerLaunchError` (with the log
+    tail) otherwise."""
+    import requests
+
+    self.log_path.parent.mkdir(parents=True, exist_ok=True)
+    self._log = open(self.log_path, 'ab')
+    self.proc = subprocess.Popen(
+        self.cmd,
+        stdout=self._log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **(self.env or {})},
+    )
+    deadline = time.monotonic() + self.startup_timeout_s
+    while True:
+        rc = self.proc.poll()
+        if rc is not None:
+            self.stop()
+            raise ServerLaunchError(
+                f"server exited with code {rc} before becoming healthy; log "
+                f"{self.log_path}:\n{_tail(self.log_path)}"
+            )
+        try:
+            if requests.get(self.url + '/health', timeout=2).status_code == 200:
+                return self
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            self.stop()
+            raise ServerLaunchError(
+                f"server not healthy after {self.startup_timeout_s}s; log "
+                f"{self.log_path}:\n{_tail(self.log_path)}"
+            )
+        time.sleep(0.5)
+
+# %% ../../nbs/08_engines_5_server.ipynb #7cfeb891
+@patch_to(ServerProcess)
+def stop(self) -> None:
+    "SIGTERM to the process group, SIGKILL after `grace_s`."
+    p = self.proc
+    if p is not None and p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(self.grace_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+    if self._log is not None:
+        self._log.close()
+        self._log = None
 
 # %% ../../nbs/08_engines_5_server.ipynb #8ba1f278
 def sglang_server_cmd(

@@ -20,6 +20,7 @@ from memagent.engines.types import (
     check_prompt,
 )
 from .transport import Deadline, WatchedAdapter, TRANSIENT_STATUS, _NOT_TRANSPORT
+from ..patch import patch_to
 
 # %% auto #0
 __all__ = ['MEMORY_TAGS', 'check_stop_alignment', 'parse_sglang_response', 'prompt_logprob_request', 'parse_prompt_logprobs',
@@ -289,467 +290,507 @@ class SGLangEngine:
                 "weight_sync='tensor' needs colocated=True: the servers read the tensors from "
                 "this host's processes"
             )
-        self.colocated, self.tp_size, self.weight_sync, self._on_close = (
-            colocated,
-            tp_size,
-            weight_sync,
-            on_close,
-        )
+        self.colocated, self.tp_size = colocated, tp_size
+        self.weight_sync, self._on_close = weight_sync, on_close
         self.urls = [u.rstrip('/') for u in urls]
         self._released = {u: set() for u in self.urls}  # memory tags each server has released
-        self.timeout_s, self.max_retries, self.backoff_s, self.max_backoff_s = (
-            timeout_s,
-            max_retries,
-            backoff_s,
-            max_backoff_s,
-        )
+        self.timeout_s, self.max_retries = timeout_s, max_retries
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.update_timeout_s, self.connect_timeout_s = update_timeout_s, connect_timeout_s
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(
                 "concurrency must be an int >= 1 (requests in flight per server), got "
                 f"{concurrency!r}"
             )
-        self.concurrency = (
-            concurrency  # per server: the pool holds a thread for every slot of every server
-        )
+        # per server: the pool holds a thread for every slot of every server
+        self.concurrency = concurrency
         self._pool = ThreadPoolExecutor(
             max_workers=concurrency * len(self.urls), thread_name_prefix='sglang'
         )
         self._inflight = {u: 0 for u in self.urls}
-        self.peak_inflight = {
-            u: 0 for u in self.urls
-        }  # the most generation requests each server had at once
+        # the most generation requests each server had at once
+        self.peak_inflight = {u: 0 for u in self.urls}
         self._turn = 0
         self._lock = threading.Lock()
-        self._slots = threading.Condition(
-            self._lock
-        )  # signalled when a request frees a server's slot
+        # signalled when a request frees a server's slot
+        self._slots = threading.Condition(self._lock)
         self._local = threading.local()
         self.stats = new_stats()
 
-    def _session(self) -> requests.Session:
-        """This thread's session: its connections report to the thread's `Deadline`; proxies of the
-        environment are ignored."""
-        s = getattr(self._local, 's', None)
-        if s is None:
-            s = self._local.s = requests.Session()
-            s.trust_env = False
-            for prefix in ('http://', 'https://'):
-                s.mount(prefix, WatchedAdapter())
-        return s
+# %% ../../nbs/08_engines_4_sglang.ipynb #d1655b35
+@patch_to(SGLangEngine)
+def _count(self, key, n=1):
+    with self._lock:
+        self.stats[key] += n
 
-    def _count(self, key, n=1):
-        with self._lock:
-            self.stats[key] += n
 
-    def _acquire(self, avoid=(), only: str | None = None) -> str:
-        """A server for one request: `only` (a request to that server: not counted against the
-        bound), else the least busy one with a free slot (at most `concurrency` in flight per
-        server) among those not in `avoid` (all, if every one is), rotating among ties; waits for a
-        slot."""
-        with self._slots:
-            if only is not None:
-                self._inflight[only] += 1
-                return only
-            cands = [
-                u for u in self.urls if u not in avoid
-            ] or self.urls  # a retry waits for another server's slot
-            while True:
-                free = [u for u in cands if self._inflight[u] < self.concurrency]
-                if free:
-                    break
-                if not self._slots.wait(timeout=self.timeout_s):
-                    raise TransientEngineError(
-                        f"no free request slot on any of {len(self.urls)} server(s) within "
-                        f"{self.timeout_s:g}s "
-                        f"({self.concurrency} in flight per server)"
-                    )
-            self._turn += 1
-            rot = free[self._turn % len(free) :] + free[: self._turn % len(free)]
-            u = min(rot, key=lambda x: self._inflight[x])
-            self._inflight[u] += 1
-            self.peak_inflight[u] = max(self.peak_inflight[u], self._inflight[u])
-            return u
-
-    def _release(self, u):
-        with self._slots:
-            self._inflight[u] -= 1
-            self._slots.notify()
-
-    def _http(self, method: str, url: str, path: str, payload, timeout_s: float):
-        """One attempt under a `Deadline` of `timeout_s`: the reply (JSON when the server says so,
-        else text), or an `EngineError` of the right kind."""
-        try:
-            with Deadline(timeout_s) as d:
-                r = self._session().request(
-                    method,
-                    url + path,
-                    json=payload,
-                    timeout=(min(self.connect_timeout_s, timeout_s), timeout_s),
-                )
-        except _NOT_TRANSPORT as e:
-            raise DeterministicEngineError(f"{url}{path}: {type(e).__name__}: {e}") from e
-        except (requests.RequestException, http.client.HTTPException, OSError) as e:
-            why = (
-                f"timed out: no complete reply within the {timeout_s}s deadline"
-                if d.expired
-                else f"connection-level failure ({type(e).__name__}): {e}"
-            )
-            raise TransientEngineError(f"{url}{path}: {why}") from e
-        if r.status_code in TRANSIENT_STATUS:
-            raise TransientEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
-        if r.status_code >= 400:
-            raise DeterministicEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
-        if 'json' not in r.headers.get('content-type', ''):
-            return r.text
-        try:
-            return r.json()
-        except ValueError as e:
-            raise DeterministicEngineError(f"{url}{path}: reply is not JSON: {r.text[:200]}") from e
-
-    def _retrying(self, path: str, attempt, url: str | None = None, retries: int | None = None):
-        """`attempt(server)` until it returns; a `TransientEngineError` is retried under a urllib3
-        `Retry` (on another server unless `url` is given)."""
-        retry = Retry(
-            total=self.max_retries if retries is None else retries,
-            backoff_factor=self.backoff_s,
-            backoff_max=self.max_backoff_s,
-            allowed_methods=None,
-            respect_retry_after_header=False,
-        )
-        avoid = set()
+@patch_to(SGLangEngine)
+def _acquire(self, avoid=(), only: str | None = None) -> str:
+    """A server for one request: `only` (a request to that server: not counted against the
+    bound), else the least busy one with a free slot (at most `concurrency` in flight per
+    server) among those not in `avoid` (all, if every one is), rotating among ties; waits for a
+    slot."""
+    with self._slots:
+        if only is not None:
+            self._inflight[only] += 1
+            return only
+        cands = [
+            u for u in self.urls if u not in avoid
+        ] or self.urls  # a retry waits for another server's slot
         while True:
-            u = self._acquire(avoid, url)
-            try:
-                return attempt(u)
-            except TransientEngineError as e:
-                err = e
-            finally:
-                self._release(u)
-            self._count('transient_failures')
-            try:
-                retry = retry.increment('POST', u + path, error=err)
-            except MaxRetryError:
+            free = [u for u in cands if self._inflight[u] < self.concurrency]
+            if free:
+                break
+            if not self._slots.wait(timeout=self.timeout_s):
                 raise TransientEngineError(
-                    f"failed after {len(retry.history) + 1} attempts: {err}"
-                ) from err
-            self._count('retries')
-            avoid = {u}
-            retry.sleep()
+                    f"no free request slot on any of {len(self.urls)} server(s) within "
+                    f"{self.timeout_s:g}s "
+                    f"({self.concurrency} in flight per server)"
+                )
+        self._turn += 1
+        rot = free[self._turn % len(free) :] + free[: self._turn % len(free)]
+        u = min(rot, key=lambda x: self._inflight[x])
+        self._inflight[u] += 1
+        self.peak_inflight[u] = max(self.peak_inflight[u], self._inflight[u])
+        return u
 
-    def post(
-        self,
-        path: str,
-        payload=None,
-        url: str | None = None,
-        timeout_s: float | None = None,
-        retries: int | None = None,
-    ):
-        """POST `payload` (a dict, or a function making one per attempt) to `path` on server `url`
-        (default: the least busy, with failover) under a deadline, with `retries` (default
-        `max_retries`); the reply."""
-        if url is not None and url.rstrip('/') not in self._inflight:
-            raise ValueError(f"{url} is not one of this client's servers {self.urls}")
-        make = payload if callable(payload) else (lambda: payload)
+
+@patch_to(SGLangEngine)
+def _release(self, u):
+    with self._slots:
+        self._inflight[u] -= 1
+        self._slots.notify()
+
+# %% ../../nbs/08_engines_4_sglang.ipynb #b9555fa2
+@patch_to(SGLangEngine)
+def _session(self) -> requests.Session:
+    """This thread's session: its connections report to the thread's `Deadline`; proxies of the
+    environment are ignored."""
+    s = getattr(self._local, 's', None)
+    if s is None:
+        s = self._local.s = requests.Session()
+        s.trust_env = False
+        for prefix in ('http://', 'https://'):
+            s.mount(prefix, WatchedAdapter())
+    return s
+
+
+@patch_to(SGLangEngine)
+def _http(self, method: str, url: str, path: str, payload, timeout_s: float):
+    """One attempt under a `Deadline` of `timeout_s`: the reply (JSON when the server says so,
+    else text), or an `EngineError` of the right kind."""
+    try:
+        with Deadline(timeout_s) as d:
+            r = self._session().request(
+                method,
+                url + path,
+                json=payload,
+                timeout=(min(self.connect_timeout_s, timeout_s), timeout_s),
+            )
+    except _NOT_TRANSPORT as e:
+        raise DeterministicEngineError(f"{url}{path}: {type(e).__name__}: {e}") from e
+    except (requests.RequestException, http.client.HTTPException, OSError) as e:
+        why = (
+            f"timed out: no complete reply within the {timeout_s}s deadline"
+            if d.expired
+            else f"connection-level failure ({type(e).__name__}): {e}"
+        )
+        raise TransientEngineError(f"{url}{path}: {why}") from e
+    if r.status_code in TRANSIENT_STATUS:
+        raise TransientEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
+    if r.status_code >= 400:
+        raise DeterministicEngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
+    if 'json' not in r.headers.get('content-type', ''):
+        return r.text
+    try:
+        return r.json()
+    except ValueError as e:
+        raise DeterministicEngineError(f"{url}{path}: reply is not JSON: {r.text[:200]}") from e
+
+# %% ../../nbs/08_engines_4_sglang.ipynb #62b2585c
+@patch_to(SGLangEngine)
+def _retrying(self, path: str, attempt, url: str | None = None, retries: int | None = None):
+    """`attempt(server)` until it returns; a `TransientEngineError` is retried under a urllib3
+    `Retry` (on another server unless `url` is given)."""
+    retry = Retry(
+        total=self.max_retries if retries is None else retries,
+        backoff_factor=self.backoff_s,
+        backoff_max=self.max_backoff_s,
+        allowed_methods=None,
+        respect_retry_after_header=False,
+    )
+    avoid = set()
+    while True:
+        u = self._acquire(avoid, url)
         try:
-            return self._retrying(
-                path,
-                lambda u: self._http('POST', u, path, make(), timeout_s or self.timeout_s),
-                url and url.rstrip('/'),
-                retries,
-            )
-        except DeterministicEngineError:
-            self._count('deterministic_failures')
-            raise
+            return attempt(u)
+        except TransientEngineError as e:
+            err = e
+        finally:
+            self._release(u)
+        self._count('transient_failures')
+        try:
+            retry = retry.increment('POST', u + path, error=err)
+        except MaxRetryError:
+            raise TransientEngineError(
+                f"failed after {len(retry.history) + 1} attempts: {err}"
+            ) from err
+        self._count('retries')
+        avoid = {u}
+        retry.sleep()
 
-    def post_each(
-        self, path: str, payload: dict | None = None, timeout_s: float | None = None
-    ) -> list:
-        """`post` to every server in turn (each must answer itself: no failover); the replies in
-        server order."""
-        return [self.post(path, payload, u, timeout_s) for u in self.urls]
+# %% ../../nbs/08_engines_4_sglang.ipynb #31e7a1eb
+@patch_to(SGLangEngine)
+def post(
+    self,
+    path: str,
+    payload=None,
+    url: str | None = None,
+    timeout_s: float | None = None,
+    retries: int | None = None,
+):
+    """POST `payload` (a dict, or a function making one per attempt) to `path` on server `url`
+    (default: the least busy, with failover) under a deadline, with `retries` (default
+    `max_retries`); the reply."""
+    if url is not None and url.rstrip('/') not in self._inflight:
+        raise ValueError(f"{url} is not one of this client's servers {self.urls}")
+    make = payload if callable(payload) else (lambda: payload)
+    try:
+        return self._retrying(
+            path,
+            lambda u: self._http('POST', u, path, make(), timeout_s or self.timeout_s),
+            url and url.rstrip('/'),
+            retries,
+        )
+    except DeterministicEngineError:
+        self._count('deterministic_failures')
+        raise
 
-    def _one(self, prompt, sp: SamplingParams) -> GenerationResult:
-        "One generation request, through the transport path."
-        prompt = check_prompt(prompt)
-        sp.validate()
-        payload = {
-            'input_ids': prompt,
-            'sampling_params': _jsonable_params(sp),
-            'return_logprob': True,
-            'logprob_start_len': -1,
-            'stream': False,
-        }
 
-        def attempt(u):
-            t0 = time.perf_counter()
-            res = parse_sglang_response(
-                self._http('POST', u, '/generate', payload, self.timeout_s), len(prompt), sp
-            )
-            res.latency_s = time.perf_counter() - t0
-            return res
+@patch_to(SGLangEngine)
+def post_each(self, path: str, payload: dict | None = None, timeout_s: float | None = None) -> list:
+    """`post` to every server in turn (each must answer itself: no failover); the replies in
+    server order."""
+    return [self.post(path, payload, u, timeout_s) for u in self.urls]
 
-        res = self._retrying('/generate', attempt)
-        self._count('generated_tokens', len(res.output_ids))
+# %% ../../nbs/08_engines_4_sglang.ipynb #189a7cec
+@patch_to(SGLangEngine)
+def _one(self, prompt, sp: SamplingParams) -> GenerationResult:
+    "One generation request, through the transport path."
+    prompt = check_prompt(prompt)
+    sp.validate()
+    payload = {
+        'input_ids': prompt,
+        'sampling_params': _jsonable_params(sp),
+        'return_logprob': True,
+        'logprob_start_len': -1,
+        'stream': False,
+    }
+
+    def attempt(u):
+        t0 = time.perf_counter()
+        res = parse_sglang_response(
+            self._http('POST', u, '/generate', payload, self.timeout_s), len(prompt), sp
+        )
+        res.latency_s = time.perf_counter() - t0
         return res
 
-    def _settled(self, prompt, sp) -> GenerationResult | EngineError:
-        """One request's result or its `EngineError`: whatever goes wrong stays in that request's
-        slot."""
+    res = self._retrying('/generate', attempt)
+    self._count('generated_tokens', len(res.output_ids))
+    return res
+
+
+@patch_to(SGLangEngine)
+def _settled(self, prompt, sp) -> GenerationResult | EngineError:
+    """One request's result or its `EngineError`: whatever goes wrong stays in that request's
+    slot."""
+    try:
+        return self._one(prompt, sp)
+    except TransientEngineError as e:
+        return e  # its failed attempts are already counted
+    except Exception as e:  # a 4xx, a malformed reply, an invalid prompt, or anything unforeseen
+        self._count('deterministic_failures')
+        if isinstance(e, EngineError):
+            return e
+        err = DeterministicEngineError(f"{type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+
+# %% ../../nbs/08_engines_4_sglang.ipynb #98af7be7
+@patch_to(SGLangEngine)
+def generate(self, prompts, params, return_exceptions: bool = False) -> list:
+    """Send every prompt (at most `concurrency` in flight per server); results in prompt order.
+    Refused, sending nothing, while memory is released."""
+    if self.released:
+        raise DeterministicEngineError(
+            f"generate refused: the servers' memory is released ({', '.join(self.released)}); "
+            "sync_weights() or resume_memory() takes it back first"
+        )
+    params = per_request(params, len(prompts))
+    self._count('requests', len(prompts))
+    out = list(self._pool.map(self._settled, prompts, params))
+    if not return_exceptions:
+        for r in out:
+            if isinstance(r, EngineError):
+                raise r
+    return out
+
+
+@patch_to(SGLangEngine)
+def request_queue(self) -> 'FutureQueue':
+    """A `FutureQueue` over this client's pool, for the per-trajectory rollout scheduler: at
+    most `concurrency` requests in flight per server."""
+    if self.released:
+        raise DeterministicEngineError(
+            "request_queue refused: the servers' memory is released "
+            f"({', '.join(self.released)}); "
+            "sync_weights() or resume_memory() takes it back first"
+        )
+    wait_limit = (self.max_retries + 1) * (self.timeout_s + self.max_backoff_s)
+    return FutureQueue(
+        self._pool,
+        self._settled,
+        self.concurrency * len(self.urls),
+        wait_limit,
+        on_submit=lambda: self._count('requests'),
+    )
+
+# %% ../../nbs/08_engines_4_sglang.ipynb #ccb7a76d
+@patch_to(SGLangEngine)
+@staticmethod
+def _succeeded(u: str, path: str, body) -> None:
+    if not (isinstance(body, dict) and body.get('success')):
+        raise DeterministicEngineError(
+            f"{u}{path} failed: {body.get('message') if isinstance(body, dict) else body!r}"
+        )
+
+
+@patch_to(SGLangEngine)
+def _load_disk(self, path, flush_cache: bool | None = None) -> None:
+    """Every server loads the HF directory `path` (`/update_weights_from_disk`, retried like
+    generation: loading it again is safe)."""
+    body = (
+        {'model_path': str(path)}
+        if flush_cache is None
+        else {'model_path': str(path), 'flush_cache': flush_cache}
+    )
+    for u in self.urls:
         try:
-            return self._one(prompt, sp)
-        except TransientEngineError as e:
-            return e  # its failed attempts are already counted
-        except (
-            Exception
-        ) as e:  # a 4xx, a malformed reply, an invalid prompt, or anything unforeseen
-            self._count('deterministic_failures')
-            if isinstance(e, EngineError):
-                return e
-            err = DeterministicEngineError(f"{type(e).__name__}: {e}")
-            err.__cause__ = e
-            return err
+            reply = self.post('/update_weights_from_disk', body, u, self.update_timeout_s)
+        except DeterministicEngineError as e:
+            raise DeterministicEngineError(f"update_weights_from_disk failed: {e}") from e
+        self._succeeded(u, '/update_weights_from_disk', reply)
 
-    def generate(self, prompts, params, return_exceptions: bool = False) -> list:
-        """Send every prompt (at most `concurrency` in flight per server); results in prompt order.
-        Refused, sending nothing, while memory is released."""
-        if self.released:
-            raise DeterministicEngineError(
-                f"generate refused: the servers' memory is released ({', '.join(self.released)}); "
-                "sync_weights() or resume_memory() takes it back first"
-            )
-        params = per_request(params, len(prompts))
-        self._count('requests', len(prompts))
-        out = list(self._pool.map(self._settled, prompts, params))
-        if not return_exceptions:
-            for r in out:
-                if isinstance(r, EngineError):
-                    raise r
-        return out
 
-    def request_queue(self) -> 'FutureQueue':
-        """A `FutureQueue` over this client's pool, for the per-trajectory rollout scheduler: at
-        most `concurrency` requests in flight per server."""
-        if self.released:
-            raise DeterministicEngineError(
-                "request_queue refused: the servers' memory is released "
-                f"({', '.join(self.released)}); "
-                "sync_weights() or resume_memory() takes it back first"
-            )
-        wait_limit = (self.max_retries + 1) * (self.timeout_s + self.max_backoff_s)
-        return FutureQueue(
-            self._pool,
-            self._settled,
-            self.concurrency * len(self.urls),
-            wait_limit,
-            on_submit=lambda: self._count('requests'),
+@patch_to(SGLangEngine)
+def _load_tensors(self, state_dict: dict, flush_cache: bool = False) -> None:
+    """Every server loads `state_dict` from memory: `/begin_weight_update`,
+    `/update_weights_from_tensor`, `/end_weight_update`, one attempt each."""
+    for u in self.urls:
+        self._succeeded(
+            u,
+            '/begin_weight_update',
+            self.post('/begin_weight_update', {}, u, self.update_timeout_s, retries=0),
         )
-
-    @staticmethod
-    def _succeeded(u: str, path: str, body) -> None:
-        if not (isinstance(body, dict) and body.get('success')):
-            raise DeterministicEngineError(
-                f"{u}{path} failed: {body.get('message') if isinstance(body, dict) else body!r}"
+        try:
+            reply = self.post(
+                '/update_weights_from_tensor',
+                lambda: tensor_update_payload(state_dict, self.tp_size, flush_cache),
+                u,
+                self.update_timeout_s,
+                retries=0,
             )
-
-    def _load_disk(self, path, flush_cache: bool | None = None) -> None:
-        """Every server loads the HF directory `path` (`/update_weights_from_disk`, retried like
-        generation: loading it again is safe)."""
-        body = (
-            {'model_path': str(path)}
-            if flush_cache is None
-            else {'model_path': str(path), 'flush_cache': flush_cache}
-        )
-        for u in self.urls:
-            try:
-                reply = self.post('/update_weights_from_disk', body, u, self.update_timeout_s)
-            except DeterministicEngineError as e:
-                raise DeterministicEngineError(f"update_weights_from_disk failed: {e}") from e
-            self._succeeded(u, '/update_weights_from_disk', reply)
-
-    def _load_tensors(self, state_dict: dict, flush_cache: bool = False) -> None:
-        """Every server loads `state_dict` from memory: `/begin_weight_update`,
-        `/update_weights_from_tensor`, `/end_weight_update`, one attempt each."""
-        for u in self.urls:
+            self._succeeded(u, '/update_weights_from_tensor', reply)
+        finally:
             self._succeeded(
                 u,
-                '/begin_weight_update',
-                self.post('/begin_weight_update', {}, u, self.update_timeout_s, retries=0),
+                '/end_weight_update',
+                self.post('/end_weight_update', {}, u, self.update_timeout_s, retries=0),
             )
-            try:
-                reply = self.post(
-                    '/update_weights_from_tensor',
-                    lambda: tensor_update_payload(state_dict, self.tp_size, flush_cache),
-                    u,
-                    self.update_timeout_s,
-                    retries=0,
-                )
-                self._succeeded(u, '/update_weights_from_tensor', reply)
-            finally:
-                self._succeeded(
-                    u,
-                    '/end_weight_update',
-                    self.post('/end_weight_update', {}, u, self.update_timeout_s, retries=0),
-                )
 
-    def update_weights(self, state_dict=None, path=None) -> None:
-        """Every server loads the HF directory `path`, or (colocated servers only) `state_dict` from
-        memory; then flushes its cache."""
-        if (state_dict is None) == (path is None):
-            raise ValueError("pass exactly one of state_dict or path")
-        if state_dict is not None and not self.colocated:
-            raise DeterministicEngineError(
-                "SGLangEngine loads a state dict only from colocated servers (they read this "
-                "host's "
-                "memory): save an HF directory and pass path="
+# %% ../../nbs/08_engines_4_sglang.ipynb #67250496
+@patch_to(SGLangEngine)
+def update_weights(self, state_dict=None, path=None) -> None:
+    """Every server loads the HF directory `path`, or (colocated servers only) `state_dict` from
+    memory; then flushes its cache."""
+    if (state_dict is None) == (path is None):
+        raise ValueError("pass exactly one of state_dict or path")
+    if state_dict is not None and not self.colocated:
+        raise DeterministicEngineError(
+            "SGLangEngine loads a state dict only from colocated servers (they read this "
+            "host's "
+            "memory): save an HF directory and pass path="
+        )
+    if path is not None:
+        self._load_disk(path)
+    else:
+        self._load_tensors(state_dict, flush_cache=False)
+    for u in self.urls:
+        self.flush_cache(u)
+
+# %% ../../nbs/08_engines_4_sglang.ipynb #a0d28a5e
+@patch_to(SGLangEngine)
+@property
+def released(self) -> tuple:
+    """The memory tags released on any server, in SGLang's order; empty when every server holds
+    its memory."""
+    return tuple(t for t in MEMORY_TAGS if any(t in r for r in self._released.values()))
+
+
+@patch_to(SGLangEngine)
+def _occupation(self, path: str, tags, u: str) -> None:
+    """One memory-occupation request to server `u`, one attempt: repeating a release or a resume
+    is not safe."""
+    try:
+        self.post(path, {'tags': list(tags)}, u, self.update_timeout_s, retries=0)
+    except EngineError as e:
+        raise type(e)(
+            f"{path} {list(tags)} failed on {u} (its memory state is now unknown; tags "
+            "released before: "
+            f"{sorted(self._released[u])}): {e}"
+        ) from e
+
+
+@patch_to(SGLangEngine)
+def release_memory(self) -> None:
+    """Colocated: every server frees the GPU memory of its KV cache, weights and CUDA graphs
+    (`/release_memory_occupation`); a no-op otherwise."""
+    if not self.colocated:
+        return
+    for u in self.urls:
+        tags = [t for t in MEMORY_TAGS if t not in self._released[u]]
+        if not tags:
+            continue
+        self._occupation('/release_memory_occupation', tags, u)
+        self._released[u].update(tags)
+
+
+@patch_to(SGLangEngine)
+def resume_memory(self, tags=MEMORY_TAGS) -> None:
+    """Every server takes back the memory of those of `tags` it has released
+    (`/resume_memory_occupation`)."""
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tags {bad}; SGLang's are {list(MEMORY_TAGS)}")
+    for u in self.urls:
+        todo = [t for t in tags if t in self._released[u]]
+        if not todo:
+            continue
+        self._occupation('/resume_memory_occupation', todo, u)
+        self._released[u].difference_update(todo)
+
+# %% ../../nbs/08_engines_4_sglang.ipynb #9756ee62
+@patch_to(SGLangEngine)
+def sync_weights(self, state_dict: dict | None = None, path=None) -> float:
+    """Every server takes the new weights: the HF directory `path` (written by the trainer side)
+    or, colocated with `weight_sync='tensor'`, `state_dict`; colocated servers resume their
+    weights first and their KV cache after. Returns seconds."""
+    if (state_dict is None) == (path is None):
+        raise ValueError("pass exactly one of state_dict or path")
+    if (path is None) != (self.weight_sync == 'tensor'):
+        raise ValueError(
+            f"this client's weight_sync is {self.weight_sync!r}: pass "
+            + (
+                "state_dict="
+                if self.weight_sync == 'tensor'
+                else "path= (an HF directory; memagent.checkpoint.push_weights writes it)"
             )
-        if path is not None:
-            self._load_disk(path)
-        else:
-            self._load_tensors(state_dict, flush_cache=False)
-        for u in self.urls:
-            self.flush_cache(u)
-
-    @property
-    def released(self) -> tuple:
-        """The memory tags released on any server, in SGLang's order; empty when every server holds
-        its memory."""
-        return tuple(t for t in MEMORY_TAGS if any(t in r for r in self._released.values()))
-
-    def _occupation(self, path: str, tags, u: str) -> None:
-        """One memory-occupation request to server `u`, one attempt: repeating a release or a resume
-        is not safe."""
-        try:
-            self.post(path, {'tags': list(tags)}, u, self.update_timeout_s, retries=0)
-        except EngineError as e:
-            raise type(e)(
-                f"{path} {list(tags)} failed on {u} (its memory state is now unknown; tags "
-                "released before: "
-                f"{sorted(self._released[u])}): {e}"
-            ) from e
-
-    def release_memory(self) -> None:
-        """Colocated: every server frees the GPU memory of its KV cache, weights and CUDA graphs
-        (`/release_memory_occupation`); a no-op otherwise."""
-        if not self.colocated:
-            return
-        for u in self.urls:
-            tags = [t for t in MEMORY_TAGS if t not in self._released[u]]
-            if not tags:
-                continue
-            self._occupation('/release_memory_occupation', tags, u)
-            self._released[u].update(tags)
-
-    def resume_memory(self, tags=MEMORY_TAGS) -> None:
-        """Every server takes back the memory of those of `tags` it has released
-        (`/resume_memory_occupation`)."""
-        bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad:
-            raise ValueError(f"unknown memory tags {bad}; SGLang's are {list(MEMORY_TAGS)}")
-        for u in self.urls:
-            todo = [t for t in tags if t in self._released[u]]
-            if not todo:
-                continue
-            self._occupation('/resume_memory_occupation', todo, u)
-            self._released[u].difference_update(todo)
-
-    def sync_weights(self, state_dict: dict | None = None, path=None) -> float:
-        """Every server takes the new weights: the HF directory `path` (written by the trainer side)
-        or, colocated with `weight_sync='tensor'`, `state_dict`; colocated servers resume their
-        weights first and their KV cache after. Returns seconds."""
-        if (state_dict is None) == (path is None):
-            raise ValueError("pass exactly one of state_dict or path")
-        if (path is None) != (self.weight_sync == 'tensor'):
-            raise ValueError(
-                f"this client's weight_sync is {self.weight_sync!r}: pass "
-                + (
-                    "state_dict="
-                    if self.weight_sync == 'tensor'
-                    else "path= (an HF directory; memagent.checkpoint.push_weights writes it)"
-                )
-            )
-        t0 = time.perf_counter()
-        if not self.colocated:
-            self.update_weights(path=str(path))
-            return time.perf_counter() - t0
-        self.resume_memory(('weights',))
-        if path is not None:
-            self._load_disk(path, flush_cache=False)
-        else:
-            self._load_tensors(state_dict, flush_cache=False)
-        self.resume_memory(('kv_cache', 'cuda_graph'))
-        for u in self.urls:
-            self.flush_cache(u)
+        )
+    t0 = time.perf_counter()
+    if not self.colocated:
+        self.update_weights(path=str(path))
         return time.perf_counter() - t0
+    self.resume_memory(('weights',))
+    if path is not None:
+        self._load_disk(path, flush_cache=False)
+    else:
+        self._load_tensors(state_dict, flush_cache=False)
+    self.resume_memory(('kv_cache', 'cuda_graph'))
+    for u in self.urls:
+        self.flush_cache(u)
+    return time.perf_counter() - t0
 
-    def flush_cache(self, url: str) -> None:
-        "Drop server `url`'s prefix cache (stale after new weights); retried like generation."
-        self.post('/flush_cache', None, url, self.connect_timeout_s)
 
-    def model_info(self) -> list[dict]:
-        """What each server says it serves (`GET /get_model_info`: model_path, tokenizer_path,
-        is_generation, weight_version) with its url, in server order."""
-        out = []
-        for u in self.urls:
-            r = self._http('GET', u, '/get_model_info', None, self.connect_timeout_s)
-            if not isinstance(r, dict) or 'model_path' not in r:
-                raise DeterministicEngineError(
-                    f"{u}/get_model_info: no model_path in the reply {str(r)[:200]}"
-                )
-            out.append(
-                {
-                    'url': u,
-                    **{
-                        k: r.get(k)
-                        for k in ('model_path', 'tokenizer_path', 'is_generation', 'weight_version')
-                    },
-                }
+@patch_to(SGLangEngine)
+def flush_cache(self, url: str) -> None:
+    "Drop server `url`'s prefix cache (stale after new weights); retried like generation."
+    self.post('/flush_cache', None, url, self.connect_timeout_s)
+
+# %% ../../nbs/08_engines_4_sglang.ipynb #88e84bb4
+@patch_to(SGLangEngine)
+def model_info(self) -> list[dict]:
+    """What each server says it serves (`GET /get_model_info`: model_path, tokenizer_path,
+    is_generation, weight_version) with its url, in server order."""
+    out = []
+    for u in self.urls:
+        r = self._http('GET', u, '/get_model_info', None, self.connect_timeout_s)
+        if not isinstance(r, dict) or 'model_path' not in r:
+            raise DeterministicEngineError(
+                f"{u}/get_model_info: no model_path in the reply {str(r)[:200]}"
             )
-        return out
+        out.append(
+            {
+                'url': u,
+                **{
+                    k: r.get(k)
+                    for k in ('model_path', 'tokenizer_path', 'is_generation', 'weight_version')
+                },
+            }
+        )
+    return out
 
-    def identity(self) -> dict:
-        "What the servers serve: `{'kind': 'sglang', 'servers': model_info()}`."
-        return {'kind': 'sglang', 'servers': self.model_info()}
 
-    def greedy_each(self, prompt_ids, n_tokens: int) -> list:
-        """The greedy continuation of `prompt_ids` with its log-probs from every server (each must
-        answer itself), in server order."""
-        sp = SamplingParams(max_new_tokens=n_tokens, temperature=0.0)
-        payload = {
-            'input_ids': check_prompt(prompt_ids),
-            'sampling_params': _jsonable_params(sp),
-            'return_logprob': True,
-            'logprob_start_len': -1,
-            'stream': False,
-        }
-        return [
-            parse_sglang_response(r, len(payload['input_ids']), sp)
-            for r in self.post_each('/generate', payload)
-        ]
+@patch_to(SGLangEngine)
+def identity(self) -> dict:
+    "What the servers serve: `{'kind': 'sglang', 'servers': model_info()}`."
+    return {'kind': 'sglang', 'servers': self.model_info()}
 
-    def prompt_logprobs_each(self, ids) -> list[list[float]]:
-        """The teacher-forced log-probs of `ids[1:]` from every server (each must answer itself), in
-        server order (`prompt_logprob_request`)."""
-        payload = prompt_logprob_request(ids)
-        return [
-            parse_prompt_logprobs(r, payload['input_ids'])
-            for r in self.post_each('/generate', payload)
-        ]
+# %% ../../nbs/08_engines_4_sglang.ipynb #689d7500
+@patch_to(SGLangEngine)
+def greedy_each(self, prompt_ids, n_tokens: int) -> list:
+    """The greedy continuation of `prompt_ids` with its log-probs from every server (each must
+    answer itself), in server order."""
+    sp = SamplingParams(max_new_tokens=n_tokens, temperature=0.0)
+    payload = {
+        'input_ids': check_prompt(prompt_ids),
+        'sampling_params': _jsonable_params(sp),
+        'return_logprob': True,
+        'logprob_start_len': -1,
+        'stream': False,
+    }
+    return [
+        parse_sglang_response(r, len(payload['input_ids']), sp)
+        for r in self.post_each('/generate', payload)
+    ]
 
-    def health(self) -> bool:
-        """True when every server answers `GET /health` with 200 within `connect_timeout_s` (one
-        attempt each, no retry)."""
-        for u in self.urls:
-            try:
-                self._http('GET', u, '/health', None, self.connect_timeout_s)
-            except EngineError:
-                return False
-        return True
 
-    def close(self) -> None:
-        """Stop the request threads; then `on_close()` (e.g. stopping the servers this client was
-        launched with), once."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        f, self._on_close = self._on_close, None
-        if f is not None:
-            f()
+@patch_to(SGLangEngine)
+def prompt_logprobs_each(self, ids) -> list[list[float]]:
+    """The teacher-forced log-probs of `ids[1:]` from every server (each must answer itself), in
+    server order (`prompt_logprob_request`)."""
+    payload = prompt_logprob_request(ids)
+    return [
+        parse_prompt_logprobs(r, payload['input_ids']) for r in self.post_each('/generate', payload)
+    ]
+
+# %% ../../nbs/08_engines_4_sglang.ipynb #f29aadb0
+@patch_to(SGLangEngine)
+def health(self) -> bool:
+    """True when every server answers `GET /health` with 200 within `connect_timeout_s` (one
+    attempt each, no retry)."""
+    for u in self.urls:
+        try:
+            self._http('GET', u, '/health', None, self.connect_timeout_s)
+        except EngineError:
+            return False
+    return True
+
+
+@patch_to(SGLangEngine)
+def close(self) -> None:
+    """Stop the request threads; then `on_close()` (e.g. stopping the servers this client was
+    launched with), once."""
+    self._pool.shutdown(wait=True, cancel_futures=True)
+    f, self._on_close = self._on_close, None
+    if f is not None:
+        f()
