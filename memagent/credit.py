@@ -8,6 +8,7 @@ import math
 from collections import OrderedDict
 import numpy as np
 from .trajectory import Trajectory, Row
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['CREDIT_MODES', 'AGG_MODES', 'group_advantages', 'filter_zero_variance', 'mini_batch_of', 'expand_rows', 'StepRows',
@@ -194,68 +195,72 @@ class StepRows:
             [],
         )  # group index -> (trajectories, rows with credit); dropped group indices
 
-    def add(self, group: list[Trajectory]) -> bool:
-        """Normalize one complete group and expand its rows now (weights at `finish`); a group with
-        a failed trajectory is dropped. Returns whether it was kept."""
-        gi = sorted({t.group_index for t in group})
-        if len(gi) != 1:
-            raise ValueError(f"StepRows.add: one group at a time, got group indices {gi}")
-        g = gi[0]
-        if g in self.groups or g in self.dropped:
-            raise ValueError(f"StepRows.add: group {g} was already added")
-        if any(t.error is not None for t in group):
-            self.dropped.append(g)
-            return False
-        adv, _ = group_advantages(
-            group, self.group_size, std_normalize=self.std_normalize, eps=self.eps
-        )
-        self.groups[g] = (
-            list(group),
-            expand_rows(group, adv, self.mode, 'trajectory', 1),
-        )  # weights: at finish
-        return True
+# %% ../nbs/10_credit.ipynb #2cd2d5f8
+@patch_to(StepRows)
+def add(self, group: list[Trajectory]) -> bool:
+    """Normalize one complete group and expand its rows now (weights at `finish`); a group with
+    a failed trajectory is dropped. Returns whether it was kept."""
+    gi = sorted({t.group_index for t in group})
+    if len(gi) != 1:
+        raise ValueError(f"StepRows.add: one group at a time, got group indices {gi}")
+    g = gi[0]
+    if g in self.groups or g in self.dropped:
+        raise ValueError(f"StepRows.add: group {g} was already added")
+    if any(t.error is not None for t in group):
+        self.dropped.append(g)
+        return False
+    adv, _ = group_advantages(
+        group, self.group_size, std_normalize=self.std_normalize, eps=self.eps
+    )
+    self.groups[g] = (
+        list(group),
+        expand_rows(group, adv, self.mode, 'trajectory', 1),
+    )  # weights: at finish
+    return True
 
-    def add_all(self, trajs: list[Trajectory]) -> None:
-        "`add` every group of `trajs`, in order of first appearance."
-        for idx in _groups(trajs).values():
-            self.add([trajs[i] for i in idx])
 
-    def finish(self, order=None) -> tuple[list[Row], dict]:
-        """The rows of the groups `order` (default: every kept group by index), in that order, with
-        the step's weights; and the step's stats."""
-        order = sorted(self.groups) if order is None else list(order)
-        missing = [g for g in order if g not in self.groups]
-        if missing:
-            raise ValueError(
-                f"StepRows.finish: groups {missing[:8]} were never added, or were dropped"
-            )
-        trajs = [t for g in order for t in self.groups[g][0]]
-        adv, stats = group_advantages(
-            trajs, self.group_size, std_normalize=self.std_normalize, eps=self.eps
+@patch_to(StepRows)
+def add_all(self, trajs: list[Trajectory]) -> None:
+    "`add` every group of `trajs`, in order of first appearance."
+    for idx in _groups(trajs).values():
+        self.add([trajs[i] for i in idx])
+
+# %% ../nbs/10_credit.ipynb #e3433578
+@patch_to(StepRows)
+def finish(self, order=None) -> tuple[list[Row], dict]:
+    """The rows of the groups `order` (default: every kept group by index), in that order, with
+    the step's weights; and the step's stats."""
+    order = sorted(self.groups) if order is None else list(order)
+    missing = [g for g in order if g not in self.groups]
+    if missing:
+        raise ValueError(f"StepRows.finish: groups {missing[:8]} were never added, or were dropped")
+    trajs = [t for g in order for t in self.groups[g][0]]
+    adv, stats = group_advantages(
+        trajs, self.group_size, std_normalize=self.std_normalize, eps=self.eps
+    )
+    keep = order
+    if self.filter:
+        trajs, adv, stats = filter_zero_variance(trajs, adv, stats)
+        zero = set(stats['zero_variance_group_ids'])
+        keep = [g for g in order if g not in zero]
+    else:
+        stats = dict(stats, filtered_groups=0, filtered_trajectories=0, filtered_rows=0)
+    if not trajs:
+        return [], dict(stats, n_rows=0)
+    n, tok = _normalizers(trajs, self.agg, self.mini_batches)
+    rows = [r for g in keep for r in self.groups[g][1]]
+    for r in rows:
+        r.weight = _weight(
+            r.loss_mask, mini_batch_of(r.group_index, self.mini_batches), self.agg, n, tok
         )
-        keep = order
-        if self.filter:
-            trajs, adv, stats = filter_zero_variance(trajs, adv, stats)
-            zero = set(stats['zero_variance_group_ids'])
-            keep = [g for g in order if g not in zero]
-        else:
-            stats = dict(stats, filtered_groups=0, filtered_trajectories=0, filtered_rows=0)
-        if not trajs:
-            return [], dict(stats, n_rows=0)
-        n, tok = _normalizers(trajs, self.agg, self.mini_batches)
-        rows = [r for g in keep for r in self.groups[g][1]]
-        for r in rows:
-            r.weight = _weight(
-                r.loss_mask, mini_batch_of(r.group_index, self.mini_batches), self.agg, n, tok
-            )
-        return rows, dict(
-            stats,
-            n_rows=len(rows),
-            credit=self.mode,
-            agg=self.agg,
-            mini_batches=self.mini_batches,
-            turns_mean=float(np.mean([t.num_turns for t in trajs])),
-        )
+    return rows, dict(
+        stats,
+        n_rows=len(rows),
+        credit=self.mode,
+        agg=self.agg,
+        mini_batches=self.mini_batches,
+        turns_mean=float(np.mean([t.num_turns for t in trajs])),
+    )
 
 # %% ../nbs/10_credit.ipynb #7a711c05
 def trajectories_to_rows(trajs: list[Trajectory], cfg):

@@ -308,6 +308,8 @@ DIFFERENCES = {
         "/ eps; the other rows compared as usual",
     ),
 }
+
+# %% ../nbs/18d_loss_parity.ipynb #2ec686e9
 FAMILIES = ('grpo_advantage', 'policy_loss', 'kl', 'tis')
 DTYPES = {'fp32': torch.float32, 'fp64': torch.float64}
 TOL = {

@@ -173,13 +173,9 @@ def write_receipt(receipt: dict, report_dir) -> Path:
     (d / 'README.md').write_text(render_readme(receipt))
     return d / 'receipt.json'
 
-# %% ../nbs/18d_loss_parity_1_receipt.ipynb #ef14e107
-def render_readme(rc: dict) -> str:
-    "The report a reader sees, rendered from the receipt alone."
-    from memagent.report import md_table, provenance_md
-
-    up, fz, fams = rc['upstream'], rc['fuzz'], rc['families']
-    n_undoc = sum(len(f['undocumented_differences']) for f in fams.values())
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #52e02c76
+def _readme_tables(rc: dict, up: dict, fams: dict) -> tuple:
+    "The rows of the report's tables: families, verl files, chosen differences, undocumented ones."
     rows = [
         {
             'family': f'`{k}`',
@@ -202,6 +198,16 @@ def render_readme(rc: dict) -> str:
         for k, v in rc['differences'].items()
     ]
     bad = [{'family': k, **u} for k, f in fams.items() for u in f['undocumented_differences']]
+    return rows, files, diffs, bad
+
+# %% ../nbs/18d_loss_parity_1_receipt.ipynb #ef14e107
+def render_readme(rc: dict) -> str:
+    "The report a reader sees, rendered from the receipt alone."
+    from memagent.report import md_table, provenance_md
+
+    up, fz, fams = rc['upstream'], rc['fuzz'], rc['families']
+    n_undoc = sum(len(f['undocumented_differences']) for f in fams.values())
+    rows, files, diffs, bad = _readme_tables(rc, up, fams)
     tol = rc['tolerance']
     return f"""# Loss parity: the kit's RL math against verl
 

@@ -23,6 +23,7 @@ from . import checkpoint as ckpt
 from .health import RunHealth, json_line
 from .resume import check_resume, examples_sha256, settle_resume
 from .sampler import PromptSampler
+from .prompts import template_sha256s
 
 # %% auto #0
 __all__ = ['patch', 'Trainer']
@@ -127,6 +128,70 @@ def _preflight(self: Trainer, engine, world_size, replay_dir, simulated_gpus) ->
     )
     return {'simulated_gpus': simulated_gpus, 'doctor': [r.to_dict() for r in rows]}
 
+# %% ../nbs/13_trainer.ipynb #12690b30
+@patch
+def _start_ranks(self: Trainer, engine, world_size, ray_address, ray_cpus, ray_gpus):
+    """Ray joined or started when needed, colocated ranks and engines placed, the policy group and
+    its row channel built."""
+    self.placement = (
+        None  # colocated: one Ray placement group holds the ranks and the engines on the same GPUs
+    )
+    colocated = self.cfg.rollout.colocate and engine is None and self.replay_dir is None
+    if (
+        world_size > 1 or colocated
+    ):  # join RAY_ADDRESS / ray_address / a `ray start` here, else start with the node's resources
+        ray = ensure_ray(ray_address, ray_cpus, ray_gpus)
+        self.launch.update(
+            ray_address=ray.get_runtime_context().gcs_address,
+            ray_resources=ray.cluster_resources(),
+            ray_cpus=ray_cpus,
+            ray_gpus=ray_gpus,
+        )
+    if colocated:
+        self.placement = Placement.from_config(
+            self.cfg
+        )  # refuses a cluster that cannot hold the bundles, naming the numbers
+    self.group = make_group(
+        self.cfg, self.pad_id, world_size, ray_address, self.placement if world_size > 1 else None
+    )
+    self.dp = self.group.dp_size
+    self.channel = (
+        InProcessChannel(self.cfg.row_capacity + 1, 1)
+        if world_size == 1
+        else RayChannel(self.cfg.row_capacity + self.dp, self.dp)
+    )
+
+# %% ../nbs/13_trainer.ipynb #e12383b6
+@patch
+def _write_run_files(self: Trainer, ck, ck_root, overrides, world_size, tensorboard):
+    """The first writes into the run directory: stale temporaries removed, `config.yaml`, `run.json`
+    (steps, config, launch, resume, provenance), the TensorBoard writer."""
+    ckpt.remove_stale_tmp(ck_root)
+    save_config(self.cfg, self.run_dir / 'config.yaml')
+    (self.run_dir / 'run.json').write_text(
+        json.dumps(
+            {
+                'steps': self.cfg.schedule.steps,
+                'config': self.cfg.to_dict(),
+                'derived': self.cfg.derived(),
+                'world_size': world_size,
+                'resumed_from': ck['path'] if ck else None,
+                'skipped_checkpoints': ck['skipped'] if ck else [],
+                'resume_overrides': [
+                    {'key': k, 'checkpoint': o, 'now': n} for k, o, n in overrides
+                ],
+                'launch': self.launch,
+                'provenance': self.prov,
+            },
+            indent=1,
+            default=str,
+        )
+    )
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(self.run_dir / 'tb'))
+
 # %% ../nbs/13_trainer.ipynb #808235e8
 @patch
 def _setup(
@@ -145,16 +210,14 @@ def _setup(
     ray_gpus,
 ):
     from memagent.models import load_tokenizer, model_identity, tokenizer_identity
-    from memagent.prompts import template_sha256s
 
     cfg, ck_root = self.cfg, self.run_dir / 'checkpoints'
-    ck = (
-        ckpt.load_latest(ck_root, cfg.health.check_finite) if resume else None
-    )  # verified; falls back past a corrupt one
+    # verified; falls back past a corrupt one
+    ck = ckpt.load_latest(ck_root, cfg.health.check_finite) if resume else None
     data_sha = examples_sha256(self.examples)  # what resume compares, then provenance
-    overrides, self._metrics_kept = (
+    overrides, self._metrics_kept = (  # before any write
         check_resume(ck, cfg, data_sha, self.run_dir / 'metrics.jsonl') if ck else ([], None)
-    )  # before any write
+    )
     self.tok = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     self.pad_id, self.reward_fn = self.tok.pad_token_id, get_reward(cfg.grpo.reward)
     self.world, self.progress = world_size, progress
@@ -162,33 +225,7 @@ def _setup(
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
-    self.placement = (
-        None  # colocated: one Ray placement group holds the ranks and the engines on the same GPUs
-    )
-    colocated = cfg.rollout.colocate and engine is None and self.replay_dir is None
-    if (
-        world_size > 1 or colocated
-    ):  # join RAY_ADDRESS / ray_address / a `ray start` here, else start with the node's resources
-        ray = ensure_ray(ray_address, ray_cpus, ray_gpus)
-        self.launch.update(
-            ray_address=ray.get_runtime_context().gcs_address,
-            ray_resources=ray.cluster_resources(),
-            ray_cpus=ray_cpus,
-            ray_gpus=ray_gpus,
-        )
-    if colocated:
-        self.placement = Placement.from_config(
-            cfg
-        )  # refuses a cluster that cannot hold the bundles, naming the numbers
-    self.group = make_group(
-        cfg, self.pad_id, world_size, ray_address, self.placement if world_size > 1 else None
-    )
-    self.dp = self.group.dp_size
-    self.channel = (
-        InProcessChannel(cfg.row_capacity + 1, 1)
-        if world_size == 1
-        else RayChannel(cfg.row_capacity + self.dp, self.dp)
-    )
+    self._start_ranks(engine, world_size, ray_address, ray_cpus, ray_gpus)
     self.hf_model = self.group.export_model()
     self.own_engine = engine is None and not self.replay_dir  # the trainer closes what it launched
     self.engine = (
@@ -206,38 +243,12 @@ def _setup(
         **(extra_provenance or {}),
     )
     if ck:
-        self._restore(
-            ck
-        )  # refuses a checkpoint of another parallel layout or sampler; still nothing written
-    ckpt.remove_stale_tmp(ck_root)
-    save_config(cfg, self.run_dir / 'config.yaml')
-    (self.run_dir / 'run.json').write_text(
-        json.dumps(
-            {
-                'steps': cfg.schedule.steps,
-                'config': cfg.to_dict(),
-                'derived': cfg.derived(),
-                'world_size': world_size,
-                'resumed_from': ck['path'] if ck else None,
-                'skipped_checkpoints': ck['skipped'] if ck else [],
-                'resume_overrides': [
-                    {'key': k, 'checkpoint': o, 'now': n} for k, o, n in overrides
-                ],
-                'launch': self.launch,
-                'provenance': self.prov,
-            },
-            indent=1,
-            default=str,
-        )
-    )
-    if tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.tb = SummaryWriter(str(self.run_dir / 'tb'))
+        # refuses a checkpoint of another parallel layout or sampler; still nothing written
+        self._restore(ck)
+    self._write_run_files(ck, ck_root, overrides, world_size, tensorboard)
     if ck:
-        settle_resume(
-            self.run_dir, ck, self._metrics_kept
-        )  # latest names the checkpoint taken; the metrics end at its step
+        # latest names the checkpoint taken; the metrics end at its step
+        settle_resume(self.run_dir, ck, self._metrics_kept)
         if self.engine is not None:
             self.push_weights(ck['model'])
     self.health.record('running', self.step_no)
@@ -356,6 +367,46 @@ def step(self: Trainer) -> dict:
         self.health.record('stopped', self.step_no + 1, f'{type(e).__name__}: {e}')
         raise
 
+# %% ../nbs/13_trainer.ipynb #4918a37d
+@patch
+def _dump_and_observe(self: Trainer, trajs: list[Trajectory], kept: list[Trajectory], step: int):
+    "Step 3's record: the rollouts dumped first, then the step's counts given to the health."
+    if (
+        self.dump_rollouts and self.replay_dir is None
+    ):  # dumped first: a step that stops the run can be inspected
+        save_jsonl(trajs, self.run_dir / 'rollouts' / f'step_{step:06d}.jsonl')
+    self.health.observe(
+        step,
+        {
+            'trajectories': len(trajs),
+            'failed_trajectories': sum(not tr.ok for tr in trajs),
+            'kept_trajectories': len(kept),
+        },
+        next((tr.error for tr in trajs if not tr.ok), None),
+    )
+
+# %% ../nbs/13_trainer.ipynb #26db63ee
+@patch
+def _transfer_and_update(self: Trainer, rows: list, step: int, m: dict):
+    """Steps 5 and 6: the rows to the ranks, the policy's update on them, its metrics into `m`; the
+    row counts must agree."""
+    with self._timed('transfer'):  # 5. transfer
+        m['rows_transferred'] = self.channel.put(step, rows)
+    with self._timed('update'):  # 6. update
+        if self.engine is not None:
+            self.engine.release_memory()  # colocated engines give the GPUs to the update
+        upd = self.group.update(self.channel, step, self.cfg.rollout.request_timeout_s)
+    m.update(update_metrics(upd, self.cfg.batch.max_tokens_per_micro))
+    if (
+        m['rows_consumed'] != m['rows_transferred']
+        or m['rows_transferred'] != m['rows_generated'] + m['rows_padding']
+    ):
+        raise RuntimeError(
+            f"step {step}: row counts disagree: generated {m['rows_generated']} + padding "
+            f"{m['rows_padding']}, "
+            f"transferred {m['rows_transferred']}, consumed {m['rows_consumed']}"
+        )
+
 # %% ../nbs/13_trainer.ipynb #beffe6d2
 @patch
 def _step(self: Trainer) -> dict:
@@ -370,19 +421,7 @@ def _step(self: Trainer) -> dict:
     with self._timed('reward'):  # 3. a failed request drops its whole group
         bad_groups = {tr.group_index for tr in trajs if not tr.ok}
         kept = [tr for tr in trajs if tr.group_index not in bad_groups]
-        if (
-            self.dump_rollouts and self.replay_dir is None
-        ):  # dumped first: a step that stops the run can be inspected
-            save_jsonl(trajs, self.run_dir / 'rollouts' / f'step_{step:06d}.jsonl')
-        self.health.observe(
-            step,
-            {
-                'trajectories': len(trajs),
-                'failed_trajectories': sum(not tr.ok for tr in trajs),
-                'kept_trajectories': len(kept),
-            },
-            next((tr.error for tr in trajs if not tr.ok), None),
-        )
+        self._dump_and_observe(trajs, kept, step)
     with self._timed('credit'):  # 4. the rows' weights, which need the whole step
         rows, cst = (
             self.rows.finish(list(dict.fromkeys(tr.group_index for tr in kept)))
@@ -402,22 +441,7 @@ def _step(self: Trainer) -> dict:
         )  # per mini-batch: padded to the DP size (counted), token-balanced
     weights = None  # gathered at most once per step (a transfer from the ranks on Ray)
     if rows:
-        with self._timed('transfer'):  # 5. transfer
-            m['rows_transferred'] = self.channel.put(step, rows)
-        with self._timed('update'):  # 6. update
-            if self.engine is not None:
-                self.engine.release_memory()  # colocated engines give the GPUs to the update
-            upd = self.group.update(self.channel, step, cfg.rollout.request_timeout_s)
-        m.update(update_metrics(upd, cfg.batch.max_tokens_per_micro))
-        if (
-            m['rows_consumed'] != m['rows_transferred']
-            or m['rows_transferred'] != m['rows_generated'] + m['rows_padding']
-        ):
-            raise RuntimeError(
-                f"step {step}: row counts disagree: generated {m['rows_generated']} + padding "
-                f"{m['rows_padding']}, "
-                f"transferred {m['rows_transferred']}, consumed {m['rows_consumed']}"
-            )
+        self._transfer_and_update(rows, step, m)
         if self.engine is not None:  # 7. sync
             weights = self.group.hf_state_dict()
             self._times['sync'] = self.push_weights(weights)

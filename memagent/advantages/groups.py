@@ -207,6 +207,46 @@ def _check_stages(doc: dict, where: str):
             'is not an index of stage3',
         )
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #56a1e3c1
+def _check_variant(var: dict, key: str, where: str):
+    "One variant of a group: experiences, and changes that each name one slot and hold one text."
+    _need(
+        isinstance(var.get('experiences'), int) and var['experiences'] >= 1,
+        where,
+        f'{key}.experiences',
+        'is not a whole number >= 1',
+    )
+    ch = var.get('changes')
+    _need(isinstance(ch, list) and ch, where, f'{key}.changes', 'is not a non-empty list')
+    for i, c in enumerate(ch):
+        k = f'{key}.changes[{i}]'
+        _need(
+            isinstance(c, dict) and c.get('slot') in SLOTS,
+            where,
+            k,
+            f'names no slot of {list(SLOTS)}',
+        )
+        _need(
+            len([x for x in ('reply', 'prefix') if x in c]) == 1
+            and set(c) <= {'slot', 'reply', 'prefix'},
+            where,
+            k,
+            "has not exactly one of 'reply' and 'prefix' beside 'slot'",
+        )
+        _need(_is_text(c.get('reply', c.get('prefix'))), where, k, 'holds no text')
+        _need(
+            not (c['slot'] == 'S3a' and 'prefix' in c),
+            where,
+            k,
+            'puts a prefix on S3a, a round with no base reply',
+        )
+    _need(
+        len({c['slot'] for c in ch}) == len(ch),
+        where,
+        f'{key}.changes',
+        'changes one slot twice',
+    )
+
 # %% ../../nbs/18e_advantages_3_groups.ipynb #8ee45fd1
 def _check_groups(doc: dict, where: str):
     G = doc.get('groups')
@@ -231,43 +271,7 @@ def _check_groups(doc: dict, where: str):
             f'are not {list(VARIANTS)}',
         )
         for v, var in V.items():
-            key = f'groups.{g}.variants.{v}'
-            _need(
-                isinstance(var.get('experiences'), int) and var['experiences'] >= 1,
-                where,
-                f'{key}.experiences',
-                'is not a whole number >= 1',
-            )
-            ch = var.get('changes')
-            _need(isinstance(ch, list) and ch, where, f'{key}.changes', 'is not a non-empty list')
-            for i, c in enumerate(ch):
-                k = f'{key}.changes[{i}]'
-                _need(
-                    isinstance(c, dict) and c.get('slot') in SLOTS,
-                    where,
-                    k,
-                    f'names no slot of {list(SLOTS)}',
-                )
-                _need(
-                    len([x for x in ('reply', 'prefix') if x in c]) == 1
-                    and set(c) <= {'slot', 'reply', 'prefix'},
-                    where,
-                    k,
-                    "has not exactly one of 'reply' and 'prefix' beside 'slot'",
-                )
-                _need(_is_text(c.get('reply', c.get('prefix'))), where, k, 'holds no text')
-                _need(
-                    not (c['slot'] == 'S3a' and 'prefix' in c),
-                    where,
-                    k,
-                    'puts a prefix on S3a, a round with no base reply',
-                )
-            _need(
-                len({c['slot'] for c in ch}) == len(ch),
-                where,
-                f'{key}.changes',
-                'changes one slot twice',
-            )
+            _check_variant(var, f'groups.{g}.variants.{v}', where)
     order = doc.get('order')
     _need(
         isinstance(order, list)
@@ -668,6 +672,35 @@ def _h9(by_group: dict, H: dict) -> dict:
                 )
     return {'id': 'H9', 'held': all(c['met'] for c in cells), 'cells': cells}
 
+# %% ../../nbs/18e_advantages_3_groups.ipynb #51e36e08
+def _h10_equal_cell(eps, spec: dict, g: str, n: int, f: float, r: str, j: str) -> dict:
+    "One H10 cell of a group whose episodes collect `n` experiences each (reward `r`, judge `j`)."
+    counts = (
+        None if eps is None else {f'{v}-{b}': e.get('experiences') for (v, b), e in eps.items()}
+    )
+    rel = (
+        None
+        if eps is None
+        else max(
+            _relative(
+                _num(e, 'advantages', r, j, 'per_experience'),
+                f * _num(e, 'advantages', r, j, 'per_episode'),
+            )
+            for e in eps.values()
+        )
+    )
+    met = eps is not None and all(k == n for k in counts.values()) and rel <= spec['relative']
+    return {
+        'group': g,
+        'reward': r,
+        'judge': j,
+        'n': n,
+        'factor': f,
+        'experiences': counts,
+        'largest_relative': rel if rel is None or math.isfinite(rel) else None,  # None: against 0
+        'met': met,
+    }
+
 # %% ../../nbs/18e_advantages_3_groups.ipynb #9ce42baa
 def _h10(by_group: dict, H: dict) -> dict:
     """H10: where every episode collects n experiences, per experience = per episode x sqrt((8n - 1)
@@ -679,39 +712,7 @@ def _h10(by_group: dict, H: dict) -> dict:
         eps, f = _episodes_of(by_group, g), math.sqrt((8 * n - 1) / (7 * n))
         for r in REWARDS:
             for j in JUDGES:
-                counts = (
-                    None
-                    if eps is None
-                    else {f'{v}-{b}': e.get('experiences') for (v, b), e in eps.items()}
-                )
-                rel = (
-                    None
-                    if eps is None
-                    else max(
-                        _relative(
-                            _num(e, 'advantages', r, j, 'per_experience'),
-                            f * _num(e, 'advantages', r, j, 'per_episode'),
-                        )
-                        for e in eps.values()
-                    )
-                )
-                met = (
-                    eps is not None
-                    and all(k == n for k in counts.values())
-                    and rel <= spec['relative']
-                )
-                cells.append(
-                    {
-                        'group': g,
-                        'reward': r,
-                        'judge': j,
-                        'n': n,
-                        'factor': f,
-                        'experiences': counts,
-                        'largest_relative': rel if rel is None or math.isfinite(rel) else None,
-                        'met': met,
-                    }
-                )  # None: against 0
+                cells.append(_h10_equal_cell(eps, spec, g, n, f, r, j))
     for g in spec['same_sign']:
         eps = _episodes_of(by_group, g)
         for r in REWARDS:

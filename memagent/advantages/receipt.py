@@ -92,6 +92,8 @@ LIMITS = (
     'tokens. Episodes of one '
     'sampled group share its mean and standard deviation, so their intervals are approximate.'
 )
+
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #c1a11918
 RECEIPT_FIELDS = (
     'schema',
     'status',
@@ -139,7 +141,7 @@ RUN_SETTINGS = {
 }
 PINS = {rel: (AUDITED_REVISION, sha) for rel, sha in ADVANTAGE_FILES.items()}
 
-
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #c06ae48e
 def default_report_dir(start=None) -> Path:
     """`reports/agemem_advantages` under the first folder at or above `start` (default: cwd) that
     holds `settings.ini`."""
@@ -742,13 +744,11 @@ def verify_advantages(report_dir=None, receipt_path=None) -> dict:
             raise
         raise wrong_shape(receipt_path, VerificationError, e) from None
 
-# %% ../../nbs/18e_advantages_4_receipt.ipynb #531e7f9e
-def _verify(report_dir: Path, receipt_path: Path) -> dict:
-    proto_path, groups_path = report_dir / 'protocol.md', report_dir / 'groups.json'
-    rc, groups, problems = open_receipt(
-        receipt_path, groups_path, load_groups, RECEIPT_SCHEMA, also=(proto_path,)
-    )
-    problems += field_problems('receipt', rc, RECEIPT_FIELDS)
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #bfac909a
+def _pinned_problems(rc: dict, groups_path: Path, proto_path: Path) -> list:
+    """The committed files' SHA-256 against their pins; the receipt's fixed sections against the
+    module's."""
+    problems = []
     for name, path, pinned in (
         ('groups.json', groups_path, GROUPS_SHA256),
         ('protocol.md', proto_path, PROTOCOL_SHA256),
@@ -767,6 +767,16 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     problems += _differs(
         'fixtures', rc.get('fixtures'), {'path': 'groups.json', 'sha256': GROUPS_SHA256}
     )
+    return problems
+
+# %% ../../nbs/18e_advantages_4_receipt.ipynb #531e7f9e
+def _verify(report_dir: Path, receipt_path: Path) -> dict:
+    proto_path, groups_path = report_dir / 'protocol.md', report_dir / 'groups.json'
+    rc, groups, problems = open_receipt(
+        receipt_path, groups_path, load_groups, RECEIPT_SCHEMA, also=(proto_path,)
+    )
+    problems += field_problems('receipt', rc, RECEIPT_FIELDS)
+    problems += _pinned_problems(rc, groups_path, proto_path)
     aud = rc.get('audited') if isinstance(rc.get('audited'), dict) else {}
     problems += field_problems('audited', rc.get('audited'), AUDITED_FIELDS)
     origin = origin_problems(audited_upstream(aud), AUDITED_REPOSITORY, AUDITED_REVISION, PINS)

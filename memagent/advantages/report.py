@@ -444,14 +444,10 @@ def ratio_gap_lines(rc: dict) -> list[str]:
         ]
     return out
 
-# %% ../../nbs/18e_advantages_5_report.ipynb #622ccce2
-def render_report(receipt: dict, *, figure_sha256: str) -> str:
-    """The study's README.md, every figure read from `receipt`, stating `figure_sha256`, the SHA-256
-    of the `advantages.png` it shows."""
-    fig, rc, s = _figure_line(figure_sha256), receipt, receipt['summary']
-    rows = rc['behaviours']['constructed']
-    held = [h['id'] for h in rc['hypotheses'] if h['held']]
-    out = [
+# %% ../../nbs/18e_advantages_5_report.ipynb #9651c342
+def _opening_lines(rc: dict, s: dict, rows: list, held: list) -> list:
+    "The README's title, status, question, answer and the table of hypotheses."
+    return [
         "# AgeMem, the third study: which behaviours each reward's GRPO advantage reinforces\n",
         f"**Status: {rc['status']}** ({s['held']} of {s['cases']} hypotheses held; {s['matched']} "
         f"of {s['checks']} cells met; "
@@ -482,6 +478,15 @@ def render_report(receipt: dict, *, figure_sha256: str) -> str:
         'groups").\n',
         md_table(hypothesis_rows(rc['hypotheses']), align=False) + '\n',
     ]
+
+# %% ../../nbs/18e_advantages_5_report.ipynb #622ccce2
+def render_report(receipt: dict, *, figure_sha256: str) -> str:
+    """The study's README.md, every figure read from `receipt`, stating `figure_sha256`, the SHA-256
+    of the `advantages.png` it shows."""
+    fig, rc, s = _figure_line(figure_sha256), receipt, receipt['summary']
+    rows = rc['behaviours']['constructed']
+    held = [h['id'] for h in rc['hypotheses'] if h['held']]
+    out = _opening_lines(rc, s, rows, held)
     for h in rc['hypotheses']:
         out += [
             f"**{h['id']}**: {'held' if h['held'] else 'not held'}.\n",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from ..engines import SamplingParams, GenerationResult, EngineError, DeterministicEngineError
+from ..patch import patch_to
 from ..rollout import request_seed, stop_token_ids, run_sync, run_async
 from ..observed.store import TOOLS, EpisodeError, Recorder, overflows, collected_round
 from memagent.advantages.upstream import (
@@ -201,81 +202,93 @@ class AgeMemWalk:
                 self.trajs.append(ep)
                 self.owner.append(g)
 
-    def __len__(self):
-        return len(self.trajs)
+# %% ../../nbs/18e_advantages_2_walk.ipynb #e363005d
+@patch_to(AgeMemWalk)
+def __len__(self):
+    return len(self.trajs)
 
-    def group_of(self, j) -> int:
-        return self.owner[j]
 
-    def turns_left(self, j) -> int:
-        ep = self.trajs[j]
-        return 0 if ep.done else self.max_rounds * (len(ep.loops) - ep.li) - ep.r
+@patch_to(AgeMemWalk)
+def group_of(self, j) -> int:
+    return self.owner[j]
 
-    def prompt_ids(self, messages) -> list:
-        "The chat template over `messages` with the generation prompt, as token ids."
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tok.encode(text, add_special_tokens=False))
 
-    def next_request(self, j):
-        """`(reply index, prompt ids, SamplingParams)` of episode `j`'s next reply, or None when it
-        is finished."""
-        ep = self.trajs[j]
-        while not ep.done:
-            if ep.prompt is None:
-                ep.prompt = self.prompt_ids(ep.rec.context)
-            if self.window is None or len(ep.prompt) <= self.window - self.max_new:
-                k = len(ep.replies)
-                return (
-                    k,
-                    ep.prompt,
-                    SamplingParams(
-                        self.max_new,
-                        stop_token_ids=self.stops,
-                        seed=request_seed(self.seed, ep.task_id, ep.episode, k),
-                        **self.sampling,
-                    ),
-                )
-            ep.window_break = True
-            end_loop(
-                ep, self.mods
-            )  # the reply is not requested: the loop ends as an overflow ends it
-        return None
+@patch_to(AgeMemWalk)
+def turns_left(self, j) -> int:
+    ep = self.trajs[j]
+    return 0 if ep.done else self.max_rounds * (len(ep.loops) - ep.li) - ep.r
 
-    def feed(self, j, prompt, r) -> None:
-        """Apply one result (a `GenerationResult` or an `EngineError`) to episode `j`: record the
-        reply, then play its round."""
-        ep = self.trajs[j]
-        stage, distractor, _ = ep.loops[ep.li]
-        if isinstance(r, EngineError):
-            ep.lost, ep.done, ep.prompt = (
-                f"reply {len(ep.replies)} (stage {stage}, round {ep.r}): {type(r).__name__}: {r}",
-                True,
-                None,
+
+@patch_to(AgeMemWalk)
+def prompt_ids(self, messages) -> list:
+    "The chat template over `messages` with the generation prompt, as token ids."
+    text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(self.tok.encode(text, add_special_tokens=False))
+
+# %% ../../nbs/18e_advantages_2_walk.ipynb #088aa507
+@patch_to(AgeMemWalk)
+def next_request(self, j):
+    """`(reply index, prompt ids, SamplingParams)` of episode `j`'s next reply, or None when it
+    is finished."""
+    ep = self.trajs[j]
+    while not ep.done:
+        if ep.prompt is None:
+            ep.prompt = self.prompt_ids(ep.rec.context)
+        if self.window is None or len(ep.prompt) <= self.window - self.max_new:
+            k = len(ep.replies)
+            return (
+                k,
+                ep.prompt,
+                SamplingParams(
+                    self.max_new,
+                    stop_token_ids=self.stops,
+                    seed=request_seed(self.seed, ep.task_id, ep.episode, k),
+                    **self.sampling,
+                ),
             )
-            return
-        text = decode_reply(self.tok, r.output_ids)
-        if r.text is not None and r.text != text:
-            raise AssertionError(
-                f'{ep.rec.where}: reply {len(ep.replies)} decodes to {text!r}, the engine says '
-                f'{r.text!r}'
-            )
-        ep.replies.append(
-            {
-                'stage': stage,
-                'distractor': distractor,
-                'round': ep.r,
-                'text': text,
-                'calls': [],
-                'prompt_tokens': len(prompt),
-                'generated_tokens': len(r.output_ids),
-                'seconds': r.latency_s,
-            }
+        ep.window_break = True
+        end_loop(ep, self.mods)  # the reply is not requested: the loop ends as an overflow ends it
+    return None
+
+# %% ../../nbs/18e_advantages_2_walk.ipynb #a02a3b03
+@patch_to(AgeMemWalk)
+def feed(self, j, prompt, r) -> None:
+    """Apply one result (a `GenerationResult` or an `EngineError`) to episode `j`: record the
+    reply, then play its round."""
+    ep = self.trajs[j]
+    stage, distractor, _ = ep.loops[ep.li]
+    if isinstance(r, EngineError):
+        ep.lost, ep.done, ep.prompt = (
+            f"reply {len(ep.replies)} (stage {stage}, round {ep.r}): {type(r).__name__}: {r}",
+            True,
+            None,
         )
-        play_round(ep, text, self.mods, self.max_rounds, self.context_tokens)
+        return
+    text = decode_reply(self.tok, r.output_ids)
+    if r.text is not None and r.text != text:
+        raise AssertionError(
+            f'{ep.rec.where}: reply {len(ep.replies)} decodes to {text!r}, the engine says '
+            f'{r.text!r}'
+        )
+    ep.replies.append(
+        {
+            'stage': stage,
+            'distractor': distractor,
+            'round': ep.r,
+            'text': text,
+            'calls': [],
+            'prompt_tokens': len(prompt),
+            'generated_tokens': len(r.output_ids),
+            'seconds': r.latency_s,
+        }
+    )
+    play_round(ep, text, self.mods, self.max_rounds, self.context_tokens)
 
-    def records(self) -> list[dict]:
-        "One record per episode, task by task and episode by episode (`episode_record`)."
-        return [episode_record(ep) for ep in self.trajs]
+
+@patch_to(AgeMemWalk)
+def records(self) -> list[dict]:
+    "One record per episode, task by task and episode by episode (`episode_record`)."
+    return [episode_record(ep) for ep in self.trajs]
 
 # %% ../../nbs/18e_advantages_2_walk.ipynb #e5eabf85
 def episode_record(ep: Episode) -> dict:

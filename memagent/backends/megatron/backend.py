@@ -32,6 +32,7 @@ from memagent.backends.megatron.mapping import (
     export_megatron_to_hf,
 )
 from .optim import build_megatron_optimizer
+from ...patch import patch_to
 
 # %% auto #0
 __all__ = ['wrap_ddp', 'distributed_optimizer_shard_numels', 'right_pad', 'causal_mask', 'MegatronBackend']
@@ -186,15 +187,95 @@ def causal_mask(L: int, device=None) -> torch.Tensor:
     (future keys)."""
     return torch.triu(torch.ones(L, L, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a01
+def _check_layout(hf_config, tp, pp, attention, sequence_parallel, recompute):
+    "Refuse a bad parallel layout, layer spec or recompute mode, before anything is built."
+    if pp != 1:
+        raise NotImplementedError(
+            f"MegatronBackend: pipeline parallelism is not implemented (pp={pp}); use pp=1"
+        )
+    check_tp(hf_arch(hf_config), tp)
+    choose_layer_spec(
+        attention, sequence_parallel, tp
+    )  # refuse before any process group or model exists
+    recompute_config(recompute)
+
+
+def _check_optimizer(optimizer, distributed_optimizer, frozen):
+    "Refuse an optimizer the backend cannot build here."
+    if distributed_optimizer and not frozen and not torch.cuda.is_available():
+        raise ValueError(
+            "cfg.batch.distributed_optimizer=True needs megatron-core's distributed "
+            "optimizer, which needs CUDA; "
+            "on CPU set cfg.batch.distributed_optimizer=False (the CPU stand-in keeps full "
+            "fp32 main params per rank)"
+        )
+    if optimizer not in ('adam', 'adamw', 'sgd'):
+        raise ValueError(
+            f"MegatronBackend: optimizer must be 'adamw', 'adam' or 'sgd', got {optimizer!r}"
+        )
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a02
+def _build_model(be, hf_model, dtype, attention, sequence_parallel, recompute, pack_rows):
+    "Build `be`'s GPT model on its device with the chosen layer spec, and load the HF weights."
+    be.device = compute_device()
+    be.model = build_gpt_model(
+        be.hf_config,
+        dtype=dtype,
+        init_weights=False,
+        attention=attention,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+    ).to(be.device)
+    be.attention = be.model.layer_spec_kind
+    be.pack_rows = (
+        pack_rows and be.attention == 'sdpa'
+    )  # only SDPACoreAttention runs megatron's packed (thd) rows here
+    be.packed_calls = 0  # forwards that ran packed (a count the tests read)
+    be.load_stats = {}
+    load_hf_into_megatron(be.model, hf_model, stats=be.load_stats)
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a03
+def _set_ranks(be, tp, distributed_optimizer, frozen):
+    "Set `be`'s TP rank and vocab slice, its DP rank and size, and its optimizer state's key."
+    be.vocab = hf_arch(be.hf_config)['vocab']
+    be.tp_rank = 0
+    if tp > 1:
+        from megatron.core import parallel_state as ps
+
+        be.tp_rank = ps.get_tensor_model_parallel_rank()
+    be.vocab_start = be.tp_rank * padded_vocab(be.vocab, tp) // tp
+    be.dp_rank, be.dp_size = be.parallel.dp_rank, be.parallel.dp
+    be.optimizer_sharded = distributed_optimizer and not frozen and be.dp_size > 1
+    # without sharding, DP replicas hold identical optimizer states: one shard per TP rank
+    be.row_source = be.tp_rank == 0
+    be.state_key = f'tp{be.tp_rank}-dp{be.dp_rank}' if be.optimizer_sharded else be.tp_rank
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a04
+def _build_training(
+    be, optimizer, lr, weight_decay, betas, eps, warmup_steps, distributed_optimizer
+):
+    "Wrap `be.model` in megatron-core's DDP and build its optimizer and scheduler."
+    be.ddp = wrap_ddp(be.model, use_distributed_optimizer=distributed_optimizer)
+    # 'adam' means decoupled weight decay (AdamW), as in the project config (cfg.optim.name)
+    o = OptimCfg(
+        name='sgd' if optimizer == 'sgd' else 'adam',
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=list(betas),
+        eps=eps,
+    )
+    be.optimizer, be.scheduler = build_megatron_optimizer(
+        be.model, be.ddp, o, be.grad_clip, warmup_steps
+    )
+
 # %% ../../../nbs/14_megatron_5_backend.ipynb #cc2cca0f
 class MegatronBackend:
     """Policy backend (or, with `frozen=True`, the frozen reference) on megatron-core, with the
     interface of `memagent.backends.torch.TorchBackend`; also `save_hf(dir)`."""
 
-    supports_entropy, hf_model = (
-        False,
-        None,
-    )  # log-probs only; the driver keeps its own HF skeleton for export
+    # log-probs only; the driver keeps its own HF skeleton for export
+    supports_entropy, hf_model = False, None
     reads_checkpoint = True  # build_policy hands it the checkpoint's files, not a built HF model
 
     def __init__(
@@ -220,402 +301,392 @@ class MegatronBackend:
         frozen: bool = False,
         pack_rows: bool = True,
     ):
-        if pp != 1:
-            raise NotImplementedError(
-                f"MegatronBackend: pipeline parallelism is not implemented (pp={pp}); use pp=1"
-            )
-        check_tp(hf_arch(hf_model.config), tp)
-        choose_layer_spec(
-            attention, sequence_parallel, tp
-        )  # refuse before any process group or model exists
-        recompute_config(recompute)
-        if distributed_optimizer and not frozen and not torch.cuda.is_available():
-            raise ValueError(
-                "cfg.batch.distributed_optimizer=True needs megatron-core's distributed "
-                "optimizer, which needs CUDA; "
-                "on CPU set cfg.batch.distributed_optimizer=False (the CPU stand-in keeps full "
-                "fp32 main params per rank)"
-            )
-        if optimizer not in ('adam', 'adamw', 'sgd'):
-            raise ValueError(
-                f"MegatronBackend: optimizer must be 'adamw', 'adam' or 'sgd', got {optimizer!r}"
-            )
+        _check_layout(hf_model.config, tp, pp, attention, sequence_parallel, recompute)
+        _check_optimizer(optimizer, distributed_optimizer, frozen)
         self.parallel = init_parallel(tp, pp, seed=seed)
-        self.hf_config, self.frozen, self.sequence_parallel = (
-            hf_model.config,
-            frozen,
-            sequence_parallel,
-        )
-        self.device = compute_device()
-        self.model = build_gpt_model(
-            self.hf_config,
-            dtype=dtype,
-            init_weights=False,
-            attention=attention,
-            sequence_parallel=sequence_parallel,
-            recompute=recompute,
-        ).to(self.device)
-        self.attention = self.model.layer_spec_kind
-        self.pack_rows = (
-            pack_rows and self.attention == 'sdpa'
-        )  # only SDPACoreAttention runs megatron's packed (thd) rows here
-        self.packed_calls = 0  # forwards that ran packed (a count the tests read)
-        self.load_stats = {}
-        load_hf_into_megatron(self.model, hf_model, stats=self.load_stats)
+        self.hf_config = hf_model.config
+        self.frozen, self.sequence_parallel = frozen, sequence_parallel
+        _build_model(self, hf_model, dtype, attention, sequence_parallel, recompute, pack_rows)
         self.grad_clip, self.head_chunk, self.check_finite = grad_clip, head_chunk, check_finite
-        self.vocab = hf_arch(self.hf_config)['vocab']
-        self.tp_rank = 0
-        if tp > 1:
-            from megatron.core import parallel_state as ps
-
-            self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.vocab_start = self.tp_rank * padded_vocab(self.vocab, tp) // tp
-        self.dp_rank, self.dp_size = self.parallel.dp_rank, self.parallel.dp
-        self.optimizer_sharded = distributed_optimizer and not frozen and self.dp_size > 1
-        # without sharding, DP replicas hold identical optimizer states: one shard per TP rank
-        self.row_source = self.tp_rank == 0
-        self.state_key = (
-            f'tp{self.tp_rank}-dp{self.dp_rank}' if self.optimizer_sharded else self.tp_rank
-        )
+        _set_ranks(self, tp, distributed_optimizer, frozen)
         if frozen:
             self.model.requires_grad_(False)
             self.model.eval()
             self.ddp, self.optimizer, self.scheduler = None, None, None
             return
-        self.ddp = wrap_ddp(self.model, use_distributed_optimizer=distributed_optimizer)
-        # 'adam' means decoupled weight decay (AdamW), as in the project config (cfg.optim.name)
-        o = OptimCfg(
-            name='sgd' if optimizer == 'sgd' else 'adam',
-            lr=lr,
-            weight_decay=weight_decay,
-            betas=list(betas),
-            eps=eps,
-        )
-        self.optimizer, self.scheduler = build_megatron_optimizer(
-            self.model, self.ddp, o, grad_clip, warmup_steps
+        _build_training(
+            self, optimizer, lr, weight_decay, betas, eps, warmup_steps, distributed_optimizer
         )
 
-    @staticmethod
-    def _dtype(cfg) -> torch.dtype:
-        d = getattr(torch, cfg.model.dtype, None)
-        if not isinstance(d, torch.dtype):
-            raise ValueError(f"cfg.model.dtype={cfg.model.dtype!r} is not a torch dtype name")
-        return d
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a05
+@patch_to(MegatronBackend)
+@staticmethod
+def _dtype(cfg) -> torch.dtype:
+    d = getattr(torch, cfg.model.dtype, None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"cfg.model.dtype={cfg.model.dtype!r} is not a torch dtype name")
+    return d
 
-    @classmethod
-    def from_config(cls, cfg, hf_model):
-        """The policy of a `memagent.config.Config` (`optim`, `model.dtype`,
-        `batch.tp/pp/recompute/sequence_parallel/distributed_optimizer/attention`, `seed`) on an HF
-        model or a `memagent.models.Checkpoint`."""
-        o, b = cfg.optim, cfg.batch
-        return cls(
-            hf_model,
-            optimizer=o.name.lower(),
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=tuple(o.betas),
-            eps=o.eps,
-            grad_clip=o.grad_clip,
-            dtype=cls._dtype(cfg),
-            tp=b.tp,
-            pp=b.pp,
-            seed=cfg.seed,
-            warmup_steps=o.warmup_steps,
-            check_finite=cfg.health.check_finite,
-            recompute=b.recompute,
-            sequence_parallel=b.sequence_parallel,
-            distributed_optimizer=b.distributed_optimizer,
-            attention=b.attention,
+
+@patch_to(MegatronBackend)
+@classmethod
+def from_config(cls, cfg, hf_model):
+    """The policy of a `memagent.config.Config` (`optim`, `model.dtype`,
+    `batch.tp/pp/recompute/sequence_parallel/distributed_optimizer/attention`, `seed`) on an HF
+    model or a `memagent.models.Checkpoint`."""
+    o, b = cfg.optim, cfg.batch
+    return cls(
+        hf_model,
+        optimizer=o.name.lower(),
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        grad_clip=o.grad_clip,
+        dtype=cls._dtype(cfg),
+        tp=b.tp,
+        pp=b.pp,
+        seed=cfg.seed,
+        warmup_steps=o.warmup_steps,
+        check_finite=cfg.health.check_finite,
+        recompute=b.recompute,
+        sequence_parallel=b.sequence_parallel,
+        distributed_optimizer=b.distributed_optimizer,
+        attention=b.attention,
+    )
+
+
+@patch_to(MegatronBackend)
+@classmethod
+def reference_from_config(cls, cfg, hf_model):
+    """The frozen reference of `cfg` on an HF model or a `memagent.models.Checkpoint`: same TP
+    sharding, dtype and layer spec as the policy; no DDP, no optimizer, eval."""
+    b = cfg.batch
+    return cls(
+        hf_model,
+        dtype=cls._dtype(cfg),
+        tp=b.tp,
+        pp=b.pp,
+        seed=cfg.seed,
+        check_finite=cfg.health.check_finite,
+        sequence_parallel=b.sequence_parallel,
+        attention=b.attention,
+        frozen=True,
+    )
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a06
+@patch_to(MegatronBackend)
+def share_rows(self, rows):
+    """The TP group's first rank took this replica's rows from the channel; every TP rank runs
+    the same rows."""
+    if self.parallel.tp == 1:
+        return rows
+    from megatron.core import parallel_state as ps
+
+    box = [rows]
+    torch.distributed.broadcast_object_list(
+        box,
+        src=ps.get_tensor_model_parallel_src_rank(),
+        group=ps.get_tensor_model_parallel_group(),
+    )
+    return box[0]
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a07
+@patch_to(MegatronBackend)
+def hidden_states(
+    self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Final (normed) hidden states `[B, L, hidden]` for right-padded `input_ids [B, L]`; with
+    the rows' `lengths` and `pack_rows`, padded rows run packed (0 at padding)."""
+    ids = input_ids.to(self.device)
+    B, L = ids.shape
+    if self.pack_rows and lengths is not None and B > 1:
+        lengths = lengths.cpu()  # one copy to the host per micro-batch
+        if int(lengths.min()) < L:
+            return self._packed_hidden_states(ids, lengths)
+    tp = self.parallel.tp
+    Lp = -(-L // tp) * tp if self.sequence_parallel else L  # SP splits the sequence over TP ranks
+    if Lp != L:
+        ids = torch.cat(
+            [ids, ids.new_zeros(B, Lp - L)], 1
+        )  # right padding: causal attention leaves real positions unchanged
+    pos = torch.arange(Lp, device=self.device).expand(B, Lp)
+    mask = (
+        causal_mask(Lp, self.device) if self.attention == 'local' else None
+    )  # TE's and SDPA's attention are causal by kernel
+    m = self.model
+    with cpu_shims():
+        m.post_process = (
+            False  # return decoder hidden states; the output layer runs in chunks below
         )
+        try:
+            h = m(ids, pos, mask)
+        finally:
+            m.post_process = True
+    if self.sequence_parallel:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-    @classmethod
-    def reference_from_config(cls, cfg, hf_model):
-        """The frozen reference of `cfg` on an HF model or a `memagent.models.Checkpoint`: same TP
-        sharding, dtype and layer spec as the policy; no DDP, no optimizer, eval."""
-        b = cfg.batch
-        return cls(
-            hf_model,
-            dtype=cls._dtype(cfg),
-            tp=b.tp,
-            pp=b.pp,
-            seed=cfg.seed,
-            check_finite=cfg.health.check_finite,
-            sequence_parallel=b.sequence_parallel,
-            attention=b.attention,
-            frozen=True,
+        h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
+    return h[:L].transpose(0, 1)
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a08
+@patch_to(MegatronBackend)
+def _packed_hidden_states(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The real tokens of every row concatenated into one sequence (megatron's `thd` packing):
+    no compute on padding."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    B, L = ids.shape
+    real = torch.arange(L)[None] < lengths[:, None]  # host: index math stays off the device
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    n = int(lengths.max())
+    packed = PackedSeqParams(
+        qkv_format='thd', cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n
+    )
+    bi, ti = real.nonzero(as_tuple=True)
+    m = self.model
+    self.packed_calls += 1
+    with cpu_shims():
+        m.post_process = False
+        try:
+            h = m(
+                ids[bi, ti][None], None, None, packed_seq_params=packed
+            )  # [t, 1, hidden]; rope restarts per row
+        finally:
+            m.post_process = True
+    return h.new_zeros(B, L, h.shape[-1]).index_put((bi.to(h.device), ti.to(h.device)), h[:, 0])
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a09
+@patch_to(MegatronBackend)
+def _output_weight(self):
+    m = self.model
+    return (
+        m.shared_embedding_or_output_weight()
+        if m.share_embeddings_and_output_weights
+        else m.output_layer.weight
+    )
+
+
+@patch_to(MegatronBackend)
+def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    """Full logits `[B, L, vocab]` (small inputs only: tests and debugging); at TP > 1 gathered
+    from all TP ranks (collective)."""
+    local = torch.nn.functional.linear(self.hidden_states(input_ids), self._output_weight()).float()
+    if self.parallel.tp == 1:
+        return local
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(local) for _ in range(self.parallel.tp)]
+    dist.all_gather(parts, local.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, -1)[..., : self.vocab]
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a0a
+def _right_padded(ids, attention_mask, position_ids, device):
+    """The bool attention mask of `ids` (all ones if None), checked right-padded, with its row
+    lengths; `position_ids`, if given, checked `0..len-1` on real tokens."""
+    B, L = ids.shape
+    att = (
+        torch.ones_like(ids, dtype=torch.bool)
+        if attention_mask is None
+        else attention_mask.to(device).bool()
+    )
+    if att.shape != ids.shape:
+        raise ValueError(
+            f"token_logprobs: attention_mask {tuple(att.shape)} != input_ids {tuple(ids.shape)}"
         )
-
-    def share_rows(self, rows):
-        """The TP group's first rank took this replica's rows from the channel; every TP rank runs
-        the same rows."""
-        if self.parallel.tp == 1:
-            return rows
-        from megatron.core import parallel_state as ps
-
-        box = [rows]
-        torch.distributed.broadcast_object_list(
-            box,
-            src=ps.get_tensor_model_parallel_src_rank(),
-            group=ps.get_tensor_model_parallel_group(),
+    lens = att.sum(1)
+    if not torch.equal(att, torch.arange(L, device=device)[None] < lens[:, None]):
+        raise ValueError(
+            "token_logprobs: attention_mask must be right-padded (ones, then zeros, per row)"
         )
-        return box[0]
-
-    def _output_weight(self):
-        m = self.model
-        return (
-            m.shared_embedding_or_output_weight()
-            if m.share_embeddings_and_output_weights
-            else m.output_layer.weight
-        )
-
-    def hidden_states(
-        self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Final (normed) hidden states `[B, L, hidden]` for right-padded `input_ids [B, L]`; with
-        the rows' `lengths` and `pack_rows`, padded rows run packed (0 at padding)."""
-        ids = input_ids.to(self.device)
-        B, L = ids.shape
-        if self.pack_rows and lengths is not None and B > 1:
-            lengths = lengths.cpu()  # one copy to the host per micro-batch
-            if int(lengths.min()) < L:
-                return self._packed_hidden_states(ids, lengths)
-        tp = self.parallel.tp
-        Lp = (
-            -(-L // tp) * tp if self.sequence_parallel else L
-        )  # SP splits the sequence over TP ranks
-        if Lp != L:
-            ids = torch.cat(
-                [ids, ids.new_zeros(B, Lp - L)], 1
-            )  # right padding: causal attention leaves real positions unchanged
-        pos = torch.arange(Lp, device=self.device).expand(B, Lp)
-        mask = (
-            causal_mask(Lp, self.device) if self.attention == 'local' else None
-        )  # TE's and SDPA's attention are causal by kernel
-        m = self.model
-        with cpu_shims():
-            m.post_process = (
-                False  # return decoder hidden states; the output layer runs in chunks below
-            )
-            try:
-                h = m(ids, pos, mask)
-            finally:
-                m.post_process = True
-        if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-            h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
-        return h[:L].transpose(0, 1)
-
-    def _packed_hidden_states(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The real tokens of every row concatenated into one sequence (megatron's `thd` packing):
-        no compute on padding."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        B, L = ids.shape
-        real = torch.arange(L)[None] < lengths[:, None]  # host: index math stays off the device
-        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-        n = int(lengths.max())
-        packed = PackedSeqParams(
-            qkv_format='thd', cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n
-        )
-        bi, ti = real.nonzero(as_tuple=True)
-        m = self.model
-        self.packed_calls += 1
-        with cpu_shims():
-            m.post_process = False
-            try:
-                h = m(
-                    ids[bi, ti][None], None, None, packed_seq_params=packed
-                )  # [t, 1, hidden]; rope restarts per row
-            finally:
-                m.post_process = True
-        return h.new_zeros(B, L, h.shape[-1]).index_put((bi.to(h.device), ti.to(h.device)), h[:, 0])
-
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full logits `[B, L, vocab]` (small inputs only: tests and debugging); at TP > 1 gathered
-        from all TP ranks (collective)."""
-        local = torch.nn.functional.linear(
-            self.hidden_states(input_ids), self._output_weight()
-        ).float()
-        if self.parallel.tp == 1:
-            return local
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        parts = [torch.empty_like(local) for _ in range(self.parallel.tp)]
-        dist.all_gather(
-            parts, local.detach().contiguous(), group=ps.get_tensor_model_parallel_group()
-        )
-        return torch.cat(parts, -1)[..., : self.vocab]
-
-    def token_logprobs(
-        self,
-        input_ids,
-        attention_mask=None,
-        response_mask=None,
-        position_ids=None,
-        temperature: float = 1.0,
-    ) -> torch.Tensor:
-        """`out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])` at `temperature`; 0 at t=0,
-        padding and outside `response_mask`."""
-        ids = input_ids.to(self.device)
-        B, L = ids.shape
-        att = (
-            torch.ones_like(ids, dtype=torch.bool)
-            if attention_mask is None
-            else attention_mask.to(self.device).bool()
-        )
-        if att.shape != ids.shape:
+    if position_ids is not None:
+        exp = torch.arange(L, device=device).expand(B, L)
+        if not torch.equal(position_ids.to(device)[att], exp[att]):
             raise ValueError(
-                f"token_logprobs: attention_mask {tuple(att.shape)} != input_ids {tuple(ids.shape)}"
+                "token_logprobs: position_ids must be 0..len-1 on real tokens (right padding)"
             )
-        lens = att.sum(1)
-        if not torch.equal(att, torch.arange(L, device=self.device)[None] < lens[:, None]):
-            raise ValueError(
-                "token_logprobs: attention_mask must be right-padded (ones, then zeros, per row)"
-            )
-        if position_ids is not None:
-            exp = torch.arange(L, device=self.device).expand(B, L)
-            if not torch.equal(position_ids.to(self.device)[att], exp[att]):
-                raise ValueError(
-                    "token_logprobs: position_ids must be 0..len-1 on real tokens (right padding)"
-                )
-        want = att.clone()
-        if response_mask is not None:
-            want &= response_mask.to(self.device).bool()
-        want[:, 0] = False  # no log-prob for the first token
-        bi, ti = want.nonzero(as_tuple=True)  # positions t whose token is scored from h[t-1]
-        out = torch.zeros(B, L, dtype=torch.float32, device=self.device)
-        if bi.numel() == 0:
-            return out
-        h = self.hidden_states(ids, lens)[bi, ti - 1]  # [n, hidden]
-        tgt, w = ids[bi, ti], self._output_weight()
-        fn, extra = (
-            (_chunk_logp, ())
-            if self.parallel.tp == 1
-            else (_chunk_logp_tp, (self.vocab_start, self.vocab, self.sequence_parallel))
+    return att, lens
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a0b
+@patch_to(MegatronBackend)
+def _head_logprobs(self, h, tgt, temperature):
+    """Log-probs of the targets `tgt` from hidden states `h [n, hidden]`, through the output layer
+    `head_chunk` rows at a time (vocab-parallel at TP > 1; each chunk recomputed in backward)."""
+    w = self._output_weight()
+    fn, extra = (
+        (_chunk_logp, ())
+        if self.parallel.tp == 1
+        else (_chunk_logp_tp, (self.vocab_start, self.vocab, self.sequence_parallel))
+    )
+    parts = []
+    for s in range(0, h.shape[0], self.head_chunk):
+        args = (
+            h[s : s + self.head_chunk],
+            w,
+            tgt[s : s + self.head_chunk],
+            temperature,
+            *extra,
         )
-        parts = []
-        with torch.profiler.record_function(
-            'memagent::log-prob head'
-        ):  # a named range for the profiler's split of a step
-            for s in range(0, h.shape[0], self.head_chunk):
-                args = (
-                    h[s : s + self.head_chunk],
-                    w,
-                    tgt[s : s + self.head_chunk],
-                    temperature,
-                    *extra,
-                )
-                if torch.is_grad_enabled():
-                    parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False))
-                else:
-                    parts.append(fn(*args))
-            return out.index_put((bi, ti), torch.cat(parts))
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False))
+        else:
+            parts.append(fn(*args))
+    return torch.cat(parts)
 
-    def logprobs(
-        self, batch: dict, temperature: float = 1.0, with_entropy: bool = False
-    ) -> torch.Tensor:
-        """`token_logprobs` on a batch dict (`input_ids`, `attention_mask`, optional
-        `response_mask`, `position_ids`)."""
-        if with_entropy:
-            raise NotImplementedError(
-                "MegatronBackend: entropy is not computed (supports_entropy is False)"
-            )
-        return self.token_logprobs(
-            batch['input_ids'],
-            batch.get('attention_mask'),
-            batch.get('response_mask'),
-            batch.get('position_ids'),
-            temperature=temperature,
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a0c
+@patch_to(MegatronBackend)
+def token_logprobs(
+    self,
+    input_ids,
+    attention_mask=None,
+    response_mask=None,
+    position_ids=None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """`out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])` at `temperature`; 0 at t=0,
+    padding and outside `response_mask`."""
+    ids = input_ids.to(self.device)
+    B, L = ids.shape
+    att, lens = _right_padded(ids, attention_mask, position_ids, self.device)
+    want = att.clone()
+    if response_mask is not None:
+        want &= response_mask.to(self.device).bool()
+    want[:, 0] = False  # no log-prob for the first token
+    bi, ti = want.nonzero(as_tuple=True)  # positions t whose token is scored from h[t-1]
+    out = torch.zeros(B, L, dtype=torch.float32, device=self.device)
+    if bi.numel() == 0:
+        return out
+    h = self.hidden_states(ids, lens)[bi, ti - 1]  # [n, hidden]
+    tgt = ids[bi, ti]
+    with torch.profiler.record_function(
+        'memagent::log-prob head'
+    ):  # a named range for the profiler's split of a step
+        return out.index_put((bi, ti), self._head_logprobs(h, tgt, temperature))
+
+
+@patch_to(MegatronBackend)
+def logprobs(
+    self, batch: dict, temperature: float = 1.0, with_entropy: bool = False
+) -> torch.Tensor:
+    """`token_logprobs` on a batch dict (`input_ids`, `attention_mask`, optional
+    `response_mask`, `position_ids`)."""
+    if with_entropy:
+        raise NotImplementedError(
+            "MegatronBackend: entropy is not computed (supports_entropy is False)"
+        )
+    return self.token_logprobs(
+        batch['input_ids'],
+        batch.get('attention_mask'),
+        batch.get('response_mask'),
+        batch.get('position_ids'),
+        temperature=temperature,
+    )
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a0d
+@patch_to(MegatronBackend)
+def _trainable(self, what: str):
+    if self.frozen:
+        raise RuntimeError(
+            f"MegatronBackend.{what}: this is a frozen reference (reference_from_config); it "
+            "has no optimizer"
         )
 
-    def _trainable(self, what: str):
-        if self.frozen:
-            raise RuntimeError(
-                f"MegatronBackend.{what}: this is a frozen reference (reference_from_config); it "
-                "has no optimizer"
-            )
 
-    def backward(self, loss: torch.Tensor):
-        "Accumulate gradients of `loss` (one micro-batch) into the fp32 main-grad buffers."
-        self._trainable('backward')
-        self.model.train()
-        with cpu_shims():
-            # recompute re-runs forward pieces (and saves/restores RNG state) in backward
-            loss.backward()
+@patch_to(MegatronBackend)
+def backward(self, loss: torch.Tensor):
+    "Accumulate gradients of `loss` (one micro-batch) into the fp32 main-grad buffers."
+    self._trainable('backward')
+    self.model.train()
+    with cpu_shims():
+        # recompute re-runs forward pieces (and saves/restores RNG state) in backward
+        loss.backward()
 
-    def step(self, loss: torch.Tensor | None = None) -> float:
-        """Backward `loss` if given, reduce grads (sum over DP), clip to `grad_clip`, optimizer
-        step, zero grads; returns the pre-clip grad norm."""
-        self._trainable('step')
-        if loss is not None:
-            self.backward(loss)
-        from megatron.core.distributed import finalize_model_grads
 
-        with cpu_shims(), torch.profiler.record_function('memagent::gradient reduction'):
-            finalize_model_grads([self.ddp])
-        with torch.profiler.record_function('memagent::optimizer'):
-            return finish_step(self, self.optimizer.grad_norm_and_clip(self.grad_clip))
+@patch_to(MegatronBackend)
+def step(self, loss: torch.Tensor | None = None) -> float:
+    """Backward `loss` if given, reduce grads (sum over DP), clip to `grad_clip`, optimizer
+    step, zero grads; returns the pre-clip grad norm."""
+    self._trainable('step')
+    if loss is not None:
+        self.backward(loss)
+    from megatron.core.distributed import finalize_model_grads
 
-    def train_step(self, loss_fn) -> tuple[float, float]:
-        """One full step: `loss = loss_fn(self)` (which calls `self.logprobs`), then `step(loss)`;
-        returns `(loss, grad_norm)`."""
-        loss = loss_fn(self)
-        return float(loss.detach()), self.step(loss)
+    with cpu_shims(), torch.profiler.record_function('memagent::gradient reduction'):
+        finalize_model_grads([self.ddp])
+    with torch.profiler.record_function('memagent::optimizer'):
+        return finish_step(self, self.optimizer.grad_norm_and_clip(self.grad_clip))
 
-    def hf_state_dict(
-        self, clone: bool = True, bucket_bytes: int | None = None, keep: bool = True
-    ) -> dict | None:
-        """Current weights under HF names (tied `lm_head` included) in host memory, gathered a
-        bucket at a time (`gather_hf_state_dict`, collective at TP > 1; stats in `last_gather`); own
-        storage per tensor unless `clone=False`; `keep=False` joins and returns None."""
-        self.last_gather = {}
-        sd = gather_hf_state_dict(
-            self.model,
-            self.hf_config,
-            bucket_bytes or SYNC_BUCKET_BYTES,
-            include_tied=True,
-            keep=keep,
-            stats=self.last_gather,
+
+@patch_to(MegatronBackend)
+def train_step(self, loss_fn) -> tuple[float, float]:
+    """One full step: `loss = loss_fn(self)` (which calls `self.logprobs`), then `step(loss)`;
+    returns `(loss, grad_norm)`."""
+    loss = loss_fn(self)
+    return float(loss.detach()), self.step(loss)
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a0e
+@patch_to(MegatronBackend)
+def hf_state_dict(
+    self, clone: bool = True, bucket_bytes: int | None = None, keep: bool = True
+) -> dict | None:
+    """Current weights under HF names (tied `lm_head` included) in host memory, gathered a
+    bucket at a time (`gather_hf_state_dict`, collective at TP > 1; stats in `last_gather`); own
+    storage per tensor unless `clone=False`; `keep=False` joins and returns None."""
+    self.last_gather = {}
+    sd = gather_hf_state_dict(
+        self.model,
+        self.hf_config,
+        bucket_bytes or SYNC_BUCKET_BYTES,
+        include_tied=True,
+        keep=keep,
+        stats=self.last_gather,
+    )
+    if sd is None:
+        return None
+    return {k: v.clone() for k, v in sd.items()} if clone else sd
+
+
+@patch_to(MegatronBackend)
+def save_hf(self, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
+    """Write the current weights as an HF directory (see `export_megatron_to_hf`; at TP > 1 all
+    TP ranks call it)."""
+    return export_megatron_to_hf(
+        self.model, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype
+    )
+
+
+@patch_to(MegatronBackend)
+def close(self):
+    """Tear down megatron's parallel groups (and the process group `init_parallel` made, if it
+    made one); a frozen reference leaves them to the policy."""
+    if not self.frozen:
+        destroy_parallel()
+
+# %% ../../../nbs/14_megatron_5_backend.ipynb #4f1c0a0f
+@patch_to(MegatronBackend)
+def state_dict(self) -> dict:
+    """This rank's optimizer and scheduler state (a TP shard; also a DP shard with the
+    distributed optimizer, see `state_key`); before the first step the optimizer's is the
+    `no_optimizer_state` marker."""
+    return optimizer_state(self)
+
+
+@patch_to(MegatronBackend)
+def load_state_dict(self, model_sd: dict, state: dict | None):
+    """Load HF-named weights (sharded here for this TP rank) into the model and the main params
+    and, if given, this rank's optimizer state (a `no_optimizer_state` marker: a fresh
+    optimizer, refused when the scheduler counted updates)."""
+    reason = no_optimizer_state_reason((state or {}).get('optimizer'))
+    done = ((state or {}).get('scheduler') or {}).get('last_step', 0)
+    if reason is not None and done:
+        raise ValueError(
+            "MegatronBackend.load_state_dict: the optimizer state is a no_optimizer_state "
+            f"marker ({reason}) but the "
+            f"scheduler's state counts {done} updates: optimizer steps were taken, so their "
+            "state is missing"
         )
-        if sd is None:
-            return None
-        return {k: v.clone() for k, v in sd.items()} if clone else sd
-
-    def close(self):
-        """Tear down megatron's parallel groups (and the process group `init_parallel` made, if it
-        made one); a frozen reference leaves them to the policy."""
-        if not self.frozen:
-            destroy_parallel()
-
-    def state_dict(self) -> dict:
-        """This rank's optimizer and scheduler state (a TP shard; also a DP shard with the
-        distributed optimizer, see `state_key`); before the first step the optimizer's is the
-        `no_optimizer_state` marker."""
-        return optimizer_state(self)
-
-    def load_state_dict(self, model_sd: dict, state: dict | None):
-        """Load HF-named weights (sharded here for this TP rank) into the model and the main params
-        and, if given, this rank's optimizer state (a `no_optimizer_state` marker: a fresh
-        optimizer, refused when the scheduler counted updates)."""
-        reason = no_optimizer_state_reason((state or {}).get('optimizer'))
-        done = ((state or {}).get('scheduler') or {}).get('last_step', 0)
-        if reason is not None and done:
-            raise ValueError(
-                "MegatronBackend.load_state_dict: the optimizer state is a no_optimizer_state "
-                f"marker ({reason}) but the "
-                f"scheduler's state counts {done} updates: optimizer steps were taken, so their "
-                "state is missing"
-            )
-        load_hf_into_megatron(self.model, model_sd, self.hf_config)
-        if self.optimizer is not None:
-            self.optimizer.reload_model_params()
-        load_optimizer_state(self, state)
-
-    def save_hf(self, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
-        """Write the current weights as an HF directory (see `export_megatron_to_hf`; at TP > 1 all
-        TP ranks call it)."""
-        return export_megatron_to_hf(
-            self.model, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype
-        )
+    load_hf_into_megatron(self.model, model_sd, self.hf_config)
+    if self.optimizer is not None:
+        self.optimizer.reload_model_params()
+    load_optimizer_state(self, state)

@@ -368,6 +368,24 @@ def _all_gather_flat(out: torch.Tensor, t: torch.Tensor, group):
         )  # torch 2.13 deprecates the name, not the call
         dist.all_gather_into_tensor(out, t.reshape(-1), group=group)
 
+# %% ../../../nbs/14_megatron_3_mapping.ipynb #7ccac190
+def _gather_stats(own, split, tp, bucket_bytes, buckets, live) -> dict:
+    "What one `gather_tp_shards` call gathered: buckets, tensors, peak and full (unsharded) bytes."
+    return dict(
+        tp=tp,
+        bucket_bytes=bucket_bytes,
+        buckets=len(buckets),
+        gathered_tensors=len(split),
+        peak_gather_bytes=live.peak,
+        gathered_bytes_left=live.now,
+        unsharded_bytes=sum(b for _, b in split)
+        + sum(
+            t.numel() * t.element_size()
+            for k, t in own.items()
+            if tp == 1 or tp_split_dim(k) is None
+        ),
+    )
+
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #2611bf99
 def gather_tp_shards(
     model, bucket_bytes: int = SYNC_BUCKET_BYTES, keep: bool = True, stats: dict | None = None
@@ -411,20 +429,7 @@ def gather_tp_shards(
         del flat
         live.drain()  # the next bucket starts with none of this one alive
     if stats is not None:
-        stats.update(
-            tp=tp,
-            bucket_bytes=bucket_bytes,
-            buckets=len(buckets),
-            gathered_tensors=len(split),
-            peak_gather_bytes=live.peak,
-            gathered_bytes_left=live.now,
-            unsharded_bytes=sum(b for _, b in split)
-            + sum(
-                t.numel() * t.element_size()
-                for k, t in own.items()
-                if tp == 1 or tp_split_dim(k) is None
-            ),
-        )
+        stats.update(_gather_stats(own, split, tp, bucket_bytes, buckets, live))
         if cuda:
             stats['peak_allocated_bytes'] = alloc
     if cuda:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import torch
 from .parallel import require_megatron, cpu_shims, have_transformer_engine
+from ...patch import patch_to
 
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'RECOMPUTE_MODES', 'ATTENTION_CHOICES', 'hf_arch', 'padded_vocab', 'check_tp',
@@ -265,6 +266,33 @@ def build_gpt_model(
     model.layer_spec_kind = kind
     return model
 
+# %% ../../../nbs/14_megatron_2_model.ipynb #58ec4340
+def _sdpa_unsupported(config, attention_dropout, attn_mask_type) -> list:
+    "The `(setting, value)` pairs `SDPACoreAttention` does not support (it is causal only)."
+    from megatron.core.transformer.enums import AttnMaskType
+
+    return [
+        (k, v)
+        for k, v in (
+            ('context_parallel_size', config.context_parallel_size),
+            (
+                'attention_dropout',
+                config.attention_dropout if attention_dropout is None else attention_dropout,
+            ),
+            ('softmax_type', config.softmax_type),
+            ('window_size', config.window_size),
+            ('attn_mask_type', attn_mask_type.name),
+        )
+        if v
+        != {
+            'context_parallel_size': 1,
+            'attention_dropout': 0.0,
+            'softmax_type': 'vanilla',
+            'window_size': None,
+            'attn_mask_type': AttnMaskType.causal.name,
+        }[k]
+    ]
+
 # %% ../../../nbs/14_megatron_2_model.ipynb #bf6a2626
 class SDPACoreAttention(torch.nn.Module):
     "Causal core attention for megatron-core's local spec through `torch.nn.functional.scaled_dot_product_attention` (no `L x L` scores); padded `[sq, b, ...]` or packed `thd` rows."  # noqa: E501
@@ -281,29 +309,7 @@ class SDPACoreAttention(torch.nn.Module):
         pg_collection=None,
     ):
         super().__init__()
-        from megatron.core.transformer.enums import AttnMaskType
-
-        bad = [
-            (k, v)
-            for k, v in (
-                ('context_parallel_size', config.context_parallel_size),
-                (
-                    'attention_dropout',
-                    config.attention_dropout if attention_dropout is None else attention_dropout,
-                ),
-                ('softmax_type', config.softmax_type),
-                ('window_size', config.window_size),
-                ('attn_mask_type', attn_mask_type.name),
-            )
-            if v
-            != {
-                'context_parallel_size': 1,
-                'attention_dropout': 0.0,
-                'softmax_type': 'vanilla',
-                'window_size': None,
-                'attn_mask_type': AttnMaskType.causal.name,
-            }[k]
-        ]
+        bad = _sdpa_unsupported(config, attention_dropout, attn_mask_type)
         if bad:
             raise ValueError(
                 f"SDPACoreAttention (cfg.batch.attention='sdpa') supports causal self-attention only; unsupported: "  # noqa: E501
@@ -327,45 +333,45 @@ class SDPACoreAttention(torch.nn.Module):
             q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=self.groups != self.heads
         )
 
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        attention_mask=None,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
+# %% ../../../nbs/14_megatron_2_model.ipynb #b95c050d
+@patch_to(SDPACoreAttention)
+def forward(
+    self,
+    query,
+    key,
+    value,
+    attention_mask=None,
+    attn_mask_type=None,
+    attention_bias=None,
+    packed_seq_params=None,
+):
+    if attention_mask is not None:
+        raise ValueError(
+            "SDPACoreAttention is causal by its kernel and takes no attention_mask (the backend passes None)"  # noqa: E501
+        )
+    if attention_bias is not None:
+        raise ValueError("SDPACoreAttention: attention_bias is not supported")
+    if packed_seq_params is None:  # [s, b, n, d] -> [b, n, s, d] views, no copies
+        s, b = query.shape[:2]
+        out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+    p = packed_seq_params
+    if (
+        p.qkv_format != 'thd'
+        or p.cu_seqlens_q.device.type != 'cpu'
+        or not torch.equal(p.cu_seqlens_q, p.cu_seqlens_kv)
     ):
-        if attention_mask is not None:
-            raise ValueError(
-                "SDPACoreAttention is causal by its kernel and takes no attention_mask (the backend passes None)"  # noqa: E501
-            )
-        if attention_bias is not None:
-            raise ValueError("SDPACoreAttention: attention_bias is not supported")
-        if packed_seq_params is None:  # [s, b, n, d] -> [b, n, s, d] views, no copies
-            s, b = query.shape[:2]
-            out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
-            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-        p = packed_seq_params
-        if (
-            p.qkv_format != 'thd'
-            or p.cu_seqlens_q.device.type != 'cpu'
-            or not torch.equal(p.cu_seqlens_q, p.cu_seqlens_kv)
-        ):
-            raise ValueError(
-                "SDPACoreAttention: packed rows need qkv_format='thd' and equal cu_seqlens_q / cu_seqlens_kv on the host"  # noqa: E501
-            )
-        bounds = p.cu_seqlens_q.tolist()
-        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
-            raise ValueError(
-                f"SDPACoreAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens"  # noqa: E501
-            )
-        # one row at a time, as a batch of one [1, n, l, d]: torch's fused CUDA kernels take 4-D inputs only (3-D falls back to math)  # noqa: E501
-        outs = [
-            self._sdpa(*(x[a:e].transpose(0, 1)[None] for x in (query, key, value)))[0].transpose(
-                0, 1
-            )
-            for a, e in zip(bounds[:-1], bounds[1:])
-        ]
-        return torch.cat(outs).flatten(1)[:, None]  # [t, 1, n * d], the thd layout megatron expects
+        raise ValueError(
+            "SDPACoreAttention: packed rows need qkv_format='thd' and equal cu_seqlens_q / cu_seqlens_kv on the host"  # noqa: E501
+        )
+    bounds = p.cu_seqlens_q.tolist()
+    if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+        raise ValueError(
+            f"SDPACoreAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens"  # noqa: E501
+        )
+    # one row at a time, as a batch of one [1, n, l, d]: torch's fused CUDA kernels take 4-D inputs only (3-D falls back to math)  # noqa: E501
+    outs = [
+        self._sdpa(*(x[a:e].transpose(0, 1)[None] for x in (query, key, value)))[0].transpose(0, 1)
+        for a, e in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(outs).flatten(1)[:, None]  # [t, 1, n * d], the thd layout megatron expects

@@ -11,6 +11,7 @@ from ..torch import build_optimizer
 from ...checkpoint import no_optimizer_state, no_optimizer_state_reason
 from ...ondevice import compute_device
 from .mapping import local_param_name, tp_split_dim
+from ...patch import patch_to
 
 # %% auto #0
 __all__ = ['NO_STEP_REASON', 'LinearWarmup', 'CpuMainParamOptimizer', 'MegatronCoreOptimizer', 'build_megatron_optimizer']
@@ -115,71 +116,83 @@ class CpuMainParamOptimizer:
     def param_groups(self):
         return self.optimizer.param_groups
 
-    @torch.no_grad()
-    def grad_norm_and_clip(self, clip: float | None) -> torch.Tensor:
-        """Give the main params their fp32 main grads (already reduced by `finalize_model_grads`),
-        clip to `clip`; returns the pre-clip norm."""
-        for (_, p), m in zip(self.named, self.main):
-            m.grad = p.main_grad.detach().float().view_as(m)
-        sq = torch.stack(
-            [m.grad.pow(2).sum() for m, c in zip(self.main, self.counted) if c] or [torch.zeros(())]
-        ).sum()
-        if self.tp > 1:
-            torch.distributed.all_reduce(
-                sq, group=self.tp_group
-            )  # sharded: every rank's part; replicated: counted once
-        norm = sq.sqrt()
-        if clip:
-            coef = (clip / (norm + 1e-6)).clamp(max=1.0)
-            for m in self.main:
-                m.grad.mul_(coef)
-        return norm
-
-    @torch.no_grad()
-    def step(self):
-        """The update on prepared, clipped gradients: torch optimizer step on the fp32 main params,
-        then copy them into the model."""
-        self.optimizer.step()
-        self.steps_taken += 1
-        for (_, p), m in zip(self.named, self.main):
-            p.copy_(m)
-
-    def zero_grad(self, set_to_none: bool = True):
+# %% ../../../nbs/14_megatron_4_optim.ipynb #63a4b7ce
+@patch_to(CpuMainParamOptimizer)
+@torch.no_grad()
+def grad_norm_and_clip(self, clip: float | None) -> torch.Tensor:
+    """Give the main params their fp32 main grads (already reduced by `finalize_model_grads`),
+    clip to `clip`; returns the pre-clip norm."""
+    for (_, p), m in zip(self.named, self.main):
+        m.grad = p.main_grad.detach().float().view_as(m)
+    sq = torch.stack(
+        [m.grad.pow(2).sum() for m, c in zip(self.main, self.counted) if c] or [torch.zeros(())]
+    ).sum()
+    if self.tp > 1:
+        torch.distributed.all_reduce(
+            sq, group=self.tp_group
+        )  # sharded: every rank's part; replicated: counted once
+    norm = sq.sqrt()
+    if clip:
+        coef = (clip / (norm + 1e-6)).clamp(max=1.0)
         for m in self.main:
-            m.grad = None
-        self.ddp.zero_grad_buffer()
+            m.grad.mul_(coef)
+    return norm
 
-    @torch.no_grad()
-    def reload_model_params(self):
-        "Main params <- model params (after weights were loaded into the model)."
-        for (_, p), m in zip(self.named, self.main):
-            m.copy_(p)
 
-    def state_dict(self) -> dict:
-        """The torch optimizer's state and the fp32 main params; the `no_optimizer_state` marker
-        before the first step (as `MegatronCoreOptimizer`)."""
-        return _marker_or(
-            self,
-            lambda: {
-                'optimizer': self.optimizer.state_dict(),
-                'main_params': [m.detach().clone() for m in self.main],
-            },
-        )
+@patch_to(CpuMainParamOptimizer)
+@torch.no_grad()
+def step(self):
+    """The update on prepared, clipped gradients: torch optimizer step on the fp32 main params,
+    then copy them into the model."""
+    self.optimizer.step()
+    self.steps_taken += 1
+    for (_, p), m in zip(self.named, self.main):
+        p.copy_(m)
 
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict):
-        if _load_marker(self, sd):
-            return
-        self.optimizer.load_state_dict(sd['optimizer'])
-        self.steps_taken = sd.get('steps_taken', int(bool(sd['optimizer']['state'])))
-        for (n, p), m, v in zip(self.named, self.main, sd['main_params']):
-            if v.shape != m.shape:
-                raise ValueError(
-                    f"CpuMainParamOptimizer.load_state_dict: {n} main param {tuple(v.shape)} != "
-                    f"{tuple(m.shape)}"
-                )
-            m.copy_(v)
-            p.copy_(m)
+
+@patch_to(CpuMainParamOptimizer)
+def zero_grad(self, set_to_none: bool = True):
+    for m in self.main:
+        m.grad = None
+    self.ddp.zero_grad_buffer()
+
+
+@patch_to(CpuMainParamOptimizer)
+@torch.no_grad()
+def reload_model_params(self):
+    "Main params <- model params (after weights were loaded into the model)."
+    for (_, p), m in zip(self.named, self.main):
+        m.copy_(p)
+
+# %% ../../../nbs/14_megatron_4_optim.ipynb #82ee9409
+@patch_to(CpuMainParamOptimizer)
+def state_dict(self) -> dict:
+    """The torch optimizer's state and the fp32 main params; the `no_optimizer_state` marker
+    before the first step (as `MegatronCoreOptimizer`)."""
+    return _marker_or(
+        self,
+        lambda: {
+            'optimizer': self.optimizer.state_dict(),
+            'main_params': [m.detach().clone() for m in self.main],
+        },
+    )
+
+
+@patch_to(CpuMainParamOptimizer)
+@torch.no_grad()
+def load_state_dict(self, sd: dict):
+    if _load_marker(self, sd):
+        return
+    self.optimizer.load_state_dict(sd['optimizer'])
+    self.steps_taken = sd.get('steps_taken', int(bool(sd['optimizer']['state'])))
+    for (n, p), m, v in zip(self.named, self.main, sd['main_params']):
+        if v.shape != m.shape:
+            raise ValueError(
+                f"CpuMainParamOptimizer.load_state_dict: {n} main param {tuple(v.shape)} != "
+                f"{tuple(m.shape)}"
+            )
+        m.copy_(v)
+        p.copy_(m)
 
 # %% ../../../nbs/14_megatron_4_optim.ipynb #3a98b673
 class MegatronCoreOptimizer:
@@ -216,99 +229,115 @@ class MegatronCoreOptimizer:
     def param_groups(self):
         return self.inner.param_groups
 
-    @torch.no_grad()
-    def grad_norm_and_clip(self, clip: float | None) -> torch.Tensor:
-        """megatron's own steps: main grads from the DDP buffers, global norm over its grad-stats
-        group, clip by that norm."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+# %% ../../../nbs/14_megatron_4_optim.ipynb #98833c55
+@patch_to(MegatronCoreOptimizer)
+@torch.no_grad()
+def grad_norm_and_clip(self, clip: float | None) -> torch.Tensor:
+    """megatron's own steps: main grads from the DDP buffers, global norm over its grad-stats
+    group, clip by that norm."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        if self.inner.prepare_grads():
-            return torch.tensor(float('inf'))  # only with fp16 loss scaling
-        norm = self.inner.get_grad_norm()
-        if clip:
-            for o in self.parts:
-                if o.get_parameters():
-                    clip_grad_by_total_norm_fp32(
-                        o.get_parameters(),
-                        clip,
-                        norm,
-                        o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-                    )
-        return torch.tensor(float(norm))
-
-    def step(self):
-        ok = self.inner.step_with_ready_grads()
-        if ok:
-            self.steps_taken += 1
-        return ok
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.inner.zero_grad(set_to_none=set_to_none)
-        self.ddp.zero_grad_buffer()
-
-    def reload_model_params(self):
-        self.inner.reload_model_params()
-
-    @staticmethod
-    def _range_params(o):
-        """Model params of a DistributedOptimizer in the order of its grad-buffer range maps (this
-        rank's shards)."""
-        return [
-            p
-            for maps in o.gbuf_ranges
-            for buckets in maps.values()
-            for bm in buckets
-            for p in bm['param_map']
-        ]
-
-    def state_dict(self) -> dict:
-        """megatron-core's state per part (+ this rank's parameter-state slices); before the first
-        step the `no_optimizer_state` marker, without calling megatron-core (it asserts then)."""
-        return _marker_or(self, self._core_state_dict)
-
-    def _core_state_dict(self) -> dict:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        out = []
+    if self.inner.prepare_grads():
+        return torch.tensor(float('inf'))  # only with fp16 loss scaling
+    norm = self.inner.get_grad_norm()
+    if clip:
         for o in self.parts:
-            d = {'common': o.state_dict()}
-            if isinstance(o, DistributedOptimizer):
-                d['param_state'] = [
-                    {
-                        k: v.detach().cpu().clone()
-                        for k, v in o._get_main_param_and_optimizer_states(p).items()
-                    }
-                    for p in self._range_params(o)
-                ]
-            out.append(d)
-        return {'megatron_core': out}
+            if o.get_parameters():
+                clip_grad_by_total_norm_fp32(
+                    o.get_parameters(),
+                    clip,
+                    norm,
+                    o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+    return torch.tensor(float(norm))
 
-    # megatron copies into main params in place, and an fp32 parameter's main shard is a view of it
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict):
-        if _load_marker(self, sd):
-            return
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-        parts = sd['megatron_core']
-        if len(parts) != len(self.parts):
-            raise ValueError(
-                f"MegatronCoreOptimizer.load_state_dict: {len(parts)} optimizer parts saved, "
-                f"{len(self.parts)} here"
-            )
-        for o, d in zip(self.parts, parts):
-            o.load_state_dict(d['common'])
-            if isinstance(o, DistributedOptimizer):
-                params = self._range_params(o)
-                if len(params) != len(d['param_state']):
-                    raise ValueError(
-                        f"MegatronCoreOptimizer.load_state_dict: {len(d['param_state'])} "
-                        f"parameter shards saved, {len(params)} here (other layout?)"
-                    )
-                dev = compute_device()
-                for p, t in zip(params, d['param_state']):
-                    o._set_main_param_and_optimizer_states(p, {k: v.to(dev) for k, v in t.items()})
-        self.steps_taken = sd.get('steps_taken', 1)
+@patch_to(MegatronCoreOptimizer)
+def step(self):
+    ok = self.inner.step_with_ready_grads()
+    if ok:
+        self.steps_taken += 1
+    return ok
+
+
+@patch_to(MegatronCoreOptimizer)
+def zero_grad(self, set_to_none: bool = True):
+    self.inner.zero_grad(set_to_none=set_to_none)
+    self.ddp.zero_grad_buffer()
+
+
+@patch_to(MegatronCoreOptimizer)
+def reload_model_params(self):
+    self.inner.reload_model_params()
+
+# %% ../../../nbs/14_megatron_4_optim.ipynb #bfe62efd
+@patch_to(MegatronCoreOptimizer)
+@staticmethod
+def _range_params(o):
+    """Model params of a DistributedOptimizer in the order of its grad-buffer range maps (this
+    rank's shards)."""
+    return [
+        p
+        for maps in o.gbuf_ranges
+        for buckets in maps.values()
+        for bm in buckets
+        for p in bm['param_map']
+    ]
+
+
+@patch_to(MegatronCoreOptimizer)
+def state_dict(self) -> dict:
+    """megatron-core's state per part (+ this rank's parameter-state slices); before the first
+    step the `no_optimizer_state` marker, without calling megatron-core (it asserts then)."""
+    return _marker_or(self, self._core_state_dict)
+
+
+@patch_to(MegatronCoreOptimizer)
+def _core_state_dict(self) -> dict:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    out = []
+    for o in self.parts:
+        d = {'common': o.state_dict()}
+        if isinstance(o, DistributedOptimizer):
+            d['param_state'] = [
+                {
+                    k: v.detach().cpu().clone()
+                    for k, v in o._get_main_param_and_optimizer_states(p).items()
+                }
+                for p in self._range_params(o)
+            ]
+        out.append(d)
+    return {'megatron_core': out}
+
+# %% ../../../nbs/14_megatron_4_optim.ipynb #a414effb
+# megatron copies into main params in place, and an fp32 parameter's main shard is a view of it
+@patch_to(MegatronCoreOptimizer)
+@torch.no_grad()
+def load_state_dict(self, sd: dict):
+    if _load_marker(self, sd):
+        return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = sd['megatron_core']
+    if len(parts) != len(self.parts):
+        raise ValueError(
+            f"MegatronCoreOptimizer.load_state_dict: {len(parts)} optimizer parts saved, "
+            f"{len(self.parts)} here"
+        )
+    for o, d in zip(self.parts, parts):
+        o.load_state_dict(d['common'])
+        if isinstance(o, DistributedOptimizer):
+            params = self._range_params(o)
+            if len(params) != len(d['param_state']):
+                raise ValueError(
+                    f"MegatronCoreOptimizer.load_state_dict: {len(d['param_state'])} "
+                    f"parameter shards saved, {len(params)} here (other layout?)"
+                )
+            dev = compute_device()
+            for p, t in zip(params, d['param_state']):
+                o._set_main_param_and_optimizer_states(p, {k: v.to(dev) for k, v in t.items()})
+    self.steps_taken = sd.get('steps_taken', 1)
 
 # %% ../../../nbs/14_megatron_4_optim.ipynb #5dd4b7d1
 def build_megatron_optimizer(
