@@ -18,7 +18,8 @@ __all__ = ['METRICS', 'BACKENDS', 'merge_metrics', 'update_metrics', 'prompt_log
            'build_policy', 'build_reference', 'optimizer_shard', 'LocalGroup']
 
 # %% ../nbs/12b_policy.ipynb #3b48d035
-METRICS = [  # (name, aggregation, definition)
+# (name, aggregation, definition): the loss, its parts and what it was computed on
+_LOSS_METRICS = [
     (
         'loss',
         'sum',
@@ -46,6 +47,11 @@ METRICS = [  # (name, aggregation, definition)
     ),
     ('n_tokens', 'sum', 'masked-in response tokens scored'),
     ('n_rows', 'sum', 'rows in the micro-batches (padding rows included)'),
+]
+
+# %% ../nbs/12b_policy.ipynb #42a98118
+# the per-token figures: clipping, the importance ratio, KL, entropy, the log-prob mismatch
+_TOKEN_METRICS = [
     (
         'clip_frac',
         'token_mean',
@@ -86,6 +92,11 @@ METRICS = [  # (name, aggregation, definition)
         'largest |trainer log-prob - rollout log-prob| on a response token',
     ),
     ('logprob_mismatch_mean', 'token_mean', 'mean |trainer log-prob - rollout log-prob|'),
+]
+
+# %% ../nbs/12b_policy.ipynb #0d7a7b40
+# the update's own: gradient norms, optimizer steps, what it consumed, its time and peak
+_UPDATE_METRICS = [
     (
         'grad_norm',
         'same',
@@ -115,6 +126,10 @@ METRICS = [  # (name, aggregation, definition)
         'with memagent.plan',
     ),
 ]
+
+METRICS = _LOSS_METRICS + _TOKEN_METRICS + _UPDATE_METRICS  # (name, aggregation, definition)
+
+# %% ../nbs/12b_policy.ipynb #bda32844
 _AGG = {n: a for n, a, _ in METRICS}
 
 
@@ -185,22 +200,21 @@ def _micro_batch(policy, rows: list[Row], pad_id: int) -> dict:
 _LOSSES = ('loss', 'pg_loss', 'kl_loss', 'entropy_loss')
 
 # %% ../nbs/12b_policy.ipynb #31bab1f8
-def update_on_rows(
-    policy, reference, rows: list[Row], cfg: Config, pad_id: int, on_progress=None
-) -> dict:
-    """Per PPO mini-batch: micro-batch this rank's rows, accumulate the weighted loss's gradient,
-    one optimizer step; metrics plus `micro_batch_lengths`."""
-    T, t0, M = cfg.rollout.temperature, time.perf_counter(), cfg.optim.mini_batches
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    tell = on_progress or (lambda ev: None)
-    plans = [
+def _mini_batch_plans(rows: list[Row], cfg: Config) -> list:
+    """Per PPO mini-batch, its micro-batches as lists of row indices (one empty mini-batch when
+    there are no rows)."""
+    return [
         [
             [mb[i] for i in b]
             for b in micro_batches([rows[i].num_tokens for i in mb], cfg.batch.max_tokens_per_micro)
         ]
-        for mb in mini_batch_slices(rows, M)
+        for mb in mini_batch_slices(rows, cfg.optim.mini_batches)
     ] or [[]]  # no rows: one step without gradient, as every rank must
+
+# %% ../nbs/12b_policy.ipynb #e8a9b824
+def _old_logprobs(policy, rows: list[Row], plans: list, pad_id: int, T: float, tell) -> dict:
+    """The behaviour log-probs of mini-batches 2.., scored before the first optimizer step, by
+    (mini-batch, micro-batch)."""
     nm = len(plans)
     old = {}  # behaviour log-probs of mini-batches 2..: scored before the first optimizer step
     for j in range(1, nm):
@@ -218,47 +232,97 @@ def update_on_rows(
                     micro_batches=len(plans[j]),
                 )
             )
+    return old
+
+# %% ../nbs/12b_policy.ipynb #6878552e
+def _micro_step(
+    policy,
+    reference,
+    rows: list[Row],
+    idx: list,
+    j: int,
+    k: int,
+    nm: int,
+    old: dict,
+    cfg: Config,
+    pad_id: int,
+) -> dict:
+    """One micro-batch `k` of mini-batch `j`: its weighted loss checked finite and backpropagated;
+    its metrics, the loss parts divided by the mini-batches."""
+    T = cfg.rollout.temperature
+    bt = _micro_batch(policy, [rows[i] for i in idx], pad_id)
+    m = bt['response_mask'].clone()
+    m[:, 0] = False
+    with torch.no_grad():
+        ref = reference.logprobs(bt, T).to(policy.device) if reference is not None else None
+    logp, ent = _logprobs(policy, bt, T)
+    # mini-batch 1: no step yet, the current policy is the old one
+    lp_old = logp.detach() if j == 0 else old.pop((j, k))
+    loss, met = policy_loss(
+        logp,
+        lp_old,
+        bt['credit'],
+        m,
+        bt['weight'],
+        ref_logp=ref,
+        cfg=cfg,
+        rollout_logp=bt['rollout_logp'],
+        entropy=ent,
+    )
+    if cfg.health.check_finite:  # before any backward: nothing non-finite reaches the gradients
+        require_finite(
+            loss,
+            f"loss of micro-batch {k} of mini-batch {j} ({len(idx)} rows, trajectories "
+            f"{sorted({rows[i].traj_id for i in idx})[:4]})",
+        )
+    policy.backward(loss)
+    d = (lp_old - bt['rollout_logp'])[m].abs()
+    return dict(
+        met,
+        **{x: met[x] / nm for x in _LOSSES if x in met},
+        logprob_mismatch_max=float(d.max()) if d.numel() else 0.0,
+        logprob_mismatch_mean=float(d.mean()) if d.numel() else 0.0,
+    )
+
+# %% ../nbs/12b_policy.ipynb #9dbd47cb
+def _rank_metrics(parts: list, norms: list, plans: list, rows: list[Row], t0: float) -> dict:
+    """The micro-batches' metrics merged, the GPU peak (the activations' cached blocks then go
+    back), the gradient norms, what was consumed, the seconds and the micro-batches' lengths."""
+    nm = len(plans)
+    out = merge_metrics(parts) if parts else {'loss': 0.0, 'n_tokens': 0, 'n_rows': 0}
+    # the peak for the plan; then the activations' cached blocks go back for a colocated engine
+    if torch.cuda.is_available():
+        out['gpu_peak_gib'] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.empty_cache()
+    out.update(
+        grad_norm=sum(norms) / nm,
+        grad_norm_max=max(norms),
+        optimizer_steps=nm,
+        micro_batches=sum(map(len, plans)),
+        rows_consumed=len(rows),
+        tokens=sum(r.num_tokens for r in rows),
+        time_update=time.perf_counter() - t0,
+    )
+    out['micro_batch_lengths'] = [[rows[i].num_tokens for i in b] for plan in plans for b in plan]
+    return out
+
+# %% ../nbs/12b_policy.ipynb #4e3a9052
+def update_on_rows(
+    policy, reference, rows: list[Row], cfg: Config, pad_id: int, on_progress=None
+) -> dict:
+    """Per PPO mini-batch: micro-batch this rank's rows, accumulate the weighted loss's gradient,
+    one optimizer step; metrics plus `micro_batch_lengths`."""
+    T, t0 = cfg.rollout.temperature, time.perf_counter()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    tell = on_progress or (lambda ev: None)
+    plans = _mini_batch_plans(rows, cfg)
+    nm = len(plans)
+    old = _old_logprobs(policy, rows, plans, pad_id, T, tell)
     parts, norms = [], []
     for j, plan in enumerate(plans):
         for k, idx in enumerate(plan):
-            bt = _micro_batch(policy, [rows[i] for i in idx], pad_id)
-            m = bt['response_mask'].clone()
-            m[:, 0] = False
-            with torch.no_grad():
-                ref = reference.logprobs(bt, T).to(policy.device) if reference is not None else None
-            logp, ent = _logprobs(policy, bt, T)
-            lp_old = (
-                logp.detach() if j == 0 else old.pop((j, k))
-            )  # mini-batch 1: no step yet, the current policy is the old one
-            loss, met = policy_loss(
-                logp,
-                lp_old,
-                bt['credit'],
-                m,
-                bt['weight'],
-                ref_logp=ref,
-                cfg=cfg,
-                rollout_logp=bt['rollout_logp'],
-                entropy=ent,
-            )
-            if (
-                cfg.health.check_finite
-            ):  # before any backward: nothing non-finite reaches the gradients
-                require_finite(
-                    loss,
-                    f"loss of micro-batch {k} of mini-batch {j} ({len(idx)} rows, trajectories "
-                    f"{sorted({rows[i].traj_id for i in idx})[:4]})",
-                )
-            policy.backward(loss)
-            d = (lp_old - bt['rollout_logp'])[m].abs()
-            parts.append(
-                dict(
-                    met,
-                    **{x: met[x] / nm for x in _LOSSES if x in met},
-                    logprob_mismatch_max=float(d.max()) if d.numel() else 0.0,
-                    logprob_mismatch_mean=float(d.mean()) if d.numel() else 0.0,
-                )
-            )
+            parts.append(_micro_step(policy, reference, rows, idx, j, k, nm, old, cfg, pad_id))
             tell(
                 dict(
                     event='micro_batch',
@@ -273,23 +337,7 @@ def update_on_rows(
         tell(dict(event='stepped', mini_batch=j + 1, mini_batches=nm))
     if getattr(policy, 'scheduler', None) is not None:
         policy.scheduler.step()  # the LR schedule counts rollout steps
-    out = merge_metrics(parts) if parts else {'loss': 0.0, 'n_tokens': 0, 'n_rows': 0}
-    if (
-        torch.cuda.is_available()
-    ):  # the peak for the plan; then the activations' cached blocks go back for a colocated engine
-        out['gpu_peak_gib'] = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.empty_cache()
-    out.update(
-        grad_norm=sum(norms) / nm,
-        grad_norm_max=max(norms),
-        optimizer_steps=nm,
-        micro_batches=sum(map(len, plans)),
-        rows_consumed=len(rows),
-        tokens=sum(r.num_tokens for r in rows),
-        time_update=time.perf_counter() - t0,
-    )
-    out['micro_batch_lengths'] = [[rows[i].num_tokens for i in b] for plan in plans for b in plan]
-    return out
+    return _rank_metrics(parts, norms, plans, rows, t0)
 
 # %% ../nbs/12b_policy.ipynb #e22f0979
 BACKENDS = {

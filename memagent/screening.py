@@ -208,45 +208,40 @@ def score_trajectories(trajs, reward_fn, ids, n: int, success_threshold: float =
     return out
 
 # %% ../nbs/19_screening.ipynb #83e09718
-def screen(
-    candidates,
-    engine,
-    tokenizer,
-    cfg,
-    n: int = 8,
-    min_success: int = 1,
-    max_success: int = 7,
-    prefer=(2, 6),
-    n_train: int = 8,
-    n_heldout: int = 4,
-    seed: int = 0,
-    out_dir=None,
-    success_threshold: float = 1.0,
-    batch_size: int | None = None,
-    rollout_fn=None,
-) -> dict:
-    """Pass@N screening: sample each candidate `n` times, count successes, select disjoint
-    train/held-out splits, write them with a manifest."""
-    _check_params(n, min_success, max_success, prefer, n_train, n_heldout)
-    candidates = list(candidates)
-    if not candidates:
-        raise ScreeningError("no candidates to screen")
-    dup = _check_candidates(candidates)
+def _sample_candidates(todo, engine, tokenizer, cfg, rollout_fn, parameters: dict) -> dict:
+    """Each candidate rolled out `n` times (by `memagent.rollout` unless `rollout_fn`), `batch_size`
+    candidates a call (`parameters`: the manifest's), and scored by the reward: per id, its
+    successes, errors and rewards."""
     if rollout_fn is None:
         from memagent.rollout import rollout as rollout_fn
-    reward_name = cfg.grpo.reward
-    reward_fn = get_reward(reward_name)
-    todo = [ex for ex in candidates if ex['id'] not in dup]
-    bs = batch_size or len(todo)
+    reward_fn = get_reward(parameters['reward'])
+    n, seed = parameters['n'], parameters['seed']
+    bs = parameters['batch_size'] or len(todo)
     scored = {}
     for b in range(0, len(todo), bs):
         part = todo[b : b + bs]
         trajs = rollout_fn(part, engine, tokenizer, cfg, group_size=n, seed=seed, progress=False)
         scored.update(
-            score_trajectories(trajs, reward_fn, [ex['id'] for ex in part], n, success_threshold)
+            score_trajectories(
+                trajs, reward_fn, [ex['id'] for ex in part], n, parameters['success_threshold']
+            )
         )
-    counts = {i: s['successes'] for i, s in scored.items()}
-    errors = {i: s['errors'] for i, s in scored.items() if s['errors']}
+    return scored
+
+# %% ../nbs/19_screening.ipynb #a5119216
+def _select(
+    counts: dict,
+    errors: dict,
+    n: int,
+    min_success: int,
+    max_success: int,
+    prefer,
+    n_train: int,
+    n_heldout: int,
+    seed: int,
+) -> tuple:
+    """The selection on the counts, or why it fails ('insufficient'); the class of every candidate
+    either way."""
     status, sel, failure = 'ok', None, None
     try:
         sel = select_screened(
@@ -259,6 +254,12 @@ def screen(
         if sel
         else classify_counts(counts, n, min_success, max_success, prefer, errors)
     )
+    return status, sel, failure, cls
+
+# %% ../nbs/19_screening.ipynb #07160597
+def _candidate_rows(candidates: list, dup: dict, cls: dict, sel, scored: dict) -> list:
+    """The manifest's row per candidate: its tier, split and reason, and its counts (duplicates:
+    rejected, not sampled)."""
     where = {}
     if sel:
         for split in ('train', 'heldout'):
@@ -283,29 +284,62 @@ def screen(
         tier, reason = cls[i]
         split = where.get(i) or ('unused' if tier != 'rejected' else None)
         rows.append({'id': i, 'tier': tier, 'split': split, 'reason': reason, **scored[i]})
+    return rows
+
+# %% ../nbs/19_screening.ipynb #39979e1c
+def _screen_parameters(
+    n: int,
+    min_success: int,
+    max_success: int,
+    prefer,
+    n_train: int,
+    n_heldout: int,
+    seed: int,
+    reward_name: str,
+    success_threshold: float,
+    batch_size,
+) -> dict:
+    """The manifest's `parameters`: the screening's arguments, the reward and the selection rule."""
+    return {
+        'n': n,
+        'min_success': min_success,
+        'max_success': max_success,
+        'prefer': list(prefer) if prefer is not None else None,
+        'n_train': n_train,
+        'n_heldout': n_heldout,
+        'seed': seed,
+        'reward': reward_name,
+        'success_threshold': success_threshold,
+        'batch_size': batch_size,
+        'selection': (
+            'preferred tier before qualified, each in a seeded shuffle of sorted ids; the '
+            'chosen '
+            'n_train + n_heldout shuffled again and cut into train, heldout'
+        ),
+    }
+
+# %% ../nbs/19_screening.ipynb #6c6f2329
+def _screen_manifest(
+    candidates: list,
+    cfg,
+    rows: list,
+    scored: dict,
+    counts: dict,
+    errors: dict,
+    dup: dict,
+    status: str,
+    failure,
+    parameters: dict,
+) -> dict:
+    """The manifest before the splits: status, parameters, totals, the histogram of successes,
+    every candidate's row, the config and provenance."""
     tiers = Counter(r['tier'] for r in rows)
-    manifest = {
+    return {
         'kind': 'pass_at_n_screening',
         'status': status,
         'failure': failure,
         'note': NOTE,
-        'parameters': {
-            'n': n,
-            'min_success': min_success,
-            'max_success': max_success,
-            'prefer': list(prefer) if prefer is not None else None,
-            'n_train': n_train,
-            'n_heldout': n_heldout,
-            'seed': seed,
-            'reward': reward_name,
-            'success_threshold': success_threshold,
-            'batch_size': batch_size,
-            'selection': (
-                'preferred tier before qualified, each in a seeded shuffle of sorted ids; the '
-                'chosen '
-                'n_train + n_heldout shuffled again and cut into train, heldout'
-            ),
-        },
+        'parameters': parameters,
         'totals': {
             'candidates': len(candidates),
             'sampled': len(scored),
@@ -316,7 +350,7 @@ def screen(
             'rejected_by_reason': dict(
                 Counter(r['reason'].split(':')[0] for r in rows if r['tier'] == 'rejected')
             ),
-            'trajectories': len(scored) * n,
+            'trajectories': len(scored) * parameters['n'],
             'failed_requests': sum(s['errors'] for s in scored.values()),
             'candidates_with_errors': len(errors),
         },
@@ -330,42 +364,104 @@ def screen(
             model={'name': cfg.model.name, 'revision': cfg.model.revision},
         ),
     }
-    if sel:
-        by_id = {ex['id']: ex for ex in candidates}
 
-        def tagged(i):
-            ex = dict(by_id[i])
-            ex['meta'] = {
-                **ex['meta'],
-                'screening': {'successes': counts[i], 'n': n, 'reward': reward_name},
-            }
-            return ex
+# %% ../nbs/19_screening.ipynb #0a8fa071
+def _screen_splits(
+    manifest: dict, sel: dict, candidates: list, counts: dict, n: int, reward_name: str
+) -> dict:
+    """The train and held-out examples, tagged with their counts and checked disjoint; named in the
+    manifest's `splits`."""
+    by_id = {ex['id']: ex for ex in candidates}
 
-        splits = {k: [tagged(i) for i in sel[k]] for k in ('train', 'heldout')}
-        keys = {k: {_content_key(ex) for ex in v} for k, v in splits.items()}
-        if keys['train'] & keys['heldout']:
-            raise ScreeningError(
-                "train and heldout share a question+context (disjointness violated)"
-            )
-        manifest['splits'] = {
-            k: {'file': SPLIT_FILES[k], 'size': len(v), 'ids': [ex['id'] for ex in v]}
-            for k, v in splits.items()
+    def tagged(i):
+        ex = dict(by_id[i])
+        ex['meta'] = {
+            **ex['meta'],
+            'screening': {'successes': counts[i], 'n': n, 'reward': reward_name},
         }
+        return ex
+
+    splits = {k: [tagged(i) for i in sel[k]] for k in ('train', 'heldout')}
+    keys = {k: {_content_key(ex) for ex in v} for k, v in splits.items()}
+    if keys['train'] & keys['heldout']:
+        raise ScreeningError("train and heldout share a question+context (disjointness violated)")
+    manifest['splits'] = {
+        k: {'file': SPLIT_FILES[k], 'size': len(v), 'ids': [ex['id'] for ex in v]}
+        for k, v in splits.items()
+    }
+    return splits
+
+# %% ../nbs/19_screening.ipynb #b42e2fef
+def _write_screening(out: Path, manifest: dict, splits: dict | None):
+    """The split files (their sha256 into the manifest) and the manifest, in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    if splits:
+        for k, v in splits.items():
+            p = write_examples(v, out / SPLIT_FILES[k])
+            manifest['splits'][k]['sha256'] = sha256_file(p)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + '\n')
+
+# %% ../nbs/19_screening.ipynb #5aa80542
+def _failure_message(failure: str, out_dir) -> str:
+    """Why the selection failed, and where the manifest with every count was written (if it was)."""
+    return failure + (
+        f" (manifest with every count written to {Path(out_dir) / MANIFEST})"
+        if out_dir is not None
+        else ''
+    )
+
+# %% ../nbs/19_screening.ipynb #818b8b0e
+def screen(
+    candidates,
+    engine,
+    tokenizer,
+    cfg,
+    n: int = 8,
+    min_success: int = 1,
+    max_success: int = 7,
+    prefer=(2, 6),
+    n_train: int = 8,
+    n_heldout: int = 4,
+    seed: int = 0,
+    out_dir=None,
+    success_threshold: float = 1.0,
+    batch_size: int | None = None,
+    rollout_fn=None,
+) -> dict:
+    """Pass@N screening: sample each candidate `n` times, count successes, select disjoint
+    train/held-out splits, write them with a manifest."""
+    _check_params(n, min_success, max_success, prefer, n_train, n_heldout)
+    candidates = list(candidates)
+    if not candidates:
+        raise ScreeningError("no candidates to screen")
+    dup = _check_candidates(candidates)
+    reward_name = cfg.grpo.reward
+    todo = [ex for ex in candidates if ex['id'] not in dup]
+    parameters = _screen_parameters(
+        n,
+        min_success,
+        max_success,
+        prefer,
+        n_train,
+        n_heldout,
+        seed,
+        reward_name,
+        success_threshold,
+        batch_size,
+    )
+    scored = _sample_candidates(todo, engine, tokenizer, cfg, rollout_fn, parameters)
+    counts = {i: s['successes'] for i, s in scored.items()}
+    errors = {i: s['errors'] for i, s in scored.items() if s['errors']}
+    status, sel, failure, cls = _select(
+        counts, errors, n, min_success, max_success, prefer, n_train, n_heldout, seed
+    )
+    rows = _candidate_rows(candidates, dup, cls, sel, scored)
+    manifest = _screen_manifest(
+        candidates, cfg, rows, scored, counts, errors, dup, status, failure, parameters
+    )
+    splits = _screen_splits(manifest, sel, candidates, counts, n, reward_name) if sel else None
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        if sel:
-            for k, v in splits.items():
-                p = write_examples(v, out / SPLIT_FILES[k])
-                manifest['splits'][k]['sha256'] = sha256_file(p)
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + '\n')
+        _write_screening(Path(out_dir), manifest, splits)
     if failure:
-        raise ScreeningError(
-            failure
-            + (
-                f" (manifest with every count written to {Path(out_dir) / MANIFEST})"
-                if out_dir is not None
-                else ''
-            )
-        )
+        raise ScreeningError(_failure_message(failure, out_dir))
     return manifest

@@ -35,6 +35,22 @@ def paired_bootstrap_ci(a, b, n_boot: int = 1000, seed: int = 0, level: float = 
     return bootstrap_ci(a - b, n_boot=n_boot, seed=seed, level=level)
 
 # %% ../nbs/15a_stats.ipynb #69648c84
+def _check_paired(a, b, tolerance):
+    """Refuse runs that are not one value per item in both (at least one item), and a tolerance
+    that is not a finite number >= 0."""
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(
+            f"equivalence needs one value per item in both runs, at least one item: {a.shape} vs "
+            f"{b.shape}"
+        )
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, (int, float))
+        or not (math.isfinite(tolerance) and tolerance >= 0)
+    ):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+
+# %% ../nbs/15a_stats.ipynb #991529be
 VERDICTS = ('equivalent', 'different', 'undecided')
 
 
@@ -50,17 +66,7 @@ def equivalence(
     """Paired item-bootstrap verdict on `mean(a) - mean(b)` against `±tolerance`, in units of
     `scale` (100: points)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-        raise ValueError(
-            f"equivalence needs one value per item in both runs, at least one item: {a.shape} vs "
-            f"{b.shape}"
-        )
-    if (
-        isinstance(tolerance, bool)
-        or not isinstance(tolerance, (int, float))
-        or not (math.isfinite(tolerance) and tolerance >= 0)
-    ):
-        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    _check_paired(a, b, tolerance)
     diff = scale * float(np.mean(a - b))
     lo, hi = (scale * v for v in paired_bootstrap_ci(a, b, n_boot=n_boot, seed=seed, level=level))
     half, margin = (hi - lo) / 2, abs(abs(diff) - tolerance)

@@ -87,49 +87,59 @@ def _seconds(e) -> float:
     return (e.time_range.end - e.time_range.start) / 1e6
 
 # %% ../nbs/21a_stepsplit.ipynb #2b346100
-def split_events(events, device: bool) -> dict:
-    """Seconds per `STEP_PARTS` entry from a profiler's `events()`: on a GPU each kernel recorded on
-    the device once (by correlation id), credited through the runtime record that launched it; on
-    the CPU each operator's own host time; either in the nearest named range, or the part of the
-    forward operator that created the autograd node it runs under."""
+_EVAL = 'autograd::engine::evaluate_function'  # a backward node's run, named by the autograd engine
+
+
+def _marker(e):
+    """The nearest ancestor (or e) that decides e's part: ('part', name) for a named range,
+    ('node', (thread, seq)) for a backward node."""
+    while e is not None:
+        p = _named_part(e.name)
+        if p is not None:
+            return ('part', p)
+        if e.name.startswith(_EVAL):
+            return ('node', (e.fwd_thread or e.thread, e.sequence_nr))
+        e = e.cpu_parent
+    return None
+
+# %% ../nbs/21a_stepsplit.ipynb #7be9d1a9
+def _part_of(m, created: dict) -> str:
+    """The part a marker names: its range's, or the part of the forward operator that created its
+    node (`created`); 'other' where none."""
+    return 'other' if m is None else m[1] if m[0] == 'part' else created.get(m[1], 'other')
+
+# %% ../nbs/21a_stepsplit.ipynb #9b6b921d
+def _created_parts(evs: list) -> dict:
+    """(thread, sequence number) -> the part of the last forward operator that carried it, over
+    the events in time order (a node's forward comes before its backward)."""
+    # sequence numbers count per thread: on a GPU autograd runs the backward (and a recomputed
+    # forward) on a thread of its own, whose numbers repeat the main thread's; a node names the
+    # thread that created it (fwd_thread)
+    created = {}
+    for e in evs:  # in time order: a node's forward comes before its backward
+        if e.sequence_nr is not None and e.sequence_nr >= 0 and not e.name.startswith(_EVAL):
+            # unclaimed ones too: the last one seen created the node
+            created[(e.thread, e.sequence_nr)] = _part_of(_marker(e), created)
+    return created
+
+# %% ../nbs/21a_stepsplit.ipynb #4a3958d3
+def _launchers(host: list) -> tuple:
+    """The host events that launch device work, by correlation id: the CUDA runtime's records, and
+    the operators not linked to another id."""
+    runtime, ops = {}, {}
+    for e in host:
+        if _is_runtime(e):
+            runtime.setdefault(e.id, []).append(e)
+        elif not getattr(e, 'linked_correlation_id', 0):
+            ops.setdefault(e.id, []).append(e)
+    return runtime, ops
+
+# %% ../nbs/21a_stepsplit.ipynb #f056c0fb
+def _device_split(evs: list, host: list, out: dict, created: dict) -> dict:
+    """The GPU's split: each kernel recorded on the device once (by correlation id), credited to
+    the part of the one host record that launched it; the rest unattributed."""
     from torch.autograd import DeviceType
 
-    evs = sorted(events, key=lambda e: e.time_range.start)
-    EVAL = 'autograd::engine::evaluate_function'
-
-    def marker(e):
-        """The nearest ancestor (or e) that decides e's part: ('part', name) for a named range,
-        ('node', (thread, seq)) for a backward node."""
-        while e is not None:
-            p = _named_part(e.name)
-            if p is not None:
-                return ('part', p)
-            if e.name.startswith(EVAL):
-                return ('node', (e.fwd_thread or e.thread, e.sequence_nr))
-            e = e.cpu_parent
-        return None
-
-    # sequence numbers count per thread: on a GPU autograd runs the backward (and a recomputed
-    # forward) on a thread of
-    # its own, whose numbers repeat the main thread's; a node names the thread that created it
-    # (fwd_thread)
-    # (thread, sequence number) -> the part of the last forward operator that carried it
-    created = {}
-
-    def part_of(m):
-        return 'other' if m is None else m[1] if m[0] == 'part' else created.get(m[1], 'other')
-
-    for e in evs:  # in time order: a node's forward comes before its backward
-        if e.sequence_nr is not None and e.sequence_nr >= 0 and not e.name.startswith(EVAL):
-            created[(e.thread, e.sequence_nr)] = part_of(
-                marker(e)
-            )  # unclaimed ones too: the last one seen created the node
-    out = dict.fromkeys(STEP_PARTS, 0.0)
-    host = [e for e in evs if e.device_type == DeviceType.CPU and not e.is_async]
-    if not device:
-        for e in host:
-            out[part_of(marker(e))] += max(e.self_cpu_time_total, 0) / 1e6
-        return {'seconds': out, 'counted': 'host time of each operator, its children excluded'}
     # the GPU's work: every kernel and copy recorded on the device, once per correlation id (not the
     # device side of named ranges)
     once = {}
@@ -138,9 +148,8 @@ def split_events(events, device: bool) -> dict:
             once.setdefault(k.id, k)
     device_s = sum(_seconds(k) for k in once.values())
     # what the profiler's own lists claim: each host event's kernels, found by its id; ids of two
-    # counters can meet, so a
-    # kernel can sit in two lists (an operator's and an unlinked runtime record's): a figure to
-    # show, never to split
+    # counters can meet, so a kernel can sit in two lists (an operator's and an unlinked runtime
+    # record's): a figure to show, never to split
     claimed_s = sum(k.duration for e in host for k in e.kernels if k.name != e.name) / 1e6
     if not once:  # no kernel records (the profiler's CUDA-event fallback): nothing to split
         return {
@@ -150,26 +159,19 @@ def split_events(events, device: bool) -> dict:
             'unattributed_s': 0.0,
             'claimed_s': claimed_s,
         }
-    runtime, ops = {}, {}
-    for e in host:
-        if _is_runtime(e):
-            runtime.setdefault(e.id, []).append(e)
-        elif not getattr(e, 'linked_correlation_id', 0):
-            ops.setdefault(e.id, []).append(e)
+    runtime, ops = _launchers(host)
     unattributed = 0.0
     for cid, k in once.items():
-        launcher = runtime.get(
-            cid, []
-        )  # the runtime call that launched it shares its correlation id
+        # the runtime call that launched it shares its correlation id
+        launcher = runtime.get(cid, [])
         if len(launcher) != 1:  # no runtime record: the one operator its linked id names
             linked = getattr(k, 'linked_correlation_id', 0) or 0
             launcher = ops.get(linked, []) if linked > 0 else []
         if len(launcher) == 1:
-            out[part_of(marker(launcher[0]))] += _seconds(k)
+            out[_part_of(_marker(launcher[0]), created)] += _seconds(k)
         else:
-            unattributed += _seconds(
-                k
-            )  # no launcher, or two: in no part (never folded into 'other')
+            # no launcher, or two: in no part (never folded into 'other')
+            unattributed += _seconds(k)
     return {
         'seconds': out,
         'counted': (
@@ -179,6 +181,24 @@ def split_events(events, device: bool) -> dict:
         'unattributed_s': unattributed,
         'claimed_s': claimed_s,
     }
+
+# %% ../nbs/21a_stepsplit.ipynb #60509856
+def split_events(events, device: bool) -> dict:
+    """Seconds per `STEP_PARTS` entry from a profiler's `events()`: on a GPU each kernel recorded on
+    the device once (by correlation id), credited through the runtime record that launched it; on
+    the CPU each operator's own host time; either in the nearest named range, or the part of the
+    forward operator that created the autograd node it runs under."""
+    from torch.autograd import DeviceType
+
+    evs = sorted(events, key=lambda e: e.time_range.start)
+    created = _created_parts(evs)
+    out = dict.fromkeys(STEP_PARTS, 0.0)
+    host = [e for e in evs if e.device_type == DeviceType.CPU and not e.is_async]
+    if not device:
+        for e in host:
+            out[_part_of(_marker(e), created)] += max(e.self_cpu_time_total, 0) / 1e6
+        return {'seconds': out, 'counted': 'host time of each operator, its children excluded'}
+    return _device_split(evs, host, out, created)
 
 # %% ../nbs/21a_stepsplit.ipynb #b56af7a0
 def profile_step(model, step) -> dict:

@@ -137,21 +137,11 @@ def _time(fn, repeats: int = 2) -> float:
     return (time.perf_counter() - t0) / repeats
 
 # %% ../../nbs/22_gpucheck_6_cli.ipynb #92df285f
-def cmd_compare(a):
-    """SGLang vs the HF engine on the same prompts (tokens/s), and the megatron vs torch update on
-    the same rows (seconds)."""
-    _need_cuda('compare')
+def _compare_configs(a) -> tuple:
+    """The params `preset` wrote, the config of the engines' half and one config per backend;
+    a GPU count this machine does not have is refused first."""
     import torch, yaml
     from memagent.config import get_preset
-    from memagent.engines import HFEngine, SamplingParams, SGLangServer, SGLangEngine
-    from memagent.checkpoint import push_weights
-    from memagent.models import load_model, load_tokenizer, model_dir
-    from memagent.data import make_synthetic
-    from memagent.rollout import rollout
-    from memagent.credit import trajectories_to_rows
-    from memagent.transfer import InProcessChannel, RayChannel, layout_step
-    from memagent.colocate import make_group
-    from memagent.runcheck import weight_prompt_ids
 
     p = yaml.safe_load(Path(a.params).read_text())
     cfg = get_preset(
@@ -177,10 +167,17 @@ def cmd_compare(a):
         )
         for backend in ('torch', 'megatron')
     }
-    tok, out = load_tokenizer(cfg.model.tokenizer or cfg.model.name), Path(a.out)
-    prompts = [tok(f"Summarize item {i}: " + "memory " * 400)['input_ids'] for i in range(64)]
-    sp = SamplingParams(max_new_tokens=128, temperature=1.0, top_p=1.0)
-    res = {}
+    return p, cfg, cfgs
+
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #3a8db779
+def _compare_hf(cfg, tok, prompts: list, sp, res: dict) -> tuple:
+    """The HF engine's tokens/s, then the weight check's reference log-probs: the served weights,
+    then perturbed ones (what a sync sends next); the model leaves the GPU for SGLang."""
+    import torch
+    from memagent.engines import HFEngine
+    from memagent.models import load_model
+    from memagent.runcheck import weight_prompt_ids
+
     hf = HFEngine(load_model(cfg.model.name, cfg.model.dtype, 'cuda'), tok)
     t0 = time.perf_counter()
     r = hf.generate(prompts, sp)
@@ -196,6 +193,20 @@ def cmd_compare(a):
     hf.model.to('cpu')
     new_sd = {k: v.cpu() for k, v in new_sd.items()}
     torch.cuda.empty_cache()  # the GPU for SGLang
+    return hf, wids, lp_base, lp_new, new_sd
+
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #e63c5c61
+def _compare_engines(cfg, tok, out: Path) -> dict:
+    """SGLang's tokens/s against the HF engine's on the same prompts, and SGLang's weight check
+    (log-probs before and after a sync of perturbed weights)."""
+    from memagent.engines import SamplingParams, SGLangServer, SGLangEngine
+    from memagent.checkpoint import push_weights
+    from memagent.models import model_dir
+
+    prompts = [tok(f"Summarize item {i}: " + "memory " * 400)['input_ids'] for i in range(64)]
+    sp = SamplingParams(max_new_tokens=128, temperature=1.0, top_p=1.0)
+    res = {}
+    hf, wids, lp_base, lp_new, new_sd = _compare_hf(cfg, tok, prompts, sp, res)
     try:
         path = model_dir(cfg.model.name)
     except FileNotFoundError:
@@ -222,7 +233,21 @@ def cmd_compare(a):
         print(json.dumps(res['weight_check']))
     del hf, new_sd
     res['sglang_over_hf'] = res['sglang_tokens_per_s'] / res['hf_tokens_per_s']
-    # the same rows through each backend's policy group, laid out as the trainer lays them out
+    return res
+
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #0366462e
+def _compare_updates(a, cfg, cfgs: dict, tok, res: dict) -> list:
+    """The same rows through each backend's policy group, laid out as the trainer lays them out:
+    the seconds of one update each (into `res`); the rows are returned."""
+    import torch
+    from memagent.engines import HFEngine
+    from memagent.models import load_model
+    from memagent.data import make_synthetic
+    from memagent.rollout import rollout
+    from memagent.credit import trajectories_to_rows
+    from memagent.transfer import InProcessChannel, RayChannel, layout_step
+    from memagent.colocate import make_group
+
     exs = make_synthetic(
         cfg.grpo.prompts_per_step,
         num_tokens=cfg.chunking.chunk_tokens * 2,
@@ -234,9 +259,8 @@ def cmd_compare(a):
     del hf
     torch.cuda.empty_cache()
     for tr in trajs:
-        tr.reward = float(
-            len(tr.final_text) % 2
-        )  # any reward with variance: this times the update only
+        # any reward with variance: this times the update only
+        tr.reward = float(len(tr.final_text) % 2)
     rows, _ = trajectories_to_rows(trajs, cfg)
     for backend, c in cfgs.items():
         group = make_group(c, tok.pad_token_id, a.gpus)
@@ -262,11 +286,14 @@ def cmd_compare(a):
             gc.collect()
             torch.cuda.empty_cache()
     res['megatron_over_torch_time'] = res['megatron_update_s'] / res['torch_update_s']
-    res['rows'] = len(rows)
-    res['peak_vs_plan'] = peak_vs_plan(p, a.smoke_run, a.gpus)
-    head = [
-        l[2:] for l in Path(a.params).read_text().splitlines() if l.startswith('# ')
-    ]  # the layout lines `preset` wrote first
+    return rows
+
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #bb694d1c
+def _write_compare(out: Path, params: str, p: dict, res: dict):
+    """compare.json: the layout and what is not checked (from the lines `preset` wrote first in the
+    params), the params and the results."""
+    # the layout lines `preset` wrote first
+    head = [l[2:] for l in Path(params).read_text().splitlines() if l.startswith('# ')]
     _write(
         out,
         'compare.json',
@@ -282,15 +309,38 @@ def cmd_compare(a):
             'results': res,
         },
     )
+
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #beaf85f9
+def cmd_compare(a):
+    """SGLang vs the HF engine on the same prompts (tokens/s), and the megatron vs torch update on
+    the same rows (seconds)."""
+    _need_cuda('compare')
+    # what compare uses, imported first: a missing package stops it before anything is written
+    import torch, yaml
+    from memagent.config import get_preset
+    from memagent.engines import HFEngine, SamplingParams, SGLangServer, SGLangEngine
+    from memagent.checkpoint import push_weights
+    from memagent.models import load_model, load_tokenizer, model_dir
+    from memagent.data import make_synthetic
+    from memagent.rollout import rollout
+    from memagent.credit import trajectories_to_rows
+    from memagent.transfer import InProcessChannel, RayChannel, layout_step
+    from memagent.colocate import make_group
+    from memagent.runcheck import weight_prompt_ids
+
+    p, cfg, cfgs = _compare_configs(a)
+    tok, out = load_tokenizer(cfg.model.tokenizer or cfg.model.name), Path(a.out)
+    res = _compare_engines(cfg, tok, out)
+    rows = _compare_updates(a, cfg, cfgs, tok, res)
+    res['rows'] = len(rows)
+    res['peak_vs_plan'] = peak_vs_plan(p, a.smoke_run, a.gpus)
+    _write_compare(out, a.params, p, res)
     if not res['weight_check']['pass']:
         sys.exit('gpu_check.py compare: the SGLang weight check failed (see compare.json)')
 
 # %% ../../nbs/22_gpucheck_6_cli.ipynb #c3ae2ef0
-def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = ap.add_subparsers(dest='cmd', required=True)
+def _check_commands(sub):
+    """The subcommands that say what a run would be: preset (its params), layout, plan."""
     s = sub.add_parser('preset')
     s.add_argument('--models', default='none')
     s.add_argument('--gpus', type=int, default=8)
@@ -316,6 +366,10 @@ def main(argv=None):
         default='yes',
         help="whether the cluster's GPUs have Transformer Engine (the attention the plan resolves)",
     )
+
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #7a73ccb9
+def _run_commands(sub):
+    """The subcommands that run a check or render one again: subset, part, render, compare."""
     s = sub.add_parser('subset')
     s.add_argument('--out', required=True)
     s.add_argument(
@@ -346,6 +400,15 @@ def main(argv=None):
     s.add_argument(
         '--smoke-run', default=None, help="the smoke's run directory (its metrics.jsonl)"
     )
+
+# %% ../../nbs/22_gpucheck_6_cli.ipynb #19ee23ac
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest='cmd', required=True)
+    _check_commands(sub)
+    _run_commands(sub)
     a = ap.parse_args(argv)
     {
         'preset': cmd_preset,

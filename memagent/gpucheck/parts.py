@@ -20,9 +20,16 @@ ENGINE_CAP_S = (
 
 REPEATS = 5  # nbs/bench.ipynb decides a goal on 5 or more repeats (memagent.bench.MIN_REPEATS)
 
-# name, cap (s), what: the caps add up to PART_CAPS_S; a run on one H100/H200-class GPU is meant to
-# take SUBSET_BUDGET_S
-PARTS = (
+# %% auto #0
+__all__ = ['ENGINE_CAP_S', 'REPEATS', 'PARTS', 'SUBSET_BUDGET_S', 'CPU_CAP_FACTOR', 'TOL', 'CPU_TOKENS', 'OPTIM_PRESET',
+           'TRAIN_NB_PARAMS', 'TRAIN_NB_NEEDS', 'Recorder', 'part_megatron', 'part_weight_sync', 'part_trainer',
+           'engine_workload', 'shrink', 'part_engine', 'part_precision', 'optimizer_config', 'adamw', 'part_optimizer',
+           'notebook_phases', 'part_train_notebook']
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #2b31d420
+# the parts that check the recipe's pieces: megatron-core's step, the weight sync, the
+# Trainer, the engine
+_PARTS_RECIPE = (
     (
         'megatron',
         60,
@@ -45,6 +52,12 @@ PARTS = (
         110,
         'the in-process engine against generate() on a GPU-sized workload (repeats capped at 90 s)',
     ),
+)
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #f7bb6353
+# the Qwen3-4B step per attention path and recompute mode, then precision, optimizer and the
+# train notebook
+_PARTS_MORE = (
     (
         'step4b-local-full',
         60,
@@ -88,6 +101,11 @@ PARTS = (
     ),
 )
 
+# name, cap (s), what: the caps add up to PART_CAPS_S; a run on one H100/H200-class GPU is meant to
+# take SUBSET_BUDGET_S
+PARTS = _PARTS_RECIPE + _PARTS_MORE
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #e807c4f1
 SUBSET_BUDGET_S = 420
 
 # --cpu-simulation: the same caps, times this (2 CPU cores run even tiny shapes slower than one GPU)
@@ -97,12 +115,6 @@ TOL = {'loss_rel': 2e-2, 'grad_norm_rel': 5e-2}
 
 # --cpu-simulation: the tokens of a step's rows (a GPU runs the preset's micro-batch budget)
 CPU_TOKENS = 256
-
-# %% auto #0
-__all__ = ['ENGINE_CAP_S', 'REPEATS', 'PARTS', 'SUBSET_BUDGET_S', 'CPU_CAP_FACTOR', 'TOL', 'CPU_TOKENS', 'OPTIM_PRESET',
-           'TRAIN_NB_PARAMS', 'TRAIN_NB_NEEDS', 'Recorder', 'part_megatron', 'part_weight_sync', 'part_trainer',
-           'engine_workload', 'shrink', 'part_engine', 'part_precision', 'optimizer_config', 'adamw', 'part_optimizer',
-           'notebook_phases', 'part_train_notebook']
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #a889b0b7
 def _gc():
@@ -168,6 +180,53 @@ class Recorder:
         self.write()
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #36abf743
+def _megatron_mode(mode: str, dtype: str, batch: dict, ref_loss, ref_norm, ref_w: dict) -> dict:
+    """One recompute mode: a checkpoint before the first step, one megatron step against the fp32
+    torch step's loss, grad norm and weights, and the optimizer state's round trip."""
+    from memagent.models import load_model
+    from memagent.backends.megatron import MegatronBackend
+
+    cfg = tiny_megatron(mode, dtype)
+    be = MegatronBackend.from_config(cfg, load_model('tiny-qwen3', dtype))
+    try:
+        before = checkpoint_before_first_step(be)
+        loss, norm = one_step(be, batch)
+        w = {k: v.float().cpu() for k, v in be.hf_state_dict().items()}
+        state = be.state_dict()
+        be.load_state_dict(be.hf_state_dict(), state)
+        same = json.dumps(state, default=str, sort_keys=True) == json.dumps(
+            be.state_dict(), default=str, sort_keys=True
+        )
+        r = {
+            'recompute': mode,
+            'dtype': dtype,
+            'optimizer': type(be.optimizer).__name__,
+            'attention': be.attention,
+            'parameter_dtypes': sorted({str(p.dtype) for p in be.model.parameters()}),
+            'loss': loss,
+            'loss_fp32': ref_loss,
+            'loss_rel_diff': abs(loss - ref_loss) / abs(ref_loss),
+            'grad_norm': norm,
+            'grad_norm_fp32': ref_norm,
+            'grad_norm_rel_diff': abs(norm - ref_norm) / ref_norm,
+            'weights_max_abs_diff': max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w),
+            'checkpoint_before_first_step': before,
+            'optimizer_state_round_trip': same,
+        }
+    finally:
+        be.close()
+        del be
+        _gc()
+    r['pass'] = (
+        r['loss_rel_diff'] < TOL['loss_rel']
+        and r['grad_norm_rel_diff'] < TOL['grad_norm_rel']
+        and same
+        and before['pass']
+        and r['parameter_dtypes'] == [f'torch.{dtype}']
+    )
+    return r
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #6a5198ad
 def part_megatron(rec: Recorder, cpu_sim: bool):
     """Per recompute mode: one megatron step in the recipe's precision against the fp32 torch step
     on the same rows; state round trip."""
@@ -190,44 +249,7 @@ def part_megatron(rec: Recorder, cpu_sim: bool):
     _gc()
     ok = True
     for mode in ('none', 'selective', 'full'):
-        cfg = tiny_megatron(mode, dtype)
-        be = MegatronBackend.from_config(cfg, load_model('tiny-qwen3', dtype))
-        try:
-            before = checkpoint_before_first_step(be)
-            loss, norm = one_step(be, batch)
-            w = {k: v.float().cpu() for k, v in be.hf_state_dict().items()}
-            state = be.state_dict()
-            be.load_state_dict(be.hf_state_dict(), state)
-            same = json.dumps(state, default=str, sort_keys=True) == json.dumps(
-                be.state_dict(), default=str, sort_keys=True
-            )
-            r = {
-                'recompute': mode,
-                'dtype': dtype,
-                'optimizer': type(be.optimizer).__name__,
-                'attention': be.attention,
-                'parameter_dtypes': sorted({str(p.dtype) for p in be.model.parameters()}),
-                'loss': loss,
-                'loss_fp32': ref_loss,
-                'loss_rel_diff': abs(loss - ref_loss) / abs(ref_loss),
-                'grad_norm': norm,
-                'grad_norm_fp32': ref_norm,
-                'grad_norm_rel_diff': abs(norm - ref_norm) / ref_norm,
-                'weights_max_abs_diff': max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w),
-                'checkpoint_before_first_step': before,
-                'optimizer_state_round_trip': same,
-            }
-        finally:
-            be.close()
-            del be
-            _gc()
-        r['pass'] = (
-            r['loss_rel_diff'] < TOL['loss_rel']
-            and r['grad_norm_rel_diff'] < TOL['grad_norm_rel']
-            and same
-            and before['pass']
-            and r['parameter_dtypes'] == [f'torch.{dtype}']
-        )
+        r = _megatron_mode(mode, dtype, batch, ref_loss, ref_norm, ref_w)
         ok &= r['pass']
         rec.put(mode, r)
     rec.done(ok)
@@ -250,6 +272,53 @@ def _register_reward():
         register_reward('gpu_check_odd_length')(lambda text, answers: float(len(text) % 2))
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #21b679e6
+def _trainer_result(
+    name: str, ov: dict, dev: str, run: Path, setup: float, ms: list, cpu_sim: bool
+) -> dict:
+    """One backend's record: its health, the first step's KL, each step's figures, the GPU peak and
+    the verdict."""
+    health = json.loads((run / 'health.json').read_text())
+    r = {
+        'backend': name,
+        'overrides': ov,
+        'device': dev,
+        'health': health.get('status'),
+        'setup_s': setup,
+        'kl_step1': ms[0].get('kl'),
+        'steps': [
+            {
+                k: m.get(k)
+                for k in (
+                    'step',
+                    'reward_mean',
+                    'loss',
+                    'grad_norm',
+                    'kl',
+                    'rows_consumed',
+                    'gpu_peak_gib',
+                    'time_rollout',
+                    'time_update',
+                    'time_sync',
+                    'time_step',
+                )
+            }
+            for m in ms
+        ],
+        'gpu_peak_gib': max((m.get('gpu_peak_gib') or 0 for m in ms), default=None)
+        if _cuda()
+        else None,
+    }
+    kl_tol = 0.0 if cpu_sim else 1e-6
+    r['pass'] = (
+        r['health'] == 'completed'
+        and len(ms) == 2
+        and all(math.isfinite(m['loss']) for m in ms)
+        and isinstance(r['kl_step1'], float)
+        and abs(r['kl_step1']) <= kl_tol
+    )
+    return r
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #224c57cf
 def part_trainer(rec: Recorder, cpu_sim: bool):
     "The in-process Trainer, 2 steps per backend, as a user with one GPU runs it."
     import shutil
@@ -292,45 +361,7 @@ def part_trainer(rec: Recorder, cpu_sim: bool):
             tr.close()
             del tr
             _gc()
-        health = json.loads((run / 'health.json').read_text())
-        r = {
-            'backend': name,
-            'overrides': ov,
-            'device': dev,
-            'health': health.get('status'),
-            'setup_s': setup,
-            'kl_step1': ms[0].get('kl'),
-            'steps': [
-                {
-                    k: m.get(k)
-                    for k in (
-                        'step',
-                        'reward_mean',
-                        'loss',
-                        'grad_norm',
-                        'kl',
-                        'rows_consumed',
-                        'gpu_peak_gib',
-                        'time_rollout',
-                        'time_update',
-                        'time_sync',
-                        'time_step',
-                    )
-                }
-                for m in ms
-            ],
-            'gpu_peak_gib': max((m.get('gpu_peak_gib') or 0 for m in ms), default=None)
-            if _cuda()
-            else None,
-        }
-        kl_tol = 0.0 if cpu_sim else 1e-6
-        r['pass'] = (
-            r['health'] == 'completed'
-            and len(ms) == 2
-            and all(math.isfinite(m['loss']) for m in ms)
-            and isinstance(r['kl_step1'], float)
-            and abs(r['kl_step1']) <= kl_tol
-        )
+        r = _trainer_result(name, ov, dev, run, setup, ms, cpu_sim)
         ok &= r['pass']
         rec.put(name, r)
     rec.done(ok)
@@ -394,24 +425,11 @@ def shrink(w: dict, predicted_s: float, budget_s: float) -> tuple[dict, list[str
     return w, steps
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #38625e77
-def part_engine(rec: Recorder, cpu_sim: bool):
-    """HFEngine against generate() on the same prompts, interleaved repeats; the workload shrunk by
-    `shrink` if a probe predicts an overrun."""
-    from memagent.bench import bench_generate, bench_prompts, spread, verdict
-    from memagent.engines import HFEngine
-    from memagent.models import load_model, load_tokenizer
-    from memagent.ondevice import compute_device
-    from memagent.plan import ARCHS
+def _engine_probe(eng, tok, w0: dict, rec: Recorder) -> dict:
+    """The workload to run: a probe (one small repeat of each side) predicts a full repeat's
+    seconds; `shrink` shrinks the workload while the prediction passes the cap (recorded)."""
+    from memagent.bench import bench_generate, bench_prompts
 
-    dev = compute_device()
-    w0 = engine_workload(cpu_sim)
-    tok = load_tokenizer('tiny-qwen3' if cpu_sim else 'qwen3')
-    model = (
-        load_model('tiny-qwen3', 'float32', dev)
-        if cpu_sim
-        else _random_model(ARCHS['Qwen/Qwen3-0.6B'], w0['dtype'], dev)
-    )
-    eng = HFEngine(model, tok)
     # the probe: one small repeat of each side predicts a full repeat's seconds (time ~ requests x
     # new tokens)
     probe = dict(w0, requests=min(8, w0['requests']), new_tokens=min(32, w0['new_tokens']))
@@ -436,6 +454,14 @@ def part_engine(rec: Recorder, cpu_sim: bool):
             ),
         },
     )
+    return w
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #71a5f3cf
+def _engine_repeats(eng, tok, w: dict, rec: Recorder) -> tuple:
+    """The interleaved repeats of the engine and generate() (each recorded), stopped before one
+    that would pass the cap; the repeats and why they stopped early (or None)."""
+    from memagent.bench import bench_generate, bench_prompts
+
     prompts = bench_prompts(tok, w['requests'], w['max_tokens'], w['min_tokens'])
     reps, t_start, stopped = [], time.perf_counter(), None
     for i in range(REPEATS):
@@ -459,6 +485,29 @@ def part_engine(rec: Recorder, cpu_sim: bool):
             }
         )
         rec.put(f'repeat_{i + 1}', reps[-1])
+    return reps, stopped
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #73ad152a
+def part_engine(rec: Recorder, cpu_sim: bool):
+    """HFEngine against generate() on the same prompts, interleaved repeats; the workload shrunk by
+    `shrink` if a probe predicts an overrun."""
+    from memagent.bench import spread, verdict
+    from memagent.engines import HFEngine
+    from memagent.models import load_model, load_tokenizer
+    from memagent.ondevice import compute_device
+    from memagent.plan import ARCHS
+
+    dev = compute_device()
+    w0 = engine_workload(cpu_sim)
+    tok = load_tokenizer('tiny-qwen3' if cpu_sim else 'qwen3')
+    model = (
+        load_model('tiny-qwen3', 'float32', dev)
+        if cpu_sim
+        else _random_model(ARCHS['Qwen/Qwen3-0.6B'], w0['dtype'], dev)
+    )
+    eng = HFEngine(model, tok)
+    w = _engine_probe(eng, tok, w0, rec)
+    reps, stopped = _engine_repeats(eng, tok, w, rec)
     ratios = [x['ratio'] for x in reps]
     res = {
         'repeats': len(reps),
@@ -474,21 +523,11 @@ def part_engine(rec: Recorder, cpu_sim: bool):
     rec.done(len(reps) >= 1)
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #9ef0a958
-def part_precision(rec: Recorder, cpu_sim: bool):
-    """bf16 against fp32 on a model whose log-probs are far from uniform; the untrained model must
-    fail the same tolerance."""
+def _precision_train(hf, batch: dict) -> float:
+    """The tiny model trained 40 steps on one fixed sequence (log-probs far from uniform); its loss
+    after."""
     import torch
-    from memagent.models import load_model
     from memagent.backends.torch import TorchBackend
-    from memagent.backends.megatron import MegatronBackend
-    from memagent.ondevice import compute_device
-
-    dev = compute_device()
-    cfg32 = tiny_megatron('selective', 'float32')
-    hf = load_model('tiny-qwen3', 'float32', dev)
-    V = hf.config.vocab_size
-    batch = {k: v.to(dev) for k, v in fixed_batch(V, CPU_TOKENS // 2 if cpu_sim else 512).items()}
-    untrained = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     from memagent.config import OptimCfg
 
     trainer = TorchBackend(hf, OptimCfg(name='adam', lr=1e-2), grad_clip=1.0)
@@ -499,39 +538,62 @@ def part_precision(rec: Recorder, cpu_sim: bool):
         trainer.backward(loss)
         trainer.step()
     with torch.no_grad():
-        trained_loss = float(-(trainer.logprobs(batch).sum() / n))
+        return float(-(trainer.logprobs(batch).sum() / n))
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #b2df754b
+def _fp32_step(sd: dict, batch: dict, dev, cfg32) -> tuple:
+    """One torch step in fp32 from the weights `sd`: its loss and grad norm."""
+    from memagent.models import load_model
+    from memagent.backends.torch import TorchBackend
+
+    m = load_model('tiny-qwen3', 'float32', dev)
+    m.load_state_dict(sd)
+    be = TorchBackend(m, cfg32.optim, cfg32.optim.grad_clip)
+    out = one_step(be, batch)
+    del be, m
+    _gc()
+    return out
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #b9ab79c7
+def _bf16_step(sd: dict, batch: dict) -> tuple:
+    """One megatron step in bf16 (fp32 main params; the distributed optimizer on a GPU, the CPU
+    stand-in on CPU)."""
+    import torch
+    from memagent.models import load_model
+    from memagent.backends.megatron import MegatronBackend
+
+    cfg = tiny_megatron('selective', 'bfloat16', distributed_optimizer=_cuda())
+    m = load_model('tiny-qwen3', 'float32')
+    m.load_state_dict({k: v.cpu() for k, v in sd.items()})
+    be = MegatronBackend.from_config(cfg, m.to(torch.bfloat16))
+    try:
+        return one_step(be, batch)
+    finally:
+        be.close()
+        del be
+        _gc()
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #ad2e6d68
+def part_precision(rec: Recorder, cpu_sim: bool):
+    """bf16 against fp32 on a model whose log-probs are far from uniform; the untrained model must
+    fail the same tolerance."""
+    from memagent.models import load_model
+    from memagent.ondevice import compute_device
+
+    dev = compute_device()
+    cfg32 = tiny_megatron('selective', 'float32')
+    hf = load_model('tiny-qwen3', 'float32', dev)
+    V = hf.config.vocab_size
+    batch = {k: v.to(dev) for k, v in fixed_batch(V, CPU_TOKENS // 2 if cpu_sim else 512).items()}
+    untrained = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    trained_loss = _precision_train(hf, batch)
     rec.put(
         'training',
         {'uniform_loss_ln_vocab': math.log(V), 'trained_loss': trained_loss, 'steps': 40},
     )
     trained = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    del trainer
-
-    def fp32_step(sd):
-        m = load_model('tiny-qwen3', 'float32', dev)
-        m.load_state_dict(sd)
-        be = TorchBackend(m, cfg32.optim, cfg32.optim.grad_clip)
-        out = one_step(be, batch)
-        del be, m
-        _gc()
-        return out
-
-    def bf16_step(sd):
-        """One megatron step in bf16 (fp32 main params; the distributed optimizer on a GPU, the CPU
-        stand-in on CPU)."""
-        cfg = tiny_megatron('selective', 'bfloat16', distributed_optimizer=_cuda())
-        m = load_model('tiny-qwen3', 'float32')
-        m.load_state_dict({k: v.cpu() for k, v in sd.items()})
-        be = MegatronBackend.from_config(cfg, m.to(torch.bfloat16))
-        try:
-            return one_step(be, batch)
-        finally:
-            be.close()
-            del be
-            _gc()
-
-    l32, n32 = fp32_step(trained)
-    l16, n16 = bf16_step(trained)
+    l32, n32 = _fp32_step(trained, batch, dev, cfg32)
+    l16, n16 = _bf16_step(trained, batch)
     rel = lambda a, b: abs(a - b) / abs(b)
     check = {
         'loss_fp32': l32,
@@ -546,7 +608,7 @@ def part_precision(rec: Recorder, cpu_sim: bool):
         and check['grad_norm_rel_diff'] < TOL['grad_norm_rel']
     )
     rec.put('bf16_vs_fp32', check)
-    lu, nu = bf16_step(untrained)  # the control: another model, same tolerance
+    lu, nu = _bf16_step(untrained, batch)  # the control: another model, same tolerance
     control = {
         'loss_bf16_untrained': lu,
         'loss_rel_diff': rel(lu, l32),
@@ -620,17 +682,21 @@ def _timed(fn, repeats: int) -> tuple[list[float], list[int | None]]:
     return secs, peaks
 
 # %% ../../nbs/22_gpucheck_3_parts.ipynb #6bb9869a
-def part_optimizer(rec: Recorder, cpu_sim: bool):
-    """megatron-core's optimizer step as the recipe builds it, then torch's AdamW (fused where
-    offered) over parameters of the same shapes: seconds and peak of each."""
-    import torch
+def _peak_gib(ps: list):
+    """The highest of the peaks in GiB (None where no peak was measured: CPU)."""
+    from memagent.plan import GiB
+
+    return max(ps) / GiB if ps and ps[0] is not None else None
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #2a1193b6
+def _optimizer_megatron(cfg, dev, cpu_sim: bool) -> tuple:
+    """megatron-core's step as the recipe builds it, timed after a warm-up with fresh gradients
+    before each; its record and the parameters' shapes."""
     from memagent.backends.megatron import MegatronBackend
     from memagent.bench import spread
     from memagent.models import load_model
-    from memagent.ondevice import compute_device
-    from memagent.plan import ARCHS, GiB
+    from memagent.plan import ARCHS
 
-    dev, cfg = compute_device(), optimizer_config(cpu_sim)
     hf = (
         load_model('tiny-qwen3', 'float32')
         if cpu_sim
@@ -646,7 +712,6 @@ def part_optimizer(rec: Recorder, cpu_sim: bool):
         lp = be.logprobs(batch)
         be.backward(-(lp.sum() / batch['response_mask'][:, 1:].sum()))
 
-    gib = lambda ps: max(ps) / GiB if ps and ps[0] is not None else None
     try:
         grads()
         be.step()  # warm-up: the optimizer's states exist
@@ -661,17 +726,24 @@ def part_optimizer(rec: Recorder, cpu_sim: bool):
         be.close()
         del be
         _gc()
-    n = sum(math.prod(s) for s in shapes)
     meg = {
         'optimizer': name,
         'seconds': spread(secs),
-        'peak_gib': gib(peaks),
+        'peak_gib': _peak_gib(peaks),
         'what': (
             "MegatronBackend.step(): gradient reduction, grad norm and clipping, the optimizer "
             "step, the bf16 copy of the fp32 main params"
         ),
     }
-    rec.put('megatron_core', meg)
+    return meg, shapes
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #b1273381
+def _optimizer_torch(shapes: list, dev) -> dict:
+    """torch's AdamW (fused where offered) over fp32 parameters of the same shapes, timed after a
+    warm-up."""
+    import torch
+    from memagent.bench import spread
+
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in shapes]
     for p in params:
@@ -682,7 +754,7 @@ def part_optimizer(rec: Recorder, cpu_sim: bool):
     tor = {
         'optimizer': f'torch.optim.AdamW ({impl})',
         'seconds': spread(secs),
-        'peak_gib': gib(peaks),
+        'peak_gib': _peak_gib(peaks),
         'what': (
             'the update alone, over fp32 parameters and gradients of the same shapes (no '
             'reduction, clipping or bf16 copy)'
@@ -690,6 +762,19 @@ def part_optimizer(rec: Recorder, cpu_sim: bool):
     }
     del opt, params
     _gc()
+    return tor
+
+# %% ../../nbs/22_gpucheck_3_parts.ipynb #675cf331
+def part_optimizer(rec: Recorder, cpu_sim: bool):
+    """megatron-core's optimizer step as the recipe builds it, then torch's AdamW (fused where
+    offered) over parameters of the same shapes: seconds and peak of each."""
+    from memagent.ondevice import compute_device
+
+    dev, cfg = compute_device(), optimizer_config(cpu_sim)
+    meg, shapes = _optimizer_megatron(cfg, dev, cpu_sim)
+    n = sum(math.prod(s) for s in shapes)
+    rec.put('megatron_core', meg)
+    tor = _optimizer_torch(shapes, dev)
     rec.put('torch_adamw', tor)
     rec.put(
         'summary',

@@ -176,9 +176,8 @@ def _f(x, nd=3):
     return 'n/a' if x is None else (f"{x:.{nd}g}" if isinstance(x, float) else str(x))
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #ca97dc51
-def render_md(layout: dict, body: dict, layout_lines) -> str:
-    """The report to read: the layout and what was not checked first, then one section per part with
-    its verdict and figures."""
+def _md_head(layout: dict, body: dict, layout_lines) -> list:
+    """The report's opening: the layout, the verdict, the environment and the table of parts."""
     e, P = body['environment'], body['parts']
     L = layout_lines(layout) + [
         '',
@@ -218,242 +217,333 @@ def render_md(layout: dict, body: dict, layout_lines) -> str:
         f"{'within' if body['within_budget'] else 'OVER'})",
         '',
     ]
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #9f5fa357
+def _md_megatron(r: dict) -> list:
+    """The megatron part's table: one row per recompute mode and dtype."""
+    L = [
+        '| recompute | dtype | optimizer | attention | parameters | loss rel diff | grad '
+        'norm rel diff | state round trip | checkpoint before step 1 | pass |',
+        '|---|---|---|---|---|---|---|---|---|---|',
+    ]
+    for g in r.values():
+        c = g['checkpoint_before_first_step']
+        L.append(
+            f"| {g['recompute']} | {g['dtype']} | {g['optimizer']} | {g['attention']} | "
+            f"{', '.join(g['parameter_dtypes'])} | "
+            f"{_f(g['loss_rel_diff'])} | {_f(g['grad_norm_rel_diff'])} | "
+            f"{g['optimizer_state_round_trip']} | "
+            f"{c.get('saved') or c.get('error')} | {g['pass']} |"
+        )
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #a271d6ee
+def _md_weight_sync(r: dict) -> list:
+    """The weight-sync part's line: log-probs before the step, after the sync, a missed sync."""
+    w = r['weight_sync']
+    return [
+        f"{w['precision']}, tol {w['tol']:g}: before step "
+        f"{w['before_step'].get('passed')} (max |dlogp| "
+        f"{_f(w['before_step'].get('max_abs_dlogp'))}), after sync "
+        f"{w['after_sync'].get('passed')} "
+        f"({_f(w['after_sync'].get('max_abs_dlogp'))}), missed sync rejected "
+        f"{not w['missed_sync'].get('passed')}"
+    ]
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #92c9d250
+def _md_trainer(r: dict) -> list:
+    """The trainer part's table: one row per backend, its two steps' seconds and GPU peak."""
+    L = [
+        '| backend | health | KL step 1 | setup s | step 1 s (rollout / update / sync) | '
+        'step 2 s | GPU peak GiB | pass |',
+        '|---|---|---|---|---|---|---|---|',
+    ]
+    for g in r.values():
+        s = g['steps']
+        L.append(
+            f"| {g['backend']} | {g['health']} | {_f(g['kl_step1'])} | {_f(g['setup_s'])} "
+            f"| {_f(s[0]['time_step'])} "
+            f"({_f(s[0]['time_rollout'])} / {_f(s[0]['time_update'])} / "
+            f"{_f(s[0]['time_sync'])}) | "
+            f"{_f(s[-1]['time_step'])} | {_f(g['gpu_peak_gib'])} | {g['pass']} |"
+        )
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #8f95fd35
+def _md_engine(r: dict) -> list:
+    """The engine part's lines: the workload it ran and its tokens/s against generate()."""
+    w = r.get('workload', {})
+    L = [f"workload run: {w.get('run')}; shrunk: {w.get('shrunk') or 'no'} (rule: {w.get('rule')})"]
+    s = r.get('summary')
+    if s:
+        L.append(
+            f"engine / generate() tokens/s: median {_f(s['ratio']['median'])} (range "
+            f"{_f(s['ratio']['min'])}..{_f(s['ratio']['max'])}, "
+            f"{s['repeats']} repeats{'; ' + s['stopped'] if s['stopped'] else ''}); goal "
+            f"{s['goal']}: {s['verdict']}"
+        )
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #c5204b9a
+def _md_step4b_plan(r: dict) -> list:
+    """A step4b part's plan for Qwen3-4B, and the rows it reduced or the reason it skipped."""
+    L = []
+    q = r.get('plan_qwen3_4b')
+    if q:
+        L.append(
+            f"Qwen3-4B plan at {q['rows']} x {q['seq_len']} tokens ({q['attention']}): "
+            f"{q['update_allocated_gib']:.1f} GiB allocated in the "
+            f"update, peak {q['update_peak_gib']:.1f} GiB on a {q['gpu_gib']:.1f} GiB "
+            "card: "
+            f"{'fits' if q['fits'] else 'does not fit'} (runs within {q['headroom']:.0%} "
+            "of the card)"
+        )
+    if r.get('rows_reduced'):
+        L.append(f"rows reduced: {r['rows_reduced']}")
+    if r.get('skipped'):
+        L.append(f"skipped: {r['skipped']}")
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #208e8c08
+def _md_step_figures(s: dict) -> list:
+    """The step's figures (seconds, tokens/s, TFLOP/s, peak) and those re-derived at rendering."""
+    L = [
+        f"ran {s['rows']} x {s['seq_len']} tokens ({s['attention']}, {s['dtype']}): "
+        f"{_f(s['seconds_per_step']['median'])} s a step "
+        "(range "
+        f"{_f(s['seconds_per_step']['min'])}..{_f(s['seconds_per_step']['max'])}), "
+        f"{_f(s['tokens_per_s'])} tokens/s, "
+        f"{_f(s['model_tflops'])} model TFLOP/s = {_f(s['fraction_of_matmul_rate'])} "
+        f"of the {_f(s['matmul_tflops'])} TFLOP/s "
+        f"matmul rate measured here; peak {_f(s['peak_gib'])} GiB against the plan's "
+        f"{_f(s['plan_gib'])} GiB "
+        f"(peak / plan {_f(s['peak_over_plan'])})"
+    ]
+    if s.get('rederived'):
+        d = s['rederived']
+        L.append(
+            f"re-derived at rendering: {d['why']} ({d['head_positions']} of {d['tokens']} "
+            "positions); recorded: "
+            + ', '.join(
+                f"{k} "
+                f"{_f(v['recorded']) if not isinstance(v['recorded'], list) else '..'.join(_f(x) for x in v['recorded'])}"  # noqa: E501
+                for k, v in d['figures'].items()
+            )
+        )
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #e8a4a7fa
+def _md_step_phases(s: dict) -> list:
+    """The step's peak memory and time by phase, when they were measured."""
+    L = []
+    if s.get('phases_gib'):
+        ph, mb = s['phases_gib'], s.get('memory_by_phase', {})
+        L.append(
+            "peak by phase (GiB): "
+            + ', '.join(
+                f"{k} {_f(m['peak_gib'])} (plan "
+                f"{_f(m['plan_gib'])}{': OVER its plan' if m['over'] else ''})"
+                for k, m in mb.items()
+            )
+            + (
+                f"; held before the step {_f(ph['held before the step'])}, after the "
+                f"backward {_f(ph['held after the backward'])}"
+            )
+        )
+    if s.get('phases_s'):
+        t = s['phases_s']
+        L.append(
+            "time by phase (one step; CUDA events on a GPU, the host clock on CPU): "
+            + ', '.join(f"{k} {_f(v)} s" for k, v in t.items())
+            + f" (optimizer step {t['optimizer step'] / sum(t.values()):.0%})"
+        )
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #c733a03d
+def _md_step_split(s: dict) -> str:
+    """The profiled step's split: shares when it is reliable, else the seconds it credited."""
+    sp, v = s['split'], s['split_checks']
+    if v['reliable']:
+        return (
+            f"one profiled step, {sp['clock']}: "
+            + ', '.join(f"{k} {x:.0%}" for k, x in sp['share'].items())
+            + f"; {split_verdict(v)}"
+        )
+    return (
+        f"one profiled step, {sp['clock']}: {split_verdict(v)}. Seconds it "
+        "credited per part, not a split of the step: "
+        + ', '.join(f"{k} {_f(x)}" for k, x in sp['seconds'].items())
+    )
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #d8f49856
+def _md_step4b(r: dict) -> list:
+    """A step4b part's lines: its plan, then the step it ran, by phase and split."""
+    L = _md_step4b_plan(r)
+    s = r.get('step')
+    if s:
+        L += _md_step_figures(s) + _md_step_phases(s) + [_md_step_split(s)]
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #2bf4a296
+def _md_optimizer(r: dict) -> list:
+    """The optimizer part's lines: megatron-core's step and torch's AdamW, and their ratio."""
+    L = []
+    for k in ('megatron_core', 'torch_adamw'):
+        o = r[k]
+        L.append(
+            f"{o['optimizer']}: {_f(o['seconds']['median'])} s a step (range "
+            f"{_f(o['seconds']['min'])}..{_f(o['seconds']['max'])}, "
+            f"{o['seconds']['n']} steps), peak {_f(o['peak_gib'])} GiB; it times "
+            f"{o['what']}"
+        )
+    L.append(
+        f"{r['summary']['parameters']:,} parameters ({r['summary']['preset']}); "
+        "megatron-core's step over torch's: "
+        f"{_f(r['summary']['megatron_over_torch_seconds'])}x the seconds"
+    )
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #214e8f97
+def _md_train_notebook(r: dict) -> list:
+    """The train-notebook part's lines: its throughput, peaks and seconds by section."""
+    t = r['train_notebook']
+    L = [
+        f"{t['how']}; {t['steps']} steps of preset {t['params']['preset']}: "
+        f"{_f(t['tokens_per_s'])} trained tokens/s of the steps, "
+        f"GPU peak {_f(t['gpu_peak_gib'])} GiB, host peak RSS "
+        f"{_f(t['host_peak_rss_gib'])} GiB, {_f(t['wall_s'])} s in all",
+        'seconds by section: '
+        + ', '.join(f"{k} {_f(v)}" for k, v in t['seconds_by_section'].items()),
+    ]
+    if t['error']:
+        L.append(f"stopped: `{t['error']}`")
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #85c0f24a
+def _md_precision(r: dict) -> list:
+    """The precision part's lines: trained loss, bf16 against fp32, the untrained control."""
+    t, c, k = r.get('training', {}), r.get('bf16_vs_fp32'), r.get('control_untrained')
+    L = [
+        f"trained loss {_f(t.get('trained_loss'))} against ln V = "
+        f"{_f(t.get('uniform_loss_ln_vocab'))} (uniform)"
+    ]
+    if c:
+        L.append(
+            f"bf16 vs fp32: loss rel diff {_f(c['loss_rel_diff'])}, grad norm rel diff "
+            f"{_f(c['grad_norm_rel_diff'])} "
+            f"(tol {TOL['loss_rel']:g} / {TOL['grad_norm_rel']:g}): {c['pass']}"
+        )
+    if k:
+        L.append(
+            "control (untrained model, same tolerance): loss rel diff "
+            f"{_f(k['loss_rel_diff'])}, grad norm rel diff "
+            f"{_f(k['grad_norm_rel_diff'])}: outside the tolerance {k['outside_tolerance']}"
+        )
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #d5219545
+def _md_part(name: str, what: str, p: dict) -> list:
+    """One part's section: its verdict, what it checks, any error, then its own figures."""
+    r = p.get('results', {})
+    L = [f"## {name}: {p['verdict']}", '', what + '.', '']
+    if p.get('error'):
+        L += [f"error: `{p['error']}`", '']
+    if p.get('memory_failed'):
+        L += [f"memory check FAILED: {p['memory_failed']}", '']
+    if name == 'megatron' and r:
+        L += _md_megatron(r)
+    elif name == 'weight_sync' and r:
+        L += _md_weight_sync(r)
+    elif name == 'trainer' and r:
+        L += _md_trainer(r)
+    elif name == 'engine' and r:
+        L += _md_engine(r)
+    elif name in STEP4B and r:
+        L += _md_step4b(r)
+    elif name == 'optimizer' and r.get('summary'):
+        L += _md_optimizer(r)
+    elif name == 'train-notebook' and r.get('train_notebook'):
+        L += _md_train_notebook(r)
+    elif r.get('skipped'):
+        L.append(f"skipped: {r['skipped']}")
+    elif name == 'precision' and r:
+        L += _md_precision(r)
+    L.append('')
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #b044c50a
+def _md_side_by_side_row(x: dict) -> str:
+    """One step4b part's row in the side-by-side table."""
+    top = sorted(x['split'].items(), key=lambda kv: -kv[1])[:3]
+    over = (
+        f" (phase over plan: {', '.join(x['memory_over_plan'])})"
+        if x.get('memory_over_plan')
+        else ''
+    )
+    return (
+        f"| {x['part']} | {x['attention']} | {x['recompute']} | {x['rows']} x "
+        f"{x['seq_len']} | {_f(x['seconds_per_step'])} | "
+        f"{_f(x['tokens_per_s'])} | {_f(x['model_tflops'])} | "
+        f"{_f(x['fraction_of_matmul_rate'])} | {_f(x['peak_gib'])} / "
+        f"{_f(x['plan_gib'])}{over} | "
+        + (
+            ', '.join(f"{k} {v:.0%}" for k, v in top)
+            if x['split_reliable']
+            else 'not known: the split is not reliable (see the part)'
+        )
+        + ' |'
+    )
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #ee099477
+def _md_sdpa_summary(sb: dict, g: dict) -> list:
+    """SDPA against the local spec: its gain, its share of the matmul rate, its largest part."""
+    f = sb['sdpa_fraction_of_matmul_rate']
+    return [
+        '',
+        f"SDPA over the local spec, model TFLOP/s at full recompute: {_f(g['median'])} "
+        f"(range {_f(g['min'])}..{_f(g['max'])} from the "
+        f"repeats' extremes); goal {g['goal']}: {g['verdict']}. SDPA reaches "
+        f"{_f(f['value'])} of the matmul rate (aim "
+        f"{f['aim']:g}: {'reached' if f['reached'] else 'not reached'}); "
+        + (
+            f"its largest part of the step is {sb['sdpa_largest_part']['part']} "
+            f"({sb['sdpa_largest_part']['share']:.0%})."
+            if sb['sdpa_largest_part']['reliable']
+            else (
+                "where its time goes is not known from this run: "
+                f"{sb['sdpa_largest_part']['verdict']}."
+            )
+        ),
+    ]
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #03071b30
+def _md_side_by_side(sb: dict) -> list:
+    """The section that sets the Qwen3-4B step parts side by side."""
+    L = [
+        '## The Qwen3-4B step side by side',
+        '',
+        '| part | attention | recompute | tokens | s/step | tokens/s | model TFLOP/s | of '
+        'matmul rate | peak / plan GiB | largest parts of one profiled step |',
+        '|---|---|---|---|---|---|---|---|---|---|',
+    ]
+    L += [_md_side_by_side_row(x) for x in sb['rows']]
+    g = sb.get('sdpa_over_local')
+    if g:
+        L += _md_sdpa_summary(sb, g)
+    L.append('')
+    return L
+
+# %% ../../nbs/22_gpucheck_5_report.ipynb #ccebde51
+def render_md(layout: dict, body: dict, layout_lines) -> str:
+    """The report to read: the layout and what was not checked first, then one section per part with
+    its verdict and figures."""
+    L = _md_head(layout, body, layout_lines)
     for name, cap, what in PARTS:
-        p = P[name]
-        r = p.get('results', {})
-        L += [f"## {name}: {p['verdict']}", '', what + '.', '']
-        if p.get('error'):
-            L += [f"error: `{p['error']}`", '']
-        if p.get('memory_failed'):
-            L += [f"memory check FAILED: {p['memory_failed']}", '']
-        if name == 'megatron' and r:
-            L += [
-                '| recompute | dtype | optimizer | attention | parameters | loss rel diff | grad '
-                'norm rel diff | state round trip | checkpoint before step 1 | pass |',
-                '|---|---|---|---|---|---|---|---|---|---|',
-            ]
-            for g in r.values():
-                c = g['checkpoint_before_first_step']
-                L.append(
-                    f"| {g['recompute']} | {g['dtype']} | {g['optimizer']} | {g['attention']} | "
-                    f"{', '.join(g['parameter_dtypes'])} | "
-                    f"{_f(g['loss_rel_diff'])} | {_f(g['grad_norm_rel_diff'])} | "
-                    f"{g['optimizer_state_round_trip']} | "
-                    f"{c.get('saved') or c.get('error')} | {g['pass']} |"
-                )
-        elif name == 'weight_sync' and r:
-            w = r['weight_sync']
-            L.append(
-                f"{w['precision']}, tol {w['tol']:g}: before step "
-                f"{w['before_step'].get('passed')} (max |dlogp| "
-                f"{_f(w['before_step'].get('max_abs_dlogp'))}), after sync "
-                f"{w['after_sync'].get('passed')} "
-                f"({_f(w['after_sync'].get('max_abs_dlogp'))}), missed sync rejected "
-                f"{not w['missed_sync'].get('passed')}"
-            )
-        elif name == 'trainer' and r:
-            L += [
-                '| backend | health | KL step 1 | setup s | step 1 s (rollout / update / sync) | '
-                'step 2 s | GPU peak GiB | pass |',
-                '|---|---|---|---|---|---|---|---|',
-            ]
-            for g in r.values():
-                s = g['steps']
-                L.append(
-                    f"| {g['backend']} | {g['health']} | {_f(g['kl_step1'])} | {_f(g['setup_s'])} "
-                    f"| {_f(s[0]['time_step'])} "
-                    f"({_f(s[0]['time_rollout'])} / {_f(s[0]['time_update'])} / "
-                    f"{_f(s[0]['time_sync'])}) | "
-                    f"{_f(s[-1]['time_step'])} | {_f(g['gpu_peak_gib'])} | {g['pass']} |"
-                )
-        elif name == 'engine' and r:
-            w = r.get('workload', {})
-            L.append(
-                f"workload run: {w.get('run')}; shrunk: {w.get('shrunk') or 'no'} (rule: "
-                f"{w.get('rule')})"
-            )
-            s = r.get('summary')
-            if s:
-                L.append(
-                    f"engine / generate() tokens/s: median {_f(s['ratio']['median'])} (range "
-                    f"{_f(s['ratio']['min'])}..{_f(s['ratio']['max'])}, "
-                    f"{s['repeats']} repeats{'; ' + s['stopped'] if s['stopped'] else ''}); goal "
-                    f"{s['goal']}: {s['verdict']}"
-                )
-        elif name in STEP4B and r:
-            q = r.get('plan_qwen3_4b')
-            if q:
-                L.append(
-                    f"Qwen3-4B plan at {q['rows']} x {q['seq_len']} tokens ({q['attention']}): "
-                    f"{q['update_allocated_gib']:.1f} GiB allocated in the "
-                    f"update, peak {q['update_peak_gib']:.1f} GiB on a {q['gpu_gib']:.1f} GiB "
-                    "card: "
-                    f"{'fits' if q['fits'] else 'does not fit'} (runs within {q['headroom']:.0%} "
-                    "of the card)"
-                )
-            if r.get('rows_reduced'):
-                L.append(f"rows reduced: {r['rows_reduced']}")
-            if r.get('skipped'):
-                L.append(f"skipped: {r['skipped']}")
-            s = r.get('step')
-            if s:
-                L.append(
-                    f"ran {s['rows']} x {s['seq_len']} tokens ({s['attention']}, {s['dtype']}): "
-                    f"{_f(s['seconds_per_step']['median'])} s a step "
-                    "(range "
-                    f"{_f(s['seconds_per_step']['min'])}..{_f(s['seconds_per_step']['max'])}), "
-                    f"{_f(s['tokens_per_s'])} tokens/s, "
-                    f"{_f(s['model_tflops'])} model TFLOP/s = {_f(s['fraction_of_matmul_rate'])} "
-                    f"of the {_f(s['matmul_tflops'])} TFLOP/s "
-                    f"matmul rate measured here; peak {_f(s['peak_gib'])} GiB against the plan's "
-                    f"{_f(s['plan_gib'])} GiB "
-                    f"(peak / plan {_f(s['peak_over_plan'])})"
-                )
-            if s and s.get('rederived'):
-                d = s['rederived']
-                L.append(
-                    f"re-derived at rendering: {d['why']} ({d['head_positions']} of {d['tokens']} "
-                    "positions); recorded: "
-                    + ', '.join(
-                        f"{k} "
-                        f"{_f(v['recorded']) if not isinstance(v['recorded'], list) else '..'.join(_f(x) for x in v['recorded'])}"  # noqa: E501
-                        for k, v in d['figures'].items()
-                    )
-                )
-            if s and s.get('phases_gib'):
-                ph, mb = s['phases_gib'], s.get('memory_by_phase', {})
-                L.append(
-                    "peak by phase (GiB): "
-                    + ', '.join(
-                        f"{k} {_f(m['peak_gib'])} (plan "
-                        f"{_f(m['plan_gib'])}{': OVER its plan' if m['over'] else ''})"
-                        for k, m in mb.items()
-                    )
-                    + (
-                        f"; held before the step {_f(ph['held before the step'])}, after the "
-                        f"backward {_f(ph['held after the backward'])}"
-                    )
-                )
-            if s and s.get('phases_s'):
-                t = s['phases_s']
-                L.append(
-                    "time by phase (one step; CUDA events on a GPU, the host clock on CPU): "
-                    + ', '.join(f"{k} {_f(v)} s" for k, v in t.items())
-                    + f" (optimizer step {t['optimizer step'] / sum(t.values()):.0%})"
-                )
-            if s:
-                sp, v = s['split'], s['split_checks']
-                if v['reliable']:
-                    L.append(
-                        f"one profiled step, {sp['clock']}: "
-                        + ', '.join(f"{k} {x:.0%}" for k, x in sp['share'].items())
-                        + f"; {split_verdict(v)}"
-                    )
-                else:
-                    L.append(
-                        f"one profiled step, {sp['clock']}: {split_verdict(v)}. Seconds it "
-                        "credited per part, not a split of the step: "
-                        + ', '.join(f"{k} {_f(x)}" for k, x in sp['seconds'].items())
-                    )
-        elif name == 'optimizer' and r.get('summary'):
-            for k in ('megatron_core', 'torch_adamw'):
-                o = r[k]
-                L.append(
-                    f"{o['optimizer']}: {_f(o['seconds']['median'])} s a step (range "
-                    f"{_f(o['seconds']['min'])}..{_f(o['seconds']['max'])}, "
-                    f"{o['seconds']['n']} steps), peak {_f(o['peak_gib'])} GiB; it times "
-                    f"{o['what']}"
-                )
-            L.append(
-                f"{r['summary']['parameters']:,} parameters ({r['summary']['preset']}); "
-                "megatron-core's step over torch's: "
-                f"{_f(r['summary']['megatron_over_torch_seconds'])}x the seconds"
-            )
-        elif name == 'train-notebook' and r.get('train_notebook'):
-            t = r['train_notebook']
-            L.append(
-                f"{t['how']}; {t['steps']} steps of preset {t['params']['preset']}: "
-                f"{_f(t['tokens_per_s'])} trained tokens/s of the steps, "
-                f"GPU peak {_f(t['gpu_peak_gib'])} GiB, host peak RSS "
-                f"{_f(t['host_peak_rss_gib'])} GiB, {_f(t['wall_s'])} s in all"
-            )
-            L.append(
-                'seconds by section: '
-                + ', '.join(f"{k} {_f(v)}" for k, v in t['seconds_by_section'].items())
-            )
-            if t['error']:
-                L.append(f"stopped: `{t['error']}`")
-        elif r.get('skipped'):
-            L.append(f"skipped: {r['skipped']}")
-        elif name == 'precision' and r:
-            t, c, k = r.get('training', {}), r.get('bf16_vs_fp32'), r.get('control_untrained')
-            L.append(
-                f"trained loss {_f(t.get('trained_loss'))} against ln V = "
-                f"{_f(t.get('uniform_loss_ln_vocab'))} (uniform)"
-            )
-            if c:
-                L.append(
-                    f"bf16 vs fp32: loss rel diff {_f(c['loss_rel_diff'])}, grad norm rel diff "
-                    f"{_f(c['grad_norm_rel_diff'])} "
-                    f"(tol {TOL['loss_rel']:g} / {TOL['grad_norm_rel']:g}): {c['pass']}"
-                )
-            if k:
-                L.append(
-                    "control (untrained model, same tolerance): loss rel diff "
-                    f"{_f(k['loss_rel_diff'])}, grad norm rel diff "
-                    f"{_f(k['grad_norm_rel_diff'])}: outside the tolerance {k['outside_tolerance']}"
-                )
-        L.append('')
+        L += _md_part(name, what, body['parts'][name])
     sb = body.get('step4b_side_by_side')
     if sb:
-        L += [
-            '## The Qwen3-4B step side by side',
-            '',
-            '| part | attention | recompute | tokens | s/step | tokens/s | model TFLOP/s | of '
-            'matmul rate | peak / plan GiB | largest parts of one profiled step |',
-            '|---|---|---|---|---|---|---|---|---|---|',
-        ]
-        for x in sb['rows']:
-            top = sorted(x['split'].items(), key=lambda kv: -kv[1])[:3]
-            over = (
-                f" (phase over plan: {', '.join(x['memory_over_plan'])})"
-                if x.get('memory_over_plan')
-                else ''
-            )
-            L.append(
-                f"| {x['part']} | {x['attention']} | {x['recompute']} | {x['rows']} x "
-                f"{x['seq_len']} | {_f(x['seconds_per_step'])} | "
-                f"{_f(x['tokens_per_s'])} | {_f(x['model_tflops'])} | "
-                f"{_f(x['fraction_of_matmul_rate'])} | {_f(x['peak_gib'])} / "
-                f"{_f(x['plan_gib'])}{over} | "
-                + (
-                    ', '.join(f"{k} {v:.0%}" for k, v in top)
-                    if x['split_reliable']
-                    else 'not known: the split is not reliable (see the part)'
-                )
-                + ' |'
-            )
-        g = sb.get('sdpa_over_local')
-        if g:
-            f = sb['sdpa_fraction_of_matmul_rate']
-            L += [
-                '',
-                f"SDPA over the local spec, model TFLOP/s at full recompute: {_f(g['median'])} "
-                f"(range {_f(g['min'])}..{_f(g['max'])} from the "
-                f"repeats' extremes); goal {g['goal']}: {g['verdict']}. SDPA reaches "
-                f"{_f(f['value'])} of the matmul rate (aim "
-                f"{f['aim']:g}: {'reached' if f['reached'] else 'not reached'}); "
-                + (
-                    f"its largest part of the step is {sb['sdpa_largest_part']['part']} "
-                    f"({sb['sdpa_largest_part']['share']:.0%})."
-                    if sb['sdpa_largest_part']['reliable']
-                    else (
-                        "where its time goes is not known from this run: "
-                        f"{sb['sdpa_largest_part']['verdict']}."
-                    )
-                ),
-            ]
-        L.append('')
+        L += _md_side_by_side(sb)
     return '\n'.join(L)
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #aa18b972

@@ -198,35 +198,13 @@ def memory_by_phase(phases_gib: dict | None, plan_phases_gib: dict | None) -> di
     return {k: {'peak_gib': ph[k], 'plan_gib': pp[k], 'over': ph[k] > pp[k]} for k in pp if k in ph}
 
 # %% ../../nbs/22_gpucheck_4_step4b.ipynb #28dd55a0
-def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
-    """One attention path and recompute mode of the megatron step at Qwen3-4B shapes (CPU: the tiny
-    model at small shapes), sized by the plan to the card, then one profiled step split by part of
-    the layer."""
-    import torch
-    from memagent.backends.megatron import MegatronBackend, have_transformer_engine
-    from memagent.stepsplit import profile_step, split_checks
-    from memagent.ondevice import compute_device
-    from memagent.plan import GiB, get_arch
+def _step4b_fit(
+    rec: Recorder, recompute: str, most_rows: int, seq_len: int, gpu_gib: float, attention: str
+) -> dict:
+    """The plan at the most rows this card holds (fewer rows while the update peak does not fit),
+    recorded with the rows it reduced."""
+    from memagent.plan import GiB
 
-    attention, recompute, most_rows, seq_len = STEP4B[name]
-    if attention == 'te' and not (have_transformer_engine() and _cuda() and not cpu_sim):
-        rec.put(
-            'skipped',
-            'Transformer Engine is not installed here'
-            if not have_transformer_engine()
-            else 'Transformer Engine needs a GPU',
-        )
-        rec.done(True)
-        return
-    gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if _cuda() else 139.8
-    if gpu_gib < STEP4B_MIN_GIB:
-        rec.put(
-            'skipped',
-            f"a {gpu_gib:.1f} GiB card: the Qwen3-4B step's planned peaks need an H200-class card "
-            f"(at least {STEP4B_MIN_GIB} GiB)",
-        )
-        rec.done(True)
-        return
     tried = []
     for rows in range(most_rows, 0, -1):  # the most rows the plan says this card holds
         _, p4b = step4b_plan(recompute, rows, seq_len, gpu_gib, attention=attention)
@@ -254,24 +232,14 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
             if plan4b['fits']
             else 'no row count fits',
         )
-    rows = plan4b['rows']
-    if cpu_sim:
-        seq_len = 128  # the same code at a tiny shape
-    elif not plan4b['fits']:
-        rec.put(
-            'skipped',
-            f"the plan's update peak ({plan4b['update_peak_gib']:.1f} GiB for one row) is over "
-            f"{STEP4B_HEADROOM:.0%} of this {gpu_gib:.1f} GiB card",
-        )
-        rec.done(True)
-        return
-    cfg, p = step4b_plan(recompute, rows, seq_len, gpu_gib, cpu_sim, attention)
-    arch = get_arch(cfg.model.name)
-    dev = compute_device()
-    mm_n = 8192 if _cuda() else 1024
-    rates = [
-        matmul_rate(cfg.model.dtype, mm_n)
-    ]  # measured again after the timed steps: the higher one is the ceiling
+    return plan4b
+
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #5b3da4e4
+def _step4b_build(cfg, arch, cpu_sim: bool, dev):
+    """The megatron backend of the step (CPU: the tiny model; GPU: random weights at the arch's
+    shapes) and the seconds it took to build."""
+    from memagent.backends.megatron import MegatronBackend
+
     t0 = time.perf_counter()
     from memagent.models import load_model
 
@@ -279,7 +247,20 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
     be = MegatronBackend.from_config(cfg, hf)
     del hf
     _gc()
-    build_s = time.perf_counter() - t0
+    return be, time.perf_counter() - t0
+
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #f7832a64
+def _step4b_measure(rec: Recorder, cfg, arch, rows: int, seq_len: int, cpu_sim: bool) -> dict:
+    """The model built, three timed steps after a warm-up, one step taken apart per phase and one
+    profiled; the matmul rate measured before and after, the higher one recorded as the ceiling."""
+    from memagent.stepsplit import profile_step
+    from memagent.ondevice import compute_device
+
+    dev = compute_device()
+    mm_n = 8192 if _cuda() else 1024
+    # measured again after the timed steps: the higher one is the ceiling
+    rates = [matmul_rate(cfg.model.dtype, mm_n)]
+    be, build_s = _step4b_build(cfg, arch, cpu_sim, dev)
     batch = step4b_batch(rows, seq_len, arch.vocab, dev)
     head_positions = int(batch['response_mask'][:, 1:].sum())
     _peak_reset()
@@ -293,9 +274,8 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
             if i:
                 secs.append(time.perf_counter() - t)
         peak = _peak()
-        rates.append(
-            matmul_rate(cfg.model.dtype, mm_n)
-        )  # (a slow spell of a shared host during one measurement lowers it)
+        # (a slow spell of a shared host during one measurement lowers it)
+        rates.append(matmul_rate(cfg.model.dtype, mm_n))
         rate = max(rates)
         rec.put(
             'matmul_rate_tflops',
@@ -303,13 +283,38 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
         )
         built = be.attention
         phases, phase_s = _phase_step(be, batch)  # one more step, taken apart per phase
-        split = profile_step(
-            be.model, lambda: one_step(be, batch)
-        )  # after the peak: the profiler's buffers are not the step's
+        # after the peak: the profiler's buffers are not the step's
+        split = profile_step(be.model, lambda: one_step(be, batch))
     finally:
         be.close()
         del be
         _gc()
+    return dict(
+        build_s=build_s,
+        head_positions=head_positions,
+        secs=secs,
+        loss=loss,
+        norm=norm,
+        peak=peak,
+        rate=rate,
+        built=built,
+        phases=phases,
+        phase_s=phase_s,
+        split=split,
+    )
+
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #0c9ce50c
+def _step4b_result(
+    meas: dict, p, cfg, arch, attention: str, recompute: str, rows: int, seq_len: int
+) -> dict:
+    """The step's record from what was measured: throughput, model FLOPs against the matmul rate,
+    peaks against the plan, the split's checks and the verdict."""
+    from memagent.stepsplit import split_checks
+    from memagent.plan import GiB
+
+    secs, rate, peak, split = meas['secs'], meas['rate'], meas['peak'], meas['split']
+    built, loss, norm = meas['built'], meas['loss'], meas['norm']
+    phases, phase_s, head_positions = meas['phases'], meas['phase_s'], meas['head_positions']
     tokens = rows * seq_len
     med = statistics.median(secs)
     split['checks'] = split_checks(split, phase_s, med)
@@ -324,7 +329,7 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
         'planned_attention': p.details['attention'],
         'dtype': cfg.model.dtype,
         'distributed_optimizer': cfg.batch.distributed_optimizer,
-        'build_s': build_s,
+        'build_s': meas['build_s'],
         'seconds_per_step': {'median': med, 'min': min(secs), 'max': max(secs), 'n': len(secs)},
         'tokens_per_s': tokens / med,
         'model_tflops': flops / med / 1e12,
@@ -351,10 +356,128 @@ def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
         and not any(m['over'] for m in r['memory_by_phase'].values())
         and built == attention == r['planned_attention']
     )
+    return r
+
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #fbfe3e45
+def part_step4b(rec: Recorder, name: str, cpu_sim: bool):
+    """One attention path and recompute mode of the megatron step at Qwen3-4B shapes (CPU: the tiny
+    model at small shapes), sized by the plan to the card, then one profiled step split by part of
+    the layer."""
+    import torch
+    from memagent.backends.megatron import have_transformer_engine
+    from memagent.plan import GiB, get_arch
+
+    attention, recompute, most_rows, seq_len = STEP4B[name]
+    if attention == 'te' and not (have_transformer_engine() and _cuda() and not cpu_sim):
+        rec.put(
+            'skipped',
+            'Transformer Engine is not installed here'
+            if not have_transformer_engine()
+            else 'Transformer Engine needs a GPU',
+        )
+        rec.done(True)
+        return
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if _cuda() else 139.8
+    if gpu_gib < STEP4B_MIN_GIB:
+        rec.put(
+            'skipped',
+            f"a {gpu_gib:.1f} GiB card: the Qwen3-4B step's planned peaks need an H200-class card "
+            f"(at least {STEP4B_MIN_GIB} GiB)",
+        )
+        rec.done(True)
+        return
+    plan4b = _step4b_fit(rec, recompute, most_rows, seq_len, gpu_gib, attention)
+    rows = plan4b['rows']
+    if cpu_sim:
+        seq_len = 128  # the same code at a tiny shape
+    elif not plan4b['fits']:
+        rec.put(
+            'skipped',
+            f"the plan's update peak ({plan4b['update_peak_gib']:.1f} GiB for one row) is over "
+            f"{STEP4B_HEADROOM:.0%} of this {gpu_gib:.1f} GiB card",
+        )
+        rec.done(True)
+        return
+    cfg, p = step4b_plan(recompute, rows, seq_len, gpu_gib, cpu_sim, attention)
+    arch = get_arch(cfg.model.name)
+    m = _step4b_measure(rec, cfg, arch, rows, seq_len, cpu_sim)
+    r = _step4b_result(m, p, cfg, arch, attention, recompute, rows, seq_len)
     rec.put('step', r)
     rec.done(r['pass'])
 
 # %% ../../nbs/22_gpucheck_4_step4b.ipynb #baae5e5a
+def _side_by_side_row(n: str, s: dict) -> dict:
+    """One step4b part's row: its shape, throughput, peak against the plan and split."""
+    return {
+        'part': n,
+        **{
+            k: s[k]
+            for k in (
+                'attention',
+                'recompute',
+                'rows',
+                'seq_len',
+                'tokens_per_s',
+                'model_tflops',
+                'fraction_of_matmul_rate',
+                'peak_gib',
+                'plan_gib',
+            )
+        },
+        'seconds_per_step': s['seconds_per_step']['median'],
+        'split': s['split']['share'],
+        'split_reliable': s['split_checks']['reliable'],
+        'memory_over_plan': [k for k, m in s.get('memory_by_phase', {}).items() if m['over']],
+    }
+
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #a18f33ef
+def _sdpa_largest_part(sd: dict) -> dict:
+    """SDPA's largest part of the profiled step (not 'other'), named only where the split is
+    reliable."""
+    chk = sd['split_checks']
+    top = (
+        max(
+            (k for k in sd['split']['share'] if k != 'other'),
+            key=lambda k: sd['split']['share'][k],
+        )
+        if chk['reliable']
+        else None
+    )
+    return {
+        'part': top,
+        'share': sd['split']['share'][top] if top else None,
+        'reliable': chk['reliable'],
+        'verdict': split_verdict(chk),
+    }
+
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #ca5dc3f5
+def _sdpa_against_local(lo: dict, sd: dict) -> dict:
+    """The fused path's goal and aim at full recompute: SDPA's model TFLOP/s over the local spec's,
+    its fraction of the matmul rate and its largest part."""
+    out = {}
+    ratio = sd['model_tflops'] / lo['model_tflops']
+    worst, best = (
+        sd['model_tflops_range'][0] / lo['model_tflops_range'][1],
+        sd['model_tflops_range'][1] / lo['model_tflops_range'][0],
+    )
+    g = STEP4B_GOAL['sdpa_over_local_model_tflops']
+    out['sdpa_over_local'] = {
+        'median': ratio,
+        'min': worst,
+        'max': best,
+        'goal': f'>= {g:g}',
+        'verdict': 'met' if worst >= g else 'not met' if best < g else 'undecided',
+    }
+    f = sd['fraction_of_matmul_rate']
+    out['sdpa_fraction_of_matmul_rate'] = {
+        'value': f,
+        'aim': STEP4B_GOAL['fraction_of_matmul_rate'],
+        'reached': f >= STEP4B_GOAL['fraction_of_matmul_rate'],
+    }
+    out['sdpa_largest_part'] = _sdpa_largest_part(sd)
+    return out
+
+# %% ../../nbs/22_gpucheck_4_step4b.ipynb #41214249
 def step4b_side_by_side(parts: dict) -> dict | None:
     """The step4b parts that ran, side by side, and the fused path's goal: SDPA's model TFLOP/s over
     the local spec's (full recompute), its range from the repeats' extremes, and the fraction of the
@@ -366,65 +489,8 @@ def step4b_side_by_side(parts: dict) -> dict | None:
     }
     if not steps:
         return None
-    rows = [
-        {
-            'part': n,
-            **{
-                k: s[k]
-                for k in (
-                    'attention',
-                    'recompute',
-                    'rows',
-                    'seq_len',
-                    'tokens_per_s',
-                    'model_tflops',
-                    'fraction_of_matmul_rate',
-                    'peak_gib',
-                    'plan_gib',
-                )
-            },
-            'seconds_per_step': s['seconds_per_step']['median'],
-            'split': s['split']['share'],
-            'split_reliable': s['split_checks']['reliable'],
-            'memory_over_plan': [k for k, m in s.get('memory_by_phase', {}).items() if m['over']],
-        }
-        for n, s in steps.items()
-    ]
-    out = {'rows': rows}
+    out = {'rows': [_side_by_side_row(n, s) for n, s in steps.items()]}
     lo, sd = steps.get('step4b-local-full'), steps.get('step4b-sdpa-full')
     if lo and sd and (lo['rows'], lo['seq_len']) == (sd['rows'], sd['seq_len']):
-        ratio = sd['model_tflops'] / lo['model_tflops']
-        worst, best = (
-            sd['model_tflops_range'][0] / lo['model_tflops_range'][1],
-            sd['model_tflops_range'][1] / lo['model_tflops_range'][0],
-        )
-        g = STEP4B_GOAL['sdpa_over_local_model_tflops']
-        out['sdpa_over_local'] = {
-            'median': ratio,
-            'min': worst,
-            'max': best,
-            'goal': f'>= {g:g}',
-            'verdict': 'met' if worst >= g else 'not met' if best < g else 'undecided',
-        }
-        f = sd['fraction_of_matmul_rate']
-        out['sdpa_fraction_of_matmul_rate'] = {
-            'value': f,
-            'aim': STEP4B_GOAL['fraction_of_matmul_rate'],
-            'reached': f >= STEP4B_GOAL['fraction_of_matmul_rate'],
-        }
-        chk = sd['split_checks']
-        top = (
-            max(
-                (k for k in sd['split']['share'] if k != 'other'),
-                key=lambda k: sd['split']['share'][k],
-            )
-            if chk['reliable']
-            else None
-        )
-        out['sdpa_largest_part'] = {
-            'part': top,
-            'share': sd['split']['share'][top] if top else None,
-            'reliable': chk['reliable'],
-            'verdict': split_verdict(chk),
-        }
+        out.update(_sdpa_against_local(lo, sd))
     return out
