@@ -376,8 +376,7 @@ def make_group(
     """A `LocalGroup` for one process, else a `RayGroup` of `world_size` ranks (placed by
     `placement.train_options(rank)` when given)."""
     # imported here, not with the module: Ray workers that run this module's actors and tasks (the
-    # server actors, the
-    # bundle probes) then import no torch
+    # server actors, the bundle probes) then import no torch
     from memagent.policy import LocalGroup
     from memagent.backends.ray import RayGroup
 

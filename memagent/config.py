@@ -1156,9 +1156,8 @@ def memagent_official() -> Config:
             agg='token_mean',
         ),
         # 16 optimizer steps per rollout batch: the official run scripts (run_memory_7B.sh,
-        # run_memory_14B.sh at MemAgent
-        # 76b7a658) set data.train_batch_size / actor.ppo_mini_batch_size = 128 / 8 and 256 / 16
-        # prompts
+        # run_memory_14B.sh at MemAgent 76b7a658) set data.train_batch_size /
+        # actor.ppo_mini_batch_size = 128 / 8 and 256 / 16 prompts
         optim=OptimCfg(
             name='adam',
             lr=1e-6,
@@ -1204,11 +1203,9 @@ def cpu_demo() -> Config:
         chunking=ChunkingCfg(chunk_tokens=48, memory_tokens=24, final_tokens=16, max_chunks=3),
         prompt=PromptCfg(variant='train', thinking='off'),
         # Temperature 0.6, below the 1.0 of the GPU recipes: chosen for a 135M model, to sample
-        # nearer its most likely
-        # answers while groups keep some reward variance. lr 1e-5: at 3e-5 the policy collapsed to a
-        # 3-token memory within
-        # 12 steps; 2 pairs: with 3 (two distractors) 12 steps at 1e-5 gave no measurable gain on
-        # the held-out items that need
+        # nearer its most likely answers while groups keep some reward variance. lr 1e-5: at 3e-5
+        # the policy collapsed to a 3-token memory within 12 steps; 2 pairs: with 3 (two
+        # distractors) 12 steps at 1e-5 gave no measurable gain on the held-out items that need
         # memory, with 2 a clear one. The probes behind these settings are in
         # reports/probes/cpu-demo/.
         rollout=RolloutCfg(engine='hf', temperature=0.6, top_p=1.0, context_length=2048),

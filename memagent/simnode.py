@@ -493,8 +493,7 @@ def noset_probe(n_gpus: int = 8, gpus_per_engine: int = 2) -> list[dict]:
     try:
         for noset in (False, True):
             # without NOSET the tasks run in the node's own environment, on the workers the bundle
-            # probes left idle;
-            # with it they need workers started with the variable
+            # probes left idle; with it they need workers started with the variable
             env = dict(runtime_env={'env_vars': {NOSET_ENV: '1'}}) if noset else {}
             refs = [
                 ray.remote(_probe).options(**pl.train_options(r), **env).remote()

@@ -232,8 +232,8 @@ SGLANG_SCHEMAS = {
 
 # %% ../nbs/20_testing.ipynb #8fc30b88
 # the log-prob fields of SGLang 0.5.23's /generate (sglang/api/v1/api_types.py,
-# decode_GenerateRequest); this server takes one
-# prompt per request, so a list (one value per prompt of a batch) is refused
+# decode_GenerateRequest); this server takes one prompt per request, so a list (one value per prompt
+# of a batch) is refused
 _LOGPROB_FIELDS = {
     'return_logprob': _bool,
     'logprob_start_len': _int,

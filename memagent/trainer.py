@@ -106,9 +106,8 @@ def _preflight(self: Trainer, engine, world_size, replay_dir, simulated_gpus) ->
             f"batch.n_gpus={cfg.batch.n_gpus}"
         )
     # a caller's own engine (or a replay) means the trainer launches none: the engine's rows are not
-    # its to check;
-    # the trainer is given its examples, so the pinned-data row belongs to whoever prepared them
-    # (memagent-prepare)
+    # its to check; the trainer is given its examples, so the pinned-data row belongs to whoever
+    # prepared them (memagent-prepare)
     checked = (
         cfg
         if launches

@@ -358,10 +358,8 @@ def ensure_ray(
     `{resource: amount}`) it cannot hold.
 
         Joining (`address`, `RAY_ADDRESS`, or a `ray start` on this node) passes no resources: the
-        cluster has its own.
-        Starting declares `num_cpus` / `num_gpus` (default: what Ray detects on the node), dashboard
-        and
-        usage stats off."""
+        cluster has its own. Starting declares `num_cpus` / `num_gpus` (default: what Ray detects on
+        the node), dashboard and usage stats off."""
     import ray
 
     if not ray.is_initialized():

@@ -4,23 +4,18 @@ shows).
 
     python scripts/docs.py                       # execute each notebook in NOTEBOOKS, write docs/
     python scripts/docs.py nbs/13_trainer.ipynb  # re-render only the named notebooks; keep the
-    other pages
-    python scripts/docs.py --check               # no execution: exit 1 if a page is missing or
-    stale
+    other pages python scripts/docs.py --check               # no execution: exit 1 if a page is
+    missing or stale
 
 The notebooks are committed without outputs, so a reader on the web never sees an example's value or
-figure.
-Each notebook runs top to bottom with nbclient, from nbs/ (as nbdev_test runs it), skipping the
-cells nbdev_test
-skips (`#| eval: false`, the flags of settings.ini's `tst_flags`, `nbdev_export(`); nbconvert's
-MarkdownExporter
-writes docs/<name>.md with its images in docs/<name>_files/. Each page opens with a header naming
-its notebook and
-the SHA-256 of the notebook file's bytes: `--check` compares that with the notebook as it is now
-(and that every
-image a page links exists, and that docs/README.md is the index this script writes). Pages are
-written to a staging
-folder and replace docs/ only when every notebook rendered, so a failure leaves docs/ as it was.
+figure. Each notebook runs top to bottom with nbclient, from nbs/ (as nbdev_test runs it), skipping
+the cells nbdev_test skips (`#| eval: false`, the flags of settings.ini's `tst_flags`,
+`nbdev_export(`); nbconvert's MarkdownExporter writes docs/<name>.md with its images in
+docs/<name>_files/. Each page opens with a header naming its notebook and the SHA-256 of the
+notebook file's bytes: `--check` compares that with the notebook as it is now (and that every image
+a page links exists, and that docs/README.md is the index this script writes). Pages are written to
+a staging folder and replace docs/ only when every notebook rendered, so a failure leaves docs/ as
+it was.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ whose commands are
     (--help for each)
 
 The parts of the one-GPU subset, their caps and what each checks are in memagent.gpucheck.parts
-(nbs/22_gpucheck_3_parts.ipynb).
-memagent comes from this checkout through PYTHONPATH (gpu_check.sh sets it) or from an installed
-package.
+(nbs/22_gpucheck_3_parts.ipynb). memagent comes from this checkout through PYTHONPATH (gpu_check.sh
+sets it) or from an installed package.
 """
 
 from memagent.gpucheck.cli import main

@@ -5,18 +5,14 @@ notebook and evaluates base vs trained on the same held-out items; the table say
 default uses.
 
     python scripts/probes.py                       # every variant, then the report in
-    reports/probes/cpu-demo/
-    python scripts/probes.py --only m24-t06        # one variant (finished variants are kept and not
-    re-run)
-    python scripts/probes.py --collect             # only render the report from the finished
-    variants
+    reports/probes/cpu-demo/ python scripts/probes.py --only m24-t06        # one variant (finished
+    variants are kept and not re-run) python scripts/probes.py --collect             # only render
+    the report from the finished variants
 
 Each variant is one papermill run of nbs/train.ipynb (preset cpu-demo, the overrides below, --steps
-steps) into
-runs/probes/<variant>/, its own report into runs/probes/reports/<variant>/ (not committed). The
-committed report
-holds the table, the per-variant held-out numbers and the provenance; it is written only from a
-clean tree.
+steps) into runs/probes/<variant>/, its own report into runs/probes/reports/<variant>/ (not
+committed). The committed report holds the table, the per-variant held-out numbers and the
+provenance; it is written only from a clean tree.
 """
 
 import argparse, json, os, subprocess, sys, time
@@ -25,11 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # name -> (overrides of the cpu-demo preset, what it changes). A bounded grid: the first setting (3
-# pairs, lr 3e-5), then one
-# change at a time from the second row (the first row's policy collapsed to a 3-token memory, see
-# its row). The overrides
-# name every setting a row changes from today's preset, so a row re-run now trains with the settings
-# it was measured with.
+# pairs, lr 3e-5), then one change at a time from the second row (the first row's policy collapsed
+# to a 3-token memory, see its row). The overrides name every setting a row changes from today's
+# preset, so a row re-run now trains with the settings it was measured with.
 _FIRST = {'data.keycode_pairs': 3}
 VARIANTS = {
     'm24-t06': (

@@ -1,36 +1,26 @@
 #!/usr/bin/env python
 """Render README.md from nbs/index.ipynb, reading every figure from the committed report files.
 
-    python scripts/readme.py            # write README.md
-    python scripts/readme.py --check    # exit 1 if README.md is not the rendering, or quotes an
-    untraced number
+    python scripts/readme.py            # write README.md python scripts/readme.py --check    # exit
+    1 if README.md is not the rendering, or quotes an untraced number
 
 The README is the notebook's markdown cells joined by blank lines. `scripts/readme_sources.py`
-assigns
-`readme_sources = {...}` (a dict literal, read with `ast`, never executed here), naming the report
-files the figures
-come from:
+assigns `readme_sources = {...}` (a dict literal, read with `ast`, never executed here), naming the
+report files the figures come from:
 
     'bench': {'file': 'reports/bench/cpu/bench.json', 'commit': 'bench.provenance.git.commit',
-              'dirty': 'bench.provenance.git.dirty'}                   # a JSON report
-    'train_md': {'file': 'reports/train/*/README.md',                    # a markdown report:
-                 'fields': {'wall_min': r'Wall time: ([0-9.]+) min'}}   #   one regex group per
-                 field
+              'dirty': 'bench.provenance.git.dirty'}                   # a JSON report 'train_md':
+              {'file': 'reports/train/*/README.md',                    # a markdown report:
+              'fields': {'wall_min': r'Wall time: ([0-9.]+) min'}}   #   one regex group per field
 
 `file` is relative to the repository root, inside reports/, and may hold one `*` that must match
-exactly one
-file. `commit` (optional) and `dirty` (optional) name where the report records the git commit of the
-run.
-In the markdown cells:
+exactly one file. `commit` (optional) and `dirty` (optional) name where the report records the git
+commit of the run. In the markdown cells:
 
     {{bench.rollout.speedup:.2f}}   the value at a dotted key path (list indices allowed, -1 for the
-    last),
-                                    formatted with a Python format spec; `:len` gives a list's
-                                    length,
-                                    booleans render as true/false; a markdown field is
-                                    `{{train_md.wall_min}}`
-    {{bench}}                       the citation of a source: its file, SHA-256 prefix and run
-    commit
+    last), formatted with a Python format spec; `:len` gives a list's length, booleans render as
+    true/false; a markdown field is `{{train_md.wall_min}}` {{bench}}                       the
+    citation of a source: its file, SHA-256 prefix and run commit
 
 Anything missing (file, key, regex match, commit) stops the rendering with the file and key named.
 """

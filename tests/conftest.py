@@ -9,20 +9,15 @@ import pytest
 # the repository root, so `pytest` finds the package without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # one thread per process: under pytest-xdist each worker is one of the machine's cores, and the Ray
-# ranks and
-# notebook kernels these tests start inherit it
+# ranks and notebook kernels these tests start inherit it
 os.environ.setdefault('OMP_NUM_THREADS', '1')
 
 # A test is in the group `ray_or_notebook` when its own source, a fixture it uses or its parameters
-# start Ray
-# (through the project's `ensure_ray`, a Ray channel or group, a placement, the simulated node, two
-# or more ranks)
-# or run a notebook through papermill. With `-n 2 --dist loadgroup` (scripts/test.sh) every test of
-# the group runs
-# on one worker, one after the other, so no two Ray clusters or notebook kernels run at once; the
-# other worker takes
-# the rest. `check_ray_grouping` below fails a test outside the group that starts Ray in its own
-# process.
+# start Ray (through the project's `ensure_ray`, a Ray channel or group, a placement, the simulated
+# node, two or more ranks) or run a notebook through papermill. With `-n 2 --dist loadgroup`
+# (scripts/test.sh) every test of the group runs on one worker, one after the other, so no two Ray
+# clusters or notebook kernels run at once; the other worker takes the rest. `check_ray_grouping`
+# below fails a test outside the group that starts Ray in its own process.
 GROUP = 'ray_or_notebook'
 TESTS = Path(__file__).resolve().parent
 HEAVY = re.compile(
@@ -100,11 +95,9 @@ def check_ray_grouping(request):
     """A test outside the group that starts Ray in this process fails, naming itself: the grouping
     stays true."""
     # Under `--dist loadgroup` pytest-xdist appends `@group` to a grouped test's id and schedules by
-    # it; a grouped test
-    # without it means the grouping silently did not take effect (pytest-xdist 3.8 cannot rename the
-    # node ids of some
-    # pytest 9 builds) and Ray tests would run side by side: each such test fails, naming the
-    # versions.
+    # it; a grouped test without it means the grouping silently did not take effect (pytest-xdist
+    # 3.8 cannot rename the node ids of some pytest 9 builds) and Ray tests would run side by side:
+    # each such test fails, naming the versions.
     if (
         getattr(request.config.option, 'loadgroup', False)
         and any(True for _ in request.node.iter_markers('xdist_group'))

@@ -4,23 +4,18 @@ It serves what `huggingface_hub.hf_hub_download` and `get_hf_file_metadata` ask 
 does:
 
 - `HEAD`/`GET /datasets/{repo}/resolve/{revision}/{file}` with `X-Repo-Commit` (the commit the
-  revision
-  resolves to), `ETag` and `Content-Length`. A file stored in git gets its git blob SHA-1 as `ETag`
-  and
-  its bytes. An LFS file is answered with a `302` to a second server (a different origin, standing
-  for the
-  hub's CDN) carrying `X-Linked-Etag` (the file's SHA-256) and `X-Linked-Size`, as the hub does;
-  with
-  `lfs_redirect=False` it is served directly with its SHA-256 as `ETag`.
+  revision resolves to), `ETag` and `Content-Length`. A file stored in git gets its git blob SHA-1
+  as `ETag` and its bytes. An LFS file is answered with a `302` to a second server (a different
+  origin, standing for the hub's CDN) carrying `X-Linked-Etag` (the file's SHA-256) and
+  `X-Linked-Size`, as the hub does; with `lfs_redirect=False` it is served directly with its SHA-256
+  as `ETag`.
 - `HEAD`/`GET /cdn/{sha256}` on the CDN server: the LFS file's bytes.
 - Unknown repository, revision or file: `404` with the hub's `X-Error-Code` (`RepoNotFound`,
   `RevisionNotFound`, `EntryNotFound`).
 
 `resolved_commit` makes the server report another commit than the one asked for; `corrupt` maps a
-file
-name to bytes served instead of the real ones while the headers still advertise the real file's hash
-and
-size. Every request is logged in `requests` as `(method, path)`.
+file name to bytes served instead of the real ones while the headers still advertise the real file's
+hash and size. Every request is logged in `requests` as `(method, path)`.
 """
 
 from __future__ import annotations

@@ -373,8 +373,7 @@ def test_acceptance_notebook_keycode_lengths(tmp_path, monkeypatch):
     s = json.loads((rep / 'summaries' / 'candidate_3.json').read_text())
     assert s['limits']['max_chunks'] == 3 and s['truncated_samples'] == 0
     # the rendered folder verifies as a whole from its own files (from the folder the run was made
-    # in, as its data paths are
-    # relative to it), and an edited README does not
+    # in, as its data paths are relative to it), and an edited README does not
     monkeypatch.chdir(tmp_path)
     from memagent.acceptance import compare_cli
     from memagent.acceptance.report import verify_acceptance

@@ -96,8 +96,7 @@ def test_bench_notebook_tiny(tmp_path):
         else:
             assert r['repeats'] == 'exact' or r['measure'].startswith('(e) linear fit'), r
     # (a), (i): each repeat is one batched and one sequential rollout of the same trajectories; (a)
-    # on gen_model judges the
-    # decode phase, (i) on the tiny model decides nothing
+    # on gen_model judges the decode phase, (i) on the tiny model decides nothing
     ra, ri = res['rollout'], res['rollout_tiny']
     assert (ra['model'], ri['model']) == (TINY['gen_model'], 'tiny-qwen3')
     assert (

@@ -5,15 +5,11 @@ the arguments are
 parsed, naming the option and what it must be, with no traceback and nothing written.
 
 The console scripts are read from settings.ini. Each tool's parsers are the `ArgumentParser`s it
-calls
-`parse_args`/`parse_known_args` on when run in process with `--help` (argparse is patched only to
-record them). An option
-with a bare `type=int` or `type=float` fails `test_numeric_options_use_cli_number`, and so does a
-numeric option that
-`KINDS` does not list: a new option needs a deliberate range. A tool with no numeric option is
-declared in `NO_NUMERIC`
-(and checked to have none); a tool whose parser is still to be converted is declared in
-`PENDING`."""
+calls `parse_args`/`parse_known_args` on when run in process with `--help` (argparse is patched only
+to record them). An option with a bare `type=int` or `type=float` fails
+`test_numeric_options_use_cli_number`, and so does a numeric option that `KINDS` does not list: a
+new option needs a deliberate range. A tool with no numeric option is declared in `NO_NUMERIC` (and
+checked to have none); a tool whose parser is still to be converted is declared in `PENDING`."""
 
 import argparse, configparser, contextlib, importlib, io, os
 from fractions import Fraction

@@ -4,9 +4,8 @@ stopped, a stalled rank is named within the stall timeout plus a small bound; ra
 placement.
 
 A rank is made slow or stalled by a torch backend defined here, registered as `BACKENDS['torch']` in
-every Ray
-worker of this module's Ray session (a worker setup hook); it reads what to do from a JSON file the
-tests write."""
+every Ray worker of this module's Ray session (a worker setup hook); it reads what to do from a JSON
+file the tests write."""
 
 import json, os, sys, time
 from pathlib import Path

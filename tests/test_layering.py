@@ -8,14 +8,11 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / 'memagent'
 
 # The layers, top to bottom: a module imports only from its own line (without a circle) or lines
-# above it.
-# A package (engines, data, backends) is placed as a whole; its modules may import each other,
-# without a circle.
-# Modules the design names are where it puts them; the others are placed with what they do: net (the
-# free port),
-# devices (a Ray process's GPU) and ondevice (the device a process computes on, the virtual device)
-# are leaves;
-# resume, fuzz, simulate and screening sit with the run-level modules they build on.
+# above it. A package (engines, data, backends) is placed as a whole; its modules may import each
+# other, without a circle. Modules the design names are where it puts them; the others are placed
+# with what they do: net (the free port), devices (a Ray process's GPU) and ondevice (the device a
+# process computes on, the virtual device) are leaves; resume, fuzz, simulate and screening sit with
+# the run-level modules they build on.
 LAYERS = (
     (
         'memagent',

@@ -2,10 +2,9 @@
 export/reload.
 
 One process, world size 1 (gloo), except the tensor-parallel tests at the end, which run on two
-spawned ranks (TP = 2,
-gloo; started once and reused, each job in a fresh process group) and compare with the HF model and
-with TP = 1 run here. Tiny random Qwen3 and Llama models only. Skipped, with the reason, when
-megatron-core is not installed.
+spawned ranks (TP = 2, gloo; started once and reused, each job in a fresh process group) and compare
+with the HF model and with TP = 1 run here. Tiny random Qwen3 and Llama models only. Skipped, with
+the reason, when megatron-core is not installed.
 """
 
 import json, subprocess, sys, warnings
@@ -878,12 +877,8 @@ def test_bf16_step_with_fp32_main_grads_matches_fp32_step(batch):
     weights both can hold.
 
         Tolerances: bf16 keeps 8 mantissa bits (relative rounding 2^-9 = 0.2% per op), so the loss
-        may
-        differ by 1e-3
-        relative, the gradient norm by 5e-3 relative and the update (main params after - before) by
-        3%
-        of its norm
-        (measured here: 2e-4, 6e-4 and 1.1%)."""
+        may differ by 1e-3 relative, the gradient norm by 5e-3 relative and the update (main params
+        after - before) by 3% of its norm (measured here: 2e-4, 6e-4 and 1.1%)."""
     adv = torch.tensor([1.0, -0.5, 0.25])
     hf = hf_model(tiny_qwen3())
     with torch.no_grad():
@@ -1261,8 +1256,7 @@ def _job_dp2_sum_and_shards():
     )  # this rank's share of the step loss
     norm = be.step(loss)
     # distributed-optimizer shard sizes: the function (megatron's range maps, every DP rank
-    # evaluated here) against
-    # megatron's range maps on this rank's real DP group
+    # evaluated here) against megatron's range maps on this rank's real DP group
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     res = {}

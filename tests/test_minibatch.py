@@ -218,8 +218,7 @@ def test_optimizer_steps_follow_the_config():
 
 def test_scoring_pass_is_the_training_forward():
     # lr 0: the weights never move, so the behaviour log-probs of mini-batch 2 (scored before any
-    # step) equal the
-    # training forward's bit for bit: ratio exactly 1 everywhere
+    # step) equal the training forward's bit for bit: ratio exactly 1 everywhere
     cfg = _cfg(
         **{'optim.mini_batches': 2, 'optim.name': 'sgd', 'optim.lr': 0.0, 'loss.kl_coef': 0.0}
     )

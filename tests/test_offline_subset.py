@@ -86,10 +86,9 @@ def machine(wheels, tmp_path_factory):
     torch_v = md.version('torch').split('+')[0]
     pins = [f"torch=={torch_v}"] + [f"{n}=={md.version(n)}" for n in BASE[1:]]
     # Not compiled: the base stands for packages the machine already has; Python compiles what the
-    # subset imports on
-    # first use. With the uv that scripts/setup.sh put beside this interpreter, from pip's sources
-    # (scripts/pip_sources.sh):
-    # its cache already holds these wheels, so the venv takes seconds; else with the venv's own pip.
+    # subset imports on first use. With the uv that scripts/setup.sh put beside this interpreter,
+    # from pip's sources (scripts/pip_sources.sh): its cache already holds these wheels, so the venv
+    # takes seconds; else with the venv's own pip.
     uv = Path(sys.executable).with_name('uv')
     if uv.is_file():
         srcs = _sh(['bash', str(ROOT / 'scripts' / 'pip_sources.sh'), sys.executable], timeout=120)

@@ -1,27 +1,19 @@
 """The memory plan against the real objects on CPU.
 
 Parameters, gradient buffers and optimizer shards: the plan's counts must EQUAL megatron-core
-0.16.1's
-`DistributedDataParallel` buffers (bucket padding included) and its distributed optimizer's own
-range-map code
-(`DistributedOptimizer._build_gbuf_range_map`) on tiny models. The optimizer itself needs CUDA, so
-the shard
-sizes come from megatron's range-map classmethod applied to real `_ParamAndGradBuffer`s; DP > 1
-layouts are built
-in this one process with a stand-in DP group that only answers `size()` and `rank()` (the buffer and
-range-map
-code ask nothing else of it), so no arithmetic is replaced.
+0.16.1's `DistributedDataParallel` buffers (bucket padding included) and its distributed optimizer's
+own range-map code (`DistributedOptimizer._build_gbuf_range_map`) on tiny models. The optimizer
+itself needs CUDA, so the shard sizes come from megatron's range-map classmethod applied to real
+`_ParamAndGradBuffer`s; DP > 1 layouts are built in this one process with a stand-in DP group that
+only answers `size()` and `rank()` (the buffer and range-map code ask nothing else of it), so no
+arithmetic is replaced.
 
 Activations: the plan's local-spec and HF formulas against the bytes autograd saves for backward
-during one
-forward (unique storages, parameters excluded), measured with
-`torch.autograd.graph.saved_tensors_hooks`.
-Tolerance: 2% of the measured bytes (the formulas count every saved tensor; the margin covers
-storages
-that a torch version might share or split differently). This measures what stays alive between
-forward and
-backward, not the allocator's peak during backward (the plan's separate 'working set' term, not
-measured here).
+during one forward (unique storages, parameters excluded), measured with
+`torch.autograd.graph.saved_tensors_hooks`. Tolerance: 2% of the measured bytes (the formulas count
+every saved tensor; the margin covers storages that a torch version might share or split
+differently). This measures what stays alive between forward and backward, not the allocator's peak
+during backward (the plan's separate 'working set' term, not measured here).
 """
 
 import warnings
@@ -93,8 +85,8 @@ def parallel():
     from megatron.core.tensor_parallel import random as r
 
     # CPU-only shim for recompute: megatron's checkpoint saves and restores the CUDA RNG state; on
-    # CPU there is none
-    # (the layers have no dropout, so no random numbers are drawn); nothing that is counted changes.
+    # CPU there is none (the layers have no dropout, so no random numbers are drawn); nothing that
+    # is counted changes.
     saved = r._get_cuda_rng_state, r._set_cuda_rng_state
     r._get_cuda_rng_state, r._set_cuda_rng_state = (
         (lambda *a, **k: torch.get_rng_state()),

@@ -1,11 +1,9 @@
 """The pilot's precision: at its learning rate one optimizer step must change the weights it trains.
 
 At lr 1e-6 an Adam step moves a weight by about 1e-6. A bf16 weight of magnitude ~0.02 has a spacing
-of
-2**-13 ~ 1.2e-4, so rounding undoes that move for almost every weight: a bf16 pilot would train next
-to
-nothing. The pilot preset therefore trains fp32 weights; these tests hold both halves of that
-argument.
+of 2**-13 ~ 1.2e-4, so rounding undoes that move for almost every weight: a bf16 pilot would train
+next to nothing. The pilot preset therefore trains fp32 weights; these tests hold both halves of
+that argument.
 """
 
 import torch

@@ -1,8 +1,8 @@
 """The seam notebooks read in short sentences.
 
 A newcomer reads the seam notebooks in order (chunking, rollout, credit, loss, trainer, train).
-`sentences` measures a notebook's markdown prose: code spans and blocks, tables, headings,
-link targets and math are stripped, the rest is split into sentences, and each sentence's words are
+`sentences` measures a notebook's markdown prose: code spans and blocks, tables, headings, link
+targets and math are stripped, the rest is split into sentences, and each sentence's words are
 counted."""
 
 import json, re

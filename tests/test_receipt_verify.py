@@ -64,9 +64,8 @@ def test_committed_receipt_verifies_with_its_figures():
 
 
 # each field a report displays: the README's "464 of 464 checks over 16 cases", "14 ... 2 with a
-# stub judge", the
-# repository README's status / cases / matched / checks row, the weights and the official revision
-# it names
+# stub judge", the repository README's status / cases / matched / checks row, the weights and the
+# official revision it names
 DISPLAYED = [
     ('summary.matched', 400, 'summary.matched: stored 400, recomputed 464'),
     ('summary.checks', 465, 'summary.checks: stored 465, recomputed 464'),

@@ -3,14 +3,11 @@ term.
 
 Two processes over gloo (TP = 2, spawned as `tests/test_megatron.py` does) run the real gather of
 `MegatronBackend.hf_state_dict` on `tiny-qwen3` (and on a 512-token-vocabulary Qwen3 whose layers,
-not its
-embedding, hold most bytes) with several bucket sizes. The exported state dict must equal the
-unbucketed result
-(every shard gathered at once, the path this replaces) bit for bit; the most gathered bytes a rank
-held at once
-(`peak_gather_bytes`, tracked as the gathered tensors are freed) must stay within `memagent.plan`'s
-term for that
-model and bucket size, and with a small bucket below the whole unsharded state dict.
+not its embedding, hold most bytes) with several bucket sizes. The exported state dict must equal
+the unbucketed result (every shard gathered at once, the path this replaces) bit for bit; the most
+gathered bytes a rank held at once (`peak_gather_bytes`, tracked as the gathered tensors are freed)
+must stay within `memagent.plan`'s term for that model and bucket size, and with a small bucket
+below the whole unsharded state dict.
 """
 
 import functools

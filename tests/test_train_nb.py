@@ -114,9 +114,8 @@ def test_train_notebook_tiny(tmp_path):
     for name in ('base', 'trained'):
         assert (run / 'eval' / name / 'summary.json').exists()
     # the same run again with another learning rate: the notebook's own cells, up to where they
-    # would write, refuse it
-    # (the trainer's resume check, run before the data are written) and leave both folders
-    # byte-identical
+    # would write, refuse it (the trainer's resume check, run before the data are written) and leave
+    # both folders byte-identical
     before = _tree(runs) | _tree(reps)
     from memagent.resume import ResumeError
 

@@ -355,10 +355,9 @@ def prepare(
     done = {}
     write = _manifest_writer(mpath, old, done, names, source, unverified)
     # Each file is fetched (or copied), verified and converted in a staging folder inside the root;
-    # only a file that got
-    # through all three replaces the root's copy, its conversion and its manifest entry. A refused
-    # or interrupted file
-    # leaves the root's earlier copy, conversion and entry byte for byte as they were.
+    # only a file that got through all three replaces the root's copy, its conversion and its
+    # manifest entry. A refused or interrupted file leaves the root's earlier copy, conversion and
+    # entry byte for byte as they were.
     stage = root / f'.staging-{os.getpid()}'
     try:
         for name in names:

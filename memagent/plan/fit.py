@@ -152,9 +152,8 @@ def step_counts(cfg, row_tokens, groups=None) -> dict:
 # %% ../../nbs/14b_plan_2_fit.ipynb #33f76c6e
 PHASES = ('rollout', 'update', 'sync')
 # the terms torch's caching allocator holds in the trainer's process (what
-# `torch.cuda.max_memory_allocated` measures):
-# every trainer term but the CUDA context (the driver's, not the allocator's) and the engine's terms
-# (another process)
+# `torch.cuda.max_memory_allocated` measures): every trainer term but the CUDA context (the
+# driver's, not the allocator's) and the engine's terms (another process)
 ALLOCATED_TERMS = (
     'weights',
     'gradients',
@@ -356,10 +355,9 @@ def _megatron_state(
         key=lambda x: x['main'] + x['moments'],
     )
     det['ddp_buffers'] = [{k: v for k, v in x.items() if k != 'index'} for x in lay]
-    # megatron-core puts 1-D parameters (norms) and biases in a group without weight decay; the
-    # rest is one group.
-    # With TE it steps them with TE's FusedAdam (in place), else with torch's foreach AdamW on
-    # the fp32 main copy
+    # megatron-core puts 1-D parameters (norms) and biases in a group without weight decay; the rest
+    # is one group. With TE it steps them with TE's FusedAdam (in place), else with torch's foreach
+    # AdamW on the fp32 main copy
     decayed = [
         p
         for p in params
@@ -441,10 +439,9 @@ def _activations(cfg, arch, tp, attention, recompute, head_chunk, micro_batch, d
 def _update_terms(cfg, cluster: Cluster, s: dict, act: dict, head: int, det) -> dict:
     """The update phase's terms; its backward and optimizer-step peaks go to `det`."""
     # the update holds the backward's terms, then (activations released) the optimizer step's
-    # temporaries beside what
-    # outlives the backward (the local spec's score buffer, which megatron's global memory buffer
-    # keeps): the phase holds
-    # the larger, so the step's term is what it needs beyond the backward's
+    # temporaries beside what outlives the backward (the local spec's score buffer, which megatron's
+    # global memory buffer keeps): the phase holds the larger, so the step's term is what it needs
+    # beyond the backward's
     backward = act['saved_total'] + act['working'] + act['transient'] + head
     scores, step_tmp = s['scores'], s['step_tmp']
     update = {
@@ -564,9 +561,8 @@ def _sync_terms(cfg, arch, tp, attention, sync_bucket_bytes, s: dict, engine_wei
     """The terms during the weight sync (`engine_weights` None: no colocated engine); the gather's
     details go to `det`."""
     # the weight sync after a step: the trainer's state then (m and v exist), the largest bucket of
-    # gathered weights,
-    # and colocated, the engine's context, residue and weights resumed (its KV cache comes back
-    # after the gather is freed)
+    # gathered weights, and colocated, the engine's context, residue and weights resumed (its KV
+    # cache comes back after the gather is freed)
     if cfg.backend == 'megatron':
         ga = gather_peak_bytes(arch, tp, cfg.model.dtype, attention, sync_bucket_bytes)
         det['sync'] = dict(
@@ -607,10 +603,9 @@ def _sync_terms(cfg, arch, tp, attention, sync_bucket_bytes, s: dict, engine_wei
 def _host_terms(cfg, cluster: Cluster, arch, held: int, offload: bool) -> dict:
     """Host RAM per node."""
     # host RAM per node: offloaded trainer state of this node's GPUs, and on the driver's node the
-    # export model
-    # (an HF copy in the model dtype) plus the state dicts in flight while weights sync (a gathered
-    # copy and its HF form);
-    # (the other ranks join the gather and keep no copy: hf_state_dict(keep=False))
+    # export model (an HF copy in the model dtype) plus the state dicts in flight while weights sync
+    # (a gathered copy and its HF form); (the other ranks join the gather and keep no copy:
+    # hf_state_dict(keep=False))
     n_full = arch.numel() * DTYPE_BYTES[cfg.model.dtype]
     ranks = min(cluster.gpus_per_node, cfg.batch.n_gpus)
     return {

@@ -358,8 +358,8 @@ def _local_acts(a: Arch, rows: int, L: int, tp: int, E: int, attention: str) -> 
     """The local and sdpa specs' saved terms per layer and per model, and what recompute keeps."""
     s, h, d, up, qk = rows * L, a.hidden, a.head_dim, E < 4, a.qk_norm
     q, k, f, A, G = _widths(a, tp)
-    # the q|k|v output's storage: kept by the fp32 q/k norms (their inputs are views of it),
-    # else by the value view
+    # the q|k|v output's storage: kept by the fp32 q/k norms (their inputs are views of it), else by
+    # the value view
     qkv_out = s * (q + 2 * k) * E if (up or not qk) else 0
     core = (
         3 * s * q * E + rows * A * L * L * (4 + (E if up else 0))
@@ -445,10 +445,9 @@ def _hf_acts(a: Arch, rows: int, L: int, tp: int, E: int, attention: str) -> dic
 def _attention_transients(attention: str, rows: int, A: int, L: int, E: int) -> tuple[int, int]:
     """Backward's L x L transients beyond what is saved, and what of them outlives the step."""
     # backward's L x L transients beyond what is saved (one layer at a time): the local spec's
-    # persistent score buffer
-    # (megatron's global memory buffer, E per element) and the softmax backward's fp32 gradient in
-    # and out (4 + 4);
-    # HF eager the two fp32 gradients; flash / SDPA / TE none
+    # persistent score buffer (megatron's global memory buffer, E per element) and the softmax
+    # backward's fp32 gradient in and out (4 + 4); HF eager the two fp32 gradients; flash / SDPA /
+    # TE none
     transient = (
         rows
         * A
