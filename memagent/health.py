@@ -7,6 +7,7 @@ from __future__ import annotations
 import json, math, os, time
 from pathlib import Path
 import torch
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['RunHealthError', 'NonFiniteError', 'require_finite', 'require_finite_params', 'trained_step', 'RunHealth',
@@ -71,83 +72,91 @@ class RunHealth:
             'trained_steps': self.trained_steps,
         }
 
-    def observe(self, step: int, m: dict, first_error: str | None = None):
-        """After a step's rollout (`m`: trajectories, failed_trajectories, kept_trajectories);
-        raises after `max_empty_steps` empty steps in a row."""
-        if m['trajectories'] and not m['kept_trajectories']:
-            self.failed_streak.append(
-                {
-                    'step': step,
-                    'error': first_error,
-                    'failed': m['failed_trajectories'],
-                    'of': m['trajectories'],
-                }
-            )
-            self.first_empty = self.first_empty or self.failed_streak[-1]
-        else:
-            self.failed_streak = []
-        if len(self.failed_streak) >= self.max_empty_steps:
-            s = self.failed_streak
-            what = (
-                'every trajectory failed'
-                if all(x.get('failed') == x.get('of') for x in s)
-                else 'no usable trajectory'
-            )
-            raise RunHealthError(
-                f"steps {s[0]['step']}..{s[-1]['step']}: {what} in {len(s)} steps in a row "
-                f"(health.max_empty_steps={self.max_empty_steps}); first error: {s[0]['error']}"
-            )
+# %% ../nbs/13a_health.ipynb #ebd162c0
+@patch_to(RunHealth)
+def observe(self, step: int, m: dict, first_error: str | None = None):
+    """After a step's rollout (`m`: trajectories, failed_trajectories, kept_trajectories);
+    raises after `max_empty_steps` empty steps in a row."""
+    if m['trajectories'] and not m['kept_trajectories']:
+        self.failed_streak.append(
+            {
+                'step': step,
+                'error': first_error,
+                'failed': m['failed_trajectories'],
+                'of': m['trajectories'],
+            }
+        )
+        self.first_empty = self.first_empty or self.failed_streak[-1]
+    else:
+        self.failed_streak = []
+    if len(self.failed_streak) >= self.max_empty_steps:
+        s = self.failed_streak
+        what = (
+            'every trajectory failed'
+            if all(x.get('failed') == x.get('of') for x in s)
+            else 'no usable trajectory'
+        )
+        raise RunHealthError(
+            f"steps {s[0]['step']}..{s[-1]['step']}: {what} in {len(s)} steps in a row "
+            f"(health.max_empty_steps={self.max_empty_steps}); first error: {s[0]['error']}"
+        )
 
-    def step_done(self, step: int, m: dict):
-        "After a step's metrics line: count it if it trained; the record says `running` at `step`."
-        self.trained_steps += trained_step(m)
-        self.record('running', step)
+# %% ../nbs/13a_health.ipynb #27708dc9
+@patch_to(RunHealth)
+def step_done(self, step: int, m: dict):
+    "After a step's metrics line: count it if it trained; the record says `running` at `step`."
+    self.trained_steps += trained_step(m)
+    self.record('running', step)
 
-    def finish(self, step: int, steps: int):
-        """At the end of `train()`: `completed` once `step` reaches the schedule's `steps`, some
-        step trained and the last step had usable trajectories; else `RunHealthError` (recorded
-        `stopped`)."""
-        if step < steps:
-            return self.record('running', step)
-        if not self.trained_steps:
-            e = self.first_empty
-            why = (
-                f"no step of {step} updated the policy: step {e['step']} had no usable trajectory "
-                f"({e['failed']} of {e['of']} failed); first error: {e['error']}"
-                if e
-                else (
-                    f"no step of {step} updated the policy: every group was filtered (zero reward "
-                    "variance) in every step"
-                )
-            )
-            self.record('stopped', step, f'RunHealthError: {why}')
-            raise RunHealthError(why)
-        if s := self.failed_streak:  # the policy the run ends with produced no usable trajectory
-            why = (
-                f"steps {s[0]['step']}..{s[-1]['step']}, the last {len(s)} of {step}, had no "
-                "usable trajectory "
-                f"({s[-1]['failed']} of {s[-1]['of']} failed in step {s[-1]['step']}): the final "
-                "policy is not shown to work; "
-                f"first error: {s[0]['error']}"
-            )
-            self.record('stopped', step, f'RunHealthError: {why}')
-            raise RunHealthError(why)
-        self.record('completed', step)
 
-    def record(self, status: str, step: int, reason: str | None = None):
-        """Write the health record: `status` is running, completed or stopped, with the steps that
-        trained and the first empty one."""
-        rec = {
-            'status': status,
-            'step': step,
-            'reason': reason,
-            'trained_steps': self.trained_steps,
-            'first_empty_step': self.first_empty,
-            'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
-        }
-        tmp = self.path.with_name(self.path.name + '.tmp')
-        tmp.write_text(json.dumps(rec, indent=1))
-        os.replace(tmp, self.path)
+@patch_to(RunHealth)
+def record(self, status: str, step: int, reason: str | None = None):
+    """Write the health record: `status` is running, completed or stopped, with the steps that
+    trained and the first empty one."""
+    rec = {
+        'status': status,
+        'step': step,
+        'reason': reason,
+        'trained_steps': self.trained_steps,
+        'first_empty_step': self.first_empty,
+        'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
+    }
+    tmp = self.path.with_name(self.path.name + '.tmp')
+    tmp.write_text(json.dumps(rec, indent=1))
+    os.replace(tmp, self.path)
+
+# %% ../nbs/13a_health.ipynb #60edd26b
+@patch_to(RunHealth)
+def finish(self, step: int, steps: int):
+    """At the end of `train()`: `completed` once `step` reaches the schedule's `steps`, some
+    step trained and the last step had usable trajectories; else `RunHealthError` (recorded
+    `stopped`)."""
+    if step < steps:
+        return self.record('running', step)
+    if not self.trained_steps:
+        e = self.first_empty
+        why = (
+            f"no step of {step} updated the policy: step {e['step']} had no usable trajectory "
+            f"({e['failed']} of {e['of']} failed); first error: {e['error']}"
+            if e
+            else (
+                f"no step of {step} updated the policy: every group was filtered (zero reward "
+                "variance) in every step"
+            )
+        )
+        self.record('stopped', step, f'RunHealthError: {why}')
+        raise RunHealthError(why)
+    if s := self.failed_streak:  # the policy the run ends with produced no usable trajectory
+        why = (
+            f"steps {s[0]['step']}..{s[-1]['step']}, the last {len(s)} of {step}, had no "
+            "usable trajectory "
+            f"({s[-1]['failed']} of {s[-1]['of']} failed in step {s[-1]['step']}): the final "
+            "policy is not shown to work; "
+            f"first error: {s[0]['error']}"
+        )
+        self.record('stopped', step, f'RunHealthError: {why}')
+        raise RunHealthError(why)
+    self.record('completed', step)
 
 # %% ../nbs/13a_health.ipynb #1d8e40bf
 def read_health(run_dir) -> dict | None:

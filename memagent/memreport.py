@@ -191,6 +191,51 @@ def _snippet(chunk: str, answers, negatives, width: int = 70) -> str:
     return chunk[: 2 * width] + (' …' if len(chunk) > 2 * width else '')
 
 # %% ../nbs/17a_memreport.ipynb #22960871
+def _view_head(example: dict, chunk_texts, g, ans: list, neg: list) -> str:
+    "The first line of an item's view: its question, gold answers, gold chunks and distractors."
+    where = 'unknown' if g is None else ', '.join(str(c) for c in g) or 'not read'
+    return (
+        f"**{example['id']}**: {_mark(example['question'], ans, neg)} gold: **{', '.join(ans)}**; "
+        f"gold chunk(s): {where} "
+        f"of {len(chunk_texts)}"
+        + (f"; distractors: {', '.join(f'~~{x}~~' for x in neg)}" if neg else '')
+    )
+
+# %% ../nbs/17a_memreport.ipynb #0b8a5c5d
+def _folded_row(records: dict, names: list, hidden: list, ans: list, n: int) -> str:
+    "The row of the folded turns `hidden`: per model, how many of them its memory held the gold."
+    held = {
+        m: sum(
+            holds_answer(
+                (records[m].get('memories') or [''] * n)[t]
+                if t < len(records[m].get('memories') or [])
+                else '',
+                ans,
+            )
+            for t in hidden
+        )
+        for m in names
+    }
+    return (
+        f"| ⋯ | {len(hidden)} turns folded ({hidden[0]}-{hidden[-1]}) | "
+        + ' | '.join(f'memory held the gold after {held[m]} of them' for m in names)
+        + ' |'
+    )
+
+# %% ../nbs/17a_memreport.ipynb #e839e249
+def _answers_row(records: dict, names: list, ans: list, neg: list) -> str:
+    "The table's last row: each model's final answer, or its error."
+    finals = []
+    for m in names:
+        r = records[m]
+        finals.append(
+            f"error: {_mark(r['error'], [], [])}"
+            if r.get('error')
+            else _mark(r.get('response', ''), ans, neg)
+        )
+    return '| answer | | ' + ' | '.join(finals) + ' |'
+
+# %% ../nbs/17a_memreport.ipynb #9bb5462e
 def trajectory_view(
     example: dict, records: dict, chunk_texts, around: int = 1, last: int = 2
 ) -> str:
@@ -206,35 +251,13 @@ def trajectory_view(
     for c in g or []:
         show |= set(range(max(0, c - around), min(n, c + around + 1)))
     names = list(records)
-    where = 'unknown' if g is None else ', '.join(str(c) for c in g) or 'not read'
-    head = (
-        f"**{example['id']}**: {_mark(example['question'], ans, neg)} gold: **{', '.join(ans)}**; "
-        f"gold chunk(s): {where} "
-        f"of {len(chunk_texts)}"
-        + (f"; distractors: {', '.join(f'~~{x}~~' for x in neg)}" if neg else '')
-    )
+    head = _view_head(example, chunk_texts, g, ans, neg)
     rows, hidden = [], []
 
     def fold():
         if not hidden:
             return
-        held = {
-            m: sum(
-                holds_answer(
-                    (records[m].get('memories') or [''] * n)[t]
-                    if t < len(records[m].get('memories') or [])
-                    else '',
-                    ans,
-                )
-                for t in hidden
-            )
-            for m in names
-        }
-        rows.append(
-            f"| ⋯ | {len(hidden)} turns folded ({hidden[0]}-{hidden[-1]}) | "
-            + ' | '.join(f'memory held the gold after {held[m]} of them' for m in names)
-            + ' |'
-        )
+        rows.append(_folded_row(records, names, hidden, ans, n))
         hidden.clear()
 
     for t in range(n):
@@ -254,15 +277,7 @@ def trajectory_view(
             + ' |'
         )
     fold()
-    finals = []
-    for m in names:
-        r = records[m]
-        finals.append(
-            f"error: {_mark(r['error'], [], [])}"
-            if r.get('error')
-            else _mark(r.get('response', ''), ans, neg)
-        )
-    rows.append('| answer | | ' + ' | '.join(finals) + ' |')
+    rows.append(_answers_row(records, names, ans, neg))
     table = [
         f"| chunk | what the chunk holds | "
         + ' | '.join(f'{m}: memory after the chunk' for m in names)
@@ -304,6 +319,69 @@ def pick_items(examples, records: dict, k: int, success) -> list:
     return out
 
 # %% ../nbs/17a_memreport.ipynb #8972bfab
+def _write_trajectories(md: Path, title: str, views: list):
+    "Write the viewer `md`: a heading, how the items were chosen, then every item's view."
+    md.write_text(
+        f"# {title or 'Trajectories'}\n\nChosen by `memagent.report.pick_items` (items where the "
+        "models differ first, spread "
+        f"over the gold chunk's position). Gold answers are **bold**, distractors ~~struck~~; "
+        "each row is the memory a model "
+        f"wrote after reading that chunk.\n\n"
+        + ('\n\n'.join(views) or '_(no item had records from every model)_')
+        + '\n'
+    )
+
+# %% ../nbs/17a_memreport.ipynb #5e3c237b
+def _position_table(ret: dict, metric: str) -> str:
+    "The table of `metric` by the gold chunk's position, one column per model."
+    first = next(iter(ret.values()))
+    anchors = sorted({a for r in ret.values() for a in r['by_anchor']})
+    return (
+        md_table(
+            [
+                {
+                    'gold chunk': a,
+                    **{
+                        f'{m}: {metric} %': (
+                            100 * r['by_anchor'][a][0] / r['by_anchor'][a][1]
+                            if a in r['by_anchor']
+                            else None
+                        )
+                        for m, r in ret.items()
+                    },
+                    'records': first['by_anchor'].get(a, [0, 0])[1],
+                }
+                for a in anchors
+            ],
+            floatfmt='.1f',
+        )
+        if anchors
+        else '_(no record with a gold position)_'
+    )
+
+# %% ../nbs/17a_memreport.ipynb #01adb2f5
+def _memory_markdown(ret: dict, png: Path, js: Path, md: Path, views: list, show: int, metric):
+    "The report's section: the retention plot and table, the position table, the first views."
+    pos = _position_table(ret, metric)
+    skipped = '; '.join(f"{m}: {r['skipped']}" for m, r in ret.items() if r['skipped']) or 'none'
+    return (
+        f"![retention]({png.name})\n\nAfter the turn that read the (last) gold chunk (offset 0) "
+        "and each later overwrite, how often "
+        f"the memory still holds the gold answer (records skipped, by reason: {skipped}):\n\n"
+        + (
+            retention_table(ret)
+            if any(r['by_offset'] for r in ret.values())
+            else '_(no record with a gold position)_'
+        )
+        + (
+            f"\n\n{metric} by the gold chunk's position:\n\n{pos}\n\nPer record: "
+            f"[`{js.name}`]({js.name}). The first "
+            f"{min(show, len(views))} of the {len(views)} items in [`{md.name}`]({md.name}):\n\n"
+        )
+        + '\n\n'.join(views[:show])
+    )
+
+# %% ../nbs/17a_memreport.ipynb #024952df
 def memory_report(
     examples,
     records: dict,
@@ -336,56 +414,8 @@ def memory_report(
         for i in chosen
     ]
     md = out / f'trajectories{sfx}.md'
-    md.write_text(
-        f"# {title or 'Trajectories'}\n\nChosen by `memagent.report.pick_items` (items where the "
-        "models differ first, spread "
-        f"over the gold chunk's position). Gold answers are **bold**, distractors ~~struck~~; "
-        "each row is the memory a model "
-        f"wrote after reading that chunk.\n\n"
-        + ('\n\n'.join(views) or '_(no item had records from every model)_')
-        + '\n'
-    )
-    first = next(iter(ret.values()))
-    anchors = sorted({a for r in ret.values() for a in r['by_anchor']})
-    pos = (
-        md_table(
-            [
-                {
-                    'gold chunk': a,
-                    **{
-                        f'{m}: {metric} %': (
-                            100 * r['by_anchor'][a][0] / r['by_anchor'][a][1]
-                            if a in r['by_anchor']
-                            else None
-                        )
-                        for m, r in ret.items()
-                    },
-                    'records': first['by_anchor'].get(a, [0, 0])[1],
-                }
-                for a in anchors
-            ],
-            floatfmt='.1f',
-        )
-        if anchors
-        else '_(no record with a gold position)_'
-    )
-    skipped = '; '.join(f"{m}: {r['skipped']}" for m, r in ret.items() if r['skipped']) or 'none'
-    text = (
-        f"![retention]({png.name})\n\nAfter the turn that read the (last) gold chunk (offset 0) "
-        "and each later overwrite, how often "
-        f"the memory still holds the gold answer (records skipped, by reason: {skipped}):\n\n"
-        + (
-            retention_table(ret)
-            if any(r['by_offset'] for r in ret.values())
-            else '_(no record with a gold position)_'
-        )
-        + (
-            f"\n\n{metric} by the gold chunk's position:\n\n{pos}\n\nPer record: "
-            f"[`{js.name}`]({js.name}). The first "
-            f"{min(show, len(views))} of the {len(views)} items in [`{md.name}`]({md.name}):\n\n"
-        )
-        + '\n\n'.join(views[:show])
-    )
+    _write_trajectories(md, title, views)
+    text = _memory_markdown(ret, png, js, md, views, show, metric)
     return {
         'markdown': text,
         'files': [png, js, md],

@@ -8,6 +8,7 @@ import json, math
 from dataclasses import dataclass, field, asdict, fields
 from pathlib import Path
 from .files import loads_json
+from .patch import patch_to
 
 # %% auto #0
 __all__ = ['TURN_KINDS', 'FINISH_REASONS', 'Turn', 'Trajectory', 'save_jsonl', 'load_jsonl', 'Row']
@@ -94,37 +95,41 @@ class Trajectory:
     def num_turns(self) -> int:
         return len(self.turns)
 
-    def validate(self) -> 'Trajectory':
-        "Check the turn structure: `num_chunks` memory turns then one final turn, indices 0..T-1."
-        if not self.ok:
-            return self
-        for i, t in enumerate(self.turns):
-            t.validate()
-            if t.turn_index != i:
-                raise ValueError(
-                    f"trajectory {self.traj_id}: turn {i} has turn_index {t.turn_index}"
-                )
-        kinds = [t.kind for t in self.turns]
-        if kinds != ['memory'] * self.num_chunks + ['final']:
-            raise ValueError(
-                f"trajectory {self.traj_id}: expected {self.num_chunks} memory turns then 1 "
-                f"final, got {kinds}"
-            )
+# %% ../nbs/07_trajectory.ipynb #09c85f7d
+@patch_to(Trajectory)
+def validate(self) -> 'Trajectory':
+    "Check the turn structure: `num_chunks` memory turns then one final turn, indices 0..T-1."
+    if not self.ok:
         return self
+    for i, t in enumerate(self.turns):
+        t.validate()
+        if t.turn_index != i:
+            raise ValueError(f"trajectory {self.traj_id}: turn {i} has turn_index {t.turn_index}")
+    kinds = [t.kind for t in self.turns]
+    if kinds != ['memory'] * self.num_chunks + ['final']:
+        raise ValueError(
+            f"trajectory {self.traj_id}: expected {self.num_chunks} memory turns then 1 "
+            f"final, got {kinds}"
+        )
+    return self
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+# %% ../nbs/07_trajectory.ipynb #342fe3be
+@patch_to(Trajectory)
+def to_dict(self) -> dict:
+    return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> 'Trajectory':
-        "Inverse of `to_dict`; unknown keys raise so a dump from another schema is not misread."
-        known = {f.name for f in fields(cls)}
-        extra = set(d) - known
-        if extra:
-            raise ValueError(f"unknown trajectory fields: {sorted(extra)}")
-        d = dict(d)
-        d['turns'] = [Turn(**t) for t in d.get('turns', [])]
-        return cls(**d)
+
+@patch_to(Trajectory)
+@classmethod
+def from_dict(cls, d: dict) -> 'Trajectory':
+    "Inverse of `to_dict`; unknown keys raise so a dump from another schema is not misread."
+    known = {f.name for f in fields(cls)}
+    extra = set(d) - known
+    if extra:
+        raise ValueError(f"unknown trajectory fields: {sorted(extra)}")
+    d = dict(d)
+    d['turns'] = [Turn(**t) for t in d.get('turns', [])]
+    return cls(**d)
 
 # %% ../nbs/07_trajectory.ipynb #425f8e49
 def save_jsonl(trajs: list[Trajectory], path) -> int:

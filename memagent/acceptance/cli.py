@@ -54,11 +54,8 @@ def _files(p) -> list[Path]:
     return sorted(f for f in p.rglob('*') if f.is_file()) if p.is_dir() else [p]
 
 # %% ../../nbs/16b_acceptance_3_cli.ipynb #ed8a04b6
-def compare_cli(argv=None) -> int:
-    """Console script `memagent-compare`: writes the report JSON; exit 0 when it passes, 1 when not,
-    2 on bad input. `--verify DIR`
-        re-checks a rendered acceptance report folder instead
-        (`memagent.acceptance.report.verify_acceptance`): 0 verified, 1 not, 2 unreadable."""
+def _compare_parser() -> argparse.ArgumentParser:
+    "The argument parser of `memagent-compare`."
     from memagent.config import cli_number
 
     ap = argparse.ArgumentParser(
@@ -93,15 +90,12 @@ def compare_cli(argv=None) -> int:
             "file (answer_without_distractors: the key-code task's)"
         ),
     )
-    a = ap.parse_args(argv)
-    if a.verify:
-        return _verify_cli(ap, a)
-    if missing := [
-        f'--{r}' for r in ('candidate', 'reference', 'base', 'out') if not getattr(a, r)
-    ]:
-        ap.error(
-            f"the following arguments are required: {', '.join(missing)} (or --verify DIR alone)"
-        )
+    return ap
+
+# %% ../../nbs/16b_acceptance_3_cli.ipynb #6df0af83
+def _cli_compare(a):
+    """`(staged --out, report)` of the parsed arguments `a`: the output checked, then the runs
+    compared; None after printing the error of bad input."""
     try:
         read = {
             f'--{r} file': [f for p in getattr(a, r) for f in _files(p.split('=', 1)[-1])]
@@ -120,7 +114,28 @@ def compare_cli(argv=None) -> int:
         )
     except (OSError, ValueError) as e:
         print(f"memagent-compare: error: {e}", file=sys.stderr)
+        return None
+    return st, rep
+
+# %% ../../nbs/16b_acceptance_3_cli.ipynb #d580adf0
+def compare_cli(argv=None) -> int:
+    """Console script `memagent-compare`: writes the report JSON; exit 0 when it passes, 1 when not,
+    2 on bad input. `--verify DIR`
+        re-checks a rendered acceptance report folder instead
+        (`memagent.acceptance.report.verify_acceptance`): 0 verified, 1 not, 2 unreadable."""
+    ap = _compare_parser()
+    a = ap.parse_args(argv)
+    if a.verify:
+        return _verify_cli(ap, a)
+    if missing := [
+        f'--{r}' for r in ('candidate', 'reference', 'base', 'out') if not getattr(a, r)
+    ]:
+        ap.error(
+            f"the following arguments are required: {', '.join(missing)} (or --verify DIR alone)"
+        )
+    if (got := _cli_compare(a)) is None:
         return 2
+    st, rep = got
     if bad := [
         c['reason'] for c in rep['checks'] if c.get('malformed')
     ]:  # bad input: refused, no report written

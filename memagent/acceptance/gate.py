@@ -489,9 +489,8 @@ def _h16(h) -> str:
     return str(h)[:16] if h else 'none'
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #974d7964
-def identity_checks(checks: list, key, loaded: dict):
-    """Append to `checks` the identity checks of the runs `loaded` (role -> `load_run`) at `key`:
-    same items, same data, different runs, different models."""
+def _items_checks(checks: list, key, loaded: dict):
+    "Append the `items` check of the candidate and of the base against the reference's records."
     ref = loaded['reference']
     for role in ('candidate', 'base'):
         d = _diff_items(loaded[role]['items'], ref['items'])
@@ -509,6 +508,10 @@ def identity_checks(checks: list, key, loaded: dict):
             role=role,
             **{k: len(v) for k, v in d.items()},
         )
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #c0ebdd2a
+def _data_check(checks: list, key, loaded: dict):
+    "Append the `data` check: the three roles read data with one SHA-256, verified for all or none."
     data = {r: run['data'] for r, run in loaded.items()}
     how = lambda d: (
         'recomputed from ' + str(d['path'])
@@ -543,6 +546,10 @@ def identity_checks(checks: list, key, loaded: dict):
         ),
         verified=ver,
     )
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #dc8f4ea6
+def _runs_check(checks: list, key, loaded: dict):
+    "Append the `distinct_runs` check: no two roles are one run directory or identical records."
     ids = {
         r: (
             Path(run['source']).resolve() if run['source'] else None,
@@ -570,6 +577,10 @@ def identity_checks(checks: list, key, loaded: dict):
         not same_run,
         '; '.join(same_run) or 'three run directories with three different per-sample records',
     )
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #f21bf549
+def _models_check(checks: list, key, loaded: dict):
+    "Append the `distinct_models` check: three different models, as each run recorded them."
     m = {r: run['summary'].get('model') or {} for r, run in loaded.items()}
     bad = [
         f"{r} records no model.weights_sha256"
@@ -601,6 +612,15 @@ def identity_checks(checks: list, key, loaded: dict):
         )
         + ' (model identities as recorded by each run: not recomputable from the records)',
     )
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #61d3ca8a
+def identity_checks(checks: list, key, loaded: dict):
+    """Append to `checks` the identity checks of the runs `loaded` (role -> `load_run`) at `key`:
+    same items, same data, different runs, different models."""
+    _items_checks(checks, key, loaded)
+    _data_check(checks, key, loaded)
+    _runs_check(checks, key, loaded)
+    _models_check(checks, key, loaded)
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #2f82994e
 SHOWN = (
@@ -697,20 +717,8 @@ def chunk_check(checks: list, key, role: str, run: dict):
     )
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #d785d399
-def compare(
-    candidate,  # trained model: `{key: run}` or a run (summary, path, dir)
-    reference,  # the reference model's runs, in the same form
-    base,  # the base model's runs, in the same form
-    tolerance_pp: float = 3.0,  # largest |candidate - reference| passing, in points (pp)
-    lengths=None,  # RULER-HQA lengths compared; None: `candidate`'s int keys
-    seed: int = 0,  # the bootstrap's seed
-    n_boot: int = 1000,  # bootstrap resamples (intervals, paired, equivalence)
-    require_hotpotqa: bool = True,  # compare HotpotQA too; False: only if `candidate` has it
-    metric: str = 'sub_em',  # the metric compared at each length
-    hotpotqa_metric: str = 'boxed_em',  # the metric compared on HotpotQA
-) -> dict:  # the report: `passed`, `reasons`, every check, the values
-    """The acceptance check of candidate vs reference (within `tolerance_pp`) and vs base (strictly
-    better); every check listed."""
+def _check_tolerance(tolerance_pp):
+    "Refuse a `tolerance_pp` that is not a finite number >= 0."
     if (
         isinstance(tolerance_pp, bool)
         or not isinstance(tolerance_pp, (int, float))
@@ -719,162 +727,169 @@ def compare(
         raise ValueError(
             f"tolerance_pp must be a finite number >= 0 (percentage points), got {tolerance_pp!r}"
         )
-    roles = {
-        'candidate': _as_mapping(candidate),
-        'reference': _as_mapping(reference),
-        'base': _as_mapping(base),
-    }
-    avail = sorted(k for k in roles['candidate'] if isinstance(k, int))
-    lengths = avail if lengths is None else [int(l) for l in lengths]
-    keys = list(lengths) + (
-        [HOTPOTQA] if require_hotpotqa or HOTPOTQA in roles['candidate'] else []
-    )
-    checks, runs, values, paired, decided = [], {}, {}, {}, {}
-    if not lengths:
-        _check(checks, 'lengths', None, False, 'no RULER-HQA length to compare')
-    for key in keys:
-        loaded = {}
-        for role, m in roles.items():
-            if key not in m:
-                _check(checks, 'present', key, False, f"{role} has no run for {key!r}")
-                continue
-            try:
-                loaded[role] = load_run(m[key])
-            except CompareError as e:
-                _check(
-                    checks,
-                    'records',
-                    key,
-                    False,
-                    f"{role}: {e}",
-                    **({'malformed': True} if isinstance(e, MalformedRecords) else {}),
-                )
-                continue
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #ee721477
+def _load_roles(checks: list, key, roles: dict, runs: dict) -> dict:
+    """Load each role's run at `key` (role -> `load_run`), appending its `present` or `records`
+    check and adding what the report shows of it to `runs`."""
+    loaded = {}
+    for role, m in roles.items():
+        if key not in m:
+            _check(checks, 'present', key, False, f"{role} has no run for {key!r}")
+            continue
+        try:
+            loaded[role] = load_run(m[key])
+        except CompareError as e:
             _check(
                 checks,
                 'records',
                 key,
-                True,
-                f"{role}: records match the summary's SHA-256 and reproduce every judged number "
-                f"(parity {loaded[role]['recomputed']['parity']!r})",
-                role=role,
+                False,
+                f"{role}: {e}",
+                **({'malformed': True} if isinstance(e, MalformedRecords) else {}),
             )
-            runs.setdefault(str(key), {})[role] = _shown(loaded[role])
-        if len(loaded) < 3:
             continue
-        for role, run in loaded.items():
-            s, n = run['recomputed'], len(run['records'])
-            exp = s['totals']['items'] * s['totals']['samples_per_item']
-            complete = n == exp and s.get('complete', False) and n == s['totals'].get('samples')
-            _check(
-                checks,
-                'complete',
-                key,
-                complete,
-                f"{role}: {n} of {exp} samples recorded"
-                + ('' if complete else ' (incomplete run)'),
-                role=role,
-                samples=n,
-                expected=exp,
-            )
-            errs = sum(1 for r in run['records'] if r.get('error'))
-            _check(
-                checks,
-                'no_errors',
-                key,
-                errs == 0 and s.get('errors', 0) == 0,
-                f"{role}: {errs} request errors"
-                + ('' if errs == 0 else ' (a run with errors cannot pass)'),
-                role=role,
-                errors=errs,
-            )
-            chunk_check(checks, key, role, run)
-            t, lim = s['truncated_samples'], (run['summary'].get('limits') or {}).get('max_chunks')
-            _check(
-                checks,
-                'not_truncated',
-                key,
-                t == 0,
-                f"{role}: "
-                + (
-                    'no sample cut at max_chunks'
-                    if t == 0
-                    else (
-                        f"{t} of {n} samples cut at max_chunks={lim}: a run that did not read the "
-                        "whole context cannot pass"
-                    )
-                ),
-                role=role,
-                truncated=t,
-            )
-        ref_fields = comparable_fields(loaded['reference']['summary'])
-        for role in ('candidate', 'base'):
-            f = comparable_fields(loaded[role]['summary'])
-            diff = sorted(k for k in set(f) | set(ref_fields) if f.get(k) != ref_fields.get(k))
-            reason = (
-                f"{role} vs reference: "
-                + '; '.join(
-                    f"{k} differs ({f.get(k)!r} vs {ref_fields.get(k)!r})" for k in diff[:6]
-                )
-                if diff
-                else f"{role} vs reference: all comparable fields agree"
-            )
-            _check(checks, 'comparable', key, not diff, reason, role=role, fields=diff)
-        identity_checks(checks, key, loaded)
-        met = hotpotqa_metric if key == HOTPOTQA else metric
-        try:
-            sc = {
-                role: metric_scores(loaded[role], met, n_boot, seed) for role in loaded
-            }  # never the summary's own numbers
-        except CompareError as e:
-            _check(checks, 'metric', key, False, str(e))
-            continue
-        v, ci = {r: x['value'] for r, x in sc.items()}, {r: x['ci95'] for r, x in sc.items()}
-        values[str(key)] = {
-            'metric': met,
-            'source': sc['reference']['source'],
-            **{r: {'value': v[r], 'ci95': ci[r]} for r in v},
-        }
-        if key != HOTPOTQA:
-            gap = abs(v['candidate'] - v['reference'])
-            _check(
-                checks,
-                'tolerance',
-                key,
-                gap <= tolerance_pp + 1e-9,
-                f"|{met} candidate - reference| = |{v['candidate']:.2f} - {v['reference']:.2f}| = "
-                f"{gap:.2f} pp "
-                f"{'<=' if gap <= tolerance_pp + 1e-9 else '>'} {tolerance_pp} pp",
-                gap_pp=gap,
-                tolerance_pp=tolerance_pp,
-            )
-        beat = v['candidate'] > v['base']
         _check(
             checks,
-            'beats_base',
+            'records',
             key,
-            beat,
-            f"{met} candidate {v['candidate']:.2f} {'>' if beat else '<='} base {v['base']:.2f}"
-            + ('' if beat else ' (must be strictly better)'),
-            candidate=v['candidate'],
-            base=v['base'],
+            True,
+            f"{role}: records match the summary's SHA-256 and reproduce every judged number "
+            f"(parity {loaded[role]['recomputed']['parity']!r})",
+            role=role,
         )
-        it = {r: sc[r]['items'] for r in sc}
-        paired[str(key)] = {
-            'metric': met,
-            'candidate_vs_reference': _paired(it['candidate'], it['reference'], n_boot, seed),
-            'candidate_vs_base': _paired(it['candidate'], it['base'], n_boot, seed),
-        }
-        common = [i for i in it['reference'] if i in it['candidate']]
-        if key != HOTPOTQA and common:
-            eq = equivalence(
-                [it['candidate'][i] for i in common],
-                [it['reference'][i] for i in common],
-                tolerance_pp,
-                n_boot=n_boot,
-                seed=seed,
+        runs.setdefault(str(key), {})[role] = _shown(loaded[role])
+    return loaded
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #dc252223
+def _run_checks(checks: list, key, role: str, run: dict):
+    "Append the `complete`, `no_errors`, `chunks` and `not_truncated` checks of one loaded run."
+    s, n = run['recomputed'], len(run['records'])
+    exp = s['totals']['items'] * s['totals']['samples_per_item']
+    complete = n == exp and s.get('complete', False) and n == s['totals'].get('samples')
+    _check(
+        checks,
+        'complete',
+        key,
+        complete,
+        f"{role}: {n} of {exp} samples recorded" + ('' if complete else ' (incomplete run)'),
+        role=role,
+        samples=n,
+        expected=exp,
+    )
+    errs = sum(1 for r in run['records'] if r.get('error'))
+    _check(
+        checks,
+        'no_errors',
+        key,
+        errs == 0 and s.get('errors', 0) == 0,
+        f"{role}: {errs} request errors"
+        + ('' if errs == 0 else ' (a run with errors cannot pass)'),
+        role=role,
+        errors=errs,
+    )
+    chunk_check(checks, key, role, run)
+    t, lim = s['truncated_samples'], (run['summary'].get('limits') or {}).get('max_chunks')
+    _check(
+        checks,
+        'not_truncated',
+        key,
+        t == 0,
+        f"{role}: "
+        + (
+            'no sample cut at max_chunks'
+            if t == 0
+            else (
+                f"{t} of {n} samples cut at max_chunks={lim}: a run that did not read the "
+                "whole context cannot pass"
             )
-            decided[str(key)] = {**eq, 'metric': met, 'text': verdict_text(eq)}
+        ),
+        role=role,
+        truncated=t,
+    )
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #90213481
+def _comparable_checks(checks: list, key, loaded: dict):
+    "Append the `comparable` check of the candidate and of the base against the reference."
+    ref_fields = comparable_fields(loaded['reference']['summary'])
+    for role in ('candidate', 'base'):
+        f = comparable_fields(loaded[role]['summary'])
+        diff = sorted(k for k in set(f) | set(ref_fields) if f.get(k) != ref_fields.get(k))
+        reason = (
+            f"{role} vs reference: "
+            + '; '.join(f"{k} differs ({f.get(k)!r} vs {ref_fields.get(k)!r})" for k in diff[:6])
+            if diff
+            else f"{role} vs reference: all comparable fields agree"
+        )
+        _check(checks, 'comparable', key, not diff, reason, role=role, fields=diff)
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #0b280a24
+def _rule_checks(checks: list, key, loaded: dict, met: str, tolerance_pp, n_boot, seed, values):
+    """Append the `tolerance` and `beats_base` checks at `key`, from `met` recomputed per role, and
+    add the values to `values`; the per-role scores, or None after a failed `metric` check."""
+    try:
+        sc = {
+            role: metric_scores(loaded[role], met, n_boot, seed) for role in loaded
+        }  # never the summary's own numbers
+    except CompareError as e:
+        _check(checks, 'metric', key, False, str(e))
+        return None
+    v, ci = {r: x['value'] for r, x in sc.items()}, {r: x['ci95'] for r, x in sc.items()}
+    values[str(key)] = {
+        'metric': met,
+        'source': sc['reference']['source'],
+        **{r: {'value': v[r], 'ci95': ci[r]} for r in v},
+    }
+    if key != HOTPOTQA:
+        gap = abs(v['candidate'] - v['reference'])
+        _check(
+            checks,
+            'tolerance',
+            key,
+            gap <= tolerance_pp + 1e-9,
+            f"|{met} candidate - reference| = |{v['candidate']:.2f} - {v['reference']:.2f}| = "
+            f"{gap:.2f} pp "
+            f"{'<=' if gap <= tolerance_pp + 1e-9 else '>'} {tolerance_pp} pp",
+            gap_pp=gap,
+            tolerance_pp=tolerance_pp,
+        )
+    beat = v['candidate'] > v['base']
+    _check(
+        checks,
+        'beats_base',
+        key,
+        beat,
+        f"{met} candidate {v['candidate']:.2f} {'>' if beat else '<='} base {v['base']:.2f}"
+        + ('' if beat else ' (must be strictly better)'),
+        candidate=v['candidate'],
+        base=v['base'],
+    )
+    return sc
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #b5e925b6
+def _paired_stats(key, sc: dict, met: str, tolerance_pp, n_boot, seed, paired, decided):
+    """Add to `paired` the per-item statistics of the candidate against the reference and the base
+    at `key`, and to `decided` the equivalence verdict at a RULER-HQA length."""
+    it = {r: sc[r]['items'] for r in sc}
+    paired[str(key)] = {
+        'metric': met,
+        'candidate_vs_reference': _paired(it['candidate'], it['reference'], n_boot, seed),
+        'candidate_vs_base': _paired(it['candidate'], it['base'], n_boot, seed),
+    }
+    common = [i for i in it['reference'] if i in it['candidate']]
+    if key != HOTPOTQA and common:
+        eq = equivalence(
+            [it['candidate'][i] for i in common],
+            [it['reference'][i] for i in common],
+            tolerance_pp,
+            n_boot=n_boot,
+            seed=seed,
+        )
+        decided[str(key)] = {**eq, 'metric': met, 'text': verdict_text(eq)}
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #5bc7ba9a
+def _one_model_checks(checks: list, runs: dict, roles: dict):
+    "Append the `one_model` check of each role: its sets were evaluated by one model."
     models = {
         r: {
             k: (rs[r]['recorded']['model'] or {}).get('weights_sha256')
@@ -898,6 +913,49 @@ def compare(
             ),
             role=r,
         )
+
+# %% ../../nbs/16b_acceptance_1_gate.ipynb #9c8e2d19
+def compare(
+    candidate,  # trained model: `{key: run}` or a run (summary, path, dir)
+    reference,  # the reference model's runs, in the same form
+    base,  # the base model's runs, in the same form
+    tolerance_pp: float = 3.0,  # largest |candidate - reference| passing, in points (pp)
+    lengths=None,  # RULER-HQA lengths compared; None: `candidate`'s int keys
+    seed: int = 0,  # the bootstrap's seed
+    n_boot: int = 1000,  # bootstrap resamples (intervals, paired, equivalence)
+    require_hotpotqa: bool = True,  # compare HotpotQA too; False: only if `candidate` has it
+    metric: str = 'sub_em',  # the metric compared at each length
+    hotpotqa_metric: str = 'boxed_em',  # the metric compared on HotpotQA
+) -> dict:  # the report: `passed`, `reasons`, every check, the values
+    """The acceptance check of candidate vs reference (within `tolerance_pp`) and vs base (strictly
+    better); every check listed."""
+    _check_tolerance(tolerance_pp)
+    roles = {
+        'candidate': _as_mapping(candidate),
+        'reference': _as_mapping(reference),
+        'base': _as_mapping(base),
+    }
+    avail = sorted(k for k in roles['candidate'] if isinstance(k, int))
+    lengths = avail if lengths is None else [int(l) for l in lengths]
+    keys = list(lengths) + (
+        [HOTPOTQA] if require_hotpotqa or HOTPOTQA in roles['candidate'] else []
+    )
+    checks, runs, values, paired, decided = [], {}, {}, {}, {}
+    if not lengths:
+        _check(checks, 'lengths', None, False, 'no RULER-HQA length to compare')
+    for key in keys:
+        loaded = _load_roles(checks, key, roles, runs)
+        if len(loaded) < 3:
+            continue
+        for role, run in loaded.items():
+            _run_checks(checks, key, role, run)
+        _comparable_checks(checks, key, loaded)
+        identity_checks(checks, key, loaded)
+        met = hotpotqa_metric if key == HOTPOTQA else metric
+        sc = _rule_checks(checks, key, loaded, met, tolerance_pp, n_boot, seed, values)
+        if sc is not None:
+            _paired_stats(key, sc, met, tolerance_pp, n_boot, seed, paired, decided)
+    _one_model_checks(checks, runs, roles)
     passed = bool(checks) and all(c['passed'] for c in checks)
     return {
         'schema_version': SCHEMA_VERSION,

@@ -256,26 +256,32 @@ def _models_md(runs: dict) -> str:
     )
 
 # %% ../../nbs/16b_acceptance_2_report.ipynb #a7c1d012
-def acceptance_sections(report: dict, render: dict) -> tuple[str, list, list]:
-    """`(title, sections, files)` of an acceptance README: every number from the gate's `report`,
-    the rest from `render` (the contents of render.json)."""
-    from memagent.report import md_table, provenance_md
-
-    unit, plot, runs = render['unit'], f"{report['metric']}.png", shown_runs(report)
-    rows, prow = _results_rows(report, unit), _paired_rows(report)
-    verdict = (
+def _verdict_md(report: dict) -> str:
+    "The Verdict section: PASSED, or NOT PASSED with the gate's reasons."
+    return (
         '**PASSED**: every check below holds.'
         if report['passed']
         else '**NOT PASSED**. Reasons:\n\n' + '\n'.join(f'- {x}' for x in report['reasons'])
     )
-    checks = md_table(
+
+# %% ../../nbs/16b_acceptance_2_report.ipynb #fcfeff01
+def _checks_md(report: dict) -> str:
+    "The Checks section: one row per check of the gate."
+    from memagent.report import md_table
+
+    return md_table(
         [
             {'check': c['name'], 'set': c['key'], 'passed': c['passed'], 'reason': c['reason']}
             for c in report['checks']
         ]
     )
-    first = next((run for r in ('reference', *ROLES) for run in runs.get(r, {}).values()), None)
-    shared = (
+
+# %% ../../nbs/16b_acceptance_2_report.ipynb #249b5e79
+def _shared_md(first) -> str:
+    "The comparable fields recorded by the `first` loaded run, as a table."
+    from memagent.report import md_table
+
+    return (
         md_table(
             [
                 {'field': k, 'value': json.dumps(v) if not isinstance(v, str) else v}
@@ -285,11 +291,16 @@ def acceptance_sections(report: dict, render: dict) -> tuple[str, list, list]:
         if first
         else '_(no run loaded)_'
     )
-    parity = first['recomputed']['parity'] if first else None
+
+# %% ../../nbs/16b_acceptance_2_report.ipynb #18953ae8
+def _results_md(report: dict, rows: list, parity, plot: str) -> str:
+    "The Results section: how the numbers were computed, their table and the plot."
+    from memagent.report import md_table
+
     source = next(
         (v['source'] for v in report.get('values', {}).values() if v.get('source')), 'the records'
     )
-    results = (
+    return (
         f"Parity mode `{parity}`. Metric: `{report['metric']}` in %, 95% item-bootstrap interval "
         "in brackets, recomputed "
         f"from {source}; tolerance {report['tolerance_pp']} pp. The rule judges the point "
@@ -302,6 +313,43 @@ def acceptance_sections(report: dict, render: dict) -> tuple[str, list, list]:
         + (md_table(rows, floatfmt='.2f') if rows else '_(no set with all three runs loaded)_')
         + f"\n\n![{report['metric']} per length]({plot})"
     )
+
+# %% ../../nbs/16b_acceptance_2_report.ipynb #883e3f59
+def _extras_sections(runs: dict) -> list:
+    "The section of the parity mode's own figures, if any run has them: a list of 0 or 1."
+    from memagent.report import md_table
+
+    extras = [
+        {'model': r, 'set': str(k), **flatten(run['recomputed']['parity_extras'] or {})}
+        for r in ROLES
+        for k, run in runs.get(r, {}).items()
+        if run['recomputed'].get('parity_extras')
+    ]
+    if not extras:
+        return []
+    return [
+        (
+            'Figures of the parity mode',
+            "Computed from the same records by the parity mode's own rules "
+            "(e.g. the official script's drop of empty outputs); the verdict uses the metrics "
+            "above.\n\n" + md_table(extras, floatfmt='.2f'),
+        )
+    ]
+
+# %% ../../nbs/16b_acceptance_2_report.ipynb #13e439bf
+def acceptance_sections(report: dict, render: dict) -> tuple[str, list, list]:
+    """`(title, sections, files)` of an acceptance README: every number from the gate's `report`,
+    the rest from `render` (the contents of render.json)."""
+    from memagent.report import md_table, provenance_md
+
+    unit, plot, runs = render['unit'], f"{report['metric']}.png", shown_runs(report)
+    rows, prow = _results_rows(report, unit), _paired_rows(report)
+    verdict = _verdict_md(report)
+    checks = _checks_md(report)
+    first = next((run for r in ('reference', *ROLES) for run in runs.get(r, {}).values()), None)
+    shared = _shared_md(first)
+    parity = first['recomputed']['parity'] if first else None
+    results = _results_md(report, rows, parity, plot)
     sections = ([('Evaluation data', render['data_note'])] if render['data_note'] else []) + [
         ('Verdict', verdict),
         ('Results', results),
@@ -322,21 +370,7 @@ def acceptance_sections(report: dict, render: dict) -> tuple[str, list, list]:
         ),
         ('What the gate verified', verification_md(report, render['left'])),
     ]
-    extras = [
-        {'model': r, 'set': str(k), **flatten(run['recomputed']['parity_extras'] or {})}
-        for r in ROLES
-        for k, run in runs.get(r, {}).items()
-        if run['recomputed'].get('parity_extras')
-    ]
-    if extras:
-        sections.append(
-            (
-                'Figures of the parity mode',
-                "Computed from the same records by the parity mode's own rules "
-                "(e.g. the official script's drop of empty outputs); the verdict uses the metrics "
-                "above.\n\n" + md_table(extras, floatfmt='.2f'),
-            )
-        )
+    sections += _extras_sections(runs)
     if render['params']:
         sections.append(
             ('Parameters', '```json\n' + json.dumps(render['params'], indent=1) + '\n```')
@@ -455,6 +489,62 @@ def _json_diff(want, got, where: str) -> list[str]:
     )
 
 # %% ../../nbs/16b_acceptance_2_report.ipynb #aed909e9
+def _recompare(d: Path, report: dict) -> dict:
+    "The gate run again on the per-sample runs in the folder `d`, with `report`'s parameters."
+    from memagent.acceptance.gate import compare
+
+    keys = [*report['lengths'], *([HOTPOTQA] if HOTPOTQA in report.get('values', {}) else [])]
+    runs = {r: {k: d / 'runs' / r / str(k) for k in keys} for r in ROLES}
+    return compare(
+        runs['candidate'],
+        runs['reference'],
+        runs['base'],
+        tolerance_pp=report['tolerance_pp'],
+        lengths=report['lengths'],
+        seed=report['bootstrap']['seed'],
+        n_boot=report['bootstrap']['resamples'],
+        require_hotpotqa=report['require_hotpotqa'],
+        metric=report['metric'],
+        hotpotqa_metric=report['hotpotqa_metric'],
+    )
+
+# %% ../../nbs/16b_acceptance_2_report.ipynb #6985cfd5
+def _report_problems(fresh: dict, report: dict) -> list[str]:
+    "Where the stored `report` differs from the `fresh` one: all but provenance and run sources."
+    strip = lambda rep: {k: v for k, v in rep.items() if k not in ('provenance', 'runs')}
+    problems = _json_diff(strip(fresh), strip(report), 'compare.json')
+    for k, rs in fresh['runs'].items():  # the runs as loaded, less where they were read from
+        for r, run in rs.items():
+            stored = report['runs'].get(k, {}).get(r, {})
+            problems += _json_diff(
+                {**run, 'source': None}, {**stored, 'source': None}, f'compare.json.runs.{k}.{r}'
+            )
+    return problems
+
+# %% ../../nbs/16b_acceptance_2_report.ipynb #c282ecfe
+def _readme_problems(d: Path, report: dict, render: dict) -> list[str]:
+    "The problem of README.md in `d`, missing or not the rendering of `report` and `render`."
+    from memagent.report import report_text
+
+    readme = d / 'README.md'
+    if not readme.is_file():
+        return [f'{readme}: missing; render it with memagent.acceptance.report.render_acceptance']
+    want, got = report_text(d, *acceptance_sections(report, render)), readme.read_text()
+    if got == want:
+        return []
+    line = next(
+        (i for i, (a, b) in enumerate(zip(got.splitlines(), want.splitlines())) if a != b),
+        min(len(got.splitlines()), len(want.splitlines())),
+    )
+    return [
+        f"{readme}: not the rendering of compare.json, render.json and the files it lists "
+        "(first difference at "
+        f"line {line + 1}: {(got.splitlines()[line : line + 1] or [''])[0][:100]!r} where "
+        "the rendering has "
+        f"{(want.splitlines()[line : line + 1] or [''])[0][:100]!r})"
+    ]
+
+# %% ../../nbs/16b_acceptance_2_report.ipynb #7e22fe9c
 def verify_acceptance(
     report_dir,  # a report folder: compare.json, render.json, README.md, runs/
 ) -> dict:  # `status`, `passed`, `metric`, each length's verdict
@@ -469,55 +559,14 @@ def verify_acceptance(
         it
         cannot read."""
     from memagent.files import read_json
-    from memagent.report import report_text
-    from memagent.acceptance.gate import compare
 
     d = Path(report_dir)
     report, render = (
         read_json(d / 'compare.json', 'acceptance_report'),
         read_json(d / RENDER_FILE, 'acceptance_render'),
     )
-    keys = [*report['lengths'], *([HOTPOTQA] if HOTPOTQA in report.get('values', {}) else [])]
-    runs = {r: {k: d / 'runs' / r / str(k) for k in keys} for r in ROLES}
-    fresh = compare(
-        runs['candidate'],
-        runs['reference'],
-        runs['base'],
-        tolerance_pp=report['tolerance_pp'],
-        lengths=report['lengths'],
-        seed=report['bootstrap']['seed'],
-        n_boot=report['bootstrap']['resamples'],
-        require_hotpotqa=report['require_hotpotqa'],
-        metric=report['metric'],
-        hotpotqa_metric=report['hotpotqa_metric'],
-    )
-    strip = lambda rep: {k: v for k, v in rep.items() if k not in ('provenance', 'runs')}
-    problems = _json_diff(strip(fresh), strip(report), 'compare.json')
-    for k, rs in fresh['runs'].items():  # the runs as loaded, less where they were read from
-        for r, run in rs.items():
-            stored = report['runs'].get(k, {}).get(r, {})
-            problems += _json_diff(
-                {**run, 'source': None}, {**stored, 'source': None}, f'compare.json.runs.{k}.{r}'
-            )
-    readme = d / 'README.md'
-    if not readme.is_file():
-        problems.append(
-            f'{readme}: missing; render it with memagent.acceptance.report.render_acceptance'
-        )
-    else:
-        want, got = report_text(d, *acceptance_sections(report, render)), readme.read_text()
-        if got != want:
-            line = next(
-                (i for i, (a, b) in enumerate(zip(got.splitlines(), want.splitlines())) if a != b),
-                min(len(got.splitlines()), len(want.splitlines())),
-            )
-            problems.append(
-                f"{readme}: not the rendering of compare.json, render.json and the files it lists "
-                "(first difference at "
-                f"line {line + 1}: {(got.splitlines()[line : line + 1] or [''])[0][:100]!r} where "
-                "the rendering has "
-                f"{(want.splitlines()[line : line + 1] or [''])[0][:100]!r})"
-            )
+    fresh = _recompare(d, report)
+    problems = _report_problems(fresh, report) + _readme_problems(d, report, render)
     if problems:
         raise ReportMismatch(problems)
     return {

@@ -17,6 +17,7 @@ from memagent.policy import (
     prompt_logprobs,
 )
 from ..ondevice import to_host
+from ..patch import patch_to
 
 # %% auto #0
 __all__ = ['StallError', 'describe_progress', 'poll_interval', 'stalled_ranks', 'pack_numpy', 'unpack_numpy', 'rank_options',
@@ -148,31 +149,6 @@ class Rank:
         self.policy, self.reference = build_policy(self.cfg), build_reference(self.cfg)
         self._progress = dict(count=0)
 
-    def layout(self) -> dict:
-        """This rank's place: rank, data- and tensor-parallel rank and size, whether it takes rows,
-        its optimizer-state key, its Ray placement group (None if unplaced), its GPU (`rank_device`)
-        and the device its weights are on."""
-        import ray
-
-        p = self.policy
-        w = (
-            next(iter(p.model.parameters()))
-            if hasattr(getattr(p, 'model', None), 'parameters')
-            else None
-        )
-        return dict(
-            rank=self.rank,
-            dp_rank=p.dp_rank,
-            dp_size=p.dp_size,
-            tp_rank=getattr(p, 'tp_rank', 0),
-            tp_size=getattr(p, 'tp', 1),
-            row_source=p.row_source,
-            state_key=p.state_key,
-            placement_group=ray.get_runtime_context().get_placement_group_id(),
-            **self.device,
-            weights_device=str(w.device) if w is not None else None,
-        )
-
     def _tell(self, ev: dict):
         self._progress = dict(
             ev, count=self._progress['count'] + 1
@@ -183,39 +159,78 @@ class Rank:
         every event."""
         return self._progress
 
-    def update(self, channel, rollout_id, timeout: float) -> dict:
-        p = self.policy
-        self._tell(dict(event='rows'))
-        rows = p.share_rows(
-            channel.get(rollout_id, p.dp_rank, p.dp_size, timeout=timeout) if p.row_source else None
-        )
-        self._tell(dict(event='start', rows=len(rows)))
-        out = update_on_rows(p, self.reference, rows, self.cfg, self.pad_id, on_progress=self._tell)
-        self._tell(dict(event='done'))
-        return out
+# %% ../../nbs/12c_ray_group.ipynb #86d418a3
+@patch_to(Rank)
+def layout(self) -> dict:
+    """This rank's place: rank, data- and tensor-parallel rank and size, whether it takes rows,
+    its optimizer-state key, its Ray placement group (None if unplaced), its GPU (`rank_device`)
+    and the device its weights are on."""
+    import ray
 
-    def prompt_logprobs(self, ids) -> list[float]:
-        return prompt_logprobs(self.policy, ids)  # every rank: a collective under TP
+    p = self.policy
+    w = (
+        next(iter(p.model.parameters()))
+        if hasattr(getattr(p, 'model', None), 'parameters')
+        else None
+    )
+    return dict(
+        rank=self.rank,
+        dp_rank=p.dp_rank,
+        dp_size=p.dp_size,
+        tp_rank=getattr(p, 'tp_rank', 0),
+        tp_size=getattr(p, 'tp', 1),
+        row_source=p.row_source,
+        state_key=p.state_key,
+        placement_group=ray.get_runtime_context().get_placement_group_id(),
+        **self.device,
+        weights_device=str(w.device) if w is not None else None,
+    )
 
-    def hf_state_dict_numpy(self, send: bool) -> dict | None:
-        sd = self.policy.hf_state_dict(
-            keep=send
-        )  # every rank joins (a collective under TP); only the sender keeps a host copy
-        return pack_numpy(sd) if send else None
+# %% ../../nbs/12c_ray_group.ipynb #523f3a65
+@patch_to(Rank)
+def update(self, channel, rollout_id, timeout: float) -> dict:
+    p = self.policy
+    self._tell(dict(event='rows'))
+    rows = p.share_rows(
+        channel.get(rollout_id, p.dp_rank, p.dp_size, timeout=timeout) if p.row_source else None
+    )
+    self._tell(dict(event='start', rows=len(rows)))
+    out = update_on_rows(p, self.reference, rows, self.cfg, self.pad_id, on_progress=self._tell)
+    self._tell(dict(event='done'))
+    return out
 
-    def state_dict(self) -> dict:
-        return to_host(
-            self.policy.state_dict()
-        )  # host tensors cross Ray: never rebuilt on the driver's GPU
+# %% ../../nbs/12c_ray_group.ipynb #61afc37b
+@patch_to(Rank)
+def prompt_logprobs(self, ids) -> list[float]:
+    return prompt_logprobs(self.policy, ids)  # every rank: a collective under TP
 
-    def load_state_dict(self, model_np: dict, state):
-        self.policy.load_state_dict(unpack_numpy(model_np), state)
 
-    def close(self):
-        if hasattr(self.policy, 'close'):
-            self.policy.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+@patch_to(Rank)
+def hf_state_dict_numpy(self, send: bool) -> dict | None:
+    sd = self.policy.hf_state_dict(
+        keep=send
+    )  # every rank joins (a collective under TP); only the sender keeps a host copy
+    return pack_numpy(sd) if send else None
+
+
+@patch_to(Rank)
+def state_dict(self) -> dict:
+    return to_host(
+        self.policy.state_dict()
+    )  # host tensors cross Ray: never rebuilt on the driver's GPU
+
+
+@patch_to(Rank)
+def load_state_dict(self, model_np: dict, state):
+    self.policy.load_state_dict(unpack_numpy(model_np), state)
+
+
+@patch_to(Rank)
+def close(self):
+    if hasattr(self.policy, 'close'):
+        self.policy.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 # %% ../../nbs/12c_ray_group.ipynb #61cbe336
 class RayGroup:
@@ -251,118 +266,131 @@ class RayGroup:
         if self.stopped:
             raise RuntimeError(f"the policy group was stopped: {self.stopped}")
 
-    def update(self, channel, rollout_id, timeout: float) -> list[dict]:
-        """Every rank's update of step `rollout_id`; rows wait up to `timeout`, then a rank may go
-        `health.stall_timeout_s` without progress."""
-        import ray
+# %% ../../nbs/12c_ray_group.ipynb #e673485d
+@patch_to(RayGroup)
+def update(self, channel, rollout_id, timeout: float) -> list[dict]:
+    """Every rank's update of step `rollout_id`; rows wait up to `timeout`, then a rank may go
+    `health.stall_timeout_s` without progress."""
+    import ray
 
-        self._check()
-        stall, n = self.cfg.health.stall_timeout_s, len(self.workers)
-        poll, refs = (
-            poll_interval(stall),
-            [w.update.remote(channel, rollout_id, timeout) for w in self.workers],
-        )
-        out, events, changed, counts = [None] * n, [None] * n, [time.monotonic()] * n, [0] * n
-        done = [False] * n
-        while not all(done):
-            live = [i for i in range(n) if not done[i]]
-            ready, _ = ray.wait([refs[i] for i in live], num_returns=len(live), timeout=poll)
-            for i in live:
-                if refs[i] in ready:
-                    out[i], done[i] = ray.get(refs[i]), True  # a rank's error stops the update here
-            live = [i for i in live if not done[i]]
-            if not live:
-                break
-            asks = {
-                i: self.workers[i].progress.options(concurrency_group='progress').remote()
-                for i in live
-            }
-            answered, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=poll)
-            for i, ref in asks.items():
-                if ref not in answered:
-                    continue
-                try:
-                    ev = ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    continue  # the rank died: its update result says why, next slice
-                if ev['count'] != counts[i]:
-                    counts[i], events[i], changed[i] = ev['count'], ev, time.monotonic()
-            bad = stalled_ranks(events, changed, done, time.monotonic(), stall, timeout + 60)
-            if bad:
-                self._stop(rollout_id, bad, events, done, stall)
-        return [m for m, l in zip(out, self.layouts) if l['row_source']]
+    self._check()
+    stall, n = self.cfg.health.stall_timeout_s, len(self.workers)
+    poll, refs = (
+        poll_interval(stall),
+        [w.update.remote(channel, rollout_id, timeout) for w in self.workers],
+    )
+    out, events, changed, counts = [None] * n, [None] * n, [time.monotonic()] * n, [0] * n
+    done = [False] * n
+    while not all(done):
+        live = [i for i in range(n) if not done[i]]
+        ready, _ = ray.wait([refs[i] for i in live], num_returns=len(live), timeout=poll)
+        for i in live:
+            if refs[i] in ready:
+                out[i], done[i] = ray.get(refs[i]), True  # a rank's error stops the update here
+        live = [i for i in live if not done[i]]
+        if not live:
+            break
+        asks = {
+            i: self.workers[i].progress.options(concurrency_group='progress').remote() for i in live
+        }
+        answered, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=poll)
+        for i, ref in asks.items():
+            if ref not in answered:
+                continue
+            try:
+                ev = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                continue  # the rank died: its update result says why, next slice
+            if ev['count'] != counts[i]:
+                counts[i], events[i], changed[i] = ev['count'], ev, time.monotonic()
+        bad = stalled_ranks(events, changed, done, time.monotonic(), stall, timeout + 60)
+        if bad:
+            self._stop(rollout_id, bad, events, done, stall)
+    return [m for m, l in zip(out, self.layouts) if l['row_source']]
 
-    def _stop(self, rollout_id, bad, events, done, stall):
-        import ray
+# %% ../../nbs/12c_ray_group.ipynb #9341fbde
+@patch_to(RayGroup)
+def _stop(self, rollout_id, bad, events, done, stall):
+    import ray
 
-        i, dt = bad[0]
-        state = '; '.join(
-            f"rank {k}: {'finished' if done[k] else describe_progress(events[k])}"
-            for k in range(len(events))
-        )
-        msg = (
-            f"step {rollout_id!r}: rank {i} made no progress for {dt:.1f} s "
-            f"(health.stall_timeout_s={stall:g}; "
-            f"{'waiting for rows: channel timeout + 60 s' if (events[i] or {}).get('event') == 'rows' else 'per micro-batch'}); "  # noqa: E501
-            f"its last progress: {describe_progress(events[i])}. Ranks past their limit: "
-            f"{[k for k, _ in bad]}. All ranks: {state}. "
-            f"The rank actors were stopped."
-        )
-        self.stopped = msg
+    i, dt = bad[0]
+    state = '; '.join(
+        f"rank {k}: {'finished' if done[k] else describe_progress(events[k])}"
+        for k in range(len(events))
+    )
+    msg = (
+        f"step {rollout_id!r}: rank {i} made no progress for {dt:.1f} s "
+        f"(health.stall_timeout_s={stall:g}; "
+        f"{'waiting for rows: channel timeout + 60 s' if (events[i] or {}).get('event') == 'rows' else 'per micro-batch'}); "  # noqa: E501
+        f"its last progress: {describe_progress(events[i])}. Ranks past their limit: "
+        f"{[k for k, _ in bad]}. All ranks: {state}. "
+        f"The rank actors were stopped."
+    )
+    self.stopped = msg
+    for w in self.workers:
+        ray.kill(w)
+    raise StallError(msg)
+
+# %% ../../nbs/12c_ray_group.ipynb #6d88bac0
+@patch_to(RayGroup)
+def prompt_logprobs(self, ids) -> list[float]:
+    """The policy's own log-probs of `ids[1:]` on its ranks (every rank computes; rank 0's
+    answer)."""
+    import ray
+
+    self._check()
+    return ray.get([w.prompt_logprobs.remote(list(ids)) for w in self.workers])[0]
+
+
+@patch_to(RayGroup)
+def hf_state_dict(self) -> dict:
+    import ray
+
+    self._check()
+    sds = ray.get([w.hf_state_dict_numpy.remote(i == 0) for i, w in enumerate(self.workers)])
+    return unpack_numpy(sds[0])
+
+# %% ../../nbs/12c_ray_group.ipynb #d0ee332c
+@patch_to(RayGroup)
+def state_dict(self) -> dict:
+    import ray
+
+    self._check()
+    first = {}
+    for w, l in zip(self.workers, self.layouts):
+        first.setdefault(l['state_key'], w)
+    return {'shards': dict(zip(first, ray.get([w.state_dict.remote() for w in first.values()])))}
+
+
+@patch_to(RayGroup)
+def load_state_dict(self, model_sd: dict, state):
+    import ray
+
+    self._check()
+    np_sd = pack_numpy(model_sd)
+    ray.get(
+        [
+            w.load_state_dict.remote(np_sd, optimizer_shard(state, l['state_key']))
+            for w, l in zip(self.workers, self.layouts)
+        ]
+    )
+
+# %% ../../nbs/12c_ray_group.ipynb #f8cc638e
+@patch_to(RayGroup)
+def export_model(self):
+    from memagent.models import load_model
+
+    return load_model(self.cfg.model.name, self.cfg.model.dtype)
+
+
+@patch_to(RayGroup)
+def close(self):
+    import ray
+
+    if self.stopped:
+        return  # the actors were killed when the update stopped
+    try:
+        ray.get([w.close.remote() for w in self.workers], timeout=60)
+    finally:
         for w in self.workers:
             ray.kill(w)
-        raise StallError(msg)
-
-    def prompt_logprobs(self, ids) -> list[float]:
-        """The policy's own log-probs of `ids[1:]` on its ranks (every rank computes; rank 0's
-        answer)."""
-        import ray
-
-        self._check()
-        return ray.get([w.prompt_logprobs.remote(list(ids)) for w in self.workers])[0]
-
-    def hf_state_dict(self) -> dict:
-        import ray
-
-        self._check()
-        sds = ray.get([w.hf_state_dict_numpy.remote(i == 0) for i, w in enumerate(self.workers)])
-        return unpack_numpy(sds[0])
-
-    def state_dict(self) -> dict:
-        import ray
-
-        self._check()
-        first = {}
-        for w, l in zip(self.workers, self.layouts):
-            first.setdefault(l['state_key'], w)
-        return {
-            'shards': dict(zip(first, ray.get([w.state_dict.remote() for w in first.values()])))
-        }
-
-    def load_state_dict(self, model_sd: dict, state):
-        import ray
-
-        self._check()
-        np_sd = pack_numpy(model_sd)
-        ray.get(
-            [
-                w.load_state_dict.remote(np_sd, optimizer_shard(state, l['state_key']))
-                for w, l in zip(self.workers, self.layouts)
-            ]
-        )
-
-    def export_model(self):
-        from memagent.models import load_model
-
-        return load_model(self.cfg.model.name, self.cfg.model.dtype)
-
-    def close(self):
-        import ray
-
-        if self.stopped:
-            return  # the actors were killed when the update stopped
-        try:
-            ray.get([w.close.remote() for w in self.workers], timeout=60)
-        finally:
-            for w in self.workers:
-                ray.kill(w)

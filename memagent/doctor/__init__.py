@@ -243,38 +243,10 @@ def summary_line(rows) -> str:
     )
 
 # %% ../../nbs/13d_doctor.ipynb #4eec2550
-def doctor_cli(argv=None) -> int:
-    """Console script `memagent-doctor`: every row for a preset and a world size; exit 1 naming
-    every failing row."""
-    from memagent.config import PRESETS, cli_number, get_preset
+def _doctor_options(ap: argparse.ArgumentParser):
+    "Add to `ap` the options that choose which rows run and how they print."
+    from memagent.config import cli_number
 
-    ap = argparse.ArgumentParser(
-        prog='memagent-doctor',
-        description='Preflight check of a launch: one row per requirement of the '
-        'layout, found vs needed, before Ray or any model. Exit 1 when any row fails.',
-    )
-    ap.add_argument('--preset', required=True, help=f"one of {list(PRESETS)}")
-    ap.add_argument(
-        '--world-size',
-        type=cli_number('int>=1'),
-        required=True,
-        help='training ranks (the trainer\'s world_size)',
-    )
-    ap.add_argument(
-        '--set',
-        action='append',
-        default=[],
-        metavar='KEY=VALUE',
-        help='a config override (value read as YAML); repeatable',
-    )
-    ap.add_argument(
-        '--run-dir', default='runs', help='where the run writes its checkpoints (disk row)'
-    )
-    ap.add_argument(
-        '--data-root',
-        default=None,
-        help='the pinned data root (default: data.root, $MEMAGENT_DATA_ROOT, the cache)',
-    )
     ap.add_argument(
         '--simulated-gpus',
         action='store_true',
@@ -304,35 +276,61 @@ def doctor_cli(argv=None) -> int:
         default=None,
         help="only these rows, comma-separated names (e.g. 'python,glibc,CUDA driver')",
     )
-    a = ap.parse_args(argv)
+
+# %% ../../nbs/13d_doctor.ipynb #18a9cc10
+def _doctor_parser() -> argparse.ArgumentParser:
+    "The argument parser of `memagent-doctor`: the launch checked, then `_doctor_options`."
+    from memagent.config import PRESETS, cli_number
+
+    ap = argparse.ArgumentParser(
+        prog='memagent-doctor',
+        description='Preflight check of a launch: one row per requirement of the '
+        'layout, found vs needed, before Ray or any model. Exit 1 when any row fails.',
+    )
+    ap.add_argument('--preset', required=True, help=f"one of {list(PRESETS)}")
+    ap.add_argument(
+        '--world-size',
+        type=cli_number('int>=1'),
+        required=True,
+        help='training ranks (the trainer\'s world_size)',
+    )
+    ap.add_argument(
+        '--set',
+        action='append',
+        default=[],
+        metavar='KEY=VALUE',
+        help='a config override (value read as YAML); repeatable',
+    )
+    ap.add_argument(
+        '--run-dir', default='runs', help='where the run writes its checkpoints (disk row)'
+    )
+    ap.add_argument(
+        '--data-root',
+        default=None,
+        help='the pinned data root (default: data.root, $MEMAGENT_DATA_ROOT, the cache)',
+    )
+    _doctor_options(ap)
+    return ap
+
+# %% ../../nbs/13d_doctor.ipynb #6516d08f
+def _doctor_config(a):
+    "The preset config `a` names with its `--set` overrides; None after printing why it is bad."
+    from memagent.config import get_preset
+
     try:
         sets = {}
         if a.set:  # the project's override parser (it imports numpy): only when needed
             from memagent.config import parse_sets
 
             sets = parse_sets(a.set)
-        cfg = get_preset(a.preset, sets)
+        return get_preset(a.preset, sets)
     except (KeyError, ValueError) as e:
         print(f"memagent-doctor: {e.args[0] if e.args else e}", file=sys.stderr)
-        return 2
-    want = [n.strip() for n in a.rows.split(',') if n.strip()] if a.rows else None
-    if want and (bad := [n for n in want if n not in ROW_NAMES]):
-        print(
-            f"memagent-doctor: --rows names no row {bad}; the rows are {list(ROW_NAMES)}",
-            file=sys.stderr,
-        )
-        return 2
-    rows = doctor(
-        cfg,
-        a.world_size,
-        run_dir=a.run_dir,
-        data_root=a.data_root,
-        simulated_gpus=a.simulated_gpus,
-        fast_only=a.fast,
-        ray_address=a.ray_address,
-        only=want,
-        ray_timeout_s=a.ray_timeout,
-    )
+        return None
+
+# %% ../../nbs/13d_doctor.ipynb #2b113926
+def _print_rows(a, cfg, rows: list):
+    "Print the doctor's `rows`: as JSON with `--json`, else as a table and a summary line."
     if a.json:
         print(
             json.dumps(
@@ -353,4 +351,31 @@ def doctor_cli(argv=None) -> int:
         )
         print(format_rows(rows))
         print(summary_line(rows))
+
+# %% ../../nbs/13d_doctor.ipynb #56789206
+def doctor_cli(argv=None) -> int:
+    """Console script `memagent-doctor`: every row for a preset and a world size; exit 1 naming
+    every failing row."""
+    a = _doctor_parser().parse_args(argv)
+    if (cfg := _doctor_config(a)) is None:
+        return 2
+    want = [n.strip() for n in a.rows.split(',') if n.strip()] if a.rows else None
+    if want and (bad := [n for n in want if n not in ROW_NAMES]):
+        print(
+            f"memagent-doctor: --rows names no row {bad}; the rows are {list(ROW_NAMES)}",
+            file=sys.stderr,
+        )
+        return 2
+    rows = doctor(
+        cfg,
+        a.world_size,
+        run_dir=a.run_dir,
+        data_root=a.data_root,
+        simulated_gpus=a.simulated_gpus,
+        fast_only=a.fast,
+        ray_address=a.ray_address,
+        only=want,
+        ray_timeout_s=a.ray_timeout,
+    )
+    _print_rows(a, cfg, rows)
     return 1 if failing(rows) else 0

@@ -427,29 +427,26 @@ def ray_cluster_resources(address: str, timeout_s: float = RAY_PROBE_TIMEOUT_S) 
     return box.get('resources'), box.get('error')
 
 # %% ../../nbs/13d_doctor_1_probe.ipynb #548cf51e
-def probe_env(
-    run_dir=None,
-    ray_address: str | None = None,
-    nvidia_smi_timeout_s: float = 5.0,
-    ray_timeout_s: float = RAY_PROBE_TIMEOUT_S,
-) -> Env:
-    """This machine's facts, in seconds: metadata, files, nvidia-smi, /proc; torch is imported only
-    when it is a CUDA build; Ray is asked only when `ray_address` is given."""
+def _cpus() -> int:
+    "The CPUs this process may run on (its affinity), else the machine's count."
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+# %% ../../nbs/13d_doctor_1_probe.ipynb #14e815c9
+def _base_env(run_dir: str, problems: dict) -> Env:
+    "The facts read from metadata and files: versions, CPUs, memory, disk and caches."
     from memagent.models import _hub_cache, cache_dir
 
-    problems = {}
-    run_dir = str(run_dir if run_dir is not None else 'runs')
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
+    cpus = _cpus()
     total, avail = _meminfo()
     disk_path, disk_free = _disk(run_dir)
     try:
         hub = str(_hub_cache())
     except Exception as e:
         hub, problems['hub cache'] = '', f"{type(e).__name__}: {e}"
-    env = Env(
+    return Env(
         python_version=platform.python_version(),
         glibc_version=_glibc(),
         torch_version=dist_version('torch'),
@@ -473,6 +470,10 @@ def probe_env(
         hub_cache=hub,
         problems=problems,
     )
+
+# %% ../../nbs/13d_doctor_1_probe.ipynb #6ce73a4b
+def _probe_torch(env: Env, problems: dict):
+    "Set torch's CUDA version, and, for a CUDA build, whether CUDA is available and NCCL's version."
     try:
         env.torch_cuda = torch_cuda_of_files()
     except Exception as e:
@@ -487,6 +488,12 @@ def probe_env(
                 env.nccl_version = '.'.join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception as e:
             problems['torch'] = f"{type(e).__name__}: {e}"
+
+# %% ../../nbs/13d_doctor_1_probe.ipynb #5686828b
+def _probe_paths(env: Env, run_dir: str, hub: str):
+    "Set nvcc, the folders that cannot be written, the missing path variables and cudnn.h."
+    from memagent.models import cache_dir
+
     env.nvcc_path, env.nvcc_version, env.nvcc_problem = _nvcc()
     env.unwritable = {
         what: why
@@ -507,6 +514,10 @@ def probe_env(
         ),
         None,
     )
+
+# %% ../../nbs/13d_doctor_1_probe.ipynb #eaef0eb5
+def _probe_gpus(env: Env, problems: dict, nvidia_smi_timeout_s: float):
+    "Set the driver and the visible GPUs from nvidia-smi, else from torch when CUDA is available."
     env.driver_version, gpus, why = _nvidia_smi(nvidia_smi_timeout_s)
     if why is None:
         env.gpus, env.gpu_source = (
@@ -526,6 +537,22 @@ def probe_env(
                 env.gpu_source = 'torch'
             except Exception as e:
                 problems['torch.cuda.mem_get_info'] = f"{type(e).__name__}: {e}"
+
+# %% ../../nbs/13d_doctor_1_probe.ipynb #f26be27e
+def probe_env(
+    run_dir=None,
+    ray_address: str | None = None,
+    nvidia_smi_timeout_s: float = 5.0,
+    ray_timeout_s: float = RAY_PROBE_TIMEOUT_S,
+) -> Env:
+    """This machine's facts, in seconds: metadata, files, nvidia-smi, /proc; torch is imported only
+    when it is a CUDA build; Ray is asked only when `ray_address` is given."""
+    problems = {}
+    run_dir = str(run_dir if run_dir is not None else 'runs')
+    env = _base_env(run_dir, problems)
+    _probe_torch(env, problems)
+    _probe_paths(env, run_dir, env.hub_cache)
+    _probe_gpus(env, problems, nvidia_smi_timeout_s)
     if ray_address:
         env.ray_address = ray_address
         env.ray_resources, why = ray_cluster_resources(ray_address, ray_timeout_s)

@@ -418,10 +418,9 @@ def megatron_row(cfg, world_size: int, env: Env) -> Row:
     )
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #fad15d5b
-def te_row(cfg, world_size: int, env: Env) -> Row:
-    """Transformer Engine, with its pytorch module and inside megatron-core's declared range, when
-    the layer spec needs it."""
-    b, rng = cfg.batch, env.megatron_te_range
+def _te_found(env: Env) -> str:
+    "What is installed of Transformer Engine, and megatron-core's declared range for it."
+    rng = env.megatron_te_range
     found = (
         'transformer-engine is not installed'
         if env.te_version is None
@@ -432,6 +431,45 @@ def te_row(cfg, world_size: int, env: Env) -> Row:
     )
     if env.megatron_version:
         found += f"; megatron-core {env.megatron_version} declares {rng or 'no range'}"
+    return found
+
+# %% ../../nbs/13d_doctor_2_rows.ipynb #f6cfc264
+def _te_unneeded_row(cfg, env: Env, found: str, want: str, usable: bool) -> Row:
+    """The Transformer Engine row when the layout does not need it: a warning when 'auto' would
+    take an unusable one, else skipped."""
+    b, rng = cfg.batch, env.megatron_te_range
+    if (
+        cfg.backend == 'megatron'
+        and b.attention == 'auto'
+        and env.te_version is not None
+        and not usable
+    ):
+        return Row(
+            'Transformer Engine',
+            found,
+            f"not needed, but batch.attention='auto' takes Transformer Engine on a GPU whenever "
+            "it is "
+            f"installed: {want}",
+            'warn',
+            f"install transformer-engine{rng or ''} with its pytorch module, uninstall it, or set "
+            "batch.attention='local'",
+        )
+    why = (
+        f"backend {cfg.backend!r}"
+        if cfg.backend != 'megatron'
+        else (
+            "no sequence parallel and batch.attention is not 'te': the local and sdpa specs need "
+            "no TE"
+        )
+    )
+    return Row('Transformer Engine', found, f"not needed: {why}", 'skip')
+
+# %% ../../nbs/13d_doctor_2_rows.ipynb #18c3aa56
+def te_row(cfg, world_size: int, env: Env) -> Row:
+    """Transformer Engine, with its pytorch module and inside megatron-core's declared range, when
+    the layer spec needs it."""
+    b, rng = cfg.batch, env.megatron_te_range
+    found = _te_found(env)
     usable = env.te_version is not None and env.te_pytorch and _in(rng, env.te_version)
     want = f"transformer-engine{rng or ''} with transformer_engine.pytorch"
     if cfg.backend == 'megatron' and b.sequence_parallel and b.attention in ('local', 'sdpa'):
@@ -464,33 +502,33 @@ def te_row(cfg, world_size: int, env: Env) -> Row:
                 f"or set {alt} (the local spec: see the plan's counterfactuals for its memory)"
             ),
         )
-    if (
-        cfg.backend == 'megatron'
-        and b.attention == 'auto'
-        and env.te_version is not None
-        and not usable
-    ):
-        return Row(
-            'Transformer Engine',
-            found,
-            f"not needed, but batch.attention='auto' takes Transformer Engine on a GPU whenever "
-            "it is "
-            f"installed: {want}",
-            'warn',
-            f"install transformer-engine{rng or ''} with its pytorch module, uninstall it, or set "
-            "batch.attention='local'",
-        )
-    why = (
-        f"backend {cfg.backend!r}"
-        if cfg.backend != 'megatron'
-        else (
-            "no sequence parallel and batch.attention is not 'te': the local and sdpa specs need "
-            "no TE"
-        )
-    )
-    return Row('Transformer Engine', found, f"not needed: {why}", 'skip')
+    return _te_unneeded_row(cfg, env, found, want, usable)
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #88f1894a
+def _attention_why(b, kind: str) -> str:
+    "Why the layout runs the attention `kind`, from the setting `b.attention`."
+    return {
+        'te': "Transformer Engine's fused attention (flash / cuDNN): "
+        + (
+            "batch.attention='te'"
+            if b.attention == 'te'
+            else "batch.attention='auto' on GPUs with a usable Transformer Engine"
+        ),
+        'sdpa': "the local spec with torch's fused causal SDPA (no L x L scores): "
+        + (
+            "batch.attention='sdpa'"
+            if b.attention == 'sdpa'
+            else "batch.attention='auto' on GPUs without a usable Transformer Engine"
+        ),
+        'local': "megatron-core's local spec, unfused: L x L scores per head in memory: "
+        + (
+            "batch.attention='local'"
+            if b.attention == 'local'
+            else "batch.attention='auto' on CPU ranks"
+        ),
+    }[kind]
+
+# %% ../../nbs/13d_doctor_2_rows.ipynb #1a356923
 def attention_row(cfg, world_size: int, env: Env) -> Row:
     """The attention the layout will run (te, sdpa or local for megatron; SDPA for the torch
     backend) and why: `choose_layer_spec` on this machine's facts."""
@@ -529,26 +567,7 @@ def attention_row(cfg, world_size: int, env: Env) -> Row:
             'fail',
             str(e),
         )
-    why = {
-        'te': "Transformer Engine's fused attention (flash / cuDNN): "
-        + (
-            "batch.attention='te'"
-            if b.attention == 'te'
-            else "batch.attention='auto' on GPUs with a usable Transformer Engine"
-        ),
-        'sdpa': "the local spec with torch's fused causal SDPA (no L x L scores): "
-        + (
-            "batch.attention='sdpa'"
-            if b.attention == 'sdpa'
-            else "batch.attention='auto' on GPUs without a usable Transformer Engine"
-        ),
-        'local': "megatron-core's local spec, unfused: L x L scores per head in memory: "
-        + (
-            "batch.attention='local'"
-            if b.attention == 'local'
-            else "batch.attention='auto' on CPU ranks"
-        ),
-    }[kind]
+    why = _attention_why(b, kind)
     slow = kind == 'local' and gpu
     return Row(
         'attention',
@@ -741,6 +760,21 @@ def world_row(cfg, world_size: int, env: Env) -> Row:
     return Row('world size', found, needed, 'ok')
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #006065cc
+def _ray_ask(cfg, world_size: int, need: dict) -> tuple:
+    "`(gpus, cpus, what)` the placement asks of Ray, with what they are for."
+    colo = cfg.rollout.colocate
+    gpus = cfg.batch.n_gpus if colo else world_size if need['gpu'] else 0
+    cpus = cfg.batch.n_gpus if colo else 1
+    what = (
+        f"{cfg.batch.n_gpus} bundles {{GPU: 1, CPU: 1}} (colocated)"
+        if colo
+        else f"{world_size} ranks, one GPU each"
+        if gpus
+        else f"{world_size} ranks on CPU"
+    )
+    return gpus, cpus, what
+
+# %% ../../nbs/13d_doctor_2_rows.ipynb #b92f5079
 def ray_row(cfg, world_size: int, env: Env, simulated_gpus: bool = False) -> Row:
     """Ray's GPUs and CPUs for the placement: a probed cluster's (`fast=False`), else this node's
     own counts (declared ones when `simulated_gpus`)."""
@@ -752,15 +786,7 @@ def ray_row(cfg, world_size: int, env: Env, simulated_gpus: bool = False) -> Row
             'not needed: world size 1 runs in one process, without Ray',
             'skip',
         )
-    gpus = cfg.batch.n_gpus if colo else world_size if need['gpu'] else 0
-    cpus = cfg.batch.n_gpus if colo else 1
-    what = (
-        f"{cfg.batch.n_gpus} bundles {{GPU: 1, CPU: 1}} (colocated)"
-        if colo
-        else f"{world_size} ranks, one GPU each"
-        if gpus
-        else f"{world_size} ranks on CPU"
-    )
+    gpus, cpus, what = _ray_ask(cfg, world_size, need)
     if (
         env.ray_address and env.ray_resources is None
     ):  # a cluster was named and did not answer (in time): say so, never this node
@@ -842,6 +868,24 @@ def disk_row(cfg, world_size: int, env: Env) -> Row:
     )
 
 # %% ../../nbs/13d_doctor_2_rows.ipynb #592034e3
+def _hard_unwritable(cfg, env: Env) -> tuple[dict, list]:
+    """`(hard, build)`: the unwritable folders a run needs to write, and the built-in models still
+    to be built in the model cache."""
+    # the model cache must take a file when a built-in model or tokenizer of the preset is still to
+    # be built there
+    build = [
+        m
+        for m in {str(cfg.model.name), str(cfg.model.tokenizer or '')}
+        if m in BUILT_FROM and not (Path(env.model_cache) / m / 'config.json').is_file()
+    ]
+    hard = {
+        k: v
+        for k, v in env.unwritable.items()
+        if k in ('run directory', 'checkpoints') or (k == 'model cache' and build)
+    }
+    return hard, build
+
+# %% ../../nbs/13d_doctor_2_rows.ipynb #2475c864
 def folders_row(cfg, world_size: int, env: Env) -> Row:
     """The folders a run writes take a new file (a probe written and removed: the run directory, its
     checkpoints, the model cache; the hub cache, where downloads go), and every path variable that
@@ -858,18 +902,7 @@ def folders_row(cfg, world_size: int, env: Env) -> Row:
             needed,
             'skip',
         )
-    # the model cache must take a file when a built-in model or tokenizer of the preset is still to
-    # be built there
-    build = [
-        m
-        for m in {str(cfg.model.name), str(cfg.model.tokenizer or '')}
-        if m in BUILT_FROM and not (Path(env.model_cache) / m / 'config.json').is_file()
-    ]
-    hard = {
-        k: v
-        for k, v in env.unwritable.items()
-        if k in ('run directory', 'checkpoints') or (k == 'model cache' and build)
-    }
+    hard, build = _hard_unwritable(cfg, env)
     bad = [f"{k}: {v}" for k, v in hard.items()] + [
         f"{k}={v} does not exist" for k, v in env.missing_paths.items()
     ]
