@@ -355,8 +355,7 @@ def _disk(run_dir) -> tuple:
 
 # %% ../../nbs/13d_doctor_1_probe.ipynb #aa215d84
 # variables that must name an existing path (the caches, MEMAGENT_CACHE and HF_HOME / HF_HUB_CACHE,
-# are made on first use: their
-# nearest existing parent must take a file, which `unwritable` checks)
+# are made on first use: their nearest existing parent must take a file, which `unwritable` checks)
 PATH_VARIABLES = ('CUDA_HOME', 'CUDA_PATH', 'CUDNN_PATH', 'CUDNN_HOME', 'TMPDIR')
 RAY_PROBE_TIMEOUT_S = 30.0
 
