@@ -42,6 +42,8 @@ CALL_SITE_WEIGHTS = {
     'context_management_weight': 0.15,
     'memory_management_weight': 0.15,
 }
+
+# %% ../nbs/18_audit.ipynb #29b55739
 N_CASES = 16
 FIXTURES_SCHEMA = 'memagent.agemem_audit.fixtures/1'
 RECEIPT_SCHEMA = 'memagent.agemem_audit.receipt/1'
@@ -125,7 +127,7 @@ _CALL_KEYS = (
     'question',
 )
 
-
+# %% ../nbs/18_audit.ipynb #2ad6e8e2
 def validate_fixtures(fx: dict, source='fixtures.json', n_cases=N_CASES) -> dict:
     """Check the structure of a fixture dict; raise `ValueError` naming the case/field at fault.
     Returns `fx`."""

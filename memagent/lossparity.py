@@ -271,6 +271,11 @@ DIFFERENCES = {
         "compared with the kit's clamp off for k1 and k2 (kl_clamp=None); k3 at the clamp, 10, on "
         "both sides",
     ),
+}
+
+# %% ../nbs/18d_loss_parity.ipynb #239c4950
+# DIFFERENCES, continued: D8 to D13
+DIFFERENCES |= {
     'D8': (
         "the KL estimators are named k1, k2, k3 and low_var_kl; verl's kl and mse are k1 and k2, "
         "and it has abs and straight-through '+' variants",
