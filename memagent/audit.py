@@ -59,8 +59,7 @@ EXPECT_KEYS = (
 # committed inputs
 MEANING = (
     'passed = the observed behaviour of the audited copy matched the expectations fixed before '
-    'the run; it says '
-    'nothing about whether the reward is correct'
+    'the run; it says nothing about whether the reward is correct'
 )
 # reports/agemem_audit/fixtures.json
 FIXTURES_SHA256 = 'af0f4aefb6d835335c22147e1987919692194e99b101b3b39a754e225967416e'

@@ -155,23 +155,20 @@ _PAIRS_MEMORY_OPERATIONS = (
     (
         'delete cancelled / no maintenance',
         'The cancellation string lacks `memory_deleted:`, so no maintenance credit; the request '
-        'itself still '
-        'counts as a tool use and lifts the tool-efficiency term.',
+        'itself still counts as a tool use and lifts the tool-efficiency term.',
         'Whether asking for an unconfirmed delete is a useful or harmful behaviour.',
     ),
     (
         'Stage-1 add kept / removed',
         'The statistics read only the final context list: once the Stage-1 exchange is gone, the '
-        'add is invisible '
-        'to the reward.',
+        'add is invisible to the reward.',
         'That the memory store lost the entry (it keeps it; the store is not consulted); how much '
         'later retrieval restores the signal.',
     ),
     (
         'retrieval used / explicitly ignored',
         '"Used" means "an assistant message follows the retrieval block"; a reply that says it '
-        'ignores the '
-        'note is scored the same.',
+        'ignores the note is scored the same.',
         'Anything about the live-judge path, which replaces this fallback whenever a retrieval '
         'block exists.',
     ),
@@ -183,16 +180,14 @@ _PAIRS_CONTEXT_AND_JUDGE = (
     (
         'original / unrelated question',
         'Preservation is checked against the first user message found in the final context, not '
-        'against the task '
-        'question passed in.',
+        'against the task question passed in.',
         'Whether unrelated final questions occur in real episodes.',
     ),
     (
         'no user message (control)',
         'The preservation component drops to 0 through the first flag only. `preserved_key_info` '
-        'is true whenever a '
-        'user message exists, since that message is itself part of the searched text, and '
-        'defaults to true when none exists.',
+        'is true whenever a user message exists, since that message is itself part of the '
+        'searched text, and defaults to true when none exists.',
         'That key information was actually retained or lost.',
     ),
     (
@@ -629,8 +624,7 @@ def _case_problems(fx: dict, cases: list[dict]) -> list[str]:
         if not (isinstance(rec.get('observed'), dict) and isinstance(rec.get('checks'), list)):
             problems.append(
                 f"case {case['id']!r}: observed {_short(rec.get('observed'))} and checks "
-                f"{_short(rec.get('checks'))} "
-                "must be an object and a list"
+                f"{_short(rec.get('checks'))} must be an object and a list"
             )
             continue
         fresh = compare(case['expect'], rec.get('observed', {}), tol)

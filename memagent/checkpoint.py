@@ -122,16 +122,14 @@ def check_optimizer_markers(optimizer_state, state: dict | None, where: str = 'c
     if len(m) != len(shards):
         raise CheckpointError(
             f"{where}: optimizer shards {sorted(map(str, m))} hold no optimizer state ({reason}) "
-            "but shards "
-            f"{sorted(str(k) for k in shards if k not in m)} hold one: the ranks disagree on "
-            "whether a step was taken"
+            f"but shards {sorted(str(k) for k in shards if k not in m)} hold one: the ranks "
+            "disagree on whether a step was taken"
         )
     steps = ((state or {}).get('metrics') or {}).get('optimizer_steps') or 0
     if steps:
         raise CheckpointError(
             f"{where}: no optimizer state was saved ({reason}), but the checkpoint's step took "
-            f"{steps} optimizer "
-            "steps: their Adam state is missing; resume from another checkpoint"
+            f"{steps} optimizer steps: their Adam state is missing; resume from another checkpoint"
         )
     return m
 

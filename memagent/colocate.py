@@ -361,9 +361,8 @@ def trainer_engine(cfg, tokenizer=None, placement=None, model_name=None):
     if placement is None:
         raise ValueError(
             "rollout.colocate=True: trainer_engine needs placement= (a "
-            "memagent.colocate.Placement of the "
-            "training GPUs) to launch the SGLang engines on; set rollout.colocate=False to use "
-            "rollout.sglang_urls"
+            "memagent.colocate.Placement of the training GPUs) to launch the SGLang engines on; "
+            "set rollout.colocate=False to use rollout.sglang_urls"
         )
     from memagent.models import model_dir
 

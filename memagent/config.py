@@ -434,8 +434,7 @@ def _check_sglang_urls(r) -> None:
             ok = False  # a port that is not a number
         if not ok:
             raise ValueError(
-                f"config key 'rollout.sglang_urls[{i}]': {u!r} is not an http(s) URL with a "
-                "host "
+                f"config key 'rollout.sglang_urls[{i}]': {u!r} is not an http(s) URL with a host "
                 "(SGLang's HTTP server, e.g. http://10.0.0.2:30000)"
             )
     # a server list nothing would read
@@ -496,9 +495,8 @@ def _check_sizes(cfg) -> None:
         )
     if cfg.max_row_tokens > b.max_tokens_per_micro:
         raise ValueError(
-            f"config key 'batch.max_tokens_per_micro'={b.max_tokens_per_micro} cannot hold "
-            "one row "
-            f"of up to {cfg.max_row_tokens} tokens"
+            f"config key 'batch.max_tokens_per_micro'={b.max_tokens_per_micro} cannot hold one "
+            f"row of up to {cfg.max_row_tokens} tokens"
         )
 
 # %% ../nbs/00_config.ipynb #16c4dd2a
@@ -861,8 +859,7 @@ def folder_name(value, param: str, empty_ok: bool = False):
     ):
         raise ValueError(
             f"parameter {param}: {value!r} must name one folder inside the output root (no '/', "
-            "'\\', '.' or '..'), "
-            "so the run cannot write outside it"
+            "'\\', '.' or '..'), so the run cannot write outside it"
         )
     return value
 
@@ -1053,8 +1050,7 @@ def qwen3_4b_frozen() -> Config:
         backend='megatron',
         description=(
             'Frozen MemAgent reproduction on Qwen3-4B: chunk 2048 / memory 1024 / final 256, <=64 '
-            'chunks, '
-            'GRPO 8x8, split credit, PPO clip 0.2/0.3, low_var_kl 0.001, Adam lr 1e-6.'
+            'chunks, GRPO 8x8, split credit, PPO clip 0.2/0.3, low_var_kl 0.001, Adam lr 1e-6.'
         ),
         model=ModelCfg(
             name='Qwen/Qwen3-4B',
@@ -1131,9 +1127,8 @@ def memagent_official() -> Config:
         backend='megatron',
         description=(
             'Official MemAgent: chunk 5000 / memory 1024 / final 1024, 40K centre-trimmed '
-            'training contexts, '
-            'group 16 x 128 prompts in 16 PPO mini-batches, A = r - mean, share credit, '
-            'token-mean loss, clip 0.2/0.2 dual 3.'
+            'training contexts, group 16 x 128 prompts in 16 PPO mini-batches, A = r - mean, '
+            'share credit, token-mean loss, clip 0.2/0.2 dual 3.'
         ),
         model=ModelCfg(name='Qwen/Qwen2.5-7B-Instruct', dtype='bfloat16'),
         data=DataCfg(train='hotpotqa_train_32k.parquet', eval='eval_200.json', task='hotpotqa'),
@@ -1189,14 +1184,11 @@ def cpu_demo() -> Config:
         backend='torch',
         description=(
             'SmolLM2-135M-Instruct reads key-code documents (2 facts "The code of the <key> is <4 '
-            'digits>.", one '
-            'asked, the other a distractor, in different chunks) in 3 chunks of 48 tokens with a '
-            '24-token memory, and '
-            'answers in 16 tokens; reward: the asked code appears in the final answer and no '
-            'distractor code does. '
-            'Held-out keys are never seen in training. GRPO 2 prompts x 4 samples, rollout '
-            'temperature 0.6, lr 1e-5, '
-            '18 steps, CPU, one process.'
+            'digits>.", one asked, the other a distractor, in different chunks) in 3 chunks of 48 '
+            'tokens with a 24-token memory, and answers in 16 tokens; reward: the asked code '
+            'appears in the final answer and no distractor code does. Held-out keys are never '
+            'seen in training. GRPO 2 prompts x 4 samples, rollout temperature 0.6, lr 1e-5, 18 '
+            'steps, CPU, one process.'
         ),
         model=ModelCfg(name='smollm2-135m-instruct', dtype='float32'),
         data=DataCfg(task='keycode', max_train=64, max_eval=96, keycode_pairs=2, keycode_chunks=3),

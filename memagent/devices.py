@@ -68,8 +68,7 @@ def rank_device(cuda: bool | None = None, environ=None) -> dict:
     if cuda and index is None:
         raise DeviceError(
             f"this rank has CUDA but Ray gave it no GPU (CUDA_VISIBLE_DEVICES={visible!r}): it "
-            "would land on "
-            f"cuda:0 with every other such rank; ask Ray for one GPU per rank"
+            "would land on cuda:0 with every other such rank; ask Ray for one GPU per rank"
         )
     return dict(
         node=ray.util.get_node_ip_address(),

@@ -444,8 +444,7 @@ def check_inputs(inputs: dict, outputs: dict | None = None) -> None:
             if _inside(p, folder):
                 raise ValueError(
                     f"parameter {n}: {p} is inside the output folder {folder} (parameter {on}), "
-                    "which the run writes "
-                    f"or replaces: give an input outside it, or another {on}"
+                    f"which the run writes or replaces: give an input outside it, or another {on}"
                 )
     for n, p, kind in ins:
         try:

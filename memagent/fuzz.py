@@ -500,8 +500,7 @@ def fuzz_tables(receipt: dict, examples: int = 3) -> str:
     fz = receipt['fuzz']
     head = (
         f"Grammar `{fz['grammar']}`, seed `{fz['seed']}`: {fz['count']} draws, every one kept, "
-        "stored in "
-        f"[{fz['file']}]({fz['file']}) (SHA-256 `{fz['sha256'][:16]}`); "
+        f"stored in [{fz['file']}]({fz['file']}) (SHA-256 `{fz['sha256'][:16]}`); "
         f"{len(fz['disagreements'])} disagreeing checks."
     )
     modes = md_table([{'mode': m, **s} for m, s in fz['modes'].items()], align=False)

@@ -148,11 +148,9 @@ def finish(self, step: int, steps: int):
         raise RunHealthError(why)
     if s := self.failed_streak:  # the policy the run ends with produced no usable trajectory
         why = (
-            f"steps {s[0]['step']}..{s[-1]['step']}, the last {len(s)} of {step}, had no "
-            "usable trajectory "
-            f"({s[-1]['failed']} of {s[-1]['of']} failed in step {s[-1]['step']}): the final "
-            "policy is not shown to work; "
-            f"first error: {s[0]['error']}"
+            f"steps {s[0]['step']}..{s[-1]['step']}, the last {len(s)} of {step}, had no usable "
+            f"trajectory ({s[-1]['failed']} of {s[-1]['of']} failed in step {s[-1]['step']}): the "
+            f"final policy is not shown to work; first error: {s[0]['error']}"
         )
         self.record('stopped', step, f'RunHealthError: {why}')
         raise RunHealthError(why)

@@ -305,10 +305,9 @@ DIFFERENCES |= {
     ),
     'D13': (
         "advantages are computed in float64 whatever the training dtype, so an all-equal group "
-        "gets exactly 0; verl computes in the "
-        "reward tensor's dtype: in fp32 the mean of equal rewards can be a few ulps off them, and "
-        "over std + eps (std ~1e-8, eps 1e-6) "
-        "that residual becomes an advantage up to ~0.1",
+        "gets exactly 0; verl computes in the reward tensor's dtype: in fp32 the mean of equal "
+        "rewards can be a few ulps off them, and over std + eps (std ~1e-8, eps 1e-6) that "
+        "residual becomes an advantage up to ~0.1",
         "fp32 rows of all-equal groups (std normalised): ours exactly 0, verl's within |r| 2^-20 "
         "/ eps; the other rows compared as usual",
     ),
@@ -800,8 +799,7 @@ WHAT = {
     ),
     'policy_loss': (
         'core_algos.compute_policy_loss_vanilla (agg_loss inside) vs memagent.loss.policy_loss '
-        'with memagent.credit weights: '
-        'loss, gradient, clip and dual-clip fractions per mini-batch'
+        'with memagent.credit weights: loss, gradient, clip and dual-clip fractions per mini-batch'
     ),
     'kl': 'core_algos.kl_penalty vs memagent.loss.kl_penalty: value and gradient',
     'tis': (

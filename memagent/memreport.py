@@ -196,8 +196,7 @@ def _view_head(example: dict, chunk_texts, g, ans: list, neg: list) -> str:
     where = 'unknown' if g is None else ', '.join(str(c) for c in g) or 'not read'
     return (
         f"**{example['id']}**: {_mark(example['question'], ans, neg)} gold: **{', '.join(ans)}**; "
-        f"gold chunk(s): {where} "
-        f"of {len(chunk_texts)}"
+        f"gold chunk(s): {where} of {len(chunk_texts)}"
         + (f"; distractors: {', '.join(f'~~{x}~~' for x in neg)}" if neg else '')
     )
 
@@ -323,12 +322,9 @@ def _write_trajectories(md: Path, title: str, views: list):
     "Write the viewer `md`: a heading, how the items were chosen, then every item's view."
     md.write_text(
         f"# {title or 'Trajectories'}\n\nChosen by `memagent.report.pick_items` (items where the "
-        "models differ first, spread "
-        f"over the gold chunk's position). Gold answers are **bold**, distractors ~~struck~~; "
-        "each row is the memory a model "
-        f"wrote after reading that chunk.\n\n"
-        + ('\n\n'.join(views) or '_(no item had records from every model)_')
-        + '\n'
+        "models differ first, spread over the gold chunk's position). Gold answers are **bold**, "
+        "distractors ~~struck~~; each row is the memory a model wrote after reading that "
+        "chunk.\n\n" + ('\n\n'.join(views) or '_(no item had records from every model)_') + '\n'
     )
 
 # %% ../nbs/17a_memreport.ipynb #5e3c237b

@@ -477,8 +477,7 @@ def safetensors_files(get, where) -> list[Path]:
         return [one]
     raise FileNotFoundError(
         f"{where}: no {_WEIGHTS_ONE} and no {_WEIGHTS_INDEX}: the weights are read from "
-        "safetensors files "
-        "(re-save the model with `save_pretrained`, which writes them)"
+        "safetensors files (re-save the model with `save_pretrained`, which writes them)"
     )
 
 # %% ../nbs/02_models.ipynb #30951feb

@@ -171,9 +171,8 @@ def __torch_function__(self, func, types, args=(), kwargs=None):
         self._fail(
             func,
             f"{len(host)} host tensor(s) of shape "
-            f"{', '.join(str(tuple(t.shape)) for t in host[:3])} meet "
-            f"{len(on)} on the device (on CUDA: 'Expected all tensors to be on the same "
-            "device')",
+            f"{', '.join(str(tuple(t.shape)) for t in host[:3])} meet {len(on)} on the device (on "
+            "CUDA: 'Expected all tensors to be on the same device')",
         )
     out = func(*args, **kwargs)
     if func is _T.__setitem__ or func is _T.copy_:

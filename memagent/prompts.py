@@ -141,8 +141,7 @@ _SENTINEL = '\x00memagent-user-content\x00'
 ADDED_TOKENS_IN_USER_TEXT = 'plain text outside the memory span'
 MEMORY_IN_PROMPT = (
     'decoded text; inside the memory span the text of each added token not flagged special is '
-    'that token, '
-    'special-token text is plain text'
+    'that token, special-token text is plain text'
 )  # see encode_memory
 
 

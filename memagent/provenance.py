@@ -120,9 +120,8 @@ def refuse_unclean_report_dir(out_dir, who: str = 'write_report'):
     if _committed_report_dir(out) and (changed := changed_source_files(out)):
         raise ValueError(
             f"{who}: {out} is under the repository's reports/, which are rendered from a clean "
-            "tree at HEAD; "
-            f"these tracked files differ from HEAD: {changed[:8]}. Commit them first (or write "
-            "the report elsewhere)."
+            f"tree at HEAD; these tracked files differ from HEAD: {changed[:8]}. Commit them "
+            "first (or write the report elsewhere)."
         )
 
 # %% ../nbs/01_provenance.ipynb #396da2f2

@@ -250,8 +250,7 @@ def _refuse_unhealthy(run_dir: Path) -> None:
     if (h := read_health(run_dir)) is not None and h['status'] == 'stopped':
         raise ValueError(
             f"{run_dir / 'health.json'}: the run stopped unhealthy at step {h['step']} "
-            f"({h['reason']}); "
-            "its rewards are not a result"
+            f"({h['reason']}); its rewards are not a result"
         )
 
 # %% ../nbs/17_report.ipynb #3008815e

@@ -49,8 +49,7 @@ class Guard:
         if not self.done.wait(self.seconds + grace_s):
             sys.stderr.write(
                 f"wall-clock guard: {self.what} stuck {grace_s} s past its limit of "
-                f"{self.seconds} s "
-                f"in phase {self.current!r}; ending\n"
+                f"{self.seconds} s in phase {self.current!r}; ending\n"
             )
             sys.stderr.flush()
             os._exit(self.exit_code)

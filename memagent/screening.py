@@ -115,9 +115,8 @@ def select_screened(
     if len(pool) < need:
         raise ScreeningError(
             f"only {len(pool)} of {len(counts)} candidates qualify ({len(tiers['preferred'])} "
-            "preferred, "
-            f"{len(tiers['qualified'])} outside the preferred range) but n_train + n_heldout = "
-            f"{n_train} + {n_heldout} = {need}"
+            f"preferred, {len(tiers['qualified'])} outside the preferred range) but n_train + "
+            f"n_heldout = {n_train} + {n_heldout} = {need}"
         )
     chosen = pool[:need]
     rng.shuffle(chosen)
@@ -312,8 +311,7 @@ def _screen_parameters(
         'success_threshold': success_threshold,
         'batch_size': batch_size,
         'selection': (
-            'preferred tier before qualified, each in a seeded shuffle of sorted ids; the '
-            'chosen '
+            'preferred tier before qualified, each in a seeded shuffle of sorted ids; the chosen '
             'n_train + n_heldout shuffled again and cut into train, heldout'
         ),
     }

@@ -130,8 +130,7 @@ def _fingerprint_proofs(engine, ident: dict, need_fp: list, model, want: dict, l
                 model,
                 want,
                 f"{srv['url']} model_path {srv['model_path']} (fingerprint ids "
-                f"{list(r.output_ids)}, log-probs "
-                f"{[round(x, 4) for x in r.logprobs]})",
+                f"{list(r.output_ids)}, log-probs {[round(x, 4) for x in r.logprobs]})",
                 f"the fingerprint differs from the one recorded at export "
                 f"(ids {fp['output_ids']}, log-probs {[round(x, 4) for x in fp['logprobs']]}, "
                 f"tolerance {logprob_tol})",

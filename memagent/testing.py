@@ -253,9 +253,8 @@ def logprob_request_error(body: dict, prompt_len: int, engine=None) -> str | Non
     if bad:
         return (
             f"/generate: log-prob fields of the wrong type {bad} (SGLang: return_logprob and "
-            "return_text_in_logprobs are "
-            "booleans, logprob_start_len and top_logprobs_num integers; this server takes one "
-            "prompt per request, so no lists)"
+            "return_text_in_logprobs are booleans, logprob_start_len and top_logprobs_num "
+            "integers; this server takes one prompt per request, so no lists)"
         )
     want, start = bool(body.get('return_logprob')), body.get('logprob_start_len')
     start, top = -1 if start is None else start, body.get('top_logprobs_num') or 0
@@ -268,15 +267,13 @@ def logprob_request_error(body: dict, prompt_len: int, engine=None) -> str | Non
     if not want and (start != -1 or body.get('return_text_in_logprobs')):
         return (
             f"/generate: logprob_start_len={start} or return_text_in_logprobs without "
-            "return_logprob: SGLang ignores them "
-            "silently (its scheduler resets logprob_start_len to -1) and returns no prompt "
-            "log-probs"
+            "return_logprob: SGLang ignores them silently (its scheduler resets "
+            "logprob_start_len to -1) and returns no prompt log-probs"
         )
     if start > prompt_len:  # SGLang's own words (Scheduler._handle_generate_request), a 400
         return (
             f"req.logprob_start_len={start} is higher than the number of input tokens "
-            f"len(req.origin_input_ids)={prompt_len}. "
-            "Please use a smaller logprob_start_len."
+            f"len(req.origin_input_ids)={prompt_len}. Please use a smaller logprob_start_len."
         )
     if start < -1:
         return f"/generate: logprob_start_len={start}: -1 (output tokens only) or a prompt position"
@@ -285,8 +282,7 @@ def logprob_request_error(body: dict, prompt_len: int, engine=None) -> str | Non
     if start == 0 and engine is None:
         return (
             "/generate: logprob_start_len=0 needs a backing engine: the prompt log-probs come "
-            "from its teacher-forced "
-            "recompute, and fake_tokens has none to give"
+            "from its teacher-forced recompute, and fake_tokens has none to give"
         )
     if body.get('return_text_in_logprobs') and getattr(engine, 'tokenizer', None) is None:
         return (

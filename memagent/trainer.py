@@ -102,8 +102,7 @@ def _preflight(self: Trainer, engine, world_size, replay_dir, simulated_gpus) ->
     if cfg.rollout.colocate and launches and world_size != cfg.batch.n_gpus:
         raise ValueError(
             f"rollout.colocate=True places one rank per training GPU: world_size={world_size} "
-            "must equal "
-            f"batch.n_gpus={cfg.batch.n_gpus}"
+            f"must equal batch.n_gpus={cfg.batch.n_gpus}"
         )
     # a caller's own engine (or a replay) means the trainer launches none: the engine's rows are not
     # its to check; the trainer is given its examples, so the pinned-data row belongs to whoever

@@ -318,13 +318,11 @@ def require_resources(need: dict, what: str, have: dict | None = None) -> dict:
     if short:
         raise ClusterError(
             f"{what} needs {', '.join(f'{k} {v:g}' for k, v in need.items())}; the Ray cluster "
-            "holds "
-            f"{', '.join(f'{k} {have.get(k, 0):g}' for k in need)} (short: "
+            f"holds {', '.join(f'{k} {have.get(k, 0):g}' for k in need)} (short: "
             f"{', '.join(f'{k} {n:g} > {h:g}' for k, (n, h) in short.items())}). Start Ray with "
-            "the node's "
-            f"resources (`ray start --head --num-gpus N --num-cpus M`, or the Trainer's ray_gpus= "
-            "/ ray_cpus=), "
-            f"or join a cluster that has them (RAY_ADDRESS / ray_address=)"
+            "the node's resources (`ray start --head --num-gpus N --num-cpus M`, or the "
+            "Trainer's ray_gpus= / ray_cpus=), or join a cluster that has them (RAY_ADDRESS / "
+            "ray_address=)"
         )
     return have
 
@@ -340,8 +338,7 @@ def cluster_gpus(have: dict, cuda: bool | None = None) -> float:
     if not gpus and cuda:
         raise ClusterError(
             f"this machine has CUDA but the Ray cluster declares no GPU ({dict(have)}): ranks and "
-            "engines would "
-            f"share cuda:0 or run on the CPU; start Ray with the node's GPUs"
+            "engines would share cuda:0 or run on the CPU; start Ray with the node's GPUs"
         )
     return gpus
 
@@ -377,10 +374,8 @@ def ensure_ray(
             if num_cpus is not None or num_gpus is not None:
                 raise ClusterError(
                     f"ensure_ray: joining the running cluster at {join} (address=, RAY_ADDRESS or "
-                    "`ray start` "
-                    f"on this node) takes no num_cpus/num_gpus (got {num_cpus}, {num_gpus}): the "
-                    "cluster's "
-                    f"resources are its own"
+                    f"`ray start` on this node) takes no num_cpus/num_gpus (got {num_cpus}, "
+                    f"{num_gpus}): the cluster's resources are its own"
                 )
             ray.init(address=join, runtime_env=env, log_to_driver=False)
         else:

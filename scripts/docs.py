@@ -35,8 +35,7 @@ DOCS, INDEX = 'docs', 'README.md'
 CELL_TIMEOUT = 1800  # seconds one cell may run
 HEADER = (
     '> Rendered with its outputs from [`{nb}`](../{nb}) (SHA-256 `{sha}`) by `python '
-    'scripts/docs.py`; '
-    'do not edit: change the notebook and run `python scripts/docs.py`.\n\n'
+    'scripts/docs.py`; do not edit: change the notebook and run `python scripts/docs.py`.\n\n'
 )
 HEADER_RX = re.compile(
     r'\A> Rendered with its outputs from \[`([^`]+)`\]\([^)]*\) \(SHA-256 `([0-9a-f]{64})`\)'
@@ -81,17 +80,13 @@ def index_text(root: Path) -> str:
         for nb in NOTEBOOKS
     )
     return (
-        "# The worked examples, rendered with their outputs\n\n"
-        "The notebooks under `nbs/` are committed without outputs. The pages here are the seam "
-        "notebooks run top "
-        "to bottom (from `nbs/`, skipping the cells `nbdev_test` skips) and rendered as markdown "
-        "with their "
-        "printed values and figures, by `python scripts/docs.py`. Each page records the SHA-256 "
-        "of the notebook "
-        "it was rendered from; `python scripts/docs.py --check` (a CI step) fails when a notebook "
-        "has changed "
-        "since its page was rendered.\n\n"
-        f"| page | notebook | source |\n|---|---|---|\n{rows}\n"
+        "# The worked examples, rendered with their outputs\n\nThe notebooks under `nbs/` are "
+        "committed without outputs. The pages here are the seam notebooks run top to bottom "
+        "(from `nbs/`, skipping the cells `nbdev_test` skips) and rendered as markdown with "
+        "their printed values and figures, by `python scripts/docs.py`. Each page records the "
+        "SHA-256 of the notebook it was rendered from; `python scripts/docs.py --check` (a CI "
+        "step) fails when a notebook has changed since its page was rendered.\n\n| page | "
+        f"notebook | source |\n|---|---|---|\n{rows}\n"
     )
 
 

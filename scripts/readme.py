@@ -92,8 +92,7 @@ class Source:
                 if len(found) != 1 or not isinstance(found[0], str):
                     raise ValueError(
                         f"{self.rel}: field {name!r}: pattern {rx!r} must match once with one "
-                        "group, "
-                        f"matched {len(found)} times"
+                        f"group, matched {len(found)} times"
                     )
                 self.data[name] = found[0]
         else:

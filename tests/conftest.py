@@ -21,8 +21,7 @@ os.environ.setdefault('OMP_NUM_THREADS', '1')
 GROUP = 'ray_or_notebook'
 TESTS = Path(__file__).resolve().parent
 HEAVY = re.compile(
-    r"papermill|execute_notebook|ensure_ray|RayChannel|RayGroup|SimulatedNode|launch_servers|Placement\b|"
-    r"world_size=[2-9]|world_size=world|ray\.init|'ray'"
+    r"papermill|execute_notebook|ensure_ray|RayChannel|RayGroup|SimulatedNode|launch_servers|Placement\b|world_size=[2-9]|world_size=world|ray\.init|'ray'"
 )
 
 

@@ -280,8 +280,7 @@ def test_h7_and_h8_are_the_protocols(groups):
     text = _flat(HYPS)
     assert (
         'In every group, under all four rewards and both normalisations, every `b1` and `b4` '
-        'episode has a positive '
-        'advantage and every `b3` episode a negative one.'
+        'episode has a positive advantage and every `b3` episode a negative one.'
     ) in text
     h7 = groups['hypotheses']['H7']
     assert (h7['groups'], [tuple(x) for x in h7['rewards']], h7['positive'], h7['negative']) == (
@@ -292,8 +291,7 @@ def test_h7_and_h8_are_the_protocols(groups):
     )
     assert (
         'the `b2` episode of the variant with the higher reward has a positive advantage and the '
-        'other a negative one, '
-        'under both normalisations'
+        'other a negative one, under both normalisations'
     ) in text
     m = re.search(r'The cells: (.*?)\. - \*\*H9', text)
     want = set()
@@ -364,8 +362,7 @@ def test_h9_and_h10_are_the_protocols(groups):
     )  # each group and setting once
     assert (
         '(`C2` to `C5`: n = 5; `C6`: n = 6), each per-experience advantage equals the per-episode '
-        'one times '
-        'sqrt((8n - 1) / (7n)), within a relative 1e-4.'
+        'one times sqrt((8n - 1) / (7n)), within a relative 1e-4.'
     ) in text
     assert (
         "In `C1`, where A collects 6 and B 5, no episode's sign differs between the two "

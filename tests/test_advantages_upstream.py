@@ -90,8 +90,7 @@ def test_the_local_judge_replies_on_the_two_prompt_shapes():
     )  # not a whole phrase
     sto = (
         f'Grade.\nQuestion: {QUESTION}\nFacts:\n- Kestrel Bay\n\nEntries (3 total):\n1. Kestrel '
-        'Bay.\n2. Gull Point\n'
-        '3. from KESTREL BAY\n\nOne integer.'
+        'Bay.\n2. Gull Point\n3. from KESTREL BAY\n\nOne integer.'
     )
     assert judge_items(sto) == ('storage', ['Kestrel Bay.', 'Gull Point', 'from KESTREL BAY'])
     assert j.chat([{'role': 'user', 'content': sto}]) == '2'
@@ -198,9 +197,8 @@ def test_the_rewards_of_a_minimal_record(mods):
     r.user(stage1_message(mods, CONTEXT))
     r.assistant(
         '<think>Important note to remember for later.</think><tool_call>[{"name": "Add_memory", '
-        '"arguments": '
-        '{"content": "Ilse Marrow left Kestrel Bay for her first coastal survey.", "memory_type": '
-        '"fact"}}]</tool_call><answer>Noted.</answer>'
+        '"arguments": {"content": "Ilse Marrow left Kestrel Bay for her first coastal survey.", '
+        '"memory_type": "fact"}}]</tool_call><answer>Noted.</answer>'
     )
     r.enter(2)
     r.enter(3)

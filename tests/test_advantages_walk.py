@@ -29,8 +29,7 @@ TASK = {
 MEMORY = 'Ilse Marrow left Kestrel Bay for her first coastal survey.'
 S1 = (
     '<think>Important note to remember for later: where the first survey '
-    'began.</think><tool_call>[{"name": "Add_memory", "arguments": '
-    '{"content": "'
+    'began.</think><tool_call>[{"name": "Add_memory", "arguments": {"content": "'
     + MEMORY
     + '", "memory_type": "fact"}}]</tool_call><think>Stored.</think><answer>Noted.</answer>'
 )
@@ -61,9 +60,8 @@ def UPDATE(mid):
 UPDATE_NAMED = '<think>I should Update_memory mem-01 with the year 1851.</think>'
 SUMMARY = (
     '<think>The context should stay short.</think><tool_call>[{"name": "Summary_context", '
-    '"arguments": {"span": "all", '
-    '"preserve_user_query": true}}]</tool_call><think>Done.</think><answer>Let us return to the '
-    'survey later.</answer>'
+    '"arguments": {"span": "all", "preserve_user_query": '
+    'true}}]</tool_call><think>Done.</think><answer>Let us return to the survey later.</answer>'
 )
 SUMMARY_NAMED = (
     '<think>I could call Summary_context to keep the context short.</think><answer>Let us return '

@@ -368,8 +368,7 @@ def _aliasing(t: Path):
 ALIASING_NOT_APPLICABLE = {
     'memagent-prepare': (
         "its outputs are the data root's own files, written through a staging folder: --from the "
-        "root itself copies "
-        "each file to staging and verifies it before it replaces anything "
+        "root itself copies each file to staging and verifies it before it replaces anything "
         "(test_prepare_refused_leaves_the_root_as_it_was)"
     ),
     'memagent-audit': (

@@ -234,9 +234,8 @@ def test_a_part_that_hangs_or_dies_hides_nothing_of_the_others(tmp_path, monkeyp
         # name
     )
     fake.write_text(
-        f'#!/usr/bin/env bash\ncase "$3" in\n  trainer) sleep 600 ;;\n  engine) echo "engine: '
-        'killed" >&2; exit 137 ;;\n'
-        f'  *) exec {sys.executable} "$@" ;;\nesac\n'
+        '#!/usr/bin/env bash\ncase "$3" in\n  trainer) sleep 600 ;;\n  engine) echo "engine: '
+        f'killed" >&2; exit 137 ;;\n  *) exec {sys.executable} "$@" ;;\nesac\n'
     )
     fake.chmod(0o755)
     monkeypatch.setattr(

@@ -31,8 +31,7 @@ needs_src = pytest.mark.skipif(
     not (VERL_SRC and Path(VERL_SRC).is_dir()),
     reason=(
         'VERL_SRC is not set to a checkout of volcengine/verl at the pinned commit; the fresh run '
-        'is '
-        'skipped (the committed receipt is still verified without it)'
+        'is skipped (the committed receipt is still verified without it)'
     ),
 )
 

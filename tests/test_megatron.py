@@ -123,12 +123,9 @@ def batch():
 
 def test_import_without_megatron():
     code = (
-        "import sys; sys.modules['megatron'] = None\n"
-        "import memagent.backends.megatron as m\n"
-        "assert not m.HAVE_MEGATRON\n"
-        "assert m.right_pad([[1, 2]])['input_ids'].tolist() == [[1, 2]]\n"
-        "try: m.init_parallel()\n"
-        "except ImportError as e: print('ImportError:', e)\n"
+        "import sys; sys.modules['megatron'] = None\nimport memagent.backends.megatron as "
+        "m\nassert not m.HAVE_MEGATRON\nassert m.right_pad([[1, 2]])['input_ids'].tolist() == "
+        "[[1, 2]]\ntry: m.init_parallel()\nexcept ImportError as e: print('ImportError:', e)\n"
     )
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr

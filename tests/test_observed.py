@@ -372,8 +372,7 @@ def test_a_swapped_figure_is_refused(tmp_path, swap, capsys):
         verify_observed(d)
     want = (
         f"{d / 'differences.png'}: the figure's SHA-256 {sha256_file(d / 'differences.png')} is "
-        "not the one README.md states "
-        f"({sha256_file(REPORT / 'differences.png')})"
+        f"not the one README.md states ({sha256_file(REPORT / 'differences.png')})"
     )
     assert want in str(e.value) and 'not the rendering' not in str(e.value), str(e.value)
     assert (

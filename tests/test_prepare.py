@@ -253,9 +253,8 @@ def test_from_dir_verifies_against_the_online_manifest(online, tmp_path):
     with pytest.raises(
         PrepareError,
         match=(
-            f"eval_800.json: sha256 mismatch \\(the manifest {bad / 'manifest.json'}\\): "
-            f"expected {ref['files']['eval_800.json']['sha256']}, got "
-            f"{hashlib.sha256(data).hexdigest()}"
+            f"eval_800.json: sha256 mismatch \\(the manifest {bad / 'manifest.json'}\\): expected "
+            f"{ref['files']['eval_800.json']['sha256']}, got {hashlib.sha256(data).hexdigest()}"
         ),
     ):
         prepare(tmp_path / 'root-bad', source=bad, files=['eval_800.json'])

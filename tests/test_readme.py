@@ -54,8 +54,7 @@ def test_figures_rounding_rules():
 def test_names_are_not_figures():
     text = (
         'Python 3.11; CC BY-SA 4.0; `qwen3-0.6b-pilot`; GRPO 8 x 8; TP 2 / DP 4; commit '
-        '`1e9959f6`, '
-        'torch 2.13.0; 24a4cf2; step_000002; R^2 0.5'
+        '`1e9959f6`, torch 2.13.0; 24a4cf2; step_000002; R^2 0.5'
     )
     assert readme.figures(text) == ['0.5']
 

@@ -324,8 +324,7 @@ def test_a_run_whose_last_step_had_no_usable_trajectory_is_not_completed(tmp_pat
             RunHealthError,
             match=(
                 r'steps 2\.\.2, the last 1 of 2, had no usable trajectory \(4 of 4 failed in step '
-                r'2\)'
-                r'.*first error: .*connection refused'
+                r'2\).*first error: .*connection refused'
             ),
         ):
             tr.train()

@@ -84,10 +84,9 @@ def _compare_parser() -> argparse.ArgumentParser:
         '--metric',
         default='sub_em',
         help=(
-            "the metric both conditions judge at every length: a metric of the runs' "
-            "parity mode (sub_em: the recipe's) or a registered reward computed with each item's "
-            "negatives from the data "
-            "file (answer_without_distractors: the key-code task's)"
+            "the metric both conditions judge at every length: a metric of the runs' parity mode "
+            "(sub_em: the recipe's) or a registered reward computed with each item's negatives "
+            "from the data file (answer_without_distractors: the key-code task's)"
         ),
     )
     return ap

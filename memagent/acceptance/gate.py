@@ -848,8 +848,7 @@ def _rule_checks(checks: list, key, loaded: dict, met: str, tolerance_pp, n_boot
             key,
             gap <= tolerance_pp + 1e-9,
             f"|{met} candidate - reference| = |{v['candidate']:.2f} - {v['reference']:.2f}| = "
-            f"{gap:.2f} pp "
-            f"{'<=' if gap <= tolerance_pp + 1e-9 else '>'} {tolerance_pp} pp",
+            f"{gap:.2f} pp {'<=' if gap <= tolerance_pp + 1e-9 else '>'} {tolerance_pp} pp",
             gap_pp=gap,
             tolerance_pp=tolerance_pp,
         )

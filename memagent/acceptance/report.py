@@ -54,10 +54,9 @@ def truncation_disclosure(runs: dict) -> str:
 
     lead = (
         "**Truncation occurred.** Samples whose document had more than `max_chunks` chunks were "
-        "cut: only the first "
-        "`max_chunks x chunk_tokens` tokens were read and the rest was dropped. Those runs did "
-        "NOT read the whole "
-        "context, and their scores must not be described as full-context results."
+        "cut: only the first `max_chunks x chunk_tokens` tokens were read and the rest was "
+        "dropped. Those runs did NOT read the whole context, and their scores must not be "
+        "described as full-context results."
         if any_trunc
         else "No sample exceeded `max_chunks`: every run read its whole context."
     )
@@ -141,17 +140,13 @@ def verification_md(report: dict, left=()) -> str:
     ]
     return (
         "Recomputed from each run's per-sample records (the verdict and every number in Results, "
-        "Truncation disclosure, "
-        f"Paired statistics and Figures of the parity mode): `{'`, `'.join(JUDGED)}`, and the "
-        "item ids with their answers. "
-        "Recomputed from the data file where it is here: its SHA-256 and that the records are its "
-        "items (table). "
+        "Truncation disclosure, Paired statistics and Figures of the parity mode): "
+        f"`{'`, `'.join(JUDGED)}`, and the item ids with their answers. Recomputed from the data "
+        "file where it is here: its SHA-256 and that the records are its items (table). "
         "**Unverified** (shown as the runs recorded them; the gate checks only that they agree "
-        "where a check says so): "
-        "model identities and served-model proofs (Models), `mode` and `max_chunks` (Truncation "
-        "disclosure), the shared "
-        "configuration, and every other field of `summaries/` (e.g. `timing.wall_s`, `engine`, "
-        "`provenance`)."
+        "where a check says so): model identities and served-model proofs (Models), `mode` and "
+        "`max_chunks` (Truncation disclosure), the shared configuration, and every other field "
+        "of `summaries/` (e.g. `timing.wall_s`, `engine`, `provenance`)."
         + ('\n\nNot copied to `summaries/`: ' + '; '.join(left) + '.' if left else '')
         + '\n\n'
         + md_table(rows)
@@ -302,14 +297,11 @@ def _results_md(report: dict, rows: list, parity, plot: str) -> str:
     )
     return (
         f"Parity mode `{parity}`. Metric: `{report['metric']}` in %, 95% item-bootstrap interval "
-        "in brackets, recomputed "
-        f"from {source}; tolerance {report['tolerance_pp']} pp. The rule judges the point "
-        "difference. Beside it, the paired "
-        "item-bootstrap interval of candidate minus reference says whether these items could "
-        "decide "
-        "(`memagent.stats.equivalence`): *equivalent* inside ±tolerance, *different* entirely "
-        "beyond it, "
-        "else *undecided*, with about how many items would decide.\n\n"
+        f"in brackets, recomputed from {source}; tolerance {report['tolerance_pp']} pp. The rule "
+        "judges the point difference. Beside it, the paired item-bootstrap interval of candidate "
+        "minus reference says whether these items could decide (`memagent.stats.equivalence`): "
+        "*equivalent* inside ±tolerance, *different* entirely beyond it, else *undecided*, with "
+        "about how many items would decide.\n\n"
         + (md_table(rows, floatfmt='.2f') if rows else '_(no set with all three runs loaded)_')
         + f"\n\n![{report['metric']} per length]({plot})"
     )
@@ -330,9 +322,9 @@ def _extras_sections(runs: dict) -> list:
     return [
         (
             'Figures of the parity mode',
-            "Computed from the same records by the parity mode's own rules "
-            "(e.g. the official script's drop of empty outputs); the verdict uses the metrics "
-            "above.\n\n" + md_table(extras, floatfmt='.2f'),
+            "Computed from the same records by the parity mode's own rules (e.g. the official "
+            "script's drop of empty outputs); the verdict uses the metrics above.\n\n"
+            + md_table(extras, floatfmt='.2f'),
         )
     ]
 
@@ -360,8 +352,7 @@ def acceptance_sections(report: dict, render: dict) -> tuple[str, list, list]:
         (
             'Models',
             'As each run recorded them (**unverified**: not recomputable from the records; '
-            '`distinct_models` '
-            'compares them).\n\n' + _models_md(runs),
+            '`distinct_models` compares them).\n\n' + _models_md(runs),
         ),
         (
             'Shared evaluation configuration',
@@ -537,11 +528,9 @@ def _readme_problems(d: Path, report: dict, render: dict) -> list[str]:
         min(len(got.splitlines()), len(want.splitlines())),
     )
     return [
-        f"{readme}: not the rendering of compare.json, render.json and the files it lists "
-        "(first difference at "
-        f"line {line + 1}: {(got.splitlines()[line : line + 1] or [''])[0][:100]!r} where "
-        "the rendering has "
-        f"{(want.splitlines()[line : line + 1] or [''])[0][:100]!r})"
+        f"{readme}: not the rendering of compare.json, render.json and the files it lists (first "
+        f"difference at line {line + 1}: {(got.splitlines()[line : line + 1] or [''])[0][:100]!r} "
+        f"where the rendering has {(want.splitlines()[line : line + 1] or [''])[0][:100]!r})"
     ]
 
 # %% ../../nbs/16b_acceptance_2_report.ipynb #7e22fe9c

@@ -76,21 +76,16 @@ POLICY = 'smollm2-135m-instruct'
 HOTPOTQA_DEV_SHA256 = 'a3697dd5625448503165dd7ce3ad81688a8c436a73f4bd3f3879b8cde4cf4f3d'
 MEANING = (
     'passed = every hypothesis H1-H10 held on the constructed groups, decided by the protocol\'s '
-    'rules from the numbers '
-    'in this receipt, on the unchanged pinned checkout; a sign says which way one GRPO update '
-    'would push, not where '
-    'training would end'
+    'rules from the numbers in this receipt, on the unchanged pinned checkout; a sign says which '
+    'way one GRPO update would push, not where training would end'
 )
 LIMITS = (
     'No policy is trained. A sign says which way one update would push, not where training ends. '
-    'The constructed '
-    'replies are scripted, one behaviour at a time; real episodes mix many. The summariser, the '
-    'similarity model, the '
-    'task score, the judge and the embedder are local stand-ins; the hosted models may grade '
-    'differently. '
-    'SmolLM2-135M is far smaller than the paper\'s policy, and its replies are capped at 256 '
-    'tokens. Episodes of one '
-    'sampled group share its mean and standard deviation, so their intervals are approximate.'
+    'The constructed replies are scripted, one behaviour at a time; real episodes mix many. The '
+    'summariser, the similarity model, the task score, the judge and the embedder are local '
+    'stand-ins; the hosted models may grade differently. SmolLM2-135M is far smaller than the '
+    'paper\'s policy, and its replies are capped at 256 tokens. Episodes of one sampled group '
+    'share its mean and standard deviation, so their intervals are approximate.'
 )
 
 # %% ../../nbs/18e_advantages_4_receipt.ipynb #c1a11918
@@ -835,9 +830,8 @@ def advantages_cli(argv) -> int:
         argv,
         prog='memagent-audit --study advantages',
         description=(
-            'AgeMem third study: the GRPO advantages of the official '
-            'and the observed reward on constructed and sampled groups, run against the pinned '
-            'upstream checkout, or its '
+            'AgeMem third study: the GRPO advantages of the official and the observed reward on '
+            'constructed and sampled groups, run against the pinned upstream checkout, or its '
             'receipt verified without one.'
         ),
         inputs=('groups.json', 'protocol.md'),

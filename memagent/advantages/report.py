@@ -190,9 +190,8 @@ def source_lines(rc: dict) -> list[str]:
         f"unchanged: {a['checkout_unchanged_after_run']}. Receipt written at commit {commit}.\n",
         files + '\n',
         "Inputs written before the run: [protocol.md](protocol.md) (SHA-256 "
-        f"`{rc['protocol']['sha256']}`) and "
-        f"[groups.json](groups.json) (`{rc['fixtures']['sha256']}`). The system prompt was read "
-        "from the checkout: "
+        f"`{rc['protocol']['sha256']}`) and [groups.json](groups.json) "
+        f"(`{rc['fixtures']['sha256']}`). The system prompt was read from the checkout: "
         f"{rc['prompts']['system']['characters']} characters, SHA-256 "
         f"`{rc['prompts']['system']['sha256']}`.\n",
     ]
@@ -201,9 +200,8 @@ def source_lines(rc: dict) -> list[str]:
         src = pol['source'] or {}
         out.append(
             f"Policy: `{pol['model']['name']}`, weights SHA-256 "
-            f"`{pol['model']['weights_sha256']}`, built from "
-            f"`{src.get('gguf', '–')}` (SHA-256 `{src.get('gguf_sha256', '–')}`); tokenizer files "
-            "SHA-256 "
+            f"`{pol['model']['weights_sha256']}`, built from `{src.get('gguf', '–')}` (SHA-256 "
+            f"`{src.get('gguf_sha256', '–')}`); tokenizer files SHA-256 "
             f"`{pol['tokenizer']['all_files_sha256']}`.\n"
         )
     return out
@@ -319,8 +317,7 @@ def sample_lines(rc: dict) -> list[str]:
     if ep is not None:
         out += [
             f"Constructed, `{g}` variant {v}, background `{b}` (scripted), final answer "
-            f"`{ep['final_answer']}`, "
-            f"{len(ep['experiences'])} experiences collected:\n",
+            f"`{ep['final_answer']}`, {len(ep['experiences'])} experiences collected:\n",
             md_table(_reply_rows(ep['replies'], ep['experiences']), align=False) + '\n',
         ]
     pr = rc['probe']
@@ -328,8 +325,7 @@ def sample_lines(rc: dict) -> list[str]:
         er = pr['episode_record']
         out += [
             f"Sampled, the probe's episode of `{pr['policy']['model']['name']}` on `{pr['task']}` "
-            f"({pr['replies']} replies, "
-            f"{sum(pr['parsable'])} with a parsable call):\n",
+            f"({pr['replies']} replies, {sum(pr['parsable'])} with a parsable call):\n",
             md_table(_reply_rows(er['replies'], er['experiences']), align=False) + '\n',
         ]
     return out
@@ -423,9 +419,8 @@ def ratio_gap_lines(rc: dict) -> list[str]:
             continue
         out.append(
             f"- `{c['group']}` {c['reward']}, judge {c['judge']}: gaps "
-            f"{', '.join(f'{g:.1e}' for *_, g in near)} on "
-            f"{', '.join(w for w, *_ in near)}, whose per-episode advantages are "
-            f"{', '.join(f'{a:+.1e}' for _, a, _ in near)}"
+            f"{', '.join(f'{g:.1e}' for *_, g in near)} on {', '.join(w for w, *_ in near)}, "
+            f"whose per-episode advantages are {', '.join(f'{a:+.1e}' for _, a, _ in near)}"
             + (
                 f"; the other {len(far)} episodes agree within {max(g for *_, g in far):.1e}."
                 if far
@@ -450,23 +445,20 @@ def _opening_lines(rc: dict, s: dict, rows: list, held: list) -> list:
     return [
         "# AgeMem, the third study: which behaviours each reward's GRPO advantage reinforces\n",
         f"**Status: {rc['status']}** ({s['held']} of {s['cases']} hypotheses held; {s['matched']} "
-        f"of {s['checks']} cells met; "
-        f"{s['episodes']} constructed episodes; sampled part: {rc['sampled']['state']}). "
-        f"{rc['meaning'][0].upper()}{rc['meaning'][1:]}.\n",
+        f"of {s['checks']} cells met; {s['episodes']} constructed episodes; sampled part: "
+        f"{rc['sampled']['state']}). {rc['meaning'][0].upper()}{rc['meaning'][1:]}.\n",
         '## The question\n',
         'GRPO learns from advantages, not rewards: each episode\'s reward set against the rest of '
         'its group of 8. A positive '
         'advantage pushes the policy toward what the episode did; a negative one pushes it away.\n',
         'On the same groups, which behaviours does each reward reinforce: the official AgeMem '
-        'reward, or the observed one of the '
-        'second study? Where do their signs disagree? The protocol, written before any run, is '
-        '[protocol.md](protocol.md).\n',
+        'reward, or the observed one of the second study? Where do their signs disagree? The '
+        'protocol, written before any run, is [protocol.md](protocol.md).\n',
         '## The answer\n',
         'Constructed groups, upstream\'s per-experience advantage (its training path). A '
-        'behaviour is reinforced when the mean '
-        'advantage of the episodes showing it is positive, discouraged when negative. A mean '
-        'within '
-        f'{ZERO_BAND:g} of 0 does neither: upstream computes advantages in float32.\n',
+        'behaviour is reinforced when the mean advantage of the episodes showing it is positive, '
+        f'discouraged when negative. A mean within {ZERO_BAND:g} of 0 does neither: upstream '
+        'computes advantages in float32.\n',
         *answer_lines(rows, 'constructed groups'),
         '',
         f"Hypotheses held: {', '.join(held) or 'none'}. Not held: "
@@ -497,8 +489,7 @@ def render_report(receipt: dict, *, figure_sha256: str) -> str:
     out += [
         '## Per behaviour\n',
         'Mean advantage of the episodes showing each behaviour, and the share of them whose '
-        'official and observed advantages '
-        'differ in sign. Per experience (upstream\'s path):\n',
+        'official and observed advantages differ in sign. Per experience (upstream\'s path):\n',
         md_table(glance_rows(rows), align=False) + '\n',
         'Per episode (the same function on the episodes\' rewards alone):\n',
         md_table(glance_rows(rows, 'per_episode'), align=False) + '\n',

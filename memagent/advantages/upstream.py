@@ -327,8 +327,7 @@ def summarise(messages) -> str:
     roles = [m.get('role') for m in messages]
     return (
         f"Summary of {len(roles)} earlier messages: {roles.count('user')} user, "
-        f"{roles.count('assistant')} assistant, "
-        f"{roles.count('tool')} tool."
+        f"{roles.count('assistant')} assistant, {roles.count('tool')} tool."
     )
 
 

@@ -97,8 +97,7 @@ def _refuse_corrupt(path, name, kind, expected, actual, why):
     os.replace(path, bad)
     raise PrepareError(
         f"{name}: {kind} mismatch ({why}): expected {expected}, got {actual}; the file is kept as "
-        f"{bad.name} "
-        "in the data root"
+        f"{bad.name} in the data root"
     )
 
 # %% ../../nbs/03_data_4_fetch.ipynb #7a05b462
@@ -119,8 +118,7 @@ def _hub_metadata(name, url):
     except OfflineModeIsEnabled:
         raise PrepareError(
             f"{name}: HF_HUB_OFFLINE is set, so the hub cannot be asked; unset it, or copy the "
-            "files "
-            f"with --from DIR"
+            "files with --from DIR"
         ) from None
     except RevisionNotFoundError:
         raise PrepareError(
@@ -404,8 +402,7 @@ def prepared_file(name, root=None) -> Path:
     if out.stat().st_size != entry['converted']['bytes']:
         raise PrepareError(
             f"{out}: {out.stat().st_size} bytes, the manifest {m} says "
-            f"{entry['converted']['bytes']}; "
-            f"run again:\n  {prepare_command(r, [key])}"
+            f"{entry['converted']['bytes']}; run again:\n  {prepare_command(r, [key])}"
         )
     return out
 
@@ -482,8 +479,7 @@ def prepare_cli(argv=None) -> int:
         c = f['converted']
         print(
             f"{name}: {f['bytes']} bytes sha256 {f['sha256'][:12]} {f['verification']} -> "
-            f"{c['path']} "
-            f"({c['rows']} rows, {c['rows_skipped']} skipped)"
+            f"{c['path']} ({c['rows']} rows, {c['rows_skipped']} skipped)"
         )
     if m['unverified']:
         print(f"UNVERIFIED: {', '.join(m['unverified'])}")

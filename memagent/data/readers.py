@@ -775,9 +775,8 @@ def convert(
             ', '.join(map(str, srcs)),
             None,
             None,
-            f"no row to write (read {read_total}, skipped "
-            f"{sum(skipped_total.values())}: {dict(skipped_total)}); nothing was written "
-            "(--allow-empty if intended)",
+            f"no row to write (read {read_total}, skipped {sum(skipped_total.values())}: "
+            f"{dict(skipped_total)}); nothing was written (--allow-empty if intended)",
         )
     with st:  # both outputs move into place together, or neither does
         write_examples(examples, st['output'])

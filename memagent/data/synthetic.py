@@ -409,9 +409,8 @@ def make_keycodes(
         else:
             raise ValueError(
                 f"make_keycodes: item {i} of split {split!r}: no draw in {max_redraws + 1} made "
-                f"{chunks} chunks of "
-                f"exactly {chunk_tokens} tokens with every fact whole in its chunk; use longer "
-                "chunks"
+                f"{chunks} chunks of exactly {chunk_tokens} tokens with every fact whole in its "
+                "chunk; use longer chunks"
             )
         out.append(_kc_item(i, split, seed, needle, chunks, chunk_tokens, draw, ntok, redraw))
     return out

@@ -261,8 +261,7 @@ def gpu_count_row(cfg, world_size: int, env: Env) -> Row:
         if ok
         else (
             f"run where {n} GPUs are visible (CUDA_VISIBLE_DEVICES, a Ray cluster), or lower "
-            "batch.n_gpus and "
-            "--world-size (memagent.plan shows what fits)"
+            "batch.n_gpus and --world-size (memagent.plan shows what fits)"
         ),
     )
 
@@ -321,8 +320,7 @@ def gpu_memory_row(cfg, world_size: int, env: Env) -> Row:
     gpus = env.gpus[: need['gpus']]
     found = (
         f"free {_gib(min(g.free for g in gpus))} to {_gib(max(g.free for g in gpus))} of "
-        f"{_gib(max(g.total for g in gpus))} "
-        f"on {len(gpus)} GPU(s)"
+        f"{_gib(max(g.total for g in gpus))} on {len(gpus)} GPU(s)"
         if gpus
         else _gpus_found(env)
     )
@@ -447,9 +445,8 @@ def _te_unneeded_row(cfg, env: Env, found: str, want: str, usable: bool) -> Row:
         return Row(
             'Transformer Engine',
             found,
-            f"not needed, but batch.attention='auto' takes Transformer Engine on a GPU whenever "
-            "it is "
-            f"installed: {want}",
+            "not needed, but batch.attention='auto' takes Transformer Engine on a GPU whenever "
+            f"it is installed: {want}",
             'warn',
             f"install transformer-engine{rng or ''} with its pytorch module, uninstall it, or set "
             "batch.attention='local'",
@@ -575,8 +572,7 @@ def attention_row(cfg, world_size: int, env: Env) -> Row:
         f"batch.attention={b.attention!r} buildable on {'GPUs' if gpu else 'CPU'}",
         'warn' if slow else 'ok',
         "the local spec's unfused attention on GPUs is slow and holds L x L transients (see the "
-        "plan's counterfactuals): "
-        "batch.attention='sdpa' runs the same layer with a fused kernel"
+        "plan's counterfactuals): batch.attention='sdpa' runs the same layer with a fused kernel"
         if slow
         else '',
     )
@@ -658,8 +654,7 @@ def sglang_row(cfg, world_size: int, env: Env) -> Row:
         if env.sglang_version is None
         else (
             f"sglang {env.sglang_version} (pins torch{env.sglang_torch_pin or ': no pin'}; "
-            "sglang.launch_server "
-            f"{'found' if env.sglang_launch_server else 'MISSING'})"
+            f"sglang.launch_server {'found' if env.sglang_launch_server else 'MISSING'})"
         )
     ) + f"; torch {env.torch_version}"
     sg = layout_needs(cfg, world_size)['sglang']
@@ -892,8 +887,9 @@ def folders_row(cfg, world_size: int, env: Env) -> Row:
     is set names a path that exists."""
     needed = (
         "a file can be created in the run directory, its checkpoints and the model cache (and the "
-        "hub cache, for downloads); "
-        "each of " + ', '.join(PATH_VARIABLES) + " that is set names an existing path"
+        "hub cache, for downloads); each of "
+        + ', '.join(PATH_VARIABLES)
+        + " that is set names an existing path"
     )
     if env.unwritable is None:
         return Row(

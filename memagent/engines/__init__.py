@@ -32,9 +32,8 @@ def engine_from_config(cfg, model_name=None, tokenizer=None, model=None):
     if r.colocate:
         raise ValueError(
             "rollout.colocate=True: colocated SGLang engines run on the training GPUs and are "
-            "launched by "
-            "memagent.colocate.trainer_engine (or launch_engines) on the training placement; set "
-            "rollout.colocate=False to use the in-process engine or the servers in "
+            "launched by memagent.colocate.trainer_engine (or launch_engines) on the training "
+            "placement; set rollout.colocate=False to use the in-process engine or the servers in "
             "rollout.sglang_urls"
         )
     if r.engine == 'hf':

@@ -161,8 +161,7 @@ def parse_prompt_logprobs(body, ids) -> list[float]:
     if itl[0][0] is not None:
         raise DeterministicEngineError(
             f"input_token_logprobs[0] has log-prob {itl[0][0]!r}: the first prompt token has no "
-            "prefix "
-            "(SGLang sends None)"
+            "prefix (SGLang sends None)"
         )
     lps = [e[0] for e in itl[1:]]
     if not all(
@@ -344,8 +343,7 @@ def _acquire(self, avoid=(), only: str | None = None) -> str:
             if not self._slots.wait(timeout=self.timeout_s):
                 raise TransientEngineError(
                     f"no free request slot on any of {len(self.urls)} server(s) within "
-                    f"{self.timeout_s:g}s "
-                    f"({self.concurrency} in flight per server)"
+                    f"{self.timeout_s:g}s ({self.concurrency} in flight per server)"
                 )
         self._turn += 1
         rot = free[self._turn % len(free) :] + free[: self._turn % len(free)]
@@ -543,8 +541,7 @@ def request_queue(self) -> 'FutureQueue':
     if self.released:
         raise DeterministicEngineError(
             "request_queue refused: the servers' memory is released "
-            f"({', '.join(self.released)}); "
-            "sync_weights() or resume_memory() takes it back first"
+            f"({', '.join(self.released)}); sync_weights() or resume_memory() takes it back first"
         )
     wait_limit = (self.max_retries + 1) * (self.timeout_s + self.max_backoff_s)
     return FutureQueue(
@@ -617,8 +614,7 @@ def update_weights(self, state_dict=None, path=None) -> None:
         raise ValueError("pass exactly one of state_dict or path")
     if state_dict is not None and not self.colocated:
         raise DeterministicEngineError(
-            "SGLangEngine loads a state dict only from colocated servers (they read this "
-            "host's "
+            "SGLangEngine loads a state dict only from colocated servers (they read this host's "
             "memory): save an HF directory and pass path="
         )
     if path is not None:
@@ -645,9 +641,8 @@ def _occupation(self, path: str, tags, u: str) -> None:
         self.post(path, {'tags': list(tags)}, u, self.update_timeout_s, retries=0)
     except EngineError as e:
         raise type(e)(
-            f"{path} {list(tags)} failed on {u} (its memory state is now unknown; tags "
-            "released before: "
-            f"{sorted(self._released[u])}): {e}"
+            f"{path} {list(tags)} failed on {u} (its memory state is now unknown; tags released "
+            f"before: {sorted(self._released[u])}): {e}"
         ) from e
 
 

@@ -34,8 +34,7 @@ def find_model(models: str) -> tuple[str, str | None]:
         if not any((d / name / 'config.json').is_file() for name, _ in FROZEN_MODELS):
             print(
                 f"gpu_check.py: --models {models}: holds neither recipe model (looked for "
-                f"{expected}); "
-                "leave --models out to use the hub cache or the tiny model",
+                f"{expected}); leave --models out to use the hub cache or the tiny model",
                 file=sys.stderr,
             )
             sys.exit(2)

@@ -449,8 +449,7 @@ def _engine_probe(eng, tok, w0: dict, rec: Recorder) -> dict:
             'shrunk': shrunk,
             'rule': (
                 f"a repeat (engine + generate()) may take {ENGINE_CAP_S}/{REPEATS} s: while the "
-                "probe predicts more, "
-                "halve the requests (to 8), then the new tokens (to 32)"
+                "probe predicts more, halve the requests (to 8), then the new tokens (to 32)"
             ),
         },
     )

@@ -201,9 +201,8 @@ def _md_head(layout: dict, body: dict, layout_lines) -> list:
             f"Rendered again from {ra['from']} by the code at "
             f"{str(g1.get('commit'))[:7]}{' (uncommitted changes)' if g1.get('dirty') else ''}; "
             f"the run itself ran at {str(g0.get('commit'))[:7]}. What the code of now derives "
-            "differently from the recorded figures is "
-            "said in each part: the split's checks, model FLOPs on the positions the head "
-            "computes, every phase's peak against its plan.",
+            "differently from the recorded figures is said in each part: the split's checks, "
+            "model FLOPs on the positions the head computes, every phase's peak against its plan.",
             '',
         ]
     L += ['| part | verdict | seconds | cap (s) |', '|---|---|---|---|']
@@ -231,9 +230,8 @@ def _md_megatron(r: dict) -> list:
         c = g['checkpoint_before_first_step']
         L.append(
             f"| {g['recompute']} | {g['dtype']} | {g['optimizer']} | {g['attention']} | "
-            f"{', '.join(g['parameter_dtypes'])} | "
-            f"{_f(g['loss_rel_diff'])} | {_f(g['grad_norm_rel_diff'])} | "
-            f"{g['optimizer_state_round_trip']} | "
+            f"{', '.join(g['parameter_dtypes'])} | {_f(g['loss_rel_diff'])} | "
+            f"{_f(g['grad_norm_rel_diff'])} | {g['optimizer_state_round_trip']} | "
             f"{c.get('saved') or c.get('error')} | {g['pass']} |"
         )
     return L
@@ -243,12 +241,10 @@ def _md_weight_sync(r: dict) -> list:
     """The weight-sync part's line: log-probs before the step, after the sync, a missed sync."""
     w = r['weight_sync']
     return [
-        f"{w['precision']}, tol {w['tol']:g}: before step "
-        f"{w['before_step'].get('passed')} (max |dlogp| "
-        f"{_f(w['before_step'].get('max_abs_dlogp'))}), after sync "
-        f"{w['after_sync'].get('passed')} "
-        f"({_f(w['after_sync'].get('max_abs_dlogp'))}), missed sync rejected "
-        f"{not w['missed_sync'].get('passed')}"
+        f"{w['precision']}, tol {w['tol']:g}: before step {w['before_step'].get('passed')} (max "
+        f"|dlogp| {_f(w['before_step'].get('max_abs_dlogp'))}), after sync "
+        f"{w['after_sync'].get('passed')} ({_f(w['after_sync'].get('max_abs_dlogp'))}), missed "
+        f"sync rejected {not w['missed_sync'].get('passed')}"
     ]
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #92c9d250
@@ -262,11 +258,10 @@ def _md_trainer(r: dict) -> list:
     for g in r.values():
         s = g['steps']
         L.append(
-            f"| {g['backend']} | {g['health']} | {_f(g['kl_step1'])} | {_f(g['setup_s'])} "
-            f"| {_f(s[0]['time_step'])} "
-            f"({_f(s[0]['time_rollout'])} / {_f(s[0]['time_update'])} / "
-            f"{_f(s[0]['time_sync'])}) | "
-            f"{_f(s[-1]['time_step'])} | {_f(g['gpu_peak_gib'])} | {g['pass']} |"
+            f"| {g['backend']} | {g['health']} | {_f(g['kl_step1'])} | {_f(g['setup_s'])} | "
+            f"{_f(s[0]['time_step'])} ({_f(s[0]['time_rollout'])} / {_f(s[0]['time_update'])} / "
+            f"{_f(s[0]['time_sync'])}) | {_f(s[-1]['time_step'])} | {_f(g['gpu_peak_gib'])} | "
+            f"{g['pass']} |"
         )
     return L
 
@@ -293,11 +288,10 @@ def _md_step4b_plan(r: dict) -> list:
     if q:
         L.append(
             f"Qwen3-4B plan at {q['rows']} x {q['seq_len']} tokens ({q['attention']}): "
-            f"{q['update_allocated_gib']:.1f} GiB allocated in the "
-            f"update, peak {q['update_peak_gib']:.1f} GiB on a {q['gpu_gib']:.1f} GiB "
-            "card: "
-            f"{'fits' if q['fits'] else 'does not fit'} (runs within {q['headroom']:.0%} "
-            "of the card)"
+            f"{q['update_allocated_gib']:.1f} GiB allocated in the update, peak "
+            f"{q['update_peak_gib']:.1f} GiB on a {q['gpu_gib']:.1f} GiB card: "
+            f"{'fits' if q['fits'] else 'does not fit'} (runs within {q['headroom']:.0%} of the "
+            "card)"
         )
     if r.get('rows_reduced'):
         L.append(f"rows reduced: {r['rows_reduced']}")
@@ -310,14 +304,11 @@ def _md_step_figures(s: dict) -> list:
     """The step's figures (seconds, tokens/s, TFLOP/s, peak) and those re-derived at rendering."""
     L = [
         f"ran {s['rows']} x {s['seq_len']} tokens ({s['attention']}, {s['dtype']}): "
-        f"{_f(s['seconds_per_step']['median'])} s a step "
-        "(range "
+        f"{_f(s['seconds_per_step']['median'])} s a step (range "
         f"{_f(s['seconds_per_step']['min'])}..{_f(s['seconds_per_step']['max'])}), "
-        f"{_f(s['tokens_per_s'])} tokens/s, "
-        f"{_f(s['model_tflops'])} model TFLOP/s = {_f(s['fraction_of_matmul_rate'])} "
-        f"of the {_f(s['matmul_tflops'])} TFLOP/s "
-        f"matmul rate measured here; peak {_f(s['peak_gib'])} GiB against the plan's "
-        f"{_f(s['plan_gib'])} GiB "
+        f"{_f(s['tokens_per_s'])} tokens/s, {_f(s['model_tflops'])} model TFLOP/s = "
+        f"{_f(s['fraction_of_matmul_rate'])} of the {_f(s['matmul_tflops'])} TFLOP/s matmul rate "
+        f"measured here; peak {_f(s['peak_gib'])} GiB against the plan's {_f(s['plan_gib'])} GiB "
         f"(peak / plan {_f(s['peak_over_plan'])})"
     ]
     if s.get('rederived'):
@@ -393,14 +384,12 @@ def _md_optimizer(r: dict) -> list:
         o = r[k]
         L.append(
             f"{o['optimizer']}: {_f(o['seconds']['median'])} s a step (range "
-            f"{_f(o['seconds']['min'])}..{_f(o['seconds']['max'])}, "
-            f"{o['seconds']['n']} steps), peak {_f(o['peak_gib'])} GiB; it times "
-            f"{o['what']}"
+            f"{_f(o['seconds']['min'])}..{_f(o['seconds']['max'])}, {o['seconds']['n']} steps), "
+            f"peak {_f(o['peak_gib'])} GiB; it times {o['what']}"
         )
     L.append(
-        f"{r['summary']['parameters']:,} parameters ({r['summary']['preset']}); "
-        "megatron-core's step over torch's: "
-        f"{_f(r['summary']['megatron_over_torch_seconds'])}x the seconds"
+        f"{r['summary']['parameters']:,} parameters ({r['summary']['preset']}); megatron-core's "
+        f"step over torch's: {_f(r['summary']['megatron_over_torch_seconds'])}x the seconds"
     )
     return L
 
@@ -410,9 +399,8 @@ def _md_train_notebook(r: dict) -> list:
     t = r['train_notebook']
     L = [
         f"{t['how']}; {t['steps']} steps of preset {t['params']['preset']}: "
-        f"{_f(t['tokens_per_s'])} trained tokens/s of the steps, "
-        f"GPU peak {_f(t['gpu_peak_gib'])} GiB, host peak RSS "
-        f"{_f(t['host_peak_rss_gib'])} GiB, {_f(t['wall_s'])} s in all",
+        f"{_f(t['tokens_per_s'])} trained tokens/s of the steps, GPU peak {_f(t['gpu_peak_gib'])} "
+        f"GiB, host peak RSS {_f(t['host_peak_rss_gib'])} GiB, {_f(t['wall_s'])} s in all",
         'seconds by section: '
         + ', '.join(f"{k} {_f(v)}" for k, v in t['seconds_by_section'].items()),
     ]
@@ -482,11 +470,9 @@ def _md_side_by_side_row(x: dict) -> str:
         else ''
     )
     return (
-        f"| {x['part']} | {x['attention']} | {x['recompute']} | {x['rows']} x "
-        f"{x['seq_len']} | {_f(x['seconds_per_step'])} | "
-        f"{_f(x['tokens_per_s'])} | {_f(x['model_tflops'])} | "
-        f"{_f(x['fraction_of_matmul_rate'])} | {_f(x['peak_gib'])} / "
-        f"{_f(x['plan_gib'])}{over} | "
+        f"| {x['part']} | {x['attention']} | {x['recompute']} | {x['rows']} x {x['seq_len']} | "
+        f"{_f(x['seconds_per_step'])} | {_f(x['tokens_per_s'])} | {_f(x['model_tflops'])} | "
+        f"{_f(x['fraction_of_matmul_rate'])} | {_f(x['peak_gib'])} / {_f(x['plan_gib'])}{over} | "
         + (
             ', '.join(f"{k} {v:.0%}" for k, v in top)
             if x['split_reliable']
@@ -501,11 +487,10 @@ def _md_sdpa_summary(sb: dict, g: dict) -> list:
     f = sb['sdpa_fraction_of_matmul_rate']
     return [
         '',
-        f"SDPA over the local spec, model TFLOP/s at full recompute: {_f(g['median'])} "
-        f"(range {_f(g['min'])}..{_f(g['max'])} from the "
-        f"repeats' extremes); goal {g['goal']}: {g['verdict']}. SDPA reaches "
-        f"{_f(f['value'])} of the matmul rate (aim "
-        f"{f['aim']:g}: {'reached' if f['reached'] else 'not reached'}); "
+        f"SDPA over the local spec, model TFLOP/s at full recompute: {_f(g['median'])} (range "
+        f"{_f(g['min'])}..{_f(g['max'])} from the repeats' extremes); goal {g['goal']}: "
+        f"{g['verdict']}. SDPA reaches {_f(f['value'])} of the matmul rate (aim {f['aim']:g}: "
+        f"{'reached' if f['reached'] else 'not reached'}); "
         + (
             f"its largest part of the step is {sb['sdpa_largest_part']['part']} "
             f"({sb['sdpa_largest_part']['share']:.0%})."

@@ -73,23 +73,19 @@ EPISODES_SHA256 = 'eea3818a890e295e82f0e34bb4a338045f00a1c6fdba8bfe2ab3c8cc8c9ff
 PROTOCOL_SHA256 = 'ce95b6eca0ec4fbc9ecdf464e8d3b19177f905e8031f105c1f4d19dd40321d0f'
 MEANING = (
     'passed = both rewards, and the store operations of every episode, matched the expectations '
-    'written before the run '
-    '(as corrections.json amends those that finished_at_round enters); '
-    'it says nothing about whether either reward is correct, or how a policy trained on either '
-    'would behave'
+    'written before the run (as corrections.json amends those that finished_at_round enters); it '
+    'says nothing about whether either reward is correct, or how a policy trained on either would '
+    'behave'
 )
 LIMITS = (
     'No policy was trained, so nothing here says that a policy trained on the observed reward '
-    'behaves better, or differently. '
-    'The embedder is not the paper\'s. The episodes are scripted, and Stage 2\'s distractor '
-    'injection and the task score\'s '
-    'judge are not run. Two episodes run the memory judge, as a stub; the training call site '
-    'always passes a chat client '
+    'behaves better, or differently. The embedder is not the paper\'s. The episodes are scripted, '
+    'and Stage 2\'s distractor injection and the task score\'s judge are not run. Two episodes '
+    'run the memory judge, as a stub; the training call site always passes a chat client '
     '(train_hotpotQA.py lines 78, 356), so in training the judge replaces R_relevance and '
-    'R_storage whenever it has input. '
-    'The other 19 are also scored with a local judge on, one that knows the episode\'s own '
-    'answer; it is not the paper\'s judge model. '
-    '"Used the retrieved memory" is a string test: the final answer occurs in a retrieved memory.'
+    'R_storage whenever it has input. The other 19 are also scored with a local judge on, one '
+    'that knows the episode\'s own answer; it is not the paper\'s judge model. "Used the '
+    'retrieved memory" is a string test: the final answer occurs in a retrieved memory.'
 )
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #115564c9
@@ -300,9 +296,8 @@ def run_observed(source_repo, report_dir=None) -> dict:
 # %% ../../nbs/18a_observed_2_receipt.ipynb #085cbf9f
 JUDGE_ON_RULE = (
     "the local judge (memagent.observed.store.LocalJudge, the third study's too) on both rewards; "
-    "the answer it knows is the "
-    "episode's final answer, which its call scores 1.0 (task_score); with no final answer it "
-    "knows none and replies 0"
+    "the answer it knows is the episode's final answer, which its call scores 1.0 (task_score); "
+    "with no final answer it knows none and replies 0"
 )
 JUDGE_FREE = (
     'task_completion',
@@ -466,13 +461,12 @@ def findings(receipt: dict) -> list[str]:
         f"and {t('summary_called', 'observed', 'Summary_context')} "
         f"({c['summary_called']['difference']['total']:+.3f}).",
         "Without a judge, the used-retrieval proxy separates `retrieval_used` (R_relevance "
-        f"{r('retrieval_used', 'observed', 'memory_r_relevance'):g} observed) "
-        f"from `retrieval_ignored` ({r('retrieval_ignored', 'observed', 'memory_r_relevance'):g}; "
-        f"{r('retrieval_ignored', 'official', 'memory_r_relevance'):g} "
-        "officially). This holds only when no judge runs: the training call site always passes a "
-        "chat client (`train_hotpotQA.py` lines 78, "
-        "356), and the calculator's judge then replaces R_relevance whenever a retrieval block "
-        "reaches it and R_storage whenever held adds do "
+        f"{r('retrieval_used', 'observed', 'memory_r_relevance'):g} observed) from "
+        f"`retrieval_ignored` ({r('retrieval_ignored', 'observed', 'memory_r_relevance'):g}; "
+        f"{r('retrieval_ignored', 'official', 'memory_r_relevance'):g} officially). This holds "
+        "only when no judge runs: the training call site always passes a chat client "
+        "(`train_hotpotQA.py` lines 78, 356), and the calculator's judge then replaces "
+        "R_relevance whenever a retrieval block reaches it and R_storage whenever held adds do "
         "(`my_reward.py` lines 467-505, 512-541).",
     ]
 
@@ -509,12 +503,11 @@ def judge_on_section(receipt: dict) -> list[str]:
     return [
         "## The judge on\n",
         f"The {len(rows)} episodes run without a memory judge, scored again with {JUDGE_ON_RULE}. "
-        "The training call site "
-        "always passes a chat client (`train_hotpotQA.py` lines 78, 356; "
-        "[corrections.md](corrections.md), section 2). Only the memory "
-        "component can move (`my_reward.py` lines 467-541); the statistics are the judge-off "
-        "ones. Totals and difference "
-        "(observed - official), judge off and on; judge calls with it on (official / observed).\n",
+        "The training call site always passes a chat client (`train_hotpotQA.py` lines 78, 356; "
+        "[corrections.md](corrections.md), section 2). Only the memory component can move "
+        "(`my_reward.py` lines 467-541); the statistics are the judge-off ones. Totals and "
+        "difference (observed - official), judge off and on; judge calls with it on (official / "
+        "observed).\n",
         md_table(rows, floatfmt='.4f', align=False) + '\n',
     ]
 
@@ -539,25 +532,22 @@ def _report_intro(receipt: dict) -> list[str]:
         f"**Status: {receipt['status']}** ({s['matched']} of {s['checks']} checks over "
         f"{s['cases']} episodes). {receipt['meaning'][0].upper()}{receipt['meaning'][1:]}.\n",
         f"Audited copy: `{a['repository']}` at `{a['revision']}` (the same pinned public copy as "
-        "`reports/agemem_audit/`), loaded by file path "
-        f"and hash-checked; the run left it unchanged: {a['checkout_unchanged_after_run']}. "
-        f"Receipt written at commit {commit}.\n",
+        "`reports/agemem_audit/`), loaded by file path and hash-checked; the run left it "
+        f"unchanged: {a['checkout_unchanged_after_run']}. Receipt written at commit {commit}.\n",
         files + '\n',
         f"The store: `{receipt['store']['manager']['class']}`, its `__init__` "
-        f"{receipt['store']['manager']['init']}; `embed` "
-        f"{receipt['store']['manager']['embed']}; `import openai`: "
-        f"{receipt['store']['manager']['openai_import']}; ids: "
+        f"{receipt['store']['manager']['init']}; `embed` {receipt['store']['manager']['embed']}; "
+        f"`import openai`: {receipt['store']['manager']['openai_import']}; ids: "
         f"{receipt['store']['manager']['memory_ids']}.\n",
         f"The embedder ({receipt['store']['embedder']['name']}, "
         f"{receipt['store']['embedder']['dim']} dimensions): "
         f"{receipt['store']['embedder']['rule']}; {receipt['store']['embedder']['consequence']}.\n",
         "Records: [protocol.md](protocol.md) (the question, the recorder, the two rewards, the "
-        "hypotheses), [episodes.json](episodes.json) "
-        "(the episodes and every expected output, written before the run), "
-        "[corrections.md](corrections.md) (what was corrected after the run, "
-        f"with the {receipt['corrections']['amended']} expectations "
-        "[corrections.json](corrections.json) amends), [receipt.json](receipt.json) "
-        "(every output, log, context and check).\n",
+        "hypotheses), [episodes.json](episodes.json) (the episodes and every expected output, "
+        "written before the run), [corrections.md](corrections.md) (what was corrected after the "
+        f"run, with the {receipt['corrections']['amended']} expectations "
+        "[corrections.json](corrections.json) amends), [receipt.json](receipt.json) (every "
+        "output, log, context and check).\n",
     ]
 
 # %% ../../nbs/18a_observed_2_receipt.ipynb #b0fd0588
@@ -591,8 +581,7 @@ def render_report(receipt: dict, *, figure_sha256: str) -> str:
         "![total difference per case](differences.png)\n",
         fig,
         "What each reward saw (official / observed): tool uses; updates, deletes, adds, "
-        "retrievals; whether the retrieval was used; "
-        "the three memory components; judge calls.\n",
+        "retrievals; whether the retrieval was used; the three memory components; judge calls.\n",
         md_table(statistics_rows(receipt), align=False) + '\n',
         *judge_on_section(receipt),
         "## The logs\n",
@@ -1008,9 +997,8 @@ def audit_cli(argv=None) -> int:
         rest,
         prog='memagent-audit --study observed',
         description=(
-            'AgeMem second study: the observed reward beside the '
-            'official one, run against the pinned upstream checkout, or its receipt verified '
-            'without one.'
+            'AgeMem second study: the observed reward beside the official one, run against the '
+            'pinned upstream checkout, or its receipt verified without one.'
         ),
         inputs=('episodes.json', 'protocol.md', 'corrections.json', 'corrections.md'),
         default_dir=default_report_dir,

@@ -97,14 +97,12 @@ EMBEDDER = {
     'dim': EMBED_DIM,
     'rule': (
         f'lower-cased runs of letters and digits of at least {EMBED_MIN_LETTERS} characters; each '
-        'adds 1.0 at index '
-        f'(first 4 bytes of its SHA-256, big-endian) mod {EMBED_DIM}'
+        f'adds 1.0 at index (first 4 bytes of its SHA-256, big-endian) mod {EMBED_DIM}'
     ),
     'consequence': (
         'every component is >= 0, so a cosine is > 0 exactly when two texts share such a word (or '
-        'two of their '
-        'words share an index); the store drops scores <= 0, so a text with no shared word is '
-        'never retrieved'
+        'two of their words share an index); the store drops scores <= 0, so a text with no '
+        'shared word is never retrieved'
     ),
 }
 

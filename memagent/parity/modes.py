@@ -183,9 +183,8 @@ OFFICIAL = register_parity(
         summary_extras=official_summary_extras,
         description=(
             'official MemAgent: training reward verl/utils/reward_score/hotpotqa.py; RULER-HQA '
-            'evaluator '
-            'recurrent-boxed path (after </think>, whole response, first gold answer, per-item '
-            'rounding to 2 decimals)'
+            'evaluator recurrent-boxed path (after </think>, whole response, first gold answer, '
+            'per-item rounding to 2 decimals)'
         ),
     )
 )

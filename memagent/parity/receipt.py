@@ -461,8 +461,7 @@ def _check_problems(mode, block, fresh, old_cases, problems) -> None:
     rec_agg = block.get('aggregate', {}).get('checks')
     problems += [
         f"{mode}: aggregate {c['field']}: upstream recorded {_short(c['upstream'])}, ours "
-        f"{_short(c['ours'])}, "
-        f"the receipt's check says {_short(r)}"
+        f"{_short(c['ours'])}, the receipt's check says {_short(r)}"
         for c, r in _hidden(fresh['aggregate']['checks'], rec_agg)
     ]
     problems += [

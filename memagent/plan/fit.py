@@ -216,10 +216,9 @@ def engine_problem(self) -> str | None:
         return None
     g = lambda b: f"{b / GiB:.2f} GiB"
     how = (
-        f"{self.settings['mem_fraction']} x {g(e['free_at_start'])} free at the engine's "
-        f"start - {g(e['weights'])} engine weights; "
-        f"largest trainer term held at the start: {e['largest_at_start'][0]!r}, "
-        f"{g(e['largest_at_start'][1])}"
+        f"{self.settings['mem_fraction']} x {g(e['free_at_start'])} free at the engine's start - "
+        f"{g(e['weights'])} engine weights; largest trainer term held at the start: "
+        f"{e['largest_at_start'][0]!r}, {g(e['largest_at_start'][1])}"
     )
     if e['kv_cache'] <= 0:
         return (
@@ -229,8 +228,7 @@ def engine_problem(self) -> str | None:
     if e['kv_tokens'] < e['tokens_per_request']:
         return (
             f"engine KV cache does not fit: {e['kv_tokens']:,} tokens left, fewer than one "
-            f"request's {e['tokens_per_request']:,} "
-            f"({g(e['kv_cache'])} = {how})"
+            f"request's {e['tokens_per_request']:,} ({g(e['kv_cache'])} = {how})"
         )
     return None
 
@@ -272,9 +270,8 @@ def verdict(self) -> str:
         )
     whatif = (
         (
-            '; WHAT-IF: offload=True models moving the trainer state to host RAM during '
-            'rollout, which the project '
-            'does not implement'
+            '; WHAT-IF: offload=True models moving the trainer state to host RAM during rollout, '
+            'which the project does not implement'
         )
         if self.settings.get('offload')
         else ''
@@ -468,9 +465,8 @@ def _update_terms(cfg, cluster: Cluster, s: dict, act: dict, head: int, det) -> 
         fused=cfg.backend == 'megatron' and cluster.transformer_engine,
         rule=(
             "torch's foreach AdamW allocates sqrt(v) for a whole parameter group (SGD with weight "
-            "decay: "
-            "its gradients), up to 1 MiB of allocator slack per tensor; a fused optimizer (TE's) "
-            "none"
+            "decay: its gradients), up to 1 MiB of allocator slack per tensor; a fused optimizer "
+            "(TE's) none"
         ),
     )
     return update
@@ -569,9 +565,8 @@ def _sync_terms(cfg, arch, tp, attention, sync_bucket_bytes, s: dict, engine_wei
             ga,
             rule=(
                 'gather_tp_shards: one bucket of gathered (unsharded) tensors at once on the '
-                'device, '
-                'copied to host and freed before the next; the cache emptied before the engine '
-                'resumes'
+                'device, copied to host and freed before the next; the cache emptied before the '
+                'engine resumes'
             ),
         )
     else:

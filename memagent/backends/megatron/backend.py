@@ -205,10 +205,9 @@ def _check_optimizer(optimizer, distributed_optimizer, frozen):
     "Refuse an optimizer the backend cannot build here."
     if distributed_optimizer and not frozen and not torch.cuda.is_available():
         raise ValueError(
-            "cfg.batch.distributed_optimizer=True needs megatron-core's distributed "
-            "optimizer, which needs CUDA; "
-            "on CPU set cfg.batch.distributed_optimizer=False (the CPU stand-in keeps full "
-            "fp32 main params per rank)"
+            "cfg.batch.distributed_optimizer=True needs megatron-core's distributed optimizer, "
+            "which needs CUDA; on CPU set cfg.batch.distributed_optimizer=False (the CPU stand-in "
+            "keeps full fp32 main params per rank)"
         )
     if optimizer not in ('adam', 'adamw', 'sgd'):
         raise ValueError(
@@ -681,10 +680,9 @@ def load_state_dict(self, model_sd: dict, state: dict | None):
     done = ((state or {}).get('scheduler') or {}).get('last_step', 0)
     if reason is not None and done:
         raise ValueError(
-            "MegatronBackend.load_state_dict: the optimizer state is a no_optimizer_state "
-            f"marker ({reason}) but the "
-            f"scheduler's state counts {done} updates: optimizer steps were taken, so their "
-            "state is missing"
+            "MegatronBackend.load_state_dict: the optimizer state is a no_optimizer_state marker "
+            f"({reason}) but the scheduler's state counts {done} updates: optimizer steps were "
+            "taken, so their state is missing"
         )
     load_hf_into_megatron(self.model, model_sd, self.hf_config)
     if self.optimizer is not None:

@@ -182,9 +182,8 @@ def choose_layer_spec(
     if attention == 'te' and not te:
         raise ImportError(
             "cfg.batch.attention='te' needs Transformer Engine (the transformer_engine package), "
-            "which is not "
-            "installed; install it on the GPU machine or set cfg.batch.attention to 'auto' or "
-            "'sdpa'"
+            "which is not installed; install it on the GPU machine or set cfg.batch.attention to "
+            "'auto' or 'sdpa'"
         )
     if attention == 'te' and not cuda:
         raise ValueError(
@@ -200,11 +199,10 @@ def choose_layer_spec(
     if sequence_parallel and kind != 'te':
         raise ValueError(
             "cfg.batch.sequence_parallel=True needs the Transformer Engine layer spec: "
-            "megatron-core's local spec "
-            "cannot build sequence-parallel norms without Transformer Engine or Apex; set "
-            "cfg.batch.sequence_parallel=False, "
-            "or use a CUDA machine with transformer_engine and cfg.batch.attention='auto' or "
-            f"'te' (got attention={attention!r})"
+            "megatron-core's local spec cannot build sequence-parallel norms without Transformer "
+            "Engine or Apex; set cfg.batch.sequence_parallel=False, or use a CUDA machine with "
+            "transformer_engine and cfg.batch.attention='auto' or 'te' (got "
+            f"attention={attention!r})"
         )
     if sequence_parallel and tp < 2:
         raise ValueError(

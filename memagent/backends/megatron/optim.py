@@ -57,10 +57,8 @@ def _tp_group():
 # %% ../../../nbs/14_megatron_4_optim.ipynb #71728462
 NO_STEP_REASON = (
     "no optimizer step taken yet: megatron-core 0.16.1's DistributedOptimizer.state_dict() "
-    "asserts one step "
-    "count over its Adam states (`assert len(steps) == 1` without TE/Apex), and before the first "
-    "step there are none; "
-    "a fresh optimizer on the saved weights is that state"
+    "asserts one step count over its Adam states (`assert len(steps) == 1` without TE/Apex), and "
+    "before the first step there are none; a fresh optimizer on the saved weights is that state"
 )
 
 
@@ -81,9 +79,8 @@ def _load_marker(opt, sd: dict) -> bool:
     if opt.steps_taken:
         raise ValueError(
             f"{type(opt).__name__}.load_state_dict: the checkpoint holds no optimizer state "
-            f"({reason}), but this optimizer "
-            f"has taken {opt.steps_taken} steps: loading it would drop their Adam moments; load a "
-            "checkpoint with optimizer state"
+            f"({reason}), but this optimizer has taken {opt.steps_taken} steps: loading it would "
+            "drop their Adam moments; load a checkpoint with optimizer state"
         )
     opt.reload_model_params()
     opt.fresh_reason = reason
