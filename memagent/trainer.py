@@ -24,22 +24,12 @@ from .health import RunHealth, json_line
 from .resume import check_resume, examples_sha256, settle_resume
 from .sampler import PromptSampler
 from .prompts import template_sha256s
+from .patch import patch
 
 # %% auto #0
-__all__ = ['patch', 'Trainer']
+__all__ = ['Trainer']
 
 # %% ../nbs/13_trainer.ipynb #526792b7
-def patch(f):
-    """Add `f` to the class its first parameter is annotated with (fastcore's `@patch`, without the
-    dependency)."""
-    cls = getattr(f, '__wrapped__', f).__globals__[
-        next(iter(f.__annotations__.values()))
-    ]  # through a wrapper
-    f.__qualname__ = f'{cls.__name__}.{f.__name__}'
-    setattr(cls, f.__name__, f)
-    return f
-
-
 class Trainer:
     "GRPO on MemAgent trajectories. `step()` runs one step; `train()` runs to `cfg.schedule.steps`."
 

@@ -1,6 +1,6 @@
-"""A method added with `memagent.patch.patch_to` is compiled outside its class body, so bare
-`super()` (no `__class__` cell) and name-mangled `self.__x` do not work in it. Every patched method
-of the package is checked here, the ones only a GPU run reaches included."""
+"""A method added with `memagent.patch` (`patch_to`, `patch`) is compiled outside its class body,
+so bare `super()` (no `__class__` cell) and name-mangled `self.__x` do not work in it. Every patched
+method of the package is checked here, the ones only a GPU run reaches included."""
 
 import ast
 from pathlib import Path
@@ -11,7 +11,8 @@ PKG = Path(__file__).resolve().parent.parent / 'memagent'
 def _patched(tree):
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
-            isinstance(d, ast.Call) and getattr(d.func, 'id', None) == 'patch_to'
+            (isinstance(d, ast.Call) and getattr(d.func, 'id', None) == 'patch_to')
+            or getattr(d, 'id', None) == 'patch'
             for d in node.decorator_list
         ):
             yield node
@@ -30,7 +31,7 @@ def _problems(fn):
 def test_a_planted_bare_super_and_mangled_name_are_found():
     src = (
         '@patch_to(A)\ndef f(self):\n    return super().f() + self.__n\n\n'
-        '@patch_to(A)\ndef g(self):\n    return super(A, self).g() + self._n + self.__len__()\n'
+        '@patch\ndef g(self: A):\n    return super(A, self).g() + self._n + self.__len__()\n'
     )
     found = [p for fn in _patched(ast.parse(src)) for p in _problems(fn)]
     assert sorted(found) == [
