@@ -223,9 +223,8 @@ def _output_value(obs: dict, cid: str, key: str) -> str:
         return str(x).lower()
     if name == 'total':
         return f'{x:.6f}'
-    return (
-        f'{x:.3g}' if name in ('tool_efficiency', 'context_management') else f'{x:g}'
-    )  # weighted terms: 3 digits
+    # weighted terms: 3 digits
+    return f'{x:.3g}' if name in ('tool_efficiency', 'context_management') else f'{x:g}'
 
 
 def _output_label(key: str) -> str:
@@ -676,9 +675,8 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
     # every figure the reports show, recounted from the cases
     recount, summary = _summary_problems(rc, cases, aud, origin)
     problems += recount
-    problems += _readme_problems(
-        report_dir / 'README.md', None if problems else rc
-    )  # last: the rendering of a receipt that verified
+    # last: the rendering of a receipt that verified
+    problems += _readme_problems(report_dir / 'README.md', None if problems else rc)
     if problems:
         raise VerificationError(problems)
     return {
@@ -731,18 +729,18 @@ def _verify_study(verify, report_dir: Path, receipt) -> int:
 def _run_study(run, render, source_repo, out: Path, report_dir: Path, inputs: tuple) -> int:
     """`--source-repo`: run the study, write the receipt and its report; the exit status."""
     try:
+        # nor the report
         refuse_overwrite(
             {name: report_dir / name for name in inputs},
             {'out': out, 'README.md': report_dir / 'README.md'},
-        )  # nor the report
+        )
         receipt = run(source_repo, report_dir)
     except (AuditError, ValueError) as e:
         print(f'REFUSED: {e}', file=sys.stderr)
         return 2
     write_receipt(receipt, out)
-    if (
-        out.resolve() == (report_dir / 'receipt.json').resolve()
-    ):  # the report folder's receipt: its report follows it
+    # the report folder's receipt: its report follows it
+    if out.resolve() == (report_dir / 'receipt.json').resolve():
         print('rendered', ', '.join(str(p) for p in render(receipt, report_dir)))
     else:
         print(

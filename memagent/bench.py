@@ -486,9 +486,8 @@ def decode_flops(model, batch: int, context: int) -> dict:
 # %% ../nbs/21_bench.ipynb #4e14e1cc
 def weight_bytes(model) -> int:
     "Bytes of the model's distinct parameters (a tied head and embedding counted once)."
-    return sum(
-        p.numel() * p.element_size() for p in model.parameters()
-    )  # parameters() yields a shared tensor once
+    # parameters() yields a shared tensor once
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 # %% ../nbs/21_bench.ipynb #cb5cf557
 def bench_sampling(batch: int, vocab: int, repeats: int = 20, seed: int = 0) -> dict:

@@ -276,9 +276,8 @@ def load_checkpoint(path, check_finite: bool = True) -> dict:
     files = verify_checkpoint(p)
     shards = {}
     for rel in sorted(f for f in files if f.startswith('optimizer/')):
-        s = _read(
-            p / rel, lambda f: torch.load(f, map_location='cpu', weights_only=False)
-        )  # host tensors, whatever saved them
+        # host tensors, whatever saved them
+        s = _read(p / rel, lambda f: torch.load(f, map_location='cpu', weights_only=False))
         shards[s['key']] = s['state']
     opt = None if not shards else shards['all'] if list(shards) == ['all'] else {'shards': shards}
     out = {

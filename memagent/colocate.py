@@ -18,11 +18,12 @@ __all__ = ['TRAIN_SHARE', 'SERVER_SHARE', 'PROBE_SHARE', 'HOST', 'PORT', 'Placem
            'launch_servers', 'engine_cmd', 'launch_engines', 'trainer_engine', 'make_group']
 
 # %% ../nbs/08a_colocate.ipynb #8fb7941c
+# of a bundle's GPU (and CPU): trainer rank, server actor, start-up probe
 TRAIN_SHARE, SERVER_SHARE, PROBE_SHARE = (
     0.5,
     0.2,
     0.1,
-)  # of a bundle's GPU (and CPU): trainer rank, server actor, start-up probe
+)
 
 # %% ../nbs/08a_colocate.ipynb #13e5ed92
 def _check_layout(n_gpus, gpus_per_engine) -> None:
@@ -44,9 +45,8 @@ def _bundle_order(pl, timeout_s: float) -> tuple[list, list, list]:
     import ray
 
     n_gpus = pl.n_gpus
-    probe = ray.remote(
-        bundle_info
-    )  # memagent.devices imports no torch: each probe costs a worker start only
+    # memagent.devices imports no torch: each probe costs a worker start only
+    probe = ray.remote(bundle_info)
     info = ray.get(
         [probe.options(**pl._on(b, PROBE_SHARE)).remote() for b in range(n_gpus)],
         timeout=timeout_s,
@@ -181,10 +181,11 @@ def remove(self) -> None:
     remove_placement_group(self.pg)
 
 # %% ../nbs/08a_colocate.ipynb #9e5bdcab
+# placeholders in a server command: the actor's node address, a free port there
 HOST, PORT = (
     '{host}',
     '{port}',
-)  # placeholders in a server command: the actor's node address, a free port there
+)
 
 
 class EngineServer:

@@ -206,9 +206,8 @@ class ScheduleCfg:
 class EvalCfg:
     "Evaluation sampling, lengths and the acceptance tolerance."
 
-    lengths: list[int] = field(
-        default_factory=lambda: [50, 200, 800]
-    )  # RULER-HQA documents per question
+    # RULER-HQA documents per question
+    lengths: list[int] = field(default_factory=lambda: [50, 200, 800])
     temperature: float = 0.7
     top_p: float = 0.95
     samples: int = 1  # samples per item (pass@N uses N = samples)
@@ -798,9 +797,8 @@ def load_config(path) -> Config:
     file."""
     from memagent.files import read_yaml
 
-    d = read_yaml(
-        path, 'object', loader=_Loader
-    )  # FileError (a ValueError) naming the file, line and field
+    # FileError (a ValueError) naming the file, line and field
+    d = read_yaml(path, 'object', loader=_Loader)
     try:
         return from_dict(d)
     except (KeyError, ValueError) as e:
@@ -928,9 +926,8 @@ def _param_type(t):
             'list': list,
             'None': None,
         }
-    for _ in range(
-        2
-    ):  # a quoted annotation under `from __future__ import annotations` is a string of a string
+    # a quoted annotation under `from __future__ import annotations` is a string of a string
+    for _ in range(2):
         if isinstance(t, str):
             t = eval(t, {'__builtins__': {}}, _PARAM_TYPES)
     return t

@@ -190,10 +190,11 @@ class StepRows:
         self.filter = bool(getattr(g, 'filter_zero_variance', False))
         self.mode, self.agg = g.credit, getattr(l, 'agg', 'trajectory')
         self.mini_batches = getattr(getattr(cfg, 'optim', None), 'mini_batches', 1)
+        # group index -> (trajectories, rows with credit); dropped group indices
         self.groups, self.dropped = (
             {},
             [],
-        )  # group index -> (trajectories, rows with credit); dropped group indices
+        )
 
 # %% ../nbs/10_credit.ipynb #2cd2d5f8
 @patch_to(StepRows)
@@ -212,10 +213,11 @@ def add(self, group: list[Trajectory]) -> bool:
     adv, _ = group_advantages(
         group, self.group_size, std_normalize=self.std_normalize, eps=self.eps
     )
+    # weights: at finish
     self.groups[g] = (
         list(group),
         expand_rows(group, adv, self.mode, 'trajectory', 1),
-    )  # weights: at finish
+    )
     return True
 
 

@@ -12,10 +12,12 @@ from .engines import engine_from_config, EngineError
 from .stats import bootstrap_ci, pass_at_k
 from .data.readers import unencodable
 from .files import FileError, StagedDir, loads_json, read_json, loads_yaml
+
+# the proof of the model an engine serves
 from memagent.served import (
     ModelMismatchError,
     check_served_model,
-)  # the proof of the model an engine serves
+)
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMPARABLE', 'RECORDS_FILE', 'SUMMARY_FILE',
@@ -26,12 +28,13 @@ __all__ = ['SCHEMA_VERSION', 'METRICS', 'BINARY_METRICS', 'RECORD_FIELDS', 'COMP
 # %% ../nbs/16_evaluate.ipynb #2e2d87d0
 SCHEMA_VERSION = 'memagent.evaluate/1'
 METRICS = ('em', 'sub_em', 'strict_sub_em', 'f1', 'boxed_em')
+# 0/1 per sample: pass@k is defined on these
 BINARY_METRICS = (
     'em',
     'sub_em',
     'strict_sub_em',
     'boxed_em',
-)  # 0/1 per sample: pass@k is defined on these
+)
 RECORD_FIELDS = (
     'id',
     'sample',
@@ -267,9 +270,8 @@ def summarize(
         per_item.setdefault(str(r['id']), []).append(r)
     counts = sorted({len(v) for v in per_item.values()})
     spi = run_info.get('totals', {}).get('samples_per_item', counts[-1] if counts else 0)
-    n_items = run_info.get('totals', {}).get(
-        'items', len(items)
-    )  # items asked for, not items that came back
+    # items asked for, not items that came back
+    n_items = run_info.get('totals', {}).get('items', len(items))
     expected = n_items * spi
     metrics = _metric_block(records, items, names, n_boot, seed)
     n_min = counts[0] if counts else 0
@@ -497,9 +499,8 @@ def _base_requests(batch, tokenizer, ecfg, samples, max_tokens):
     from memagent import prompts as P
 
     reqs, meta = [], []
-    enc = lambda t: P.encode_text(
-        tokenizer, t
-    )  # documents are text: special-token parsing off, as in the prompt
+    # documents are text: special-token parsing off, as in the prompt
+    enc = lambda t: P.encode_text(tokenizer, t)
     for ex in batch:
         text = P.base_prompt(ex['context'], ex['question'], tokenizer, max_tokens)
         suffix = P.TEMPLATES['base_suffix'].replace('{question}', ex['question'])
@@ -769,9 +770,8 @@ def _run_evaluation(
     from memagent.rollout import choose_scheduler
 
     scheduler = choose_scheduler(engine, ecfg) if mode == 'recurrent' else 'sync'
-    step = (
-        len(examples) if scheduler == 'async' else batch_size
-    )  # async: every item at once, the queue bounds what is in flight
+    # async: every item at once, the queue bounds what is in flight
+    step = len(examples) if scheduler == 'async' else batch_size
     log = _ItemLog(bar)
     from contextlib import nullcontext
 
@@ -779,9 +779,8 @@ def _run_evaluation(
     # (memagent.files.StagedDir)
     with StagedDir(out_dir, {'data': data_path}) if out_dir is not None else nullcontext() as work:
         if work is not None:
-            log.live = open(
-                work / RECORDS_FILE, 'w', encoding='utf-8'
-            )  # each item's records as it finishes
+            # each item's records as it finishes
+            log.live = open(work / RECORDS_FILE, 'w', encoding='utf-8')
         try:
             for s in range(0, len(examples), step):
                 records += run(examples[s : s + step], log)
@@ -986,9 +985,8 @@ def evaluate_cli(argv=None) -> int:
 
     a = _evaluate_parser().parse_args(argv)
     try:
-        StagedDir(
-            a.out, {'--data': a.data, '--config': a.config}
-        )  # checked before anything loads: --out is replaced when the run completes
+        # checked before anything loads: --out is replaced when the run completes
+        StagedDir(a.out, {'--data': a.data, '--config': a.config})
         cfg = load_config(a.config) if a.config else get_preset(a.preset)
         cfg = apply_overrides(cfg, parse_sets(a.set))
         tok = load_tokenizer(a.tokenizer or cfg.model.tokenizer or a.model)

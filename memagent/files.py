@@ -359,9 +359,8 @@ class StagedDir:
         self.target = Path(target)
         if self.target.exists() and not self.target.is_dir():
             raise ValueError(f"the output folder {self.target} is a file")
-        for n, p in _items(
-            inputs
-        ):  # the folder is replaced when the run completes: nothing it reads may live in it
+        # the folder is replaced when the run completes: nothing it reads may live in it
+        for n, p in _items(inputs):
             if p.resolve() == self.target.resolve() or self.target.resolve() in p.resolve().parents:
                 raise ValueError(
                     f"the {n} {p} is inside the output folder {self.target}, which the run "

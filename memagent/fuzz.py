@@ -524,10 +524,11 @@ def fuzz_tables(receipt: dict, examples: int = 3) -> str:
 
 # %% ../nbs/18c_fuzz.ipynb #e63df122
 README_TITLE = 'Parity of the scoring modes: relax and official against their upstream code'
+# listed, with their SHA-256, in the README's Files section
 README_FILES = (
     'receipt.json',
     FUZZ_FILE,
-)  # listed, with their SHA-256, in the README's Files section
+)
 
 
 def _readme_head(rc: dict) -> str:

@@ -24,9 +24,8 @@ class NonFiniteError(RunHealthError):
 
 def require_finite(x, what: str) -> float:
     "`float(x)`, or `NonFiniteError` naming `what` when it is NaN or infinite."
-    v = (
-        float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
-    )  # a loss that still requires grad: no autograd warning
+    # a loss that still requires grad: no autograd warning
+    v = float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
     if not math.isfinite(v):
         raise NonFiniteError(f"{what} is {v}")
     return v

@@ -316,10 +316,11 @@ DIFFERENCES |= {
 # %% ../nbs/18d_loss_parity.ipynb #2ec686e9
 FAMILIES = ('grpo_advantage', 'policy_loss', 'kl', 'tis')
 DTYPES = {'fp32': torch.float32, 'fp64': torch.float64}
+# (relative to the scale of the terms, absolute)
 TOL = {
     'fp64': (1e-12, 1e-12),
     'fp32': (2e-6, 1e-6),
-}  # (relative to the scale of the terms, absolute)
+}
 EPS_REL = 1e-7  # D5: verl's +1e-8 in a count
 MIN_SEEDS = 200
 
@@ -616,6 +617,7 @@ def checks_policy_loss(d, ours, up, dt):
     return out
 
 # %% ../nbs/18d_loss_parity.ipynb #3cf116d2
+# verl's names; kl and mse are the kit's k1 and k2 (D8)
 KL_KINDS = (
     'k1',
     'k2',
@@ -623,7 +625,7 @@ KL_KINDS = (
     'low_var_kl',
     'kl',
     'mse',
-)  # verl's names; kl and mse are the kit's k1 and k2 (D8)
+)
 KIT_KL = {'kl': 'k1', 'mse': 'k2'}
 
 

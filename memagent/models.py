@@ -246,10 +246,11 @@ BUILDERS = {
     'smollm2-135m-instruct': _build_smollm2,
     'qwen3': _build_qwen3_tokenizer,
 }
+# checked on every resolve
 FRESH = {
     'tiny-qwen3': _qwen3_tokenizer_fresh,
     'qwen3': _qwen3_tokenizer_only_fresh,
-}  # checked on every resolve
+}
 
 # %% ../nbs/02_models.ipynb #249836f5
 def _hub_cache() -> Path:

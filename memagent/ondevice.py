@@ -14,9 +14,8 @@ from .patch import patch_to
 __all__ = ['VIRTUAL', 'compute_device', 'to_device', 'to_host', 'VirtualDeviceError', 'VirtualDevice']
 
 # %% ../nbs/11a_ondevice.ipynb #361e6e95
-VIRTUAL = torch.device(
-    'cpu', 0
-)  # the virtual device: computes on the CPU, told apart from the host by its index
+# the virtual device: computes on the CPU, told apart from the host by its index
+VIRTUAL = torch.device('cpu', 0)
 _GUARDS: list = []  # the VirtualDevice guards entered in this process, innermost last
 
 
@@ -67,6 +66,7 @@ def _is_virtual(dev) -> bool:
 
 
 _T = torch.Tensor
+# no arithmetic: allowed across the boundary
 _META = {
     torch._has_compatible_shallow_copy_type,
     torch.is_tensor,
@@ -92,7 +92,7 @@ _META = {
     _T.__reduce_ex__,
     _T.__deepcopy__,
     _T.__setstate__,
-}  # no arithmetic: allowed across the boundary
+}
 _SHAPE_OF_OTHER = {_T.view_as, _T.expand_as, _T.reshape_as}  # the other tensor gives its shape only
 _INDEXING = {_T.__getitem__, _T.__setitem__, _T.index_put, _T.index_put_, torch.index_put}
 _HOST_COPY = {_T.cpu, _T.pin_memory}
@@ -195,9 +195,8 @@ def _indexing(self, func, args, kwargs) -> list:
     if not self.on(x):
         if any(self.on(t) for t in idx):
             return [x]  # a host tensor indexed by a device tensor
-        return (
-            [x] if idx and any(self.on(v) for v in vals) else []
-        )  # device values put at host indices
+        # device values put at host indices
+        return [x] if idx and any(self.on(v) for v in vals) else []
     copies = func is _T.__setitem__ and not idx  # basic assignment: a copy_
     return [] if copies else [v for v in vals if not self.on(v) and v.dim() > 0]
 

@@ -203,13 +203,14 @@ _LOSSES = ('loss', 'pg_loss', 'kl_loss', 'entropy_loss')
 def _mini_batch_plans(rows: list[Row], cfg: Config) -> list:
     """Per PPO mini-batch, its micro-batches as lists of row indices (one empty mini-batch when
     there are no rows)."""
+    # no rows: one step without gradient, as every rank must
     return [
         [
             [mb[i] for i in b]
             for b in micro_batches([rows[i].num_tokens for i in mb], cfg.batch.max_tokens_per_micro)
         ]
         for mb in mini_batch_slices(rows, cfg.optim.mini_batches)
-    ] or [[]]  # no rows: one step without gradient, as every rank must
+    ] or [[]]
 
 # %% ../nbs/12b_policy.ipynb #e8a9b824
 def _old_logprobs(policy, rows: list[Row], plans: list, pad_id: int, T: float, tell) -> dict:

@@ -139,10 +139,11 @@ def render_user(tokenizer, text: str, thinking: str = 'off') -> str:
 _SENTINEL = '\x00memagent-user-content\x00'
 # template text, question, chunk: every added token's text -> its pieces
 ADDED_TOKENS_IN_USER_TEXT = 'plain text outside the memory span'
+# see encode_memory
 MEMORY_IN_PROMPT = (
     'decoded text; inside the memory span the text of each added token not flagged special is '
     'that token, special-token text is plain text'
-)  # see encode_memory
+)
 
 
 def _encode_markup(tokenizer, text: str) -> list:
@@ -194,9 +195,8 @@ def _encode_content(tokenizer, text: str, span=None) -> list:
     toks = _matched(tokenizer) if span is not None else {}
     if not toks:
         return encode_text(tokenizer, text)
-    pat = re.compile(
-        '|'.join(map(re.escape, sorted(toks, key=lambda t: (-len(t), t))))
-    )  # leftmost, then longest
+    # leftmost, then longest
+    pat = re.compile('|'.join(map(re.escape, sorted(toks, key=lambda t: (-len(t), t)))))
     ids, at = [], 0
     for m in pat.finditer(text, *span):
         ids += encode_text(tokenizer, text[at : m.start()]) + [toks[m.group()]]

@@ -206,9 +206,8 @@ def provenance(repo='.', **extra) -> dict:
     if clash:
         raise ValueError(f"provenance: extra keys {sorted(clash)} would overwrite the base record")
     rec.update(extra)
-    json.dumps(
-        rec
-    )  # everything in it must be JSON-serializable; fail here, not when the output is written
+    # everything in it must be JSON-serializable; fail here, not when the output is written
+    json.dumps(rec)
     return rec
 
 # %% ../nbs/01_provenance.ipynb #df5b1a43

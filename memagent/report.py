@@ -37,9 +37,8 @@ def read_metrics(path) -> tuple[list[dict], int]:
         if not raw.strip():
             blank += 1
             continue
-        rec = check_shape(
-            loads_json(decode(raw, path, ln), path, ln), 'metrics_row', path, ln
-        )  # FileError: file, line, field
+        # FileError: file, line, field
+        rec = check_shape(loads_json(decode(raw, path, ln), path, ln), 'metrics_row', path, ln)
         miss = [k for k in REQUIRED_FIELDS if k not in rec]
         if miss:
             raise FileError(path, ln, None, f"missing field(s) {miss}")

@@ -35,10 +35,11 @@ def request_seed(seed: int, example_id, sample_index: int, turn_index: int) -> i
 def stop_token_ids(tokenizer) -> tuple:
     """The tokenizer's eos plus the chat end-of-turn and end-of-text tokens where the vocabulary has
     them (Qwen: `<|im_end|>`, `<|endoftext|>`)."""
+    # special tokens are added tokens; the full vocabulary costs ~0.1 s to build
     ids, vocab = (
         [],
         tokenizer.get_added_vocab(),
-    )  # special tokens are added tokens; the full vocabulary costs ~0.1 s to build
+    )
     for t in (tokenizer.eos_token_id, vocab.get('<|im_end|>'), vocab.get('<|endoftext|>')):
         if isinstance(t, int) and t >= 0 and t not in ids:
             ids.append(t)
@@ -278,10 +279,11 @@ def run_async(walk, queue, stats: dict | None = None, on_group=None, on_step=Non
     st['max_in_flight'] = 0
     groups = _groups(walk)
     left = {g: len(js) for g, js in groups.items()}
+    # ready: heap of (-turns left, j); inflight: handle -> (j, phase, prompt, submitted at)
     ready, inflight = (
         [],
         {},
-    )  # ready: heap of (-turns left, j); inflight: handle -> (j, phase, prompt, submitted at)
+    )
 
     def finished(j):
         g = walk.group_of(j)

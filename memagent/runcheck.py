@@ -73,10 +73,11 @@ class Gates:
         self, guard: Guard | None = None, echo: bool = True, stop_on_failure: bool = False
     ):
         self.guard, self.echo, self.rows, self.phases = guard, echo, [], {}
+        # stopped: the failed phase that stopped the run
         self.stop_on_failure, self.stopped = (
             stop_on_failure,
             None,
-        )  # stopped: the failed phase that stopped the run
+        )
 
     def gate(self, name: str, passed, **numbers) -> bool:
         "Record a check; returns whether it passed."
@@ -101,9 +102,8 @@ def phase(self, name: str, always: bool = False, gate_ok: bool = False):
     """Time a phase; an exception (or the guard firing) becomes a failed gate `name`. Yields
     whether to run the body."""
     g = self.guard
-    if (
-        self.stopped is not None and not always
-    ):  # stop_on_failure, after a failed phase: recorded, not run
+    # stop_on_failure, after a failed phase: recorded, not run
+    if self.stopped is not None and not always:
         self.phases[name] = None
         self.rows.append(
             {'gate': name, 'result': 'NOT RUN', 'reason': f"phase {self.stopped!r} failed"}
@@ -352,10 +352,11 @@ def export_gates(G: Gates, trainer, out_dir, new_tokens: int = 4):
 
 # %% ../nbs/13c_runcheck.ipynb #212aeefe
 WEIGHT_PROMPT = 'The memory keeps what the question needs and forgets the rest of the document.'
+# max |engine - trainer| log-prob over the prompt, per server (see above)
 WEIGHT_TOL = {
     'cpu-fp32': 1e-5,
     'gpu-bf16': 5e-2,
-}  # max |engine - trainer| log-prob over the prompt, per server (see above)
+}
 KL_TOL = {'cpu-fp32': 0.0, 'gpu-bf16': 1e-6}  # |first step's KL to the reference|
 
 

@@ -179,9 +179,8 @@ class SimulatedNode:
 # starting the node: ray start --head with the declared resources
 @patch_to(SimulatedNode)
 def start(self) -> 'SimulatedNode':
-    self.dir = Path(
-        tempfile.mkdtemp(prefix='rsim-', dir='/tmp')
-    )  # short: Ray's socket paths must stay under 108 bytes
+    # short: Ray's socket paths must stay under 108 bytes
+    self.dir = Path(tempfile.mkdtemp(prefix='rsim-', dir='/tmp'))
     write_sglang_shim(self.dir / 'shim')
     port = free_port()
     cmd = _ray_cli() + [
@@ -281,9 +280,8 @@ LAUNCH_OVERRIDES = {
     'batch.sequence_parallel': False,
     'batch.distributed_optimizer': False,
 }
-LAUNCH_SWITCH = {
-    'simulated_gpus': True
-}  # the doctor's GPU-hardware and CUDA-stack rows become warnings (recorded)
+# the doctor's GPU-hardware and CUDA-stack rows become warnings (recorded)
+LAUNCH_SWITCH = {'simulated_gpus': True}
 
 
 def launch_config(mode: str, urls=()):
@@ -341,9 +339,8 @@ def _launch_engines(mode: str, tr, server) -> list[dict]:
 def _first_rollout(tr, cfg, t: dict) -> dict:
     "The first step's rollout, as `step()` runs it: trajectories, requests; its time into `t`."
     t0 = time.perf_counter()
-    trajs = tr._rollout(
-        [tr.examples[i] for i in tr.sampler.next_batch()], 1
-    )  # the first step's rollout, as `step()` runs it
+    # the first step's rollout, as `step()` runs it
+    trajs = tr._rollout([tr.examples[i] for i in tr.sampler.next_batch()], 1)
     t['rollout_s'] = time.perf_counter() - t0
     rollout = dict(
         trajectories=len(trajs),
@@ -476,9 +473,8 @@ def launch_checks(rec: dict) -> dict:
 
 # %% ../nbs/20a_simnode.ipynb #cc60f37a
 def _probe() -> dict:
-    return rank_device(
-        cuda=False
-    )  # the node is simulated on a CPU host: the index as a rank computes it, and no torch import
+    # the node is simulated on a CPU host: the index as a rank computes it, and no torch import
+    return rank_device(cuda=False)
 
 
 def noset_probe(n_gpus: int = 8, gpus_per_engine: int = 2) -> list[dict]:

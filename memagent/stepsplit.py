@@ -246,9 +246,8 @@ def split_checks(
     when every check that applies was made and agrees."""
     total = split.get('total_s')
     c = {}
-    if split.get('clock', '').startswith(
-        'device'
-    ):  # parts = kernels, each once, where every kernel found its launcher
+    # parts = kernels, each once, where every kernel found its launcher
+    if split.get('clock', '').startswith('device'):
         k = split.get('device_s')
         c['kernels'] = {
             'parts_s': total,
@@ -257,9 +256,8 @@ def split_checks(
             'claimed_s': split.get('claimed_s'),
             'agrees': None if k is None or total is None else k > 0 and abs(total - k) <= tol * k,
         }
-    w = split.get(
-        'profiled_wall_s'
-    )  # one stream's kernels (or one thread's operators) fit in the wall time
+    # one stream's kernels (or one thread's operators) fit in the wall time
+    w = split.get('profiled_wall_s')
     c['profiled wall'] = {
         'parts_s': total,
         'wall_s': w,

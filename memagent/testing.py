@@ -564,9 +564,8 @@ def update_weights_from_tensor(self, ex):
         )
         return
     try:
-        ranks = [
-            pickle.loads(base64.b64decode(x, validate=True)) for x in payloads
-        ]  # as each TP rank decodes its own
+        # as each TP rank decodes its own
+        ranks = [pickle.loads(base64.b64decode(x, validate=True)) for x in payloads]
     except Exception as e:
         self._fail(ex, f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}")
         return
@@ -646,9 +645,8 @@ def _generate_reply(engine, body: dict, sp: dict, max_new: int, prompt, ids, lps
         if fr == 'stop'
         else {'type': 'length', 'length': max_new}
     )
-    shown = (
-        ids if (fr != 'stop' or sp.get('no_stop_trim')) else ids[:-1]
-    )  # no_stop_trim: the text only
+    # no_stop_trim: the text only
+    shown = ids if (fr != 'stop' or sp.get('no_stop_trim')) else ids[:-1]
     tok = getattr(engine, 'tokenizer', None)
     txt = (lambda t: tok.decode([t])) if body.get('return_text_in_logprobs') else (lambda t: None)
     meta = {

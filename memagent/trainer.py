@@ -55,9 +55,8 @@ class Trainer:
         self.cfg, self.run_dir, self.examples = cfg.validate(), Path(run_dir), examples
         self.group = self.engine = self.placement = self.tb = self.lock = None
         self.own_engine = False
-        self.launch = self._preflight(
-            engine, world_size, replay_dir, simulated_gpus
-        )  # seconds, before Ray, a lock or a model
+        # seconds, before Ray, a lock or a model
+        self.launch = self._preflight(engine, world_size, replay_dir, simulated_gpus)
         self.lock = ckpt.RunLock(self.run_dir)  # one writer per run directory, from here on
         try:
             self._setup(
@@ -125,9 +124,8 @@ def _start_ranks(self: Trainer, engine, world_size, ray_address, ray_cpus, ray_g
         None  # colocated: one Ray placement group holds the ranks and the engines on the same GPUs
     )
     colocated = self.cfg.rollout.colocate and engine is None and self.replay_dir is None
-    if (
-        world_size > 1 or colocated
-    ):  # join RAY_ADDRESS / ray_address / a `ray start` here, else start with the node's resources
+    # join RAY_ADDRESS / ray_address / a `ray start` here, else start with the node's resources
+    if world_size > 1 or colocated:
         ray = ensure_ray(ray_address, ray_cpus, ray_gpus)
         self.launch.update(
             ray_address=ray.get_runtime_context().gcs_address,
@@ -136,9 +134,8 @@ def _start_ranks(self: Trainer, engine, world_size, ray_address, ray_cpus, ray_g
             ray_gpus=ray_gpus,
         )
     if colocated:
-        self.placement = Placement.from_config(
-            self.cfg
-        )  # refuses a cluster that cannot hold the bundles, naming the numbers
+        # refuses a cluster that cannot hold the bundles, naming the numbers
+        self.placement = Placement.from_config(self.cfg)
     self.group = make_group(
         self.cfg, self.pad_id, world_size, ray_address, self.placement if world_size > 1 else None
     )
@@ -359,9 +356,8 @@ def step(self: Trainer) -> dict:
 @patch
 def _dump_and_observe(self: Trainer, trajs: list[Trajectory], kept: list[Trajectory], step: int):
     "Step 3's record: the rollouts dumped first, then the step's counts given to the health."
-    if (
-        self.dump_rollouts and self.replay_dir is None
-    ):  # dumped first: a step that stops the run can be inspected
+    # dumped first: a step that stops the run can be inspected
+    if self.dump_rollouts and self.replay_dir is None:
         save_jsonl(trajs, self.run_dir / 'rollouts' / f'step_{step:06d}.jsonl')
     self.health.observe(
         step,
@@ -402,9 +398,8 @@ def _step(self: Trainer) -> dict:
     step's metrics."""
     cfg, step = self.cfg, self.step_no + 1
     m, self._times = {'step': step}, {}
-    with self._timed(
-        'rollout'
-    ):  # 1-2. sample, roll out; 3-4 run for each group as it finishes (`_score`)
+    # 1-2. sample, roll out; 3-4 run for each group as it finishes (`_score`)
+    with self._timed('rollout'):
         trajs = self._rollout([self.examples[i] for i in self.sampler.next_batch()], step)
     with self._timed('reward'):  # 3. a failed request drops its whole group
         bad_groups = {tr.group_index for tr in trajs if not tr.ok}
@@ -424,9 +419,8 @@ def _step(self: Trainer) -> dict:
         )
         if kept:
             m['advantage_abs_max'] = cst.get('adv_abs_max', 0.0)
-        rows, m['rows_padding'] = layout_step(
-            rows, self.dp, cfg.optim.mini_batches
-        )  # per mini-batch: padded to the DP size (counted), token-balanced
+        # per mini-batch: padded to the DP size (counted), token-balanced
+        rows, m['rows_padding'] = layout_step(rows, self.dp, cfg.optim.mini_batches)
     weights = None  # gathered at most once per step (a transfer from the ranks on Ray)
     if rows:
         self._transfer_and_update(rows, step, m)
@@ -442,9 +436,8 @@ def _step(self: Trainer) -> dict:
     self.step_no = step
     m.update({f'time_{k}': v for k, v in self._times.items()}, time_step=sum(self._times.values()))
     self._log(m)  # 7. log: the metrics line first, then the checkpoint that includes the step
-    self.health.step_done(
-        step, m
-    )  # counted (the checkpoint's health state includes the step); health.json: running at it
+    # counted (the checkpoint's health state includes the step); health.json: running at it
+    self.health.step_done(step, m)
     if cfg.schedule.save_every and (
         step % cfg.schedule.save_every == 0 or step == cfg.schedule.steps
     ):
@@ -484,9 +477,8 @@ def train(self: Trainer, steps: int | None = None) -> list[dict]:
             out.append(m)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rows=m['rows_generated'])
-    self.health.finish(
-        self.step_no, self.cfg.schedule.steps
-    )  # RunHealthError when no step trained or the last step had no usable trajectory
+    # RunHealthError when no step trained or the last step had no usable trajectory
+    self.health.finish(self.step_no, self.cfg.schedule.steps)
     return out
 
 

@@ -26,9 +26,8 @@ class Turn:
     turn_index: int  # 0-based position in the trajectory
     prompt_ids: list[int]  # the full chat-formatted prompt sent to the engine
     response_ids: list[int]  # the sampled tokens
-    rollout_logprobs: list[
-        float
-    ]  # behaviour-policy log-prob of each sampled token (at the sampling temperature)
+    # behaviour-policy log-prob of each sampled token (at the sampling temperature)
+    rollout_logprobs: list[float]
     loss_mask: list[int]  # 1 = token trains, 0 = ignored; one entry per response token
     finish_reason: str = 'stop'  # 'stop' | 'length' | 'abort'
     memory_tokens: int = (
@@ -75,12 +74,10 @@ class Trajectory:
     dropped_chunks: int = 0
     dropped_tokens: int = 0
     memory_lengths: list[int] = field(default_factory=list)  # memory tokens after each memory turn
-    memories: list[str] = field(
-        default_factory=list
-    )  # the memory text after each memory turn (what the next turn reads)
-    negatives: list[str] = field(
-        default_factory=list
-    )  # strings a correct answer must not contain (the example's meta['negatives'])
+    # the memory text after each memory turn (what the next turn reads)
+    memories: list[str] = field(default_factory=list)
+    # strings a correct answer must not contain (the example's meta['negatives'])
+    negatives: list[str] = field(default_factory=list)
     final_text: str = ''
     prediction: str = ''
     error: str | None = None  # set when a request failed after retries: the trajectory is unusable

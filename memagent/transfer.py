@@ -635,9 +635,8 @@ def layout_step(rows: list[Row], dp_size: int, mini_batches: int = 1) -> tuple[l
     for part in parts:
         if not part:
             continue  # every rank then has no row of it: all ranks skip it alike
-        part, p = pad_rows(
-            part, dp_size
-        )  # the fillers copy a row of this mini-batch, so they stay in it
+        # the fillers copy a row of this mini-batch, so they stay in it
+        part, p = pad_rows(part, dp_size)
         pad += p
         for k, idx in enumerate(balance_ranks(_lengths(part), dp_size)):
             per_rank[k] += [part[i] for i in idx]

@@ -42,13 +42,11 @@ HEADER_RX = re.compile(
 )
 IMAGE_RX = re.compile(r'!\[[^\]]*\]\(<?([^)\s>]+)>?(?:\s+"[^"]*")?\)|<img\s[^>]*src="([^"]+)"')
 ANSI_RX = re.compile(r'\x1b\[[0-9;?]*[A-Za-z]')
-TQDM_RX = re.compile(
-    r'\d+%\|.*\|\s*\d+/\d+|\|\s*\d+/\d+ \[\d'
-)  # a tqdm bar: '40%|####  | 2/5 [00:01<...'
+# a tqdm bar: '40%|####  | 2/5 [00:01<...'
+TQDM_RX = re.compile(r'\d+%\|.*\|\s*\d+/\d+|\|\s*\d+/\d+ \[\d')
 WIDGET = 'application/vnd.jupyter.widget-view+json'
-STYLER_RX = re.compile(
-    r'(?<![\w])T_([0-9a-f]{5})(?![0-9a-f])'
-)  # the random uuid of a pandas Styler table's ids
+# the random uuid of a pandas Styler table's ids
+STYLER_RX = re.compile(r'(?<![\w])T_([0-9a-f]{5})(?![0-9a-f])')
 # warnings that name this machine's paths and say nothing about the example (the line after is the
 # warning's source)
 NOISE_RX = re.compile(r'TqdmWarning: IProgress not found')

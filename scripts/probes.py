@@ -60,6 +60,7 @@ def run_variant(name, steps, runs):
     if (rep / 'heldout.json').is_file():
         print(f'{name}: finished earlier, kept')
         return
+    # YAML's own writer: 1e-5 as 1.0e-05, which YAML reads as a number
     cmd = [
         sys.executable,
         '-m',
@@ -82,7 +83,7 @@ def run_variant(name, steps, runs):
         str(runs / 'reports'),
         '-y',
         yaml.safe_dump({'overrides': ov}),
-    ]  # YAML's own writer: 1e-5 as 1.0e-05, which YAML reads as a number
+    ]
     t0, load0 = time.time(), os.getloadavg()[0]
     print(f'{name}: {" ".join(cmd)}', flush=True)
     subprocess.run(cmd, check=True)
@@ -114,9 +115,8 @@ def collect(runs, out, steps):
             for f in ('heldout.json', 'reward_summary.json', 'probe.json')
         )
         sub = {s['subset']: s for s in h['subsets']}
-        last = json.loads(
-            (runs / name / 'metrics.jsonl').read_text().splitlines()[-1]
-        )  # the last training step's metrics
+        # the last training step's metrics
+        last = json.loads((runs / name / 'metrics.jsonl').read_text().splitlines()[-1])
         allr, mem = sub['all held-out records'], sub['needs memory (gold before the last chunk)']
         rows[name] = {
             'overrides': ov,

@@ -323,6 +323,7 @@ def test_acceptance_notebook_keycode_lengths(tmp_path, monkeypatch):
     from memagent.models import load_tokenizer
 
     pol = _two_tiny_policies(tmp_path)
+    # out_root relative, as the README runs it
     rep = _run(
         tmp_path,
         cwd=tmp_path,
@@ -333,7 +334,7 @@ def test_acceptance_notebook_keycode_lengths(tmp_path, monkeypatch):
         overrides={'eval.top_p': 1.0},
         reference_model=pol['reference'],
         candidate_model=pol['candidate'],
-    )  # out_root relative, as the README runs it
+    )
     report = json.loads((rep / 'compare.json').read_text())
     readme = (rep / 'README.md').read_text()
     assert (
@@ -358,10 +359,11 @@ def test_acceptance_notebook_keycode_lengths(tmp_path, monkeypatch):
             if c['name'] in ('not_truncated', 'distinct_models', 'distinct_runs', 'data', 'items')
         )
     tok = load_tokenizer('tiny-qwen3')
+    # the tiny preset trains 3 facts in 3 chunks: density 1 per chunk
     for L, facts in (
         (2, 2),
         (3, 3),
-    ):  # the tiny preset trains 3 facts in 3 chunks: density 1 per chunk
+    ):
         exs = read_examples(rep / 'data' / f'keycode_{L}.jsonl')
         assert len(exs) == 6 and all(len(e['meta']['fact_chunks']) == facts for e in exs)
         assert all(chunk_document(e['context'], tok, 32).token_counts == [32] * L for e in exs)

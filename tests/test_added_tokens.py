@@ -73,12 +73,13 @@ def test_every_added_token_gets_the_ids_of_a_tokenizer_without_added_tokens(tok)
         assert ids == raw.encode(t.content, add_special_tokens=False).ids, t.content
         assert added_ids(tok) & set(ids) == set() and len(ids) > 1, t.content
         assert tok.decode(ids) == t.content
+    # in context too, not token by token
     for text in (
         DOC,
         QUESTION,
         'a<think>b</think>c',
         '  <tool_call>\n\n<|fim_prefix|>x',
-    ):  # in context too, not token by token
+    ):
         assert P.encode_text(tok, text) == raw.encode(text, add_special_tokens=False).ids, text
 
 
@@ -204,9 +205,8 @@ def test_a_memory_keeps_its_non_special_added_tokens_as_their_ids(tok, thinking)
             ),
         ):
             before, _, after = P.encode_user_parts(tok, text, thinking)
-            assert (
-                ids[: len(before)] == before and ids[len(ids) - len(after) :] == after
-            )  # the markup is the template's own
+            # the markup is the template's own
+            assert ids[: len(before)] == before and ids[len(ids) - len(after) :] == after
             content = ids[len(before) : len(ids) - len(after)]
             assert content == tok.encode(
                 'user\n' + text, add_special_tokens=False, split_special_tokens=True
@@ -263,9 +263,8 @@ def test_the_same_text_is_pieces_in_a_chunk_or_a_question_and_tokens_in_the_memo
     m = '<think>x</think>'
     think, end_think = tok.convert_tokens_to_ids('<think>'), tok.convert_tokens_to_ids('</think>')
     for q, memory, chunk in ((m + '?', 'No.', 'A ' + m), (m, m, m), ('Q ' + m, m + ' ' + m, 'C.')):
-        ids = P.encode_memory_prompt(
-            tok, q, memory, chunk, 'train', 'on'
-        )  # 'on': no template <think>
+        # 'on': no template <think>
+        ids = P.encode_memory_prompt(tok, q, memory, chunk, 'train', 'on')
         assert (ids.count(think), ids.count(end_think)) == (
             memory.count('<think>'),
             memory.count('</think>'),
@@ -315,9 +314,10 @@ def test_the_memory_span_is_the_template_place_not_a_search(tok):
     ids = P.encode_memory_prompt(tok, 'Is ' + m + ' here?', m, 'see ' + m, 'train', 'on')
     assert ids.count(think) == 1
     text = P.memory_prompt('Is ' + m + ' here?', m, 'see ' + m, 'train')
+    # an empty span
     before, content, after = P.encode_user_parts(
         tok, text, 'on', (text.index('<memory>'), text.index('<memory>'))
-    )  # an empty span
+    )
     assert think not in content
     with pytest.raises(ValueError, match='memory placeholder 2 times'):
         P.encode_memory_prompt(tok, 'Q' + P._MEMORY_SENTINEL, m, 'C')
@@ -337,9 +337,10 @@ def test_the_bound_counts_memory_tokens_by_the_memory_rule(tok):
         t, ids = P.bound_memory(memory, tok, n)
         assert len(ids) <= n and ids == P.encode_memory(tok, t) and memory.startswith(t), n
     t, ids = P.bound_memory(memory, tok, 200)
+    # the tokenizer's own split
     assert t == memory and ids == tok.encode(
         memory, add_special_tokens=False, split_special_tokens=True
-    )  # the tokenizer's own split
+    )
     assert len(ids) < len(P.encode_text(tok, memory))  # four tokens, not their pieces
     assert P.memory_from_response('<think>a</think>b', tok, 16, 'on') == ('<think>a</think>b', 4)
     assert P.memory_from_response('<|im_end|>', tok, 16, 'on') == ('<|im_end|>', 6)
@@ -350,10 +351,11 @@ def test_a_tokenizer_whose_non_special_tokens_match_otherwise_is_refused():
 
     tok = load_tokenizer('tiny-qwen3')
     tok.add_tokens([AddedToken('<mark>', lstrip=True, special=False, normalized=False)])
+    # plain text: unaffected
     assert (
         P.encode_text(tok, 'a <mark> b')
         == no_added_tokenizer().encode('a <mark> b', add_special_tokens=False).ids
-    )  # plain text: unaffected
+    )
     with pytest.raises(ValueError, match=r"added tokens \['<mark>'\] match with lstrip"):
         P.encode_memory(tok, 'a <mark> b')
 
@@ -397,9 +399,8 @@ def test_rollout_memory_brings_back_the_generated_added_tokens():
             template + generated
         )
         ids = tok.encode(memory, add_special_tokens=False)
-        assert any(
-            u.prompt_ids[k : k + len(ids)] == ids for k in range(len(u.prompt_ids))
-        )  # the generated ids, in a row
+        # the generated ids, in a row
+        assert any(u.prompt_ids[k : k + len(ids)] == ids for k in range(len(u.prompt_ids)))
     assert (
         tr.memories[0] == memory
         and tr.memory_lengths[0]

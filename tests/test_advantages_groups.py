@@ -357,9 +357,8 @@ def test_h9_and_h10_are_the_protocols(groups):
     assert '(same judge setting, same normalisation)' in text
     assert groups['hypotheses']['H9']['cells'] == [c for _, cs in said for c in cs]
     covered = [(c['group'], j) for c in groups['hypotheses']['H9']['cells'] for j in c['judges']]
-    assert sorted(covered) == sorted(
-        (g, j) for g in groups['groups'] for j in ('off', 'on')
-    )  # each group and setting once
+    # each group and setting once
+    assert sorted(covered) == sorted((g, j) for g in groups['groups'] for j in ('off', 'on'))
     assert (
         '(`C2` to `C5`: n = 5; `C6`: n = 6), each per-experience advantage equals the per-episode '
         'one times sqrt((8n - 1) / (7n)), within a relative 1e-4.'
@@ -405,9 +404,8 @@ def test_the_expansion_keeps_the_protocols_statements(groups):
                 [(x['stage'], x['distractor']) for x in ep['replies']],
                 key=lambda s: (s[0], -1 if s[1] is None else s[1]),
             )
-            extra = (
-                g in ('C1', 'C6') and ep['background'] != 'b3'
-            )  # an S3a round is inserted, except in b3 where it replaces
+            # an S3a round is inserted, except in b3 where it replaces
+            extra = g in ('C1', 'C6') and ep['background'] != 'b3'
             assert _stages(ep) == (1, [1, 1, 1], stage3[ep['background']] + extra), (g, i)
     by = {
         (g, e['variant'], e['background']): [x['text'] for x in e['replies']]
@@ -560,12 +558,13 @@ def test_check_groups_names_the_key(groups, edit, key):
 # ---- H1 to H10 on hand-made results
 # -----------------------------------------------------------------------------------
 
+# about the official levels the protocol's groups reach
 LEVELS = {
     'b1': 0.62,
     'b2': 0.12,
     'b3': -0.88,
     'b4': 0.60,
-}  # about the official levels the protocol's groups reach
+}
 NORMS = ('per_experience', 'per_episode')
 
 
@@ -684,11 +683,12 @@ def test_h7_needs_every_sign(groups):
     by = made(groups)
     by['C3'][6]['advantages']['observed']['on']['per_episode'] = 0.0  # B-b3 must be < 0
     v = verdicts(by, groups)
+    # H9 reads the same sign, H10 the ratio
     assert [k for k in IDS if not v[k]] == [
         'H7',
         'H9',
         'H10',
-    ]  # H9 reads the same sign, H10 the ratio
+    ]
 
 
 def test_h8_needs_the_tie_band_crossed_in_every_background_and_the_b2_signs(groups):
@@ -743,9 +743,8 @@ def test_h9_at_most_two_and_only_b2(groups):
         if c['group'] == 'C2' and c['judge'] == 'off' and c['normalisation'] == 'per_episode'
     ][0]
     assert (c['differ'], c['fraction'], c['met']) == (['A-b2', 'B-b2'], 0.25, True)
-    by['C2'][0]['advantages']['observed']['off'][
-        'per_episode'
-    ] = -1.0  # a b1 episode disagrees: only b2 may
+    # a b1 episode disagrees: only b2 may
+    by['C2'][0]['advantages']['observed']['off']['per_episode'] = -1.0
     c = [
         c
         for c in next(h for h in hypotheses(by, groups) if h['id'] == 'H9')['cells']
@@ -794,15 +793,15 @@ def test_a_lost_group_turns_what_reads_it_and_a_malformed_one_is_refused(groups)
 
 def test_meets_reads_the_bounds_as_the_protocol_states():
     tie = 0.001
+    # x <= Δ <= y
     assert meets(0.016, {'interval': [0.016, 0.018]}, tie) and meets(
         0.018, {'interval': [0.016, 0.018]}, tie
-    )  # x <= Δ <= y
+    )
     assert not meets(0.0180001, {'interval': [0.016, 0.018]}, tie) and meets(
         -0.051, {'interval': [-0.051, -0.049]}, tie
     )
-    assert meets(0.000999, {'tie': True}, tie) and meets(
-        -0.000999, {'tie': True}, tie
-    )  # |Δ| < 0.001
+    # |Δ| < 0.001
+    assert meets(0.000999, {'tie': True}, tie) and meets(-0.000999, {'tie': True}, tie)
     assert not meets(0.001, {'tie': True}, tie) and not meets(-0.001, {'tie': True}, tie)
     assert (
         meets(0.0, {'exact': 0.0}, tie)
@@ -877,9 +876,8 @@ def test_parsable_fraction_with_the_parser_passed_in():
         assert parsable_fraction([t], MODS) == float(ok), t
     assert parsable_fraction([{'text': CASES[0][0]}, {'text': ''}], MODS) == 0.5
     assert parsable_fraction([], MODS) == 0.0
-    assert (
-        parsable_fraction([CASES[0][0]], MODS, parse=lambda text: []) == 0.0
-    )  # `parse` replaces the module's parser
+    # `parse` replaces the module's parser
+    assert parsable_fraction([CASES[0][0]], MODS, parse=lambda text: []) == 0.0
 
 
 def test_parsable_fraction_with_upstreams_parser():
@@ -1002,14 +1000,12 @@ def test_sampled_hypotheses():
         sampled_hypotheses(_sampled([-0.2, -0.25, -0.3], ['update_failed']))[1]['verdict']
         == 'contradicted'
     )
-    assert (
-        sampled_hypotheses(_sampled([0.1, 0.2, 0.3]))[0]['verdict'] == 'undecided'
-    )  # low = 0.2 - 4.30 x 0.1 / sqrt(3) < 0
+    # low = 0.2 - 4.30 x 0.1 / sqrt(3) < 0
+    assert sampled_hypotheses(_sampled([0.1, 0.2, 0.3]))[0]['verdict'] == 'undecided'
     assert sampled_hypotheses(_sampled([0.2, 0.25]))[0]['verdict'] == 'not estimable'
     eps = _sampled([0.2, 0.25, 0.3])
-    eps[0]['advantages']['official']['on'][
-        'per_episode'
-    ] = -5.0  # one cell undecided: the whole undecided
+    # one cell undecided: the whole undecided
+    eps[0]['advantages']['official']['on']['per_episode'] = -5.0
     s1 = sampled_hypotheses(eps)[0]
     assert s1['verdict'] == 'undecided' and [c['verdict'] for c in s1['cells']] == [
         'held',

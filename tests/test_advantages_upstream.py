@@ -85,9 +85,10 @@ def test_the_local_judge_replies_on_the_two_prompt_shapes():
         'Gull Point\n\nOne number.'
     )
     assert j.chat([{'role': 'user', 'content': rel}]) == '1'
+    # not a whole phrase
     assert (
         j.chat([{'role': 'user', 'content': rel.replace('kestrel bay', 'Kestrel Bayside')}]) == '0'
-    )  # not a whole phrase
+    )
     sto = (
         f'Grade.\nQuestion: {QUESTION}\nFacts:\n- Kestrel Bay\n\nEntries (3 total):\n1. Kestrel '
         'Bay.\n2. Gull Point\n3. from KESTREL BAY\n\nOne integer.'

@@ -113,9 +113,8 @@ def test_base_episode_collects_one_three_one(env):
         1.0,
     )
     assert (b2['finished_at_round'], b2['final_answer'], b2['task_score']) == (1, 'Gull Point', 0.0)
-    assert (
-        where(b3)[-1:] == [(3, None, 4)] and len(b3['experiences']) == 5
-    )  # only the fifth UNSURE round
+    # only the fifth UNSURE round
+    assert where(b3)[-1:] == [(3, None, 4)] and len(b3['experiences']) == 5
     assert b3['experiences'][-1]['why'] == 'last round, no answer (lines 767-771)'
     assert (b3['finished_at_round'], b3['found_answer'], b3['final_answer'], b3['task_score']) == (
         1,
@@ -123,9 +122,8 @@ def test_base_episode_collects_one_three_one(env):
         None,
         0.0,
     )
-    assert (
-        where(b4)[-1:] == [(3, None, 1)] and len(b4['experiences']) == 5
-    )  # the PLAIN round is not collected
+    # the PLAIN round is not collected
+    assert where(b4)[-1:] == [(3, None, 1)] and len(b4['experiences']) == 5
     assert [r['stage'] for r in b4['replies']] == [1, 2, 2, 2, 3, 3]
     assert all(r['lost'] is None and not r['window_break'] for r in (b1, b2, b3, b4))
 
@@ -140,9 +138,8 @@ def test_retrieval_round_is_collected_in_advance_in_stage_3(env):
         'why': 'context tool before the last round (lines 739-746)',
     }
     assert len(b['experiences']) == 5 and b['finished_at_round'] == 1
-    assert [x['memory_id'] for x in a['log'][-1]['result']] == [
-        'mem-01'
-    ]  # Stage 1's memory, after the reset
+    # Stage 1's memory, after the reset
+    assert [x['memory_id'] for x in a['log'][-1]['result']] == ['mem-01']
 
 
 def test_stage_2_reset_keeps_the_store(env):
@@ -177,9 +174,10 @@ def test_loops_end_after_five_rounds_and_collect_their_last(env):
         ],
     )
     stage1 = [x for x in rec['experiences'] if x['stage'] == 1]
+    # an add in the last round
     assert stage1 == [
         {'stage': 1, 'distractor': None, 'round': 4, 'why': 'last round, no answer (lines 571-574)'}
-    ]  # an add in the last round
+    ]
     assert [x for x in rec['experiences'] if x['stage'] == 2][0] == {
         'stage': 2,
         'distractor': 0,
@@ -195,9 +193,8 @@ def test_loops_end_after_five_rounds_and_collect_their_last(env):
 
 
 def test_overflow_ends_the_loop_and_is_collected(env):
-    long = (
-        '<think>' + 'survey ' * 3800 + '</think>'
-    )  # 26,600 characters: over 0.8 x 8192 x 4 with the system prompt
+    # 26,600 characters: over 0.8 x 8192 x 4 with the system prompt
+    long = '<think>' + 'survey ' * 3800 + '</think>'
     (rec,) = run(env, [[long] + [S2] * 3 + [RIGHT]])
     assert rec['experiences'][0] == {
         'stage': 1,
@@ -307,6 +304,7 @@ def test_behaviours(env):
         + ok
         + '}}]</tool_call>'
     )
+    # a name that is no tool
     episodes = [
         BASE + [RIGHT],
         BASE + [RETRIEVE, RIGHT],
@@ -321,7 +319,7 @@ def test_behaviours(env):
         BASE
         + [delete('mem-01', 'false'), delete('mem-01', 'true'), delete('mem-01', 'true'), RIGHT],
         BASE + ['<tool_call>[{"name": ["Add_memory"], "arguments": {}}]</tool_call>' + RIGHT],
-    ]  # a name that is no tool
+    ]
     got = [behaviours(r, TASK['answer'], mods) for r in run(env, episodes)]
     end = ['answered', 'correct']
     assert got[0] == ['call:Add_memory', 'add_content'] + end
@@ -360,9 +358,8 @@ def test_behaviours(env):
         ]
         + end
     )
-    assert (
-        got[11] == ['call:Add_memory', 'prose:Add_memory', 'add_content'] + end
-    )  # no effect; named, not called
+    # no effect; named, not called
+    assert got[11] == ['call:Add_memory', 'prose:Add_memory', 'add_content'] + end
     bad = dict(run(env, [BASE + [RIGHT]])[0], task_score=0.0)
     with pytest.raises(ValueError, match='task score 0.0 recorded, 1.0 recomputed'):
         behaviours(bad, TASK['answer'], mods)
@@ -380,9 +377,8 @@ def test_window_rule(env):
         0.0,
     )
     assert behaviours(none, TASK['answer'], mods) == ['window_break']
-    first = len(
-        AgeMemWalk(mods, [TASK], 1, tok).next_request(0)[1]
-    )  # Stage 1's prompt: one token too many
+    # Stage 1's prompt: one token too many
+    first = len(AgeMemWalk(mods, [TASK], 1, tok).next_request(0)[1])
     (rec,) = run(env, [[S2] * 3 + [RIGHT] * 5], all_used=False, window=first + 256 - 1)
     assert (
         rec['window_break']

@@ -22,9 +22,11 @@ from memagent.audit import (
     run_audit,
 )
 from memagent.auditreport import audit_cli, render_report, verify_receipt
+
+# the `memagent-audit` entry point
 from memagent.observed.receipt import (
     audit_cli as console_audit_cli,
-)  # the `memagent-audit` entry point
+)
 
 REPORT = ROOT / 'reports' / 'agemem_audit'
 FILES = ('fixtures.json', 'protocol.md', 'receipt.json', 'README.md')
@@ -286,7 +288,6 @@ def test_a_run_into_the_report_folder_renders_its_readme(copy_dir):
     the folder verifies as a whole."""
     (copy_dir / 'README.md').unlink()
     assert audit_cli(['--source-repo', SRC, '--report-dir', str(copy_dir)]) == 0
-    assert (copy_dir / 'README.md').read_bytes() == (
-        REPORT / 'README.md'
-    ).read_bytes()  # same cases, same rendering
+    # same cases, same rendering
+    assert (copy_dir / 'README.md').read_bytes() == (REPORT / 'README.md').read_bytes()
     assert verify_receipt(copy_dir)['status'] == 'verified'

@@ -209,9 +209,8 @@ def test_every_console_script_is_covered(tmp_path):
 def test_every_console_tool_refuses_a_bad_file_naming_it(tmp_path, case):
     scripts, seen = console_scripts(), []
     for name, what, argv, bad_file, outputs in _runs(tmp_path / case.replace(' ', '_'), BAD[case]):
-        rc, said = _call(
-            scripts[name], argv
-        )  # an exception escaping here is the traceback a user would see
+        # an exception escaping here is the traceback a user would see
+        rc, said = _call(scripts[name], argv)
         seen.append(name)
         assert rc == 2, (name, what, rc, said[-500:])
         assert str(bad_file) in said, (name, what, said[-500:])
@@ -465,9 +464,8 @@ def test_an_interrupted_evaluation_leaves_the_earlier_run(tmp_path):
         )
     assert _tree(out) == before
     work = tmp_path / f'.running-{os.getpid()}-ev'
-    assert (work / 'records.jsonl').read_text().count(
-        '\n'
-    ) == 2  # what it finished: the first batch's two items
+    # what it finished: the first batch's two items
+    assert (work / 'records.jsonl').read_text().count('\n') == 2
 
 
 # ---- run notebooks: the check cell reads every input file through memagent.files and refuses one
@@ -584,13 +582,14 @@ INPUT_PARAMS = {  # notebook -> {parameter: the cases giving it a bad file}
     'parity': {'report_dir': _receipt('parity', checkout=True)},
     'loss_parity': {'report_dir': _receipt('loss_parity', checkout=True)},
 }
+# read receipt.json through their verifiers, every cell run
 VERIFY_MODE = {
     'agemem_audit',
     'agemem_observed',
     'agemem_advantages',
     'parity',
     'loss_parity',
-}  # read receipt.json through their verifiers, every cell run
+}
 NO_INPUT_FILES = {
     'bench': (
         'a model name (resolved by memagent.models), presets and workloads it builds; no '
@@ -650,9 +649,8 @@ def test_every_run_notebook_refuses_a_bad_input_file_naming_it(
     (tmp_path / 'cwd').mkdir()
     for what, params, bad_file in INPUT_PARAMS[name][param](tmp_path, BAD[case]):
         before = _tree(tmp_path)
-        monkeypatch.chdir(
-            tmp_path / 'cwd'
-        )  # anything written by mistake lands under tmp_path, and is caught below
+        # anything written by mistake lands under tmp_path, and is caught below
+        monkeypatch.chdir(tmp_path / 'cwd')
         _, err = run_notebook_cells(
             ROOT / 'nbs' / f'{name}.ipynb', params, cells=None if name in VERIFY_MODE else 1
         )

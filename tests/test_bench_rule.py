@@ -16,13 +16,14 @@ def test_one_timing_decides_nothing():
 
 
 def test_the_range_decides():
+    # five runs of the same rollout ratio on one quiet host
     rollout = [
         3.64,
         5.50,
         3.27,
         6.34,
         6.65,
-    ]  # five runs of the same rollout ratio on one quiet host
+    ]
     assert verdict(rollout, '>=', 5) == 'undecided'
     assert verdict([5.1, 5.3, 5.0, 6.2, 5.8], '>=', 5) == 'met'
     assert verdict([5.1, 5.3, 5.0, 6.2, 5.8], '>', 5) == 'undecided'

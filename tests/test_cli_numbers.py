@@ -218,10 +218,11 @@ def test_out_of_range_numbers_exit_2_naming_the_option(tool, tmp_path, monkeypat
         )
         opt, (good, value) = a.option_strings[0], GOOD[a.type.kind]
         base = _placeholders(parser, a)
+        # the rest of argv is valid
         assert getattr(parser.parse_args([*base, f'{opt}={good}']), a.dest) in (value, [value]), (
             tool,
             opt,
-        )  # the rest of argv is valid
+        )
         for word in BAD[a.type.kind]:
             cwd = tmp_path / f'{opt.strip("-")}_{len(checked)}'
             cwd.mkdir()

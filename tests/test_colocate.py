@@ -132,9 +132,8 @@ def test_tensor_failure_closes_the_session():
     """A refused tensor update still ends the weight-update session, and the error names the server
     and the route."""
     with FakeSGLangServer(tp_size=2) as srv:
-        cl = _client(
-            [srv], tp_size=1, weight_sync='tensor'
-        )  # one payload for a two-rank server: refused
+        # one payload for a two-rank server: refused
+        cl = _client([srv], tp_size=1, weight_sync='tensor')
         with pytest.raises(DeterministicEngineError, match='update_weights_from_tensor.*TP ranks'):
             cl.update_weights(state_dict={'w': torch.ones(2)})
         assert [p for p, _ in _calls(srv)] == [
@@ -167,9 +166,8 @@ def test_no_generate_while_released():
         released_at = [
             i for i, (p, _) in enumerate(_calls(srv)) if p == '/release_memory_occupation'
         ][0]
-        assert [p for p, _ in _calls(srv)[released_at + 1 :]] == [
-            '/generate'
-        ]  # only the raw request above, refused
+        # only the raw request above, refused
+        assert [p for p, _ in _calls(srv)[released_at + 1 :]] == ['/generate']
         assert srv.log[-1]['status'] == 400
         cl.resume_memory()
         assert cl.released == () and len(cl.generate([[1, 2, 3]], SP)[0].output_ids) == 4
@@ -238,9 +236,8 @@ def ray_cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    yield ensure_ray(
-        num_cpus=4, num_gpus=2, object_store_memory=1 << 28
-    )  # started the project's way, with declared GPUs
+    # started the project's way, with declared GPUs
+    yield ensure_ray(num_cpus=4, num_gpus=2, object_store_memory=1 << 28)
     ray.shutdown()
 
 
@@ -294,9 +291,8 @@ def test_placement_launch_reach_and_shutdown(ray_cluster):
         cl.release_memory()
         with pytest.raises(DeterministicEngineError, match='generate refused'):
             cl.generate([[5, 6, 7]], SP)
-        cl.sync_weights(
-            {'w': torch.arange(3.0)}
-        )  # the payload crosses processes: the server decodes both ranks
+        # the payload crosses processes: the server decodes both ranks
+        cl.sync_weights({'w': torch.arange(3.0)})
         assert len(cl.generate([[5, 6, 7]], SP)[0].output_ids) == 4
         cl.close()
         with pytest.raises(requests.ConnectionError):
@@ -316,9 +312,8 @@ def test_gpu_bundles_map_engines_to_their_gpus(ray_cluster):
             g for ids in pl.gpu_ids for g in ids
         ) == ['0', '1']
         assert pl.engine_env(0) == {'CUDA_VISIBLE_DEVICES': ','.join(pl.gpu_ids[0] + pl.gpu_ids[1])}
-        assert pl.gpu_ids == sorted(
-            pl.gpu_ids, key=lambda ids: int(ids[0])
-        )  # ranks follow the GPU order
+        # ranks follow the GPU order
+        assert pl.gpu_ids == sorted(pl.gpu_ids, key=lambda ids: int(ids[0]))
         assert (
             pl.train_options(1)['num_gpus'] == TRAIN_SHARE
             and pl.engine_options(0)['num_gpus'] == SERVER_SHARE

@@ -63,9 +63,8 @@ def test_trainer_releases_before_the_update_and_resumes_in_the_sync(tmp_path):
         assert bodies[i + 1] == {'tags': ['weights']} and bodies[i + 3] == {
             'tags': ['kv_cache', 'cuda_graph']
         }
-    assert (
-        paths[0] == '/generate' and paths[starts[0] + 5] == '/generate'
-    )  # rollouts before, and again after the sync
+    # rollouts before, and again after the sync
+    assert paths[0] == '/generate' and paths[starts[0] + 5] == '/generate'
     released = False  # no generate between a release and the KV resume
     for p, b in zip(paths, bodies):
         if p == '/release_memory_occupation':

@@ -306,9 +306,8 @@ def test_refuse_unknown_params():
     ):
         refuse_unknown_params(ns, 'preset steps')
     refuse_unknown_params(ns, ['preset', 'stepz'])
-    refuse_unknown_params(
-        {'In': ['', 'stepz = 1']}, ['preset']
-    )  # nothing injected: nothing to refuse
+    # nothing injected: nothing to refuse
+    refuse_unknown_params({'In': ['', 'stepz = 1']}, ['preset'])
 
 
 def _nb_cells(name):
@@ -355,6 +354,7 @@ def test_run_notebook_checks_its_parameters_right_after_the_parameters_cell(name
     assert all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in body[:at]) and at <= 1, name
 
 
+# agemem_audit and parity take folders (paths by design), no run name
 RUN_NAME_PARAM = {
     'train': 'run',
     'smoke': 'run',
@@ -364,7 +364,7 @@ RUN_NAME_PARAM = {
     'acceptance': 'run_name',
     'launch': 'run',
     'plan': 'run',
-}  # agemem_audit and parity take folders (paths by design), no run name
+}
 
 
 @pytest.mark.parametrize('name', RUN_NOTEBOOKS)

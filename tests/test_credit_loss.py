@@ -193,9 +193,8 @@ def test_rank_balance_and_micro_batches_respect_the_budget_as_padded(dp):
         L = [lens[i] for i in r]
         mbs = micro_batches(L, 9216)
         assert sorted(i for b in mbs for i in b) == list(range(len(L)))
-        assert all(
-            len(b) * max(L[i] for i in b) <= 9216 for b in mbs
-        )  # padded size within the budget
+        # padded size within the budget
+        assert all(len(b) * max(L[i] for i in b) <= 9216 for b in mbs)
         per_rank.append([[L[i] for i in b] for b in mbs])
     st = micro_batch_stats(per_rank, 9216)
     assert st['max_padded'] <= 9216 and st['rows'] == len(lens) and st['real_tokens'] == sum(lens)

@@ -152,9 +152,8 @@ def test_slow_but_progressing_rank_is_not_stopped(placed, ray_session):
     g, _, _ = placed
     _, spec = ray_session
     cfg = g.cfg
-    spec.write_text(
-        json.dumps({'rank': 1, 'delay': 1.2})
-    )  # 4 backwards x 1.2 s on rank 1; every gap < 3 s
+    # 4 backwards x 1.2 s on rank 1; every gap < 3 s
+    spec.write_text(json.dumps({'rank': 1, 'delay': 1.2}))
     ch = RayChannel(16, 2)
     try:
         _put_step(ch, 1, cfg)
@@ -164,9 +163,8 @@ def test_slow_but_progressing_rank_is_not_stopped(placed, ray_session):
     finally:
         spec.write_text(json.dumps({'rank': -1}))
         ch.close()
-    assert took > cfg.health.stall_timeout_s + 1, (
-        took
-    )  # longer than the stall timeout, and not stopped
+    # longer than the stall timeout, and not stopped
+    assert took > cfg.health.stall_timeout_s + 1, took
     assert [u['optimizer_steps'] for u in upd] == [2, 2] and [u['micro_batches'] for u in upd] == [
         4,
         4,
@@ -182,9 +180,8 @@ def test_stalled_rank_is_named(ray_session):
     _, spec = ray_session
     cfg = _cfg(3.0)
     g = make_group(cfg, 0, world_size=2)
-    spec.write_text(
-        json.dumps({'rank': 1, 'stall_at': 2})
-    )  # rank 1 never finishes its second micro-batch
+    # rank 1 never finishes its second micro-batch
+    spec.write_text(json.dumps({'rank': 1, 'stall_at': 2}))
     ch = RayChannel(16, 2)
     try:
         _put_step(ch, 1, cfg)

@@ -321,12 +321,13 @@ def test_the_frozen_preset_passes_every_row_on_a_full_gpu_node(envs):
     rows = doctor(FROZEN, 8, gpu, data_root=root)
     assert [r.name for r in rows] == list(ROW_NAMES) and failing(rows) == [], format_rows(rows)
     assert require(rows, 'launch') is rows
+    # CUDA 12 line
     assert (
         row_of(
             'CUDA driver', FROZEN, 8, replace(gpu, driver_version='570.133.20', torch_cuda='12.8')
         ).verdict
         == 'ok'
-    )  # CUDA 12 line
+    )
     assert (
         row_of('disk', FROZEN, 8, replace(gpu, disk_free=checkpoint_bytes(FROZEN)['kept'])).verdict
         == 'ok'
@@ -487,14 +488,12 @@ def test_simulated_gpus_turn_only_the_hardware_rows_into_warnings(envs):
             assert r.verdict == 'warn' and r.found.startswith('simulated'), r
         else:
             assert (r.verdict, r.found) == (real[n].verdict, real[n].found), (n, r)
-    assert failing(sim.values()) == [
-        'Transformer Engine'
-    ]  # the backend would refuse it on any node
+    # the backend would refuse it on any node
+    assert failing(sim.values()) == ['Transformer Engine']
     sp_off = get_preset('qwen3-4b-frozen', {'batch.sequence_parallel': False})
     assert failing(doctor(sp_off, 8, cpu, data_root=root, simulated_gpus=True)) == []
-    with_cluster = replace(
-        cpu, ray_resources={'GPU': 0.0, 'CPU': 64.0}
-    )  # a real cluster's resources are what they are
+    # a real cluster's resources are what they are
+    with_cluster = replace(cpu, ray_resources={'GPU': 0.0, 'CPU': 64.0})
     assert row_of('Ray resources', FROZEN, 8, with_cluster, simulated_gpus=True).verdict == 'fail'
 
 
@@ -625,11 +624,12 @@ def test_requirements_match_settings_ini():
 
 def test_nothing_below_orchestration_imports_doctor():
     allowed = {'trainer.py', 'runcheck.py', 'testing.py', 'bench.py', 'simnode.py', '_modidx.py'}
+    # the doctor's own package, the plan beside it, the GPU check above (with bench)
     own = (
         'doctor',
         'plan',
         'gpucheck',
-    )  # the doctor's own package, the plan beside it, the GPU check above (with bench)
+    )
     bad = [
         str(p.relative_to(ROOT))
         for p in (ROOT / 'memagent').rglob('*.py')
@@ -693,9 +693,8 @@ def test_attention_row_names_what_the_layout_runs_and_why(envs):
         'ok',
         'te',
     ) and "batch.attention='auto' on GPUs with a usable Transformer Engine" in r.found
-    r = row_of(
-        'attention', frozen_no_sp, 8, replace(gpu, te_version=None)
-    )  # 'auto' without TE on GPUs: the fused SDPA
+    # 'auto' without TE on GPUs: the fused SDPA
+    r = row_of('attention', frozen_no_sp, 8, replace(gpu, te_version=None))
     assert (r.verdict, r.found.split(':')[0]) == (
         'ok',
         'sdpa',
@@ -723,9 +722,8 @@ def test_attention_row_names_what_the_layout_runs_and_why(envs):
     assert (r.verdict, r.found.split(':')[0]) == ('ok', 'sdpa') and 'no L x L scores' in r.found
     r = row_of('attention', get_preset('tiny', {'backend': 'megatron'}), 1, cpu)
     assert (r.verdict, r.found.split(':')[0]) == ('ok', 'local') and 'on CPU ranks' in r.found
-    sp = get_preset(
-        'qwen3-4b-frozen', {'batch.attention': 'sdpa'}
-    )  # sequence parallel on the local spec's norms: one failing row
+    # sequence parallel on the local spec's norms: one failing row
+    sp = get_preset('qwen3-4b-frozen', {'batch.attention': 'sdpa'})
     r = row_of('attention', sp, 8, gpu)
     assert (
         r.verdict == 'warn'
@@ -735,9 +733,8 @@ def test_attention_row_names_what_the_layout_runs_and_why(envs):
     assert 'Transformer Engine' in failing(doctor(sp, 8, gpu)) and 'attention' not in failing(
         doctor(sp, 8, gpu)
     )
-    assert row_of('attention', get_preset('tiny'), 1, cpu).found.startswith(
-        'sdpa'
-    )  # the torch backend
+    # the torch backend
+    assert row_of('attention', get_preset('tiny'), 1, cpu).found.startswith('sdpa')
 
 
 # --- what the doctor must not pass: folders it cannot write, variables naming nothing, a Ray

@@ -51,9 +51,8 @@ def test_ties_with_base_fail(tmp_path):
     assert not r['passed'] and any(
         x.startswith('beats_base[200]') and 'must be strictly better' in x for x in r['reasons']
     )
-    r = run(
-        trio(tmp_path / 'b', 510, 500, 400, hot=(40, 50, 40))
-    )  # equal counts write identical records: one run twice
+    # equal counts write identical records: one run twice
+    r = run(trio(tmp_path / 'b', 510, 500, 400, hot=(40, 50, 40)))
     assert [x.split(':')[0] for x in r['reasons']] == [
         'distinct_runs[hotpotqa]',
         'beats_base[hotpotqa]',
@@ -127,10 +126,11 @@ def test_errored_or_incomplete_runs_cannot_pass(tmp_path):
 
 
 def test_errors_stay_in_the_denominator():
+    # an errored record scores 0 whatever it says
     recs = [
         dict(id='a', sample=0, **{m: 1.0 for m in METRICS}, error=None),
         dict(id='b', sample=0, **{m: 1.0 for m in METRICS}, error='timeout'),
-    ]  # an errored record scores 0 whatever it says
+    ]
     s = summarize(recs, {'totals': {'items': 2, 'samples_per_item': 1}})
     assert s['metrics']['sub_em']['value'] == 50.0 and s['errors'] == 1 and s['successful'] == 1
 
@@ -340,9 +340,8 @@ def test_real_tiny_evaluation_writes_every_field(tiny, tmp_path):
         progress=False,
     )
     recs2 = [json.loads(l) for l in (tmp_path / 'run2' / RECORDS_FILE).read_text().splitlines()]
-    assert [r['response'] for r in recs] == [
-        r['response'] for r in recs2
-    ]  # batching does not change results
+    # batching does not change results
+    assert [r['response'] for r in recs] == [r['response'] for r in recs2]
     rep = compare(tmp_path / 'run', tmp_path / 'run2', tmp_path / 'run', require_hotpotqa=False)
     assert all(
         c['passed']
@@ -434,16 +433,14 @@ def test_evaluate_cli_fails_on_request_errors(tmp_path):
             '--all-items',
         ]
         srv.faults = [500]
-        assert (
-            evaluate_cli([*args, '--out', str(tmp_path / 'one')]) == 1
-        )  # one of two requests failed
+        # one of two requests failed
+        assert evaluate_cli([*args, '--out', str(tmp_path / 'one')]) == 1
         assert json.loads((tmp_path / 'one' / SUMMARY_FILE).read_text())['errors'] == 1
         srv.faults = [500]
         assert evaluate_cli([*args, '--out', str(tmp_path / 'allowed'), '--allow-errors']) == 0
         srv.faults = [500, 500]
-        assert (
-            evaluate_cli([*args, '--out', str(tmp_path / 'all'), '--allow-errors']) == 1
-        )  # every request failed
+        # every request failed
+        assert evaluate_cli([*args, '--out', str(tmp_path / 'all'), '--allow-errors']) == 1
         s = json.loads((tmp_path / 'all' / SUMMARY_FILE).read_text())
         assert s['errors'] == s['totals']['samples'] == 2
         assert evaluate_cli([*args, '--out', str(tmp_path / 'clean')]) == 0
@@ -465,11 +462,12 @@ def test_compare_cli_refuses_missing_dirs_and_negative_tolerance(tmp_path):
     ]
     assert compare_cli([*missing, *args, '--out', str(tmp_path / 'm.json')]) == 2
     assert not (tmp_path / 'm.json').exists()
+    # refused while the arguments are parsed (memagent.config.cli_number): argparse exits 2
     for tol in (
         '-0.5',
         'nan',
         'inf',
-    ):  # refused while the arguments are parsed (memagent.config.cli_number): argparse exits 2
+    ):
         with pytest.raises(SystemExit) as e:
             compare_cli([*cand, *args, '--out', str(tmp_path / 't.json'), '--tolerance-pp', tol])
         assert e.value.code == 2
@@ -531,9 +529,8 @@ def test_tampered_summary_is_refused_and_not_passed_stays_not_passed(tmp_path):
     ],
 )
 def test_any_judged_number_that_disagrees_refuses(tmp_path, field, value):
-    r = trio(
-        tmp_path, 510, 500, 400, errors=1 if field == 'errors' else 0
-    )  # the summary says 0 errors where there is 1
+    # the summary says 0 errors where there is 1
+    r = trio(tmp_path, 510, 500, 400, errors=1 if field == 'errors' else 0)
     sp = tmp_path / 'candidate' / '200' / SUMMARY_FILE
     s = json.loads(sp.read_text())
     d = s

@@ -45,9 +45,8 @@ def world(tmp_path_factory):
     )
     tok, m = load_tokenizer('tiny-qwen3'), load_model('tiny-qwen3')
     models = {'base': str(model_dir('tiny-qwen3'))}
-    for i, role in enumerate(
-        ('reference', 'candidate'), 1
-    ):  # other weights, other answers: three different runs
+    # other weights, other answers: three different runs
+    for i, role in enumerate(('reference', 'candidate'), 1):
         g = torch.Generator().manual_seed(i)
         sd = {
             k: v + torch.randn(v.shape, generator=g).to(v.dtype) for k, v in m.state_dict().items()
@@ -204,9 +203,8 @@ def test_synthetic_candidate_on_other_items_fails_a_gate_it_would_pass(tmp_path)
 
 
 def test_the_reference_given_as_candidate_fails(world, tmp_path):
-    r = synthetic_trio(
-        tmp_path
-    )  # passes with its own candidate; the reference as candidate does not
+    # passes with its own candidate; the reference as candidate does not
+    r = synthetic_trio(tmp_path)
     assert compare(r['candidate'], r['reference'], r['base'], require_hotpotqa=False)['passed']
     rep = compare(r['reference'], r['reference'], r['base'], require_hotpotqa=False)
     assert rep['passed'] is False and [x.split(':')[0] for x in rep['reasons']] == [
@@ -239,9 +237,8 @@ def test_mismatched_record_item_ids_fail(world):
         "'an-item-never-asked'" in x and 'not the items of data file' in x
         for x in failed(rep, 'records')
     ), rep['reasons']
-    edit_summary(
-        bad, lambda s: s['data'].update(path=None)
-    )  # no data file to check against: the roles disagree
+    # no data file to check against: the roles disagree
+    edit_summary(bad, lambda s: s['data'].update(path=None))
     rep = gate(bad, r['reference'], r['base'])
     why = failed(rep, 'items')
     assert (
@@ -397,9 +394,8 @@ def test_records_that_claim_fewer_chunks_than_their_documents_fail(world):
     old['data'] = json.loads((r['reference'] / SUMMARY_FILE).read_text())['data']
     _rewrite(cand, recs, old)
     rep = gate(cand, r['reference'], r['base'])
-    assert not failed(rep, 'records') and not failed(
-        rep, 'items'
-    )  # every number checks out against the records
+    # every number checks out against the records
+    assert not failed(rep, 'records') and not failed(rep, 'items')
     why = failed(rep, 'chunks')
     assert (
         why

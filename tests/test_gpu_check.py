@@ -72,9 +72,8 @@ def test_dry_run_prints_every_command_and_the_plans(dry_run):
     out = r.stdout
     for cmd in _dry_run_commands(gpu):
         assert cmd in out, cmd
-    assert (
-        out.count('plan of ') == 2 and out.count('GiB per GPU') == 2
-    )  # the subset's plan and the cluster's
+    # the subset's plan and the cluster's
+    assert out.count('plan of ') == 2 and out.count('GiB per GPU') == 2
     assert 'subset: layout: as_configured' in out and 'cluster: layout: as_configured' in out
     assert not gpu.exists()  # a dry run writes nothing
 
@@ -121,9 +120,8 @@ def test_the_frozen_layout_is_refused_not_downgraded_without_te():
     assert r.returncode == 3, r.stdout + r.stderr
     assert r.stdout.splitlines()[:1] == ['cluster: layout: as_configured']
     assert 'refused, not downgraded' in r.stderr
-    te = next(
-        l for l in r.stderr.splitlines() if l.strip().startswith('Transformer Engine: found')
-    )  # the doctor's row, with its fix
+    # the doctor's row, with its fix
+    te = next(l for l in r.stderr.splitlines() if l.strip().startswith('Transformer Engine: found'))
     assert (
         'transformer-engine is not installed' in te
         and 'batch.sequence_parallel=True' in te
@@ -295,10 +293,11 @@ def test_the_h200_reports_render_again_from_their_part_files(tmp_path):
                     out / 'parts' / f.relative_to(src / 'parts')
                 ).read_bytes() == f.read_bytes(), f
         md, body = (out / 'subset.md').read_text(), json.loads((out / 'subset.json').read_text())
+        # 3 parts + the summary
         assert (
             md.count('the split is NOT reliable') == 4
             and 'its largest part of the step is' not in md
-        ), md  # 3 parts + the summary
+        ), md
         assert body['step4b_side_by_side']['sdpa_largest_part']['part'] is None
         committed = json.loads((src / 'subset.json').read_text())
         assert (

@@ -27,11 +27,12 @@ def test_the_run_notebook_runs_a_part_on_cpu_and_reports_it(tmp_path):
     v = {n: p['verdict'] for n, p in rep['parts'].items()}
     assert v['step4b-sdpa-selective'] == 'passed' and v['megatron'] == 'not run', v
     st = rep['parts']['step4b-sdpa-selective']['results']['step']
+    # timed on CPU too
     assert set(st['phases_s']) == {
         'forward',
         'backward (with recompute)',
         'optimizer step',
-    }  # timed on CPU too
+    }
     assert (
         st['split_checks']['checks']['phases']['agrees'] is not None
         and 'kernels' not in st['split_checks']['checks']

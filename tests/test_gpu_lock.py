@@ -70,9 +70,8 @@ def test_every_lock_line_pinned_and_hashed():
     ents = _entries()
     assert len(ents) > 50
     assert not [n for n, (v, hs) in ents.items() if not hs], "requirements without a hash"
-    assert (
-        'transformer-engine-torch' not in ents
-    )  # an sdist built against torch: pinned in setup_gpu.sh instead
+    # an sdist built against torch: pinned in setup_gpu.sh instead
+    assert 'transformer-engine-torch' not in ents
 
 
 def test_lock_agrees_with_settings_and_setup_gpu():
@@ -171,9 +170,8 @@ def test_dry_run_order_and_early_checks():
     te_line = next(l for l in out.splitlines() if '--no-build-isolation' in l)
     assert f"transformer-engine-torch=={te}" in te_line and '/^transformer-engine/' in te_line
     assert 'nothing was installed' in out
-    if (
-        shutil.which('nvidia-smi') is None
-    ):  # the doctor's own row, printed as a warning in a dry run
+    # the doctor's own row, printed as a warning in a dry run
+    if shutil.which('nvidia-smi') is None:
         assert (
             re.search(r'^CUDA driver +FAIL +no NVIDIA driver answered', out, re.M)
             and 'WARN (dry run) memagent-doctor: a row above fails' in out

@@ -136,8 +136,7 @@ def test_hf_engine_identity_is_its_model_object(two):
     assert check_served_model(eng, str(a))['path'] == str(a.resolve())
     with pytest.raises(ModelMismatchError, match=f"loaded from {a}"):
         check_served_model(eng, str(b))
-    eng.update_weights(
-        state_dict=mb.state_dict()
-    )  # weights pushed from memory: no longer the checkpoint
+    # weights pushed from memory: no longer the checkpoint
+    eng.update_weights(state_dict=mb.state_dict())
     with pytest.raises(ModelMismatchError, match='loaded from None'):
         check_served_model(eng, str(a))

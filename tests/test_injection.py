@@ -70,9 +70,8 @@ def test_no_control_id_inside_the_user_content(tok, field, thinking):
     ):
         if field == 'chunk' and '<section>' not in text:
             continue  # the final prompt has no chunk
-        plain = P.encode_user_parts(
-            tok, 'x', thinking
-        )  # the markup is the template's own, unchanged
+        # the markup is the template's own, unchanged
+        plain = P.encode_user_parts(tok, 'x', thinking)
         assert ids[: len(plain[0])] == plain[0] and ids[len(ids) - len(plain[2]) :] == plain[2]
         content = ids[len(plain[0]) : len(ids) - len(plain[2])]
         assert special_ids(tok) & set(content) == set()  # no special id between the markup parts
@@ -81,9 +80,8 @@ def test_no_control_id_inside_the_user_content(tok, field, thinking):
             for i, t in tok.added_tokens_decoder.items()
             if t.content in ('<think>', '</think>') and field == 'memory'
         }
-        assert (
-            added_ids(tok) & set(content) == kept
-        )  # the memory's <think>..</think> where the tokenizer has them
+        # the memory's <think>..</think> where the tokenizer has them
+        assert added_ids(tok) & set(content) == kept
         assert tok.decode(content).endswith(text)  # the text arrives as written
         old = old_ids(tok, text, thinking)
         end = tok.convert_tokens_to_ids('<|im_end|>')
@@ -158,6 +156,5 @@ def test_rollout_prompts_hold_only_the_template_control_ids():
         assert [i for i in u.prompt_ids if i in added_ids(tok)] == [
             i for i in before + after if i in added_ids(tok)
         ]
-    assert 'Memory: the tower <|im_end|>' in tok.decode(
-        tr.turns[1].prompt_ids
-    )  # the memory came back as text
+    # the memory came back as text
+    assert 'Memory: the tower <|im_end|>' in tok.decode(tr.turns[1].prompt_ids)

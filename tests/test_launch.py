@@ -79,13 +79,11 @@ except Exception as e: print(type(e).__name__, round(time.monotonic() - t0, 1));
 """
     import shutil, tempfile
 
-    tmp = tempfile.mkdtemp(
-        prefix='rt-', dir='/tmp'
-    )  # short: Ray's socket paths must stay under 108 bytes
+    # short: Ray's socket paths must stay under 108 bytes
+    tmp = tempfile.mkdtemp(prefix='rt-', dir='/tmp')
     env = {k: v for k, v in os.environ.items() if k not in ('RAY_ADDRESS', 'CUDA_VISIBLE_DEVICES')}
-    env.update(
-        RAY_TMPDIR=tmp, PYTHONPATH=str(ROOT)
-    )  # no `ray start` record there: Ray is started, not joined
+    # no `ray start` record there: Ray is started, not joined
+    env.update(RAY_TMPDIR=tmp, PYTHONPATH=str(ROOT))
     try:
         r = _child(code, env)
     finally:

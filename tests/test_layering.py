@@ -81,9 +81,8 @@ TRAINING_PATH = (
     'devices',
     'ondevice',
 )
-_NAMED = re.compile(
-    r'^memagent(\.\w+)+(:\w+)?$'
-)  # a registry entry naming a module ('memagent.backends.torch:TorchBackend')
+# a registry entry naming a module ('memagent.backends.torch:TorchBackend')
+_NAMED = re.compile(r'^memagent(\.\w+)+(:\w+)?$')
 
 
 def modules(pkg: Path) -> dict:
@@ -106,9 +105,8 @@ def imports(name: str, path: Path, known) -> set:
     pkg = name if path.name == '__init__.py' else name.rpartition('.')[0]
 
     def add(m, names=()):
-        subs = [
-            f'{m}.{a}' for a in names if f'{m}.{a}' in known
-        ]  # `from memagent.engines import hf` names a module
+        # `from memagent.engines import hf` names a module
+        subs = [f'{m}.{a}' for a in names if f'{m}.{a}' in known]
         if subs:
             out.update(subs)
         if len(subs) < len(names) or not names:
@@ -132,9 +130,8 @@ def imports(name: str, path: Path, known) -> set:
                 add(m, [a.name for a in n.names if a.name != '*'])
         elif isinstance(n, ast.Constant) and isinstance(n.value, str) and _NAMED.match(n.value):
             if n.value.split(':')[0] in known:
-                out.add(
-                    n.value.split(':')[0]
-                )  # a record's 'kind' that names no module is no import
+                # a record's 'kind' that names no module is no import
+                out.add(n.value.split(':')[0])
     out.discard(name)
     return out
 

@@ -37,9 +37,8 @@ def test_ratio_is_bounded_in_a_later_mini_batch():
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(lp.grad).all()
     e20 = math.exp(20.0)  # the bounded ratio: exp(clamp(25, -20, 20))
-    want = (
-        0.5 * (1 + e20 + 1) / 3 + 0.5 * (1 + 1) / 2
-    )  # credit -1: max(rho, clip(rho)) = rho per token
+    # credit -1: max(rho, clip(rho)) = rho per token
+    want = 0.5 * (1 + e20 + 1) / 3 + 0.5 * (1 + 1) / 2
     assert loss.item() == pytest.approx(want, rel=1e-12)
     assert float(lp.grad[0, 1]) == 0.0  # past the bound the log-ratio has no gradient
     assert float(lp.grad[0, 0]) == pytest.approx(0.5 / 3, rel=1e-12)
@@ -69,9 +68,8 @@ def test_k3_gradient_finite_at_extreme_divergence(dtype, kind):
     assert kl[:2].tolist() == [10.0, 10.0]
     assert torch.isfinite(lp.grad).all(), lp.grad
     assert lp.grad[:2].tolist() == [0.0, 0.0]
-    assert float(lp.grad[2]) == pytest.approx(
-        1 - math.exp(-1), rel=1e-2
-    )  # d/dlogp (e^d - d - 1) = 1 - e^d, d = -1
+    # d/dlogp (e^d - d - 1) = 1 - e^d, d = -1
+    assert float(lp.grad[2]) == pytest.approx(1 - math.exp(-1), rel=1e-2)
 
 
 def _inputs(pad):

@@ -387,9 +387,8 @@ def test_export_reloads_with_transformers(name, batch, tmp_path):
     cfg = CONFIGS[name]()
     be = mb.MegatronBackend(hf_model(cfg), optimizer='sgd', lr=0.5)
     adv = torch.tensor([1.0, -0.5, 0.25])
-    be.step(
-        pg_loss(be.logprobs(batch), batch, adv)
-    )  # export trained weights, not the HF ones we loaded
+    # export trained weights, not the HF ones we loaded
+    be.step(pg_loss(be.logprobs(batch), batch, adv))
     out = be.save_hf(tmp_path / 'hf', tokenizer=_tiny_tokenizer())
     names = {p.name for p in out.iterdir()}
     assert {'config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json'} <= names
@@ -535,14 +534,12 @@ def test_shard_unshard_is_exact_and_shapes_match_built_model():
         rt = mb.megatron_to_hf(shards, cfg)
         assert all(torch.equal(rt[k], v) for k, v in hf.state_dict().items())
         qkv = 'decoder.layers.0.self_attention.linear_qkv.weight'
-        assert torch.equal(
-            shards[1][qkv], full[qkv][full[qkv].shape[0] // 2 :]
-        )  # whole groups, in order
+        # whole groups, in order
+        assert torch.equal(shards[1][qkv], full[qkv][full[qkv].shape[0] // 2 :])
         fc1 = 'decoder.layers.0.mlp.linear_fc1.weight'
         gate, up = full[fc1].chunk(2)
-        assert torch.equal(
-            shards[0][fc1], torch.cat([gate[:64], up[:64]])
-        )  # gate and up each split
+        # gate and up each split
+        assert torch.equal(shards[0][fc1], torch.cat([gate[:64], up[:64]]))
         assert (
             shards[0]['embedding.word_embeddings.weight'].shape[0]
             == mb.padded_vocab(cfg.vocab_size, 2) // 2
@@ -655,12 +652,13 @@ def _batch():
     return mb.right_pad(seqs, masks=[[0] * 4 + [1] * (len(s) - 4) for s in seqs])
 
 
+# 511 is padded to 512 at TP 2
 TP_CONFIGS = {
     'qwen3': lambda: tiny_qwen3(),
     'llama': lambda: tiny_llama(),
     'llama-tied': lambda: tiny_llama(tied=True),
     'qwen3-vocab511': lambda: tiny_qwen3(vocab_size=511),
-}  # 511 is padded to 512 at TP 2
+}
 
 
 def _job_logits(name):
@@ -841,9 +839,8 @@ def test_sdpa_calls_the_fused_kernel_with_4d_grouped_inputs(batch, monkeypatch):
         be = mb.MegatronBackend(hf_model(tiny_qwen3()), attention='sdpa', pack_rows=pack)
         with torch.no_grad():
             be.logprobs(batch)
-        assert [
-            tuple(c[1]) for c in calls
-        ] == shapes * 2  # 2 layers; packed: the 3 rows one at a time
+        # 2 layers; packed: the 3 rows one at a time
+        assert [tuple(c[1]) for c in calls] == shapes * 2
         assert all(
             d == 4 and kv == 2 and kw['is_causal'] and kw['enable_gqa'] and 'attn_mask' not in kw
             for d, _, kv, kw in calls
@@ -962,9 +959,8 @@ def test_layout_refusals_are_clear():
         ValueError,
         match=r'cfg\.batch\.sequence_parallel=True needs the Transformer Engine layer spec',
     ):
-        mb.MegatronBackend(
-            hf, tp=2, sequence_parallel=True
-        )  # refused before any group or model is built
+        # refused before any group or model is built
+        mb.MegatronBackend(hf, tp=2, sequence_parallel=True)
     if not mb.have_transformer_engine():
         with pytest.raises(
             ImportError, match=r"cfg\.batch\.attention='te' needs Transformer Engine"
@@ -997,10 +993,11 @@ def test_optimizer_state_restores_fp32_main_params(batch):
     a.step(pg_loss(a.logprobs(batch), batch, adv))
     import copy
 
+    # as written to disk
     weights, state = (
         {k: v.clone() for k, v in a.hf_state_dict().items()},
         copy.deepcopy(a.state_dict()),
-    )  # as written to disk
+    )
     b = mb.MegatronBackend.from_config(cfg, hf_model(tiny_qwen3(), seed=5).to(torch.bfloat16))
     b.load_state_dict(weights, state)
     assert all(torch.equal(_main_params(a)[k], v) for k, v in _main_params(b).items())
@@ -1142,9 +1139,8 @@ def test_megatron_core_optimizer_loads_shard_states_into_views_of_fp32_parameter
             self, params
         ):  # megatron's own constructor allocates CUDA buffers; only what the load touches
             self.params = params
-            self.main = {
-                p: p.view(-1)[1:3] for p in params
-            }  # the shard this rank owns: a view, as megatron's
+            # the shard this rank owns: a view, as megatron's
+            self.main = {p: p.view(-1)[1:3] for p in params}
             self.exp_avg = {p: torch.zeros(2) for p in params}
             self.gbuf_ranges = [
                 {(torch.float32, torch.float32): [{'param_map': {p: None for p in params}}]}
@@ -1189,13 +1185,11 @@ def test_bf16_policy_keeps_every_parameter_in_bf16(tmp_path, batch):
     cfg = get_preset('tiny', {'backend': 'megatron', 'model.dtype': 'bfloat16'})
     be = mb.MegatronBackend.from_config(cfg, hf_model(tiny_qwen3()).to(torch.bfloat16))
     norms = [n for n, p in be.model.named_parameters() if 'norm' in n]
-    assert (
-        len(norms) == 2 * 4 + 1 and be.attention == 'local'
-    )  # input, pre-MLP, q and k norms per layer; the final one
+    # input, pre-MLP, q and k norms per layer; the final one
+    assert len(norms) == 2 * 4 + 1 and be.attention == 'local'
     assert {p.dtype for p in be.model.parameters()} == {torch.bfloat16}
-    assert {m.dtype for m in be.optimizer.main} == {
-        torch.float32
-    }  # the fp32 master copy lives in the optimizer
+    # the fp32 master copy lives in the optimizer
+    assert {m.dtype for m in be.optimizer.main} == {torch.float32}
     assert {v.dtype for v in be.hf_state_dict().values()} == {torch.bfloat16}
     out = be.save_hf(tmp_path / 'hf', tokenizer=_tiny_tokenizer())
     with safe_open(str(out / 'model.safetensors'), 'pt') as f:
@@ -1209,9 +1203,8 @@ def test_reference_from_config_is_frozen(batch):
     hf = hf_model(tiny_qwen3()).to(torch.bfloat16)
     ref = mb.MegatronBackend.reference_from_config(cfg, hf)
     assert ref.optimizer is None and ref.ddp is None and not ref.model.training
-    assert all(
-        not p.requires_grad and p.dtype == torch.bfloat16 for p in ref.model.parameters()
-    )  # the norms too
+    # the norms too
+    assert all(not p.requires_grad and p.dtype == torch.bfloat16 for p in ref.model.parameters())
     assert ref.model.decoder.layers[0].self_attention.linear_qkv.weight.dtype == torch.bfloat16
     with torch.no_grad():
         d = (
@@ -1248,9 +1241,8 @@ def _job_dp2_sum_and_shards():
     )
     assert (be.dp_size, be.dp_rank, be.state_key, be.row_source) == (2, rank, 0, True)
     sub = {k: v[rows] for k, v in b.items()}
-    loss = (
-        -((ADV[rows][:, None] * be.logprobs(sub)) * m[rows]).sum() / m.sum()
-    )  # this rank's share of the step loss
+    # this rank's share of the step loss
+    loss = -((ADV[rows][:, None] * be.logprobs(sub)) * m[rows]).sum() / m.sum()
     norm = be.step(loss)
     # distributed-optimizer shard sizes: the function (megatron's range maps, every DP rank
     # evaluated here) against megatron's range maps on this rank's real DP group
@@ -1301,9 +1293,8 @@ def test_dp2_megatron_ddp_sums_gradients_and_shards_match_megatron(tmp_path):
             and g['grad_buffer_numel'] % 128 == 0
         )
         assert g['grad_buffer_bytes'] == 4 * g['grad_buffer_numel'], 'fp32 gradient buffers'
-        assert all(
-            0 < s <= g['shard_slot_numel'] for s in g['shard_numel']
-        )  # equal slots; padding decides the rest
+        # equal slots; padding decides the rest
+        assert all(0 < s <= g['shard_slot_numel'] for s in g['shard_numel'])
     # every parameter is bf16 (the norms too): one buffer, and without a bucket size (overlap off)
     # one bucket
     assert r2['shards']['qwen3-tied']['got']['buckets'] == 1

@@ -81,12 +81,12 @@ def test_layout_whole_groups_padded_per_mini_batch(dp, M):
             for r in rows
             if mini_batch_of(r.group_index, M) == mini_batch_of(next(iter(groups)), M)
         ]
+        # whole groups
         assert sorted((r.traj_id, r.turn_index) for r in real) == sorted(
             (r.traj_id, r.turn_index) for r in want
-        )  # whole groups
-        assert (
-            sum(len(x) for x in parts) - len(real) < dp
-        )  # fillers only to the next multiple of dp
+        )
+        # fillers only to the next multiple of dp
+        assert sum(len(x) for x in parts) - len(real) < dp
     if M == 1:  # the single-batch layout, exactly
         p, n = pad_rows(rows, dp)
         assert (laid, pad) == (
@@ -137,9 +137,8 @@ def test_each_mini_batch_loss_is_its_own_mean(agg):
             )
         else:  # the mean over its trajectories of each trajectory's sum of row means
             n_j = len({r.traj_id for r in mine})
-            want = (
-                sum(-r.credit for r in mine) / n_j
-            )  # every row here has a scored token: its row mean is -credit
+            # every row here has a scored token: its row mean is -credit
+            want = sum(-r.credit for r in mine) / n_j
         assert abs(float(got) - want) < 1e-12, (j, float(got), want)
 
 
@@ -259,9 +258,10 @@ def test_clip_acts_once_the_ratio_leaves_one():
 def test_slice_laid_out_for_another_count_is_refused():
     rows = step_rows(4, 1, seed=11)
     laid, _ = layout_step(rows, 1, 1)
+    # groups 0, 1, 2, 3 in order
     assert [mini_batch_of(r.group_index, 2) for r in laid][:1] == [0] and len(
         {r.group_index for r in laid}
-    ) == 4  # groups 0, 1, 2, 3 in order
+    ) == 4
     cfg = _cfg(**{'optim.mini_batches': 2, 'grpo.prompts_per_step': 4, 'loss.kl_coef': 0.0})
     with pytest.raises(
         ValueError, match='not laid out mini-batch by mini-batch for mini_batches=2'

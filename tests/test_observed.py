@@ -78,11 +78,12 @@ def test_committed_receipt_verifies_and_shows_the_contrasts(capsys):
     assert (res['status'], res['cases'], res['checks'] == res['matched']) == ('verified', 21, True)
     rc = json.loads((REPORT / 'receipt.json').read_text())
     r = lambda cid, side, k: _case(rc, cid)[side]['breakdown'][k]
+    # a failed update/delete: maintenance only officially
     for cid in (
         'update_failed',
         'delete_failed',
         'update_never_added',
-    ):  # a failed update/delete: maintenance only officially
+    ):
         assert (
             r(cid, 'official', 'memory_r_maintenance'),
             r(cid, 'observed', 'memory_r_maintenance'),
@@ -418,10 +419,11 @@ def test_rounds_are_counted_as_the_workflow_collects_them():
     rc = json.loads((REPORT / 'receipt.json').read_text())
     for c in rc['cases']:
         assert c['finished_at_round'] == sum(x['collected'] for x in c['rounds']), c['id']
+    # two deletes, then the answer: one collected round
     for cid in (
         'delete_after_failed',
         'delete_after_cancelled',
-    ):  # two deletes, then the answer: one collected round
+    ):
         c = _case(rc, cid)
         assert [x['collected'] for x in c['rounds']] == [False, False, True] and c['difference'][
             'total'
@@ -502,9 +504,8 @@ def test_a_receipt_of_the_wrong_shape_fails_verification_with_a_reason(
     with pytest.raises(VerificationError) as e:
         verify_observed(d)
     assert message in str(e.value), str(e.value)[:2000]
-    code, said = (
-        (2, 'REFUSED') if e.value.__dict__.get('bad_input') else (1, 'VERIFY FAILED')
-    )  # not a receipt at all: bad input
+    # not a receipt at all: bad input
+    code, said = (2, 'REFUSED') if e.value.__dict__.get('bad_input') else (1, 'VERIFY FAILED')
     assert code == (2 if message.startswith('a JSON list') else 1)
     assert (
         audit_cli(['--study', 'observed', '--verify', '--report-dir', str(d)]) == code
@@ -688,12 +689,10 @@ def test_finished_at_round_is_what_upstreams_stage3_loop_collects():
     )
     for case in ep['cases']:
         ids = itertools.count(1)
-        wf.uuid = types.SimpleNamespace(
-            uuid4=lambda: f'mem-{next(ids):02d}'
-        )  # the recorder's ids for the store's adds (line 277)
-        self = object.__new__(
-            W
-        )  # __init__ builds a hosted client; the loop reads only what is set here
+        # the recorder's ids for the store's adds (line 277)
+        wf.uuid = types.SimpleNamespace(uuid4=lambda: f'mem-{next(ids):02d}')
+        # __init__ builds a hosted client; the loop reads only what is set here
+        self = object.__new__(W)
         self.model = model = _ScriptedModel([])
         self.chat_client, self.memory_manager = _EpisodeChat(model), make_manager(mods['store'], [])
         self.context_messages, self.verbose, self.logger, self.expected_answer = (
@@ -721,9 +720,8 @@ def test_finished_at_round_is_what_upstreams_stage3_loop_collects():
                 self._apply_tools(wf.parse_tool_calls(s['assistant']))
         users = [s['user'] for s in stage3 if 'user' in s]
         assert len(users) <= 1 and all('user' not in s for s in stage3[1:]), case['id']
-        self.question = (
-            users[0] if users else case['call']['question']
-        )  # the loop asks the question itself (line 685)
+        # the loop asks the question itself (line 685)
+        self.question = users[0] if users else case['call']['question']
         model.steps = [s for s in stage3 if 'assistant' in s]
         exps, task_score, found = asyncio.run(W._run_stage3_formal_qa(self))
         assert model.steps == [], f"{case['id']}: the loop ended before the episode's last reply"
@@ -736,6 +734,5 @@ def test_finished_at_round_is_what_upstreams_stage3_loop_collects():
                 m for m in self.context_messages if m != {'role': 'user', 'content': self.question}
             ]
         )
-        assert ctx == _case(rc, case['id'])['context'], case[
-            'id'
-        ]  # and the recorder's context is upstream's (less the question it asks itself)
+        # and the recorder's context is upstream's (less the question it asks itself)
+        assert ctx == _case(rc, case['id'])['context'], case['id']

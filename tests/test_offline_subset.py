@@ -144,6 +144,7 @@ def test_the_subset_runs_offline_from_the_carried_wheels(machine):
     py, site, tmp = machine
     out, home = tmp / 'out', tmp / 'home'
     home.mkdir()
+    # no network: every request goes nowhere
     env = {
         'PATH': f"{py.parent}:/usr/bin:/bin",
         'HOME': str(home),
@@ -160,7 +161,7 @@ def test_the_subset_runs_offline_from_the_carried_wheels(machine):
         'https_proxy': 'http://127.0.0.1:9',
         'NO_PROXY': '',
         'no_proxy': '',
-    }  # no network: every request goes nowhere
+    }
     where = _sh(
         [
             str(py),
@@ -186,9 +187,8 @@ def test_the_subset_runs_offline_from_the_carried_wheels(machine):
     )
     after = _repo_state()
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert r.stdout.count('on a GPU would run: Qwen3-4B') == 8, r.stdout[
-        -3000:
-    ]  # 4 step4b parts' plans, on a 139.8 and an 80 GiB card
+    # 4 step4b parts' plans, on a 139.8 and an 80 GiB card
+    assert r.stdout.count('on a GPU would run: Qwen3-4B') == 8, r.stdout[-3000:]
     js, mdp = out / 'subset' / 'subset.json', out / 'subset' / 'subset.md'
     assert js.is_file() and mdp.is_file(), sorted(str(p) for p in out.rglob('*'))
     assert '"layout": "reduced"' in ''.join(js.read_text().splitlines()[:3])
@@ -229,9 +229,8 @@ def test_the_subset_runs_offline_from_the_carried_wheels(machine):
     assert opt['megatron_core']['seconds']['n'] == opt['torch_adamw']['seconds']['n'] == 5
     meg = parts['megatron']['results']
     assert list(meg) == ['none', 'selective', 'full']
-    for g in (
-        meg.values()
-    ):  # one megatron step per recompute mode, with the CPU stand-in, against the fp32 torch step
+    # one megatron step per recompute mode, with the CPU stand-in, against the fp32 torch step
+    for g in meg.values():
         assert (
             g['optimizer'] == 'CpuMainParamOptimizer'
             and g['grad_norm'] > 0
@@ -288,9 +287,8 @@ def test_the_subset_runs_offline_from_the_carried_wheels(machine):
     pr = parts['precision']['results']
     assert pr['training']['trained_loss'] < 0.5 * pr['training']['uniform_loss_ln_vocab']
     assert pr['bf16_vs_fp32']['pass'] and pr['control_untrained']['outside_tolerance']
-    assert (
-        rep['pass'] and (out / 'cache' / 'tiny-qwen3' / 'config.json').is_file()
-    )  # the tiny model was built, under OUT
+    # the tiny model was built, under OUT
+    assert rep['pass'] and (out / 'cache' / 'tiny-qwen3' / 'config.json').is_file()
     assert not any(home.rglob('*')), (
         f"the run wrote into HOME: {sorted(str(p) for p in home.rglob('*'))[:20]}"
     )

@@ -183,9 +183,8 @@ def _rewrite_fuzz(fz, receipt, lines):
     sec['disagreements'] = fz.disagreements(lines)
     rc['status'] = receipt_status(rc)
     receipt.write_text(json.dumps(rc, indent=1, ensure_ascii=False) + '\n')
-    (receipt.parent / 'README.md').write_text(
-        fz.render_readme(rc, receipt.parent)
-    )  # and its rendering
+    # and its rendering
+    (receipt.parent / 'README.md').write_text(fz.render_readme(rc, receipt.parent))
     return rc
 
 
@@ -218,9 +217,8 @@ def test_committed_fuzz_has_article_only_gold_answers_that_agree(fuzz):
         and normalize_answer(extract_boxed(ln['draw']['response'])) == ''
     ]
     assert len(hit) >= 50
-    assert all(
-        ln['upstream']['relax']['train_reward']['score'] == 1.0 for ln in hit
-    )  # Relax's own outputs
+    # Relax's own outputs
+    assert all(ln['upstream']['relax']['train_reward']['score'] == 1.0 for ln in hit)
     assert all(
         c['agree']
         for ln in hit

@@ -142,9 +142,8 @@ def test_param_and_grad_buffers_equal_megatron_ddp(name, dtype, dist_opt, bucket
         assert (mine['numel'], mine['numel_unpadded']) == (buf.numel, buf.numel_unpadded)
         assert mine['buckets'] == [(b.offset, b.offset + b.grad_data.numel()) for b in buf.buckets]
         assert mine['index'] == {nm[p]: v for p, v in buf.param_index_map.items()}
-        assert (
-            buf.grad_data.numel() * buf.grad_data.element_size() == mine['numel'] * 4
-        )  # fp32 main grads
+        # fp32 main grads
+        assert buf.grad_data.numel() * buf.grad_data.element_size() == mine['numel'] * 4
         if dist_opt:
             assert (
                 buf.param_data.numel() * buf.param_data.element_size()
@@ -215,13 +214,11 @@ def test_optimizer_shards_equal_megatron_range_map(name, dp, bucket_size):
             ranges = DistributedOptimizer._build_gbuf_range_map(buf)[(dt, torch.float32)]
             owned = sum(m['param'].size for rg in ranges for m in rg['param_map'].values())
             assert owned == mine[b][r], (dt, r)
-        assert (
-            sum(mine[b]) == lay[b]['param_numel'] == sum(p.numel() for p in params)
-        )  # padding owns nothing
+        # padding owns nothing
+        assert sum(mine[b]) == lay[b]['param_numel'] == sum(p.numel() for p in params)
     per_rank = P.optimizer_bytes(lay, dp, True)
-    assert len(lay) == 1 and {p.dtype for p in model.parameters()} == {
-        torch.bfloat16
-    }  # one buffer: every parameter bf16, the norms too
+    # one buffer: every parameter bf16, the norms too
+    assert len(lay) == 1 and {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert per_rank[0] == mine[0][0] * 12  # bf16: fp32 main + m + v
 
 
@@ -379,9 +376,8 @@ def test_plan_notebook_renders_and_refuses(tmp_path):
     )
     with pytest.raises(pm.PapermillExecutionError, match='largest term'):
         run(preset='qwen3-4b-frozen', gpu_gb=24, run='tight')
-    assert not json.loads((tmp_path / 'plans' / 'tight' / 'plan.json').read_text())[
-        'fits'
-    ]  # rendered all the same
+    # rendered all the same
+    assert not json.loads((tmp_path / 'plans' / 'tight' / 'plan.json').read_text())['fits']
 
 
 # ---- the colocated engine: what stays on the GPU during rollout, and SGLang's KV cache rule ----
@@ -431,9 +427,8 @@ def test_kv_cache_follows_sglang_rule_on_memory_free_at_engine_start():
         e['kv_cache'] == int(free_after - free_before * (1 - 0.7)) == p.rollout['engine KV cache']
     )
     assert e['kv_tokens'] == e['kv_cache'] // e['kv_bytes_per_token']
-    assert (
-        e['kv_bytes_per_token'] == 36 * 2 * (8 // 2) * 128 * 2
-    )  # layers x (k, v) x KV heads per engine-TP rank x head_dim x bf16
+    # layers x (k, v) x KV heads per engine-TP rank x head_dim x bf16
+    assert e['kv_bytes_per_token'] == 36 * 2 * (8 // 2) * 128 * 2
     # before the first step the optimizer holds only its fp32 main copies; Adam's m and v come with
     # the first step
     parts = max(
@@ -491,9 +486,8 @@ def test_torch_backend_rollout_holds_no_gradients():
 )
 def test_engine_without_room_for_one_request_does_not_fit(mem_fraction, needle):
     p = P.make_plan(frozen(**{'rollout.mem_fraction': mem_fraction}), FROZEN_8X80)
-    assert (
-        p.peak('rollout') < p.capacity and p.peak('update') < p.capacity
-    )  # the peaks alone would pass
+    # the peaks alone would pass
+    assert p.peak('rollout') < p.capacity and p.peak('update') < p.capacity
     assert not p.fits and 'rollout engine' in p.over()
     with pytest.raises(P.PlanDoesNotFit, match=needle):
         p.require_fit()
@@ -549,9 +543,8 @@ def test_sync_phase_is_the_resident_state_plus_the_gather_and_the_engine_weights
 
     p = P.make_plan(get_preset('qwen3-4b-frozen'), P.Cluster(8, 80.0, 1024.0), search=False)
     a = P.ARCHS['Qwen/Qwen3-4B']
-    assert (
-        p.sync['weight gather bucket (peak)'] == a.vocab * a.hidden * 2
-    )  # the embedding, alone in its bucket
+    # the embedding, alone in its bucket
+    assert p.sync['weight gather bucket (peak)'] == a.vocab * a.hidden * 2
     assert all(
         p.sync[t] == p.update[t]
         for t in ('weights', 'gradients', 'optimizer states', 'reference model')
@@ -564,6 +557,7 @@ def test_sync_phase_is_the_resident_state_plus_the_gather_and_the_engine_weights
         'update',
         'sync',
     } and 'sync' in p.to_dict()['peak_bytes']
+    # one bucket: every split tensor
     assert (
         P.make_plan(
             get_preset('qwen3-4b-frozen'),
@@ -572,4 +566,4 @@ def test_sync_phase_is_the_resident_state_plus_the_gather_and_the_engine_weights
             sync_bucket_bytes=2**40,
         ).sync['weight gather bucket (peak)']
         > 7 * 2**30
-    )  # one bucket: every split tensor
+    )

@@ -131,9 +131,8 @@ def test_a_second_run_checks_but_does_not_download(online):
 
 
 def test_unknown_revision_refused(tmp_path):
-    with FakeHub(
-        PINNED['repo_id'], 'f' * 40, FILES
-    ) as h:  # the server's repository has another commit
+    # the server's repository has another commit
+    with FakeHub(PINNED['repo_id'], 'f' * 40, FILES) as h:
         r = run_prepare(
             h.endpoint, tmp_path, '--root', str(tmp_path / 'root'), '--files', 'eval_200.json'
         )
@@ -241,9 +240,8 @@ def test_from_dir_verifies_against_the_online_manifest(online, tmp_path):
             ref['files'][name]['url'],
         )
         assert f['source'] == str((src / name).resolve())
-        assert (
-            f['converted']['sha256'] == ref['files'][name]['converted']['sha256']
-        )  # same converter, same bytes
+        # same converter, same bytes
+        assert f['converted']['sha256'] == ref['files'][name]['converted']['sha256']
     # a copy that differs from the manifest is refused with both hashes
     bad = tmp_path / 'bad'
     shutil.copytree(src, bad, ignore=shutil.ignore_patterns('*.jsonl*', '.cache'))
@@ -258,9 +256,8 @@ def test_from_dir_verifies_against_the_online_manifest(online, tmp_path):
         ),
     ):
         prepare(tmp_path / 'root-bad', source=bad, files=['eval_800.json'])
-    with pytest.raises(
-        PrepareError, match='eval_800.json: sha256 mismatch'
-    ):  # --unverified does not override a mismatch
+    # --unverified does not override a mismatch
+    with pytest.raises(PrepareError, match='eval_800.json: sha256 mismatch'):
         prepare(tmp_path / 'root-bad', source=bad, files=['eval_800.json'], unverified=True)
 
 

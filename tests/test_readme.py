@@ -24,9 +24,8 @@ def test_readme_figures_are_in_reports():
 
 
 def test_made_up_figures_are_flagged(tmp_path):
-    (tmp_path / 'run.json').write_text(
-        '{"r2": 0.99995, "speedup": 3.2670, "fill": 0.9132}'
-    )  # reports that exist
+    # reports that exist
+    (tmp_path / 'run.json').write_text('{"r2": 0.99995, "speedup": 3.2670, "fill": 0.9132}')
     made_up = (
         'linear (R^2 0.9998), 7.77x faster, 63.817% of the budget, within 1.23e-04, +31.729 pp'
     )

@@ -320,6 +320,7 @@ def test_fixtures_edited_with_the_receipts_hash_of_them_are_refused(tmp_path):
     ) and 'is not the committed one pinned in memagent.audit' in str(e.value)
 
 
+# the checks
 WRONG_SHAPES = [
     ('a list', lambda rc: [rc], 'a JSON list, not the object a receipt is'),
     ('cases an object', lambda rc: {**rc, 'cases': {'a': 1}}, "cases: {'a': 1}, not a list"),
@@ -361,7 +362,7 @@ WRONG_SHAPES = [
         "the receipt has the wrong shape somewhere its checks above did not name (TypeError: "
         "unhashable type: 'list')",
     ),
-]  # the checks
+]
 
 
 @pytest.mark.parametrize(
@@ -378,9 +379,8 @@ def test_a_receipt_of_the_wrong_shape_fails_verification_with_a_reason(
     with pytest.raises(VerificationError) as e:
         verify_receipt(d)
     assert message in str(e.value)
-    code, said = (
-        (1, 'VERIFY FAILED') if isinstance(bad, dict) else (2, 'REFUSED')
-    )  # not a receipt at all: bad input
+    # not a receipt at all: bad input
+    code, said = (1, 'VERIFY FAILED') if isinstance(bad, dict) else (2, 'REFUSED')
     assert (
         audit_cli(['--verify', '--report-dir', str(d)]) == code and said in capsys.readouterr().err
     )

@@ -10,9 +10,8 @@ from memagent.models import load_tokenizer
 from memagent.provenance import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
-REF_DIRS = [
-    ROOT.parent / 'shared' / 'reference' / 'prompts'
-]  # an optional outside copy of the MemAgent templates
+# an optional outside copy of the MemAgent templates
+REF_DIRS = [ROOT.parent / 'shared' / 'reference' / 'prompts']
 
 
 @pytest.fixture(scope='module')
@@ -94,9 +93,8 @@ def test_million_token_document(qwen):
     assert c.truncated and c.dropped_chunks == 425 and c.dropped_tokens == 10**6 - 64 * 2048
     # a list of a million Python ints alone would be ~36 MB of traced allocations
     assert peak < 30e6, f'peak traced allocation {peak / 1e6:.1f} MB'
-    assert (
-        time.time() - t0 < 300
-    )  # linear, not quadratic: a quadratic cut of 10**6 tokens takes hours
+    # linear, not quadratic: a quadratic cut of 10**6 tokens takes hours
+    assert time.time() - t0 < 300
 
 
 def test_chunk_properties():

@@ -77,9 +77,8 @@ def test_rehearsal_reduced(tmp_path):
         for k in ('micro_batches', 'micro_batches_per_rank', 'tokens_per_rank'):
             assert st['plan'][k] == st[k], k
         assert st['plan']['rows_per_rank'] == st['per_rank']
-        assert (
-            st['row_tokens_max'] <= 9216 and st['row_tokens_max'] > 2048
-        )  # a chunk of 2048 plus template and memory
+        # a chunk of 2048 plus template and memory
+        assert st['row_tokens_max'] <= 9216 and st['row_tokens_max'] > 2048
     # only the listed overrides differ from the preset, and the truncation item is read to 64 chunks
     # and disclosed
     assert gates['overrides_only']['unlisted'] == []

@@ -174,6 +174,7 @@ def test_nan_checkpoint_is_never_resumed(tmp_path, examples):
     k = next(iter(bad))
     bad[k] = bad[k].clone()
     bad[k].view(-1)[0] = float('nan')
+    # as an older version would have written it: the manifest is intact
     ckpt.save_checkpoint(
         tmp_path / 'checkpoints',
         2,
@@ -183,7 +184,7 @@ def test_nan_checkpoint_is_never_resumed(tmp_path, examples):
         last['config_yaml'],
         last['provenance'],
         check_finite=False,
-    )  # as an older version would have written it: the manifest is intact
+    )
     with pytest.warns(UserWarning, match=rf"step_000002.*non-finite tensors \['{k}'\]"):
         again = _trainer(cfg, tmp_path, examples)
     try:
@@ -232,9 +233,8 @@ def test_every_checkpoint_passed_over_is_warned_and_recorded(tmp_path, examples,
             r"latest names 'step_000002', which is not a complete checkpoint",
         ]
     else:
-        (root / 'latest').write_text(
-            'step_000001'
-        )  # a save that wrote step 2 and stopped before moving latest
+        # a save that wrote step 2 and stopped before moving latest
+        (root / 'latest').write_text('step_000001')
         expect = [r"step_000002: newer than step_000001, which latest names"]
     with pytest.warns(UserWarning) as caught:
         again = _trainer(cfg, tmp_path, examples)

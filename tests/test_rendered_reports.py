@@ -85,9 +85,8 @@ def _copy(name, tmp_path) -> Path:
 def _fails_naming(verify, d, needle):
     with pytest.raises(Exception) as e:
         verify(d)
-    assert type(e.value).__name__ in ('VerificationError', 'ReportMismatch'), repr(
-        e.value
-    )  # a failed verification, no crash
+    # a failed verification, no crash
+    assert type(e.value).__name__ in ('VerificationError', 'ReportMismatch'), repr(e.value)
     assert needle in str(e.value), str(e.value)[-600:]
 
 
@@ -106,7 +105,6 @@ def test_every_verifier_reads_the_readme_and_its_images(name, tmp_path):
     images = sorted(set(re.findall(r'!\[[^\]]*\]\(([^)\s]+\.png)\)', readme)))
     for img in images:
         d = _copy(name, tmp_path / img.replace('/', '_'))
-        (d / img).write_bytes(
-            (d / img).read_bytes() + b'\0'
-        )  # another image than the one the README was rendered with
+        # another image than the one the README was rendered with
+        (d / img).write_bytes((d / img).read_bytes() + b'\0')
         _fails_naming(verify, d, 'README.md' if name.startswith('acceptance') else img)

@@ -193,9 +193,10 @@ def _cli(*args):
         else [sys.executable, '-c', 'from memagent.report import summary_cli; summary_cli()']
     )
     env = {**os.environ, 'PYTHONPATH': str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', '')}
+    # a hang guard: a busy neighbour may slow the imports, never forever
     return subprocess.run(
         cmd + [str(a) for a in args], capture_output=True, text=True, env=env, timeout=600
-    )  # a hang guard: a busy neighbour may slow the imports, never forever
+    )
 
 
 def test_cli_exit_codes(tmp_path):
@@ -244,9 +245,8 @@ def test_committed_reports_need_a_clean_tree(tmp_path):
     git('add', '.')
     git('commit', '-qm', 'init')
     assert changed_source_files(tmp_path) == []
-    (tmp_path / 'reports' / 'old.md').write_text(
-        're-rendered\n'
-    )  # the run's own outputs do not count
+    # the run's own outputs do not count
+    (tmp_path / 'reports' / 'old.md').write_text('re-rendered\n')
     assert git_state(tmp_path)['dirty'] is False
     write_report(tmp_path / 'reports' / 'run', 'clean', [('a', 'b')])
     (tmp_path / 'code.py').write_text('x = 2\n')
@@ -256,6 +256,5 @@ def test_committed_reports_need_a_clean_tree(tmp_path):
     with pytest.raises(ValueError, match=r"code\.py"):
         write_report(tmp_path / 'reports' / 'run2', 'dirty', [('a', 'b')])
     assert not (tmp_path / 'reports' / 'run2').exists()
-    write_report(
-        tmp_path / 'elsewhere', 'not a committed report', [('a', 'b')]
-    )  # outside reports/: not checked
+    # outside reports/: not checked
+    write_report(tmp_path / 'elsewhere', 'not a committed report', [('a', 'b')])

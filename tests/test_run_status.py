@@ -11,11 +11,13 @@ from memagent.engines import DeterministicEngineError, engine_from_config
 from memagent.health import RunHealthError, read_health
 from memagent.resume import ResumeError
 from memagent import checkpoint as ckpt
+
+# a dead engine, the tiny config and trainer of the reliability tests
 from test_reliability import (
     _DeadEngine,
     _cfg,
     _trainer,
-)  # a dead engine, the tiny config and trainer of the reliability tests
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
@@ -138,9 +140,8 @@ def test_resume_with_other_training_data_is_refused_unless_allowed(tmp_path, exa
     tr = _trainer(_cfg(**{'schedule.steps': 1}), tmp_path, examples)
     tr.train()
     tr.close()
-    other = make_synthetic(
-        4, num_words=40, hops=1, seed=1
-    )  # same count, same config, other examples
+    # same count, same config, other examples
+    other = make_synthetic(4, num_words=40, hops=1, seed=1)
     with pytest.raises(
         ResumeError,
         match=(
@@ -274,9 +275,8 @@ def test_refused_resume_writes_nothing(tmp_path, examples, damage, needle):
         for p in tmp_path.rglob('*')
         if p.is_file() and p.name != '.lock'
     }
-    with pytest.raises(
-        ValueError, match=needle
-    ):  # an allowed change: config.yaml and run.json would differ if written
+    # an allowed change: config.yaml and run.json would differ if written
+    with pytest.raises(ValueError, match=needle):
         _trainer(
             _cfg(**{'schedule.steps': 3, 'resume_overrides': ['schedule.steps']}),
             tmp_path,

@@ -54,9 +54,8 @@ def run(tok, scheduler, engine, **kw):
     groups, st = [], {}
 
     def on_group(ts):
-        assert all(
-            not t.ok or (t.turns and t.turns[-1].kind == 'final') for t in ts
-        )  # finished: answered or failed
+        # finished: answered or failed
+        assert all(not t.ok or (t.turns and t.turns[-1].kind == 'final') for t in ts)
         groups.append([t.traj_id for t in ts])
         clocks.append(getattr(engine, 'clock', None))
 
@@ -187,9 +186,8 @@ def test_future_queue_wait_limit_in_real_time():
     w = Walk()
     t0 = time.monotonic()
     run_async(w, q)
-    assert (
-        time.monotonic() - t0 < 15
-    )  # the hung call would hold it 30 s; a busy machine still finishes in time
+    # the hung call would hold it 30 s; a busy machine still finishes in time
+    assert time.monotonic() - t0 < 15
     assert isinstance(w.out[0], RolloutTimeoutError) and isinstance(w.out[1], GenerationResult)
     release.set()
     pool.shutdown()
@@ -240,9 +238,8 @@ def test_sglang_client_bounds_concurrency_per_server(tok):
         assert a.peak <= 2 and b.peak <= 2 and a.peak + b.peak >= 3
         assert max(cl.peak_inflight.values()) == 2 and min(cl.peak_inflight.values()) >= 1
         cl.peak_inflight = dict.fromkeys(cl.peak_inflight, 0)
-        out = cl.generate(
-            [[1, 2, 3]] * 10, SamplingParams(4, seed=1), return_exceptions=True
-        )  # the sync path: same bound
+        # the sync path: same bound
+        out = cl.generate([[1, 2, 3]] * 10, SamplingParams(4, seed=1), return_exceptions=True)
         assert all(isinstance(r, GenerationResult) for r in out) and set(
             cl.peak_inflight.values()
         ) == {2}

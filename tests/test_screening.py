@@ -70,9 +70,8 @@ def test_preferred_first_disjoint_sizes(seed):
     sel = select_screened(COUNTS, 8, 1, 7, (2, 6), n_train=4, n_heldout=2, seed=seed)
     assert len(sel['train']) == 4 and len(sel['heldout']) == 2
     assert not set(sel['train']) & set(sel['heldout'])
-    assert (
-        set(sel['train']) | set(sel['heldout']) == PREFERRED
-    )  # exactly the six preferred, nothing else
+    # exactly the six preferred, nothing else
+    assert set(sel['train']) | set(sel['heldout']) == PREFERRED
     assert set(sel['unused']) == {'o1', 'o7'}
     sel = select_screened(COUNTS, 8, 1, 7, (2, 6), n_train=5, n_heldout=2, seed=seed)
     chosen = set(sel['train']) | set(sel['heldout'])
@@ -187,9 +186,8 @@ def test_screen_writes_disjoint_splits_and_manifest(tmp_path):
     assert len(train) == 4 and len(held) == 2
     assert not {e['id'] for e in train} & {e['id'] for e in held}
     assert {e['id'] for e in train + held} <= {'q1', 'q2', 'q3', 'q5', 'q6', 'q7'}
-    assert {'q2', 'q3', 'q5', 'q6'} <= {
-        e['id'] for e in train + held
-    }  # the four preferred without errors
+    # the four preferred without errors
+    assert {'q2', 'q3', 'q5', 'q6'} <= {e['id'] for e in train + held}
     assert all(
         e['meta']['screening']['successes'] == rows[e['id']]['successes']
         and e['meta']['k'] == int(e['id'][1:])
@@ -247,9 +245,8 @@ def test_screen_through_real_rollout(tmp_path):
 
     tok = load_tokenizer('qwen3')
     stop = rollout_mod.stop_token_ids(tok)[-1]
-    failing = {
-        rollout_mod.request_seed(0, 'q5', s, t) for s in (1, 3) for t in range(5)
-    }  # samples 1 and 3 of q5 fail
+    # samples 1 and 3 of q5 fail
+    failing = {rollout_mod.request_seed(0, 'q5', s, t) for s in (1, 3) for t in range(5)}
 
     class Engine:
         stats = {}

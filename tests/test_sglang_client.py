@@ -101,9 +101,8 @@ def test_connection_refused_is_transient_and_bounded():
     t0 = time.monotonic()
     r = cl.generate([[1, 2]], SP, return_exceptions=True)[0]
     assert isinstance(r, TransientEngineError) and 'connection' in str(r)
-    assert (
-        time.monotonic() - t0 < 12 and cl.stats['retries'] == 2
-    )  # three attempts timing out would take 15 s
+    # three attempts timing out would take 15 s
+    assert time.monotonic() - t0 < 12 and cl.stats['retries'] == 2
     cl.close()
 
 
@@ -147,18 +146,16 @@ def test_cut_body_is_retried(srv):
 
 @pytest.mark.timeout(20)
 def test_cut_body_keeps_the_other_results(srv):
-    cl = client(
-        [srv.url], max_retries=0, concurrency=1
-    )  # one worker: requests reach the server in prompt order
+    # one worker: requests reach the server in prompt order
+    cl = client([srv.url], max_retries=0, concurrency=1)
     srv.faults = ['cut']
     prompts = [[1, 2, 3], [4, 5], [6]]
     r = cl.generate(prompts, SP, return_exceptions=True)
     assert isinstance(r[0], TransientEngineError) and 'ChunkedEncodingError' in str(r[0])
     assert [x.output_ids for x in r[1:]] == [fake_tokens(p, SP)[0] for p in prompts[1:]]
     srv.faults = ['cut']
-    with pytest.raises(
-        TransientEngineError
-    ):  # without return_exceptions the error is raised, as an EngineError
+    # without return_exceptions the error is raised, as an EngineError
+    with pytest.raises(TransientEngineError):
         cl.generate(prompts, SP)
     cl.close()
 
@@ -199,9 +196,8 @@ def test_trickled_reply_hits_the_deadline(kind):
         )
         assert dt < 8, dt  # two attempts of 0.5 s, not the 20-30 s of the whole reply
         s.faults = [kind]
-        assert (
-            cl.generate([[1, 2, 3]], SP)[0].output_ids == fake_tokens([1, 2, 3], SP)[0]
-        )  # the retry is served whole
+        # the retry is served whole
+        assert cl.generate([[1, 2, 3]], SP)[0].output_ids == fake_tokens([1, 2, 3], SP)[0]
         cl.close()
 
 
@@ -225,9 +221,8 @@ def test_update_weights_cut_reply_is_retried(srv, tmp_path):
     srv.inject('/update_weights_from_disk', 'cut')
     srv.inject('/flush_cache', 'drop')
     cl.update_weights(path=tmp_path)
-    assert (
-        srv.weight_paths == [str(tmp_path)] * 2
-    )  # the cut reply's load happened; loading again is safe
+    # the cut reply's load happened; loading again is safe
+    assert srv.weight_paths == [str(tmp_path)] * 2
     assert [e['path'] for e in srv.log].count('/flush_cache') == 2 and cl.stats['retries'] == 2
     cl.close()
 
@@ -248,9 +243,8 @@ def test_later_endpoints_share_the_transport(tmp_path):
             {'success': True},
             {'success': True},
         ]
-        assert [e['status'] for e in a.log] == [500, 200, 200] and len(
-            b.log
-        ) == 2  # no failover: each server answers itself
+        # no failover: each server answers itself
+        assert [e['status'] for e in a.log] == [500, 200, 200] and len(b.log) == 2
         assert cl.stats['retries'] == 3
         a.inject('/release_memory_occupation', 404)
         with pytest.raises(DeterministicEngineError, match='404'):

@@ -105,11 +105,12 @@ def test_smoke_tiny_passes(tmp_path):
     }
     assert all(g['result'] == 'PASS' for g in gates['gates'])
     by = {g['gate']: g for g in gates['gates']}
+    # after every sync (and before training) the engine serves the trainer's weights
     for s in (
         0,
         1,
         2,
-    ):  # after every sync (and before training) the engine serves the trainer's weights
+    ):
         w = by[f'weights_synced[step {s}]']
         assert (
             w['tol'] == 1e-5
@@ -129,16 +130,14 @@ def test_smoke_tiny_passes(tmp_path):
     assert (rep / 'phase_times.png').stat().st_size > 1000
     assert (run / 'checkpoints' / 'step_000002').is_dir() and (run / 'hf' / 'config.json').is_file()
     assert (run / 'eval' / 'records.jsonl').read_text().count('\n') == 1
-    assert re.search(
-        r'\| 2 \| [\d.]+ \|', readme.split('## Timings', 1)[1]
-    )  # a timing row for step 2
+    # a timing row for step 2
+    assert re.search(r'\| 2 \| [\d.]+ \|', readme.split('## Timings', 1)[1])
 
 
 @pytest.mark.timeout(300)
 def test_smoke_failing_gate_fails_papermill(tmp_path):
-    p, rep, _ = _papermill(
-        tmp_path, 'bad', inject_failure='rows', steps=1
-    )  # one step is enough to fail
+    # one step is enough to fail
+    p, rep, _ = _papermill(tmp_path, 'bad', inject_failure='rows', steps=1)
     assert p.returncode != 0
     assert 'gate(s) failed: rows[step 1]' in p.stdout + p.stderr
     # the report is still written, and names the failure

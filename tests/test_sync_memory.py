@@ -30,12 +30,13 @@ pytestmark = [
 
 from test_megatron import _run_tp2, hf_model, tiny_qwen3  # noqa: E402  (the TP 2 spawn helpers and tiny models)
 
+# the default (one bucket for these models), 1 MiB, 192 KiB, 16 KiB
 BUCKETS = (
     mb.SYNC_BUCKET_BYTES,
     1 << 20,
     192 << 10,
     16 << 10,
-)  # the default (one bucket for these models), 1 MiB, 192 KiB, 16 KiB
+)
 
 
 def _model(name):
@@ -119,9 +120,8 @@ def test_peak_gathered_bytes_within_the_plan(gathered):
                 f"{plan['peak']:,} B), "
                 f"{st['buckets']} buckets, unsharded {st['unsharded_bytes']:,} B"
             )
-            assert (
-                st['tp'] == 2 and st['gathered_bytes_left'] == 0
-            )  # every gathered tensor was freed
+            # every gathered tensor was freed
+            assert st['tp'] == 2 and st['gathered_bytes_left'] == 0
             assert st['unsharded_bytes'] == plan['unsharded'] and st['buckets'] == plan['buckets']
             assert 0 < st['peak_gather_bytes'] <= plan['peak']
     small = r[16 << 10]['stats'][0]
@@ -133,7 +133,6 @@ def test_peak_gathered_bytes_within_the_plan(gathered):
     # the default bucket holds these whole models: the peak is every split tensor at once, more than
     # a small bucket's
     assert r[mb.SYNC_BUCKET_BYTES]['stats'][0]['peak_gather_bytes'] > small['peak_gather_bytes']
-    if (
-        name == 'qwen3-vocab512'
-    ):  # the layers hold most bytes: a small bucket keeps a small fraction of the model
+    # the layers hold most bytes: a small bucket keeps a small fraction of the model
+    if name == 'qwen3-vocab512':
         assert small['peak_gather_bytes'] < small['unsharded_bytes'] / 4

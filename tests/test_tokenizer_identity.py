@@ -97,10 +97,11 @@ def test_ids_and_decoding_equal_the_raw_library(pair, text):
     assert tok.encode(text, add_special_tokens=False) == ids
     assert tok.decode(ids) == raw.decode(ids, skip_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=True) == raw.decode(ids, skip_special_tokens=True)
+    # plain text
     assert (
         P.encode_text(tok, text)
         == _without_added_tokens(d).encode(text, add_special_tokens=False).ids
-    )  # plain text
+    )
 
 
 def _render_shipped(d, text, thinking):
@@ -144,9 +145,8 @@ def test_one_changed_byte_changes_the_identity(tmp_path):
     for name in base['files_sha256']:
         f = d / name
         b = f.read_bytes()
-        i = (
-            b.index(b'\n') if name == 'tokenizer.json' else len(b) // 2
-        )  # tokenizer.json stays valid JSON
+        # tokenizer.json stays valid JSON
+        i = b.index(b'\n') if name == 'tokenizer.json' else len(b) // 2
         f.write_bytes(
             b[:i] + (b' ' if name == 'tokenizer.json' else bytes([b[i] ^ 1])) + b[i + 1 :]
         )

@@ -50,9 +50,8 @@ def test_train_notebook_tiny(tmp_path):
             > 0
         )
         dump = [json.loads(l) for l in open(run / 'rollouts' / f"step_{m['step']:06d}.jsonl")]
-        assert m['rows_generated'] == sum(
-            len(t['turns']) for t in dump
-        )  # every turn of every trajectory is one row
+        # every turn of every trajectory is one row
+        assert m['rows_generated'] == sum(len(t['turns']) for t in dump)
     assert (run / 'checkpoints' / 'latest').read_text() == 'step_000002'
     from transformers import AutoModelForCausalLM
 
@@ -91,9 +90,8 @@ def test_train_notebook_tiny(tmp_path):
     )
     ret = json.loads((rep / 'retention.json').read_text())
     assert set(ret['models']) == {'base', 'trained'}
-    for m in ret[
-        'models'
-    ].values():  # every record is anchored at its needle's chunk; offset 0 counts them all
+    # every record is anchored at its needle's chunk; offset 0 counts them all
+    for m in ret['models'].values():
         assert (
             m['skipped'] == {}
             and m['by_offset']['0'][1] == 4
@@ -107,9 +105,8 @@ def test_train_notebook_tiny(tmp_path):
         and 'base: memory after the chunk | trained: memory after the chunk' in traj
     )
     recs = [json.loads(l) for l in open(run / 'eval' / 'trained' / 'records.jsonl')]
-    assert all(
-        len(r['memories']) == r['num_chunks'] == 3 for r in recs
-    )  # the memory after every chunk is kept
+    # the memory after every chunk is kept
+    assert all(len(r['memories']) == r['num_chunks'] == 3 for r in recs)
     assert (rep / 'reward_curve.png').stat().st_size > 1000
     for name in ('base', 'trained'):
         assert (run / 'eval' / name / 'summary.json').exists()

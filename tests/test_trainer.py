@@ -250,9 +250,8 @@ def test_megatron_tensor_parallel_trains_like_torch(tmp_path, examples, referenc
         **{'backend': 'megatron', 'batch.n_gpus': 2, 'batch.tp': 2},
     )
     try:
-        layout = sorted(
-            (l['state_key'], l['dp_rank'], l['row_source']) for l in tp.group.layouts
-        )  # state_key = TP rank
+        # state_key = TP rank
+        layout = sorted((l['state_key'], l['dp_rank'], l['row_source']) for l in tp.group.layouts)
         assert layout == [(0, 0, True), (1, 0, False)]
         m = tp.train()[0]
         assert (

@@ -90,12 +90,10 @@ def test_passes_after_a_real_sync_through_the_schema_server(tmp_path, tok, ids):
     with FakeSGLangServer(engine=HFEngine(load_model('tiny-qwen3'), tok)) as srv:
         cl = client(srv)
         before = weight_check(cl, policy_side(policy), ids, TOL)
-        assert (
-            not before['passed'] and before['max_abs_dlogp'] > 1e-3
-        )  # the server still holds the base weights
-        push_weights(
-            cl, sd_of(policy), policy, tok, tmp_path / 'sync'
-        )  # HF directory + /update_weights_from_disk
+        # the server still holds the base weights
+        assert not before['passed'] and before['max_abs_dlogp'] > 1e-3
+        # HF directory + /update_weights_from_disk
+        push_weights(cl, sd_of(policy), policy, tok, tmp_path / 'sync')
         r = weight_check(cl, policy_side(policy), ids, TOL, previous=before)
         assert r['passed'] and r['max_abs_dlogp'] <= 1e-5, r['per_server']
         assert (r['servers'], r['prompt_tokens'], r['stale_servers']) == (1, len(ids), []) and r[
@@ -213,9 +211,8 @@ def test_trainer_side_of_a_policy_group(tok, ids):
     finally:
         meg.close()
         destroy_parallel()
-    assert r['passed'] and 0 < r['max_abs_dlogp'] <= TOL, r[
-        'max_abs_dlogp'
-    ]  # another implementation: rounding, within tol
+    # another implementation: rounding, within tol
+    assert r['passed'] and 0 < r['max_abs_dlogp'] <= TOL, r['max_abs_dlogp']
 
 
 def test_weight_gate_records_and_survives_an_engine_error(tok, ids):
@@ -319,9 +316,8 @@ def test_schema_server_without_an_engine_refuses_prompt_logprobs(ids):
         cl = SGLangEngine([srv.url], max_retries=0)
         with pytest.raises(DeterministicEngineError, match='needs a backing engine'):
             cl.prompt_logprobs_each(ids)
-        assert cl.generate([ids], SamplingParams(2, seed=1))[
-            0
-        ].output_ids  # sampling still works without one
+        # sampling still works without one
+        assert cl.generate([ids], SamplingParams(2, seed=1))[0].output_ids
         cl.close()
 
 

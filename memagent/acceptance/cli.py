@@ -135,9 +135,8 @@ def compare_cli(argv=None) -> int:
     if (got := _cli_compare(a)) is None:
         return 2
     st, rep = got
-    if bad := [
-        c['reason'] for c in rep['checks'] if c.get('malformed')
-    ]:  # bad input: refused, no report written
+    # bad input: refused, no report written
+    if bad := [c['reason'] for c in rep['checks'] if c.get('malformed')]:
         print(
             "memagent-compare: refused: malformed per-sample records:\n"
             + '\n'.join(f'  {r}' for r in bad),

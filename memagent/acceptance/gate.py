@@ -204,11 +204,12 @@ def data_identity(summary: dict, items: dict, where: str = 'summary') -> tuple[d
         rows = read_examples(p, limit=(summary.get('totals') or {}).get('items'))
     except ValueError as e:
         raise CompareError(f"{where}: {e}") from None
+    # 'complete' check says so
     bad = _say_diff(
         _diff_items(items, {str(e['id']): list(e['answers']) for e in rows}),
         ('extra', 'answers'),  # items not recorded: the
         f"its first {len(rows)} rows",
-    )  # 'complete' check says so
+    )
     if bad:
         raise CompareError(f"{where}: the records are not the items of data file {p}: {bad}")
     return {'sha256': got, 'verified': True, 'path': p}, {str(e['id']): e for e in rows}
@@ -404,9 +405,8 @@ def _as_mapping(x) -> dict:
     "A run or `{key: run}` as `{key: run}` (int keys for lengths; 'hotpotqa' for the HotpotQA set)."
     if isinstance(x, dict) and 'schema_version' not in x:
         return {(int(k) if str(k).lstrip('-').isdigit() else str(k)): v for k, v in x.items()}
-    k = _summary_of(x)[0].get(
-        'key'
-    )  # only the key: the run is loaded, and may be refused, by `compare`
+    # only the key: the run is loaded, and may be refused, by `compare`
+    k = _summary_of(x)[0].get('key')
     return {(int(k) if str(k).lstrip('-').isdigit() else str(k)): x}
 
 # %% ../../nbs/16b_acceptance_1_gate.ipynb #636c9632
@@ -522,9 +522,8 @@ def _data_check(checks: list, key, loaded: dict):
         len({d['sha256'] for d in data.values()}) == 1 and data['reference']['sha256'] is not None
     )
     ver = sorted(r for r, d in data.items() if d['verified'])
-    mixed = (
-        0 < len(ver) < len(data)
-    )  # one role's data here and another's not: that role's records cannot be checked
+    # one role's data here and another's not: that role's records cannot be checked
+    mixed = 0 < len(ver) < len(data)
     _check(
         checks,
         'data',
@@ -828,9 +827,8 @@ def _rule_checks(checks: list, key, loaded: dict, met: str, tolerance_pp, n_boot
     """Append the `tolerance` and `beats_base` checks at `key`, from `met` recomputed per role, and
     add the values to `values`; the per-role scores, or None after a failed `metric` check."""
     try:
-        sc = {
-            role: metric_scores(loaded[role], met, n_boot, seed) for role in loaded
-        }  # never the summary's own numbers
+        # never the summary's own numbers
+        sc = {role: metric_scores(loaded[role], met, n_boot, seed) for role in loaded}
     except CompareError as e:
         _check(checks, 'metric', key, False, str(e))
         return None

@@ -333,12 +333,10 @@ def run_constructed(mods: dict, groups: dict, tokenizer, system: str) -> list[di
         tid = groups['task_id'].format(group=g)
         task = {**copy.deepcopy(groups['task']), 'task_id': tid}
         engine = ScriptedEngine({tid: eps}, tokenizer)
-        recs = play(
-            mods, [task], GROUP_SIZE, engine, tokenizer, window=None
-        )  # scripted replies: no model window
-        if engine.unused() and not any(
-            r['lost'] for r in recs
-        ):  # the walk and the scripts disagree on the episodes' rounds
+        # scripted replies: no model window
+        recs = play(mods, [task], GROUP_SIZE, engine, tokenizer, window=None)
+        # the walk and the scripts disagree on the episodes' rounds
+        if engine.unused() and not any(r['lost'] for r in recs):
             raise AuditError(f'group {g}: scripted replies never requested: {engine.unused()}')
         labels = [{'group': g, 'variant': v, 'background': b} for v, b in groups['order']]
         out.append({'group': g, **score_group(mods, recs, task, tid, system, labels)})
@@ -577,9 +575,8 @@ def grpo_reference(totals: list, counts: list) -> tuple[list, list]:
             return [rs[i] for i in range(len(rs))], [1e-6] * len(rs)
         m = statistics.fmean(xs)
         s = statistics.stdev(xs)
-        tol = 1e-6 + 1e-6 * (max(map(abs, xs)) + 1) / (
-            s + 1e-6
-        )  # float32 rounding of the mean, amplified by 1/std
+        # float32 rounding of the mean, amplified by 1/std
+        tol = 1e-6 + 1e-6 * (max(map(abs, xs)) + 1) / (s + 1e-6)
         return [(r - m) / (s + 1e-6) for r in rs], [tol] * len(rs)
 
     return one(totals, counts), one(totals, [1] * len(totals))
@@ -638,9 +635,8 @@ def _constructed_problems(rc: dict, groups: dict) -> list[str]:
                 [e['group'], e['variant'], e['background'], e['episode']],
                 [name, v, b, i],
             )
-            texts = [
-                r['text'] for r in e['replies']
-            ]  # a lost episode stops at the reply upstream could not dispatch
+            # a lost episode stops at the reply upstream could not dispatch
+            texts = [r['text'] for r in e['replies']]
             p += _differs(
                 f'{where} episode {i}: replies',
                 texts,
@@ -791,9 +787,8 @@ def _verify(report_dir: Path, receipt_path: Path) -> dict:
         rc.get('provenance')
     )
     if problems:
-        raise VerificationError(
-            problems
-        )  # the numbers below are read only from a receipt of the right origin
+        # the numbers below are read only from a receipt of the right origin
+        raise VerificationError(problems)
     numbers = (
         _constructed_problems(rc, groups)
         + _probe_problems(rc['probe'])

@@ -259,11 +259,12 @@ def sampled_lines(rc: dict) -> list[str]:
     return out
 
 # %% ../../nbs/18e_advantages_5_report.ipynb #8b8fdc80
+# the constructed episode shown whole: a retrieval called, then the right answer
 SAMPLE_EPISODE = (
     'C1',
     'A',
     'b1',
-)  # the constructed episode shown whole: a retrieval called, then the right answer
+)
 SAMPLE_CHARS = 160  # a reply longer than this is cut in the sample tables
 
 

@@ -265,9 +265,8 @@ def stage1_message(mods: dict, context: dict) -> str | None:
     titles, sentences = context.get('title', []), context.get('sentences', [])
     if not titles or not sentences:
         return None
-    lines = [
-        f"{title}: {' '.join(sents[:10])}" for title, sents in zip(titles, sentences)
-    ]  # zip cuts to the shorter list
+    # zip cuts to the shorter list
+    lines = [f"{title}: {' '.join(sents[:10])}" for title, sents in zip(titles, sentences)]
     return mods['stage1_lead'] + '\n'.join(lines)
 
 # %% ../../nbs/18e_advantages_1_upstream.ipynb #94c30365

@@ -108,9 +108,8 @@ def dispatch(rec: Recorder, text: str) -> list:
     calls = rec.utils.parse_tool_calls(text)
     bad = [c for c in calls if not isinstance(c, dict)]
     if bad:
-        rec.context.append(
-            {'role': 'assistant', 'content': text}
-        )  # appended before the calls are read (lines 537-541)
+        # appended before the calls are read (lines 537-541)
+        rec.context.append({'role': 'assistant', 'content': text})
         raise EpisodeError(
             f"{rec.where}: tool call {bad[0]!r} is not an object (the collection test's .get "
             "raises, lines 545, 641, 740)"

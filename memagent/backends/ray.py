@@ -130,10 +130,11 @@ class Rank:
         self, rank: int, world: int, init_method: str, cfg: Config, pad_id: int, threads: int = 1
     ):
         torch.set_num_threads(threads)
+        # Ray's GPU for this rank: set before the process group starts
         self.rank, self.device = (
             rank,
             rank_device(),
-        )  # Ray's GPU for this rank: set before the process group starts
+        )
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device['device_index'])
         torch.distributed.init_process_group(
@@ -142,17 +143,17 @@ class Rank:
             rank=rank,
             world_size=world,
         )
+        # the driver's validated config, as is (its reward registry is the driver's)
         self.cfg, self.pad_id = (
             cfg,
             pad_id,
-        )  # the driver's validated config, as is (its reward registry is the driver's)
+        )
         self.policy, self.reference = build_policy(self.cfg), build_reference(self.cfg)
         self._progress = dict(count=0)
 
     def _tell(self, ev: dict):
-        self._progress = dict(
-            ev, count=self._progress['count'] + 1
-        )  # one assignment: atomic for the reader
+        # one assignment: atomic for the reader
+        self._progress = dict(ev, count=self._progress['count'] + 1)
 
     def progress(self) -> dict:
         """The last progress event of the running (or last) update, with a counter that grows with
@@ -207,17 +208,15 @@ def prompt_logprobs(self, ids) -> list[float]:
 
 @patch_to(Rank)
 def hf_state_dict_numpy(self, send: bool) -> dict | None:
-    sd = self.policy.hf_state_dict(
-        keep=send
-    )  # every rank joins (a collective under TP); only the sender keeps a host copy
+    # every rank joins (a collective under TP); only the sender keeps a host copy
+    sd = self.policy.hf_state_dict(keep=send)
     return pack_numpy(sd) if send else None
 
 
 @patch_to(Rank)
 def state_dict(self) -> dict:
-    return to_host(
-        self.policy.state_dict()
-    )  # host tensors cross Ray: never rebuilt on the driver's GPU
+    # host tensors cross Ray: never rebuilt on the driver's GPU
+    return to_host(self.policy.state_dict())
 
 
 @patch_to(Rank)

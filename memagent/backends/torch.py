@@ -87,11 +87,12 @@ class TorchBackend:
     """A policy (with `optim`) or a frozen reference (without) on an HF causal LM; data-parallel
     over the default process group."""
 
+    # data-parallel replicas hold identical optimizer states
     supports_entropy, row_source, state_key = (
         True,
         True,
         0,
-    )  # data-parallel replicas hold identical optimizer states
+    )
 
     def __init__(
         self,
@@ -119,9 +120,8 @@ class TorchBackend:
         if self.optimizer is None:
             for p in model.parameters():
                 p.requires_grad_(False)
-        model.train(
-            self.optimizer is not None
-        )  # HF models here have no dropout by default; train() keeps it explicit
+        # HF models here have no dropout by default; train() keeps it explicit
+        model.train(self.optimizer is not None)
 
     @classmethod
     def from_config(cls, cfg, model):

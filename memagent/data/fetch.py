@@ -145,9 +145,8 @@ def _download_checked(name, root: Path, url, meta, kind, want):
 
     repo, rtype, rev = PINNED['repo_id'], PINNED['repo_type'], PINNED['revision']
     path = root / name
-    path.unlink(
-        missing_ok=True
-    )  # a stale copy (or a link to the data root's) is never written through
+    # a stale copy (or a link to the data root's) is never written through
+    path.unlink(missing_ok=True)
     got = Path(
         hf_hub_download(
             repo, name, repo_type=rtype, revision=rev, local_dir=root, force_download=True

@@ -249,10 +249,11 @@ def haystack_cli(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         out = Path(a.out)
+        # checked before anything is read or written
         st = Staged(
             {'output': out, 'manifest': a.manifest or out.with_name(out.name + '.manifest.json')},
             {'pool': a.pool, 'questions': a.questions},
-        )  # checked before anything is read or written
+        )
         pool_rows = load_hotpotqa(a.pool)
         qrows = load_hotpotqa(a.questions) if a.questions else pool_rows
         for what, f, rows in (('pool', a.pool, pool_rows), ('--questions', a.questions, qrows)):

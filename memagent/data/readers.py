@@ -764,9 +764,8 @@ def convert(
     _check_limit(limit)
     out = Path(out)
     manifest_path = Path(manifest) if manifest else out.with_name(out.name + '.manifest.json')
-    st = Staged(
-        {'output': out, 'manifest': manifest_path}, {'input': srcs}
-    )  # checked before anything is read or written
+    # checked before anything is read or written
+    st = Staged({'output': out, 'manifest': manifest_path}, {'input': srcs})
     examples, sources, read_total, skipped_total, examples_skipped = _convert_all(
         srcs, fmt, strict, limit, max_skip_examples, progress
     )

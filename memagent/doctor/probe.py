@@ -101,9 +101,8 @@ class Env:
     unwritable: dict | None = (
         None  # folder the run writes -> why no file can be created there; None: not probed
     )
-    missing_paths: dict = field(
-        default_factory=dict
-    )  # path variable -> the value that names no existing path
+    # path variable -> the value that names no existing path
+    missing_paths: dict = field(default_factory=dict)
     problems: dict = field(default_factory=dict)  # probe steps that failed: what -> why
 
     def to_dict(self) -> dict:

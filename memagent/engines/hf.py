@@ -134,9 +134,8 @@ def sample_tokens(logits, gens, temperature, top_k=None, top_p=None):
     mass = _block_mass(e, full, nb, S)
     lse = m[:, 0] + mass.sum(-1).log()
     _filter_rows(z, e, mass, greedy, top_k, top_p, full, nb, S)
-    E = -torch.log1p(
-        -torch.stack([torch.rand(nb + S, generator=g) for g in gens]).to(dev)
-    )  # Exp(1)
+    # Exp(1)
+    E = -torch.log1p(-torch.stack([torch.rand(nb + S, generator=g) for g in gens]).to(dev))
     inf = torch.tensor(float('inf'), device=dev)
     blk = torch.where(mass > 0, E[:, :nb] / mass, inf).argmin(-1)
     cols = blk[:, None] * S + torch.arange(S, device=dev)

@@ -109,9 +109,8 @@ def parse_sglang_response(
     )
 
 # %% ../../nbs/08_engines_4_sglang.ipynb #e6edcf39
-_SCORE = SamplingParams(
-    max_new_tokens=1, temperature=0.0
-)  # one greedy output token, ignored (see below)
+# one greedy output token, ignored (see below)
+_SCORE = SamplingParams(max_new_tokens=1, temperature=0.0)
 
 
 def prompt_logprob_request(ids) -> dict:
@@ -172,11 +171,12 @@ def parse_prompt_logprobs(body, ids) -> list[float]:
     return [float(x) for x in lps]
 
 # %% ../../nbs/08_engines_4_sglang.ipynb #5f0bd8d4
+# SGLang's GPU_MEMORY_ALL_TYPES (python/sglang/srt/constants.py)
 MEMORY_TAGS = (
     'kv_cache',
     'weights',
     'cuda_graph',
-)  # SGLang's GPU_MEMORY_ALL_TYPES (python/sglang/srt/constants.py)
+)
 
 
 def tensor_update_payload(state_dict: dict, tp_size: int, flush_cache: bool = False) -> dict:
@@ -188,9 +188,8 @@ def tensor_update_payload(state_dict: dict, tp_size: int, flush_cache: bool = Fa
 
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-    named = [
-        (str(k), v.detach().cpu()) for k, v in state_dict.items()
-    ]  # host copies: never a CUDA IPC handle in the sender's numbering
+    # host copies: never a CUDA IPC handle in the sender's numbering
+    named = [(str(k), v.detach().cpu()) for k, v in state_dict.items()]
 
     def one() -> str:
         buf = io.BytesIO()
@@ -198,9 +197,8 @@ def tensor_update_payload(state_dict: dict, tp_size: int, flush_cache: bool = Fa
         return base64.b64encode(buf.getvalue()).decode('ascii')
 
     prev = tmp.get_sharing_strategy()
-    tmp.set_sharing_strategy(
-        'file_system'
-    )  # CPU tensors by shared-memory file name (see the prose above)
+    # CPU tensors by shared-memory file name (see the prose above)
+    tmp.set_sharing_strategy('file_system')
     try:
         ser = [one() for _ in range(tp_size)]
     finally:
@@ -333,9 +331,8 @@ def _acquire(self, avoid=(), only: str | None = None) -> str:
         if only is not None:
             self._inflight[only] += 1
             return only
-        cands = [
-            u for u in self.urls if u not in avoid
-        ] or self.urls  # a retry waits for another server's slot
+        # a retry waits for another server's slot
+        cands = [u for u in self.urls if u not in avoid] or self.urls
         while True:
             free = [u for u in cands if self._inflight[u] < self.concurrency]
             if free:

@@ -93,9 +93,8 @@ def weight_sync_check(
         HFEngine(load_model('tiny-qwen3', dtype, device)),
         HFEngine(load_model('tiny-qwen3', dtype, device)),
     )
-    policy = lambda ids: prompt_logprobs(
-        be, ids
-    )  # the trainer's side of the weight check: the policy's own forward
+    # the trainer's side of the weight check: the policy's own forward
+    policy = lambda ids: prompt_logprobs(be, ids)
     try:
         before, missed0 = (
             weight_check(synced, policy, ids, tol),

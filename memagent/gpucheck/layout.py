@@ -57,9 +57,8 @@ def smoke_params(models: str, gpus: int, reduced: str | None = None) -> dict:
         'rollout.engine': 'sglang',
         'rollout.gpus_per_engine': min(2, gpus),
     }
-    if (
-        preset == 'tiny'
-    ):  # the frozen layout around a random tiny Qwen3: megatron, TP 2 when there are GPUs for it
+    # the frozen layout around a random tiny Qwen3: megatron, TP 2 when there are GPUs for it
+    if preset == 'tiny':
         ov.update(
             {
                 'backend': 'megatron',

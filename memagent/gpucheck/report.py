@@ -125,9 +125,8 @@ def run_subset(out: Path, cpu_sim: bool, parts: list[str] | None, py: str = sys.
             status[name] = {'rc': None, 'timed_out': True}
             print(f"== part {name}: stopped at its cap of {cap} s", flush=True)
         status[name].update(seconds=time.perf_counter() - t, cap_s=cap)
-        body = write_report(
-            out, fixed, status, time.perf_counter() - t_all
-        )  # after every part: what exists is reported
+        # after every part: what exists is reported
+        body = write_report(out, fixed, status, time.perf_counter() - t_all)
     return body
 
 # %% ../../nbs/22_gpucheck_5_report.ipynb #5a55bbe3
@@ -550,9 +549,8 @@ def derive_step4b(view: dict, cpu_sim: bool) -> None:
     if not s:
         return
     arch = get_arch(step4b_config(s['recompute'], cpu_sim).model.name)
-    s.setdefault(
-        'head_positions', response_positions(s['rows'], s['seq_len'])
-    )  # the batch rule of every step4b run
+    # the batch rule of every step4b run
+    s.setdefault('head_positions', response_positions(s['rows'], s['seq_len']))
     sec, flops = (
         s['seconds_per_step'],
         model_flops(arch, s['tokens'], s['seq_len'], s['head_positions']),

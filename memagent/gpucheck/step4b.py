@@ -9,21 +9,23 @@ from ..stepsplit import split_verdict
 from .checks import one_step
 from .parts import PARTS, Recorder, _cuda, _gc, _peak, _peak_reset, _sync
 
+# rows (at most), tokens per row
 STEP4B = {
     'step4b-local-full': ('local', 'full', 2, 4608),
     'step4b-sdpa-full': ('sdpa', 'full', 2, 4608),  # attention, recompute,
     'step4b-sdpa-selective': ('sdpa', 'selective', 2, 4608),
     'step4b-te-full': ('te', 'full', 2, 4608),
-}  # rows (at most), tokens per row
+}
 
 # a step4b shape runs when the plan's update peak is within this share of the card: the allocator's
 STEP4B_HEADROOM = 0.95
 # fragmentation and the libraries' workspaces are not terms of the plan
 
+# the fused path's goal and aim (full recompute)
 STEP4B_GOAL = {
     'sdpa_over_local_model_tflops': 2.0,
     'fraction_of_matmul_rate': 0.40,
-}  # the fused path's goal and aim (full recompute)
+}
 
 STEP4B_MIN_GIB = (
     100  # the step4b parts run on an H200-class card: on a smaller one they are skipped and named
@@ -60,9 +62,8 @@ def model_flops(arch, tokens: int, seq_len: int, head_positions: int | None = No
     parameters outside the output head, 6 V h H for the head on the H positions the log-prob head
     computes (the response positions; all T if not given), plus causal attention, 6 T L (heads x
     head_dim) per layer."""
-    head = (
-        arch.vocab * arch.hidden
-    )  # the output head's matrix (tied: the embedding's, counted once in numel)
+    # the output head's matrix (tied: the embedding's, counted once in numel)
+    head = arch.vocab * arch.hidden
     H = tokens if head_positions is None else head_positions
     return (
         6 * (arch.numel() - head) * tokens

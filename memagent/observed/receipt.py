@@ -299,11 +299,12 @@ JUDGE_ON_RULE = (
     "the answer it knows is the episode's final answer, which its call scores 1.0 (task_score); "
     "with no final answer it knows none and replies 0"
 )
+# the components the memory judge does not enter
 JUDGE_FREE = (
     'task_completion',
     'context_management',
     'tool_efficiency',
-)  # the components the memory judge does not enter
+)
 
 
 def judge_answer(rec: dict) -> str:
@@ -781,9 +782,8 @@ def _case_problems(case: dict, rec: dict, tol, co: dict) -> list[str]:
         return p + [
             f'case {cid!r}: log, context, official and observed must be two lists and two objects'
         ]
-    fresh = compare(
-        expected(case, co), case_outputs(rec), tol
-    )  # every expectation against what the case records
+    # every expectation against what the case records
+    fresh = compare(expected(case, co), case_outputs(rec), tol)
     p += [
         f"case {cid!r}: {c['field']}: recorded {c['observed']!r}, expected {c['expected']!r}"
         for c in fresh
@@ -791,9 +791,8 @@ def _case_problems(case: dict, rec: dict, tol, co: dict) -> list[str]:
     ]
     if _differs('', rec.get('checks'), fresh):
         p.append(f'case {cid!r}: recorded checks disagree with a fresh comparison')
-    tools, memory = observed_stats(
-        log, rec.get('final_answer')
-    )  # the observed statistics, recomputed from the recorded log
+    # the observed statistics, recomputed from the recorded log
+    tools, memory = observed_stats(log, rec.get('final_answer'))
     p += _differs(f'case {cid!r}: observed.tool_stats (from the log)', obs.get('tool_stats'), tools)
     p += _differs(
         f'case {cid!r}: observed.memory_stats (from the log)', obs.get('memory_stats'), memory
@@ -988,9 +987,10 @@ def audit_cli(argv=None) -> int:
             'options; --study reward (the default): this one.',
         )
     if known.study == 'advantages':
+        # the third study builds on this one's store
         from memagent.advantages.receipt import (
             advantages_cli,
-        )  # the third study builds on this one's store
+        )
 
         return advantages_cli(rest)
     return study_cli(

@@ -37,11 +37,12 @@ OBSERVED_FILES = {
     UTILS_MODULE: 'c1328d6e386c8c421ed09082c313f896ce9908bfd081433662d68acca9daf7b4',
     WORKFLOW_FILE: AUDITED_FILES[WORKFLOW_FILE],
 }
+# WORKFLOW_FILE is read: its tool dispatch is re-implemented below
 EXECUTED = (
     REWARD_MODULE,
     STORE_MODULE,
     UTILS_MODULE,
-)  # WORKFLOW_FILE is read: its tool dispatch is re-implemented below
+)
 TOOLS = (
     'Summary_context',
     'Clear_context',
@@ -592,12 +593,13 @@ def op_line(op: dict) -> str:
     return f"{op['tool']} -> {out}"
 
 # %% ../../nbs/18a_observed_1_store.ipynb #dbf9bf95
+# the official heuristic's words and length (my_reward.py lines 299-303)
 HQ_WORDS = (
     'important',
     'key',
     'remember',
     'note',
-)  # the official heuristic's words and length (my_reward.py lines 299-303)
+)
 
 
 def held_ids(log) -> set:
@@ -813,9 +815,8 @@ def contains_answer(text, answer) -> bool:
     )
 
 # %% ../../nbs/18a_observed_1_store.ipynb #1d1c3d57
-_ENTRIES = re.compile(
-    r'\((\d+) total\):\n'
-)  # the storage prompt's header line ends with the entries' count (line 527)
+# the storage prompt's header line ends with the entries' count (line 527)
+_ENTRIES = re.compile(r'\((\d+) total\):\n')
 
 
 def _entries(body: str) -> list[str] | None:

@@ -48,13 +48,14 @@ __all__ = ['FIXTURES_PATH', 'RECEIPT_SCHEMA', 'MIN_FIXTURES', 'COMPARED', 'MEANI
 FIXTURES_PATH = 'data/parity/fixtures.jsonl'
 RECEIPT_SCHEMA = 'memagent.parity.receipt/1'
 MIN_FIXTURES = 80
+# the per-item fields every mode is compared on
 COMPARED = (
     'prediction',
     'em',
     'sub_em',
     'f1',
     'boxed_em',
-)  # the per-item fields every mode is compared on
+)
 # what no recomputation gives back is pinned here: the receipt's prose and the committed fixtures
 MEANING = (
     'passed = on every fixture (and every fuzz draw, where the receipt has a fuzz section) the '

@@ -509,9 +509,8 @@ def _engine(cfg, cluster: Cluster, arch, at_start: dict, ctx: int, doc_tokens) -
         sum(p.numel for p in megatron_params(arch, etp, cfg.model.dtype, 'te', pad_vocab=False)) * E
     )
     kv_per_token = arch.layers * 2 * max(1, arch.kv_heads // etp) * arch.head_dim * E
-    free0 = (
-        cap - sum(at_start.values()) - 2 * ctx
-    )  # free when the engine measures: both CUDA contexts exist
+    # free when the engine measures: both CUDA contexts exist
+    free0 = cap - sum(at_start.values()) - 2 * ctx
     pool = sglang_kv_pool(free0, eng_w, r.mem_fraction, kv_per_token)
     kv, kv_tokens = pool['kv_bytes'], pool['kv_tokens']
     per_req, rpe = (
@@ -836,9 +835,8 @@ def _counterfactuals(
             if rc != cfg.batch.recompute:
                 add(f"recompute={rc}", _variant(cfg, **{'batch.recompute': rc}), off)
         att = plan_attention(cfg, cluster)
-        if (
-            att == 'te'
-        ):  # the local and sdpa specs build no sequence-parallel norms: they run without SP
+        # the local and sdpa specs build no sequence-parallel norms: they run without SP
+        if att == 'te':
             local = {'batch.attention': 'local', 'batch.sequence_parallel': False}
             add("attention=local (the CPU fallback spec on the GPUs)", _variant(cfg, **local), off)
             if cfg.batch.recompute != 'none':
@@ -847,11 +845,12 @@ def _counterfactuals(
                     _variant(cfg, **local, **{'batch.recompute': 'none'}),
                     off,
                 )
+            # without SP
             add(
                 "attention=sdpa",
                 _variant(cfg, **{'batch.attention': 'sdpa', 'batch.sequence_parallel': False}),
                 off,
-            )  # without SP
+            )
         elif att == 'local':
             add("attention=sdpa", _variant(cfg, **{'batch.attention': 'sdpa'}), off)
         else:
@@ -880,10 +879,11 @@ def checkpoint_bytes(cfg, cpu_stand_in: bool = False, attention: str | None = No
     lm_head = arch.vocab * arch.hidden * E if arch.tied else 0  # tied: written as its own tensor
     det = dict(backend=cfg.backend, lm_head_copy=lm_head)
     if cfg.backend == 'megatron':
+        # every parameter in the model dtype: both specs hold the same bytes
         b, attention = (
             cfg.batch,
             attention or 'local',
-        )  # every parameter in the model dtype: both specs hold the same bytes
+        )
         model = (
             sum(
                 p.numel * DTYPE_BYTES[p.dtype]
@@ -891,9 +891,8 @@ def checkpoint_bytes(cfg, cpu_stand_in: bool = False, attention: str | None = No
             )
             + lm_head
         )
-        rank = megatron_params(
-            arch, b.tp, dt, attention
-        )  # one TP rank (padded vocabulary): what its shards cover
+        # one TP rank (padded vocabulary): what its shards cover
+        rank = megatron_params(arch, b.tp, dt, attention)
         main = sum(
             p.numel * 4
             for p in rank

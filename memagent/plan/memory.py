@@ -311,9 +311,8 @@ ALLOCATOR_SLACK = (
 def hf_tensors(arch: Arch) -> int:
     """Parameter tensors of the transformers model (`named_parameters()`, a tied head once): what a
     torch optimizer steps."""
-    per_layer = (
-        4 + 2 + 3 + 2 + (2 if arch.qk_norm else 0) + (3 if arch.qkv_bias else 0)
-    )  # q k v o, 2 norms, gate up down, q/k norms, biases
+    # q k v o, 2 norms, gate up down, q/k norms, biases
+    per_layer = 4 + 2 + 3 + 2 + (2 if arch.qk_norm else 0) + (3 if arch.qkv_bias else 0)
     return 1 + arch.layers * per_layer + 1 + (0 if arch.tied else 1)
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #fec696b5
@@ -361,11 +360,12 @@ def _local_acts(a: Arch, rows: int, L: int, tp: int, E: int, attention: str) -> 
     # the q|k|v output's storage: kept by the fp32 q/k norms (their inputs are views of it), else by
     # the value view
     qkv_out = s * (q + 2 * k) * E if (up or not qk) else 0
+    # SDPA: output, roped key, log-sum-exp, the value's storage
     core = (
         3 * s * q * E + rows * A * L * L * (4 + (E if up else 0))
         if attention == 'local'
         else s * q * E + s * k * E + 4 * s * A + qkv_out
-    )  # SDPA: output, roped key, log-sum-exp, the value's storage
+    )
     layer = {
         'norms': 2 * _norm_local(s, h, 1)
         + (
@@ -383,9 +383,8 @@ def _local_acts(a: Arch, rows: int, L: int, tp: int, E: int, attention: str) -> 
         'attention': core,
         'mlp': 4 * s * f * E,
     }
-    sel = (
-        s * q * E + s * k * E + qkv_out + 4
-    )  # the checkpointed core's inputs: q, k, the value's storage
+    # the checkpointed core's inputs: q, k, the value's storage
+    sel = s * q * E + s * k * E + qkv_out + 4
     model = {
         'token ids': 8 * s,
         'mask': L * L if attention == 'local' else 0,
@@ -401,9 +400,8 @@ def _te_acts(a: Arch, rows: int, L: int, tp: int, E: int, sequence_parallel: boo
     q, k, f, A, G = _widths(a, tp)
     sh = s // tp if sequence_parallel else s
     lnlin = lambda: 2 * sh * h * E + 4 * sh  # fused norm+linear: input, normed output, 1/rms
-    core = (
-        s * q * E + 2 * s * k * E + 4 * s * A
-    )  # flash: q, k, v, log-sum-exp (output = proj input)
+    # flash: q, k, v, log-sum-exp (output = proj input)
+    core = s * q * E + 2 * s * k * E + 4 * s * A
     layer = {
         'norms': 2 * lnlin() + (qk and (s * q * E + 4 * s * A + s * k * E + 4 * s * G)),
         'linear inputs': s * q * E + s * f * E,
@@ -455,9 +453,8 @@ def _attention_transients(attention: str, rows: int, A: int, L: int, E: int) -> 
         * L
         * ((E + 8) if attention == 'local' else 8 if attention == 'hf-eager' else 0)
     )
-    persistent = (
-        rows * A * L * L * E if attention == 'local' else 0
-    )  # of the transients, what outlives the step: the score buffer
+    # of the transients, what outlives the step: the score buffer
+    persistent = rows * A * L * L * E if attention == 'local' else 0
     return transient, persistent
 
 # %% ../../nbs/14b_plan_1_memory.ipynb #d61f44d0

@@ -56,10 +56,11 @@ def wrap_ddp(model, use_distributed_optimizer: bool = False):
         overlap_param_gather=False,
         average_in_collective=False,
     )
+    # DDP hooks each parameter's grad accumulator, which needs autograd on
     with (
         cpu_shims(),
         torch.enable_grad(),
-    ):  # DDP hooks each parameter's grad accumulator, which needs autograd on
+    ):
         return DistributedDataParallel(model.config, ddp_cfg, model)
 
 # %% ../../../nbs/14_megatron_5_backend.ipynb #cf387e60
@@ -90,9 +91,8 @@ def distributed_optimizer_shard_numels(ddp) -> dict:
     dp = bufs[0].data_parallel_world_size
     shard = [0] * dp
     for buf in bufs:
-        for r in range(
-            dp
-        ):  # megatron's builder reads only these attributes; the group answers as DP rank r would
+        # megatron's builder reads only these attributes; the group answers as DP rank r would
+        for r in range(dp):
             view = types.SimpleNamespace(
                 data_parallel_group=_DPRankView(r, dp),
                 buckets=buf.buckets,
@@ -156,12 +156,10 @@ def _chunk_logp_tp(h, w, tgt, temperature, vocab_start, vocab, sequence_parallel
     )
 
     group = ps.get_tensor_model_parallel_group()
-    if (
-        not sequence_parallel
-    ):  # under SP the hidden states' all-gather already reduce-scatters dlogp/dh in backward
-        h = copy_to_tensor_model_parallel_region(
-            h
-        )  # identity forward; backward all-reduces the partial dlogp/dh
+    # under SP the hidden states' all-gather already reduce-scatters dlogp/dh in backward
+    if not sequence_parallel:
+        # identity forward; backward all-reduces the partial dlogp/dh
+        h = copy_to_tensor_model_parallel_region(h)
     logits = torch.nn.functional.linear(h, w).float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -170,9 +168,8 @@ def _chunk_logp_tp(h, w, tgt, temperature, vocab_start, vocab, sequence_parallel
     if vocab_start + n > vocab:
         logits = logits.masked_fill(cols >= vocab, float('-inf'))  # vocab padding
     m = logits.detach().max(-1).values
-    dist.all_reduce(
-        m, op=dist.ReduceOp.MAX, group=group
-    )  # a constant shift: no gradient through it
+    # a constant shift: no gradient through it
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     sumexp = reduce_from_tensor_model_parallel_region((logits - m[:, None]).exp().sum(-1))
     local = tgt - vocab_start
     mine = (local >= 0) & (local < n)
@@ -195,9 +192,8 @@ def _check_layout(hf_config, tp, pp, attention, sequence_parallel, recompute):
             f"MegatronBackend: pipeline parallelism is not implemented (pp={pp}); use pp=1"
         )
     check_tp(hf_arch(hf_config), tp)
-    choose_layer_spec(
-        attention, sequence_parallel, tp
-    )  # refuse before any process group or model exists
+    # refuse before any process group or model exists
+    choose_layer_spec(attention, sequence_parallel, tp)
     recompute_config(recompute)
 
 
@@ -227,9 +223,8 @@ def _build_model(be, hf_model, dtype, attention, sequence_parallel, recompute, p
         recompute=recompute,
     ).to(be.device)
     be.attention = be.model.layer_spec_kind
-    be.pack_rows = (
-        pack_rows and be.attention == 'sdpa'
-    )  # only SDPACoreAttention runs megatron's packed (thd) rows here
+    # only SDPACoreAttention runs megatron's packed (thd) rows here
+    be.pack_rows = pack_rows and be.attention == 'sdpa'
     be.packed_calls = 0  # forwards that ran packed (a count the tests read)
     be.load_stats = {}
     load_hf_into_megatron(be.model, hf_model, stats=be.load_stats)
@@ -406,13 +401,11 @@ def hidden_states(
     tp = self.parallel.tp
     Lp = -(-L // tp) * tp if self.sequence_parallel else L  # SP splits the sequence over TP ranks
     if Lp != L:
-        ids = torch.cat(
-            [ids, ids.new_zeros(B, Lp - L)], 1
-        )  # right padding: causal attention leaves real positions unchanged
+        # right padding: causal attention leaves real positions unchanged
+        ids = torch.cat([ids, ids.new_zeros(B, Lp - L)], 1)
     pos = torch.arange(Lp, device=self.device).expand(B, Lp)
-    mask = (
-        causal_mask(Lp, self.device) if self.attention == 'local' else None
-    )  # TE's and SDPA's attention are causal by kernel
+    # TE's and SDPA's attention are causal by kernel
+    mask = causal_mask(Lp, self.device) if self.attention == 'local' else None
     m = self.model
     with cpu_shims():
         m.post_process = (
@@ -448,9 +441,8 @@ def _packed_hidden_states(self, ids: torch.Tensor, lengths: torch.Tensor) -> tor
     with cpu_shims():
         m.post_process = False
         try:
-            h = m(
-                ids[bi, ti][None], None, None, packed_seq_params=packed
-            )  # [t, 1, hidden]; rope restarts per row
+            # [t, 1, hidden]; rope restarts per row
+            h = m(ids[bi, ti][None], None, None, packed_seq_params=packed)
         finally:
             m.post_process = True
     return h.new_zeros(B, L, h.shape[-1]).index_put((bi.to(h.device), ti.to(h.device)), h[:, 0])
@@ -558,9 +550,8 @@ def token_logprobs(
         return out
     h = self.hidden_states(ids, lens)[bi, ti - 1]  # [n, hidden]
     tgt = ids[bi, ti]
-    with torch.profiler.record_function(
-        'memagent::log-prob head'
-    ):  # a named range for the profiler's split of a step
+    # a named range for the profiler's split of a step
+    with torch.profiler.record_function('memagent::log-prob head'):
         return out.index_put((bi, ti), self._head_logprobs(h, tgt, temperature))
 
 

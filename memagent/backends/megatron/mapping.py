@@ -132,10 +132,11 @@ def hf_to_megatron_items(hf_state_dict, hf_config, tp_rank: int = 0, tp_size: in
         if part.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
             track(part)  # the vocabulary padded
         yield mk, part
+        # a view keeps `full`'s storage: both go only once the consumer is done with it
         del (
             part,
             full,
-        )  # a view keeps `full`'s storage: both go only once the consumer is done with it
+        )
 
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #ca8464a6
 def hf_to_megatron(hf_state_dict: dict, hf_config, tp_rank: int = 0, tp_size: int = 1) -> dict:
@@ -269,9 +270,8 @@ def load_hf_into_megatron(model, hf_model, hf_config=None, stats: dict | None = 
             f"load_hf_into_megatron: model/mapping mismatch: missing {missing[:3]}, unexpected "
             f"{extra[:3]}"
         )
-    live = (
-        _LiveBytes() if isinstance(sd, CheckpointTensors) else None
-    )  # a model's own tensors stay alive: nothing to track
+    # a model's own tensors stay alive: nothing to track
+    live = _LiveBytes() if isinstance(sd, CheckpointTensors) else None
     items = hf_to_megatron_items(
         sd,
         hf_config,
@@ -363,9 +363,8 @@ def _all_gather_flat(out: torch.Tensor, t: torch.Tensor, group):
     import torch.distributed as dist
 
     with warnings.catch_warnings():
-        warnings.simplefilter(
-            'ignore', FutureWarning
-        )  # torch 2.13 deprecates the name, not the call
+        # torch 2.13 deprecates the name, not the call
+        warnings.simplefilter('ignore', FutureWarning)
         dist.all_gather_into_tensor(out, t.reshape(-1), group=group)
 
 # %% ../../../nbs/14_megatron_3_mapping.ipynb #7ccac190
@@ -416,9 +415,8 @@ def gather_tp_shards(
             flat[k] = live.add(torch.empty(tp * t.numel(), dtype=t.dtype, device=t.device))
             _all_gather_flat(flat[k], t, group)
         if cuda:
-            alloc = max(
-                alloc, torch.cuda.memory_allocated() - base
-            )  # the allocator at the bucket's fullest
+            # the allocator at the bucket's fullest
+            alloc = max(alloc, torch.cuda.memory_allocated() - base)
         for k in names:  # to host memory; each device copy is freed as it leaves `flat`
             if keep:
                 parts = flat.pop(k).to('cpu', copy=True).view(tp, *own[k].shape)
@@ -466,9 +464,8 @@ def export_megatron_to_hf(
     out = Path(out_dir)
     tp, group = _tp_layout()
     writer = tp == 1 or torch.distributed.get_rank(group) == 0
-    sd = gather_hf_state_dict(
-        model, hf_config, include_tied=False, keep=writer
-    )  # every TP rank joins the gather
+    # every TP rank joins the gather
+    sd = gather_hf_state_dict(model, hf_config, include_tied=False, keep=writer)
     if not writer:
         torch.distributed.barrier(group=group)
         return out

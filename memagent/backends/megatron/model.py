@@ -106,6 +106,7 @@ def megatron_config_from_hf(
 
     a = hf_arch(hf_config)
     check_tp(a, tp)
+    # DDP sums gradients over DP (no 1/DP factor): see wrap_ddp
     kw = dict(
         num_layers=a['layers'],
         hidden_size=a['hidden'],
@@ -134,7 +135,7 @@ def megatron_config_from_hf(
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp,
         calculate_per_token_loss=True,
-    )  # DDP sums gradients over DP (no 1/DP factor): see wrap_ddp
+    )
     kw.update(overrides)
     gpt_kwargs = dict(
         vocab_size=padded_vocab(a['vocab'], tp),
@@ -191,9 +192,8 @@ def choose_layer_spec(
             "'sdpa' or 'local' on CPU"
         )
     if attention == 'auto':
-        kind = (
-            ('te' if te else 'sdpa') if cuda else 'local'
-        )  # sdpa: measured faster on a GPU (see above)
+        # sdpa: measured faster on a GPU (see above)
+        kind = ('te' if te else 'sdpa') if cuda else 'local'
     else:
         kind = attention
     if sequence_parallel and kind != 'te':
@@ -255,9 +255,8 @@ def build_gpt_model(
     )
     with cpu_shims():
         model = GPTModel(config=tc, transformer_layer_spec=layer_spec(kind, tc.qk_layernorm), **gk)
-    with (
-        torch.no_grad()
-    ):  # the local spec's torch norms are built in fp32: every parameter in the model's dtype
+    # the local spec's torch norms are built in fp32: every parameter in the model's dtype
+    with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)

@@ -125,9 +125,8 @@ def grad_norm_and_clip(self, clip: float | None) -> torch.Tensor:
         [m.grad.pow(2).sum() for m, c in zip(self.main, self.counted) if c] or [torch.zeros(())]
     ).sum()
     if self.tp > 1:
-        torch.distributed.all_reduce(
-            sq, group=self.tp_group
-        )  # sharded: every rank's part; replicated: counted once
+        # sharded: every rank's part; replicated: counted once
+        torch.distributed.all_reduce(sq, group=self.tp_group)
     norm = sq.sqrt()
     if clip:
         coef = (clip / (norm + 1e-6)).clamp(max=1.0)

@@ -22,9 +22,8 @@ def _have_megatron() -> bool:
         return False
 
 
-HAVE_MEGATRON = (
-    _have_megatron()
-)  # checked without importing megatron-core (its import is slow and noisy)
+# checked without importing megatron-core (its import is slow and noisy)
+HAVE_MEGATRON = _have_megatron()
 
 
 def require_megatron():
@@ -71,15 +70,15 @@ def cpu_shims():
     require_megatron()
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom.initialize_rng_tracker(
-        inference_rng_tracker=True, force_reset=True
-    )  # shim 2: no-op RNG fork
+    # shim 2: no-op RNG fork
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     orig = torch.cuda.current_device, mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state
     torch.cuda.current_device = _cpu_current_device  # shim 1: device queries -> the compute device
+    # shim 3
     mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = (
         _cpu_get_rng_state,
         _cpu_set_rng_state,
-    )  # shim 3
+    )
     try:
         yield True
     finally:
@@ -136,9 +135,8 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> ParallelInfo:
         if cuda and 'LOCAL_RANK' in os.environ:
             torch.cuda.set_device(int(os.environ['LOCAL_RANK']))  # else the device set already
         if cuda:
-            torch.cuda.set_device(
-                torch.cuda.current_device()
-            )  # set explicitly: NCCL's object collectives need it
+            # set explicitly: NCCL's object collectives need it
+            torch.cuda.set_device(torch.cuda.current_device())
         dist.init_process_group('nccl' if cuda else 'gloo', rank=rank, world_size=world)
         _OWN_PG = True
     world = dist.get_world_size()
