@@ -591,8 +591,13 @@ def _models_check(checks: list, key, loaded: dict):
         wa, wb = m[a].get('weights_sha256'), m[b].get('weights_sha256')
         if (wa and wa == wb) or (not (wa and wb) and m[a].get('name') == m[b].get('name')):
             bad.append(
-                f"{a} and {b} are one model "
-                f"({'weights_sha256 ' + _h16(wa) if wa and wa == wb else 'name ' + repr(m[a].get('name'))})"  # noqa: E501
+                f"{a} and {b} are one model ("
+                + (
+                    'weights_sha256 ' + _h16(wa)
+                    if wa and wa == wb
+                    else 'name ' + repr(m[a].get('name'))
+                )
+                + ")"
             )
     _check(
         checks,
@@ -604,8 +609,13 @@ def _models_check(checks: list, key, loaded: dict):
             if bad
             else 'three different models: '
             + ', '.join(
-                f"{r} {m[r].get('name')!r} "
-                f"({'weights ' + _h16(m[r]['weights_sha256']) if m[r].get('weights_sha256') else 'no weights hash: by name'})"  # noqa: E501
+                f"{r} {m[r].get('name')!r} ("
+                + (
+                    'weights ' + _h16(m[r]['weights_sha256'])
+                    if m[r].get('weights_sha256')
+                    else 'no weights hash: by name'
+                )
+                + ")"
                 for r in m
             )
         )

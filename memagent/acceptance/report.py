@@ -464,7 +464,11 @@ def _json_diff(want, got, where: str) -> list[str]:
                 if k in want and k in got
                 else [
                     f"{where}.{k}: "
-                    f"{'missing from the stored report' if k in want else 'not produced by the gate'}"  # noqa: E501
+                    + (
+                        'missing from the stored report'
+                        if k in want
+                        else 'not produced by the gate'
+                    )
                 ]
             )
         ]

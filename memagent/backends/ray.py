@@ -317,10 +317,15 @@ def _stop(self, rollout_id, bad, events, done, stall):
         f"rank {k}: {'finished' if done[k] else describe_progress(events[k])}"
         for k in range(len(events))
     )
+    waiting = (
+        'waiting for rows: channel timeout + 60 s'
+        if (events[i] or {}).get('event') == 'rows'
+        else 'per micro-batch'
+    )
     msg = (
         f"step {rollout_id!r}: rank {i} made no progress for {dt:.1f} s "
         f"(health.stall_timeout_s={stall:g}; "
-        f"{'waiting for rows: channel timeout + 60 s' if (events[i] or {}).get('event') == 'rows' else 'per micro-batch'}); "  # noqa: E501
+        f"{waiting}); "
         f"its last progress: {describe_progress(events[i])}. Ranks past their limit: "
         f"{[k for k, _ in bad]}. All ranks: {state}. "
         f"The rank actors were stopped."

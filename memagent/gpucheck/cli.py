@@ -98,7 +98,13 @@ def cmd_subset(a):
                     f"attention {p.details['attention']}: "
                     f"the plan's update allocates {p.allocated('update') / GiB:.1f} GiB, peak "
                     f"{p.peak('update') / GiB:.1f} GiB of {gib:g} GiB: "
-                    f"{'skipped: a card under ' + str(STEP4B_MIN_GIB) + ' GiB' if gib < STEP4B_MIN_GIB else 'fits' if p.peak('update') <= STEP4B_HEADROOM * gib * GiB else f'over {STEP4B_HEADROOM:.0%} of the card: fewer rows or skipped'}"  # noqa: E501
+                    + (
+                        'skipped: a card under ' + str(STEP4B_MIN_GIB) + ' GiB'
+                        if gib < STEP4B_MIN_GIB
+                        else 'fits'
+                        if p.peak('update') <= STEP4B_HEADROOM * gib * GiB
+                        else f'over {STEP4B_HEADROOM:.0%} of the card: fewer rows or skipped'
+                    )
                 )
     body = run_subset(Path(a.out), a.cpu_simulation, a.parts.split(',') if a.parts else None)
     print(f"wrote {Path(a.out) / 'subset.md'}")

@@ -317,7 +317,11 @@ def _md_step_figures(s: dict) -> list:
             "positions); recorded: "
             + ', '.join(
                 f"{k} "
-                f"{_f(v['recorded']) if not isinstance(v['recorded'], list) else '..'.join(_f(x) for x in v['recorded'])}"  # noqa: E501
+                + (
+                    _f(v['recorded'])
+                    if not isinstance(v['recorded'], list)
+                    else '..'.join(_f(x) for x in v['recorded'])
+                )
                 for k, v in d['figures'].items()
             )
         )

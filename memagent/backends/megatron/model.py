@@ -292,7 +292,9 @@ def _sdpa_unsupported(config, attention_dropout, attn_mask_type) -> list:
 
 # %% ../../../nbs/14_megatron_2_model.ipynb #bf6a2626
 class SDPACoreAttention(torch.nn.Module):
-    "Causal core attention for megatron-core's local spec through `torch.nn.functional.scaled_dot_product_attention` (no `L x L` scores); padded `[sq, b, ...]` or packed `thd` rows."  # noqa: E501
+    """Causal core attention for megatron-core's local spec through
+    `torch.nn.functional.scaled_dot_product_attention` (no `L x L` scores); padded `[sq, b, ...]` or
+    packed `thd` rows."""
 
     def __init__(
         self,
@@ -309,8 +311,8 @@ class SDPACoreAttention(torch.nn.Module):
         bad = _sdpa_unsupported(config, attention_dropout, attn_mask_type)
         if bad:
             raise ValueError(
-                f"SDPACoreAttention (cfg.batch.attention='sdpa') supports causal self-attention only; unsupported: "  # noqa: E501
-                + ', '.join(f'{k}={v!r}' for k, v in bad)
+                f"SDPACoreAttention (cfg.batch.attention='sdpa') supports causal self-attention "
+                "only; unsupported: " + ', '.join(f'{k}={v!r}' for k, v in bad)
             )
         if pg_collection is None:
             from megatron.core import parallel_state as ps
@@ -320,7 +322,8 @@ class SDPACoreAttention(torch.nn.Module):
             tp = pg_collection.tp.size()
         self.config, self.layer_number = config, layer_number
         self.heads, self.groups = config.num_attention_heads // tp, config.num_query_groups // tp
-        # megatron's default scale; its query-key layer scaling divides the scores by layer_number and the softmax  # noqa: E501
+        # megatron's default scale; its query-key layer scaling divides the scores by layer_number
+        # and the softmax
         # multiplies them back, so the product is this same scale
         self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
 
@@ -344,7 +347,8 @@ def forward(
 ):
     if attention_mask is not None:
         raise ValueError(
-            "SDPACoreAttention is causal by its kernel and takes no attention_mask (the backend passes None)"  # noqa: E501
+            "SDPACoreAttention is causal by its kernel and takes no attention_mask (the backend "
+            "passes None)"
         )
     if attention_bias is not None:
         raise ValueError("SDPACoreAttention: attention_bias is not supported")
@@ -359,14 +363,17 @@ def forward(
         or not torch.equal(p.cu_seqlens_q, p.cu_seqlens_kv)
     ):
         raise ValueError(
-            "SDPACoreAttention: packed rows need qkv_format='thd' and equal cu_seqlens_q / cu_seqlens_kv on the host"  # noqa: E501
+            "SDPACoreAttention: packed rows need qkv_format='thd' and equal cu_seqlens_q / "
+            "cu_seqlens_kv on the host"
         )
     bounds = p.cu_seqlens_q.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[0]:
         raise ValueError(
-            f"SDPACoreAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens"  # noqa: E501
+            f"SDPACoreAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed "
+            "tokens"
         )
-    # one row at a time, as a batch of one [1, n, l, d]: torch's fused CUDA kernels take 4-D inputs only (3-D falls back to math)  # noqa: E501
+    # one row at a time, as a batch of one [1, n, l, d]: torch's fused CUDA kernels take 4-D inputs
+    # only (3-D falls back to math)
     outs = [
         self._sdpa(*(x[a:e].transpose(0, 1)[None] for x in (query, key, value)))[0].transpose(0, 1)
         for a, e in zip(bounds[:-1], bounds[1:])
