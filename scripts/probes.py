@@ -173,6 +173,7 @@ def collect(runs, out, steps):
             default=str,
         )
     )
+    commits = sorted({r['commit'][:7] + (' (dirty)' if r['dirty'] else '') for r in rows.values()})
     body = (
         f"Each variant trains {steps} steps from the `cpu-demo` preset with the overrides in "
         "`probes.json`, then base and trained are "
@@ -185,7 +186,7 @@ def collect(runs, out, steps):
         f"Each row records the full config it ran with (`config_as_run`) and its commit (the "
         "preset then had 3 pairs and lr 3e-5; the overrides name every "
         "setting a row changes from today's preset, which holds the chosen row's). Commits: "
-        f"{sorted({r['commit'][:7] + (' (dirty)' if r['dirty'] else '') for r in rows.values()})}.\n\n"  # noqa: E501
+        f"{commits}.\n\n"
         + md_table(table, floatfmt='.1f')
         + (f"\n\nListed but not run, so not measured: {', '.join(not_run)}." if not_run else '')
     )

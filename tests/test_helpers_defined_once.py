@@ -1,4 +1,5 @@
-"""Shared helpers have one definition in the package: every module imports it instead of keeping a copy."""  # noqa: E501
+"""Shared helpers have one definition in the package: every module imports it instead of keeping a
+copy."""
 
 import ast
 from pathlib import Path

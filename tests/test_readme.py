@@ -1,4 +1,5 @@
-"""README.md is the rendering of nbs/index.ipynb with its figures read from reports/ (scripts/readme.py)."""  # noqa: E501
+"""README.md is the rendering of nbs/index.ipynb with its figures read from reports/
+(scripts/readme.py)."""
 
 import importlib.util, json
 from pathlib import Path
