@@ -1,10 +1,10 @@
 """Export cells hold one idea each: no `#| export` cell is over 60 lines, as ruff formats it.
 
 A long cell is split at its top-level statements into consecutive export cells. A long class is laid
-out one method per cell with `memagent.patch.patch_to`; a long function is split into helpers. A
-definition that cannot be split without harm is listed in `LONG_DEFINITIONS` with its reason, and
-`PENDING` lists the long cells not split yet. Both lists only shrink: an entry whose cell is gone or
-is now at most 60 lines fails the test until it is removed."""
+out one method per cell with `memagent.patch` (`patch_to`, `patch`); a long function is split into
+helpers. A definition that cannot be split without harm is listed in `LONG_DEFINITIONS` with its
+reason, and `PENDING` lists the long cells not split yet. Both lists only shrink: an entry whose
+cell is gone or is now at most 60 lines fails the test until it is removed."""
 
 import json
 from pathlib import Path
