@@ -20,8 +20,8 @@ class RunTimeout(BaseException):
 
 
 class Guard:
-    """Wall-clock limit: SIGALRM raises `RunTimeout` in the main thread; a watchdog ends the process
-    `grace_s` past the limit."""
+    """Wall-clock limit: SIGALRM raises `RunTimeout` in the main thread inside a phase (between
+    phases it only marks the run expired); a watchdog ends the process `grace_s` past the limit."""
 
     def __init__(
         self, seconds: float, grace_s: float = 60, what: str = 'the run', exit_code: int = 124
@@ -35,13 +35,22 @@ class Guard:
         self.seconds, self.what, self.exit_code = seconds, what, exit_code
         self.start, self.deadline = time.monotonic(), time.monotonic() + seconds
         self.current, self.expired, self.done = None, False, threading.Event()
+        # fired_in: the phase the guard fired in ('' when it fired between phases)
+        self.fired_in = None
         signal.signal(signal.SIGALRM, self._fire)
         signal.setitimer(signal.ITIMER_REAL, seconds)
         threading.Thread(target=self._watch, args=(grace_s,), daemon=True).start()
 
     def _fire(self, *a):
-        self.expired = True
-        raise RunTimeout(
+        self.expired, self.fired_in = True, self.current or ''
+        # between phases (an import, a provenance record): no exception, which would end the
+        # notebook before its report; the next phase is skipped, naming the guard
+        if self.current is not None:
+            raise self.timeout()
+
+    def timeout(self) -> RunTimeout:
+        "The exception that fails the phase running when the guard fired."
+        return RunTimeout(
             f"wall-clock guard: {self.what} exceeded {self.seconds} s during phase {self.current!r}"
         )
 
@@ -114,13 +123,17 @@ def phase(self, name: str, always: bool = False, gate_ok: bool = False):
         return
     if g is not None and g.expired and not always:
         self.phases[name] = None
-        self.gate(name, False, error='skipped: the wall-clock guard had already expired')
+        where = 'between phases' if g.fired_in == '' else f'in phase {g.fired_in!r}'
+        self.gate(name, False, error=f'skipped: the wall-clock guard had already expired ({where})')
         yield False
         return
-    if g is not None:
-        g.current = name
-    t0, ok = time.perf_counter(), True
+    t0, ok, entered = time.perf_counter(), True, False
     try:
+        if g is not None:
+            g.current = name  # from here the guard's signal raises in this phase
+            if g.expired and not always:
+                raise g.timeout()  # it fired after the check above, before this phase began
+        entered = True
         yield True
     except (Exception, RunTimeout) as e:
         ok, msg = False, f"{type(e).__name__}: {e}"
@@ -134,6 +147,8 @@ def phase(self, name: str, always: bool = False, gate_ok: bool = False):
         self.phases[name] = time.perf_counter() - t0
         if g is not None:
             g.current = None
+    if not entered:
+        yield False  # the body does not run; its failed gate is recorded above
     if ok and gate_ok:
         self.gate(name, True, seconds=round(self.phases[name], 3))
 
